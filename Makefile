@@ -1,0 +1,35 @@
+# The README's commands. `make demo` and `make test` set everything up on a fresh machine.
+#   make test                       primary leg: Python 3.12, newest megatron-core (0.19.2)
+#   make test PYTHON=python3.11     compatibility leg: megatron-core 0.16.1, torch 2.13.0 (CPU)
+PYTHON ?= python3.12
+PYVER := $(patsubst python%,%,$(notdir $(PYTHON)))
+VENV ?= $(if $(filter 3.12,$(PYVER)),.venv,.venv-$(PYVER))
+CONSTRAINTS ?= constraints/py$(PYVER).txt
+PYTEST_ARGS ?=
+
+# A plain `python3.12` where it runs; otherwise the one pyenv has installed but not selected.
+PYTHON_BIN := $(shell if $(PYTHON) --version >/dev/null 2>&1; then command -v $(PYTHON); \
+	elif command -v pyenv >/dev/null 2>&1; then ls -d "$$(pyenv root)"/versions/$(PYVER)*/bin/$(PYTHON) 2>/dev/null | sort -V | tail -n 1; fi)
+
+STAMP := $(VENV)/.installed
+PY := $(VENV)/bin/python
+
+.PHONY: setup demo test clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
+	@test -n "$(PYTHON_BIN)" || { echo "error: $(PYTHON) not found (neither on PATH nor under pyenv); install Python $(PYVER)" >&2; exit 2; }
+	$(PYTHON_BIN) -m venv $(VENV)
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[test,plot]'
+	@touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/megatron-ga ledger --nnodes 2 --nproc-per-node 8 --tensor-model-parallel-size 2 \
+		--pipeline-model-parallel-size 2 --micro-batch-size 4 --global-batch-size 128 --seq-length 2048
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf .venv .venv-* *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,29 @@
+"""megatron-ga-ext: exact batch arithmetic for Megatron-LM. The public API, nothing else."""
+
+from megatron_ga_ext.errors import (
+    BatchSizeError,
+    CompatError,
+    GAError,
+    GuardError,
+    InterleaveError,
+    LayoutError,
+    LossContractError,
+    ScheduleError,
+    ScheduleParseError,
+    SizeError,
+)
+from megatron_ga_ext.layout import BatchLayout
+
+__all__ = [
+    "BatchLayout",
+    "BatchSizeError",
+    "CompatError",
+    "GAError",
+    "GuardError",
+    "InterleaveError",
+    "LayoutError",
+    "LossContractError",
+    "ScheduleError",
+    "ScheduleParseError",
+    "SizeError",
+]
