@@ -195,6 +195,28 @@ class BatchLayout:
         etp = self.expert_tensor_parallel_size or self.tensor_model_parallel_size
         return etp * self.expert_model_parallel_size * self.pipeline_model_parallel_size
 
+    def ledger(self) -> dict[str, int | float | None]:
+        """Every size of the launch, keyed as Megatron names them (the ``--json`` ledger)."""
+        return {
+            "world_size": self.world_size,
+            "tensor_model_parallel_size": self.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
+            "virtual_pipeline_model_parallel_size": self.virtual_pipeline_size,
+            "context_parallel_size": self.context_parallel_size,
+            "expert_model_parallel_size": self.expert_model_parallel_size,
+            "expert_data_parallel_size": self.expert_data_parallel_size,
+            "data_parallel_size": self.data_parallel_size,
+            "micro_batch_size": self.micro_batch_size,
+            "global_batch_size": self.samples_per_step,
+            "num_microbatches": self.num_microbatches,
+            "samples_per_step": self.samples_per_step,
+            "samples_per_rank_per_step": self.samples_per_rank_per_step,
+            "seq_length": self.seq_length,
+            "tokens_per_step": self.tokens_per_step,
+            "dp_syncs_per_step": self.dp_syncs_per_step,
+            "pipeline_bubble_fraction": self.pipeline_bubble_fraction,
+        }
+
     # -- rules ---------------------------------------------------------------------------------
 
     def _violations(self) -> Iterator[GAError]:

@@ -1,0 +1,137 @@
+"""The batch arithmetic of the seed note, and a typed error for every bad input."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from megatron_ga_ext import BatchLayout, BatchSizeError, GAError, InterleaveError, LayoutError, SizeError
+
+
+def test_seed_gbs_128_two_ways_same_samples_different_syncs_and_work():
+    a = BatchLayout(world_size=8, micro_batch_size=4, global_batch_size=128)
+    b = BatchLayout(world_size=16, micro_batch_size=8, global_batch_size=128)
+    assert (a.data_parallel_size, a.num_microbatches) == (8, 4)
+    assert (b.data_parallel_size, b.num_microbatches) == (16, 1)
+    assert a.samples_per_step == b.samples_per_step == 128
+    assert a.samples_per_rank_per_step == 16 and b.samples_per_rank_per_step == 8
+    every = BatchLayout(world_size=8, micro_batch_size=4, global_batch_size=128, grad_sync="microbatch")
+    assert (a.dp_syncs_per_step, every.dp_syncs_per_step, b.dp_syncs_per_step) == (1, 4, 1)
+
+
+def test_sc21_gpt3_tokens_per_step():
+    # SC21: B = 1536 at seq_length 2048 on 1024 GPUs (TP 8 x PP 16 gives DP 8, MBS 1).
+    layout = BatchLayout(
+        world_size=1024, tensor_model_parallel_size=8, pipeline_model_parallel_size=16,
+        micro_batch_size=1, global_batch_size=1536, seq_length=2048,
+    )
+    assert layout.tokens_per_step == 3_145_728
+    assert layout.num_microbatches == 1536 // 8
+
+
+def test_dp_one_has_no_dp_sync():
+    layout = BatchLayout(world_size=4, tensor_model_parallel_size=4, micro_batch_size=2, global_batch_size=16)
+    assert layout.data_parallel_size == 1 and layout.num_microbatches == 8
+    assert layout.dp_syncs_per_step == 0
+    assert BatchLayout(world_size=4, tensor_model_parallel_size=4, micro_batch_size=2,
+                       global_batch_size=16, grad_sync="microbatch").dp_syncs_per_step == 0
+
+
+def test_raising_pp_keeps_gbs_and_only_moves_dp_and_ga():
+    layouts = [BatchLayout(world_size=64, pipeline_model_parallel_size=pp, micro_batch_size=2, global_batch_size=512)
+               for pp in (1, 2, 4, 8)]
+    assert [l.global_batch_size for l in layouts] == [512] * 4
+    assert [l.data_parallel_size for l in layouts] == [64, 32, 16, 8]
+    assert [l.num_microbatches for l in layouts] == [4, 8, 16, 32]
+    assert [l.pipeline_bubble_fraction for l in layouts][0] == 0.0
+
+
+def test_bubble_and_default_gbs():
+    layout = BatchLayout(world_size=8, pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2,
+                         micro_batch_size=1, global_batch_size=16)
+    assert layout.num_microbatches == 8
+    assert layout.pipeline_bubble_fraction == pytest.approx(3 / (2 * 8 + 3))
+    default = BatchLayout(world_size=8, tensor_model_parallel_size=2, micro_batch_size=3)
+    assert default.global_batch_size == 12 and default.num_microbatches == 1
+
+
+@given(
+    mbs=st.integers(1, 16), dp=st.integers(1, 64), ga=st.integers(1, 64),
+    tp=st.sampled_from([1, 2, 4, 8]), pp=st.sampled_from([1, 2, 4]), cp=st.sampled_from([1, 2]),
+)
+def test_gbs_is_mbs_dp_ga_whatever_tp_pp_cp(mbs, dp, ga, tp, pp, cp):
+    layout = BatchLayout(world_size=dp * tp * pp * cp, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                         context_parallel_size=cp, micro_batch_size=mbs, global_batch_size=mbs * dp * ga)
+    assert layout.data_parallel_size == dp
+    assert layout.num_microbatches == ga
+    assert layout.samples_per_step == mbs * dp * ga
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, pattern",
+    [
+        (dict(world_size=0, micro_batch_size=1), SizeError, r"--world-size 0 must be at least 1; give an integer >= 1"),
+        (dict(world_size=8, micro_batch_size=-2), SizeError, r"--micro-batch-size -2 must be at least 1"),
+        (dict(world_size=8, micro_batch_size=2.5), SizeError, r"--micro-batch-size 2\.5 is not a whole number.*e\.g\. 2 or 3"),
+        (dict(world_size=8, micro_batch_size="4"), SizeError, r"--micro-batch-size '4' is not a whole number"),
+        (dict(world_size=8, micro_batch_size=1, global_batch_size=0), SizeError, r"--global-batch-size 0 must be at least 1"),
+        (dict(world_size=8, micro_batch_size=1, pipeline_model_parallel_size=True), SizeError, r"--pipeline-model-parallel-size True is not a whole number"),
+        (dict(world_size=12, micro_batch_size=1, tensor_model_parallel_size=8), LayoutError,
+         r"--world-size 12 is not divisible by --tensor-model-parallel-size 8 x --pipeline-model-parallel-size 1 x "
+         r"--context-parallel-size 1 = 8.*Nearest valid world sizes: 8, 16"),
+        (dict(world_size=16, micro_batch_size=4, global_batch_size=96), BatchSizeError,
+         r"--global-batch-size 96 is not a multiple of --micro-batch-size 4 x data-parallel size 16 = 64.*"
+         r"Nearest valid --global-batch-size: 64, 128; or --micro-batch-size in \{1, 2, 3, 6\}"),
+        (dict(world_size=8, micro_batch_size=4, global_batch_size=16), BatchSizeError,
+         r"--global-batch-size 16 is not a multiple of.*= 32.*Nearest valid --global-batch-size: 32, 64"),
+        (dict(world_size=16, micro_batch_size=1, global_batch_size=24, pipeline_model_parallel_size=4,
+              virtual_pipeline_model_parallel_size=2), InterleaveError,
+         r"num_microbatches = GBS / \(MBS 1 x DP 4\) = 6 .*% N == 0.*Nearest valid --global-batch-size: 16, 32"),
+        (dict(world_size=8, micro_batch_size=1, global_batch_size=2, pipeline_model_parallel_size=4,
+              virtual_pipeline_model_parallel_size=2), InterleaveError,
+         r"= 1 with --virtual-pipeline-model-parallel-size 2.*needs num_microbatches >= N = 4.*Nearest valid --global-batch-size: 8, 16"),
+        (dict(world_size=8, micro_batch_size=1, virtual_pipeline_model_parallel_size=2), LayoutError,
+         r"--virtual-pipeline-model-parallel-size 2 needs --pipeline-model-parallel-size > 1"),
+        (dict(world_size=8, micro_batch_size=1, expert_model_parallel_size=3), LayoutError,
+         r"--world-size 8 is not divisible by --expert-tensor-parallel-size 1 x --expert-model-parallel-size 3"),
+        (dict(world_size=8, micro_batch_size=1, expert_model_parallel_size=4, num_experts=6), LayoutError,
+         r"--num-experts 6 is not divisible by --expert-model-parallel-size 4.*Valid --expert-model-parallel-size: 1, 2, 3, 6"),
+    ],
+)
+def test_bad_input_is_a_typed_error_naming_flag_value_and_fix(kwargs, error, pattern):
+    with pytest.raises(error, match=pattern) as info:
+        BatchLayout(**kwargs)
+    assert isinstance(info.value, (GAError, ValueError))
+
+
+def test_upstream_assertion_catchers_still_catch_gbs_error():
+    with pytest.raises(AssertionError):
+        BatchLayout(world_size=8, micro_batch_size=3, global_batch_size=8)
+
+
+def test_problems_collects_every_violation():
+    layout, errors = BatchLayout.problems(world_size=12, micro_batch_size=0, global_batch_size=-1)
+    assert layout is None
+    assert [type(e) for e in errors] == [SizeError, SizeError]
+    layout, errors = BatchLayout.problems(world_size=8, micro_batch_size=2, global_batch_size=32)
+    assert errors == [] and layout.num_microbatches == 2
+
+
+def test_interleave_with_explicit_group_size():
+    # N = 6 > PP = 4: M % N may be 0 or >= PP.
+    ok = BatchLayout(world_size=4, pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2,
+                     microbatch_group_size_per_vp_stage=6, micro_batch_size=1, global_batch_size=10)
+    assert ok.num_microbatches == 10
+    with pytest.raises(InterleaveError, match=r"in \{0\} or \[4, 6\)"):
+        BatchLayout(world_size=4, pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2,
+                    microbatch_group_size_per_vp_stage=6, micro_batch_size=1, global_batch_size=8)
+
+
+def test_layout_imports_neither_torch_nor_megatron():
+    code = "import sys, megatron_ga_ext.layout, megatron_ga_ext.launch, megatron_ga_ext.cli; " \
+           "print([m for m in ('torch', 'megatron') if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
