@@ -17,7 +17,14 @@ from typing import Iterator
 
 from megatron_ga_ext.errors import BatchSizeError, GAError, InterleaveError, LayoutError, SizeError
 
-__all__ = ["FLAGS", "BatchLayout", "nearest_multiples", "require_positive_int", "virtual_pipeline_size"]
+__all__ = [
+    "FLAGS",
+    "BatchLayout",
+    "interleaved_microbatch_problem",
+    "nearest_multiples",
+    "require_positive_int",
+    "virtual_pipeline_size",
+]
 
 #: Megatron's command-line spelling of each field.
 FLAGS = {
@@ -307,17 +314,34 @@ class BatchLayout:
                 f"--pipeline-model-parallel-size {pp}; the interleaved schedule needs N >= PP. Use N >= {pp}."
             )
             return
-        if m < group or 0 < m % group < pp:
-            valid_m = [k for k in range(group, group * (m // group + 3)) if k % group == 0 or k % group >= pp]
-            rule = f"the interleaved schedule needs num_microbatches >= N = {group} and num_microbatches % N " + (
-                "== 0 (N defaults to PP)" if group == pp else f"in {{0}} or [{pp}, {group})"
-            )
+        problem = interleaved_microbatch_problem(m, pp, group)
+        if problem is not None:
+            rule, nearest_m = problem
             yield InterleaveError(
                 f"--global-batch-size {self.samples_per_step} gives num_microbatches = GBS / (MBS {self.micro_batch_size} "
                 f"x DP {self.data_parallel_size}) = {m} with --virtual-pipeline-model-parallel-size "
                 f"{self.virtual_pipeline_size} and --pipeline-model-parallel-size {pp}: {rule}. Nearest valid "
-                f"--global-batch-size: {_join([k * unit for k in _nearest(valid_m, m)])}."
+                f"--global-batch-size: {_join([k * unit for k in nearest_m])}."
             )
+
+
+def interleaved_microbatch_problem(
+    num_microbatches: int, pipeline_model_parallel_size: int, microbatch_group_size: int | None = None
+) -> tuple[str, list[int]] | None:
+    """The rule the interleaved schedule breaks with M micro-batches, and the nearest valid M; None if it runs.
+
+    With N = microbatch_group_size (default PP), schedules.py needs M >= N and M % N in {0} or [PP, N).
+    N < PP is a separate error, reported by the caller.
+    """
+    pp, m = pipeline_model_parallel_size, num_microbatches
+    group = microbatch_group_size or pp
+    if m >= group and not 0 < m % group < pp:
+        return None
+    valid_m = [k for k in range(group, group * (m // group + 3)) if k % group == 0 or k % group >= pp]
+    rule = f"the interleaved schedule needs num_microbatches >= N = {group} and num_microbatches % N " + (
+        "== 0 (N defaults to PP)" if group == pp else f"in {{0}} or [{pp}, {group})"
+    )
+    return rule, _nearest(valid_m, m)
 
 
 def _nearest(candidates: list[int], value: int, count: int = 2) -> list[int]:
