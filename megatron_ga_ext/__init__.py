@@ -13,6 +13,7 @@ from megatron_ga_ext.errors import (
     SizeError,
 )
 from megatron_ga_ext.layout import BatchLayout
+from megatron_ga_ext.schedule import StepSchedule
 
 __all__ = [
     "BatchLayout",
@@ -26,4 +27,5 @@ __all__ = [
     "ScheduleError",
     "ScheduleParseError",
     "SizeError",
+    "StepSchedule",
 ]

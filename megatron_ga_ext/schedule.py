@@ -29,6 +29,7 @@ from megatron_ga_ext.layout import divisors, interleaved_microbatch_problem, nea
 __all__ = [
     "SUFFIXES",
     "ScheduleWarning",
+    "ScheduleProblem",
     "Stage",
     "StageRow",
     "StepInfo",
@@ -368,7 +369,7 @@ class StepSchedule:
         *,
         microbatch_group_size_per_vp_stage: int | None = None,
         strict_future: bool = True,
-    ) -> list[GAError]:
+    ) -> list[ScheduleProblem]:
         """Raise the first broken rule (see :meth:`problems`); return the problems demoted to warnings.
 
         ``strict_future=False`` is the explicit opt-out for runs that will rescale before reaching later
@@ -389,7 +390,7 @@ class StepSchedule:
             raise _with_count(fatal[0].error, len(fatal) - 1)
         for problem in found:
             warnings.warn(f"{problem.error} (not yet in force: warned, not raised)", ScheduleWarning, stacklevel=2)
-        return [p.error for p in found]
+        return found
 
     # -- accounting ----------------------------------------------------------------------------
 
