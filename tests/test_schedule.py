@@ -260,7 +260,7 @@ def test_planned_dp_and_opt_out():
 
 
 def test_validate_counts_further_problems_and_checks_sizes():
-    with pytest.raises(ScheduleError, match=r"\(2 more problems in later stages"):
+    with pytest.raises(ScheduleError, match=r"\(3 more problems in later stages"):
         StepSchedule.parse("0:8 100:12 200:20 300:4").validate(8, 1)
     with pytest.raises(SizeError, match="--micro-batch-size 0 must be at least 1"):
         StepSchedule.parse("0:8").validate(0, 1)
