@@ -1,0 +1,170 @@
+"""A ``finalize_model_grads`` wrapper that divides by the global token count, checked, in int64.
+
+In mode ``token`` the wrapper replaces upstream's last step (broadcast the count from the last PP stage,
+all-reduce it over DP x CP, divide the gradients by it) with the same two collectives on a small int64
+vector that also carries the loss contract's violation flags:
+
+    v = [n, negative, nonfinite, unchecked]          on every last PP stage (LossContract.collect)
+    v = broadcast(v, src = last PP stage)            so every stage divides by the same count
+    v = all_reduce_sum(v, DP x CP)                   N = sum_{m,r,c} n(m,r,c), summed, never averaged
+    grad = grad / N                                  after upstream's finalize ran with num_tokens=None
+
+``v`` is read back once per step, never per micro-batch. Mode ``microbatch`` calls upstream unchanged
+after checking that the per-token flag is off.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+
+from megatron_ga_ext.errors import LossContractError
+from megatron_ga_ext.reduction import (
+    SLOT_NEGATIVE,
+    SLOT_NONFINITE,
+    SLOT_TOKENS,
+    SLOT_UNCHECKED,
+    LossContract,
+    ReductionConfig,
+)
+
+__all__ = ["FinalizeModelGrads", "check_ddp_chunks", "check_per_token_flag", "make_finalize_model_grads"]
+
+
+def check_per_token_flag(config: Any, mode: str) -> None:
+    """``config.calculate_per_token_loss`` must be on in mode ``token`` and off in ``microbatch``."""
+    flag = bool(getattr(config, "calculate_per_token_loss", False))
+    if mode == "token" and not flag:
+        raise LossContractError(
+            "reduction mode 'token' needs calculate_per_token_loss=True on the model config "
+            "(--calculate-per-token-loss), set before the model is wrapped in DDP; without it Megatron "
+            "divides each micro-batch by its own token count (a mean of means).")
+    if mode == "microbatch" and flag:
+        raise LossContractError(
+            "reduction mode 'microbatch' is upstream's mean of means, but calculate_per_token_loss is "
+            "on; drop --calculate-per-token-loss or choose mode 'token'.")
+
+
+def check_ddp_chunks(model: Sequence[torch.nn.Module], config: Any = None) -> None:
+    """Every DDP-wrapped chunk must have been built for per-token loss.
+
+    Megatron's DDP fixes its pre-reduction gradient factor in ``__init__``: 1 with per-token loss,
+    1/(DP x CP) without. A chunk built before ``calculate_per_token_loss`` was set keeps 1/(DP x CP) and
+    the finalize divides by the token count as well: gradients DP x CP times too small, silently.
+    Chunks without Megatron DDP buffers (plain modules) have no factor and pass. With ``config`` (the
+    model's TransformerConfig) the per-token flag is checked as well.
+    """
+    if config is not None:
+        check_per_token_flag(config, "token")
+    for index, chunk in enumerate(model):
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if getattr(ddp_config, "average_in_collective", False):
+            raise LossContractError(
+                f"model chunk {index} was wrapped with DistributedDataParallelConfig("
+                f"average_in_collective=True); per-token loss needs a summing collective. Build DDP "
+                f"with average_in_collective=False (--no-average-in-collective is the default).")
+        buffers = list(getattr(chunk, "buffers", []) or []) + list(
+            getattr(chunk, "expert_parallel_buffers", []) or [])
+        for buffer in buffers:
+            factor = getattr(buffer, "gradient_scaling_factor", 1.0)
+            if factor != 1.0:
+                raise LossContractError(
+                    f"model chunk {index} was wrapped in DDP with gradient_scaling_factor {factor:g} "
+                    f"(= 1/{round(1 / factor)}), i.e. before calculate_per_token_loss was set; its "
+                    f"gradients would end up {round(1 / factor)} times too small. Set "
+                    f"config.calculate_per_token_loss=True before wrapping the model in DDP.")
+
+
+class FinalizeModelGrads:
+    """Drop-in ``config.finalize_model_grads_func``; see the module docstring for the arithmetic.
+
+    Attributes:
+        last_num_tokens: the global token count N of the last step (mode ``token``), else None.
+    """
+
+    def __init__(self, original: Callable, contract: LossContract | None,
+                 config: ReductionConfig) -> None:
+        if config.mode == "token" and contract is None:
+            raise LossContractError("reduction mode 'token' needs a LossContract to read counts from.")
+        self.original = original
+        self.contract = contract
+        self.config = config
+        self.last_num_tokens: int | None = None
+
+    def __call__(self, model: list[torch.nn.Module], num_tokens: torch.Tensor | None = None,
+                 pg_collection: Any = None, force_all_reduce: bool | None = False) -> None:
+        from megatron.core.utils import get_model_config
+
+        check_per_token_flag(get_model_config(model[0]), self.config.mode)
+        if self.config.mode == "microbatch":
+            self.original(model, num_tokens, pg_collection=pg_collection,
+                          force_all_reduce=force_all_reduce)
+            return
+        check_ddp_chunks(model)
+        total = self._global_count(model, pg_collection)
+        self.original(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+        scaling = 1.0 / total if total > 0 else 0.0
+        for chunk in model:
+            chunk.scale_gradients(scaling)
+
+    def _global_count(self, model: list[torch.nn.Module], pg_collection: Any) -> int:
+        """Broadcast and all-reduce [n, flags...] in int64; read it once; raise on violations."""
+        pp_group, dp_cp_group = _groups(pg_collection)
+        pp_ranks = torch.distributed.get_process_group_ranks(pp_group)
+        device = next(model[0].parameters()).device
+        vector = self.contract.collect(device, is_last_stage=torch.distributed.get_rank() == pp_ranks[-1])
+        torch.distributed.broadcast(vector, src=pp_ranks[-1], group=pp_group)
+        torch.distributed.all_reduce(vector, group=dp_cp_group)
+        values = vector.tolist()  # the step's one device-to-host read
+        _raise_on_violations(values)
+        total = values[SLOT_TOKENS]
+        self.last_num_tokens = total
+        if total == 0:
+            self._zero_tokens()
+        return total
+
+    def _zero_tokens(self) -> None:
+        message = ("the global batch has 0 non-padding tokens (the sum of num_tokens over micro-batches "
+                   "and DP x CP ranks); there is nothing to average.")
+        if self.config.zero_tokens == "error":
+            raise LossContractError(
+                message + " Check the loss mask and the data, or choose zero_tokens='warn' to apply a "
+                "zero gradient and go on.")
+        warnings.warn(message + " Applying a zero gradient for this step (zero_tokens='warn').",
+                      RuntimeWarning, stacklevel=3)
+
+
+def make_finalize_model_grads(original: Callable, contract: LossContract | None = None, *,
+                              config: ReductionConfig | None = None) -> FinalizeModelGrads:
+    """Wrap upstream's ``finalize_model_grads`` (``original``) for the given reduction mode."""
+    return FinalizeModelGrads(original, contract, config or ReductionConfig())
+
+
+def _groups(pg_collection: Any) -> tuple[Any, Any]:
+    """(pipeline group, DP x CP group), as upstream's finalize picks them."""
+    if pg_collection is not None:
+        dp_cp = getattr(pg_collection, "dp_cp_gtp_remat", None) or pg_collection.dp_cp
+        return pg_collection.pp, dp_cp
+    from megatron.core import parallel_state
+
+    return (parallel_state.get_pipeline_model_parallel_group(),
+            parallel_state.get_data_parallel_group(with_context_parallel=True))
+
+
+def _raise_on_violations(values: list[int]) -> None:
+    if values[SLOT_UNCHECKED]:
+        raise LossContractError(
+            f"{values[SLOT_UNCHECKED]} last-stage rank(s) ran no micro-batch through the LossContract "
+            f"this step, so their token counts are unchecked; wrap the loss function with "
+            f"contract.wrap(loss_func) (install() does this for you).")
+    if values[SLOT_NONFINITE]:
+        raise LossContractError(
+            f"{values[SLOT_NONFINITE]} micro-batch(es) in this global batch returned a non-finite loss "
+            f"(inf or nan); the token-weighted gradient would be non-finite. Check the data and the "
+            f"learning rate, or skip the step.")
+    if values[SLOT_NEGATIVE]:
+        raise LossContractError(
+            f"{values[SLOT_NEGATIVE]} micro-batch(es) returned a negative num_tokens; a token count is "
+            f">= 0. Count non-padding tokens as loss_mask.sum().to(torch.int64).")

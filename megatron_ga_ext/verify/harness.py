@@ -1,0 +1,214 @@
+"""What each rank of a verify launch does: references, then every layout in both modes.
+
+For each layout of the launch (all of one world size) and each mode, a rank initialises megatron's
+parallel state, builds the tiny model, wraps it in megatron's DDP, runs megatron's own schedule
+(``get_forward_backward_func``) over its micro-batches with ``finalize_model_grads`` as the finalize
+hook, and compares its ``main_grad`` with the unpartitioned references:
+
+    rel_err(g, ref) = max |g - ref| / max |ref|      over every parameter this rank holds.
+
+Mode ``token`` runs through the extension: :func:`masked_loss` wrapped by a :class:`LossContract`, and
+:func:`make_finalize_model_grads` around upstream's ``finalize_model_grads``. Mode ``microbatch`` runs
+upstream's default path with the same loss helper.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+
+from megatron_ga_ext.finalize import make_finalize_model_grads
+from megatron_ga_ext.reduction import MODES, LossContract, ReductionConfig, masked_loss
+from megatron_ga_ext.verify.layouts import (
+    DEFAULT_LAYOUTS,
+    DEFAULT_LENGTHS,
+    GlobalBatch,
+    Layout,
+    make_global_batch,
+)
+from megatron_ga_ext.verify.models import ModelConfig, build_gpt, build_positionwise, layer_offset
+from megatron_ga_ext.verify.models import transformer_config
+from megatron_ga_ext.verify.references import reference_grads
+
+__all__ = ["LayoutResult", "VerifyConfig", "run_rank"]
+
+
+@dataclass(kw_only=True, frozen=True)
+class VerifyConfig:
+    """One launch: the layouts (all of one world size), the modes, the model and the data."""
+
+    layouts: tuple[Layout, ...] = DEFAULT_LAYOUTS
+    modes: tuple[str, ...] = MODES
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lengths: tuple[int, ...] = DEFAULT_LENGTHS
+    device: str = "cpu"
+    """``cpu`` (gloo, with the CPU shims) or ``cuda`` (nccl, no shims)."""
+    progress: bool = True
+    """Rank 0 prints one line per layout and mode to stderr."""
+
+
+@dataclass(frozen=True)
+class LayoutResult:
+    """One rank's result for one layout and mode."""
+
+    layout: str
+    mode: str
+    rel_err_token: float
+    rel_err_mean_of_means: float
+    num_tokens: int | None
+    seconds: float
+
+
+def run_rank(cfg: VerifyConfig) -> list[LayoutResult]:
+    """Run every layout and mode of ``cfg`` on this rank (the launcher has set up the process group)."""
+    if cfg.device == "cpu":
+        from megatron_ga_ext.verify.shims import cpu_shims
+
+        with cpu_shims():
+            return _run_all(cfg)
+    torch.cuda.set_device(torch.distributed.get_rank() % torch.cuda.device_count())
+    return _run_all(cfg)
+
+
+def _run_all(cfg: VerifyConfig) -> list[LayoutResult]:
+    batch = make_global_batch(cfg.lengths, cfg.model.seq_length, cfg.model.vocab_size)
+    refs = reference_grads(cfg.model, cfg.layouts, batch, device=cfg.device)
+    results = []
+    for layout in cfg.layouts:
+        for mode in cfg.modes:
+            start = time.perf_counter()
+            grads, num_tokens = run_layout(layout, mode, cfg, batch)
+            result = LayoutResult(
+                layout.name, mode,
+                _rel_err(grads, refs[(layout.model, "token")]),
+                _rel_err(grads, refs[(layout.name, "mean_of_means")]),
+                num_tokens, time.perf_counter() - start)
+            _progress(cfg, result)
+            results.append(result)
+    return results
+
+
+def _progress(cfg: VerifyConfig, result: LayoutResult) -> None:
+    if cfg.progress and torch.distributed.get_rank() == 0:
+        print(f"  {result.layout:<28} {result.mode:<10} done in {result.seconds:5.2f} s",
+              file=sys.stderr, flush=True)
+
+
+def _rel_err(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    diff = max(float((g - ref[n]).abs().max()) for n, g in grads.items())
+    scale = max(float(ref[n].abs().max()) for n in grads)
+    return diff / scale
+
+
+def run_layout(layout: Layout, mode: str, cfg: VerifyConfig,
+               batch: GlobalBatch) -> tuple[dict[str, torch.Tensor], int | None]:
+    """One step of ``layout`` in ``mode``; this rank's gradients by global name, and N (token mode)."""
+    from megatron.core import parallel_state
+
+    init_model_parallel(pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+                        context_parallel_size=layout.context_parallel_size)
+    try:
+        return _one_step(layout, mode, cfg, batch)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def init_model_parallel(**sizes: int) -> None:
+    """megatron's parallel state (TP = 1) and its RNG tracker, as training sets them up."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel(**sizes)
+    model_parallel_cuda_manual_seed(1234)
+
+
+def _one_step(layout: Layout, mode: str, cfg: VerifyConfig, batch: GlobalBatch):
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    ddp, names, config = _build(layout, mode, cfg)
+    contract = LossContract()
+    finalize = make_finalize_model_grads(finalize_model_grads, contract,
+                                         config=ReductionConfig(mode=mode))
+    config.finalize_model_grads_func = finalize
+    config.no_sync_func = ddp.no_sync
+    loss_wrap = contract.wrap if mode == "token" else (lambda f: f)
+    ddp.zero_grad_buffer()
+    get_forward_backward_func()(
+        forward_step_func=partial(_forward_step, mode=mode, wrap=loss_wrap),
+        data_iterator=iter(_microbatches(layout, batch, cfg.device)),
+        model=[ddp], num_microbatches=layout.num_microbatches,
+        seq_length=cfg.model.seq_length // layout.context_parallel_size,
+        micro_batch_size=layout.micro_batch_size, forward_only=False)
+    grads = {names[n]: p.main_grad.detach().clone().cpu() for n, p in ddp.module.named_parameters()}
+    return grads, finalize.last_num_tokens
+
+
+def _build(layout: Layout, mode: str, cfg: VerifyConfig):
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    config = transformer_config(
+        cfg.model, pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        context_parallel_size=layout.context_parallel_size,
+        calculate_per_token_loss=(mode == "token"))
+    if layout.model == "positionwise":
+        module, names = build_positionwise(cfg.model, config)
+    else:
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        module, names = build_gpt(
+            cfg.model, config,
+            pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(),
+            offset=layer_offset(cfg.model, pp_rank, layout.pipeline_model_parallel_size))
+    module.to(cfg.device)
+    ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(),
+                                  module=module)
+    return ddp, names, config
+
+
+def _microbatches(layout: Layout, batch: GlobalBatch, device: str) -> list[dict[str, torch.Tensor]]:
+    """This rank's micro-batches, in order, already cut to its CP shard."""
+    from megatron.core import parallel_state
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    out = []
+    for m in range(layout.num_microbatches):
+        rows = [layout.sample(m, dp_rank, j) for j in range(layout.micro_batch_size)]
+        micro = {"tokens": batch.tokens[rows], "labels": batch.labels[rows],
+                 "loss_mask": batch.loss_mask[rows], "position_ids": batch.position_ids[rows]}
+        micro = _cp_shard(micro) if layout.context_parallel_size > 1 else micro
+        out.append({k: v.to(device) for k, v in micro.items()})
+    return out
+
+
+def _cp_shard(micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """megatron-core's own ``get_batch_on_this_cp_rank``.
+
+    Its signature differs by release, and from 0.19 on a missing ``cp_group`` means the *world* group
+    (``get_world_size(None)``), so the group is always passed explicitly.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    cp_group = parallel_state.get_context_parallel_group()
+    if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
+        return get_batch_on_this_cp_rank(dict(micro), is_hybrid_cp=False, cp_group=cp_group)
+    return get_batch_on_this_cp_rank(dict(micro), cp_group=cp_group)
+
+
+def _forward_step(data_iterator: Any, model: torch.nn.Module, *, mode: str, wrap: Any):
+    micro = next(data_iterator)
+    losses = model(micro["tokens"], micro["position_ids"], None, labels=micro["labels"])
+    loss_func = partial(_loss_func, micro["loss_mask"], mode)
+    return losses, wrap(loss_func)
+
+
+def _loss_func(loss_mask: torch.Tensor, mode: str, output_tensor: torch.Tensor):
+    return masked_loss(output_tensor, loss_mask, mode=mode)

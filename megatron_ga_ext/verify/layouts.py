@@ -1,0 +1,110 @@
+"""The layouts verify runs, the synthetic global batch, and how the batch splits into loss units.
+
+A *unit* is what one loss-function call sees: micro-batch m of DP rank r, CP shard c. Megatron's data
+order puts sample ``b = (m * DP + r) * MBS + j`` on DP rank r in micro-batch m; CP shard c holds the
+sequence chunks c and 2*CP - 1 - c of 2*CP equal chunks (``get_batch_on_this_cp_rank``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+__all__ = ["DEFAULT_LAYOUTS", "GlobalBatch", "Layout", "make_global_batch"]
+
+
+@dataclass(kw_only=True, frozen=True)
+class Layout:
+    """One parallel layout of the same global batch."""
+
+    data_parallel_size: int
+    num_microbatches: int
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    micro_batch_size: int = 1
+    model: Literal["gpt", "positionwise"] = "gpt"
+    """``positionwise`` for CP: no attention, so a shard's gradient is exact without ring attention."""
+
+    @property
+    def world_size(self) -> int:
+        """PP x CP x DP (TP is 1)."""
+        return self.pipeline_model_parallel_size * self.context_parallel_size * self.data_parallel_size
+
+    @property
+    def global_batch_size(self) -> int:
+        """GBS = MBS x DP x GA."""
+        return self.micro_batch_size * self.data_parallel_size * self.num_microbatches
+
+    @property
+    def name(self) -> str:
+        parts = []
+        if self.pipeline_model_parallel_size > 1:
+            parts.append(f"PP{self.pipeline_model_parallel_size}")
+        if self.context_parallel_size > 1:
+            parts.append(f"CP{self.context_parallel_size}")
+        parts += [f"DP{self.data_parallel_size}", f"GA{self.num_microbatches}"]
+        suffix = " (position-wise)" if self.model == "positionwise" else ""
+        return " x ".join(parts) + suffix
+
+    def sample(self, microbatch: int, dp_rank: int, j: int) -> int:
+        """Index in the global batch of sample j of micro-batch m on DP rank r."""
+        return (microbatch * self.data_parallel_size + dp_rank) * self.micro_batch_size + j
+
+    def cp_positions(self, cp_rank: int, seq_length: int) -> torch.Tensor:
+        """Sequence positions CP shard c holds: chunks c and 2*CP-1-c of 2*CP."""
+        cp = self.context_parallel_size
+        if cp == 1:
+            return torch.arange(seq_length)
+        chunk = seq_length // (2 * cp)
+        first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
+        second = torch.arange((2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk)
+        return torch.cat([first, second])
+
+    def unit_ids(self, seq_length: int) -> torch.Tensor:
+        """[GBS, S] int64: the unit (m, r, c) -> (m * DP + r) * CP + c each token belongs to."""
+        ids = torch.full((self.global_batch_size, seq_length), -1, dtype=torch.int64)
+        cp = self.context_parallel_size
+        for m in range(self.num_microbatches):
+            for r in range(self.data_parallel_size):
+                for j in range(self.micro_batch_size):
+                    for c in range(cp):
+                        ids[self.sample(m, r, j), self.cp_positions(c, seq_length)] = (
+                            (m * self.data_parallel_size + r) * cp + c)
+        return ids
+
+
+#: The layouts of issue 4; GBS = 8 in each, MBS = 1.
+DEFAULT_LAYOUTS = (
+    Layout(data_parallel_size=1, num_microbatches=8),
+    Layout(data_parallel_size=2, num_microbatches=4),
+    Layout(data_parallel_size=4, num_microbatches=2),
+    Layout(pipeline_model_parallel_size=2, data_parallel_size=2, num_microbatches=4),
+    Layout(context_parallel_size=2, data_parallel_size=2, num_microbatches=4, model="positionwise"),
+)
+
+#: Non-padding tokens per sample: very uneven, sample 1 is nearly all padding.
+DEFAULT_LENGTHS = (16, 1, 13, 4, 16, 9, 2, 11)
+
+
+@dataclass(frozen=True)
+class GlobalBatch:
+    """tokens, labels, loss_mask and position_ids, each [GBS, S]."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+
+
+def make_global_batch(lengths: tuple[int, ...], seq_length: int, vocab_size: int,
+                      seed: int = 1234) -> GlobalBatch:
+    """Random tokens and labels; loss_mask[b, s] = 1 for s < lengths[b], 0 on the padding after."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (len(lengths), seq_length)
+    tokens = torch.randint(0, vocab_size, shape, generator=gen)
+    labels = torch.randint(0, vocab_size, shape, generator=gen)
+    loss_mask = (torch.arange(seq_length)[None, :] < torch.tensor(lengths)[:, None]).float()
+    position_ids = torch.arange(seq_length).expand(shape).clone()
+    return GlobalBatch(tokens, labels, loss_mask, position_ids)
