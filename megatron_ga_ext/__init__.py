@@ -12,6 +12,7 @@ from megatron_ga_ext.errors import (
     ScheduleParseError,
     SizeError,
 )
+from megatron_ga_ext.install import GAConfig, add_args, install, uninstall
 from megatron_ga_ext.layout import BatchLayout
 from megatron_ga_ext.schedule import StepSchedule
 
@@ -19,6 +20,7 @@ __all__ = [
     "BatchLayout",
     "BatchSizeError",
     "CompatError",
+    "GAConfig",
     "GAError",
     "GuardError",
     "InterleaveError",
@@ -28,4 +30,7 @@ __all__ = [
     "ScheduleParseError",
     "SizeError",
     "StepSchedule",
+    "add_args",
+    "install",
+    "uninstall",
 ]

@@ -1,0 +1,330 @@
+"""``install()`` / ``uninstall()``: wire the extension into megatron-core, and ``add_args()`` for its flags.
+
+What install() patches, after checking each target's source fingerprint (compat.py):
+
+* ``schedules.forward_step_calc_loss`` (a module global every schedule looks up, combined_1f1b too):
+  count forward steps per model chunk, and in ``token`` mode check the loss contract;
+* the three ``forward_backward_*`` schedules (``get_forward_backward_func`` returns module globals):
+  after each call, every chunk ran exactly num_microbatches = GBS / (MBS x DP) micro-batches;
+* ``finalize_model_grads``: the token-mode finalize (int64 count, checks read once per step);
+* ``_configure_global_num_microbatches_calculator`` (called by init and reconfigure): the global
+  calculator becomes the step-schedule calculator where a schedule (or a converted rampup) is given,
+  and is wrapped by the consumed-samples guard.
+
+A name bound elsewhere by ``from x import y`` before install() (megatron.training.training binds
+``finalize_model_grads``) is rebound too: every loaded module whose global holds the original is patched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import logging
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from megatron_ga_ext.compat import CALCULATOR, FINALIZE, SCHEDULES, TARGETS, check_targets, megatron_core_version
+
+__all__ = ["GAConfig", "Installation", "install", "uninstall", "add_args", "installed"]
+
+logger = logging.getLogger(__name__)
+
+SCHEDULE_FUNCTIONS = (
+    "forward_backward_no_pipelining",
+    "forward_backward_pipelining_with_interleaving",
+    "forward_backward_pipelining_without_interleaving",
+)
+
+
+@dataclass(kw_only=True, frozen=True)
+class GAConfig:
+    """What install() turns on; ``from_args`` reads it from Megatron's parsed args."""
+
+    loss_reduction: str = "token"
+    """``token`` (every non-padding token weighs the same) or ``microbatch`` (upstream's mean of means)."""
+    zero_token_policy: str = "error"
+    """A global batch with 0 tokens: ``error``, or ``skip`` (zero gradient and a warning)."""
+    strict: bool = True
+    """Refuse upstream functions whose source fingerprint is unknown (else warn and patch)."""
+    convert_rampup: bool = False
+    """Turn a given rampup triple into the equivalent step schedule."""
+    guards: bool = True
+    """Check micro-batch counts and consumed samples every step."""
+    step_batch_size_schedule: str | None = None
+    rampup_batch_size: tuple[int, int, int] | None = None
+    seq_length: int | None = None
+    pipeline_model_parallel_size: int | None = None
+    virtual_pipeline_model_parallel_size: int | None = None
+
+    @classmethod
+    def from_args(cls, args: Any) -> "GAConfig":
+        """From an argparse namespace holding Megatron's flags and the ``--ga-*`` flags."""
+        rampup = getattr(args, "rampup_batch_size", None)
+        return cls(
+            loss_reduction=getattr(args, "ga_loss_reduction", "token"),
+            zero_token_policy=getattr(args, "ga_zero_token_policy", "error"),
+            strict=getattr(args, "ga_strict", True),
+            convert_rampup=getattr(args, "ga_convert_rampup", False),
+            step_batch_size_schedule=getattr(args, "step_batch_size_schedule", None),
+            rampup_batch_size=tuple(int(v) for v in rampup) if rampup else None,
+            seq_length=getattr(args, "seq_length", None),
+            pipeline_model_parallel_size=getattr(args, "pipeline_model_parallel_size", None),
+            virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
+        )
+
+
+@dataclass
+class _Patch:
+    namespace: dict
+    name: str
+    original: Any
+
+
+@dataclass
+class Installation:
+    """Everything install() changed, so uninstall() can put it back."""
+
+    config: GAConfig
+    version: str
+    patches: list[_Patch] = field(default_factory=list)
+    replacements: dict[str, Any] = field(default_factory=dict)
+    counter: Any = None
+    contract: Any = None
+    finalize: Any = None
+
+    def patch(self, module_name: str, name: str, make: Callable[[Any], Any]) -> Any:
+        """Replace ``module.name`` by ``make(original)`` there and in every module that bound it."""
+        module = sys.modules[module_name]
+        original = module.__dict__[name]
+        replacement = make(original)
+        for namespace in _namespaces_holding(original, name):
+            self.patches.append(_Patch(namespace, name, original))
+            namespace[name] = replacement
+        self.replacements[f"{module_name}.{name}"] = replacement
+        return replacement
+
+    def restore(self) -> None:
+        for p in reversed(self.patches):
+            p.namespace[p.name] = p.original
+        self.patches.clear()
+
+
+def _namespaces_holding(original: Any, name: str) -> list[dict]:
+    """Globals of every loaded module that hold ``original`` under ``name`` (``from x import name``)."""
+    found = []
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if isinstance(namespace, dict) and namespace.get(name) is original:
+            found.append(namespace)
+    return found
+
+
+_STATE: list[Installation] = []  # the one live installation, if any
+
+
+def installed() -> Installation | None:
+    return _STATE[0] if _STATE else None
+
+
+def install(config: Any = None) -> Installation:
+    """Turn the extension on. ``config``: a :class:`GAConfig`, Megatron's parsed args, or None (the
+    parsed args where Megatron has them, else the defaults: token mode, strict). Twice is harmless."""
+    config = _resolve_config(config)
+    current = installed()
+    if current is not None:
+        if current.config == config:
+            return current
+        uninstall()
+    import megatron.core.distributed.finalize_model_grads  # noqa: F401  (load every target module)
+    import megatron.core.num_microbatches_calculator  # noqa: F401
+    import megatron.core.pipeline_parallel.schedules  # noqa: F401
+
+    version = megatron_core_version()
+    check_targets(version, config.strict, TARGETS)
+    state = Installation(config=config, version=version)
+    try:
+        _install_all(state)
+    except BaseException:
+        state.restore()
+        raise
+    _STATE.append(state)
+    logger.info("megatron-ga-ext installed on megatron-core %s (%s)", version, config)
+    return state
+
+
+def uninstall() -> None:
+    """Restore every original install() replaced; harmless when nothing is installed."""
+    state = installed()
+    if state is None:
+        return
+    state.restore()
+    calculators = sys.modules[CALCULATOR]
+    from megatron_ga_ext.guards import GuardedCalculator
+
+    live = calculators._GLOBAL_NUM_MICROBATCHES_CALCULATOR
+    if isinstance(live, GuardedCalculator):
+        calculators._GLOBAL_NUM_MICROBATCHES_CALCULATOR = live.inner
+    _STATE.clear()
+
+
+def _resolve_config(config: Any) -> GAConfig:
+    if isinstance(config, GAConfig):
+        return config
+    if config is not None:
+        return GAConfig.from_args(config)
+    try:
+        from megatron.training.global_vars import get_args
+
+        return GAConfig.from_args(get_args())
+    except Exception:  # no megatron.training (core-only) or args not parsed yet
+        return GAConfig()
+
+
+def _install_all(state: Installation) -> None:
+    from megatron_ga_ext.finalize import make_finalize_model_grads
+    from megatron_ga_ext.guards import MicrobatchCounter
+    from megatron_ga_ext.reduction import LossContract, ReductionConfig
+
+    config = state.config
+    reduction = ReductionConfig(
+        mode=config.loss_reduction, zero_tokens="warn" if config.zero_token_policy == "skip" else "error"
+    )
+    state.counter = MicrobatchCounter()
+    state.contract = LossContract() if reduction.mode == "token" else None
+    state.patch(SCHEDULES, "forward_step_calc_loss", lambda original: _forward_step_calc_loss(original, state))
+    if config.guards:
+        for name in SCHEDULE_FUNCTIONS:
+            state.patch(SCHEDULES, name, lambda original: _guarded_schedule(original, state))
+    state.finalize = state.patch(
+        FINALIZE, "finalize_model_grads",
+        lambda original: make_finalize_model_grads(original, state.contract, config=reduction),
+    )
+    state.patch(CALCULATOR, "_configure_global_num_microbatches_calculator", lambda o: _configure_calculator(o, state))
+    _guard_live_calculator(state)
+
+
+def _forward_step_calc_loss(original: Callable, state: Installation) -> Callable:
+    signature = inspect.signature(original)
+
+    def forward_step_calc_loss(*args: Any, **kwargs: Any):
+        bound = signature.bind(*args, **kwargs)
+        state.counter.count(bound.arguments["model"])
+        loss_func = bound.arguments.get("loss_func")
+        if state.contract is not None and loss_func is not None:
+            bound.arguments["loss_func"] = state.contract.wrap(loss_func)
+        return original(*bound.args, **bound.kwargs)
+
+    forward_step_calc_loss.__wrapped_by_ga__ = original  # type: ignore[attr-defined]
+    return forward_step_calc_loss
+
+
+def _guarded_schedule(original: Callable, state: Installation) -> Callable:
+    from megatron_ga_ext.guards import check_microbatch_counts, current_pipeline_size
+
+    def schedule(*args: Any, **kwargs: Any):
+        state.counter.reset()
+        result = original(*args, **kwargs)
+        expected = None if kwargs.get("forward_only") else _calculator_num_microbatches()
+        check_microbatch_counts(state.counter.counts, kwargs["num_microbatches"], expected, current_pipeline_size())
+        return result
+
+    schedule.__name__ = original.__name__
+    return schedule
+
+
+def _calculator_num_microbatches() -> int | None:
+    calculator = sys.modules[CALCULATOR]._GLOBAL_NUM_MICROBATCHES_CALCULATOR
+    return None if calculator is None else calculator.get()
+
+
+def _configure_calculator(original: Callable, state: Installation) -> Callable:
+    """Upstream's configure, or the step-schedule calculator where a schedule (or a converted rampup)
+    is given; then the consumed-samples guard around whichever is live."""
+    signature = inspect.signature(original)
+
+    def configure(*args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = bound.arguments
+        schedule = _schedule_for(state.config, arguments)
+        if schedule is None:
+            original(*bound.args, **bound.kwargs)
+        else:
+            from megatron_ga_ext.calculator import StepScheduleCalculator
+
+            sys.modules[CALCULATOR]._GLOBAL_NUM_MICROBATCHES_CALCULATOR = StepScheduleCalculator(
+                schedule,
+                micro_batch_size=arguments["micro_batch_size"],
+                data_parallel_size=arguments["data_parallel_size"],
+                rank=arguments["rank"],
+                pipeline_model_parallel_size=state.config.pipeline_model_parallel_size or 1,
+                virtual_pipeline_size=state.config.virtual_pipeline_model_parallel_size,
+            )
+        _guard_live_calculator(state)
+
+    return configure
+
+
+def _schedule_for(config: GAConfig, arguments: dict) -> Any:
+    """The step schedule in force: given (upstream's argument, else the backported flag), or a
+    converted rampup; None leaves upstream's calculator."""
+    from megatron_ga_ext.schedule import StepSchedule
+
+    text = arguments.get("step_batch_size_schedule") or config.step_batch_size_schedule
+    if text:
+        return StepSchedule.parse(text, seq_length=arguments.get("seq_length") or config.seq_length)
+    rampup = arguments.get("rampup_batch_size") or config.rampup_batch_size
+    if not rampup:
+        return None
+    start, increment, samples = (int(v) for v in rampup)
+    if config.convert_rampup:
+        return StepSchedule.from_rampup(start, increment, samples, arguments["global_batch_size"])
+    if "rampup_batch_size" not in arguments:
+        logger.warning(
+            "--rampup-batch-size %d %d %d is ignored by megatron-core >= 0.18, which trains at constant "
+            "--global-batch-size; pass --ga-convert-rampup to run the equivalent step schedule.",
+            start, increment, samples,
+        )
+    return None
+
+
+def _guard_live_calculator(state: Installation) -> None:
+    from megatron_ga_ext.guards import GuardedCalculator
+
+    calculators = sys.modules[CALCULATOR]
+    live = calculators._GLOBAL_NUM_MICROBATCHES_CALCULATOR
+    if live is None or isinstance(live, GuardedCalculator) or not state.config.guards:
+        return
+    calculators._GLOBAL_NUM_MICROBATCHES_CALCULATOR = GuardedCalculator(live, state.config.pipeline_model_parallel_size)
+
+
+def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The ``--ga-*`` flags, for ``pretrain(..., extra_args_provider=add_args)``; on releases without
+    ``--step-batch-size-schedule`` it adds that flag too (the backport)."""
+    group = parser.add_argument_group("megatron-ga-ext", "checked batch arithmetic (megatron_ga_ext)")
+    group.add_argument(
+        "--ga-loss-reduction", choices=("token", "microbatch"), default="token",
+        help="token: every non-padding token of the global batch weighs the same (needs "
+        "--calculate-per-token-loss; checked every step); microbatch: upstream's mean of means.",
+    )
+    group.add_argument(
+        "--ga-zero-token-policy", choices=("error", "skip"), default="error",
+        help="a global batch with 0 non-padding tokens: error (default), or skip (zero gradient and a warning).",
+    )
+    group.add_argument(
+        "--ga-strict", action=argparse.BooleanOptionalAction, default=True,
+        help="refuse to patch upstream functions whose source is not a known release (--no-ga-strict: warn).",
+    )
+    group.add_argument(
+        "--ga-convert-rampup", action="store_true",
+        help="run a given --rampup-batch-size as the exact equivalent --step-batch-size-schedule "
+        "(megatron-core >= 0.18 otherwise ignores the rampup without a word).",
+    )
+    if "--step-batch-size-schedule" not in parser._option_string_actions:
+        group.add_argument(
+            "--step-batch-size-schedule", type=str, default=None,
+            help="backport: 'THRESHOLD:GBS ...' (thresholds in tokens when --seq-length is set), "
+            "validated up front by megatron_ga_ext.",
+        )
+    return parser

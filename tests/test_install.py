@@ -1,0 +1,181 @@
+"""install() / uninstall() on real megatron-core, in this process: what is patched, and put back."""
+
+import argparse
+import importlib
+import inspect
+import logging
+import sys
+import types
+
+import pytest
+
+schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
+from megatron.core import num_microbatches_calculator as calculators  # noqa: E402
+
+import megatron_ga_ext  # noqa: E402
+from megatron_ga_ext import CompatError, GuardError  # noqa: E402
+from megatron_ga_ext.compat import FINALIZE, TARGETS, megatron_core_version  # noqa: E402
+from megatron_ga_ext.guards import GuardedCalculator  # noqa: E402
+from megatron_ga_ext.install import GAConfig, add_args, install, installed, uninstall  # noqa: E402
+
+finalize_module = importlib.import_module(FINALIZE)
+ORIGINALS = {t.qualified: t.resolve() for t in TARGETS}
+STEP_SCHEDULES = "step_batch_size_schedule" in inspect.signature(calculators.init_num_microbatches_calculator).parameters
+
+
+@pytest.fixture(autouse=True)
+def clean():
+    uninstall()
+    calculators.unset_num_microbatches_calculator()
+    yield
+    uninstall()
+    calculators.unset_num_microbatches_calculator()
+    sys.modules.pop("standin_training", None)
+
+
+def standin_training() -> types.ModuleType:
+    """A stand-in for megatron.training.training: binds names with `from ... import` before install()."""
+    module = types.ModuleType("standin_training")
+    exec(
+        "from megatron.core.distributed import finalize_model_grads\n"
+        "from megatron.core.num_microbatches_calculator import get_num_microbatches, update_num_microbatches\n",
+        module.__dict__,
+    )
+    sys.modules[module.__name__] = module
+    return module
+
+
+def patched_now() -> dict:
+    return {t.qualified: getattr(sys.modules[t.module], t.name) for t in TARGETS}
+
+
+def test_install_patches_and_reaches_names_bound_before_it():
+    training = standin_training()
+    assert training.finalize_model_grads is ORIGINALS[f"{finalize_module.__name__}.finalize_model_grads"]
+    state = install()
+    assert installed() is state and state.version == megatron_core_version()
+    assert schedules.forward_step_calc_loss is not ORIGINALS[f"{schedules.__name__}.forward_step_calc_loss"]
+    wrapper = finalize_module.finalize_model_grads
+    assert wrapper is state.finalize
+    import megatron.core.distributed as distributed
+
+    assert distributed.finalize_model_grads is wrapper
+    assert training.finalize_model_grads is wrapper  # bound before install(), reached anyway
+    # A module imported after install() binds the wrapper too.
+    late = types.ModuleType("late")
+    exec("from megatron.core.distributed import finalize_model_grads", late.__dict__)
+    assert late.finalize_model_grads is wrapper
+    uninstall()
+    assert patched_now() == ORIGINALS
+    assert training.finalize_model_grads is ORIGINALS[f"{finalize_module.__name__}.finalize_model_grads"]
+
+
+def test_install_twice_uninstall_twice_and_in_both_orders():
+    uninstall()  # nothing installed: harmless
+    first = install()
+    assert install() is first  # same config: the same installation, no second layer
+    assert schedules.forward_step_calc_loss.__wrapped_by_ga__ is ORIGINALS[f"{schedules.__name__}.forward_step_calc_loss"]
+    uninstall()
+    uninstall()
+    assert patched_now() == ORIGINALS
+    install(GAConfig(loss_reduction="microbatch"))
+    second = install(GAConfig(loss_reduction="token"))  # a new config replaces the old installation
+    assert second.config.loss_reduction == "token" and installed() is second
+    assert schedules.forward_step_calc_loss.__wrapped_by_ga__ is ORIGINALS[f"{schedules.__name__}.forward_step_calc_loss"]
+    uninstall()
+    assert patched_now() == ORIGINALS
+
+
+def _changed_forward_step_calc_loss(model, output_tensor, loss_func, config, vp_stage, collect_non_loss_data,
+                                    num_microbatches, forward_data_store, cp_group_size=None, is_last_stage=None):
+    return output_tensor, 0  # a release we never saw
+
+
+def test_unknown_fingerprint_refused_in_strict_mode_and_warned_otherwise(monkeypatch, caplog):
+    monkeypatch.setattr(schedules, "forward_step_calc_loss", _changed_forward_step_calc_loss)
+    version = megatron_core_version()
+    with pytest.raises(CompatError, match=rf"forward_step_calc_loss in megatron-core {version} has fingerprint "
+                       r"[0-9a-f]{16}, which is not the known source of that release.*matches no release we know"
+                       r".*--no-ga-strict"):
+        install()
+    assert installed() is None and schedules.forward_step_calc_loss is _changed_forward_step_calc_loss
+    with caplog.at_level(logging.WARNING, logger="megatron_ga_ext.compat"):
+        install(GAConfig(strict=False))
+    assert "forward_step_calc_loss" in caplog.text and version in caplog.text
+    uninstall()
+    assert schedules.forward_step_calc_loss is _changed_forward_step_calc_loss
+
+
+def test_add_args_flags_and_config_from_args():
+    parser = add_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--ga-loss-reduction", "microbatch", "--ga-zero-token-policy", "skip", "--no-ga-strict",
+                              "--ga-convert-rampup", "--step-batch-size-schedule", "0:16 100:32"])
+    config = GAConfig.from_args(args)
+    assert (config.loss_reduction, config.zero_token_policy, config.strict, config.convert_rampup) == (
+        "microbatch", "skip", False, True)
+    assert config.step_batch_size_schedule == "0:16 100:32"
+    assert GAConfig.from_args(parser.parse_args([])) == GAConfig()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--ga-loss-reduction", "mean"])
+    help_text = parser.format_help()
+    for flag in ("--ga-loss-reduction", "--ga-zero-token-policy", "--ga-strict", "--no-ga-strict",
+                 "--ga-convert-rampup", "--step-batch-size-schedule"):
+        assert flag in help_text
+    # A release that has the schedule flag keeps its own; no argparse conflict.
+    upstream = argparse.ArgumentParser()
+    upstream.add_argument("--step-batch-size-schedule", default="upstream")
+    assert add_args(upstream).parse_args([]).step_batch_size_schedule == "upstream"
+
+
+def init_calculator(global_batch_size, micro_batch_size, data_parallel_size, rampup=None, schedule=None, seq_length=None):
+    """Call megatron-core's own init as its training code does for this release."""
+    if STEP_SCHEDULES:
+        calculators.init_num_microbatches_calculator(
+            0, rampup, global_batch_size, micro_batch_size, data_parallel_size,
+            step_batch_size_schedule=schedule, seq_length=seq_length)
+    else:
+        calculators.init_num_microbatches_calculator(0, rampup, global_batch_size, micro_batch_size, data_parallel_size)
+
+
+def test_calculator_backport_and_consumed_samples_guard():
+    install(GAConfig(step_batch_size_schedule="0:16 64:32 160:64", pipeline_model_parallel_size=2))
+    init_calculator(16 if not STEP_SCHEDULES else None, 2, 4)
+    live = calculators._GLOBAL_NUM_MICROBATCHES_CALCULATOR
+    assert isinstance(live, GuardedCalculator)
+    assert type(live.inner).__name__ == "StepScheduleCalculator"
+    seen, consumed = [], 0
+    calculators.update_num_microbatches(0, consistency_check=True)
+    while consumed < 300:
+        calculators.update_num_microbatches(consumed, consistency_check=False)
+        calculators.update_num_microbatches(consumed, consistency_check=True)
+        seen.append((calculators.get_current_global_batch_size(), calculators.get_num_microbatches()))
+        consumed += 2 * 4 * calculators.get_num_microbatches()
+    assert seen == [(16, 2)] * 4 + [(32, 4)] * 3 + [(64, 8)] * 3
+    with pytest.raises(GuardError, match=r"128 = 64 x PP 2: pipeline parallelism never multiplies"):
+        calculators.update_num_microbatches(consumed - 64 + 128, consistency_check=False)
+    uninstall()
+    assert type(calculators._GLOBAL_NUM_MICROBATCHES_CALCULATOR).__name__ == "StepScheduleCalculator"
+
+
+def test_rampup_converted_or_left_to_upstream(caplog):
+    install(GAConfig(convert_rampup=True, rampup_batch_size=(16, 8, 300000)))
+    init_calculator(1024, 4, 2, rampup=[16, 8, 300000])
+    live = calculators._GLOBAL_NUM_MICROBATCHES_CALCULATOR
+    assert type(live.inner).__name__ == "StepScheduleCalculator"
+    assert len(live.inner.step_schedule.stages) == 127
+    uninstall()
+    calculators.unset_num_microbatches_calculator()
+    install(GAConfig(rampup_batch_size=(16, 8, 300000)))
+    with caplog.at_level(logging.WARNING):
+        init_calculator(1024, 4, 2, rampup=None if STEP_SCHEDULES else [16, 8, 300000])
+    inner = calculators._GLOBAL_NUM_MICROBATCHES_CALCULATOR.inner
+    if STEP_SCHEDULES:  # 0.18+: upstream drops the rampup; we say so
+        assert type(inner).__name__ == "ConstantNumMicroBatchesCalculator"
+        assert "--ga-convert-rampup" in caplog.text
+    else:
+        assert type(inner).__name__ == "RampupBatchsizeNumMicroBatchesCalculator"
+
+
+def test_public_api_exports_install():
+    assert megatron_ga_ext.install is install and megatron_ga_ext.uninstall is uninstall
+    assert megatron_ga_ext.add_args is add_args
