@@ -10,12 +10,15 @@ import argparse
 import importlib
 import json
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from megatron_ga_ext.errors import GAError
-from megatron_ga_ext.launch import Launch, UsageError, layout_kwargs, parse_launch
+from megatron_ga_ext.launch import Launch, UsageError, layout_kwargs, parse_int, parse_launch
 from megatron_ga_ext.layout import FLAGS, BatchLayout
 from megatron_ga_ext.render import print_table
+
+if TYPE_CHECKING:
+    from megatron_ga_ext.schedule import StepSchedule
 
 __all__ = ["main"]
 
@@ -91,6 +94,9 @@ def _configure_check(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("launch", nargs=argparse.REMAINDER, help="-- then the whole launch line")
 
 
+MAX_STAGE_PROBLEMS = 5
+
+
 def launch_problems(launch: Launch, world_size: int | None) -> tuple[BatchLayout | None, list[str]]:
     """The layout of a launch line (None if broken) and every problem found in it."""
     problems = [
@@ -99,14 +105,60 @@ def launch_problems(launch: Launch, world_size: int | None) -> tuple[BatchLayout
         for flag, vals in launch.repeated.items()
     ]
     kwargs = layout_kwargs(launch, world_size)
-    schedule_text = launch.get("--step-batch-size-schedule")
-    if schedule_text is not None:
-        problems += _schedule_flag_problems(launch)
+    schedule, schedule_problems = _launch_schedule(launch, kwargs)
+    if schedule is not None:
+        kwargs["global_batch_size"] = None  # the schedule's stages are checked one by one below
     layout, errors = BatchLayout.problems(**kwargs)
     problems += [str(e) for e in errors]
-    if "--rampup-batch-size" in launch.values:
-        problems.append(_rampup_problem(launch.values["--rampup-batch-size"], kwargs))
-    return layout, problems
+    if layout is not None and schedule is not None:
+        stage_problems = [str(p.error) for p in schedule.problems(
+            layout.micro_batch_size, layout.data_parallel_size, layout.pipeline_model_parallel_size,
+            layout.virtual_pipeline_size, microbatch_group_size_per_vp_stage=layout.microbatch_group_size_per_vp_stage,
+        )]
+        if len(stage_problems) > MAX_STAGE_PROBLEMS:
+            hidden = len(stage_problems) - MAX_STAGE_PROBLEMS
+            stage_problems[MAX_STAGE_PROBLEMS:] = [
+                f"... and {hidden} more stage(s) like these; megatron-ga schedule lists every stage."
+            ]
+        problems += stage_problems
+        # The ledger of a schedule is the ledger of its last stage (upstream's nominal GBS), once every stage is valid.
+        layout = None if stage_problems else BatchLayout(**{**kwargs, "global_batch_size": schedule.final_global_batch_size})
+    return layout, problems + schedule_problems
+
+
+def _launch_schedule(launch: Launch, kwargs: dict) -> tuple["StepSchedule | None", list[str]]:
+    """The step schedule of a launch (given, or converted from --rampup-batch-size) and its flag problems."""
+    from megatron_ga_ext.schedule import StepSchedule
+
+    text = launch.get("--step-batch-size-schedule")
+    seq_length = kwargs["seq_length"]
+    if text is not None:
+        problems = _schedule_flag_problems(launch)
+        try:
+            return StepSchedule.parse(text, seq_length=seq_length), problems
+        except GAError as error:
+            return None, problems + [str(error)]
+    if "--rampup-batch-size" not in launch.values:
+        return None, []
+    values = launch.values["--rampup-batch-size"]
+    start, increment, samples = (parse_int("--rampup-batch-size", v) for v in values)
+    gbs = kwargs["global_batch_size"]
+    if gbs is None:
+        return None, [f"--rampup-batch-size {' '.join(values)} needs --global-batch-size, the batch size it ramps up to."]
+    ignored = (
+        f"--rampup-batch-size {' '.join(values)} is ignored without a word by megatron-core >= 0.18: the run trains "
+        f"at the constant --global-batch-size {gbs}."
+    )
+    try:
+        schedule = StepSchedule.from_rampup(start, increment, samples, gbs)
+    except GAError as error:
+        return None, [f"{ignored} It has no equivalent step schedule either: {error}"]
+    unit = "tokens" if seq_length else "samples (add --seq-length: pretrain_gpt reads thresholds as tokens)"
+    return schedule, [
+        f"{ignored} Replace it with the equivalent schedule ({len(schedule.stages)} "
+        f"stages, thresholds in {unit}), dropping --global-batch-size and --rampup-batch-size: "
+        f"--step-batch-size-schedule \"{schedule.to_string(seq_length)}\""
+    ]
 
 
 def _schedule_flag_problems(launch: Launch) -> list[str]:
@@ -122,14 +174,9 @@ def _schedule_flag_problems(launch: Launch) -> list[str]:
             "dataset size with GBS = MBS x DP, not the schedule's batch sizes, so warmup and decay end early and "
             "the dataset is undersized. Give --train-samples (and --lr-warmup-samples, --lr-decay-samples) instead."
         )
+    if "--rampup-batch-size" in launch.values:
+        problems.append("--rampup-batch-size and --step-batch-size-schedule are both given; keep only the schedule.")
     return problems
-
-
-def _rampup_problem(values: list[str], kwargs: dict) -> str:
-    return (
-        f"--rampup-batch-size {' '.join(values)} is ignored without a word by megatron-core >= 0.18: the run "
-        f"trains at the constant --global-batch-size. Replace it with the equivalent --step-batch-size-schedule."
-    )
 
 
 def _run_check(args: argparse.Namespace) -> int:

@@ -127,3 +127,24 @@ def test_check_world_size_override():
     result = run("check", "--world-size", "64", "--json", "--", "torchrun --nproc-per-node gpu x.py --micro-batch-size 2")
     assert result.returncode == 0
     assert json.loads(result.stdout)["ledger"]["data_parallel_size"] == 64
+
+
+def test_check_prints_the_schedule_equivalent_to_a_rampup():
+    result = run("check", "--json", "--", LAUNCH + " --global-batch-size 64 --rampup-batch-size 16 16 1000")
+    assert result.returncode == 1
+    report = json.loads(result.stdout)
+    (problem,) = report["problems"]
+    assert "--rampup-batch-size 16 16 1000 is ignored without a word" in problem
+    schedule = problem.split("--step-batch-size-schedule ")[1].strip('"')
+    from megatron_ga_ext import StepSchedule
+
+    # Thresholds in tokens (pretrain_gpt passes --seq-length 4096), reproducing the rampup's stages.
+    assert StepSchedule.parse(schedule, seq_length=4096).stages == StepSchedule.from_rampup(16, 16, 1000, 64).stages
+    assert report["ledger"]["global_batch_size"] == 64  # the ledger of the last stage
+
+
+def test_check_validates_every_stage_of_a_step_schedule():
+    result = run("check", "--", LAUNCH + " --step-batch-size-schedule '0:16 8192K:24 16384K:8'")
+    assert result.returncode == 1
+    assert "entry 2 '8192K:24'" in result.stdout and "not a multiple of --micro-batch-size 2 x data-parallel size 8 = 16" in result.stdout
+    assert "entry 3 '16384K:8'" in result.stdout
