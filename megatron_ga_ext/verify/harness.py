@@ -36,7 +36,8 @@ from megatron_ga_ext.verify.models import ModelConfig, build_gpt, build_position
 from megatron_ga_ext.verify.models import transformer_config
 from megatron_ga_ext.verify.references import reference_grads
 
-__all__ = ["LayoutResult", "VerifyConfig", "run_rank"]
+__all__ = ["LayoutResult", "VerifyConfig", "build_ddp", "gradients", "init_model_parallel", "microbatches",
+           "run_layout", "run_rank", "train_step"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -96,7 +97,7 @@ def _run_all(cfg: VerifyConfig) -> list[LayoutResult]:
 
 def _progress(cfg: VerifyConfig, result: LayoutResult) -> None:
     if cfg.progress and torch.distributed.get_rank() == 0:
-        print(f"  {result.layout:<28} {result.mode:<10} done in {result.seconds:5.2f} s",
+        print(f"  {result.layout:<32} {result.mode:<10} done in {result.seconds:5.2f} s",
               file=sys.stderr, flush=True)
 
 
@@ -130,34 +131,30 @@ def init_model_parallel(**sizes: int) -> None:
 
 def _one_step(layout: Layout, mode: str, cfg: VerifyConfig, batch: GlobalBatch):
     from megatron.core.distributed import finalize_model_grads
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    ddp, names, config = _build(layout, mode, cfg)
+    ddp, names, config = build_ddp(layout, cfg, calculate_per_token_loss=(mode == "token"))
     contract = LossContract()
     finalize = make_finalize_model_grads(finalize_model_grads, contract,
                                          config=ReductionConfig(mode=mode))
-    config.finalize_model_grads_func = finalize
-    config.no_sync_func = ddp.no_sync
-    loss_wrap = contract.wrap if mode == "token" else (lambda f: f)
-    ddp.zero_grad_buffer()
-    get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, mode=mode, wrap=loss_wrap),
-        data_iterator=iter(_microbatches(layout, batch, cfg.device)),
-        model=[ddp], num_microbatches=layout.num_microbatches,
-        seq_length=cfg.model.seq_length // layout.context_parallel_size,
-        micro_batch_size=layout.micro_batch_size, forward_only=False)
-    grads = {names[n]: p.main_grad.detach().clone().cpu() for n, p in ddp.module.named_parameters()}
-    return grads, finalize.last_num_tokens
+    loss_func = partial(masked_loss, mode=mode)
+    train_step(ddp, config, layout, cfg, batch, finalize=finalize,
+               loss_func=contract.wrap(loss_func) if mode == "token" else loss_func)
+    return gradients(ddp, names), finalize.last_num_tokens
 
 
-def _build(layout: Layout, mode: str, cfg: VerifyConfig):
+def build_ddp(layout: Layout, cfg: VerifyConfig, *, calculate_per_token_loss: bool,
+              ddp_config: Any = None):
+    """This rank's chunk of the layout's model, wrapped in megatron's DDP: (ddp, names, config).
+
+    ``names`` maps each local parameter name to its global one.
+    """
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     config = transformer_config(
         cfg.model, pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
         context_parallel_size=layout.context_parallel_size,
-        calculate_per_token_loss=(mode == "token"))
+        calculate_per_token_loss=calculate_per_token_loss)
     if layout.model == "positionwise":
         module, names = build_positionwise(cfg.model, config)
     else:
@@ -168,12 +165,37 @@ def _build(layout: Layout, mode: str, cfg: VerifyConfig):
             post_process=parallel_state.is_pipeline_last_stage(),
             offset=layer_offset(cfg.model, pp_rank, layout.pipeline_model_parallel_size))
     module.to(cfg.device)
-    ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(),
-                                  module=module)
+    ddp = DistributedDataParallel(config=config, module=module,
+                                  ddp_config=ddp_config or DistributedDataParallelConfig())
     return ddp, names, config
 
 
-def _microbatches(layout: Layout, batch: GlobalBatch, device: str) -> list[dict[str, torch.Tensor]]:
+def train_step(ddp: Any, config: Any, layout: Layout, cfg: VerifyConfig, batch: GlobalBatch, *,
+               finalize: Any, loss_func: Any) -> None:
+    """One forward/backward over this rank's micro-batches with megatron's own schedule.
+
+    ``loss_func(output_tensor, loss_mask)`` is what the loss function of each micro-batch returns;
+    ``finalize`` becomes ``config.finalize_model_grads_func``.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    config.finalize_model_grads_func = finalize
+    config.no_sync_func = ddp.no_sync
+    ddp.zero_grad_buffer()
+    get_forward_backward_func()(
+        forward_step_func=partial(_forward_step, loss_func=loss_func),
+        data_iterator=iter(microbatches(layout, batch, cfg.device)),
+        model=[ddp], num_microbatches=layout.num_microbatches,
+        seq_length=cfg.model.seq_length // layout.context_parallel_size,
+        micro_batch_size=layout.micro_batch_size, forward_only=False)
+
+
+def gradients(ddp: Any, names: dict[str, str]) -> dict[str, torch.Tensor]:
+    """This rank's ``main_grad`` of every parameter, by global name, on the CPU."""
+    return {names[n]: p.main_grad.detach().clone().cpu() for n, p in ddp.module.named_parameters()}
+
+
+def microbatches(layout: Layout, batch: GlobalBatch, device: str) -> list[dict[str, torch.Tensor]]:
     """This rank's micro-batches, in order, already cut to its CP shard."""
     from megatron.core import parallel_state
 
@@ -203,12 +225,11 @@ def _cp_shard(micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return get_batch_on_this_cp_rank(dict(micro), cp_group=cp_group)
 
 
-def _forward_step(data_iterator: Any, model: torch.nn.Module, *, mode: str, wrap: Any):
+def _forward_step(data_iterator: Any, model: torch.nn.Module, *, loss_func: Any):
     micro = next(data_iterator)
     losses = model(micro["tokens"], micro["position_ids"], None, labels=micro["labels"])
-    loss_func = partial(_loss_func, micro["loss_mask"], mode)
-    return losses, wrap(loss_func)
+    return losses, partial(_call_loss, loss_func, micro["loss_mask"])
 
 
-def _loss_func(loss_mask: torch.Tensor, mode: str, output_tensor: torch.Tensor):
-    return masked_loss(output_tensor, loss_mask, mode=mode)
+def _call_loss(loss_func: Any, loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    return loss_func(output_tensor, loss_mask)

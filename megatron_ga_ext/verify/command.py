@@ -1,0 +1,145 @@
+"""``megatron-ga verify``: every layout in both modes against both unpartitioned references.
+
+One launch per world size (1, 2, 4 ranks on the default layouts); each rank runs all layouts of its
+world size in sequence, re-initialising megatron's parallel state in between. Exit status: 0 when every
+``token`` row is within ``--tolerance`` of the token reference and every ``microbatch`` row within it of
+its own mean-of-means reference; 1 otherwise; 2 when a launch fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+import warnings
+from collections import defaultdict
+from typing import Any
+
+from megatron_ga_ext.render import print_table
+
+__all__ = ["configure_parser", "run", "rows_from_results"]
+
+TOLERANCE = 1e-5
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    """Add verify's options to ``parser``."""
+    parser.add_argument("--json", action="store_true",
+                        help="print a JSON list of rows (layout, mode, rel_err_token, "
+                             "rel_err_mean_of_means, ok) instead of a table")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: gloo ranks with CPU shims (default); cuda: nccl, one GPU per rank")
+    parser.add_argument("--tolerance", type=float, default=TOLERANCE,
+                        help=f"largest relative gradient error that passes (default {TOLERANCE:g}, fp32)")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds allowed for each launch (default 300)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run verify as configured by :func:`configure_parser`; return the exit status."""
+    start = time.perf_counter()
+    _quiet_upstream()
+    versions = _import_upstream()
+    from megatron_ga_ext.verify.layouts import DEFAULT_LAYOUTS
+
+    layouts = _runnable(DEFAULT_LAYOUTS, args.device)
+    print(f"megatron-ga verify: {versions}, device {args.device}", file=sys.stderr)
+    try:
+        results = _launch_all(layouts, args)
+    except Exception as exc:  # noqa: BLE001 - a CLI error: message, no traceback
+        print(f"error: verify launch failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    rows = rows_from_results(results, args.tolerance)
+    _report(rows, args, time.perf_counter() - start)
+    return 0 if all(row["ok"] for row in rows) else 1
+
+
+def _quiet_upstream() -> None:
+    """megatron-core warns about Apex, Transformer Engine and deprecations on import and build."""
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    for name in ("megatron", "torch.utils.cpp_extension", "torch.distributed"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _import_upstream() -> str:
+    """Import megatron-core once in the parent: forked ranks inherit it instead of paying 5-12 s."""
+    import megatron.core
+    import torch
+
+    return f"megatron-core {megatron.core.__version__}, torch {torch.__version__}"
+
+
+def _runnable(layouts: tuple, device: str) -> list:
+    """All layouts on the CPU; on CUDA those with no more ranks than GPUs (nccl needs one each)."""
+    if device == "cpu":
+        return list(layouts)
+    import torch
+
+    gpus = torch.cuda.device_count()
+    kept = [lay for lay in layouts if lay.world_size <= gpus]
+    for lay in layouts:
+        if lay.world_size > gpus:
+            print(f"  skipped {lay.name}: needs {lay.world_size} GPUs, {gpus} visible", file=sys.stderr)
+    return kept
+
+
+def _launch_all(layouts: list, args: argparse.Namespace) -> dict[int, list[list[Any]]]:
+    """{world size: per-rank lists of LayoutResult}, one launch per world size."""
+    from megatron_ga_ext.verify.harness import VerifyConfig, run_rank
+    from megatron_ga_ext.verify.launch import LaunchConfig, run_on_ranks
+
+    by_world: dict[int, list] = defaultdict(list)
+    for layout in layouts:
+        by_world[layout.world_size].append(layout)
+    launch = LaunchConfig(backend="gloo" if args.device == "cpu" else "nccl", timeout_s=args.timeout)
+    results = {}
+    for world_size in sorted(by_world):
+        names = ", ".join(lay.name for lay in by_world[world_size])
+        print(f"launching {world_size} rank(s): {names}", file=sys.stderr, flush=True)
+        cfg = VerifyConfig(layouts=tuple(by_world[world_size]), device=args.device)
+        results[world_size] = run_on_ranks(run_rank, world_size, (cfg,), launch)
+    return results
+
+
+def rows_from_results(results: dict[int, list[list[Any]]], tolerance: float) -> list[dict[str, Any]]:
+    """One row per (layout, mode): the largest error over ranks, and the verdict.
+
+    ``token`` passes when within ``tolerance`` of the token reference; ``microbatch`` when within it of
+    its own (mean-of-means) reference.
+    """
+    worst: dict[tuple[str, str], list[float]] = {}
+    for per_rank in results.values():
+        for rank_results in per_rank:
+            for res in rank_results:
+                errs = worst.setdefault((res.layout, res.mode), [0.0, 0.0])
+                errs[0] = max(errs[0], res.rel_err_token)
+                errs[1] = max(errs[1], res.rel_err_mean_of_means)
+    rows = []
+    for (layout, mode), (err_token, err_mom) in worst.items():
+        own = err_token if mode == "token" else err_mom
+        rows.append({"layout": layout, "mode": mode, "rel_err_token": err_token,
+                     "rel_err_mean_of_means": err_mom, "ok": own <= tolerance})
+    return rows
+
+
+def _report(rows: list[dict[str, Any]], args: argparse.Namespace, seconds: float) -> None:
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    table = [[r["layout"], r["mode"], f"{r['rel_err_token']:.2e}", f"{r['rel_err_mean_of_means']:.2e}",
+              _verdict(r)] for r in rows]
+    print_table("Gradients against unpartitioned references (max relative error over ranks)",
+                ["layout", "mode", "vs token ref", "vs mean-of-means ref", "verdict"], table)
+    failed = sum(not r["ok"] for r in rows)
+    summary = "all rows pass" if not failed else f"{failed} row(s) FAIL"
+    print(f"{summary} (tolerance {args.tolerance:g}); {seconds:.1f} s")
+
+
+def _verdict(row: dict[str, Any]) -> str:
+    if not row["ok"]:
+        return "FAIL"
+    return "ok: token mean" if row["mode"] == "token" else "ok: mean of means"
