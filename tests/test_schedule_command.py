@@ -1,0 +1,145 @@
+"""megatron-ga schedule: table, JSON, rampup conversion, plot, one-line errors, and its speed."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_ga_ext import StepSchedule
+from megatron_ga_ext.schedule_command import main
+
+EXE = str(Path(sys.executable).with_name("megatron-ga"))
+TOKENS = ["0:768 250B:1536 500B:3072 750B:6144", "--micro-batch-size", "4", "--data-parallel-size", "64",
+          "--seq-length", "4096"]
+
+
+def run_json(capsys, *args: str) -> dict:
+    assert main([*args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_rows_and_iterations(capsys):
+    out = run_json(capsys, *TOKENS, "--train-tokens", "1T")
+    assert out["schedule"] == "0:768 250B:1536 500B:3072 750B:6144" and out["thresholds_in"] == "tokens"
+    assert out["train_samples"] == -(-10**12 // 4096)
+    stages = out["stages"]
+    assert [s["num_microbatches"] for s in stages] == [3, 6, 12, 24]
+    assert [s["threshold_samples"] for s in stages] == [0, 61035156, 122070312, 183105468]
+    assert stages[1]["first_token"] == stages[1]["first_sample"] * 4096 >= 250 * 10**9
+    assert out["iterations"] == sum(s["steps"] for s in stages)
+    schedule = StepSchedule.parse(TOKENS[0], seq_length=4096)
+    assert out["iterations"] == schedule.iterations(4, 64, out["train_samples"])
+
+
+def test_table_text(capsys):
+    assert main([*TOKENS, "--train-samples", "200M"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0] == '--step-batch-size-schedule "0:768 250B:1536 500B:3072 750B:6144" (thresholds in tokens, --seq-length 4096)'
+    assert "first token" in out and "micro-batches" in out
+    assert any(line.split()[:4] == ["2", "250B:1536", "1,536", "6"] for line in lines)
+    assert "steps for --train-samples 200,000,000" in out
+
+
+def test_sample_thresholds_with_seq_length(capsys):
+    out = run_json(capsys, "0:8 100:16", "--micro-batch-size", "1", "--data-parallel-size", "8", "--seq-length",
+                   "1024", "--sample-thresholds")
+    assert out["stages"][1]["threshold_samples"] == 100 and out["stages"][1]["threshold_tokens"] == 102400
+    assert out["schedule_tokens"] == "0:8 102400:16"
+
+
+def test_from_rampup_prints_the_converted_schedule(capsys):
+    assert main(["--from-rampup", "16", "8", "300000", "--global-batch-size", "1024", "--micro-batch-size", "4",
+                 "--data-parallel-size", "2", "--seq-length", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "--rampup-batch-size 16 8 300000 --global-batch-size 1024 is this step schedule (127 stages):" in out
+    samples_line = next(line for line in out.splitlines() if line.strip().startswith('--step-batch-size-schedule "0:16 2381:24'))
+    text = samples_line.split('"')[1]
+    assert StepSchedule.parse(text).stages == StepSchedule.from_rampup(16, 8, 300000, 1024).stages
+    tokens_line = next(line for line in out.splitlines() if '"0:16 9752576:24' in line)
+    assert StepSchedule.parse(tokens_line.split('"')[1], 4096).stages == StepSchedule.parse(text).stages
+
+
+def test_lr_hints_are_labelled(capsys):
+    assert main([*TOKENS, "--lr", "3e-4", "--lr-base-batch-size", "768"]) == 0
+    out = capsys.readouterr().out
+    assert "lr linear (hint)" in out and "lr sqrt (hint)" in out
+    assert "hints only" in out and "Neither is a prescription" in out
+    data = run_json(capsys, *TOKENS, "--lr", "3e-4", "--lr-base-batch-size", "768")
+    assert data["stages"][3]["lr_linear"] == pytest.approx(3e-4 * 8)
+    assert data["stages"][3]["lr_sqrt"] == pytest.approx(3e-4 * 8**0.5)
+
+
+def test_warn_future_stages(capsys):
+    assert main(["0:256 100:384", "--micro-batch-size", "1", "--data-parallel-size", "128",
+                 "--planned-data-parallel-sizes", "256", "--warn-future-stages"]) == 0
+    captured = capsys.readouterr()
+    assert "warning: --step-batch-size-schedule entry 2 '100:384'" in captured.err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["0:8 100:12", "--micro-batch-size", "4", "--data-parallel-size", "2"],
+         "entry 2 '100:12' (from 100 samples, global batch size 12) is not a multiple of --micro-batch-size 4"),
+        (["0:8 2.5:16", "--micro-batch-size", "4", "--data-parallel-size", "2"], "is not a whole number of samples"),
+        (["0:8", "--micro-batch-size", "0", "--data-parallel-size", "2"], "--micro-batch-size '0' must be at least 1"),
+        (["--micro-batch-size", "4", "--data-parallel-size", "2"], "give a schedule"),
+        (["--from-rampup", "16", "8", "100", "--micro-batch-size", "4", "--data-parallel-size", "2"],
+         "--from-rampup needs --global-batch-size"),
+        (["0:8", "--micro-batch-size", "4", "--data-parallel-size", "2", "--train-tokens", "1M"],
+         "--train-tokens needs --seq-length"),
+        (["0:8", "--micro-batch-size", "4", "--data-parallel-size", "2", "--lr", "1e-3"],
+         "--lr and --lr-base-batch-size go together"),
+        (["0:8", "--micro-batch-size", "4", "--data-parallel-size", "2", "--plot", "/nonexistent/dir/x.png"],
+         "--plot /nonexistent/dir/x.png: cannot write the figure"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("megatron-ga schedule: error: ")
+    assert message in lines[0]
+    assert "Traceback" not in captured.err
+
+
+def test_plot_png(tmp_path, capsys):
+    import matplotlib.image
+
+    path = tmp_path / "schedule.png"
+    assert main([*TOKENS, "--train-tokens", "1T", "--plot", str(path)]) == 0
+    assert f"plot written to {path}" in capsys.readouterr().out
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5_000
+    image = matplotlib.image.imread(str(path))
+    assert image.shape[:2] == (500, 800)
+    rgb = image[..., :3]
+    not_white = (rgb < 0.95).any(axis=-1).mean()
+    assert 0.01 < not_white < 0.5  # axes, labels and the two step lines: drawn, not blank, not a solid fill
+    assert rgb.std() > 0.05
+
+
+def test_no_plot_means_no_matplotlib_and_no_megatron():
+    code = ("import sys; from megatron_ga_ext.schedule_command import main; "
+            "main(['0:8 100:16', '--micro-batch-size', '1', '--data-parallel-size', '8']); "
+            "bad = [m for m in ('matplotlib', 'torch', 'megatron') if m in sys.modules]; "
+            "sys.exit(f'imported {bad}' if bad else 0)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.skipif(not os.path.exists(EXE), reason="console script not installed")
+def test_console_script_answers_in_under_half_a_second():
+    args = [EXE, "schedule", *TOKENS, "--train-tokens", "1T", "--lr", "3e-4", "--lr-base-batch-size", "768"]
+    best = float("inf")
+    for _ in range(3):  # best of three: the machine is shared
+        start = time.perf_counter()
+        result = subprocess.run(args, capture_output=True, text=True, timeout=60)
+        best = min(best, time.perf_counter() - start)
+        assert result.returncode == 0, result.stderr
+    assert best < 0.5, f"megatron-ga schedule took {best:.3f} s"
