@@ -36,8 +36,8 @@ from megatron_ga_ext.verify.models import ModelConfig, build_gpt, build_position
 from megatron_ga_ext.verify.models import transformer_config
 from megatron_ga_ext.verify.references import reference_grads
 
-__all__ = ["LayoutResult", "VerifyConfig", "build_ddp", "gradients", "init_model_parallel", "microbatches",
-           "run_layout", "run_rank", "train_step"]
+__all__ = ["LayoutResult", "VerifyConfig", "build_ddp", "gradients", "init_model_parallel",
+           "microbatches", "relative_error", "run_layout", "run_rank", "train_step"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -87,8 +87,8 @@ def _run_all(cfg: VerifyConfig) -> list[LayoutResult]:
             grads, num_tokens = run_layout(layout, mode, cfg, batch)
             result = LayoutResult(
                 layout.name, mode,
-                _rel_err(grads, refs[(layout.model, "token")]),
-                _rel_err(grads, refs[(layout.name, "mean_of_means")]),
+                relative_error(grads, refs[(layout.model, "token")]),
+                relative_error(grads, refs[(layout.name, "mean_of_means")]),
                 num_tokens, time.perf_counter() - start)
             _progress(cfg, result)
             results.append(result)
@@ -101,7 +101,7 @@ def _progress(cfg: VerifyConfig, result: LayoutResult) -> None:
               file=sys.stderr, flush=True)
 
 
-def _rel_err(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+def relative_error(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
     diff = max(float((g - ref[n]).abs().max()) for n, g in grads.items())
     scale = max(float(ref[n].abs().max()) for n in grads)
     return diff / scale

@@ -1,0 +1,194 @@
+"""Break each token-mode check on purpose, on real megatron-core (4 gloo ranks, one launch).
+
+Every scenario runs megatron's own schedule and finalize_model_grads through the extension's loss
+contract and finalize wrapper; the launch returns, per scenario, either the error each rank raised or
+what the step produced, and the tests below match them.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from functools import partial
+
+import pytest
+import torch
+
+from megatron_ga_ext.errors import LossContractError
+from megatron_ga_ext.reduction import LossContract, ReductionConfig, masked_loss
+
+pytestmark = pytest.mark.slow
+
+DP4 = dict(data_parallel_size=4, num_microbatches=2)
+PP2 = dict(pipeline_model_parallel_size=2, data_parallel_size=2, num_microbatches=4)
+BIG = 2**31  # one micro-batch count alone would overflow megatron's int32 accumulator
+
+
+def _two_tuple(output, mask):
+    loss, _, report = masked_loss(output, mask)
+    return loss, report
+
+
+def _float_count(output, mask):
+    loss, n, report = masked_loss(output, mask)
+    return loss, n.float(), report
+
+
+def _vector_count(output, mask):
+    loss, n, report = masked_loss(output, mask)
+    return loss, torch.stack([n, n]), report
+
+
+def _negative_count(output, mask):
+    loss, n, report = masked_loss(output, mask)
+    return loss, n - 1000, report
+
+
+def _nan_loss(output, mask):
+    loss, n, report = masked_loss(output, mask)
+    return loss * float("nan"), n, report
+
+
+def _no_tokens(output, mask):
+    return masked_loss(output, torch.zeros_like(mask))
+
+
+def _huge_count(output, mask):
+    loss, n, report = masked_loss(output, mask)
+    return loss, n + BIG, report
+
+
+#: name -> (layout, loss function, options)
+SCENARIOS = {
+    "two_tuple": (DP4, _two_tuple, {}),
+    "float_count": (DP4, _float_count, {}),
+    "vector_count": (DP4, _vector_count, {}),
+    "negative_count": (DP4, _negative_count, {}),
+    "nan_loss": (DP4, _nan_loss, {}),
+    "flag_off": (DP4, masked_loss, {"flag_at_build": False, "flag_at_step": False}),
+    "ddp_before_flag": (DP4, masked_loss, {"flag_at_build": False}),
+    "average_in_collective": (DP4, masked_loss, {"flag_at_build": False, "average_in_collective": True}),
+    "zero_tokens_error": (DP4, _no_tokens, {}),
+    "zero_tokens_warn": (DP4, _no_tokens, {"zero_tokens": "warn"}),
+    "unwrapped": (DP4, masked_loss, {"wrap": False}),
+    "huge_count": (DP4, _huge_count, {}),
+    "pp_token": (PP2, masked_loss, {}),
+    "pp_huge_count": (PP2, _huge_count, {}),
+}
+
+
+def _scenario(name, cfg, batch, refs):
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+
+    from megatron_ga_ext.finalize import make_finalize_model_grads
+    from megatron_ga_ext.verify.harness import build_ddp, gradients, relative_error, train_step
+    from megatron_ga_ext.verify.layouts import Layout
+
+    layout_kwargs, loss_func, opts = SCENARIOS[name]
+    layout = Layout(**layout_kwargs)
+    ddp, names, config = build_ddp(
+        layout, cfg, calculate_per_token_loss=opts.get("flag_at_build", True),
+        ddp_config=DistributedDataParallelConfig(
+            average_in_collective=opts.get("average_in_collective", False)))
+    config.calculate_per_token_loss = opts.get("flag_at_step", True)
+    contract = LossContract()
+    finalize = make_finalize_model_grads(
+        finalize_model_grads, contract,
+        config=ReductionConfig(zero_tokens=opts.get("zero_tokens", "error")))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_step(ddp, config, layout, cfg, batch, finalize=finalize,
+                   loss_func=contract.wrap(loss_func) if opts.get("wrap", True) else loss_func)
+    grads = gradients(ddp, names)
+    ref = refs[("gpt", "token")]
+    n = finalize.last_num_tokens
+    scaled = {k: v * 72 / n for k, v in ref.items()} if n else ref
+    return {"num_tokens": n, "rel_err": relative_error(grads, scaled),
+            "max_grad": max(float(g.abs().max()) for g in grads.values()),
+            "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]}
+
+
+def _run_scenarios():
+    from megatron_ga_ext.verify.harness import VerifyConfig, init_model_parallel
+    from megatron_ga_ext.verify.layouts import DEFAULT_LAYOUTS, make_global_batch
+    from megatron_ga_ext.verify.references import reference_grads
+    from megatron_ga_ext.verify.shims import cpu_shims
+    from megatron.core import parallel_state
+
+    cfg = VerifyConfig(progress=False)
+    batch = make_global_batch(cfg.lengths, cfg.model.seq_length, cfg.model.vocab_size)
+    out = {}
+    with cpu_shims():
+        refs = reference_grads(cfg.model, DEFAULT_LAYOUTS[:1], batch)
+        for name, (layout_kwargs, _, _) in SCENARIOS.items():
+            init_model_parallel(pipeline_model_parallel_size=layout_kwargs.get(
+                "pipeline_model_parallel_size", 1))
+            try:
+                out[name] = ("ok", _scenario(name, cfg, batch, refs))
+            except LossContractError as exc:
+                out[name] = ("error", exc)
+            finally:
+                parallel_state.destroy_model_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    """{scenario: [(status, payload) per rank]} from one 4-rank launch."""
+    from megatron_ga_ext.verify.launch import LaunchConfig, run_on_ranks
+
+    warnings.filterwarnings("ignore", category=UserWarning)
+    per_rank = run_on_ranks(_run_scenarios, 4, (), LaunchConfig(timeout_s=240))
+    return {name: [rank[name] for rank in per_rank] for name in SCENARIOS}
+
+
+def _raise(outcome):
+    """Re-raise the error every rank raised (they must agree), or return rank 0's payload."""
+    statuses = {status for status, _ in outcome}
+    assert len(statuses) == 1, f"ranks disagree: {outcome}"
+    status, payload = outcome[0]
+    if status == "error":
+        raise payload
+    return payload
+
+
+@pytest.mark.parametrize("name, match", [
+    ("two_tuple", r"returned a 2-tuple at micro-batch 0; token mode needs \(summed loss, num_tokens"),
+    ("float_count", r"num_tokens as a tensor of dtype torch\.float32 .*must be an integer scalar"),
+    ("vector_count", r"num_tokens as a tensor of dtype torch\.int64 and shape \(2,\)"),
+    ("negative_count", r"micro-batch\(es\) returned a negative num_tokens"),
+    ("nan_loss", r"8 micro-batch\(es\) in this global batch returned a non-finite loss"),
+    ("flag_off", r"needs calculate_per_token_loss=True"),
+    ("ddp_before_flag", r"gradient_scaling_factor 0\.25 \(= 1/4\).*4 times too small"),
+    ("average_in_collective", r"average_in_collective=True"),
+    ("zero_tokens_error", r"the global batch has 0 non-padding tokens"),
+    ("unwrapped", r"4 last-stage rank\(s\) ran no micro-batch through the LossContract"),
+])
+def test_broken_check_raises(outcomes, name, match):
+    with pytest.raises(LossContractError, match=match):
+        _raise(outcomes[name])
+
+
+def test_zero_tokens_warn_applies_zero_gradient(outcomes):
+    result = _raise(outcomes["zero_tokens_warn"])
+    assert result["num_tokens"] == 0
+    assert result["max_grad"] == 0.0
+    assert any("0 non-padding tokens" in w and "zero gradient" in w for w in result["warnings"])
+
+
+@pytest.mark.parametrize("name", ["huge_count", "pp_huge_count"])
+def test_count_is_summed_in_int64(outcomes, name):
+    """8 micro-batches of 2^31 + n tokens: exact in int64, where int32 would wrap around."""
+    expected = 72 + 8 * BIG
+    for status, result in outcomes[name]:
+        assert status == "ok"
+        assert result["num_tokens"] == expected
+        assert result["rel_err"] < 1e-5  # gradients divided by exactly that count
+    assert (expected + 2**31) % 2**32 - 2**31 != expected  # what an int32 sum would give instead
+
+
+def test_pipeline_stages_share_the_last_stage_count(outcomes):
+    results = [payload for _, payload in outcomes["pp_token"]]
+    assert [r["num_tokens"] for r in results] == [72, 72, 72, 72]
+    assert max(r["rel_err"] for r in results) < 1e-5
+    assert not math.isnan(results[0]["max_grad"])
