@@ -1,0 +1,177 @@
+"""install() on megatron-core's real pipeline schedule: 4 gloo ranks, PP 2 x DP 2, tiny GPT.
+
+One launch checks, in order, as Megatron's training loop drives it:
+1. a --rampup-batch-size given with --ga-convert-rampup runs as the exact step schedule (and, on
+   0.16.1, as upstream's own rampup calculator), step after step;
+2. every step's gradients, through install()'s loss contract and finalize, equal the unpartitioned
+   token-level reference;
+3. a forward/backward call with num_microbatches multiplied by PP is caught by the guard.
+"""
+
+import argparse
+import inspect
+from functools import partial
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from megatron_ga_ext.verify.launch import LaunchConfig, run_on_ranks  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+PP, DP, MBS = 2, 2, 1
+RAMPUP = ["2", "2", "12"]  # start 2, +2 every 12 / 3 = 4 samples, up to GBS 8
+GBS = 8
+LENGTHS = (16, 1, 13, 4, 16, 9, 2, 11)
+
+
+def megatron_args(extra: list[str]) -> argparse.Namespace:
+    """Megatron's own flags that matter here, plus ours from add_args (as extra_args_provider adds them)."""
+    from megatron_ga_ext import add_args
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--micro-batch-size", type=int)
+    parser.add_argument("--global-batch-size", type=int)
+    parser.add_argument("--rampup-batch-size", nargs="*")
+    parser.add_argument("--seq-length", type=int)
+    parser.add_argument("--pipeline-model-parallel-size", type=int)
+    add_args(parser)
+    return parser.parse_args([
+        "--micro-batch-size", str(MBS), "--global-batch-size", str(GBS), "--rampup-batch-size", *RAMPUP,
+        "--seq-length", "16", "--pipeline-model-parallel-size", str(PP), *extra,
+    ])
+
+
+def init_calculator(args: argparse.Namespace) -> None:
+    """What megatron.training.global_vars does for this release."""
+    from megatron.core import num_microbatches_calculator as calculators
+
+    init = calculators.init_num_microbatches_calculator
+    if "step_batch_size_schedule" in inspect.signature(init).parameters:  # 0.18+: the rampup is not passed
+        init(0, None, args.global_batch_size, args.micro_batch_size, DP,
+             step_batch_size_schedule=getattr(args, "step_batch_size_schedule", None), seq_length=args.seq_length)
+    else:
+        init(0, args.rampup_batch_size, args.global_batch_size, args.micro_batch_size, DP)
+
+
+def rank_main() -> dict:
+    from megatron_ga_ext.verify.shims import cpu_shims
+
+    with cpu_shims():
+        return _rank_main()
+
+
+def _rank_main() -> dict:
+    from megatron.core import num_microbatches_calculator as calculators
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    import megatron_ga_ext
+    from megatron_ga_ext.errors import GuardError
+    from megatron_ga_ext.reduction import masked_loss
+    from megatron_ga_ext.verify.harness import VerifyConfig, build_ddp, gradients, init_model_parallel, microbatches
+    from megatron_ga_ext.verify.harness import _forward_step
+    from megatron_ga_ext.verify.layouts import Layout, make_global_batch
+
+    args = megatron_args(["--ga-convert-rampup"])
+    megatron_ga_ext.install(args)
+    from megatron.core.distributed import finalize_model_grads  # bound after install(): our wrapper
+
+    cfg = VerifyConfig()
+    init_calculator(args)
+    init_model_parallel(pipeline_model_parallel_size=PP)
+    ddp, names, config = build_ddp(Layout(data_parallel_size=DP, num_microbatches=1, pipeline_model_parallel_size=PP),
+                                   cfg, calculate_per_token_loss=True)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp.no_sync
+    schedule = get_forward_backward_func()
+
+    def step(num_microbatches: int, layout: Layout, batch) -> None:
+        ddp.zero_grad_buffer()
+        schedule(forward_step_func=partial(_forward_step, loss_func=masked_loss),
+                 data_iterator=iter(microbatches(layout, batch, "cpu")), model=[ddp],
+                 num_microbatches=num_microbatches, seq_length=cfg.model.seq_length, micro_batch_size=MBS,
+                 forward_only=False)
+
+    consumed, seen, errors = 0, [], []
+    calculators.update_num_microbatches(consumed, consistency_check=True)  # checkpoint load at start
+    while consumed < 24:
+        calculators.update_num_microbatches(consumed, consistency_check=False)
+        calculators.update_num_microbatches(consumed, consistency_check=True)
+        m = calculators.get_num_microbatches()
+        seen.append((consumed, calculators.get_current_global_batch_size(), m))
+        layout = Layout(data_parallel_size=DP, num_microbatches=m, pipeline_model_parallel_size=PP)
+        lengths = tuple(LENGTHS[i % len(LENGTHS)] for i in range(consumed, consumed + layout.global_batch_size))
+        batch = make_global_batch(lengths, cfg.model.seq_length, cfg.model.vocab_size, seed=consumed)
+        step(m, layout, batch)
+        mine = gradients(ddp, names)
+        ref = token_reference(cfg, layout, batch)
+        errors.append(max(float((g - ref[n]).abs().max()) / float(ref[n].abs().max()) for n, g in mine.items()))
+        consumed += DP * MBS * m
+    # The classic mistake: GA counted as GBS / (MBS x DP) x PP.
+    m = calculators.get_num_microbatches()
+    layout = Layout(data_parallel_size=DP, num_microbatches=m * PP, pipeline_model_parallel_size=PP)
+    batch = make_global_batch(LENGTHS * PP * 2, cfg.model.seq_length, cfg.model.vocab_size)
+    try:
+        step(m * PP, layout, batch)
+        guard = None
+    except GuardError as error:
+        guard = str(error)
+    megatron_ga_ext.uninstall()
+    return {"seen": seen, "errors": errors, "guard": guard}
+
+
+def token_reference(cfg, layout, batch):
+    """The unpartitioned token-level reference; it needs TP = PP = 1 state, so the PP 2 state is rebuilt."""
+    from megatron.core import parallel_state
+
+    from megatron_ga_ext.verify.harness import init_model_parallel
+    from megatron_ga_ext.verify.references import reference_grads
+
+    parallel_state.destroy_model_parallel()
+    refs = reference_grads(cfg.model, [layout], batch)
+    init_model_parallel(pipeline_model_parallel_size=PP)
+    return refs[("gpt", "token")]
+
+
+def expected_steps() -> list[tuple[int, int, int]]:
+    from megatron_ga_ext import StepSchedule
+
+    schedule = StepSchedule.from_rampup(*(int(v) for v in RAMPUP), GBS)
+    out, consumed = [], 0
+    while consumed < 24:
+        gbs = schedule.global_batch_size_at(consumed)
+        out.append((consumed, gbs, gbs // (MBS * DP)))
+        consumed += gbs
+    return out
+
+
+def upstream_rampup_steps() -> list[tuple[int, int, int]] | None:
+    """0.16.1's own rampup calculator, stepped the same way (None where the release has none)."""
+    from megatron.core import num_microbatches_calculator as calculators
+
+    cls = getattr(calculators, "RampupBatchsizeNumMicroBatchesCalculator", None)
+    if cls is None:
+        return None
+    calc = cls(GBS, MBS, DP, False, 0, *(int(v) for v in RAMPUP))
+    out, consumed = [], 0
+    while consumed < 24:
+        calc.update(consumed, True)
+        out.append((consumed, calc.get_current_global_batch_size(), calc.get()))
+        consumed += DP * MBS * calc.get()
+    return out
+
+
+def test_install_on_the_real_pipeline_schedule():
+    results = run_on_ranks(rank_main, world_size=PP * DP, config=LaunchConfig(timeout_s=240))
+    expected = expected_steps()
+    assert [gbs for _, gbs, _ in expected] == [2, 2, 4, 6, 8, 8]  # the ramp, then the full batch
+    upstream = upstream_rampup_steps()
+    if upstream is not None:
+        assert upstream == expected
+    for result in results:
+        assert result["seen"] == expected
+        assert max(result["errors"]) < 1e-5, result["errors"]
+        assert result["guard"] is not None
+        assert "num_microbatches=8, but the calculator's num_microbatches = GBS / (MBS x DP) is 4" in result["guard"]
+        assert "8 = 4 x PP 2: pipeline parallelism never multiplies the global batch size" in result["guard"]
