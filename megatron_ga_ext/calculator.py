@@ -62,6 +62,7 @@ class StepScheduleCalculator:
         self.planned_data_parallel_sizes = tuple(planned_data_parallel_sizes)
         self.strict_future = strict_future
         self.micro_batch_times_data_parallel_size = self.micro_batch_size * self.data_parallel_size
+        self.decrease_batch_size_if_needed = False  # a step schedule fixes each batch size (upstream refuses it too)
         # Upstream's public attributes, with the same meaning.
         self.schedule: list[tuple[int, int]] = schedule.stages
         self.seq_length: int | None = schedule.seq_length

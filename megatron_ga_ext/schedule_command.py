@@ -174,6 +174,9 @@ def _header(args: argparse.Namespace, schedule: StepSchedule, seq: int | None) -
             lines.append(f"  pretrain_gpt (thresholds in tokens, --seq-length {seq}):")
             lines.append(f'    {FLAG} "{schedule.to_string(seq_length=seq)}"')
             lines.append("  megatron-core callers passing seq_length=None (thresholds in samples):")
+        else:
+            lines.append("  thresholds in samples, for megatron-core callers passing seq_length=None; pretrain_gpt "
+                         "reads thresholds as tokens: add --seq-length for its string:")
         lines.append(f'    {FLAG} "{schedule.samples_string()}"')
     else:
         unit = f"tokens, --seq-length {schedule.seq_length}" if schedule.seq_length else "samples"
