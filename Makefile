@@ -25,8 +25,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@touch $@
 
 demo: $(STAMP)
-	$(VENV)/bin/megatron-ga ledger --nnodes 2 --nproc-per-node 8 --tensor-model-parallel-size 2 \
-		--pipeline-model-parallel-size 2 --micro-batch-size 4 --global-batch-size 128 --seq-length 2048
+	$(VENV)/bin/megatron-ga verify
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
