@@ -21,7 +21,7 @@ from typing import Sequence
 
 from megatron_ga_ext.errors import ScheduleError, SizeError
 from megatron_ga_ext.layout import require_positive_int
-from megatron_ga_ext.schedule import StepSchedule
+from megatron_ga_ext.schedule import StepSchedule, rampup_triple
 
 __all__ = ["StepScheduleCalculator"]
 
@@ -122,7 +122,7 @@ class StepScheduleCalculator:
         if step_batch_size_schedule is not None:
             schedule = StepSchedule.parse(step_batch_size_schedule, seq_length)
         elif rampup_batch_size is not None:
-            start, increment, ramp_samples = _rampup_triple(rampup_batch_size)
+            start, increment, ramp_samples = rampup_triple(rampup_batch_size)
             schedule = StepSchedule.from_rampup(start, increment, ramp_samples, _need_gbs(global_batch_size))
         else:
             schedule = StepSchedule.constant(_need_gbs(global_batch_size))
@@ -205,20 +205,3 @@ def _need_gbs(global_batch_size: int | None) -> int:
     if global_batch_size is None:
         raise SizeError("--global-batch-size is required without --step-batch-size-schedule; give the target GBS.")
     return global_batch_size
-
-
-def _rampup_triple(values: Sequence[int | str]) -> tuple[int, int, int]:
-    """``--rampup-batch-size START INCREMENT SAMPLES`` as three ints (argparse leaves them strings)."""
-    if len(values) != 3:
-        raise SizeError(
-            f"--rampup-batch-size takes three values, START INCREMENT SAMPLES (e.g. 16 8 300000); got "
-            f"{len(values)}: {' '.join(map(str, values))}."
-        )
-    triple = []
-    for name, value in zip(("start batch size", "increment", "ramp-up samples"), values):
-        if isinstance(value, str) and value.strip().isdigit():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise SizeError(f"--rampup-batch-size {name} {value!r} is not a whole number.")
-        triple.append(value)
-    return triple[0], triple[1], triple[2]

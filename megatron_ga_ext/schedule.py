@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
 import warnings
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
@@ -34,7 +35,9 @@ __all__ = [
     "StageRow",
     "StepInfo",
     "StepSchedule",
+    "format_count",
     "parse_count",
+    "rampup_triple",
 ]
 
 FLAG = "--step-batch-size-schedule"
@@ -284,9 +287,13 @@ class StepSchedule:
 
     def stage_index_at(self, consumed_samples: int) -> int:
         """0-based index of the stage in force at ``consumed_samples``: O(log stages)."""
-        if isinstance(consumed_samples, bool) or not isinstance(consumed_samples, int) or consumed_samples < 0:
+        try:
+            consumed = operator.index(consumed_samples)  # int, or numpy/torch integer scalars
+        except TypeError:
+            consumed = -1
+        if isinstance(consumed_samples, bool) or consumed < 0:
             raise SizeError(f"consumed_samples {consumed_samples!r} must be a whole number >= 0.")
-        return bisect.bisect_right(self._thresholds, consumed_samples) - 1
+        return bisect.bisect_right(self._thresholds, consumed) - 1
 
     def global_batch_size_at(self, consumed_samples: int) -> int:
         """GBS of the last stage whose threshold is <= ``consumed_samples``."""
@@ -540,6 +547,23 @@ def _check_pair(previous: Stage, stage: Stage, entries: tuple[Stage, ...], seq_l
 
 
 # -- rampup ------------------------------------------------------------------------------------
+
+
+def rampup_triple(values: Sequence[int | str]) -> tuple[int, int, int]:
+    """``--rampup-batch-size START INCREMENT SAMPLES`` as three ints (argparse and launch lines give strings)."""
+    if len(values) != 3:
+        raise SizeError(
+            f"--rampup-batch-size takes three values, START INCREMENT SAMPLES (e.g. 16 8 300000); got "
+            f"{len(values)}: {' '.join(map(str, values))}."
+        )
+    triple = []
+    for name, value in zip(("start batch size", "increment", "ramp-up samples"), values):
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SizeError(f"--rampup-batch-size {name} {value!r} is not a whole number.")
+        triple.append(value)
+    return triple[0], triple[1], triple[2]
 
 
 def _rampup_stages(start: int, increment: int, ramp_samples: int, global_batch_size: int) -> list[tuple[int, int]]:
