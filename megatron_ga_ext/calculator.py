@@ -160,7 +160,10 @@ class StepScheduleCalculator:
         if verbose and self.rank == 0 and batch != self.current_global_batch_size:
             logger.info(
                 "global batch size %s -> %d at %d consumed samples (%d micro-batches)",
-                self.current_global_batch_size, batch, consumed_samples, batch // self.micro_batch_times_data_parallel_size,
+                self.current_global_batch_size,
+                batch,
+                consumed_samples,
+                batch // self.micro_batch_times_data_parallel_size,
             )
         self.current_global_batch_size = batch
         self.current_running_global_batch_size = batch

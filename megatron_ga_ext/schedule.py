@@ -169,7 +169,7 @@ class StageRow:
 
 @dataclass(kw_only=True, frozen=True)
 class StepInfo:
-    """One optimizer step: 0-based iteration, consumed samples before it, its GBS and micro-batches."""
+    """One optimizer step: iteration (0-based, from where stepping began), consumed samples before it, GBS, M."""
 
     iteration: int
     consumed_samples: int
@@ -362,7 +362,8 @@ class StepSchedule:
                 if error is not None:
                     found.append(ScheduleProblem(stage=stage, future=future, error=error))
             if future and stage.global_batch_size < self.entries[index - 1].global_batch_size:
-                found.append(ScheduleProblem(stage=stage, future=True, error=_decrease_error(self.entries[index - 1], stage)))
+                error = _decrease_error(self.entries[index - 1], stage)
+                found.append(ScheduleProblem(stage=stage, future=True, error=error))
         return found
 
     def validate(
@@ -402,7 +403,11 @@ class StepSchedule:
     # -- accounting ----------------------------------------------------------------------------
 
     def iter_steps(
-        self, micro_batch_size: int, data_parallel_size: int, consumed_samples: int = 0, train_samples: int | None = None
+        self,
+        micro_batch_size: int,
+        data_parallel_size: int,
+        consumed_samples: int = 0,
+        train_samples: int | None = None,
     ) -> Iterator[StepInfo]:
         """The steps training runs from ``consumed_samples`` on, until ``train_samples`` (or forever).
 
@@ -416,7 +421,8 @@ class StepSchedule:
             batch = self.global_batch_size_at(consumed)
             samples = (batch // unit) * unit
             if samples == 0:
-                raise _zero_microbatch_error(self.entries[self.stage_index_at(consumed)], micro_batch_size, data_parallel_size)
+                stage = self.entries[self.stage_index_at(consumed)]
+                raise _zero_microbatch_error(stage, micro_batch_size, data_parallel_size)
             yield StepInfo(
                 iteration=iteration, consumed_samples=consumed, global_batch_size=batch,
                 num_microbatches=batch // unit, samples=samples,
@@ -459,14 +465,16 @@ class StepSchedule:
                 raise _zero_microbatch_error(stage, mbs, dp)
             steps = (None if end is None else -(-(end - consumed) // per_step)) if used else 0
             first = consumed if used else None
-            rows.append(_row(stage, mbs * dp, seq, first, iteration if used else None, steps, per_step, lr, lr_base_batch_size))
+            first_step = iteration if used else None
+            rows.append(_row(stage, mbs * dp, seq, first, first_step, steps, per_step, lr, lr_base_batch_size))
             if steps:
                 consumed, iteration = consumed + steps * per_step, iteration + steps
         return rows
 
     def iterations(self, micro_batch_size: int, data_parallel_size: int, train_samples: int) -> int:
         """Steps training runs for ``--train-samples``: while consumed < train_samples, one more step."""
-        return sum(row.steps or 0 for row in self.table(micro_batch_size, data_parallel_size, train_samples=train_samples))
+        rows = self.table(micro_batch_size, data_parallel_size, train_samples=train_samples)
+        return sum(row.steps or 0 for row in rows)
 
 
 # -- parsing helpers ---------------------------------------------------------------------------

@@ -207,7 +207,8 @@ def _print(
     if args.lr is not None:
         columns += [("lr linear (hint)", "lr_linear"), ("lr sqrt (hint)", "lr_sqrt")]
     table = [[getattr(row, key) for _, key in columns] for row in rows]
-    print_table(f"stages for MBS {args.micro_batch_size} x DP {args.data_parallel_size}", [c[0] for c in columns], table)
+    title = f"stages for MBS {args.micro_batch_size} x DP {args.data_parallel_size}"
+    print_table(title, [c[0] for c in columns], table)
     if train_samples is not None:
         steps = sum(r.steps or 0 for r in rows)
         end = sum(r.samples or 0 for r in rows)
