@@ -82,6 +82,8 @@ def parse_count(text: str, what: str = "value") -> Fraction:
         ) from None
     if number.is_signed() and number != 0:
         raise ScheduleError(f"{what} {text!r} is negative; thresholds and batch sizes count samples, so use >= 0.")
+    if number != 0 and number.as_tuple().exponent < -_MAX_EXPONENT:  # type: ignore[operator]
+        raise ScheduleParseError(f"{what} {text!r} has more than {_MAX_EXPONENT} decimal places; write it plainly.")
     if number != 0 and number.adjusted() + len(str(multiplier)) - 1 > _MAX_EXPONENT:
         raise ScheduleParseError(f"{what} {text!r} is larger than 1e{_MAX_EXPONENT}; no run consumes that much.")
     return Fraction(number) * multiplier

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from megatron_ga_ext import StepSchedule
 from megatron_ga_ext.calculator import StepScheduleCalculator
+from megatron_ga_ext.errors import GAError
 from megatron_ga_ext.schedule import SUFFIXES, parse_count
 
 
@@ -104,3 +105,26 @@ def test_rampup_schedule_is_monotone_and_ends_at_gbs(start, increment, steps, ra
     assert schedule.global_batch_size_at(ramp_samples + 1) == gbs
     assume(ramp_samples > 0)
     assert schedule.global_batch_size_at(0) == start
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.text(alphabet="0123456789.:,-+_ eEkKmMbBtTgnaif\t", max_size=40), st.sampled_from([None, 1, 4096]))
+def test_any_text_parses_or_raises_a_typed_error(text, seq_length):
+    try:
+        schedule = StepSchedule.parse(text, seq_length)
+    except GAError as error:
+        assert isinstance(error, ValueError) and str(error)
+        return
+    assert schedule.stages[0][0] == 0
+    assert all(a[0] < b[0] for a, b in zip(schedule.stages, schedule.stages[1:]))
+    assert StepSchedule.parse(str(schedule), seq_length).stages == schedule.stages
+
+
+def test_extreme_exponents_are_refused_quickly():
+    for text in ("0:8 1e-1000000000:16", "0:8 1e1000000000:16"):
+        try:
+            StepSchedule.parse(text)
+        except GAError as error:
+            assert "decimal places" in str(error) or "larger than 1e30" in str(error)
+        else:
+            raise AssertionError(text)
