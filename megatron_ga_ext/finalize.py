@@ -60,13 +60,14 @@ def check_ddp_chunks(model: Sequence[torch.nn.Module], config: Any = None) -> No
         check_per_token_flag(config, "token")
     for index, chunk in enumerate(model):
         ddp_config = getattr(chunk, "ddp_config", None)
+        if ddp_config is None:  # not megatron's DDP (nn.Module.buffers is a method, not a list)
+            continue
         if getattr(ddp_config, "average_in_collective", False):
             raise LossContractError(
                 f"model chunk {index} was wrapped with DistributedDataParallelConfig("
                 f"average_in_collective=True); per-token loss needs a summing collective. Build DDP "
                 f"with average_in_collective=False (--no-average-in-collective is the default).")
-        buffers = list(getattr(chunk, "buffers", []) or []) + list(
-            getattr(chunk, "expert_parallel_buffers", []) or [])
+        buffers = list(chunk.buffers) + list(getattr(chunk, "expert_parallel_buffers", []))
         for buffer in buffers:
             factor = getattr(buffer, "gradient_scaling_factor", 1.0)
             if factor != 1.0:

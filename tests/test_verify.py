@@ -1,0 +1,120 @@
+"""The verify harness: launcher, layouts, reference weights, verdicts, and the command end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from megatron_ga_ext.verify.command import rows_from_results
+from megatron_ga_ext.verify.harness import LayoutResult
+from megatron_ga_ext.verify.launch import LaunchConfig, WorkerError, run_on_ranks
+from megatron_ga_ext.verify.layouts import DEFAULT_LAYOUTS, DEFAULT_LENGTHS, Layout, make_global_batch
+from megatron_ga_ext.verify.references import mean_of_means_weights, token_weights
+
+
+def _all_reduce_rank():
+    value = torch.tensor([float(torch.distributed.get_rank() + 1)])
+    torch.distributed.all_reduce(value)
+    return torch.distributed.get_rank(), value.item()
+
+
+def _fail_on_rank_one():
+    if torch.distributed.get_rank() == 1:
+        raise KeyError("rank one is broken")
+    return "fine"
+
+
+def _sleep():
+    time.sleep(30)
+
+
+def test_launcher_returns_each_rank_result():
+    assert run_on_ranks(_all_reduce_rank, 2) == [(0, 3.0), (1, 3.0)]
+
+
+def test_launcher_reraises_a_worker_error_as_itself():
+    with pytest.raises(KeyError, match="rank one is broken"):
+        run_on_ranks(_fail_on_rank_one, 2)
+
+
+def test_launcher_times_out():
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=r"did not finish within the launch timeout of 2 s"):
+        run_on_ranks(_sleep, 2, config=LaunchConfig(timeout_s=2))
+    assert time.monotonic() - start < 10
+
+
+def test_default_layouts_cover_issue_four():
+    names = [layout.name for layout in DEFAULT_LAYOUTS]
+    assert names == ["DP1 x GA8", "DP2 x GA4", "DP4 x GA2", "PP2 x DP2 x GA4",
+                     "CP2 x DP2 x GA4 (position-wise)"]
+    assert {layout.global_batch_size for layout in DEFAULT_LAYOUTS} == {len(DEFAULT_LENGTHS)}
+    assert min(DEFAULT_LENGTHS) == 1  # one micro-batch nearly all padding
+
+
+def test_cp_shards_follow_megatron_zigzag():
+    layout = Layout(context_parallel_size=2, data_parallel_size=2, num_microbatches=4)
+    assert layout.cp_positions(0, 16).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert layout.cp_positions(1, 16).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    ids = layout.unit_ids(16)
+    assert ids.min() == 0 and ids.max() == 4 * 2 * 2 - 1
+    assert ids[layout.sample(3, 1, 0), 4].item() == (3 * 2 + 1) * 2 + 1
+
+
+def test_reference_weights():
+    batch = make_global_batch(DEFAULT_LENGTHS, 16, 64)
+    mask = batch.loss_mask
+    assert token_weights(mask).sum().item() == pytest.approx(1.0)
+    ids = Layout(data_parallel_size=2, num_microbatches=4).unit_ids(16)
+    weights = mean_of_means_weights(mask, ids)
+    per_unit = torch.zeros(8).index_add_(0, ids.reshape(-1), weights.reshape(-1))
+    assert torch.allclose(per_unit, torch.full((8,), 1 / 8))  # every unit weighs 1/U
+    even = torch.ones_like(mask)
+    assert torch.allclose(mean_of_means_weights(even, ids), token_weights(even))  # all n equal: agree
+
+
+def _result(layout, mode, token, mom):
+    return LayoutResult(layout, mode, token, mom, None, 0.1)
+
+
+def test_rows_take_the_worst_rank_and_judge_each_mode_by_its_own_reference():
+    results = {2: [[_result("DP2 x GA4", "token", 1e-7, 0.9), _result("DP2 x GA4", "microbatch", 3.0, 1e-7)],
+                   [_result("DP2 x GA4", "token", 2e-5, 0.9), _result("DP2 x GA4", "microbatch", 3.0, 2e-7)]]}
+    rows = rows_from_results(results, 1e-5)
+    assert rows == [
+        {"layout": "DP2 x GA4", "mode": "token", "rel_err_token": 2e-5, "rel_err_mean_of_means": 0.9,
+         "ok": False},
+        {"layout": "DP2 x GA4", "mode": "microbatch", "rel_err_token": 3.0,
+         "rel_err_mean_of_means": 2e-7, "ok": True},
+    ]
+
+
+@pytest.mark.slow
+def test_verify_command_end_to_end():
+    proc = subprocess.run([sys.executable, "-m", "megatron_ga_ext.verify", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout)
+    assert [(r["layout"], r["mode"]) for r in rows] == [
+        (layout.name, mode) for layout in DEFAULT_LAYOUTS for mode in ("token", "microbatch")]
+    for row in rows:
+        assert set(row) == {"layout", "mode", "rel_err_token", "rel_err_mean_of_means", "ok"}
+        assert row["ok"] is True
+        if row["mode"] == "token":
+            assert row["rel_err_token"] < 1e-5 < 0.1 < row["rel_err_mean_of_means"]
+        else:
+            assert row["rel_err_mean_of_means"] < 1e-5 < 0.1 < row["rel_err_token"]
+    assert "launching 4 rank(s)" in proc.stderr and "PP2 x DP2 x GA4" in proc.stderr
+
+
+@pytest.mark.slow
+def test_verify_command_fails_when_token_mode_misses():
+    proc = subprocess.run([sys.executable, "-m", "megatron_ga_ext.verify", "--tolerance", "1e-12"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert "FAIL" in proc.stdout
