@@ -18,6 +18,7 @@ A name bound elsewhere by ``from x import y`` before install() (megatron.trainin
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import inspect
 import logging
 import sys
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from megatron_ga_ext.compat import CALCULATOR, FINALIZE, SCHEDULES, TARGETS, check_targets, megatron_core_version
+from megatron_ga_ext.errors import CompatError
 
 __all__ = ["GAConfig", "Installation", "install", "uninstall", "add_args", "installed"]
 
@@ -89,9 +91,38 @@ class Installation:
     version: str
     patches: list[_Patch] = field(default_factory=list)
     replacements: dict[str, Any] = field(default_factory=dict)
+    waiting_for_args: bool = False
+    """install() came before Megatron parsed its args: the config is read from them on first use."""
+    compat_problems: list[str] = field(default_factory=list)
     counter: Any = None
     contract: Any = None
     finalize: Any = None
+    reduction: Any = None
+
+    def configure(self, config: GAConfig) -> None:
+        """Apply ``config``: the reduction mode, the loss contract and the finalize wrapper's policy."""
+        from megatron_ga_ext.reduction import LossContract, ReductionConfig
+
+        self.config = config
+        reduction = ReductionConfig(
+            mode=config.loss_reduction, zero_tokens="warn" if config.zero_token_policy == "skip" else "error"
+        )
+        self.contract = LossContract() if reduction.mode == "token" else None
+        if self.finalize is not None:
+            self.finalize.config, self.finalize.contract = reduction, self.contract
+        self.reduction = reduction
+
+    def settle(self) -> None:
+        """At the first hook that runs after install() without a config: Megatron's parsed args where
+        they exist (Megatron parses them before it builds the calculator), else the defaults."""
+        if not self.waiting_for_args:
+            return
+        self.waiting_for_args = False
+        args = _megatron_args()
+        config = self.config if args is None else GAConfig.from_args(args)
+        if self.compat_problems and config.strict:
+            raise CompatError(" ".join(self.compat_problems))
+        self.configure(config)
 
     def patch(self, module_name: str, name: str, make: Callable[[Any], Any]) -> Any:
         """Replace ``module.name`` by ``make(original)`` there and in every module that bound it."""
@@ -128,12 +159,13 @@ def installed() -> Installation | None:
 
 
 def install(config: Any = None) -> Installation:
-    """Turn the extension on. ``config``: a :class:`GAConfig`, Megatron's parsed args, or None (the
-    parsed args where Megatron has them, else the defaults: token mode, strict). Twice is harmless."""
-    config = _resolve_config(config)
+    """Turn the extension on. ``config``: a :class:`GAConfig`, Megatron's parsed args, or None: Megatron's
+    parsed args once they exist (read at the first hook that runs), else the defaults (token mode,
+    strict). Twice is harmless; a different config replaces the installation."""
+    resolved, waiting = _resolve_config(config)
     current = installed()
     if current is not None:
-        if current.config == config:
+        if config is None or current.config == resolved:
             return current
         uninstall()
     import megatron.core.distributed.finalize_model_grads  # noqa: F401  (load every target module)
@@ -141,15 +173,16 @@ def install(config: Any = None) -> Installation:
     import megatron.core.pipeline_parallel.schedules  # noqa: F401
 
     version = megatron_core_version()
-    check_targets(version, config.strict, TARGETS)
-    state = Installation(config=config, version=version)
+    # Waiting for Megatron's args, strictness is theirs to decide (--no-ga-strict): refuse at settle().
+    problems = check_targets(version, resolved.strict and not waiting, TARGETS)
+    state = Installation(config=resolved, version=version, waiting_for_args=waiting, compat_problems=problems)
     try:
         _install_all(state)
     except BaseException:
         state.restore()
         raise
     _STATE.append(state)
-    logger.info("megatron-ga-ext installed on megatron-core %s (%s)", version, config)
+    logger.info("megatron-ga-ext installed on megatron-core %s (%s)", version, resolved)
     return state
 
 
@@ -168,37 +201,46 @@ def uninstall() -> None:
     _STATE.clear()
 
 
-def _resolve_config(config: Any) -> GAConfig:
+def _resolve_config(config: Any) -> tuple[GAConfig, bool]:
+    """(config, waiting): waiting when Megatron's training code exists but has not parsed its args yet."""
     if isinstance(config, GAConfig):
-        return config
+        return config, False
     if config is not None:
-        return GAConfig.from_args(config)
-    try:
-        from megatron.training.global_vars import get_args
+        return GAConfig.from_args(config), False
+    args = _megatron_args()
+    if args is not None:
+        return GAConfig.from_args(args), False
+    return GAConfig(), _has_megatron_training()
 
-        return GAConfig.from_args(get_args())
-    except Exception:  # no megatron.training (core-only) or args not parsed yet
-        return GAConfig()
+
+def _has_megatron_training() -> bool:
+    """Megatron-LM's training package is there (it is not in the megatron-core wheel)."""
+    if "megatron.training" in sys.modules:
+        return True
+    try:
+        return importlib.util.find_spec("megatron.training") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _megatron_args() -> Any:
+    """Megatron's parsed args, or None before parsing (megatron.training is not imported for this)."""
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    return getattr(global_vars, "_GLOBAL_ARGS", None)
 
 
 def _install_all(state: Installation) -> None:
     from megatron_ga_ext.finalize import make_finalize_model_grads
     from megatron_ga_ext.guards import MicrobatchCounter
-    from megatron_ga_ext.reduction import LossContract, ReductionConfig
 
-    config = state.config
-    reduction = ReductionConfig(
-        mode=config.loss_reduction, zero_tokens="warn" if config.zero_token_policy == "skip" else "error"
-    )
     state.counter = MicrobatchCounter()
-    state.contract = LossContract() if reduction.mode == "token" else None
+    state.configure(state.config)
     state.patch(SCHEDULES, "forward_step_calc_loss", lambda original: _forward_step_calc_loss(original, state))
-    if config.guards:
-        for name in SCHEDULE_FUNCTIONS:
-            state.patch(SCHEDULES, name, lambda original: _guarded_schedule(original, state))
+    for name in SCHEDULE_FUNCTIONS:
+        state.patch(SCHEDULES, name, lambda original: _guarded_schedule(original, state))
     state.finalize = state.patch(
         FINALIZE, "finalize_model_grads",
-        lambda original: make_finalize_model_grads(original, state.contract, config=reduction),
+        lambda original: make_finalize_model_grads(original, state.contract, config=state.reduction),
     )
     state.patch(CALCULATOR, "_configure_global_num_microbatches_calculator", lambda o: _configure_calculator(o, state))
     _guard_live_calculator(state)
@@ -208,6 +250,7 @@ def _forward_step_calc_loss(original: Callable, state: Installation) -> Callable
     signature = inspect.signature(original)
 
     def forward_step_calc_loss(*args: Any, **kwargs: Any):
+        state.settle()
         bound = signature.bind(*args, **kwargs)
         state.counter.count(bound.arguments["model"])
         loss_func = bound.arguments.get("loss_func")
@@ -223,8 +266,11 @@ def _guarded_schedule(original: Callable, state: Installation) -> Callable:
     from megatron_ga_ext.guards import check_microbatch_counts, current_pipeline_size
 
     def schedule(*args: Any, **kwargs: Any):
+        state.settle()
         state.counter.reset()
         result = original(*args, **kwargs)
+        if not state.config.guards:
+            return result
         expected = None if kwargs.get("forward_only") else _calculator_num_microbatches()
         check_microbatch_counts(state.counter.counts, kwargs["num_microbatches"], expected, current_pipeline_size())
         return result
@@ -244,6 +290,7 @@ def _configure_calculator(original: Callable, state: Installation) -> Callable:
     signature = inspect.signature(original)
 
     def configure(*args: Any, **kwargs: Any) -> None:
+        state.settle()
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         arguments = bound.arguments

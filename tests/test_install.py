@@ -97,7 +97,7 @@ def test_unknown_fingerprint_refused_in_strict_mode_and_warned_otherwise(monkeyp
     with pytest.raises(CompatError, match=rf"forward_step_calc_loss in megatron-core {version} has fingerprint "
                        r"[0-9a-f]{16}, which is not the known source of that release.*matches no release we know"
                        r".*--no-ga-strict"):
-        install()
+        install(GAConfig())
     assert installed() is None and schedules.forward_step_calc_loss is _changed_forward_step_calc_loss
     with caplog.at_level(logging.WARNING, logger="megatron_ga_ext.compat"):
         install(GAConfig(strict=False))
@@ -179,3 +179,46 @@ def test_rampup_converted_or_left_to_upstream(caplog):
 def test_public_api_exports_install():
     assert megatron_ga_ext.install is install and megatron_ga_ext.uninstall is uninstall
     assert megatron_ga_ext.add_args is add_args
+
+
+@pytest.fixture
+def megatron_training(monkeypatch):
+    """Stand-ins for Megatron-LM's megatron.training (not in the megatron-core wheel): args not parsed yet."""
+    training = types.ModuleType("megatron.training")
+    global_vars = types.ModuleType("megatron.training.global_vars")
+    global_vars._GLOBAL_ARGS = None
+    monkeypatch.setitem(sys.modules, "megatron.training", training)
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars", global_vars)
+    return global_vars
+
+
+def test_install_at_import_time_reads_megatron_args_once_parsed(megatron_training):
+    state = install()  # the one line at the top of pretrain_gpt.py, before Megatron parses its args
+    assert state.waiting_for_args and state.config == GAConfig() and state.contract is not None
+    megatron_training._GLOBAL_ARGS = add_args(argparse.ArgumentParser()).parse_args(
+        ["--ga-loss-reduction", "microbatch", "--step-batch-size-schedule", "0:16 64:32"])
+    init_calculator(16 if not STEP_SCHEDULES else None, 2, 4)  # Megatron's first call after parsing
+    assert not state.waiting_for_args
+    assert state.config.loss_reduction == "microbatch" and state.contract is None
+    assert state.finalize.config.mode == "microbatch"
+    assert type(calculators._GLOBAL_NUM_MICROBATCHES_CALCULATOR.inner).__name__ == "StepScheduleCalculator"
+
+
+def test_strictness_waits_for_megatron_args_too(megatron_training, monkeypatch):
+    monkeypatch.setattr(schedules, "forward_step_calc_loss", _changed_forward_step_calc_loss)
+    state = install()  # unknown source, but --no-ga-strict may still come
+    assert state.waiting_for_args
+    megatron_training._GLOBAL_ARGS = add_args(argparse.ArgumentParser()).parse_args([])
+    with pytest.raises(CompatError, match=r"forward_step_calc_loss in megatron-core .* matches no release we know"):
+        init_calculator(16, 2, 4)
+    uninstall()
+    megatron_training._GLOBAL_ARGS = None
+    state = install()
+    megatron_training._GLOBAL_ARGS = add_args(argparse.ArgumentParser()).parse_args(["--no-ga-strict"])
+    init_calculator(16, 2, 4)
+    assert not state.waiting_for_args and state.config.strict is False
+    uninstall()
+    megatron_training._GLOBAL_ARGS = None
+    install()  # and if Megatron never parses args (megatron-core only), the defaults hold: strict
+    with pytest.raises(CompatError, match=r"forward_step_calc_loss"):
+        init_calculator(16, 2, 4)
