@@ -215,7 +215,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         configure(p)
         p.set_defaults(handler=run)
     for name, (module_name, help_text) in _DELEGATED.items():
-        p = sub.add_parser(name, help=help_text, description=help_text, add_help=name != command)
+        p = sub.add_parser(name, help=help_text, description=help_text)
         if name == command:
             module = importlib.import_module(module_name)
             module.configure_parser(p)
