@@ -118,3 +118,16 @@ def test_verify_command_fails_when_token_mode_misses():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1
     assert "FAIL" in proc.stdout
+
+
+def test_cpu_shims_restore_torch_and_megatron():
+    from megatron.core.tensor_parallel import random as tp_random
+
+    from megatron_ga_ext.verify.shims import cpu_shims
+
+    before = (torch.cuda.current_device, torch.cuda.synchronize, tp_random._get_cuda_rng_state)
+    with cpu_shims():
+        assert torch.zeros(2, device="cuda").device.type == "cpu"
+        assert torch.ones(1).cuda().device.type == "cpu"
+        assert torch.cuda.current_device() == 0
+    assert (torch.cuda.current_device, torch.cuda.synchronize, tp_random._get_cuda_rng_state) == before
