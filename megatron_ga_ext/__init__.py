@@ -12,7 +12,7 @@ from megatron_ga_ext.errors import (
     ScheduleParseError,
     SizeError,
 )
-from megatron_ga_ext.install import GAConfig, add_args, install, uninstall
+from megatron_ga_ext.install import GAConfig, add_args, args_provider, install, uninstall
 from megatron_ga_ext.layout import BatchLayout
 from megatron_ga_ext.schedule import StepSchedule
 
@@ -31,6 +31,7 @@ __all__ = [
     "SizeError",
     "StepSchedule",
     "add_args",
+    "args_provider",
     "install",
     "uninstall",
 ]

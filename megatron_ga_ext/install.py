@@ -28,7 +28,7 @@ from typing import Any, Callable
 from megatron_ga_ext.compat import CALCULATOR, FINALIZE, SCHEDULES, TARGETS, check_targets, megatron_core_version
 from megatron_ga_ext.errors import CompatError
 
-__all__ = ["GAConfig", "Installation", "install", "uninstall", "add_args", "installed"]
+__all__ = ["GAConfig", "Installation", "add_args", "args_provider", "install", "installed", "uninstall", "wire_vendored"]
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,8 @@ class Installation:
     version: str
     patches: list[_Patch] = field(default_factory=list)
     replacements: dict[str, Any] = field(default_factory=dict)
+    vendored: bool = False
+    """Wired by a patched megatron/core (patches/) instead of install()."""
     waiting_for_args: bool = False
     """install() came before Megatron parsed its args: the config is read from them on first use."""
     compat_problems: list[str] = field(default_factory=list)
@@ -167,6 +169,10 @@ def install(config: Any = None) -> Installation:
     if current is not None:
         if config is None or current.config == resolved:
             return current
+        if current.vendored:  # the tree is wired already (patches/): only the config changes
+            current.waiting_for_args = False
+            current.configure(resolved)
+            return current
         uninstall()
     import megatron.core.distributed.finalize_model_grads  # noqa: F401  (load every target module)
     import megatron.core.num_microbatches_calculator  # noqa: F401
@@ -176,14 +182,28 @@ def install(config: Any = None) -> Installation:
     # Waiting for Megatron's args, strictness is theirs to decide (--no-ga-strict): refuse at settle().
     problems = check_targets(version, resolved.strict and not waiting, TARGETS)
     state = Installation(config=resolved, version=version, waiting_for_args=waiting, compat_problems=problems)
+    state.configure(resolved)
     try:
-        _install_all(state)
+        for wire in WIRING.values():
+            wire(state)
+        _guard_live_calculator(state)
     except BaseException:
         state.restore()
         raise
     _STATE.append(state)
     logger.info("megatron-ga-ext installed on megatron-core %s (%s)", version, resolved)
     return state
+
+
+def wire_vendored(module_name: str) -> None:
+    """Called at the end of each patched upstream module of a vendored tree (patches/): wire that module
+    into the one installation, which reads Megatron's args at its first hook like install()."""
+    state = installed()
+    if state is None:
+        state = Installation(config=GAConfig(), version=megatron_core_version(), vendored=True, waiting_for_args=True)
+        state.configure(state.config)
+        _STATE.append(state)
+    WIRING[module_name](state)
 
 
 def uninstall() -> None:
@@ -229,21 +249,30 @@ def _megatron_args() -> Any:
     return getattr(global_vars, "_GLOBAL_ARGS", None)
 
 
-def _install_all(state: Installation) -> None:
-    from megatron_ga_ext.finalize import make_finalize_model_grads
+def _wire_schedules(state: Installation) -> None:
     from megatron_ga_ext.guards import MicrobatchCounter
 
     state.counter = MicrobatchCounter()
-    state.configure(state.config)
     state.patch(SCHEDULES, "forward_step_calc_loss", lambda original: _forward_step_calc_loss(original, state))
     for name in SCHEDULE_FUNCTIONS:
         state.patch(SCHEDULES, name, lambda original: _guarded_schedule(original, state))
+
+
+def _wire_finalize(state: Installation) -> None:
+    from megatron_ga_ext.finalize import make_finalize_model_grads
+
     state.finalize = state.patch(
         FINALIZE, "finalize_model_grads",
         lambda original: make_finalize_model_grads(original, state.contract, config=state.reduction),
     )
+
+
+def _wire_calculator(state: Installation) -> None:
     state.patch(CALCULATOR, "_configure_global_num_microbatches_calculator", lambda o: _configure_calculator(o, state))
-    _guard_live_calculator(state)
+
+
+#: What each upstream module gets: install() runs all of them, a vendored tree each at its module's import.
+WIRING = {SCHEDULES: _wire_schedules, FINALIZE: _wire_finalize, CALCULATOR: _wire_calculator}
 
 
 def _forward_step_calc_loss(original: Callable, state: Installation) -> Callable:
@@ -344,6 +373,18 @@ def _guard_live_calculator(state: Installation) -> None:
     if live is None or isinstance(live, GuardedCalculator) or not state.config.guards:
         return
     calculators._GLOBAL_NUM_MICROBATCHES_CALCULATOR = GuardedCalculator(live, state.config.pipeline_model_parallel_size)
+
+
+def args_provider(*others: Callable | None) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:
+    """An ``extra_args_provider`` that runs ``others`` (None skipped), then :func:`add_args`."""
+
+    def provide(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        for other in others:
+            if other is not None:
+                parser = other(parser)
+        return add_args(parser)
+
+    return provide
 
 
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

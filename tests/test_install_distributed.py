@@ -55,27 +55,41 @@ def init_calculator(args: argparse.Namespace) -> None:
         init(0, args.rampup_batch_size, args.global_batch_size, args.micro_batch_size, DP)
 
 
-def rank_main() -> dict:
+def rank_main(wiring: str = "install") -> dict:
+    """One rank. ``wiring``: "install" calls install(args); "vendored" relies on a patched megatron/core
+    (patches/), which reads Megatron's parsed args (a stand-in for megatron.training's global) itself."""
+    import sys
+    import types
+
     from megatron_ga_ext.verify.shims import cpu_shims
 
+    args = megatron_args(["--ga-convert-rampup"])
+    if wiring == "install":
+        import megatron_ga_ext
+
+        megatron_ga_ext.install(args)
+    else:
+        global_vars = types.ModuleType("megatron.training.global_vars")
+        global_vars._GLOBAL_ARGS = args
+        sys.modules["megatron.training.global_vars"] = global_vars
     with cpu_shims():
-        return _rank_main()
+        return _rank_main(args)
 
 
-def _rank_main() -> dict:
+def _rank_main(args: argparse.Namespace) -> dict:
     from megatron.core import num_microbatches_calculator as calculators
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    import megatron_ga_ext
+    import megatron.core
+
     from megatron_ga_ext.errors import GuardError
+    from megatron_ga_ext.install import installed
     from megatron_ga_ext.reduction import masked_loss
     from megatron_ga_ext.verify.harness import VerifyConfig, build_ddp, gradients, init_model_parallel, microbatches
     from megatron_ga_ext.verify.harness import _forward_step
     from megatron_ga_ext.verify.layouts import Layout, make_global_batch
 
-    args = megatron_args(["--ga-convert-rampup"])
-    megatron_ga_ext.install(args)
-    from megatron.core.distributed import finalize_model_grads  # bound after install(): our wrapper
+    from megatron.core.distributed import finalize_model_grads  # bound after wiring: our wrapper
 
     cfg = VerifyConfig()
     init_calculator(args)
@@ -117,8 +131,8 @@ def _rank_main() -> dict:
         guard = None
     except GuardError as error:
         guard = str(error)
-    megatron_ga_ext.uninstall()
-    return {"seen": seen, "errors": errors, "guard": guard}
+    wiring = "vendored" if installed().vendored else "install"
+    return {"seen": seen, "errors": errors, "guard": guard, "wiring": wiring, "megatron": megatron.core.__file__}
 
 
 def token_reference(cfg, layout, batch):
@@ -162,16 +176,22 @@ def upstream_rampup_steps() -> list[tuple[int, int, int]] | None:
     return out
 
 
-def test_install_on_the_real_pipeline_schedule():
-    results = run_on_ranks(rank_main, world_size=PP * DP, config=LaunchConfig(timeout_s=240))
+def run_and_check(wiring: str) -> None:
+    """Launch the ranks and check what they saw (also run on patched trees by test_patches.py)."""
+    results = run_on_ranks(rank_main, world_size=PP * DP, args=(wiring,), config=LaunchConfig(timeout_s=240))
     expected = expected_steps()
     assert [gbs for _, gbs, _ in expected] == [2, 2, 4, 6, 8, 8]  # the ramp, then the full batch
     upstream = upstream_rampup_steps()
     if upstream is not None:
         assert upstream == expected
     for result in results:
+        assert result["wiring"] == wiring
         assert result["seen"] == expected
         assert max(result["errors"]) < 1e-5, result["errors"]
         assert result["guard"] is not None
         assert "num_microbatches=8, but the calculator's num_microbatches = GBS / (MBS x DP) is 4" in result["guard"]
         assert "8 = 4 x PP 2: pipeline parallelism never multiplies the global batch size" in result["guard"]
+
+
+def test_install_on_the_real_pipeline_schedule():
+    run_and_check("install")
