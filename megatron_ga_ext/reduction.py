@@ -150,6 +150,11 @@ class LossContract:
         self.microbatches += 1
         return outputs
 
+    def reset(self) -> None:
+        """Forget everything accumulated (call at the start of a step that follows an aborted one)."""
+        self._flags = None
+        self.microbatches = 0
+
     def collect(self, device: torch.device, *, is_last_stage: bool) -> torch.Tensor:
         """This step's int64 vector [tokens, negative, nonfinite, unchecked], then reset.
 
@@ -161,8 +166,7 @@ class LossContract:
         flags = flags.to(device)
         if is_last_stage and self.microbatches == 0:
             flags[SLOT_UNCHECKED] = 1
-        self._flags = None
-        self.microbatches = 0
+        self.reset()
         return flags
 
 

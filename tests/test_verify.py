@@ -131,3 +131,15 @@ def test_cpu_shims_restore_torch_and_megatron():
         assert torch.ones(1).cuda().device.type == "cpu"
         assert torch.cuda.current_device() == 0
     assert (torch.cuda.current_device, torch.cuda.synchronize, tp_random._get_cuda_rng_state) == before
+
+
+def test_cuda_without_a_device_is_a_clear_error(capsys, monkeypatch):
+    import argparse
+
+    from megatron_ga_ext.verify.command import configure_parser, run
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    parser = argparse.ArgumentParser()
+    configure_parser(parser)
+    assert run(parser.parse_args(["--device", "cuda"])) == 2
+    assert "no CUDA device is visible" in capsys.readouterr().err

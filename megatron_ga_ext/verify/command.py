@@ -46,6 +46,10 @@ def run(args: argparse.Namespace) -> int:
 
     layouts = _runnable(DEFAULT_LAYOUTS, args.device)
     print(f"megatron-ga verify: {versions}, device {args.device}", file=sys.stderr)
+    if not layouts:
+        print("error: --device cuda: no CUDA device is visible; run on a GPU machine or use "
+              "--device cpu.", file=sys.stderr)
+        return 2
     try:
         results = _launch_all(layouts, args)
     except Exception as exc:  # noqa: BLE001 - a CLI error: message, no traceback
