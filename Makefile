@@ -14,7 +14,11 @@ PYTHON_BIN := $(shell if $(PYTHON) --version >/dev/null 2>&1; then command -v $(
 STAMP := $(VENV)/.installed
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test clean
+MATRIX_VERSIONS ?= 0.17.1 0.18.2
+MATRIX_TESTS ?= tests/test_install.py tests/test_install_distributed.py tests/test_guards.py tests/test_reduction.py
+SOURCES ?= .cache/megatron-core-sources
+
+.PHONY: setup demo test matrix clean
 
 setup: $(STAMP)
 
@@ -29,6 +33,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The same hooks on the releases between the two legs: their megatron/core (the wheels' files) on PYTHONPATH.
+matrix: $(STAMP)
+	PYTHON=$(PY) bash tools/unpack-wheels.sh $(SOURCES) $(MATRIX_VERSIONS)
+	set -e; for v in $(MATRIX_VERSIONS); do echo "== megatron-core $$v =="; \
+		PYTHONPATH=$(SOURCES)/$$v $(PY) -m pytest -q -p no:cacheprovider $(MATRIX_TESTS); done
 
 clean:
 	rm -rf .venv .venv-* *.egg-info .pytest_cache .hypothesis

@@ -112,13 +112,14 @@ KNOWN: dict[str, dict[str, str]] = {
 
 
 def megatron_core_version() -> str:
-    """The installed megatron-core version (package metadata, else ``megatron.core.package_info``)."""
+    """The version of the megatron-core code that is imported (``megatron.core.package_info``, which a
+    tree on PYTHONPATH carries too), else the installed distribution's."""
     try:
-        return importlib.metadata.version("megatron-core")
-    except importlib.metadata.PackageNotFoundError:
         from megatron.core import package_info
 
-        return package_info.__version__
+        return package_info.__version__.split("+")[0]  # a source tree in a git checkout adds "+<hash>"
+    except ImportError:
+        return importlib.metadata.version("megatron-core")
 
 
 def _digest(text: str) -> str:
@@ -152,18 +153,22 @@ def check_targets(version: str, strict: bool, targets: tuple[Target, ...] = TARG
         if known.get(version) == seen:
             continue
         twins = sorted(v for v, fp in known.items() if fp == seen)
-        where = f"it matches the source of {', '.join(twins)}" if twins else "it matches no release we know"
+        where = f"matches {', '.join(twins)}" if twins else "matches no release we know"
         problems.append(
-            f"{target.qualified} in megatron-core {version} has fingerprint {seen}, which is not the known source "
-            f"of that release ({known.get(version, 'none recorded')}); {where}. The extension is tested on "
-            f"megatron-core {', '.join(TESTED_VERSIONS)}: use one of them, or pass strict=False (--no-ga-strict) "
-            f"to patch anyway with a warning."
+            f"{target.qualified} in megatron-core {version} has fingerprint {seen}, not the known "
+            f"{known.get(version, 'none recorded')} ({where})"
         )
-    if problems and strict:
-        raise CompatError(" ".join(problems))
-    for text in problems:
-        logger.warning(text)
-    return problems
+    if not problems:
+        return []
+    message = (
+        f"unknown upstream source: {'; '.join(problems)}. The extension is tested on megatron-core "
+        f"{', '.join(TESTED_VERSIONS)}: use one of them, or pass strict=False (--no-ga-strict) to patch "
+        f"anyway with a warning."
+    )
+    if strict:
+        raise CompatError(message)
+    logger.warning(message)
+    return [message]
 
 
 def _table_from_wheels(wheel_dir: Path) -> dict[str, dict[str, str]]:

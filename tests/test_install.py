@@ -24,7 +24,8 @@ STEP_SCHEDULES = "step_batch_size_schedule" in inspect.signature(calculators.ini
 
 
 @pytest.fixture(autouse=True)
-def clean():
+def clean(monkeypatch):
+    """Uninstall before monkeypatch undoes its own changes (it is set up first, so torn down last)."""
     uninstall()
     calculators.unset_num_microbatches_calculator()
     yield
@@ -95,8 +96,8 @@ def test_unknown_fingerprint_refused_in_strict_mode_and_warned_otherwise(monkeyp
     monkeypatch.setattr(schedules, "forward_step_calc_loss", _changed_forward_step_calc_loss)
     version = megatron_core_version()
     with pytest.raises(CompatError, match=rf"forward_step_calc_loss in megatron-core {version} has fingerprint "
-                       r"[0-9a-f]{16}, which is not the known source of that release.*matches no release we know"
-                       r".*--no-ga-strict"):
+                       r"[0-9a-f]{16}, not the known [0-9a-f]{16} \(matches no release we know\).*tested on megatron-core "
+                       r"0\.16\.1, 0\.17\.1, 0\.18\.2, 0\.19\.2.*--no-ga-strict"):
         install(GAConfig())
     assert installed() is None and schedules.forward_step_calc_loss is _changed_forward_step_calc_loss
     with caplog.at_level(logging.WARNING, logger="megatron_ga_ext.compat"):
@@ -209,7 +210,7 @@ def test_strictness_waits_for_megatron_args_too(megatron_training, monkeypatch):
     state = install()  # unknown source, but --no-ga-strict may still come
     assert state.waiting_for_args
     megatron_training._GLOBAL_ARGS = add_args(argparse.ArgumentParser()).parse_args([])
-    with pytest.raises(CompatError, match=r"forward_step_calc_loss in megatron-core .* matches no release we know"):
+    with pytest.raises(CompatError, match=r"forward_step_calc_loss in megatron-core .* \(matches no release we know\)"):
         init_calculator(16, 2, 4)
     uninstall()
     megatron_training._GLOBAL_ARGS = None
