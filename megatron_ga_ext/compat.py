@@ -12,8 +12,7 @@ from __future__ import annotations
 import argparse
 import ast
 import hashlib
-import importlib.metadata
-import importlib.util
+import importlib
 import inspect
 import logging
 from dataclasses import dataclass
@@ -119,6 +118,8 @@ def megatron_core_version() -> str:
 
         return package_info.__version__.split("+")[0]  # a source tree in a git checkout adds "+<hash>"
     except ImportError:
+        import importlib.metadata  # only where megatron.core lacks package_info
+
         return importlib.metadata.version("megatron-core")
 
 
