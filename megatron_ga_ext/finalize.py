@@ -131,9 +131,9 @@ class FinalizeModelGrads:
                    "and DP x CP ranks); there is nothing to average.")
         if self.config.zero_tokens == "error":
             raise LossContractError(
-                message + " Check the loss mask and the data, or choose zero_tokens='warn' to apply a "
-                "zero gradient and go on.")
-        warnings.warn(message + " Applying a zero gradient for this step (zero_tokens='warn').",
+                message + " Check the loss mask and the data, or choose --ga-zero-token-policy skip "
+                "(zero_tokens='skip') to apply a zero gradient and go on.")
+        warnings.warn(message + " Applying a zero gradient for this step (zero_tokens='skip').",
                       RuntimeWarning, stacklevel=3)
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from megatron_ga_ext.compat import CALCULATOR, FINALIZE, SCHEDULES, TARGETS, check_targets, megatron_core_version
-from megatron_ga_ext.errors import CompatError
+from megatron_ga_ext.errors import CompatError, GAError
 
 __all__ = ["GAConfig", "Installation", "add_args", "args_provider", "install", "installed", "uninstall", "wire_vendored"]
 
@@ -58,6 +58,14 @@ class GAConfig:
     seq_length: int | None = None
     pipeline_model_parallel_size: int | None = None
     virtual_pipeline_model_parallel_size: int | None = None
+
+    def __post_init__(self) -> None:
+        for flag, value, choices in (
+            ("--ga-loss-reduction", self.loss_reduction, ("token", "microbatch")),
+            ("--ga-zero-token-policy", self.zero_token_policy, ("error", "skip")),
+        ):
+            if value not in choices:
+                raise GAError(f"{flag} {value!r} is not one of {', '.join(choices)}; pick one of them.")
 
     @classmethod
     def from_args(cls, args: Any) -> "GAConfig":
@@ -107,7 +115,7 @@ class Installation:
 
         self.config = config
         reduction = ReductionConfig(
-            mode=config.loss_reduction, zero_tokens="warn" if config.zero_token_policy == "skip" else "error"
+            mode=config.loss_reduction, zero_tokens=config.zero_token_policy
         )
         self.contract = LossContract() if reduction.mode == "token" else None
         if self.finalize is not None:

@@ -27,7 +27,7 @@ from megatron_ga_ext.errors import LossContractError
 __all__ = ["MODES", "LossContract", "ReductionConfig", "masked_loss", "reduce_reports"]
 
 MODES = ("token", "microbatch")
-ZERO_TOKEN_POLICIES = ("error", "warn")
+ZERO_TOKEN_POLICIES = ("error", "skip")
 
 #: Slots of the per-step int64 vector (see :meth:`LossContract.collect`).
 SLOT_TOKENS, SLOT_NEGATIVE, SLOT_NONFINITE, SLOT_UNCHECKED = range(4)
@@ -40,7 +40,7 @@ class ReductionConfig:
 
     mode: Literal["token", "microbatch"] = "token"
     """``token``: every non-padding token weighs the same; ``microbatch``: upstream's mean of means."""
-    zero_tokens: Literal["error", "warn"] = "error"
+    zero_tokens: Literal["error", "skip"] = "error"
     """A global batch without a single token: raise, or warn and apply a zero gradient."""
 
     def __post_init__(self) -> None:
@@ -50,7 +50,7 @@ class ReductionConfig:
         if self.zero_tokens not in ZERO_TOKEN_POLICIES:
             raise LossContractError(
                 f"zero_tokens policy {self.zero_tokens!r} is not known; choose 'error' (raise) or "
-                f"'warn' (zero gradient and a warning).")
+                f"'skip' (zero gradient and a warning).")
 
 
 def masked_loss(losses: torch.Tensor, loss_mask: torch.Tensor, *, mode: str = "token",

@@ -223,3 +223,10 @@ def test_strictness_waits_for_megatron_args_too(megatron_training, monkeypatch):
     install()  # and if Megatron never parses args (megatron-core only), the defaults hold: strict
     with pytest.raises(CompatError, match=r"forward_step_calc_loss"):
         init_calculator(16, 2, 4)
+
+
+def test_config_refuses_unknown_choices():
+    with pytest.raises(megatron_ga_ext.GAError, match=r"--ga-loss-reduction 'mean' is not one of token, microbatch"):
+        GAConfig(loss_reduction="mean")
+    with pytest.raises(ValueError, match=r"--ga-zero-token-policy 'ignore' is not one of error, skip"):
+        GAConfig(zero_token_policy="ignore")

@@ -69,7 +69,7 @@ SCENARIOS = {
     "ddp_before_flag": (DP4, masked_loss, {"flag_at_build": False}),
     "average_in_collective": (DP4, masked_loss, {"flag_at_build": False, "average_in_collective": True}),
     "zero_tokens_error": (DP4, _no_tokens, {}),
-    "zero_tokens_warn": (DP4, _no_tokens, {"zero_tokens": "warn"}),
+    "zero_tokens_skip": (DP4, _no_tokens, {"zero_tokens": "skip"}),
     "unwrapped": (DP4, masked_loss, {"wrap": False}),
     "huge_count": (DP4, _huge_count, {}),
     "pp_token": (PP2, masked_loss, {}),
@@ -169,8 +169,8 @@ def test_broken_check_raises(outcomes, name, match):
         _raise(outcomes[name])
 
 
-def test_zero_tokens_warn_applies_zero_gradient(outcomes):
-    result = _raise(outcomes["zero_tokens_warn"])
+def test_zero_tokens_skip_applies_zero_gradient(outcomes):
+    result = _raise(outcomes["zero_tokens_skip"])
     assert result["num_tokens"] == 0
     assert result["max_grad"] == 0.0
     assert any("0 non-padding tokens" in w and "zero gradient" in w for w in result["warnings"])
