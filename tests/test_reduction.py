@@ -39,7 +39,7 @@ def test_masked_loss_rejects_mismatched_shapes_and_modes():
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"mode": "sample"}, "reduction mode 'sample' is not known; choose one of token, microbatch"),
-    ({"zero_tokens": "warn"}, "zero_tokens policy 'warn' is not known; choose 'error' (raise) or 'skip'"),
+    ({"zero_tokens": "warn"}, r"zero_tokens policy 'warn' is not known; choose 'error' \(raise\) or 'skip'"),
 ])
 def test_reduction_config_validates(kwargs, match):
     with pytest.raises(LossContractError, match=match):
