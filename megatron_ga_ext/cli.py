@@ -104,6 +104,7 @@ def launch_problems(launch: Launch, world_size: int | None) -> tuple[BatchLayout
         f"({' '.join(vals[-1])}). Give it once."
         for flag, vals in launch.repeated.items()
     ]
+    problems += _reduction_problems(launch)
     kwargs = layout_kwargs(launch, world_size)
     schedule, schedule_problems = _launch_schedule(launch, kwargs)
     if schedule is not None:
@@ -124,6 +125,24 @@ def launch_problems(launch: Launch, world_size: int | None) -> tuple[BatchLayout
         # The ledger of a schedule is the ledger of its last stage (upstream's nominal GBS), once every stage is valid.
         layout = None if stage_problems else BatchLayout(**{**kwargs, "global_batch_size": schedule.final_global_batch_size})
     return layout, problems + schedule_problems
+
+
+def _reduction_problems(launch: Launch) -> list[str]:
+    """The loss mode asked for (--ga-loss-reduction) against Megatron's --calculate-per-token-loss."""
+    mode = launch.get("--ga-loss-reduction")
+    per_token = "--calculate-per-token-loss" in launch.switches
+    if mode == "token" and not per_token:
+        return [
+            "--ga-loss-reduction token needs --calculate-per-token-loss: without it Megatron divides each "
+            "micro-batch by its own token count (a mean of means) and DDP pre-divides by DP x CP. Add "
+            "--calculate-per-token-loss."
+        ]
+    if mode == "microbatch" and per_token:
+        return [
+            "--ga-loss-reduction microbatch is upstream's mean of means, but --calculate-per-token-loss is "
+            "given; drop one of them."
+        ]
+    return []
 
 
 def _launch_schedule(launch: Launch, kwargs: dict) -> tuple["StepSchedule | None", list[str]]:

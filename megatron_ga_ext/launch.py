@@ -28,8 +28,11 @@ VALUE_FLAGS = {
     "--step-batch-size-schedule": 1,
     "--train-iters": 1,
     "--train-samples": 1,
+    "--ga-loss-reduction": 1,
 }
-_INT_FLAGS = set(VALUE_FLAGS) - {"--rampup-batch-size", "--step-batch-size-schedule", "--nnodes", "--nproc-per-node"}
+_INT_FLAGS = set(VALUE_FLAGS) - {
+    "--rampup-batch-size", "--step-batch-size-schedule", "--nnodes", "--nproc-per-node", "--ga-loss-reduction"
+}
 BOOL_FLAGS = {"--decrease-batch-size-if-needed", "--calculate-per-token-loss"}
 
 _INT = re.compile(r"[+-]?\d+")

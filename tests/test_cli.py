@@ -148,3 +148,13 @@ def test_check_validates_every_stage_of_a_step_schedule():
     assert result.returncode == 1
     assert "entry 2 '8192K:24'" in result.stdout and "not a multiple of --micro-batch-size 2 x data-parallel size 8 = 16" in result.stdout
     assert "entry 3 '16384K:8'" in result.stdout
+
+
+def test_check_matches_the_loss_mode_with_the_per_token_flag():
+    result = run("check", "--", LAUNCH + " --global-batch-size 64 --ga-loss-reduction token")
+    assert result.returncode == 1
+    assert "--ga-loss-reduction token needs --calculate-per-token-loss" in result.stdout
+    result = run("check", "--", LAUNCH + " --global-batch-size 64 --ga-loss-reduction microbatch --calculate-per-token-loss")
+    assert result.returncode == 1 and "drop one of them" in result.stdout
+    result = run("check", "--", LAUNCH + " --global-batch-size 64 --ga-loss-reduction=token --calculate-per-token-loss")
+    assert result.returncode == 0, result.stdout
