@@ -18,6 +18,7 @@ A name bound elsewhere by ``from x import y`` before install() (megatron.trainin
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import inspect
 import logging
@@ -98,7 +99,6 @@ class Installation:
     config: GAConfig
     version: str
     patches: list[_Patch] = field(default_factory=list)
-    replacements: dict[str, Any] = field(default_factory=dict)
     vendored: bool = False
     """Wired by a patched megatron/core (patches/) instead of install()."""
     waiting_for_args: bool = False
@@ -142,7 +142,6 @@ class Installation:
         for namespace in _namespaces_holding(original, name):
             self.patches.append(_Patch(namespace, name, original))
             namespace[name] = replacement
-        self.replacements[f"{module_name}.{name}"] = replacement
         return replacement
 
     def restore(self) -> None:
@@ -286,6 +285,7 @@ WIRING = {SCHEDULES: _wire_schedules, FINALIZE: _wire_finalize, CALCULATOR: _wir
 def _forward_step_calc_loss(original: Callable, state: Installation) -> Callable:
     signature = inspect.signature(original)
 
+    @functools.wraps(original)
     def forward_step_calc_loss(*args: Any, **kwargs: Any):
         state.settle()
         bound = signature.bind(*args, **kwargs)
@@ -295,13 +295,13 @@ def _forward_step_calc_loss(original: Callable, state: Installation) -> Callable
             bound.arguments["loss_func"] = state.contract.wrap(loss_func)
         return original(*bound.args, **bound.kwargs)
 
-    forward_step_calc_loss.__wrapped_by_ga__ = original  # type: ignore[attr-defined]
     return forward_step_calc_loss
 
 
 def _guarded_schedule(original: Callable, state: Installation) -> Callable:
     from megatron_ga_ext.guards import check_microbatch_counts, current_pipeline_size
 
+    @functools.wraps(original)
     def schedule(*args: Any, **kwargs: Any):
         state.settle()
         state.counter.reset()
@@ -312,7 +312,6 @@ def _guarded_schedule(original: Callable, state: Installation) -> Callable:
         check_microbatch_counts(state.counter.counts, kwargs["num_microbatches"], expected, current_pipeline_size())
         return result
 
-    schedule.__name__ = original.__name__
     return schedule
 
 

@@ -75,14 +75,14 @@ def test_install_twice_uninstall_twice_and_in_both_orders():
     uninstall()  # nothing installed: harmless
     first = install()
     assert install() is first  # same config: the same installation, no second layer
-    assert schedules.forward_step_calc_loss.__wrapped_by_ga__ is ORIGINALS[f"{schedules.__name__}.forward_step_calc_loss"]
+    assert schedules.forward_step_calc_loss.__wrapped__ is ORIGINALS[f"{schedules.__name__}.forward_step_calc_loss"]
     uninstall()
     uninstall()
     assert patched_now() == ORIGINALS
     install(GAConfig(loss_reduction="microbatch"))
     second = install(GAConfig(loss_reduction="token"))  # a new config replaces the old installation
     assert second.config.loss_reduction == "token" and installed() is second
-    assert schedules.forward_step_calc_loss.__wrapped_by_ga__ is ORIGINALS[f"{schedules.__name__}.forward_step_calc_loss"]
+    assert schedules.forward_step_calc_loss.__wrapped__ is ORIGINALS[f"{schedules.__name__}.forward_step_calc_loss"]
     uninstall()
     assert patched_now() == ORIGINALS
 
