@@ -10,7 +10,6 @@ One launch checks, in order, as Megatron's training loop drives it:
 
 import argparse
 import inspect
-from functools import partial
 
 import pytest
 
@@ -23,7 +22,6 @@ pytestmark = pytest.mark.slow
 PP, DP, MBS = 2, 2, 1
 RAMPUP = ["2", "2", "12"]  # start 2, +2 every 12 / 3 = 4 samples, up to GBS 8
 GBS = 8
-LENGTHS = (16, 1, 13, 4, 16, 9, 2, 11)
 
 
 def megatron_args(extra: list[str]) -> argparse.Namespace:
@@ -77,57 +75,43 @@ def rank_main(wiring: str = "install") -> dict:
 
 
 def _rank_main(args: argparse.Namespace) -> dict:
-    from megatron.core import num_microbatches_calculator as calculators
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     import megatron.core
+    from megatron.core import num_microbatches_calculator as calculators
 
     from megatron_ga_ext.errors import GuardError
     from megatron_ga_ext.install import installed
     from megatron_ga_ext.reduction import masked_loss
-    from megatron_ga_ext.verify.harness import VerifyConfig, build_ddp, gradients, init_model_parallel, microbatches
-    from megatron_ga_ext.verify.harness import _forward_step
-    from megatron_ga_ext.verify.layouts import Layout, make_global_batch
-
-    from megatron.core.distributed import finalize_model_grads  # bound after wiring: our wrapper
+    from megatron_ga_ext.verify.harness import VerifyConfig, build_ddp, gradients, init_model_parallel, train_step
+    from megatron_ga_ext.verify.layouts import Layout
+    from megatron_ga_ext.verify.references import reference_grads
 
     cfg = VerifyConfig()
+    plan = [step_batch(cfg, consumed, m) for consumed, _, m in expected_steps()]
+    # The unpartitioned references first: they need TP = PP = 1 state.
+    refs = [reference_grads(cfg.model, [layout], batch)[("gpt", "token")] for layout, batch in plan]
     init_calculator(args)
     init_model_parallel(pipeline_model_parallel_size=PP)
-    ddp, names, config = build_ddp(Layout(data_parallel_size=DP, num_microbatches=1, pipeline_model_parallel_size=PP),
-                                   cfg, calculate_per_token_loss=True)
-    config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = ddp.no_sync
-    schedule = get_forward_backward_func()
+    ddp, names, config = build_ddp(plan[0][0], cfg, calculate_per_token_loss=True)
+    from megatron.core.distributed import finalize_model_grads  # bound after wiring: the extension's
 
-    def step(num_microbatches: int, layout: Layout, batch) -> None:
-        ddp.zero_grad_buffer()
-        schedule(forward_step_func=partial(_forward_step, loss_func=masked_loss),
-                 data_iterator=iter(microbatches(layout, batch, "cpu")), model=[ddp],
-                 num_microbatches=num_microbatches, seq_length=cfg.model.seq_length, micro_batch_size=MBS,
-                 forward_only=False)
+    def step(layout: Layout, batch) -> None:
+        train_step(ddp, config, layout, cfg, batch, finalize=finalize_model_grads, loss_func=masked_loss)
 
     consumed, seen, errors = 0, [], []
     calculators.update_num_microbatches(consumed, consistency_check=True)  # checkpoint load at start
-    while consumed < 24:
+    for (layout, batch), ref in zip(plan, refs):  # Megatron's training loop
         calculators.update_num_microbatches(consumed, consistency_check=False)
         calculators.update_num_microbatches(consumed, consistency_check=True)
         m = calculators.get_num_microbatches()
         seen.append((consumed, calculators.get_current_global_batch_size(), m))
-        layout = Layout(data_parallel_size=DP, num_microbatches=m, pipeline_model_parallel_size=PP)
-        lengths = tuple(LENGTHS[i % len(LENGTHS)] for i in range(consumed, consumed + layout.global_batch_size))
-        batch = make_global_batch(lengths, cfg.model.seq_length, cfg.model.vocab_size, seed=consumed)
-        step(m, layout, batch)
+        step(layout, batch)
         mine = gradients(ddp, names)
-        ref = token_reference(cfg, layout, batch)
         errors.append(max(float((g - ref[n]).abs().max()) / float(ref[n].abs().max()) for n, g in mine.items()))
         consumed += DP * MBS * m
     # The classic mistake: GA counted as GBS / (MBS x DP) x PP.
-    m = calculators.get_num_microbatches()
-    layout = Layout(data_parallel_size=DP, num_microbatches=m * PP, pipeline_model_parallel_size=PP)
-    batch = make_global_batch(LENGTHS * PP * 2, cfg.model.seq_length, cfg.model.vocab_size)
+    layout, batch = step_batch(cfg, 0, calculators.get_num_microbatches() * PP)
     try:
-        step(m * PP, layout, batch)
+        step(layout, batch)
         guard = None
     except GuardError as error:
         guard = str(error)
@@ -135,17 +119,13 @@ def _rank_main(args: argparse.Namespace) -> dict:
     return {"seen": seen, "errors": errors, "guard": guard, "wiring": wiring, "megatron": megatron.core.__file__}
 
 
-def token_reference(cfg, layout, batch):
-    """The unpartitioned token-level reference; it needs TP = PP = 1 state, so the PP 2 state is rebuilt."""
-    from megatron.core import parallel_state
+def step_batch(cfg, consumed: int, num_microbatches: int):
+    """The layout and the global batch of the step that starts at ``consumed`` samples."""
+    from megatron_ga_ext.verify.layouts import DEFAULT_LENGTHS, Layout, make_global_batch
 
-    from megatron_ga_ext.verify.harness import init_model_parallel
-    from megatron_ga_ext.verify.references import reference_grads
-
-    parallel_state.destroy_model_parallel()
-    refs = reference_grads(cfg.model, [layout], batch)
-    init_model_parallel(pipeline_model_parallel_size=PP)
-    return refs[("gpt", "token")]
+    layout = Layout(data_parallel_size=DP, num_microbatches=num_microbatches, pipeline_model_parallel_size=PP)
+    lengths = tuple(DEFAULT_LENGTHS[i % len(DEFAULT_LENGTHS)] for i in range(consumed, consumed + layout.global_batch_size))
+    return layout, make_global_batch(lengths, cfg.model.seq_length, cfg.model.vocab_size, seed=consumed)
 
 
 def expected_steps() -> list[tuple[int, int, int]]:
