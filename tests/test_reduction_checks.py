@@ -104,7 +104,7 @@ def _scenario(name, cfg, batch, refs):
     n = finalize.last_num_tokens
     scaled = {k: v * 72 / n for k, v in ref.items()} if n else ref
     return {"num_tokens": n, "rel_err": relative_error(grads, scaled),
-            "max_grad": max(float(g.abs().max()) for g in grads.values()),
+            "max_grad": float(torch.stack([g.abs().max() for g in grads.values()]).max()),  # NaN-safe
             "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from megatron_ga_ext.verify.command import rows_from_results
-from megatron_ga_ext.verify.harness import LayoutResult
+from megatron_ga_ext.verify.harness import LayoutResult, relative_error
 from megatron_ga_ext.verify.launch import LaunchConfig, WorkerError, run_on_ranks
 from megatron_ga_ext.verify.layouts import DEFAULT_LAYOUTS, DEFAULT_LENGTHS, Layout, make_global_batch
 from megatron_ga_ext.verify.references import mean_of_means_weights, token_weights
@@ -92,6 +93,21 @@ def test_rows_take_the_worst_rank_and_judge_each_mode_by_its_own_reference():
         {"layout": "DP2 x GA4", "mode": "microbatch", "rel_err_token": 3.0,
          "rel_err_mean_of_means": 2e-7, "ok": True},
     ]
+
+
+def test_rows_fail_on_nan_from_any_rank():
+    results = {2: [[_result("DP2 x GA4", "token", 1e-7, 0.9), _result("DP2 x GA4", "microbatch", 3.0, 1e-7)],
+                   [_result("DP2 x GA4", "token", math.nan, 0.9), _result("DP2 x GA4", "microbatch", 3.0, math.nan)]]}
+    rows = rows_from_results(results, 1e-5)
+    assert [math.isnan(r["rel_err_token"]) for r in rows] == [True, False]
+    assert [math.isnan(r["rel_err_mean_of_means"]) for r in rows] == [False, True]
+    assert [r["ok"] for r in rows] == [False, False]
+
+
+def test_relative_error_propagates_nan_from_any_parameter():
+    ref = {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0])}
+    assert relative_error({"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0])}, ref) == 0.0
+    assert math.isnan(relative_error({"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([math.nan])}, ref))
 
 
 @pytest.mark.slow

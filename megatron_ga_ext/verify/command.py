@@ -11,11 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 import time
 import warnings
 from collections import defaultdict
-from typing import Any
+from typing import Any, Iterable
 
 from megatron_ga_ext.render import print_table
 
@@ -115,19 +116,26 @@ def rows_from_results(results: dict[int, list[list[Any]]], tolerance: float) -> 
     ``token`` passes when within ``tolerance`` of the token reference; ``microbatch`` when within it of
     its own (mean-of-means) reference.
     """
-    worst: dict[tuple[str, str], list[float]] = {}
+    per_row: dict[tuple[str, str], list[Any]] = defaultdict(list)
     for per_rank in results.values():
         for rank_results in per_rank:
             for res in rank_results:
-                errs = worst.setdefault((res.layout, res.mode), [0.0, 0.0])
-                errs[0] = max(errs[0], res.rel_err_token)
-                errs[1] = max(errs[1], res.rel_err_mean_of_means)
+                per_row[(res.layout, res.mode)].append(res)
     rows = []
-    for (layout, mode), (err_token, err_mom) in worst.items():
+    for (layout, mode), ranks in per_row.items():
+        err_token = _worst(res.rel_err_token for res in ranks)
+        err_mom = _worst(res.rel_err_mean_of_means for res in ranks)
         own = err_token if mode == "token" else err_mom
         rows.append({"layout": layout, "mode": mode, "rel_err_token": err_token,
-                     "rel_err_mean_of_means": err_mom, "ok": own <= tolerance})
+                     "rel_err_mean_of_means": err_mom,
+                     "ok": not math.isnan(own) and own <= tolerance})
     return rows
+
+
+def _worst(errors: Iterable[float]) -> float:
+    """The largest error, or NaN if any is NaN (Python's ``max`` drops a NaN that is not first)."""
+    errors = list(errors)
+    return math.nan if any(math.isnan(e) for e in errors) else max(errors)
 
 
 def _report(rows: list[dict[str, Any]], args: argparse.Namespace, seconds: float) -> None:

@@ -102,9 +102,14 @@ def _progress(cfg: VerifyConfig, result: LayoutResult) -> None:
 
 
 def relative_error(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
-    diff = max(float((g - ref[n]).abs().max()) for n, g in grads.items())
-    scale = max(float(ref[n].abs().max()) for n in grads)
-    return diff / scale
+    """max |g - ref| / max |ref| over every parameter in ``grads``; NaN if any gradient is NaN.
+
+    Reduced in torch (``torch.max`` propagates NaN), not with Python's ``max``, which drops a NaN
+    unless it comes first.
+    """
+    diff = torch.stack([(g - ref[n]).abs().max() for n, g in grads.items()]).max()
+    scale = torch.stack([ref[n].abs().max() for n in grads]).max()
+    return float(diff / scale)
 
 
 def run_layout(layout: Layout, mode: str, cfg: VerifyConfig,
