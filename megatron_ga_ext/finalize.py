@@ -163,8 +163,8 @@ def _raise_on_violations(values: list[int]) -> None:
     if values[SLOT_NONFINITE]:
         raise LossContractError(
             f"{values[SLOT_NONFINITE]} micro-batch(es) in this global batch returned a non-finite loss "
-            f"(inf or nan); the token-weighted gradient would be non-finite. Check the data and the "
-            f"learning rate, or skip the step.")
+            f"(inf or nan); the token-weighted gradient would be non-finite. Check the data, the loss "
+            f"function and the learning rate (--check-for-nan-in-loss-and-grad names the rank at the source).")
     if values[SLOT_NEGATIVE]:
         raise LossContractError(
             f"{values[SLOT_NEGATIVE]} micro-batch(es) returned a negative num_tokens; a token count is "

@@ -305,6 +305,8 @@ def _guarded_schedule(original: Callable, state: Installation) -> Callable:
     def schedule(*args: Any, **kwargs: Any):
         state.settle()
         state.counter.reset()
+        if state.contract is not None:  # an evaluation call (forward_only) never reaches finalize
+            state.contract.reset()
         result = original(*args, **kwargs)
         if not state.config.guards:
             return result

@@ -129,7 +129,11 @@ class LossContract:
         return checked
 
     def check(self, outputs: Any) -> tuple:
-        """Validate one micro-batch's ``(loss, num_tokens, report)``; return it unchanged."""
+        """Validate one micro-batch's ``(loss, num_tokens, report)``; return it unchanged.
+
+        A count on the host (an int, or a CPU tensor beside a device loss) is checked on the host and
+        added as a scalar, so no host-to-device copy (which would synchronize) happens per micro-batch.
+        """
         _require_three_tuple(outputs, self.microbatches)
         loss, num_tokens, report = outputs
         _require_integer_scalar(num_tokens)
@@ -137,18 +141,31 @@ class LossContract:
             raise LossContractError(
                 f"the loss function returned a loss of type {type(loss).__name__}; it must be a "
                 f"tensor (the summed token loss of the micro-batch).")
-        count = torch.as_tensor(num_tokens, device=loss.device).reshape(()).to(torch.int64)
-        if self._flags is None or self._flags.device != loss.device:
-            self._flags = torch.zeros(NUM_SLOTS, dtype=torch.int64, device=loss.device)
-        update = torch.stack([
-            count,
-            (count < 0).to(torch.int64),
-            (~torch.isfinite(loss.detach())).any().to(torch.int64),
-            torch.zeros((), dtype=torch.int64, device=loss.device),
-        ])
-        self._flags.add_(update)
+        flags = self._flags_on(loss.device)
+        nonfinite = (~torch.isfinite(loss.detach())).any().to(torch.int64)
+        if isinstance(num_tokens, torch.Tensor) and num_tokens.device == loss.device:
+            count = num_tokens.reshape(()).to(torch.int64)
+            flags[:SLOT_UNCHECKED].add_(torch.stack([count, (count < 0).to(torch.int64), nonfinite]))
+        else:
+            count = int(num_tokens)  # a host value: reading it costs no device synchronization
+            if count < 0:
+                raise LossContractError(
+                    f"the loss function returned num_tokens = {count} at micro-batch {self.microbatches}; a "
+                    f"token count is >= 0. Count non-padding tokens as loss_mask.sum().to(torch.int64).")
+            flags[SLOT_TOKENS].add_(count)
+            flags[SLOT_NONFINITE].add_(nonfinite)
         self.microbatches += 1
         return outputs
+
+    def _flags_on(self, device: torch.device) -> torch.Tensor:
+        """This step's flag vector, on the loss's device; every micro-batch of a step must use one device."""
+        if self._flags is None:
+            self._flags = torch.zeros(NUM_SLOTS, dtype=torch.int64, device=device)
+        elif self._flags.device != device:
+            raise LossContractError(
+                f"micro-batch {self.microbatches} returned its loss on {device}, earlier ones on "
+                f"{self._flags.device}; keep every micro-batch's loss on the model's device.")
+        return self._flags
 
     def reset(self) -> None:
         """Forget everything accumulated (call at the start of a step that follows an aborted one)."""

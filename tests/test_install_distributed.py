@@ -97,6 +97,8 @@ def _rank_main(args: argparse.Namespace) -> dict:
     def step(layout: Layout, batch) -> None:
         train_step(ddp, config, layout, cfg, batch, finalize=finalize_model_grads, loss_func=masked_loss)
 
+    evaluate(ddp, cfg, *plan[-1])  # an evaluation pass first: its tokens must not reach the next step's count
+
     consumed, seen, errors = 0, [], []
     calculators.update_num_microbatches(consumed, consistency_check=True)  # checkpoint load at start
     for (layout, batch), ref in zip(plan, refs):  # Megatron's training loop
@@ -117,6 +119,22 @@ def _rank_main(args: argparse.Namespace) -> dict:
         guard = str(error)
     wiring = "vendored" if installed().vendored else "install"
     return {"seen": seen, "errors": errors, "guard": guard, "wiring": wiring, "megatron": megatron.core.__file__}
+
+
+def evaluate(ddp, cfg, layout, batch) -> None:
+    """A forward-only pass, as Megatron's evaluate() runs it: no finalize, so no token division."""
+    from functools import partial
+
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_ga_ext.reduction import masked_loss
+    from megatron_ga_ext.verify.harness import _forward_step, microbatches
+
+    get_forward_backward_func()(
+        forward_step_func=partial(_forward_step, loss_func=masked_loss),
+        data_iterator=iter(microbatches(layout, batch, "cpu")), model=[ddp],
+        num_microbatches=layout.num_microbatches, seq_length=cfg.model.seq_length, micro_batch_size=MBS,
+        forward_only=True)
 
 
 def step_batch(cfg, consumed: int, num_microbatches: int):
