@@ -67,8 +67,6 @@ def parse_count(text: str, what: str = "value") -> Fraction:
     multiplier = 1
     if body and body[-1] in SUFFIXES:
         multiplier, body = SUFFIXES[body[-1]], body[:-1]
-    if body.lstrip("+-") in ("NAN", "SNAN", "INF", "INFINITY"):
-        raise ScheduleParseError(f"{what} {text!r} is not a finite number; give a whole number such as 1000 or 1K.")
     if body and body[-1].isalpha() and _is_decimal(body[:-1]):
         raise ScheduleParseError(
             f"{what} {text!r} has an unknown suffix {body[-1]!r}; the suffixes are K (1e3), M (1e6), B (1e9) "
@@ -80,6 +78,8 @@ def parse_count(text: str, what: str = "value") -> Fraction:
         raise ScheduleParseError(
             f"{what} {text!r} is not a number; write digits with an optional suffix K, M, B or T, e.g. 250B."
         ) from None
+    if not number.is_finite():  # nan, snan (with payloads such as nan5), inf, in any sign: before any comparison
+        raise ScheduleParseError(f"{what} {text!r} is not a finite number; give a whole number such as 1000 or 1K.")
     if number.is_signed() and number != 0:
         raise ScheduleError(f"{what} {text!r} is negative; thresholds and batch sizes count samples, so use >= 0.")
     if number != 0 and number.as_tuple().exponent < -_MAX_EXPONENT:  # type: ignore[operator]

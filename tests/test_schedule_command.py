@@ -88,6 +88,8 @@ def test_warn_future_stages(capsys):
          "entry 2 '100:12' (from 100 samples, global batch size 12) is not a multiple of --micro-batch-size 4"),
         (["0:8 2.5:16", "--micro-batch-size", "4", "--data-parallel-size", "2"], "is not a whole number of samples"),
         (["0:8", "--micro-batch-size", "0", "--data-parallel-size", "2"], "--micro-batch-size '0' must be at least 1"),
+        (["0:8 1000:nan5", "--micro-batch-size", "4", "--data-parallel-size", "2"],
+         "entry 2 '1000:nan5': batch size 'nan5' is not a finite number"),
         (["--micro-batch-size", "4", "--data-parallel-size", "2"], "give a schedule"),
         (["--from-rampup", "16", "8", "100", "--micro-batch-size", "4", "--data-parallel-size", "2"],
          "--from-rampup needs --global-batch-size"),
