@@ -104,6 +104,13 @@ def test_rows_fail_on_nan_from_any_rank():
     assert [r["ok"] for r in rows] == [False, False]
 
 
+def test_relative_error_judges_each_parameter_by_its_own_scale():
+    ref = {"weight": torch.tensor([1.0, -2.0]), "norm": torch.tensor([6e-3, 1e-3]), "zero": torch.zeros(2)}
+    off = {**ref, "norm": ref["norm"] * (1 + 1e-3)}  # 1e-3 relative error in the small parameter
+    assert relative_error(off, ref) == pytest.approx(1e-3, rel=1e-3)
+    assert relative_error({**ref, "zero": torch.tensor([0.0, 3e-6])}, ref) == pytest.approx(3e-6)  # absolute
+
+
 def test_relative_error_propagates_nan_from_any_parameter():
     ref = {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0])}
     assert relative_error({"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0])}, ref) == 0.0
