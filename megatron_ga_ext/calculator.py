@@ -184,7 +184,7 @@ class StepScheduleCalculator:
             strict_future=self.strict_future,
         )
         self._checked_from = index
-        self._warned = {problem.stage.position - 1 for problem in demoted}
+        self._warned = {problem.index for problem in demoted}
         if self.validated_from is None:
             self.validated_from = consumed_samples
 

@@ -19,7 +19,7 @@ import bisect
 import math
 import operator
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from typing import Callable, Iterator, Sequence
@@ -132,7 +132,7 @@ class Stage:
     entry: str | None = None
     """The entry as written, or None for a built schedule."""
     position: int = 0
-    """1-based position in the schedule."""
+    """1-based position in the schedule; 0 (the default) is filled in by :class:`StepSchedule`."""
 
     def describe(self) -> str:
         text = self.entry or f"{self.threshold_samples}:{self.global_batch_size}"
@@ -186,6 +186,8 @@ class ScheduleProblem:
     """A rule a stage breaks for a layout; ``future`` when the stage is not yet in force."""
 
     stage: Stage
+    index: int
+    """0-based index of ``stage`` in ``StepSchedule.entries``."""
     future: bool
     error: GAError
 
@@ -200,6 +202,7 @@ class StepSchedule:
     _thresholds: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "entries", _numbered(self.entries))
         _check_structure(self.entries, self.seq_length)
         object.__setattr__(self, "_thresholds", tuple(s.threshold_samples for s in self.entries))
 
@@ -362,10 +365,10 @@ class StepSchedule:
             for size in [dp] + ([d for d in planned if d != dp] if future else []):
                 error = _layout_error(stage, mbs, size, pp, vpp, microbatch_group_size_per_vp_stage, size != dp)
                 if error is not None:
-                    found.append(ScheduleProblem(stage=stage, future=future, error=error))
+                    found.append(ScheduleProblem(stage=stage, index=index, future=future, error=error))
             if future and stage.global_batch_size < self.entries[index - 1].global_batch_size:
                 error = _decrease_error(self.entries[index - 1], stage)
-                found.append(ScheduleProblem(stage=stage, future=True, error=error))
+                found.append(ScheduleProblem(stage=stage, index=index, future=True, error=error))
         return found
 
     def validate(
@@ -511,6 +514,20 @@ def _parse_entry(piece: str, position: int, seq_length: int | None) -> Stage:
     return Stage(
         threshold_samples=samples, global_batch_size=int(batch), threshold_tokens=tokens, entry=piece, position=position
     )
+
+
+def _numbered(entries: Sequence[Stage]) -> tuple[Stage, ...]:
+    """``entries`` with each unset position (0) filled in with its 1-based place; a wrong one is refused."""
+    numbered = []
+    for place, stage in enumerate(entries, 1):
+        if stage.position not in (0, place):
+            raise ScheduleParseError(
+                f"{FLAG} entry {place} ({stage.threshold_samples}:{stage.global_batch_size}) has position "
+                f"{stage.position}; Stage.position is the 1-based place in the schedule ({place}), or 0 to have it "
+                f"filled in."
+            )
+        numbered.append(stage if stage.position else replace(stage, position=place))
+    return tuple(numbered)
 
 
 def _check_structure(entries: tuple[Stage, ...], seq_length: int | None) -> None:

@@ -7,7 +7,7 @@ import pytest
 from megatron_ga_ext import StepSchedule
 from megatron_ga_ext.calculator import StepScheduleCalculator
 from megatron_ga_ext.errors import InterleaveError, ScheduleError, SizeError
-from megatron_ga_ext.schedule import ScheduleWarning
+from megatron_ga_ext.schedule import ScheduleWarning, Stage
 
 SCALE_UP = "0:256 200000:512 600000:1024 1500000:2048 3000000:4096 6000000:6144"
 
@@ -123,3 +123,15 @@ def test_update_is_logarithmic_in_stages():
         calc.update(consumed, True)
     assert time.perf_counter() - start < 1.0
     assert calc.get_current_global_batch_size() == 8 * 199_991
+
+
+def test_schedule_built_from_stage_objects_keys_warnings_by_stage():
+    """Stage.position defaults to 0: a warned stage must still be checked when it comes into force."""
+    schedule = StepSchedule((Stage(threshold_samples=0, global_batch_size=8),
+                             Stage(threshold_samples=100, global_batch_size=12)))
+    calc = StepScheduleCalculator(schedule, 4, 2, strict_future=False)
+    with pytest.warns(ScheduleWarning, match=r"entry 2 '100:12'"):
+        calc.update(0, consistency_check=True)
+    with pytest.raises(ScheduleError, match=r"entry 2 '100:12' \(from 100 samples, global batch size 12\) is not a "
+                                            r"multiple of --micro-batch-size 4 x data-parallel size 2 = 8"):
+        calc.update(100, consistency_check=True)  # 12 would be floored to 1 micro-batch of 8

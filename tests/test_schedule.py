@@ -12,7 +12,7 @@ from megatron_ga_ext.errors import (
     ScheduleParseError,
     SizeError,
 )
-from megatron_ga_ext.schedule import ScheduleWarning, _upstream_count, format_count
+from megatron_ga_ext.schedule import ScheduleWarning, Stage, _upstream_count, format_count
 
 # -- parsing -----------------------------------------------------------------------------------
 
@@ -165,6 +165,18 @@ def test_from_stages_and_constant():
         StepSchedule.from_stages([(0, 8), (20, 16), (10, 32)])
     with pytest.raises(ScheduleParseError, match="stage 2 threshold 1.5 is not an integer"):
         StepSchedule.from_stages([(0, 8), (1.5, 16)])
+
+
+def test_stage_positions_are_filled_in_and_checked():
+    schedule = StepSchedule((Stage(threshold_samples=0, global_batch_size=8),
+                             Stage(threshold_samples=100, global_batch_size=16)))
+    assert [s.position for s in schedule.entries] == [1, 2]
+    problems = schedule.problems(4, 4)
+    assert [(p.index, p.stage.position) for p in problems] == [(0, 1)]
+    with pytest.raises(ScheduleParseError, match=r"entry 2 .* has position 3; Stage.position is the 1-based place "
+                                                 r"in the schedule \(2\), or 0 to have it filled in"):
+        StepSchedule((Stage(threshold_samples=0, global_batch_size=8, position=1),
+                      Stage(threshold_samples=100, global_batch_size=16, position=3)))
 
 
 # -- rampup ------------------------------------------------------------------------------------
