@@ -158,7 +158,7 @@ class StageRow:
     first_token: int | None
     """first_sample x seq_length: the exact token count where the switch happens."""
     first_step: int | None
-    """0-based iteration of that first step."""
+    """0-based iteration of that first step, counted from where stepping began (``consumed_samples``)."""
     steps: int | None
     """Steps run in this stage; None when open-ended (no train length given)."""
     samples: int | None
@@ -443,14 +443,17 @@ class StepSchedule:
         train_samples: int | None = None,
         lr: float | None = None,
         lr_base_batch_size: int | None = None,
+        consumed_samples: int = 0,
     ) -> list[StageRow]:
-        """One row per stage, stepping from 0 as training does, in O(stages).
+        """One row per stage, stepping from ``consumed_samples`` as training does, in O(stages).
 
         In a stage of batch B (per step S = MBS x DP x (B // (MBS x DP))) entered at consumed c, the run
         takes ceil((end - c) / S) steps, end = min(next threshold, train_samples); the last one may
         overshoot the next threshold, so a stage starts at its first step's count, which can be past its
-        threshold, and a stage can be skipped entirely (steps 0). ``seq_length`` defaults to the
-        schedule's own. ``lr`` and ``lr_base_batch_size`` add the linear and square-root hints.
+        threshold, and a stage can be skipped entirely (steps 0). A resumed run starts at the stage in force
+        at ``consumed_samples``: stages already passed get steps 0 and are not held to today's MBS x DP.
+        ``seq_length`` defaults to the schedule's own. ``lr`` and ``lr_base_batch_size`` add the linear and
+        square-root hints.
         """
         mbs = require_positive_int("--micro-batch-size", micro_batch_size)
         dp = require_positive_int("--data-parallel-size", data_parallel_size)
@@ -459,7 +462,8 @@ class StepSchedule:
             require_positive_int("--train-samples", train_samples)
         if lr_base_batch_size is not None:
             require_positive_int("--lr-base-batch-size", lr_base_batch_size)
-        rows, consumed, iteration = [], 0, 0
+        self.stage_index_at(consumed_samples)  # refuses a negative or non-integer count
+        rows, consumed, iteration = [], consumed_samples, 0
         for index, stage in enumerate(self.entries):
             ends = [self.entries[index + 1].threshold_samples] if index + 1 < len(self.entries) else []
             ends += [train_samples] if train_samples is not None else []

@@ -53,7 +53,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         help="check each stage against the interleaved schedule's rule")
     parser.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", metavar="N")
     parser.add_argument("--consumed-samples", metavar="N", default="0",
-                        help="validate from this point on (a resumed run); stages already passed are not checked")
+                        help="start from this point (a resumed run); stages already passed are neither checked "
+                             "nor run")
     parser.add_argument("--planned-data-parallel-sizes", nargs="+", metavar="N", default=[],
                         help="DP sizes the run will rescale to; stages not yet reached must suit them too")
     parser.add_argument("--warn-future-stages", action="store_true",
@@ -94,12 +95,14 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError("--lr and --lr-base-batch-size go together: the hints scale --lr from the base batch size.")
     if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
         raise UsageError(f"--lr {args.lr} must be a positive finite number.")
-    demoted = _validate(args, schedule, mbs, dp)
-    rows = schedule.table(mbs, dp, seq_length=seq, train_samples=train_samples, lr=args.lr, lr_base_batch_size=base)
+    consumed = _count("--consumed-samples", args.consumed_samples, minimum=0)
+    demoted = _validate(args, schedule, mbs, dp, consumed)
+    rows = schedule.table(mbs, dp, seq_length=seq, train_samples=train_samples, lr=args.lr, lr_base_batch_size=base,
+                          consumed_samples=consumed)
     if args.json:
-        print(json.dumps(_as_json(args, schedule, rows, mbs, dp, seq, train_samples, demoted), indent=2))
+        print(json.dumps(_as_json(args, schedule, rows, mbs, dp, seq, train_samples, consumed, demoted), indent=2))
     else:
-        _print(args, schedule, rows, seq, train_samples, demoted)
+        _print(args, schedule, rows, seq, train_samples, consumed, demoted)
     if args.plot:
         plot_schedule(rows, args.plot, seq_length=seq, train_samples=train_samples)
         if not args.json:
@@ -144,7 +147,7 @@ def _train_samples(args: argparse.Namespace, seq: int | None) -> int | None:
     return -(-tokens // seq)  # the run ends at the first step reaching the token count
 
 
-def _validate(args: argparse.Namespace, schedule: StepSchedule, mbs: int, dp: int) -> list[str]:
+def _validate(args: argparse.Namespace, schedule: StepSchedule, mbs: int, dp: int, consumed: int) -> list[str]:
     vpp = _count("--virtual-pipeline-model-parallel-size", args.virtual_pipeline_model_parallel_size) \
         if args.virtual_pipeline_model_parallel_size else None
     group_flag = "--microbatch-group-size-per-virtual-pipeline-stage"
@@ -154,7 +157,7 @@ def _validate(args: argparse.Namespace, schedule: StepSchedule, mbs: int, dp: in
         warnings.simplefilter("ignore", ScheduleWarning)
         demoted = schedule.validate(
             mbs, dp, _count("--pipeline-model-parallel-size", args.pipeline_model_parallel_size), vpp,
-            _count("--consumed-samples", args.consumed_samples, minimum=0),
+            consumed,
             [_count("--planned-data-parallel-sizes", d) for d in args.planned_data_parallel_sizes],
             microbatch_group_size_per_vp_stage=group, strict_future=not args.warn_future_stages,
         )
@@ -197,6 +200,7 @@ def _print(
     rows: list[StageRow],
     seq: int | None,
     train_samples: int | None,
+    consumed: int,
     demoted: list[str],
 ) -> None:
     for line in _header(args, schedule, seq):
@@ -209,12 +213,17 @@ def _print(
     table = [[getattr(row, key) for _, key in columns] for row in rows]
     title = f"stages for MBS {args.micro_batch_size} x DP {args.data_parallel_size}"
     print_table(title, [c[0] for c in columns], table)
+    start = f" from --consumed-samples {consumed:,} to" if consumed else " for"
     if train_samples is not None:
         steps = sum(r.steps or 0 for r in rows)
-        end = sum(r.samples or 0 for r in rows)
+        end = consumed + sum(r.samples or 0 for r in rows)
         tokens = f" = {end * seq:,} tokens" if seq is not None else ""
-        print(f"{steps:,} steps for --train-samples {train_samples:,}; the last step ends at {end:,} samples{tokens}.")
-    skipped = [r.position for r in rows if r.steps == 0 and r.first_sample is None and _before_end(r, rows)]
+        print(f"{steps:,} steps{start} --train-samples {train_samples:,}; the last step ends at {end:,} samples{tokens}.")
+    passed = [r.position for r in rows if r.first_sample is None and r.threshold_samples < consumed]
+    if passed and any(r.first_sample is not None for r in rows):
+        print(f"note: stage(s) {', '.join(map(str, passed))} already passed at --consumed-samples {consumed:,}.")
+    skipped = [r.position for r in rows if r.steps == 0 and r.first_sample is None and r.threshold_samples > consumed
+               and _before_end(r, rows)]
     if skipped:
         print(f"note: stage(s) {', '.join(map(str, skipped))} are never used: a step overshoots past them.")
     if args.lr is not None:
@@ -236,6 +245,7 @@ def _as_json(
     dp: int,
     seq: int | None,
     train_samples: int | None,
+    consumed: int,
     demoted: list[str],
 ) -> dict:
     return {
@@ -247,8 +257,9 @@ def _as_json(
         "data_parallel_size": dp,
         "seq_length": seq,
         "train_samples": train_samples,
+        "consumed_samples": consumed,
         "iterations": sum(r.steps or 0 for r in rows) if train_samples is not None else None,
-        "samples_at_end": sum(r.samples or 0 for r in rows) if train_samples is not None else None,
+        "samples_at_end": consumed + sum(r.samples or 0 for r in rows) if train_samples is not None else None,
         "stages": [asdict(row) for row in rows],
         "warnings": demoted,
         "lr_note": LR_NOTE if args.lr is not None else None,

@@ -311,6 +311,20 @@ def test_table_skipped_stage_and_open_end():
     assert [(r.first_sample, r.steps) for r in rows] == [(0, 2), (None, 0), (16, None)]
 
 
+def test_table_from_consumed_samples_starts_at_the_stage_in_force():
+    """A resumed, scaled-up run: stage 1 (8 < MBS 4 x DP 16) is past and must not stop the table."""
+    schedule = StepSchedule.parse("0:8 1000:64")
+    rows = schedule.table(4, 16, train_samples=3000, consumed_samples=2000)
+    assert [(r.first_sample, r.first_step, r.steps, r.samples) for r in rows] == [
+        (None, None, 0, 0), (2000, 0, 16, 1024)
+    ]
+    assert [(r.first_sample, r.steps) for r in schedule.table(4, 16, consumed_samples=1000)] == [(None, 0), (1000, None)]
+    with pytest.raises(ScheduleError, match=r"entry 1 '0:8' .* gives 0 micro-batches"):
+        schedule.table(4, 16, consumed_samples=999)
+    with pytest.raises(SizeError, match="consumed_samples -1 must be a whole number >= 0"):
+        schedule.table(4, 16, consumed_samples=-1)
+
+
 def test_iter_steps_matches_upstream_training_loop_arithmetic():
     steps = list(StepSchedule.parse("0:8 20:16 50:32").iter_steps(2, 4, train_samples=100))
     assert [s.consumed_samples for s in steps] == [0, 8, 16, 24, 40, 56, 88]

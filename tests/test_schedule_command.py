@@ -81,6 +81,22 @@ def test_warn_future_stages(capsys):
     assert "warning: --step-batch-size-schedule entry 2 '100:384'" in captured.err
 
 
+RESUMED = ["0:8 1000:64", "--micro-batch-size", "4", "--data-parallel-size", "16", "--consumed-samples", "2000"]
+
+
+def test_consumed_samples_starts_the_table_at_the_stage_in_force(capsys):
+    """Resumed after a scale-up: stage 1 (8 < 4 x 16) is past, so it is neither checked nor run."""
+    out = run_json(capsys, *RESUMED, "--train-samples", "3000")
+    assert out["consumed_samples"] == 2000
+    assert [(s["first_sample"], s["steps"]) for s in out["stages"]] == [(None, 0), (2000, 16)]
+    assert (out["iterations"], out["samples_at_end"]) == (16, 3024)
+    assert main([*RESUMED, "--train-samples", "3000"]) == 0
+    captured = capsys.readouterr()
+    assert "16 steps from --consumed-samples 2,000 to --train-samples 3,000; the last step ends at 3,024" in captured.out
+    assert "stage(s) 1 already passed at --consumed-samples 2,000" in captured.out
+    assert "never used" not in captured.out and not captured.err
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -70,6 +70,19 @@ def test_resume_at_any_step_boundary_reproduces_the_rest(run, train_samples, dat
     assert rest == seen[k:] and final_again == final
 
 
+@settings(max_examples=150, deadline=None)
+@given(valid_runs(), st.integers(0, 3000), st.integers(1, 5000))
+def test_table_from_any_consumed_count_matches_the_training_loop(run, consumed, train_samples):
+    schedule, mbs, dp = run
+    seen, final = _training_loop(schedule, mbs, dp, train_samples, consumed=consumed)
+    rows = schedule.table(mbs, dp, train_samples=train_samples, consumed_samples=consumed)
+    assert sum(r.steps or 0 for r in rows) == len(seen)
+    assert consumed + sum(r.samples or 0 for r in rows) == final
+    for row in rows:
+        if row.steps:
+            assert seen[row.first_step][:2] == (row.first_sample, row.global_batch_size)
+
+
 @settings(max_examples=200, deadline=None)
 @given(valid_runs(), st.integers(0, 10**6))
 def test_lookup_matches_a_linear_scan(run, consumed):
