@@ -53,8 +53,10 @@ class StepScheduleCalculator:
         planned_data_parallel_sizes, strict_future: see :meth:`StepSchedule.validate`.
         """
         self.step_schedule = schedule
-        self.micro_batch_size = require_positive_int("--micro-batch-size", micro_batch_size)
-        self.data_parallel_size = require_positive_int("--data-parallel-size", data_parallel_size)
+        # Upstream asserts micro_batch_times_data_parallel_size > 0: ScheduleError is an AssertionError too.
+        self.micro_batch_size = require_positive_int("--micro-batch-size", micro_batch_size, below_one=ScheduleError)
+        self.data_parallel_size = require_positive_int("--data-parallel-size", data_parallel_size,
+                                                       below_one=ScheduleError)
         self.rank = rank
         self.pipeline_model_parallel_size = pipeline_model_parallel_size
         self.virtual_pipeline_size = virtual_pipeline_size

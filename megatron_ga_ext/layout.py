@@ -45,8 +45,11 @@ FLAGS = {
 GRAD_SYNC_MODES = ("step", "microbatch")
 
 
-def require_positive_int(flag: str, value: object) -> int:
-    """Return ``value`` if it is an int >= 1, else raise :class:`SizeError` naming ``flag``."""
+def require_positive_int(flag: str, value: object, *, below_one: type[GAError] = SizeError) -> int:
+    """Return ``value`` if it is an int >= 1, else raise :class:`SizeError` naming ``flag``.
+
+    ``below_one`` is the type raised for an int < 1: ScheduleError where upstream asserted the same thing.
+    """
     if isinstance(value, bool) or not isinstance(value, int):
         hint = ""
         if isinstance(value, float) and math.isfinite(value) and value > 0:
@@ -56,7 +59,7 @@ def require_positive_int(flag: str, value: object) -> int:
             f"give an integer >= 1{hint}."
         )
     if value < 1:
-        raise SizeError(f"{flag} {value} must be at least 1; give an integer >= 1.")
+        raise below_one(f"{flag} {value} must be at least 1; give an integer >= 1.")
     return value
 
 

@@ -237,7 +237,7 @@ class StepSchedule:
     @classmethod
     def constant(cls, global_batch_size: int) -> "StepSchedule":
         """The one-stage schedule ``0:GBS``."""
-        require_positive_int("--global-batch-size", global_batch_size)
+        require_positive_int("--global-batch-size", global_batch_size, below_one=ScheduleError)
         return cls.from_stages([(0, global_batch_size)])
 
     @classmethod
@@ -257,11 +257,16 @@ class StepSchedule:
         divides by zero (ramp_samples = 0, or start = GBS), the ramp is empty: the schedule is ``0:GBS``.
         """
         flag = "--rampup-batch-size"
-        require_positive_int(f"{flag} start batch size", start)
-        require_positive_int(f"{flag} batch size increment", increment)
-        require_positive_int("--global-batch-size", global_batch_size)
-        if isinstance(ramp_samples, bool) or not isinstance(ramp_samples, int) or ramp_samples < 0:
-            raise SizeError(f"{flag} ramp-up samples {ramp_samples!r} must be a whole number >= 0.")
+        # Upstream 0.16.1 asserts start > 0, increment > 0, ramp >= 0 and GBS > 0: ScheduleError is an AssertionError.
+        require_positive_int(f"{flag} start batch size", start, below_one=ScheduleError)
+        require_positive_int(f"{flag} batch size increment", increment, below_one=ScheduleError)
+        require_positive_int("--global-batch-size", global_batch_size, below_one=ScheduleError)
+        whole = isinstance(ramp_samples, int) and not isinstance(ramp_samples, bool)
+        if not whole or ramp_samples < 0:
+            raise (ScheduleError if whole else SizeError)(
+                f"{flag} ramp-up samples {ramp_samples!r} must be a whole number >= 0; give 0 for no ramp, or the "
+                f"samples to ramp over."
+            )
         diff = global_batch_size - start
         if diff < 0:
             raise ScheduleError(

@@ -135,3 +135,14 @@ def test_schedule_built_from_stage_objects_keys_warnings_by_stage():
     with pytest.raises(ScheduleError, match=r"entry 2 '100:12' \(from 100 samples, global batch size 12\) is not a "
                                             r"multiple of --micro-batch-size 4 x data-parallel size 2 = 8"):
         calc.update(100, consistency_check=True)  # 12 would be floored to 1 micro-batch of 8
+
+
+@pytest.mark.parametrize("mbs, dp, message", [(0, 2, "--micro-batch-size 0 must be at least 1"),
+                                              (4, -2, "--data-parallel-size -2 must be at least 1")])
+def test_nonpositive_sizes_are_assertion_errors_like_upstream(mbs, dp, message):
+    """Upstream: assert micro_batch_times_data_parallel_size > 0."""
+    with pytest.raises(ScheduleError, match=message) as caught:
+        StepScheduleCalculator(StepSchedule.parse("0:16"), mbs, dp)
+    assert isinstance(caught.value, AssertionError)
+    with pytest.raises(SizeError, match="--micro-batch-size 4.0 is not a whole number"):
+        StepScheduleCalculator(StepSchedule.parse("0:16"), 4.0, 2)  # type: ignore[arg-type]

@@ -211,17 +211,27 @@ def test_rampup_boundaries(args, stages):
 @pytest.mark.parametrize(
     "args, error, message",
     [
-        ((0, 8, 100, 64), SizeError, r"--rampup-batch-size start batch size 0 must be at least 1"),
-        ((16, 0, 100, 64), SizeError, r"--rampup-batch-size batch size increment 0 must be at least 1"),
-        ((16, 8, -1, 64), SizeError, r"--rampup-batch-size ramp-up samples -1 must be a whole number >= 0"),
+        ((0, 8, 100, 64), ScheduleError, r"--rampup-batch-size start batch size 0 must be at least 1; give an integer"),
+        ((16, -8, 100, 64), ScheduleError, r"--rampup-batch-size batch size increment -8 must be at least 1"),
+        ((16, 8, -1, 64), ScheduleError,
+         r"--rampup-batch-size ramp-up samples -1 must be a whole number >= 0; give 0 for no ramp"),
+        ((16, 8, 100, 0), ScheduleError, r"--global-batch-size 0 must be at least 1"),
+        ((16, 8, 1.5, 64), SizeError, r"--rampup-batch-size ramp-up samples 1.5 must be a whole number >= 0"),
         ((128, 8, 100, 64), ScheduleError, r"start batch size 128 exceeds --global-batch-size 64; a ramp only grows"),
         ((16, 10, 100, 64), ScheduleError,
          r"increment 10 does not divide --global-batch-size 64 - start 16 = 48.*Use an increment in \{1, 2, 3, 4, 6, 8"),
     ],
 )
 def test_rampup_errors(args, error, message):
-    with pytest.raises(error, match=message):
+    with pytest.raises(error, match=message) as caught:
         StepSchedule.from_rampup(*args)
+    # upstream 0.16.1 asserts start > 0, increment > 0, ramp >= 0 and GBS > 0
+    assert isinstance(caught.value, AssertionError) == (error is ScheduleError)
+
+
+def test_constant_zero_batch_is_an_assertion_error_like_upstream():
+    with pytest.raises(ScheduleError, match=r"--global-batch-size 0 must be at least 1"):
+        StepSchedule.constant(0)
 
 
 # -- validation --------------------------------------------------------------------------------
