@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -34,6 +35,27 @@ def _sleep():
     time.sleep(30)
 
 
+def _return_a_lambda():
+    return lambda: None
+
+
+def _exit_quietly_on_rank_one():
+    if torch.distributed.get_rank() == 1:
+        os._exit(0)
+    time.sleep(30)
+
+
+class _NeedsTwoArguments(Exception):
+    """Pickles, but cannot be unpickled: ``args`` holds one value, ``__init__`` needs two."""
+
+    def __init__(self, first, second):
+        super().__init__(f"{first} {second}")
+
+
+def _raise_unpicklable():
+    raise _NeedsTwoArguments("broken", "on purpose")
+
+
 def test_launcher_returns_each_rank_result():
     assert run_on_ranks(_all_reduce_rank, 2) == [(0, 3.0), (1, 3.0)]
 
@@ -48,6 +70,64 @@ def test_launcher_times_out():
     with pytest.raises(WorkerError, match=r"did not finish within the launch timeout of 2 s"):
         run_on_ranks(_sleep, 2, config=LaunchConfig(timeout_s=2))
     assert time.monotonic() - start < 10
+
+
+def test_launcher_fails_fast_on_an_unpicklable_result():
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=r"rank [01] returned a result that cannot be pickled .*plain data"):
+        run_on_ranks(_return_a_lambda, 2, config=LaunchConfig(timeout_s=60))
+    assert time.monotonic() - start < 20
+
+
+def test_launcher_fails_fast_when_a_rank_exits_zero_without_a_reply():
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=r"rank 1 of 2 exited with code 0 without sending a reply"):
+        run_on_ranks(_exit_quietly_on_rank_one, 2, config=LaunchConfig(timeout_s=60))
+    assert time.monotonic() - start < 20
+
+
+def test_launcher_reports_a_reply_the_parent_cannot_unpickle():
+    with pytest.raises(WorkerError, match=r"(?s)rank 0 of 1 sent a reply \(error\) that cannot be "
+                                          r"unpickled.*_NeedsTwoArguments: broken on purpose"):
+        run_on_ranks(_raise_unpicklable, 1, config=LaunchConfig(timeout_s=60))
+
+
+PARENT = """
+import os, sys, time
+from megatron_ga_ext.verify.launch import LaunchConfig, run_on_ranks
+
+def rank_main(folder):
+    open(os.path.join(folder, str(os.getpid())), "w").close()
+    time.sleep(120)
+
+run_on_ranks(rank_main, 2, (sys.argv[1],), LaunchConfig(timeout_s=120, start_method="fork"))
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ranks_exit_when_their_parent_dies(tmp_path):
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path)])
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        pids = [int(f.name) for f in tmp_path.iterdir()]
+        assert len(pids) == 2
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_running(pid) for pid in pids)
 
 
 def test_default_layouts_cover_issue_four():
