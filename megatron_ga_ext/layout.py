@@ -21,6 +21,7 @@ __all__ = [
     "FLAGS",
     "BatchLayout",
     "interleaved_microbatch_problem",
+    "microbatch_group_error",
     "nearest_multiples",
     "require_positive_int",
     "virtual_pipeline_size",
@@ -311,11 +312,9 @@ class BatchLayout:
         pp, m = self.pipeline_model_parallel_size, self.num_microbatches
         group = self.microbatch_group_size_per_vp_stage or pp
         unit = self.micro_batch_size * self.data_parallel_size
-        if group < pp:
-            yield InterleaveError(
-                f"--microbatch-group-size-per-virtual-pipeline-stage {group} is below "
-                f"--pipeline-model-parallel-size {pp}; the interleaved schedule needs N >= PP. Use N >= {pp}."
-            )
+        group_error = microbatch_group_error(group, pp)
+        if group_error is not None:
+            yield group_error
             return
         problem = interleaved_microbatch_problem(m, pp, group)
         if problem is not None:
@@ -326,6 +325,17 @@ class BatchLayout:
                 f"{self.virtual_pipeline_size} and --pipeline-model-parallel-size {pp}: {rule}. Nearest valid "
                 f"--global-batch-size: {_join([k * unit for k in nearest_m])}."
             )
+
+
+def microbatch_group_error(microbatch_group_size: int, pipeline_model_parallel_size: int) -> InterleaveError | None:
+    """The error for N < PP, which the interleaved schedule cannot run (N = micro-batches per virtual stage)."""
+    group, pp = microbatch_group_size, pipeline_model_parallel_size
+    if group >= pp:
+        return None
+    return InterleaveError(
+        f"--microbatch-group-size-per-virtual-pipeline-stage {group} is below --pipeline-model-parallel-size {pp}; "
+        f"the interleaved schedule needs N >= PP. Use N >= {pp}."
+    )
 
 
 def interleaved_microbatch_problem(

@@ -25,7 +25,13 @@ from fractions import Fraction
 from typing import Callable, Iterator, Sequence
 
 from megatron_ga_ext.errors import GAError, InterleaveError, ScheduleError, ScheduleParseError, SizeError
-from megatron_ga_ext.layout import divisors, interleaved_microbatch_problem, nearest_multiples, require_positive_int
+from megatron_ga_ext.layout import (
+    divisors,
+    interleaved_microbatch_problem,
+    microbatch_group_error,
+    nearest_multiples,
+    require_positive_int,
+)
 
 __all__ = [
     "SUFFIXES",
@@ -357,18 +363,28 @@ class StepSchedule:
         == 0; with VPP > 1, M = GBS / (MBS x DP) satisfies the interleaved rule; and GBS never decreases
         from one stage to the next (upstream asserts "should not decrease" at the transition). Stages
         already passed are not checked: after a scale-up they may be smaller than MBS x DP, on purpose.
+        With VPP > 1, N < PP is a layout error, listed once (against the stage in force).
         """
         mbs = require_positive_int("--micro-batch-size", micro_batch_size)
         dp = require_positive_int("--data-parallel-size", data_parallel_size)
         pp = require_positive_int("--pipeline-model-parallel-size", pipeline_model_parallel_size)
-        vpp = require_positive_int("--virtual-pipeline-model-parallel-size", virtual_pipeline_size or 1)
+        vpp = 1 if virtual_pipeline_size is None else require_positive_int(
+            "--virtual-pipeline-model-parallel-size", virtual_pipeline_size
+        )
+        group = pp if microbatch_group_size_per_vp_stage is None else require_positive_int(
+            "--microbatch-group-size-per-virtual-pipeline-stage", microbatch_group_size_per_vp_stage
+        )
         planned = [require_positive_int("planned data-parallel size", d) for d in planned_data_parallel_sizes]
         current = self.stage_index_at(consumed_samples)
         found = []
+        group_error = microbatch_group_error(group, pp) if vpp > 1 else None
+        if group_error is not None:
+            found.append(ScheduleProblem(stage=self.entries[current], index=current, future=False, error=group_error))
+            vpp = 1  # the rule on num_microbatches presumes N >= PP; the stages' divisibility is still checked
         for index in range(current, len(self.entries)):
             stage, future = self.entries[index], index > current
             for size in [dp] + ([d for d in planned if d != dp] if future else []):
-                error = _layout_error(stage, mbs, size, pp, vpp, microbatch_group_size_per_vp_stage, size != dp)
+                error = _layout_error(stage, mbs, size, pp, vpp, group, size != dp)
                 if error is not None:
                     found.append(ScheduleProblem(stage=stage, index=index, future=future, error=error))
             if future and stage.global_batch_size < self.entries[index - 1].global_batch_size:
@@ -649,9 +665,7 @@ def _least(reached: Callable[[int], bool], low: int, high: int, guess: int) -> i
 # -- validation helpers ------------------------------------------------------------------------
 
 
-def _layout_error(
-    stage: Stage, mbs: int, dp: int, pp: int, vpp: int, group: int | None, planned: bool
-) -> GAError | None:
+def _layout_error(stage: Stage, mbs: int, dp: int, pp: int, vpp: int, group: int, planned: bool) -> GAError | None:
     unit = mbs * dp
     batch = stage.global_batch_size
     dp_text = f"{'planned ' if planned else ''}data-parallel size {dp}"
@@ -664,11 +678,6 @@ def _layout_error(
             f"training reaches it). Nearest valid batch sizes: {', '.join(map(str, nearest_multiples(batch, unit)))}."
         )
     if vpp > 1:
-        if (group or pp) < pp:
-            return InterleaveError(
-                f"--microbatch-group-size-per-virtual-pipeline-stage {group} is below --pipeline-model-parallel-size "
-                f"{pp}; the interleaved schedule needs N >= PP. Use N >= {pp}."
-            )
         problem = interleaved_microbatch_problem(batch // unit, pp, group)
         if problem is not None:
             rule, nearest_m = problem

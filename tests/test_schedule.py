@@ -274,6 +274,27 @@ def test_validate_interleaved_rule():
         1, 8, pipeline_model_parallel_size=4, virtual_pipeline_size=2, microbatch_group_size_per_vp_stage=6)
 
 
+def test_microbatch_group_below_pp_is_one_problem_not_one_per_stage():
+    schedule = StepSchedule.parse("0:32 100:64 200:128")
+    layout = dict(pipeline_model_parallel_size=4, virtual_pipeline_size=2, microbatch_group_size_per_vp_stage=2)
+    with pytest.raises(InterleaveError, match=r"^--microbatch-group-size-per-virtual-pipeline-stage 2 is below "
+                                              r"--pipeline-model-parallel-size 4; the interleaved schedule needs "
+                                              r"N >= PP\. Use N >= 4\.$"):
+        schedule.validate(1, 8, planned_data_parallel_sizes=[16], **layout)
+    problems = schedule.problems(1, 8, planned_data_parallel_sizes=[16], **layout)
+    assert [(p.index, p.future, type(p.error)) for p in problems] == [(0, False, InterleaveError)]
+
+
+@pytest.mark.parametrize("layout, message", [
+    (dict(virtual_pipeline_size=0), "--virtual-pipeline-model-parallel-size 0 must be at least 1"),
+    (dict(virtual_pipeline_size=2, microbatch_group_size_per_vp_stage=0),
+     "--microbatch-group-size-per-virtual-pipeline-stage 0 must be at least 1"),
+])
+def test_zero_virtual_pipeline_or_group_size_is_refused(layout, message):
+    with pytest.raises(SizeError, match=message):
+        StepSchedule.parse("0:32").validate(1, 8, pipeline_model_parallel_size=4, **layout)
+
+
 def test_planned_dp_and_opt_out():
     schedule = StepSchedule.parse("0:256 100:384 200:1024")
     schedule.validate(1, 128)
