@@ -563,6 +563,12 @@ def _check_structure(entries: tuple[Stage, ...], seq_length: int | None) -> None
             raise ScheduleError(f"{stage.describe()}: thresholds must be >= 0 and batch sizes >= 1.")
     first = entries[0]
     given = first.threshold_tokens if first.threshold_tokens is not None else first.threshold_samples
+    if given != 0 and first.threshold_samples == 0:
+        raise ScheduleError(
+            f"{first.describe()} is the first entry; its threshold of {given:,} tokens becomes 0 samples ({given} // "
+            f"--seq-length {seq_length}), the start of training, but the first threshold must be written as 0. "
+            f"Write '0:{first.global_batch_size}'."
+        )
     if given != 0:
         raise ScheduleError(
             f"{first.describe()} is the first entry but its threshold is not 0, so no batch size is set for the "

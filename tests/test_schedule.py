@@ -84,7 +84,12 @@ E = "--step-batch-size-schedule entry"
         ("100:8 200:16", None, ScheduleError,
          rf"{E} 1 '100:8' \(from 100 samples, global batch size 8\) is the first entry but its threshold is not 0.*"
          r"Begin the schedule with '0:8'"),
-        ("100:8", 4096, ScheduleError, r"entry 1 '100:8' \(from 100 tokens = 0 samples.*threshold is not 0"),
+        ("100:8", 4096, ScheduleError,
+         r"^--step-batch-size-schedule entry 1 '100:8' \(from 100 tokens = 0 samples, global batch size 8\) is the first "
+         r"entry; its threshold of 100 tokens becomes 0 samples \(100 // --seq-length 4096\), the start of training, "
+         r"but the first threshold must be written as 0\. Write '0:8'\.$"),
+        ("8192:8", 4096, ScheduleError, r"entry 1 '8192:8' \(from 8,192 tokens = 2 samples.*threshold is not 0, so no "
+                                        r"batch size is set for the start of training"),
         ("0:8 300:32 200:16", None, ScheduleError,
          rf"{E} 3 '200:16' \(from 200 samples, global batch size 16\) comes after entry 2 '300:32', whose threshold "
          r"is larger.*upstream would sort them silently.*'0:8 200:16 300:32'"),
