@@ -199,8 +199,8 @@ def test_relative_error_propagates_nan_from_any_parameter():
 
 @pytest.mark.slow
 def test_verify_command_end_to_end():
-    proc = subprocess.run([sys.executable, "-m", "megatron_ga_ext.verify", "--json"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "megatron_ga_ext.verify", "--json", "--timeout", "90"],
+                          capture_output=True, text=True, timeout=300)  # 3 launches of at most 90 s
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout)
     assert [(r["layout"], r["mode"]) for r in rows] == [
