@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -215,12 +217,19 @@ def test_verify_command_end_to_end():
     assert "launching 4 rank(s)" in proc.stderr and "PP2 x DP2 x GA4" in proc.stderr
 
 
-@pytest.mark.slow
-def test_verify_command_fails_when_token_mode_misses():
-    proc = subprocess.run([sys.executable, "-m", "megatron_ga_ext.verify", "--tolerance", "1e-12"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1
-    assert "FAIL" in proc.stdout
+def test_verify_command_fails_when_token_mode_misses(capsys, monkeypatch):
+    from megatron_ga_ext.verify import command
+
+    results = {2: [[_result("DP2 x GA4", "token", 3e-5, 0.9), _result("DP2 x GA4", "microbatch", 3.0, 1e-7)]] * 2}
+    monkeypatch.setattr(command, "_import_upstream", lambda: "megatron-core (not imported)")
+    monkeypatch.setattr(command, "_launch_all", lambda layouts, args: results)
+    parser = argparse.ArgumentParser()
+    command.configure_parser(parser)
+    assert command.run(parser.parse_args([])) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"DP2 x GA4 +token +3\.00e-05 +9\.00e-01 +FAIL\n", out)
+    assert re.search(r"DP2 x GA4 +microbatch .* ok: mean of means\n", out)
+    assert "1 row(s) FAIL (tolerance 1e-05)" in out
 
 
 def test_cpu_shims_restore_torch_and_megatron():
@@ -237,8 +246,6 @@ def test_cpu_shims_restore_torch_and_megatron():
 
 
 def test_cuda_without_a_device_is_a_clear_error(capsys, monkeypatch):
-    import argparse
-
     from megatron_ga_ext.verify.command import configure_parser, run
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
