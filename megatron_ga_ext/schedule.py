@@ -62,12 +62,13 @@ class ScheduleWarning(UserWarning):
 # -- numbers -----------------------------------------------------------------------------------
 
 
-def parse_count(text: str, what: str = "value") -> Fraction:
+def parse_count(text: str, what: str = "value", *, signed: bool = False) -> Fraction:
     """Read ``text`` exactly: a decimal number with an optional suffix K, M, B or T (either case).
 
     ``what`` names the value in error messages. Returns a Fraction >= 0 (it may be fractional; the
     caller decides whether it must be whole). Raises ScheduleParseError for anything else (unknown
-    suffix, nan, inf, not a number) and ScheduleError for a negative value.
+    suffix, nan, inf, not a number) and ScheduleError for a negative value, unless ``signed``: then a
+    negative value is returned, for a caller with its own range and message.
     """
     body = text.strip().upper()
     multiplier = 1
@@ -86,7 +87,7 @@ def parse_count(text: str, what: str = "value") -> Fraction:
         ) from None
     if not number.is_finite():  # nan, snan (with payloads such as nan5), inf, in any sign: before any comparison
         raise ScheduleParseError(f"{what} {text!r} is not a finite number; give a whole number such as 1000 or 1K.")
-    if number.is_signed() and number != 0:
+    if number.is_signed() and number != 0 and not signed:
         raise ScheduleError(f"{what} {text!r} is negative; thresholds and batch sizes count samples, so use >= 0.")
     if number != 0 and number.as_tuple().exponent < -_MAX_EXPONENT:  # type: ignore[operator]
         raise ScheduleParseError(f"{what} {text!r} has more than {_MAX_EXPONENT} decimal places; write it plainly.")

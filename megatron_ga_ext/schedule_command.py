@@ -21,6 +21,7 @@ from typing import Sequence
 
 from megatron_ga_ext.errors import GAError, SizeError
 from megatron_ga_ext.launch import UsageError
+from megatron_ga_ext.layout import require_positive_int
 from megatron_ga_ext.render import print_table
 from megatron_ga_ext.schedule import FLAG, ScheduleWarning, StageRow, StepSchedule, parse_count
 
@@ -111,15 +112,24 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _count(flag: str, text: str, minimum: int = 1) -> int:
-    value = parse_count(str(text), flag)
+    """A whole number >= ``minimum`` (1 for sizes, 0 for counts), suffixes allowed."""
+    value = parse_count(str(text), flag, signed=True)
     if value.denominator != 1:
         raise SizeError(f"{flag} {text!r} is not a whole number; give an integer >= {minimum}.")
+    if minimum == 1:
+        return require_positive_int(flag, int(value))
     if value < minimum:
-        raise SizeError(f"{flag} {text!r} must be at least {minimum}.")
+        raise SizeError(f"{flag} {int(value)} must be at least {minimum}; give an integer >= {minimum}.")
     return int(value)
 
 
 def _schedule(args: argparse.Namespace, seq: int | None) -> StepSchedule:
+    if args.sample_thresholds and args.from_rampup is not None:
+        raise UsageError("--sample-thresholds applies to a given schedule, not --from-rampup: a converted ramp prints "
+                         "both its sample and (with --seq-length) its token string. Drop --sample-thresholds.")
+    if args.sample_thresholds and seq is None:
+        raise UsageError("--sample-thresholds goes with --seq-length: without it thresholds are samples already. "
+                         "Drop --sample-thresholds, or add --seq-length.")
     if args.from_rampup is not None:
         if args.schedule is not None:
             raise UsageError(f"give either a schedule or --from-rampup, not both (got {args.schedule!r}).")
