@@ -152,8 +152,9 @@ class StepScheduleCalculator:
         """Move to the stage in force at ``consumed_samples``; O(log stages).
 
         With ``consistency_check``: the first such call validates every stage from the current one on
-        (:meth:`StepSchedule.validate`); later ones check the current stage divides into micro-batches.
-        Without it, num_microbatches is floored as upstream does.
+        (:meth:`StepSchedule.validate`), so later ones return at once, unless the stage now in force was
+        only warned about (``strict_future=False``) or lies before the validated one: then they validate
+        again from it, and raise if it breaks a rule. Without it, num_microbatches is floored as upstream does.
         """
         index = self.step_schedule.stage_index_at(consumed_samples)
         batch = self.step_schedule.entries[index].global_batch_size

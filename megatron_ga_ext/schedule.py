@@ -44,6 +44,8 @@ __all__ = [
     "format_count",
     "parse_count",
     "rampup_triple",
+    "total_samples",
+    "total_steps",
 ]
 
 FLAG = "--step-batch-size-schedule"
@@ -70,10 +72,7 @@ def parse_count(text: str, what: str = "value", *, signed: bool = False) -> Frac
     suffix, nan, inf, not a number) and ScheduleError for a negative value, unless ``signed``: then a
     negative value is returned, for a caller with its own range and message.
     """
-    body = text.strip().upper()
-    multiplier = 1
-    if body and body[-1] in SUFFIXES:
-        multiplier, body = SUFFIXES[body[-1]], body[:-1]
+    body, multiplier = _split_suffix(text)
     if body and body[-1].isalpha() and _is_decimal(body[:-1]):
         raise ScheduleParseError(
             f"{what} {text!r} has an unknown suffix {body[-1]!r}; the suffixes are K (1e3), M (1e6), B (1e9) "
@@ -96,6 +95,14 @@ def parse_count(text: str, what: str = "value", *, signed: bool = False) -> Frac
     return Fraction(number) * multiplier
 
 
+def _split_suffix(text: str) -> tuple[str, int]:
+    """``text`` stripped and upper-cased, less a known suffix, and that suffix's multiplier (1 if none)."""
+    body = text.strip().upper()
+    if body and body[-1] in SUFFIXES:
+        return body[:-1], SUFFIXES[body[-1]]
+    return body, 1
+
+
 def _is_decimal(text: str) -> bool:
     try:
         Decimal(text)
@@ -106,10 +113,7 @@ def _is_decimal(text: str) -> bool:
 
 def _upstream_count(text: str) -> int:
     """What megatron-core >= 0.18 reads for ``text``: int(float(number) * multiplier) (for comparison only)."""
-    body = text.strip().upper()
-    multiplier = 1
-    if body and body[-1] in SUFFIXES:
-        multiplier, body = SUFFIXES[body[-1]], body[:-1]
+    body, multiplier = _split_suffix(text)
     return int(float(body) * multiplier)
 
 
@@ -141,8 +145,18 @@ class Stage:
     position: int = 0
     """1-based position in the schedule; 0 (the default) is filled in by :class:`StepSchedule`."""
 
+    @property
+    def spelling(self) -> str:
+        """The entry as written, or ``THRESHOLD:GBS`` in samples for a built schedule."""
+        return self.entry or f"{format_count(self.threshold_samples)}:{self.global_batch_size}"
+
+    @property
+    def threshold_given(self) -> int:
+        """The threshold in the unit it was given in: tokens when parsed with a seq_length, else samples."""
+        return self.threshold_tokens if self.threshold_tokens is not None else self.threshold_samples
+
     def describe(self) -> str:
-        text = self.entry or f"{self.threshold_samples}:{self.global_batch_size}"
+        text = self.spelling
         unit = f"{self.threshold_samples:,} samples"
         if self.threshold_tokens is not None:
             unit = f"{self.threshold_tokens:,} tokens = {unit}"
@@ -281,10 +295,11 @@ class StepSchedule:
                 f"grows. Use a start <= {global_batch_size}."
             )
         if diff % increment:
+            valid = divisors(diff)
             raise ScheduleError(
                 f"{flag} increment {increment} does not divide --global-batch-size {global_batch_size} - start "
                 f"{start} = {diff}, so the ramp never lands on the global batch size. Use an increment in "
-                f"{{{', '.join(str(d) for d in divisors(diff)[:8])}{', ...' if len(divisors(diff)) > 8 else ''}}}."
+                f"{{{', '.join(str(d) for d in valid[:8])}{', ...' if len(valid) > 8 else ''}}}."
             )
         if diff == 0 or ramp_samples == 0:
             return cls.constant(global_batch_size)
@@ -505,7 +520,17 @@ class StepSchedule:
     def iterations(self, micro_batch_size: int, data_parallel_size: int, train_samples: int) -> int:
         """Steps training runs for ``--train-samples``: while consumed < train_samples, one more step."""
         rows = self.table(micro_batch_size, data_parallel_size, train_samples=train_samples)
-        return sum(row.steps or 0 for row in rows)
+        return total_steps(rows)
+
+
+def total_steps(rows: Sequence[StageRow]) -> int:
+    """Steps over all rows of :meth:`StepSchedule.table` (open-ended rows count 0)."""
+    return sum(row.steps or 0 for row in rows)
+
+
+def total_samples(rows: Sequence[StageRow]) -> int:
+    """Samples those steps consume (open-ended rows count 0)."""
+    return sum(row.samples or 0 for row in rows)
 
 
 # -- parsing helpers ---------------------------------------------------------------------------
@@ -563,7 +588,7 @@ def _check_structure(entries: tuple[Stage, ...], seq_length: int | None) -> None
         if stage.global_batch_size < 1 or stage.threshold_samples < 0:
             raise ScheduleError(f"{stage.describe()}: thresholds must be >= 0 and batch sizes >= 1.")
     first = entries[0]
-    given = first.threshold_tokens if first.threshold_tokens is not None else first.threshold_samples
+    given = first.threshold_given
     if given != 0 and first.threshold_samples == 0:
         raise ScheduleError(
             f"{first.describe()} is the first entry; its threshold of {given:,} tokens becomes 0 samples ({given} // "
@@ -581,17 +606,14 @@ def _check_structure(entries: tuple[Stage, ...], seq_length: int | None) -> None
 
 
 def _check_pair(previous: Stage, stage: Stage, entries: tuple[Stage, ...], seq_length: int | None) -> None:
-    def given(s: Stage) -> int:
-        return s.threshold_tokens if s.threshold_tokens is not None else s.threshold_samples
-
-    if given(stage) < given(previous):
-        order = " ".join(s.entry or f"{s.threshold_samples}:{s.global_batch_size}" for s in sorted(entries, key=given))
+    if stage.threshold_given < previous.threshold_given:
+        order = " ".join(s.spelling for s in sorted(entries, key=lambda s: s.threshold_given))
         raise ScheduleError(
             f"{stage.describe()} comes after entry {previous.position} {previous.entry!r}, whose threshold is "
             f"larger; thresholds must increase from entry to entry (upstream would sort them silently). Write "
             f"them in order, e.g. {order!r}."
         )
-    if given(stage) == given(previous):
+    if stage.threshold_given == previous.threshold_given:
         raise ScheduleError(
             f"{stage.describe()} repeats the threshold of entry {previous.position} {previous.entry!r}; each "
             f"threshold must be larger than the one before. Drop one of the two."
@@ -735,7 +757,7 @@ def _row(
     ratio = None if lr is None or lr_base is None else stage.global_batch_size / lr_base
     return StageRow(
         position=stage.position,
-        entry=stage.entry or f"{format_count(stage.threshold_samples)}:{stage.global_batch_size}",
+        entry=stage.spelling,
         threshold_samples=stage.threshold_samples,
         threshold_tokens=stage.threshold_tokens if stage.threshold_tokens is not None else (
             None if seq is None else stage.threshold_samples * seq

@@ -23,7 +23,15 @@ from megatron_ga_ext.errors import GAError, SizeError
 from megatron_ga_ext.launch import UsageError
 from megatron_ga_ext.layout import require_positive_int
 from megatron_ga_ext.render import print_table
-from megatron_ga_ext.schedule import FLAG, ScheduleWarning, StageRow, StepSchedule, parse_count
+from megatron_ga_ext.schedule import (
+    FLAG,
+    ScheduleWarning,
+    StageRow,
+    StepSchedule,
+    parse_count,
+    total_samples,
+    total_steps,
+)
 
 __all__ = ["configure_parser", "run", "main", "plot_schedule"]
 
@@ -225,10 +233,11 @@ def _print(
     print_table(title, [c[0] for c in columns], table)
     start = f" from --consumed-samples {consumed:,} to" if consumed else " for"
     if train_samples is not None:
-        steps = sum(r.steps or 0 for r in rows)
-        end = consumed + sum(r.samples or 0 for r in rows)
+        steps = total_steps(rows)
+        end = consumed + total_samples(rows)
         tokens = f" = {end * seq:,} tokens" if seq is not None else ""
-        print(f"{steps:,} steps{start} --train-samples {train_samples:,}; the last step ends at {end:,} samples{tokens}.")
+        print(f"{steps:,} steps{start} --train-samples {train_samples:,}; the last step ends at {end:,} "
+              f"samples{tokens}.")
     passed = [r.position for r in rows if r.first_sample is None and r.threshold_samples < consumed]
     if passed and any(r.first_sample is not None for r in rows):
         print(f"note: stage(s) {', '.join(map(str, passed))} already passed at --consumed-samples {consumed:,}.")
@@ -268,8 +277,8 @@ def _as_json(
         "seq_length": seq,
         "train_samples": train_samples,
         "consumed_samples": consumed,
-        "iterations": sum(r.steps or 0 for r in rows) if train_samples is not None else None,
-        "samples_at_end": consumed + sum(r.samples or 0 for r in rows) if train_samples is not None else None,
+        "iterations": total_steps(rows) if train_samples is not None else None,
+        "samples_at_end": consumed + total_samples(rows) if train_samples is not None else None,
         "stages": [asdict(row) for row in rows],
         "warnings": demoted,
         "lr_note": LR_NOTE if args.lr is not None else None,
