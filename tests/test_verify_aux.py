@@ -38,11 +38,20 @@ def _measure():
 
 
 @pytest.fixture(scope="module")
-def coefficients():
+def per_rank():
     from megatron_ga_ext.verify.launch import run_on_ranks
 
     warnings.filterwarnings("ignore", category=UserWarning)
-    return run_on_ranks(_measure, 2)[0]
+    return run_on_ranks(_measure, 2)
+
+
+@pytest.fixture(scope="module")
+def coefficients(per_rank):
+    return per_rank[0]
+
+
+def test_both_ranks_hold_the_same_coefficients(per_rank):
+    assert per_rank[0] == per_rank[1]  # the probe's gradient is DP all-reduced: every rank holds it all
 
 
 def test_microbatch_mode_gives_every_microbatch_the_target(coefficients):
@@ -57,5 +66,4 @@ def test_token_mode_without_padding_mask_inflates_by_the_padding_ratio(coefficie
 def test_token_mode_with_padding_mask_weighs_by_token_share_and_keeps_the_total(coefficients):
     measured = coefficients[("token", "valid")]
     mean_count = sum(DEFAULT_LENGTHS) / len(DEFAULT_LENGTHS)
-    assert measured == pytest.approx([n / mean_count for n in DEFAULT_LENGTHS])
-    assert sum(measured) == pytest.approx(8.0)  # sum over micro-batches = alpha, as in microbatch mode
+    assert measured == pytest.approx([n / mean_count for n in DEFAULT_LENGTHS])  # sums to 8, as microbatch
