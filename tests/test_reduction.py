@@ -68,15 +68,30 @@ def test_contract_counts_the_failing_microbatch():
 
 
 class _NoHostReads(TorchFunctionMode):
-    """Fails on every device-to-host read a check could hide (item, bool, tolist, int, float)."""
+    """Fails on every device-to-host read a check could hide: item, bool, tolist, int, float, numpy,
+    index, and the comparisons that answer a Python bool without ``__bool__`` (equal, allclose,
+    is_nonzero)."""
 
     READS = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.tolist, torch.Tensor.__int__,
-             torch.Tensor.__float__, torch.Tensor.numpy, torch.Tensor.__index__}
+             torch.Tensor.__float__, torch.Tensor.numpy, torch.Tensor.__index__,
+             torch.equal, torch.Tensor.equal, torch.allclose, torch.Tensor.allclose,
+             torch.is_nonzero, torch.Tensor.is_nonzero}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in self.READS:
             raise AssertionError(f"host read {func.__name__} during a per-micro-batch check")
         return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("read", [
+    lambda t: t.item(), lambda t: bool(t), lambda t: t.tolist(), lambda t: int(t), lambda t: float(t),
+    lambda t: t.numpy(), lambda t: [0][t], lambda t: torch.equal(t, t), lambda t: t.equal(t),
+    lambda t: torch.allclose(t, t), lambda t: t.allclose(t), lambda t: torch.is_nonzero(t),
+    lambda t: t.is_nonzero(),
+])
+def test_no_host_reads_catches_every_read(read):
+    with _NoHostReads(), pytest.raises(AssertionError, match="host read"):
+        read(torch.tensor(1))
 
 
 def test_contract_accumulates_device_flags_without_host_reads():
