@@ -33,6 +33,7 @@ from megatron_ga_ext.verify.layouts import (
     make_global_batch,
 )
 from megatron_ga_ext.verify.models import ModelConfig, build_gpt, build_positionwise, layer_offset
+from megatron_ga_ext.verify.models import init_model_parallel  # also imported from here by callers
 from megatron_ga_ext.verify.models import transformer_config
 from megatron_ga_ext.verify.references import reference_grads
 
@@ -129,15 +130,6 @@ def run_layout(layout: Layout, mode: str, cfg: VerifyConfig,
         return _one_step(layout, mode, cfg, batch)
     finally:
         parallel_state.destroy_model_parallel()
-
-
-def init_model_parallel(**sizes: int) -> None:
-    """megatron's parallel state (TP = 1) and its RNG tracker, as training sets them up."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    parallel_state.initialize_model_parallel(**sizes)
-    model_parallel_cuda_manual_seed(1234)
 
 
 def _one_step(layout: Layout, mode: str, cfg: VerifyConfig, batch: GlobalBatch):

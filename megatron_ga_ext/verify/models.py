@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["ModelConfig", "build_gpt", "build_positionwise", "global_name", "init_by_name",
-           "transformer_config"]
+           "init_model_parallel", "transformer_config"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -28,6 +28,15 @@ class ModelConfig:
     num_attention_heads: int = 4
     vocab_size: int = 64
     seq_length: int = 16
+
+
+def init_model_parallel(**sizes: int) -> None:
+    """megatron's parallel state (TP = 1) and its RNG tracker, as training sets them up."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel(**sizes)
+    model_parallel_cuda_manual_seed(1234)
 
 
 def transformer_config(model: ModelConfig, *, pipeline_model_parallel_size: int,

@@ -16,7 +16,8 @@ from typing import Iterable
 import torch
 
 from megatron_ga_ext.verify.layouts import GlobalBatch, Layout
-from megatron_ga_ext.verify.models import ModelConfig, build_gpt, build_positionwise, transformer_config
+from megatron_ga_ext.verify.models import ModelConfig, build_gpt, build_positionwise, init_model_parallel
+from megatron_ga_ext.verify.models import transformer_config
 
 __all__ = ["mean_of_means_weights", "reference_grads", "token_weights"]
 
@@ -41,8 +42,6 @@ def reference_grads(model: ModelConfig, layouts: Iterable[Layout], batch: Global
     it down again, so call it between layouts. The model is used unwrapped, on this rank alone.
     """
     from megatron.core import parallel_state
-
-    from megatron_ga_ext.verify.harness import init_model_parallel
 
     layouts = list(layouts)
     init_model_parallel()
