@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -38,7 +38,7 @@ from megatron_ga_ext.verify.models import transformer_config
 from megatron_ga_ext.verify.references import reference_grads
 
 __all__ = ["LayoutResult", "VerifyConfig", "build_ddp", "gradients", "init_model_parallel",
-           "microbatches", "relative_error", "run_layout", "run_rank", "train_step"]
+           "microbatches", "reduction_hooks", "relative_error", "run_layout", "run_rank", "train_step"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -133,52 +133,68 @@ def run_layout(layout: Layout, mode: str, cfg: VerifyConfig,
 
 
 def _one_step(layout: Layout, mode: str, cfg: VerifyConfig, batch: GlobalBatch):
-    from megatron.core.distributed import finalize_model_grads
-
     ddp, names, config = build_ddp(layout, cfg, calculate_per_token_loss=(mode == "token"))
-    contract = LossContract()
-    finalize = make_finalize_model_grads(finalize_model_grads, contract,
-                                         config=ReductionConfig(mode=mode))
-    loss_func = partial(masked_loss, mode=mode)
-    train_step(ddp, config, layout, cfg, batch, finalize=finalize,
-               loss_func=contract.wrap(loss_func) if mode == "token" else loss_func)
+    finalize, loss_func = reduction_hooks(mode, partial(masked_loss, mode=mode))
+    train_step(ddp, config, layout, cfg, batch, finalize=finalize, loss_func=loss_func)
     return gradients(ddp, names), finalize.last_num_tokens
 
 
+def reduction_hooks(mode: str, loss_func: Callable) -> tuple[Any, Callable]:
+    """The extension's hooks for ``mode``: (finalize, loss function).
+
+    finalize is :func:`make_finalize_model_grads` around upstream's ``finalize_model_grads``; in
+    ``token`` mode the loss function is checked per micro-batch by the finalize's :class:`LossContract`.
+    """
+    from megatron.core.distributed import finalize_model_grads
+
+    contract = LossContract()
+    finalize = make_finalize_model_grads(finalize_model_grads, contract,
+                                         config=ReductionConfig(mode=mode))
+    return finalize, contract.wrap(loss_func) if mode == "token" else loss_func
+
+
 def build_ddp(layout: Layout, cfg: VerifyConfig, *, calculate_per_token_loss: bool,
-              ddp_config: Any = None):
+              ddp_config: Any = None, build_module: Callable | None = None):
     """This rank's chunk of the layout's model, wrapped in megatron's DDP: (ddp, names, config).
 
-    ``names`` maps each local parameter name to its global one.
+    ``names`` maps each local parameter name to its global one. ``build_module(config)`` returning
+    ``(module, names)`` replaces the layout's model (it may set fields of the config first).
     """
-    from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     config = transformer_config(
         cfg.model, pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
         context_parallel_size=layout.context_parallel_size,
         calculate_per_token_loss=calculate_per_token_loss)
-    if layout.model == "positionwise":
-        module, names = build_positionwise(cfg.model, config)
-    else:
-        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-        module, names = build_gpt(
-            cfg.model, config,
-            pre_process=parallel_state.is_pipeline_first_stage(),
-            post_process=parallel_state.is_pipeline_last_stage(),
-            offset=layer_offset(cfg.model, pp_rank, layout.pipeline_model_parallel_size))
+    module, names = (build_module or partial(_build_module, layout, cfg))(config)
     module.to(cfg.device)
     ddp = DistributedDataParallel(config=config, module=module,
                                   ddp_config=ddp_config or DistributedDataParallelConfig())
     return ddp, names, config
 
 
+def _build_module(layout: Layout, cfg: VerifyConfig, config: Any):
+    from megatron.core import parallel_state
+
+    if layout.model == "positionwise":
+        return build_positionwise(cfg.model, config)
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    return build_gpt(
+        cfg.model, config,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        offset=layer_offset(cfg.model, pp_rank, layout.pipeline_model_parallel_size))
+
+
 def train_step(ddp: Any, config: Any, layout: Layout, cfg: VerifyConfig, batch: GlobalBatch, *,
-               finalize: Any, loss_func: Any) -> None:
+               finalize: Any, loss_func: Any, forward_step_func: Callable | None = None,
+               sample_ids: bool = False) -> None:
     """One forward/backward over this rank's micro-batches with megatron's own schedule.
 
     ``loss_func(output_tensor, loss_mask)`` is what the loss function of each micro-batch returns;
-    ``finalize`` becomes ``config.finalize_model_grads_func``.
+    ``finalize`` becomes ``config.finalize_model_grads_func``. ``forward_step_func(data_iterator, model,
+    *, loss_func)`` replaces the default forward step; ``sample_ids`` adds each micro-batch's sample
+    indices (see :func:`microbatches`).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -186,8 +202,8 @@ def train_step(ddp: Any, config: Any, layout: Layout, cfg: VerifyConfig, batch: 
     config.no_sync_func = ddp.no_sync
     ddp.zero_grad_buffer()
     get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, loss_func=loss_func),
-        data_iterator=iter(microbatches(layout, batch, cfg.device)),
+        forward_step_func=partial(forward_step_func or _forward_step, loss_func=loss_func),
+        data_iterator=iter(microbatches(layout, batch, cfg.device, sample_ids=sample_ids)),
         model=[ddp], num_microbatches=layout.num_microbatches,
         seq_length=cfg.model.seq_length // layout.context_parallel_size,
         micro_batch_size=layout.micro_batch_size, forward_only=False)
@@ -198,8 +214,12 @@ def gradients(ddp: Any, names: dict[str, str]) -> dict[str, torch.Tensor]:
     return {names[n]: p.main_grad.detach().clone().cpu() for n, p in ddp.module.named_parameters()}
 
 
-def microbatches(layout: Layout, batch: GlobalBatch, device: str) -> list[dict[str, torch.Tensor]]:
-    """This rank's micro-batches, in order, already cut to its CP shard."""
+def microbatches(layout: Layout, batch: GlobalBatch, device: str, *,
+                 sample_ids: bool = False) -> list[dict[str, torch.Tensor]]:
+    """This rank's micro-batches, in order, already cut to its CP shard.
+
+    With ``sample_ids``, each also holds ``sample_ids`` [MBS]: the samples' indices in the global batch.
+    """
     from megatron.core import parallel_state
 
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -209,6 +229,8 @@ def microbatches(layout: Layout, batch: GlobalBatch, device: str) -> list[dict[s
         micro = {"tokens": batch.tokens[rows], "labels": batch.labels[rows],
                  "loss_mask": batch.loss_mask[rows], "position_ids": batch.position_ids[rows]}
         micro = _cp_shard(micro) if layout.context_parallel_size > 1 else micro
+        if sample_ids:  # after the CP cut: it shards the sequence dimension, which sample_ids lacks
+            micro["sample_ids"] = torch.tensor(rows)
         out.append({k: v.to(device) for k, v in micro.items()})
     return out
 
