@@ -161,8 +161,8 @@ def test_reference_weights():
     assert torch.allclose(mean_of_means_weights(even, ids), token_weights(even))  # all n equal: agree
 
 
-def _result(layout, mode, token, mom):
-    return LayoutResult(layout, mode, token, mom, None, 0.1)
+def _result(layout, mode, token, mom, num_tokens=None):
+    return LayoutResult(layout, mode, token, mom, num_tokens if mode == "token" else None, 0.1)
 
 
 def test_rows_take_the_worst_rank_and_judge_each_mode_by_its_own_reference():
@@ -171,10 +171,20 @@ def test_rows_take_the_worst_rank_and_judge_each_mode_by_its_own_reference():
     rows = rows_from_results(results, 1e-5)
     assert rows == [
         {"layout": "DP2 x GA4", "mode": "token", "rel_err_token": 2e-5, "rel_err_mean_of_means": 0.9,
-         "ok": False},
+         "num_tokens": None, "ok": False},
         {"layout": "DP2 x GA4", "mode": "microbatch", "rel_err_token": 3.0,
-         "rel_err_mean_of_means": 2e-7, "ok": True},
+         "rel_err_mean_of_means": 2e-7, "num_tokens": None, "ok": True},
     ]
+
+
+@pytest.mark.parametrize("counts, num_tokens, ok", [((72, 72), 72, True), ((72, 71), None, False),
+                                                     ((64, 64), 64, False)])
+def test_token_rows_need_every_rank_to_divide_by_the_global_count(counts, num_tokens, ok):
+    results = {2: [[_result("DP2 x GA4", "token", 1e-7, 0.9, n), _result("DP2 x GA4", "microbatch", 3.0, 1e-7)]
+                   for n in counts]}
+    token, microbatch = rows_from_results(results, 1e-5, expected_num_tokens=72)
+    assert (token["num_tokens"], token["ok"]) == (num_tokens, ok)
+    assert (microbatch["num_tokens"], microbatch["ok"]) == (None, True)
 
 
 def test_rows_fail_on_nan_from_any_rank():
@@ -208,10 +218,11 @@ def test_verify_command_end_to_end():
     assert [(r["layout"], r["mode"]) for r in rows] == [
         (layout.name, mode) for layout in DEFAULT_LAYOUTS for mode in ("token", "microbatch")]
     for row in rows:
-        assert set(row) == {"layout", "mode", "rel_err_token", "rel_err_mean_of_means", "ok"}
+        assert set(row) == {"layout", "mode", "rel_err_token", "rel_err_mean_of_means", "num_tokens", "ok"}
         assert row["ok"] is True
         if row["mode"] == "token":
             assert row["rel_err_token"] < 1e-5 < 0.1 < row["rel_err_mean_of_means"]
+            assert row["num_tokens"] == sum(DEFAULT_LENGTHS)
         else:
             assert row["rel_err_mean_of_means"] < 1e-5 < 0.1 < row["rel_err_token"]
     assert "launching 4 rank(s)" in proc.stderr and "PP2 x DP2 x GA4" in proc.stderr
@@ -220,16 +231,17 @@ def test_verify_command_end_to_end():
 def test_verify_command_fails_when_token_mode_misses(capsys, monkeypatch):
     from megatron_ga_ext.verify import command
 
-    results = {2: [[_result("DP2 x GA4", "token", 3e-5, 0.9), _result("DP2 x GA4", "microbatch", 3.0, 1e-7)]] * 2}
+    results = {2: [[_result("DP2 x GA4", "token", 3e-5, 0.9, 72),
+                    _result("DP2 x GA4", "microbatch", 3.0, 1e-7)]] * 2}
     monkeypatch.setattr(command, "_import_upstream", lambda: "megatron-core (not imported)")
     monkeypatch.setattr(command, "_launch_all", lambda layouts, args: results)
     parser = argparse.ArgumentParser()
     command.configure_parser(parser)
     assert command.run(parser.parse_args([])) == 1
     out = capsys.readouterr().out
-    assert re.search(r"DP2 x GA4 +token +3\.00e-05 +9\.00e-01 +FAIL\n", out)
+    assert re.search(r"DP2 x GA4 +token +3\.00e-05 +9\.00e-01 +72 +FAIL\n", out)
     assert re.search(r"DP2 x GA4 +microbatch .* ok: mean of means\n", out)
-    assert "1 row(s) FAIL (tolerance 1e-05)" in out
+    assert "1 row(s) FAIL (tolerance 1e-05; token rows must divide by N = 72)" in out
 
 
 def test_cpu_shims_restore_torch_and_megatron():

@@ -2,8 +2,9 @@
 
 One launch per world size (1, 2, 4 ranks on the default layouts); each rank runs all layouts of its
 world size in sequence, re-initialising megatron's parallel state in between. Exit status: 0 when every
-``token`` row is within ``--tolerance`` of the token reference and every ``microbatch`` row within it of
-its own mean-of-means reference; 1 otherwise; 2 when a launch fails.
+``token`` row is within ``--tolerance`` of the token reference, with every rank dividing by N = the
+non-padding tokens of the global batch, and every ``microbatch`` row within it of its own mean-of-means
+reference; 1 otherwise; 2 when a launch fails.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Add verify's options to ``parser``."""
     parser.add_argument("--json", action="store_true",
                         help="print a JSON list of rows (layout, mode, rel_err_token, "
-                             "rel_err_mean_of_means, ok) instead of a table")
+                             "rel_err_mean_of_means, num_tokens, ok) instead of a table")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cpu: gloo ranks with CPU shims (default); cuda: nccl, one GPU per rank")
     parser.add_argument("--tolerance", type=float, default=TOLERANCE,
@@ -43,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     _quiet_upstream()
     versions = _import_upstream()
-    from megatron_ga_ext.verify.layouts import DEFAULT_LAYOUTS
+    from megatron_ga_ext.verify.layouts import DEFAULT_LAYOUTS, DEFAULT_LENGTHS
 
     layouts = _runnable(DEFAULT_LAYOUTS, args.device)
     print(f"megatron-ga verify: {versions}, device {args.device}", file=sys.stderr)
@@ -56,8 +57,9 @@ def run(args: argparse.Namespace) -> int:
     except Exception as exc:  # noqa: BLE001 - a CLI error: message, no traceback
         print(f"error: verify launch failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
-    rows = rows_from_results(results, args.tolerance)
-    _report(rows, args, time.perf_counter() - start)
+    expected_num_tokens = sum(DEFAULT_LENGTHS)
+    rows = rows_from_results(results, args.tolerance, expected_num_tokens)
+    _report(rows, args, expected_num_tokens, time.perf_counter() - start)
     return 0 if all(row["ok"] for row in rows) else 1
 
 
@@ -96,6 +98,7 @@ def _launch_all(layouts: list, args: argparse.Namespace) -> dict[int, list[list[
     """{world size: per-rank lists of LayoutResult}, one launch per world size."""
     from megatron_ga_ext.verify.harness import VerifyConfig, run_rank
     from megatron_ga_ext.verify.launch import LaunchConfig, run_on_ranks
+    from megatron_ga_ext.verify.layouts import DEFAULT_LENGTHS
 
     by_world: dict[int, list] = defaultdict(list)
     for layout in layouts:
@@ -105,16 +108,20 @@ def _launch_all(layouts: list, args: argparse.Namespace) -> dict[int, list[list[
     for world_size in sorted(by_world):
         names = ", ".join(lay.name for lay in by_world[world_size])
         print(f"launching {world_size} rank(s): {names}", file=sys.stderr, flush=True)
-        cfg = VerifyConfig(layouts=tuple(by_world[world_size]), device=args.device)
+        cfg = VerifyConfig(layouts=tuple(by_world[world_size]), lengths=DEFAULT_LENGTHS,
+                           device=args.device)
         results[world_size] = run_on_ranks(run_rank, world_size, (cfg,), launch)
     return results
 
 
-def rows_from_results(results: dict[int, list[list[Any]]], tolerance: float) -> list[dict[str, Any]]:
-    """One row per (layout, mode): the largest error over ranks, and the verdict.
+def rows_from_results(results: dict[int, list[list[Any]]], tolerance: float,
+                      expected_num_tokens: int | None = None) -> list[dict[str, Any]]:
+    """One row per (layout, mode): the largest error over ranks, the token count, and the verdict.
 
-    ``token`` passes when within ``tolerance`` of the token reference; ``microbatch`` when within it of
-    its own (mean-of-means) reference.
+    ``token`` passes when within ``tolerance`` of the token reference and, given
+    ``expected_num_tokens``, every rank's finalize divided by N = that count (the non-padding tokens of
+    the global batch); ``microbatch`` passes when within ``tolerance`` of its own (mean-of-means)
+    reference. ``num_tokens`` is N when every rank reports the same, else None.
     """
     per_row: dict[tuple[str, str], list[Any]] = defaultdict(list)
     for per_rank in results.values():
@@ -126,9 +133,12 @@ def rows_from_results(results: dict[int, list[list[Any]]], tolerance: float) -> 
         err_token = _worst(res.rel_err_token for res in ranks)
         err_mom = _worst(res.rel_err_mean_of_means for res in ranks)
         own = err_token if mode == "token" else err_mom
+        counts = {res.num_tokens for res in ranks}
+        num_tokens = counts.pop() if len(counts) == 1 else None
+        count_ok = mode != "token" or expected_num_tokens is None or num_tokens == expected_num_tokens
         rows.append({"layout": layout, "mode": mode, "rel_err_token": err_token,
-                     "rel_err_mean_of_means": err_mom,
-                     "ok": not math.isnan(own) and own <= tolerance})
+                     "rel_err_mean_of_means": err_mom, "num_tokens": num_tokens,
+                     "ok": not math.isnan(own) and own <= tolerance and count_ok})
     return rows
 
 
@@ -138,17 +148,19 @@ def _worst(errors: Iterable[float]) -> float:
     return math.nan if any(math.isnan(e) for e in errors) else max(errors)
 
 
-def _report(rows: list[dict[str, Any]], args: argparse.Namespace, seconds: float) -> None:
+def _report(rows: list[dict[str, Any]], args: argparse.Namespace, expected_num_tokens: int,
+            seconds: float) -> None:
     if args.json:
         print(json.dumps(rows, indent=2))
         return
     table = [[r["layout"], r["mode"], f"{r['rel_err_token']:.2e}", f"{r['rel_err_mean_of_means']:.2e}",
-              _verdict(r)] for r in rows]
+              "-" if r["mode"] != "token" else str(r["num_tokens"]), _verdict(r)] for r in rows]
     print_table("Gradients against unpartitioned references (max relative error over ranks)",
-                ["layout", "mode", "vs token ref", "vs mean-of-means ref", "verdict"], table)
+                ["layout", "mode", "vs token ref", "vs mean-of-means ref", "N", "verdict"], table)
     failed = sum(not r["ok"] for r in rows)
     summary = "all rows pass" if not failed else f"{failed} row(s) FAIL"
-    print(f"{summary} (tolerance {args.tolerance:g}); {seconds:.1f} s")
+    print(f"{summary} (tolerance {args.tolerance:g}; token rows must divide by N = "
+          f"{expected_num_tokens}); {seconds:.1f} s")
 
 
 def _verdict(row: dict[str, Any]) -> str:

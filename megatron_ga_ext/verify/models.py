@@ -71,9 +71,12 @@ def layer_offset(model: ModelConfig, pipeline_rank: int, pipeline_size: int) -> 
     return pipeline_rank * (model.num_layers // pipeline_size)
 
 
-def global_name(name: str, offset: int, tied_output: bool) -> str:
-    """A parameter's name in the unpartitioned model (``decoder.layers.i`` -> ``i + offset``)."""
-    if tied_output and name == "output_layer.weight":
+def global_name(name: str, offset: int) -> str:
+    """A parameter's name in the unpartitioned model (``decoder.layers.i`` -> ``i + offset``).
+
+    The output layer of a last PP stage is tied to the word embedding, so it takes that name.
+    """
+    if name == "output_layer.weight":
         return "embedding.word_embeddings.weight"
     return re.sub(r"layers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) + offset}.", name)
 
@@ -103,7 +106,7 @@ def build_gpt(model: ModelConfig, config, *, pre_process: bool, post_process: bo
         share_embeddings_and_output_weights=True,
         position_embedding_type="learned_absolute",
     )
-    names = {n: global_name(n, offset, tied_output=True) for n, _ in gpt.named_parameters()}
+    names = {n: global_name(n, offset) for n, _ in gpt.named_parameters()}
     init_by_name(gpt, names)
     return gpt, names
 
