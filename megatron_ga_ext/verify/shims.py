@@ -1,7 +1,7 @@
 """CPU shims that let real megatron-core run on gloo without a GPU. Used by ``verify`` and tests only.
 
 megatron-core allocates some tensors on "cuda" and calls CUDA runtime functions even when every
-module lives on the CPU. Each shim below stands in for exactly one of those (UPSTREAM.md §4):
+module lives on the CPU. Every replacement below stands in for one of those (UPSTREAM.md §4):
 
 1. ``torch.cuda.current_device`` answers ``0`` and the device mode maps it to the CPU
    (grad buffers, ``param_and_grad_buffer.py``; p2p receive buffers).
@@ -9,13 +9,26 @@ module lives on the CPU. Each shim below stands in for exactly one of those (UPS
    ``"cuda:0"``, ``torch.device("cuda")`` or an int) becomes ``"cpu"``; ``Tensor.cuda()`` is a no-op;
    ``Tensor.to("cuda")`` stays on the CPU (token counter in the schedules, tied embeddings under PP,
    the default causal mask).
-3. ``torch.cuda.get_rng_state`` / ``set_rng_state`` / ``manual_seed``, and the RNG tracker's own
-   ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` (``tensor_parallel/random.py``), route to the CPU
-   generator, so ``model_parallel_cuda_manual_seed`` and the tracker's ``fork`` work (dropout is 0).
-4. ``torch.cuda.synchronize`` does nothing (PP p2p, ``p2p_communication.py``).
-5. ``torch.cuda.current_stream`` / ``Stream`` / ``Event`` / ``stream`` answer stand-ins whose
-   ``wait_event`` / ``wait_stream`` / ``record`` / ``synchronize`` do nothing (0.19 grad sync).
-6. ``torch.cuda.is_available`` answers ``False`` and ``device_count`` ``0`` where they were asked.
+3. RNG: ``torch.cuda.get_rng_state`` / ``set_rng_state`` / ``manual_seed`` route to the CPU generator,
+   ``torch.cuda.manual_seed_all`` does nothing (there is no CUDA generator to seed), and the RNG
+   tracker's own ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` (``tensor_parallel/random.py``) use
+   the CPU state, so ``model_parallel_cuda_manual_seed`` and the tracker's ``fork`` work (dropout is 0).
+4. ``torch.cuda.synchronize`` does nothing (``p2p_communication.py`` after batched p2p,
+   ``parallel_state.py``, DDP's buffer free/allocate), nor does ``torch.cuda.set_device`` (megatron's
+   async checkpoint and inference code).
+5. Streams: ``torch.cuda.current_stream`` / ``default_stream`` answer a :class:`_Stream`, and
+   ``torch.cuda.Stream`` / ``Event`` construct one, whose ``wait_event`` / ``wait_stream`` / ``record`` /
+   ``synchronize`` do nothing, ``record_event`` answers another stand-in and ``query`` answers True;
+   ``torch.cuda.stream(...)`` is an empty context (grad sync: ``param_and_grad_buffer.py``, 0.16 with
+   ``default_stream``, 0.19 with ``current_stream``; the communication stream under
+   ``overlap_grad_reduce``).
+6. ``torch.cuda.is_available`` answers ``False`` and ``device_count`` ``0``, also on a machine with a
+   GPU, so megatron takes its CPU paths where it asks.
+
+Measured: a default ``megatron-ga verify`` calls only ``current_device``, ``get_rng_state``,
+``manual_seed``, the tracker's two RNG functions and (0.19.2) ``current_stream``; the others cover paths
+the same code reaches under other settings (batched PP p2p, overlapped grad reduce, a visible GPU) and
+cost nothing when unused, so they stay.
 
 Nothing here is imported by ``install()``: the shims exist to prove the extension on the CPU.
 """
