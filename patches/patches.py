@@ -21,8 +21,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megatron_ga_ext.compat import TESTED_VERSIONS as VERSIONS
+
 HERE = Path(__file__).resolve().parent
-VERSIONS = ("0.16.1", "0.17.1", "0.18.2", "0.19.2")
 MODULES = (
     "megatron/core/pipeline_parallel/schedules.py",
     "megatron/core/distributed/finalize_model_grads.py",
