@@ -25,7 +25,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -n "$(PYTHON_BIN)" || { echo "error: $(PYTHON) not found (neither on PATH nor under pyenv); install Python $(PYVER)" >&2; exit 2; }
 	$(PYTHON_BIN) -m venv $(VENV)
-	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[test,plot]'
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[megatron,test,plot]'
 	@touch $@
 
 demo: $(STAMP)

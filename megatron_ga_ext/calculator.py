@@ -16,16 +16,16 @@ an instance behind megatron's ``_GLOBAL_NUM_MICROBATCHES_CALCULATOR``.
 
 from __future__ import annotations
 
-import logging
 from typing import Sequence
 
+from megatron_ga_ext.logs import get_logger
 from megatron_ga_ext.errors import ScheduleError, SizeError
 from megatron_ga_ext.layout import require_positive_int
-from megatron_ga_ext.schedule import StepSchedule, rampup_triple
+from megatron_ga_ext.schedule import StepSchedule, rampup_triple, total_samples, total_steps
 
 __all__ = ["StepScheduleCalculator"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class StepScheduleCalculator:
@@ -171,6 +171,12 @@ class StepScheduleCalculator:
         self.current_global_batch_size = batch
         self.current_running_global_batch_size = batch
         self.num_micro_batches = batch // self.micro_batch_times_data_parallel_size
+
+    def plan(self, train_samples: int) -> tuple[int, int]:
+        """(iterations, samples) a run of ``--train-samples`` takes from 0: one more step while
+        consumed < train_samples, each step consuming MBS x DP x num_microbatches (O(stages))."""
+        rows = self.step_schedule.table(self.micro_batch_size, self.data_parallel_size, train_samples=train_samples)
+        return total_steps(rows), total_samples(rows)
 
     def _check(self, consumed_samples: int, index: int) -> None:
         """Validate every remaining stage once; afterwards O(1) unless a stage warned about is now in force."""

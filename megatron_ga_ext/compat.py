@@ -1,10 +1,16 @@
-"""megatron-core version detection, and fingerprints of every upstream function the extension patches.
+"""The upstream sources we test, and fingerprints of every upstream function the extension hooks.
 
-A fingerprint is the first 16 hex digits of sha256 over a function's source text (decorators
-included), so it does not depend on the Python version. ``install()`` compares the live functions
-with :data:`KNOWN` before it patches anything: unknown source is refused in strict mode and warned
-about otherwise, naming the function and the version. The table is made by
-``python -m megatron_ga_ext.compat --wheel-dir DIR`` over the released wheels.
+A fingerprint is the first 16 hex digits of sha256 over a function's source text (decorators included),
+so it does not depend on the Python version. ``install()`` compares the live functions with the table
+before it patches anything, **by source, not by version string**: a main-branch checkout reports an
+unreleased version, and what matters is whether each hooked function is one we have tested. Every
+hooked function known: accepted, whatever the version says. One unknown: refused in strict mode, warned
+about otherwise, naming the function, its fingerprint and the nearest tested source.
+
+:data:`UPSTREAM` is the one list of tested sources: adding a release or a main-branch commit is one line
+there, then ``make fingerprints`` (``python -m megatron_ga_ext.compat --write``) regenerates
+``fingerprints.json`` from the sources. Everything else (the Makefile, the end-to-end tier, the patches,
+the tests) reads the list from here.
 """
 
 from __future__ import annotations
@@ -14,21 +20,56 @@ import ast
 import hashlib
 import importlib
 import inspect
-import logging
+import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from megatron_ga_ext.logs import get_logger
 from megatron_ga_ext.errors import CompatError
 
-__all__ = ["KNOWN", "TESTED_VERSIONS", "TARGETS", "Target", "megatron_core_version", "fingerprint", "check_targets"]
+__all__ = [
+    "RELEASES", "TARGETS", "UPSTREAM", "Target", "Upstream", "check_targets", "fingerprint", "known_fingerprints",
+    "megatron_core_version",
+]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
-TESTED_VERSIONS = ("0.16.1", "0.17.1", "0.18.2", "0.19.2")
 SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 FINALIZE = "megatron.core.distributed.finalize_model_grads"
 CALCULATOR = "megatron.core.num_microbatches_calculator"
+TRAINING = "megatron.training.training"
+FINGERPRINTS = Path(__file__).with_name("fingerprints.json")
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """A Megatron-LM source we test: a release (its megatron-core wheel) or a main-branch commit."""
+
+    name: str
+    """How we call it: the megatron-core release ("0.19.2"), or "main@<commit>"."""
+    ref: str
+    """Its Megatron-LM snapshot: a tag (core_v0.19.0, whose core files equal the 0.19.2 wheel) or a commit."""
+    python: str
+    """The test leg that runs it: 0.16.1 on Python 3.11, everything from 0.17 on 3.12."""
+
+    @property
+    def is_release(self) -> bool:
+        return not self.name.startswith("main@")
+
+
+#: Every source the extension is tested on, oldest first. One line per release or commit.
+UPSTREAM = (
+    Upstream("0.16.1", "core_v0.16.1", "3.11"),
+    Upstream("0.17.1", "core_v0.17.1", "3.12"),
+    Upstream("0.18.2", "core_v0.18.2", "3.12"),
+    Upstream("0.19.2", "core_v0.19.0", "3.12"),
+    Upstream("main@9f3fe8c925fb", "9f3fe8c925fb", "3.12"),
+    Upstream("main@dd8c825b3ad5", "dd8c825b3ad5", "3.12"),
+    Upstream("main@d98e8a64ddf3", "d98e8a64ddf3", "3.12"),
+)
+RELEASES = tuple(u.name for u in UPSTREAM if u.is_release)
 
 
 @dataclass(frozen=True)
@@ -42,8 +83,16 @@ class Target:
     def qualified(self) -> str:
         return f"{self.module}.{self.name}"
 
+    @property
+    def optional(self) -> bool:
+        """Megatron-LM's training package: not in every megatron-core wheel, checked where it is loaded."""
+        return self.module.startswith("megatron.training")
+
     def resolve(self) -> Callable:
         return getattr(importlib.import_module(self.module), self.name)
+
+    def path_in(self, root: Path) -> Path:
+        return root / (self.module.replace(".", "/") + ".py")
 
 
 TARGETS = (
@@ -55,59 +104,14 @@ TARGETS = (
     Target(CALCULATOR, "_configure_global_num_microbatches_calculator"),
     Target(CALCULATOR, "get_num_microbatches"),
     Target(CALCULATOR, "update_num_microbatches"),
+    Target(TRAINING, "update_train_iters"),
+    Target(TRAINING, "get_train_valid_test_num_samples"),
 )
 
-#: {qualified function name: {megatron-core version: fingerprint}}, from the released wheels.
-KNOWN: dict[str, dict[str, str]] = {
-    'megatron.core.pipeline_parallel.schedules.forward_step_calc_loss': {
-        '0.16.1': '0b552e0742e6d330',
-        '0.17.1': 'd972e4b02f520f34',
-        '0.18.2': '24757f83c3ded7a4',
-        '0.19.2': '9990d300271b7dfc',
-    },
-    'megatron.core.pipeline_parallel.schedules.forward_backward_no_pipelining': {
-        '0.16.1': '84399467bcc06296',
-        '0.17.1': 'c86c3a0d6fb4551f',
-        '0.18.2': '897d736956bfbd1f',
-        '0.19.2': 'b52848b05720fd61',
-    },
-    'megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_with_interleaving': {
-        '0.16.1': 'bd10736079d7ed41',
-        '0.17.1': '45dd6edc2bf81d9f',
-        '0.18.2': '450e85c2b5211399',
-        '0.19.2': '091263d1c27eb438',
-    },
-    'megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_without_interleaving': {
-        '0.16.1': 'ecf7d69308cda660',
-        '0.17.1': '79bb2ba211d57422',
-        '0.18.2': 'c8fd558b6fdcd51b',
-        '0.19.2': '772d6b7d81825e7a',
-    },
-    'megatron.core.distributed.finalize_model_grads.finalize_model_grads': {
-        '0.16.1': '8e8e2bb919cc02fc',
-        '0.17.1': '8e8e2bb919cc02fc',
-        '0.18.2': '1ea6af88d1ec1a5c',
-        '0.19.2': '36d18a1e17302e34',
-    },
-    'megatron.core.num_microbatches_calculator._configure_global_num_microbatches_calculator': {
-        '0.16.1': '69c23fc1f25958c3',
-        '0.17.1': '69c23fc1f25958c3',
-        '0.18.2': 'b494e0c360ef7c68',
-        '0.19.2': 'b494e0c360ef7c68',
-    },
-    'megatron.core.num_microbatches_calculator.get_num_microbatches': {
-        '0.16.1': 'b3955d22e52f53fc',
-        '0.17.1': 'b3955d22e52f53fc',
-        '0.18.2': 'b3955d22e52f53fc',
-        '0.19.2': 'b3955d22e52f53fc',
-    },
-    'megatron.core.num_microbatches_calculator.update_num_microbatches': {
-        '0.16.1': 'efa0b6d9e726424f',
-        '0.17.1': 'efa0b6d9e726424f',
-        '0.18.2': 'efa0b6d9e726424f',
-        '0.19.2': 'efa0b6d9e726424f',
-    },
-}
+
+def known_fingerprints() -> dict[str, dict[str, list[str]]]:
+    """{qualified function name: {fingerprint: [tested sources that have it]}} from fingerprints.json."""
+    return json.loads(FINGERPRINTS.read_text())
 
 
 def megatron_core_version() -> str:
@@ -143,28 +147,27 @@ def fingerprint_file(path: Path, name: str) -> str:
     raise CompatError(f"{name} is not defined in {path}.")
 
 
-def check_targets(version: str, strict: bool, targets: tuple[Target, ...] = TARGETS) -> list[str]:
-    """Compare each target's live source with :data:`KNOWN`; raise (strict) or warn on a mismatch.
+def _live_targets(targets: tuple[Target, ...]) -> list[Target]:
+    """The targets that exist here: optional ones only where their module is loaded."""
+    return [t for t in targets if not t.optional or t.module in sys.modules]
 
-    Returns the mismatch messages (empty when everything is known)."""
-    problems = []
-    for target in targets:
-        seen = fingerprint(target.resolve())
-        known = KNOWN.get(target.qualified, {})
-        if known.get(version) == seen:
-            continue
-        twins = sorted(v for v, fp in known.items() if fp == seen)
-        where = f"matches {', '.join(twins)}" if twins else "matches no release we know"
-        problems.append(
-            f"{target.qualified} in megatron-core {version} has fingerprint {seen}, not the known "
-            f"{known.get(version, 'none recorded')} ({where})"
-        )
-    if not problems:
+
+def check_targets(version: str, strict: bool, targets: tuple[Target, ...] = TARGETS) -> list[str]:
+    """Compare each live target's source with the tested fingerprints; raise (strict) or warn on a mismatch.
+
+    Returns the mismatch messages (empty when every hooked function is one we have tested)."""
+    known = known_fingerprints()
+    seen = {t.qualified: fingerprint(t.resolve()) for t in _live_targets(targets)}
+    unknown = [name for name, fp in seen.items() if fp not in known.get(name, {})]
+    if not unknown:
         return []
+    nearest, matched = _nearest_source(seen, known)
+    problems = "; ".join(f"{name} has fingerprint {seen[name]}, which no tested source has" for name in unknown)
     message = (
-        f"unknown upstream source: {'; '.join(problems)}. The extension is tested on megatron-core "
-        f"{', '.join(TESTED_VERSIONS)}: use one of them, or pass strict=False (--no-ga-strict) to patch "
-        f"anyway with a warning."
+        f"unknown upstream source in megatron-core {version}: {problems}. The nearest tested source is {nearest} "
+        f"({matched} of {len(seen)} hooked functions identical). The extension is tested on "
+        f"{', '.join(u.name for u in UPSTREAM)}: use one of them, or pass strict=False (--no-ga-strict) to "
+        f"patch anyway with a warning."
     )
     if strict:
         raise CompatError(message)
@@ -172,28 +175,53 @@ def check_targets(version: str, strict: bool, targets: tuple[Target, ...] = TARG
     return [message]
 
 
-def _table_from_wheels(wheel_dir: Path) -> dict[str, dict[str, str]]:
-    """Fingerprints of :data:`TARGETS` in unpacked wheels ``wheel_dir/<version>/megatron/core/...``."""
-    table: dict[str, dict[str, str]] = {t.qualified: {} for t in TARGETS}
-    for version in TESTED_VERSIONS:
-        root = wheel_dir / version
+def _nearest_source(seen: dict[str, str], known: dict[str, dict[str, list[str]]]) -> tuple[str, int]:
+    """The tested source that shares the most hooked functions with the live ones, and how many."""
+    counts = {u.name: 0 for u in UPSTREAM}
+    for name, fp in seen.items():
+        for source in known.get(name, {}).get(fp, []):
+            counts[source] = counts.get(source, 0) + 1
+    best = max(counts, key=lambda source: counts[source])  # ties: the oldest, as UPSTREAM is ordered
+    return best, counts[best]
+
+
+def matching_sources(targets: tuple[Target, ...] = TARGETS) -> list[str]:
+    """The tested sources whose hooked functions all equal the live ones (for the start-up log)."""
+    known = known_fingerprints()
+    found = [set(known.get(t.qualified, {}).get(fingerprint(t.resolve()), [])) for t in _live_targets(targets)]
+    common = set.intersection(*found) if found else set()
+    return [u.name for u in UPSTREAM if u.name in common]
+
+
+def table_from_trees(trees: dict[str, Path]) -> dict[str, dict[str, list[str]]]:
+    """Fingerprints of :data:`TARGETS` in source trees ``{source name: root holding megatron/...}``."""
+    table: dict[str, dict[str, list[str]]] = {t.qualified: {} for t in TARGETS}
+    for source, root in trees.items():
         for target in TARGETS:
-            path = root / (target.module.replace(".", "/") + ".py")
-            table[target.qualified][version] = fingerprint_file(path, target.name)
+            path = target.path_in(root)
+            if target.optional and not path.exists():
+                continue
+            table[target.qualified].setdefault(fingerprint_file(path, target.name), []).append(source)
     return table
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="print the fingerprint table of the released wheels")
-    parser.add_argument("--wheel-dir", type=Path, required=True, help="holds <version>/megatron/core/... per release")
-    table = _table_from_wheels(parser.parse_args().wheel_dir)
-    print("KNOWN: dict[str, dict[str, str]] = {")
-    for name, by_version in table.items():
-        print(f"    {name!r}: {{")
-        for version, digest in by_version.items():
-            print(f"        {version!r}: {digest!r},")
-        print("    },")
-    print("}")
+    parser = argparse.ArgumentParser(description="regenerate fingerprints.json from the tested sources")
+    parser.add_argument("--snapshots", type=Path, default=Path(".cache/megatron-lm"),
+                        help="holds megatron-lm-<ref>/ for every ref in UPSTREAM (tools/megatron-lm.sh unpacks them)")
+    parser.add_argument("--write", action="store_true", help=f"write {FINGERPRINTS.name} (else print it)")
+    parser.add_argument("--list", metavar="PYTHON", nargs="?", const="",
+                        help="print the tested source names (those of one Python leg, if given) and exit")
+    args = parser.parse_args()
+    if args.list is not None:
+        print(" ".join(u.name for u in UPSTREAM if args.list in ("", u.python)))
+        return
+    table = table_from_trees({u.name: args.snapshots / f"megatron-lm-{u.ref}" for u in UPSTREAM})
+    text = json.dumps(table, indent=1, sort_keys=True) + "\n"
+    if args.write:
+        FINGERPRINTS.write_text(text)
+    else:
+        print(text, end="")
 
 
 if __name__ == "__main__":

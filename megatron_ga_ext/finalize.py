@@ -48,34 +48,53 @@ def check_per_token_flag(config: Any, mode: str) -> None:
 
 
 def check_ddp_chunks(model: Sequence[torch.nn.Module], config: Any = None) -> None:
-    """Every DDP-wrapped chunk must have been built for per-token loss.
+    """Every data-parallel wrapper must sum gradients over DP x CP, not average them.
 
-    Megatron's DDP fixes its pre-reduction gradient factor in ``__init__``: 1 with per-token loss,
-    1/(DP x CP) without. A chunk built before ``calculate_per_token_loss`` was set keeps 1/(DP x CP) and
-    the finalize divides by the token count as well: gradients DP x CP times too small, silently.
-    Chunks without Megatron DDP buffers (plain modules) have no factor and pass. With ``config`` (the
-    model's TransformerConfig) the per-token flag is checked as well.
+    Megatron's DDP and Megatron-FSDP fix their pre-reduction gradient factor in ``__init__``: 1 (or none)
+    with per-token loss, 1/(DP x CP) without. A chunk built before ``calculate_per_token_loss`` was set
+    keeps 1/(DP x CP) and the finalize divides by the token count as well: gradients DP x CP times too
+    small, silently. torch FSDP2 (``--use-torch-fsdp2``) always averages in its reduce-scatter, so it is
+    refused. Plain modules (no wrapper) have no factor and pass. With ``config`` (the model's
+    TransformerConfig) the per-token flag is checked as well.
     """
     if config is not None:
         check_per_token_flag(config, "token")
     for index, chunk in enumerate(model):
+        if type(chunk).__name__ == "TorchFullyShardedDataParallel":
+            raise LossContractError(
+                f"model chunk {index} is wrapped in torch FSDP2 (--use-torch-fsdp2), whose reduce-scatter averages "
+                f"gradients over the data-parallel ranks; per-token loss needs them summed, then divided once by "
+                f"the global token count. Use Megatron's DDP (the default) or Megatron-FSDP (--use-megatron-fsdp), "
+                f"or --ga-loss-reduction microbatch without --calculate-per-token-loss.")
         ddp_config = getattr(chunk, "ddp_config", None)
-        if ddp_config is None:  # not megatron's DDP (nn.Module.buffers is a method, not a list)
+        if ddp_config is None:  # not a Megatron data-parallel wrapper
             continue
         if getattr(ddp_config, "average_in_collective", False):
             raise LossContractError(
                 f"model chunk {index} was wrapped with DistributedDataParallelConfig("
                 f"average_in_collective=True); per-token loss needs a summing collective. Build DDP "
                 f"with average_in_collective=False (--no-average-in-collective is the default).")
-        buffers = list(chunk.buffers) + list(getattr(chunk, "expert_parallel_buffers", []))
-        for buffer in buffers:
-            factor = getattr(buffer, "gradient_scaling_factor", 1.0)
-            if factor != 1.0:
+        for factor in _gradient_scaling_factors(chunk):
+            if factor is not None and factor != 1.0:
                 raise LossContractError(
-                    f"model chunk {index} was wrapped in DDP with gradient_scaling_factor {factor:g} "
-                    f"(= 1/{round(1 / factor)}), i.e. before calculate_per_token_loss was set; its "
+                    f"model chunk {index} was wrapped in {type(chunk).__name__} with gradient_scaling_factor "
+                    f"{factor:g} (= 1/{round(1 / factor)}), i.e. before calculate_per_token_loss was set; its "
                     f"gradients would end up {round(1 / factor)} times too small. Set "
-                    f"config.calculate_per_token_loss=True before wrapping the model in DDP.")
+                    f"config.calculate_per_token_loss=True before wrapping the model.")
+
+
+def _gradient_scaling_factors(chunk: torch.nn.Module) -> list[float | None]:
+    """The pre-reduction factors of a wrapper's gradient buffers: Megatron DDP keeps lists of buffers
+    (``buffers``, ``expert_parallel_buffers``; ``nn.Module.buffers`` is a method, not such a list),
+    Megatron-FSDP one ``param_and_grad_buffer`` with a dense and an expert factor."""
+    buffers = [b for attr in ("buffers", "expert_parallel_buffers")
+               if isinstance(getattr(chunk, attr, None), (list, tuple)) for b in getattr(chunk, attr)]
+    factors = [getattr(b, "gradient_scaling_factor", None) for b in buffers]
+    fsdp_buffer = getattr(chunk, "param_and_grad_buffer", None)
+    if fsdp_buffer is not None and not buffers:
+        factors += [getattr(fsdp_buffer, "gradient_scaling_factor", None),
+                    getattr(fsdp_buffer, "expert_gradient_scaling_factor", None)]
+    return factors
 
 
 class FinalizeModelGrads:
@@ -83,6 +102,8 @@ class FinalizeModelGrads:
 
     Attributes:
         last_num_tokens: the global token count N of the last step (mode ``token``), else None.
+        calls: how many times it ran (install() checks that every training step reached it).
+        enabled: False after uninstall(): a config that still holds it gets upstream's finalize unchanged.
     """
 
     def __init__(self, original: Callable, contract: LossContract | None,
@@ -93,11 +114,17 @@ class FinalizeModelGrads:
         self.contract = contract
         self.config = config
         self.last_num_tokens: int | None = None
+        self.calls = 0
+        self.enabled = True
 
     def __call__(self, model: list[torch.nn.Module], num_tokens: torch.Tensor | None = None,
                  pg_collection: Any = None, force_all_reduce: bool | None = False) -> None:
         from megatron.core.utils import get_model_config
 
+        if not self.enabled:
+            self.original(model, num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+            return
+        self.calls += 1
         check_per_token_flag(get_model_config(model[0]), self.config.mode)
         if self.config.mode == "microbatch":
             self.original(model, num_tokens, pg_collection=pg_collection,

@@ -1,6 +1,7 @@
 """``install()`` / ``uninstall()``: wire the extension into megatron-core, and ``add_args()`` for its flags.
 
-What install() patches, after checking each target's source fingerprint (compat.py):
+What install() patches, after checking each target's source fingerprint against the tested sources
+(compat.py):
 
 * ``schedules.forward_step_calc_loss`` (a module global every schedule looks up, combined_1f1b too):
   count forward steps per model chunk, and in ``token`` mode check the loss contract;
@@ -9,10 +10,18 @@ What install() patches, after checking each target's source fingerprint (compat.
 * ``finalize_model_grads``: the token-mode finalize (int64 count, checks read once per step);
 * ``_configure_global_num_microbatches_calculator`` (called by init and reconfigure): the global
   calculator becomes the step-schedule calculator where a schedule (or a converted rampup) is given,
-  and is wrapped by the consumed-samples guard.
+  and is wrapped by the consumed-samples guard;
+* Megatron-LM's ``update_train_iters`` and ``get_train_valid_test_num_samples`` (megatron.training,
+  wired once it is loaded): with a step schedule or a converted rampup in force, ``--train-samples``
+  gives the planned number of steps (and a dataset that holds the samples they consume), not
+  train_samples // global_batch_size of a constant batch.
 
 A name bound elsewhere by ``from x import y`` before install() (megatron.training.training binds
 ``finalize_model_grads``) is rebound too: every loaded module whose global holds the original is patched.
+A model config that already holds upstream's ``finalize_model_grads`` (a loop that set it before
+install()) gets the extension's at the next forward/backward call, and a training step that never
+reached the extension's finalize in token mode is an error. uninstall() puts back every original: in the
+modules patched, in modules imported since that bound a replacement, and in model configs.
 """
 
 from __future__ import annotations
@@ -21,17 +30,28 @@ import argparse
 import functools
 import importlib.util
 import inspect
-import logging
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from megatron_ga_ext.compat import CALCULATOR, FINALIZE, SCHEDULES, TARGETS, check_targets, megatron_core_version
-from megatron_ga_ext.errors import CompatError, GAError
+import weakref
+
+from megatron_ga_ext.logs import get_logger
+from megatron_ga_ext.compat import (
+    CALCULATOR,
+    FINALIZE,
+    SCHEDULES,
+    TARGETS,
+    TRAINING,
+    check_targets,
+    matching_sources,
+    megatron_core_version,
+)
+from megatron_ga_ext.errors import CompatError, GAError, GuardError, ScheduleError
 
 __all__ = ["GAConfig", "Installation", "add_args", "args_provider", "install", "installed", "uninstall", "wire_vendored"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 SCHEDULE_FUNCTIONS = (
     "forward_backward_no_pipelining",
@@ -90,6 +110,7 @@ class _Patch:
     namespace: dict
     name: str
     original: Any
+    replacement: Any
 
 
 @dataclass
@@ -104,6 +125,11 @@ class Installation:
     waiting_for_args: bool = False
     """install() came before Megatron parsed its args: the config is read from them on first use."""
     compat_problems: list[str] = field(default_factory=list)
+    active: bool = True
+    """False once uninstalled: a wrapper still referenced somewhere then calls straight through."""
+    training_wired: bool = False
+    configs: list = field(default_factory=list)
+    """Weak references to model configs whose finalize_model_grads_func install() set."""
     counter: Any = None
     contract: Any = None
     finalize: Any = None
@@ -132,7 +158,10 @@ class Installation:
         config = self.config if args is None else GAConfig.from_args(args)
         if self.compat_problems and config.strict:
             raise CompatError(" ".join(self.compat_problems))
+        if args is not None:
+            check_args(config, args)
         self.configure(config)
+        logger.info("megatron-ga-ext on megatron-core %s, from Megatron's args: %s", self.version, config)
 
     def patch(self, module_name: str, name: str, make: Callable[[Any], Any]) -> Any:
         """Replace ``module.name`` by ``make(original)`` there and in every module that bound it."""
@@ -140,14 +169,38 @@ class Installation:
         original = module.__dict__[name]
         replacement = make(original)
         for namespace in _namespaces_holding(original, name):
-            self.patches.append(_Patch(namespace, name, original))
+            self.patches.append(_Patch(namespace, name, original, replacement))
             namespace[name] = replacement
         return replacement
 
     def restore(self) -> None:
+        """Every original back: where install() put a replacement, in modules imported since that bound
+        one (``from x import y`` after install()), and in model configs that hold the finalize."""
+        self.active = False
         for p in reversed(self.patches):
             p.namespace[p.name] = p.original
+            for namespace in _namespaces_holding(p.replacement, p.name):
+                namespace[p.name] = p.original
+        if self.finalize is not None:
+            for ref in self.configs:
+                config = ref()
+                if config is not None and config.finalize_model_grads_func is self.finalize:
+                    config.finalize_model_grads_func = self.finalize.original
         self.patches.clear()
+        self.configs.clear()
+
+    def adopt_finalize(self, config: Any) -> None:
+        """Give ``config`` the extension's finalize where it holds upstream's (set before install())."""
+        if self.finalize is None or config is None:
+            return
+        current = getattr(config, "finalize_model_grads_func", None)
+        if current is self.finalize.original:
+            config.finalize_model_grads_func = self.finalize
+        elif isinstance(current, functools.partial) and current.func is self.finalize.original:
+            config.finalize_model_grads_func = functools.partial(self.finalize, *current.args, **current.keywords)
+        else:
+            return
+        self.configs.append(weakref.ref(config))
 
 
 def _namespaces_holding(original: Any, name: str) -> list[dict]:
@@ -188,17 +241,29 @@ def install(config: Any = None) -> Installation:
     version = megatron_core_version()
     # Waiting for Megatron's args, strictness is theirs to decide (--no-ga-strict): refuse at settle().
     problems = check_targets(version, resolved.strict and not waiting, TARGETS)
+    args = config if config is not None and not isinstance(config, GAConfig) else None
+    if config is None and not waiting:
+        args = _megatron_args()
+    if args is not None:
+        check_args(resolved, args)
+    sources = ", ".join(matching_sources()) or "no single tested source"
     state = Installation(config=resolved, version=version, waiting_for_args=waiting, compat_problems=problems)
     state.configure(resolved)
     try:
         for wire in WIRING.values():
             wire(state)
+        _wire_training(state)
         _guard_live_calculator(state)
     except BaseException:
         state.restore()
         raise
     _STATE.append(state)
-    logger.info("megatron-ga-ext installed on megatron-core %s (%s)", version, resolved)
+    if waiting:
+        logger.info("megatron-ga-ext installed on megatron-core %s (hooked functions as in %s); its "
+                    "configuration is read from Megatron's args once they are parsed", version, sources)
+    else:
+        logger.info("megatron-ga-ext installed on megatron-core %s (hooked functions as in %s): %s",
+                    version, sources, resolved)
     return state
 
 
@@ -219,6 +284,8 @@ def uninstall() -> None:
     if state is None:
         return
     state.restore()
+    if state.finalize is not None:
+        state.finalize.enabled = False
     calculators = sys.modules[CALCULATOR]
     from megatron_ga_ext.guards import GuardedCalculator
 
@@ -256,6 +323,22 @@ def _megatron_args() -> Any:
     return getattr(global_vars, "_GLOBAL_ARGS", None)
 
 
+def check_args(config: GAConfig, args: Any) -> None:
+    """What Megatron's parsed args must agree with, checked when they are read (before any model is built):
+    the loss mode against ``--calculate-per-token-loss``, and no ``--train-iters`` with a step schedule."""
+    from megatron_ga_ext.finalize import check_per_token_flag
+
+    if hasattr(args, "calculate_per_token_loss"):
+        check_per_token_flag(args, config.loss_reduction)
+    schedule = config.step_batch_size_schedule or (config.rampup_batch_size if config.convert_rampup else None)
+    if schedule and getattr(args, "train_iters", None):
+        raise ScheduleError(
+            f"--train-iters {args.train_iters} with a step batch-size schedule: Megatron sizes the learning-rate "
+            f"warmup and decay and the dataset with a constant --global-batch-size, not the schedule's batch sizes, "
+            f"so warmup and decay end early and the dataset is undersized. Give --train-samples (and "
+            f"--lr-warmup-samples, --lr-decay-samples) instead.")
+
+
 def _wire_schedules(state: Installation) -> None:
     from megatron_ga_ext.guards import MicrobatchCounter
 
@@ -287,6 +370,8 @@ def _forward_step_calc_loss(original: Callable, state: Installation) -> Callable
 
     @functools.wraps(original)
     def forward_step_calc_loss(*args: Any, **kwargs: Any):
+        if not state.active:
+            return original(*args, **kwargs)
         state.settle()
         bound = signature.bind(*args, **kwargs)
         state.counter.count(bound.arguments["model"])
@@ -303,18 +388,38 @@ def _guarded_schedule(original: Callable, state: Installation) -> Callable:
 
     @functools.wraps(original)
     def schedule(*args: Any, **kwargs: Any):
+        if not state.active:
+            return original(*args, **kwargs)
         state.settle()
         state.counter.reset()
         if state.contract is not None:  # an evaluation call (forward_only) never reaches finalize
             state.contract.reset()
+        forward_only = bool(kwargs.get("forward_only"))
+        state.adopt_finalize(_model_config(kwargs.get("model")))
+        finalized = state.finalize.calls
         result = original(*args, **kwargs)
+        if state.contract is not None and not forward_only and state.finalize.calls == finalized:
+            raise GuardError(
+                "this training step's forward_backward_func never called megatron-ga-ext's finalize_model_grads, "
+                "so the global token count N was not taken and the gradients were not divided by it (nor checked). "
+                "Set config.finalize_model_grads_func to megatron.core.distributed.finalize_model_grads after "
+                "megatron_ga_ext.install(), or leave it to Megatron's training loop.")
         if not state.config.guards:
             return result
-        expected = None if kwargs.get("forward_only") else _calculator_num_microbatches()
+        expected = None if forward_only else _calculator_num_microbatches()
         check_microbatch_counts(state.counter.counts, kwargs["num_microbatches"], expected, current_pipeline_size())
         return result
 
     return schedule
+
+
+def _model_config(model: Any) -> Any:
+    """The TransformerConfig of a schedule's ``model`` argument (a chunk or a list of chunks)."""
+    if model is None:
+        return None
+    from megatron.core.utils import get_model_config
+
+    return get_model_config(model[0] if isinstance(model, (list, tuple)) else model)
 
 
 def _calculator_num_microbatches() -> int | None:
@@ -327,8 +432,12 @@ def _configure_calculator(original: Callable, state: Installation) -> Callable:
     is given; then the consumed-samples guard around whichever is live."""
     signature = inspect.signature(original)
 
+    @functools.wraps(original)
     def configure(*args: Any, **kwargs: Any) -> None:
+        if not state.active:
+            return original(*args, **kwargs)
         state.settle()
+        _wire_training(state)
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         arguments = bound.arguments
@@ -372,6 +481,61 @@ def _schedule_for(config: GAConfig, arguments: dict) -> Any:
             start, increment, samples,
         )
     return None
+
+
+def _wire_training(state: Installation) -> None:
+    """Megatron-LM's run length under a step schedule, once ``megatron.training.training`` is loaded."""
+    if state.training_wired or TRAINING not in sys.modules:
+        return
+    targets = tuple(t for t in TARGETS if t.module == TRAINING)
+    problems = check_targets(state.version, state.config.strict and not state.waiting_for_args, targets)
+    state.compat_problems += problems
+    state.patch(TRAINING, "update_train_iters", lambda original: _update_train_iters(original, state))
+    state.patch(TRAINING, "get_train_valid_test_num_samples", lambda original: _num_samples(original, state))
+    state.training_wired = True
+
+
+def _step_calculator() -> Any:
+    """The live calculator if it is the extension's step-schedule calculator (under the guard), else None."""
+    from megatron_ga_ext.calculator import StepScheduleCalculator
+
+    live = sys.modules[CALCULATOR]._GLOBAL_NUM_MICROBATCHES_CALCULATOR
+    live = getattr(live, "inner", live)
+    return live if isinstance(live, StepScheduleCalculator) else None
+
+
+def _update_train_iters(original: Callable, state: Installation) -> Callable:
+    """``--train-samples`` under a step schedule: train_iters = the steps the schedule plans,
+    while consumed < train_samples (upstream divides by a constant GBS on 0.16/0.17 and with a rampup)."""
+
+    @functools.wraps(original)
+    def update_train_iters(args: Any) -> None:
+        calculator = _step_calculator()
+        if not state.active or calculator is None or args.train_iters or not args.train_samples:
+            return original(args)
+        iterations, samples = calculator.plan(args.train_samples)
+        args.train_iters = iterations
+        if calculator.rank == 0:
+            logger.info("step batch-size schedule: --train-samples %d takes %d iterations (%d samples)",
+                        args.train_samples, iterations, samples)
+
+    return update_train_iters
+
+
+def _num_samples(original: Callable, state: Installation) -> Callable:
+    """The training dataset holds every sample the planned steps consume (the last step may pass
+    --train-samples)."""
+
+    @functools.wraps(original)
+    def get_train_valid_test_num_samples(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        calculator = _step_calculator()
+        train_samples = getattr(_megatron_args(), "train_samples", None)
+        if not state.active or calculator is None or not train_samples or result[0] != train_samples:
+            return result
+        return (max(result[0], calculator.plan(train_samples)[1]), *result[1:])
+
+    return get_train_valid_test_num_samples
 
 
 def _guard_live_calculator(state: Installation) -> None:

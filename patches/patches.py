@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron_ga_ext.compat import TESTED_VERSIONS as VERSIONS
+from megatron_ga_ext.compat import RELEASES as VERSIONS
 
 HERE = Path(__file__).resolve().parent
 MODULES = (

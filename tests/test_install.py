@@ -95,9 +95,10 @@ def _changed_forward_step_calc_loss(model, output_tensor, loss_func, config, vp_
 def test_unknown_fingerprint_refused_in_strict_mode_and_warned_otherwise(monkeypatch, caplog):
     monkeypatch.setattr(schedules, "forward_step_calc_loss", _changed_forward_step_calc_loss)
     version = megatron_core_version()
-    with pytest.raises(CompatError, match=rf"forward_step_calc_loss in megatron-core {version} has fingerprint "
-                       r"[0-9a-f]{16}, not the known [0-9a-f]{16} \(matches no release we know\).*tested on megatron-core "
-                       r"0\.16\.1, 0\.17\.1, 0\.18\.2, 0\.19\.2.*--no-ga-strict"):
+    with pytest.raises(CompatError, match=rf"unknown upstream source in megatron-core {version}: \S+forward_step_calc_loss "
+                       r"has fingerprint [0-9a-f]{16}, which no tested source has\. The nearest tested source is "
+                       rf"{version} \(\d+ of \d+ hooked functions identical\).*tested on 0\.16\.1, 0\.17\.1, 0\.18\.2, 0\.19\.2, "
+                       r"main@9f3fe8c925fb.*--no-ga-strict"):
         install(GAConfig())
     assert installed() is None and schedules.forward_step_calc_loss is _changed_forward_step_calc_loss
     with caplog.at_level(logging.WARNING, logger="megatron_ga_ext.compat"):
@@ -210,7 +211,7 @@ def test_strictness_waits_for_megatron_args_too(megatron_training, monkeypatch):
     state = install()  # unknown source, but --no-ga-strict may still come
     assert state.waiting_for_args
     megatron_training._GLOBAL_ARGS = add_args(argparse.ArgumentParser()).parse_args([])
-    with pytest.raises(CompatError, match=r"forward_step_calc_loss in megatron-core .* \(matches no release we know\)"):
+    with pytest.raises(CompatError, match=r"forward_step_calc_loss has fingerprint [0-9a-f]{16}, which no tested source has"):
         init_calculator(16, 2, 4)
     uninstall()
     megatron_training._GLOBAL_ARGS = None

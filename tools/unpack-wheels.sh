@@ -5,8 +5,9 @@
 # and to check the patches in patches/ against the released sources.
 set -euo pipefail
 dir=$1; shift
-versions=("${@:-0.16.1 0.17.1 0.18.2 0.19.2}")
 python=${PYTHON:-python3}
+# The releases default to compat.py's list of tested sources (one place to add a release).
+versions=("${@:-$(cd "$(dirname "$0")/.." && PYTHONPATH=. "$python" -c 'from megatron_ga_ext.compat import RELEASES; print(*RELEASES)')}")
 mkdir -p "$dir"
 for v in ${versions[@]}; do
   [ -d "$dir/$v/megatron/core" ] && continue

@@ -25,6 +25,21 @@ module lives on the CPU. Every replacement below stands in for one of those (UPS
 6. ``torch.cuda.is_available`` answers ``False`` and ``device_count`` ``0``, also on a machine with a
    GPU, so megatron takes its CPU paths where it asks.
 
+Megatron-LM's own training loop (``pretrain()``, :func:`training_shims`) needs these on top (UPSTREAM.md §5):
+
+7. ``device_count`` answers ``1``: ``initialize.py`` builds the model-parallel groups and seeds the RNG
+   tracker only when it is > 0.
+8. ``initialize_megatron`` is called with ``allow_no_cuda=True``: it asserts CUDA otherwise (faking
+   ``is_available`` instead makes the DataLoader pin CUDA memory).
+9. The dataset helpers are not compiled: ``compile_helpers`` (rank 0 runs ``make`` with pybind11) does
+   nothing, and a source tree without the compiled ``helpers_cpp`` gets the installed megatron-core
+   wheel's (the same ``helpers.cpp`` from 0.16.1 to main).
+10. 0.16/0.17 build the legacy fused kernels with nvcc at start-up: ``fused_kernels.load`` does nothing
+   (the local transformer implementation never calls them).
+11. ``torch.cuda`` memory statistics (``memory_allocated``, ``max_memory_allocated``,
+   ``memory_reserved``, ``max_memory_reserved``) answer 0 and ``memory_stats`` an empty dict, for the
+   first iteration's memory report.
+
 Measured: a default ``megatron-ga verify`` calls only ``current_device``, ``get_rng_state``,
 ``manual_seed``, the tracker's two RNG functions and (0.19.2) ``current_stream``; the others cover paths
 the same code reaches under other settings (batched PP p2p, overlapped grad reduce, a visible GPU) and
@@ -41,7 +56,7 @@ from typing import Any, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["cpu_shims"]
+__all__ = ["cpu_shims", "training_shims"]
 
 
 def _is_cuda(device: Any) -> bool:
@@ -98,12 +113,12 @@ def _null_context(*args: Any, **kwargs: Any) -> Iterator[None]:
     yield
 
 
-def _replacements() -> dict[str, Any]:
+def _replacements(device_count: int) -> dict[str, Any]:
     return {
         "current_device": lambda: 0,
         "set_device": lambda *a, **k: None,
         "is_available": lambda: False,
-        "device_count": lambda: 0,
+        "device_count": lambda: device_count,
         "synchronize": lambda *a, **k: None,
         "get_rng_state": lambda *a, **k: torch.get_rng_state(),
         "set_rng_state": lambda state, *a, **k: torch.set_rng_state(state),
@@ -140,10 +155,69 @@ def _patched(target: Any, replacements: dict[str, Any]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def cpu_shims() -> Iterator[None]:
-    """Install every shim above for the duration of the block, then restore torch and megatron."""
+def cpu_shims(*, device_count: int = 0) -> Iterator[None]:
+    """Install shims 1-6 for the duration of the block, then restore torch and megatron."""
     from megatron.core.tensor_parallel import random as tp_random
 
-    with _patched(torch.cuda, _replacements()), _patched(tp_random, _rng_replacements()):
+    with _patched(torch.cuda, _replacements(device_count)), _patched(tp_random, _rng_replacements()):
         with _CpuDeviceMode():
             yield
+
+
+def _memory_replacements() -> dict[str, Any]:
+    zero = lambda *a, **k: 0  # noqa: E731
+    return {"memory_allocated": zero, "max_memory_allocated": zero, "memory_reserved": zero,
+            "max_memory_reserved": zero, "memory_stats": lambda *a, **k: {}}
+
+
+def _allow_no_cuda(initialize_megatron: Any) -> Any:
+    def initialize(*args: Any, **kwargs: Any) -> Any:
+        kwargs["allow_no_cuda"] = True
+        return initialize_megatron(*args, **kwargs)
+
+    return initialize
+
+
+def _load_wheel_helpers() -> None:
+    """Import the installed wheel's compiled ``helpers_cpp`` under the name a source tree expects (shim 9)."""
+    import importlib.machinery
+    import importlib.metadata
+    import importlib.util
+    import sys
+
+    name = "megatron.core.datasets.helpers_cpp"
+    if name in sys.modules or importlib.util.find_spec(name) is not None:
+        return
+    files = importlib.metadata.distribution("megatron-core").files or []
+    built = [f for f in files if f.name.startswith("helpers_cpp.") and f.name.endswith(".so")]
+    if not built:
+        raise RuntimeError("the installed megatron-core wheel ships no compiled helpers_cpp to run the datasets with")
+    path = str(built[0].locate())
+    spec = importlib.util.spec_from_file_location(name, path, loader=importlib.machinery.ExtensionFileLoader(name, path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+
+
+@contextlib.contextmanager
+def training_shims() -> Iterator[None]:
+    """Shims 1-11, for Megatron-LM's ``pretrain()`` on the CPU over gloo (import megatron first)."""
+    import sys
+
+    import megatron.training.initialize as initialize
+    from megatron.core.datasets import utils as dataset_utils
+
+    _load_wheel_helpers()
+    holders = [m for m in list(sys.modules.values())
+               if getattr(m, "initialize_megatron", None) is initialize.initialize_megatron]
+    patches = [_patched(m, {"initialize_megatron": _allow_no_cuda(initialize.initialize_megatron)}) for m in holders]
+    patches += [_patched(dataset_utils, {"compile_helpers": lambda *a, **k: None}),
+                _patched(torch.cuda, _memory_replacements())]
+    fused_kernels = sys.modules.get("megatron.legacy.fused_kernels")
+    if fused_kernels is not None:
+        patches.append(_patched(fused_kernels, {"load": lambda *a, **k: None}))
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        stack.enter_context(cpu_shims(device_count=1))
+        yield

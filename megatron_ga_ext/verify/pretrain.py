@@ -1,0 +1,162 @@
+"""Run a Megatron-LM training script on the CPU over gloo, and record every iteration (``make e2e``).
+
+    cd <Megatron-LM root>
+    MEGATRON_GA_RECORD=out/run torchrun --nproc-per-node 2 -m megatron_ga_ext.verify.pretrain \\
+        /path/to/examples/pretrain_gpt_ga.py <pretrain_gpt.py's flags> --distributed-backend gloo ...
+
+The script runs as ``python SCRIPT`` would run it from the Megatron-LM root (whose ``megatron`` package
+comes first on the path), under :func:`~megatron_ga_ext.verify.shims.training_shims`. With
+``MEGATRON_GA_RECORD`` set, rank R appends JSON lines to ``<record>.rank<R>.jsonl``:
+
+* ``{"event": "start", "megatron": <path of the megatron package>, "version": ...}``;
+* per logged iteration (``training_log``): iteration, consumed samples, the calculator's GBS and
+  num_microbatches, learning rate, losses, grad norm, skipped, ``mask_tokens`` (the sum of the loss masks
+  this rank's loss functions saw since the last iteration, read from pretrain_gpt's ``loss_func`` partial)
+  and ``num_tokens`` (megatron-ga-ext's global N of the step, when installed);
+* ``{"event": "end", "train_iters": ..., "error": <type: message> or null}``.
+
+``MEGATRON_GA_MOCK_DOCUMENT_LENGTH=L`` draws ``--mock-data`` documents of 1 to L-1 tokens (upstream: up to
+4095), so that with ``--eod-mask-loss`` every micro-batch masks a different, sizeable share of its tokens
+and the token and micro-batch means differ clearly.
+
+Nothing here is imported by ``install()``: it exists to test the extension in the real loop.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import runpy
+import sys
+from typing import Any, Callable
+
+__all__ = ["main"]
+
+
+class Recorder:
+    """Appends one JSON object per event to this rank's file."""
+
+    def __init__(self, prefix: str) -> None:
+        rank = os.environ.get("RANK", "0")
+        self.path = f"{prefix}.rank{rank}.jsonl"
+        self.mask_tokens = 0
+
+    def write(self, row: dict) -> None:
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(row) + "\n")
+
+    def training_log(self, original: Callable) -> Callable:
+        @functools.wraps(original)
+        def training_log(loss_dict: dict, total_loss_dict: dict, learning_rate: Any, iteration: int,
+                         loss_scale: Any, report_memory_flag: Any, skipped_iter: Any, grad_norm: Any,
+                         *args: Any, **kwargs: Any) -> Any:
+            self.write(self._iteration_row(loss_dict, learning_rate, iteration, skipped_iter, grad_norm))
+            return original(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
+                            report_memory_flag, skipped_iter, grad_norm, *args, **kwargs)
+
+        return training_log
+
+    def _iteration_row(self, loss_dict: dict, learning_rate: Any, iteration: int, skipped_iter: Any,
+                       grad_norm: Any) -> dict:
+        from megatron.core import num_microbatches_calculator as calculators
+        from megatron.training.global_vars import get_args
+
+        from megatron_ga_ext.install import installed
+
+        state = installed()
+        finalize = getattr(state, "finalize", None)
+        row = {
+            "event": "iteration",
+            "iteration": int(iteration),
+            "consumed_samples": int(get_args().consumed_train_samples),
+            "global_batch_size": int(calculators.get_current_global_batch_size()),
+            "num_microbatches": int(calculators.get_num_microbatches()),
+            "learning_rate": None if learning_rate is None else float(learning_rate),
+            "loss": {key: float(value) for key, value in loss_dict.items()},
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "skipped": int(skipped_iter),
+            "mask_tokens": self.mask_tokens,
+            "num_tokens": getattr(finalize, "last_num_tokens", None),
+        }
+        self.mask_tokens = 0
+        return row
+
+    def pretrain(self, original: Callable) -> Callable:
+        """``pretrain`` whose forward step reports each micro-batch's loss-mask sum."""
+
+        @functools.wraps(original)
+        def pretrain(*args: Any, **kwargs: Any) -> Any:
+            if "forward_step_func" in kwargs:
+                kwargs["forward_step_func"] = self._counting(kwargs["forward_step_func"])
+            else:
+                args = (*args[:3], self._counting(args[3]), *args[4:])
+            return original(*args, **kwargs)
+
+        return pretrain
+
+    def _counting(self, forward_step_func: Callable) -> Callable:
+        @functools.wraps(forward_step_func)
+        def forward_step(*args: Any, **kwargs: Any) -> Any:
+            result = forward_step_func(*args, **kwargs)
+            loss_func = result[1] if isinstance(result, tuple) and len(result) == 2 else None
+            mask = loss_func.args[0] if isinstance(loss_func, functools.partial) and loss_func.args else None
+            if hasattr(mask, "sum"):
+                self.mask_tokens += int(mask.sum())
+            return result
+
+        return forward_step
+
+
+def _patch_everywhere(module_name: str, name: str, make: Callable[[Callable], Callable]) -> None:
+    original = getattr(sys.modules[module_name], name)
+    replacement = make(original)
+    for module in list(sys.modules.values()):
+        if getattr(module, name, None) is original:
+            setattr(module, name, replacement)
+
+
+def main() -> None:
+    script, *argv = sys.argv[1:]
+    script = os.path.abspath(script)
+    root = os.getcwd()
+    sys.path[0] = os.path.dirname(script)  # as `python SCRIPT` sets it
+    sys.path.insert(1, root)  # the Megatron-LM root, as pretrain_gpt.py run from it sees it
+    sys.argv = [script, *argv]
+
+    import megatron.core
+    import megatron.training.training  # noqa: F401  (megatron before the shims: import-time code reads torch.cuda)
+
+    from megatron_ga_ext.compat import megatron_core_version
+    from megatron_ga_ext.verify.shims import training_shims
+
+    document_length = os.environ.get("MEGATRON_GA_MOCK_DOCUMENT_LENGTH")
+    if document_length:
+        from megatron.core.datasets.gpt_dataset import MockGPTLowLevelDataset
+
+        MockGPTLowLevelDataset.max_sequence_length = int(document_length)
+    prefix = os.environ.get("MEGATRON_GA_RECORD")
+    recorder = Recorder(prefix) if prefix else None
+    if recorder is not None:
+        recorder.write({"event": "start", "megatron": os.path.dirname(os.path.dirname(megatron.core.__file__)),
+                        "version": megatron_core_version()})
+        _patch_everywhere("megatron.training.training", "training_log", recorder.training_log)
+        _patch_everywhere("megatron.training.training", "pretrain", recorder.pretrain)
+    error = None
+    try:
+        with training_shims():
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        error = None if exc.code in (0, None) else f"SystemExit: {exc.code}"
+        raise
+    except BaseException as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        if recorder is not None:
+            args = sys.modules["megatron.training.global_vars"]._GLOBAL_ARGS
+            recorder.write({"event": "end", "train_iters": getattr(args, "train_iters", None), "error": error})
+
+
+if __name__ == "__main__":
+    main()
