@@ -1,6 +1,10 @@
 # The README's commands. `make demo` and `make test` set everything up on a fresh machine.
 #   make test                       primary leg: Python 3.12, newest megatron-core (0.19.2)
 #   make test PYTHON=python3.11     compatibility leg: megatron-core 0.16.1, torch 2.13.0 (CPU)
+#   make e2e [MEGATRON_LM=DIR|TGZ]  Megatron-LM's own pretrain_gpt.py end to end (default: the snapshots in
+#                                   ../shared/upstream that run on this Python); writes docs/compatibility.md
+#   make matrix                     the behaviour suite on every tested source of this Python
+#   make regress MEGATRON_LM=DIR|TGZ  both, on the Megatron-LM checkout you train from
 PYTHON ?= python3.12
 PYVER := $(patsubst python%,%,$(notdir $(PYTHON)))
 VENV ?= $(if $(filter 3.12,$(PYVER)),.venv,.venv-$(PYVER))
@@ -14,11 +18,12 @@ PYTHON_BIN := $(shell if $(PYTHON) --version >/dev/null 2>&1; then command -v $(
 STAMP := $(VENV)/.installed
 PY := $(VENV)/bin/python
 
-MATRIX_VERSIONS ?= 0.17.1 0.18.2
-MATRIX_TESTS ?= tests/test_install.py tests/test_install_distributed.py tests/test_guards.py tests/test_reduction.py
-SOURCES ?= .cache/megatron-core-sources
+E2E_STAMP := $(VENV)/.installed-e2e
+MEGATRON_LM ?=
+MEGATRON_LM_SNAPSHOTS ?= ../shared/upstream
+export MEGATRON_LM MEGATRON_LM_SNAPSHOTS
 
-.PHONY: setup demo test matrix clean
+.PHONY: setup demo test matrix e2e regress fingerprints clean
 
 setup: $(STAMP)
 
@@ -34,11 +39,28 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# The same hooks on the releases between the two legs: their megatron/core (the wheels' files) on PYTHONPATH.
+$(E2E_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[megatron,test,plot,e2e]'
+	@touch $@
+
+# The behaviour suite (install, guards, reduction, PP 2 x DP 2 through install()) on every tested source of
+# this Python: the snapshots (or MEGATRON_LM), else the released wheels' megatron/core.
 matrix: $(STAMP)
-	PYTHON=$(PY) bash tools/unpack-wheels.sh $(SOURCES) $(MATRIX_VERSIONS)
-	set -e; for v in $(MATRIX_VERSIONS); do echo "== megatron-core $$v =="; \
-		PYTHONPATH=$(SOURCES)/$$v $(PY) -m pytest -q -p no:cacheprovider $(MATRIX_TESTS); done
+	$(PY) tools/regress.py behaviour $(MEGATRON_LM)
+
+e2e: $(E2E_STAMP)
+	@$(PY) tools/regress.py sources $(MEGATRON_LM) >/dev/null
+	MEGATRON_GA_COMPAT_DOC=docs/compatibility.md $(PY) -m pytest -q -p no:cacheprovider -m e2e tests/e2e $(PYTEST_ARGS)
+
+regress: $(E2E_STAMP)
+	@test -n "$(MEGATRON_LM)" || { echo "make regress: pass MEGATRON_LM=<Megatron-LM checkout or .tar.gz>" >&2; exit 2; }
+	$(PY) tools/regress.py behaviour $(MEGATRON_LM)
+	MEGATRON_GA_COMPAT_DOC=docs/compatibility.md $(PY) -m pytest -q -p no:cacheprovider -m e2e tests/e2e $(PYTEST_ARGS)
+
+# After adding a source to compat.UPSTREAM: fingerprints of its hooked functions, from the snapshots.
+fingerprints: $(STAMP)
+	$(PY) -c 'import sys; sys.path.insert(0, "tools"); import regress; [regress.tree(regress.snapshot_dir() / f"megatron-lm-{u.ref}.tar.gz") for u in regress.UPSTREAM]'
+	$(PY) -m megatron_ga_ext.compat --snapshots .cache/megatron-lm --write
 
 clean:
 	rm -rf .venv .venv-* *.egg-info .pytest_cache .hypothesis

@@ -13,13 +13,14 @@ schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
 from megatron.core import num_microbatches_calculator as calculators  # noqa: E402
 
 import megatron_ga_ext  # noqa: E402
-from megatron_ga_ext import CompatError, GuardError  # noqa: E402
+from megatron_ga_ext import CompatError, GuardError, LossContractError, ScheduleError  # noqa: E402
 from megatron_ga_ext.compat import FINALIZE, TARGETS, megatron_core_version  # noqa: E402
 from megatron_ga_ext.guards import GuardedCalculator  # noqa: E402
 from megatron_ga_ext.install import GAConfig, add_args, install, installed, uninstall  # noqa: E402
 
 finalize_module = importlib.import_module(FINALIZE)
-ORIGINALS = {t.qualified: t.resolve() for t in TARGETS}
+CORE_TARGETS = [t for t in TARGETS if not t.optional]  # megatron.training is not in every wheel
+ORIGINALS = {t.qualified: t.resolve() for t in CORE_TARGETS}
 STEP_SCHEDULES = "step_batch_size_schedule" in inspect.signature(calculators.init_num_microbatches_calculator).parameters
 
 
@@ -47,7 +48,7 @@ def standin_training() -> types.ModuleType:
 
 
 def patched_now() -> dict:
-    return {t.qualified: getattr(sys.modules[t.module], t.name) for t in TARGETS}
+    return {t.qualified: getattr(sys.modules[t.module], t.name) for t in CORE_TARGETS}
 
 
 def test_install_patches_and_reaches_names_bound_before_it():
@@ -231,3 +232,72 @@ def test_config_refuses_unknown_choices():
         GAConfig(loss_reduction="mean")
     with pytest.raises(ValueError, match=r"--ga-zero-token-policy 'ignore' is not one of error, skip"):
         GAConfig(zero_token_policy="ignore")
+
+
+def test_uninstall_reaches_modules_imported_after_install_and_leaves_wrappers_inert():
+    state = install()
+    late = types.ModuleType("late_binder")
+    exec("from megatron.core.distributed.finalize_model_grads import finalize_model_grads\n"
+         "from megatron.core.pipeline_parallel.schedules import forward_step_calc_loss", late.__dict__)
+    sys.modules[late.__name__] = late
+    try:
+        assert late.finalize_model_grads is state.finalize
+        wrapper = late.forward_step_calc_loss
+        uninstall()
+        assert late.finalize_model_grads is ORIGINALS[f"{FINALIZE}.finalize_model_grads"]
+        assert late.forward_step_calc_loss is ORIGINALS[f"{schedules.__name__}.forward_step_calc_loss"]
+        # A wrapper someone kept a reference to calls straight through once uninstalled.
+        assert not state.active and state.finalize.enabled is False
+        assert wrapper is not late.forward_step_calc_loss
+    finally:
+        sys.modules.pop(late.__name__)
+
+
+def parsed(*flags: str) -> argparse.Namespace:
+    """Megatron's flags that install() reads at parse time, plus the --ga-* flags."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--calculate-per-token-loss", action="store_true")
+    parser.add_argument("--train-iters", type=int)
+    parser.add_argument("--train-samples", type=int)
+    return add_args(parser).parse_args(list(flags))
+
+
+@pytest.mark.parametrize("flags, error, message", [
+    ([], LossContractError, r"reduction mode 'token' needs calculate_per_token_loss=True .*--calculate-per-token-loss"),
+    (["--ga-loss-reduction", "microbatch", "--calculate-per-token-loss"], LossContractError,
+     r"mode 'microbatch' is upstream's mean of means, but calculate_per_token_loss is on"),
+    (["--calculate-per-token-loss", "--step-batch-size-schedule", "0:16 64:32", "--train-iters", "100"],
+     ScheduleError, r"--train-iters 100 with a step batch-size schedule: .* Give --train-samples"),
+])
+def test_args_are_checked_when_megatron_has_parsed_them(megatron_training, flags, error, message):
+    install()  # at the top of pretrain_gpt.py: nothing to check yet
+    megatron_training._GLOBAL_ARGS = parsed(*flags)
+    with pytest.raises(error, match=message):  # Megatron's first call after parsing: before any model exists
+        init_calculator(16, 2, 4)
+    uninstall()
+    megatron_training._GLOBAL_ARGS = None
+    with pytest.raises(error, match=message):  # the args given to install() directly
+        install(parsed(*flags))
+
+
+def test_step_schedule_sizes_the_run_of_megatrons_training_loop(monkeypatch):
+    """--train-samples under a converted rampup: the planned steps, not train_samples // GBS (fails before the fix)."""
+    training = pytest.importorskip("megatron.training.training")  # in the 0.19.2 wheel; not in 0.16.1's
+    global_vars = sys.modules["megatron.training.global_vars"]
+    install(GAConfig(convert_rampup=True, rampup_batch_size=(8, 8, 64)))
+    init_calculator(24, 2, 2, rampup=[8, 8, 64])
+    args = argparse.Namespace(
+        train_iters=None, train_samples=160, global_batch_size=24, rampup_batch_size=["8", "8", "64"],
+        step_batch_size_schedule=None, full_validation=False, skip_train=False, eval_interval=1000,
+        start_eval_at_iter=None, eval_iters=0, phase_transition_iterations=None, iteration=0)
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
+    training.update_train_iters(args)
+    assert args.train_iters == 10  # 4 x 8, 2 x 16, 4 x 24 = 160 samples; upstream: 160 // 24 = 6
+    args.train_samples = 150  # the last step passes --train-samples: the dataset must hold its samples
+    args.train_iters = None
+    training.update_train_iters(args)
+    assert args.train_iters == 10 and training.get_train_valid_test_num_samples()[0] == 160
+    uninstall()
+    args.train_iters = None
+    training.update_train_iters(args)
+    assert args.train_iters == 150 // 24

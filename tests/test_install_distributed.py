@@ -5,7 +5,11 @@ One launch checks, in order, as Megatron's training loop drives it:
    0.16.1, as upstream's own rampup calculator), step after step;
 2. every step's gradients, through install()'s loss contract and finalize, equal the unpartitioned
    token-level reference;
-3. a forward/backward call with num_microbatches multiplied by PP is caught by the guard.
+3. a forward/backward call with num_microbatches multiplied by PP is caught by the guard;
+4. a model config that holds upstream's finalize_model_grads (a loop that set it before install()) gets
+   the extension's at the next step, whose gradients equal the reference again; a step whose config holds
+   some other finalize is an error, not a silently unscaled gradient; uninstall() gives the config
+   upstream's function back.
 """
 
 import argparse
@@ -119,7 +123,39 @@ def _rank_main(args: argparse.Namespace) -> dict:
     except GuardError as error:
         guard = str(error)
     wiring = "vendored" if installed().vendored else "install"
-    return {"seen": seen, "errors": errors, "guard": guard, "wiring": wiring, "megatron": megatron.core.__file__}
+    early = early_bound_finalize(ddp, config, cfg, plan[-1], refs[-1], names) if wiring == "install" else None
+    return {"seen": seen, "errors": errors, "guard": guard, "wiring": wiring, "megatron": megatron.core.__file__,
+            "early_bound": early}
+
+
+def early_bound_finalize(ddp, config, cfg, step, ref, names) -> dict:
+    """Item 4: configs that hold upstream's finalize, or another one, and what uninstall() leaves."""
+    import megatron_ga_ext
+    from megatron_ga_ext.errors import GuardError
+    from megatron_ga_ext.install import installed
+    from megatron_ga_ext.reduction import masked_loss
+    from megatron_ga_ext.verify.harness import gradients, relative_error, train_step
+
+    layout, batch = step
+    state = installed()
+    upstream = state.finalize.original
+    calls = state.finalize.calls
+    train_step(ddp, config, layout, cfg, batch, finalize=upstream, loss_func=masked_loss)
+    adopted = config.finalize_model_grads_func is state.finalize and state.finalize.calls == calls + 1
+    error = relative_error(gradients(ddp, names), ref)
+
+    def custom_finalize(*args, **kwargs):  # a finalize that never divides by the global token count
+        return upstream(*args, **kwargs)
+
+    try:
+        train_step(ddp, config, layout, cfg, batch, finalize=custom_finalize, loss_func=masked_loss)
+        skipped = None
+    except GuardError as exc:
+        skipped = str(exc)
+    config.finalize_model_grads_func = state.finalize
+    megatron_ga_ext.uninstall()
+    restored = config.finalize_model_grads_func is upstream
+    return {"adopted": adopted, "error": error, "skipped": skipped, "restored": restored}
 
 
 def evaluate(ddp, cfg, layout, batch) -> None:
@@ -190,6 +226,10 @@ def run_and_check(wiring: str) -> None:
         assert result["guard"] is not None
         assert "num_microbatches=8, but the calculator's num_microbatches = GBS / (MBS x DP) is 4" in result["guard"]
         assert "8 = 4 x PP 2: pipeline parallelism never multiplies the global batch size" in result["guard"]
+        if wiring == "install":
+            early = result["early_bound"]
+            assert early["adopted"] and early["error"] < 1e-5 and early["restored"], early
+            assert early["skipped"] is not None and "never called megatron-ga-ext's finalize_model_grads" in early["skipped"]
 
 
 def test_install_on_the_real_pipeline_schedule():

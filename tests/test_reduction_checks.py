@@ -108,6 +108,36 @@ def _scenario(name, cfg, batch, refs):
             "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]}
 
 
+def _fsdp_checks(cfg) -> dict:
+    """check_ddp_chunks on real Megatron-FSDP chunks built with and without the per-token flag, and on
+    torch FSDP2's wrapper class (it cannot be built on the CPU: fully_shard wants the CUDA device)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+    from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
+
+    from megatron_ga_ext.finalize import check_ddp_chunks
+    from megatron_ga_ext.verify.models import build_gpt, transformer_config
+
+    out = {}
+    for per_token in (True, False):
+        config = transformer_config(cfg.model, pipeline_model_parallel_size=1, context_parallel_size=1,
+                                    calculate_per_token_loss=per_token)
+        model, _ = build_gpt(cfg.model, config, pre_process=True, post_process=True, offset=0)
+        chunk = FullyShardedDataParallel(config, DistributedDataParallelConfig(
+            use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params"), model)
+        try:
+            check_ddp_chunks([chunk])
+            out[f"megatron_fsdp_{per_token}"] = ("ok", None)
+        except LossContractError as exc:
+            out[f"megatron_fsdp_{per_token}"] = ("error", exc)
+    try:
+        check_ddp_chunks([TorchFullyShardedDataParallel.__new__(TorchFullyShardedDataParallel)])
+        out["torch_fsdp2"] = ("ok", None)
+    except LossContractError as exc:
+        out["torch_fsdp2"] = ("error", exc)
+    return out
+
+
 def _run_scenarios():
     from megatron_ga_ext.verify.harness import VerifyConfig, init_model_parallel
     from megatron_ga_ext.verify.layouts import DEFAULT_LAYOUTS, make_global_batch
@@ -129,6 +159,9 @@ def _run_scenarios():
                 out[name] = ("error", exc)
             finally:
                 parallel_state.destroy_model_parallel()
+        init_model_parallel()
+        out.update(_fsdp_checks(cfg))
+        parallel_state.destroy_model_parallel()
     return out
 
 
@@ -139,7 +172,7 @@ def outcomes():
 
     warnings.filterwarnings("ignore", category=UserWarning)
     per_rank = run_on_ranks(_run_scenarios, 4, (), LaunchConfig(timeout_s=240))
-    return {name: [rank[name] for rank in per_rank] for name in SCENARIOS}
+    return {name: [rank[name] for rank in per_rank] for name in per_rank[0]}
 
 
 def _raise(outcome):
@@ -191,3 +224,13 @@ def test_pipeline_stages_share_the_last_stage_count(outcomes):
     assert [r["num_tokens"] for r in results] == [72, 72, 72, 72]
     assert max(r["rel_err"] for r in results) < 1e-5
     assert not math.isnan(results[0]["max_grad"])
+
+
+def test_megatron_fsdp_chunks_are_checked_and_torch_fsdp2_refused(outcomes):
+    """Megatron-FSDP keeps its factor in param_and_grad_buffer (nn.Module.buffers is a method there)."""
+    assert _raise(outcomes["megatron_fsdp_True"]) is None
+    with pytest.raises(LossContractError, match=r"wrapped in FullyShardedDataParallel with gradient_scaling_factor "
+                       r"0\.25 \(= 1/4\), i\.e\. before calculate_per_token_loss was set"):
+        _raise(outcomes["megatron_fsdp_False"])
+    with pytest.raises(LossContractError, match=r"torch FSDP2 \(--use-torch-fsdp2\), whose reduce-scatter averages"):
+        _raise(outcomes["torch_fsdp2"])

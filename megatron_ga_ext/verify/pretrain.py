@@ -10,10 +10,14 @@ comes first on the path), under :func:`~megatron_ga_ext.verify.shims.training_sh
 
 * ``{"event": "start", "megatron": <path of the megatron package>, "version": ...}``;
 * per logged iteration (``training_log``): iteration, consumed samples, the calculator's GBS and
-  num_microbatches, learning rate, losses, grad norm, skipped, ``mask_tokens`` (the sum of the loss masks
-  this rank's loss functions saw since the last iteration, read from pretrain_gpt's ``loss_func`` partial)
-  and ``num_tokens`` (megatron-ga-ext's global N of the step, when installed);
+  num_microbatches, learning rate, losses, grad norm, skipped, whether this rank is a last pipeline stage,
+  ``mask_tokens`` (the sum of the loss masks this rank's loss functions saw since the last iteration, read
+  from pretrain_gpt's ``loss_func`` partial), and from megatron-ga-ext when installed: ``num_tokens`` (the
+  global N of the step) and ``forward_steps`` (the guard's count of forward steps per model chunk);
 * ``{"event": "end", "train_iters": ..., "error": <type: message> or null}``.
+
+``MEGATRON_GA_FAULT=pp-multiplied-microbatches`` makes the training loop call its forward/backward function
+with num_microbatches x PP, the mistake the PP guard exists for.
 
 ``MEGATRON_GA_MOCK_DOCUMENT_LENGTH=L`` draws ``--mock-data`` documents of 1 to L-1 tokens (upstream: up to
 4095), so that with ``--eod-mask-loss`` every micro-batch masks a different, sizeable share of its tokens
@@ -64,8 +68,11 @@ class Recorder:
 
         from megatron_ga_ext.install import installed
 
+        from megatron.core import parallel_state
+
         state = installed()
         finalize = getattr(state, "finalize", None)
+        counter = getattr(state, "counter", None)
         row = {
             "event": "iteration",
             "iteration": int(iteration),
@@ -76,8 +83,10 @@ class Recorder:
             "loss": {key: float(value) for key, value in loss_dict.items()},
             "grad_norm": None if grad_norm is None else float(grad_norm),
             "skipped": int(skipped_iter),
+            "last_stage": parallel_state.is_pipeline_last_stage(ignore_virtual=True),
             "mask_tokens": self.mask_tokens,
             "num_tokens": getattr(finalize, "last_num_tokens", None),
+            "forward_steps": None if counter is None else sorted(counter.counts.values()),
         }
         self.mask_tokens = 0
         return row
@@ -106,6 +115,29 @@ class Recorder:
             return result
 
         return forward_step
+
+
+def _pp_multiplied(get_forward_backward_func: Callable) -> Callable:
+    """The fault ``pp-multiplied-microbatches``: num_microbatches x PP reaches the schedule."""
+
+    @functools.wraps(get_forward_backward_func)
+    def get(*args: Any, **kwargs: Any) -> Callable:
+        from megatron.core import parallel_state
+
+        forward_backward = get_forward_backward_func(*args, **kwargs)
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+
+        def multiplied(*f_args: Any, **f_kwargs: Any) -> Any:
+            if not f_kwargs.get("forward_only"):
+                f_kwargs["num_microbatches"] *= pp
+            return forward_backward(*f_args, **f_kwargs)
+
+        return multiplied
+
+    return get
+
+
+FAULTS = {"pp-multiplied-microbatches": ("megatron.core.pipeline_parallel", "get_forward_backward_func", _pp_multiplied)}
 
 
 def _patch_everywhere(module_name: str, name: str, make: Callable[[Callable], Callable]) -> None:
@@ -142,6 +174,9 @@ def main() -> None:
                         "version": megatron_core_version()})
         _patch_everywhere("megatron.training.training", "training_log", recorder.training_log)
         _patch_everywhere("megatron.training.training", "pretrain", recorder.pretrain)
+    fault = os.environ.get("MEGATRON_GA_FAULT")
+    if fault:
+        _patch_everywhere(*FAULTS[fault])
     error = None
     try:
         with training_shims():

@@ -1,0 +1,105 @@
+"""The end-to-end tier: which Megatron-LM sources it runs on, one launch cache, and the results table.
+
+Sources (tools/regress.py): ``MEGATRON_LM`` (a checkout, or a .tar.gz of one), else every snapshot in
+``MEGATRON_LM_SNAPSHOTS`` (default ``../shared/upstream``) of a tested source whose Python is this one.
+With neither, every test here is skipped with one line saying what to pass (``make e2e`` says it first).
+
+Each (source, layout) runs a handful of launches, shared by the tests that check them. At the end the
+results table is printed, and with ``MEGATRON_GA_COMPAT_DOC`` set, written into docs/compatibility.md.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from pretrain_runs import ROOT, Run, launch
+
+sys.path.insert(0, str(ROOT / "tools"))
+
+from regress import NO_SOURCE, sources  # noqa: E402
+
+SOURCES = sources([os.environ["MEGATRON_LM"]] if os.environ.get("MEGATRON_LM") else [])
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "source" in metafunc.fixturenames:
+        from compatibility import source_name
+
+        params = [pytest.param(s, id=source_name(s)) for s in SOURCES] or [
+            pytest.param(None, marks=pytest.mark.skip(reason=NO_SOURCE), id="no-source")]
+        metafunc.parametrize("source", params, scope="session")
+
+
+class Launches:
+    """Every launch of the session, made once and shared by the tests that read it."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.done: dict[tuple, Run] = {}
+
+    def get(self, source: Path, layout: str, name: str, flags: list[str], *, extension: bool = True,
+            env: dict[str, str] | None = None) -> Run:
+        key = (source, layout, name)
+        if key not in self.done:
+            self.done[key] = launch(source, layout, flags, extension=extension, name=name,
+                                    workdir=self.workdir / source.name / layout, env=env)
+        return self.done[key]
+
+
+@pytest.fixture(scope="session")
+def launches(tmp_path_factory: pytest.TempPathFactory) -> Launches:
+    return Launches(tmp_path_factory.mktemp("e2e"))
+
+
+# -- the results table ----------------------------------------------------------------------------
+
+_ROWS: list[dict] = []
+_OUTCOMES: dict[str, list[str]] = defaultdict(list)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        props = dict(report.user_properties)
+        source = props.get("source")
+        if source:
+            _OUTCOMES[source].append(report.outcome)
+        _ROWS.extend(row | {"outcome": report.outcome} for row in props.get("rows", []))
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _ROWS:
+        return
+    columns = ("source", "layout", "mode", "case", "iterations", "samples", "lr_end", "loss_vs_upstream", "N",
+               "outcome")
+    terminalreporter.section("end-to-end: Megatron-LM pretrain_gpt.py through install()")
+    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in _ROWS)) for c in columns}
+    terminalreporter.write_line("  ".join(c.ljust(widths[c]) for c in columns))
+    for row in _ROWS:
+        terminalreporter.write_line("  ".join(str(row.get(c, "")).ljust(widths[c]) for c in columns))
+    _write_doc()
+
+
+def _write_doc() -> None:
+    doc = os.environ.get("MEGATRON_GA_COMPAT_DOC")
+    if not doc:
+        return
+    import torch  # noqa: F401  (only for its version, in the doc)
+    from compatibility import core_version, hooked_functions, source_name, update
+
+    for source in SOURCES:
+        name = source_name(source)
+        outcomes = _OUTCOMES.get(name, [])
+        rows = [r for r in _ROWS if r["source"] == name]
+        layouts = sorted({r["layout"] for r in rows})
+        passed = sum(o == "passed" for o in outcomes)
+        summary = (f"{passed} of {len(outcomes)} checks passed over {len(rows)} runs ({', '.join(layouts)}; "
+                   f"token, microbatch; constant, rampup, schedule, resume, PP guard)")
+        update(Path(doc), name, megatron_core=core_version(source),
+               python_torch=f"Python {platform.python_version()}, torch {sys.modules['torch'].__version__}",
+               hooked_functions=hooked_functions(source), end_to_end=summary)

@@ -1,0 +1,126 @@
+"""Launch Megatron-LM's own pretrain_gpt.py (through examples/pretrain_gpt_ga.py, or bare for upstream's
+reference) on the CPU over gloo with torchrun, and read back what every rank recorded.
+
+    run = launch(source, "dp2", ["--global-batch-size", "16", ...], extension=True, name="token")
+    run.rc, run.iterations (last-stage rows, one per iteration), run.error, run.num_tokens_match
+
+The tiny GPT and the CPU flags (UPSTREAM.md section 5) are the same for every run; a run adds its batch,
+loss-mode and checkpoint flags. ``megatron_ga_ext.verify.pretrain`` applies the CPU shims and records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "pretrain_gpt_ga.py"
+
+#: name -> (processes, Megatron flags): DP = world / PP.
+LAYOUTS = {
+    "dp2": (2, []),
+    "pp2dp2": (4, ["--pipeline-model-parallel-size", "2"]),
+}
+SEQ_LENGTH = 64
+MICRO_BATCH_SIZE = 2
+TINY_GPT = [
+    "--distributed-backend", "gloo", "--transformer-impl", "local", "--no-persist-layer-norm",
+    "--no-gradient-accumulation-fusion", "--clip-grad", "0", "--mock-data", "--tokenizer-type", "NullTokenizer",
+    "--vocab-size", "1024", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", str(SEQ_LENGTH), "--max-position-embeddings", str(SEQ_LENGTH),
+    "--micro-batch-size", str(MICRO_BATCH_SIZE), "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "linear",
+    "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "100000", "--num-workers", "0",
+    "--eod-mask-loss", "--seed", "1234",
+]
+#: Mock documents of 1-15 tokens: with --eod-mask-loss every micro-batch masks a different share.
+DOCUMENT_LENGTH = "16"
+TIMEOUT_S = 240
+
+
+@dataclass
+class Run:
+    """What a launch did: exit status, the per-rank records, and the tail of its output."""
+
+    name: str
+    command: list[str]
+    rc: int
+    seconds: float
+    records: dict[int, list[dict]] = field(default_factory=dict)
+    output_tail: str = ""
+
+    @property
+    def last_stage_ranks(self) -> list[int]:
+        return sorted(r for r, rows in self.records.items() if any(x.get("last_stage") for x in _iterations(rows)))
+
+    @property
+    def iterations(self) -> list[dict]:
+        """One row per iteration, from the first last-stage rank (the one that holds the loss)."""
+        ranks = self.last_stage_ranks
+        return _iterations(self.records[ranks[0]]) if ranks else []
+
+    @property
+    def error(self) -> str | None:
+        errors = [row["error"] for rows in self.records.values() for row in rows
+                  if row.get("event") == "end" and row.get("error")]
+        return errors[0] if errors else None
+
+    def mask_tokens(self) -> list[int]:
+        """Per iteration: the loss-mask sum over every last-stage rank (the global batch's loss tokens)."""
+        per_rank = [_iterations(self.records[r]) for r in self.last_stage_ranks]
+        return [sum(rows[i]["mask_tokens"] for rows in per_rank) for i in range(len(per_rank[0]))]
+
+    def describe(self) -> str:
+        return f"{self.name}: rc {self.rc} in {self.seconds:.1f} s\n$ {' '.join(self.command)}\n{self.output_tail}"
+
+
+def _iterations(rows: list[dict]) -> list[dict]:
+    return [row for row in rows if row.get("event") == "iteration"]
+
+
+def launch(root: Path, layout: str, flags: list[str], *, extension: bool, name: str, workdir: Path,
+           python: str = sys.executable, env: dict[str, str] | None = None) -> Run:
+    """Run pretrain_gpt.py from the Megatron-LM checkout ``root`` as a user would, and collect the records."""
+    processes, layout_flags = LAYOUTS[layout]
+    workdir.mkdir(parents=True, exist_ok=True)
+    record = workdir / name
+    for old in workdir.glob(f"{name}.rank*.jsonl"):
+        old.unlink()
+    script = str(EXAMPLE) if extension else str(root / "pretrain_gpt.py")
+    command = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(processes), "--master-port",
+               str(_free_port()), "-m", "megatron_ga_ext.verify.pretrain", script,
+               *TINY_GPT, *layout_flags, *flags]
+    environment = {
+        **os.environ, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+        "MEGATRON_GA_RECORD": str(record), "MEGATRON_GA_MOCK_DOCUMENT_LENGTH": DOCUMENT_LENGTH,
+        "PYTHONPATH": str(ROOT), **(env or {}),
+    }
+    start = time.monotonic()
+    try:
+        done = subprocess.run(command, cwd=root, env=environment, capture_output=True, text=True, timeout=TIMEOUT_S)
+        rc, output = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as expired:
+        rc, output = 124, f"timed out after {TIMEOUT_S} s\n{expired.stdout or ''}{expired.stderr or ''}"
+    seconds = time.monotonic() - start
+    records = {}
+    for path in sorted(workdir.glob(f"{name}.rank*.jsonl")):
+        rank = int(path.name.rsplit(".rank", 1)[1].split(".")[0])
+        records[rank] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return Run(name, command, rc, seconds, records, _tail(output))
+
+
+def _tail(output: str, lines: int = 40) -> str:
+    interesting = [line for line in output.splitlines() if "Warning" not in line and "warnings.warn" not in line]
+    return "\n".join(interesting[-lines:])
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

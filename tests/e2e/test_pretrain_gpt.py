@@ -1,0 +1,156 @@
+"""Megatron-LM's own training loop (pretrain_gpt.py's ``pretrain()``) through examples/pretrain_gpt_ga.py,
+on every tested release and main-branch commit, DP 2 and PP 2 x DP 2, on the CPU over gloo.
+
+Per (source, layout), five launches with the extension and one of upstream alone:
+
+* token mode, constant GBS 16, --train-samples 128, and the same launch of upstream's own
+  ``--calculate-per-token-loss`` without the extension: every iteration's loss and grad norm are equal,
+  and the extension's N is the batch's loss tokens (--eod-mask-loss on short documents);
+* token mode, ``--rampup-batch-size 8 8 64 --global-batch-size 24 --ga-convert-rampup``;
+* microbatch mode, ``--step-batch-size-schedule "0:16 3072:24 6144:32"`` (tokens; the backport on 0.16/0.17),
+  saving at iteration 4, and a launch resuming from that checkpoint;
+* PP 2 only: the training loop made to pass num_microbatches x PP: the guard stops it at the first step.
+
+Every run: exit status 0, iterations / consumed samples / GBS / num_microbatches step for step as
+``megatron-ga schedule`` plans them, the learning rate at its minimum exactly at the last planned step
+(linear decay over --train-samples), and the guard's count of forward steps per chunk equal to
+num_microbatches every step.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from compatibility import source_name
+from pretrain_runs import MICRO_BATCH_SIZE, SEQ_LENGTH, Run
+
+from megatron_ga_ext.guards import PP_RULE
+
+pytestmark = pytest.mark.e2e
+
+MIN_LR = 1e-4
+DATA_PARALLEL_SIZE = 2  # both layouts
+TOKEN = ["--calculate-per-token-loss"]
+MICROBATCH = ["--ga-loss-reduction", "microbatch"]
+CONSTANT = ["--global-batch-size", "16", "--train-samples", "128"]
+RAMPUP = ["--rampup-batch-size", "8", "8", "64", "--global-batch-size", "24", "--ga-convert-rampup",
+          "--train-samples", "160"]
+SCHEDULE_TEXT = "0:16 3072:24 6144:32"
+SCHEDULE = ["--step-batch-size-schedule", SCHEDULE_TEXT, "--train-samples", "160"]
+SAVE_AT = 4
+
+#: The `megatron-ga schedule` arguments that plan each case.
+PLANS = {
+    "constant": ["0:16", "--seq-length", str(SEQ_LENGTH), "--train-samples", "128"],
+    "rampup": ["--from-rampup", "8", "8", "64", "--global-batch-size", "24", "--train-samples", "160"],
+    "schedule": [SCHEDULE_TEXT, "--seq-length", str(SEQ_LENGTH), "--train-samples", "160"],
+}
+
+
+def planned_steps(case: str) -> list[tuple[int, int, int, int]]:
+    """(iteration, consumed samples after it, GBS, num_microbatches) per step, from `megatron-ga schedule --json`."""
+    exe = Path(sys.executable).with_name("megatron-ga")
+    out = subprocess.run([str(exe), "schedule", *PLANS[case], "--micro-batch-size", str(MICRO_BATCH_SIZE),
+                          "--data-parallel-size", str(DATA_PARALLEL_SIZE), "--json"],
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+    steps, consumed = [], 0
+    for stage in json.loads(out)["stages"]:
+        for _ in range(stage["steps"]):
+            consumed += stage["global_batch_size"]
+            steps.append((len(steps) + 1, consumed, stage["global_batch_size"], stage["num_microbatches"]))
+    return steps
+
+
+def ran_steps(run: Run) -> list[tuple[int, int, int, int]]:
+    return [(r["iteration"], r["consumed_samples"], r["global_batch_size"], r["num_microbatches"])
+            for r in run.iterations]
+
+
+def check_run(run: Run, case: str) -> dict:
+    """The checks every run gets; returns its row of the results table."""
+    assert run.rc == 0 and run.error is None, run.describe()
+    plan, ran = planned_steps(case), ran_steps(run)
+    assert ran == plan, f"{run.name}: ran {ran}, planned {plan}\n{run.describe()}"
+    rates = [r["learning_rate"] for r in run.iterations]
+    assert rates[-1] == pytest.approx(MIN_LR, rel=1e-9) and rates[-2] > MIN_LR * (1 + 1e-6), (run.name, rates)
+    for row in run.iterations:  # the guard counted every chunk's forward steps, and they were num_microbatches
+        assert row["forward_steps"] == [row["num_microbatches"]], (run.name, row)
+    return {"iterations": f"{len(ran)} = plan", "samples": f"{ran[-1][1]} = plan", "lr_end": "min at last step"}
+
+
+def check_num_tokens(run: Run) -> str:
+    """Token mode: the extension's N is the global batch's loss tokens, every iteration."""
+    mask_tokens = run.mask_tokens()
+    num_tokens = [r["num_tokens"] for r in run.iterations]
+    assert num_tokens == mask_tokens, (run.name, num_tokens, mask_tokens)
+    return f"= loss tokens ({min(num_tokens)}-{max(num_tokens)})"
+
+
+def record(record_property, name: str, layout: str, rows: list[dict]) -> None:
+    """This test's rows of the results table (conftest prints them, and writes docs/compatibility.md)."""
+    record_property("source", name)
+    record_property("rows", [{"source": name, "layout": layout} | row for row in rows])
+
+
+def constant_runs(launches, source: Path, layout: str) -> tuple[Run, Run]:
+    upstream = launches.get(source, layout, "upstream", [*TOKEN, *CONSTANT], extension=False)
+    token = launches.get(source, layout, "token", [*TOKEN, *CONSTANT])
+    return upstream, token
+
+
+@pytest.mark.parametrize("layout", ["dp2", "pp2dp2"])
+def test_token_mode_equals_upstream_per_token_loss(launches, source, layout, record_property):
+    upstream, token = constant_runs(launches, source, layout)
+    assert upstream.rc == 0, upstream.describe()
+    row = check_run(token, "constant")
+    assert ran_steps(upstream) == ran_steps(token)
+    for ours, theirs in zip(token.iterations, upstream.iterations):
+        assert (ours["loss"], ours["grad_norm"]) == (theirs["loss"], theirs["grad_norm"]), (ours, theirs)
+    row |= {"mode": "token", "case": "constant", "loss_vs_upstream": "equal (loss, grad norm)",
+            "N": check_num_tokens(token)}
+    record(record_property, source_name(source), layout, [row])
+
+
+@pytest.mark.parametrize("layout", ["dp2", "pp2dp2"])
+def test_converted_rampup_runs_its_plan(launches, source, layout, record_property):
+    run = launches.get(source, layout, "rampup", [*TOKEN, *RAMPUP])
+    row = check_run(run, "rampup") | {"mode": "token", "case": "rampup", "N": check_num_tokens(run)}
+    record(record_property, source_name(source), layout, [row])
+
+
+@pytest.mark.parametrize("layout", ["dp2", "pp2dp2"])
+def test_step_schedule_and_resume_mid_schedule(launches, source, layout, record_property):
+    checkpoints = launches.workdir / source.name / layout / "checkpoints"
+    run = launches.get(source, layout, "schedule", [*MICROBATCH, *SCHEDULE, "--save", str(checkpoints),
+                                                    "--save-interval", str(SAVE_AT), "--ckpt-format", "torch"])
+    row = check_run(run, "schedule") | {"mode": "microbatch", "case": "schedule"}
+    assert all(r["num_tokens"] is None for r in run.iterations)  # microbatch mode takes no global count
+    _, token = constant_runs(launches, source, layout)
+    # Same first batch (GBS 16) and weights: the two modes optimise different means, so the gradients differ.
+    first_token, first_micro = token.iterations[0]["grad_norm"], run.iterations[0]["grad_norm"]
+    assert abs(first_micro - first_token) > 1e-5 * first_token, (first_micro, first_token)
+    row["loss_vs_upstream"] = f"grad norm {first_micro:.5f} vs token {first_token:.5f} at step 1"
+
+    resumed = launches.get(source, layout, "resume", [*MICROBATCH, *SCHEDULE, "--load", str(checkpoints),
+                                                      "--ckpt-step", str(SAVE_AT), "--ckpt-format", "torch"])
+    assert resumed.rc == 0 and resumed.error is None, resumed.describe()
+    assert ran_steps(resumed) == ran_steps(run)[SAVE_AT:], (ran_steps(resumed), ran_steps(run))
+    resume_row = {"mode": "microbatch", "case": f"resume at {SAVE_AT}",
+                  "iterations": f"{SAVE_AT + 1}-{len(run.iterations)} = uninterrupted",
+                  "samples": f"{ran_steps(resumed)[-1][1]} = uninterrupted"}
+    record(record_property, source_name(source), layout, [row, resume_row])
+
+
+def test_pp_guard_stops_a_pp_multiplied_step(launches, source, record_property):
+    run = launches.get(source, "pp2dp2", "pp-fault", [*TOKEN, *CONSTANT],
+                       env={"MEGATRON_GA_FAULT": "pp-multiplied-microbatches"})
+    assert run.rc != 0 and run.iterations == [], run.describe()
+    assert run.error is not None and run.error.startswith("GuardError") and PP_RULE in run.error, run.describe()
+    assert "8 = 4 x PP 2" in run.error, run.error
+    row = {"mode": "token", "case": "num_microbatches x PP", "iterations": "0 (stopped at step 1)",
+           "N": "GuardError: " + PP_RULE}
+    record(record_property, source_name(source), "pp2dp2", [row])
