@@ -162,7 +162,32 @@ def _run_scenarios():
         init_model_parallel()
         out.update(_fsdp_checks(cfg))
         parallel_state.destroy_model_parallel()
+        out["count_groups"] = ("ok", _count_groups())
     return out
+
+
+def _count_groups() -> dict | None:
+    """GTP weight remat (0.19+) is a DP-like axis: the finalize sums N over DP x CP x GTP, with a pg_collection
+    or without one, as upstream's finalize does. None on releases without GTP."""
+    import inspect
+
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_ga_ext.finalize import _groups
+
+    if "gtp_remat_size" not in inspect.signature(parallel_state.initialize_model_parallel).parameters:
+        return None
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    parallel_state.initialize_model_parallel(gtp_remat_size=2)  # world 4 = replicate DP 2 x GTP 2
+    try:
+        pgc = ProcessGroupCollection.use_mpu_process_groups()
+        ranks = torch.distributed.get_process_group_ranks
+        return {"upstream": ranks(pgc.dp_cp_gtp_remat), "replicate": ranks(pgc.dp_cp),
+                "with_pg_collection": ranks(_groups(pgc)[1]), "without": ranks(_groups(None)[1])}
+    finally:
+        parallel_state.destroy_model_parallel()
 
 
 @pytest.fixture(scope="module")
@@ -234,3 +259,11 @@ def test_megatron_fsdp_chunks_are_checked_and_torch_fsdp2_refused(outcomes):
         _raise(outcomes["megatron_fsdp_False"])
     with pytest.raises(LossContractError, match=r"torch FSDP2 \(--use-torch-fsdp2\), whose reduce-scatter averages"):
         _raise(outcomes["torch_fsdp2"])
+
+
+def test_token_count_group_spans_the_gtp_remat_axis_on_every_path(outcomes):
+    for status, groups in outcomes["count_groups"]:
+        if groups is None:
+            pytest.skip("no GTP weight remat in this megatron-core (before 0.19)")
+        assert len(groups["upstream"]) == 4 and len(groups["replicate"]) == 2
+        assert groups["with_pg_collection"] == groups["without"] == groups["upstream"]
