@@ -43,9 +43,11 @@ def add_ga_args_to_megatron() -> None:
 
 
 def main() -> None:
+    # The Megatron-LM root first, as for `python pretrain_gpt.py` run from it: its megatron package (a main
+    # checkout's, not an installed megatron-core wheel) and gpt_builders, model_provider.
+    sys.path.insert(0, os.getcwd())
     megatron_ga_ext.install()  # change 1
     add_ga_args_to_megatron()  # change 2
-    sys.path.insert(0, os.getcwd())  # pretrain_gpt.py imports gpt_builders, model_provider from the root
     runpy.run_path(os.path.join(os.getcwd(), "pretrain_gpt.py"), run_name="__main__")
 
 

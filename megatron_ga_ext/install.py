@@ -182,6 +182,7 @@ class Installation:
             for namespace in _namespaces_holding(p.replacement, p.name):
                 namespace[p.name] = p.original
         if self.finalize is not None:
+            self.finalize.enabled = False
             for ref in self.configs:
                 config = ref()
                 if config is not None and config.finalize_model_grads_func is self.finalize:
@@ -284,8 +285,6 @@ def uninstall() -> None:
     if state is None:
         return
     state.restore()
-    if state.finalize is not None:
-        state.finalize.enabled = False
     calculators = sys.modules[CALCULATOR]
     from megatron_ga_ext.guards import GuardedCalculator
 
@@ -515,9 +514,8 @@ def _update_train_iters(original: Callable, state: Installation) -> Callable:
             return original(args)
         iterations, samples = calculator.plan(args.train_samples)
         args.train_iters = iterations
-        if calculator.rank == 0:
-            logger.info("step batch-size schedule: --train-samples %d takes %d iterations (%d samples)",
-                        args.train_samples, iterations, samples)
+        logger.info("step batch-size schedule: --train-samples %d takes %d iterations (%d samples)",
+                    args.train_samples, iterations, samples)
 
     return update_train_iters
 
