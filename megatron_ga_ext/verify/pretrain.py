@@ -29,6 +29,7 @@ Nothing here is imported by ``install()``: it exists to test the extension in th
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import os
 import runpy
@@ -94,13 +95,13 @@ class Recorder:
     def pretrain(self, original: Callable) -> Callable:
         """``pretrain`` whose forward step reports each micro-batch's loss-mask sum."""
 
+        signature = inspect.signature(original)  # 0.18 puts a config container first
+
         @functools.wraps(original)
         def pretrain(*args: Any, **kwargs: Any) -> Any:
-            if "forward_step_func" in kwargs:
-                kwargs["forward_step_func"] = self._counting(kwargs["forward_step_func"])
-            else:
-                args = (*args[:3], self._counting(args[3]), *args[4:])
-            return original(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs)
+            bound.arguments["forward_step_func"] = self._counting(bound.arguments["forward_step_func"])
+            return original(*bound.args, **bound.kwargs)
 
         return pretrain
 
