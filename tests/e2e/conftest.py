@@ -54,7 +54,20 @@ class Launches:
 
 @pytest.fixture(scope="session")
 def launches(tmp_path_factory: pytest.TempPathFactory) -> Launches:
-    return Launches(tmp_path_factory.mktemp("e2e"))
+    return _LAUNCHES.setdefault("session", Launches(tmp_path_factory.mktemp("e2e")))
+
+
+@pytest.fixture(autouse=True)
+def _name_the_source(request: pytest.FixtureRequest) -> None:
+    """Every test's report names its source, so a failure counts against the right row."""
+    source = getattr(request.node, "callspec", None) and request.node.callspec.params.get("source")
+    if source is not None:
+        from compatibility import source_name
+
+        request.node.user_properties.append(("source", source_name(source)))
+
+
+_LAUNCHES: dict[str, Launches] = {}
 
 
 # -- the results table ----------------------------------------------------------------------------
@@ -68,7 +81,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         props = dict(report.user_properties)
         source = props.get("source")
         if source:
-            _OUTCOMES[source].append(report.outcome)
+            _OUTCOMES[source].append(report.outcome)  # one per test, whichever phase failed
         _ROWS.extend(row | {"outcome": report.outcome} for row in props.get("rows", []))
 
 
@@ -92,14 +105,18 @@ def _write_doc() -> None:
     import torch  # noqa: F401  (only for its version, in the doc)
     from compatibility import core_version, hooked_functions, source_name, update
 
+    done = _LAUNCHES["session"].done if _LAUNCHES else {}
     for source in SOURCES:
         name = source_name(source)
         outcomes = _OUTCOMES.get(name, [])
-        rows = [r for r in _ROWS if r["source"] == name]
-        layouts = sorted({r["layout"] for r in rows})
+        if not outcomes:
+            continue
+        runs = [key for key in done if key[0] == source]
+        layouts = sorted({layout for _, layout, _ in runs})
         passed = sum(o == "passed" for o in outcomes)
-        summary = (f"{passed} of {len(outcomes)} checks passed over {len(rows)} runs ({', '.join(layouts)}; "
-                   f"token, microbatch; constant, rampup, schedule, resume, PP guard)")
+        cases = sorted({r["case"].split(" at ")[0] for r in _ROWS if r["source"] == name})
+        summary = (f"{passed} of {len(outcomes)} tests passed, {len(runs)} launches of pretrain_gpt.py "
+                   f"({', '.join(layouts)}; {', '.join(cases)})")
         update(Path(doc), name, megatron_core=core_version(source),
                python_torch=f"Python {platform.python_version()}, torch {sys.modules['torch'].__version__}",
                hooked_functions=hooked_functions(source), end_to_end=summary)

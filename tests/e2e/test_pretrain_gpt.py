@@ -92,7 +92,6 @@ def check_num_tokens(run: Run) -> str:
 
 def record(record_property, name: str, layout: str, rows: list[dict]) -> None:
     """This test's rows of the results table (conftest prints them, and writes docs/compatibility.md)."""
-    record_property("source", name)
     record_property("rows", [{"source": name, "layout": layout} | row for row in rows])
 
 
