@@ -96,7 +96,8 @@ def schedule_problems(entries: Sequence[Stage], current: int, layout: CheckLayou
 def _sizes(layout: CheckLayout, future: bool) -> list[int]:
     """Today's DP, and for a stage not yet reached each planned one too."""
     dp = layout.data_parallel_size
-    return [dp] + ([d for d in layout.planned_data_parallel_sizes if d != dp] if future else [])
+    planned = dict.fromkeys(d for d in layout.planned_data_parallel_sizes if d != dp)  # once each, in order
+    return [dp] + (list(planned) if future else [])
 
 
 def stage_error(stage: Stage, layout: CheckLayout, data_parallel_size: int | None = None) -> GAError | None:
