@@ -132,12 +132,16 @@ def _hybrid(split: LayerSplit, result: VirtualPipeline) -> None:
         return
     if segments > pp:
         result.size = segments // pp
-        result.given = f"{HYBRID} ({segments} segments / --pipeline-model-parallel-size {pp})"
+        result.given = f"{HYBRID}: {segments} segments / --pipeline-model-parallel-size {pp}"
 
 
 def _from_layout(split: LayerSplit, result: VirtualPipeline) -> None:
     text, pp = split.pipeline_model_parallel_layout, split.pipeline_model_parallel_size
-    stages = layout_stage_count(text)  # type: ignore[arg-type]
+    try:
+        stages = layout_stage_count(text)  # type: ignore[arg-type]
+    except LayerSplitError as error:
+        result.problems.append(error)
+        return
     conflicts = [f for f, on in ((FIRST, split.decoder_first_pipeline_num_layers is not None),
                                  (LAST, split.decoder_last_pipeline_num_layers is not None),
                                  (EMBEDDING, split.account_for_embedding_in_pipeline_split),
@@ -155,7 +159,7 @@ def _from_layout(split: LayerSplit, result: VirtualPipeline) -> None:
         ))
         return
     result.size = stages // pp
-    result.given = f"{LAYOUT} ({stages} stages / --pipeline-model-parallel-size {pp})"
+    result.given = f"{LAYOUT}: {stages} stages / --pipeline-model-parallel-size {pp}"
 
 
 def _from_layers_per_stage(split: LayerSplit, result: VirtualPipeline) -> None:

@@ -87,10 +87,10 @@ def divisors(n: int) -> tuple[list[int], bool]:
     return sorted(set(small + [n // d for d in small])), root <= _DIVISOR_SCAN
 
 
-def divisor_list(n: int, limit: int | None = None) -> str:
+def divisor_list(n: int, limit: int = 12) -> str:
     """``1, 2, 3, 6``; ``1, 2, ...`` when cut at ``limit`` values or when the divisors are not all known."""
     found, complete = divisors(n)
-    shown = found if limit is None else found[:limit]
+    shown = found[:limit]
     return _join(shown) + ("" if complete and len(shown) == len(found) else ", ...")
 
 

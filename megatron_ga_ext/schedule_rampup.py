@@ -149,11 +149,8 @@ class RampStages(Sequence[Stage]):
         return self.ramp.increments_at(consumed)
 
     def describe(self) -> str:
-        r = self.ramp
-        return (
-            f"{FLAG} {r.start} {r.increment} {r.ramp_samples} to --global-batch-size {r.global_batch_size}: "
-            f"{len(self):,} stages, {self[0].spelling} {self[1].spelling} ... {self[-1].spelling}"
-        )
+        """``N stages: first second ... last`` (thresholds in samples)."""
+        return f"{len(self):,} stages: {self[0].spelling} {self[1].spelling} ... {self[-1].spelling}"
 
 
 def _least(reached: Callable[[int], bool], low: int, high: int, guess: int) -> int:
