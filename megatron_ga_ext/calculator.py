@@ -20,7 +20,7 @@ import logging
 from typing import Sequence
 
 from megatron_ga_ext.errors import ScheduleError, SizeError
-from megatron_ga_ext.layout import require_positive_int
+from megatron_ga_ext.batch_rules import require_positive_int
 from megatron_ga_ext.options import ScheduleInputs, decrease_error, resolve_schedule
 from megatron_ga_ext.schedule import StepSchedule
 

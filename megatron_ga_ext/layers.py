@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass, field
 
 from megatron_ga_ext.errors import LayerSplitError
-from megatron_ga_ext.layout import divisor_list, nearest_multiples
+from megatron_ga_ext.batch_rules import divisor_list, nearest_multiples
 from megatron_ga_ext.schedule_numbers import read_int
 
 __all__ = ["LayerSplit", "VirtualPipeline", "layout_stage_count", "virtual_pipeline"]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from megatron_ga_ext.errors import GAError, ScheduleError
-from megatron_ga_ext.layout import interleave_error, microbatch_group_error, multiple_error, require_positive_int
+from megatron_ga_ext.batch_rules import interleave_error, microbatch_group_error, multiple_error, require_positive_int
 from megatron_ga_ext.schedule_rampup import RampStages
 from megatron_ga_ext.schedule_stages import ScheduleProblem, Stage
 

@@ -22,7 +22,7 @@ from dataclasses import asdict
 from typing import Sequence
 
 from megatron_ga_ext.errors import ScheduleWarning, SizeError, UsageError
-from megatron_ga_ext.layout import require_positive_int
+from megatron_ga_ext.batch_rules import require_positive_int
 from megatron_ga_ext.options import ScheduleInputs, resolve_schedule
 from megatron_ga_ext.render import print_table
 from megatron_ga_ext.schedule import FLAG, StageRow, StepSchedule, parse_count, total_samples, total_steps

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence, overload
 
 from megatron_ga_ext.errors import ScheduleError, SizeError
-from megatron_ga_ext.layout import divisor_list, require_positive_int
+from megatron_ga_ext.batch_rules import divisor_list, require_positive_int
 from megatron_ga_ext.schedule_numbers import MAX_EXPONENT
 from megatron_ga_ext.schedule_stages import Stage
 
