@@ -24,14 +24,14 @@ import bisect
 import operator
 import warnings
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Sequence
 
 from megatron_ga_ext.errors import ScheduleError, ScheduleParseError, ScheduleWarning, SizeError, UsageError
-from megatron_ga_ext.layout import require_positive_int
+from megatron_ga_ext.batch_rules import require_positive_int
 from megatron_ga_ext.options import rampup_triple
 from megatron_ga_ext.schedule_checks import CheckLayout, schedule_problems, stage_error, with_count
 from megatron_ga_ext.schedule_numbers import SUFFIXES, format_count, parse_count
-from megatron_ga_ext.schedule_numbers import upstream_count as _upstream_count
+from megatron_ga_ext.schedule_numbers import upstream_count as _upstream_count  # noqa: F401  (tests import it here)
 from megatron_ga_ext.schedule_rampup import LISTED_RAMP, RampStages, check_rampup, listed_rampup_stages
 from megatron_ga_ext.schedule_stages import (
     FLAG,
@@ -273,38 +273,8 @@ class StepSchedule:
 
     # -- accounting ----------------------------------------------------------------------------
 
-    def iter_steps(
-        self, micro_batch_size: int, data_parallel_size: int, consumed_samples: int = 0,
-        train_samples: int | None = None,
-    ) -> Iterator[StepInfo]:
-        """The steps training runs from ``consumed_samples`` on, until ``train_samples`` (or forever).
-
-        Each step uses the stage in force at its start; consumed += MBS x DP x num_microbatches.
-        """
-        return iter_steps(self, micro_batch_size, data_parallel_size, consumed_samples, train_samples)
-
-    def table(
-        self,
-        micro_batch_size: int,
-        data_parallel_size: int,
-        seq_length: int | None = None,
-        train_samples: int | None = None,
-        lr: float | None = None,
-        lr_base_batch_size: int | None = None,
-        consumed_samples: int = 0,
-    ) -> list[StageRow]:
-        """One row per stage, stepping from ``consumed_samples`` as training does, in O(stages).
-
-        In a stage of batch B (per step S = MBS x DP x (B // (MBS x DP))) entered at consumed c, the run
-        takes ceil((end - c) / S) steps, end = min(next threshold, train_samples); the last one may
-        overshoot the next threshold, so a stage starts at its first step's count, which can be past its
-        threshold, and a stage can be skipped entirely (steps 0). A resumed run starts at the stage in force
-        at ``consumed_samples``: stages already passed get steps 0 and are not held to today's MBS x DP.
-        ``seq_length`` defaults to the schedule's own. ``lr`` and ``lr_base_batch_size`` add the linear and
-        square-root hints. A schedule of more than 10,000 stages (a long ramp) has no table (UsageError).
-        """
-        return table(self, micro_batch_size, data_parallel_size, seq_length, train_samples, lr, lr_base_batch_size,
-                     consumed_samples)
+    iter_steps = iter_steps  # schedule_tables.iter_steps(schedule, ...): the steps a run takes
+    table = table  # schedule_tables.table(schedule, ...): one row per stage
 
     def iterations(self, micro_batch_size: int, data_parallel_size: int, train_samples: int) -> int:
         """Steps training runs for ``--train-samples``: while consumed < train_samples, one more step."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 from megatron_ga_ext.errors import UsageError
-from megatron_ga_ext.layout import require_positive_int
+from megatron_ga_ext.batch_rules import require_positive_int
 from megatron_ga_ext.schedule_checks import zero_microbatch_error
 from megatron_ga_ext.schedule_stages import Stage
 
@@ -76,8 +76,17 @@ def table(
     lr_base_batch_size: int | None = None,
     consumed_samples: int = 0,
 ) -> list[StageRow]:
-    """One row per stage, stepping from ``consumed_samples`` as training does, in O(stages) (see
-    :meth:`StepSchedule.table`). Refuses a schedule of more than :data:`TABLE_LIMIT` stages (UsageError)."""
+    """One row per stage, stepping from ``consumed_samples`` as training does, in O(stages).
+
+    In a stage of batch B (per step S = MBS x DP x (B // (MBS x DP))) entered at consumed c, the run
+    takes ceil((end - c) / S) steps, end = min(next threshold, train_samples); the last one may
+    overshoot the next threshold, so a stage starts at its first step's count, which can be past its
+    threshold, and a stage can be skipped entirely (steps 0). A resumed run starts at the stage in force
+    at ``consumed_samples``: stages already passed get steps 0 and are not held to today's MBS x DP.
+    ``seq_length`` defaults to the schedule's own. ``lr`` and ``lr_base_batch_size`` add the linear and
+    square-root hints. A schedule of more than :data:`TABLE_LIMIT` stages (a long ramp) has no table
+    (UsageError). ``StepSchedule.table`` is this function.
+    """
     mbs = require_positive_int("--micro-batch-size", micro_batch_size)
     dp = require_positive_int("--data-parallel-size", data_parallel_size)
     seq = schedule.seq_length if seq_length is None else require_positive_int("--seq-length", seq_length)
@@ -120,6 +129,7 @@ def iter_steps(
     """The steps training runs from ``consumed_samples`` on, until ``train_samples`` (or forever).
 
     Each step uses the stage in force at its start; consumed += MBS x DP x num_microbatches.
+    ``StepSchedule.iter_steps`` is this function.
     """
     unit = require_positive_int("--micro-batch-size", micro_batch_size) * require_positive_int(
         "--data-parallel-size", data_parallel_size
