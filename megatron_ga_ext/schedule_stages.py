@@ -87,6 +87,8 @@ class StagePairs(Sequence[tuple[int, int]]):
         return ((s.threshold_samples, s.global_batch_size) for s in self._entries)
 
     def __eq__(self, other: object) -> bool:
+        if isinstance(other, StagePairs) and self._entries == other._entries:
+            return True  # the same stages (two long ramps compare by their four numbers)
         if not isinstance(other, Sequence) or isinstance(other, str):
             return NotImplemented
         return len(self) == len(other) and all(tuple(a) == tuple(b) for a, b in zip(self, other))
