@@ -59,8 +59,8 @@ def _normalize(flag: str) -> str:
 def parse_launch(tokens: list[str]) -> Launch:
     """Collect the declared flags of ``tokens``; a single token holding a whole line is split like a shell."""
     if len(tokens) == 1 and " " in tokens[0].strip():
-        try:
-            tokens = shlex.split(tokens[0])
+        try:  # as the shell reads a pasted script: line continuations joined, comments dropped
+            tokens = shlex.split(tokens[0].replace("\\\n", " "), comments=True)
         except ValueError as error:
             raise UsageError(f"the launch line cannot be split like a shell line: {error}.") from None
     launch, i = Launch(), 0
@@ -211,7 +211,7 @@ def _world_size(launch: Launch, ints: dict[str, int], given: dict[str, str]) -> 
             "the world size is unknown: give torchrun's --nproc-per-node (and --nnodes), or "
             "megatron-ga check --world-size N -- <launch line>."
         )
-    if not nproc.strip().lstrip("+").isdigit():
+    if nproc.strip() in ("gpu", "cpu", "auto", "xpu"):  # torchrun's own choices
         raise UsageError(
             f"{nproc_flag} {nproc} leaves the world size to the machine; pass it with "
             f"megatron-ga check --world-size N -- <launch line>."

@@ -245,3 +245,17 @@ def test_json_prints_an_error_object_when_the_line_cannot_be_read(capsys):
     assert report["error_type"] == "UsageError" and report["ledger"] is None and report["problems"] == []
     assert report["error"].startswith("--nproc_per_node gpu leaves the world size to the machine")
     assert captured.err.startswith("megatron-ga check: error: --nproc_per_node gpu")
+
+
+def test_a_pasted_script_line_reads_as_the_shell_reads_it():
+    line = (BASE + " \\\n  --global-batch-size 64   # the batch\n  --tensor-model-parallel-size 2")
+    ledger, problems = check_text(line)
+    assert problems == [] and (ledger["global_batch_size"], ledger["tensor_model_parallel_size"]) == (64, 2)
+    with pytest.raises(UsageError, match=r"^--nproc_per_node '\$GPUS' is not an integer"):
+        check_text("torchrun --nproc_per_node $GPUS x.py --micro-batch-size 1")
+
+
+def check_text(line: str):
+    """As ``megatron-ga check -- "<line>"``: the whole line in one argument, split like a shell."""
+    layout, problems = launch_problems(parse_launch([line]), None)
+    return (layout.ledger() if layout else None), problems
