@@ -180,6 +180,12 @@ class StepScheduleCalculator:
         self.current_running_global_batch_size = batch
         self.num_micro_batches = batch // self.micro_batch_times_data_parallel_size
 
+    def plan(self, train_samples: int) -> tuple[int, int]:
+        """(iterations, samples) a run of ``--train-samples`` takes from 0: one more step while consumed <
+        train_samples, each step consuming MBS x DP x num_microbatches (StepSchedule.run_totals: the stages
+        the run uses, each in closed form, so a long ramp works too)."""
+        return self.step_schedule.run_totals(self.micro_batch_size, self.data_parallel_size, train_samples)
+
     def _check(self, consumed_samples: int, index: int) -> None:
         """Validate every remaining stage once; afterwards O(1): when some stage was only warned about, each
         new stage in force is checked alone against today's layout; a stage before the validated one is

@@ -23,10 +23,12 @@ from megatron_ga_ext.options import (
     check_choice,
     check_guards,
     check_loss_mode,
+    check_train_length,
     rampup_ignored_message,
     resolve_schedule,
 )
 from megatron_ga_ext.schedule import StepSchedule
+from megatron_ga_ext.schedule_numbers import read_int
 from megatron_ga_ext.schedule_stages import FLAG as SCHEDULE_FLAG
 
 __all__ = ["MAX_STAGE_PROBLEMS", "launch_problems"]
@@ -117,7 +119,7 @@ def _launch_schedule(launch: Launch, read: LaunchLayout) -> tuple[StepSchedule |
     """The step schedule the launch runs (options.resolve_schedule), or the rampup's equivalent to show; and
     the problems of its flags."""
     inputs = _schedule_inputs(launch, read)
-    problems = _schedule_flag_problems(launch) if inputs.step_batch_size_schedule is not None else []
+    problems = _schedule_flag_problems(launch, inputs)
     try:
         schedule = resolve_schedule(inputs)
     except GAError as error:
@@ -167,19 +169,18 @@ def _ignored_rampup(inputs: ScheduleInputs) -> tuple[StepSchedule | None, list[s
     ]
 
 
-def _schedule_flag_problems(launch: Launch) -> list[str]:
+def _schedule_flag_problems(launch: Launch, inputs: ScheduleInputs) -> list[str]:
     problems = []
-    if launch.get("--global-batch-size") is not None:
+    if inputs.step_batch_size_schedule is not None and launch.get("--global-batch-size") is not None:
         problems.append(
             f"--global-batch-size is given together with {SCHEDULE_FLAG}; Megatron refuses the pair "
             f"(the schedule sets the batch size). Drop --global-batch-size."
         )
-    if launch.get("--train-iters") is not None:
-        problems.append(
-            f"{SCHEDULE_FLAG} with --train-iters: Megatron converts LR warmup/decay iterations and the "
-            f"dataset size with GBS = MBS x DP, not the schedule's batch sizes, so warmup and decay end early and "
-            f"the dataset is undersized. Give --train-samples (and --lr-warmup-samples, --lr-decay-samples) instead."
-        )
+    schedule = SCHEDULE_FLAG if inputs.step_batch_size_schedule is not None else (
+        f"--rampup-batch-size with {CONVERT_RAMPUP.flag}" if inputs.rampup_batch_size and inputs.convert_rampup else None)
+    train_iters = launch.get("--train-iters")
+    if train_iters is not None:
+        problems += _problem(check_train_length, schedule, read_int(launch.name("--train-iters"), train_iters))
     return problems
 
 

@@ -58,6 +58,7 @@ __all__ = [
     "check_choice",
     "check_guards",
     "check_loss_mode",
+    "check_train_length",
     "decrease_error",
     "flags_table",
     "rampup_ignored_message",
@@ -305,6 +306,19 @@ def check_guards(guards: bool, *, hybrid_context_parallel: bool = False, rl_sequ
             f"GBS / (MBS x DP), and consumed samples do not advance by the global batch size, so the run-time "
             f"guards ({GUARDS.flag}, the default) would stop the run at its first step. Add --no-ga-guards."
         )
+
+
+def check_train_length(schedule: str | None, train_iters: int | None) -> None:
+    """A step schedule needs a run length in samples: with ``--train-iters`` Megatron sizes the LR warmup and
+    decay and the dataset with a constant GBS = MBS x DP, not the schedule's batch sizes (UPSTREAM.md §2
+    item 2). ``schedule`` names what sets the schedule (None: no schedule). Raises ScheduleError."""
+    if schedule is None or not train_iters:
+        return
+    raise ScheduleError(
+        f"{schedule} with --train-iters {train_iters}: Megatron converts LR warmup/decay iterations and the dataset "
+        f"size with GBS = MBS x DP, not the schedule's batch sizes, so warmup and decay end early and the dataset "
+        f"is undersized. Give --train-samples (and --lr-warmup-samples, --lr-decay-samples) instead."
+    )
 
 
 def decrease_error() -> ScheduleError:

@@ -42,7 +42,15 @@ from megatron_ga_ext.schedule_stages import (
     number_stages,
     parse_entries,
 )
-from megatron_ga_ext.schedule_tables import StageRow, StepInfo, iter_steps, table, total_samples, total_steps
+from megatron_ga_ext.schedule_tables import (
+    StageRow,
+    StepInfo,
+    iter_steps,
+    run_totals,
+    table,
+    total_samples,
+    total_steps,
+)
 
 __all__ = [
     "FLAG",
@@ -275,7 +283,8 @@ class StepSchedule:
 
     iter_steps = iter_steps  # schedule_tables.iter_steps(schedule, ...): the steps a run takes
     table = table  # schedule_tables.table(schedule, ...): one row per stage
+    run_totals = run_totals  # schedule_tables.run_totals(schedule, ...): (steps, samples) of a run
 
     def iterations(self, micro_batch_size: int, data_parallel_size: int, train_samples: int) -> int:
         """Steps training runs for ``--train-samples``: while consumed < train_samples, one more step."""
-        return total_steps(self.table(micro_batch_size, data_parallel_size, train_samples=train_samples))
+        return self.run_totals(micro_batch_size, data_parallel_size, train_samples)[0]

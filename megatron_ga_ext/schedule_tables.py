@@ -21,7 +21,9 @@ from megatron_ga_ext.schedule_stages import Stage
 if TYPE_CHECKING:
     from megatron_ga_ext.schedule import StepSchedule
 
-__all__ = ["TABLE_LIMIT", "StageRow", "StepInfo", "iter_steps", "table", "total_samples", "total_steps"]
+__all__ = [
+    "TABLE_LIMIT", "StageRow", "StepInfo", "iter_steps", "run_totals", "table", "total_samples", "total_steps",
+]
 
 #: A table lists at most this many stages (a long ramp is summarised instead: see StepSchedule.summary).
 TABLE_LIMIT = 10_000
@@ -147,6 +149,30 @@ def iter_steps(
         )
         consumed += samples
         iteration += 1
+
+
+def run_totals(
+    schedule: StepSchedule, micro_batch_size: int, data_parallel_size: int, train_samples: int,
+    consumed_samples: int = 0,
+) -> tuple[int, int]:
+    """(steps, samples) of a run from ``consumed_samples`` to ``--train-samples``: one more step while
+    consumed < train_samples, as the table counts them, but visiting only the stages the run uses (each in
+    closed form), so a long ramp costs its used stages, never more than upstream's own per-step loop.
+    """
+    unit = require_positive_int("--micro-batch-size", micro_batch_size) * require_positive_int(
+        "--data-parallel-size", data_parallel_size
+    )
+    require_positive_int("--train-samples", train_samples)
+    entries, consumed, steps = schedule.entries, consumed_samples, 0
+    while consumed < train_samples:
+        index = schedule.stage_index_at(consumed)
+        per_step = entries[index].global_batch_size // unit * unit
+        if per_step == 0:
+            raise zero_microbatch_error(entries[index], micro_batch_size, data_parallel_size)
+        end = train_samples if index + 1 == len(entries) else min(train_samples, entries[index + 1].threshold_samples)
+        count = -(-(end - consumed) // per_step)
+        consumed, steps = consumed + count * per_step, steps + count
+    return steps, consumed - consumed_samples
 
 
 def total_steps(rows: Sequence[StageRow]) -> int:

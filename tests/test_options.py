@@ -25,6 +25,7 @@ from megatron_ga_ext.options import (
     add_args,
     check_guards,
     check_loss_mode,
+    check_train_length,
     flags_table,
     rampup_triple,
     resolve_schedule,
@@ -136,6 +137,15 @@ def test_guards_rule():
     with pytest.raises(OptionError, match=r"^--hybrid-context-parallel run\(s\) another number of forward passes.*"
                                           r"Add --no-ga-guards\.$"):
         check_guards(True, hybrid_context_parallel=True)
+
+
+def test_train_length_rule():
+    check_train_length(None, 1000)
+    check_train_length("--step-batch-size-schedule", None)
+    with pytest.raises(ScheduleError, match=r"^--step-batch-size-schedule with --train-iters 1000: Megatron converts LR "
+                                            r"warmup/decay iterations and the dataset size with GBS = MBS x DP.*Give "
+                                            r"--train-samples"):
+        check_train_length("--step-batch-size-schedule", 1000)
 
 
 # -- the one schedule of a launch -----------------------------------------------------------------

@@ -129,3 +129,16 @@ def test_calculator_runs_a_long_ramp_in_constant_time_per_update():
         assert calc.get_current_global_batch_size() == upstream_gbs(8, 8, 10**9, 8 * 10**6, consumed)
     assert time.perf_counter() - start < 1.0
     assert LISTED_RAMP < 10**6
+
+
+def test_run_length_of_a_long_ramp_steps_through_the_stages_it_uses():
+    """The calculator's plan (install's --train-samples): equal to stepping with upstream's arithmetic."""
+    ramp = (8, 8, 10**9, 8 * 10**6)
+    calc = StepScheduleCalculator.build(0, list(ramp[:3]), ramp[3], 8, 1)
+    consumed, steps = 0, 0
+    while consumed < 2 * 10**9:
+        consumed += upstream_gbs(*ramp, consumed) // 8 * 8
+        steps += 1
+    start = time.perf_counter()
+    assert calc.plan(2 * 10**9) == (steps, consumed)
+    assert time.perf_counter() - start < 1.0
