@@ -7,12 +7,16 @@ from megatron_ga_ext.errors import (
     GuardError,
     InterleaveError,
     LayoutError,
+    LayerSplitError,
     LossContractError,
+    OptionError,
     ScheduleError,
     ScheduleParseError,
     SizeError,
+    UsageError,
 )
-from megatron_ga_ext.install import GAConfig, add_args, args_provider, install, uninstall
+from megatron_ga_ext.install import install, uninstall
+from megatron_ga_ext.options import GAConfig, add_args, args_provider
 from megatron_ga_ext.layout import BatchLayout
 from megatron_ga_ext.schedule import StepSchedule
 
@@ -24,12 +28,15 @@ __all__ = [
     "GAError",
     "GuardError",
     "InterleaveError",
+    "LayerSplitError",
     "LayoutError",
     "LossContractError",
+    "OptionError",
     "ScheduleError",
     "ScheduleParseError",
     "SizeError",
     "StepSchedule",
+    "UsageError",
     "add_args",
     "args_provider",
     "install",

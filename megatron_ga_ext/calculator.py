@@ -20,8 +20,9 @@ from typing import Sequence
 
 from megatron_ga_ext.logs import get_logger
 from megatron_ga_ext.errors import ScheduleError, SizeError
-from megatron_ga_ext.layout import require_positive_int
-from megatron_ga_ext.schedule import StepSchedule, rampup_triple, total_samples, total_steps
+from megatron_ga_ext.batch_rules import require_positive_int
+from megatron_ga_ext.options import ScheduleInputs, decrease_error, resolve_schedule
+from megatron_ga_ext.schedule import StepSchedule
 
 __all__ = ["StepScheduleCalculator"]
 
@@ -66,7 +67,7 @@ class StepScheduleCalculator:
         self.micro_batch_times_data_parallel_size = self.micro_batch_size * self.data_parallel_size
         self.decrease_batch_size_if_needed = False  # a step schedule fixes each batch size (upstream refuses it too)
         # Upstream's public attributes, with the same meaning.
-        self.schedule: list[tuple[int, int]] = schedule.stages
+        self.schedule: Sequence[tuple[int, int]] = schedule.stages  # computed when read (a long ramp)
         self.seq_length: int | None = schedule.seq_length
         self.global_batch_size: int = schedule.final_global_batch_size
         self.num_micro_batches: int | None = None
@@ -75,7 +76,9 @@ class StepScheduleCalculator:
         self.validated_from: int | None = None
         """Consumed samples at which every remaining stage was validated (the first checked update)."""
         self._checked_from: int | None = None
-        self._warned: set[int] = set()
+        self._last_checked: int | None = None
+        self._demoted = False
+        """Some later stage was only warned about (strict_future=False): each new stage in force is checked."""
         if rank == 0:
             logger.info("step batch-size schedule %s (%d stages)", schedule, len(schedule.entries))
         self.update(0, consistency_check=False, verbose=True)
@@ -93,7 +96,8 @@ class StepScheduleCalculator:
         seq_length: int | None = None,
     ) -> "StepScheduleCalculator":
         """The constructor signature of upstream's ``StepBatchsizeNumMicroBatchesCalculator`` (0.18+)."""
-        _refuse_decrease(decrease_batch_size_if_needed)
+        if decrease_batch_size_if_needed:
+            raise decrease_error()
         return cls(StepSchedule.parse(schedule, seq_length), micro_batch_size, data_parallel_size, rank)
 
     @classmethod
@@ -111,24 +115,28 @@ class StepScheduleCalculator:
     ) -> "StepScheduleCalculator":
         """The arguments of ``init_num_microbatches_calculator`` (any megatron-core release).
 
-        A step schedule wins; else ``rampup_batch_size`` [start, increment, ramp samples] with
-        ``global_batch_size`` is converted (upstream 0.18+ drops it silently); else the constant
-        ``global_batch_size``. ``layout`` passes pipeline/interleave/rescale keywords to the constructor.
+        The schedule is :func:`~megatron_ga_ext.options.resolve_schedule`'s, with a given rampup converted
+        (upstream 0.18+ drops it silently); without either, the constant ``global_batch_size``. ``layout``
+        passes pipeline/interleave/rescale keywords to the constructor.
         """
-        _refuse_decrease(decrease_batch_size_if_needed)
-        if step_batch_size_schedule is not None and rampup_batch_size is not None:
-            raise ScheduleError(
-                "--rampup-batch-size and --step-batch-size-schedule are both given; they set the same thing. "
-                "Keep the schedule (`megatron-ga schedule --from-rampup` prints the rampup's equivalent)."
-            )
-        if step_batch_size_schedule is not None:
-            schedule = StepSchedule.parse(step_batch_size_schedule, seq_length)
-        elif rampup_batch_size is not None:
-            start, increment, ramp_samples = rampup_triple(rampup_batch_size)
-            schedule = StepSchedule.from_rampup(start, increment, ramp_samples, _need_gbs(global_batch_size))
-        else:
+        if decrease_batch_size_if_needed:
+            raise decrease_error()  # this calculator runs a step schedule, even a constant one
+        schedule = resolve_schedule(ScheduleInputs(
+            step_batch_size_schedule=step_batch_size_schedule, rampup_batch_size=rampup_batch_size,
+            global_batch_size=global_batch_size, seq_length=seq_length, convert_rampup=True,
+        ))
+        if schedule is None:
             schedule = StepSchedule.constant(_need_gbs(global_batch_size))
         return cls(schedule, micro_batch_size, data_parallel_size, rank, **layout)  # type: ignore[arg-type]
+
+    @classmethod
+    def for_launch(cls, schedule: StepSchedule, inputs: ScheduleInputs, rank: int = 0) -> "StepScheduleCalculator":
+        """The calculator of a resolved schedule, checked against the same layout as ``megatron-ga check``
+        (``inputs.layout()``: MBS, DP, PP, VPP and N)."""
+        layout = inputs.layout()
+        return cls(
+            schedule, layout.pop("micro_batch_size"), layout.pop("data_parallel_size"), rank, **layout
+        )
 
     # -- Megatron's interface ------------------------------------------------------------------
 
@@ -152,9 +160,9 @@ class StepScheduleCalculator:
         """Move to the stage in force at ``consumed_samples``; O(log stages).
 
         With ``consistency_check``: the first such call validates every stage from the current one on
-        (:meth:`StepSchedule.validate`), so later ones return at once, unless the stage now in force was
-        only warned about (``strict_future=False``) or lies before the validated one: then they validate
-        again from it, and raise if it breaks a rule. Without it, num_microbatches is floored as upstream does.
+        (:meth:`StepSchedule.validate`), so later ones return at once, unless stages were only warned about
+        (``strict_future=False``): then each new stage in force is checked alone, and raises if it breaks a
+        rule. Without it, num_microbatches is floored as upstream does.
         """
         index = self.step_schedule.stage_index_at(consumed_samples)
         batch = self.step_schedule.entries[index].global_batch_size
@@ -173,14 +181,24 @@ class StepScheduleCalculator:
         self.num_micro_batches = batch // self.micro_batch_times_data_parallel_size
 
     def plan(self, train_samples: int) -> tuple[int, int]:
-        """(iterations, samples) a run of ``--train-samples`` takes from 0: one more step while
-        consumed < train_samples, each step consuming MBS x DP x num_microbatches (O(stages))."""
-        rows = self.step_schedule.table(self.micro_batch_size, self.data_parallel_size, train_samples=train_samples)
-        return total_steps(rows), total_samples(rows)
+        """(iterations, samples) a run of ``--train-samples`` takes from 0: one more step while consumed <
+        train_samples, each step consuming MBS x DP x num_microbatches (StepSchedule.run_totals: the stages
+        the run uses, each in closed form, so a long ramp works too)."""
+        return self.step_schedule.run_totals(self.micro_batch_size, self.data_parallel_size, train_samples)
 
     def _check(self, consumed_samples: int, index: int) -> None:
-        """Validate every remaining stage once; afterwards O(1) unless a stage warned about is now in force."""
-        if self._checked_from is not None and index >= self._checked_from and index not in self._warned:
+        """Validate every remaining stage once; afterwards O(1): when some stage was only warned about, each
+        new stage in force is checked alone against today's layout; a stage before the validated one is
+        validated again from there."""
+        if self._checked_from is not None and index >= self._checked_from:
+            if self._demoted and index != self._last_checked:
+                error = self.step_schedule.stage_error(
+                    index, self.micro_batch_size, self.data_parallel_size, self.pipeline_model_parallel_size,
+                    self.virtual_pipeline_size, self.microbatch_group_size_per_vp_stage,
+                )
+                if error is not None:
+                    raise error
+                self._last_checked = index
             return
         demoted = self.step_schedule.validate(
             self.micro_batch_size,
@@ -192,8 +210,8 @@ class StepScheduleCalculator:
             microbatch_group_size_per_vp_stage=self.microbatch_group_size_per_vp_stage,
             strict_future=self.strict_future,
         )
-        self._checked_from = index
-        self._warned = {problem.index for problem in demoted}
+        self._checked_from = self._last_checked = index
+        self._demoted = bool(demoted)
         if self.validated_from is None:
             self.validated_from = consumed_samples
 
@@ -202,15 +220,6 @@ def _present(value: int | None, name: str) -> int:
     if value is None:
         raise ScheduleError(f"{name} is not set: call update() first.")
     return value
-
-
-def _refuse_decrease(decrease_batch_size_if_needed: bool) -> None:
-    if decrease_batch_size_if_needed:
-        raise ScheduleError(
-            "--decrease-batch-size-if-needed cannot be combined with a step batch-size schedule (upstream refuses "
-            "it too): the schedule fixes each batch size. Drop --decrease-batch-size-if-needed and make every stage "
-            "a multiple of --micro-batch-size x data-parallel size."
-        )
 
 
 def _need_gbs(global_batch_size: int | None) -> int:

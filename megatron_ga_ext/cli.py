@@ -1,7 +1,8 @@
 """The ``megatron-ga`` command: ledger | check | schedule | verify.
 
 ``ledger``, ``check`` and ``schedule`` are pure Python and answer in well under a second; ``verify``
-imports torch and megatron-core only when it runs. Errors print one line without a traceback and exit 2.
+imports torch and megatron-core only when it runs. Every command's errors take one path (:func:`main`):
+one line on stderr without a traceback (and, with ``--json``, a JSON error object on stdout), exit 2.
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ import json
 import sys
 from typing import Sequence
 
-from megatron_ga_ext.errors import GAError
-from megatron_ga_ext.launch import Launch, UsageError, launch_problems, layout_kwargs, parse_launch
-from megatron_ga_ext.layout import FLAGS, BatchLayout
+from megatron_ga_ext.check import launch_problems
+from megatron_ga_ext.errors import GAError, UsageError
+from megatron_ga_ext.launch import Launch, layout_kwargs, parse_launch
+from megatron_ga_ext.layout import BatchLayout
+from megatron_ga_ext.options import BY_DEST, LAUNCHER_OPTIONS, MEGATRON_OPTIONS, VIRTUAL_PIPELINE, Option
 from megatron_ga_ext.render import print_table
+from megatron_ga_ext.schedule_numbers import read_int
 
 __all__ = ["main"]
 
@@ -45,6 +49,13 @@ _LEDGER_LABELS = {
     "pipeline_bubble_fraction": ("pipeline bubble", "(PP - 1) / (VPP x GA + PP - 1)"),
 }
 
+#: Megatron flags the ledger does not take: they decide a schedule or the loss, not one layout.
+_NOT_LEDGER = {
+    "rampup_batch_size", "step_batch_size_schedule", "decrease_batch_size_if_needed", "decoder_seq_length",
+    "train_iters", "train_samples", "calculate_per_token_loss", "hybrid_context_parallel", "perform_rl_step",
+    "rl_use_sequence_packing",
+}
+
 
 def print_ledger(layout: BatchLayout, title: str = "megatron-ga ledger") -> None:
     rows = [(_LEDGER_LABELS[k][0], v, _LEDGER_LABELS[k][1]) for k, v in layout.ledger().items()]
@@ -54,14 +65,20 @@ def print_ledger(layout: BatchLayout, title: str = "megatron-ga ledger") -> None
 # -- ledger ------------------------------------------------------------------------------------
 
 
+def _ledger_options() -> list[Option]:
+    """The ledger's flags: the launcher's and Megatron's that decide one layout (declared in options.py)."""
+    megatron = [o for o in MEGATRON_OPTIONS if o.dest not in _NOT_LEDGER]
+    return [*LAUNCHER_OPTIONS, *megatron]
+
+
 def _configure_ledger(parser: argparse.ArgumentParser) -> None:
-    for flag in FLAGS.values():
-        parser.add_argument(flag, metavar="N")
-    parser.add_argument("--nnodes", metavar="N", help="torchrun nodes (with --nproc-per-node instead of --world-size)")
-    parser.add_argument("--nproc-per-node", metavar="N")
-    parser.add_argument("--num-layers", metavar="N")
-    parser.add_argument("--num-layers-per-virtual-pipeline-stage", metavar="N", help="with --num-layers, derives VPP")
-    parser.add_argument("--num-virtual-stages-per-pipeline-rank", metavar="N", help="newer spelling of VPP")
+    for option in _ledger_options():
+        if option.type is bool:
+            parser.add_argument(option.flag, dest=option.dest, action="store_true", default=None)
+        else:
+            parser.add_argument(option.flag, dest=option.dest, metavar="N" if option.type is int else "TEXT",
+                                help=option.help or None)
+    parser.add_argument(VIRTUAL_PIPELINE.flag, dest=VIRTUAL_PIPELINE.dest, metavar="N", help=VIRTUAL_PIPELINE.help)
     parser.add_argument(
         "--grad-sync", choices=("step", "microbatch"), default="step",
         help="DP gradient sync once per step (Megatron, no_sync) or after every micro-batch",
@@ -71,10 +88,22 @@ def _configure_ledger(parser: argparse.ArgumentParser) -> None:
 
 def _run_ledger(args: argparse.Namespace) -> int:
     launch = Launch()
-    for dest, value in vars(args).items():
-        if value is not None and dest not in ("json", "grad_sync", "command", "handler"):
-            launch.values["--" + dest.replace("_", "-")] = [value]
-    layout = BatchLayout(**layout_kwargs(launch), grad_sync=args.grad_sync)
+    for option in _ledger_options():
+        value = getattr(args, option.dest)
+        if value is None:
+            continue
+        if option.type is bool:
+            launch.switches[option.flag] = True
+        else:
+            launch.values[option.flag] = [value]
+    kwargs = layout_kwargs(launch)
+    vpp = args.virtual_pipeline_model_parallel_size
+    if vpp is not None:
+        if kwargs["virtual_pipeline_model_parallel_size"] is not None:
+            raise UsageError(f"{VIRTUAL_PIPELINE.flag} {vpp} is given with another flag that sets the virtual "
+                             f"pipeline size ({kwargs['given']['virtual_pipeline_model_parallel_size']}); keep one.")  # type: ignore[index]
+        kwargs["virtual_pipeline_model_parallel_size"] = read_int(VIRTUAL_PIPELINE.flag, vpp)
+    layout = BatchLayout(**kwargs, grad_sync=args.grad_sync)  # type: ignore[arg-type]
     if args.json:
         print(json.dumps(layout.ledger(), indent=2))
     else:
@@ -86,7 +115,7 @@ def _run_ledger(args: argparse.Namespace) -> int:
 
 
 def _configure_check(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world-size", type=int, help="the world size, where the launch line leaves it open")
+    parser.add_argument("--world-size", metavar="N", help="the world size, where the launch line leaves it open")
     parser.add_argument("--json", action="store_true", help="print the ledger and the problems as JSON")
     parser.add_argument("launch", nargs=argparse.REMAINDER, help="-- then the whole launch line")
 
@@ -95,7 +124,8 @@ def _run_check(args: argparse.Namespace) -> int:
     tokens = args.launch[1:] if args.launch[:1] == ["--"] else args.launch
     if not tokens:
         raise UsageError("give the launch line after --: megatron-ga check -- torchrun ... pretrain_gpt.py ...")
-    layout, problems = launch_problems(parse_launch(tokens), args.world_size)
+    world_size = None if args.world_size is None else read_int(BY_DEST["world_size"].flag, args.world_size)
+    layout, problems = launch_problems(parse_launch(tokens), world_size)
     if args.json:
         print(json.dumps({"ledger": layout.ledger() if layout else None, "problems": problems}, indent=2))
         return 1 if problems else 0
@@ -136,14 +166,24 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; a GAError is reported by :func:`report_error` (exit 2)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(command).parse_args(argv)
     try:
         return args.handler(args)
     except GAError as error:
-        print(f"megatron-ga {args.command}: error: {error}", file=sys.stderr)
-        return 2
+        return report_error(args.command, error, as_json=getattr(args, "json", False))
+
+
+def report_error(command: str, error: GAError, as_json: bool = False) -> int:
+    """The one error path of every command: ``megatron-ga COMMAND: error: ...`` on stderr, no traceback; with
+    ``--json`` also ``{"error": ..., "error_type": ...}`` on stdout. Returns the exit status, 2."""
+    if as_json:
+        print(json.dumps({"error": str(error), "error_type": type(error).__name__, "ledger": None, "problems": []},
+                         indent=2))
+    print(f"megatron-ga {command}: error: {error}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Exception types of megatron-ga-ext.
+"""Exception and warning types of megatron-ga-ext.
 
 Every user-facing error derives from :class:`GAError`, a ``ValueError``. Where upstream Megatron
 raised ``AssertionError`` for the same condition, the error derives from ``AssertionError`` too, so
@@ -11,13 +11,18 @@ __all__ = [
     "GAError",
     "SizeError",
     "LayoutError",
+    "LayerSplitError",
     "BatchSizeError",
     "InterleaveError",
     "ScheduleParseError",
     "ScheduleError",
+    "OptionError",
+    "UsageError",
     "LossContractError",
     "GuardError",
     "CompatError",
+    "VerifyError",
+    "ScheduleWarning",
 ]
 
 
@@ -26,11 +31,15 @@ class GAError(ValueError):
 
 
 class SizeError(GAError):
-    """A size is not a positive integer (zero, negative, fractional, not a number)."""
+    """A size is not a positive integer (zero, negative, fractional, not a number, too many digits)."""
 
 
 class LayoutError(GAError):
     """The parallel layout does not divide as Megatron requires (world, TP, PP, CP, EP)."""
+
+
+class LayerSplitError(LayoutError, AssertionError):
+    """The layers do not split over the (virtual) pipeline stages as Megatron asserts they must."""
 
 
 class BatchSizeError(GAError, AssertionError):
@@ -49,6 +58,14 @@ class ScheduleError(GAError, AssertionError):
     """A step batch-size schedule breaks a rule upstream asserted (order, zero, growth, divisibility)."""
 
 
+class OptionError(GAError):
+    """A ``--ga-*`` setting is not one of its choices, or does not go with the Megatron flags beside it."""
+
+
+class UsageError(GAError):
+    """A command line cannot be read: a value is not a number, or the world size is unknown."""
+
+
 class LossContractError(GAError, RuntimeError):
     """The token-level loss contract is broken at run time."""
 
@@ -59,3 +76,11 @@ class GuardError(GAError, RuntimeError):
 
 class CompatError(GAError, RuntimeError):
     """Upstream code is not what the extension knows how to patch."""
+
+
+class VerifyError(GAError, RuntimeError):
+    """``megatron-ga verify`` could not run its launches (no device, a rank failed)."""
+
+
+class ScheduleWarning(UserWarning):
+    """A stage not yet reached breaks a rule, and the caller opted to be warned instead of stopped."""

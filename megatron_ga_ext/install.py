@@ -26,7 +26,6 @@ modules patched, in modules imported since that bound a replacement, and in mode
 
 from __future__ import annotations
 
-import argparse
 import functools
 import importlib.util
 import inspect
@@ -36,7 +35,6 @@ from typing import Any, Callable
 
 import weakref
 
-from megatron_ga_ext.logs import get_logger
 from megatron_ga_ext.compat import (
     CALCULATOR,
     FINALIZE,
@@ -47,7 +45,18 @@ from megatron_ga_ext.compat import (
     matching_sources,
     megatron_core_version,
 )
-from megatron_ga_ext.errors import CompatError, GAError, GuardError, ScheduleError
+from megatron_ga_ext.errors import CompatError, GuardError
+from megatron_ga_ext.logs import get_logger
+from megatron_ga_ext.options import (
+    GAConfig,
+    ScheduleInputs,
+    add_args,
+    args_provider,
+    check_guards,
+    check_loss_mode,
+    check_train_length,
+    resolve_schedule,
+)
 
 __all__ = ["GAConfig", "Installation", "add_args", "args_provider", "install", "installed", "uninstall", "wire_vendored"]
 
@@ -58,51 +67,6 @@ SCHEDULE_FUNCTIONS = (
     "forward_backward_pipelining_with_interleaving",
     "forward_backward_pipelining_without_interleaving",
 )
-
-
-@dataclass(kw_only=True, frozen=True)
-class GAConfig:
-    """What install() turns on; ``from_args`` reads it from Megatron's parsed args."""
-
-    loss_reduction: str = "token"
-    """``token`` (every non-padding token weighs the same) or ``microbatch`` (upstream's mean of means)."""
-    zero_token_policy: str = "error"
-    """A global batch with 0 tokens: ``error``, or ``skip`` (zero gradient and a warning)."""
-    strict: bool = True
-    """Refuse upstream functions whose source fingerprint is unknown (else warn and patch)."""
-    convert_rampup: bool = False
-    """Turn a given rampup triple into the equivalent step schedule."""
-    guards: bool = True
-    """Check micro-batch counts and consumed samples every step."""
-    step_batch_size_schedule: str | None = None
-    rampup_batch_size: tuple[int, int, int] | None = None
-    seq_length: int | None = None
-    pipeline_model_parallel_size: int | None = None
-    virtual_pipeline_model_parallel_size: int | None = None
-
-    def __post_init__(self) -> None:
-        for flag, value, choices in (
-            ("--ga-loss-reduction", self.loss_reduction, ("token", "microbatch")),
-            ("--ga-zero-token-policy", self.zero_token_policy, ("error", "skip")),
-        ):
-            if value not in choices:
-                raise GAError(f"{flag} {value!r} is not one of {', '.join(choices)}; pick one of them.")
-
-    @classmethod
-    def from_args(cls, args: Any) -> "GAConfig":
-        """From an argparse namespace holding Megatron's flags and the ``--ga-*`` flags."""
-        rampup = getattr(args, "rampup_batch_size", None)
-        return cls(
-            loss_reduction=getattr(args, "ga_loss_reduction", "token"),
-            zero_token_policy=getattr(args, "ga_zero_token_policy", "error"),
-            strict=getattr(args, "ga_strict", True),
-            convert_rampup=getattr(args, "ga_convert_rampup", False),
-            step_batch_size_schedule=getattr(args, "step_batch_size_schedule", None),
-            rampup_batch_size=tuple(int(v) for v in rampup) if rampup else None,
-            seq_length=getattr(args, "seq_length", None),
-            pipeline_model_parallel_size=getattr(args, "pipeline_model_parallel_size", None),
-            virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
-        )
 
 
 @dataclass
@@ -324,18 +288,18 @@ def _megatron_args() -> Any:
 
 def check_args(config: GAConfig, args: Any) -> None:
     """What Megatron's parsed args must agree with, checked when they are read (before any model is built):
-    the loss mode against ``--calculate-per-token-loss``, and no ``--train-iters`` with a step schedule."""
-    from megatron_ga_ext.finalize import check_per_token_flag
-
+    the loss mode against ``--calculate-per-token-loss``, no ``--train-iters`` with a step schedule, and the
+    guards off where a schedule runs another number of forward passes (options.py has each rule)."""
     if hasattr(args, "calculate_per_token_loss"):
-        check_per_token_flag(args, config.loss_reduction)
-    schedule = config.step_batch_size_schedule or (config.rampup_batch_size if config.convert_rampup else None)
-    if schedule and getattr(args, "train_iters", None):
-        raise ScheduleError(
-            f"--train-iters {args.train_iters} with a step batch-size schedule: Megatron sizes the learning-rate "
-            f"warmup and decay and the dataset with a constant --global-batch-size, not the schedule's batch sizes, "
-            f"so warmup and decay end early and the dataset is undersized. Give --train-samples (and "
-            f"--lr-warmup-samples, --lr-decay-samples) instead.")
+        check_loss_mode(config.loss_reduction, bool(args.calculate_per_token_loss),
+                        explicit=config.loss_reduction != "token")
+    if config.step_batch_size_schedule:
+        check_train_length("--step-batch-size-schedule", getattr(args, "train_iters", None))
+    elif config.rampup_batch_size and config.convert_rampup:
+        check_train_length("--rampup-batch-size with --ga-convert-rampup", getattr(args, "train_iters", None))
+    check_guards(config.guards, hybrid_context_parallel=bool(getattr(args, "hybrid_context_parallel", False)),
+                 rl_sequence_packing=bool(getattr(args, "perform_rl_step", False)
+                                          and getattr(args, "rl_use_sequence_packing", False)))
 
 
 def _wire_schedules(state: Installation) -> None:
@@ -439,47 +403,18 @@ def _configure_calculator(original: Callable, state: Installation) -> Callable:
         _wire_training(state)
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        arguments = bound.arguments
-        schedule = _schedule_for(state.config, arguments)
+        inputs = ScheduleInputs.from_calculator_call(state.config, bound.arguments)
+        schedule = resolve_schedule(inputs)
         if schedule is None:
             original(*bound.args, **bound.kwargs)
         else:
             from megatron_ga_ext.calculator import StepScheduleCalculator
 
-            sys.modules[CALCULATOR]._GLOBAL_NUM_MICROBATCHES_CALCULATOR = StepScheduleCalculator(
-                schedule,
-                micro_batch_size=arguments["micro_batch_size"],
-                data_parallel_size=arguments["data_parallel_size"],
-                rank=arguments["rank"],
-                pipeline_model_parallel_size=state.config.pipeline_model_parallel_size or 1,
-                virtual_pipeline_size=state.config.virtual_pipeline_model_parallel_size,
-            )
+            sys.modules[CALCULATOR]._GLOBAL_NUM_MICROBATCHES_CALCULATOR = StepScheduleCalculator.for_launch(
+                schedule, inputs, rank=bound.arguments["rank"])
         _guard_live_calculator(state)
 
     return configure
-
-
-def _schedule_for(config: GAConfig, arguments: dict) -> Any:
-    """The step schedule in force: given (upstream's argument, else the backported flag), or a
-    converted rampup; None leaves upstream's calculator."""
-    from megatron_ga_ext.schedule import StepSchedule
-
-    text = arguments.get("step_batch_size_schedule") or config.step_batch_size_schedule
-    if text:
-        return StepSchedule.parse(text, seq_length=arguments.get("seq_length") or config.seq_length)
-    rampup = arguments.get("rampup_batch_size") or config.rampup_batch_size
-    if not rampup:
-        return None
-    start, increment, samples = (int(v) for v in rampup)
-    if config.convert_rampup:
-        return StepSchedule.from_rampup(start, increment, samples, arguments["global_batch_size"])
-    if "rampup_batch_size" not in arguments:
-        logger.warning(
-            "--rampup-batch-size %d %d %d is ignored by megatron-core >= 0.18, which trains at constant "
-            "--global-batch-size; pass --ga-convert-rampup to run the equivalent step schedule.",
-            start, increment, samples,
-        )
-    return None
 
 
 def _wire_training(state: Installation) -> None:
@@ -544,46 +479,3 @@ def _guard_live_calculator(state: Installation) -> None:
     if live is None or isinstance(live, GuardedCalculator) or not state.config.guards:
         return
     calculators._GLOBAL_NUM_MICROBATCHES_CALCULATOR = GuardedCalculator(live, state.config.pipeline_model_parallel_size)
-
-
-def args_provider(*others: Callable | None) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:
-    """An ``extra_args_provider`` that runs ``others`` (None skipped), then :func:`add_args`."""
-
-    def provide(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        for other in others:
-            if other is not None:
-                parser = other(parser)
-        return add_args(parser)
-
-    return provide
-
-
-def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The ``--ga-*`` flags, for ``pretrain(..., extra_args_provider=add_args)``; on releases without
-    ``--step-batch-size-schedule`` it adds that flag too (the backport)."""
-    group = parser.add_argument_group("megatron-ga-ext", "checked batch arithmetic (megatron_ga_ext)")
-    group.add_argument(
-        "--ga-loss-reduction", choices=("token", "microbatch"), default="token",
-        help="token: every non-padding token of the global batch weighs the same (needs "
-        "--calculate-per-token-loss; checked every step); microbatch: upstream's mean of means.",
-    )
-    group.add_argument(
-        "--ga-zero-token-policy", choices=("error", "skip"), default="error",
-        help="a global batch with 0 non-padding tokens: error (default), or skip (zero gradient and a warning).",
-    )
-    group.add_argument(
-        "--ga-strict", action=argparse.BooleanOptionalAction, default=True,
-        help="refuse to patch upstream functions whose source is not a known release (--no-ga-strict: warn).",
-    )
-    group.add_argument(
-        "--ga-convert-rampup", action="store_true",
-        help="run a given --rampup-batch-size as the exact equivalent --step-batch-size-schedule "
-        "(megatron-core >= 0.18 otherwise ignores the rampup without a word).",
-    )
-    if "--step-batch-size-schedule" not in parser._option_string_actions:
-        group.add_argument(
-            "--step-batch-size-schedule", type=str, default=None,
-            help="backport: 'THRESHOLD:GBS ...' (thresholds in tokens when --seq-length is set), "
-            "validated up front by megatron_ga_ext.",
-        )
-    return parser

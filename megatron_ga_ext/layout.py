@@ -6,103 +6,56 @@
     bubble = (PP - 1) / (VPP x GA + PP - 1)
 
 Every rule Megatron enforces (at start-up or, worse, mid-run) is checked here up front; a violation
-raises a typed error that names the flag, the value, the rule and the nearest valid choices.
+raises a typed error that names the flag, the value, the rule and the nearest valid choices. The rules a
+step schedule shares with a constant batch are ``batch_rules.py``'s (re-exported here).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Iterator
+from dataclasses import dataclass, field
+from typing import Iterator, Mapping
 
-from megatron_ga_ext.errors import BatchSizeError, GAError, InterleaveError, LayoutError, SizeError
+from megatron_ga_ext.batch_rules import (
+    divisor_list,
+    divisors,
+    interleave_error,
+    interleaved_microbatch_problem,
+    join,
+    microbatch_group_error,
+    multiple_error,
+    nearest_multiples,
+    require_positive_int,
+)
+from megatron_ga_ext.errors import GAError, LayoutError, SizeError
+from megatron_ga_ext.options import BY_DEST, LAUNCHER_OPTIONS, VIRTUAL_PIPELINE
 
 __all__ = [
     "FLAGS",
     "BatchLayout",
+    "divisor_list",
+    "divisors",
+    "interleave_error",
     "interleaved_microbatch_problem",
     "microbatch_group_error",
+    "multiple_error",
     "nearest_multiples",
     "require_positive_int",
-    "virtual_pipeline_size",
 ]
 
-#: Megatron's command-line spelling of each field.
+_LAYOUT_FIELDS = (
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+    "expert_model_parallel_size", "expert_tensor_parallel_size", "microbatch_group_size_per_vp_stage",
+    "num_experts", "micro_batch_size", "global_batch_size", "seq_length",
+)
+#: The command-line spelling of each BatchLayout field (options.py declares them).
 FLAGS = {
-    "world_size": "--world-size",
-    "tensor_model_parallel_size": "--tensor-model-parallel-size",
-    "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
-    "context_parallel_size": "--context-parallel-size",
-    "expert_model_parallel_size": "--expert-model-parallel-size",
-    "expert_tensor_parallel_size": "--expert-tensor-parallel-size",
-    "virtual_pipeline_model_parallel_size": "--virtual-pipeline-model-parallel-size",
-    "microbatch_group_size_per_vp_stage": "--microbatch-group-size-per-virtual-pipeline-stage",
-    "num_experts": "--num-experts",
-    "micro_batch_size": "--micro-batch-size",
-    "global_batch_size": "--global-batch-size",
-    "seq_length": "--seq-length",
+    "world_size": LAUNCHER_OPTIONS[2].flag,
+    **{name: BY_DEST[name].flag for name in _LAYOUT_FIELDS[:5]},
+    "virtual_pipeline_model_parallel_size": VIRTUAL_PIPELINE.flag,
+    **{name: BY_DEST[name].flag for name in _LAYOUT_FIELDS[5:]},
 }
 
 GRAD_SYNC_MODES = ("step", "microbatch")
-
-
-def require_positive_int(flag: str, value: object, *, below_one: type[GAError] = SizeError) -> int:
-    """Return ``value`` if it is an int >= 1, else raise :class:`SizeError` naming ``flag``.
-
-    ``below_one`` is the type raised for an int < 1: ScheduleError where upstream asserted the same thing.
-    """
-    if isinstance(value, bool) or not isinstance(value, int):
-        hint = ""
-        if isinstance(value, float) and math.isfinite(value) and value > 0:
-            hint = f", e.g. {max(1, math.floor(value))} or {math.ceil(value)}"
-        raise SizeError(
-            f"{flag} {value!r} is not a whole number: sizes count samples or ranks; "
-            f"give an integer >= 1{hint}."
-        )
-    if value < 1:
-        raise below_one(f"{flag} {value} must be at least 1; give an integer >= 1.")
-    return value
-
-
-def nearest_multiples(value: int, step: int, count: int = 2) -> list[int]:
-    """The ``count`` positive multiples of ``step`` nearest to ``value`` (ascending)."""
-    low = (value // step) * step
-    candidates = [m for m in range(low - step * count, low + step * (count + 1), step) if m > 0]
-    candidates.sort(key=lambda m: (abs(m - value), m))
-    return sorted(candidates[:count])
-
-
-def divisors(n: int) -> list[int]:
-    """All positive divisors of ``n``, ascending."""
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
-
-
-def _join(values: list[int]) -> str:
-    return ", ".join(str(v) for v in values)
-
-
-def virtual_pipeline_size(
-    num_layers: int, pipeline_model_parallel_size: int, num_layers_per_virtual_pipeline_stage: int
-) -> int:
-    """VPP = num_layers / PP / num_layers_per_virtual_pipeline_stage, as Megatron derives it."""
-    require_positive_int("--num-layers", num_layers)
-    require_positive_int("--num-layers-per-virtual-pipeline-stage", num_layers_per_virtual_pipeline_stage)
-    if num_layers % pipeline_model_parallel_size:
-        raise LayoutError(
-            f"--num-layers {num_layers} is not a multiple of --pipeline-model-parallel-size "
-            f"{pipeline_model_parallel_size}; every stage must hold the same number of layers. "
-            f"Nearest valid --num-layers: {_join(nearest_multiples(num_layers, pipeline_model_parallel_size))}."
-        )
-    per_stage = num_layers // pipeline_model_parallel_size
-    if per_stage % num_layers_per_virtual_pipeline_stage:
-        raise LayoutError(
-            f"--num-layers-per-virtual-pipeline-stage {num_layers_per_virtual_pipeline_stage} does not divide "
-            f"the {per_stage} layers of each pipeline stage (--num-layers {num_layers} / "
-            f"--pipeline-model-parallel-size {pipeline_model_parallel_size}); valid values: {_join(divisors(per_stage))}."
-        )
-    return per_stage // num_layers_per_virtual_pipeline_stage
-
 
 @dataclass(kw_only=True, frozen=True)
 class BatchLayout:
@@ -130,6 +83,9 @@ class BatchLayout:
     grad_sync: str = "step"
     """"step": one DP gradient sync per step (no_sync / deferred reduction, Megatron's way);
     "microbatch": a sync after every micro-batch."""
+    given: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+    """How a launch line gave a size, where not by its FLAGS spelling: ``{"world_size": "--nproc_per_node 8 x
+    --nnodes 2"}``; messages name that, so they name the flags the user wrote."""
 
     def __post_init__(self) -> None:
         for error in self._violations():
@@ -141,8 +97,9 @@ class BatchLayout:
     def problems(cls, **kwargs: object) -> tuple["BatchLayout | None", list[GAError]]:
         """Build a layout, collecting every violated rule instead of raising the first."""
         probe = object.__new__(cls)
-        for name, field in cls.__dataclass_fields__.items():
-            object.__setattr__(probe, name, kwargs.get(name, field.default))
+        for name, spec in cls.__dataclass_fields__.items():
+            default = spec.default_factory() if callable(spec.default_factory) else spec.default  # type: ignore[misc]
+            object.__setattr__(probe, name, kwargs.get(name, default))
         errors = list(probe._violations())
         if errors:
             return None, errors
@@ -230,6 +187,22 @@ class BatchLayout:
 
     # -- rules ---------------------------------------------------------------------------------
 
+    def _label(self, name: str) -> str:
+        """How the launch gave a size: ``--world-size``, ``--micro_batch_size`` (as spelled), or ``world size
+        (--nnodes 2 x --nproc_per_node 8)``."""
+        given = self.given.get(name)
+        if given is None:
+            return FLAGS[name]
+        return given if " " not in given else f"{name.replace('_model_parallel', '').replace('_', ' ')} ({given})"
+
+    def named(self, name: str) -> str:
+        """The size with its value: ``--world-size 16``, or ``world size 16 (--nnodes 2 x --nproc_per_node 8)``."""
+        value = getattr(self, name) if name != "virtual_pipeline_model_parallel_size" else self.virtual_pipeline_size
+        given = self.given.get(name)
+        if given is not None and " " in given:
+            return f"{name.replace('_model_parallel', '').replace('_', ' ')} {value} ({given})"
+        return f"{self._label(name)} {value}"
+
     def _violations(self) -> Iterator[GAError]:
         sizes = list(self._size_violations())
         if sizes:
@@ -248,12 +221,12 @@ class BatchLayout:
             "num_experts",
             "seq_length",
         }
-        for name, flag in FLAGS.items():
+        for name in FLAGS:
             value = getattr(self, name)
             if value is None and name in optional:
                 continue
             try:
-                require_positive_int(flag, value)
+                require_positive_int(self._label(name), value)
             except SizeError as error:
                 yield error
         if self.grad_sync not in GRAD_SYNC_MODES:
@@ -261,101 +234,63 @@ class BatchLayout:
 
     def _parallel_violations(self) -> Iterator[GAError]:
         tp, pp, cp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size
+        world = self.named("world_size")
         if self.world_size % self.model_parallel_size:
-            valid_pp = divisors(self.world_size // (tp * cp)) if self.world_size % (tp * cp) == 0 else []
+            keep = ""
+            if self.world_size % (tp * cp) == 0:
+                keep = f"; or keep the world and use --pipeline-model-parallel-size in " \
+                       f"{{{divisor_list(self.world_size // (tp * cp))}}}"
             yield LayoutError(
-                f"--world-size {self.world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-                f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp} = {self.model_parallel_size}, "
-                f"so data-parallel size world / (TP x PP x CP) is not whole. Nearest valid world sizes: "
-                f"{_join(nearest_multiples(self.world_size, self.model_parallel_size))}"
-                + (f"; or keep the world and use --pipeline-model-parallel-size in {{{_join(valid_pp)}}}." if valid_pp else ".")
+                f"{world} is not divisible by --tensor-model-parallel-size {tp} x --pipeline-model-parallel-size "
+                f"{pp} x --context-parallel-size {cp} = {self.model_parallel_size}, so data-parallel size world / "
+                f"(TP x PP x CP) is not whole. Nearest valid world sizes: "
+                f"{join(nearest_multiples(self.world_size, self.model_parallel_size))}{keep}."
             )
         expert_default = self.expert_model_parallel_size == 1 and self.expert_tensor_parallel_size in (None, tp)
         if not expert_default and self.world_size % self._expert_model_size:
             etp = self.expert_tensor_parallel_size or tp
             yield LayoutError(
-                f"--world-size {self.world_size} is not divisible by --expert-tensor-parallel-size {etp} x "
-                f"--expert-model-parallel-size {self.expert_model_parallel_size} x --pipeline-model-parallel-size "
-                f"{pp} = {self._expert_model_size}, as Megatron's expert groups require. Nearest valid world sizes: "
-                f"{_join(nearest_multiples(self.world_size, self._expert_model_size))}."
+                f"{world} is not divisible by --expert-tensor-parallel-size {etp} x --expert-model-parallel-size "
+                f"{self.expert_model_parallel_size} x --pipeline-model-parallel-size {pp} = {self._expert_model_size}, "
+                f"as Megatron's expert groups require. Nearest valid world sizes: "
+                f"{join(nearest_multiples(self.world_size, self._expert_model_size))}."
             )
         if self.num_experts is not None and self.num_experts % self.expert_model_parallel_size:
             yield LayoutError(
                 f"--num-experts {self.num_experts} is not divisible by --expert-model-parallel-size "
                 f"{self.expert_model_parallel_size}; each expert rank must hold the same number of experts. "
-                f"Valid --expert-model-parallel-size: {_join(divisors(self.num_experts))}."
+                f"Valid --expert-model-parallel-size: {divisor_list(self.num_experts)}."
             )
         if self.virtual_pipeline_size > 1 and pp == 1:
             yield LayoutError(
-                f"--virtual-pipeline-model-parallel-size {self.virtual_pipeline_size} needs "
-                f"--pipeline-model-parallel-size > 1 (given 1): interleaving splits pipeline stages. "
-                f"Drop the virtual pipeline or raise PP."
+                f"{self.named('virtual_pipeline_model_parallel_size')} needs --pipeline-model-parallel-size > 1 "
+                f"(given 1): interleaving splits pipeline stages. Drop the virtual pipeline or raise PP."
             )
 
     def _batch_violations(self) -> Iterator[GAError]:
         mbs, dp, gbs = self.micro_batch_size, self.data_parallel_size, self.samples_per_step
-        unit = mbs * dp
-        if gbs % unit:
-            fix = f"Nearest valid --global-batch-size: {_join(nearest_multiples(gbs, unit))}"
-            if gbs % dp == 0:
-                fix += f"; or --micro-batch-size in {{{_join(divisors(gbs // dp))}}}"
-            yield BatchSizeError(
-                f"--global-batch-size {gbs} is not a multiple of --micro-batch-size {mbs} x data-parallel size "
-                f"{dp} = {unit} (data-parallel size = --world-size {self.world_size} / (TP x PP x CP = "
-                f"{self.model_parallel_size})), so it cannot split into whole micro-batches. {fix}."
+        if gbs % (mbs * dp):
+            fix = f"; or --micro-batch-size in {{{divisor_list(gbs // dp)}}}" if gbs % dp == 0 else ""
+            yield multiple_error(
+                f"--global-batch-size {gbs}", gbs, mbs, dp, valid="--global-batch-size", fix=fix,
+                dp_source=f" (data-parallel size = {self.named('world_size')} / (TP x PP x CP = "
+                          f"{self.model_parallel_size}))",
             )
             return
         if self.virtual_pipeline_size > 1:
             yield from self._interleave_violations()
 
     def _interleave_violations(self) -> Iterator[GAError]:
-        pp, m = self.pipeline_model_parallel_size, self.num_microbatches
+        pp = self.pipeline_model_parallel_size
         group = self.microbatch_group_size_per_vp_stage or pp
-        unit = self.micro_batch_size * self.data_parallel_size
         group_error = microbatch_group_error(group, pp)
         if group_error is not None:
             yield group_error
             return
-        problem = interleaved_microbatch_problem(m, pp, group)
-        if problem is not None:
-            rule, nearest_m = problem
-            yield InterleaveError(
-                f"--global-batch-size {self.samples_per_step} gives num_microbatches = GBS / (MBS {self.micro_batch_size} "
-                f"x DP {self.data_parallel_size}) = {m} with --virtual-pipeline-model-parallel-size "
-                f"{self.virtual_pipeline_size} and --pipeline-model-parallel-size {pp}: {rule}. Nearest valid "
-                f"--global-batch-size: {_join([k * unit for k in nearest_m])}."
-            )
-
-
-def microbatch_group_error(microbatch_group_size: int, pipeline_model_parallel_size: int) -> InterleaveError | None:
-    """The error for N < PP, which the interleaved schedule cannot run (N = micro-batches per virtual stage)."""
-    group, pp = microbatch_group_size, pipeline_model_parallel_size
-    if group >= pp:
-        return None
-    return InterleaveError(
-        f"--microbatch-group-size-per-virtual-pipeline-stage {group} is below --pipeline-model-parallel-size {pp}; "
-        f"the interleaved schedule needs N >= PP. Use N >= {pp}."
-    )
-
-
-def interleaved_microbatch_problem(
-    num_microbatches: int, pipeline_model_parallel_size: int, microbatch_group_size: int | None = None
-) -> tuple[str, list[int]] | None:
-    """The rule the interleaved schedule breaks with M micro-batches, and the nearest valid M; None if it runs.
-
-    With N = microbatch_group_size (default PP), schedules.py needs M >= N and M % N in {0} or [PP, N).
-    N < PP is a separate error, reported by the caller.
-    """
-    pp, m = pipeline_model_parallel_size, num_microbatches
-    group = microbatch_group_size or pp
-    if m >= group and not 0 < m % group < pp:
-        return None
-    valid_m = [k for k in range(group, group * (m // group + 3)) if k % group == 0 or k % group >= pp]
-    rule = f"the interleaved schedule needs num_microbatches >= N = {group} and num_microbatches % N " + (
-        "== 0 (N defaults to PP)" if group == pp else f"in {{0}} or [{pp}, {group})"
-    )
-    return rule, _nearest(valid_m, m)
-
-
-def _nearest(candidates: list[int], value: int, count: int = 2) -> list[int]:
-    return sorted(sorted(set(candidates), key=lambda c: (abs(c - value), c))[:count])
+        error = interleave_error(
+            f"--global-batch-size {self.samples_per_step}", self.samples_per_step, self.micro_batch_size,
+            self.data_parallel_size, pp, self.named("virtual_pipeline_model_parallel_size"), group,
+            valid="--global-batch-size",
+        )
+        if error is not None:
+            yield error

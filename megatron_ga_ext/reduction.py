@@ -23,11 +23,9 @@ from typing import Any, Callable, Literal
 import torch
 
 from megatron_ga_ext.errors import LossContractError
+from megatron_ga_ext.options import MODES, ZERO_TOKEN_POLICIES
 
 __all__ = ["MODES", "LossContract", "ReductionConfig", "masked_loss", "reduce_reports"]
-
-MODES = ("token", "microbatch")
-ZERO_TOKEN_POLICIES = ("error", "skip")
 
 #: Slots of the per-step int64 vector (see :meth:`LossContract.collect`).
 SLOT_TOKENS, SLOT_NEGATIVE, SLOT_NONFINITE, SLOT_UNCHECKED = range(4)

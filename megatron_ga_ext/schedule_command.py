@@ -5,8 +5,10 @@
     megatron-ga schedule --from-rampup 16 8 300000 --global-batch-size 1024 --micro-batch-size 4 \\
         --data-parallel-size 2
 
-Pure Python: no torch, no megatron; matplotlib is imported only for ``--plot``. Bad input prints one line
-and exits 2.
+Pure Python: no torch, no megatron; matplotlib is imported only for ``--plot``. The schedule is the options
+layer's (``resolve_schedule``), as for ``check``, the calculator and a running job. Bad input raises a typed
+error, which the CLI's one error path prints in one line (exit 2). A ramp of more than 10,000 stages is
+summarised, not listed.
 """
 
 from __future__ import annotations
@@ -19,19 +21,12 @@ import warnings
 from dataclasses import asdict
 from typing import Sequence
 
-from megatron_ga_ext.errors import GAError, SizeError
-from megatron_ga_ext.launch import UsageError
-from megatron_ga_ext.layout import require_positive_int
+from megatron_ga_ext.errors import ScheduleWarning, SizeError, UsageError
+from megatron_ga_ext.batch_rules import require_positive_int
+from megatron_ga_ext.options import ScheduleInputs, resolve_schedule
 from megatron_ga_ext.render import print_table
-from megatron_ga_ext.schedule import (
-    FLAG,
-    ScheduleWarning,
-    StageRow,
-    StepSchedule,
-    parse_count,
-    total_samples,
-    total_steps,
-)
+from megatron_ga_ext.schedule import FLAG, StageRow, StepSchedule, parse_count, total_samples, total_steps
+from megatron_ga_ext.schedule_tables import TABLE_LIMIT
 
 __all__ = ["configure_parser", "run", "main", "plot_schedule"]
 
@@ -75,19 +70,15 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the table (or JSON) and draw the plot; 0 on success, 2 with one line on stderr for bad input."""
-    try:
-        return _run(args)
-    except GAError as error:
-        print(f"megatron-ga schedule: error: {error}", file=sys.stderr)
-        return 2
+    """Print the table (or JSON) and draw the plot; 0 on success. Bad input raises a GAError."""
+    return _run(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m megatron_ga_ext.schedule_command ...`` (the same as ``megatron-ga schedule ...``)."""
-    parser = argparse.ArgumentParser(prog="megatron-ga schedule", description=__doc__.splitlines()[0])
-    configure_parser(parser)
-    return run(parser.parse_args(argv))
+    """``python -m megatron_ga_ext.schedule_command ...``: the same as ``megatron-ga schedule ...``."""
+    from megatron_ga_ext.cli import main as cli_main
+
+    return cli_main(["schedule", *(sys.argv[1:] if argv is None else argv)])
 
 
 # -- the work ----------------------------------------------------------------------------------
@@ -97,7 +88,9 @@ def _run(args: argparse.Namespace) -> int:
     mbs = _count("--micro-batch-size", args.micro_batch_size)
     dp = _count("--data-parallel-size", args.data_parallel_size)
     seq = _count("--seq-length", args.seq_length) if args.seq_length is not None else None
-    schedule = _schedule(args, seq)
+    inputs = _inputs(args, mbs, dp, seq)
+    schedule = resolve_schedule(inputs)
+    assert schedule is not None, "a schedule or a converted ramp is always given"  # _inputs refuses neither
     train_samples = _train_samples(args, seq)
     base = _count("--lr-base-batch-size", args.lr_base_batch_size) if args.lr_base_batch_size else None
     if (args.lr is None) != (base is None):
@@ -105,7 +98,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
         raise UsageError(f"--lr {args.lr} must be a positive finite number.")
     consumed = _count("--consumed-samples", args.consumed_samples, minimum=0)
-    demoted = _validate(args, schedule, mbs, dp, consumed)
+    demoted = _validate(args, schedule, inputs, consumed)
+    if len(schedule.entries) > TABLE_LIMIT:
+        return _summarise(args, schedule, demoted)
     rows = schedule.table(mbs, dp, seq_length=seq, train_samples=train_samples, lr=args.lr, lr_base_batch_size=base,
                           consumed_samples=consumed)
     if args.json:
@@ -131,27 +126,40 @@ def _count(flag: str, text: str, minimum: int = 1) -> int:
     return int(value)
 
 
-def _schedule(args: argparse.Namespace, seq: int | None) -> StepSchedule:
+def _inputs(args: argparse.Namespace, mbs: int, dp: int, seq: int | None) -> ScheduleInputs:
+    """The command's schedule (given, or --from-rampup converted) and layout, for options.resolve_schedule."""
     if args.sample_thresholds and args.from_rampup is not None:
         raise UsageError("--sample-thresholds applies to a given schedule, not --from-rampup: a converted ramp prints "
                          "both its sample and (with --seq-length) its token string. Drop --sample-thresholds.")
     if args.sample_thresholds and seq is None:
         raise UsageError("--sample-thresholds goes with --seq-length: without it thresholds are samples already. "
                          "Drop --sample-thresholds, or add --seq-length.")
+    rampup, gbs = None, None
     if args.from_rampup is not None:
         if args.schedule is not None:
             raise UsageError(f"give either a schedule or --from-rampup, not both (got {args.schedule!r}).")
         if args.global_batch_size is None:
             raise UsageError("--from-rampup needs --global-batch-size: the batch size the ramp ends at.")
         start, increment = (_count(f"--from-rampup {n}", v) for n, v in zip(("START", "INCR"), args.from_rampup))
-        ramp = _count("--from-rampup SAMPLES", args.from_rampup[2], minimum=0)
-        return StepSchedule.from_rampup(start, increment, ramp, _count("--global-batch-size", args.global_batch_size))
-    if args.schedule is None:
-        raise UsageError(f'give a schedule, e.g. megatron-ga schedule "0:256 1M:512" ..., or --from-rampup.')
-    if args.global_batch_size is not None:
+        rampup = (start, increment, _count("--from-rampup SAMPLES", args.from_rampup[2], minimum=0))
+        gbs = _count("--global-batch-size", args.global_batch_size)
+    elif args.schedule is None:
+        raise UsageError('give a schedule, e.g. megatron-ga schedule "0:256 1M:512" ..., or --from-rampup.')
+    elif args.global_batch_size is not None:
         raise UsageError(f"--global-batch-size goes with --from-rampup only; {FLAG} sets the batch sizes itself.")
     thresholds_in_tokens = seq is not None and not args.sample_thresholds
-    return StepSchedule.parse(args.schedule, seq if thresholds_in_tokens else None)
+    group = args.microbatch_group_size_per_virtual_pipeline_stage
+    return ScheduleInputs(
+        step_batch_size_schedule=args.schedule, rampup_batch_size=rampup, global_batch_size=gbs,
+        seq_length=seq if thresholds_in_tokens else None, convert_rampup=True, micro_batch_size=mbs,
+        data_parallel_size=dp,
+        pipeline_model_parallel_size=_count("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
+        virtual_pipeline_model_parallel_size=_count("--virtual-pipeline-model-parallel-size",
+                                                    args.virtual_pipeline_model_parallel_size)
+        if args.virtual_pipeline_model_parallel_size else None,
+        microbatch_group_size_per_vp_stage=_count("--microbatch-group-size-per-virtual-pipeline-stage", group)
+        if group else None,
+    )
 
 
 def _train_samples(args: argparse.Namespace, seq: int | None) -> int | None:
@@ -165,21 +173,39 @@ def _train_samples(args: argparse.Namespace, seq: int | None) -> int | None:
     return -(-tokens // seq)  # the run ends at the first step reaching the token count
 
 
-def _validate(args: argparse.Namespace, schedule: StepSchedule, mbs: int, dp: int, consumed: int) -> list[str]:
-    vpp = _count("--virtual-pipeline-model-parallel-size", args.virtual_pipeline_model_parallel_size) \
-        if args.virtual_pipeline_model_parallel_size else None
-    group_flag = "--microbatch-group-size-per-virtual-pipeline-stage"
-    group = _count(group_flag, args.microbatch_group_size_per_virtual_pipeline_stage) \
-        if args.microbatch_group_size_per_virtual_pipeline_stage else None
+def _validate(args: argparse.Namespace, schedule: StepSchedule, inputs: ScheduleInputs, consumed: int) -> list[str]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ScheduleWarning)
         demoted = schedule.validate(
-            mbs, dp, _count("--pipeline-model-parallel-size", args.pipeline_model_parallel_size), vpp,
-            consumed,
-            [_count("--planned-data-parallel-sizes", d) for d in args.planned_data_parallel_sizes],
-            microbatch_group_size_per_vp_stage=group, strict_future=not args.warn_future_stages,
+            **inputs.layout(), consumed_samples=consumed,
+            planned_data_parallel_sizes=[_count("--planned-data-parallel-sizes", d)
+                                         for d in args.planned_data_parallel_sizes],
+            strict_future=not args.warn_future_stages,
         )
     return [str(p.error) for p in demoted]
+
+
+def _summarise(args: argparse.Namespace, schedule: StepSchedule, demoted: list[str]) -> int:
+    """A schedule of more than TABLE_LIMIT stages (a long ramp): described, not listed."""
+    if args.plot:
+        raise UsageError(f"--plot draws a table of stages; this schedule has {len(schedule.entries):,}, more than "
+                         f"the {TABLE_LIMIT:,} listed.")
+    note = (f"{len(schedule.entries):,} stages: too many to list or to write as {FLAG}; run the ramp with "
+            f"--ga-convert-rampup. Every stage is checked (in closed form) against the layout.")
+    if args.json:
+        print(json.dumps({"schedule": None, "summary": schedule.summary(), "stages_count": len(schedule.entries),
+                          "stages": None, "note": note, "warnings": demoted}, indent=2))
+    else:
+        print(f"{_source(args)} is this step schedule: {schedule.summary()}")
+        print(f"  {note}")
+        for text in demoted:
+            print(f"warning: {text}", file=sys.stderr)
+    return 0
+
+
+def _source(args: argparse.Namespace) -> str:
+    start, increment, ramp = args.from_rampup
+    return f"--rampup-batch-size {start} {increment} {ramp} --global-batch-size {args.global_batch_size}"
 
 
 # -- output ------------------------------------------------------------------------------------
@@ -188,9 +214,7 @@ def _validate(args: argparse.Namespace, schedule: StepSchedule, mbs: int, dp: in
 def _header(args: argparse.Namespace, schedule: StepSchedule, seq: int | None) -> list[str]:
     lines = []
     if args.from_rampup is not None:
-        start, increment, ramp = args.from_rampup
-        lines.append(f"--rampup-batch-size {start} {increment} {ramp} --global-batch-size {args.global_batch_size} "
-                     f"is this step schedule ({len(schedule.entries)} stages):")
+        lines.append(f"{_source(args)} is this step schedule ({len(schedule.entries)} stages):")
         if seq is not None:
             lines.append(f"  pretrain_gpt (thresholds in tokens, --seq-length {seq}):")
             lines.append(f'    {FLAG} "{schedule.to_string(seq_length=seq)}"')

@@ -230,6 +230,26 @@ def test_rampup_equal_around_every_boundary_of_huge_ramps(ramp):
 
 
 @needs_rampup
+@pytest.mark.parametrize("ramp", [(1, 1, 10**6, 10**12), (16, 8, 300000, 10**12), (1, 1, 10**15, 10**12),
+                                  (3, 2, 10**12 + 7, 2 * 10**5 + 3), (7, 3, 2**53 + 5, 7 + 3 * 50000)])
+def test_long_ramps_described_not_listed_equal_upstream(ramp):
+    """Ramps of more than 10,000 increments (RampStages): random counts and both sides of sampled boundaries."""
+    import random
+
+    ours = StepSchedule.from_rampup(*ramp)
+    assert len(ours.stages) > 10_000
+    theirs = _upstream_rampup(*ramp)
+    rng = random.Random(0)
+    probes = {rng.randrange(0, ramp[2] + 10) for _ in range(2000)}
+    for k in rng.sample(range(1, len(ours.stages)), 100):
+        threshold = ours.stages[k][0]
+        probes |= {threshold - 1, threshold, threshold + 1}
+    for consumed in sorted(p for p in probes if p >= 0):
+        theirs.update(consumed, consistency_check=False)
+        assert ours.global_batch_size_at(consumed) == theirs.get_current_global_batch_size(), consumed
+
+
+@needs_rampup
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 64), st.integers(1, 16), st.integers(0, 40), st.integers(1, 3000))
 def test_rampup_equal_random(start, increment, steps, ramp_samples):

@@ -1,7 +1,6 @@
 """examples/: the drop-in pretrain_gpt_ga.py against Megatron's real argument parser, and launch.sh."""
 
 import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -13,7 +13,8 @@ schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
 from megatron.core import num_microbatches_calculator as calculators  # noqa: E402
 
 import megatron_ga_ext  # noqa: E402
-from megatron_ga_ext import CompatError, GuardError, LossContractError, ScheduleError  # noqa: E402
+from megatron_ga_ext import CompatError, GuardError, ScheduleError  # noqa: E402
+from megatron_ga_ext.errors import OptionError  # noqa: E402
 from megatron_ga_ext.compat import FINALIZE, TARGETS, megatron_core_version  # noqa: E402
 from megatron_ga_ext.guards import GuardedCalculator  # noqa: E402
 from megatron_ga_ext.install import GAConfig, add_args, install, installed, uninstall  # noqa: E402
@@ -263,11 +264,11 @@ def parsed(*flags: str) -> argparse.Namespace:
 
 
 @pytest.mark.parametrize("flags, error, message", [
-    ([], LossContractError, r"reduction mode 'token' needs calculate_per_token_loss=True .*--calculate-per-token-loss"),
-    (["--ga-loss-reduction", "microbatch", "--calculate-per-token-loss"], LossContractError,
-     r"mode 'microbatch' is upstream's mean of means, but calculate_per_token_loss is on"),
+    ([], OptionError, r"--ga-loss-reduction token \(the default\) needs --calculate-per-token-loss"),
+    (["--ga-loss-reduction", "microbatch", "--calculate-per-token-loss"], OptionError,
+     r"--ga-loss-reduction microbatch is upstream's mean of means, but --calculate-per-token-loss"),
     (["--calculate-per-token-loss", "--step-batch-size-schedule", "0:16 64:32", "--train-iters", "100"],
-     ScheduleError, r"--train-iters 100 with a step batch-size schedule: .* Give --train-samples"),
+     ScheduleError, r"--step-batch-size-schedule with --train-iters 100: .* Give --train-samples"),
 ])
 def test_args_are_checked_when_megatron_has_parsed_them(megatron_training, flags, error, message):
     install()  # at the top of pretrain_gpt.py: nothing to check yet

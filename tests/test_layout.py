@@ -1,6 +1,5 @@
 """The batch arithmetic of the seed note, and a typed error for every bad input."""
 
-import re
 import subprocess
 import sys
 
@@ -89,7 +88,7 @@ def test_gbs_is_mbs_dp_ga_whatever_tp_pp_cp(mbs, dp, ga, tp, pp, cp):
          r"--global-batch-size 16 is not a multiple of.*= 32.*Nearest valid --global-batch-size: 32, 64"),
         (dict(world_size=16, micro_batch_size=1, global_batch_size=24, pipeline_model_parallel_size=4,
               virtual_pipeline_model_parallel_size=2), InterleaveError,
-         r"num_microbatches = GBS / \(MBS 1 x DP 4\) = 6 .*% N == 0.*Nearest valid --global-batch-size: 16, 32"),
+         r"num_microbatches = 24 / \(MBS 1 x DP 4\) = 6 .*% N == 0.*Nearest valid --global-batch-size: 16, 32"),
         (dict(world_size=8, micro_batch_size=1, global_batch_size=2, pipeline_model_parallel_size=4,
               virtual_pipeline_model_parallel_size=2), InterleaveError,
          r"= 1 with --virtual-pipeline-model-parallel-size 2.*needs num_microbatches >= N = 4.*Nearest valid --global-batch-size: 8, 16"),

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from functools import partial
 
 import pytest
 import torch

@@ -57,6 +57,8 @@ def test_iteration_count_and_table_match_the_training_loop(run, train_samples):
             assert seen[row.first_step][1] == row.global_batch_size
     assert [(s.consumed_samples, s.global_batch_size, s.num_microbatches)
             for s in schedule.iter_steps(mbs, dp, train_samples=train_samples)] == seen
+    assert schedule.run_totals(mbs, dp, train_samples) == (len(seen), final)
+    assert StepScheduleCalculator(schedule, mbs, dp).plan(train_samples) == (len(seen), final)
 
 
 @settings(max_examples=150, deadline=None)

@@ -258,10 +258,16 @@ def test_cpu_shims_restore_torch_and_megatron():
 
 
 def test_cuda_without_a_device_is_a_clear_error(capsys, monkeypatch):
+    """verify raises a VerifyError; the CLI's one error path prints it in one line and exits 2."""
+    from megatron_ga_ext.cli import main
+    from megatron_ga_ext.errors import VerifyError
     from megatron_ga_ext.verify.command import configure_parser, run
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     parser = argparse.ArgumentParser()
     configure_parser(parser)
-    assert run(parser.parse_args(["--device", "cuda"])) == 2
-    assert "no CUDA device is visible" in capsys.readouterr().err
+    with pytest.raises(VerifyError, match="--device cuda: no CUDA device is visible"):
+        run(parser.parse_args(["--device", "cuda"]))
+    assert main(["verify", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "megatron-ga verify: error: --device cuda: no CUDA device is visible" in err and "Traceback" not in err

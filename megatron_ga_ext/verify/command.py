@@ -4,7 +4,7 @@ One launch per world size (1, 2, 4 ranks on the default layouts); each rank runs
 world size in sequence, re-initialising megatron's parallel state in between. Exit status: 0 when every
 ``token`` row is within ``--tolerance`` of the token reference, with every rank dividing by N = the
 non-padding tokens of the global batch, and every ``microbatch`` row within it of its own mean-of-means
-reference; 1 otherwise; 2 when a launch fails.
+reference; 1 otherwise; 2 when a launch fails (a VerifyError, printed by the CLI's one error path).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import warnings
 from collections import defaultdict
 from typing import Any, Iterable
 
+from megatron_ga_ext.errors import VerifyError
 from megatron_ga_ext.render import print_table
 
 __all__ = ["configure_parser", "run", "rows_from_results"]
@@ -40,7 +41,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run verify as configured by :func:`configure_parser`; return the exit status."""
+    """Run verify as configured by :func:`configure_parser`; return the exit status (0 pass, 1 a row fails).
+
+    Raises VerifyError when it cannot run (no CUDA device, a launch failed): ``megatron-ga`` prints it.
+    """
     start = time.perf_counter()
     _quiet_upstream()
     versions = _import_upstream()
@@ -49,14 +53,11 @@ def run(args: argparse.Namespace) -> int:
     layouts = _runnable(DEFAULT_LAYOUTS, args.device)
     print(f"megatron-ga verify: {versions}, device {args.device}", file=sys.stderr)
     if not layouts:
-        print("error: --device cuda: no CUDA device is visible; run on a GPU machine or use "
-              "--device cpu.", file=sys.stderr)
-        return 2
+        raise VerifyError("--device cuda: no CUDA device is visible; run on a GPU machine or use --device cpu.")
     try:
         results = _launch_all(layouts, args)
-    except Exception as exc:  # noqa: BLE001 - a CLI error: message, no traceback
-        print(f"error: verify launch failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
+    except Exception as exc:  # noqa: BLE001 - any failure of a launch is reported as one line by the CLI
+        raise VerifyError(f"verify launch failed: {type(exc).__name__}: {exc}") from exc
     expected_num_tokens = sum(DEFAULT_LENGTHS)
     rows = rows_from_results(results, args.tolerance, expected_num_tokens)
     _report(rows, args, expected_num_tokens, time.perf_counter() - start)

@@ -1,0 +1,59 @@
+"""Print {snapshot: [option strings]} of Megatron-LM's own parser at each source snapshot given, as JSON.
+
+Run by tests/test_options_upstream.py in a subprocess: each snapshot's ``megatron/training/arguments.py``
+builds its parser (``add_megatron_arguments``), one snapshot after another in one process. Optional
+packages the training code imports but the parser never uses are stubbed when they are not installed.
+"""
+import argparse, importlib, importlib.abc, importlib.machinery, json, sys, types, warnings
+
+warnings.filterwarnings("ignore")
+
+
+class _Stub(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if name[:1].isupper():
+            return type(name, (), {"__init_subclass__": classmethod(lambda cls, **kw: None),
+                                   "__init__": lambda self, *a, **k: None})
+        return _Stub(f"{self.__name__}.{name}")
+
+    def __call__(self, *args, **kwargs):
+        return self
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Optional packages Megatron-LM's training code imports but the parser does not need."""
+    names = {"modelopt", "six", "yaml", "regex", "pydantic"}
+
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in self.names:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+
+    def create_module(self, spec):
+        module = _Stub(spec.name)
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+for name in list(_StubFinder.names):
+    try:
+        importlib.import_module(name)
+        _StubFinder.names.discard(name)
+    except ImportError:
+        pass
+sys.meta_path.append(_StubFinder())
+out = {}
+for root in sys.argv[1:]:
+    for key in [k for k in sys.modules if k == "megatron" or k.startswith("megatron.")]:
+        del sys.modules[key]
+    sys.path.insert(0, root)
+    arguments = importlib.import_module("megatron.training.arguments")
+    assert arguments.__file__.startswith(root), arguments.__file__
+    parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    out[root] = sorted(s for action in parser._actions for s in action.option_strings)
+    sys.path.remove(root)
+print(json.dumps(out))

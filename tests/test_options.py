@@ -1,0 +1,232 @@
+"""The options layer: each flag declared once and everything derived from it; the shared rules."""
+
+import argparse
+import dataclasses
+import importlib
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_ga_ext.calculator import StepScheduleCalculator
+from megatron_ga_ext.errors import InterleaveError, OptionError, ScheduleError, ScheduleParseError, SizeError
+from megatron_ga_ext.options import (
+    GA_FIELDS,
+    GA_OPTIONS,
+    MEGATRON_OPTIONS,
+    MODES,
+    NOT_MEGATRON,
+    OPTIONS,
+    ZERO_TOKEN_POLICIES,
+    GAConfig,
+    ScheduleInputs,
+    add_args,
+    check_guards,
+    check_loss_mode,
+    check_train_length,
+    flags_table,
+    rampup_triple,
+    resolve_schedule,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+install_module = importlib.import_module("megatron_ga_ext.install")  # the package's ``install`` is the function
+
+
+# -- one declaration per flag ---------------------------------------------------------------------
+
+
+def test_every_ga_flag_is_a_gaconfig_field_with_the_declared_default():
+    fields = {f.name: f for f in dataclasses.fields(GAConfig)}
+    assert set(GA_FIELDS) == set(GA_OPTIONS)
+    for option, name in GA_FIELDS.items():
+        assert fields[name].default == option.default, option.flag
+        assert option.flag.startswith("--ga-") and option.dest == "ga_" + name
+
+
+def test_add_args_is_derived_from_the_declarations():
+    parser = add_args(argparse.ArgumentParser())
+    for option in GA_OPTIONS:
+        for spelling in option.spellings:
+            assert spelling in parser._option_string_actions, spelling
+    defaults = parser.parse_args([])
+    assert {o.dest: getattr(defaults, o.dest) for o in GA_OPTIONS} == {o.dest: o.default for o in GA_OPTIONS}
+    args = parser.parse_args(["--no-ga-guards", "--ga-zero-token-policy", "skip"])
+    assert GAConfig.from_args(args) == GAConfig(guards=False, zero_token_policy="skip")
+
+
+def test_choices_are_listed_once():
+    from megatron_ga_ext import reduction
+
+    assert OPTIONS["--ga-loss-reduction"].choices is MODES is reduction.MODES
+    assert OPTIONS["--ga-zero-token-policy"].choices is ZERO_TOKEN_POLICIES is reduction.ZERO_TOKEN_POLICIES
+
+
+def test_install_keeps_its_names():
+    assert install_module.GAConfig is GAConfig and install_module.add_args is add_args
+
+
+def test_flags_table_in_the_guide_is_the_declared_one():
+    guide = (ROOT / "docs" / "guide.md").read_text()
+    assert flags_table() in guide
+    for option in GA_OPTIONS:
+        assert option.help in flags_table()
+
+
+def test_megatron_flags_are_spelled_as_megatrons_parser_spells_them():
+    flags = {o.flag for o in MEGATRON_OPTIONS}
+    assert "--microbatch-group-size-per-virtual-pipeline-stage" in flags
+    assert not flags & set(NOT_MEGATRON)
+    assert all(o.flag == "--" + o.flag[2:].replace("_", "-") for o in MEGATRON_OPTIONS)
+
+
+# -- GAConfig -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(loss_reduction="tokens"), r"^--ga-loss-reduction 'tokens' is not one of token, microbatch; pick one"),
+    (dict(zero_token_policy="ignore"), r"^--ga-zero-token-policy 'ignore' is not one of error, skip"),
+])
+def test_gaconfig_validates_at_construction(kwargs, message):
+    with pytest.raises(OptionError, match=message):
+        GAConfig(**kwargs)
+
+
+def test_gaconfig_from_args_reads_megatrons_names():
+    args = argparse.Namespace(rampup_batch_size=["16", "8", "300000"], microbatch_group_size_per_vp_stage=6,
+                              virtual_pipeline_model_parallel_size=2, pipeline_model_parallel_size=4, seq_length=4096)
+    config = GAConfig.from_args(args)
+    assert config.rampup_batch_size == (16, 8, 300000) and config.microbatch_group_size_per_vp_stage == 6
+    assert (config.loss_reduction, config.guards, config.strict) == ("token", True, True)
+
+
+@pytest.mark.parametrize("values, message", [
+    ([16, 8], r"takes three values, START INCREMENT SAMPLES \(e\.g\. 16 8 300000\); got 2: 16 8"),
+    (["16", "8", "1e5"], r"--rampup-batch-size ramp-up samples '1e5' is not a whole number"),
+    (["16", "8", "9" * 5000], r"--rampup-batch-size ramp-up samples value '999999999999\.\.\.9999' has 5000 characters"),
+    ("16 8 100", r"takes three values.*got 1: 16 8 100"),
+])
+def test_rampup_values_are_typed_errors(values, message):
+    with pytest.raises(SizeError, match=message):
+        rampup_triple(values)
+
+
+# -- the rules ------------------------------------------------------------------------------------
+
+
+def test_loss_mode_rule():
+    check_loss_mode("token", True)
+    check_loss_mode("microbatch", False)
+    with pytest.raises(OptionError, match=r"^--ga-loss-reduction token needs --calculate-per-token-loss: without it "
+                                          r"Megatron divides each micro-batch by its own token count"):
+        check_loss_mode("token", False)
+    with pytest.raises(OptionError, match=r"^--ga-loss-reduction token \(the default\) needs"):
+        check_loss_mode("token", False, explicit=False)
+    with pytest.raises(OptionError, match=r"--ga-loss-reduction microbatch is upstream's mean of means, but "
+                                          r"--calculate-per-token-loss makes Megatron run the token mean; drop one"):
+        check_loss_mode("microbatch", True)
+    with pytest.raises(OptionError, match=r"'mean' is not one of token, microbatch"):
+        check_loss_mode("mean", True)
+
+
+def test_guards_rule():
+    check_guards(True)
+    check_guards(False, hybrid_context_parallel=True, rl_sequence_packing=True)
+    with pytest.raises(OptionError, match=r"^--hybrid-context-parallel run\(s\) another number of forward passes.*"
+                                          r"Add --no-ga-guards\.$"):
+        check_guards(True, hybrid_context_parallel=True)
+
+
+def test_train_length_rule():
+    check_train_length(None, 1000)
+    check_train_length("--step-batch-size-schedule", None)
+    with pytest.raises(ScheduleError, match=r"^--step-batch-size-schedule with --train-iters 1000: Megatron converts LR "
+                                            r"warmup/decay iterations and the dataset size with GBS = MBS x DP.*Give "
+                                            r"--train-samples"):
+        check_train_length("--step-batch-size-schedule", 1000)
+
+
+# -- the one schedule of a launch -----------------------------------------------------------------
+
+
+def test_resolve_schedule_paths(caplog):
+    assert resolve_schedule(ScheduleInputs(global_batch_size=64)) is None
+    assert resolve_schedule(ScheduleInputs(step_batch_size_schedule="0:8 250K:16", seq_length=1000)).stages == [
+        (0, 8), (250, 16)]
+    converted = resolve_schedule(ScheduleInputs(rampup_batch_size=("16", "8", "300000"), global_batch_size=1024,
+                                                convert_rampup=True))
+    assert len(converted.stages) == 127
+    with caplog.at_level(logging.WARNING, logger="megatron_ga_ext.options"):
+        assert resolve_schedule(ScheduleInputs(rampup_batch_size=(16, 8, 300000), global_batch_size=1024)) is None
+        assert not caplog.records  # upstream runs the rampup itself (0.16, 0.17)
+        assert resolve_schedule(ScheduleInputs(rampup_batch_size=(16, 8, 300000), global_batch_size=1024,
+                                               rampup_ignored_upstream=True)) is None
+    assert "--rampup-batch-size 16 8 300000 is ignored without a word by megatron-core >= 0.18" in caplog.text
+    assert "Pass --ga-convert-rampup" in caplog.text
+
+
+@pytest.mark.parametrize("inputs, error, message", [
+    (ScheduleInputs(step_batch_size_schedule="0:8", rampup_batch_size=(16, 8, 100)), ScheduleError,
+     r"^--rampup-batch-size 16 8 100 and --step-batch-size-schedule are both given"),
+    (ScheduleInputs(step_batch_size_schedule="0:8", decrease_batch_size_if_needed=True), ScheduleError,
+     r"^--decrease-batch-size-if-needed cannot be combined with a step batch-size schedule"),
+    (ScheduleInputs(rampup_batch_size=(16, 8, "x"), global_batch_size=64, convert_rampup=True), SizeError,
+     r"ramp-up samples 'x' is not a whole number"),
+    (ScheduleInputs(rampup_batch_size=(16, 8, 100), convert_rampup=True), SizeError,
+     r"--global-batch-size is required with --rampup-batch-size"),
+    (ScheduleInputs(rampup_batch_size=(16, 10, 100), global_batch_size=64, convert_rampup=True), ScheduleError,
+     r"increment 10 does not divide"),
+    (ScheduleInputs(step_batch_size_schedule="0:8 1G:16"), ScheduleParseError, r"unknown suffix 'G'"),
+])
+def test_resolve_schedule_refusals(inputs, error, message):
+    with pytest.raises(error, match=message):
+        resolve_schedule(inputs)
+
+
+def test_install_check_and_calculator_see_the_same_schedule_and_layout():
+    """Issue 9: '0:48 100:80' with PP 4, VPP 2 and N = 6 runs (M = 6, 10); install used to drop N and fail."""
+    config = GAConfig(step_batch_size_schedule="0:48 100:80", pipeline_model_parallel_size=4,
+                      virtual_pipeline_model_parallel_size=2, microbatch_group_size_per_vp_stage=6)
+    arguments = {"rank": 0, "global_batch_size": None, "micro_batch_size": 1, "data_parallel_size": 8,
+                 "decrease_batch_size_if_needed": False}  # a 0.16/0.17 call: no schedule, rampup passed as None
+    arguments["rampup_batch_size"] = None
+    inputs = ScheduleInputs.from_calculator_call(config, arguments)
+    schedule = resolve_schedule(inputs)  # what install()'s calculator hook resolves
+    assert schedule.stages == [(0, 48), (100, 80)]
+    assert schedule.problems(**inputs.layout()) == []
+    calculator = StepScheduleCalculator.for_launch(schedule, inputs)
+    calculator.update(0, consistency_check=True)
+    calculator.update(100, consistency_check=True)
+    assert calculator.get() == 10
+    with pytest.raises(InterleaveError, match=r"entry 1 '0:48'"):  # without N the default N = PP refuses M = 6
+        StepScheduleCalculator(schedule, 1, 8, 0, 4, 2).update(0, consistency_check=True)
+
+
+def test_install_refuses_a_rampup_with_a_schedule_and_reads_rampups_typed():
+    """Through install() and megatron-core's own init, as Megatron's set_global_variables calls it."""
+    calculators = pytest.importorskip("megatron.core.num_microbatches_calculator")
+    for config, error, message in (
+        (GAConfig(step_batch_size_schedule="0:16", rampup_batch_size=(16, 8, 100)), ScheduleError, "are both given"),
+    ):
+        install_module.install(config)
+        try:
+            with pytest.raises(error, match=message):
+                calculators.init_num_microbatches_calculator(0, None, 64, 1, 8)
+        finally:
+            install_module.uninstall()
+            calculators.unset_num_microbatches_calculator()
+    with pytest.raises(SizeError, match=r"ramp-up samples 'many' is not a whole number"):
+        resolve_schedule(ScheduleInputs.from_calculator_call(
+            GAConfig(convert_rampup=True), {"global_batch_size": 64, "rampup_batch_size": [16, 8, "many"]}))
+
+
+def test_pure_python_commands_import_neither_torch_nor_megatron():
+    code = ("import sys; from megatron_ga_ext.cli import main; "
+            "main(['ledger', '--world-size', '8', '--micro-batch-size', '1']); "
+            "main(['check', '--', 'torchrun --nproc-per-node 8 x.py --micro-batch-size 1 --calculate-per-token-loss']); "
+            "main(['schedule', '0:8 100:16', '--micro-batch-size', '1', '--data-parallel-size', '8']); "
+            "bad = [m for m in ('torch', 'megatron') if m in sys.modules]; sys.exit(f'imported {bad}' if bad else 0)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 0, result.stderr

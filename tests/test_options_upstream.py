@@ -1,0 +1,56 @@
+"""The Megatron flags options.py reads exist in Megatron-LM's own parser at each tested release and commit,
+and the ones it calls "not a Megatron flag" exist in none (issue 9, item 7).
+
+Needs the Megatron-LM source snapshots of this Python's tested sources (tools/regress.py: ../shared/upstream or
+$MEGATRON_LM_SNAPSHOTS, unpacked once to .cache/megatron-lm); skipped without them. One subprocess builds
+every snapshot's parser.
+"""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_ga_ext.options import MEGATRON_OPTIONS, NOT_MEGATRON
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+from regress import NO_SOURCE, sources  # noqa: E402
+
+DIRS = sources([])
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not DIRS, reason=NO_SOURCE)]
+
+
+def _release(directory: Path) -> tuple[int, ...]:
+    """core_v0.18.2 -> (0, 18, 2); a main-branch commit sorts after every release."""
+    match = re.search(r"core_v(\d+)\.(\d+)\.(\d+)$", directory.name)
+    return tuple(int(g) for g in match.groups()) if match else (99,)
+
+
+@pytest.fixture(scope="module")
+def parser_flags() -> dict[Path, set[str]]:
+    result = subprocess.run([sys.executable, str(Path(__file__).with_name("megatron_parser_flags.py")),
+                             *map(str, DIRS)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {Path(root): set(flags) for root, flags in json.loads(result.stdout.splitlines()[-1]).items()}
+
+
+def test_every_flag_we_read_is_in_megatrons_parser_from_its_release_on(parser_flags):
+    for directory, flags in parser_flags.items():
+        for option in MEGATRON_OPTIONS:
+            if option.since is not None and _release(directory) < _release(Path(option.since)):
+                assert option.flag not in flags, f"{option.flag} in {directory.name}: its since= is too late"
+                continue
+            for spelling in option.spellings:
+                assert spelling in flags, f"{spelling} is not a flag of {directory.name}"
+
+
+def test_flags_we_call_not_megatrons_are_in_no_parser(parser_flags):
+    assert len(parser_flags) == len(DIRS)
+    for directory, flags in parser_flags.items():
+        assert not set(NOT_MEGATRON) & flags, directory.name
