@@ -21,30 +21,21 @@ from typing import Any, Callable, Sequence
 import torch
 
 from megatron_ga_ext.errors import LossContractError
+from megatron_ga_ext.options import GAConfig, check_loss_mode
 from megatron_ga_ext.reduction import (
     SLOT_NEGATIVE,
     SLOT_NONFINITE,
     SLOT_TOKENS,
     SLOT_UNCHECKED,
     LossContract,
-    ReductionConfig,
 )
 
 __all__ = ["FinalizeModelGrads", "check_ddp_chunks", "check_per_token_flag", "make_finalize_model_grads"]
 
 
 def check_per_token_flag(config: Any, mode: str) -> None:
-    """``config.calculate_per_token_loss`` must be on in mode ``token`` and off in ``microbatch``."""
-    flag = bool(getattr(config, "calculate_per_token_loss", False))
-    if mode == "token" and not flag:
-        raise LossContractError(
-            "reduction mode 'token' needs calculate_per_token_loss=True on the model config "
-            "(--calculate-per-token-loss), set before the model is wrapped in DDP; without it Megatron "
-            "divides each micro-batch by its own token count (a mean of means).")
-    if mode == "microbatch" and flag:
-        raise LossContractError(
-            "reduction mode 'microbatch' is upstream's mean of means, but calculate_per_token_loss is "
-            "on; drop --calculate-per-token-loss or choose mode 'token'.")
+    """options.check_loss_mode on a model config (its calculate_per_token_loss, as the step reads it)."""
+    check_loss_mode(mode, bool(getattr(config, "calculate_per_token_loss", False)))
 
 
 def check_ddp_chunks(model: Sequence[torch.nn.Module], config: Any = None) -> None:
@@ -104,11 +95,12 @@ class FinalizeModelGrads:
         last_num_tokens: the global token count N of the last step (mode ``token``), else None.
         calls: how many times it ran (install() checks that every training step reached it).
         enabled: False after uninstall(): a config that still holds it gets upstream's finalize unchanged.
+        skip_step: True after a step with 0 tokens under ``--ga-zero-token-policy skip``: the optimizer
+            wrapper install() puts on Megatron's optimizer skips that step (and clears it).
     """
 
-    def __init__(self, original: Callable, contract: LossContract | None,
-                 config: ReductionConfig) -> None:
-        if config.mode == "token" and contract is None:
+    def __init__(self, original: Callable, contract: LossContract | None, config: GAConfig) -> None:
+        if config.loss_reduction == "token" and contract is None:
             raise LossContractError("reduction mode 'token' needs a LossContract to read counts from.")
         self.original = original
         self.contract = contract
@@ -116,6 +108,7 @@ class FinalizeModelGrads:
         self.last_num_tokens: int | None = None
         self.calls = 0
         self.enabled = True
+        self.skip_step = False
 
     def __call__(self, model: list[torch.nn.Module], num_tokens: torch.Tensor | None = None,
                  pg_collection: Any = None, force_all_reduce: bool | None = False) -> None:
@@ -125,8 +118,8 @@ class FinalizeModelGrads:
             self.original(model, num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
             return
         self.calls += 1
-        check_per_token_flag(get_model_config(model[0]), self.config.mode)
-        if self.config.mode == "microbatch":
+        check_per_token_flag(get_model_config(model[0]), self.config.loss_reduction)
+        if self.config.loss_reduction == "microbatch":
             self.original(model, num_tokens, pg_collection=pg_collection,
                           force_all_reduce=force_all_reduce)
             return
@@ -156,18 +149,20 @@ class FinalizeModelGrads:
     def _zero_tokens(self) -> None:
         message = ("the global batch has 0 non-padding tokens (the sum of num_tokens over micro-batches "
                    "and DP x CP ranks); there is nothing to average.")
-        if self.config.zero_tokens == "error":
+        if self.config.zero_token_policy == "error":
             raise LossContractError(
-                message + " Check the loss mask and the data, or choose --ga-zero-token-policy skip "
-                "(zero_tokens='skip') to apply a zero gradient and go on.")
-        warnings.warn(message + " Applying a zero gradient for this step (zero_tokens='skip').",
-                      RuntimeWarning, stacklevel=3)
+                message + " Check the loss mask and the data, or choose --ga-zero-token-policy skip to skip "
+                "the optimizer step and go on.")
+        self.skip_step = True
+        warnings.warn(message + " Skipping this optimizer step (--ga-zero-token-policy skip): the gradient is "
+                      "zeroed and Megatron's optimizer does not step, so Adam's moments and weight decay do not "
+                      "move either; Megatron counts a skipped iteration.", RuntimeWarning, stacklevel=3)
 
 
 def make_finalize_model_grads(original: Callable, contract: LossContract | None = None, *,
-                              config: ReductionConfig | None = None) -> FinalizeModelGrads:
+                              config: GAConfig | None = None) -> FinalizeModelGrads:
     """Wrap upstream's ``finalize_model_grads`` (``original``) for the given reduction mode."""
-    return FinalizeModelGrads(original, contract, config or ReductionConfig())
+    return FinalizeModelGrads(original, contract, config or GAConfig())
 
 
 def _groups(pg_collection: Any) -> tuple[Any, Any]:

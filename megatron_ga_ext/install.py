@@ -97,20 +97,15 @@ class Installation:
     counter: Any = None
     contract: Any = None
     finalize: Any = None
-    reduction: Any = None
 
     def configure(self, config: GAConfig) -> None:
         """Apply ``config``: the reduction mode, the loss contract and the finalize wrapper's policy."""
-        from megatron_ga_ext.reduction import LossContract, ReductionConfig
+        from megatron_ga_ext.reduction import LossContract
 
         self.config = config
-        reduction = ReductionConfig(
-            mode=config.loss_reduction, zero_tokens=config.zero_token_policy
-        )
-        self.contract = LossContract() if reduction.mode == "token" else None
+        self.contract = LossContract() if config.loss_reduction == "token" else None
         if self.finalize is not None:
-            self.finalize.config, self.finalize.contract = reduction, self.contract
-        self.reduction = reduction
+            self.finalize.config, self.finalize.contract = config, self.contract
 
     def settle(self) -> None:
         """At the first hook that runs after install() without a config: Megatron's parsed args where
@@ -218,6 +213,7 @@ def install(config: Any = None) -> Installation:
         for wire in WIRING.values():
             wire(state)
         _wire_training(state)
+        _wire_optimizer(state)
         _guard_live_calculator(state)
     except BaseException:
         state.restore()
@@ -316,7 +312,7 @@ def _wire_finalize(state: Installation) -> None:
 
     state.finalize = state.patch(
         FINALIZE, "finalize_model_grads",
-        lambda original: make_finalize_model_grads(original, state.contract, config=state.reduction),
+        lambda original: make_finalize_model_grads(original, state.contract, config=state.config),
     )
 
 
@@ -324,11 +320,52 @@ def _wire_calculator(state: Installation) -> None:
     state.patch(CALCULATOR, "_configure_global_num_microbatches_calculator", lambda o: _configure_calculator(o, state))
 
 
+def _wire_optimizer(state: Installation) -> None:
+    """``--ga-zero-token-policy skip``: the optimizers Megatron builds skip a step whose global batch had no
+    tokens (FinalizeModelGrads.skip_step), returning (update_successful=False, None, None) as an fp16 overflow
+    does, so Megatron counts a skipped iteration and does not advance the learning rate. Only the returned
+    object is wrapped: the builders' own code is untouched (and not fingerprinted)."""
+    import megatron.core.optimizer as optimizers
+
+    for name in OPTIMIZER_BUILDERS:
+        if hasattr(optimizers, name):
+            state.patch(optimizers.__name__, name, lambda original: _skipping_builder(original, state))
+
+
+OPTIMIZER_BUILDERS = ("get_megatron_optimizer", "get_megatron_muon_optimizer")
+
+
+def _skipping_builder(original: Callable, state: Installation) -> Callable:
+    @functools.wraps(original)
+    def build(*args: Any, **kwargs: Any) -> Any:
+        optimizer = original(*args, **kwargs)
+        optimizer.step = _skipping_step(optimizer.step, state)
+        return optimizer
+
+    return build
+
+
+def _skipping_step(step: Callable, state: Installation) -> Callable:
+    @functools.wraps(step)
+    def skipping_step(*args: Any, **kwargs: Any) -> Any:
+        finalize = state.finalize
+        if state.active and finalize is not None and finalize.skip_step:
+            finalize.skip_step = False
+            return False, None, None
+        return step(*args, **kwargs)
+
+    return skipping_step
+
+
 #: What each upstream module gets: install() runs all of them, a vendored tree each at its module's import.
 WIRING = {SCHEDULES: _wire_schedules, FINALIZE: _wire_finalize, CALCULATOR: _wire_calculator}
 
 
 def _forward_step_calc_loss(original: Callable, state: Installation) -> Callable:
+    """Counts forward steps per chunk; checks each micro-batch's loss in token mode, and in microbatch mode
+    reports the micro-batch's mean (what that mode optimises) to Megatron's logged loss."""
+    from megatron_ga_ext.reduction import mean_of_means_reports
+
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -339,8 +376,9 @@ def _forward_step_calc_loss(original: Callable, state: Installation) -> Callable
         bound = signature.bind(*args, **kwargs)
         state.counter.count(bound.arguments["model"])
         loss_func = bound.arguments.get("loss_func")
-        if state.contract is not None and loss_func is not None:
-            bound.arguments["loss_func"] = state.contract.wrap(loss_func)
+        if loss_func is not None:
+            bound.arguments["loss_func"] = (state.contract.wrap(loss_func) if state.contract is not None
+                                            else mean_of_means_reports(loss_func))
         return original(*bound.args, **bound.kwargs)
 
     return forward_step_calc_loss

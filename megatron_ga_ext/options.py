@@ -84,7 +84,8 @@ LOSS_REDUCTION = Option(
 )
 ZERO_TOKEN_POLICY = Option(
     flag="--ga-zero-token-policy", dest="ga_zero_token_policy", type=str, default="error", choices=ZERO_TOKEN_POLICIES,
-    help="a global batch with 0 non-padding tokens: error (default), or skip (zero gradient and a warning).",
+    help="a global batch with 0 non-padding tokens: error (default), or skip (that optimizer step is skipped, "
+    "as after an fp16 overflow: a skipped iteration, the learning rate held, a warning).",
 )
 STRICT = switch(
     "--ga-strict", "ga_strict", default=True, negatable=True,
@@ -134,7 +135,7 @@ class GAConfig:
     loss_reduction: str = LOSS_REDUCTION.default
     """``token`` (every non-padding token weighs the same) or ``microbatch`` (upstream's mean of means)."""
     zero_token_policy: str = ZERO_TOKEN_POLICY.default
-    """A global batch with 0 tokens: ``error``, or ``skip`` (zero gradient and a warning)."""
+    """A global batch with 0 tokens: ``error``, or ``skip`` (the optimizer skips that step; a warning)."""
     strict: bool = STRICT.default
     """Refuse upstream functions whose source fingerprint is unknown (else warn and patch)."""
     convert_rampup: bool = CONVERT_RAMPUP.default

@@ -17,38 +17,18 @@ collectives the step already does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import torch
 
 from megatron_ga_ext.errors import LossContractError
-from megatron_ga_ext.options import MODES, ZERO_TOKEN_POLICIES
+from megatron_ga_ext.options import MODES
 
-__all__ = ["MODES", "LossContract", "ReductionConfig", "masked_loss", "reduce_reports"]
+__all__ = ["MODES", "LossContract", "masked_loss", "mean_of_means_reports", "reduce_reports"]
 
 #: Slots of the per-step int64 vector (see :meth:`LossContract.collect`).
 SLOT_TOKENS, SLOT_NEGATIVE, SLOT_NONFINITE, SLOT_UNCHECKED = range(4)
 NUM_SLOTS = 4
-
-
-@dataclass(kw_only=True, frozen=True)
-class ReductionConfig:
-    """How the loss is reduced over micro-batches, DP and CP ranks."""
-
-    mode: Literal["token", "microbatch"] = "token"
-    """``token``: every non-padding token weighs the same; ``microbatch``: upstream's mean of means."""
-    zero_tokens: Literal["error", "skip"] = "error"
-    """A global batch without a single token: raise, or warn and apply a zero gradient."""
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise LossContractError(
-                f"reduction mode {self.mode!r} is not known; choose one of {', '.join(MODES)}.")
-        if self.zero_tokens not in ZERO_TOKEN_POLICIES:
-            raise LossContractError(
-                f"zero_tokens policy {self.zero_tokens!r} is not known; choose 'error' (raise) or "
-                f"'skip' (zero gradient and a warning).")
 
 
 def masked_loss(losses: torch.Tensor, loss_mask: torch.Tensor, *, mode: str = "token",
@@ -97,6 +77,30 @@ def reduce_reports(reports: list[dict[str, torch.Tensor]],
             torch.distributed.all_reduce(total, group=group)
         reduced[key] = total[0] / total[1]
     return reduced
+
+
+def mean_of_means_reports(loss_func: Callable) -> Callable:
+    """Mode ``microbatch`` with a loss function whose report is ``[summed loss, n]`` (upstream's pretrain_gpt):
+    report ``[summed loss / max(n, 1), 1]`` instead, so that Megatron's logged loss, sum(report[0]) /
+    sum(report[1]) over micro-batches and DP x CP ranks, is the mean of the micro-batch means that this mode
+    optimises, not the token mean. Reports of another shape pass unchanged."""
+
+    def reported(*args: Any, **kwargs: Any):
+        outputs = loss_func(*args, **kwargs)
+        if kwargs.get("non_loss_data") or not isinstance(outputs, tuple) or not isinstance(outputs[-1], dict):
+            return outputs
+        report = {key: _mean_row(value) for key, value in outputs[-1].items()}
+        return (*outputs[:-1], report)
+
+    return reported
+
+
+def _mean_row(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor) or value.numel() != 2:
+        return value
+    row = value.reshape(-1)
+    mean = row[0] / torch.clamp(row[1], min=1)
+    return torch.stack([mean, torch.ones_like(mean)]).reshape(value.shape)
 
 
 class LossContract:

@@ -204,7 +204,7 @@ def test_install_at_import_time_reads_megatron_args_once_parsed(megatron_trainin
     init_calculator(16 if not STEP_SCHEDULES else None, 2, 4)  # Megatron's first call after parsing
     assert not state.waiting_for_args
     assert state.config.loss_reduction == "microbatch" and state.contract is None
-    assert state.finalize.config.mode == "microbatch"
+    assert state.finalize.config.loss_reduction == "microbatch"
     assert type(calculators._GLOBAL_NUM_MICROBATCHES_CALCULATOR.inner).__name__ == "StepScheduleCalculator"
 
 

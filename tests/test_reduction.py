@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_ga_ext.errors import LossContractError
+from megatron_ga_ext.errors import LossContractError, OptionError
 from megatron_ga_ext.finalize import check_ddp_chunks, check_per_token_flag, make_finalize_model_grads
-from megatron_ga_ext.reduction import LossContract, ReductionConfig, masked_loss, reduce_reports
+from megatron_ga_ext.reduction import LossContract, masked_loss, mean_of_means_reports, reduce_reports
 
 LOSSES = [torch.tensor([[1.0, 2.0, 3.0, 4.0]]), torch.tensor([[10.0, 20.0, 30.0, 40.0]])]
 MASKS = [torch.tensor([[1.0, 1.0, 1.0, 0.0]]), torch.tensor([[1.0, 0.0, 0.0, 0.0]])]
@@ -35,15 +35,6 @@ def test_masked_loss_rejects_mismatched_shapes_and_modes():
         masked_loss(LOSSES[0], torch.ones(3))
     with pytest.raises(LossContractError, match="mode 'tokens' is not known"):
         masked_loss(LOSSES[0], MASKS[0], mode="tokens")
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    ({"mode": "sample"}, "reduction mode 'sample' is not known; choose one of token, microbatch"),
-    ({"zero_tokens": "warn"}, r"zero_tokens policy 'warn' is not known; choose 'error' \(raise\) or 'skip'"),
-])
-def test_reduction_config_validates(kwargs, match):
-    with pytest.raises(LossContractError, match=match):
-        ReductionConfig(**kwargs)
 
 
 @pytest.mark.parametrize("outputs, match", [
@@ -143,12 +134,32 @@ def test_ddp_audit_rejects_chunks_built_without_per_token_loss(chunks, match):
 
 
 def test_per_token_flag_must_match_the_mode():
-    with pytest.raises(LossContractError, match="needs calculate_per_token_loss=True"):
+    """The model config as the step reads it, held to options.check_loss_mode (the one rule)."""
+    with pytest.raises(OptionError, match="token needs --calculate-per-token-loss"):
         check_per_token_flag(SimpleNamespace(calculate_per_token_loss=False), "token")
-    with pytest.raises(LossContractError, match="'microbatch' is upstream's mean of means"):
+    with pytest.raises(OptionError, match="microbatch is upstream's mean of means"):
         check_per_token_flag(SimpleNamespace(calculate_per_token_loss=True), "microbatch")
-    with pytest.raises(LossContractError, match="needs calculate_per_token_loss=True"):
+    with pytest.raises(OptionError, match="token needs --calculate-per-token-loss"):
         check_ddp_chunks([], SimpleNamespace(calculate_per_token_loss=False))
+
+
+def test_microbatch_mode_reports_each_micro_batch_mean():
+    """Upstream's pretrain_gpt reports [summed loss, n]; Megatron logs sum(report[0]) / sum(report[1]), the token
+    mean. In microbatch mode the report becomes [mean, 1], so the logged loss is the mean of means optimised."""
+    def upstream_loss_func(loss_mask, output_tensor):
+        loss = torch.sum(output_tensor * loss_mask)
+        n = loss_mask.sum().to(torch.int)
+        return loss, n, {"lm loss": torch.cat([loss.view(1), n.view(1)])}
+
+    func = mean_of_means_reports(upstream_loss_func)
+    reports = [func(MASKS[m], LOSSES[m])[2] for m in range(len(LOSSES))]
+    logged = reduce_reports(reports)["lm loss"]
+    means = [float((LOSSES[m] * MASKS[m]).sum() / MASKS[m].sum().clamp(min=1)) for m in range(len(LOSSES))]
+    assert float(logged) == pytest.approx(sum(means) / len(means), rel=1e-6)
+    token_mean = sum(float((LOSSES[m] * MASKS[m]).sum()) for m in range(len(LOSSES))) / float(sum(m.sum() for m in MASKS))
+    assert abs(float(logged) - token_mean) > 1e-3  # the masks are uneven: the two means differ
+    loss, n, _ = func(MASKS[0], LOSSES[0])
+    assert int(n) == int(MASKS[0].sum())  # the loss and count Megatron scales by are unchanged
 
 
 def test_token_finalize_needs_a_contract():

@@ -13,8 +13,9 @@ import warnings
 import pytest
 import torch
 
-from megatron_ga_ext.errors import LossContractError
-from megatron_ga_ext.reduction import LossContract, ReductionConfig, masked_loss
+from megatron_ga_ext.errors import GAError, LossContractError, OptionError
+from megatron_ga_ext.options import GAConfig
+from megatron_ga_ext.reduction import LossContract, masked_loss
 
 pytestmark = pytest.mark.slow
 
@@ -93,7 +94,7 @@ def _scenario(name, cfg, batch, refs):
     contract = LossContract()
     finalize = make_finalize_model_grads(
         finalize_model_grads, contract,
-        config=ReductionConfig(zero_tokens=opts.get("zero_tokens", "error")))
+        config=GAConfig(zero_token_policy=opts.get("zero_tokens", "error")))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         train_step(ddp, config, layout, cfg, batch, finalize=finalize,
@@ -154,7 +155,7 @@ def _run_scenarios():
                 "pipeline_model_parallel_size", 1))
             try:
                 out[name] = ("ok", _scenario(name, cfg, batch, refs))
-            except LossContractError as exc:
+            except GAError as exc:  # LossContractError, or OptionError for the mode-versus-flag rule
                 out[name] = ("error", exc)
             finally:
                 parallel_state.destroy_model_parallel()
@@ -215,7 +216,6 @@ def _raise(outcome):
     ("vector_count", r"num_tokens as a tensor of dtype torch\.int64 and shape \(2,\)"),
     ("negative_count", r"micro-batch\(es\) returned a negative num_tokens"),
     ("nan_loss", r"8 micro-batch\(es\) in this global batch returned a non-finite loss"),
-    ("flag_off", r"needs calculate_per_token_loss=True"),
     ("ddp_before_flag", r"gradient_scaling_factor 0\.25 \(= 1/4\).*4 times too small"),
     ("average_in_collective", r"average_in_collective=True"),
     ("zero_tokens_error", r"the global batch has 0 non-padding tokens"),
@@ -226,11 +226,16 @@ def test_broken_check_raises(outcomes, name, match):
         _raise(outcomes[name])
 
 
+def test_per_token_flag_off_at_the_step_is_the_options_rule(outcomes):
+    with pytest.raises(OptionError, match=r"--ga-loss-reduction token needs --calculate-per-token-loss"):
+        _raise(outcomes["flag_off"])
+
+
 def test_zero_tokens_skip_applies_zero_gradient(outcomes):
     result = _raise(outcomes["zero_tokens_skip"])
     assert result["num_tokens"] == 0
     assert result["max_grad"] == 0.0
-    assert any("0 non-padding tokens" in w and "zero gradient" in w for w in result["warnings"])
+    assert any("0 non-padding tokens" in w and "Skipping this optimizer step" in w for w in result["warnings"])
 
 
 @pytest.mark.parametrize("name", ["huge_count", "pp_huge_count"])

@@ -24,7 +24,8 @@ from typing import Any, Callable
 import torch
 
 from megatron_ga_ext.finalize import make_finalize_model_grads
-from megatron_ga_ext.reduction import MODES, LossContract, ReductionConfig, masked_loss
+from megatron_ga_ext.options import GAConfig
+from megatron_ga_ext.reduction import MODES, LossContract, masked_loss
 from megatron_ga_ext.verify.layouts import (
     DEFAULT_LAYOUTS,
     DEFAULT_LENGTHS,
@@ -149,7 +150,7 @@ def reduction_hooks(mode: str, loss_func: Callable) -> tuple[Any, Callable]:
 
     contract = LossContract()
     finalize = make_finalize_model_grads(finalize_model_grads, contract,
-                                         config=ReductionConfig(mode=mode))
+                                         config=GAConfig(loss_reduction=mode))
     return finalize, contract.wrap(loss_func) if mode == "token" else loss_func
 
 

@@ -16,8 +16,12 @@ comes first on the path), under :func:`~megatron_ga_ext.verify.shims.training_sh
   global N of the step) and ``forward_steps`` (the guard's count of forward steps per model chunk);
 * ``{"event": "end", "train_iters": ..., "error": <type: message> or null}``.
 
-``MEGATRON_GA_FAULT=pp-multiplied-microbatches`` makes the training loop call its forward/backward function
-with num_microbatches x PP, the mistake the PP guard exists for.
+``MEGATRON_GA_FAULT`` injects one fault:
+
+* ``pp-multiplied-microbatches``: the training loop calls its forward/backward function with
+  num_microbatches x PP, the mistake the PP guard exists for;
+* ``zero-tokens-at:K``: every micro-batch of iteration K has an all-zero loss mask (a global batch without a
+  single loss token), for the zero-token policies.
 
 ``MEGATRON_GA_MOCK_DOCUMENT_LENGTH=L`` draws ``--mock-data`` documents of 1 to L-1 tokens (upstream: up to
 4095), so that with ``--eod-mask-loss`` every micro-batch masks a different, sizeable share of its tokens
@@ -42,10 +46,11 @@ __all__ = ["main"]
 class Recorder:
     """Appends one JSON object per event to this rank's file."""
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, zero_tokens_at: int | None = None) -> None:
         rank = os.environ.get("RANK", "0")
         self.path = f"{prefix}.rank{rank}.jsonl"
         self.mask_tokens = 0
+        self.zero_tokens_at = zero_tokens_at
 
     def write(self, row: dict) -> None:
         with open(self.path, "a") as handle:
@@ -112,10 +117,19 @@ class Recorder:
             loss_func = result[1] if isinstance(result, tuple) and len(result) == 2 else None
             mask = loss_func.args[0] if isinstance(loss_func, functools.partial) and loss_func.args else None
             if hasattr(mask, "sum"):
+                if self.zero_tokens_at is not None and _iteration() == self.zero_tokens_at:
+                    mask.zero_()
                 self.mask_tokens += int(mask.sum())
             return result
 
         return forward_step
+
+
+def _iteration() -> int:
+    """The iteration the training loop is running (1-based, as Megatron logs it)."""
+    from megatron.training.global_vars import get_args
+
+    return get_args().curr_iteration + 1
 
 
 def _pp_multiplied(get_forward_backward_func: Callable) -> Callable:
@@ -169,14 +183,15 @@ def main() -> None:
 
         MockGPTLowLevelDataset.max_sequence_length = int(document_length)
     prefix = os.environ.get("MEGATRON_GA_RECORD")
-    recorder = Recorder(prefix) if prefix else None
+    fault = os.environ.get("MEGATRON_GA_FAULT", "")
+    zero_at = int(fault.split(":", 1)[1]) if fault.startswith("zero-tokens-at:") else None
+    recorder = Recorder(prefix, zero_tokens_at=zero_at) if prefix else None
     if recorder is not None:
         recorder.write({"event": "start", "megatron": os.path.dirname(os.path.dirname(megatron.core.__file__)),
                         "version": megatron_core_version()})
         _patch_everywhere("megatron.training.training", "training_log", recorder.training_log)
         _patch_everywhere("megatron.training.training", "pretrain", recorder.pretrain)
-    fault = os.environ.get("MEGATRON_GA_FAULT")
-    if fault:
+    if fault in FAULTS:
         _patch_everywhere(*FAULTS[fault])
     error = None
     try:

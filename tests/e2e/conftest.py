@@ -28,12 +28,28 @@ SOURCES = sources([os.environ["MEGATRON_LM"]] if os.environ.get("MEGATRON_LM") e
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "source" in metafunc.fixturenames:
-        from compatibility import source_name
+    """``source``: every source; ``newest_source``: the newest release and main commit among them (faults)."""
+    from compatibility import source_name
 
-        params = [pytest.param(s, id=source_name(s)) for s in SOURCES] or [
-            pytest.param(None, marks=pytest.mark.skip(reason=NO_SOURCE), id="no-source")]
-        metafunc.parametrize("source", params, scope="session")
+    for fixture, trees in (("source", SOURCES), ("newest_source", _newest(SOURCES))):
+        if fixture in metafunc.fixturenames:
+            params = [pytest.param(s, id=source_name(s)) for s in trees] or [
+                pytest.param(None, marks=pytest.mark.skip(reason=NO_SOURCE), id="no-source")]
+            metafunc.parametrize(fixture, params, scope="session")
+
+
+def _newest(trees: list[Path]) -> list[Path]:
+    """The newest release and the newest main commit (compat.UPSTREAM is ordered); a given checkout as it is."""
+    from compatibility import source_name
+
+    from megatron_ga_ext.compat import UPSTREAM
+
+    named = {source_name(t): t for t in trees}
+    known = [u for u in UPSTREAM if u.name in named]
+    if not known:
+        return trees
+    picks = [[u for u in known if u.is_release], [u for u in known if not u.is_release]]
+    return [named[group[-1].name] for group in picks if group]
 
 
 class Launches:
@@ -60,7 +76,8 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> Launches:
 @pytest.fixture(autouse=True)
 def _name_the_source(request: pytest.FixtureRequest) -> None:
     """Every test's report names its source, so a failure counts against the right row."""
-    source = getattr(request.node, "callspec", None) and request.node.callspec.params.get("source")
+    params = request.node.callspec.params if hasattr(request.node, "callspec") else {}
+    source = params.get("source") or params.get("newest_source")
     if source is not None:
         from compatibility import source_name
 

@@ -9,7 +9,11 @@ Per (source, layout), five launches with the extension and one of upstream alone
 * token mode, ``--rampup-batch-size 8 8 64 --global-batch-size 24 --ga-convert-rampup``;
 * microbatch mode, ``--step-batch-size-schedule "0:16 3072:24 6144:32"`` (tokens; the backport on 0.16/0.17),
   saving at iteration 4, and a launch resuming from that checkpoint;
-* PP 2 only: the training loop made to pass num_microbatches x PP: the guard stops it at the first step.
+* PP 2 only: the training loop made to pass num_microbatches x PP: the guard stops it at the first step;
+* on the newest release and the newest main commit of the leg, DP 2: a global batch without a single loss
+  token at iteration 3, under ``--ga-zero-token-policy error`` (the run stops there, and no checkpoint of
+  that step is written) and ``skip`` (Megatron skips that optimizer step: a skipped iteration, the learning
+  rate held, and the run goes on).
 
 Every run: exit status 0, iterations / consumed samples / GBS / num_microbatches step for step as
 ``megatron-ga schedule`` plans them, the learning rate at its minimum exactly at the last planned step
@@ -129,10 +133,14 @@ def test_step_schedule_and_resume_mid_schedule(launches, source, layout, record_
     row = check_run(run, "schedule") | {"mode": "microbatch", "case": "schedule"}
     assert all(r["num_tokens"] is None for r in run.iterations)  # microbatch mode takes no global count
     _, token = constant_runs(launches, source, layout)
-    # Same first batch (GBS 16) and weights: the two modes optimise different means, so the gradients differ.
+    # Same first batch (GBS 16) and weights: the two modes optimise different means, so the gradients differ,
+    # and the logged loss is each mode's own mean (the mean of micro-batch means here, the token mean there).
     first_token, first_micro = token.iterations[0]["grad_norm"], run.iterations[0]["grad_norm"]
     assert abs(first_micro - first_token) > 1e-5 * first_token, (first_micro, first_token)
-    row["loss_vs_upstream"] = f"grad norm {first_micro:.5f} vs token {first_token:.5f} at step 1"
+    loss_token, loss_micro = token.iterations[0]["loss"]["lm loss"], run.iterations[0]["loss"]["lm loss"]
+    assert abs(loss_micro - loss_token) > 1e-6 * loss_token, (loss_micro, loss_token)
+    row["loss_vs_upstream"] = (f"step 1: loss {loss_micro:.5f} vs token {loss_token:.5f}, grad norm "
+                               f"{first_micro:.5f} vs {first_token:.5f}")
 
     resumed = launches.get(source, layout, "resume", [*MICROBATCH, *SCHEDULE, "--load", str(checkpoints),
                                                       "--ckpt-step", str(SAVE_AT), "--ckpt-format", "torch"])
@@ -153,3 +161,40 @@ def test_pp_guard_stops_a_pp_multiplied_step(launches, source, record_property):
     row = {"mode": "token", "case": "num_microbatches x PP", "iterations": "0 (stopped at step 1)",
            "N": "GuardError: " + PP_RULE}
     record(record_property, source_name(source), "pp2dp2", [row])
+
+
+ZERO_AT = 3
+
+
+def test_zero_token_batch_stops_the_run_without_saving_it(launches, newest_source, record_property):
+    source = newest_source
+    checkpoints = launches.workdir / source.name / "dp2" / "zero-error-checkpoints"
+    run = launches.get(source, "dp2", "zero-error", [*TOKEN, *CONSTANT, "--save", str(checkpoints),
+                                                     "--save-interval", "1", "--ckpt-format", "torch"],
+                       env={"MEGATRON_GA_FAULT": f"zero-tokens-at:{ZERO_AT}"})
+    assert run.rc != 0 and run.error is not None, run.describe()
+    assert run.error.startswith("LossContractError") and "0 non-padding tokens" in run.error, run.error
+    assert [r["iteration"] for r in run.iterations] == list(range(1, ZERO_AT))
+    assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == str(ZERO_AT - 1)
+    assert not (checkpoints / f"iter_{ZERO_AT:07d}").exists()
+    record(record_property, source_name(source), "dp2", [{
+        "mode": "token", "case": f"0 tokens at step {ZERO_AT}, policy error",
+        "iterations": f"{ZERO_AT - 1}, then LossContractError", "samples": "last checkpoint: step 2"}])
+
+
+def test_zero_token_batch_skips_the_optimizer_step(launches, newest_source, record_property):
+    source = newest_source
+    run = launches.get(source, "dp2", "zero-skip", [*TOKEN, *CONSTANT, "--ga-zero-token-policy", "skip"],
+                       env={"MEGATRON_GA_FAULT": f"zero-tokens-at:{ZERO_AT}"})
+    assert run.rc == 0 and run.error is None, run.describe()
+    assert ran_steps(run) == planned_steps("constant")  # the data is consumed: consumed samples still advance
+    rows = {r["iteration"]: r for r in run.iterations}
+    skipped = rows[ZERO_AT]
+    assert skipped["num_tokens"] == 0 and skipped["skipped"] == 1 and skipped["grad_norm"] is None, skipped
+    assert skipped["learning_rate"] == rows[ZERO_AT - 1]["learning_rate"]  # the scheduler did not advance
+    assert all(r["skipped"] == 0 for i, r in rows.items() if i != ZERO_AT)
+    assert run.iterations[-1]["learning_rate"] > MIN_LR  # one step of decay fewer than the plan
+    record(record_property, source_name(source), "dp2", [{
+        "mode": "token", "case": f"0 tokens at step {ZERO_AT}, policy skip",
+        "iterations": f"8, step {ZERO_AT} skipped", "samples": "128 = plan", "lr_end": "held at the skipped step",
+        "N": "0 at the skipped step"}])
