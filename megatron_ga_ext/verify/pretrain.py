@@ -1,11 +1,16 @@
 """Run a Megatron-LM training script on the CPU over gloo, and record every iteration (``make e2e``).
 
     cd <Megatron-LM root>
-    MEGATRON_GA_RECORD=out/run torchrun --nproc-per-node 2 -m megatron_ga_ext.verify.pretrain \\
+    MEGATRON_GA_RECORD=out/run python -m megatron_ga_ext.verify.pretrain --nproc-per-node 4 \\
         /path/to/examples/pretrain_gpt_ga.py <pretrain_gpt.py's flags> --distributed-backend gloo ...
 
-The script runs as ``python SCRIPT`` would run it from the Megatron-LM root (whose ``megatron`` package
-comes first on the path), under :func:`~megatron_ga_ext.verify.shims.training_shims`. With
+With ``--nproc-per-node N`` it is its own launcher: it imports Megatron once, then forks N ranks with the
+environment torchrun would give them (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so the 7-12 s
+import is paid once per launch instead of once per rank; the first rank to fail stops the others, and the
+exit status is the first failure's. Without it, it runs one rank under torchrun
+(``torchrun ... -m megatron_ga_ext.verify.pretrain SCRIPT ...``). Either way the script runs as ``python
+SCRIPT`` would run it from the Megatron-LM root (whose ``megatron`` package comes first on the path), under
+:func:`~megatron_ga_ext.verify.shims.training_shims`. With
 ``MEGATRON_GA_RECORD`` set, rank R appends JSON lines to ``<record>.rank<R>.jsonl``:
 
 * ``{"event": "start", "megatron": <path of the megatron package>, "version": ...}``;
@@ -164,15 +169,60 @@ def _patch_everywhere(module_name: str, name: str, make: Callable[[Callable], Ca
 
 
 def main() -> None:
-    script, *argv = sys.argv[1:]
+    argv = sys.argv[1:]
+    nproc = None
+    if argv[:1] == ["--nproc-per-node"]:
+        nproc, argv = int(argv[1]), argv[2:]
+    script, *script_args = argv
     script = os.path.abspath(script)
-    root = os.getcwd()
     sys.path[0] = os.path.dirname(script)  # as `python SCRIPT` sets it
-    sys.path.insert(1, root)  # the Megatron-LM root, as pretrain_gpt.py run from it sees it
-    sys.argv = [script, *argv]
+    sys.path.insert(1, os.getcwd())  # the Megatron-LM root, as pretrain_gpt.py run from it sees it
+    sys.argv = [script, *script_args]
+
+    import megatron.core  # noqa: F401
+    import megatron.training.training  # noqa: F401  (megatron before the shims: import-time code reads torch.cuda)
+
+    sys.exit(run_rank(script) if nproc is None else fork_ranks(script, nproc))
+
+
+def fork_ranks(script: str, nproc: int) -> int:
+    """torchrun's job on one node: N ranks, forked after the import; the first failure stops the rest."""
+    import signal
+
+    from megatron_ga_ext.verify.launch import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()),
+                      WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0")
+    ranks = {}
+    for rank in range(nproc):
+        pid = os.fork()
+        if pid == 0:
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
+            code = 1
+            try:
+                code = run_rank(script)
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        ranks[pid] = rank
+    status = 0
+    while ranks:
+        pid, wait_status = os.wait()
+        ranks.pop(pid)
+        code = os.waitstatus_to_exitcode(wait_status)
+        if code != 0 and status == 0:
+            status = code if code > 0 else 128 - code
+            for other in ranks:
+                os.kill(other, signal.SIGTERM)
+    return status
+
+
+def run_rank(script: str) -> int:
+    """One rank: the shims, the recorder and any fault, then the script as __main__; its exit status."""
+    import traceback
 
     import megatron.core
-    import megatron.training.training  # noqa: F401  (megatron before the shims: import-time code reads torch.cuda)
 
     from megatron_ga_ext.compat import megatron_core_version
     from megatron_ga_ext.verify.shims import training_shims
@@ -193,20 +243,21 @@ def main() -> None:
         _patch_everywhere("megatron.training.training", "pretrain", recorder.pretrain)
     if fault in FAULTS:
         _patch_everywhere(*FAULTS[fault])
-    error = None
+    error, code = None, 0
     try:
         with training_shims():
             runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
-        error = None if exc.code in (0, None) else f"SystemExit: {exc.code}"
-        raise
-    except BaseException as exc:
-        error = f"{type(exc).__name__}: {exc}"
-        raise
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        error = None if code == 0 else f"SystemExit: {exc.code}"
+    except BaseException as exc:  # noqa: BLE001 - the rank's failure is its exit status, as under torchrun
+        traceback.print_exc()
+        error, code = f"{type(exc).__name__}: {exc}", 1
     finally:
         if recorder is not None:
             args = sys.modules["megatron.training.global_vars"]._GLOBAL_ARGS
             recorder.write({"event": "end", "train_iters": getattr(args, "train_iters", None), "error": error})
+    return code
 
 
 if __name__ == "__main__":
