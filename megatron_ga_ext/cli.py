@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import json
 import sys
 from typing import Sequence
@@ -171,9 +172,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(command).parse_args(argv)
     try:
+        _require_inline_values(argv)
         return args.handler(args)
     except GAError as error:
         return report_error(args.command, error, as_json=getattr(args, "json", False))
+
+
+def _require_inline_values(argv: Sequence[str]) -> None:
+    """argparse reads ``--flag=--`` as an empty list (it drops '--', its end-of-options marker), not as a value:
+    refuse it before a command reads a list where it expects text. A launch line after ``check --`` is not ours."""
+    for token in itertools.takewhile(lambda word: word != "--", argv):
+        name, eq, value = token.partition("=")
+        if name.startswith("--") and eq and value == "--":
+            raise UsageError(f"{token}: '--' is not a value for {name}; give {name} a value, or leave it out.")
 
 
 def report_error(command: str, error: GAError, as_json: bool = False) -> int:
