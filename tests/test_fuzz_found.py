@@ -2,7 +2,10 @@
 
 import pytest
 
+from megatron_ga_ext import StepSchedule
 from megatron_ga_ext.cli import main
+from megatron_ga_ext.errors import ScheduleParseError
+from megatron_ga_ext.schedule_numbers import parse_count
 
 
 @pytest.mark.parametrize("argv, flag", [
@@ -18,3 +21,17 @@ def test_a_flag_given_as_flag_equals_dashdash_is_a_usage_error(capsys, argv, fla
     err = capsys.readouterr().err
     assert f"error: {flag}=--: '--' is not a value for {flag}; give {flag} a value, or leave it out." in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("text", ["9" * 31, "1.0000001e30", "1000000000000000001T", "1000000000000000000001B"])
+def test_a_count_above_1e30_is_refused_exactly(text):
+    """parse_count bounded the exponent only, so values up to 10**31 - 1 passed its documented 10**30."""
+    with pytest.raises(ScheduleParseError, match=rf"value '{text}' is larger than 1e30; no run consumes that much"):
+        parse_count(text, "value")
+    assert parse_count("1e30") == parse_count("1000000000000000000T") == 10**30
+
+
+def test_the_bound_is_the_same_for_a_schedule_entry():
+    with pytest.raises(ScheduleParseError, match=r"entry 2 '1000000000000000001T:16': threshold '1000000000000000001T' "
+                                                 r"is larger than 1e30"):
+        StepSchedule.parse("0:8 1000000000000000001T:16")
