@@ -3,8 +3,10 @@
 import pytest
 
 from megatron_ga_ext import StepSchedule
+from megatron_ga_ext.calculator import StepScheduleCalculator
 from megatron_ga_ext.cli import main
-from megatron_ga_ext.errors import ScheduleParseError
+from megatron_ga_ext.errors import ScheduleParseError, SizeError
+from megatron_ga_ext.guards import GuardedCalculator
 from megatron_ga_ext.schedule_numbers import parse_count
 
 
@@ -35,3 +37,12 @@ def test_the_bound_is_the_same_for_a_schedule_entry():
     with pytest.raises(ScheduleParseError, match=r"entry 2 '1000000000000000001T:16': threshold '1000000000000000001T' "
                                                  r"is larger than 1e30"):
         StepSchedule.parse("0:8 1000000000000000001T:16")
+
+
+@pytest.mark.parametrize("consumed", ["8", 1.5, -1, True, None])
+def test_the_guard_refuses_a_consumed_count_that_is_not_one(consumed):
+    """The guard subtracted the count before any calculator checked it: a TypeError, not a typed error."""
+    guarded = GuardedCalculator(StepScheduleCalculator(StepSchedule.constant(8), 1, 1), 1)
+    guarded.update(0, True)
+    with pytest.raises(SizeError, match=rf"consumed_samples {consumed!r} must be a whole number >= 0\."):
+        guarded.update(consumed, False)
