@@ -1,5 +1,7 @@
 """What the fuzz tests (tests/test_fuzz.py) found, each pinned by its smallest example."""
 
+import json
+
 import pytest
 
 from megatron_ga_ext import StepSchedule
@@ -46,3 +48,20 @@ def test_the_guard_refuses_a_consumed_count_that_is_not_one(consumed):
     guarded.update(0, True)
     with pytest.raises(SizeError, match=rf"consumed_samples {consumed!r} must be a whole number >= 0\."):
         guarded.update(consumed, False)
+
+
+@pytest.mark.parametrize("flags, problem", [
+    (["--num-layers", "0", "--num-layers-per-virtual-pipeline-stage", "0"],
+     "--num-layers-per-virtual-pipeline-stage 0 must be at least 1: it sets how the layers of each pipeline stage "
+     "split into virtual stages. Give a whole number >= 1, or leave --num-layers-per-virtual-pipeline-stage out."),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "8", "--num-virtual-stages-per-pipeline-rank", "0"],
+     "--num-virtual-stages-per-pipeline-rank 0 must be at least 1"),
+    (["--pipeline-model-parallel-size", "0", "--num-layers", "8"],
+     "--pipeline-model-parallel-size 0 must be at least 1; give an integer >= 1."),
+])
+def test_a_zero_pipeline_size_is_a_problem_not_a_division_by_zero(capsys, flags, problem):
+    """The layer split divided by these sizes before any check (ZeroDivisionError)."""
+    line = ["torchrun", "--nproc-per-node", "8", "pretrain_gpt.py", "--micro-batch-size", "1",
+            "--calculate-per-token-loss", *flags]
+    assert main(["check", "--json", "--", *line]) == 1
+    assert any(problem in text for text in json.loads(capsys.readouterr().out)["problems"])
