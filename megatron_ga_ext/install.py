@@ -45,6 +45,7 @@ from megatron_ga_ext.compat import (
     matching_sources,
     megatron_core_version,
 )
+from megatron_ga_ext.consistency import StartupChecks
 from megatron_ga_ext.errors import CompatError, GuardError
 from megatron_ga_ext.logs import get_logger
 from megatron_ga_ext.options import (
@@ -97,6 +98,8 @@ class Installation:
     counter: Any = None
     contract: Any = None
     finalize: Any = None
+    startup: StartupChecks = field(default_factory=StartupChecks)
+    """Ranks agree on the batch configuration, and a resume says what changed: once, at the first schedule call."""
 
     def configure(self, config: GAConfig) -> None:
         """Apply ``config``: the reduction mode, the loss contract and the finalize wrapper's policy."""
@@ -392,6 +395,7 @@ def _guarded_schedule(original: Callable, state: Installation) -> Callable:
         if not state.active:
             return original(*args, **kwargs)
         state.settle()
+        state.startup.run_once(state.config, _megatron_args())
         state.counter.reset()
         if state.contract is not None:  # an evaluation call (forward_only) never reaches finalize
             state.contract.reset()
@@ -464,6 +468,7 @@ def _wire_training(state: Installation) -> None:
     state.compat_problems += problems
     state.patch(TRAINING, "update_train_iters", lambda original: _update_train_iters(original, state))
     state.patch(TRAINING, "get_train_valid_test_num_samples", lambda original: _num_samples(original, state))
+    state.startup.wire(state)
     state.training_wired = True
 
 
