@@ -35,7 +35,8 @@ def test_settings_name_the_flags_and_what_the_calculator_computes():
 
 
 def test_differences_name_the_ranks_and_the_values():
-    same, other = {"--global-batch-size": "16", "--seq-length": "64"}, {"--global-batch-size": "32", "--seq-length": "64"}
+    same = {"--global-batch-size": "16", "--seq-length": "64"}
+    other = {"--global-batch-size": "32", "--seq-length": "64"}
     assert describe_differences([same, same, same, same]) == []
     assert describe_differences([same, other, same, same, other, other, same]) == [
         "--global-batch-size is '16' on ranks 0, 2-3, 6 and '32' on ranks 1, 4-5"]

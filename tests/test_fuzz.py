@@ -59,6 +59,9 @@ from megatron_ga_ext.schedule_numbers import MAX_EXPONENT, format_count, parse_c
 pytestmark = pytest.mark.fuzz
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+from reliability import write  # noqa: E402
 EXAMPLES = int(os.environ.get("MEGATRON_GA_FUZZ_EXAMPLES", "200"))
 LIMIT_S = 1.0
 #: The limit is example()'s CPU-time timer: hypothesis' deadline is wall-clock time, which other processes on a
@@ -342,16 +345,10 @@ def test_calculator_update():
 @pytest.fixture(scope="module", autouse=True)
 def _write_reliability_doc():
     yield
-    doc = os.environ.get("MEGATRON_GA_RELIABILITY_DOC")
-    if not doc or not _SURFACES:
-        return
-    sys.path.insert(0, str(ROOT / "tools"))
-    from reliability import update
-
     rows = []
     for stats in (s for s in _SURFACES.values() if s.passed):  # a surface that failed has no row
         answers = ", ".join(f"{name} {count:,}" for name, count in stats.answers.most_common())
         rows.append({"Surface": stats.name.replace("_", " "), "Input": f"`{stats.entry}`",
                      "Examples": f"{stats.examples:,}", "Slowest example": f"{stats.slowest * 1000:.0f} ms",
                      "Answers": answers})
-    update(Path(doc), "fuzz", rows)
+    write("fuzz", rows)

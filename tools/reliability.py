@@ -1,5 +1,6 @@
 """docs/reliability.md: its tables are written by the runs themselves; the prose around them is kept.
 
+    write("fuzz", rows)            # into $MEGATRON_GA_RELIABILITY_DOC, if set; update(doc, name, rows) for any doc
     update(doc, "fuzz", rows)      # make fuzz: one row per input surface
     update(doc, "faults", rows)    # make e2e: one row per (source, fault), tests/e2e/test_faults.py
     update(doc, "resumes", rows)   # make e2e: one row per (source, case), tests/e2e/test_resume.py
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import fcntl
+import os
 from pathlib import Path
 
 #: name -> (columns, how many leading columns make a row's key)
@@ -20,6 +22,13 @@ TABLES = {
     "faults": (("Source", "Fault", "Injected as", "Outcome", "Checkpoints", "Run on"), 2),
     "resumes": (("Source", "Case", "Resumed at", "Checked against the uninterrupted run", "Run on"), 2),
 }
+
+
+def write(name: str, rows: list[dict[str, str]]) -> None:
+    """:func:`update` the doc ``MEGATRON_GA_RELIABILITY_DOC`` names (make fuzz, make e2e); nothing without it."""
+    doc = os.environ.get("MEGATRON_GA_RELIABILITY_DOC")
+    if doc and rows:
+        update(Path(doc), name, rows)
 
 
 def update(doc: Path, name: str, rows: list[dict[str, str]]) -> None:

@@ -14,19 +14,17 @@ the change to the third.
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import pytest
 from compatibility import source_name
 from plans import BOUNDED, planned_steps, ran_steps, save_every_step, saved, seq_length_schedule
+from reliability import write
 
 from megatron_ga_ext.compat import UPSTREAM
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
 TRAIN_SAMPLES = 56
 SCHEDULE_TEXT = "0:8 1024:16 2048:24"
 CASES = {
@@ -85,15 +83,9 @@ def _train_iters(run) -> set[int]:
 @pytest.fixture(scope="module", autouse=True)
 def _write_reliability_doc():
     yield
-    doc = os.environ.get("MEGATRON_GA_RELIABILITY_DOC")
-    if not doc or not _CHECKED:
-        return
-    sys.path.insert(0, str(ROOT / "tools"))
-    from reliability import update
-
     what = {"schedule": f"`--step-batch-size-schedule \"{SCHEDULE_TEXT}\"`",
             "rampup": "`--rampup-batch-size 8 8 32 --global-batch-size 24 --ga-convert-rampup`"}
-    update(Path(doc), "resumes", [
+    write("resumes", [
         {"Source": source, "Case": f"{what[case]}, {STEPS} steps of 8, 8, 16, 24 samples",
          "Resumed at": "after step " + ", ".join(map(str, sorted(boundaries))),
          "Checked against the uninterrupted run": "every step's (iteration, consumed samples, GBS, num_microbatches), "
