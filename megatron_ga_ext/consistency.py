@@ -82,7 +82,8 @@ def describe_differences(per_rank: Sequence[Mapping[str, str]]) -> list[str]:
         for rank, settings in enumerate(per_rank):
             by_value.setdefault(settings.get(key, "not set"), []).append(rank)
         if len(by_value) > 1:
-            lines.append(f"{key} is " + " and ".join(f"{value!r} on {_ranks(ranks)}" for value, ranks in by_value.items()))
+            values = " and ".join(f"{value!r} on {_ranks(ranks)}" for value, ranks in by_value.items())
+            lines.append(f"{key} is {values}")
     return lines
 
 
