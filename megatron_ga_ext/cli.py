@@ -8,6 +8,7 @@ one line on stderr without a traceback (and, with ``--json``, a JSON error objec
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import itertools
 import json
@@ -149,8 +150,10 @@ _LOCAL = {
 }
 
 
+@functools.lru_cache(maxsize=None)
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The parser; a delegated command's module is imported only when ``command`` selects it."""
+    """The parser; a delegated command's module is imported only when ``command`` selects it. Built once per
+    command: parsing does not change it, and main() called in-process (tests, fuzzing) need not rebuild it."""
     parser = argparse.ArgumentParser(prog="megatron-ga", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (configure, run, help_text) in _LOCAL.items():
