@@ -26,10 +26,11 @@ SPECIAL_NUMBERS = (
 SUFFIXES = ("", "", "k", "K", "m", "M", "b", "B", "t", "T", "G", "x", "kk", "e3", "E-2", "%")
 
 
-def mostly(usual: st.SearchStrategy, rare: st.SearchStrategy, odds: int = 4) -> st.SearchStrategy:
+@st.composite
+def mostly(draw: st.DrawFn, usual: st.SearchStrategy, rare: st.SearchStrategy, odds: int = 4) -> object:
     """``usual`` ``odds`` times in ``odds + 1``, else ``rare`` (st.one_of picks its distinct branches about equally
-    often, and one strategy repeated is one branch)."""
-    return st.tuples(st.integers(0, odds), usual, rare).map(lambda drawn: drawn[1] if drawn[0] else drawn[2])
+    often, and one strategy repeated is one branch); only the branch taken is drawn."""
+    return draw(usual) if draw(st.integers(0, odds)) else draw(rare)
 
 
 def numbers() -> st.SearchStrategy[str]:
