@@ -349,6 +349,6 @@ def _write_reliability_doc():
     for stats in (s for s in _SURFACES.values() if s.passed):  # a surface that failed has no row
         answers = ", ".join(f"{name} {count:,}" for name, count in stats.answers.most_common())
         rows.append({"Surface": stats.name.replace("_", " "), "Input": f"`{stats.entry}`",
-                     "Examples": f"{stats.examples:,}", "Slowest example": f"{stats.slowest * 1000:.0f} ms",
+                     "Examples": f"{stats.examples:,}", "Slowest example": f"{stats.slowest * 1000:.1f} ms",
                      "Answers": answers})
     write("fuzz", rows)
