@@ -46,6 +46,7 @@ from megatron_ga_ext.compat import (
     megatron_core_version,
 )
 from megatron_ga_ext.errors import CompatError, GuardError
+from megatron_ga_ext.guards import current_pipeline_size
 from megatron_ga_ext.logs import get_logger
 from megatron_ga_ext.options import (
     GAConfig,
@@ -78,6 +79,15 @@ class _Patch:
 
 
 @dataclass
+class _AttributePatch:
+    """A class attribute install() replaced (a method: every instance looks it up on the class)."""
+
+    owner: type
+    name: str
+    original: Any
+
+
+@dataclass
 class Installation:
     """Everything install() changed, so uninstall() can put it back."""
 
@@ -92,6 +102,8 @@ class Installation:
     active: bool = True
     """False once uninstalled: a wrapper still referenced somewhere then calls straight through."""
     training_wired: bool = False
+    reported_first_step: bool = False
+    attribute_patches: list = field(default_factory=list)
     configs: list = field(default_factory=list)
     """Weak references to model configs whose finalize_model_grads_func install() set."""
     counter: Any = None
@@ -132,10 +144,19 @@ class Installation:
             namespace[name] = replacement
         return replacement
 
+    def patch_attribute(self, owner: type, name: str, make: Callable[[Any], Any]) -> None:
+        """Replace the class attribute ``owner.name`` by ``make(original)``."""
+        original = owner.__dict__[name]
+        self.attribute_patches.append(_AttributePatch(owner, name, original))
+        setattr(owner, name, make(original))
+
     def restore(self) -> None:
         """Every original back: where install() put a replacement, in modules imported since that bound
-        one (``from x import y`` after install()), and in model configs that hold the finalize."""
+        one (``from x import y`` after install()), on classes, and in model configs that hold the finalize."""
         self.active = False
+        for a in reversed(self.attribute_patches):
+            setattr(a.owner, a.name, a.original)
+        self.attribute_patches.clear()
         for p in reversed(self.patches):
             p.namespace[p.name] = p.original
             for namespace in _namespaces_holding(p.replacement, p.name):
@@ -214,6 +235,7 @@ def install(config: Any = None) -> Installation:
             wire(state)
         _wire_training(state)
         _wire_optimizer(state)
+        _wire_gpt_model(state)
         _guard_live_calculator(state)
     except BaseException:
         state.restore()
@@ -335,6 +357,15 @@ def _wire_optimizer(state: Installation) -> None:
 OPTIMIZER_BUILDERS = ("get_megatron_optimizer", "get_megatron_muon_optimizer")
 
 
+def _wire_gpt_model(state: Installation) -> None:
+    """Token mode: MoE routes with padding_mask = (loss_mask == 0) (aux_losses.py says why)."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from megatron_ga_ext.aux_losses import padding_mask_forward
+
+    state.patch_attribute(GPTModel, "forward", lambda original: padding_mask_forward(original, state))
+
+
 def _skipping_builder(original: Callable, state: Installation) -> Callable:
     @functools.wraps(original)
     def build(*args: Any, **kwargs: Any) -> Any:
@@ -385,7 +416,7 @@ def _forward_step_calc_loss(original: Callable, state: Installation) -> Callable
 
 
 def _guarded_schedule(original: Callable, state: Installation) -> Callable:
-    from megatron_ga_ext.guards import check_microbatch_counts, current_pipeline_size
+    from megatron_ga_ext.guards import check_microbatch_counts
 
     @functools.wraps(original)
     def schedule(*args: Any, **kwargs: Any):
@@ -399,6 +430,8 @@ def _guarded_schedule(original: Callable, state: Installation) -> Callable:
         state.adopt_finalize(_model_config(kwargs.get("model")))
         finalized = state.finalize.calls
         result = original(*args, **kwargs)
+        if not forward_only and not state.reported_first_step:
+            _report_first_step(state, kwargs)
         if state.contract is not None and not forward_only and state.finalize.calls == finalized:
             raise GuardError(
                 "this training step's forward_backward_func never called megatron-ga-ext's finalize_model_grads, "
@@ -412,6 +445,28 @@ def _guarded_schedule(original: Callable, state: Installation) -> Callable:
         return result
 
     return schedule
+
+
+def _report_first_step(state: Installation, kwargs: dict) -> None:
+    """Once, after the first training step: the auxiliary losses and their scaling, and where this release or
+    layout cannot meet the token-mode target, by how much (aux_losses.py)."""
+    from megatron.core import parallel_state
+
+    from megatron_ga_ext.aux_losses import aux_summary, mtp_inexact_note, pipeline_inexact_note
+
+    state.reported_first_step = True
+    config = _model_config(kwargs.get("model"))
+    mode = state.config.loss_reduction
+    summary = aux_summary(config, mode)
+    if summary is None:
+        return
+    logger.info(summary)
+    positions = (kwargs["num_microbatches"] * kwargs.get("micro_batch_size", 1) * kwargs.get("seq_length", 0)
+                 * parallel_state.get_data_parallel_world_size())
+    notes = [pipeline_inexact_note(config, mode, current_pipeline_size(), positions, state.finalize.last_num_tokens or 0),
+             mtp_inexact_note(config, mode)]
+    for note in filter(None, notes):
+        logger.warning(note)
 
 
 def _model_config(model: Any) -> Any:

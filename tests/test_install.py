@@ -49,7 +49,7 @@ def standin_training() -> types.ModuleType:
 
 
 def patched_now() -> dict:
-    return {t.qualified: getattr(sys.modules[t.module], t.name) for t in CORE_TARGETS}
+    return {t.qualified: t.resolve() for t in CORE_TARGETS}
 
 
 def test_install_patches_and_reaches_names_bound_before_it():
