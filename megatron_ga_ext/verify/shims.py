@@ -28,7 +28,9 @@ module lives on the CPU. Every replacement below stands in for one of those (UPS
    numbers, so on the CPU the split sizes reach ``all_to_all_single`` as tensors, which gloo rejects; the
    stand-in hands CPU tensors over as numpy arrays where it is asked to (``as_numpy``); and 0.16's router
    reads ``moe_utils.te_general_gemm``, which it defines only with Transformer Engine installed (a
-   NameError without it): it is set to None there, so the torch path runs.
+   NameError without it): it is set to None there, so the torch path runs. Likewise main's MTP layer asks
+   ``is_inference_column_parallel_linear``, an isinstance() against Transformer Engine classes that are
+   MagicMock stand-ins without it (a TypeError): there it answers False, as it would for a local linear.
 
 Megatron-LM's own training loop (``pretrain()``, :func:`training_shims`) needs these on top (UPSTREAM.md §5):
 
@@ -56,6 +58,7 @@ Nothing here is imported by ``install()``: the shims exist to prove the extensio
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Iterator
 
 import torch
@@ -174,9 +177,22 @@ def cpu_shims(*, device_count: int = 0) -> Iterator[None]:
 
     moe = {"maybe_move_tensor_to_cpu": _host_splits}
     gemm = {} if hasattr(moe_utils, "te_general_gemm") else {"te_general_gemm": None}
+    mtp, inference_linear = _mtp_without_te()
     with _patched(torch.cuda, _replacements(device_count)), _patched(tp_random, _rng_replacements()):
-        with _patched(token_dispatcher, moe), _patched(moe_utils, gemm), _CpuDeviceMode():
-            yield
+        with _patched(token_dispatcher, moe), _patched(moe_utils, gemm), _patched(mtp, inference_linear):
+            with _CpuDeviceMode():
+                yield
+
+
+def _mtp_without_te() -> tuple[Any, dict[str, Any]]:
+    """Shim 7, last part: (module, replacements) for main's MTP layer without Transformer Engine."""
+    from megatron.core.transformer import multi_token_prediction
+
+    layers = sys.modules.get("megatron.core.tensor_parallel.inference_layers")
+    stand_in = layers is not None and not isinstance(getattr(layers, "InferenceColumnParallelLinear", type), type)
+    if stand_in and hasattr(multi_token_prediction, "is_inference_column_parallel_linear"):
+        return multi_token_prediction, {"is_inference_column_parallel_linear": lambda module: False}
+    return multi_token_prediction, {}
 
 
 def _memory_replacements() -> dict[str, Any]:
