@@ -281,3 +281,15 @@ def test_cuda_without_a_device_is_a_clear_error(capsys, monkeypatch):
     assert main(["verify", "--device", "cuda"]) == 2
     err = capsys.readouterr().err
     assert "megatron-ga verify: error: --device cuda: no CUDA device is visible" in err and "Traceback" not in err
+
+
+def test_verify_without_megatron_core_says_what_to_install(capsys, monkeypatch):
+    """A login-node install (no extras) has no torch nor megatron-core: one line and exit 2, no traceback."""
+    from megatron_ga_ext.cli import main
+
+    monkeypatch.setitem(sys.modules, "megatron", None)  # `import megatron.core` raises ImportError
+    monkeypatch.setitem(sys.modules, "megatron.core", None)
+    assert main(["verify"]) == 2
+    err = capsys.readouterr().err
+    assert "needs torch and megatron-core" in err and "pip install 'megatron-ga-ext[megatron]'" in err
+    assert "Traceback" not in err

@@ -97,8 +97,14 @@ def _quiet_upstream() -> None:
 
 def _import_upstream() -> str:
     """Import megatron-core once in the parent: forked ranks inherit it instead of paying 5-12 s."""
-    import megatron.core
-    import torch
+    try:
+        import megatron.core
+        import torch
+    except ImportError as exc:
+        raise VerifyError(
+            f"megatron-ga verify trains real megatron-core models and needs torch and megatron-core ({exc}); "
+            f"install them with pip install 'megatron-ga-ext[megatron]' (or pip install -e '.[megatron]' in a "
+            f"checkout). ledger, check and schedule need neither.") from exc
 
     return f"megatron-core {megatron.core.__version__}, torch {torch.__version__}"
 
