@@ -101,7 +101,8 @@ class Installation:
     compat_problems: list[str] = field(default_factory=list)
     active: bool = True
     """False once uninstalled: a wrapper still referenced somewhere then calls straight through."""
-    training_wired: bool = False
+    wired: set = field(default_factory=set)
+    """The late wirings done (training, optimizer, GPT model): each once, at install() or at the first hook."""
     reported_first_step: bool = False
     attribute_patches: list = field(default_factory=list)
     configs: list = field(default_factory=list)
@@ -233,9 +234,7 @@ def install(config: Any = None) -> Installation:
     try:
         for wire in WIRING.values():
             wire(state)
-        _wire_training(state)
-        _wire_optimizer(state)
-        _wire_gpt_model(state)
+        _wire_late(state)
         _guard_live_calculator(state)
     except BaseException:
         state.restore()
@@ -340,6 +339,15 @@ def _wire_finalize(state: Installation) -> None:
 
 def _wire_calculator(state: Installation) -> None:
     state.patch(CALCULATOR, "_configure_global_num_microbatches_calculator", lambda o: _configure_calculator(o, state))
+
+
+def _wire_late(state: Installation) -> None:
+    """The wirings outside the three modules a vendored tree patches (patches/): Megatron-LM's training loop
+    (once it is loaded), the optimizer builders and GPTModel. install() runs them at once; a vendored tree
+    at its first calculator hook, when Megatron has parsed its args."""
+    for name, wire in (("optimizer", _wire_optimizer), ("gpt_model", _wire_gpt_model), ("training", _wire_training)):
+        if name not in state.wired and wire(state) is not False:
+            state.wired.add(name)
 
 
 def _wire_optimizer(state: Installation) -> None:
@@ -493,7 +501,7 @@ def _configure_calculator(original: Callable, state: Installation) -> Callable:
         if not state.active:
             return original(*args, **kwargs)
         state.settle()
-        _wire_training(state)
+        _wire_late(state)
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         inputs = ScheduleInputs.from_calculator_call(state.config, bound.arguments)
@@ -510,16 +518,17 @@ def _configure_calculator(original: Callable, state: Installation) -> Callable:
     return configure
 
 
-def _wire_training(state: Installation) -> None:
-    """Megatron-LM's run length under a step schedule, once ``megatron.training.training`` is loaded."""
-    if state.training_wired or TRAINING not in sys.modules:
-        return
+def _wire_training(state: Installation) -> bool:
+    """Megatron-LM's run length under a step schedule, once ``megatron.training.training`` is loaded
+    (False: not loaded yet)."""
+    if TRAINING not in sys.modules:
+        return False
     targets = tuple(t for t in TARGETS if t.module == TRAINING)
     problems = check_targets(state.version, state.config.strict and not state.waiting_for_args, targets)
     state.compat_problems += problems
     state.patch(TRAINING, "update_train_iters", lambda original: _update_train_iters(original, state))
     state.patch(TRAINING, "get_train_valid_test_num_samples", lambda original: _num_samples(original, state))
-    state.training_wired = True
+    return True
 
 
 def _step_calculator() -> Any:
