@@ -40,6 +40,7 @@ SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 FINALIZE = "megatron.core.distributed.finalize_model_grads"
 CALCULATOR = "megatron.core.num_microbatches_calculator"
 TRAINING = "megatron.training.training"
+GPT_MODEL = "megatron.core.models.gpt.gpt_model"
 FINGERPRINTS = Path(__file__).with_name("fingerprints.json")
 
 
@@ -74,7 +75,7 @@ RELEASES = tuple(u.name for u in UPSTREAM if u.is_release)
 
 @dataclass(frozen=True)
 class Target:
-    """An upstream function the extension replaces or wraps."""
+    """An upstream function (or ``Class.method``) the extension replaces or wraps."""
 
     module: str
     name: str
@@ -89,7 +90,10 @@ class Target:
         return self.module.startswith("megatron.training")
 
     def resolve(self) -> Callable:
-        return getattr(importlib.import_module(self.module), self.name)
+        found = importlib.import_module(self.module)
+        for part in self.name.split("."):
+            found = getattr(found, part)
+        return found
 
     def path_in(self, root: Path) -> Path:
         return root / (self.module.replace(".", "/") + ".py")
@@ -104,6 +108,7 @@ TARGETS = (
     Target(CALCULATOR, "_configure_global_num_microbatches_calculator"),
     Target(CALCULATOR, "get_num_microbatches"),
     Target(CALCULATOR, "update_num_microbatches"),
+    Target(GPT_MODEL, "GPTModel.forward"),
     Target(TRAINING, "update_train_iters"),
     Target(TRAINING, "get_train_valid_test_num_samples"),
 )
@@ -137,10 +142,16 @@ def fingerprint(function: Callable) -> str:
 
 
 def fingerprint_file(path: Path, name: str) -> str:
-    """Fingerprint of the top-level function ``name`` in a source file, without importing it."""
+    """Fingerprint of the top-level function (or ``Class.method``) ``name`` in a source file, without
+    importing it. A method's source is dedented as ``inspect.getsource`` of the live method is not, so
+    the indentation is kept: the same text either way."""
     text = path.read_text()
-    for node in ast.parse(text).body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+    body = ast.parse(text).body
+    *classes, function = name.split(".")
+    for class_name in classes:
+        body = next((n.body for n in body if isinstance(n, ast.ClassDef) and n.name == class_name), [])
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == function:
             first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
             lines = text.splitlines(keepends=True)[first - 1 : node.end_lineno]
             return _digest("".join(lines))

@@ -133,10 +133,13 @@ class StartupChecks:
         if self.checkpoint_settings is not None and args is not None:
             self._warn_if_changed(args)
 
-    def wire(self, state: Any) -> None:
-        """Record the checkpoint's args where Megatron-LM checks them on load (``check_checkpoint_args``)."""
-        if CHECKPOINTING in sys.modules and hasattr(sys.modules[CHECKPOINTING], "check_checkpoint_args"):
-            state.patch(CHECKPOINTING, "check_checkpoint_args", self._recording)
+    def wire(self, state: Any) -> bool:
+        """Record the checkpoint's args where Megatron-LM checks them on load (``check_checkpoint_args``); False
+        while Megatron-LM's checkpointing is not loaded."""
+        if not hasattr(sys.modules.get(CHECKPOINTING), "check_checkpoint_args"):
+            return False
+        state.patch(CHECKPOINTING, "check_checkpoint_args", self._recording)
+        return True
 
     def _recording(self, original: Callable) -> Callable:
         @functools.wraps(original)

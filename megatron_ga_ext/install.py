@@ -47,6 +47,7 @@ from megatron_ga_ext.compat import (
 )
 from megatron_ga_ext.consistency import StartupChecks
 from megatron_ga_ext.errors import CompatError, GuardError
+from megatron_ga_ext.guards import current_pipeline_size
 from megatron_ga_ext.logs import get_logger
 from megatron_ga_ext.options import (
     GAConfig,
@@ -79,6 +80,15 @@ class _Patch:
 
 
 @dataclass
+class _AttributePatch:
+    """A class attribute install() replaced (a method: every instance looks it up on the class)."""
+
+    owner: type
+    name: str
+    original: Any
+
+
+@dataclass
 class Installation:
     """Everything install() changed, so uninstall() can put it back."""
 
@@ -92,7 +102,10 @@ class Installation:
     compat_problems: list[str] = field(default_factory=list)
     active: bool = True
     """False once uninstalled: a wrapper still referenced somewhere then calls straight through."""
-    training_wired: bool = False
+    wired: set = field(default_factory=set)
+    """The late wirings done (training, optimizer, GPT model): each once, at install() or at the first hook."""
+    reported_first_step: bool = False
+    attribute_patches: list = field(default_factory=list)
     configs: list = field(default_factory=list)
     """Weak references to model configs whose finalize_model_grads_func install() set."""
     counter: Any = None
@@ -135,10 +148,19 @@ class Installation:
             namespace[name] = replacement
         return replacement
 
+    def patch_attribute(self, owner: type, name: str, make: Callable[[Any], Any]) -> None:
+        """Replace the class attribute ``owner.name`` by ``make(original)``."""
+        original = owner.__dict__[name]
+        self.attribute_patches.append(_AttributePatch(owner, name, original))
+        setattr(owner, name, make(original))
+
     def restore(self) -> None:
         """Every original back: where install() put a replacement, in modules imported since that bound
-        one (``from x import y`` after install()), and in model configs that hold the finalize."""
+        one (``from x import y`` after install()), on classes, and in model configs that hold the finalize."""
         self.active = False
+        for a in reversed(self.attribute_patches):
+            setattr(a.owner, a.name, a.original)
+        self.attribute_patches.clear()
         for p in reversed(self.patches):
             p.namespace[p.name] = p.original
             for namespace in _namespaces_holding(p.replacement, p.name):
@@ -215,8 +237,7 @@ def install(config: Any = None) -> Installation:
     try:
         for wire in WIRING.values():
             wire(state)
-        _wire_training(state)
-        _wire_optimizer(state)
+        _wire_late(state)
         _guard_live_calculator(state)
     except BaseException:
         state.restore()
@@ -323,6 +344,16 @@ def _wire_calculator(state: Installation) -> None:
     state.patch(CALCULATOR, "_configure_global_num_microbatches_calculator", lambda o: _configure_calculator(o, state))
 
 
+def _wire_late(state: Installation) -> None:
+    """The wirings outside the three modules a vendored tree patches (patches/): Megatron-LM's training loop
+    (once it is loaded), the optimizer builders and GPTModel. install() runs them at once; a vendored tree
+    at its first calculator hook, when Megatron has parsed its args."""
+    for name, wire in (("optimizer", _wire_optimizer), ("gpt_model", _wire_gpt_model), ("training", _wire_training),
+                       ("checkpoint_args", state.startup.wire)):
+        if name not in state.wired and wire(state) is not False:
+            state.wired.add(name)
+
+
 def _wire_optimizer(state: Installation) -> None:
     """``--ga-zero-token-policy skip``: the optimizers Megatron builds skip a step whose global batch had no
     tokens (FinalizeModelGrads.skip_step), returning (update_successful=False, None, None) as an fp16 overflow
@@ -336,6 +367,15 @@ def _wire_optimizer(state: Installation) -> None:
 
 
 OPTIMIZER_BUILDERS = ("get_megatron_optimizer", "get_megatron_muon_optimizer")
+
+
+def _wire_gpt_model(state: Installation) -> None:
+    """Token mode: MoE routes with padding_mask = (loss_mask == 0) (aux_losses.py says why)."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from megatron_ga_ext.aux_losses import padding_mask_forward
+
+    state.patch_attribute(GPTModel, "forward", lambda original: padding_mask_forward(original, state))
 
 
 def _skipping_builder(original: Callable, state: Installation) -> Callable:
@@ -388,7 +428,7 @@ def _forward_step_calc_loss(original: Callable, state: Installation) -> Callable
 
 
 def _guarded_schedule(original: Callable, state: Installation) -> Callable:
-    from megatron_ga_ext.guards import check_microbatch_counts, current_pipeline_size
+    from megatron_ga_ext.guards import check_microbatch_counts
 
     @functools.wraps(original)
     def schedule(*args: Any, **kwargs: Any):
@@ -403,6 +443,8 @@ def _guarded_schedule(original: Callable, state: Installation) -> Callable:
         state.adopt_finalize(_model_config(kwargs.get("model")))
         finalized = state.finalize.calls
         result = original(*args, **kwargs)
+        if not forward_only and not state.reported_first_step:
+            _report_first_step(state, kwargs)
         if state.contract is not None and not forward_only and state.finalize.calls == finalized:
             raise GuardError(
                 "this training step's forward_backward_func never called megatron-ga-ext's finalize_model_grads, "
@@ -416,6 +458,28 @@ def _guarded_schedule(original: Callable, state: Installation) -> Callable:
         return result
 
     return schedule
+
+
+def _report_first_step(state: Installation, kwargs: dict) -> None:
+    """Once, after the first training step: the auxiliary losses and their scaling, and where this release or
+    layout cannot meet the token-mode target, by how much (aux_losses.py)."""
+    from megatron.core import parallel_state
+
+    from megatron_ga_ext.aux_losses import aux_summary, mtp_inexact_note, pipeline_inexact_note
+
+    state.reported_first_step = True
+    config = _model_config(kwargs.get("model"))
+    mode = state.config.loss_reduction
+    summary = aux_summary(config, mode)
+    if summary is None:
+        return
+    logger.info(summary)
+    positions = (kwargs["num_microbatches"] * kwargs.get("micro_batch_size", 1) * kwargs.get("seq_length", 0)
+                 * parallel_state.get_data_parallel_world_size())
+    notes = [pipeline_inexact_note(config, mode, current_pipeline_size(), positions, state.finalize.last_num_tokens or 0),
+             mtp_inexact_note(config, mode)]
+    for note in filter(None, notes):
+        logger.warning(note)
 
 
 def _model_config(model: Any) -> Any:
@@ -442,7 +506,7 @@ def _configure_calculator(original: Callable, state: Installation) -> Callable:
         if not state.active:
             return original(*args, **kwargs)
         state.settle()
-        _wire_training(state)
+        _wire_late(state)
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         inputs = ScheduleInputs.from_calculator_call(state.config, bound.arguments)
@@ -459,17 +523,17 @@ def _configure_calculator(original: Callable, state: Installation) -> Callable:
     return configure
 
 
-def _wire_training(state: Installation) -> None:
-    """Megatron-LM's run length under a step schedule, once ``megatron.training.training`` is loaded."""
-    if state.training_wired or TRAINING not in sys.modules:
-        return
+def _wire_training(state: Installation) -> bool:
+    """Megatron-LM's run length under a step schedule, once ``megatron.training.training`` is loaded
+    (False: not loaded yet)."""
+    if TRAINING not in sys.modules:
+        return False
     targets = tuple(t for t in TARGETS if t.module == TRAINING)
     problems = check_targets(state.version, state.config.strict and not state.waiting_for_args, targets)
     state.compat_problems += problems
     state.patch(TRAINING, "update_train_iters", lambda original: _update_train_iters(original, state))
     state.patch(TRAINING, "get_train_valid_test_num_samples", lambda original: _num_samples(original, state))
-    state.startup.wire(state)
-    state.training_wired = True
+    return True
 
 
 def _step_calculator() -> Any:

@@ -4,6 +4,7 @@ import argparse
 import importlib
 import inspect
 import logging
+import re
 import sys
 import types
 
@@ -15,7 +16,7 @@ from megatron.core import num_microbatches_calculator as calculators  # noqa: E4
 import megatron_ga_ext  # noqa: E402
 from megatron_ga_ext import CompatError, GuardError, ScheduleError  # noqa: E402
 from megatron_ga_ext.errors import OptionError  # noqa: E402
-from megatron_ga_ext.compat import FINALIZE, TARGETS, megatron_core_version  # noqa: E402
+from megatron_ga_ext.compat import FINALIZE, TARGETS, matching_sources, megatron_core_version  # noqa: E402
 from megatron_ga_ext.guards import GuardedCalculator  # noqa: E402
 from megatron_ga_ext.install import GAConfig, add_args, install, installed, uninstall  # noqa: E402
 
@@ -49,7 +50,7 @@ def standin_training() -> types.ModuleType:
 
 
 def patched_now() -> dict:
-    return {t.qualified: getattr(sys.modules[t.module], t.name) for t in CORE_TARGETS}
+    return {t.qualified: t.resolve() for t in CORE_TARGETS}
 
 
 def test_install_patches_and_reaches_names_bound_before_it():
@@ -95,12 +96,14 @@ def _changed_forward_step_calc_loss(model, output_tensor, loss_func, config, vp_
 
 
 def test_unknown_fingerprint_refused_in_strict_mode_and_warned_otherwise(monkeypatch, caplog):
+    this_source = "|".join(re.escape(name) for name in matching_sources())  # what this tree's functions match
+    assert this_source, "every hooked function of the megatron-core under test is a tested one"
     monkeypatch.setattr(schedules, "forward_step_calc_loss", _changed_forward_step_calc_loss)
     version = megatron_core_version()
     with pytest.raises(CompatError, match=rf"unknown upstream source in megatron-core {version}: \S+forward_step_calc_loss "
                        r"has fingerprint [0-9a-f]{16}, which no tested source has\. The nearest tested source is "
-                       rf"{version} \(\d+ of \d+ hooked functions identical\).*tested on 0\.16\.1, 0\.17\.1, 0\.18\.2, 0\.19\.2, "
-                       r"main@9f3fe8c925fb.*--no-ga-strict"):
+                       rf"({this_source}) \(\d+ of \d+ hooked functions identical\).*tested on 0\.16\.1, 0\.17\.1, "
+                       r"0\.18\.2, 0\.19\.2, main@9f3fe8c925fb.*--no-ga-strict"):
         install(GAConfig())
     assert installed() is None and schedules.forward_step_calc_loss is _changed_forward_step_calc_loss
     with caplog.at_level(logging.WARNING, logger="megatron_ga_ext.compat"):

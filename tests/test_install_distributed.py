@@ -93,7 +93,7 @@ def _rank_main(args: argparse.Namespace) -> dict:
     cfg = VerifyConfig()
     plan = [step_batch(cfg, consumed, m) for consumed, _, m in expected_steps()]
     # The unpartitioned references first: they need TP = PP = 1 state.
-    refs = [reference_grads(cfg.model, [layout], batch)[("gpt", "token")] for layout, batch in plan]
+    refs = [reference_grads(cfg.model, [layout], batch)[(layout.name, "token")] for layout, batch in plan]
     init_calculator(args)
     init_model_parallel(pipeline_model_parallel_size=PP)
     ddp, names, config = build_ddp(plan[0][0], cfg, calculate_per_token_loss=True)

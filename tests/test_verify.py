@@ -132,10 +132,11 @@ def test_ranks_exit_when_their_parent_dies(tmp_path):
     assert not any(_running(pid) for pid in pids)
 
 
-def test_default_layouts_cover_issue_four():
+def test_default_layouts_cover_every_layout_users_run():
     names = [layout.name for layout in DEFAULT_LAYOUTS]
-    assert names == ["DP1 x GA8", "DP2 x GA4", "DP4 x GA2", "PP2 x DP2 x GA4",
-                     "CP2 x DP2 x GA4 (position-wise)"]
+    assert names == ["DP1 x GA8", "DP2 x GA4", "DP2 x GA4 (overlapped grad reduce, distributed optimizer)",
+                     "DP2 x GA4 (MoE)", "EP2 x DP2 x GA4 (MoE)", "DP2 x GA4 (MTP)", "DP2 x GA4 (MoE + MTP)",
+                     "DP4 x GA2", "PP2 x DP2 x GA4", "PP2 x VPP2 x DP2 x GA4", "CP2 x DP2 x GA4 (position-wise)"]
     assert {layout.global_batch_size for layout in DEFAULT_LAYOUTS} == {len(DEFAULT_LENGTHS)}
     assert min(DEFAULT_LENGTHS) == 1  # one micro-batch nearly all padding
 
@@ -211,12 +212,17 @@ def test_relative_error_propagates_nan_from_any_parameter():
 
 @pytest.mark.slow
 def test_verify_command_end_to_end():
-    proc = subprocess.run([sys.executable, "-m", "megatron_ga_ext.verify", "--json", "--timeout", "90"],
-                          capture_output=True, text=True, timeout=300)  # 3 launches of at most 90 s
+    """Every layout through install(), both modes, and the router's auxiliary-loss gradient before and after."""
+    proc = subprocess.run([sys.executable, "-m", "megatron_ga_ext.verify", "--json", "--timeout", "150"],
+                          capture_output=True, text=True, timeout=480)  # 3 launches of at most 150 s
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout)
+    out = json.loads(proc.stdout)
+    skipped = {s["layout"] for s in out["skipped"]}
+    assert skipped <= {"DP2 x GA4 (MTP)", "DP2 x GA4 (MoE + MTP)"}  # MTP rows need megatron-core >= 0.17
+    rows = out["rows"]
     assert [(r["layout"], r["mode"]) for r in rows] == [
-        (layout.name, mode) for layout in DEFAULT_LAYOUTS for mode in ("token", "microbatch")]
+        (layout.name, mode) for layout in DEFAULT_LAYOUTS if layout.name not in skipped
+        for mode in ("token", "microbatch")]
     for row in rows:
         assert set(row) == {"layout", "mode", "rel_err_token", "rel_err_mean_of_means", "num_tokens", "ok"}
         assert row["ok"] is True
@@ -225,7 +231,11 @@ def test_verify_command_end_to_end():
             assert row["num_tokens"] == sum(DEFAULT_LENGTHS)
         else:
             assert row["rel_err_mean_of_means"] < 1e-5 < 0.1 < row["rel_err_token"]
-    assert "launching 4 rank(s)" in proc.stderr and "PP2 x DP2 x GA4" in proc.stderr
+    before, after = out["router_aux_coefficient"]
+    assert before["variant"] == "upstream --calculate-per-token-loss" and before["error"] > 0.1
+    assert after["variant"] == "with megatron-ga-ext" and after["error"] < 1e-5
+    assert after["coefficient"] == pytest.approx(1.0, abs=1e-5) and before["coefficient"] > 1.05
+    assert "launching 4 rank(s)" in proc.stderr and "PP2 x VPP2 x DP2 x GA4" in proc.stderr
 
 
 def test_verify_command_fails_when_token_mode_misses(capsys, monkeypatch):
@@ -234,7 +244,7 @@ def test_verify_command_fails_when_token_mode_misses(capsys, monkeypatch):
     results = {2: [[_result("DP2 x GA4", "token", 3e-5, 0.9, 72),
                     _result("DP2 x GA4", "microbatch", 3.0, 1e-7)]] * 2}
     monkeypatch.setattr(command, "_import_upstream", lambda: "megatron-core (not imported)")
-    monkeypatch.setattr(command, "_launch_all", lambda layouts, args: results)
+    monkeypatch.setattr(command, "_launch_all", lambda layouts, args: (results, []))
     parser = argparse.ArgumentParser()
     command.configure_parser(parser)
     assert command.run(parser.parse_args([])) == 1
@@ -271,3 +281,15 @@ def test_cuda_without_a_device_is_a_clear_error(capsys, monkeypatch):
     assert main(["verify", "--device", "cuda"]) == 2
     err = capsys.readouterr().err
     assert "megatron-ga verify: error: --device cuda: no CUDA device is visible" in err and "Traceback" not in err
+
+
+def test_verify_without_megatron_core_says_what_to_install(capsys, monkeypatch):
+    """A login-node install (no extras) has no torch nor megatron-core: one line and exit 2, no traceback."""
+    from megatron_ga_ext.cli import main
+
+    monkeypatch.setitem(sys.modules, "megatron", None)  # `import megatron.core` raises ImportError
+    monkeypatch.setitem(sys.modules, "megatron.core", None)
+    assert main(["verify"]) == 2
+    err = capsys.readouterr().err
+    assert "needs torch and megatron-core" in err and "pip install 'megatron-ga-ext[megatron]'" in err
+    assert "Traceback" not in err

@@ -1,90 +1,65 @@
-"""Measure the effective MoE auxiliary-loss coefficient per micro-batch through megatron's own code.
+"""The MoE router's auxiliary-loss gradient against the token-mode target, before and after install().
 
-A probe parameter ``p`` (one entry per sample of the global batch) stands in for the router: micro-batch
-``u`` attaches ``aux(u) = alpha * p[b(u)]`` to its activations with megatron's ``MoEAuxLossAutoScaler``,
-pre-multiplied in ``token`` mode exactly as the router does (router.py:604-637):
+On the MoE layout DP 2 x GA 4 (top-2 of 4 experts, load-balancing aux loss and z-loss) and the verify batch
+(72 loss tokens in 128 positions), with the LM loss at weight 0 so that only the router's auxiliary losses
+reach its weights, the step's router-weight gradient g is compared with the target g* of docs/reduction.md
+(each micro-batch's terms over its loss tokens, weighted n_u / N: references.aux_reference_grads):
 
-    aux(u) * k(u) * TP * CP,   k(u) = valid tokens (router given a padding mask) or all tokens
+    coefficient = <g, g*> / <g*, g*>      (1 when g = g*; the factor by which the aux losses are over-weighted)
+    error       = max over router weights of max |g - g*| / max |g*|
 
-Megatron's schedule sets the autoscaler's scale (``config.num_moe_experts`` is set), DDP reduces, and
-finalize (through the extension's wrapper in ``token`` mode) divides. Because ``aux`` is linear in ``p``,
-
-    p.main_grad[b] = alpha_eff(u)          exactly: the coefficient micro-batch u's aux loss received.
-
-The target megatron's router comments state is ``alpha / (M * D)`` per micro-batch, what ``microbatch`` mode
-gives; the result is reported relative to it.
+"before" is upstream's own ``--calculate-per-token-loss`` step (no extension: the router counts every position);
+"after" is the same step through install(), which routes with padding_mask = (loss_mask == 0).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
-from typing import Any
 
 import torch
 
 from megatron_ga_ext.reduction import masked_loss
-from megatron_ga_ext.verify.harness import VerifyConfig, build_ddp, gradients, reduction_hooks, train_step
-from megatron_ga_ext.verify.layouts import GlobalBatch, Layout
-from megatron_ga_ext.verify.models import ModelConfig, build_positionwise
+from megatron_ga_ext.verify.harness import VerifyConfig, relative_error, run_layout
+from megatron_ga_ext.verify.layouts import GlobalBatch, Layout, make_global_batch
+from megatron_ga_ext.verify.references import aux_reference_grads
 
-__all__ = ["AuxProbeResult", "measure_aux_coefficients"]
+__all__ = ["ROUTER_LAYOUT", "RouterCoefficient", "measure_router_coefficients"]
 
-ALPHA = 0.01
+ROUTER_LAYOUT = Layout(data_parallel_size=2, num_microbatches=4, model="moe")
 
 
 @dataclass(frozen=True)
-class AuxProbeResult:
-    """Effective coefficient of each sample's micro-batch, in units of alpha / (M * D)."""
+class RouterCoefficient:
+    """The router's auxiliary-loss gradient coefficient and error against the target, for one variant."""
 
-    mode: str
-    router_counts: str
-    relative_coefficients: list[float]
-
-
-def measure_aux_coefficients(layout: Layout, model: ModelConfig, batch: GlobalBatch, *, mode: str,
-                             router_counts: str) -> AuxProbeResult:
-    """One step of ``layout`` (TP = PP = CP = 1; parallel state initialised) with the aux probe."""
-    cfg = VerifyConfig(layouts=(layout,), model=model, progress=False)
-    ddp, names, config = build_ddp(
-        layout, cfg, calculate_per_token_loss=(mode == "token"),
-        build_module=partial(_probe_model, model, num_samples=layout.global_batch_size, mode=mode,
-                             router_counts=router_counts))
-    finalize, loss_func = reduction_hooks(mode, partial(_zero_lm_loss, mode=mode))
-    train_step(ddp, config, layout, cfg, batch, finalize=finalize, loss_func=loss_func,
-               forward_step_func=_forward_step, sample_ids=True)
-    target = ALPHA / (layout.num_microbatches * layout.data_parallel_size)
-    coefficients = (gradients(ddp, names)["probe"] / target).tolist()
-    return AuxProbeResult(mode, router_counts, coefficients)
+    variant: str
+    coefficient: float
+    error: float
 
 
-def _zero_lm_loss(output, loss_mask, *, mode):
-    loss, n, report = masked_loss(output, loss_mask, mode=mode)
-    return loss * 0.0, n, report  # only the auxiliary loss reaches the probe
+def measure_router_coefficients(cfg: VerifyConfig) -> list[RouterCoefficient]:
+    """Before (upstream alone) and after (install()), on this rank; every rank of a DP 2 launch agrees."""
+    batch = make_global_batch(cfg.lengths, cfg.model.seq_length, cfg.model.vocab_size)
+    target = _router(aux_reference_grads(cfg.model, ROUTER_LAYOUT, batch, "token", device=cfg.device))
+    out = []
+    for variant, extension in (("upstream --calculate-per-token-loss", False), ("with megatron-ga-ext", True)):
+        grads, _ = run_layout(ROUTER_LAYOUT, "token", cfg, batch, loss_func=_no_lm_loss, extension=extension)
+        mine = _router(grads)
+        dot = sum(float((mine[n] * target[n]).sum()) for n in target)
+        norm = sum(float((target[n] * target[n]).sum()) for n in target)
+        out.append(RouterCoefficient(variant, dot / norm, relative_error(mine, target)))
+    return out
 
 
-def _probe_model(model: ModelConfig, config: Any, *, num_samples: int, mode: str, router_counts: str):
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-    config.num_moe_experts = 2  # makes the schedule set the MoE aux-loss scale; no MoE layer is built
-    lm, names = build_positionwise(model, config)
-    lm.probe = torch.nn.Parameter(torch.zeros(num_samples))
-    inner_forward = lm.forward
-
-    def forward(input_ids, position_ids, attention_mask=None, labels=None, *, sample_ids, loss_mask):
-        losses = inner_forward(input_ids, position_ids, attention_mask, labels=labels)
-        aux = ALPHA * lm.probe[sample_ids].sum()
-        if mode == "token":  # the router's pre-multiplication (TP = CP = 1 here)
-            k = loss_mask.sum() if router_counts == "valid" else torch.tensor(float(loss_mask.numel()))
-            aux = aux * k
-        return MoEAuxLossAutoScaler.apply(losses, aux)
-
-    lm.forward = forward
-    return lm, {**names, "probe": "probe"}
+def _no_lm_loss(output: torch.Tensor, loss_mask: torch.Tensor, *, mode: str):
+    loss, num_tokens, report = masked_loss(output, loss_mask, mode=mode)
+    return loss * 0.0, num_tokens, report  # N is still the batch's loss tokens
 
 
-def _forward_step(data_iterator: Any, model: torch.nn.Module, *, loss_func: Any):
-    micro = next(data_iterator)
-    losses = model(micro["tokens"], micro["position_ids"], None, labels=micro["labels"],
-                   sample_ids=micro["sample_ids"], loss_mask=micro["loss_mask"])
-    return losses, partial(loss_func, loss_mask=micro["loss_mask"])
+def _router(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: grad for name, grad in grads.items() if "router" in name}
+
+
+def padded_share(batch: GlobalBatch) -> float:
+    """Loss tokens / positions of the batch (72 / 128 for verify's)."""
+    return float(batch.loss_mask.sum()) / batch.loss_mask.numel()

@@ -1,10 +1,13 @@
-"""``megatron-ga verify``: every layout in both modes against both unpartitioned references.
+"""``megatron-ga verify``: every layout in both modes, through install(), against unpartitioned references.
 
 One launch per world size (1, 2, 4 ranks on the default layouts); each rank runs all layouts of its
-world size in sequence, re-initialising megatron's parallel state in between. Exit status: 0 when every
-``token`` row is within ``--tolerance`` of the token reference, with every rank dividing by N = the
-non-padding tokens of the global batch, and every ``microbatch`` row within it of its own mean-of-means
-reference; 1 otherwise; 2 when a launch fails (a VerifyError, printed by the CLI's one error path).
+world size in sequence, re-initialising megatron's parallel state in between. The 2-rank launch also
+measures the MoE router's auxiliary-loss gradient against the token-mode target, before (upstream alone)
+and after install() (verify/aux.py). Exit status: 0 when every ``token`` row is within ``--tolerance`` of
+the token reference, with every rank dividing by N = the non-padding tokens of the global batch, every
+``microbatch`` row within it of its own mean-of-means reference, and the router's gradient with the
+extension within it of the target; 1 otherwise; 2 when a launch fails (a VerifyError, printed by the CLI's
+one error path). Layouts a release cannot run are listed as skipped, with the reason.
 """
 
 from __future__ import annotations
@@ -50,18 +53,37 @@ def run(args: argparse.Namespace) -> int:
     versions = _import_upstream()
     from megatron_ga_ext.verify.layouts import DEFAULT_LAYOUTS, DEFAULT_LENGTHS
 
-    layouts = _runnable(DEFAULT_LAYOUTS, args.device)
+    layouts, skipped = _supported(_runnable(DEFAULT_LAYOUTS, args.device))
     print(f"megatron-ga verify: {versions}, device {args.device}", file=sys.stderr)
     if not layouts:
         raise VerifyError("--device cuda: no CUDA device is visible; run on a GPU machine or use --device cpu.")
     try:
-        results = _launch_all(layouts, args)
+        results, router = _launch_all(layouts, args)
     except Exception as exc:  # noqa: BLE001 - any failure of a launch is reported as one line by the CLI
         raise VerifyError(f"verify launch failed: {type(exc).__name__}: {exc}") from exc
     expected_num_tokens = sum(DEFAULT_LENGTHS)
     rows = rows_from_results(results, args.tolerance, expected_num_tokens)
-    _report(rows, args, expected_num_tokens, time.perf_counter() - start)
-    return 0 if all(row["ok"] for row in rows) else 1
+    router_rows = [{"variant": r.variant, "coefficient": r.coefficient, "error": r.error} for r in router]
+    router_ok = all(r["error"] <= args.tolerance for r in router_rows if r["variant"].startswith("with"))
+    _report(rows, router_rows, skipped, args, expected_num_tokens, time.perf_counter() - start)
+    return 0 if all(row["ok"] for row in rows) and router_ok else 1
+
+
+def _supported(layouts: list) -> tuple[list, list[dict[str, str]]]:
+    """The layouts this megatron-core can run, and the others with the reason."""
+    from megatron.core.transformer import multi_token_prediction
+
+    mtp_clamped = hasattr(multi_token_prediction, "process_mtp_loss")
+    kept, skipped = [], []
+    for layout in layouts:
+        if layout.model in ("mtp", "moe_mtp") and not mtp_clamped:
+            skipped.append({"layout": layout.name, "reason": (
+                "megatron-core 0.16 divides each micro-batch's MTP loss by its rolled token count without a "
+                "clamp, so a micro-batch with at most one loss token per sequence (this batch has one) gives "
+                "NaN; the MTP rows need 0.17 or later")})
+        else:
+            kept.append(layout)
+    return kept, skipped
 
 
 def _quiet_upstream() -> None:
@@ -75,8 +97,14 @@ def _quiet_upstream() -> None:
 
 def _import_upstream() -> str:
     """Import megatron-core once in the parent: forked ranks inherit it instead of paying 5-12 s."""
-    import megatron.core
-    import torch
+    try:
+        import megatron.core
+        import torch
+    except ImportError as exc:
+        raise VerifyError(
+            f"megatron-ga verify trains real megatron-core models and needs torch and megatron-core ({exc}); "
+            f"install them with pip install 'megatron-ga-ext[megatron]' (or pip install -e '.[megatron]' in a "
+            f"checkout). ledger, check and schedule need neither.") from exc
 
     return f"megatron-core {megatron.core.__version__}, torch {torch.__version__}"
 
@@ -95,9 +123,10 @@ def _runnable(layouts: tuple, device: str) -> list:
     return kept
 
 
-def _launch_all(layouts: list, args: argparse.Namespace) -> dict[int, list[list[Any]]]:
-    """{world size: per-rank lists of LayoutResult}, one launch per world size."""
-    from megatron_ga_ext.verify.harness import VerifyConfig, run_rank
+def _launch_all(layouts: list, args: argparse.Namespace) -> tuple[dict[int, list[list[Any]]], list[Any]]:
+    """({world size: per-rank lists of LayoutResult}, rank 0's router coefficients), one launch per world
+    size; the router measurement rides on the 2-rank launch (CPU only: it is a DP 2 layout)."""
+    from megatron_ga_ext.verify.harness import VerifyConfig
     from megatron_ga_ext.verify.launch import LaunchConfig, run_on_ranks
     from megatron_ga_ext.verify.layouts import DEFAULT_LENGTHS
 
@@ -105,14 +134,32 @@ def _launch_all(layouts: list, args: argparse.Namespace) -> dict[int, list[list[
     for layout in layouts:
         by_world[layout.world_size].append(layout)
     launch = LaunchConfig(backend="gloo" if args.device == "cpu" else "nccl", timeout_s=args.timeout)
-    results = {}
+    results, router = {}, []
     for world_size in sorted(by_world):
         names = ", ".join(lay.name for lay in by_world[world_size])
         print(f"launching {world_size} rank(s): {names}", file=sys.stderr, flush=True)
         cfg = VerifyConfig(layouts=tuple(by_world[world_size]), lengths=DEFAULT_LENGTHS,
                            device=args.device)
-        results[world_size] = run_on_ranks(run_rank, world_size, (cfg,), launch)
-    return results
+        per_rank = run_on_ranks(_rank_work, world_size, (cfg, world_size == 2), launch)
+        results[world_size] = [layouts_done for layouts_done, _ in per_rank]
+        router = per_rank[0][1] or router
+    return results, router
+
+
+def _rank_work(cfg: Any, router: bool) -> tuple[list[Any], list[Any]]:
+    """One rank: every layout of ``cfg``, then (``router``) the router coefficients."""
+    from megatron_ga_ext.verify.harness import run_rank
+
+    results = run_rank(cfg)
+    if not router:
+        return results, []
+    from megatron_ga_ext.verify.aux import measure_router_coefficients
+    from megatron_ga_ext.verify.shims import cpu_shims
+
+    if cfg.device != "cpu":
+        return results, measure_router_coefficients(cfg)
+    with cpu_shims():
+        return results, measure_router_coefficients(cfg)
 
 
 def rows_from_results(results: dict[int, list[list[Any]]], tolerance: float,
@@ -149,15 +196,21 @@ def _worst(errors: Iterable[float]) -> float:
     return math.nan if any(math.isnan(e) for e in errors) else max(errors)
 
 
-def _report(rows: list[dict[str, Any]], args: argparse.Namespace, expected_num_tokens: int,
-            seconds: float) -> None:
+def _report(rows: list[dict[str, Any]], router: list[dict[str, Any]], skipped: list[dict[str, str]],
+            args: argparse.Namespace, expected_num_tokens: int, seconds: float) -> None:
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps({"rows": rows, "router_aux_coefficient": router, "skipped": skipped}, indent=2))
         return
     table = [[r["layout"], r["mode"], f"{r['rel_err_token']:.2e}", f"{r['rel_err_mean_of_means']:.2e}",
               "-" if r["mode"] != "token" else str(r["num_tokens"]), _verdict(r)] for r in rows]
     print_table("Gradients against unpartitioned references (max relative error over ranks)",
                 ["layout", "mode", "vs token ref", "vs mean-of-means ref", "N", "verdict"], table)
+    if router:
+        print_table("MoE router's auxiliary-loss gradient against the token-mode target (DP2 x GA4, token mode)",
+                    ["step", "coefficient", "max relative error"],
+                    [[r["variant"], f"{r['coefficient']:.4f}", f"{r['error']:.2e}"] for r in router])
+    for skip in skipped:
+        print(f"skipped {skip['layout']}: {skip['reason']}")
     failed = sum(not r["ok"] for r in rows)
     summary = "all rows pass" if not failed else f"{failed} row(s) FAIL"
     print(f"{summary} (tolerance {args.tolerance:g}; token rows must divide by N = "

@@ -1,15 +1,17 @@
 """What each rank of a verify launch does: references, then every layout in both modes.
 
 For each layout of the launch (all of one world size) and each mode, a rank initialises megatron's
-parallel state, builds the tiny model, wraps it in megatron's DDP, runs megatron's own schedule
-(``get_forward_backward_func``) over its micro-batches with ``finalize_model_grads`` as the finalize
-hook, and compares its ``main_grad`` with the unpartitioned references:
+parallel state and num-microbatches calculator, calls ``megatron_ga_ext.install()`` with that mode (the path
+a user takes), builds the tiny model (dense, MoE, MTP; one chunk per virtual pipeline stage), wraps it in
+megatron's DDP (overlapped grad reduce and the distributed optimizer where the layout says so), runs
+megatron's own schedule (``get_forward_backward_func``) over its micro-batches with megatron's
+``finalize_model_grads`` (install()'s) as the finalize hook, and compares its ``main_grad`` with the
+unpartitioned references (references.py):
 
     rel_err(g, ref) = max over the parameters p this rank holds of  max |g_p - ref_p| / max |ref_p|
 
-Mode ``token`` runs through the extension: :func:`masked_loss` wrapped by a :class:`LossContract`, and
-:func:`make_finalize_model_grads` around upstream's ``finalize_model_grads``. Mode ``microbatch`` runs
-upstream's default path with the same loss helper.
+The loss function is the extension's :func:`masked_loss` helper; install() checks it in mode ``token`` and
+leaves upstream's arithmetic in mode ``microbatch``.
 """
 
 from __future__ import annotations
@@ -33,12 +35,12 @@ from megatron_ga_ext.verify.layouts import (
     Layout,
     make_global_batch,
 )
-from megatron_ga_ext.verify.models import ModelConfig, build_gpt, build_positionwise, layer_offset
+from megatron_ga_ext.verify.models import ModelConfig, build_gpt, build_positionwise
 from megatron_ga_ext.verify.models import init_model_parallel  # also imported from here by callers
 from megatron_ga_ext.verify.models import transformer_config
 from megatron_ga_ext.verify.references import reference_grads
 
-__all__ = ["LayoutResult", "VerifyConfig", "build_ddp", "gradients", "init_model_parallel",
+__all__ = ["LayoutResult", "VerifyConfig", "build_chunks", "build_ddp", "gradients", "init_model_parallel",
            "microbatches", "reduction_hooks", "relative_error", "run_layout", "run_rank", "train_step"]
 
 
@@ -89,7 +91,7 @@ def _run_all(cfg: VerifyConfig) -> list[LayoutResult]:
             grads, num_tokens = run_layout(layout, mode, cfg, batch)
             result = LayoutResult(
                 layout.name, mode,
-                relative_error(grads, refs[(layout.model, "token")]),
+                relative_error(grads, refs[(layout.name, "token")]),
                 relative_error(grads, refs[(layout.name, "mean_of_means")]),
                 num_tokens, time.perf_counter() - start)
             _progress(cfg, result)
@@ -120,32 +122,46 @@ def relative_error(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor])
     return float(torch.stack(errors).max())
 
 
-def run_layout(layout: Layout, mode: str, cfg: VerifyConfig,
-               batch: GlobalBatch) -> tuple[dict[str, torch.Tensor], int | None]:
-    """One step of ``layout`` in ``mode``; this rank's gradients by global name, and N (token mode)."""
+def run_layout(layout: Layout, mode: str, cfg: VerifyConfig, batch: GlobalBatch, *,
+               loss_func: Callable = masked_loss, extension: bool = True) -> tuple[dict[str, torch.Tensor], int | None]:
+    """One step of ``layout`` in ``mode`` through ``install()``, as a user runs it; this rank's gradients by
+    global name, and the N its finalize divided by (token mode).
+
+    The parallel state, megatron's own num-microbatches calculator (GBS = MBS x DP x GA) and the extension
+    (:class:`GAConfig` with the mode and the pipeline sizes) are set up for the step and torn down after it.
+    ``extension=False`` runs upstream alone (its own ``--calculate-per-token-loss`` in mode token), for a
+    before/after comparison; N is then None.
+    """
+    import megatron_ga_ext
+    from megatron.core import num_microbatches_calculator as calculators
     from megatron.core import parallel_state
 
+    vpp = layout.virtual_pipeline_model_parallel_size
     init_model_parallel(pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
-                        context_parallel_size=layout.context_parallel_size)
+                        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+                        context_parallel_size=layout.context_parallel_size,
+                        expert_model_parallel_size=layout.expert_model_parallel_size)
+    state = megatron_ga_ext.install(GAConfig(
+        loss_reduction=mode, pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)) if extension else None
+    calculators.init_num_microbatches_calculator(
+        0, None, layout.global_batch_size, layout.micro_batch_size, layout.data_parallel_size)
     try:
-        return _one_step(layout, mode, cfg, batch)
+        chunks, names, config = build_chunks(layout, cfg, calculate_per_token_loss=(mode == "token"))
+        from megatron.core.distributed import finalize_model_grads  # the extension's, after install()
+
+        train_step(chunks, config, layout, cfg, batch, finalize=finalize_model_grads,
+                   loss_func=partial(loss_func, mode=mode))
+        return gradients(chunks, names), state.finalize.last_num_tokens if state else None
     finally:
+        megatron_ga_ext.uninstall()
+        calculators.unset_num_microbatches_calculator()
         parallel_state.destroy_model_parallel()
 
 
-def _one_step(layout: Layout, mode: str, cfg: VerifyConfig, batch: GlobalBatch):
-    ddp, names, config = build_ddp(layout, cfg, calculate_per_token_loss=(mode == "token"))
-    finalize, loss_func = reduction_hooks(mode, partial(masked_loss, mode=mode))
-    train_step(ddp, config, layout, cfg, batch, finalize=finalize, loss_func=loss_func)
-    return gradients(ddp, names), finalize.last_num_tokens
-
-
 def reduction_hooks(mode: str, loss_func: Callable) -> tuple[Any, Callable]:
-    """The extension's hooks for ``mode``: (finalize, loss function).
-
-    finalize is :func:`make_finalize_model_grads` around upstream's ``finalize_model_grads``; in
-    ``token`` mode the loss function is checked per micro-batch by the finalize's :class:`LossContract`.
-    """
+    """The extension's finalize and loss function wired by hand, without install(): for the unit tests that
+    break one check of the finalize on purpose. ``verify`` itself goes through install()."""
     from megatron.core.distributed import finalize_model_grads
 
     contract = LossContract()
@@ -156,63 +172,102 @@ def reduction_hooks(mode: str, loss_func: Callable) -> tuple[Any, Callable]:
 
 def build_ddp(layout: Layout, cfg: VerifyConfig, *, calculate_per_token_loss: bool,
               ddp_config: Any = None, build_module: Callable | None = None):
-    """This rank's chunk of the layout's model, wrapped in megatron's DDP: (ddp, names, config).
+    """This rank's (single) chunk of the layout's model, wrapped in megatron's DDP: (ddp, names, config).
 
     ``names`` maps each local parameter name to its global one. ``build_module(config)`` returning
     ``(module, names)`` replaces the layout's model (it may set fields of the config first).
     """
+    chunks, names, config = build_chunks(layout, cfg, calculate_per_token_loss=calculate_per_token_loss,
+                                         ddp_config=ddp_config, build_module=build_module)
+    return chunks[0], names, config
+
+
+def build_chunks(layout: Layout, cfg: VerifyConfig, *, calculate_per_token_loss: bool,
+                 ddp_config: Any = None, build_module: Callable | None = None):
+    """This rank's model chunks (one per virtual pipeline stage), each wrapped in megatron's DDP as its
+    training does (bucketing only on the first chunk): (chunks, names of all chunks, config)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+    vpp = layout.virtual_pipeline_model_parallel_size
     config = transformer_config(
-        cfg.model, pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
-        context_parallel_size=layout.context_parallel_size,
+        cfg.model, kind=layout.model, pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=vpp, context_parallel_size=layout.context_parallel_size,
+        expert_model_parallel_size=layout.expert_model_parallel_size,
         calculate_per_token_loss=calculate_per_token_loss)
-    module, names = (build_module or partial(_build_module, layout, cfg))(config)
-    module.to(cfg.device)
-    ddp = DistributedDataParallel(config=config, module=module,
-                                  ddp_config=ddp_config or DistributedDataParallelConfig())
-    return ddp, names, config
+    ddp_config = ddp_config or DistributedDataParallelConfig(
+        overlap_grad_reduce=layout.overlap_grad_reduce, use_distributed_optimizer=layout.distributed_optimizer)
+    chunks, names = [], {}
+    for vp_stage in range(vpp):
+        stage = vp_stage if vpp > 1 else None
+        module, chunk_names = (build_module or partial(_build_module, layout, cfg, vp_stage=stage))(config)
+        module.to(cfg.device)
+        chunks.append(DistributedDataParallel(config=config, module=module, ddp_config=ddp_config,
+                                              disable_bucketing=vp_stage > 0))
+        names.update(chunk_names)
+    return chunks, names, config
 
 
-def _build_module(layout: Layout, cfg: VerifyConfig, config: Any):
+def _build_module(layout: Layout, cfg: VerifyConfig, config: Any, *, vp_stage: int | None = None):
     from megatron.core import parallel_state
 
     if layout.model == "positionwise":
         return build_positionwise(cfg.model, config)
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     return build_gpt(
-        cfg.model, config,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        offset=layer_offset(cfg.model, pp_rank, layout.pipeline_model_parallel_size))
+        cfg.model, config, vp_stage=vp_stage,
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage))
 
 
-def train_step(ddp: Any, config: Any, layout: Layout, cfg: VerifyConfig, batch: GlobalBatch, *,
+def train_step(model: Any, config: Any, layout: Layout, cfg: VerifyConfig, batch: GlobalBatch, *,
                finalize: Any, loss_func: Any, forward_step_func: Callable | None = None,
                sample_ids: bool = False) -> None:
     """One forward/backward over this rank's micro-batches with megatron's own schedule.
 
-    ``loss_func(output_tensor, loss_mask)`` is what the loss function of each micro-batch returns;
-    ``finalize`` becomes ``config.finalize_model_grads_func``. ``forward_step_func(data_iterator, model,
-    *, loss_func)`` replaces the default forward step; ``sample_ids`` adds each micro-batch's sample
-    indices (see :func:`microbatches`).
+    ``model`` is a DDP chunk or the list of a rank's chunks (interleaved PP: each chunk reads the same
+    micro-batches from an iterator of its own). ``loss_func(output_tensor, loss_mask)`` is what the loss
+    function of each micro-batch returns; ``finalize`` becomes ``config.finalize_model_grads_func``.
+    ``forward_step_func(data_iterator, model, *, loss_func)`` replaces the default forward step; ``sample_ids``
+    adds each micro-batch's sample indices (see :func:`microbatches`).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    chunks = model if isinstance(model, list) else [model]
     config.finalize_model_grads_func = finalize
-    config.no_sync_func = ddp.no_sync
-    ddp.zero_grad_buffer()
+    config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    data = microbatches(layout, batch, cfg.device, sample_ids=sample_ids)
+    step = forward_step_func or partial(_forward_step, with_loss_mask=layout.model != "positionwise")
     get_forward_backward_func()(
-        forward_step_func=partial(forward_step_func or _forward_step, loss_func=loss_func),
-        data_iterator=iter(microbatches(layout, batch, cfg.device, sample_ids=sample_ids)),
-        model=[ddp], num_microbatches=layout.num_microbatches,
+        forward_step_func=partial(step, loss_func=loss_func),
+        data_iterator=[iter(data) for _ in chunks] if len(chunks) > 1 else iter(data),
+        model=chunks, num_microbatches=layout.num_microbatches,
         seq_length=cfg.model.seq_length // layout.context_parallel_size,
         micro_batch_size=layout.micro_batch_size, forward_only=False)
 
 
-def gradients(ddp: Any, names: dict[str, str]) -> dict[str, torch.Tensor]:
-    """This rank's ``main_grad`` of every parameter, by global name, on the CPU."""
-    return {names[n]: p.main_grad.detach().clone().cpu() for n, p in ddp.module.named_parameters()}
+def gradients(model: Any, names: dict[str, str]) -> dict[str, torch.Tensor]:
+    """This rank's ``main_grad`` of every parameter of its chunk(s), by global name, on the CPU; with the
+    distributed optimizer each rank holds the reduced gradient of its shard only, so the shards are
+    all-gathered first (:func:`_gather_shards`)."""
+    chunks = model if isinstance(model, list) else [model]
+    out = {}
+    for chunk in chunks:
+        if getattr(chunk.ddp_config, "use_distributed_optimizer", False):
+            _gather_shards(chunk)
+        out.update({names[n]: p.main_grad.detach().clone().cpu() for n, p in chunk.module.named_parameters()})
+    return out
+
+
+def _gather_shards(chunk: Any) -> None:
+    """The distributed optimizer reduce-scatters each bucket: rank r holds chunk r of ``bucket.grad_data``
+    (equal chunks, the buffer padded to DP). All-gather the chunks so every ``main_grad`` view is whole."""
+    for buffer in [*chunk.buffers, *getattr(chunk, "expert_parallel_buffers", [])]:
+        group = buffer.data_parallel_group
+        size, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+        for bucket in buffer.buckets:
+            shards = list(bucket.grad_data.chunk(size))
+            torch.distributed.all_gather(shards, shards[rank].clone(), group=group)
 
 
 def microbatches(layout: Layout, batch: GlobalBatch, device: str, *,
@@ -251,9 +306,12 @@ def _cp_shard(micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return get_batch_on_this_cp_rank(dict(micro), cp_group=cp_group)
 
 
-def _forward_step(data_iterator: Any, model: torch.nn.Module, *, loss_func: Any):
+def _forward_step(data_iterator: Any, model: torch.nn.Module, *, loss_func: Any, with_loss_mask: bool = True):
+    """As pretrain_gpt's: the GPT gets the loss mask too (its MTP block uses it; install() derives MoE's
+    padding mask from it in token mode)."""
     micro = next(data_iterator)
-    losses = model(micro["tokens"], micro["position_ids"], None, labels=micro["labels"])
+    kwargs = {"loss_mask": micro["loss_mask"]} if with_loss_mask else {}
+    losses = model(micro["tokens"], micro["position_ids"], None, labels=micro["labels"], **kwargs)
     return losses, partial(_call_loss, loss_func, micro["loss_mask"])
 
 

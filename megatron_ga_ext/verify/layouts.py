@@ -22,15 +22,26 @@ class Layout:
     data_parallel_size: int
     num_microbatches: int
     pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    """Experts split over this many of the DP ranks (the alltoall dispatcher); it does not multiply the world."""
     micro_batch_size: int = 1
-    model: Literal["gpt", "positionwise"] = "gpt"
-    """``positionwise`` for CP: no attention, so a shard's gradient is exact without ring attention."""
+    model: Literal["gpt", "positionwise", "moe", "mtp", "moe_mtp"] = "gpt"
+    """``positionwise`` for CP: no attention, so a shard's gradient is exact without ring attention;
+    ``moe``, ``mtp``, ``moe_mtp``: the GPT with MoE layers and/or an MTP layer (models.KINDS)."""
+    overlap_grad_reduce: bool = False
+    distributed_optimizer: bool = False
 
     @property
     def world_size(self) -> int:
         """PP x CP x DP (TP is 1)."""
         return self.pipeline_model_parallel_size * self.context_parallel_size * self.data_parallel_size
+
+    @property
+    def auxiliary(self) -> bool:
+        """The model has auxiliary losses (MoE load balancing and z-loss, MTP)."""
+        return self.model in ("moe", "mtp", "moe_mtp")
 
     @property
     def global_batch_size(self) -> int:
@@ -39,14 +50,13 @@ class Layout:
 
     @property
     def name(self) -> str:
-        parts = []
-        if self.pipeline_model_parallel_size > 1:
-            parts.append(f"PP{self.pipeline_model_parallel_size}")
-        if self.context_parallel_size > 1:
-            parts.append(f"CP{self.context_parallel_size}")
+        sizes = (("PP", self.pipeline_model_parallel_size), ("VPP", self.virtual_pipeline_model_parallel_size),
+                 ("CP", self.context_parallel_size), ("EP", self.expert_model_parallel_size))
+        parts = [f"{flag}{size}" for flag, size in sizes if size > 1]
         parts += [f"DP{self.data_parallel_size}", f"GA{self.num_microbatches}"]
-        suffix = " (position-wise)" if self.model == "positionwise" else ""
-        return " x ".join(parts) + suffix
+        notes = [MODEL_NOTES[self.model]] if self.model in MODEL_NOTES else []
+        notes += ["overlapped grad reduce"] * self.overlap_grad_reduce + ["distributed optimizer"] * self.distributed_optimizer
+        return " x ".join(parts) + (f" ({', '.join(notes)})" if notes else "")
 
     def sample(self, microbatch: int, dp_rank: int, j: int) -> int:
         """Index in the global batch of sample j of micro-batch m on DP rank r."""
@@ -62,6 +72,11 @@ class Layout:
         second = torch.arange((2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk)
         return torch.cat([first, second])
 
+    def unit_samples(self) -> list[list[int]]:
+        """The samples of each unit (m, r), in unit order, without CP (the auxiliary-loss rows have none)."""
+        return [[self.sample(m, r, j) for j in range(self.micro_batch_size)]
+                for m in range(self.num_microbatches) for r in range(self.data_parallel_size)]
+
     def unit_ids(self, seq_length: int) -> torch.Tensor:
         """[GBS, S] int64: the unit (m, r, c) -> (m * DP + r) * CP + c each token belongs to."""
         ids = torch.full((self.global_batch_size, seq_length), -1, dtype=torch.int64)
@@ -75,12 +90,21 @@ class Layout:
         return ids
 
 
-#: The layouts of issue 4; GBS = 8 in each, MBS = 1.
+MODEL_NOTES = {"positionwise": "position-wise", "moe": "MoE", "mtp": "MTP", "moe_mtp": "MoE + MTP"}
+
+#: The layouts verify runs; GBS = 8 in each, MBS = 1.
 DEFAULT_LAYOUTS = (
     Layout(data_parallel_size=1, num_microbatches=8),
     Layout(data_parallel_size=2, num_microbatches=4),
+    Layout(data_parallel_size=2, num_microbatches=4, overlap_grad_reduce=True, distributed_optimizer=True),
+    Layout(data_parallel_size=2, num_microbatches=4, model="moe"),
+    Layout(data_parallel_size=2, num_microbatches=4, model="moe", expert_model_parallel_size=2),
+    Layout(data_parallel_size=2, num_microbatches=4, model="mtp"),
+    Layout(data_parallel_size=2, num_microbatches=4, model="moe_mtp"),
     Layout(data_parallel_size=4, num_microbatches=2),
     Layout(pipeline_model_parallel_size=2, data_parallel_size=2, num_microbatches=4),
+    Layout(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, data_parallel_size=2,
+           num_microbatches=4),
     Layout(context_parallel_size=2, data_parallel_size=2, num_microbatches=4, model="positionwise"),
 )
 

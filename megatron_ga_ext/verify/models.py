@@ -1,7 +1,9 @@
-"""The tiny models verify trains: a real megatron-core GPTModel, and a position-wise model for CP.
+"""The tiny models verify trains: a real megatron-core GPTModel (dense, MoE, with an MTP layer, or both),
+and a position-wise model for CP.
 
-Both are initialised from their parameters' *global* names (layer index plus the PP stage offset), so
-every layout and the unpartitioned reference start from bit-identical weights:
+All are initialised from their parameters' *global* names (megatron's own layer numbering across PP and
+virtual stages, and global expert indices across EP ranks), so every layout and the unpartitioned
+reference start from bit-identical weights:
 
     w[name] = 1 + 0.1 * N(0, 1)   for norm weights,   0.02 * N(0, 1) otherwise,
     with the generator seeded by crc32(global name).
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ModelConfig", "build_gpt", "build_positionwise", "global_name", "init_by_name",
+__all__ = ["KINDS", "ModelConfig", "build_gpt", "build_positionwise", "global_names", "init_by_name",
            "init_model_parallel", "transformer_config"]
 
 
@@ -23,11 +25,20 @@ __all__ = ["ModelConfig", "build_gpt", "build_positionwise", "global_name", "ini
 class ModelConfig:
     """Sizes of the tiny models (fp32 throughout)."""
 
-    num_layers: int = 2
+    num_layers: int = 4
     hidden_size: int = 32
     num_attention_heads: int = 4
     vocab_size: int = 64
     seq_length: int = 16
+
+
+#: What each model kind adds to the dense GPT's TransformerConfig: top-2 of 4 experts with the
+#: load-balancing aux loss and the z-loss (the local implementation wants no linear biases), and one
+#: multi-token-prediction layer (which wants rotary position embeddings).
+MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 1e-2, "moe_z_loss_coeff": 1e-3,
+       "moe_router_load_balancing_type": "aux_loss", "add_bias_linear": False}
+MTP = {"mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.1}
+KINDS = {"gpt": {}, "moe": MOE, "mtp": MTP, "moe_mtp": {**MOE, **MTP}}
 
 
 def init_model_parallel(**sizes: int) -> None:
@@ -39,11 +50,19 @@ def init_model_parallel(**sizes: int) -> None:
     model_parallel_cuda_manual_seed(1234)
 
 
-def transformer_config(model: ModelConfig, *, pipeline_model_parallel_size: int,
-                       context_parallel_size: int, calculate_per_token_loss: bool):
-    """A megatron TransformerConfig for the tiny models: fp32, no dropout, CPU initialisation."""
+def transformer_config(model: ModelConfig, *, calculate_per_token_loss: bool, kind: str = "gpt",
+                       pipeline_model_parallel_size: int = 1, virtual_pipeline_model_parallel_size: int = 1,
+                       context_parallel_size: int = 1, expert_model_parallel_size: int = 1):
+    """A megatron TransformerConfig for the tiny models: fp32, no dropout, CPU initialisation; ``kind``
+    adds MoE and/or MTP (:data:`KINDS`); MoE uses the alltoall dispatcher across EP ranks, else allgather."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    extra = dict(KINDS.get(kind, {}))
+    if "num_moe_experts" in extra:
+        extra.update(expert_model_parallel_size=expert_model_parallel_size,
+                     moe_token_dispatcher_type="alltoall" if expert_model_parallel_size > 1 else "allgather")
+    if virtual_pipeline_model_parallel_size > 1:
+        extra["virtual_pipeline_model_parallel_size"] = virtual_pipeline_model_parallel_size
     return TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -58,27 +77,38 @@ def transformer_config(model: ModelConfig, *, pipeline_model_parallel_size: int,
         context_parallel_size=context_parallel_size,
         calculate_per_token_loss=calculate_per_token_loss,
         batch_p2p_comm=False,
+        deallocate_pipeline_outputs=True,  # the schedules call the autograd engine themselves, as in training
         gradient_accumulation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         apply_rope_fusion=False,
+        **extra,
     )
 
 
-def layer_offset(model: ModelConfig, pipeline_rank: int, pipeline_size: int) -> int:
-    """Global index of this stage's first layer: stage x num_layers / PP."""
-    return pipeline_rank * (model.num_layers // pipeline_size)
+def global_names(module: torch.nn.Module) -> dict[str, str]:
+    """Each parameter's name in the unpartitioned model, from megatron's own numbering.
 
-
-def global_name(name: str, offset: int) -> str:
-    """A parameter's name in the unpartitioned model (``decoder.layers.i`` -> ``i + offset``).
-
-    The output layer of a last PP stage is tied to the word embedding, so it takes that name.
+    ``decoder.layers.i`` becomes the layer's global index (``layer_number - 1``, which megatron sets
+    from the PP stage and virtual stage), ``local_experts.j`` the expert's global index (EP rank x local
+    experts + j), and the output layer of a last PP stage, tied to the word embedding, takes its name.
     """
-    if name == "output_layer.weight":
-        return "embedding.word_embeddings.weight"
-    return re.sub(r"layers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) + offset}.", name)
+    from megatron.core import parallel_state
+
+    layers = getattr(getattr(module, "decoder", None), "layers", [])
+    numbers = {str(i): str(layer.layer_number - 1) for i, layer in enumerate(layers)}
+    experts = getattr(getattr(module, "config", None), "num_moe_experts", None) or 0
+    local = experts // max(parallel_state.get_expert_model_parallel_world_size(), 1) if experts else 0
+    first_expert = parallel_state.get_expert_model_parallel_rank() * local if experts else 0
+
+    def rename(name: str) -> str:
+        if name == "output_layer.weight":
+            return "embedding.word_embeddings.weight"
+        name = re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{numbers[m.group(1)]}.", name)
+        return re.sub(r"local_experts\.(\d+)\.", lambda m: f"local_experts.{int(m.group(1)) + first_expert}.", name)
+
+    return {n: rename(n) for n, _ in module.named_parameters()}
 
 
 def init_by_name(module: torch.nn.Module, names: dict[str, str]) -> None:
@@ -91,22 +121,44 @@ def init_by_name(module: torch.nn.Module, names: dict[str, str]) -> None:
             param.copy_(1.0 + 0.1 * values if is_norm else 0.02 * values)
 
 
-def build_gpt(model: ModelConfig, config, *, pre_process: bool, post_process: bool, offset: int):
-    """A GPTModel with the local (no Transformer Engine) layer spec and tied embeddings."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def reset_moe_logging() -> None:
+    """megatron keeps one process-wide MoE loss tracker sized by the first model's layers (0.18+:
+    moe_logging's metrics tracker; 0.16/0.17: moe_utils' layer-wise dict); verify builds models of several
+    depths in one process, so each starts with a fresh one."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+    except ImportError:
+        from megatron.core.transformer.moe import moe_utils
 
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
+        return
+    destroy_moe_metrics_tracker()
+
+
+def build_gpt(model: ModelConfig, config, *, pre_process: bool, post_process: bool, vp_stage: int | None = None):
+    """A GPTModel with the local (no Transformer Engine) layer spec and tied embeddings; MoE layers and an
+    MTP block where ``config`` asks for them (rotary position embeddings with MTP)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+
+    reset_moe_logging()
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    mtp = bool(getattr(config, "mtp_num_layers", None))
+    extra = {"vp_stage": vp_stage} if vp_stage is not None else {}
+    if mtp:
+        extra["mtp_block_spec"] = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=spec,
         vocab_size=model.vocab_size,
         max_sequence_length=model.seq_length,
         pre_process=pre_process,
         post_process=post_process,
         share_embeddings_and_output_weights=True,
-        position_embedding_type="learned_absolute",
+        position_embedding_type="rope" if mtp else "learned_absolute",
+        **extra,
     )
-    names = {n: global_name(n, offset) for n, _ in gpt.named_parameters()}
+    names = global_names(gpt)
     init_by_name(gpt, names)
     return gpt, names
 

@@ -1,12 +1,21 @@
-"""Unpartitioned single-process references: one forward of the whole global batch, no DDP, no schedule.
+"""Unpartitioned single-process references: the whole global batch, no DDP, no schedule, no extension.
 
-Both definitions are a weighted sum of the per-token losses l[b, s] over the global batch:
+The LM part of both definitions is a weighted sum of the per-token losses l[b, s] over the global batch:
 
     token:          w[b, s] = mask[b, s] / N,                      N = sum of the mask
     mean of means:  w[b, s] = mask[b, s] / (U * max(n_u, 1)),      u = unit of (b, s), U units,
                     n_u = non-padding tokens of unit u (one micro-batch of one DP rank, one CP shard)
 
-and the reference gradient is grad of sum_{b,s} w[b, s] * l[b, s].
+and models with auxiliary losses (MoE load balancing and z-loss, MTP) add, per unit u,
+
+    token:          (n_u / N) * alpha * aux_u,   aux_u over u's loss tokens (the router given padding_mask =
+                    (loss_mask == 0)): the target docs/reduction.md defines;
+    mean of means:  (1 / U) * alpha * aux_u,     aux_u over all of u's positions: upstream's default path.
+
+The auxiliary terms are megatron's own (router, MTP block), attached with megatron's autoscalers at exactly
+these weights (``set_loss_scale``), computed on a model built without the per-token flag, so that no
+per-token pre-multiplication nor finalize division takes part. The reference gradient is the gradient of
+the sum of both parts.
 """
 
 from __future__ import annotations
@@ -19,7 +28,9 @@ from megatron_ga_ext.verify.layouts import GlobalBatch, Layout
 from megatron_ga_ext.verify.models import ModelConfig, build_gpt, build_positionwise, init_model_parallel
 from megatron_ga_ext.verify.models import transformer_config
 
-__all__ = ["mean_of_means_weights", "reference_grads", "token_weights"]
+__all__ = ["aux_reference_grads", "mean_of_means_weights", "reference_grads", "token_weights"]
+
+Grads = dict[str, torch.Tensor]
 
 
 def token_weights(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -35,8 +46,8 @@ def mean_of_means_weights(loss_mask: torch.Tensor, unit_ids: torch.Tensor) -> to
 
 
 def reference_grads(model: ModelConfig, layouts: Iterable[Layout], batch: GlobalBatch,
-                    device: str = "cpu") -> dict[tuple[str, str], dict[str, torch.Tensor]]:
-    """{(model kind, "token") or (layout name, "mean_of_means"): {global name: gradient}}.
+                    device: str = "cpu") -> dict[tuple[str, str], Grads]:
+    """{(layout name, "token" or "mean_of_means"): {global name: gradient}} for every layout.
 
     Needs megatron's parallel state for building the model; it initialises TP = PP = CP = 1 and tears
     it down again, so call it between layouts. The model is used unwrapped, on this rank alone.
@@ -49,31 +60,106 @@ def reference_grads(model: ModelConfig, layouts: Iterable[Layout], batch: Global
         refs = {}
         for kind in sorted({layout.model for layout in layouts}):
             module, names = _build(model, kind, device)
-            refs[(kind, "token")] = _grads(module, names, batch, token_weights(batch.loss_mask))
+            token = _lm_grads(module, names, batch, token_weights(batch.loss_mask))
             for layout in (lay for lay in layouts if lay.model == kind):
-                weights = mean_of_means_weights(batch.loss_mask, layout.unit_ids(model.seq_length))
-                refs[(layout.name, "mean_of_means")] = _grads(module, names, batch, weights)
+                mean_of_means = _lm_grads(module, names, batch,
+                                          mean_of_means_weights(batch.loss_mask, layout.unit_ids(model.seq_length)))
+                refs[(layout.name, "token")] = token
+                refs[(layout.name, "mean_of_means")] = mean_of_means
+                if layout.auxiliary:
+                    refs[(layout.name, "token")] = _plus(token, _aux_grads(module, names, batch, layout, "token"))
+                    refs[(layout.name, "mean_of_means")] = _plus(
+                        mean_of_means, _aux_grads(module, names, batch, layout, "microbatch"))
         return refs
     finally:
+        _set_aux_scale(None)
+        parallel_state.destroy_model_parallel()
+
+
+def aux_reference_grads(model: ModelConfig, layout: Layout, batch: GlobalBatch, mode: str,
+                        device: str = "cpu") -> Grads:
+    """The auxiliary-loss part alone of ``layout``'s reference in ``mode`` (the LM loss at weight 0)."""
+    from megatron.core import parallel_state
+
+    init_model_parallel()
+    try:
+        module, names = _build(model, layout.model, device)
+        return _aux_grads(module, names, batch, layout, mode)
+    finally:
+        _set_aux_scale(None)
         parallel_state.destroy_model_parallel()
 
 
 def _build(model: ModelConfig, kind: str, device: str):
-    config = transformer_config(model, pipeline_model_parallel_size=1, context_parallel_size=1,
-                                calculate_per_token_loss=True)
-    if kind == "gpt":
-        module, names = build_gpt(model, config, pre_process=True, post_process=True, offset=0)
-    else:
+    config = transformer_config(model, kind=kind if kind != "positionwise" else "gpt",
+                                calculate_per_token_loss=False)
+    if kind == "positionwise":
         module, names = build_positionwise(model, config)
+    else:
+        module, names = build_gpt(model, config, pre_process=True, post_process=True)
     return module.to(device), names
 
 
-def _grads(module: torch.nn.Module, names: dict[str, str], batch: GlobalBatch,
-           weights: torch.Tensor) -> dict[str, torch.Tensor]:
-    """grad of sum(w * l); a fresh forward each time (megatron's cross entropy frees its saved state)."""
+def _set_aux_scale(scale: float | None) -> None:
+    """The weight megatron's autoscalers give the auxiliary losses attached in the next forward; None
+    leaves them unset, as a new process has them (the schedule sets its own, of shape [1])."""
+    from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
+
+    scalers = [MoEAuxLossAutoScaler]
+    try:
+        from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+        scalers.append(MTPLossAutoScaler)
+    except ImportError:  # a release without MTP
+        pass
+    for scaler in scalers:
+        if scale is None:
+            scaler.main_loss_backward_scale = None
+        else:
+            scaler.set_loss_scale(torch.tensor([scale]))
+
+
+def _forward(module: torch.nn.Module, batch: GlobalBatch, rows: list[int] | slice, device: str,
+             padding: bool) -> torch.Tensor:
+    """Per-token losses of ``rows``; GPT kinds also get the loss mask (MTP), and padding_mask if asked."""
+    mask = batch.loss_mask[rows].to(device)
+    kwargs = {} if not hasattr(module, "decoder") else {"loss_mask": mask}
+    if padding:
+        kwargs["padding_mask"] = mask == 0
+    return module(batch.tokens[rows].to(device), batch.position_ids[rows].to(device), None,
+                  labels=batch.labels[rows].to(device), **kwargs)
+
+
+def _lm_grads(module: torch.nn.Module, names: dict[str, str], batch: GlobalBatch, weights: torch.Tensor) -> Grads:
+    """grad of sum(w * l) with every auxiliary loss at weight 0; a fresh forward each time (megatron's cross
+    entropy frees its saved state)."""
     device = next(module.parameters()).device
-    losses = module(batch.tokens.to(device), batch.position_ids.to(device), None,
-                    labels=batch.labels.to(device))
+    _set_aux_scale(0.0)
+    losses = _forward(module, batch, slice(None), device, padding=False)
+    return _grad(module, names, (losses * weights.to(device)).sum())
+
+
+def _aux_grads(module: torch.nn.Module, names: dict[str, str], batch: GlobalBatch, layout: Layout,
+               mode: str) -> Grads:
+    """grad of sum_u weight_u * alpha * aux_u (module docstring), one forward per unit, LM loss at weight 0."""
+    device = next(module.parameters()).device
+    total = float(batch.loss_mask.sum())
+    units = layout.unit_samples()
+    out: Grads = {}
+    for rows in units:
+        n_u = float(batch.loss_mask[rows].sum())
+        _set_aux_scale(n_u / total if mode == "token" else 1.0 / len(units))
+        losses = _forward(module, batch, rows, device, padding=(mode == "token"))
+        out = _plus(out, _grad(module, names, (losses * 0.0).sum()))
+    return out
+
+
+def _grad(module: torch.nn.Module, names: dict[str, str], objective: torch.Tensor) -> Grads:
     params = [p for _, p in module.named_parameters()]
-    grads = torch.autograd.grad((losses * weights.to(device)).sum(), params)
-    return {names[n]: g.detach().cpu() for (n, _), g in zip(module.named_parameters(), grads)}
+    grads = torch.autograd.grad(objective, params, allow_unused=True)
+    return {names[n]: (torch.zeros_like(p) if g is None else g).detach().cpu()
+            for (n, p), g in zip(module.named_parameters(), grads)}
+
+
+def _plus(a: Grads, b: Grads) -> Grads:
+    return {name: a.get(name, 0) + grad for name, grad in b.items()} if a else dict(b)

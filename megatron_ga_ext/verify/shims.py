@@ -24,19 +24,26 @@ module lives on the CPU. Every replacement below stands in for one of those (UPS
    ``overlap_grad_reduce``).
 6. ``torch.cuda.is_available`` answers ``False`` and ``device_count`` ``0``, also on a machine with a
    GPU, so megatron takes its CPU paths where it asks.
+7. MoE alltoall: the token dispatcher's ``maybe_move_tensor_to_cpu`` turns only CUDA tensors into host
+   numbers, so on the CPU the split sizes reach ``all_to_all_single`` as tensors, which gloo rejects; the
+   stand-in hands CPU tensors over as numpy arrays where it is asked to (``as_numpy``); and 0.16's router
+   reads ``moe_utils.te_general_gemm``, which it defines only with Transformer Engine installed (a
+   NameError without it): it is set to None there, so the torch path runs. Likewise main's MTP layer asks
+   ``is_inference_column_parallel_linear``, an isinstance() against Transformer Engine classes that are
+   MagicMock stand-ins without it (a TypeError): there it answers False, as it would for a local linear.
 
 Megatron-LM's own training loop (``pretrain()``, :func:`training_shims`) needs these on top (UPSTREAM.md §5):
 
-7. ``device_count`` answers ``1``: ``initialize.py`` builds the model-parallel groups and seeds the RNG
+8. ``device_count`` answers ``1``: ``initialize.py`` builds the model-parallel groups and seeds the RNG
    tracker only when it is > 0.
-8. ``initialize_megatron`` is called with ``allow_no_cuda=True``: it asserts CUDA otherwise (faking
+9. ``initialize_megatron`` is called with ``allow_no_cuda=True``: it asserts CUDA otherwise (faking
    ``is_available`` instead makes the DataLoader pin CUDA memory).
-9. The dataset helpers are not compiled: ``compile_helpers`` (rank 0 runs ``make`` with pybind11) does
+10. The dataset helpers are not compiled: ``compile_helpers`` (rank 0 runs ``make`` with pybind11) does
    nothing, and a source tree without the compiled ``helpers_cpp`` gets the installed megatron-core
    wheel's (the same ``helpers.cpp`` from 0.16.1 to main).
-10. 0.16/0.17 build the legacy fused kernels with nvcc at start-up: ``fused_kernels.load`` does nothing
+11. 0.16/0.17 build the legacy fused kernels with nvcc at start-up: ``fused_kernels.load`` does nothing
    (the local transformer implementation never calls them).
-11. ``torch.cuda`` memory statistics (``memory_allocated``, ``max_memory_allocated``,
+12. ``torch.cuda`` memory statistics (``memory_allocated``, ``max_memory_allocated``,
    ``memory_reserved``, ``max_memory_reserved``) answer 0 and ``memory_stats`` an empty dict, for the
    first iteration's memory report.
 
@@ -51,6 +58,7 @@ Nothing here is imported by ``install()``: the shims exist to prove the extensio
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Iterator
 
 import torch
@@ -154,14 +162,37 @@ def _patched(target: Any, replacements: dict[str, Any]) -> Iterator[None]:
                 delattr(target, name)
 
 
+def _host_splits(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """Shim 7: what ``maybe_move_tensor_to_cpu`` gives a CUDA tensor, for a CPU one."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
 @contextlib.contextmanager
 def cpu_shims(*, device_count: int = 0) -> Iterator[None]:
-    """Install shims 1-6 for the duration of the block, then restore torch and megatron."""
+    """Install shims 1-7 for the duration of the block, then restore torch and megatron."""
     from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
+    moe = {"maybe_move_tensor_to_cpu": _host_splits}
+    gemm = {} if hasattr(moe_utils, "te_general_gemm") else {"te_general_gemm": None}
+    mtp, inference_linear = _mtp_without_te()
     with _patched(torch.cuda, _replacements(device_count)), _patched(tp_random, _rng_replacements()):
-        with _CpuDeviceMode():
-            yield
+        with _patched(token_dispatcher, moe), _patched(moe_utils, gemm), _patched(mtp, inference_linear):
+            with _CpuDeviceMode():
+                yield
+
+
+def _mtp_without_te() -> tuple[Any, dict[str, Any]]:
+    """Shim 7, last part: (module, replacements) for main's MTP layer without Transformer Engine."""
+    from megatron.core.transformer import multi_token_prediction
+
+    layers = sys.modules.get("megatron.core.tensor_parallel.inference_layers")
+    stand_in = layers is not None and not isinstance(getattr(layers, "InferenceColumnParallelLinear", type), type)
+    if stand_in and hasattr(multi_token_prediction, "is_inference_column_parallel_linear"):
+        return multi_token_prediction, {"is_inference_column_parallel_linear": lambda module: False}
+    return multi_token_prediction, {}
 
 
 def _memory_replacements() -> dict[str, Any]:
@@ -179,7 +210,7 @@ def _allow_no_cuda(initialize_megatron: Any) -> Any:
 
 
 def _load_wheel_helpers() -> None:
-    """Import the installed wheel's compiled ``helpers_cpp`` under the name a source tree expects (shim 9)."""
+    """Import the installed wheel's compiled ``helpers_cpp`` under the name a source tree expects (shim 10)."""
     import importlib.machinery
     import importlib.metadata
     import importlib.util
@@ -201,7 +232,7 @@ def _load_wheel_helpers() -> None:
 
 @contextlib.contextmanager
 def training_shims() -> Iterator[None]:
-    """Shims 1-11, for Megatron-LM's ``pretrain()`` on the CPU over gloo (import megatron first)."""
+    """Shims 1-12, for Megatron-LM's ``pretrain()`` on the CPU over gloo (import megatron first)."""
     import sys
 
     import megatron.training.initialize as initialize

@@ -56,9 +56,11 @@ class Run:
     rc: int
     seconds: float
     records: dict[int, list[dict]] = field(default_factory=dict)
-    output_tail: str = ""
-    output: str = field(default="", repr=False)
-    """Everything the ranks printed (what a test looks for in the log, e.g. a warning on rank 0)."""
+    output: str = ""
+
+    @property
+    def output_tail(self) -> str:
+        return _tail(self.output)
 
     @property
     def last_stage_ranks(self) -> list[int]:
@@ -121,7 +123,7 @@ def launch(root: Path, layout: str, flags: list[str], *, extension: bool, name: 
     for path in sorted(workdir.glob(f"{name}.rank*.jsonl")):
         rank = int(path.name.rsplit(".rank", 1)[1].split(".")[0])
         records[rank] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return Run(name, command, rc, seconds, records, _tail(output), output)
+    return Run(name, command, rc, seconds, records, output)
 
 
 def _tail(output: str, lines: int = 40) -> str:
