@@ -23,6 +23,7 @@ from plans import BOUNDED, planned_steps, ran_steps, save_every_step, saved, seq
 from reliability import write
 
 from megatron_ga_ext.compat import UPSTREAM
+from megatron_ga_ext.options import STEP_SCHEDULE
 
 pytestmark = pytest.mark.e2e
 
@@ -52,6 +53,13 @@ def is_main_commit(source: Path) -> bool:
     return any(u.name == source_name(source) and not u.is_release for u in UPSTREAM)
 
 
+def backported(source: Path) -> bool:
+    """A release older than Megatron's own --step-batch-size-schedule: the extension adds the flag."""
+    refs = [u.ref for u in UPSTREAM]
+    return any(u.name == source_name(source) and u.is_release and refs.index(u.ref) < refs.index(STEP_SCHEDULE.since)
+               for u in UPSTREAM)
+
+
 @pytest.mark.parametrize("boundary", range(1, STEPS))
 def test_a_resume_at_every_step_boundary_runs_the_uninterrupted_steps(launches, newest_source, boundary):
     case = "rampup" if is_main_commit(newest_source) else "schedule"
@@ -72,6 +80,8 @@ def test_a_resume_at_every_step_boundary_runs_the_uninterrupted_steps(launches, 
         assert (ours["learning_rate"], ours["loss"]) == (theirs["learning_rate"], theirs["loss"]), (ours, theirs)
     assert _train_iters(resumed) == _train_iters(whole) == STEPS
     assert "resuming from the checkpoint" not in resumed.output  # the same configuration: no warning
+    if backported(newest_source):
+        case += " (backported)"
     _CHECKED.setdefault((source_name(newest_source), case), []).append(boundary)
 
 
@@ -83,6 +93,7 @@ def _train_iters(run) -> set[int]:
 def _write_reliability_doc():
     yield
     what = {"schedule": f"`--step-batch-size-schedule \"{SCHEDULE_TEXT}\"`",
+            "schedule (backported)": f"`--step-batch-size-schedule \"{SCHEDULE_TEXT}\"` (the backport)",
             "rampup": "`--rampup-batch-size 8 8 32 --global-batch-size 24 --ga-convert-rampup`"}
     write("resumes", [
         {"Source": source, "Case": f"{what[case]}, {STEPS} steps of 8, 8, 16, 24 samples",
