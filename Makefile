@@ -5,6 +5,8 @@
 #                                   ../shared/upstream that run on this Python); writes docs/compatibility.md
 #   make matrix                     the behaviour suite on every tested source of this Python
 #   make regress MEGATRON_LM=DIR|TGZ  both, on the Megatron-LM checkout you train from
+#   make fuzz                       10,000 hypothesis examples on each input surface; counts in docs/reliability.md
+#   make test-O                     the fast suite (nothing that imports megatron-core) under python -O
 PYTHON ?= python3.12
 PYVER := $(patsubst python%,%,$(notdir $(PYTHON)))
 VENV ?= $(if $(filter 3.12,$(PYVER)),.venv,.venv-$(PYVER))
@@ -23,7 +25,7 @@ MEGATRON_LM ?=
 MEGATRON_LM_SNAPSHOTS ?= ../shared/upstream
 export MEGATRON_LM MEGATRON_LM_SNAPSHOTS
 
-.PHONY: setup demo test matrix e2e regress fingerprints clean
+.PHONY: setup demo test test-O fuzz matrix e2e regress fingerprints clean
 
 setup: $(STAMP)
 
@@ -39,6 +41,21 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# No check may rest on assert, which python -O strips.
+test-O: $(STAMP)
+	$(PY) -O -m pytest -q -p no:cacheprovider -m 'not slow and not gpu and not e2e' $(PYTEST_ARGS)
+
+# tests/test_fuzz.py at FUZZ_EXAMPLES per surface, in two processes (one per core), each half of the surfaces.
+FUZZ_EXAMPLES ?= 10000
+FUZZ_HALVES := "check_launch_lines or ledger_arguments or number_spelling or calculator_update" \
+	"schedule_parser or rampup_converter"
+fuzz: $(STAMP)
+	@status=0; pids=""; for surfaces in $(FUZZ_HALVES); do \
+		MEGATRON_GA_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) MEGATRON_GA_RELIABILITY_DOC=docs/reliability.md \
+		$(PY) -m pytest -q -p no:cacheprovider -m fuzz tests/test_fuzz.py -k "$$surfaces" $(PYTEST_ARGS) & \
+		pids="$$pids $$!"; \
+	done; for pid in $$pids; do wait $$pid || status=1; done; exit $$status
+
 $(E2E_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[megatron,test,plot,e2e]'
 	@touch $@
@@ -50,7 +67,8 @@ matrix: $(STAMP)
 
 e2e: $(E2E_STAMP)
 	@$(PY) tools/regress.py sources $(MEGATRON_LM) >/dev/null
-	MEGATRON_GA_COMPAT_DOC=docs/compatibility.md $(PY) -m pytest -q -p no:cacheprovider -m e2e tests/e2e $(PYTEST_ARGS)
+	MEGATRON_GA_COMPAT_DOC=docs/compatibility.md MEGATRON_GA_RELIABILITY_DOC=docs/reliability.md \
+		$(PY) -m pytest -q -p no:cacheprovider -m e2e tests/e2e $(PYTEST_ARGS)
 
 regress: $(E2E_STAMP)
 	@test -n "$(MEGATRON_LM)" || { echo "make regress: pass MEGATRON_LM=<Megatron-LM checkout or .tar.gz>" >&2; exit 2; }

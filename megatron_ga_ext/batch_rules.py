@@ -11,6 +11,7 @@ GBS of 10**30) answer at once.
 from __future__ import annotations
 
 import math
+import operator
 
 from megatron_ga_ext.errors import BatchSizeError, GAError, InterleaveError, SizeError
 
@@ -23,6 +24,7 @@ __all__ = [
     "microbatch_group_error",
     "multiple_error",
     "nearest_multiples",
+    "require_count",
     "require_positive_int",
 ]
 
@@ -46,6 +48,18 @@ def require_positive_int(flag: str, value: object, *, below_one: type[GAError] =
     if value < 1:
         raise below_one(f"{flag} {value} must be at least 1; give an integer >= 1.")
     return value
+
+
+def require_count(name: str, value: object) -> int:
+    """Return ``value`` as an int if it is a whole number >= 0 (an int, or a numpy/torch integer scalar), else
+    raise :class:`SizeError` naming ``name``: a count of consumed samples or tokens."""
+    try:
+        count = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        count = -1
+    if isinstance(value, bool) or count < 0:
+        raise SizeError(f"{name} {value!r} must be a whole number >= 0.")
+    return count
 
 
 def nearest_multiples(value: int, step: int, count: int = 2) -> list[int]:

@@ -8,7 +8,9 @@ one line on stderr without a traceback (and, with ``--json``, a JSON error objec
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
+import itertools
 import json
 import sys
 from typing import Sequence
@@ -148,8 +150,10 @@ _LOCAL = {
 }
 
 
+@functools.lru_cache(maxsize=None)
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The parser; a delegated command's module is imported only when ``command`` selects it."""
+    """The parser; a delegated command's module is imported only when ``command`` selects it. Built once per
+    command: parsing does not change it, and main() called in-process (tests, fuzzing) need not rebuild it."""
     parser = argparse.ArgumentParser(prog="megatron-ga", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (configure, run, help_text) in _LOCAL.items():
@@ -171,9 +175,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(command).parse_args(argv)
     try:
+        _require_inline_values(argv)
         return args.handler(args)
     except GAError as error:
         return report_error(args.command, error, as_json=getattr(args, "json", False))
+
+
+def _require_inline_values(argv: Sequence[str]) -> None:
+    """argparse reads ``--flag=--`` as an empty list (it drops '--', its end-of-options marker), not as a value:
+    refuse it before a command reads a list where it expects text. A launch line after ``check --`` is not ours."""
+    for token in itertools.takewhile(lambda word: word != "--", argv):
+        name, eq, value = token.partition("=")
+        if name.startswith("--") and eq and value == "--":
+            raise UsageError(f"{token}: '--' is not a value for {name}; give {name} a value, or leave it out.")
 
 
 def report_error(command: str, error: GAError, as_json: bool = False) -> int:

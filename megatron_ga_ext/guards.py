@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from megatron_ga_ext.batch_rules import require_count
 from megatron_ga_ext.errors import GuardError
 
 __all__ = ["MicrobatchCounter", "GuardedCalculator", "check_microbatch_counts", "check_consumed_advance"]
@@ -130,6 +131,7 @@ class GuardedCalculator:
         return self.inner.get_current_running_global_batch_size()
 
     def update(self, consumed_samples: int, consistency_check: bool, verbose: bool = False) -> None:
+        require_count("consumed_samples", consumed_samples)  # upstream's calculators do not check it
         if not consistency_check and self._consumed is not None and self._batch is not None:
             running, nominal = self._batch
             check_consumed_advance(

@@ -45,6 +45,7 @@ from megatron_ga_ext.compat import (
     matching_sources,
     megatron_core_version,
 )
+from megatron_ga_ext.consistency import StartupChecks
 from megatron_ga_ext.errors import CompatError, GuardError
 from megatron_ga_ext.guards import current_pipeline_size
 from megatron_ga_ext.logs import get_logger
@@ -110,6 +111,8 @@ class Installation:
     counter: Any = None
     contract: Any = None
     finalize: Any = None
+    startup: StartupChecks = field(default_factory=StartupChecks)
+    """Ranks agree on the batch configuration, and a resume says what changed: once, at the first schedule call."""
 
     def configure(self, config: GAConfig) -> None:
         """Apply ``config``: the reduction mode, the loss contract and the finalize wrapper's policy."""
@@ -345,7 +348,8 @@ def _wire_late(state: Installation) -> None:
     """The wirings outside the three modules a vendored tree patches (patches/): Megatron-LM's training loop
     (once it is loaded), the optimizer builders and GPTModel. install() runs them at once; a vendored tree
     at its first calculator hook, when Megatron has parsed its args."""
-    for name, wire in (("optimizer", _wire_optimizer), ("gpt_model", _wire_gpt_model), ("training", _wire_training)):
+    for name, wire in (("optimizer", _wire_optimizer), ("gpt_model", _wire_gpt_model), ("training", _wire_training),
+                       ("checkpoint_args", state.startup.wire)):
         if name not in state.wired and wire(state) is not False:
             state.wired.add(name)
 
@@ -431,6 +435,7 @@ def _guarded_schedule(original: Callable, state: Installation) -> Callable:
         if not state.active:
             return original(*args, **kwargs)
         state.settle()
+        state.startup.run_once(state.config, _megatron_args())
         state.counter.reset()
         if state.contract is not None:  # an evaluation call (forward_only) never reaches finalize
             state.contract.reset()

@@ -79,6 +79,17 @@ class VirtualPipeline:
 def virtual_pipeline(split: LayerSplit) -> VirtualPipeline:
     """VPP of ``split`` as Megatron derives it, and every rule the split breaks (see the module docstring)."""
     result = VirtualPipeline()
+    if split.pipeline_model_parallel_size < 1:
+        return result  # no split to derive: the layout's own checks name --pipeline-model-parallel-size
+    for flag, value in ((PER_STAGE, split.num_layers_per_virtual_pipeline_stage),
+                        (PER_RANK, split.num_virtual_stages_per_pipeline_rank)):
+        if value is not None and value < 1:
+            result.problems.append(LayerSplitError(
+                f"{flag} {value} must be at least 1: it sets how the layers of each pipeline stage split into "
+                f"virtual stages. Give a whole number >= 1, or leave {flag} out."
+            ))
+    if result.problems:
+        return result
     if split.hybrid_layer_pattern is not None:
         _hybrid(split, result)
         return result

@@ -21,13 +21,12 @@ names other modules import from here are re-exported.
 from __future__ import annotations
 
 import bisect
-import operator
 import warnings
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from megatron_ga_ext.errors import ScheduleError, ScheduleParseError, ScheduleWarning, SizeError, UsageError
-from megatron_ga_ext.batch_rules import require_positive_int
+from megatron_ga_ext.errors import ScheduleError, ScheduleParseError, ScheduleWarning, UsageError
+from megatron_ga_ext.batch_rules import require_count, require_positive_int
 from megatron_ga_ext.options import rampup_triple
 from megatron_ga_ext.schedule_checks import CheckLayout, schedule_problems, stage_error, with_count
 from megatron_ga_ext.schedule_numbers import SUFFIXES, format_count, parse_count
@@ -148,12 +147,7 @@ class StepSchedule:
 
     def stage_index_at(self, consumed_samples: int) -> int:
         """0-based index of the stage in force at ``consumed_samples``: O(log stages), O(1) for a long ramp."""
-        try:
-            consumed = operator.index(consumed_samples)  # int, or numpy/torch integer scalars
-        except TypeError:
-            consumed = -1
-        if isinstance(consumed_samples, bool) or consumed < 0:
-            raise SizeError(f"consumed_samples {consumed_samples!r} must be a whole number >= 0.")
+        consumed = require_count("consumed_samples", consumed_samples)
         if isinstance(self.entries, RampStages):
             return self.entries.index_at(consumed)
         return bisect.bisect_right(self._thresholds, consumed) - 1

@@ -81,7 +81,10 @@ def parse_count(text: str, what: str = "value", *, signed: bool = False) -> Frac
             f"{what} {text!r} is not a number; write digits with an optional suffix K, M, B or T, e.g. 250B."
         ) from None
     _check_decimal(number, text, what, multiplier, signed)
-    return Fraction(number) * multiplier
+    value = Fraction(number) * multiplier
+    if abs(value) > 10**MAX_EXPONENT:  # exactly, now that the digits are known to be few
+        raise _too_large(what, text)
+    return value
 
 
 def _check_decimal(number: Decimal, text: str, what: str, multiplier: int, signed: bool) -> None:
@@ -91,8 +94,12 @@ def _check_decimal(number: Decimal, text: str, what: str, multiplier: int, signe
         raise ScheduleError(f"{what} {text!r} is negative; thresholds and batch sizes count samples, so use >= 0.")
     if number != 0 and number.as_tuple().exponent < -MAX_EXPONENT:  # type: ignore[operator]
         raise ScheduleParseError(f"{what} {text!r} has more than {MAX_EXPONENT} decimal places; write it plainly.")
-    if number != 0 and number.adjusted() + len(str(multiplier)) - 1 > MAX_EXPONENT:
-        raise ScheduleParseError(f"{what} {text!r} is larger than 1e{MAX_EXPONENT}; no run consumes that much.")
+    if number != 0 and number.adjusted() + len(str(multiplier)) - 1 > MAX_EXPONENT:  # before 1e999999 is built
+        raise _too_large(what, text)
+
+
+def _too_large(what: str, text: str) -> ScheduleParseError:
+    return ScheduleParseError(f"{what} {text!r} is larger than 1e{MAX_EXPONENT}; no run consumes that much.")
 
 
 def _split_suffix(text: str) -> tuple[str, int]:
@@ -118,7 +125,8 @@ def upstream_count(text: str) -> int:
 
 
 def format_count(value: int) -> str:
-    """The shortest spelling of ``value`` that both this parser and upstream's float parser read exactly."""
+    """The shortest spelling of ``value`` that both this parser and upstream's float parser read exactly;
+    above 2**53 upstream's float cannot hold every integer, so only this parser reads the digits exactly."""
     for suffix, multiplier in sorted(SUFFIXES.items(), key=lambda item: -item[1]):
         if value and value % multiplier == 0:
             text = f"{value // multiplier}{suffix}"

@@ -21,12 +21,22 @@ SCRIPT`` would run it from the Megatron-LM root (whose ``megatron`` package come
   global N of the step) and ``forward_steps`` (the guard's count of forward steps per model chunk);
 * ``{"event": "end", "train_iters": ..., "error": <type: message> or null}``.
 
-``MEGATRON_GA_FAULT`` injects one fault:
+``MEGATRON_GA_FAULT`` injects faults, comma-separated, each ``NAME[:K][@R]`` (at iteration K, on rank R only;
+every rank without ``@R``):
 
 * ``pp-multiplied-microbatches``: the training loop calls its forward/backward function with
   num_microbatches x PP, the mistake the PP guard exists for;
 * ``zero-tokens-at:K``: every micro-batch of iteration K has an all-zero loss mask (a global batch without a
-  single loss token), for the zero-token policies.
+  single loss token), for the zero-token policies;
+* ``empty-microbatch-at:K@R``: the first micro-batch of iteration K has an all-zero loss mask (the iteration row
+  records the tokens removed as ``zeroed_tokens``);
+* ``nan-loss-at:K@R``: the loss function's loss of the first micro-batch of iteration K is NaN;
+* ``two-tuple-loss``: the loss function returns ``(loss, report)``, without the token count;
+* ``ddp-before-per-token-flag``: Megatron's DDP wrappers are built while ``calculate_per_token_loss`` is off, and
+  the flag is set again after (a model wrapped before the flag).
+
+``MEGATRON_GA_EXTRA_ARGS_RANK<R>`` (shell words) is appended to rank R's command line, after everything else:
+ranks launched with different flags (argparse keeps the last value).
 
 ``MEGATRON_GA_MOCK_DOCUMENT_LENGTH=L`` draws ``--mock-data`` documents of 1 to L-1 tokens (upstream: up to
 4095), so that with ``--eod-mask-loss`` every micro-batch masks a different, sizeable share of its tokens
@@ -42,7 +52,9 @@ import inspect
 import json
 import os
 import runpy
+import shlex
 import sys
+from collections import Counter
 from typing import Any, Callable
 
 __all__ = ["main"]
@@ -51,11 +63,15 @@ __all__ = ["main"]
 class Recorder:
     """Appends one JSON object per event to this rank's file."""
 
-    def __init__(self, prefix: str, zero_tokens_at: int | None = None) -> None:
+    def __init__(self, prefix: str, faults: dict[str, int | None] | None = None) -> None:
         rank = os.environ.get("RANK", "0")
         self.path = f"{prefix}.rank{rank}.jsonl"
         self.mask_tokens = 0
-        self.zero_tokens_at = zero_tokens_at
+        self.zeroed_tokens = 0
+        self.faults = faults or {}
+        """This rank's faults (:func:`rank_faults`) that act on the forward step or the loss function."""
+        self.microbatches: Counter = Counter()
+        """Forward steps per iteration, so a fault can pick the first micro-batch of one."""
 
     def write(self, row: dict) -> None:
         with open(self.path, "a") as handle:
@@ -96,10 +112,11 @@ class Recorder:
             "skipped": int(skipped_iter),
             "last_stage": parallel_state.is_pipeline_last_stage(ignore_virtual=True),
             "mask_tokens": self.mask_tokens,
+            "zeroed_tokens": self.zeroed_tokens,
             "num_tokens": getattr(finalize, "last_num_tokens", None),
             "forward_steps": None if counter is None else sorted(counter.counts.values()),
         }
-        self.mask_tokens = 0
+        self.mask_tokens = self.zeroed_tokens = 0
         return row
 
     def pretrain(self, original: Callable) -> Callable:
@@ -121,13 +138,69 @@ class Recorder:
             result = forward_step_func(*args, **kwargs)
             loss_func = result[1] if isinstance(result, tuple) and len(result) == 2 else None
             mask = loss_func.args[0] if isinstance(loss_func, functools.partial) and loss_func.args else None
+            iteration = _iteration()
+            first = self.microbatches[iteration] == 0
+            self.microbatches[iteration] += 1
             if hasattr(mask, "sum"):
-                if self.zero_tokens_at is not None and _iteration() == self.zero_tokens_at:
+                if self._at("zero-tokens-at", iteration) or first and self._at("empty-microbatch-at", iteration):
+                    self.zeroed_tokens += int(mask.sum())
                     mask.zero_()
                 self.mask_tokens += int(mask.sum())
+            if loss_func is not None:
+                nan = first and self._at("nan-loss-at", iteration)
+                if nan or "two-tuple-loss" in self.faults:
+                    result = (result[0], _faulty_loss(loss_func, nan=nan))
             return result
 
         return forward_step
+
+    def _at(self, fault: str, iteration: int) -> bool:
+        return fault in self.faults and self.faults[fault] == iteration
+
+
+def _faulty_loss(loss_func: Callable, *, nan: bool) -> Callable:
+    """``loss_func`` whose loss is NaN (``nan``), else returning ``(loss, report)`` (a 2-tuple)."""
+
+    @functools.wraps(loss_func)
+    def faulty(*args: Any, **kwargs: Any) -> Any:
+        outputs = loss_func(*args, **kwargs)
+        if kwargs.get("non_loss_data"):
+            return outputs
+        if nan:
+            return (outputs[0] * float("nan"), *outputs[1:])
+        return outputs[0], outputs[-1]
+
+    return faulty
+
+
+def rank_faults(text: str, rank: int) -> dict[str, int | None]:
+    """``MEGATRON_GA_FAULT`` for ``rank``: {fault: iteration K, or None}, leaving out faults for other ranks."""
+    faults: dict[str, int | None] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        item, _, on_rank = item.partition("@")
+        name, _, at = item.partition(":")
+        if not on_rank or int(on_rank) == rank:
+            faults[name] = int(at) if at else None
+    return faults
+
+
+def _ddp_before_per_token_flag() -> None:
+    """The fault ``ddp-before-per-token-flag``: DDP sees calculate_per_token_loss off while it is built."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    original = DistributedDataParallel.__init__
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        config = signature.bind(self, *args, **kwargs).arguments["config"]
+        flag, config.calculate_per_token_loss = config.calculate_per_token_loss, False
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            config.calculate_per_token_loss = flag
+
+    DistributedDataParallel.__init__ = init
 
 
 def _iteration() -> int:
@@ -233,16 +306,20 @@ def run_rank(script: str) -> int:
 
         MockGPTLowLevelDataset.max_sequence_length = int(document_length)
     prefix = os.environ.get("MEGATRON_GA_RECORD")
-    fault = os.environ.get("MEGATRON_GA_FAULT", "")
-    zero_at = int(fault.split(":", 1)[1]) if fault.startswith("zero-tokens-at:") else None
-    recorder = Recorder(prefix, zero_tokens_at=zero_at) if prefix else None
+    rank = int(os.environ.get("RANK", "0"))
+    faults = rank_faults(os.environ.get("MEGATRON_GA_FAULT", ""), rank)
+    sys.argv += shlex.split(os.environ.get(f"MEGATRON_GA_EXTRA_ARGS_RANK{rank}", ""))
+    recorder = Recorder(prefix, faults) if prefix else None
     if recorder is not None:
         recorder.write({"event": "start", "megatron": os.path.dirname(os.path.dirname(megatron.core.__file__)),
                         "version": megatron_core_version()})
         _patch_everywhere("megatron.training.training", "training_log", recorder.training_log)
         _patch_everywhere("megatron.training.training", "pretrain", recorder.pretrain)
-    if fault in FAULTS:
-        _patch_everywhere(*FAULTS[fault])
+    for fault in faults:
+        if fault in FAULTS:
+            _patch_everywhere(*FAULTS[fault])
+    if "ddp-before-per-token-flag" in faults:
+        _ddp_before_per_token_flag()
     error, code = None, 0
     try:
         with training_shims():

@@ -1,0 +1,172 @@
+"""Faults injected into Megatron-LM's own training loop (pretrain_gpt.py through examples/pretrain_gpt_ga.py),
+DP 2 on the CPU over gloo, on the newest release and the newest main commit of the leg. Each fault has one
+documented outcome (docs/reliability.md):
+
+* a NaN loss on rank 1 at iteration 3: LossContractError naming the non-finite loss, at iteration 3; the
+  checkpoints of iterations 1 and 2 are there, none of iteration 3;
+* resuming that checkpoint with another schedule: rank 0 warns with both schedules, from which iteration and
+  consumed-sample count the new one applies and the global batch size there under each; the run goes on under
+  the new schedule, step for step as `megatron-ga schedule --consumed-samples` plans it;
+* in that resumed run, a micro-batch without a single loss token on rank 1 (iteration 4): training goes on, and
+  the global token count N is the other micro-batches' tokens;
+* a loss function returning a 2-tuple: LossContractError at the first micro-batch, nothing saved;
+* a model wrapped in DDP before --calculate-per-token-loss: LossContractError naming the factor 1/2, nothing saved;
+* rank 1 launched with another --global-batch-size, or another schedule: GuardError at the first forward/backward
+  call naming both ranks and their values (the batch configuration is all-gathered once), nothing saved.
+
+Every launch saves after every step (--save-interval 1, --ckpt-format torch), bounds each collective with
+--distributed-timeout-minutes 1, and runs under the launch's own timeout. The zero-token faults (a whole
+global batch without loss tokens, under each policy) are test_pretrain_gpt.py's; their rows are added here
+when they ran in the same session.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from compatibility import source_name
+from plans import BOUNDED, planned_steps, ran_steps, save_every_step, saved, seq_length_schedule
+from reliability import write
+
+pytestmark = pytest.mark.e2e
+
+TOKEN = ["--calculate-per-token-loss"]
+CONSTANT = ["--global-batch-size", "16", "--train-samples", "128"]
+SCHEDULE_TEXT, CHANGED_TEXT = "0:16 3072:24 6144:32", "0:16 2048:32"
+TRAIN_SAMPLES = 160
+SCHEDULE = ["--step-batch-size-schedule", SCHEDULE_TEXT, "--train-samples", str(TRAIN_SAMPLES)]
+CHANGED = ["--step-batch-size-schedule", CHANGED_TEXT, "--train-samples", str(TRAIN_SAMPLES)]
+NAN_AT, EMPTY_AT = 3, 4
+
+_ROWS: dict[str, list[dict]] = {}
+
+
+def faulty(launches, source: Path, name: str, flags: list[str], **env: str):
+    """A DP 2 launch that saves after every step; returns (run, its checkpoint directory)."""
+    checkpoints = launches.workdir / source.name / "dp2" / f"{name}-checkpoints"
+    run = launches.get(source, "dp2", name, [*TOKEN, *flags, *BOUNDED, *save_every_step(checkpoints)], env=env)
+    return run, checkpoints
+
+
+def failed_with(run, error: str, *texts: str) -> None:
+    assert run.rc != 0 and run.error is not None, run.describe()
+    assert run.error.startswith(error) and all(text in run.error for text in texts), run.error
+
+
+def nothing_saved(checkpoints: Path) -> None:
+    assert saved(checkpoints) == (None, []), saved(checkpoints)
+
+
+def row(source: Path, fault: str, injected: str, outcome: str, checkpoints: str) -> None:
+    _ROWS.setdefault(source_name(source), []).append(
+        {"Source": source_name(source), "Fault": fault, "Injected as": injected, "Outcome": outcome,
+         "Checkpoints": checkpoints})
+
+
+def nan_run(launches, source: Path):
+    return faulty(launches, source, "nan-loss", SCHEDULE, MEGATRON_GA_FAULT=f"nan-loss-at:{NAN_AT}@1")
+
+
+def test_a_nan_loss_on_one_rank_stops_that_step(launches, newest_source):
+    run, checkpoints = nan_run(launches, newest_source)
+    failed_with(run, "LossContractError", "1 micro-batch(es) in this global batch returned a non-finite loss")
+    assert [r["iteration"] for r in run.iterations] == list(range(1, NAN_AT))
+    assert saved(checkpoints) == (NAN_AT - 1, list(range(1, NAN_AT)))
+    row(newest_source, "NaN loss on rank 1", f"`nan-loss-at:{NAN_AT}@1`",
+        f"LossContractError at iteration {NAN_AT}: {run.error.split(': ', 1)[1].split(';')[0]}",
+        f"iterations 1-{NAN_AT - 1}, none of {NAN_AT}")
+
+
+def test_a_resume_with_another_schedule_says_what_changed_and_an_empty_microbatch_is_left_out(
+        launches, newest_source):
+    _, checkpoints = nan_run(launches, newest_source)
+    resumed = launches.get(newest_source, "dp2", "resume-changed",
+                           [*TOKEN, *CHANGED, *BOUNDED, "--load", str(checkpoints), "--ckpt-format", "torch"],
+                           env={"MEGATRON_GA_FAULT": f"empty-microbatch-at:{EMPTY_AT}@1"})
+    assert resumed.rc == 0 and resumed.error is None, resumed.describe()
+    start, consumed = NAN_AT - 1, 32
+    warning = (f"resuming from the checkpoint of iteration {start} (consumed samples {consumed}) with another batch "
+               f"configuration than it was saved with: --step-batch-size-schedule '{SCHEDULE_TEXT}' when it was "
+               f"saved, '{CHANGED_TEXT}' now. The new configuration applies from iteration {start + 1} (consumed "
+               f"samples {consumed}) on: global batch size 32 (8 micro-batches), where the checkpoint's configuration "
+               f"has 16.")
+    assert resumed.output.count(warning) == 1, resumed.output[-3000:]  # on rank 0 only
+    plan = planned_steps(seq_length_schedule(CHANGED_TEXT), TRAIN_SAMPLES, consumed, start)
+    assert ran_steps(resumed) == plan
+    # The empty micro-batch: rank 1's first of iteration 4 lost its tokens; N is every other token, and goes on.
+    rank1 = {r["iteration"]: r for r in resumed.records[1] if r.get("event") == "iteration"}
+    assert [i for i, r in rank1.items() if r["zeroed_tokens"]] == [EMPTY_AT], rank1
+    num_tokens = [r["num_tokens"] for r in resumed.iterations]
+    assert num_tokens == resumed.mask_tokens() and all(n > 0 for n in num_tokens)
+    row(newest_source, "resumed with another schedule", f"`--load` the NaN run's iteration {start}, "
+        f"`--step-batch-size-schedule \"{CHANGED_TEXT}\"`",
+        f"rank 0 warns with both schedules, from iteration {start + 1} (consumed {consumed}): GBS 32, was 16; "
+        f"iterations {start + 1}-{plan[-1][0]} = plan", "-")
+    row(newest_source, "micro-batch without loss tokens on rank 1", f"`empty-microbatch-at:{EMPTY_AT}@1` (resumed run)",
+        f"training goes on; N at iteration {EMPTY_AT} = {num_tokens[EMPTY_AT - start - 1]}, the other "
+        f"micro-batches' tokens ({rank1[EMPTY_AT]['zeroed_tokens']} left out)", "-")
+
+
+def test_a_two_tuple_loss_function_stops_at_the_first_microbatch(launches, newest_source):
+    run, checkpoints = faulty(launches, newest_source, "two-tuple", CONSTANT, MEGATRON_GA_FAULT="two-tuple-loss")
+    failed_with(run, "LossContractError", "the loss function returned a 2-tuple at micro-batch 0")
+    assert run.iterations == []
+    nothing_saved(checkpoints)
+    row(newest_source, "loss function returns (loss, report)", "`two-tuple-loss`",
+        "LossContractError at micro-batch 0 of iteration 1", "none")
+
+
+def test_a_model_wrapped_before_the_per_token_flag_is_named_with_its_factor(launches, newest_source):
+    run, checkpoints = faulty(launches, newest_source, "ddp-before-flag", CONSTANT,
+                              MEGATRON_GA_FAULT="ddp-before-per-token-flag")
+    failed_with(run, "LossContractError", "model chunk 0 was wrapped in DistributedDataParallel with "
+                "gradient_scaling_factor 0.5 (= 1/2), i.e. before calculate_per_token_loss was set; its gradients "
+                "would end up 2 times too small")
+    assert run.iterations == []
+    nothing_saved(checkpoints)
+    row(newest_source, "DDP built before --calculate-per-token-loss", "`ddp-before-per-token-flag`",
+        "LossContractError at iteration 1 naming gradient_scaling_factor 0.5 (= 1/2)", "none")
+
+
+@pytest.mark.parametrize("case, flags, extra, difference", [
+    ("global batch size", CONSTANT, "--global-batch-size 32",
+     "--global-batch-size is '16' on rank 0 and '32' on rank 1"),
+    ("schedule", SCHEDULE, f"--step-batch-size-schedule '{CHANGED_TEXT}'",
+     f"--step-batch-size-schedule is '{SCHEDULE_TEXT}' on rank 0 and '{CHANGED_TEXT}' on rank 1"),
+])
+def test_ranks_launched_with_another_batch_configuration_fail_at_start(launches, newest_source, case, flags, extra,
+                                                                       difference):
+    run, checkpoints = faulty(launches, newest_source, f"ranks-{case.replace(' ', '-')}", flags,
+                              MEGATRON_GA_EXTRA_ARGS_RANK1=extra)
+    failed_with(run, "GuardError", "the ranks were launched with different batch configurations (compared once, at "
+                "the first forward/backward call)", difference)
+    assert run.iterations == []
+    nothing_saved(checkpoints)
+    row(newest_source, f"rank 1 launched with another {case}", f"`MEGATRON_GA_EXTRA_ARGS_RANK1=\"{extra}\"`",
+        f"GuardError at the first forward/backward call: {difference}", "none")
+
+
+def _zero_token_rows(launches, source: Path) -> None:
+    """test_pretrain_gpt.py's zero-token launches, where they ran in this session."""
+    for name, policy in (("zero-error", "error"), ("zero-skip", "skip")):
+        run = launches.done.get((source, "dp2", name))
+        if run is None:
+            continue
+        if run.error:
+            outcome = f"{run.error.split(':')[0]} at iteration {len(run.iterations) + 1}: 0 non-padding tokens"
+        else:
+            skipped = ", ".join(str(r["iteration"]) for r in run.iterations if r["skipped"])
+            outcome = f"iteration {skipped} skipped (N = 0, LR held); the run goes on to its end"
+        latest, _ = saved(launches.workdir / source.name / "dp2" / f"{name}-checkpoints")
+        row(source, f"global batch without loss tokens, --ga-zero-token-policy {policy}", "`zero-tokens-at:3`",
+            outcome, f"iterations 1-{latest}, none of 3" if latest else "-")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _write_reliability_doc(launches):
+    yield
+    sources = {key[0] for key in launches.done if source_name(key[0]) in _ROWS}
+    for source in sorted(sources):
+        _zero_token_rows(launches, source)
+    write("faults", [r for rows in _ROWS.values() for r in rows])

@@ -1,0 +1,67 @@
+"""What the fuzz tests (tests/test_fuzz.py) found, each pinned by its smallest example."""
+
+import json
+
+import pytest
+
+from megatron_ga_ext import StepSchedule
+from megatron_ga_ext.calculator import StepScheduleCalculator
+from megatron_ga_ext.cli import main
+from megatron_ga_ext.errors import ScheduleParseError, SizeError
+from megatron_ga_ext.guards import GuardedCalculator
+from megatron_ga_ext.schedule_numbers import parse_count
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["ledger", "--world-size=8", "--micro-batch-size=--"], "--micro-batch-size"),
+    (["check", "--world-size=--", "--", "torchrun", "--nproc-per-node", "8"], "--world-size"),
+    (["schedule", "0:8", "--micro-batch-size", "1", "--data-parallel-size", "1", "--lr=--",
+      "--lr-base-batch-size", "8"], "--lr"),
+])
+def test_a_flag_given_as_flag_equals_dashdash_is_a_usage_error(capsys, argv, flag):
+    """argparse reads ``--flag=--`` as an empty list, which reached read_int (AttributeError) or math.isfinite
+    (TypeError) as a traceback."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"error: {flag}=--: '--' is not a value for {flag}; give {flag} a value, or leave it out." in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("text", ["9" * 31, "1.0000001e30", "1000000000000000001T", "1000000000000000000001B"])
+def test_a_count_above_1e30_is_refused_exactly(text):
+    """parse_count bounded the exponent only, so values up to 10**31 - 1 passed its documented 10**30."""
+    with pytest.raises(ScheduleParseError, match=rf"value '{text}' is larger than 1e30; no run consumes that much"):
+        parse_count(text, "value")
+    assert parse_count("1e30") == parse_count("1000000000000000000T") == 10**30
+
+
+def test_the_bound_is_the_same_for_a_schedule_entry():
+    with pytest.raises(ScheduleParseError, match=r"entry 2 '1000000000000000001T:16': threshold '1000000000000000001T' "
+                                                 r"is larger than 1e30"):
+        StepSchedule.parse("0:8 1000000000000000001T:16")
+
+
+@pytest.mark.parametrize("consumed", ["8", 1.5, -1, True, None])
+def test_the_guard_refuses_a_consumed_count_that_is_not_one(consumed):
+    """The guard subtracted the count before any calculator checked it: a TypeError, not a typed error."""
+    guarded = GuardedCalculator(StepScheduleCalculator(StepSchedule.constant(8), 1, 1), 1)
+    guarded.update(0, True)
+    with pytest.raises(SizeError, match=rf"consumed_samples {consumed!r} must be a whole number >= 0\."):
+        guarded.update(consumed, False)
+
+
+@pytest.mark.parametrize("flags, problem", [
+    (["--num-layers", "0", "--num-layers-per-virtual-pipeline-stage", "0"],
+     "--num-layers-per-virtual-pipeline-stage 0 must be at least 1: it sets how the layers of each pipeline stage "
+     "split into virtual stages. Give a whole number >= 1, or leave --num-layers-per-virtual-pipeline-stage out."),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "8", "--num-virtual-stages-per-pipeline-rank", "0"],
+     "--num-virtual-stages-per-pipeline-rank 0 must be at least 1"),
+    (["--pipeline-model-parallel-size", "0", "--num-layers", "8"],
+     "--pipeline-model-parallel-size 0 must be at least 1; give an integer >= 1."),
+])
+def test_a_zero_pipeline_size_is_a_problem_not_a_division_by_zero(capsys, flags, problem):
+    """The layer split divided by these sizes before any check (ZeroDivisionError)."""
+    line = ["torchrun", "--nproc-per-node", "8", "pretrain_gpt.py", "--micro-batch-size", "1",
+            "--calculate-per-token-loss", *flags]
+    assert main(["check", "--json", "--", *line]) == 1
+    assert any(problem in text for text in json.loads(capsys.readouterr().out)["problems"])
