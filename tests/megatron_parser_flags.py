@@ -4,7 +4,7 @@ Run by tests/test_options_upstream.py in a subprocess: each snapshot's ``megatro
 builds its parser (``add_megatron_arguments``), one snapshot after another in one process. Optional
 packages the training code imports but the parser never uses are stubbed when they are not installed.
 """
-import argparse, importlib, importlib.abc, importlib.machinery, json, sys, types, warnings
+import argparse, importlib, importlib.abc, importlib.machinery, importlib.util, json, sys, types, warnings
 
 warnings.filterwarnings("ignore")
 
@@ -23,11 +23,14 @@ class _Stub(types.ModuleType):
 
 
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Optional packages Megatron-LM's training code imports but the parser does not need."""
+    """Optional packages Megatron-LM's training code imports but the parser does not need. Without triton
+    (the e2e extra), the one Megatron module that imports it is stubbed instead: a stub triton would make
+    torch believe triton is installed."""
     names = {"modelopt", "six", "yaml", "regex", "pydantic"}
+    needs_triton = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
 
     def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in self.names:
+        if name.split(".")[0] in self.names or name in self.names:
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
 
     def create_module(self, spec):
@@ -45,7 +48,9 @@ for name in list(_StubFinder.names):
         _StubFinder.names.discard(name)
     except ImportError:
         pass
-sys.meta_path.append(_StubFinder())
+if importlib.util.find_spec("triton") is None:
+    _StubFinder.names.add(_StubFinder.needs_triton)
+sys.meta_path.insert(0, _StubFinder())
 out = {}
 for root in sys.argv[1:]:
     for key in [k for k in sys.modules if k == "megatron" or k.startswith("megatron.")]:
