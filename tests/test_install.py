@@ -288,13 +288,17 @@ def test_step_schedule_sizes_the_run_of_megatrons_training_loop(monkeypatch):
     """--train-samples under a converted rampup: the planned steps, not train_samples // GBS (fails before the fix)."""
     training = pytest.importorskip("megatron.training.training")  # in the 0.19.2 wheel; not in 0.16.1's
     global_vars = sys.modules["megatron.training.global_vars"]
-    install(GAConfig(convert_rampup=True, rampup_batch_size=(8, 8, 64)))
-    init_calculator(24, 2, 2, rampup=[8, 8, 64])
     args = argparse.Namespace(
-        train_iters=None, train_samples=160, global_batch_size=24, rampup_batch_size=["8", "8", "64"],
+        train_iters=None, train_samples=150, global_batch_size=24, rampup_batch_size=["8", "8", "64"],
         step_batch_size_schedule=None, full_validation=False, skip_train=False, eval_interval=1000,
         start_eval_at_iter=None, eval_iters=0, phase_transition_iterations=None, iteration=0)
     monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
+    init_calculator(24, 2, 2, rampup=[8, 8, 64])
+    training.update_train_iters(args)  # upstream's own count: 150 // 24 = 6 where it ignores the rampup (0.19+)
+    upstream_train_iters, args.train_iters, args.train_samples = args.train_iters, None, 160
+    calculators.unset_num_microbatches_calculator()
+    install(GAConfig(convert_rampup=True, rampup_batch_size=(8, 8, 64)))
+    init_calculator(24, 2, 2, rampup=[8, 8, 64])
     training.update_train_iters(args)
     assert args.train_iters == 10  # 4 x 8, 2 x 16, 4 x 24 = 160 samples; upstream: 160 // 24 = 6
     args.train_samples = 150  # the last step passes --train-samples: the dataset must hold its samples
@@ -302,6 +306,8 @@ def test_step_schedule_sizes_the_run_of_megatrons_training_loop(monkeypatch):
     training.update_train_iters(args)
     assert args.train_iters == 10 and training.get_train_valid_test_num_samples()[0] == 160
     uninstall()
+    calculators.unset_num_microbatches_calculator()
+    init_calculator(24, 2, 2, rampup=[8, 8, 64])
     args.train_iters = None
     training.update_train_iters(args)
-    assert args.train_iters == 150 // 24
+    assert args.train_iters == upstream_train_iters != 10
