@@ -14,12 +14,14 @@ from megatron_ga_ext.errors import GAError
 from megatron_ga_ext.launch import Launch, LaunchLayout, read_layout
 from megatron_ga_ext.layout import BatchLayout
 from megatron_ga_ext.options import (
+    CHECKS,
     CONVERT_RAMPUP,
     GUARDS,
     LOSS_REDUCTION,
     NOT_MEGATRON,
     ZERO_TOKEN_POLICY,
     ScheduleInputs,
+    check_checks,
     check_choice,
     check_guards,
     check_loss_mode,
@@ -92,11 +94,13 @@ def _stray_problem(launch: Launch, flag: str, words: list[str]) -> str:
 
 
 def _option_problems(launch: Launch) -> list[str]:
-    """The --ga-* flags: their choices, the loss mode (the default token too) and the guards."""
+    """The --ga-* flags: their choices, the loss mode (the default token too), the guards and async checks."""
     problems = []
     mode = launch.get(LOSS_REDUCTION.flag)
-    for option in (LOSS_REDUCTION, ZERO_TOKEN_POLICY):
+    for option in (LOSS_REDUCTION, ZERO_TOKEN_POLICY, CHECKS):
         problems += _problem(check_choice, option, launch.get(option.flag) or option.default)
+    problems += _problem(check_checks, launch.get(CHECKS.flag) or CHECKS.default,
+                         launch.get(ZERO_TOKEN_POLICY.flag) or ZERO_TOKEN_POLICY.default)
     if mode is None or mode in LOSS_REDUCTION.choices:
         problems += _problem(check_loss_mode, mode or LOSS_REDUCTION.default, launch.on("--calculate-per-token-loss"),
                              explicit=mode is not None)

@@ -9,13 +9,21 @@ vector that also carries the loss contract's violation flags:
     v = all_reduce_sum(v, DP x CP)                   N = sum_{m,r,c} n(m,r,c), summed, never averaged
     grad = grad / N                                  after upstream's finalize ran with num_tokens=None
 
-``v`` is read back once per step, never per micro-batch. Mode ``microbatch`` calls upstream unchanged
-after checking that the per-token flag is off.
+    grad = grad * (1 / max(N, 1))                   a device scalar, as upstream scales (N = 0: zeroed)
+
+``v`` is read back once per step, never per micro-batch (``--ga-checks sync``, the default: a broken step
+raises before its optimizer step). With ``--ga-checks async`` finalize reads nothing: ``v`` is copied to
+pinned host memory without blocking and read after the optimizer step (whose own grad-norm read has synced
+the stream by then) or at the start of the next step, whichever finds the copy done first; a broken step
+raises there, naming the step. Mode ``microbatch`` calls upstream unchanged after checking that the
+per-token flag is off.
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -97,6 +105,7 @@ class FinalizeModelGrads:
         enabled: False after uninstall(): a config that still holds it gets upstream's finalize unchanged.
         skip_step: True after a step with 0 tokens under ``--ga-zero-token-policy skip``: the optimizer
             wrapper install() puts on Megatron's optimizer skips that step (and clears it).
+        pending: under ``--ga-checks async``, the last step's verdict until :meth:`poll` reads it.
     """
 
     def __init__(self, original: Callable, contract: LossContract | None, config: GAConfig) -> None:
@@ -109,6 +118,7 @@ class FinalizeModelGrads:
         self.calls = 0
         self.enabled = True
         self.skip_step = False
+        self.pending: _Verdict | None = None
 
     def __call__(self, model: list[torch.nn.Module], num_tokens: torch.Tensor | None = None,
                  pg_collection: Any = None, force_all_reduce: bool | None = False) -> None:
@@ -124,31 +134,51 @@ class FinalizeModelGrads:
                           force_all_reduce=force_all_reduce)
             return
         check_ddp_chunks(model)
-        total = self._global_count(model, pg_collection)
+        self.poll(wait=True)  # an earlier step's verdict not yet read (no schedule call in between)
+        vector = self._reduced_vector(model, pg_collection)
         self.original(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
-        scaling = 1.0 / total if total > 0 else 0.0
+        if self.config.checks == "async":
+            scaling = 1.0 / torch.clamp(vector[SLOT_TOKENS], min=1)
+            self.pending = _Verdict.of(vector, self.calls, _iteration())
+        else:
+            values = vector.tolist()  # the step's one device-to-host read
+            _raise_on_violations(values)
+            self._tokens_read(values[SLOT_TOKENS])
+            scaling = 1.0 / torch.clamp(vector[SLOT_TOKENS], min=1) if values[SLOT_TOKENS] else 0.0
         for chunk in model:
             chunk.scale_gradients(scaling)
 
-    def _global_count(self, model: list[torch.nn.Module], pg_collection: Any) -> int:
-        """Broadcast and all-reduce [n, flags...] in int64; read it once; raise on violations."""
+    def poll(self, *, wait: bool = False) -> None:
+        """``--ga-checks async``: read the pending verdict if its copy is done (or ``wait``) and raise if the
+        step it belongs to broke the contract."""
+        pending = self.pending
+        if pending is None or not (wait or pending.ready()):
+            return
+        self.pending = None
+        values = pending.values()
+        where = f"--ga-checks async, verdict of training step {pending.step}" + (
+            f" (iteration {pending.iteration})" if pending.iteration is not None else "")
+        _raise_on_violations(values, where=where)
+        self._tokens_read(values[SLOT_TOKENS], where=where)
+
+    def _reduced_vector(self, model: list[torch.nn.Module], pg_collection: Any) -> torch.Tensor:
+        """[n, flags...] in int64, broadcast from the last PP stage and all-reduced over DP x CP."""
         pp_group, dp_cp_group = _groups(pg_collection)
         pp_ranks = torch.distributed.get_process_group_ranks(pp_group)
         device = next(model[0].parameters()).device
         vector = self.contract.collect(device, is_last_stage=torch.distributed.get_rank() == pp_ranks[-1])
         torch.distributed.broadcast(vector, src=pp_ranks[-1], group=pp_group)
         torch.distributed.all_reduce(vector, group=dp_cp_group)
-        values = vector.tolist()  # the step's one device-to-host read
-        _raise_on_violations(values)
-        total = values[SLOT_TOKENS]
+        return vector
+
+    def _tokens_read(self, total: int, *, where: str = "") -> None:
         self.last_num_tokens = total
         if total == 0:
-            self._zero_tokens()
-        return total
+            self._zero_tokens(where)
 
-    def _zero_tokens(self) -> None:
-        message = ("the global batch has 0 non-padding tokens (the sum of num_tokens over micro-batches "
-                   "and DP x CP ranks); there is nothing to average.")
+    def _zero_tokens(self, where: str = "") -> None:
+        message = (_prefixed(where) + "the global batch has 0 non-padding tokens (the sum of num_tokens over "
+                   "micro-batches and DP x CP ranks); there is nothing to average.")
         if self.config.zero_token_policy == "error":
             raise LossContractError(
                 message + " Check the loss mask and the data, or choose --ga-zero-token-policy skip to skip "
@@ -176,18 +206,59 @@ def _groups(pg_collection: Any) -> tuple[Any, Any]:
             parallel_state.get_data_parallel_group(with_context_parallel=True))
 
 
-def _raise_on_violations(values: list[int]) -> None:
+def _prefixed(where: str) -> str:
+    return f"{where}: " if where else ""
+
+
+def _raise_on_violations(values: list[int], *, where: str = "") -> None:
+    prefix = _prefixed(where)
     if values[SLOT_UNCHECKED]:
         raise LossContractError(
-            f"{values[SLOT_UNCHECKED]} last-stage rank(s) ran no micro-batch through the LossContract "
+            f"{prefix}{values[SLOT_UNCHECKED]} last-stage rank(s) ran no micro-batch through the LossContract "
             f"this step, so their token counts are unchecked; wrap the loss function with "
             f"contract.wrap(loss_func) (install() does this for you).")
     if values[SLOT_NONFINITE]:
         raise LossContractError(
-            f"{values[SLOT_NONFINITE]} micro-batch(es) in this global batch returned a non-finite loss "
-            f"(inf or nan); the token-weighted gradient would be non-finite. Check the data, the loss "
-            f"function and the learning rate (--check-for-nan-in-loss-and-grad names the rank at the source).")
+            f"{prefix}{values[SLOT_NONFINITE]} micro-batch(es) in this global batch returned a non-finite loss "
+            f"(inf or nan); the token-weighted gradient would be non-finite. Check the data, the loss function and "
+            f"the learning rate (--check-for-nan-in-loss-and-grad names the rank at the source).")
     if values[SLOT_NEGATIVE]:
         raise LossContractError(
-            f"{values[SLOT_NEGATIVE]} micro-batch(es) returned a negative num_tokens; a token count is "
+            f"{prefix}{values[SLOT_NEGATIVE]} micro-batch(es) returned a negative num_tokens; a token count is "
             f">= 0. Count non-padding tokens as loss_mask.sum().to(torch.int64).")
+
+
+@dataclass
+class _Verdict:
+    """A step's reduced vector on its way to the host (``--ga-checks async``)."""
+
+    host: torch.Tensor
+    """Pinned host copy (CUDA: filled without blocking, done once ``event`` is)."""
+    event: Any
+    step: int
+    iteration: int | None
+
+    @classmethod
+    def of(cls, vector: torch.Tensor, step: int, iteration: int | None) -> "_Verdict":
+        if vector.device.type != "cuda":  # the CPU (or a device without events): a plain copy
+            return cls(vector.to("cpu", copy=True), None, step, iteration)
+        host = torch.empty(vector.shape, dtype=vector.dtype, pin_memory=True)
+        host.copy_(vector, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(host, event, step, iteration)
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def values(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()  # done already when ready(); else waits for this one copy
+        return self.host.numpy().tolist()  # host memory: reading it cannot synchronize the device
+
+
+def _iteration() -> int | None:
+    """The Megatron iteration being trained (``args.curr_iteration`` + 1, as its log numbers it), if any."""
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    current = getattr(getattr(global_vars, "_GLOBAL_ARGS", None), "curr_iteration", None)
+    return current + 1 if isinstance(current, int) else None

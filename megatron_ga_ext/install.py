@@ -276,6 +276,8 @@ def uninstall() -> None:
     if isinstance(live, GuardedCalculator):
         calculators._GLOBAL_NUM_MICROBATCHES_CALCULATOR = live.inner
     _STATE.clear()
+    if state.finalize is not None:
+        state.finalize.poll(wait=True)  # --ga-checks async: the last step's verdict, everything restored first
 
 
 def _resolve_config(config: Any) -> tuple[GAConfig, bool]:
@@ -395,7 +397,10 @@ def _skipping_step(step: Callable, state: Installation) -> Callable:
         if state.active and finalize is not None and finalize.skip_step:
             finalize.skip_step = False
             return False, None, None
-        return step(*args, **kwargs)
+        result = step(*args, **kwargs)
+        if state.active and finalize is not None:
+            finalize.poll()  # --ga-checks async: the step's verdict, if its copy is done (the step's own reads synced)
+        return result
 
     return skipping_step
 
@@ -409,20 +414,24 @@ def _forward_step_calc_loss(original: Callable, state: Installation) -> Callable
     reports the micro-batch's mean (what that mode optimises) to Megatron's logged loss."""
     from megatron_ga_ext.reduction import mean_of_means_reports
 
-    signature = inspect.signature(original)
+    # Where model and loss_func stand, looked up once: per micro-batch only a tuple index (no Signature.bind).
+    names = list(inspect.signature(original).parameters)
+    model_at, loss_at = names.index("model"), names.index("loss_func")
 
     @functools.wraps(original)
     def forward_step_calc_loss(*args: Any, **kwargs: Any):
         if not state.active:
             return original(*args, **kwargs)
         state.settle()
-        bound = signature.bind(*args, **kwargs)
-        state.counter.count(bound.arguments["model"])
-        loss_func = bound.arguments.get("loss_func")
+        state.counter.count(kwargs["model"] if "model" in kwargs else args[model_at])
+        loss_func = kwargs["loss_func"] if "loss_func" in kwargs else args[loss_at] if len(args) > loss_at else None
         if loss_func is not None:
-            bound.arguments["loss_func"] = (state.contract.wrap(loss_func) if state.contract is not None
-                                            else mean_of_means_reports(loss_func))
-        return original(*bound.args, **bound.kwargs)
+            loss_func = state.contract.wrap(loss_func) if state.contract is not None else mean_of_means_reports(loss_func)
+            if "loss_func" in kwargs:
+                kwargs["loss_func"] = loss_func
+            else:
+                args = (*args[:loss_at], loss_func, *args[loss_at + 1:])
+        return original(*args, **kwargs)
 
     return forward_step_calc_loss
 
@@ -436,6 +445,7 @@ def _guarded_schedule(original: Callable, state: Installation) -> Callable:
             return original(*args, **kwargs)
         state.settle()
         state.startup.run_once(state.config, _megatron_args())
+        state.finalize.poll(wait=True)  # --ga-checks async: the last step's verdict, if not read after its optimizer step
         state.counter.reset()
         if state.contract is not None:  # an evaluation call (forward_only) never reaches finalize
             state.contract.reset()
@@ -474,6 +484,7 @@ def _report_first_step(state: Installation, kwargs: dict) -> None:
     if summary is None:
         return
     logger.info(summary)
+    state.finalize.poll(wait=True)  # the first step's N (under --ga-checks async, once)
     positions = (kwargs["num_microbatches"] * kwargs.get("micro_batch_size", 1) * kwargs.get("seq_length", 0)
                  * parallel_state.get_data_parallel_world_size())
     notes = [pipeline_inexact_note(config, mode, current_pipeline_size(), positions, state.finalize.last_num_tokens or 0),

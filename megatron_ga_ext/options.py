@@ -13,7 +13,8 @@ The rules shared by ``check``, ``schedule``, the calculator and ``install()`` li
   rampup, or None for upstream's constant calculator);
 * :func:`check_loss_mode`: ``--ga-loss-reduction token`` needs ``--calculate-per-token-loss``;
   ``microbatch`` must not have it;
-* :func:`check_guards`: schedules that run another number of forward passes need ``--no-ga-guards``.
+* :func:`check_guards`: schedules that run another number of forward passes need ``--no-ga-guards``;
+* :func:`check_checks`: ``--ga-checks async`` cannot skip a step, so not with ``--ga-zero-token-policy skip``.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BY_DEST",
+    "CHECK_TIMINGS",
     "GA_FIELDS",
     "GA_OPTIONS",
     "LAUNCHER_OPTIONS",
@@ -56,6 +58,7 @@ __all__ = [
     "add_args",
     "args_provider",
     "check_choice",
+    "check_checks",
     "check_guards",
     "check_loss_mode",
     "check_train_length",
@@ -72,6 +75,8 @@ logger = get_logger(__name__)
 MODES = ("token", "microbatch")
 #: ``--ga-zero-token-policy``: a global batch without a single token.
 ZERO_TOKEN_POLICIES = ("error", "skip")
+#: ``--ga-checks``: when token mode reads a step's checked count (finalize.py).
+CHECK_TIMINGS = ("sync", "async")
 
 
 # -- the --ga-* flags (ours) ----------------------------------------------------------------------
@@ -103,8 +108,14 @@ GUARDS = switch(
     "that consumed samples advance by the global batch size; --no-ga-guards for schedules that legitimately run "
     "another number of forward passes (--hybrid-context-parallel, packed RL batches).",
 )
+CHECKS = Option(
+    flag="--ga-checks", dest="ga_checks", type=str, default="sync", choices=CHECK_TIMINGS,
+    help="token mode: sync (default) reads the step's checked token count once, in finalize, and raises before the "
+    "optimizer step; async reads nothing there (gradients scaled by a device 1/max(N, 1), as upstream) and raises a "
+    "broken step after the optimizer step or at the next step, naming it (not with --ga-zero-token-policy skip).",
+)
 #: The flags add_args adds (the schedule flag only where the parser lacks it).
-GA_OPTIONS = (LOSS_REDUCTION, ZERO_TOKEN_POLICY, STRICT, CONVERT_RAMPUP, GUARDS)
+GA_OPTIONS = (LOSS_REDUCTION, ZERO_TOKEN_POLICY, STRICT, CONVERT_RAMPUP, GUARDS, CHECKS)
 
 #: Every flag by its spelling (a negatable switch under both).
 OPTIONS: dict[str, Option] = {
@@ -142,6 +153,8 @@ class GAConfig:
     """Turn a given rampup triple into the equivalent step schedule."""
     guards: bool = GUARDS.default
     """Check micro-batch counts and consumed samples every step."""
+    checks: str = CHECKS.default
+    """When token mode reads a step's checked count: ``sync`` (in finalize) or ``async`` (after the step)."""
     step_batch_size_schedule: str | None = None
     """Megatron's ``--step-batch-size-schedule`` (or the backported flag)."""
     rampup_batch_size: tuple[int, int, int] | None = None
@@ -158,6 +171,8 @@ class GAConfig:
     def __post_init__(self) -> None:
         check_choice(LOSS_REDUCTION, self.loss_reduction)
         check_choice(ZERO_TOKEN_POLICY, self.zero_token_policy)
+        check_choice(CHECKS, self.checks)
+        check_checks(self.checks, self.zero_token_policy)
         if self.rampup_batch_size is not None:
             object.__setattr__(self, "rampup_batch_size", rampup_triple(self.rampup_batch_size))
 
@@ -171,6 +186,7 @@ class GAConfig:
             strict=getattr(args, STRICT.dest, STRICT.default),
             convert_rampup=getattr(args, CONVERT_RAMPUP.dest, CONVERT_RAMPUP.default),
             guards=getattr(args, GUARDS.dest, GUARDS.default),
+            checks=getattr(args, CHECKS.dest, CHECKS.default),
             step_batch_size_schedule=getattr(args, "step_batch_size_schedule", None),
             rampup_batch_size=rampup_triple(rampup) if rampup else None,
             seq_length=getattr(args, "seq_length", None),
@@ -187,6 +203,7 @@ GA_FIELDS = {
     STRICT: "strict",
     CONVERT_RAMPUP: "convert_rampup",
     GUARDS: "guards",
+    CHECKS: "checks",
 }
 
 
@@ -292,6 +309,16 @@ def check_loss_mode(loss_reduction: str, calculate_per_token_loss: bool, *, expl
             f"{given} is upstream's mean of means, but --calculate-per-token-loss makes Megatron run the token "
             f"mean; drop one of them."
         )
+
+
+def check_checks(checks: str, zero_token_policy: str) -> None:
+    """``--ga-checks async`` reads a step's count only after its optimizer step, so it cannot decide to skip that
+    step: it does not go with ``--ga-zero-token-policy skip``. Raises OptionError."""
+    if checks == "async" and zero_token_policy == "skip":
+        raise OptionError(
+            f"{CHECKS.flag} async reads a step's token count only after its optimizer step, so "
+            f"{ZERO_TOKEN_POLICY.flag} skip cannot skip a step with 0 tokens. Drop one of them: {CHECKS.flag} sync "
+            f"skips it, {ZERO_TOKEN_POLICY.flag} error (the default) stops the run there.")
 
 
 def check_guards(guards: bool, *, hybrid_context_parallel: bool = False, rl_sequence_packing: bool = False) -> None:

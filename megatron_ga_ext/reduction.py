@@ -104,18 +104,23 @@ def _mean_row(value: Any) -> Any:
 
 
 class LossContract:
-    """Checks each micro-batch's loss-function outputs; accumulates the int64 token count on device.
+    """Checks each micro-batch's loss-function outputs with host bookkeeping only; the device checks of a
+    whole step run in :meth:`collect`, as a few fused ops, once per step.
 
     Host facts fail at once (no synchronization): the outputs are not a 3-tuple; num_tokens is not an
-    integer scalar. Device facts (num_tokens < 0, a non-finite loss) are summed into flags that
-    :meth:`collect` hands to the finalize wrapper once per step.
+    integer scalar; the loss is not a tensor or is on another device than the step's earlier ones. Per
+    micro-batch it keeps references only (the detached loss, the count): no kernel runs. :meth:`collect`
+    turns them into the step's int64 vector [tokens, negative, nonfinite, unchecked] for the finalize
+    wrapper, which reads it once per step (or, with ``--ga-checks async``, not at all).
 
     Use ``contract.wrap(loss_func)`` where a loss function is built, or call ``contract.check(outputs)``
     on what a loss function returned.
     """
 
     def __init__(self) -> None:
-        self._flags: torch.Tensor | None = None
+        self._losses: list[torch.Tensor] = []
+        self._counts: list[torch.Tensor] = []
+        self._host_tokens = 0
         self.microbatches = 0
         """Micro-batches checked since the last :meth:`collect` (a host counter)."""
 
@@ -133,8 +138,10 @@ class LossContract:
     def check(self, outputs: Any) -> tuple:
         """Validate one micro-batch's ``(loss, num_tokens, report)``; return it unchanged.
 
-        A count on the host (an int, or a CPU tensor beside a device loss) is checked on the host and
-        added as a scalar, so no host-to-device copy (which would synchronize) happens per micro-batch.
+        The loss is kept detached: Megatron's 1F1B schedule may free a last stage's output storage
+        (``deallocate_pipeline_outputs``) before finalize, and a detached view keeps the values. A count on
+        the host (an int, or a CPU tensor beside a device loss) is checked and summed on the host, so no
+        host-to-device copy (which would synchronize) happens per micro-batch.
         """
         _require_three_tuple(outputs, self.microbatches)
         loss, num_tokens, report = outputs
@@ -143,50 +150,59 @@ class LossContract:
             raise LossContractError(
                 f"the loss function returned a loss of type {type(loss).__name__}; it must be a "
                 f"tensor (the summed token loss of the micro-batch).")
-        flags = self._flags_on(loss.device)
-        nonfinite = (~torch.isfinite(loss.detach())).any().to(torch.int64)
+        if self._losses and loss.device != self._losses[0].device:
+            raise LossContractError(
+                f"micro-batch {self.microbatches} returned its loss on {loss.device}, earlier ones on "
+                f"{self._losses[0].device}; keep every micro-batch's loss on the model's device.")
+        self._losses.append(loss.detach())
         if isinstance(num_tokens, torch.Tensor) and num_tokens.device == loss.device:
-            count = num_tokens.reshape(()).to(torch.int64)
-            flags[:SLOT_UNCHECKED].add_(torch.stack([count, (count < 0).to(torch.int64), nonfinite]))
+            self._counts.append(num_tokens)
         else:
             count = int(num_tokens)  # a host value: reading it costs no device synchronization
             if count < 0:
                 raise LossContractError(
                     f"the loss function returned num_tokens = {count} at micro-batch {self.microbatches}; a "
                     f"token count is >= 0. Count non-padding tokens as loss_mask.sum().to(torch.int64).")
-            flags[SLOT_TOKENS].add_(count)
-            flags[SLOT_NONFINITE].add_(nonfinite)
+            self._host_tokens += count
         self.microbatches += 1
         return outputs
 
-    def _flags_on(self, device: torch.device) -> torch.Tensor:
-        """This step's flag vector, on the loss's device; every micro-batch of a step must use one device."""
-        if self._flags is None:
-            self._flags = torch.zeros(NUM_SLOTS, dtype=torch.int64, device=device)
-        elif self._flags.device != device:
-            raise LossContractError(
-                f"micro-batch {self.microbatches} returned its loss on {device}, earlier ones on "
-                f"{self._flags.device}; keep every micro-batch's loss on the model's device.")
-        return self._flags
-
     def reset(self) -> None:
-        """Forget everything accumulated (call at the start of a step that follows an aborted one)."""
-        self._flags = None
+        """Forget everything kept (an evaluation call, or a step that follows an aborted one)."""
+        self._losses, self._counts, self._host_tokens = [], [], 0
         self.microbatches = 0
 
     def collect(self, device: torch.device, *, is_last_stage: bool) -> torch.Tensor:
-        """This step's int64 vector [tokens, negative, nonfinite, unchecked], then reset.
+        """This step's int64 vector, then reset:
 
-        ``unchecked`` is 1 on a last pipeline stage that ran no micro-batch through the contract
-        (the loss function was not wrapped): a host fact, so it costs no synchronization.
+            tokens    = sum_m n_m                    (int64: a global batch cannot overflow it)
+            negative  = #{m : n_m < 0}
+            nonfinite = #{m : loss_m has an inf or nan}
+            unchecked = 1 on a last pipeline stage that ran no micro-batch through the contract
+
+        ``unchecked`` is a host fact (the loss function was not wrapped), so it costs no synchronization.
         """
-        flags = self._flags if self._flags is not None else torch.zeros(
-            NUM_SLOTS, dtype=torch.int64, device=device)
-        flags = flags.to(device)
+        vector = torch.zeros(NUM_SLOTS, dtype=torch.int64, device=device)
+        if self._counts:
+            counts = torch.stack([c.reshape(()) for c in self._counts]).to(device=device, dtype=torch.int64)
+            vector[SLOT_TOKENS] = counts.sum()
+            vector[SLOT_NEGATIVE] = (counts < 0).sum()
+        if self._losses:
+            vector[SLOT_NONFINITE] = _nonfinite_microbatches(self._losses).to(device)
+        if self._host_tokens:
+            vector[SLOT_TOKENS] += self._host_tokens
         if is_last_stage and self.microbatches == 0:
-            flags[SLOT_UNCHECKED] = 1
+            vector[SLOT_UNCHECKED] = 1
         self.reset()
-        return flags
+        return vector
+
+
+def _nonfinite_microbatches(losses: list[torch.Tensor]) -> torch.Tensor:
+    """How many micro-batches' losses hold an inf or nan: one fused check over the step's scalar losses (a
+    loss of several values, which Megatron does not make, is checked by itself)."""
+    if all(loss.numel() == 1 for loss in losses):
+        return (~torch.isfinite(torch.cat([loss.reshape(1) for loss in losses]))).sum()
+    return torch.stack([(~torch.isfinite(loss)).any() for loss in losses]).sum()
 
 
 def _require_three_tuple(outputs: Any, index: int) -> None:

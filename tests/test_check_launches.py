@@ -194,6 +194,9 @@ def test_a_loss_mode_that_is_not_a_choice_names_the_choices():
     assert problem == "--ga-loss-reduction 'tokens' is not one of token, microbatch; pick one of them."
     problem = one_problem(BASE + " --global-batch-size 16 --ga-zero-token-policy ignore")
     assert problem == "--ga-zero-token-policy 'ignore' is not one of error, skip; pick one of them."
+    problem = one_problem(BASE + " --global-batch-size 16 --ga-checks async --ga-zero-token-policy skip")
+    assert problem.startswith("--ga-checks async reads a step's token count only after its optimizer step")
+    assert check(BASE + " --global-batch-size 16 --ga-checks async")[1] == []
 
 
 @pytest.mark.parametrize("flags", ["--hybrid-context-parallel", "--perform-rl-step --rl-use-sequence-packing"])

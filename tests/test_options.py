@@ -88,6 +88,9 @@ def test_megatron_flags_are_spelled_as_megatrons_parser_spells_them():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(loss_reduction="tokens"), r"^--ga-loss-reduction 'tokens' is not one of token, microbatch; pick one"),
     (dict(zero_token_policy="ignore"), r"^--ga-zero-token-policy 'ignore' is not one of error, skip"),
+    (dict(checks="later"), r"^--ga-checks 'later' is not one of sync, async; pick one"),
+    (dict(checks="async", zero_token_policy="skip"), r"^--ga-checks async reads a step's token count only after its "
+     r"optimizer step, so --ga-zero-token-policy skip cannot skip a step with 0 tokens\. Drop one of them"),
 ])
 def test_gaconfig_validates_at_construction(kwargs, message):
     with pytest.raises(OptionError, match=message):

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_ga_ext.errors import LossContractError, OptionError
 from megatron_ga_ext.finalize import check_ddp_chunks, check_per_token_flag, make_finalize_model_grads
@@ -99,6 +100,42 @@ def test_contract_accumulates_device_flags_without_host_reads():
     assert vector.dtype == torch.int64
     assert vector.tolist() == [3 + 1 + (3 - 10) + 1, 1, 1, 0]  # tokens, negative, nonfinite, unchecked
     assert contract.microbatches == 0  # reset for the next step
+
+
+class _DispatchedOps(TorchDispatchMode):
+    """Records every aten op that reaches a kernel (views and metadata-only calls like detach included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _step_ops(num_microbatches: int) -> tuple[list[str], list[str]]:
+    """(ops per micro-batch check, ops of collect) for a step of ``num_microbatches``."""
+    micro = [masked_loss(l, m) for l, m in zip(LOSSES, MASKS)] * (num_microbatches // 2)
+    contract = LossContract()
+    wrapped = contract.wrap(lambda outputs: outputs)
+    with _DispatchedOps() as per_microbatch:
+        for outputs in micro:
+            wrapped(outputs)
+    with _DispatchedOps() as collected:
+        vector = contract.collect(torch.device("cpu"), is_last_stage=True)
+    assert vector.tolist() == [num_microbatches // 2 * (3 + 1), 0, 0, 0]
+    return per_microbatch.ops, collected.ops
+
+
+def test_contract_keeps_references_only_per_microbatch():
+    """Host bookkeeping per micro-batch: no op but the loss's detach (a view); the step's checks run in collect,
+    as the same few fused ops whatever GA is (and a metadata-only view per micro-batch)."""
+    views = {"detach", "view", "_unsafe_view"}
+    per_microbatch, collected = _step_ops(16)
+    assert per_microbatch == ["detach"] * 16
+    kernels = [op for op in collected if op not in views]
+    assert kernels == [op for op in _step_ops(2)[1] if op not in views] and len(kernels) < 20
 
 
 def test_contract_flags_an_unchecked_last_stage_only():

@@ -74,7 +74,25 @@ SCENARIOS = {
     "huge_count": (DP4, _huge_count, {}),
     "pp_token": (PP2, masked_loss, {}),
     "pp_huge_count": (PP2, _huge_count, {}),
+    "dp_token": (DP4, masked_loss, {}),
+    "async_token": (DP4, masked_loss, {"checks": "async"}),
+    "async_pp": (PP2, masked_loss, {"checks": "async"}),
+    "async_nan": (DP4, _nan_loss, {"checks": "async"}),
+    "async_negative_count": (PP2, _negative_count, {"checks": "async"}),
 }
+#: Tensor methods that read a value back to the host (a device-to-host synchronization on a GPU).
+HOST_READS = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__")
+
+
+class _CountHostReads(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+        self._reads = {getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += func in self._reads
+        return func(*args, **(kwargs or {}))
 
 
 def _scenario(name, cfg, batch, refs):
@@ -94,18 +112,21 @@ def _scenario(name, cfg, batch, refs):
     contract = LossContract()
     finalize = make_finalize_model_grads(
         finalize_model_grads, contract,
-        config=GAConfig(zero_token_policy=opts.get("zero_tokens", "error")))
-    with warnings.catch_warnings(record=True) as caught:
+        config=GAConfig(zero_token_policy=opts.get("zero_tokens", "error"), checks=opts.get("checks", "sync")))
+    with warnings.catch_warnings(record=True) as caught, _CountHostReads() as reads:
         warnings.simplefilter("always")
         train_step(ddp, config, layout, cfg, batch, finalize=finalize,
                    loss_func=contract.wrap(loss_func) if opts.get("wrap", True) else loss_func)
+    pending = finalize.pending is not None
+    finalize.poll(wait=True)  # --ga-checks async: where install() reads the verdict (after the step)
     grads = gradients(ddp, names)
     ref = next(grads for (_, kind), grads in refs.items() if kind == "token")  # the dense token target
     n = finalize.last_num_tokens
     scaled = {k: v * 72 / n for k, v in ref.items()} if n else ref
     return {"num_tokens": n, "rel_err": relative_error(grads, scaled),
             "max_grad": float(torch.stack([g.abs().max() for g in grads.values()]).max()),  # NaN-safe
-            "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]}
+            "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
+            "host_reads": reads.count, "pending_after_step": pending}
 
 
 def _fsdp_checks(cfg) -> dict:
@@ -224,6 +245,27 @@ def _raise(outcome):
 def test_broken_check_raises(outcomes, name, match):
     with pytest.raises(LossContractError, match=match):
         _raise(outcomes[name])
+
+
+@pytest.mark.parametrize("name, match", [
+    ("async_nan", r"--ga-checks async, verdict of training step 1: 8 micro-batch\(es\) in this global batch returned a "
+                  r"non-finite loss"),
+    ("async_negative_count", r"--ga-checks async, verdict of training step 1: \d+ micro-batch\(es\) returned a negative"),
+])
+def test_async_checks_raise_when_the_verdict_is_read(outcomes, name, match):
+    with pytest.raises(LossContractError, match=match):
+        _raise(outcomes[name])
+
+
+@pytest.mark.parametrize("sync, checked", [("dp_token", "async_token"), ("pp_token", "async_pp")])
+def test_async_checks_read_nothing_in_the_step_and_scale_as_sync(outcomes, sync, checked):
+    """The same gradients and N as sync mode, with one host read fewer per step (sync's vector.tolist()) and the
+    verdict still pending when the step returns."""
+    for (_, sync_result), (_, async_result) in zip(outcomes[sync], outcomes[checked]):
+        assert async_result["num_tokens"] == sync_result["num_tokens"] == 72
+        assert async_result["rel_err"] < 1e-5
+        assert async_result["host_reads"] == sync_result["host_reads"] - 1
+        assert async_result["pending_after_step"] and not sync_result["pending_after_step"]
 
 
 def test_per_token_flag_off_at_the_step_is_the_options_rule(outcomes):
