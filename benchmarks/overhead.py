@@ -1,37 +1,63 @@
-"""Per-step overhead of install() against upstream, side by side in one run.
+"""Per-step cost of install() against upstream, side by side in one run, with host reads and collectives counted.
 
-Two gloo ranks (DP 2) train the tiny megatron-core GPT of ``megatron-ga verify`` with megatron's own
-schedule and finalize, ``calculate_per_token_loss=True``, for GA micro-batches per step:
+Two gloo ranks (DP 2) train with megatron's own schedule and finalize, ``calculate_per_token_loss=True``, GA
+micro-batches per step, in three variants:
 
-* upstream:  megatron's ``finalize_model_grads`` and the pretrain_gpt-style loss (``masked_loss``);
-* extension: the same after ``install()`` (loss contract, micro-batch guards, checked int64 finalize).
+* upstream:         megatron's ``finalize_model_grads`` and the pretrain_gpt-style loss (``masked_loss``);
+* extension:        the same after ``install()`` (loss contract, guards, checked int64 finalize, ``--ga-checks sync``);
+* extension_async:  the same with ``--ga-checks async`` (no host read in finalize; the verdict read after the step).
 
-Variants alternate step by step (upstream, extension, upstream, ...) so that both see the same machine
-load; the report gives the median step time of each and their ratio.
+Two models: verify's tiny GPT, and a near-empty position-wise model on which a step is mostly Megatron's schedule,
+so the host time the extension adds shows with little around it. Variants take turns step by step (upstream,
+extension, extension_async, upstream, ...), each step the second of a fresh installation (its first runs the
+once-per-installation start-up checks), with the garbage collector held off. Per model and GA: the median step time
+of each variant; the ratio to upstream over rounds (median, min, max; a round is one step of each); the time added
+per micro-batch, from the minima; and, from one more step of each, the host reads
+(``Tensor.item/tolist/cpu/__bool__/__int__/__float__``) and ``torch.distributed`` collectives per step.
 
-    python benchmarks/overhead.py [--steps 40] [--num-microbatches 4 16]
+    python benchmarks/overhead.py --quick     # GA 16 (< 2 min): one JSON object on the last line
+    python benchmarks/overhead.py --write     # GA 4, 16, 64: benchmarks/results/*.json, docs/performance.md
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import gc
+import json
+import os
+import platform
 import statistics
+import sys
 import time
+from contextlib import contextmanager
 from functools import partial
+from pathlib import Path
 
 from megatron_ga_ext.verify.launch import LaunchConfig, run_on_ranks
 
 DP = 2
+VARIANTS = ("upstream", "extension", "extension_async")
+ROOT = Path(__file__).resolve().parent.parent
+#: The models measured: verify's tiny GPT, and a near-empty position-wise model where a step is mostly Megatron's
+#: schedule and the extension's host work, so what the extension adds per micro-batch shows with little else around it.
+MODELS = {"gpt": "tiny GPT", "positionwise": "position-wise (host-bound)"}
+#: Timed steps per installation and round (install() and uninstall() scan every loaded module: tenths of a second).
+STEPS_PER_INSTALL = {"gpt": 3, "positionwise": 10}
+HOST_READS = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__")
+COLLECTIVES = ("broadcast", "all_reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather",
+               "all_gather_into_tensor", "all_to_all", "all_to_all_single", "barrier", "send", "recv", "isend",
+               "irecv", "batch_isend_irecv")
 
 
-def rank_main(steps: int, num_microbatches: int) -> dict[str, float]:
+def rank_main(rounds: int, num_microbatches: int, model: str = "gpt") -> dict:
     from megatron_ga_ext.verify.shims import cpu_shims
 
     with cpu_shims():
-        return _timings(steps, num_microbatches)
+        return _measure(rounds, num_microbatches, model)
 
 
-def _timings(steps: int, num_microbatches: int) -> dict[str, float]:
+def _measure(rounds: int, num_microbatches: int, model: str) -> dict:
     import megatron_ga_ext
     from megatron.core.distributed import finalize_model_grads as upstream_finalize
 
@@ -40,41 +66,198 @@ def _timings(steps: int, num_microbatches: int) -> dict[str, float]:
     from megatron_ga_ext.verify.layouts import Layout, make_global_batch
 
     cfg = VerifyConfig()
-    layout = Layout(data_parallel_size=DP, num_microbatches=num_microbatches)
+    layout = Layout(data_parallel_size=DP, num_microbatches=num_microbatches, model=model)
     batch = make_global_batch(tuple(1 + (7 * i) % cfg.model.seq_length for i in range(layout.global_batch_size)),
                               cfg.model.seq_length, cfg.model.vocab_size)
     init_model_parallel()
     ddp, _, config = build_ddp(layout, cfg, calculate_per_token_loss=True)
     loss = partial(masked_loss, mode="token")
-    times: dict[str, list[float]] = {"upstream": [], "extension": []}
-    for step in range(2 * steps + 4):
-        variant = "upstream" if step % 2 == 0 else "extension"
-        finalize = upstream_finalize
-        if variant == "extension":
-            finalize = megatron_ga_ext.install(megatron_ga_ext.GAConfig()).finalize
-        start = time.perf_counter()
-        train_step(ddp, config, layout, cfg, batch, finalize=finalize, loss_func=loss)
-        elapsed = time.perf_counter() - start
+    configs = {"extension": megatron_ga_ext.GAConfig(), "extension_async": megatron_ga_ext.GAConfig(checks="async")}
+
+    def steps(variant: str, timed_steps: int, count: bool = False) -> tuple[list[float], dict]:
+        """A fresh installation's steps after its first (which runs the once-per-installation start-up checks, as a
+        job's first step does): their times, with the garbage collector held off, and the counts of the last."""
+        state = megatron_ga_ext.install(configs[variant]) if variant != "upstream" else None
+        finalize = state.finalize if state is not None else upstream_finalize
+
+        def one_step() -> None:
+            train_step(ddp, config, layout, cfg, batch, finalize=finalize, loss_func=loss)
+            if state is not None:
+                state.finalize.poll(wait=True)  # async: the verdict read, where install() reads it (after the step)
+
+        one_step()
+        gc.collect()
+        gc.disable()
+        elapsed = []
+        for index in range(timed_steps):
+            with _counting(enabled=count and index == timed_steps - 1) as counted:
+                start = time.perf_counter()
+                one_step()
+                elapsed.append(time.perf_counter() - start)
+        gc.enable()
         megatron_ga_ext.uninstall()
-        if step >= 4:  # warm-up
-            times[variant].append(elapsed)
-    return {name: statistics.median(values) for name, values in times.items()}
+        return elapsed, counted
+
+    for variant in VARIANTS:  # warm-up
+        steps(variant, 1)
+    times = {variant: [] for variant in VARIANTS}
+    for _ in range(rounds):
+        for variant in VARIANTS:
+            times[variant].append(statistics.median(steps(variant, STEPS_PER_INSTALL[model])[0]))
+    counts = {variant: steps(variant, 1, count=True)[1] for variant in VARIANTS}
+    return {"times": times, "counts": counts}
 
 
-def main() -> None:
+@contextmanager
+def _counting(enabled: bool = True):
+    """Count host reads (wrapped Tensor methods) and torch.distributed collectives while the block runs; a call
+    made inside a counted one (a torch function mode calling the method again) is not counted twice."""
+    import torch
+    import torch.distributed as dist
+
+    counted = {"host_reads": 0, "collectives": 0}
+    originals = [(torch.Tensor, name, getattr(torch.Tensor, name)) for name in HOST_READS]
+    originals += [(dist, name, getattr(dist, name)) for name in COLLECTIVES if hasattr(dist, name)]
+    depth = [0]
+
+    def counter(original, key):
+        def counted_call(*args, **kwargs):
+            counted[key] += depth[0] == 0
+            depth[0] += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return counted_call
+
+    if enabled:
+        for owner, name, original in originals:
+            setattr(owner, name, counter(original, "host_reads" if owner is torch.Tensor else "collectives"))
+    try:
+        yield counted
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+
+
+def summarize(num_microbatches: int, model: str, measured: dict) -> dict:
+    """One GA's result (a round's time is the median of its steps): median step times, paired ratios over rounds,
+    time added per micro-batch from the minima (noise on a shared machine only ever adds time, so the minimum is
+    the least disturbed estimate, as timeit takes it), host reads and collectives per step."""
+    wall = measured["times"]
+    counts = measured["counts"]
+    ratios = {v: [t / u for t, u in zip(wall[v], wall["upstream"])] for v in VARIANTS[1:]}
+    return {
+        "model": model,
+        "num_microbatches": num_microbatches,
+        "rounds": len(wall["upstream"]),
+        "steps": len(wall["upstream"]) * STEPS_PER_INSTALL[model],
+        "step_ms": {v: round(1e3 * statistics.median(wall[v]), 3) for v in VARIANTS},
+        "ratio_median": {v: round(statistics.median(r), 4) for v, r in ratios.items()},
+        "ratio_min": {v: round(min(r), 4) for v, r in ratios.items()},
+        "ratio_max": {v: round(max(r), 4) for v, r in ratios.items()},
+        "extra_us_per_microbatch": {v: round(1e6 * (min(wall[v]) - min(wall["upstream"])) / num_microbatches, 1)
+                                    for v in VARIANTS[1:]},
+        "host_reads_per_step": {v: counts[v]["host_reads"] for v in VARIANTS},
+        "collectives_per_step": {v: counts[v]["collectives"] for v in VARIANTS},
+    }
+
+
+def run(num_microbatches: int, rounds: int, model: str = "gpt") -> dict:
+    # Rank 0's clock: both ranks step in lock-step (every step ends in the same collectives).
+    return summarize(num_microbatches, model, run_on_ranks(rank_main, DP, (rounds, num_microbatches, model),
+                                                           LaunchConfig(timeout_s=900))[0])
+
+
+def environment() -> dict:
+    import importlib.metadata as metadata
+
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": {"platform": platform.platform(), "processor": platform.machine(), "cpus": os.cpu_count()},
+            "versions": {"python": platform.python_version(), "torch": metadata.version("torch"),
+                         "megatron-core": metadata.version("megatron-core"),
+                         "megatron-ga-ext": metadata.version("megatron-ga-ext")},
+            "layout": f"DP {DP} over gloo on the CPU, verify's tiny GPT (2 layers, hidden 32, seq 16), MBS 1"}
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | GA | upstream step (ms) | extension (ms) | ratio: median (min-max) | us per micro-batch "
+             "| async (ms) | ratio: median (min-max) | us per micro-batch | host reads per step (up / ext / async) "
+             "| collectives per step (up / ext / async) |", "|" + "---|" * 11]
+    for r in rows:
+        cells = [MODELS[r["model"]], str(r["num_microbatches"]), f"{r['step_ms']['upstream']:.2f}"]
+        for v in VARIANTS[1:]:
+            cells += [f"{r['step_ms'][v]:.2f}", f"{r['ratio_median'][v]:.3f} ({r['ratio_min'][v]:.3f}-"
+                      f"{r['ratio_max'][v]:.3f})", f"{r['extra_us_per_microbatch'][v]:.1f}"]
+        cells += [" / ".join(str(r[key][v]) for v in VARIANTS) for key in ("host_reads_per_step", "collectives_per_step")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write(rows: list[dict], env: dict) -> None:
+    """benchmarks/results/overhead-<date>.json, the plot, and the table of docs/performance.md."""
+    results = ROOT / "benchmarks" / "results"
+    results.mkdir(exist_ok=True)
+    (results / f"overhead-{env['date'][:10]}.json").write_text(json.dumps({**env, "rows": rows}, indent=2) + "\n")
+    _plot(rows, ROOT / "docs" / "performance-overhead.png")
+    doc = ROOT / "docs" / "performance.md"
+    begin, end = "<!-- table:overhead -->", "<!-- /table:overhead -->"
+    text = doc.read_text()
+    head, rest = text.split(begin, 1)
+    tail = rest.split(end, 1)[1]
+    stamp = (f"\nRun on {env['date'][:10]}: Python {env['versions']['python']}, torch {env['versions']['torch']}, "
+             f"megatron-core {env['versions']['megatron-core']}, {env['machine']['cpus']} CPUs; {env['layout']}; "
+             f"rounds per row as its JSON says ({rows[0]['rounds']} at GA {rows[0]['num_microbatches']}).\n\n")
+    doc.write_text(head + begin + stamp + table(rows) + "\n" + end + tail)
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4), dpi=100)
+    gpt = [r for r in rows if r["model"] == "gpt"]
+    ga = [r["num_microbatches"] for r in gpt]
+    for variant, marker in zip(VARIANTS, "osd"):
+        axes.plot(ga, [r["step_ms"][variant] for r in gpt], marker=marker, label=variant)
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    axes.set_xticks(ga, [str(g) for g in ga])
+    axes.set_xlabel("micro-batches per step (GA), DP 2")
+    axes.set_ylabel("median step time (ms)")
+    axes.set_title("install() against upstream, tiny GPT on the CPU")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40, help="timed steps per variant")
-    parser.add_argument("--num-microbatches", type=int, nargs="+", default=[4, 16])
-    args = parser.parse_args()
-    print("| DP x GA | upstream step (ms) | extension step (ms) | ratio | extra ms per micro-batch |")
-    print("|---|---|---|---|---|")
-    for m in args.num_microbatches:
-        median = run_on_ranks(rank_main, DP, (args.steps, m), LaunchConfig(timeout_s=600))[0]
-        ratio = median["extension"] / median["upstream"]
-        extra = 1e3 * (median["extension"] - median["upstream"]) / m
-        print(f"| {DP} x {m} | {1e3 * median['upstream']:.2f} | {1e3 * median['extension']:.2f} | {ratio:.3f} "
-              f"| {extra:.3f} |", flush=True)
+    parser.add_argument("--quick", action="store_true", help="GA 16 only, 30 rounds; one JSON object on the last line")
+    parser.add_argument("--write", action="store_true", help="write benchmarks/results/*.json and docs/performance.md")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="rounds per model and GA (default 8 quick; 20, 10 at GA 64); a round times 3 steps of each "
+                        "variant on the tiny GPT, 10 on the position-wise model")
+    parser.add_argument("--num-microbatches", type=int, nargs="+", default=None, help="GA values (default 4 16 64)")
+    args = parser.parse_args(argv)
+    ga_values = args.num_microbatches or ([16] if args.quick else [4, 16, 64])
+    rows = []
+    for model in MODELS:
+        for num_microbatches in ga_values:
+            rounds = args.rounds or (8 if args.quick else 20 if num_microbatches < 64 else 10)
+            rows.append(run(num_microbatches, rounds, model))
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    env = environment()
+    if args.write:
+        write(rows, env)
+    print(table(rows))
+    print(json.dumps({**rows[0], "host_bound": rows[-1]} if args.quick else {**env, "rows": rows}))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

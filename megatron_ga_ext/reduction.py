@@ -17,6 +17,7 @@ collectives the step already does.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -121,6 +122,7 @@ class LossContract:
         self._losses: list[torch.Tensor] = []
         self._counts: list[torch.Tensor] = []
         self._host_tokens = 0
+        self._device: torch.device | None = None
         self.microbatches = 0
         """Micro-batches checked since the last :meth:`collect` (a host counter)."""
 
@@ -150,12 +152,15 @@ class LossContract:
             raise LossContractError(
                 f"the loss function returned a loss of type {type(loss).__name__}; it must be a "
                 f"tensor (the summed token loss of the micro-batch).")
-        if self._losses and loss.device != self._losses[0].device:
+        device = loss.device
+        if self._device is None:
+            self._device = device
+        elif device != self._device:
             raise LossContractError(
-                f"micro-batch {self.microbatches} returned its loss on {loss.device}, earlier ones on "
-                f"{self._losses[0].device}; keep every micro-batch's loss on the model's device.")
+                f"micro-batch {self.microbatches} returned its loss on {device}, earlier ones on "
+                f"{self._device}; keep every micro-batch's loss on the model's device.")
         self._losses.append(loss.detach())
-        if isinstance(num_tokens, torch.Tensor) and num_tokens.device == loss.device:
+        if isinstance(num_tokens, torch.Tensor) and num_tokens.device == device:
             self._counts.append(num_tokens)
         else:
             count = int(num_tokens)  # a host value: reading it costs no device synchronization
@@ -169,7 +174,7 @@ class LossContract:
 
     def reset(self) -> None:
         """Forget everything kept (an evaluation call, or a step that follows an aborted one)."""
-        self._losses, self._counts, self._host_tokens = [], [], 0
+        self._losses, self._counts, self._host_tokens, self._device = [], [], 0, None
         self.microbatches = 0
 
     def collect(self, device: torch.device, *, is_last_stage: bool) -> torch.Tensor:
@@ -182,27 +187,36 @@ class LossContract:
 
         ``unchecked`` is a host fact (the loss function was not wrapped), so it costs no synchronization.
         """
-        vector = torch.zeros(NUM_SLOTS, dtype=torch.int64, device=device)
+        if not self._losses:  # no micro-batch went through the contract this step
+            vector = torch.zeros(NUM_SLOTS, dtype=torch.int64, device=device)
+            vector[SLOT_UNCHECKED] = int(is_last_stage)
+            return vector
         if self._counts:
-            counts = torch.stack([c.reshape(()) for c in self._counts]).to(device=device, dtype=torch.int64)
-            vector[SLOT_TOKENS] = counts.sum()
-            vector[SLOT_NEGATIVE] = (counts < 0).sum()
-        if self._losses:
-            vector[SLOT_NONFINITE] = _nonfinite_microbatches(self._losses).to(device)
-        if self._host_tokens:
-            vector[SLOT_TOKENS] += self._host_tokens
-        if is_last_stage and self.microbatches == 0:
-            vector[SLOT_UNCHECKED] = 1
+            counts = _stacked_counts(self._counts).to(device=device, dtype=torch.int64)
+            tokens, negative = counts.sum() + self._host_tokens, (counts < 0).sum()
+        else:  # every count was a host value, checked on the host
+            tokens = torch.full((), self._host_tokens, dtype=torch.int64, device=device)
+            negative = torch.zeros_like(tokens)
+        nonfinite = _nonfinite_microbatches(self._losses).to(device)
         self.reset()
-        return vector
+        return torch.nn.functional.pad(torch.stack([tokens, negative, nonfinite]), (0, 1))  # unchecked = 0
+
+
+def _stacked_counts(counts: list[torch.Tensor]) -> torch.Tensor:
+    """[M] from the step's M one-element counts in one op (counts of several shapes, () beside (1,), one by one)."""
+    try:
+        return torch.stack(counts).reshape(-1)
+    except RuntimeError:
+        return torch.stack([count.reshape(()) for count in counts])
 
 
 def _nonfinite_microbatches(losses: list[torch.Tensor]) -> torch.Tensor:
-    """How many micro-batches' losses hold an inf or nan: one fused check over the step's scalar losses (a
-    loss of several values, which Megatron does not make, is checked by itself)."""
-    if all(loss.numel() == 1 for loss in losses):
-        return (~torch.isfinite(torch.cat([loss.reshape(1) for loss in losses]))).sum()
-    return torch.stack([(~torch.isfinite(loss)).any() for loss in losses]).sum()
+    """How many micro-batches' losses hold an inf or nan, in a few ops whatever GA is (losses of several
+    shapes, which Megatron does not make, are checked one by one)."""
+    try:
+        return (~torch.isfinite(torch.stack(losses))).reshape(len(losses), -1).any(dim=1).sum()
+    except RuntimeError:
+        return torch.stack([(~torch.isfinite(loss)).any() for loss in losses]).sum()
 
 
 def _require_three_tuple(outputs: Any, index: int) -> None:
@@ -216,21 +230,25 @@ def _require_three_tuple(outputs: Any, index: int) -> None:
         f"DP x CP instead of averaged. Return megatron_ga_ext.reduction.masked_loss(losses, loss_mask).")
 
 
+#: Integer dtypes a token count may have (bool and floating or complex counts are refused).
+_INTEGER_DTYPES = frozenset(getattr(torch, name) for name in (
+    "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64") if hasattr(torch, name))
+
+
 def _require_integer_scalar(num_tokens: Any) -> None:
+    """One count per micro-batch, an integer; a tensor's dtype and shape are read once each (host metadata)."""
     if isinstance(num_tokens, bool):
         pass
     elif isinstance(num_tokens, int):
         return
     elif isinstance(num_tokens, torch.Tensor):
-        integer = not (num_tokens.is_floating_point() or num_tokens.is_complex()
-                       or num_tokens.dtype == torch.bool)
-        if integer and num_tokens.numel() == 1:
+        dtype, shape = num_tokens.dtype, num_tokens.shape
+        if dtype in _INTEGER_DTYPES and math.prod(shape) == 1:
             return
-        what = f"a tensor of dtype {num_tokens.dtype} and shape {tuple(num_tokens.shape)}"
         raise LossContractError(
-            f"the loss function returned num_tokens as {what}; it must be an integer scalar (one "
-            f"count of non-padding tokens per micro-batch; a float count is inexact above "
-            f"2^24 in float32). Use loss_mask.sum().to(torch.int64).")
+            f"the loss function returned num_tokens as a tensor of dtype {dtype} and shape {tuple(shape)}; it must "
+            f"be an integer scalar (one count of non-padding tokens per micro-batch; a float count is inexact "
+            f"above 2^24 in float32). Use loss_mask.sum().to(torch.int64).")
     raise LossContractError(
         f"the loss function returned num_tokens of type {type(num_tokens).__name__}; it must be an "
         f"integer scalar tensor. Use loss_mask.sum().to(torch.int64).")

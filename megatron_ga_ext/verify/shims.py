@@ -81,14 +81,14 @@ class _CpuDeviceMode(TorchFunctionMode):
     """Maps every CUDA device argument to the CPU (shim 2)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
+        # Every torch call of the process passes here: the common case (no device argument) costs two tests.
         if func is torch.Tensor.cuda:
             return args[0]
-        if _is_cuda(kwargs.get("device")):
-            kwargs["device"] = "cpu"
+        if kwargs and "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs = {**kwargs, "device": "cpu"}
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], "cpu", *args[2:])
-        return func(*args, **kwargs)
+        return func(*args, **(kwargs or {}))
 
 
 class _Stream:
