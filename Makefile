@@ -68,6 +68,7 @@ matrix: $(STAMP)
 e2e: $(E2E_STAMP)
 	@$(PY) tools/regress.py sources $(MEGATRON_LM) >/dev/null
 	MEGATRON_GA_COMPAT_DOC=docs/compatibility.md MEGATRON_GA_RELIABILITY_DOC=docs/reliability.md \
+	MEGATRON_GA_PERFORMANCE_DOC=docs/performance.md \
 		$(PY) -m pytest -q -p no:cacheprovider -m e2e tests/e2e $(PYTEST_ARGS)
 
 regress: $(E2E_STAMP)

@@ -4,6 +4,7 @@
     update(doc, "fuzz", rows)      # make fuzz: one row per input surface
     update(doc, "faults", rows)    # make e2e: one row per (source, fault), tests/e2e/test_faults.py
     update(doc, "resumes", rows)   # make e2e: one row per (source, case), tests/e2e/test_resume.py
+    update(doc, "e2e", rows)       # make e2e: docs/performance.md, one row per source, tests/e2e/test_performance.py
 
 A table lives between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->``; a row whose key columns match
 an existing row replaces it, other rows (another leg's sources) are kept.
@@ -21,6 +22,9 @@ TABLES = {
     "fuzz": (("Surface", "Input", "Examples", "Slowest example", "Answers", "Run on"), 1),
     "faults": (("Source", "Fault", "Injected as", "Outcome", "Checkpoints", "Run on"), 2),
     "resumes": (("Source", "Case", "Resumed at", "Checked against the uninterrupted run", "Run on"), 2),
+    # docs/performance.md, tests/e2e/test_performance.py
+    "e2e": (("Source", "Layout", "Iterations", "Upstream (ms)", "Extension (ms)", "Async (ms)",
+             "Ratio (extension, async)", "Losses", "Run on"), 1),
 }
 
 

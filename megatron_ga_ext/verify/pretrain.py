@@ -54,6 +54,7 @@ import os
 import runpy
 import shlex
 import sys
+import time
 from collections import Counter
 from typing import Any, Callable
 
@@ -115,6 +116,7 @@ class Recorder:
             "zeroed_tokens": self.zeroed_tokens,
             "num_tokens": getattr(finalize, "last_num_tokens", None),
             "forward_steps": None if counter is None else sorted(counter.counts.values()),
+            "time": time.perf_counter(),  # when Megatron logged the iteration (its log interval is 1 here)
         }
         self.mask_tokens = self.zeroed_tokens = 0
         return row

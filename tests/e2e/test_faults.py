@@ -3,7 +3,8 @@ DP 2 on the CPU over gloo, on the newest release and the newest main commit of t
 documented outcome (docs/reliability.md):
 
 * a NaN loss on rank 1 at iteration 3: LossContractError naming the non-finite loss, at iteration 3; the
-  checkpoints of iterations 1 and 2 are there, none of iteration 3;
+  checkpoints of iterations 1 and 2 are there, none of iteration 3; the same with --ga-checks async, raised after
+  the optimizer step of iteration 3 and naming it;
 * resuming that checkpoint with another schedule: rank 0 warns with both schedules, from which iteration and
   consumed-sample count the new one applies and the global batch size there under each; the run goes on under
   the new schedule, step for step as `megatron-ga schedule --consumed-samples` plans it;
@@ -76,6 +77,20 @@ def test_a_nan_loss_on_one_rank_stops_that_step(launches, newest_source):
     row(newest_source, "NaN loss on rank 1", f"`nan-loss-at:{NAN_AT}@1`",
         f"LossContractError at iteration {NAN_AT}: {run.error.split(': ', 1)[1].split(';')[0]}",
         f"iterations 1-{NAN_AT - 1}, none of {NAN_AT}")
+
+
+def test_async_checks_stop_a_nan_step_after_its_optimizer_step_before_its_checkpoint(launches, newest_source):
+    """--ga-checks async: finalize reads nothing; the verdict of iteration 3 is read after its optimizer step (whose
+    own grad-norm read has synchronized by then) and stops the run there, naming it, before Megatron saves it."""
+    run, checkpoints = faulty(launches, newest_source, "nan-loss-async", [*SCHEDULE, "--ga-checks", "async"],
+                              MEGATRON_GA_FAULT=f"nan-loss-at:{NAN_AT}@1")
+    failed_with(run, "LossContractError", f"--ga-checks async, verdict of training step {NAN_AT} (iteration {NAN_AT}): "
+                "1 micro-batch(es) in this global batch returned a non-finite loss")
+    assert [r["iteration"] for r in run.iterations] == list(range(1, NAN_AT))
+    assert saved(checkpoints) == (NAN_AT - 1, list(range(1, NAN_AT)))
+    row(newest_source, "NaN loss on rank 1, --ga-checks async", f"`nan-loss-at:{NAN_AT}@1`",
+        f"LossContractError after the optimizer step of iteration {NAN_AT}, naming it", f"iterations 1-{NAN_AT - 1}, "
+        f"none of {NAN_AT}")
 
 
 def test_a_resume_with_another_schedule_says_what_changed_and_an_empty_microbatch_is_left_out(
