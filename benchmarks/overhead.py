@@ -12,7 +12,7 @@ so the host time the extension adds shows with little around it. Variants take t
 extension, extension_async, upstream, ...), each step the second of a fresh installation (its first runs the
 once-per-installation start-up checks), with the garbage collector held off. Per model and GA: the median step time
 of each variant; the ratio to upstream over rounds (median, min, max; a round is one step of each); the time added
-per micro-batch, from the minima; and, from one more step of each, the host reads
+per micro-batch that the median ratio means; and, from one more step of each, the host reads
 (``Tensor.item/tolist/cpu/__bool__/__int__/__float__``) and ``torch.distributed`` collectives per step.
 
     python benchmarks/overhead.py --quick     # GA 16 (< 2 min): one JSON object on the last line
@@ -142,8 +142,8 @@ def _counting(enabled: bool = True):
 
 def summarize(num_microbatches: int, model: str, measured: dict) -> dict:
     """One GA's result (a round's time is the median of its steps): median step times, paired ratios over rounds,
-    time added per micro-batch from the minima (noise on a shared machine only ever adds time, so the minimum is
-    the least disturbed estimate, as timeit takes it), host reads and collectives per step."""
+    the time added per micro-batch that the median ratio means ((ratio - 1) x upstream's median step / GA), host
+    reads and collectives per step."""
     wall = measured["times"]
     counts = measured["counts"]
     ratios = {v: [t / u for t, u in zip(wall[v], wall["upstream"])] for v in VARIANTS[1:]}
@@ -156,8 +156,8 @@ def summarize(num_microbatches: int, model: str, measured: dict) -> dict:
         "ratio_median": {v: round(statistics.median(r), 4) for v, r in ratios.items()},
         "ratio_min": {v: round(min(r), 4) for v, r in ratios.items()},
         "ratio_max": {v: round(max(r), 4) for v, r in ratios.items()},
-        "extra_us_per_microbatch": {v: round(1e6 * (min(wall[v]) - min(wall["upstream"])) / num_microbatches, 1)
-                                    for v in VARIANTS[1:]},
+        "extra_us_per_microbatch": {v: round(1e6 * (statistics.median(r) - 1) * statistics.median(wall["upstream"])
+                                             / num_microbatches, 1) for v, r in ratios.items()},
         "host_reads_per_step": {v: counts[v]["host_reads"] for v in VARIANTS},
         "collectives_per_step": {v: counts[v]["collectives"] for v in VARIANTS},
     }

@@ -7,9 +7,8 @@ vector that also carries the loss contract's violation flags:
     v = [n, negative, nonfinite, unchecked]          on every last PP stage (LossContract.collect)
     v = broadcast(v, src = last PP stage)            so every stage divides by the same count
     v = all_reduce_sum(v, DP x CP)                   N = sum_{m,r,c} n(m,r,c), summed, never averaged
-    grad = grad / N                                  after upstream's finalize ran with num_tokens=None
-
-    grad = grad * (1 / max(N, 1))                   a device scalar, as upstream scales (N = 0: zeroed)
+    grad = grad * (1 / max(N, 1))                    after upstream's finalize ran with num_tokens=None; a
+                                                     device scalar, as upstream scales
 
 ``v`` is read back once per step, never per micro-batch (``--ga-checks sync``, the default: a broken step
 raises before its optimizer step). With ``--ga-checks async`` finalize reads nothing: ``v`` is copied to

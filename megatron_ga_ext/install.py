@@ -14,7 +14,8 @@ What install() patches, after checking each target's source fingerprint against 
 * Megatron-LM's ``update_train_iters`` and ``get_train_valid_test_num_samples`` (megatron.training,
   wired once it is loaded): with a step schedule or a converted rampup in force, ``--train-samples``
   gives the planned number of steps (and a dataset that holds the samples they consume), not
-  train_samples // global_batch_size of a constant batch.
+  train_samples // global_batch_size of a constant batch; and the optimizers Megatron builds and
+  ``GPTModel.forward`` (loop_hooks.py has these wirings).
 
 A name bound elsewhere by ``from x import y`` before install() (megatron.training.training binds
 ``finalize_model_grads``) is rebound too: every loaded module whose global holds the original is patched.
@@ -40,7 +41,6 @@ from megatron_ga_ext.compat import (
     FINALIZE,
     SCHEDULES,
     TARGETS,
-    TRAINING,
     check_targets,
     matching_sources,
     megatron_core_version,
@@ -49,6 +49,7 @@ from megatron_ga_ext.consistency import StartupChecks
 from megatron_ga_ext.errors import CompatError, GuardError
 from megatron_ga_ext.guards import current_pipeline_size
 from megatron_ga_ext.logs import get_logger
+from megatron_ga_ext.loop_hooks import megatron_args, wire_gpt_model, wire_optimizer, wire_training
 from megatron_ga_ext.options import (
     GAConfig,
     ScheduleInputs,
@@ -129,7 +130,7 @@ class Installation:
         if not self.waiting_for_args:
             return
         self.waiting_for_args = False
-        args = _megatron_args()
+        args = megatron_args()
         config = self.config if args is None else GAConfig.from_args(args)
         if self.compat_problems and config.strict:
             raise CompatError(" ".join(self.compat_problems))
@@ -228,7 +229,7 @@ def install(config: Any = None) -> Installation:
     problems = check_targets(version, resolved.strict and not waiting, TARGETS)
     args = config if config is not None and not isinstance(config, GAConfig) else None
     if config is None and not waiting:
-        args = _megatron_args()
+        args = megatron_args()
     if args is not None:
         check_args(resolved, args)
     sources = ", ".join(matching_sources()) or "no single tested source"
@@ -286,7 +287,7 @@ def _resolve_config(config: Any) -> tuple[GAConfig, bool]:
         return config, False
     if config is not None:
         return GAConfig.from_args(config), False
-    args = _megatron_args()
+    args = megatron_args()
     if args is not None:
         return GAConfig.from_args(args), False
     return GAConfig(), _has_megatron_training()
@@ -300,12 +301,6 @@ def _has_megatron_training() -> bool:
         return importlib.util.find_spec("megatron.training") is not None
     except (ImportError, ValueError):
         return False
-
-
-def _megatron_args() -> Any:
-    """Megatron's parsed args, or None before parsing (megatron.training is not imported for this)."""
-    global_vars = sys.modules.get("megatron.training.global_vars")
-    return getattr(global_vars, "_GLOBAL_ARGS", None)
 
 
 def check_args(config: GAConfig, args: Any) -> None:
@@ -350,59 +345,10 @@ def _wire_late(state: Installation) -> None:
     """The wirings outside the three modules a vendored tree patches (patches/): Megatron-LM's training loop
     (once it is loaded), the optimizer builders and GPTModel. install() runs them at once; a vendored tree
     at its first calculator hook, when Megatron has parsed its args."""
-    for name, wire in (("optimizer", _wire_optimizer), ("gpt_model", _wire_gpt_model), ("training", _wire_training),
+    for name, wire in (("optimizer", wire_optimizer), ("gpt_model", wire_gpt_model), ("training", wire_training),
                        ("checkpoint_args", state.startup.wire)):
         if name not in state.wired and wire(state) is not False:
             state.wired.add(name)
-
-
-def _wire_optimizer(state: Installation) -> None:
-    """``--ga-zero-token-policy skip``: the optimizers Megatron builds skip a step whose global batch had no
-    tokens (FinalizeModelGrads.skip_step), returning (update_successful=False, None, None) as an fp16 overflow
-    does, so Megatron counts a skipped iteration and does not advance the learning rate. Only the returned
-    object is wrapped: the builders' own code is untouched (and not fingerprinted)."""
-    import megatron.core.optimizer as optimizers
-
-    for name in OPTIMIZER_BUILDERS:
-        if hasattr(optimizers, name):
-            state.patch(optimizers.__name__, name, lambda original: _skipping_builder(original, state))
-
-
-OPTIMIZER_BUILDERS = ("get_megatron_optimizer", "get_megatron_muon_optimizer")
-
-
-def _wire_gpt_model(state: Installation) -> None:
-    """Token mode: MoE routes with padding_mask = (loss_mask == 0) (aux_losses.py says why)."""
-    from megatron.core.models.gpt.gpt_model import GPTModel
-
-    from megatron_ga_ext.aux_losses import padding_mask_forward
-
-    state.patch_attribute(GPTModel, "forward", lambda original: padding_mask_forward(original, state))
-
-
-def _skipping_builder(original: Callable, state: Installation) -> Callable:
-    @functools.wraps(original)
-    def build(*args: Any, **kwargs: Any) -> Any:
-        optimizer = original(*args, **kwargs)
-        optimizer.step = _skipping_step(optimizer.step, state)
-        return optimizer
-
-    return build
-
-
-def _skipping_step(step: Callable, state: Installation) -> Callable:
-    @functools.wraps(step)
-    def skipping_step(*args: Any, **kwargs: Any) -> Any:
-        finalize = state.finalize
-        if state.active and finalize is not None and finalize.skip_step:
-            finalize.skip_step = False
-            return False, None, None
-        result = step(*args, **kwargs)
-        if state.active and finalize is not None:
-            finalize.poll()  # --ga-checks async: the step's verdict, if its copy is done (the step's own reads synced)
-        return result
-
-    return skipping_step
 
 
 #: What each upstream module gets: install() runs all of them, a vendored tree each at its module's import.
@@ -444,7 +390,7 @@ def _guarded_schedule(original: Callable, state: Installation) -> Callable:
         if not state.active:
             return original(*args, **kwargs)
         state.settle()
-        state.startup.run_once(state.config, _megatron_args())
+        state.startup.run_once(state.config, megatron_args())
         state.finalize.poll(wait=True)  # --ga-checks async: the last step's verdict, if not read after its optimizer step
         state.counter.reset()
         if state.contract is not None:  # an evaluation call (forward_only) never reaches finalize
@@ -532,61 +478,6 @@ def _configure_calculator(original: Callable, state: Installation) -> Callable:
         _guard_live_calculator(state)
 
     return configure
-
-
-def _wire_training(state: Installation) -> bool:
-    """Megatron-LM's run length under a step schedule, once ``megatron.training.training`` is loaded
-    (False: not loaded yet)."""
-    if TRAINING not in sys.modules:
-        return False
-    targets = tuple(t for t in TARGETS if t.module == TRAINING)
-    problems = check_targets(state.version, state.config.strict and not state.waiting_for_args, targets)
-    state.compat_problems += problems
-    state.patch(TRAINING, "update_train_iters", lambda original: _update_train_iters(original, state))
-    state.patch(TRAINING, "get_train_valid_test_num_samples", lambda original: _num_samples(original, state))
-    return True
-
-
-def _step_calculator() -> Any:
-    """The live calculator if it is the extension's step-schedule calculator (under the guard), else None."""
-    from megatron_ga_ext.calculator import StepScheduleCalculator
-
-    live = sys.modules[CALCULATOR]._GLOBAL_NUM_MICROBATCHES_CALCULATOR
-    live = getattr(live, "inner", live)
-    return live if isinstance(live, StepScheduleCalculator) else None
-
-
-def _update_train_iters(original: Callable, state: Installation) -> Callable:
-    """``--train-samples`` under a step schedule: train_iters = the steps the schedule plans,
-    while consumed < train_samples (upstream divides by a constant GBS on 0.16/0.17 and with a rampup)."""
-
-    @functools.wraps(original)
-    def update_train_iters(args: Any) -> None:
-        calculator = _step_calculator()
-        if not state.active or calculator is None or args.train_iters or not args.train_samples:
-            return original(args)
-        iterations, samples = calculator.plan(args.train_samples)
-        args.train_iters = iterations
-        logger.info("step batch-size schedule: --train-samples %d takes %d iterations (%d samples)",
-                    args.train_samples, iterations, samples)
-
-    return update_train_iters
-
-
-def _num_samples(original: Callable, state: Installation) -> Callable:
-    """The training dataset holds every sample the planned steps consume (the last step may pass
-    --train-samples)."""
-
-    @functools.wraps(original)
-    def get_train_valid_test_num_samples(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)
-        calculator = _step_calculator()
-        train_samples = getattr(_megatron_args(), "train_samples", None)
-        if not state.active or calculator is None or not train_samples or result[0] != train_samples:
-            return result
-        return (max(result[0], calculator.plan(train_samples)[1]), *result[1:])
-
-    return get_train_valid_test_num_samples
 
 
 def _guard_live_calculator(state: Installation) -> None:

@@ -9,10 +9,10 @@ over micro-batches m, data-parallel ranks r and context-parallel shards c, where
 means, ``(1/(M*D*C)) sum_{m,r,c} L(m,r,c) / max(n(m,r,c), 1)``. ``docs/reduction.md`` has the math.
 
 :func:`masked_loss` is the loss helper for pretrain_gpt-style loss functions. :class:`LossContract`
-checks what a loss function returns, one micro-batch at a time, without reading anything back from the
-device: tuple shape and dtypes are host facts and fail at once; sign and finiteness are accumulated as
-device flags that :mod:`megatron_ga_ext.finalize` reads once per step, inside the token-count
-collectives the step already does.
+checks what a loss function returns, one micro-batch at a time, with host bookkeeping only: tuple shape,
+dtypes and devices are host facts and fail at once; the loss and the count are kept by reference, and their
+sign and finiteness are checked for the whole step at once (:meth:`LossContract.collect`), in the vector
+:mod:`megatron_ga_ext.finalize` broadcasts and all-reduces with the token count anyway.
 """
 
 from __future__ import annotations

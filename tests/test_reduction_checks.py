@@ -79,6 +79,7 @@ SCENARIOS = {
     "async_pp": (PP2, masked_loss, {"checks": "async"}),
     "async_nan": (DP4, _nan_loss, {"checks": "async"}),
     "async_negative_count": (PP2, _negative_count, {"checks": "async"}),
+    "async_zero_tokens": (DP4, _no_tokens, {"checks": "async"}),
 }
 #: Tensor methods that read a value back to the host (a device-to-host synchronization on a GPU).
 HOST_READS = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__")
@@ -251,6 +252,7 @@ def test_broken_check_raises(outcomes, name, match):
     ("async_nan", r"--ga-checks async, verdict of training step 1: 8 micro-batch\(es\) in this global batch returned a "
                   r"non-finite loss"),
     ("async_negative_count", r"--ga-checks async, verdict of training step 1: \d+ micro-batch\(es\) returned a negative"),
+    ("async_zero_tokens", r"--ga-checks async, verdict of training step 1: the global batch has 0 non-padding tokens"),
 ])
 def test_async_checks_raise_when_the_verdict_is_read(outcomes, name, match):
     with pytest.raises(LossContractError, match=match):
