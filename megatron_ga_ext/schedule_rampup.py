@@ -17,6 +17,7 @@ read, and the stage in force at c is stage g(c), in O(1).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence, overload
 
@@ -84,11 +85,19 @@ class _Ramp:
         return min(self.increments, int(consumed / per_increment))
 
     def threshold(self, k: int) -> int:
-        """c_k: the least consumed count with g(c) >= k (c_0 = 0)."""
+        """c_k: the least consumed count with g(c) >= k (c_0 = 0).
+
+        Closed form in upstream's float arithmetic (:func:`_float_threshold`), checked against g at c_k and
+        c_k - 1; should the check ever fail, a search from that estimate finds it (O(log ramp_samples)).
+        """
         if k == 0:
             return 0
-        guess = k * self.ramp_samples // self.increments
-        return _least(lambda c: self.increments_at(c) >= k, 0, self.ramp_samples + 1, guess)
+        reached = lambda c: self.increments_at(c) >= k  # noqa: E731
+        high = self.ramp_samples + 1  # g(c) = n past the ramp
+        guess = min(_float_threshold(k, self.ramp_samples / self.increments), high)
+        if reached(guess) and (guess == 0 or not reached(guess - 1)):
+            return guess
+        return _least(reached, 0, high, guess)
 
 
 def listed_rampup_stages(start: int, increment: int, ramp_samples: int, global_batch_size: int) -> list[tuple[int, int]]:
@@ -151,6 +160,26 @@ class RampStages(Sequence[Stage]):
     def describe(self) -> str:
         """``N stages: first second ... last`` (thresholds in samples)."""
         return f"{len(self):,} stages: {self[0].spelling} {self[1].spelling} ... {self[-1].spelling}"
+
+
+def _float_threshold(k: int, per_increment: float) -> int:
+    """The least integer c with int(c / per_increment) >= k as Python computes it: c rounded to a float, divided
+    in floats. First the least float x with int(x / per_increment) >= k (a step or two from k x per_increment),
+    then the least integer that rounds to x or above (every integer up to 2^53 is a float; above, each float
+    stands for the integers that round to it)."""
+    x = k * per_increment
+    while x > 0 and int(math.nextafter(x, 0.0) / per_increment) >= k:
+        x = math.nextafter(x, 0.0)
+    while int(x / per_increment) < k:
+        x = math.nextafter(x, math.inf)
+    if x <= 2.0**53:
+        return math.ceil(x)
+    c = (int(math.nextafter(x, 0.0)) + int(x)) // 2  # the rounding boundary below x
+    while float(c) >= x:
+        c -= 1
+    while float(c) < x:
+        c += 1
+    return c
 
 
 def _least(reached: Callable[[int], bool], low: int, high: int, guess: int) -> int:
