@@ -28,10 +28,12 @@ SOURCES = sources([os.environ["MEGATRON_LM"]] if os.environ.get("MEGATRON_LM") e
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """``source``: every source; ``newest_source``: the newest release and main commit among them (faults)."""
+    """``source``: every source; ``newest_source``: the newest release and main commit among them (faults);
+    ``newest_release``: the first of those (the timing comparison)."""
     from compatibility import source_name
 
-    for fixture, trees in (("source", SOURCES), ("newest_source", _newest(SOURCES))):
+    for fixture, trees in (("source", SOURCES), ("newest_source", _newest(SOURCES)),
+                           ("newest_release", _newest(SOURCES)[:1])):
         if fixture in metafunc.fixturenames:
             params = [pytest.param(s, id=source_name(s)) for s in trees] or [
                 pytest.param(None, marks=pytest.mark.skip(reason=NO_SOURCE), id="no-source")]
@@ -77,7 +79,7 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> Launches:
 def _name_the_source(request: pytest.FixtureRequest) -> None:
     """Every test's report names its source, so a failure counts against the right row."""
     params = request.node.callspec.params if hasattr(request.node, "callspec") else {}
-    source = params.get("source") or params.get("newest_source")
+    source = params.get("source") or params.get("newest_source") or params.get("newest_release")
     if source is not None:
         from compatibility import source_name
 

@@ -1,6 +1,6 @@
 """install() in Megatron-LM's own training loop costs no measurable time: 20 iterations of pretrain_gpt.py, DP 2 on
 the CPU over gloo, GA 8, without the extension (upstream's --calculate-per-token-loss), with it, and with
---ga-checks async, on the newest release and main commit of the leg.
+--ga-checks async, on the newest release of the leg.
 
 What is asserted is behaviour: every run trains its 20 iterations, the extension's losses and grad norms equal
 upstream's at every iteration (the async run's too), and the async run's N is the batch's loss tokens once its
@@ -33,8 +33,8 @@ def iteration_seconds(run) -> float:
     return statistics.median(b - a for a, b in zip(times[2:], times[3:]))
 
 
-def test_twenty_iterations_with_and_without_install(launches, newest_source):
-    runs = {name: launches.get(newest_source, "dp2", f"perf-{name}", [*FLAGS, *flags], extension=extension)
+def test_twenty_iterations_with_and_without_install(launches, newest_release):
+    runs = {name: launches.get(newest_release, "dp2", f"perf-{name}", [*FLAGS, *flags], extension=extension)
             for name, (flags, extension) in VARIANTS.items()}
     for name, run in runs.items():
         assert run.rc == 0, run.describe()
@@ -49,7 +49,7 @@ def test_twenty_iterations_with_and_without_install(launches, newest_source):
     if doc:
         ms = {name: f"{1e3 * value:.1f}" for name, value in seconds.items()}
         update(Path(doc), "e2e", [{
-            "Source": source_name(newest_source), "Layout": "DP 2, GA 8 (GBS 32, MBS 2), tiny GPT",
+            "Source": source_name(newest_release), "Layout": "DP 2, GA 8 (GBS 32, MBS 2), tiny GPT",
             "Iterations": str(ITERATIONS),
             "Upstream (ms)": ms["upstream"], "Extension (ms)": ms["extension"], "Async (ms)": ms["extension_async"],
             "Ratio (extension, async)": f"{seconds['extension'] / seconds['upstream']:.3f}, "
