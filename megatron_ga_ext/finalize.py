@@ -20,7 +20,6 @@ per-token flag is off.
 
 from __future__ import annotations
 
-import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -28,6 +27,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from megatron_ga_ext.errors import LossContractError
+from megatron_ga_ext.loop_hooks import megatron_args
 from megatron_ga_ext.options import GAConfig, check_loss_mode
 from megatron_ga_ext.reduction import (
     SLOT_NEGATIVE,
@@ -136,14 +136,15 @@ class FinalizeModelGrads:
         self.poll(wait=True)  # an earlier step's verdict not yet read (no schedule call in between)
         vector = self._reduced_vector(model, pg_collection)
         self.original(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+        scaling = 1.0 / torch.clamp(vector[SLOT_TOKENS], min=1)  # a device scalar, as upstream scales
         if self.config.checks == "async":
-            scaling = 1.0 / torch.clamp(vector[SLOT_TOKENS], min=1)
             self.pending = _Verdict.of(vector, self.calls, _iteration())
         else:
             values = vector.tolist()  # the step's one device-to-host read
             _raise_on_violations(values)
             self._tokens_read(values[SLOT_TOKENS])
-            scaling = 1.0 / torch.clamp(vector[SLOT_TOKENS], min=1) if values[SLOT_TOKENS] else 0.0
+            if not values[SLOT_TOKENS]:  # --ga-zero-token-policy skip: a zero gradient for the skipped step
+                scaling = 0.0
         for chunk in model:
             chunk.scale_gradients(scaling)
 
@@ -258,6 +259,5 @@ class _Verdict:
 
 def _iteration() -> int | None:
     """The Megatron iteration being trained (``args.curr_iteration`` + 1, as its log numbers it), if any."""
-    global_vars = sys.modules.get("megatron.training.global_vars")
-    current = getattr(getattr(global_vars, "_GLOBAL_ARGS", None), "curr_iteration", None)
+    current = getattr(megatron_args(), "curr_iteration", None)
     return current + 1 if isinstance(current, int) else None
