@@ -24,7 +24,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from megatron_ga_ext.logs import get_logger
 from megatron_ga_ext.errors import CompatError
@@ -136,9 +136,19 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+#: id(code object) -> (that code object, its fingerprint): a loaded function's source is read once.
+_FINGERPRINTS: dict[int, tuple[Any, str]] = {}
+
+
 def fingerprint(function: Callable) -> str:
-    """Fingerprint of a live function: sha256 of its source, decorators included."""
-    return _digest(inspect.getsource(inspect.unwrap(function)))
+    """Fingerprint of a live function: sha256 of its source, decorators included (read once per code object:
+    the code that is loaded, not the file as it may have changed on disk since)."""
+    unwrapped = inspect.unwrap(function)
+    code = getattr(unwrapped, "__code__", unwrapped)
+    cached = _FINGERPRINTS.get(id(code))
+    if cached is None or cached[0] is not code:
+        cached = _FINGERPRINTS[id(code)] = (code, _digest(inspect.getsource(unwrapped)))
+    return cached[1]
 
 
 def fingerprint_file(path: Path, name: str) -> str:
