@@ -8,12 +8,18 @@ micro-batches per step, in three variants:
 * extension_async:  the same with ``--ga-checks async`` (no host read in finalize; the verdict read after the step).
 
 Two models: verify's tiny GPT, and a near-empty position-wise model on which a step is mostly Megatron's schedule,
-so the host time the extension adds shows with little around it. Variants take turns step by step (upstream,
-extension, extension_async, upstream, ...), each step the second of a fresh installation (its first runs the
-once-per-installation start-up checks), with the garbage collector held off. Per model and GA: the median step time
-of each variant; the ratio to upstream over rounds (median, min, max; a round is one step of each); the time added
-per micro-batch that the median ratio means; and, from one more step of each, the host reads
-(``Tensor.item/tolist/cpu/__bool__/__int__/__float__``) and ``torch.distributed`` collectives per step.
+so the host time the extension adds shows with little around it. Variants take turns step by step: a round is one
+installation of each variant, in an order rotated from round to round, and upstream a second time (the control:
+upstream against itself says how far two identical runs differ in that round); each installation's first step
+runs the once-per-installation start-up checks and is not timed; the garbage collector is held off while steps
+are timed. Per model and GA: the median step time of each variant; the ratio to upstream in each round, over
+rounds (median, a distribution-free 95% interval of that median, min, max); the time added per micro-batch (the
+median over rounds of the paired difference / GA); the control's ratio; and, from one more step of each, the
+host reads (``Tensor.item/tolist/cpu/__bool__/__int__/__float__``) and ``torch.distributed`` collectives per
+step. Step times on a shared machine vary by up to 2x from second to second, so ``own_us`` also times the
+extension's own work alone, in lock-step on both ranks, as the minimum of repeats (what noise cannot lower):
+upstream's ``forward_step_calc_loss`` as install() wraps it against upstream's own, per micro-batch, and the
+extension's finalize against upstream's, per step.
 
     python benchmarks/overhead.py --quick     # GA 16 (< 2 min): one JSON object on the last line
     python benchmarks/overhead.py --write     # GA 4, 16, 64: benchmarks/results/*.json, docs/performance.md
@@ -25,6 +31,7 @@ import argparse
 import datetime
 import gc
 import json
+import math
 import os
 import platform
 import statistics
@@ -38,12 +45,16 @@ from megatron_ga_ext.verify.launch import LaunchConfig, run_on_ranks
 
 DP = 2
 VARIANTS = ("upstream", "extension", "extension_async")
+CONTROL = "upstream_control"  # upstream again in each round: the noise floor of a ratio
+ROTATION = (*VARIANTS, CONTROL)
 ROOT = Path(__file__).resolve().parent.parent
 #: The models measured: verify's tiny GPT, and a near-empty position-wise model where a step is mostly Megatron's
 #: schedule and the extension's host work, so what the extension adds per micro-batch shows with little else around it.
 MODELS = {"gpt": "tiny GPT", "positionwise": "position-wise (host-bound)"}
-#: Timed steps per installation and round (install() and uninstall() scan every loaded module: tenths of a second).
-STEPS_PER_INSTALL = {"gpt": 3, "positionwise": 10}
+#: Timed steps per installation and round (after the untimed first; install() and uninstall() take about 12 ms).
+STEPS_PER_INSTALL = {"gpt": 1, "positionwise": 4}
+#: Repeats of the own-cost timings, and calls per repeat of the per-micro-batch one.
+OWN_REPEATS, OWN_CALLS = 25, 50
 HOST_READS = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__")
 COLLECTIVES = ("broadcast", "all_reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather",
                "all_gather_into_tensor", "all_to_all", "all_to_all_single", "barrier", "send", "recv", "isend",
@@ -77,7 +88,7 @@ def _measure(rounds: int, num_microbatches: int, model: str) -> dict:
     def steps(variant: str, timed_steps: int, count: bool = False) -> tuple[list[float], dict]:
         """A fresh installation's steps after its first (which runs the once-per-installation start-up checks, as a
         job's first step does): their times, with the garbage collector held off, and the counts of the last."""
-        state = megatron_ga_ext.install(configs[variant]) if variant != "upstream" else None
+        state = megatron_ga_ext.install(configs[variant]) if variant in configs else None
         finalize = state.finalize if state is not None else upstream_finalize
 
         def one_step() -> None:
@@ -100,12 +111,84 @@ def _measure(rounds: int, num_microbatches: int, model: str) -> dict:
 
     for variant in VARIANTS:  # warm-up
         steps(variant, 1)
-    times = {variant: [] for variant in VARIANTS}
-    for _ in range(rounds):
-        for variant in VARIANTS:
+    times = {variant: [] for variant in ROTATION}
+    for index in range(rounds):
+        shift = index % len(ROTATION)
+        for variant in ROTATION[shift:] + ROTATION[:shift]:
             times[variant].append(statistics.median(steps(variant, STEPS_PER_INSTALL[model])[0]))
     counts = {variant: steps(variant, 1, count=True)[1] for variant in VARIANTS}
-    return {"times": times, "counts": counts}
+    own = _own_cost(ddp, config, layout, cfg, batch, loss, configs["extension"])
+    return {"times": times, "counts": counts, "own_us": own}
+
+
+def _own_cost(ddp, config, layout, cfg, batch, loss, ga_config) -> dict:
+    """The extension's own work, in microseconds, as the minimum of repeats with both ranks in lock-step:
+    ``microbatch``: upstream's forward_step_calc_loss as install() wraps it (forward-step count, loss contract)
+    minus upstream's own, on the same output and loss; ``step``: the extension's finalize (the step's checks,
+    its vector's broadcast and all-reduce, the read, the scaling) minus upstream's with the count, both after
+    the same micro-batches."""
+    import inspect
+    from functools import partial
+
+    import megatron_ga_ext
+    import torch
+    from megatron.core.distributed import finalize_model_grads as upstream_finalize
+
+    from megatron_ga_ext.compat import SCHEDULES
+    from megatron_ga_ext.verify.harness import microbatches
+
+    micro = microbatches(layout, batch, cfg.device)[0]
+    output = ddp(micro["tokens"], micro["position_ids"], None, labels=micro["labels"],
+                 **({"loss_mask": micro["loss_mask"]} if layout.model != "positionwise" else {})).detach()
+    loss_func = partial(lambda mask, out: loss(out, mask), micro["loss_mask"])
+    upstream_calc = sys.modules[SCHEDULES].forward_step_calc_loss
+    available = {"model": ddp, "output_tensor": output, "loss_func": loss_func, "config": config, "vp_stage": None,
+                 "collect_non_loss_data": False, "num_microbatches": layout.num_microbatches, "cp_group_size": 1,
+                 "is_last_stage": True}
+    names = inspect.signature(upstream_calc).parameters
+
+    def microbatch_calls(calc, contract) -> float:
+        kwargs = {k: v for k, v in {**available, "forward_data_store": []}.items() if k in names}
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        for _ in range(OWN_CALLS):
+            calc(**kwargs)
+        elapsed = (time.perf_counter() - start) / OWN_CALLS
+        if contract is not None:
+            contract.reset()
+        return elapsed
+
+    outputs = loss_func(output)
+
+    def one_finalize(finalize, contract) -> float:
+        ddp.zero_grad_buffer()  # the same (zero) gradients each time: repeated scaling never reaches denormals
+        if contract is not None:
+            for _ in range(layout.num_microbatches):
+                contract.check(outputs)
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        finalize([ddp], outputs[1].reshape(1) * layout.num_microbatches)
+        return time.perf_counter() - start
+
+    # Installed, upstream's originals (bound before install()) stay callable beside the wrappers: the two take turns,
+    # in alternating order, so both see the same moments of a noisy machine.
+    state = megatron_ga_ext.install(ga_config)
+    state.settle()
+    pairs = {"microbatch": (partial(microbatch_calls, upstream_calc, None),
+                            partial(microbatch_calls, sys.modules[SCHEDULES].forward_step_calc_loss, state.contract)),
+             "step": (partial(one_finalize, upstream_finalize, None), partial(one_finalize, state.finalize, state.contract))}
+    best = {(key, side): float("inf") for key in pairs for side in (0, 1)}
+    gc.collect()
+    gc.disable()
+    for repeat in range(OWN_REPEATS):
+        for key, timed in pairs.items():
+            for side in ((0, 1) if repeat % 2 else (1, 0)):
+                best[key, side] = min(best[key, side], timed[side]())
+    gc.enable()
+    megatron_ga_ext.uninstall()
+    own = {key: 1e6 * (best[key, 1] - best[key, 0]) for key in pairs}
+    return {"microbatch": round(own["microbatch"], 2), "step": round(own["step"], 1),
+            "upstream_microbatch": round(1e6 * best["microbatch", 0], 2), "upstream_step": round(1e6 * best["step", 0], 1)}
 
 
 @contextmanager
@@ -140,24 +223,40 @@ def _counting(enabled: bool = True):
             setattr(owner, name, original)
 
 
+def median_ci95(values: list[float]) -> tuple[float, float]:
+    """A distribution-free 95% interval of the median: the order statistics k and n + 1 - k, k the largest rank
+    with P(Binomial(n, 1/2) < k) <= 2.5% (the whole range where n is too small for one)."""
+    ordered, n = sorted(values), len(values)
+    k, below = 0, 0.0
+    while k < n and below + math.comb(n, k) / 2**n <= 0.025:
+        below += math.comb(n, k) / 2**n
+        k += 1
+    return (ordered[0], ordered[-1]) if k == 0 else (ordered[k - 1], ordered[n - k])
+
+
 def summarize(num_microbatches: int, model: str, measured: dict) -> dict:
-    """One GA's result (a round's time is the median of its steps): median step times, paired ratios over rounds,
-    the time added per micro-batch that the median ratio means ((ratio - 1) x upstream's median step / GA), host
-    reads and collectives per step."""
+    """One GA's result (a round's time is the median of its timed steps): median step times, ratios to upstream
+    paired by round, the time added per micro-batch (median over rounds of the paired difference / GA), the
+    control's ratio (upstream against itself), host reads and collectives per step, the own-cost timings."""
     wall = measured["times"]
     counts = measured["counts"]
-    ratios = {v: [t / u for t, u in zip(wall[v], wall["upstream"])] for v in VARIANTS[1:]}
+    ratios = {v: [t / u for t, u in zip(wall[v], wall["upstream"])] for v in (*VARIANTS[1:], CONTROL)}
+    added = {v: [(t - u) / num_microbatches for t, u in zip(wall[v], wall["upstream"])] for v in VARIANTS[1:]}
+    own = measured["own_us"]
     return {
         "model": model,
         "num_microbatches": num_microbatches,
         "rounds": len(wall["upstream"]),
         "steps": len(wall["upstream"]) * STEPS_PER_INSTALL[model],
         "step_ms": {v: round(1e3 * statistics.median(wall[v]), 3) for v in VARIANTS},
-        "ratio_median": {v: round(statistics.median(r), 4) for v, r in ratios.items()},
-        "ratio_min": {v: round(min(r), 4) for v, r in ratios.items()},
-        "ratio_max": {v: round(max(r), 4) for v, r in ratios.items()},
-        "extra_us_per_microbatch": {v: round(1e6 * (statistics.median(r) - 1) * statistics.median(wall["upstream"])
-                                             / num_microbatches, 1) for v, r in ratios.items()},
+        "ratio_median": {v: round(statistics.median(ratios[v]), 4) for v in VARIANTS[1:]},
+        "ratio_ci95": {v: [round(x, 4) for x in median_ci95(ratios[v])] for v in VARIANTS[1:]},
+        "ratio_min": {v: round(min(ratios[v]), 4) for v in VARIANTS[1:]},
+        "ratio_max": {v: round(max(ratios[v]), 4) for v in VARIANTS[1:]},
+        "extra_us_per_microbatch": {v: round(1e6 * statistics.median(added[v]), 1) for v in VARIANTS[1:]},
+        "control": {"ratio_median": round(statistics.median(ratios[CONTROL]), 4),
+                    "ratio_ci95": [round(x, 4) for x in median_ci95(ratios[CONTROL])]},
+        "own_us": {**own, "per_microbatch_at_this_ga": round(own["microbatch"] + own["step"] / num_microbatches, 2)},
         "host_reads_per_step": {v: counts[v]["host_reads"] for v in VARIANTS},
         "collectives_per_step": {v: counts[v]["collectives"] for v in VARIANTS},
     }
@@ -181,14 +280,20 @@ def environment() -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | GA | upstream step (ms) | extension (ms) | ratio: median (min-max) | us per micro-batch "
-             "| async (ms) | ratio: median (min-max) | us per micro-batch | host reads per step (up / ext / async) "
+    lines = ["| model | GA | upstream step (ms) | extension: ratio, median [95% interval] | us per micro-batch "
+             "| async: ratio, median [95% interval] | us per micro-batch | upstream against itself "
+             "| own work, us per micro-batch (check + finalize / GA) | host reads per step (up / ext / async) "
              "| collectives per step (up / ext / async) |", "|" + "---|" * 11]
     for r in rows:
         cells = [MODELS[r["model"]], str(r["num_microbatches"]), f"{r['step_ms']['upstream']:.2f}"]
         for v in VARIANTS[1:]:
-            cells += [f"{r['step_ms'][v]:.2f}", f"{r['ratio_median'][v]:.3f} ({r['ratio_min'][v]:.3f}-"
-                      f"{r['ratio_max'][v]:.3f})", f"{r['extra_us_per_microbatch'][v]:.1f}"]
+            low, high = r["ratio_ci95"][v]
+            cells += [f"{r['ratio_median'][v]:.3f} [{low:.3f}, {high:.3f}]", f"{r['extra_us_per_microbatch'][v]:.1f}"]
+        low, high = r["control"]["ratio_ci95"]
+        own = r["own_us"]
+        cells += [f"{r['control']['ratio_median']:.3f} [{low:.3f}, {high:.3f}]",
+                  f"{own['per_microbatch_at_this_ga']:.1f} ({own['microbatch']:.1f} + {own['step']:.0f} / "
+                  f"{r['num_microbatches']})"]
         cells += [" / ".join(str(r[key][v]) for v in VARIANTS) for key in ("host_reads_per_step", "collectives_per_step")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

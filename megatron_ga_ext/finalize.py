@@ -134,8 +134,8 @@ class FinalizeModelGrads:
             return
         check_ddp_chunks(model)
         self.poll(wait=True)  # an earlier step's verdict not yet read (no schedule call in between)
-        vector = self._reduced_vector(model, pg_collection)
         self.original(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+        vector = self._reduced_vector(model, pg_collection)  # where upstream reduces its count: after the grads
         scaling = 1.0 / torch.clamp(vector[SLOT_TOKENS], min=1)  # a device scalar, as upstream scales
         if self.config.checks == "async":
             self.pending = _Verdict.of(vector, self.calls, _iteration())
