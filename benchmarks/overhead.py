@@ -16,10 +16,12 @@ are timed. Per model and GA: the median step time of each variant; the ratio to 
 rounds (median, a distribution-free 95% interval of that median, min, max); the time added per micro-batch (the
 median over rounds of the paired difference / GA); the control's ratio; and, from one more step of each, the
 host reads (``Tensor.item/tolist/cpu/__bool__/__int__/__float__``) and ``torch.distributed`` collectives per
-step. Step times on a shared machine vary by up to 2x from second to second, so ``own_us`` also times the
-extension's own work alone, in lock-step on both ranks, as the minimum of repeats (what noise cannot lower):
-upstream's ``forward_step_calc_loss`` as install() wraps it against upstream's own, per micro-batch, and the
-extension's finalize against upstream's, per step.
+step. Step times on a shared machine vary by up to 2x from second to second, far more than the effect, so
+``own_us`` also times the extension's own work alone, on one rank (no other rank to wait for), as the minimum of
+alternating repeats over several seconds: upstream's ``forward_step_calc_loss`` as install() wraps it against
+upstream's own, per micro-batch, and the extension's finalize against upstream's, per step; once as the harness
+runs (the CPU shims' torch-function mode passes every torch call and tensor attribute read through Python) and
+once with that mode off, as on a GPU, which runs no such mode.
 
     python benchmarks/overhead.py --quick     # GA 16 (< 2 min): one JSON object on the last line
     python benchmarks/overhead.py --write     # GA 4, 16, 64: benchmarks/results/*.json, docs/performance.md
@@ -53,8 +55,9 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"gpt": "tiny GPT", "positionwise": "position-wise (host-bound)"}
 #: Timed steps per installation and round (after the untimed first; install() and uninstall() take about 12 ms).
 STEPS_PER_INSTALL = {"gpt": 1, "positionwise": 4}
-#: Repeats of the own-cost timings, and calls per repeat of the per-micro-batch one.
-OWN_REPEATS, OWN_CALLS = 25, 50
+#: The own-cost timings repeat for this long (the machine's slow phases last seconds: a minimum over a few of them
+#: is one of its fast moments), at least OWN_REPEATS times; OWN_CALLS calls per repeat of the per-micro-batch one.
+OWN_SECONDS, OWN_REPEATS, OWN_CALLS = 8.0, 20, 50
 HOST_READS = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__")
 COLLECTIVES = ("broadcast", "all_reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather",
                "all_gather_into_tensor", "all_to_all", "all_to_all_single", "barrier", "send", "recv", "isend",
@@ -68,21 +71,40 @@ def rank_main(rounds: int, num_microbatches: int, model: str = "gpt") -> dict:
         return _measure(rounds, num_microbatches, model)
 
 
-def _measure(rounds: int, num_microbatches: int, model: str) -> dict:
-    import megatron_ga_ext
-    from megatron.core.distributed import finalize_model_grads as upstream_finalize
+def own_main(num_microbatches: int, model: str = "gpt") -> dict:
+    """The own-cost timings on one rank: no other rank to wait for, so what is timed is this process's work."""
+    from megatron_ga_ext.verify.shims import cpu_shims
 
+    with cpu_shims():
+        return _own_cost(*_setup(num_microbatches, model, data_parallel_size=1))
+
+
+def _setup(num_microbatches: int, model: str, data_parallel_size: int) -> tuple:
+    """(DDP model, its config, layout, VerifyConfig, global batch, loss) of verify's harness, per-token loss."""
     from megatron_ga_ext.reduction import masked_loss
-    from megatron_ga_ext.verify.harness import VerifyConfig, build_ddp, init_model_parallel, train_step
+    from megatron_ga_ext.verify.harness import (
+        VerifyConfig,
+        build_ddp,
+        init_model_parallel,
+    )
     from megatron_ga_ext.verify.layouts import Layout, make_global_batch
 
     cfg = VerifyConfig()
-    layout = Layout(data_parallel_size=DP, num_microbatches=num_microbatches, model=model)
+    layout = Layout(data_parallel_size=data_parallel_size, num_microbatches=num_microbatches, model=model)
     batch = make_global_batch(tuple(1 + (7 * i) % cfg.model.seq_length for i in range(layout.global_batch_size)),
                               cfg.model.seq_length, cfg.model.vocab_size)
     init_model_parallel()
     ddp, _, config = build_ddp(layout, cfg, calculate_per_token_loss=True)
-    loss = partial(masked_loss, mode="token")
+    return ddp, config, layout, cfg, batch, partial(masked_loss, mode="token")
+
+
+def _measure(rounds: int, num_microbatches: int, model: str) -> dict:
+    from megatron.core.distributed import finalize_model_grads as upstream_finalize
+
+    import megatron_ga_ext
+    from megatron_ga_ext.verify.harness import train_step
+
+    ddp, config, layout, cfg, batch, loss = _setup(num_microbatches, model, DP)
     configs = {"extension": megatron_ga_ext.GAConfig(), "extension_async": megatron_ga_ext.GAConfig(checks="async")}
 
     def steps(variant: str, timed_steps: int, count: bool = False) -> tuple[list[float], dict]:
@@ -117,23 +139,21 @@ def _measure(rounds: int, num_microbatches: int, model: str) -> dict:
         for variant in ROTATION[shift:] + ROTATION[:shift]:
             times[variant].append(statistics.median(steps(variant, STEPS_PER_INSTALL[model])[0]))
     counts = {variant: steps(variant, 1, count=True)[1] for variant in VARIANTS}
-    own = _own_cost(ddp, config, layout, cfg, batch, loss, configs["extension"])
-    return {"times": times, "counts": counts, "own_us": own}
+    return {"times": times, "counts": counts}
 
 
-def _own_cost(ddp, config, layout, cfg, batch, loss, ga_config) -> dict:
-    """The extension's own work, in microseconds, as the minimum of repeats with both ranks in lock-step:
-    ``microbatch``: upstream's forward_step_calc_loss as install() wraps it (forward-step count, loss contract)
+def _own_cost(ddp, config, layout, cfg, batch, loss) -> dict:
+    """The extension's own work, in microseconds, as the minimum of repeats (on one rank: with two, a finalize's
+    time is mostly waiting for the other in its collectives): ``microbatch``: upstream's forward_step_calc_loss as install() wraps it (forward-step count, loss contract)
     minus upstream's own, on the same output and loss; ``step``: the extension's finalize (the step's checks,
     its vector's broadcast and all-reduce, the read, the scaling) minus upstream's with the count, both after
     the same micro-batches."""
     import inspect
-    from functools import partial
 
-    import megatron_ga_ext
-    import torch
+    import torch.overrides
     from megatron.core.distributed import finalize_model_grads as upstream_finalize
 
+    import megatron_ga_ext
     from megatron_ga_ext.compat import SCHEDULES
     from megatron_ga_ext.verify.harness import microbatches
 
@@ -149,7 +169,6 @@ def _own_cost(ddp, config, layout, cfg, batch, loss, ga_config) -> dict:
 
     def microbatch_calls(calc, contract) -> float:
         kwargs = {k: v for k, v in {**available, "forward_data_store": []}.items() if k in names}
-        torch.distributed.barrier()
         start = time.perf_counter()
         for _ in range(OWN_CALLS):
             calc(**kwargs)
@@ -165,30 +184,39 @@ def _own_cost(ddp, config, layout, cfg, batch, loss, ga_config) -> dict:
         if contract is not None:
             for _ in range(layout.num_microbatches):
                 contract.check(outputs)
-        torch.distributed.barrier()
         start = time.perf_counter()
         finalize([ddp], outputs[1].reshape(1) * layout.num_microbatches)
         return time.perf_counter() - start
 
     # Installed, upstream's originals (bound before install()) stay callable beside the wrappers: the two take turns,
     # in alternating order, so both see the same moments of a noisy machine.
-    state = megatron_ga_ext.install(ga_config)
+    state = megatron_ga_ext.install(megatron_ga_ext.GAConfig())
     state.settle()
     pairs = {"microbatch": (partial(microbatch_calls, upstream_calc, None),
                             partial(microbatch_calls, sys.modules[SCHEDULES].forward_step_calc_loss, state.contract)),
              "step": (partial(one_finalize, upstream_finalize, None), partial(one_finalize, state.finalize, state.contract))}
-    best = {(key, side): float("inf") for key in pairs for side in (0, 1)}
-    gc.collect()
-    gc.disable()
-    for repeat in range(OWN_REPEATS):
-        for key, timed in pairs.items():
-            for side in ((0, 1) if repeat % 2 else (1, 0)):
-                best[key, side] = min(best[key, side], timed[side]())
-    gc.enable()
+
+    def timed() -> dict:
+        best = {(key, side): float("inf") for key in pairs for side in (0, 1)}
+        gc.collect()
+        gc.disable()
+        start, repeat = time.perf_counter(), 0
+        while repeat < OWN_REPEATS or time.perf_counter() - start < OWN_SECONDS:
+            repeat += 1
+            for key, calls in pairs.items():
+                for side in ((0, 1) if repeat % 2 else (1, 0)):
+                    best[key, side] = min(best[key, side], calls[side]())
+        gc.enable()
+        own = {key: 1e6 * (best[key, 1] - best[key, 0]) for key in pairs}
+        return {"microbatch": round(own["microbatch"], 2), "step": round(own["step"], 1),
+                "upstream_microbatch": round(1e6 * best["microbatch", 0], 2),
+                "upstream_step": round(1e6 * best["step", 0], 1)}
+
+    harness = timed()
+    with torch.overrides._pop_mode_temporarily():  # the CPU shims' device mode, which a GPU run has not
+        without_device_mode = timed()
     megatron_ga_ext.uninstall()
-    own = {key: 1e6 * (best[key, 1] - best[key, 0]) for key in pairs}
-    return {"microbatch": round(own["microbatch"], 2), "step": round(own["step"], 1),
-            "upstream_microbatch": round(1e6 * best["microbatch", 0], 2), "upstream_step": round(1e6 * best["step", 0], 1)}
+    return {**harness, "without_device_mode": without_device_mode}
 
 
 @contextmanager
@@ -256,22 +284,35 @@ def summarize(num_microbatches: int, model: str, measured: dict) -> dict:
         "extra_us_per_microbatch": {v: round(1e6 * statistics.median(added[v]), 1) for v in VARIANTS[1:]},
         "control": {"ratio_median": round(statistics.median(ratios[CONTROL]), 4),
                     "ratio_ci95": [round(x, 4) for x in median_ci95(ratios[CONTROL])]},
-        "own_us": {**own, "per_microbatch_at_this_ga": round(own["microbatch"] + own["step"] / num_microbatches, 2)},
+        "own_us": {**_per_microbatch(own, num_microbatches),
+                   "without_device_mode": _per_microbatch(own["without_device_mode"], num_microbatches)},
+        # 1 + the extension's own work per step / upstream's median step: the ratio without the machine's noise
+        "ratio_from_own_work": {key: round(1 + (o["microbatch"] * num_microbatches + o["step"]) * 1e-6
+                                           / statistics.median(wall["upstream"]), 4)
+                                for key, o in (("harness", own), ("without_device_mode", own["without_device_mode"]))},
         "host_reads_per_step": {v: counts[v]["host_reads"] for v in VARIANTS},
         "collectives_per_step": {v: counts[v]["collectives"] for v in VARIANTS},
     }
 
 
+def _per_microbatch(own: dict, num_microbatches: int) -> dict:
+    """Own-cost timings with what they add per micro-batch at this GA: check + finalize / GA."""
+    timings = {k: v for k, v in own.items() if k != "without_device_mode"}
+    return {**timings, "per_microbatch_at_this_ga": round(own["microbatch"] + own["step"] / num_microbatches, 2)}
+
+
 def run(num_microbatches: int, rounds: int, model: str = "gpt") -> dict:
     # Rank 0's clock: both ranks step in lock-step (every step ends in the same collectives).
-    return summarize(num_microbatches, model, run_on_ranks(rank_main, DP, (rounds, num_microbatches, model),
-                                                           LaunchConfig(timeout_s=900))[0])
+    launch = LaunchConfig(timeout_s=900)
+    measured = run_on_ranks(rank_main, DP, (rounds, num_microbatches, model), launch)[0]
+    measured["own_us"] = run_on_ranks(own_main, 1, (num_microbatches, model), launch)[0]
+    return summarize(num_microbatches, model, measured)
 
 
 def environment() -> dict:
-    import importlib.metadata as metadata
+    from importlib import metadata
 
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "machine": {"platform": platform.platform(), "processor": platform.machine(), "cpus": os.cpu_count()},
             "versions": {"python": platform.python_version(), "torch": metadata.version("torch"),
                          "megatron-core": metadata.version("megatron-core"),
@@ -282,18 +323,18 @@ def environment() -> dict:
 def table(rows: list[dict]) -> str:
     lines = ["| model | GA | upstream step (ms) | extension: ratio, median [95% interval] | us per micro-batch "
              "| async: ratio, median [95% interval] | us per micro-batch | upstream against itself "
-             "| own work, us per micro-batch (check + finalize / GA) | host reads per step (up / ext / async) "
-             "| collectives per step (up / ext / async) |", "|" + "---|" * 11]
+             "| own work, us per micro-batch (check + finalize / GA) | the same without the shims' device mode "
+             "| host reads per step (up / ext / async) | collectives per step (up / ext / async) |", "|" + "---|" * 12]
     for r in rows:
         cells = [MODELS[r["model"]], str(r["num_microbatches"]), f"{r['step_ms']['upstream']:.2f}"]
         for v in VARIANTS[1:]:
             low, high = r["ratio_ci95"][v]
             cells += [f"{r['ratio_median'][v]:.3f} [{low:.3f}, {high:.3f}]", f"{r['extra_us_per_microbatch'][v]:.1f}"]
         low, high = r["control"]["ratio_ci95"]
-        own = r["own_us"]
-        cells += [f"{r['control']['ratio_median']:.3f} [{low:.3f}, {high:.3f}]",
-                  f"{own['per_microbatch_at_this_ga']:.1f} ({own['microbatch']:.1f} + {own['step']:.0f} / "
-                  f"{r['num_microbatches']})"]
+        cells.append(f"{r['control']['ratio_median']:.3f} [{low:.3f}, {high:.3f}]")
+        for own in (r["own_us"], r["own_us"]["without_device_mode"]):
+            cells.append(f"{own['per_microbatch_at_this_ga']:.1f} ({own['microbatch']:.1f} + {own['step']:.0f} / "
+                         f"{r['num_microbatches']})")
         cells += [" / ".join(str(r[key][v]) for v in VARIANTS) for key in ("host_reads_per_step", "collectives_per_step")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -342,18 +383,20 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="GA 16 only, 30 rounds; one JSON object on the last line")
+    parser.add_argument("--quick", action="store_true", help="GA 16 only, 10 rounds; one JSON object on the last line")
     parser.add_argument("--write", action="store_true", help="write benchmarks/results/*.json and docs/performance.md")
     parser.add_argument("--rounds", type=int, default=None,
-                        help="rounds per model and GA (default 8 quick; 20, 10 at GA 64); a round times 3 steps of each "
-                        "variant on the tiny GPT, 10 on the position-wise model")
+                        help="rounds per model and GA (default 10 quick; 24, 12 at GA 64); a round times 1 step of each "
+                        "variant and the control on the tiny GPT, 4 on the position-wise model")
     parser.add_argument("--num-microbatches", type=int, nargs="+", default=None, help="GA values (default 4 16 64)")
     args = parser.parse_args(argv)
+    import megatron.core.pipeline_parallel.schedules  # noqa: F401  (once here: every launch forks with it loaded)
+
     ga_values = args.num_microbatches or ([16] if args.quick else [4, 16, 64])
     rows = []
     for model in MODELS:
         for num_microbatches in ga_values:
-            rounds = args.rounds or (8 if args.quick else 20 if num_microbatches < 64 else 10)
+            rounds = args.rounds or (10 if args.quick else 24 if num_microbatches < 64 else 12)
             rows.append(run(num_microbatches, rounds, model))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     env = environment()

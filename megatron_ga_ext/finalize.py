@@ -21,6 +21,7 @@ per-token flag is off.
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -118,6 +119,7 @@ class FinalizeModelGrads:
         self.enabled = True
         self.skip_step = False
         self.pending: _Verdict | None = None
+        self._checked: tuple[list[weakref.ref], torch.device] | None = None  # see _checked_chunks
 
     def __call__(self, model: list[torch.nn.Module], num_tokens: torch.Tensor | None = None,
                  pg_collection: Any = None, force_all_reduce: bool | None = False) -> None:
@@ -132,10 +134,10 @@ class FinalizeModelGrads:
             self.original(model, num_tokens, pg_collection=pg_collection,
                           force_all_reduce=force_all_reduce)
             return
-        check_ddp_chunks(model)
+        device = self._checked_chunks(model)
         self.poll(wait=True)  # an earlier step's verdict not yet read (no schedule call in between)
         self.original(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
-        vector = self._reduced_vector(model, pg_collection)  # where upstream reduces its count: after the grads
+        vector = self._reduced_vector(device, pg_collection)  # where upstream reduces its count: after the grads
         scaling = 1.0 / torch.clamp(vector[SLOT_TOKENS], min=1)  # a device scalar, as upstream scales
         if self.config.checks == "async":
             self.pending = _Verdict.of(vector, self.calls, _iteration())
@@ -161,15 +163,25 @@ class FinalizeModelGrads:
         _raise_on_violations(values, where=where)
         self._tokens_read(values[SLOT_TOKENS], where=where)
 
-    def _reduced_vector(self, model: list[torch.nn.Module], pg_collection: Any) -> torch.Tensor:
+    def _reduced_vector(self, device: torch.device, pg_collection: Any) -> torch.Tensor:
         """[n, flags...] in int64, broadcast from the last PP stage and all-reduced over DP x CP."""
         pp_group, dp_cp_group = _groups(pg_collection)
         pp_ranks = torch.distributed.get_process_group_ranks(pp_group)
-        device = next(model[0].parameters()).device
-        vector = self.contract.collect(device, is_last_stage=torch.distributed.get_rank() == pp_ranks[-1])
+        is_last_stage = torch.distributed.get_rank() == pp_ranks[-1]
+        vector = self.contract.collect(device, is_last_stage=is_last_stage)
         torch.distributed.broadcast(vector, src=pp_ranks[-1], group=pp_group)
         torch.distributed.all_reduce(vector, group=dp_cp_group)
         return vector
+
+    def _checked_chunks(self, model: list[torch.nn.Module]) -> torch.device:
+        """:func:`check_ddp_chunks` on the step's model chunks, and the device of their parameters: once per list of
+        chunks (a wrapper fixes its gradient factor when it is built; ``parameters()`` walks every submodule)."""
+        checked = self._checked
+        if checked is None or len(checked[0]) != len(model) or any(
+                ref() is not chunk for ref, chunk in zip(checked[0], model)):
+            check_ddp_chunks(model)
+            checked = self._checked = ([weakref.ref(chunk) for chunk in model], next(model[0].parameters()).device)
+        return checked[1]
 
     def _tokens_read(self, total: int, *, where: str = "") -> None:
         self.last_num_tokens = total

@@ -123,7 +123,7 @@ class LossContract:
         self._counts: list[torch.Tensor] = []
         self._host_tokens = 0
         self._device: torch.device | None = None
-        self._int64_counts = True  # every device count kept this step is int64 (a host fact: no cast needed)
+        self._zeros: dict[torch.device, torch.Tensor] = {}
         self.microbatches = 0
         """Micro-batches checked since the last :meth:`collect` (a host counter)."""
 
@@ -148,7 +148,7 @@ class LossContract:
         """
         _require_three_tuple(outputs, self.microbatches)
         loss, num_tokens, report = outputs
-        dtype = _require_integer_scalar(num_tokens)
+        _require_integer_scalar(num_tokens)
         if not isinstance(loss, torch.Tensor):
             raise LossContractError(
                 f"the loss function returned a loss of type {type(loss).__name__}; it must be a "
@@ -163,7 +163,6 @@ class LossContract:
         self._losses.append(loss.detach())
         if isinstance(num_tokens, torch.Tensor) and num_tokens.device == device:
             self._counts.append(num_tokens)
-            self._int64_counts = self._int64_counts and dtype == torch.int64
         else:
             count = int(num_tokens)  # a host value: reading it costs no device synchronization
             if count < 0:
@@ -177,7 +176,6 @@ class LossContract:
     def reset(self) -> None:
         """Forget everything kept (an evaluation call, or a step that follows an aborted one)."""
         self._losses, self._counts, self._host_tokens, self._device = [], [], 0, None
-        self._int64_counts = True
         self.microbatches = 0
 
     def collect(self, device: torch.device, *, is_last_stage: bool) -> torch.Tensor:
@@ -194,40 +192,46 @@ class LossContract:
             vector = torch.zeros(NUM_SLOTS, dtype=torch.int64, device=device)
             vector[SLOT_UNCHECKED] = int(is_last_stage)
             return vector
+        zero = self._zero()
         nonfinite = _nonfinite_microbatches(self._losses)
-        counts = _stacked_counts(self._counts, self._int64_counts, nonfinite.device)
-        if len(self._counts) == len(self._losses):  # every count a device tensor: one stack, one sum
-            vector = torch.stack([counts, counts < 0, nonfinite]).sum(dim=1)
-        else:  # some counts were host values, checked and summed on the host
-            vector = torch.stack([counts.sum(), (counts < 0).sum(), nonfinite.sum()])
+        if self._counts:  # device counts: summed in int64 (torch sums every integer dtype in int64)
+            counts = _stacked_counts(self._counts)
+            tokens, negative = counts.sum(), (counts < 0).sum()
+        else:  # every count was a host value, checked on the host
+            tokens, negative = zero, zero
+        vector = torch.stack([tokens, negative, nonfinite, zero])  # unchecked = 0
         if self._host_tokens:
             vector[SLOT_TOKENS] += self._host_tokens
         self.reset()
-        return torch.nn.functional.pad(vector, (0, 1)).to(device)  # unchecked = 0
+        return vector.to(device)
+
+    def _zero(self) -> torch.Tensor:
+        """An int64 0 on the step's loss device, made once per device."""
+        zero = self._zeros.get(self._device)
+        if zero is None:
+            zero = self._zeros[self._device] = torch.zeros((), dtype=torch.int64, device=self._device)
+        return zero
 
 
-def _stacked_counts(counts: list[torch.Tensor], int64: bool, device: torch.device) -> torch.Tensor:
-    """[M] int64 from the step's M one-element counts in one op (two where a count is narrower than int64;
-    counts of several shapes, () beside (1,), one by one)."""
-    if not counts:
-        return torch.zeros(0, dtype=torch.int64, device=device)
+def _stacked_counts(counts: list[torch.Tensor]) -> torch.Tensor:
+    """The step's one-element counts in one op (counts of several shapes, () beside (1,), one by one; uint16-64,
+    which few torch ops take, widened to int64)."""
     try:
         stacked = torch.stack(counts)
     except RuntimeError:
         stacked = torch.stack([count.reshape(()) for count in counts])
-    stacked = stacked if stacked.dim() == 1 else stacked.reshape(-1)
-    return stacked if int64 else stacked.to(torch.int64)
+    return stacked if stacked.dtype in _NATIVE_INTEGER_DTYPES else stacked.to(torch.int64)
 
 
 def _nonfinite_microbatches(losses: list[torch.Tensor]) -> torch.Tensor:
-    """[M] bool: which micro-batches' losses hold an inf or nan (``x - x`` is nan exactly there), in three ops
-    whatever GA is (losses of several shapes, which Megatron does not make, are checked one by one)."""
+    """How many micro-batches' losses hold an inf or nan (``x - x`` is nan exactly there), in three ops whatever
+    GA is (losses of several elements or shapes, which Megatron does not make, take a few more)."""
     try:
         stacked = torch.stack(losses)
     except RuntimeError:
-        return torch.stack([(loss - loss).isnan().any() for loss in losses])
-    nonfinite = (stacked - stacked).isnan()
-    return nonfinite if nonfinite.dim() == 1 else nonfinite.reshape(len(losses), -1).any(dim=1)
+        return torch.stack([(loss - loss).isnan().any() for loss in losses]).sum()
+    nan = (stacked - stacked).isnan()
+    return nan.sum() if nan.numel() == len(losses) else nan.reshape(len(losses), -1).any(dim=1).sum()
 
 
 def _require_three_tuple(outputs: Any, index: int) -> None:
@@ -241,22 +245,23 @@ def _require_three_tuple(outputs: Any, index: int) -> None:
         f"DP x CP instead of averaged. Return megatron_ga_ext.reduction.masked_loss(losses, loss_mask).")
 
 
+#: Integer dtypes every torch op takes (sums of them are int64).
+_NATIVE_INTEGER_DTYPES = frozenset((torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64))
 #: Integer dtypes a token count may have (bool and floating or complex counts are refused).
 _INTEGER_DTYPES = frozenset(getattr(torch, name) for name in (
     "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64") if hasattr(torch, name))
 
 
-def _require_integer_scalar(num_tokens: Any) -> torch.dtype | None:
-    """One count per micro-batch, an integer; a tensor's dtype and shape are read once each (host metadata).
-    Returns the tensor's dtype (None for a host int)."""
+def _require_integer_scalar(num_tokens: Any) -> None:
+    """One count per micro-batch, an integer; a tensor's dtype and shape are read once each (host metadata)."""
     if isinstance(num_tokens, bool):
         pass
     elif isinstance(num_tokens, int):
-        return None
+        return
     elif isinstance(num_tokens, torch.Tensor):
         dtype, shape = num_tokens.dtype, num_tokens.shape
         if dtype in _INTEGER_DTYPES and math.prod(shape) == 1:
-            return dtype
+            return
         raise LossContractError(
             f"the loss function returned num_tokens as a tensor of dtype {dtype} and shape {tuple(shape)}; it must "
             f"be an integer scalar (one count of non-padding tokens per micro-batch; a float count is inexact "

@@ -217,10 +217,21 @@ def test_token_finalize_needs_a_contract():
 
 
 def test_narrow_device_counts_add_up_in_int64():
-    """int32 and uint8 counts are widened before the step's sum: two int32 maxima and a uint8 do not wrap."""
+    """int32 and uint8 counts are summed in int64: two int32 maxima and a uint8 do not wrap."""
     contract = LossContract()
     for count in (torch.tensor(2**31 - 1, dtype=torch.int32), torch.tensor([2**31 - 1], dtype=torch.int32),
                   torch.tensor(5, dtype=torch.uint8)):
         contract.check((torch.tensor(1.0), count, {}))
     vector = contract.collect(torch.device("cpu"), is_last_stage=True)
     assert vector.dtype == torch.int64 and vector.tolist() == [2 * (2**31 - 1) + 5, 0, 0, 0]
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64"])
+def test_every_integer_count_dtype_is_summed_and_checked(dtype):
+    """uint16-64, which few torch ops take, are widened; signed counts below 0 are flagged."""
+    contract = LossContract()
+    values = (3, 4, -2) if dtype.startswith("int") else (3, 4, 250)
+    for value in values:
+        contract.check((torch.tensor(1.0), torch.tensor(value, dtype=getattr(torch, dtype)), {}))
+    negative = int(dtype.startswith("int"))
+    assert contract.collect(torch.device("cpu"), is_last_stage=True).tolist() == [sum(values), negative, 0, 0]
