@@ -9,7 +9,7 @@ micro-batches per step, in three variants:
 
 Two models: verify's tiny GPT, and a near-empty position-wise model on which a step is mostly Megatron's schedule,
 so the host time the extension adds shows with little around it. Variants take turns step by step: a round is one
-installation of each variant, in an order rotated from round to round, and upstream a second time (the control:
+installation of each variant, in an order drawn at random for each round, and upstream a second time (the control:
 upstream against itself says how far two identical runs differ in that round); each installation's first step
 runs the once-per-installation start-up checks and is not timed; the garbage collector is held off while steps
 are timed. Per model and GA: the median step time of each variant; the ratio to upstream in each round, over
@@ -36,6 +36,7 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -110,7 +111,10 @@ def _measure(rounds: int, num_microbatches: int, model: str) -> dict:
     def steps(variant: str, timed_steps: int, count: bool = False) -> tuple[list[float], dict]:
         """A fresh installation's steps after its first (which runs the once-per-installation start-up checks, as a
         job's first step does): their times, with the garbage collector held off, and the counts of the last."""
-        state = megatron_ga_ext.install(configs[variant]) if variant in configs else None
+        state = megatron_ga_ext.install(configs.get(variant, configs["extension"]))
+        if variant not in configs:  # upstream: after the same install() and uninstall(), so every variant's steps
+            megatron_ga_ext.uninstall()  # follow the same scan of every loaded module
+            state = None
         finalize = state.finalize if state is not None else upstream_finalize
 
         def one_step() -> None:
@@ -134,9 +138,9 @@ def _measure(rounds: int, num_microbatches: int, model: str) -> dict:
     for variant in VARIANTS:  # warm-up
         steps(variant, 1)
     times = {variant: [] for variant in ROTATION}
-    for index in range(rounds):
-        shift = index % len(ROTATION)
-        for variant in ROTATION[shift:] + ROTATION[:shift]:
+    order = random.Random(num_microbatches)  # the same orders on both ranks (they step together)
+    for _ in range(rounds):
+        for variant in order.sample(ROTATION, len(ROTATION)):
             times[variant].append(statistics.median(steps(variant, STEPS_PER_INSTALL[model])[0]))
     counts = {variant: steps(variant, 1, count=True)[1] for variant in VARIANTS}
     return {"times": times, "counts": counts}
@@ -389,12 +393,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="rounds per model and GA (default 10 quick; 24, 12 at GA 64); a round times 1 step of each "
                         "variant and the control on the tiny GPT, 4 on the position-wise model")
     parser.add_argument("--num-microbatches", type=int, nargs="+", default=None, help="GA values (default 4 16 64)")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS), help="models (default both)")
     args = parser.parse_args(argv)
     import megatron.core.pipeline_parallel.schedules  # noqa: F401  (once here: every launch forks with it loaded)
 
     ga_values = args.num_microbatches or ([16] if args.quick else [4, 16, 64])
     rows = []
-    for model in MODELS:
+    for model in args.models:
         for num_microbatches in ga_values:
             rounds = args.rounds or (10 if args.quick else 24 if num_microbatches < 64 else 12)
             rows.append(run(num_microbatches, rounds, model))

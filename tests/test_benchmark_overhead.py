@@ -1,0 +1,45 @@
+"""benchmarks/overhead.py's statistics, on numbers whose answer is known (the timings themselves run in the
+benchmark, not here)."""
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+_SPEC = importlib.util.spec_from_file_location(
+    "overhead", Path(__file__).resolve().parent.parent / "benchmarks" / "overhead.py")
+overhead = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(overhead)
+
+
+@pytest.mark.parametrize(("n", "ranks"), [(24, (7, 18)), (10, (2, 9)), (12, (3, 10)), (5, (1, 5))])
+def test_median_interval_is_the_binomial_order_statistics(n, ranks):
+    """k is the largest rank with P(Binomial(n, 1/2) < k) <= 2.5%; n = 5 is too small for one (the whole range)."""
+    values = [float(v) for v in range(n, 0, -1)]  # any order: the interval is of the sorted values
+    assert overhead.median_ci95(values) == (float(ranks[0]), float(ranks[1]))
+    if n > 5:
+        k = ranks[0]
+        below = sum(math.comb(n, i) for i in range(k)) / 2**n
+        assert below <= 0.025 < below + math.comb(n, k) / 2**n
+
+
+def test_summary_pairs_each_round_with_its_own_upstream():
+    """Ratios and differences are per round (a slow round slows every variant of it), medians over rounds."""
+    upstream = [0.100, 0.200, 0.100]  # the second round ran on a slow moment
+    measured = {
+        "times": {"upstream": upstream, "extension": [0.101, 0.202, 0.101], "extension_async": [0.100, 0.200, 0.100],
+                  "upstream_control": [0.100, 0.200, 0.100]},
+        "counts": {v: {"host_reads": 1, "collectives": 3} for v in overhead.VARIANTS},
+        "own_us": {"microbatch": 5.0, "step": 100.0, "upstream_microbatch": 30.0, "upstream_step": 400.0,
+                   "without_device_mode": {"microbatch": 2.0, "step": 40.0, "upstream_microbatch": 20.0,
+                                           "upstream_step": 300.0}},
+    }
+    row = overhead.summarize(4, "gpt", measured)
+    assert row["ratio_median"] == {"extension": 1.01, "extension_async": 1.0}
+    assert row["extra_us_per_microbatch"]["extension"] == 250.0  # median of 250, 500, 250 us over GA 4
+    assert row["control"]["ratio_median"] == 1.0
+    assert row["own_us"]["per_microbatch_at_this_ga"] == 30.0  # 5 + 100 / 4
+    assert row["own_us"]["without_device_mode"]["per_microbatch_at_this_ga"] == 12.0
+    assert row["ratio_from_own_work"] == {"harness": 1.0012, "without_device_mode": 1.0005}  # 120 us, 48 us / 0.1 s
+    assert "| tiny GPT | 4 | 100.00 | 1.010 [1.010, 1.010] | 250.0 |" in overhead.table([row])
