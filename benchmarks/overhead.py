@@ -56,8 +56,9 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"gpt": "tiny GPT", "positionwise": "position-wise (host-bound)"}
 #: Timed steps per installation and round (after the untimed first; install() and uninstall() take about 12 ms).
 STEPS_PER_INSTALL = {"gpt": 1, "positionwise": 4}
-#: The own-cost timings repeat for this long (the machine's slow phases last seconds: a minimum over a few of them
-#: is one of its fast moments), at least OWN_REPEATS times; OWN_CALLS calls per repeat of the per-micro-batch one.
+#: The own-cost timings repeat for OWN_SECONDS (5 s with --quick; the machine's slow phases last seconds: a minimum
+#: over a few of them is one of its fast moments), at least OWN_REPEATS times; OWN_CALLS calls per repeat of the
+#: per-micro-batch one.
 OWN_SECONDS, OWN_REPEATS, OWN_CALLS = 8.0, 20, 50
 HOST_READS = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__")
 COLLECTIVES = ("broadcast", "all_reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather",
@@ -72,12 +73,12 @@ def rank_main(rounds: int, num_microbatches: int, model: str = "gpt") -> dict:
         return _measure(rounds, num_microbatches, model)
 
 
-def own_main(num_microbatches: int, model: str = "gpt") -> dict:
+def own_main(num_microbatches: int, model: str = "gpt", seconds: float = OWN_SECONDS) -> dict:
     """The own-cost timings on one rank: no other rank to wait for, so what is timed is this process's work."""
     from megatron_ga_ext.verify.shims import cpu_shims
 
     with cpu_shims():
-        return _own_cost(*_setup(num_microbatches, model, data_parallel_size=1))
+        return _own_cost(*_setup(num_microbatches, model, data_parallel_size=1), seconds)
 
 
 def _setup(num_microbatches: int, model: str, data_parallel_size: int) -> tuple:
@@ -146,12 +147,12 @@ def _measure(rounds: int, num_microbatches: int, model: str) -> dict:
     return {"times": times, "counts": counts}
 
 
-def _own_cost(ddp, config, layout, cfg, batch, loss) -> dict:
-    """The extension's own work, in microseconds, as the minimum of repeats (on one rank: with two, a finalize's
-    time is mostly waiting for the other in its collectives): ``microbatch``: upstream's forward_step_calc_loss as install() wraps it (forward-step count, loss contract)
-    minus upstream's own, on the same output and loss; ``step``: the extension's finalize (the step's checks,
-    its vector's broadcast and all-reduce, the read, the scaling) minus upstream's with the count, both after
-    the same micro-batches."""
+def _own_cost(ddp, config, layout, cfg, batch, loss, seconds: float) -> dict:
+    """The extension's own work, in microseconds, as the minimum of alternating repeats for ``seconds`` (on one
+    rank: with two, a finalize's time is mostly waiting for the other in its collectives): ``microbatch``:
+    upstream's forward_step_calc_loss as install() wraps it (forward-step count, loss contract) minus upstream's
+    own, on the same output and loss; ``step``: the extension's finalize (the step's checks, its vector's broadcast
+    and all-reduce, the read, the scaling) minus upstream's with the count, both after the same micro-batches."""
     import inspect
 
     import torch.overrides
@@ -198,14 +199,15 @@ def _own_cost(ddp, config, layout, cfg, batch, loss) -> dict:
     state.settle()
     pairs = {"microbatch": (partial(microbatch_calls, upstream_calc, None),
                             partial(microbatch_calls, sys.modules[SCHEDULES].forward_step_calc_loss, state.contract)),
-             "step": (partial(one_finalize, upstream_finalize, None), partial(one_finalize, state.finalize, state.contract))}
+             "step": (partial(one_finalize, upstream_finalize, None),
+                      partial(one_finalize, state.finalize, state.contract))}
 
     def timed() -> dict:
         best = {(key, side): float("inf") for key in pairs for side in (0, 1)}
         gc.collect()
         gc.disable()
         start, repeat = time.perf_counter(), 0
-        while repeat < OWN_REPEATS or time.perf_counter() - start < OWN_SECONDS:
+        while repeat < OWN_REPEATS or time.perf_counter() - start < seconds:
             repeat += 1
             for key, calls in pairs.items():
                 for side in ((0, 1) if repeat % 2 else (1, 0)):
@@ -214,7 +216,7 @@ def _own_cost(ddp, config, layout, cfg, batch, loss) -> dict:
         own = {key: 1e6 * (best[key, 1] - best[key, 0]) for key in pairs}
         return {"microbatch": round(own["microbatch"], 2), "step": round(own["step"], 1),
                 "upstream_microbatch": round(1e6 * best["microbatch", 0], 2),
-                "upstream_step": round(1e6 * best["step", 0], 1)}
+                "upstream_step": round(1e6 * best["step", 0], 1), "repeats": repeat}
 
     harness = timed()
     with torch.overrides._pop_mode_temporarily():  # the CPU shims' device mode, which a GPU run has not
@@ -305,11 +307,11 @@ def _per_microbatch(own: dict, num_microbatches: int) -> dict:
     return {**timings, "per_microbatch_at_this_ga": round(own["microbatch"] + own["step"] / num_microbatches, 2)}
 
 
-def run(num_microbatches: int, rounds: int, model: str = "gpt") -> dict:
+def run(num_microbatches: int, rounds: int, model: str = "gpt", own_seconds: float = OWN_SECONDS) -> dict:
     # Rank 0's clock: both ranks step in lock-step (every step ends in the same collectives).
     launch = LaunchConfig(timeout_s=900)
     measured = run_on_ranks(rank_main, DP, (rounds, num_microbatches, model), launch)[0]
-    measured["own_us"] = run_on_ranks(own_main, 1, (num_microbatches, model), launch)[0]
+    measured["own_us"] = run_on_ranks(own_main, 1, (num_microbatches, model, own_seconds), launch)[0]
     return summarize(num_microbatches, model, measured)
 
 
@@ -339,7 +341,8 @@ def table(rows: list[dict]) -> str:
         for own in (r["own_us"], r["own_us"]["without_device_mode"]):
             cells.append(f"{own['per_microbatch_at_this_ga']:.1f} ({own['microbatch']:.1f} + {own['step']:.0f} / "
                          f"{r['num_microbatches']})")
-        cells += [" / ".join(str(r[key][v]) for v in VARIANTS) for key in ("host_reads_per_step", "collectives_per_step")]
+        cells += [" / ".join(str(r[key][v]) for v in VARIANTS)
+                  for key in ("host_reads_per_step", "collectives_per_step")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -387,10 +390,11 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="GA 16 only, 10 rounds; one JSON object on the last line")
+    parser.add_argument("--quick", action="store_true",
+                        help="GA 16 only, 8 rounds, own work over 5 s; one JSON object on the last line")
     parser.add_argument("--write", action="store_true", help="write benchmarks/results/*.json and docs/performance.md")
     parser.add_argument("--rounds", type=int, default=None,
-                        help="rounds per model and GA (default 10 quick; 24, 12 at GA 64); a round times 1 step of each "
+                        help="rounds per model and GA (default 8 quick; 24, 12 at GA 64); a round times 1 step of each "
                         "variant and the control on the tiny GPT, 4 on the position-wise model")
     parser.add_argument("--num-microbatches", type=int, nargs="+", default=None, help="GA values (default 4 16 64)")
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS), help="models (default both)")
@@ -401,8 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for model in args.models:
         for num_microbatches in ga_values:
-            rounds = args.rounds or (10 if args.quick else 24 if num_microbatches < 64 else 12)
-            rows.append(run(num_microbatches, rounds, model))
+            rounds = args.rounds or (8 if args.quick else 24 if num_microbatches < 64 else 12)
+            rows.append(run(num_microbatches, rounds, model, 5.0 if args.quick else OWN_SECONDS))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     env = environment()
     if args.write:
