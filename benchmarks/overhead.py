@@ -160,12 +160,12 @@ def _own_cost(ddp, config, layout, cfg, batch, loss, seconds: float) -> dict:
 
     import megatron_ga_ext
     from megatron_ga_ext.compat import SCHEDULES
-    from megatron_ga_ext.verify.harness import microbatches
+    from megatron_ga_ext.verify.harness import _forward_step, microbatches
 
-    micro = microbatches(layout, batch, cfg.device)[0]
-    output = ddp(micro["tokens"], micro["position_ids"], None, labels=micro["labels"],
-                 **({"loss_mask": micro["loss_mask"]} if layout.model != "positionwise" else {})).detach()
-    loss_func = partial(lambda mask, out: loss(out, mask), micro["loss_mask"])
+    # The first micro-batch's forward, as train_step runs it: its output and the loss function bound to its mask.
+    output, loss_func = _forward_step(iter(microbatches(layout, batch, cfg.device)), ddp, loss_func=loss,
+                                      with_loss_mask=layout.model != "positionwise")
+    output = output.detach()
     upstream_calc = sys.modules[SCHEDULES].forward_step_calc_loss
     available = {"model": ddp, "output_tensor": output, "loss_func": loss_func, "config": config, "vp_stage": None,
                  "collect_non_loss_data": False, "num_microbatches": layout.num_microbatches, "cp_group_size": 1,
