@@ -259,12 +259,28 @@ def test_cpu_shims_restore_torch_and_megatron():
 
     from megatron_ga_ext.verify.shims import cpu_shims
 
-    before = (torch.cuda.current_device, torch.cuda.synchronize, tp_random._get_cuda_rng_state)
+    from megatron_ga_ext.verify.shims import FACTORIES, NEW_METHODS
+
+    def patched_names():
+        return ((torch.cuda.current_device, torch.cuda.synchronize, tp_random._get_cuda_rng_state),
+                [getattr(torch, name) for name in FACTORIES],
+                {name: vars(torch.Tensor).get(name) for name in (*NEW_METHODS, "to", "cuda")})
+
+    before = patched_names()
+    assert set(before[2].values()) == {None}  # torch.Tensor inherits these from TensorBase
     with cpu_shims():
-        assert torch.zeros(2, device="cuda").device.type == "cpu"
+        # every way megatron names CUDA: a string, an index (current_device()), a torch.device
+        for device in ("cuda", "cuda:0", 0, torch.device("cuda"), torch.cuda.current_device()):
+            assert torch.zeros(2, device=device).device.type == "cpu"
+            assert torch.tensor([1.0], device=device).device.type == "cpu"
+            assert torch.ones(1).new_empty((2,), device=device).device.type == "cpu"
+            assert torch.ones(1).to(device).device.type == "cpu"
+            assert torch.ones(1).to(device=device, dtype=torch.int64).dtype == torch.int64
         assert torch.ones(1).cuda().device.type == "cpu"
-        assert torch.cuda.current_device() == 0
-    assert (torch.cuda.current_device, torch.cuda.synchronize, tp_random._get_cuda_rng_state) == before
+        assert torch.nn.Linear(2, 2).cuda().weight.device.type == "cpu"
+        assert torch.ones(1).to(torch.float16).dtype == torch.float16  # a dtype is not a device
+        assert not torch._C._is_torch_function_mode_enabled()  # no mode: other torch calls run as they are
+    assert patched_names() == before
 
 
 def test_cuda_without_a_device_is_a_clear_error(capsys, monkeypatch):

@@ -3,12 +3,15 @@
 megatron-core allocates some tensors on "cuda" and calls CUDA runtime functions even when every
 module lives on the CPU. Every replacement below stands in for one of those (UPSTREAM.md §4):
 
-1. ``torch.cuda.current_device`` answers ``0`` and the device mode maps it to the CPU
-   (grad buffers, ``param_and_grad_buffer.py``; p2p receive buffers).
-2. :class:`_CpuDeviceMode`, a ``TorchFunctionMode``: any ``device=`` that names CUDA (``"cuda"``,
-   ``"cuda:0"``, ``torch.device("cuda")`` or an int) becomes ``"cpu"``; ``Tensor.cuda()`` is a no-op;
-   ``Tensor.to("cuda")`` stays on the CPU (token counter in the schedules, tied embeddings under PP,
-   the default causal mask).
+1. ``torch.cuda.current_device`` answers ``0``, which shim 2 maps to the CPU (grad buffers,
+   ``param_and_grad_buffer.py``; p2p receive buffers).
+2. CUDA devices become the CPU where megatron names them: the factories in :data:`FACTORIES` and the
+   ``Tensor.new_*`` methods map a ``device=`` that names CUDA (``"cuda"``, ``"cuda:0"``,
+   ``torch.device("cuda")`` or an int) to ``"cpu"``; ``Tensor.to`` does so for its device, positional or
+   ``device=``; ``Tensor.cuda()`` answers the tensor itself (DDP buffers, p2p buffers and the token counter
+   in the schedules, tied embeddings under PP, the default causal mask, the router's and rotary embedding's
+   ``.to``). Only these calls pay for a wrapper: a torch-function mode over every call would add ~2 us to
+   each torch op and tensor attribute read, upstream's and the extension's alike, which a GPU run has not.
 3. RNG: ``torch.cuda.get_rng_state`` / ``set_rng_state`` / ``manual_seed`` route to the CPU generator,
    ``torch.cuda.manual_seed_all`` does nothing (there is no CUDA generator to seed), and the RNG
    tracker's own ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` (``tensor_parallel/random.py``) use
@@ -47,8 +50,10 @@ Megatron-LM's own training loop (``pretrain()``, :func:`training_shims`) needs t
    ``memory_reserved``, ``max_memory_reserved``) answer 0 and ``memory_stats`` an empty dict, for the
    first iteration's memory report.
 
-Measured: a default ``megatron-ga verify`` calls only ``current_device``, ``get_rng_state``,
-``manual_seed``, the tracker's two RNG functions and (0.19.2) ``current_stream``; the others cover paths
+Measured: over ``make test`` and the e2e tier (main d98e8a64, 0.16.1), what asked for CUDA was ``torch.empty``,
+``zeros``, ``ones``, ``tensor``, ``rand``, ``arange``, ``Tensor.new_empty``, ``Tensor.to`` and ``Tensor.cuda``; the
+other factories take the same ``device=`` and are wrapped too. A default ``megatron-ga verify`` calls only
+``current_device``, ``get_rng_state``, ``manual_seed``, the tracker's two RNG functions and (0.19.2) ``current_stream``; the others cover paths
 the same code reaches under other settings (batched PP p2p, overlapped grad reduce, a visible GPU) and
 cost nothing when unused, so they stay.
 
@@ -62,7 +67,6 @@ import sys
 from typing import Any, Iterator
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 __all__ = ["cpu_shims", "training_shims"]
 
@@ -77,18 +81,44 @@ def _is_cuda(device: Any) -> bool:
     return isinstance(device, str) and device.startswith("cuda")
 
 
-class _CpuDeviceMode(TorchFunctionMode):
-    """Maps every CUDA device argument to the CPU (shim 2)."""
+#: The torch factories that take ``device=``, wrapped by shim 2.
+FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "as_tensor", "arange", "rand", "randn", "randint",
+             "randperm", "linspace", "eye", "empty_strided", "empty_like", "zeros_like", "ones_like", "full_like",
+             "rand_like", "randn_like", "randint_like")
+#: The tensor methods that take ``device=``, wrapped by shim 2 (besides ``to`` and ``cuda``).
+NEW_METHODS = ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor")
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        # Every torch call of the process passes here: the common case (no device argument) costs two tests.
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if kwargs and "device" in kwargs and _is_cuda(kwargs["device"]):
-            kwargs = {**kwargs, "device": "cpu"}
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
-            args = (args[0], "cpu", *args[2:])
-        return func(*args, **(kwargs or {}))
+
+def _on_cpu(factory: Any) -> Any:
+    """``factory`` with a CUDA ``device=`` replaced by the CPU (shim 2)."""
+
+    def on_cpu(*args: Any, **kwargs: Any) -> Any:
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+
+    return on_cpu
+
+
+def _to_on_cpu(to: Any) -> Any:
+    """``Tensor.to`` with a CUDA device, positional or ``device=``, replaced by the CPU (shim 2)."""
+
+    def on_cpu(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args and _is_cuda(args[0]):
+            args = ("cpu", *args[1:])
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        return to(self, *args, **kwargs)
+
+    return on_cpu
+
+
+def _device_replacements() -> tuple[dict[str, Any], dict[str, Any]]:
+    """Shim 2: (replacements in ``torch``, replacements in ``torch.Tensor``)."""
+    factories = {name: _on_cpu(getattr(torch, name)) for name in FACTORIES}
+    methods = {name: _on_cpu(getattr(torch.Tensor, name)) for name in NEW_METHODS}
+    methods.update(to=_to_on_cpu(torch.Tensor.to), cuda=lambda self, *args, **kwargs: self)
+    return factories, methods
 
 
 class _Stream:
@@ -149,7 +179,7 @@ def _rng_replacements() -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _patched(target: Any, replacements: dict[str, Any]) -> Iterator[None]:
-    saved = {name: getattr(target, name) for name in replacements if hasattr(target, name)}
+    saved = {name: vars(target)[name] for name in replacements if name in vars(target)}  # a class's own only
     for name, value in replacements.items():
         setattr(target, name, value)
     try:
@@ -178,9 +208,10 @@ def cpu_shims(*, device_count: int = 0) -> Iterator[None]:
     moe = {"maybe_move_tensor_to_cpu": _host_splits}
     gemm = {} if hasattr(moe_utils, "te_general_gemm") else {"te_general_gemm": None}
     mtp, inference_linear = _mtp_without_te()
+    factories, methods = _device_replacements()
     with _patched(torch.cuda, _replacements(device_count)), _patched(tp_random, _rng_replacements()):
         with _patched(token_dispatcher, moe), _patched(moe_utils, gemm), _patched(mtp, inference_linear):
-            with _CpuDeviceMode():
+            with _patched(torch, factories), _patched(torch.Tensor, methods):
                 yield
 
 
