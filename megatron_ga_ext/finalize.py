@@ -138,7 +138,8 @@ class FinalizeModelGrads:
         self.poll(wait=True)  # an earlier step's verdict not yet read (no schedule call in between)
         self.original(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
         vector = self._reduced_vector(device, pg_collection)  # where upstream reduces its count: after the grads
-        scaling = 1.0 / torch.clamp(vector[SLOT_TOKENS], min=1)  # a device scalar, as upstream scales
+        # a device scalar, upstream's 1.0 / clamp(N, min=1) to the bit (torch computes x / t as t.reciprocal() * x)
+        scaling = torch.clamp(vector[SLOT_TOKENS], min=1).reciprocal()
         if self.config.checks == "async":
             self.pending = _Verdict.of(vector, self.calls, _iteration())
         else:

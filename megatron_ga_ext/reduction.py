@@ -196,7 +196,7 @@ class LossContract:
         nonfinite = _nonfinite_microbatches(self._losses)
         if self._counts:  # device counts: summed in int64 (torch sums every integer dtype in int64)
             counts = _stacked_counts(self._counts)
-            tokens, negative = counts.sum(), (counts < 0).sum()
+            tokens, negative = counts.sum(), torch.count_nonzero(counts < 0)
         else:  # every count was a host value, checked on the host
             tokens, negative = zero, zero
         vector = torch.stack([tokens, negative, nonfinite, zero])  # unchecked = 0
@@ -224,14 +224,17 @@ def _stacked_counts(counts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _nonfinite_microbatches(losses: list[torch.Tensor]) -> torch.Tensor:
-    """How many micro-batches' losses hold an inf or nan (``x - x`` is nan exactly there), in three ops whatever
-    GA is (losses of several elements or shapes, which Megatron does not make, take a few more)."""
+    """How many micro-batches' losses hold an inf or nan: ``x - x`` is nan exactly there and 0 elsewhere, so it is
+    ``count_nonzero(x - x)``, three ops whatever GA is (losses of several elements or shapes, which Megatron does
+    not make, take a few more)."""
     try:
         stacked = torch.stack(losses)
     except RuntimeError:
         return torch.stack([(loss - loss).isnan().any() for loss in losses]).sum()
-    nan = (stacked - stacked).isnan()
-    return nan.sum() if nan.numel() == len(losses) else nan.reshape(len(losses), -1).any(dim=1).sum()
+    difference = stacked - stacked
+    if difference.numel() == len(losses):
+        return torch.count_nonzero(difference)
+    return difference.isnan().reshape(len(losses), -1).any(dim=1).sum()
 
 
 def _require_three_tuple(outputs: Any, index: int) -> None:
