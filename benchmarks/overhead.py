@@ -17,9 +17,11 @@ rounds (median, a distribution-free 95% interval of that median, min, max); the 
 median over rounds of the paired difference / GA); the control's ratio; and, from one more step of each, the
 host reads (``Tensor.item/tolist/cpu/__bool__/__int__/__float__``) and ``torch.distributed`` collectives per
 step. Step times on a shared machine vary by up to 2x from second to second, far more than the effect, so
-``own_us`` also times the extension's own work alone, on one rank (no other rank to wait for), as the minimum of
-alternating repeats over several seconds: upstream's ``forward_step_calc_loss`` as install() wraps it against
-upstream's own, per micro-batch, and the extension's finalize against upstream's, per step.
+``own_us`` also times the extension's own work alone, on one rank (no other rank to wait for), in alternating
+repeats over several seconds: upstream's ``forward_step_calc_loss`` as install() wraps it against upstream's own,
+per micro-batch, and the extension's finalize against upstream's, per step; as the difference of the two minima (a
+fast moment of each) and, in ``paired``, as the median of the differences within a repeat (typical moments, slow
+ones included).
 
     python benchmarks/overhead.py --quick     # GA 16 (< 2 min): one JSON object on the last line
     python benchmarks/overhead.py --write     # GA 4, 16, 64: benchmarks/results/*.json, docs/performance.md
@@ -146,8 +148,9 @@ def _measure(rounds: int, num_microbatches: int, model: str) -> dict:
 
 
 def _own_cost(ddp, config, layout, cfg, batch, loss, seconds: float) -> dict:
-    """The extension's own work, in microseconds, as the minimum of alternating repeats for ``seconds`` (on one
-    rank: with two, a finalize's time is mostly waiting for the other in its collectives): ``microbatch``:
+    """The extension's own work, in microseconds, from alternating repeats for ``seconds`` (on one rank: with two, a
+    finalize's time is mostly waiting for the other in its collectives), minimum against minimum and, in ``paired``,
+    the median of the differences within a repeat: ``microbatch``:
     upstream's forward_step_calc_loss as install() wraps it (forward-step count, loss contract) minus upstream's
     own, on the same output and loss; ``step``: the extension's finalize (the step's checks, its vector's broadcast
     and all-reduce, the read, the scaling) minus upstream's with the count, both after the same micro-batches."""
@@ -200,7 +203,7 @@ def _own_cost(ddp, config, layout, cfg, batch, loss, seconds: float) -> dict:
                       partial(one_finalize, state.finalize, state.contract))}
 
     def timed() -> dict:
-        best = {(key, side): float("inf") for key in pairs for side in (0, 1)}
+        samples = {(key, side): [] for key in pairs for side in (0, 1)}
         gc.collect()
         gc.disable()
         start, repeat = time.perf_counter(), 0
@@ -208,10 +211,13 @@ def _own_cost(ddp, config, layout, cfg, batch, loss, seconds: float) -> dict:
             repeat += 1
             for key, calls in pairs.items():
                 for side in ((0, 1) if repeat % 2 else (1, 0)):
-                    best[key, side] = min(best[key, side], calls[side]())
+                    samples[key, side].append(calls[side]())
         gc.enable()
+        best = {k: min(v) for k, v in samples.items()}
         own = {key: 1e6 * (best[key, 1] - best[key, 0]) for key in pairs}
+        paired = {key: 1e6 * statistics.median(e - u for u, e in zip(samples[key, 0], samples[key, 1])) for key in pairs}
         return {"microbatch": round(own["microbatch"], 2), "step": round(own["step"], 1),
+                "paired": {"microbatch": round(paired["microbatch"], 2), "step": round(paired["step"], 1)},
                 "upstream_microbatch": round(1e6 * best["microbatch", 0], 2),
                 "upstream_step": round(1e6 * best["step", 0], 1), "repeats": repeat}
 
@@ -265,8 +271,8 @@ def median_ci95(values: list[float]) -> tuple[float, float]:
 
 def summarize(num_microbatches: int, model: str, measured: dict) -> dict:
     """One GA's result (a round's time is the median of its timed steps): median step times, ratios to upstream
-    paired by round, the time added per micro-batch (median over rounds of the paired difference / GA), the ratio
-    of the fastest rounds, the control's ratios (upstream against itself), host reads and collectives per step, the own-cost timings."""
+    paired by round, the time added per micro-batch (median over rounds of the paired difference / GA), the
+    control's ratio (upstream against itself), host reads and collectives per step, the own-cost timings."""
     wall = measured["times"]
     counts = measured["counts"]
     ratios = {v: [t / u for t, u in zip(wall[v], wall["upstream"])] for v in (*VARIANTS[1:], CONTROL)}
@@ -283,18 +289,21 @@ def summarize(num_microbatches: int, model: str, measured: dict) -> dict:
         "ratio_min": {v: round(min(ratios[v]), 4) for v in VARIANTS[1:]},
         "ratio_max": {v: round(max(ratios[v]), 4) for v in VARIANTS[1:]},
         "extra_us_per_microbatch": {v: round(1e6 * statistics.median(added[v]), 1) for v in VARIANTS[1:]},
-        # the fastest round's over upstream's fastest: a slow phase of the machine slows a round, never speeds it up
-        "ratio_fastest": {v: round(min(wall[v]) / min(wall["upstream"]), 4) for v in VARIANTS[1:]},
         "control": {"ratio_median": round(statistics.median(ratios[CONTROL]), 4),
-                    "ratio_ci95": [round(x, 4) for x in median_ci95(ratios[CONTROL])],
-                    "ratio_fastest": round(min(wall[CONTROL]) / min(wall["upstream"]), 4)},
-        "own_us": {**own, "per_microbatch_at_this_ga": round(own["microbatch"] + own["step"] / num_microbatches, 2)},
+                    "ratio_ci95": [round(x, 4) for x in median_ci95(ratios[CONTROL])]},
+        "own_us": {**own, "per_microbatch_at_this_ga": _per_microbatch(own, num_microbatches),
+                   "paired": {**own["paired"], "per_microbatch_at_this_ga": _per_microbatch(own["paired"], num_microbatches)}},
         # 1 + the extension's own work per step / upstream's median step: the ratio without the machine's noise
         "ratio_from_own_work": round(1 + (own["microbatch"] * num_microbatches + own["step"]) * 1e-6
                                      / statistics.median(wall["upstream"]), 4),
         "host_reads_per_step": {v: counts[v]["host_reads"] for v in VARIANTS},
         "collectives_per_step": {v: counts[v]["collectives"] for v in VARIANTS},
     }
+
+
+def _per_microbatch(own: dict, num_microbatches: int) -> float:
+    """What the own work adds per micro-batch at this GA: check + finalize / GA."""
+    return round(own["microbatch"] + own["step"] / num_microbatches, 2)
 
 
 def run(num_microbatches: int, rounds: int, model: str = "gpt", own_seconds: float = OWN_SECONDS) -> dict:
@@ -319,8 +328,8 @@ def environment() -> dict:
 def table(rows: list[dict]) -> str:
     lines = ["| model | GA | upstream step (ms) | extension: ratio, median [95% interval] | us per micro-batch "
              "| async: ratio, median [95% interval] | us per micro-batch | upstream against itself "
-             "| own work, us per micro-batch (check + finalize / GA) "
-             "| host reads per step (up / ext / async) | collectives per step (up / ext / async) |", "|" + "---|" * 11]
+             "| own work, us per micro-batch (check + finalize / GA); from paired medians "
+             "| host reads per step (up / ext / async) | collectives per step (up / ext / async) |", "|" + "---|" * 12]
     for r in rows:
         cells = [MODELS[r["model"]], str(r["num_microbatches"]), f"{r['step_ms']['upstream']:.2f}"]
         for v in VARIANTS[1:]:
@@ -328,9 +337,9 @@ def table(rows: list[dict]) -> str:
             cells += [f"{r['ratio_median'][v]:.3f} [{low:.3f}, {high:.3f}]", f"{r['extra_us_per_microbatch'][v]:.1f}"]
         low, high = r["control"]["ratio_ci95"]
         cells.append(f"{r['control']['ratio_median']:.3f} [{low:.3f}, {high:.3f}]")
-        own = r["own_us"]
+        own, paired = r["own_us"], r["own_us"]["paired"]
         cells.append(f"{own['per_microbatch_at_this_ga']:.1f} ({own['microbatch']:.1f} + {own['step']:.0f} / "
-                     f"{r['num_microbatches']})")
+                     f"{r['num_microbatches']}); {paired['per_microbatch_at_this_ga']:.1f}")
         cells += [" / ".join(str(r[key][v]) for v in VARIANTS)
                   for key in ("host_reads_per_step", "collectives_per_step")]
         lines.append("| " + " | ".join(cells) + " |")

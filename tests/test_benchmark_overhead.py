@@ -31,14 +31,14 @@ def test_summary_pairs_each_round_with_its_own_upstream():
         "times": {"upstream": upstream, "extension": [0.101, 0.202, 0.101], "extension_async": [0.100, 0.200, 0.100],
                   "upstream_control": [0.100, 0.200, 0.100]},
         "counts": {v: {"host_reads": 1, "collectives": 3} for v in overhead.VARIANTS},
-        "own_us": {"microbatch": 5.0, "step": 100.0, "upstream_microbatch": 30.0, "upstream_step": 400.0},
+        "own_us": {"microbatch": 5.0, "step": 100.0, "paired": {"microbatch": 6.0, "step": 160.0},
+                   "upstream_microbatch": 30.0, "upstream_step": 400.0},
     }
     row = overhead.summarize(4, "gpt", measured)
     assert row["ratio_median"] == {"extension": 1.01, "extension_async": 1.0}
     assert row["extra_us_per_microbatch"]["extension"] == 250.0  # median of 250, 500, 250 us over GA 4
     assert row["control"]["ratio_median"] == 1.0
-    assert row["ratio_fastest"] == {"extension": 1.01, "extension_async": 1.0}  # 0.101 / 0.100
-    assert row["control"]["ratio_fastest"] == 1.0
     assert row["own_us"]["per_microbatch_at_this_ga"] == 30.0  # 5 + 100 / 4
+    assert row["own_us"]["paired"]["per_microbatch_at_this_ga"] == 46.0  # 6 + 160 / 4
     assert row["ratio_from_own_work"] == 1.0012  # 120 us / 0.1 s
     assert "| tiny GPT | 4 | 100.00 | 1.010 [1.010, 1.010] | 250.0 |" in overhead.table([row])
