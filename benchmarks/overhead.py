@@ -153,14 +153,16 @@ def _own_cost(ddp, config, layout, cfg, batch, loss, seconds: float) -> dict:
     the median of the differences within a repeat: ``microbatch``:
     upstream's forward_step_calc_loss as install() wraps it (forward-step count, loss contract) minus upstream's
     own, on the same output and loss; ``step``: the extension's finalize (the step's checks, its vector's broadcast
-    and all-reduce, the read, the scaling) minus upstream's with the count, both after the same micro-batches."""
+    and all-reduce, the read, the scaling) minus upstream's with the count, both after the same micro-batches. Those
+    two run hot (the same call again and again); ``in_step`` (position-wise model) times whole training steps, where
+    the extension's code runs between the model's, everything install() adds to a step included."""
     import inspect
 
     from megatron.core.distributed import finalize_model_grads as upstream_finalize
 
     import megatron_ga_ext
     from megatron_ga_ext.compat import SCHEDULES
-    from megatron_ga_ext.verify.harness import _forward_step, microbatches
+    from megatron_ga_ext.verify.harness import _forward_step, microbatches, train_step
 
     # The first micro-batch's forward, as train_step runs it: its output and the loss function bound to its mask.
     output, loss_func = _forward_step(iter(microbatches(layout, batch, cfg.device)), ddp, loss_func=loss,
@@ -193,6 +195,17 @@ def _own_cost(ddp, config, layout, cfg, batch, loss, seconds: float) -> dict:
         finalize([ddp], outputs[1].reshape(1) * layout.num_microbatches)
         return time.perf_counter() - start
 
+    def whole_step(active: bool) -> float:
+        """A whole training step, megatron's schedule and all: installed (``active``) or with every wrapper passing
+        straight through to upstream (what uninstall() sets, without its 12 ms of restoring) and upstream's finalize."""
+        state.active = active
+        start = time.perf_counter()
+        train_step(ddp, config, layout, cfg, batch, finalize=state.finalize if active else upstream_finalize,
+                   loss_func=loss)
+        elapsed = time.perf_counter() - start
+        state.active = True
+        return elapsed
+
     # Installed, upstream's originals (bound before install()) stay callable beside the wrappers: the two take turns,
     # in alternating order, so both see the same moments of a noisy machine.
     state = megatron_ga_ext.install(megatron_ga_ext.GAConfig())
@@ -201,6 +214,9 @@ def _own_cost(ddp, config, layout, cfg, batch, loss, seconds: float) -> dict:
                             partial(microbatch_calls, sys.modules[SCHEDULES].forward_step_calc_loss, state.contract)),
              "step": (partial(one_finalize, upstream_finalize, None),
                       partial(one_finalize, state.finalize, state.contract))}
+    if layout.model == "positionwise":  # its step, a few ms on one rank, is short enough for a minimum to resolve us
+        whole_step(True)
+        pairs["in_step"] = (partial(whole_step, False), partial(whole_step, True))
 
     def timed() -> dict:
         samples = {(key, side): [] for key in pairs for side in (0, 1)}
@@ -216,8 +232,10 @@ def _own_cost(ddp, config, layout, cfg, batch, loss, seconds: float) -> dict:
         best = {k: min(v) for k, v in samples.items()}
         own = {key: 1e6 * (best[key, 1] - best[key, 0]) for key in pairs}
         paired = {key: 1e6 * statistics.median(e - u for u, e in zip(samples[key, 0], samples[key, 1])) for key in pairs}
+        in_step = {"in_step": {"step": round(own["in_step"], 1), "paired": round(paired["in_step"], 1),
+                               "upstream_step": round(1e6 * best["in_step", 0], 1)}} if "in_step" in pairs else {}
         return {"microbatch": round(own["microbatch"], 2), "step": round(own["step"], 1),
-                "paired": {"microbatch": round(paired["microbatch"], 2), "step": round(paired["step"], 1)},
+                "paired": {"microbatch": round(paired["microbatch"], 2), "step": round(paired["step"], 1)}, **in_step,
                 "upstream_microbatch": round(1e6 * best["microbatch", 0], 2),
                 "upstream_step": round(1e6 * best["step", 0], 1), "repeats": repeat}
 
@@ -292,7 +310,10 @@ def summarize(num_microbatches: int, model: str, measured: dict) -> dict:
         "control": {"ratio_median": round(statistics.median(ratios[CONTROL]), 4),
                     "ratio_ci95": [round(x, 4) for x in median_ci95(ratios[CONTROL])]},
         "own_us": {**own, "per_microbatch_at_this_ga": _per_microbatch(own, num_microbatches),
-                   "paired": {**own["paired"], "per_microbatch_at_this_ga": _per_microbatch(own["paired"], num_microbatches)}},
+                   "paired": {**own["paired"], "per_microbatch_at_this_ga": _per_microbatch(own["paired"], num_microbatches)},
+                   **({"in_step": {**own["in_step"], "per_microbatch_at_this_ga": {
+                       key: round(own["in_step"][key] / num_microbatches, 2) for key in ("step", "paired")}}}
+                      if "in_step" in own else {})},
         # 1 + the extension's own work per step / upstream's median step: the ratio without the machine's noise
         "ratio_from_own_work": round(1 + (own["microbatch"] * num_microbatches + own["step"]) * 1e-6
                                      / statistics.median(wall["upstream"]), 4),
@@ -328,7 +349,8 @@ def environment() -> dict:
 def table(rows: list[dict]) -> str:
     lines = ["| model | GA | upstream step (ms) | extension: ratio, median [95% interval] | us per micro-batch "
              "| async: ratio, median [95% interval] | us per micro-batch | upstream against itself "
-             "| own work, us per micro-batch (check + finalize / GA); from paired medians "
+             "| own work, us per micro-batch: check + finalize / GA, hot; from paired medians; in whole steps "
+             "(minima, paired) "
              "| host reads per step (up / ext / async) | collectives per step (up / ext / async) |", "|" + "---|" * 12]
     for r in rows:
         cells = [MODELS[r["model"]], str(r["num_microbatches"]), f"{r['step_ms']['upstream']:.2f}"]
@@ -338,8 +360,10 @@ def table(rows: list[dict]) -> str:
         low, high = r["control"]["ratio_ci95"]
         cells.append(f"{r['control']['ratio_median']:.3f} [{low:.3f}, {high:.3f}]")
         own, paired = r["own_us"], r["own_us"]["paired"]
+        in_step = own.get("in_step", {}).get("per_microbatch_at_this_ga")
         cells.append(f"{own['per_microbatch_at_this_ga']:.1f} ({own['microbatch']:.1f} + {own['step']:.0f} / "
-                     f"{r['num_microbatches']}); {paired['per_microbatch_at_this_ga']:.1f}")
+                     f"{r['num_microbatches']}); {paired['per_microbatch_at_this_ga']:.1f}"
+                     + (f"; in the step {in_step['step']:.1f}, {in_step['paired']:.1f}" if in_step else ""))
         cells += [" / ".join(str(r[key][v]) for v in VARIANTS)
                   for key in ("host_reads_per_step", "collectives_per_step")]
         lines.append("| " + " | ".join(cells) + " |")

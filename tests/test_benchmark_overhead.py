@@ -42,3 +42,6 @@ def test_summary_pairs_each_round_with_its_own_upstream():
     assert row["own_us"]["paired"]["per_microbatch_at_this_ga"] == 46.0  # 6 + 160 / 4
     assert row["ratio_from_own_work"] == 1.0012  # 120 us / 0.1 s
     assert "| tiny GPT | 4 | 100.00 | 1.010 [1.010, 1.010] | 250.0 |" in overhead.table([row])
+    measured["own_us"]["in_step"] = {"step": 200.0, "paired": 280.0, "upstream_step": 3000.0}  # the position-wise model's
+    in_step = overhead.summarize(4, "positionwise", measured)["own_us"]["in_step"]
+    assert in_step["per_microbatch_at_this_ga"] == {"step": 50.0, "paired": 70.0}
