@@ -52,10 +52,10 @@ Megatron-LM's own training loop (``pretrain()``, :func:`training_shims`) needs t
 
 Measured: over ``make test`` and the e2e tier (main d98e8a64, 0.16.1), what asked for CUDA was ``torch.empty``,
 ``zeros``, ``ones``, ``tensor``, ``rand``, ``arange``, ``Tensor.new_empty``, ``Tensor.to`` and ``Tensor.cuda``; the
-other factories take the same ``device=`` and are wrapped too. A default ``megatron-ga verify`` calls only
-``current_device``, ``get_rng_state``, ``manual_seed``, the tracker's two RNG functions and (0.19.2) ``current_stream``; the others cover paths
-the same code reaches under other settings (batched PP p2p, overlapped grad reduce, a visible GPU) and
-cost nothing when unused, so they stay.
+other factories take the same ``device=`` and are wrapped too (a call none of them covers fails loudly: no CUDA).
+A default ``megatron-ga verify`` calls only ``current_device``, ``get_rng_state``, ``manual_seed``, the tracker's
+two RNG functions and (0.19.2) ``current_stream``; the others cover paths the same code reaches under other
+settings (batched PP p2p, overlapped grad reduce, a visible GPU) and cost nothing when unused, so they stay.
 
 Nothing here is imported by ``install()``: the shims exist to prove the extension on the CPU.
 """
