@@ -119,6 +119,17 @@ def known_fingerprints() -> dict[str, dict[str, list[str]]]:
     return json.loads(FINGERPRINTS.read_text())
 
 
+def live_calculator() -> Any:
+    """Megatron's global num-microbatches calculator (``_GLOBAL_NUM_MICROBATCHES_CALCULATOR``); None before it is
+    built."""
+    return getattr(sys.modules.get(CALCULATOR), "_GLOBAL_NUM_MICROBATCHES_CALCULATOR", None)
+
+
+def set_live_calculator(calculator: Any) -> None:
+    """Make ``calculator`` the one ``get_num_microbatches()`` and the training loop read."""
+    sys.modules[CALCULATOR]._GLOBAL_NUM_MICROBATCHES_CALCULATOR = calculator
+
+
 def megatron_core_version() -> str:
     """The version of the megatron-core code that is imported (``megatron.core.package_info``, which a
     tree on PYTHONPATH carries too), else the installed distribution's."""

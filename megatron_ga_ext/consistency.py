@@ -20,7 +20,7 @@ import functools
 import sys
 from typing import Any, Callable, Mapping, Sequence
 
-from megatron_ga_ext.compat import CALCULATOR
+from megatron_ga_ext.compat import live_calculator
 from megatron_ga_ext.errors import GAError, GuardError
 from megatron_ga_ext.logs import get_logger
 from megatron_ga_ext.options import BY_DEST, CONVERT_RAMPUP, GA_FIELDS, GAConfig, ScheduleInputs, resolve_schedule
@@ -129,7 +129,7 @@ class StartupChecks:
         if self.done:
             return
         self.done = True
-        check_ranks_agree(batch_settings(args, config, _live_calculator()))
+        check_ranks_agree(batch_settings(args, config, live_calculator()))
         if self.checkpoint_settings is not None and args is not None:
             self._warn_if_changed(args)
 
@@ -157,7 +157,7 @@ class StartupChecks:
         if not changed:
             return
         consumed, iteration = int(args.consumed_train_samples), int(getattr(args, "iteration", 0) or 0)
-        calculator = _live_calculator()
+        calculator = live_calculator()
         batch = "" if calculator is None else (
             f": global batch size {calculator.get_current_global_batch_size()} "
             f"({calculator.get()} micro-batches)")
@@ -188,7 +188,3 @@ def _batch_size_at(args: Any, consumed: int) -> int | None:
     if schedule is None:
         return getattr(args, "global_batch_size", None)
     return schedule.global_batch_size_at(consumed)
-
-
-def _live_calculator() -> Any:
-    return getattr(sys.modules.get(CALCULATOR), "_GLOBAL_NUM_MICROBATCHES_CALCULATOR", None)

@@ -43,7 +43,9 @@ from megatron_ga_ext.compat import (
     TARGETS,
     check_targets,
     matching_sources,
+    live_calculator,
     megatron_core_version,
+    set_live_calculator,
 )
 from megatron_ga_ext.consistency import StartupChecks
 from megatron_ga_ext.errors import CompatError, GuardError
@@ -270,12 +272,11 @@ def uninstall() -> None:
     if state is None:
         return
     state.restore()
-    calculators = sys.modules[CALCULATOR]
     from megatron_ga_ext.guards import GuardedCalculator
 
-    live = calculators._GLOBAL_NUM_MICROBATCHES_CALCULATOR
+    live = live_calculator()
     if isinstance(live, GuardedCalculator):
-        calculators._GLOBAL_NUM_MICROBATCHES_CALCULATOR = live.inner
+        set_live_calculator(live.inner)
     _STATE.clear()
     if state.finalize is not None:
         state.finalize.poll(wait=True)  # --ga-checks async: the last step's verdict, everything restored first
@@ -409,7 +410,8 @@ def _guarded_schedule(original: Callable, state: Installation) -> Callable:
                 "megatron_ga_ext.install(), or leave it to Megatron's training loop.")
         if not state.config.guards:
             return result
-        expected = None if forward_only else _calculator_num_microbatches()
+        live = None if forward_only else live_calculator()
+        expected = None if live is None else live.get()
         check_microbatch_counts(state.counter.counts, kwargs["num_microbatches"], expected, current_pipeline_size())
         return result
 
@@ -448,11 +450,6 @@ def _model_config(model: Any) -> Any:
     return get_model_config(model[0] if isinstance(model, (list, tuple)) else model)
 
 
-def _calculator_num_microbatches() -> int | None:
-    calculator = sys.modules[CALCULATOR]._GLOBAL_NUM_MICROBATCHES_CALCULATOR
-    return None if calculator is None else calculator.get()
-
-
 def _configure_calculator(original: Callable, state: Installation) -> Callable:
     """Upstream's configure, or the step-schedule calculator where a schedule (or a converted rampup)
     is given; then the consumed-samples guard around whichever is live."""
@@ -473,8 +470,7 @@ def _configure_calculator(original: Callable, state: Installation) -> Callable:
         else:
             from megatron_ga_ext.calculator import StepScheduleCalculator
 
-            sys.modules[CALCULATOR]._GLOBAL_NUM_MICROBATCHES_CALCULATOR = StepScheduleCalculator.for_launch(
-                schedule, inputs, rank=bound.arguments["rank"])
+            set_live_calculator(StepScheduleCalculator.for_launch(schedule, inputs, rank=bound.arguments["rank"]))
         _guard_live_calculator(state)
 
     return configure
@@ -483,8 +479,7 @@ def _configure_calculator(original: Callable, state: Installation) -> Callable:
 def _guard_live_calculator(state: Installation) -> None:
     from megatron_ga_ext.guards import GuardedCalculator
 
-    calculators = sys.modules[CALCULATOR]
-    live = calculators._GLOBAL_NUM_MICROBATCHES_CALCULATOR
+    live = live_calculator()
     if live is None or isinstance(live, GuardedCalculator) or not state.config.guards:
         return
-    calculators._GLOBAL_NUM_MICROBATCHES_CALCULATOR = GuardedCalculator(live, state.config.pipeline_model_parallel_size)
+    set_live_calculator(GuardedCalculator(live, state.config.pipeline_model_parallel_size))

@@ -13,7 +13,7 @@ import functools
 import sys
 from typing import Any, Callable
 
-from megatron_ga_ext.compat import CALCULATOR, TARGETS, TRAINING, check_targets
+from megatron_ga_ext.compat import TARGETS, TRAINING, check_targets, live_calculator
 from megatron_ga_ext.logs import get_logger
 
 __all__ = ["OPTIMIZER_BUILDERS", "megatron_args", "wire_gpt_model", "wire_optimizer", "wire_training"]
@@ -87,7 +87,7 @@ def _step_calculator() -> Any:
     """The live calculator if it is the extension's step-schedule calculator (under the guard), else None."""
     from megatron_ga_ext.calculator import StepScheduleCalculator
 
-    live = sys.modules[CALCULATOR]._GLOBAL_NUM_MICROBATCHES_CALCULATOR
+    live = live_calculator()
     live = getattr(live, "inner", live)
     return live if isinstance(live, StepScheduleCalculator) else None
 
