@@ -21,7 +21,8 @@ step. Step times on a shared machine vary by up to 2x from second to second, far
 repeats over several seconds: upstream's ``forward_step_calc_loss`` as install() wraps it against upstream's own,
 per micro-batch, and the extension's finalize against upstream's, per step; as the difference of the two minima (a
 fast moment of each) and, in ``paired``, as the median of the differences within a repeat (typical moments, slow
-ones included).
+ones included). Those run hot, the same call again and again; ``in_step`` times whole training steps on that rank,
+installed against every wrapper passing through to upstream, and ``ratio_in_step`` is their ratio.
 
     python benchmarks/overhead.py --quick     # GA 16 (< 2 min): one JSON object on the last line
     python benchmarks/overhead.py --write     # GA 4, 16, 64: benchmarks/results/*.json, docs/performance.md
@@ -154,8 +155,9 @@ def _own_cost(ddp, config, layout, cfg, batch, loss, seconds: float) -> dict:
     upstream's forward_step_calc_loss as install() wraps it (forward-step count, loss contract) minus upstream's
     own, on the same output and loss; ``step``: the extension's finalize (the step's checks, its vector's broadcast
     and all-reduce, the read, the scaling) minus upstream's with the count, both after the same micro-batches. Those
-    two run hot (the same call again and again); ``in_step`` (position-wise model) times whole training steps, where
-    the extension's code runs between the model's, everything install() adds to a step included."""
+    two run hot (the same call again and again); ``in_step`` times whole training steps, where the extension's code
+    runs between the model's, everything install() adds to a step included (resolved to microseconds on the
+    position-wise model, whose step takes a few ms; to about 1% of a step on the tiny GPT)."""
     import inspect
 
     from megatron.core.distributed import finalize_model_grads as upstream_finalize
@@ -210,38 +212,36 @@ def _own_cost(ddp, config, layout, cfg, batch, loss, seconds: float) -> dict:
     # in alternating order, so both see the same moments of a noisy machine.
     state = megatron_ga_ext.install(megatron_ga_ext.GAConfig())
     state.settle()
-    pairs = {"microbatch": (partial(microbatch_calls, upstream_calc, None),
-                            partial(microbatch_calls, sys.modules[SCHEDULES].forward_step_calc_loss, state.contract)),
-             "step": (partial(one_finalize, upstream_finalize, None),
-                      partial(one_finalize, state.finalize, state.contract))}
-    if layout.model == "positionwise":  # its step, a few ms on one rank, is short enough for a minimum to resolve us
-        whole_step(True)
-        pairs["in_step"] = (partial(whole_step, False), partial(whole_step, True))
-
-    def timed() -> dict:
-        samples = {(key, side): [] for key in pairs for side in (0, 1)}
-        gc.collect()
-        gc.disable()
-        start, repeat = time.perf_counter(), 0
-        while repeat < OWN_REPEATS or time.perf_counter() - start < seconds:
-            repeat += 1
-            for key, calls in pairs.items():
-                for side in ((0, 1) if repeat % 2 else (1, 0)):
-                    samples[key, side].append(calls[side]())
-        gc.enable()
-        best = {k: min(v) for k, v in samples.items()}
-        own = {key: 1e6 * (best[key, 1] - best[key, 0]) for key in pairs}
-        paired = {key: 1e6 * statistics.median(e - u for u, e in zip(samples[key, 0], samples[key, 1])) for key in pairs}
-        in_step = {"in_step": {"step": round(own["in_step"], 1), "paired": round(paired["in_step"], 1),
-                               "upstream_step": round(1e6 * best["in_step", 0], 1)}} if "in_step" in pairs else {}
-        return {"microbatch": round(own["microbatch"], 2), "step": round(own["step"], 1),
-                "paired": {"microbatch": round(paired["microbatch"], 2), "step": round(paired["step"], 1)}, **in_step,
-                "upstream_microbatch": round(1e6 * best["microbatch", 0], 2),
-                "upstream_step": round(1e6 * best["step", 0], 1), "repeats": repeat}
-
-    own = timed()
+    hot = {"microbatch": (partial(microbatch_calls, upstream_calc, None),
+                          partial(microbatch_calls, sys.modules[SCHEDULES].forward_step_calc_loss, state.contract)),
+           "step": (partial(one_finalize, upstream_finalize, None), partial(one_finalize, state.finalize, state.contract))}
+    whole_step(True)
+    own = _alternating(hot, seconds)
+    own["in_step"] = _alternating({"step": (partial(whole_step, False), partial(whole_step, True))}, seconds)
     megatron_ga_ext.uninstall()
     return own
+
+
+def _alternating(pairs: dict, seconds: float) -> dict:
+    """``pairs`` {key: (upstream call, extension call)}, each call timing itself, in alternating order for ``seconds``
+    (at least OWN_REPEATS times): per key, the difference of the minima and the median of the differences within a
+    repeat (``paired``), in us, and upstream's minimum."""
+    samples = {(key, side): [] for key in pairs for side in (0, 1)}
+    gc.collect()
+    gc.disable()
+    start, repeat = time.perf_counter(), 0
+    while repeat < OWN_REPEATS or time.perf_counter() - start < seconds:
+        repeat += 1
+        for key, calls in pairs.items():
+            for side in ((0, 1) if repeat % 2 else (1, 0)):
+                samples[key, side].append(calls[side]())
+    gc.enable()
+    best = {k: min(v) for k, v in samples.items()}
+    own = {key: round(1e6 * (best[key, 1] - best[key, 0]), 2) for key in pairs}
+    paired = {key: round(1e6 * statistics.median(e - u for u, e in zip(samples[key, 0], samples[key, 1])), 2)
+              for key in pairs}
+    return {**own, "paired": paired, **{f"upstream_{key}": round(1e6 * best[key, 0], 2) for key in pairs},
+            "repeats": repeat}
 
 
 @contextmanager
@@ -311,12 +311,15 @@ def summarize(num_microbatches: int, model: str, measured: dict) -> dict:
                     "ratio_ci95": [round(x, 4) for x in median_ci95(ratios[CONTROL])]},
         "own_us": {**own, "per_microbatch_at_this_ga": _per_microbatch(own, num_microbatches),
                    "paired": {**own["paired"], "per_microbatch_at_this_ga": _per_microbatch(own["paired"], num_microbatches)},
-                   **({"in_step": {**own["in_step"], "per_microbatch_at_this_ga": {
-                       key: round(own["in_step"][key] / num_microbatches, 2) for key in ("step", "paired")}}}
-                      if "in_step" in own else {})},
+                   "in_step": {**own["in_step"], "per_microbatch_at_this_ga": {
+                       "step": round(own["in_step"]["step"] / num_microbatches, 2),
+                       "paired": round(own["in_step"]["paired"]["step"] / num_microbatches, 2)}}},
         # 1 + the extension's own work per step / upstream's median step: the ratio without the machine's noise
         "ratio_from_own_work": round(1 + (own["microbatch"] * num_microbatches + own["step"]) * 1e-6
                                      / statistics.median(wall["upstream"]), 4),
+        # whole steps on one rank, side by side: 1 + what the extension adds / upstream's fastest step
+        "ratio_in_step": {key: round(1 + value / own["in_step"]["upstream_step"], 4) for key, value in
+                          (("minima", own["in_step"]["step"]), ("paired", own["in_step"]["paired"]["step"]))},
         "host_reads_per_step": {v: counts[v]["host_reads"] for v in VARIANTS},
         "collectives_per_step": {v: counts[v]["collectives"] for v in VARIANTS},
     }
@@ -350,8 +353,8 @@ def table(rows: list[dict]) -> str:
     lines = ["| model | GA | upstream step (ms) | extension: ratio, median [95% interval] | us per micro-batch "
              "| async: ratio, median [95% interval] | us per micro-batch | upstream against itself "
              "| own work, us per micro-batch: check + finalize / GA, hot; from paired medians; in whole steps "
-             "(minima, paired) "
-             "| host reads per step (up / ext / async) | collectives per step (up / ext / async) |", "|" + "---|" * 12]
+             "(minima, paired) | whole steps on one rank, ratio (minima / paired) "
+             "| host reads per step (up / ext / async) | collectives per step (up / ext / async) |", "|" + "---|" * 13]
     for r in rows:
         cells = [MODELS[r["model"]], str(r["num_microbatches"]), f"{r['step_ms']['upstream']:.2f}"]
         for v in VARIANTS[1:]:
@@ -360,10 +363,11 @@ def table(rows: list[dict]) -> str:
         low, high = r["control"]["ratio_ci95"]
         cells.append(f"{r['control']['ratio_median']:.3f} [{low:.3f}, {high:.3f}]")
         own, paired = r["own_us"], r["own_us"]["paired"]
-        in_step = own.get("in_step", {}).get("per_microbatch_at_this_ga")
+        in_step = own["in_step"]["per_microbatch_at_this_ga"]
         cells.append(f"{own['per_microbatch_at_this_ga']:.1f} ({own['microbatch']:.1f} + {own['step']:.0f} / "
-                     f"{r['num_microbatches']}); {paired['per_microbatch_at_this_ga']:.1f}"
-                     + (f"; in the step {in_step['step']:.1f}, {in_step['paired']:.1f}" if in_step else ""))
+                     f"{r['num_microbatches']}); {paired['per_microbatch_at_this_ga']:.1f}; "
+                     f"{in_step['step']:.1f}, {in_step['paired']:.1f}")
+        cells.append(" / ".join(f"{r['ratio_in_step'][key]:.3f}" for key in ("minima", "paired")))
         cells += [" / ".join(str(r[key][v]) for v in VARIANTS)
                   for key in ("host_reads_per_step", "collectives_per_step")]
         lines.append("| " + " | ".join(cells) + " |")

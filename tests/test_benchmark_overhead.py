@@ -32,7 +32,8 @@ def test_summary_pairs_each_round_with_its_own_upstream():
                   "upstream_control": [0.100, 0.200, 0.100]},
         "counts": {v: {"host_reads": 1, "collectives": 3} for v in overhead.VARIANTS},
         "own_us": {"microbatch": 5.0, "step": 100.0, "paired": {"microbatch": 6.0, "step": 160.0},
-                   "upstream_microbatch": 30.0, "upstream_step": 400.0},
+                   "upstream_microbatch": 30.0, "upstream_step": 400.0,
+                   "in_step": {"step": 200.0, "paired": {"step": 280.0}, "upstream_step": 20000.0}},
     }
     row = overhead.summarize(4, "gpt", measured)
     assert row["ratio_median"] == {"extension": 1.01, "extension_async": 1.0}
@@ -42,6 +43,5 @@ def test_summary_pairs_each_round_with_its_own_upstream():
     assert row["own_us"]["paired"]["per_microbatch_at_this_ga"] == 46.0  # 6 + 160 / 4
     assert row["ratio_from_own_work"] == 1.0012  # 120 us / 0.1 s
     assert "| tiny GPT | 4 | 100.00 | 1.010 [1.010, 1.010] | 250.0 |" in overhead.table([row])
-    measured["own_us"]["in_step"] = {"step": 200.0, "paired": 280.0, "upstream_step": 3000.0}  # the position-wise model's
-    in_step = overhead.summarize(4, "positionwise", measured)["own_us"]["in_step"]
-    assert in_step["per_microbatch_at_this_ga"] == {"step": 50.0, "paired": 70.0}
+    assert row["own_us"]["in_step"]["per_microbatch_at_this_ga"] == {"step": 50.0, "paired": 70.0}  # 200, 280 / 4
+    assert row["ratio_in_step"] == {"minima": 1.01, "paired": 1.014}  # 200 us, 280 us / 20 ms
