@@ -57,9 +57,9 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"gpt": "tiny GPT", "positionwise": "position-wise (host-bound)"}
 #: Timed steps per installation and round (after the untimed first; install() and uninstall() take about 12 ms).
 STEPS_PER_INSTALL = {"gpt": 1, "positionwise": 4}
-#: The own-cost timings repeat for OWN_SECONDS (5 s with --quick; the machine's slow phases last seconds: a minimum
-#: over a few of them is one of its fast moments), at least OWN_REPEATS times; OWN_CALLS calls per repeat of the
-#: per-micro-batch one.
+#: The own-cost timings, hot and in whole steps, each repeat for OWN_SECONDS (5 s with --quick; the machine's slow
+#: phases last seconds: a minimum over a few of them is one of its fast moments), at least OWN_REPEATS times;
+#: OWN_CALLS calls per repeat of the per-micro-batch one.
 OWN_SECONDS, OWN_REPEATS, OWN_CALLS = 8.0, 20, 50
 HOST_READS = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__")
 COLLECTIVES = ("broadcast", "all_reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather",
@@ -157,7 +157,8 @@ def _own_cost(ddp, config, layout, cfg, batch, loss, seconds: float) -> dict:
     and all-reduce, the read, the scaling) minus upstream's with the count, both after the same micro-batches. Those
     two run hot (the same call again and again); ``in_step`` times whole training steps, where the extension's code
     runs between the model's, everything install() adds to a step included (resolved to microseconds on the
-    position-wise model, whose step takes a few ms; to about 1% of a step on the tiny GPT)."""
+    position-wise model at GA 4, whose step takes 3 ms; not resolved on the tiny GPT, whose runs ranged -3% to
+    +10% of a step)."""
     import inspect
 
     from megatron.core.distributed import finalize_model_grads as upstream_finalize
@@ -418,7 +419,8 @@ def _plot(rows: list[dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
-                        help="GA 16 only, 8 rounds, own work over 5 s; one JSON object on the last line")
+                        help="GA 16 only, 8 rounds, own work over 5 s hot and 5 s in whole steps; one JSON object on "
+                        "the last line")
     parser.add_argument("--write", action="store_true", help="write benchmarks/results/*.json and docs/performance.md")
     parser.add_argument("--rounds", type=int, default=None,
                         help="rounds per model and GA (default 8 quick; 24, 12 at GA 64); a round times 1 step of each "
