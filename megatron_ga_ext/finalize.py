@@ -119,25 +119,28 @@ class FinalizeModelGrads:
         self.enabled = True
         self.skip_step = False
         self.pending: _Verdict | None = None
-        self._checked: tuple[list[weakref.ref], torch.device] | None = None  # see _checked_chunks
+        self._checked: tuple | None = None  # see _checked_chunks
+        self._topology: tuple | None = None  # (pp group, DP x CP group, last stage rank, is last stage)
 
     def __call__(self, model: list[torch.nn.Module], num_tokens: torch.Tensor | None = None,
                  pg_collection: Any = None, force_all_reduce: bool | None = False) -> None:
-        from megatron.core.utils import get_model_config
-
         if not self.enabled:
             self.original(model, num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
             return
         self.calls += 1
-        check_per_token_flag(get_model_config(model[0]), self.config.loss_reduction)
+        device, model_config = self._checked_chunks(model)
+        check_per_token_flag(model_config, self.config.loss_reduction)
         if self.config.loss_reduction == "microbatch":
             self.original(model, num_tokens, pg_collection=pg_collection,
                           force_all_reduce=force_all_reduce)
             return
-        device = self._checked_chunks(model)
         self.poll(wait=True)  # an earlier step's verdict not yet read (no schedule call in between)
+        pp_group, dp_cp_group, last_stage_rank, is_last_stage = self._topology_of(pg_collection)
+        vector = self.contract.collect(device, is_last_stage=is_last_stage)  # before the grads' sync: no collective
         self.original(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
-        vector = self._reduced_vector(device, pg_collection)  # where upstream reduces its count: after the grads
+        # where upstream reduces its count: after the grads, on every stage
+        torch.distributed.broadcast(vector, src=last_stage_rank, group=pp_group)
+        torch.distributed.all_reduce(vector, group=dp_cp_group)
         # a device scalar, upstream's 1.0 / clamp(N, min=1) to the bit (torch computes x / t as t.reciprocal() * x)
         scaling = torch.clamp(vector[SLOT_TOKENS], min=1).reciprocal()
         if self.config.checks == "async":
@@ -164,25 +167,34 @@ class FinalizeModelGrads:
         _raise_on_violations(values, where=where)
         self._tokens_read(values[SLOT_TOKENS], where=where)
 
-    def _reduced_vector(self, device: torch.device, pg_collection: Any) -> torch.Tensor:
-        """[n, flags...] in int64, broadcast from the last PP stage and all-reduced over DP x CP."""
+    def _topology_of(self, pg_collection: Any) -> tuple:
+        """(pipeline group, DP x CP group, the last stage's global rank, whether this rank is it): the ranks looked up
+        again only when the groups are not the last step's (upstream's schedule builds a new pg_collection per step
+        from the same groups; a group's ranks never change)."""
         pp_group, dp_cp_group = _groups(pg_collection)
-        pp_ranks = torch.distributed.get_process_group_ranks(pp_group)
-        is_last_stage = torch.distributed.get_rank() == pp_ranks[-1]
-        vector = self.contract.collect(device, is_last_stage=is_last_stage)
-        torch.distributed.broadcast(vector, src=pp_ranks[-1], group=pp_group)
-        torch.distributed.all_reduce(vector, group=dp_cp_group)
-        return vector
+        cached = self._topology
+        if cached is None or cached[0] is not pp_group or cached[1] is not dp_cp_group:
+            last_stage_rank = torch.distributed.get_process_group_ranks(pp_group)[-1]
+            cached = self._topology = (pp_group, dp_cp_group, last_stage_rank,
+                                       torch.distributed.get_rank() == last_stage_rank)
+        return cached
 
-    def _checked_chunks(self, model: list[torch.nn.Module]) -> torch.device:
-        """:func:`check_ddp_chunks` on the step's model chunks, and the device of their parameters: once per list of
-        chunks (a wrapper fixes its gradient factor when it is built; ``parameters()`` walks every submodule)."""
-        checked = self._checked
-        if checked is None or len(checked[0]) != len(model) or any(
-                ref() is not chunk for ref, chunk in zip(checked[0], model)):
-            check_ddp_chunks(model)
-            checked = self._checked = ([weakref.ref(chunk) for chunk in model], next(model[0].parameters()).device)
-        return checked[1]
+    def _checked_chunks(self, model: list[torch.nn.Module]) -> tuple[torch.device, Any]:
+        """The device of the step's model chunks and their model config, and in token mode :func:`check_ddp_chunks`
+        on them: once per list of chunks and mode (a wrapper fixes its gradient factor when it is built;
+        ``parameters()`` walks every submodule). The per-token flag is read from that config every step."""
+        checked, mode = self._checked, self.config.loss_reduction
+        if checked is None or checked[3] != mode or [ref() for ref in checked[0]] != model:  # list ==: identity first
+            from megatron.core.utils import get_model_config
+
+            config = get_model_config(model[0])
+            check_per_token_flag(config, mode)  # the rule a launch breaks, before what follows from it
+            device = None
+            if mode == "token":
+                check_ddp_chunks(model)
+                device = next(model[0].parameters()).device
+            checked = self._checked = ([weakref.ref(chunk) for chunk in model], device, config, mode)
+        return checked[1], checked[2]
 
     def _tokens_read(self, total: int, *, where: str = "") -> None:
         self.last_num_tokens = total
@@ -211,7 +223,8 @@ def make_finalize_model_grads(original: Callable, contract: LossContract | None 
 def _groups(pg_collection: Any) -> tuple[Any, Any]:
     """(pipeline group, DP x CP group), as upstream's finalize picks them."""
     if pg_collection is not None:
-        dp_cp = getattr(pg_collection, "dp_cp_gtp_remat", None) or pg_collection.dp_cp
+        # the groups set on it: upstream's getattr of an unset field goes through a __getattr__ that lists every field
+        dp_cp = getattr(pg_collection, "__dict__", {}).get("dp_cp_gtp_remat") or pg_collection.dp_cp
         return pg_collection.pp, dp_cp
     from megatron.core import parallel_state
 

@@ -31,11 +31,15 @@ def _pp_note(got: int, expected: int, pipeline_model_parallel_size: int) -> str:
 
 
 def check_microbatch_counts(
-    counts: dict[Any, int], num_microbatches: int, expected: int | None, pipeline_model_parallel_size: int = 1
+    counts: dict[Any, int], num_microbatches: int, expected: int | None, pipeline_model_parallel_size: int | None = 1
 ) -> None:
     """Raise :class:`GuardError` unless every chunk ran ``num_microbatches`` forward steps and that
-    equals ``expected`` = GBS / (MBS x DP) from the calculator (None: not known, not checked)."""
-    pp = pipeline_model_parallel_size
+    equals ``expected`` = GBS / (MBS x DP) from the calculator (None: not known, not checked). PP only goes into
+    the message; None reads it from megatron's parallel state then (the step's check reads nothing more)."""
+    if (expected is None or num_microbatches == expected) and counts and all(
+            n == num_microbatches for n in counts.values()):
+        return
+    pp = current_pipeline_size() if pipeline_model_parallel_size is None else pipeline_model_parallel_size
     if expected is not None and num_microbatches != expected:
         raise GuardError(
             f"forward_backward_func was called with num_microbatches={num_microbatches}, but the calculator's "

@@ -116,6 +116,8 @@ class Installation:
     finalize: Any = None
     startup: StartupChecks = field(default_factory=StartupChecks)
     """Ranks agree on the batch configuration, and a resume says what changed: once, at the first schedule call."""
+    config_of: tuple | None = None
+    """(weak reference to a model chunk, its TransformerConfig): the last schedule call's, see model_config()."""
 
     def configure(self, config: GAConfig) -> None:
         """Apply ``config``: the reduction mode, the loss contract and the finalize wrapper's policy."""
@@ -176,6 +178,17 @@ class Installation:
                     config.finalize_model_grads_func = self.finalize.original
         self.patches.clear()
         self.configs.clear()
+
+    def model_config(self, model: Any) -> Any:
+        """The TransformerConfig of a schedule's ``model`` argument: looked up again only for another first chunk
+        (a chunk keeps its config)."""
+        chunk = model[0] if isinstance(model, (list, tuple)) else model
+        if chunk is None:
+            return None
+        cached = self.config_of
+        if cached is None or cached[0]() is not chunk:
+            cached = self.config_of = (weakref.ref(chunk), _model_config(chunk))
+        return cached[1]
 
     def adopt_finalize(self, config: Any) -> None:
         """Give ``config`` the extension's finalize where it holds upstream's (set before install())."""
@@ -369,15 +382,17 @@ def _forward_step_calc_loss(original: Callable, state: Installation) -> Callable
     def forward_step_calc_loss(*args: Any, **kwargs: Any):
         if not state.active:
             return original(*args, **kwargs)
-        state.settle()
-        state.counter.count(kwargs["model"] if "model" in kwargs else args[model_at])
-        loss_func = kwargs["loss_func"] if "loss_func" in kwargs else args[loss_at] if len(args) > loss_at else None
+        if state.waiting_for_args:
+            state.settle()
+        positional = len(args) > loss_at  # Megatron passes every argument by position
+        state.counter.count(args[model_at] if len(args) > model_at else kwargs["model"])
+        loss_func = args[loss_at] if positional else kwargs.get("loss_func")
         if loss_func is not None:
             loss_func = state.contract.wrap(loss_func) if state.contract is not None else mean_of_means_reports(loss_func)
-            if "loss_func" in kwargs:
-                kwargs["loss_func"] = loss_func
-            else:
+            if positional:
                 args = (*args[:loss_at], loss_func, *args[loss_at + 1:])
+            else:
+                kwargs["loss_func"] = loss_func
         return original(*args, **kwargs)
 
     return forward_step_calc_loss
@@ -390,19 +405,23 @@ def _guarded_schedule(original: Callable, state: Installation) -> Callable:
     def schedule(*args: Any, **kwargs: Any):
         if not state.active:
             return original(*args, **kwargs)
-        state.settle()
-        state.startup.run_once(state.config, megatron_args())
-        state.finalize.poll(wait=True)  # --ga-checks async: the last step's verdict, if not read after its optimizer step
+        if state.waiting_for_args:
+            state.settle()
+        if not state.startup.done:
+            state.startup.run_once(state.config, megatron_args())
+        finalize = state.finalize
+        if finalize.pending is not None:  # --ga-checks async: the last step's verdict, if not read after its optimizer step
+            finalize.poll(wait=True)
         state.counter.reset()
         if state.contract is not None:  # an evaluation call (forward_only) never reaches finalize
             state.contract.reset()
         forward_only = bool(kwargs.get("forward_only"))
-        state.adopt_finalize(_model_config(kwargs.get("model")))
-        finalized = state.finalize.calls
+        state.adopt_finalize(state.model_config(kwargs.get("model")))
+        finalized = finalize.calls
         result = original(*args, **kwargs)
         if not forward_only and not state.reported_first_step:
             _report_first_step(state, kwargs)
-        if state.contract is not None and not forward_only and state.finalize.calls == finalized:
+        if state.contract is not None and not forward_only and finalize.calls == finalized:
             raise GuardError(
                 "this training step's forward_backward_func never called megatron-ga-ext's finalize_model_grads, "
                 "so the global token count N was not taken and the gradients were not divided by it (nor checked). "
@@ -411,8 +430,8 @@ def _guarded_schedule(original: Callable, state: Installation) -> Callable:
         if not state.config.guards:
             return result
         live = None if forward_only else live_calculator()
-        expected = None if live is None else live.get()
-        check_microbatch_counts(state.counter.counts, kwargs["num_microbatches"], expected, current_pipeline_size())
+        check_microbatch_counts(state.counter.counts, kwargs["num_microbatches"], None if live is None else live.get(),
+                                None)
         return result
 
     return schedule
@@ -426,7 +445,7 @@ def _report_first_step(state: Installation, kwargs: dict) -> None:
     from megatron_ga_ext.aux_losses import aux_summary, mtp_inexact_note, pipeline_inexact_note
 
     state.reported_first_step = True
-    config = _model_config(kwargs.get("model"))
+    config = state.model_config(kwargs.get("model"))
     mode = state.config.loss_reduction
     summary = aux_summary(config, mode)
     if summary is None:

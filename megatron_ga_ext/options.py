@@ -297,6 +297,8 @@ def check_loss_mode(loss_reduction: str, calculate_per_token_loss: bool, *, expl
     mean). ``explicit`` is False when the mode is the default (the message says so). Raises OptionError.
     """
     check_choice(LOSS_REDUCTION, loss_reduction)
+    if (loss_reduction == "token") == calculate_per_token_loss:  # every step: the message only when it fails
+        return
     given = f"{LOSS_REDUCTION.flag} {loss_reduction}" + ("" if explicit else " (the default)")
     if loss_reduction == "token" and not calculate_per_token_loss:
         raise OptionError(

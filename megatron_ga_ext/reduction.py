@@ -129,12 +129,12 @@ class LossContract:
 
     def wrap(self, loss_func: Callable) -> Callable:
         """``loss_func`` with its outputs checked; ``non_loss_data=True`` calls pass through."""
+        check = self.check
 
         def checked(*args: Any, **kwargs: Any):
-            outputs = loss_func(*args, **kwargs)
             if kwargs.get("non_loss_data"):
-                return outputs
-            return self.check(outputs)
+                return loss_func(*args, **kwargs)
+            return check(loss_func(*args, **kwargs))
 
         return checked
 
@@ -146,22 +146,25 @@ class LossContract:
         the host (an int, or a CPU tensor beside a device loss) is checked and summed on the host, so no
         host-to-device copy (which would synchronize) happens per micro-batch.
         """
-        _require_three_tuple(outputs, self.microbatches)
-        loss, num_tokens, report = outputs
-        _require_integer_scalar(num_tokens)
+        if type(outputs) is not tuple or len(outputs) != 3:
+            _require_three_tuple(outputs, self.microbatches)
+        loss, num_tokens, _ = outputs
+        is_tensor = isinstance(num_tokens, torch.Tensor)
+        if not is_tensor or num_tokens.dtype not in _INTEGER_DTYPES or num_tokens.numel() != 1:
+            _require_integer_scalar(num_tokens)
         if not isinstance(loss, torch.Tensor):
             raise LossContractError(
                 f"the loss function returned a loss of type {type(loss).__name__}; it must be a "
                 f"tensor (the summed token loss of the micro-batch).")
         device = loss.device
-        if self._device is None:
+        if device != self._device:
+            if self._device is not None:
+                raise LossContractError(
+                    f"micro-batch {self.microbatches} returned its loss on {device}, earlier ones on "
+                    f"{self._device}; keep every micro-batch's loss on the model's device.")
             self._device = device
-        elif device != self._device:
-            raise LossContractError(
-                f"micro-batch {self.microbatches} returned its loss on {device}, earlier ones on "
-                f"{self._device}; keep every micro-batch's loss on the model's device.")
         self._losses.append(loss.detach())
-        if isinstance(num_tokens, torch.Tensor) and num_tokens.device == device:
+        if is_tensor and num_tokens.device == device:
             self._counts.append(num_tokens)
         else:
             count = int(num_tokens)  # a host value: reading it costs no device synchronization
@@ -203,7 +206,7 @@ class LossContract:
         if self._host_tokens:
             vector[SLOT_TOKENS] += self._host_tokens
         self.reset()
-        return vector.to(device)
+        return vector if vector.device == device else vector.to(device)
 
     def _zero(self) -> torch.Tensor:
         """An int64 0 on the step's loss device, made once per device."""
