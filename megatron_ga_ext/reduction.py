@@ -129,12 +129,10 @@ class LossContract:
 
     def wrap(self, loss_func: Callable) -> Callable:
         """``loss_func`` with its outputs checked; ``non_loss_data=True`` calls pass through."""
-        check = self.check
 
         def checked(*args: Any, **kwargs: Any):
-            if kwargs.get("non_loss_data"):
-                return loss_func(*args, **kwargs)
-            return check(loss_func(*args, **kwargs))
+            outputs = loss_func(*args, **kwargs)
+            return outputs if kwargs and kwargs.get("non_loss_data") else self.check(outputs)
 
         return checked
 
