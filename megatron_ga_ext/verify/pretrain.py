@@ -7,7 +7,9 @@
 With ``--nproc-per-node N`` it is its own launcher: it imports Megatron once, then forks N ranks with the
 environment torchrun would give them (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so the 7-12 s
 import is paid once per launch instead of once per rank; the first rank to fail stops the others, and the
-exit status is the first failure's. Without it, it runs one rank under torchrun
+exit status is the first failure's. With ``--serve`` it imports Megatron once for many launches
+(``tests/e2e/pretrain_runs.py``), each forked from that import; see :func:`serve`. Without either, it runs one
+rank under torchrun
 (``torchrun ... -m megatron_ga_ext.verify.pretrain SCRIPT ...``). Either way the script runs as ``python
 SCRIPT`` would run it from the Megatron-LM root (whose ``megatron`` package comes first on the path), under
 :func:`~megatron_ga_ext.verify.shims.training_shims`. With
@@ -244,7 +246,16 @@ def _patch_everywhere(module_name: str, name: str, make: Callable[[Callable], Ca
 
 
 def main() -> None:
-    argv = sys.argv[1:]
+    if sys.argv[1:] == ["--serve"]:
+        sys.exit(serve())
+    launch = _as_script(sys.argv[1:])
+    _import_megatron()
+    sys.exit(_run(*launch))
+
+
+def _as_script(argv: list[str]) -> tuple[str, int | None]:
+    """``[--nproc-per-node N] SCRIPT ARGS...``: (SCRIPT, N), with ``sys.path`` and ``sys.argv`` as ``python SCRIPT
+    ARGS...`` run from the Megatron-LM root (the working directory) has them."""
     nproc = None
     if argv[:1] == ["--nproc-per-node"]:
         nproc, argv = int(argv[1]), argv[2:]
@@ -253,11 +264,52 @@ def main() -> None:
     sys.path[0] = os.path.dirname(script)  # as `python SCRIPT` sets it
     sys.path.insert(1, os.getcwd())  # the Megatron-LM root, as pretrain_gpt.py run from it sees it
     sys.argv = [script, *script_args]
+    return script, nproc
 
+
+def _import_megatron() -> None:
     import megatron.core  # noqa: F401
     import megatron.training.training  # noqa: F401  (megatron before the shims: import-time code reads torch.cuda)
 
-    sys.exit(run_rank(script) if nproc is None else fork_ranks(script, nproc))
+
+def _run(script: str, nproc: int | None) -> int:
+    return run_rank(script) if nproc is None else fork_ranks(script, nproc)
+
+
+def serve() -> int:
+    """``--serve``: import Megatron once, then run one launch per JSON line on stdin, each forked from that import
+    into a session of its own: ``{"argv": [launcher args], "env": {...}, "log": path}``; answers ``{"pid": P}``
+    at the fork and ``{"rc": R}`` when it ends, one JSON line each on stdout. A launch sees the process as a
+    fresh ``python -m megatron_ga_ext.verify.pretrain ARGV`` from the same directory would, less the import.
+    Everything else the server prints goes to stderr."""
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.path[0] = os.getcwd()  # the Megatron-LM root's megatron, as every launch imports it
+    _import_megatron()
+    base_path = list(sys.path)
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.setsid()
+                log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+                os.dup2(log, 1)
+                os.dup2(log, 2)
+                os.environ.clear()
+                os.environ.update(request["env"])
+                sys.path[:] = base_path
+                code = _run(*_as_script(request["argv"]))
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        answers.write(json.dumps({"pid": pid}) + "\n")
+        _, wait_status = os.waitpid(pid, 0)
+        answers.write(json.dumps({"rc": os.waitstatus_to_exitcode(wait_status)}) + "\n")
+    return 0
 
 
 def fork_ranks(script: str, nproc: int) -> int:

@@ -3,7 +3,9 @@ reference) on the CPU over gloo, and read back what every rank recorded.
 
 The ranks are forked by ``megatron_ga_ext.verify.pretrain --nproc-per-node N`` after one import of Megatron
 (torchrun would start N interpreters that import it N times: 7-12 s each on 2 cores); each rank gets
-torchrun's environment and runs the script unchanged.
+torchrun's environment and runs the script unchanged. That launcher runs in ``megatron_ga_ext.verify.pretrain
+--serve``, one per Megatron-LM root, forked from its one import of Megatron, so the import is paid once per
+source instead of once per launch.
 
     run = launch(source, "dp2", ["--global-batch-size", "16", ...], extension=True, name="token")
     run.rc, run.iterations (last-stage rows, one per iteration), run.error, run.num_tokens_match
@@ -14,8 +16,10 @@ loss-mode and checkpoint flags. ``megatron_ga_ext.verify.pretrain`` applies the 
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -108,22 +112,109 @@ def launch(root: Path, layout: str, flags: list[str], *, extension: bool, name: 
         "PYTHONPATH": str(ROOT), **(env or {}),
     }
     start = time.monotonic()
-    # Its own session, so a timeout stops every rank the launcher forked, not only the launcher.
-    process = subprocess.Popen(command, cwd=root, env=environment, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    log = workdir / f"{name}.log"
     try:
-        output, _ = process.communicate(timeout=TIMEOUT_S)
-        rc = process.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        rc, output = 124, f"timed out after {TIMEOUT_S} s\n{output}"
+        rc = _server(root, python, environment).run(command[3:], environment, log, TIMEOUT_S)
+    except _ServerGone as gone:  # the import failed, or the server died: that launch's failure
+        rc, output = 1, f"{gone}\n{_read(gone.log)}"
+    else:
+        output = _read(log) if rc != 124 else f"timed out after {TIMEOUT_S} s\n{_read(log)}"
     seconds = time.monotonic() - start
     records = {}
     for path in sorted(workdir.glob(f"{name}.rank*.jsonl")):
         rank = int(path.name.rsplit(".rank", 1)[1].split(".")[0])
         records[rank] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return Run(name, command, rc, seconds, records, output)
+
+
+class _ServerGone(RuntimeError):
+    def __init__(self, message: str, log: Path) -> None:
+        super().__init__(message)
+        self.log = log
+
+
+class _Server:
+    """``python -m megatron_ga_ext.verify.pretrain --serve`` from a Megatron-LM root: each launch forked from its one
+    import of Megatron, answered as a JSON line (the fork's pid, then its exit status)."""
+
+    def __init__(self, root: Path, python: str, environment: dict[str, str]) -> None:
+        self.key = (root, python)
+        self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"megatron-ga-serve-{os.getpid()}-{root.name}.log"
+        with open(self.log, "w") as log:
+            self.process = subprocess.Popen([python, "-m", "megatron_ga_ext.verify.pretrain", "--serve"], cwd=root,
+                                            env=environment, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            stderr=log, start_new_session=True)
+        self._buffer = b""
+
+    def run(self, argv: list[str], environment: dict[str, str], log: Path, timeout: float) -> int:
+        """The launch's exit status; 124 (its session killed) past ``timeout`` seconds."""
+        request = json.dumps({"argv": argv, "env": environment, "log": str(log)}) + "\n"
+        try:
+            self.process.stdin.write(request.encode())
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            raise self._gone() from None
+        deadline = time.monotonic() + timeout
+        try:
+            pid = self._answer(deadline)["pid"]
+        except TimeoutError:  # still importing Megatron
+            raise self._gone() from None
+        try:
+            return self._answer(deadline)["rc"]
+        except TimeoutError:
+            os.killpg(pid, signal.SIGKILL)
+            self._answer(None)  # the server's answer for the killed launch
+            return 124
+
+    def _answer(self, deadline: float | None) -> dict:
+        fd = self.process.stdout.fileno()
+        while b"\n" not in self._buffer:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and (remaining <= 0 or not select.select([fd], [], [], remaining)[0]):
+                raise TimeoutError
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                raise self._gone()
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def _gone(self) -> _ServerGone:
+        if _SERVERS and _SERVERS[0] is self:
+            _SERVERS.pop()
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        return _ServerGone(f"the launch server ended (status {self.process.wait()}); its output:", self.log)
+
+    def close(self) -> None:
+        try:
+            self.process.stdin.close()
+            self.process.wait(timeout=30)
+        except (BrokenPipeError, subprocess.TimeoutExpired):
+            self._gone()
+
+
+_SERVERS: list[_Server] = []  # the one live server: tests run source by source
+
+
+def _server(root: Path, python: str, environment: dict[str, str]) -> _Server:
+    if _SERVERS and _SERVERS[0].key != (root, python):
+        _close_server()
+    if not _SERVERS:
+        _SERVERS.append(_Server(root, python, environment))
+    return _SERVERS[0]
+
+
+@atexit.register
+def _close_server() -> None:
+    if _SERVERS:
+        server = _SERVERS.pop()
+        if server.process.poll() is None:
+            server.close()
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
 
 
 def _tail(output: str, lines: int = 40) -> str:
