@@ -49,6 +49,8 @@ TINY_GPT = [
 #: Mock documents of 1-15 tokens: with --eod-mask-loss every micro-batch masks a different share.
 DOCUMENT_LENGTH = "16"
 TIMEOUT_S = 240
+#: How long a launch server may take to import Megatron before its first launch.
+IMPORT_TIMEOUT_S = 120
 
 
 @dataclass
@@ -147,20 +149,19 @@ class _Server:
         self._buffer = b""
 
     def run(self, argv: list[str], environment: dict[str, str], log: Path, timeout: float) -> int:
-        """The launch's exit status; 124 (its session killed) past ``timeout`` seconds."""
+        """The launch's exit status; 124 (its session killed) past ``timeout`` seconds from its fork."""
         request = json.dumps({"argv": argv, "env": environment, "log": str(log)}) + "\n"
         try:
             self.process.stdin.write(request.encode())
             self.process.stdin.flush()
         except BrokenPipeError:
             raise self._gone() from None
-        deadline = time.monotonic() + timeout
-        try:
-            pid = self._answer(deadline)["pid"]
-        except TimeoutError:  # still importing Megatron
+        try:  # a new server answers once it has imported Megatron
+            pid = self._answer(time.monotonic() + IMPORT_TIMEOUT_S)["pid"]
+        except TimeoutError:
             raise self._gone() from None
         try:
-            return self._answer(deadline)["rc"]
+            return self._answer(time.monotonic() + timeout)["rc"]
         except TimeoutError:
             os.killpg(pid, signal.SIGKILL)
             self._answer(None)  # the server's answer for the killed launch
