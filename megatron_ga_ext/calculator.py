@@ -80,7 +80,7 @@ class StepScheduleCalculator:
         self._demoted = False
         """Some later stage was only warned about (strict_future=False): each new stage in force is checked."""
         if rank == 0:
-            logger.info("step batch-size schedule %s (%d stages)", schedule, len(schedule.entries))
+            logger.info("step batch-size schedule %s (%d stages)", schedule, schedule.num_stages)
         self.update(0, consistency_check=False, verbose=True)
 
     # -- construction from Megatron's arguments ------------------------------------------------

@@ -40,6 +40,7 @@ from megatron_ga_ext.schedule_stages import (
     check_order,
     number_stages,
     parse_entries,
+    stage_count,
 )
 from megatron_ga_ext.schedule_tables import (
     StageRow,
@@ -141,6 +142,11 @@ class StepSchedule:
         return StagePairs(self.entries)
 
     @property
+    def num_stages(self) -> int:
+        """How many stages (a long ramp's may pass what ``len(entries)`` returns)."""
+        return stage_count(self.entries)
+
+    @property
     def final_global_batch_size(self) -> int:
         """The last stage's batch size (upstream's ``global_batch_size``; not necessarily the largest)."""
         return self.entries[-1].global_batch_size
@@ -195,7 +201,7 @@ class StepSchedule:
     def _listed(self, purpose: str) -> Sequence[Stage]:
         if isinstance(self.entries, RampStages):
             raise UsageError(
-                f"the schedule has {len(self.entries):,} stages ({self.summary()}), too many to be {purpose} "
+                f"the schedule has {self.num_stages:,} stages ({self.summary()}), too many to be {purpose} "
                 f"(a ramp of up to {LISTED_RAMP:,} increments is); run the ramp with --ga-convert-rampup instead."
             )
         return self.entries

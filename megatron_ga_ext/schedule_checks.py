@@ -154,7 +154,7 @@ def with_count(error: GAError, others: int) -> GAError:
 def _ramp_problems(ramp: RampStages, current: int, layout: CheckLayout) -> list[ScheduleProblem]:
     """The stage in force, then the later ones (also at each planned DP): one problem per rule broken."""
     found = []
-    last = len(ramp) - 1
+    last = ramp.num_stages - 1
     for low, high, sizes in ((current, current, _sizes(layout, False)), (current + 1, last, _sizes(layout, True))):
         for size in sizes if low <= high else []:
             for first, count in _ramp_rule_hits(ramp, low, high, layout, size):

@@ -99,7 +99,7 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(f"--lr {args.lr} must be a positive finite number.")
     consumed = _count("--consumed-samples", args.consumed_samples, minimum=0)
     demoted = _validate(args, schedule, inputs, consumed)
-    if len(schedule.entries) > TABLE_LIMIT:
+    if schedule.num_stages > TABLE_LIMIT:
         return _summarise(args, schedule, demoted)
     rows = schedule.table(mbs, dp, seq_length=seq, train_samples=train_samples, lr=args.lr, lr_base_batch_size=base,
                           consumed_samples=consumed)
@@ -188,12 +188,12 @@ def _validate(args: argparse.Namespace, schedule: StepSchedule, inputs: Schedule
 def _summarise(args: argparse.Namespace, schedule: StepSchedule, demoted: list[str]) -> int:
     """A schedule of more than TABLE_LIMIT stages (a long ramp): described, not listed."""
     if args.plot:
-        raise UsageError(f"--plot draws a table of stages; this schedule has {len(schedule.entries):,}, more than "
+        raise UsageError(f"--plot draws a table of stages; this schedule has {schedule.num_stages:,}, more than "
                          f"the {TABLE_LIMIT:,} listed.")
-    note = (f"{len(schedule.entries):,} stages: too many to list or to write as {FLAG}; run the ramp with "
+    note = (f"{schedule.num_stages:,} stages: too many to list or to write as {FLAG}; run the ramp with "
             f"--ga-convert-rampup. Every stage is checked (in closed form) against the layout.")
     if args.json:
-        print(json.dumps({"schedule": None, "summary": schedule.summary(), "stages_count": len(schedule.entries),
+        print(json.dumps({"schedule": None, "summary": schedule.summary(), "stages_count": schedule.num_stages,
                           "stages": None, "note": note, "warnings": demoted}, indent=2))
     else:
         print(f"{_source(args)} is this step schedule: {schedule.summary()}")
@@ -214,7 +214,7 @@ def _source(args: argparse.Namespace) -> str:
 def _header(args: argparse.Namespace, schedule: StepSchedule, seq: int | None) -> list[str]:
     lines = []
     if args.from_rampup is not None:
-        lines.append(f"{_source(args)} is this step schedule ({len(schedule.entries)} stages):")
+        lines.append(f"{_source(args)} is this step schedule ({schedule.num_stages} stages):")
         if seq is not None:
             lines.append(f"  pretrain_gpt (thresholds in tokens, --seq-length {seq}):")
             lines.append(f'    {FLAG} "{schedule.to_string(seq_length=seq)}"')

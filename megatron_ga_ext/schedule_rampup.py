@@ -124,9 +124,11 @@ class RampStages(Sequence[Stage]):
 
     def __init__(self, start: int, increment: int, ramp_samples: int, global_batch_size: int) -> None:
         self.ramp = _Ramp(start, increment, ramp_samples, global_batch_size)
+        self.num_stages = self.ramp.increments + 1
+        """n + 1, which may pass what ``len()`` returns (``schedule_stages.stage_count`` reads either)."""
 
     def __len__(self) -> int:
-        return self.ramp.increments + 1
+        return self.num_stages
 
     @overload
     def __getitem__(self, index: int) -> Stage: ...
@@ -136,12 +138,12 @@ class RampStages(Sequence[Stage]):
 
     def __getitem__(self, index):
         if isinstance(index, slice):
-            return [self[k] for k in range(len(self))[index]]
-        k = range(len(self))[index]  # IndexError past the end, negative indices from the end
+            return [self[k] for k in range(self.num_stages)[index]]
+        k = range(self.num_stages)[index]  # IndexError past the end, negative indices from the end
         return Stage(threshold_samples=self.ramp.threshold(k), global_batch_size=self.batch(k), position=k + 1)
 
     def __iter__(self) -> Iterator[Stage]:
-        return (self[k] for k in range(len(self)))
+        return (self[k] for k in range(self.num_stages))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, RampStages) and self.ramp == other.ramp
@@ -159,7 +161,7 @@ class RampStages(Sequence[Stage]):
 
     def describe(self) -> str:
         """``N stages: first second ... last`` (thresholds in samples)."""
-        return f"{len(self):,} stages: {self[0].spelling} {self[1].spelling} ... {self[-1].spelling}"
+        return f"{self.num_stages:,} stages: {self[0].spelling} {self[1].spelling} ... {self[-1].spelling}"
 
 
 def _float_threshold(k: int, per_increment: float) -> int:

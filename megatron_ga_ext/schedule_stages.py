@@ -15,7 +15,7 @@ from megatron_ga_ext.errors import GAError, ScheduleError, ScheduleParseError
 from megatron_ga_ext.options import STEP_SCHEDULE
 from megatron_ga_ext.schedule_numbers import format_count, parse_count, upstream_count
 
-__all__ = ["FLAG", "ScheduleProblem", "Stage", "StagePairs", "check_order", "number_stages", "parse_entries"]
+__all__ = ["FLAG", "ScheduleProblem", "Stage", "StagePairs", "check_order", "number_stages", "parse_entries", "stage_count"]
 
 FLAG = STEP_SCHEDULE.flag
 
@@ -67,6 +67,13 @@ class ScheduleProblem:
     ``stage`` is the first."""
 
 
+def stage_count(stages: Sequence) -> int:
+    """How many stages: ``len()``, or a long ramp's ``num_stages``, which may pass ``sys.maxsize`` (a ramp to 1e30
+    by 1), where ``len()`` raises OverflowError."""
+    count = getattr(stages, "num_stages", None)
+    return len(stages) if count is None else count
+
+
 class StagePairs(Sequence[tuple[int, int]]):
     """``(threshold_samples, global_batch_size)`` of each stage, computed when read (a ramp of millions of
     stages is never listed); equal to any sequence of the same pairs."""
@@ -79,7 +86,7 @@ class StagePairs(Sequence[tuple[int, int]]):
 
     def __getitem__(self, index):  # type: ignore[override]
         if isinstance(index, slice):
-            return [self[i] for i in range(len(self))[index]]
+            return [self[i] for i in range(stage_count(self._entries))[index]]
         stage = self._entries[index]
         return stage.threshold_samples, stage.global_batch_size
 
@@ -91,11 +98,12 @@ class StagePairs(Sequence[tuple[int, int]]):
             return True  # the same stages (two long ramps compare by their four numbers)
         if not isinstance(other, Sequence) or isinstance(other, str):
             return NotImplemented
-        return len(self) == len(other) and all(tuple(a) == tuple(b) for a, b in zip(self, other))
+        return stage_count(self._entries) == stage_count(other) and all(tuple(a) == tuple(b) for a, b in zip(self, other))
 
     def __repr__(self) -> str:
         shown = ", ".join(map(str, self[:3]))
-        return f"StagePairs([{shown}{', ...' if len(self) > 3 else ''}], {len(self)} stages)"
+        count = stage_count(self._entries)
+        return f"StagePairs([{shown}{', ...' if count > 3 else ''}], {count} stages)"
 
 
 def parse_entries(text: str, seq_length: int | None) -> tuple[Stage, ...]:

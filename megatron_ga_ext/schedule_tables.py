@@ -98,9 +98,9 @@ def table(
         require_positive_int("--lr-base-batch-size", lr_base_batch_size)
     schedule.stage_index_at(consumed_samples)  # refuses a negative or non-integer count
     entries = schedule.entries
-    if len(entries) > TABLE_LIMIT:
+    if schedule.num_stages > TABLE_LIMIT:
         raise UsageError(
-            f"the schedule has {len(entries):,} stages, more than the {TABLE_LIMIT:,} a table lists "
+            f"the schedule has {schedule.num_stages:,} stages, more than the {TABLE_LIMIT:,} a table lists "
             f"({schedule.summary()}); its stages are described, not listed."
         )
     rows, consumed, iteration = [], consumed_samples, 0
@@ -169,7 +169,7 @@ def run_totals(
         per_step = entries[index].global_batch_size // unit * unit
         if per_step == 0:
             raise zero_microbatch_error(entries[index], micro_batch_size, data_parallel_size)
-        end = train_samples if index + 1 == len(entries) else min(train_samples, entries[index + 1].threshold_samples)
+        end = train_samples if index + 1 == schedule.num_stages else min(train_samples, entries[index + 1].threshold_samples)
         count = -(-(end - consumed) // per_step)
         consumed, steps = consumed + count * per_step, steps + count
     return steps, consumed - consumed_samples

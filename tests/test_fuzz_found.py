@@ -65,3 +65,17 @@ def test_a_zero_pipeline_size_is_a_problem_not_a_division_by_zero(capsys, flags,
             "--calculate-per-token-loss", *flags]
     assert main(["check", "--json", "--", *line]) == 1
     assert any(problem in text for text in json.loads(capsys.readouterr().out)["problems"])
+
+
+def test_a_ramp_of_more_stages_than_len_can_count_is_read_and_checked():
+    """A ramp of 2^63 increments (1 to 2^63 by 1) has more stages than ``len()`` returns (sys.maxsize): its index,
+    summary, problems and stage pairs raised OverflowError. They count with ``num_stages`` now, up to 1e30."""
+    schedule = StepSchedule.from_rampup(1, 1, 1, 2**63)
+    assert schedule.num_stages == 2**63
+    assert schedule.summary() == "9,223,372,036,854,775,808 stages: 0:1 1:2 ... 1:9223372036854775808"
+    assert schedule.global_batch_size_at(0) == 1 and schedule.final_global_batch_size == 2**63
+    assert schedule.problems(1, 1, 1, None) == []
+    assert schedule.stages[-1] == (1, 2**63)
+    assert repr(schedule.stages).endswith("9223372036854775808 stages)")
+    ramp = StepSchedule.from_rampup(1, 1, 10**30, 10**30)
+    assert ramp.num_stages == 10**30 and ramp.global_batch_size_at(10**30) == 10**30
