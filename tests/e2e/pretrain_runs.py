@@ -193,6 +193,8 @@ class _Server:
             self.process.wait(timeout=30)
         except (BrokenPipeError, subprocess.TimeoutExpired):
             self._gone()
+        else:
+            self.log.unlink(missing_ok=True)  # kept where the server failed (a launch's output names it)
 
 
 _SERVERS: list[_Server] = []  # the one live server: tests run source by source
