@@ -22,7 +22,8 @@ repeats over several seconds: upstream's ``forward_step_calc_loss`` as install()
 per micro-batch, and the extension's finalize against upstream's, per step; as the difference of the two minima (a
 fast moment of each) and, in ``paired``, as the median of the differences within a repeat (typical moments, slow
 ones included). Those run hot, the same call again and again; ``in_step`` times whole training steps on that rank,
-installed against every wrapper passing through to upstream, and ``ratio_in_step`` is their ratio.
+installed against every wrapper passing through to upstream, and ``ratio_in_step`` is their ratio;
+``in_step_regions`` splits such steps into the time in ``forward_step_calc_loss``, in finalize and in the rest.
 
     python benchmarks/overhead.py --quick     # GA 16 (< 2 min): one JSON object on the last line
     python benchmarks/overhead.py --write     # GA 4, 16, 64: benchmarks/results/*.json, docs/performance.md
@@ -198,12 +199,13 @@ def _own_cost(ddp, config, layout, cfg, batch, loss, seconds: float) -> dict:
         finalize([ddp], outputs[1].reshape(1) * layout.num_microbatches)
         return time.perf_counter() - start
 
-    def whole_step(active: bool) -> float:
+    def whole_step(active: bool, finalizes: tuple | None = None) -> float:
         """A whole training step, megatron's schedule and all: installed (``active``) or with every wrapper passing
-        straight through to upstream (what uninstall() sets, without its 12 ms of restoring) and upstream's finalize."""
+        straight through to upstream (what uninstall() sets, without its 12 ms of restoring) and upstream's finalize
+        (``finalizes``: the two, upstream's first, if not these)."""
         state.active = active
         start = time.perf_counter()
-        train_step(ddp, config, layout, cfg, batch, finalize=state.finalize if active else upstream_finalize,
+        train_step(ddp, config, layout, cfg, batch, finalize=(finalizes or (upstream_finalize, state.finalize))[active],
                    loss_func=loss)
         elapsed = time.perf_counter() - start
         state.active = True
@@ -219,8 +221,53 @@ def _own_cost(ddp, config, layout, cfg, batch, loss, seconds: float) -> dict:
     whole_step(True)
     own = _alternating(hot, seconds)
     own["in_step"] = _alternating({"step": (partial(whole_step, False), partial(whole_step, True))}, seconds)
+    own["in_step_regions"] = _regions(whole_step, (upstream_finalize, state.finalize), seconds)
     megatron_ga_ext.uninstall()
     return own
+
+
+def _regions(whole_step, finalizes: tuple, seconds: float) -> dict:
+    """Whole steps as ``in_step`` times them, with the time spent in ``forward_step_calc_loss`` (the step's every
+    micro-batch, the extension's wrapper included) and in finalize added up per step: per region, and for the rest
+    of the step, the difference of the minima (extension less upstream) and the median of the paired differences,
+    in us."""
+    from megatron_ga_ext.compat import SCHEDULES
+
+    module = sys.modules[SCHEDULES]
+    installed = module.forward_step_calc_loss
+    spent = {"forward_step_calc_loss": 0.0, "finalize": 0.0}
+
+    def timed(call, key):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                spent[key] += time.perf_counter() - start
+        return run
+
+    timed_finalizes = tuple(timed(f, "finalize") for f in finalizes)
+    samples = {side: [] for side in (0, 1)}
+    module.forward_step_calc_loss = timed(installed, "forward_step_calc_loss")
+    gc.collect()
+    gc.disable()
+    try:
+        start, repeat = time.perf_counter(), 0
+        while repeat < OWN_REPEATS or time.perf_counter() - start < seconds:
+            repeat += 1
+            for side in ((0, 1) if repeat % 2 else (1, 0)):
+                spent.update(dict.fromkeys(spent, 0.0))
+                step = whole_step(bool(side), timed_finalizes)
+                samples[side].append({**spent, "rest": step - sum(spent.values())})
+    finally:
+        gc.enable()
+        module.forward_step_calc_loss = installed
+    regions = {}
+    for key in (*spent, "rest"):
+        upstream, extension = ([row[key] for row in samples[side]] for side in (0, 1))
+        regions[key] = {"minima": round(1e6 * (min(extension) - min(upstream)), 2),
+                        "paired": round(1e6 * statistics.median(e - u for u, e in zip(upstream, extension)), 2)}
+    return {**regions, "repeats": repeat}
 
 
 def _alternating(pairs: dict, seconds: float) -> dict:

@@ -45,3 +45,38 @@ def test_summary_pairs_each_round_with_its_own_upstream():
     assert "| tiny GPT | 4 | 100.00 | 1.010 [1.010, 1.010] | 250.0 |" in overhead.table([row])
     assert row["own_us"]["in_step"]["per_microbatch_at_this_ga"] == {"step": 50.0, "paired": 70.0}  # 200, 280 / 4
     assert row["ratio_in_step"] == {"minima": 1.01, "paired": 1.014}  # 200 us, 280 us / 20 ms
+
+
+def test_regions_split_whole_steps_into_the_calls_they_time(monkeypatch):
+    """On a clock that moves only where the step says: four micro-batch calls 2 us dearer each, a finalize 3 us
+    dearer, the rest equal. The schedule module's function is put back afterwards."""
+    import sys
+    import types
+
+    from megatron_ga_ext.compat import SCHEDULES
+
+    clock = [0.0]
+    monkeypatch.setattr(overhead, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def advance(extension, upstream_s, extension_s):
+        clock[0] += extension_s if extension else upstream_s
+
+    module = types.ModuleType("schedules")
+    module.forward_step_calc_loss = lambda extension: advance(extension, 5e-6, 7e-6)
+    monkeypatch.setitem(sys.modules, SCHEDULES, module)
+    original = module.forward_step_calc_loss
+
+    def whole_step(active, finalizes):
+        start = clock[0]
+        for _ in range(4):
+            sys.modules[SCHEDULES].forward_step_calc_loss(active)
+        finalizes[active](active)
+        advance(active, 100e-6, 100e-6)
+        return clock[0] - start
+
+    finalize = lambda extension: advance(extension, 10e-6, 13e-6)  # noqa: E731
+    regions = overhead._regions(whole_step, (finalize, finalize), seconds=0)
+    assert regions == {"forward_step_calc_loss": {"minima": 8.0, "paired": 8.0},
+                       "finalize": {"minima": 3.0, "paired": 3.0}, "rest": {"minima": 0.0, "paired": 0.0},
+                       "repeats": overhead.OWN_REPEATS}
+    assert module.forward_step_calc_loss is original
