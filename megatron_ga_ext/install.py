@@ -405,13 +405,10 @@ def _guarded_schedule(original: Callable, state: Installation) -> Callable:
     def schedule(*args: Any, **kwargs: Any):
         if not state.active:
             return original(*args, **kwargs)
-        if state.waiting_for_args:
-            state.settle()
-        if not state.startup.done:
-            state.startup.run_once(state.config, megatron_args())
+        state.settle()
+        state.startup.run_once(state.config, megatron_args())
         finalize = state.finalize
-        if finalize.pending is not None:  # --ga-checks async: the last step's verdict, if not read after its optimizer step
-            finalize.poll(wait=True)
+        finalize.poll(wait=True)  # --ga-checks async: the last step's verdict, if not read after its optimizer step
         state.counter.reset()
         if state.contract is not None:  # an evaluation call (forward_only) never reaches finalize
             state.contract.reset()
