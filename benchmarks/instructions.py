@@ -1,0 +1,232 @@
+"""Instructions per training step, install() against upstream, counted by callgrind: a side-by-side ratio that the
+machine's noise does not move.
+
+Step times on this machine swing 2x from one second to the next (docs/performance.md), far more than the 1% the
+extension may add; the instructions a step executes do not. Under ``valgrind --tool=callgrind`` each rank counts the
+instructions of its own training steps, whatever else the machine runs. The setting is overhead.py's: two gloo ranks
+(DP 2), megatron's own schedule and finalize, ``calculate_per_token_loss=True``, with one intra-op thread (OpenMP's
+workers spin while they wait, and spinning is counted). A round installs each variant once, in an order drawn at
+random per round (upstream: after the same ``install()`` and ``uninstall()``, as in overhead.py); an installation's
+first step runs its start-up checks and is left out, the next ``steps`` are counted: callgrind dumps its counters
+around them at a client request (``CALLGRIND_DUMP_STATS_AT``, from a three-line C helper built here with gcc and
+valgrind's header: ``callgrind_control`` does not reach the ranks, which are forked).
+
+Per variant: instructions per step (the mean of the two ranks, the median over rounds), the ratio to upstream per
+round (median, min, max), the instructions added per micro-batch, and what that is in microseconds at upstream's
+own rate: upstream's instructions per step over the CPU time of its step (the median, on the same ranks just before,
+outside valgrind; the extension's code is Python and torch's dispatcher, as most of a host-bound step is). ``spread`` is
+max / min of upstream's rounds: how far two counts of the same steps differ, the floor of what a ratio resolves.
+
+    python benchmarks/instructions.py --quick    # the position-wise model at GA 4: one JSON object on the last line
+    python benchmarks/instructions.py --write    # GA 4, 16, 64 on it and GA 4 on the tiny GPT: results JSON, docs table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import statistics
+import ctypes
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import overhead  # noqa: E402  (the harness and the variants: benchmarks/ is not a package)
+
+from megatron_ga_ext.verify.launch import LaunchConfig, run_on_ranks  # noqa: E402
+
+DP, VARIANTS, ROOT = overhead.DP, overhead.VARIANTS, overhead.ROOT
+#: Counted steps per installation, per model (a callgrind step of the tiny GPT at GA 4 takes seconds).
+STEPS = {"positionwise": 4, "gpt": 2}
+VALGRIND = ("valgrind", "--tool=callgrind", "--instr-atstart=no")
+#: The client requests the ranks make (no-ops outside valgrind), and where the helper that makes them is.
+HELPER_SOURCE = """#include <valgrind/callgrind.h>
+void megatron_ga_start(void) { CALLGRIND_START_INSTRUMENTATION; }
+void megatron_ga_dump(const char *label) { CALLGRIND_DUMP_STATS_AT(label); }
+"""
+HELPER_ENV = "MEGATRON_GA_CALLGRIND_HELPER"
+
+
+def rank_main(num_microbatches: int, model: str, rounds: int, steps: int, counting: bool) -> dict:
+    """This rank's rounds: under callgrind (``counting``) dumps labelled "<rank> <variant> <round>" around each
+    installation's counted steps; outside it, their CPU times."""
+    helper = ctypes.CDLL(os.environ[HELPER_ENV]) if counting else None
+    import torch
+
+    import megatron_ga_ext
+    from megatron.core.distributed import finalize_model_grads as upstream_finalize
+    from megatron_ga_ext.verify.harness import train_step
+    from megatron_ga_ext.verify.shims import cpu_shims
+
+    torch.set_num_threads(1)
+    rank = torch.distributed.get_rank()
+    configs = {"extension": megatron_ga_ext.GAConfig(), "extension_async": megatron_ga_ext.GAConfig(checks="async")}
+    with cpu_shims():
+        ddp, config, layout, cfg, batch, loss = overhead._setup(num_microbatches, model, DP)
+
+        def installation(variant: str, timed_steps: int, label: str | None) -> float:
+            state = megatron_ga_ext.install(configs.get(variant, configs["extension"]))
+            if variant not in configs:
+                megatron_ga_ext.uninstall()
+                state = None
+
+            def one_step() -> None:
+                train_step(ddp, config, layout, cfg, batch, finalize=state.finalize if state else upstream_finalize,
+                           loss_func=loss)
+                if state is not None:
+                    state.finalize.poll(wait=True)
+
+            one_step()
+            if label:
+                helper.megatron_ga_dump(f"{rank} skip".encode())
+            start = time.process_time()  # CPU time: a wall clock would count the waits for the other rank too
+            for _ in range(timed_steps):
+                one_step()
+            elapsed = (time.process_time() - start) / timed_steps
+            if label:
+                helper.megatron_ga_dump(label.encode())
+            megatron_ga_ext.uninstall()
+            return elapsed
+
+        for variant in VARIANTS:  # warm-up, not counted
+            installation(variant, 1, None)
+        if counting:
+            helper.megatron_ga_start()
+        order = random.Random(num_microbatches)  # the same orders on both ranks (they step together)
+        times = {variant: [] for variant in VARIANTS}
+        for index in range(rounds):
+            for variant in order.sample(VARIANTS, len(VARIANTS)):
+                label = f"{rank} {variant} {index}" if counting else None
+                times[variant].append(installation(variant, steps, label))
+        return {"times": times}
+
+
+def build_helper(directory: Path) -> Path:
+    """The client-request helper, compiled into ``directory``."""
+    source, library = directory / "callgrind_requests.c", directory / "callgrind_requests.so"
+    source.write_text(HELPER_SOURCE)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(library), str(source)], check=True)
+    return library
+
+
+def read_dumps(directory: Path) -> dict[str, int]:
+    """{dump label: instructions} from callgrind's dump files in ``directory``: a client request's label (its
+    ``desc: Trigger:`` line) and the dump's total (``summary:``); what each process dumps at its end is left out."""
+    counts = {}
+    for path in directory.glob("callgrind.*"):
+        text = path.read_text(errors="replace")
+        trigger = re.search(r"^desc: Trigger: Client Request: (.+)$", text, re.M)
+        summary = re.search(r"^summary: (\d+)$", text, re.M)
+        if trigger and summary:
+            counts[trigger.group(1).strip()] = int(summary.group(1))
+    return counts
+
+
+def summarize(num_microbatches: int, model: str, counts: dict[str, int], native: dict, steps: int) -> dict:
+    """One GA's row from the dumps ({"<rank> <variant> <round>": instructions}) and the native CPU times."""
+    rounds = sorted({int(label.split()[2]) for label in counts if label.split()[1] in VARIANTS})
+    per_step = {v: [statistics.mean(counts[f"{rank} {v} {r}"] for rank in range(DP)) / steps for r in rounds]
+                for v in VARIANTS}
+    upstream = per_step["upstream"]
+    ratios = {v: [e / u for e, u in zip(per_step[v], upstream)] for v in VARIANTS[1:]}
+    added = {v: [(e - u) / num_microbatches for e, u in zip(per_step[v], upstream)] for v in VARIANTS[1:]}
+    upstream_us = 1e6 * statistics.median(native["times"]["upstream"])
+    rate = statistics.median(upstream) / upstream_us  # upstream's instructions per microsecond of CPU time
+    return {
+        "model": model,
+        "num_microbatches": num_microbatches,
+        "rounds": len(rounds),
+        "steps": len(rounds) * steps,
+        "instructions_per_step": {v: round(statistics.median(per_step[v])) for v in VARIANTS},
+        "ratio_median": {v: round(statistics.median(ratios[v]), 5) for v in VARIANTS[1:]},
+        "ratio_min": {v: round(min(ratios[v]), 5) for v in VARIANTS[1:]},
+        "ratio_max": {v: round(max(ratios[v]), 5) for v in VARIANTS[1:]},
+        "spread": round(max(upstream) / min(upstream), 5),
+        "added_instructions_per_microbatch": {v: round(statistics.median(added[v])) for v in VARIANTS[1:]},
+        "upstream_cpu_us_per_step": round(upstream_us, 1),
+        "upstream_instructions_per_us": round(rate, 1),
+        "added_us_per_microbatch": {v: round(statistics.median(added[v]) / rate, 2) for v in VARIANTS[1:]},
+    }
+
+
+def run(num_microbatches: int, model: str, rounds: int) -> dict:
+    """Native times first (the rate), then the same rounds under callgrind, in a process of its own."""
+    steps = STEPS[model]
+    launch = LaunchConfig(timeout_s=3600)
+    native = run_on_ranks(rank_main, DP, (num_microbatches, model, rounds, steps, False), launch)[0]
+    with tempfile.TemporaryDirectory(prefix="callgrind-") as out:
+        helper = build_helper(Path(out))
+        command = [*VALGRIND, f"--callgrind-out-file={out}/callgrind.%p", sys.executable, __file__, "--inside",
+                   json.dumps([num_microbatches, model, rounds, steps])]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", HELPER_ENV: str(helper)}
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(command)} exited {done.returncode}:\n{done.stderr[-4000:]}")
+        counts = read_dumps(Path(out))
+    if not counts:
+        raise RuntimeError(f"callgrind wrote no labelled dump; its output ends:\n{done.stderr[-4000:]}")
+    return summarize(num_microbatches, model, counts, native, steps)
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | GA | upstream: instructions per step (rate, per us) | extension: ratio, median [min, max] "
+             "| instructions per micro-batch | us per micro-batch at upstream's rate | async: ratio, median "
+             "[min, max] | instructions per micro-batch | us per micro-batch | upstream's spread |", "|" + "---|" * 10]
+    for r in rows:
+        cells = [overhead.MODELS[r["model"]], str(r["num_microbatches"]),
+                 f"{r['instructions_per_step']['upstream']:,} ({r['upstream_instructions_per_us']:,.0f})"]
+        for v in VARIANTS[1:]:
+            cells += [f"{r['ratio_median'][v]:.4f} [{r['ratio_min'][v]:.4f}, {r['ratio_max'][v]:.4f}]",
+                      f"{r['added_instructions_per_microbatch'][v]:,}", f"{r['added_us_per_microbatch'][v]:.1f}"]
+        cells.append(f"{r['spread']:.4f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write(rows: list[dict], env: dict) -> None:
+    """benchmarks/results/instructions-<date>.json and the table of docs/performance.md."""
+    results = ROOT / "benchmarks" / "results"
+    results.mkdir(exist_ok=True)
+    (results / f"instructions-{env['date'][:10]}.json").write_text(json.dumps({**env, "rows": rows}, indent=2) + "\n")
+    doc = ROOT / "docs" / "performance.md"
+    begin, end = "<!-- table:instructions -->", "<!-- /table:instructions -->"
+    head, rest = doc.read_text().split(begin, 1)
+    stamp = (f"\nRun on {env['date'][:10]}: Python {env['versions']['python']}, torch {env['versions']['torch']}, "
+             f"megatron-core {env['versions']['megatron-core']}; {env['layout']}, one intra-op thread.\n\n")
+    doc.write_text(head + begin + stamp + table(rows) + "\n" + end + rest.split(end, 1)[1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the position-wise model at GA 4 only")
+    parser.add_argument("--write", action="store_true", help="write benchmarks/results/*.json and docs/performance.md")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per model and GA (default 3)")
+    parser.add_argument("--inside", help=argparse.SUPPRESS)  # the process callgrind runs: its ranks count
+    args = parser.parse_args(argv)
+    import megatron.core.pipeline_parallel.schedules  # noqa: F401  (once here: every launch forks with it loaded)
+
+    if args.inside:
+        run_on_ranks(rank_main, DP, (*json.loads(args.inside), True), LaunchConfig(timeout_s=7200))
+        return 0
+    plan = [("positionwise", 4)] if args.quick else [("positionwise", 4), ("positionwise", 16), ("positionwise", 64),
+                                                     ("gpt", 4)]
+    rows = []
+    for model, num_microbatches in plan:
+        rows.append(run(num_microbatches, model, args.rounds))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    env = overhead.environment()
+    if args.write:
+        write(rows, env)
+    print(table(rows))
+    print(json.dumps(rows[0] if args.quick else {**env, "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
