@@ -3,7 +3,8 @@ machine's noise does not move.
 
 Step times on this machine swing 2x from one second to the next (docs/performance.md), far more than the 1% the
 extension may add; the instructions a step executes do not. Under ``valgrind --tool=callgrind`` each rank counts the
-instructions of its own training steps, whatever else the machine runs. The setting is overhead.py's: two gloo ranks
+instructions of its own training steps, whatever else the machine runs (the main thread's: the Python thread, where
+both upstream's code and the extension's run; gloo's threads run the same collectives in every variant). The setting is overhead.py's: two gloo ranks
 (DP 2), megatron's own schedule and finalize, ``calculate_per_token_loss=True``, with one intra-op thread (OpenMP's
 workers spin while they wait, and spinning is counted). A round installs each variant once, in an order drawn at
 random per round (upstream: after the same ``install()`` and ``uninstall()``, as in overhead.py); an installation's
@@ -13,8 +14,9 @@ valgrind's header: ``callgrind_control`` does not reach the ranks, which are for
 
 Per variant: instructions per step (the mean of the two ranks, the median over rounds), the ratio to upstream per
 round (median, min, max), the instructions added per micro-batch, and what that is in microseconds at upstream's
-own rate: upstream's instructions per step over the CPU time of its step (the median, on the same ranks just before,
-outside valgrind; the extension's code is Python and torch's dispatcher, as most of a host-bound step is). ``spread`` is
+own rate: upstream's instructions per step over the main thread's CPU time of its step (the median, on the same ranks
+just before, outside valgrind; the extension's code is Python and torch's dispatcher, as most of a host-bound step
+is). ``spread`` is
 max / min of upstream's rounds: how far two counts of the same steps differ, the floor of what a ratio resolves.
 
     python benchmarks/instructions.py --quick    # the position-wise model at GA 4: one JSON object on the last line
@@ -44,7 +46,7 @@ from megatron_ga_ext.verify.launch import LaunchConfig, run_on_ranks  # noqa: E4
 DP, VARIANTS, ROOT = overhead.DP, overhead.VARIANTS, overhead.ROOT
 #: Counted steps per installation, per model (a callgrind step of the tiny GPT at GA 4 takes seconds).
 STEPS = {"positionwise": 4, "gpt": 2}
-VALGRIND = ("valgrind", "--tool=callgrind", "--instr-atstart=no")
+VALGRIND = ("valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes")
 #: The client requests the ranks make (no-ops outside valgrind), and where the helper that makes them is.
 HELPER_SOURCE = """#include <valgrind/callgrind.h>
 void megatron_ga_start(void) { CALLGRIND_START_INSTRUMENTATION; }
@@ -85,10 +87,10 @@ def rank_main(num_microbatches: int, model: str, rounds: int, steps: int, counti
             one_step()
             if label:
                 helper.megatron_ga_dump(f"{rank} skip".encode())
-            start = time.process_time()  # CPU time: a wall clock would count the waits for the other rank too
+            start = time.thread_time()  # this thread's CPU time: no waits for the other rank, no gloo threads
             for _ in range(timed_steps):
                 one_step()
-            elapsed = (time.process_time() - start) / timed_steps
+            elapsed = (time.thread_time() - start) / timed_steps
             if label:
                 helper.megatron_ga_dump(label.encode())
             megatron_ga_ext.uninstall()
@@ -117,10 +119,15 @@ def build_helper(directory: Path) -> Path:
 
 def read_dumps(directory: Path) -> dict[str, int]:
     """{dump label: instructions} from callgrind's dump files in ``directory``: a client request's label (its
-    ``desc: Trigger:`` line) and the dump's total (``summary:``); what each process dumps at its end is left out."""
+    ``desc: Trigger:`` line) and the dump's total (``summary:``), of each rank's main thread (``thread: 1``; the
+    others are gloo's, which run the same collectives in every variant); what each process dumps at its end is left
+    out."""
     counts = {}
     for path in directory.glob("callgrind.*"):
         text = path.read_text(errors="replace")
+        thread = re.search(r"^thread: (\d+)$", text, re.M)
+        if thread and thread.group(1) != "1":
+            continue
         trigger = re.search(r"^desc: Trigger: Client Request: (.+)$", text, re.M)
         summary = re.search(r"^summary: (\d+)$", text, re.M)
         if trigger and summary:

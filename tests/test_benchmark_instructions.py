@@ -14,18 +14,21 @@ instructions = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(instructions)
 
 
-def _dump(directory: Path, name: str, trigger: str, total: int) -> None:
-    """A dump file as callgrind 3.19 writes it (header, then costs; the total on its ``summary:`` line)."""
+def _dump(directory: Path, name: str, trigger: str, total: int, thread: int = 1) -> None:
+    """A dump file as callgrind 3.19 writes it with --separate-threads=yes (header, then costs; the total on its
+    ``summary:`` line)."""
     (directory / name).write_text(
-        f"# callgrind format\nversion: 1\ncreator: callgrind-3.19.0\npid: 42\ncmd:  python\npart: 1\n\n"
+        f"# callgrind format\nversion: 1\ncreator: callgrind-3.19.0\npid: 42\ncmd:  python\npart: 1\n"
+        f"thread: {thread}\n\n"
         f"desc: I1 cache: \ndesc: Timerange: Basic block 0 - 1000\ndesc: Trigger: {trigger}\n\n"
         f"positions: line\nevents: Ir\nsummary: {total}\n\n\ntotals: {total}\n")
 
 
-def test_dumps_are_read_by_label_and_the_unlabelled_ones_left_out(tmp_path):
-    _dump(tmp_path, "callgrind.42.1", "Client Request: 0 upstream 0", 1000)
-    _dump(tmp_path, "callgrind.42.2", "Client Request: 0 extension 0", 1100)
-    _dump(tmp_path, "callgrind.42", "Program termination", 5)
+def test_dumps_are_read_by_label_main_thread_only_and_the_unlabelled_ones_left_out(tmp_path):
+    _dump(tmp_path, "callgrind.42.1-01", "Client Request: 0 upstream 0", 1000)
+    _dump(tmp_path, "callgrind.42.1-02", "Client Request: 0 upstream 0", 900, thread=2)  # a gloo thread's share
+    _dump(tmp_path, "callgrind.42.2-01", "Client Request: 0 extension 0", 1100)
+    _dump(tmp_path, "callgrind.42-01", "Program termination", 5)
     (tmp_path / "callgrind.43").write_text("")  # a process that never dumped
     (tmp_path / "callgrind_requests.c").write_text("desc: Trigger: Client Request: not a dump\nsummary: 7\n")
     assert instructions.read_dumps(tmp_path) == {"0 upstream 0": 1000, "0 extension 0": 1100}
