@@ -198,15 +198,9 @@ def table(rows: list[dict]) -> str:
 
 def write(rows: list[dict], env: dict) -> None:
     """benchmarks/results/instructions-<date>.json and the table of docs/performance.md."""
-    results = ROOT / "benchmarks" / "results"
-    results.mkdir(exist_ok=True)
-    (results / f"instructions-{env['date'][:10]}.json").write_text(json.dumps({**env, "rows": rows}, indent=2) + "\n")
-    doc = ROOT / "docs" / "performance.md"
-    begin, end = "<!-- table:instructions -->", "<!-- /table:instructions -->"
-    head, rest = doc.read_text().split(begin, 1)
     stamp = (f"\nRun on {env['date'][:10]}: Python {env['versions']['python']}, torch {env['versions']['torch']}, "
              f"megatron-core {env['versions']['megatron-core']}; {env['layout']}, one intra-op thread.\n\n")
-    doc.write_text(head + begin + stamp + table(rows) + "\n" + end + rest.split(end, 1)[1])
+    overhead.record("instructions", rows, env, stamp + table(rows) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

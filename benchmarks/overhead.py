@@ -424,19 +424,23 @@ def table(rows: list[dict]) -> str:
 
 def write(rows: list[dict], env: dict) -> None:
     """benchmarks/results/overhead-<date>.json, the plot, and the table of docs/performance.md."""
-    results = ROOT / "benchmarks" / "results"
-    results.mkdir(exist_ok=True)
-    (results / f"overhead-{env['date'][:10]}.json").write_text(json.dumps({**env, "rows": rows}, indent=2) + "\n")
     _plot(rows, ROOT / "docs" / "performance-overhead.png")
-    doc = ROOT / "docs" / "performance.md"
-    begin, end = "<!-- table:overhead -->", "<!-- /table:overhead -->"
-    text = doc.read_text()
-    head, rest = text.split(begin, 1)
-    tail = rest.split(end, 1)[1]
     stamp = (f"\nRun on {env['date'][:10]}: Python {env['versions']['python']}, torch {env['versions']['torch']}, "
              f"megatron-core {env['versions']['megatron-core']}, {env['machine']['cpus']} CPUs; {env['layout']}; "
              f"rounds per row as its JSON says ({rows[0]['rounds']} at GA {rows[0]['num_microbatches']}).\n\n")
-    doc.write_text(head + begin + stamp + table(rows) + "\n" + end + tail)
+    record("overhead", rows, env, stamp + table(rows) + "\n")
+
+
+def record(name: str, rows: list[dict], env: dict, body: str) -> None:
+    """benchmarks/results/<name>-<date>.json, and ``body`` as docs/performance.md's table ``name`` (between its
+    ``<!-- table:name -->`` markers)."""
+    results = ROOT / "benchmarks" / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"{name}-{env['date'][:10]}.json").write_text(json.dumps({**env, "rows": rows}, indent=2) + "\n")
+    doc = ROOT / "docs" / "performance.md"
+    begin, end = f"<!-- table:{name} -->", f"<!-- /table:{name} -->"
+    head, rest = doc.read_text().split(begin, 1)
+    doc.write_text(head + begin + body + end + rest.split(end, 1)[1])
 
 
 def _plot(rows: list[dict], path: Path) -> None:

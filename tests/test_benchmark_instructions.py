@@ -3,6 +3,7 @@ counting itself runs under valgrind in the benchmark, not here)."""
 
 import ctypes
 import importlib.util
+import json
 import shutil
 from pathlib import Path
 
@@ -78,3 +79,25 @@ def test_the_client_request_helper_builds_and_is_a_no_op_outside_valgrind(tmp_pa
     helper.megatron_ga_start()
     helper.megatron_ga_dump(b"0 upstream 0")
     assert instructions.read_dumps(tmp_path) == {}  # nothing is written outside valgrind
+
+
+def test_write_records_the_json_and_replaces_only_its_own_table(tmp_path, monkeypatch):
+    monkeypatch.setattr(instructions.overhead, "ROOT", tmp_path)
+    (tmp_path / "docs").mkdir()
+    doc = tmp_path / "docs" / "performance.md"
+    doc.write_text("# P\n<!-- table:overhead -->\nkept\n<!-- /table:overhead -->\n"
+                   "<!-- table:instructions -->\nold\n<!-- /table:instructions -->\ntail\n")
+    env = {"date": "2026-12-01T20:00:00+00:00", "versions": {"python": "3.12.1", "torch": "2.14.1",
+           "megatron-core": "0.19.2"}, "layout": "DP 2"}
+    row = {"model": "gpt", "num_microbatches": 4, "instructions_per_step": {"upstream": 100},
+           "upstream_instructions_per_us": 2.0, "ratio_median": {"extension": 1.0, "extension_async": 1.0},
+           "ratio_min": {"extension": 1.0, "extension_async": 1.0}, "ratio_max": {"extension": 1.0,
+           "extension_async": 1.0}, "added_instructions_per_microbatch": {"extension": 0, "extension_async": 0},
+           "added_us_per_microbatch": {"extension": 0.0, "extension_async": 0.0}, "spread": 1.0}
+    instructions.write([row], env)
+    text = doc.read_text()
+    assert "kept" in text and "old" not in text and text.endswith("<!-- /table:instructions -->\ntail\n")
+    assert "Run on 2026-12-01: Python 3.12.1, torch 2.14.1, megatron-core 0.19.2; DP 2, one intra-op thread." in text
+    assert "| tiny GPT | 4 | 100 (2) |" in text
+    recorded = json.loads((tmp_path / "benchmarks" / "results" / "instructions-2026-12-01.json").read_text())
+    assert recorded["rows"] == [row] and recorded["layout"] == "DP 2"
