@@ -2,25 +2,24 @@
 machine's noise does not move.
 
 Step times on this machine swing 2x from one second to the next (docs/performance.md), far more than the 1% the
-extension may add; the instructions a step executes do not. Under ``valgrind --tool=callgrind`` each rank counts the
-instructions of its own training steps, whatever else the machine runs (the main thread's: the Python thread, where
-both upstream's code and the extension's run; gloo's threads run the same collectives in every variant). The setting is overhead.py's: two gloo ranks
-(DP 2), megatron's own schedule and finalize, ``calculate_per_token_loss=True``, with one intra-op thread (OpenMP's
-workers spin while they wait, and spinning is counted). A round installs each variant once, in an order drawn at
-random per round (upstream: after the same ``install()`` and ``uninstall()``, as in overhead.py); an installation's
-first step runs its start-up checks and is left out, the next ``steps`` are counted: callgrind dumps its counters
-around them at a client request (``CALLGRIND_DUMP_STATS_AT``, from a three-line C helper built here with gcc and
-valgrind's header: ``callgrind_control`` does not reach the ranks, which are forked).
+extension may add; the instructions a step executes do not. overhead.py's setting (two gloo ranks, DP 2, megatron's
+own schedule and finalize, ``calculate_per_token_loss=True``) runs under ``valgrind --tool=callgrind``, which counts
+each rank's instructions whatever else the machine runs:
+
+* the main thread's only, where upstream's Python and the extension's run (gloo's threads run the same collectives
+  in every variant), with one intra-op thread (OpenMP's workers spin while they wait, and spinning is counted);
+* a round installs each variant once, in an order drawn at random per round (upstream after the same ``install()``
+  and ``uninstall()``, as in overhead.py); an installation's first step runs its start-up checks and is left out;
+* callgrind dumps its counters around the counted steps at a client request (``CALLGRIND_DUMP_STATS_AT``, from a
+  three-line C helper built here with gcc and valgrind's header; ``callgrind_control`` does not reach forked ranks).
 
 Per variant: instructions per step (the mean of the two ranks, the median over rounds), the ratio to upstream per
-round (median, min, max), the instructions added per micro-batch, and what that is in microseconds at upstream's
-own rate: upstream's instructions per step over the main thread's CPU time of its step (the median, on the same ranks
-just before, outside valgrind; the extension's code is Python and torch's dispatcher, as most of a host-bound step
-is). ``spread`` is
-max / min of upstream's rounds: how far two counts of the same steps differ, the floor of what a ratio resolves.
+round (median, min, max), the instructions added per micro-batch, and that in microseconds at upstream's rate (its
+instructions per step over its main thread's CPU time per step, timed on the same ranks just before, outside
+valgrind). ``spread`` is max / min of upstream's rounds: the floor of what a ratio resolves.
 
     python benchmarks/instructions.py --quick    # the position-wise model at GA 4: one JSON object on the last line
-    python benchmarks/instructions.py --write    # GA 4, 16, 64 on it and GA 4 on the tiny GPT: results JSON, docs table
+    python benchmarks/instructions.py --write    # GA 4, 16, 64 on it, GA 4 and 16 on the tiny GPT: JSON, docs table
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ import overhead  # noqa: E402  (the harness and the variants: benchmarks/ is not
 from megatron_ga_ext.verify.launch import LaunchConfig, run_on_ranks  # noqa: E402
 
 DP, VARIANTS, ROOT = overhead.DP, overhead.VARIANTS, overhead.ROOT
-#: Counted steps per installation, per model (a callgrind step of the tiny GPT at GA 4 takes seconds).
+#: Counted steps per installation, per model (a callgrind step of the tiny GPT: seconds at GA 4, half a minute at 16).
 STEPS = {"positionwise": 4, "gpt": 2}
 VALGRIND = ("valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes")
 #: The client requests the ranks make (no-ops outside valgrind), and where the helper that makes them is.
@@ -216,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         run_on_ranks(rank_main, DP, (*json.loads(args.inside), True), LaunchConfig(timeout_s=7200))
         return 0
     plan = [("positionwise", 4)] if args.quick else [("positionwise", 4), ("positionwise", 16), ("positionwise", 64),
-                                                     ("gpt", 4)]
+                                                     ("gpt", 4), ("gpt", 16)]
     rows = []
     for model, num_microbatches in plan:
         rows.append(run(num_microbatches, model, args.rounds))
