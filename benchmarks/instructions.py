@@ -25,12 +25,12 @@ valgrind). ``spread`` is max / min of upstream's rounds: the floor of what a rat
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import random
 import re
 import statistics
-import ctypes
 import subprocess
 import sys
 import tempfile
@@ -38,11 +38,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import overhead  # noqa: E402  (the harness and the variants: benchmarks/ is not a package)
+import overhead  # the harness and the variants (benchmarks/ is not a package)
 
-from megatron_ga_ext.verify.launch import LaunchConfig, run_on_ranks  # noqa: E402
+from megatron_ga_ext.verify.launch import LaunchConfig, run_on_ranks
 
-DP, VARIANTS, ROOT = overhead.DP, overhead.VARIANTS, overhead.ROOT
+DP, VARIANTS = overhead.DP, overhead.VARIANTS
 #: Counted steps per installation, per model (a callgrind step of the tiny GPT: seconds at GA 4, half a minute at 16).
 STEPS = {"positionwise": 4, "gpt": 2}
 VALGRIND = ("valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes")
@@ -57,13 +57,14 @@ HELPER_ENV = "MEGATRON_GA_CALLGRIND_HELPER"
 def rank_main(num_microbatches: int, model: str, rounds: int, steps: int, counting: bool) -> dict:
     """This rank's rounds: under callgrind (``counting``) dumps labelled "<rank> <variant> <round>" around each
     installation's counted steps; outside it, their CPU times."""
-    helper = ctypes.CDLL(os.environ[HELPER_ENV]) if counting else None
     import torch
+    from megatron.core.distributed import finalize_model_grads as upstream_finalize
 
     import megatron_ga_ext
-    from megatron.core.distributed import finalize_model_grads as upstream_finalize
     from megatron_ga_ext.verify.harness import train_step
     from megatron_ga_ext.verify.shims import cpu_shims
+
+    helper = ctypes.CDLL(os.environ[HELPER_ENV]) if counting else None
 
     torch.set_num_threads(1)
     rank = torch.distributed.get_rank()
@@ -124,11 +125,11 @@ def read_dumps(directory: Path) -> dict[str, int]:
     counts = {}
     for path in directory.glob("callgrind.*"):
         text = path.read_text(errors="replace")
-        thread = re.search(r"^thread: (\d+)$", text, re.M)
+        thread = re.search(r"^thread: (\d+)$", text, re.MULTILINE)
         if thread and thread.group(1) != "1":
             continue
-        trigger = re.search(r"^desc: Trigger: Client Request: (.+)$", text, re.M)
-        summary = re.search(r"^summary: (\d+)$", text, re.M)
+        trigger = re.search(r"^desc: Trigger: Client Request: (.+)$", text, re.MULTILINE)
+        summary = re.search(r"^summary: (\d+)$", text, re.MULTILINE)
         if trigger and summary:
             counts[trigger.group(1).strip()] = int(summary.group(1))
     return counts
@@ -171,7 +172,7 @@ def run(num_microbatches: int, model: str, rounds: int) -> dict:
         command = [*VALGRIND, f"--callgrind-out-file={out}/callgrind.%p", sys.executable, __file__, "--inside",
                    json.dumps([num_microbatches, model, rounds, steps])]
         env = {**os.environ, "OMP_NUM_THREADS": "1", HELPER_ENV: str(helper)}
-        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
         if done.returncode:
             raise RuntimeError(f"{' '.join(command)} exited {done.returncode}:\n{done.stderr[-4000:]}")
         counts = read_dumps(Path(out))
@@ -181,9 +182,10 @@ def run(num_microbatches: int, model: str, rounds: int) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | GA | upstream: instructions per step (rate, per us) | extension: ratio, median [min, max] "
-             "| instructions per micro-batch | us per micro-batch at upstream's rate | async: ratio, median "
-             "[min, max] | instructions per micro-batch | us per micro-batch | upstream's spread |", "|" + "---|" * 10]
+    header = ("| model | GA | upstream: instructions per step (rate, per us) | extension: ratio, median [min, max] "
+              "| instructions per micro-batch | us per micro-batch at upstream's rate | async: ratio, median "
+              "[min, max] | instructions per micro-batch | us per micro-batch | upstream's spread |")
+    lines = [header, "|" + "---|" * 10]
     for r in rows:
         cells = [overhead.MODELS[r["model"]], str(r["num_microbatches"]),
                  f"{r['instructions_per_step']['upstream']:,} ({r['upstream_instructions_per_us']:,.0f})"]
