@@ -37,8 +37,8 @@ def test_dumps_are_read_by_label_main_thread_only_and_the_unlabelled_ones_left_o
 
 def test_summary_pairs_each_round_with_its_upstream_and_converts_at_upstreams_rate():
     """Two rounds of 4 steps at GA 4; ranks averaged. Upstream: 10,000 instructions a step in round 0, 10,100 in round
-    1 (spread 1.01); the extension adds 400 a step (100 per micro-batch), async 200. Upstream's CPU time per step is 5 us, so
-    its rate is 10,050 / 5 = 2,010 instructions per us and 100 instructions are 0.05 us."""
+    1 (spread 1.01); the extension adds 400 a step (100 per micro-batch), async 200. Upstream's CPU time per step is
+    5 us, so its rate is 10,050 / 5 = 2,010 instructions per us and 100 instructions are 0.05 us."""
     steps, ga = 4, 4
     upstream = [10_000, 10_100]
     counts = {}
