@@ -58,32 +58,18 @@ def rank_main(num_microbatches: int, model: str, rounds: int, steps: int, counti
     """This rank's rounds: under callgrind (``counting``) dumps labelled "<rank> <variant> <round>" around each
     installation's counted steps; outside it, their CPU times."""
     import torch
-    from megatron.core.distributed import finalize_model_grads as upstream_finalize
 
     import megatron_ga_ext
-    from megatron_ga_ext.verify.harness import train_step
     from megatron_ga_ext.verify.shims import cpu_shims
 
     helper = ctypes.CDLL(os.environ[HELPER_ENV]) if counting else None
-
     torch.set_num_threads(1)
     rank = torch.distributed.get_rank()
-    configs = {"extension": megatron_ga_ext.GAConfig(), "extension_async": megatron_ga_ext.GAConfig(checks="async")}
     with cpu_shims():
-        ddp, config, layout, cfg, batch, loss = overhead._setup(num_microbatches, model, DP)
+        harness = overhead._setup(num_microbatches, model, DP)
 
         def installation(variant: str, timed_steps: int, label: str | None) -> float:
-            state = megatron_ga_ext.install(configs.get(variant, configs["extension"]))
-            if variant not in configs:
-                megatron_ga_ext.uninstall()
-                state = None
-
-            def one_step() -> None:
-                train_step(ddp, config, layout, cfg, batch, finalize=state.finalize if state else upstream_finalize,
-                           loss_func=loss)
-                if state is not None:
-                    state.finalize.poll(wait=True)
-
+            one_step = overhead.installed_step(variant, harness)
             one_step()
             if label:
                 helper.megatron_ga_dump(f"{rank} skip".encode())

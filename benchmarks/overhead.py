@@ -42,6 +42,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -102,29 +103,41 @@ def _setup(num_microbatches: int, model: str, data_parallel_size: int) -> tuple:
     return ddp, config, layout, cfg, batch, partial(masked_loss, mode="token")
 
 
-def _measure(rounds: int, num_microbatches: int, model: str) -> dict:
+def installed_step(variant: str, harness: tuple) -> Callable[[], None]:
+    """A fresh installation of ``variant`` and its training step on ``harness`` (what :func:`_setup` returns): the
+    extension with sync or async checks, or upstream (any other variant) after the same install() and uninstall(),
+    so that every variant's steps follow the same scan of every loaded module. Under async the step ends with the
+    verdict read, where install() reads it (after the step). The caller uninstalls."""
     from megatron.core.distributed import finalize_model_grads as upstream_finalize
 
     import megatron_ga_ext
     from megatron_ga_ext.verify.harness import train_step
 
-    ddp, config, layout, cfg, batch, loss = _setup(num_microbatches, model, DP)
-    configs = {"extension": megatron_ga_ext.GAConfig(), "extension_async": megatron_ga_ext.GAConfig(checks="async")}
+    ddp, config, layout, cfg, batch, loss = harness
+    checks = {"extension": "sync", "extension_async": "async"}.get(variant)
+    state = megatron_ga_ext.install(megatron_ga_ext.GAConfig(checks=checks or "sync"))
+    if checks is None:
+        megatron_ga_ext.uninstall()
+        state = None
+
+    def one_step() -> None:
+        train_step(ddp, config, layout, cfg, batch, finalize=state.finalize if state else upstream_finalize,
+                   loss_func=loss)
+        if state is not None:
+            state.finalize.poll(wait=True)
+
+    return one_step
+
+
+def _measure(rounds: int, num_microbatches: int, model: str) -> dict:
+    import megatron_ga_ext
+
+    harness = _setup(num_microbatches, model, DP)
 
     def steps(variant: str, timed_steps: int, count: bool = False) -> tuple[list[float], dict]:
         """A fresh installation's steps after its first (which runs the once-per-installation start-up checks, as a
         job's first step does): their times, with the garbage collector held off, and the counts of the last."""
-        state = megatron_ga_ext.install(configs.get(variant, configs["extension"]))
-        if variant not in configs:  # upstream: after the same install() and uninstall(), so every variant's steps
-            megatron_ga_ext.uninstall()  # follow the same scan of every loaded module
-            state = None
-        finalize = state.finalize if state is not None else upstream_finalize
-
-        def one_step() -> None:
-            train_step(ddp, config, layout, cfg, batch, finalize=finalize, loss_func=loss)
-            if state is not None:
-                state.finalize.poll(wait=True)  # async: the verdict read, where install() reads it (after the step)
-
+        one_step = installed_step(variant, harness)
         one_step()
         gc.collect()
         gc.disable()

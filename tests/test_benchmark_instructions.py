@@ -71,7 +71,6 @@ def test_table_has_a_row_per_model_and_ga():
                         "1.0200 [1.0100, 1.0300] | 50 | 10.0 | 1.0100 |")
 
 
-
 @pytest.mark.skipif(not (shutil.which("gcc") and Path("/usr/include/valgrind/callgrind.h").exists()),
                     reason="needs gcc and valgrind's callgrind.h")
 def test_the_client_request_helper_builds_and_is_a_no_op_outside_valgrind(tmp_path):
