@@ -121,6 +121,7 @@ class FinalizeModelGrads:
         self.pending: _Verdict | None = None
         self._checked: tuple | None = None  # see _checked_chunks
         self._topology: tuple | None = None  # (pp group, DP x CP group, last stage rank, is last stage)
+        self._tokens: tuple | None = None  # see _tokens_of
 
     def __call__(self, model: list[torch.nn.Module], num_tokens: torch.Tensor | None = None,
                  pg_collection: Any = None, force_all_reduce: bool | None = False) -> None:
@@ -129,12 +130,15 @@ class FinalizeModelGrads:
             return
         self.calls += 1
         device, model_config = self._checked_chunks(model)
-        check_per_token_flag(model_config, self.config.loss_reduction)
-        if self.config.loss_reduction == "microbatch":
+        mode = self.config.loss_reduction
+        if (mode == "token") is not bool(getattr(model_config, "calculate_per_token_loss", False)):
+            check_per_token_flag(model_config, mode)  # raises: the flag was turned off (or on) since
+        if mode == "microbatch":
             self.original(model, num_tokens, pg_collection=pg_collection,
                           force_all_reduce=force_all_reduce)
             return
-        self.poll(wait=True)  # an earlier step's verdict not yet read (no schedule call in between)
+        if self.pending is not None:
+            self.poll(wait=True)  # an earlier step's verdict not yet read (no schedule call in between)
         pp_group, dp_cp_group, last_stage_rank, is_last_stage = self._topology_of(pg_collection)
         vector = self.contract.collect(device, is_last_stage=is_last_stage)  # before the grads' sync: no collective
         self.original(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
@@ -142,17 +146,27 @@ class FinalizeModelGrads:
         torch.distributed.broadcast(vector, src=last_stage_rank, group=pp_group)
         torch.distributed.all_reduce(vector, group=dp_cp_group)
         # a device scalar, upstream's 1.0 / clamp(N, min=1) to the bit (torch computes x / t as t.reciprocal() * x)
-        scaling = torch.clamp(vector[SLOT_TOKENS], min=1).reciprocal()
+        scaling = torch.clamp(self._tokens_of(vector), min=1).reciprocal()
         if self.config.checks == "async":
             self.pending = _Verdict.of(vector, self.calls, _iteration())
         else:
             values = vector.tolist()  # the step's one device-to-host read
-            _raise_on_violations(values)
-            self._tokens_read(values[SLOT_TOKENS])
+            if values[SLOT_NEGATIVE] or values[SLOT_NONFINITE] or values[SLOT_UNCHECKED]:
+                _raise_on_violations(values)
+            self.last_num_tokens = values[SLOT_TOKENS]
             if not values[SLOT_TOKENS]:  # --ga-zero-token-policy skip: a zero gradient for the skipped step
+                self._zero_tokens()
                 scaling = 0.0
         for chunk in model:
             chunk.scale_gradients(scaling)
+
+    def _tokens_of(self, vector: torch.Tensor) -> torch.Tensor:
+        """``vector[SLOT_TOKENS]``, the view made once per vector (LossContract.collect reuses its vector from one
+        step to the next of the same shape)."""
+        cached = self._tokens
+        if cached is None or cached[0] is not vector:
+            cached = self._tokens = (vector, vector[SLOT_TOKENS])
+        return cached[1]
 
     def poll(self, *, wait: bool = False) -> None:
         """``--ga-checks async``: read the pending verdict if its copy is done (or ``wait``) and raise if the
@@ -165,7 +179,9 @@ class FinalizeModelGrads:
         where = f"--ga-checks async, verdict of training step {pending.step}" + (
             f" (iteration {pending.iteration})" if pending.iteration is not None else "")
         _raise_on_violations(values, where=where)
-        self._tokens_read(values[SLOT_TOKENS], where=where)
+        self.last_num_tokens = values[SLOT_TOKENS]
+        if not values[SLOT_TOKENS]:
+            self._zero_tokens(where)
 
     def _topology_of(self, pg_collection: Any) -> tuple:
         """(pipeline group, DP x CP group, the last stage's global rank, whether this rank is it): the ranks looked up
@@ -195,11 +211,6 @@ class FinalizeModelGrads:
                 device = next(model[0].parameters()).device
             checked = self._checked = ([weakref.ref(chunk) for chunk in model], device, config, mode)
         return checked[1], checked[2]
-
-    def _tokens_read(self, total: int, *, where: str = "") -> None:
-        self.last_num_tokens = total
-        if total == 0:
-            self._zero_tokens(where)
 
     def _zero_tokens(self, where: str = "") -> None:
         message = (_prefixed(where) + "the global batch has 0 non-padding tokens (the sum of num_tokens over "

@@ -12,7 +12,6 @@ the global batch size", with the numbers.
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 from megatron_ga_ext.batch_rules import require_count
@@ -36,8 +35,7 @@ def check_microbatch_counts(
     """Raise :class:`GuardError` unless every chunk ran ``num_microbatches`` forward steps and that
     equals ``expected`` = GBS / (MBS x DP) from the calculator (None: not known, not checked). PP only goes into
     the message; None reads it from megatron's parallel state then (the step's check reads nothing more)."""
-    if (expected is None or num_microbatches == expected) and counts and all(
-            n == num_microbatches for n in counts.values()):
+    if (expected is None or num_microbatches == expected) and set(counts.values()) == {num_microbatches}:
         return
     pp = current_pipeline_size() if pipeline_model_parallel_size is None else pipeline_model_parallel_size
     if expected is not None and num_microbatches != expected:
@@ -87,16 +85,17 @@ def current_pipeline_size() -> int:
 
 
 class MicrobatchCounter:
-    """Forward steps per model chunk during one forward/backward call (host integers only)."""
+    """Forward steps per model chunk during one forward/backward call (host integers only), keyed by the chunk
+    itself (``id()`` raises an audit event per call, which costs microseconds where a hook is installed)."""
 
     def __init__(self) -> None:
-        self.counts: Counter = Counter()
+        self.counts: dict[Any, int] = {}
 
     def reset(self) -> None:
         self.counts.clear()
 
     def count(self, model_chunk: object) -> None:
-        self.counts[id(model_chunk)] += 1
+        self.counts[model_chunk] = self.counts.get(model_chunk, 0) + 1
 
 
 class GuardedCalculator:

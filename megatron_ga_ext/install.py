@@ -113,6 +113,8 @@ class Installation:
     """Weak references to model configs whose finalize_model_grads_func install() set."""
     counter: Any = None
     contract: Any = None
+    wrap_loss: Callable[[Callable], Callable] | None = None
+    """What each micro-batch's loss function is wrapped in: the contract's check (token) or the mean report."""
     finalize: Any = None
     startup: StartupChecks = field(default_factory=StartupChecks)
     """Ranks agree on the batch configuration, and a resume says what changed: once, at the first schedule call."""
@@ -121,10 +123,11 @@ class Installation:
 
     def configure(self, config: GAConfig) -> None:
         """Apply ``config``: the reduction mode, the loss contract and the finalize wrapper's policy."""
-        from megatron_ga_ext.reduction import LossContract
+        from megatron_ga_ext.reduction import LossContract, mean_of_means_reports
 
         self.config = config
         self.contract = LossContract() if config.loss_reduction == "token" else None
+        self.wrap_loss = self.contract.wrap if self.contract is not None else mean_of_means_reports
         if self.finalize is not None:
             self.finalize.config, self.finalize.contract = config, self.contract
 
@@ -372,8 +375,6 @@ WIRING = {SCHEDULES: _wire_schedules, FINALIZE: _wire_finalize, CALCULATOR: _wir
 def _forward_step_calc_loss(original: Callable, state: Installation) -> Callable:
     """Counts forward steps per chunk; checks each micro-batch's loss in token mode, and in microbatch mode
     reports the micro-batch's mean (what that mode optimises) to Megatron's logged loss."""
-    from megatron_ga_ext.reduction import mean_of_means_reports
-
     # Where model and loss_func stand, looked up once: per micro-batch only a tuple index (no Signature.bind).
     names = list(inspect.signature(original).parameters)
     model_at, loss_at = names.index("model"), names.index("loss_func")
@@ -382,20 +383,33 @@ def _forward_step_calc_loss(original: Callable, state: Installation) -> Callable
     def forward_step_calc_loss(*args: Any, **kwargs: Any):
         if not state.active:
             return original(*args, **kwargs)
-        if state.waiting_for_args:
-            state.settle()
-        positional = len(args) > loss_at  # Megatron passes every argument by position
-        state.counter.count(args[model_at] if len(args) > model_at else kwargs["model"])
-        loss_func = args[loss_at] if positional else kwargs.get("loss_func")
+        if kwargs or len(args) <= loss_at or state.waiting_for_args:
+            return _calc_loss_by_keyword(original, state, args, kwargs, model_at, loss_at)
+        # Megatron's call: every argument by position. The counter's count(), inline (a Python call per micro-batch
+        # costs more than the count).
+        counts, chunk = state.counter.counts, args[model_at]
+        counts[chunk] = counts.get(chunk, 0) + 1
+        loss_func = args[loss_at]
         if loss_func is not None:
-            loss_func = state.contract.wrap(loss_func) if state.contract is not None else mean_of_means_reports(loss_func)
-            if positional:
-                args = (*args[:loss_at], loss_func, *args[loss_at + 1:])
-            else:
-                kwargs["loss_func"] = loss_func
-        return original(*args, **kwargs)
+            args = list(args)
+            args[loss_at] = state.wrap_loss(loss_func)
+        return original(*args)
 
     return forward_step_calc_loss
+
+
+def _calc_loss_by_keyword(original: Callable, state: Installation, args: tuple, kwargs: dict, model_at: int,
+                          loss_at: int) -> Any:
+    """forward_step_calc_loss with some arguments by keyword, or before the config is settled."""
+    state.settle()
+    state.counter.count(args[model_at] if len(args) > model_at else kwargs["model"])
+    if len(args) > loss_at:
+        args = list(args)
+        if args[loss_at] is not None:
+            args[loss_at] = state.wrap_loss(args[loss_at])
+    elif kwargs.get("loss_func") is not None:
+        kwargs["loss_func"] = state.wrap_loss(kwargs["loss_func"])
+    return original(*args, **kwargs)
 
 
 def _guarded_schedule(original: Callable, state: Installation) -> Callable:
@@ -405,30 +419,34 @@ def _guarded_schedule(original: Callable, state: Installation) -> Callable:
     def schedule(*args: Any, **kwargs: Any):
         if not state.active:
             return original(*args, **kwargs)
-        state.settle()
-        state.startup.run_once(state.config, megatron_args())
-        finalize = state.finalize
-        finalize.poll(wait=True)  # --ga-checks async: the last step's verdict, if not read after its optimizer step
-        state.counter.reset()
-        if state.contract is not None:  # an evaluation call (forward_only) never reaches finalize
-            state.contract.reset()
-        forward_only = bool(kwargs.get("forward_only"))
-        state.adopt_finalize(state.model_config(kwargs.get("model")))
+        if state.waiting_for_args:
+            state.settle()
+        if not state.startup.done:
+            state.startup.run_once(state.config, megatron_args())
+        finalize, contract = state.finalize, state.contract
+        if finalize.pending is not None:
+            finalize.poll(wait=True)  # --ga-checks async: the last step's verdict, if not read after its optimizer step
+        state.counter.counts.clear()
+        if contract is not None and contract.microbatches:  # an evaluation call (forward_only) never reaches finalize
+            contract.reset()
+        forward_only = kwargs.get("forward_only")
+        config = state.model_config(kwargs.get("model"))
+        if config is not None and getattr(config, "finalize_model_grads_func", None) is not finalize:
+            state.adopt_finalize(config)
         finalized = finalize.calls
         result = original(*args, **kwargs)
         if not forward_only and not state.reported_first_step:
             _report_first_step(state, kwargs)
-        if state.contract is not None and not forward_only and finalize.calls == finalized:
+        if not forward_only and contract is not None and finalize.calls == finalized:
             raise GuardError(
                 "this training step's forward_backward_func never called megatron-ga-ext's finalize_model_grads, "
                 "so the global token count N was not taken and the gradients were not divided by it (nor checked). "
                 "Set config.finalize_model_grads_func to megatron.core.distributed.finalize_model_grads after "
                 "megatron_ga_ext.install(), or leave it to Megatron's training loop.")
-        if not state.config.guards:
-            return result
-        live = None if forward_only else live_calculator()
-        check_microbatch_counts(state.counter.counts, kwargs["num_microbatches"], None if live is None else live.get(),
-                                None)
+        if state.config.guards:
+            live = None if forward_only else live_calculator()
+            check_microbatch_counts(state.counter.counts, kwargs["num_microbatches"],
+                                    None if live is None else live.get(), None)
         return result
 
     return schedule

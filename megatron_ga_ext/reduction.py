@@ -109,10 +109,10 @@ class LossContract:
     whole step run in :meth:`collect`, as a few fused ops, once per step.
 
     Host facts fail at once (no synchronization): the outputs are not a 3-tuple; num_tokens is not an
-    integer scalar; the loss is not a tensor or is on another device than the step's earlier ones. Per
-    micro-batch it keeps references only (the detached loss, the count): no kernel runs. :meth:`collect`
-    turns them into the step's int64 vector [tokens, negative, nonfinite, unchecked] for the finalize
-    wrapper, which reads it once per step (or, with ``--ga-checks async``, not at all).
+    integer scalar; the loss is not a tensor. Per micro-batch it keeps references only (an alias of the loss's
+    data, the count): no op runs. :meth:`collect` turns them into the step's int64 vector [tokens, negative,
+    nonfinite, unchecked] for the finalize wrapper, which reads it once per step (or, with ``--ga-checks
+    async``, not at all); a loss on another device than the step's first is named there.
 
     Use ``contract.wrap(loss_func)`` where a loss function is built, or call ``contract.check(outputs)``
     on what a loss function returned.
@@ -121,11 +121,15 @@ class LossContract:
     def __init__(self) -> None:
         self._losses: list[torch.Tensor] = []
         self._counts: list[torch.Tensor] = []
+        self._count_dtype: torch.dtype | None = None  # the step's first device count's, if 0-d and native
+        self._uniform = True  # every device count is 0-d, of _count_dtype: collect's fused ops take them
         self._host_tokens = 0
-        self._device: torch.device | None = None
-        self._zeros: dict[torch.device, torch.Tensor] = {}
-        self.microbatches = 0
-        """Micro-batches checked since the last :meth:`collect` (a host counter)."""
+        self._fused: _FusedBuffers | None = None
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches checked since the last :meth:`collect` (a host count)."""
+        return len(self._losses)
 
     def wrap(self, loss_func: Callable) -> Callable:
         """``loss_func`` with its outputs checked; ``non_loss_data=True`` calls pass through."""
@@ -139,45 +143,48 @@ class LossContract:
     def check(self, outputs: Any) -> tuple:
         """Validate one micro-batch's ``(loss, num_tokens, report)``; return it unchanged.
 
-        The loss is kept detached: Megatron's 1F1B schedule may free a last stage's output storage
-        (``deallocate_pipeline_outputs``) before finalize, and a detached view keeps the values. A count on
-        the host (an int, or a CPU tensor beside a device loss) is checked and summed on the host, so no
-        host-to-device copy (which would synchronize) happens per micro-batch.
+        The loss is kept as ``loss.data``, an alias of its values without autograd: Megatron's 1F1B schedule
+        may free a last stage's output storage (``deallocate_pipeline_outputs``) before finalize, and the alias
+        keeps the values. A count on the host (an int, or a CPU tensor beside a device loss) is checked and
+        summed on the host, so no host-to-device copy (which would synchronize) happens per micro-batch.
         """
         if type(outputs) is not tuple or len(outputs) != 3:
-            _require_three_tuple(outputs, self.microbatches)
+            _require_three_tuple(outputs, len(self._losses))
         loss, num_tokens, _ = outputs
-        is_tensor = isinstance(num_tokens, torch.Tensor)
-        if not is_tensor or num_tokens.dtype not in _INTEGER_DTYPES or num_tokens.numel() != 1:
-            _require_integer_scalar(num_tokens)
         if not isinstance(loss, torch.Tensor):
             raise LossContractError(
                 f"the loss function returned a loss of type {type(loss).__name__}; it must be a "
                 f"tensor (the summed token loss of the micro-batch).")
-        device = loss.device
-        if device != self._device:
-            if self._device is not None:
-                raise LossContractError(
-                    f"micro-batch {self.microbatches} returned its loss on {device}, earlier ones on "
-                    f"{self._device}; keep every micro-batch's loss on the model's device.")
-            self._device = device
-        self._losses.append(loss.detach())
-        if is_tensor and num_tokens.device == device:
-            self._counts.append(num_tokens)
+        if isinstance(num_tokens, torch.Tensor) and num_tokens.dtype is self._count_dtype:
+            self._counts.append(num_tokens)  # its shape: the step's counts stack only if all are 0-d as the first
         else:
-            count = int(num_tokens)  # a host value: reading it costs no device synchronization
-            if count < 0:
-                raise LossContractError(
-                    f"the loss function returned num_tokens = {count} at micro-batch {self.microbatches}; a "
-                    f"token count is >= 0. Count non-padding tokens as loss_mask.sum().to(torch.int64).")
-            self._host_tokens += count
-        self.microbatches += 1
+            self._other_count(num_tokens, loss)
+        self._losses.append(loss.data)
         return outputs
+
+    def _other_count(self, num_tokens: Any, loss: torch.Tensor) -> None:
+        """A count that is not a tensor of the step's count dtype: validated; a 0-d device count of a native dtype
+        sets that dtype if none is set, any other makes the step's collect take its general path."""
+        is_tensor = isinstance(num_tokens, torch.Tensor)
+        if not is_tensor or num_tokens.dtype not in _INTEGER_DTYPES or num_tokens.numel() != 1:
+            _require_integer_scalar(num_tokens)
+        if is_tensor and num_tokens.device == loss.device:
+            if self._count_dtype is None and not num_tokens.dim() and num_tokens.dtype in _NATIVE_INTEGER_DTYPES:
+                self._count_dtype = num_tokens.dtype
+            else:
+                self._uniform = False
+            self._counts.append(num_tokens)
+            return
+        count = int(num_tokens)  # a host value: reading it costs no device synchronization
+        if count < 0:
+            raise LossContractError(
+                f"the loss function returned num_tokens = {count} at micro-batch {len(self._losses)}; a token "
+                f"count is >= 0. Count non-padding tokens as loss_mask.sum().to(torch.int64).")
+        self._host_tokens += count
 
     def reset(self) -> None:
         """Forget everything kept (an evaluation call, or a step that follows an aborted one)."""
-        self._losses, self._counts, self._host_tokens, self._device = [], [], 0, None
-        self.microbatches = 0
+        self._losses, self._counts, self._count_dtype, self._uniform, self._host_tokens = [], [], None, True, 0
 
     def collect(self, device: torch.device, *, is_last_stage: bool) -> torch.Tensor:
         """This step's int64 vector, then reset:
@@ -187,31 +194,93 @@ class LossContract:
             nonfinite = #{m : loss_m has an inf or nan}
             unchecked = 1 on a last pipeline stage that ran no micro-batch through the contract
 
-        ``unchecked`` is a host fact (the loss function was not wrapped), so it costs no synchronization.
+        ``unchecked`` is a host fact (the loss function was not wrapped), so it costs no synchronization. Where
+        every count is a 0-d device tensor of one dtype and every loss a 0-d tensor on that device (what
+        Megatron's loss functions return), the vector comes from six ops into buffers kept for the next step of
+        the same shape (:class:`_FusedBuffers`): a vector returned here is overwritten by that step's collect.
         """
-        if not self._losses:  # no micro-batch went through the contract this step
+        losses, counts = self._losses, self._counts
+        if not losses:  # no micro-batch went through the contract this step
             vector = torch.zeros(NUM_SLOTS, dtype=torch.int64, device=device)
-            vector[SLOT_UNCHECKED] = int(is_last_stage)
+            if is_last_stage:
+                vector[SLOT_UNCHECKED] = 1
             return vector
-        zero = self._zero()
-        nonfinite = _nonfinite_microbatches(self._losses)
-        if self._counts:  # device counts: summed in int64 (torch sums every integer dtype in int64)
-            counts = _stacked_counts(self._counts)
-            tokens, negative = counts.sum(), torch.count_nonzero(counts < 0)
-        else:  # every count was a host value, checked on the host
-            tokens, negative = zero, zero
-        vector = torch.stack([tokens, negative, nonfinite, zero])  # unchecked = 0
-        if self._host_tokens:
-            vector[SLOT_TOKENS] += self._host_tokens
+        if self._uniform and len(counts) == len(losses) and (vector := self._fused_vector(losses, counts)) is not None:
+            where = self._fused.device
+        else:
+            vector = _general_vector(losses, counts, self._host_tokens)
+            where = vector.device
         self.reset()
-        return vector if vector.device == device else vector.to(device)
+        return vector if where == device else vector.to(device)
 
-    def _zero(self) -> torch.Tensor:
-        """An int64 0 on the step's loss device, made once per device."""
-        zero = self._zeros.get(self._device)
-        if zero is None:
-            zero = self._zeros[self._device] = torch.zeros((), dtype=torch.int64, device=self._device)
-        return zero
+    def _fused_vector(self, losses: list[torch.Tensor], counts: list[torch.Tensor]) -> torch.Tensor | None:
+        """The vector in six ops, or None where the losses do not stack into one vector on the counts' device."""
+        try:
+            stacked = torch.stack(losses)
+        except RuntimeError:  # losses of several shapes or devices
+            return None
+        fused = self._fused
+        key = (len(counts), counts[0].dtype, counts[0].device)
+        if fused is None or fused.key != key:
+            fused = self._fused = _FusedBuffers(*key)
+        if stacked.dim() != 1 or stacked.device != fused.device:
+            return None
+        try:  # the first count, which set the step's count dtype, is 0-d: the others are too, or stack raises
+            torch.stack(counts, out=fused.counts)
+        except RuntimeError:  # counts of several shapes or devices
+            return None
+        torch.lt(fused.counts, fused.zero, out=fused.negative)
+        difference = stacked - stacked  # 0 where finite, nan at inf and nan
+        torch.ne(difference, difference, out=fused.nonfinite)
+        return torch.sum(fused.rows, 1, dtype=torch.int64, out=fused.vector)
+
+
+class _FusedBuffers:
+    """What :meth:`LossContract._fused_vector` writes into, kept for the next step of the same shape: ``rows``
+    [NUM_SLOTS, M] in the counts' dtype (the counts, their signs, the losses' non-finiteness, and zeros for
+    ``unchecked``), summed along M into the int64 ``vector``."""
+
+    def __init__(self, num_microbatches: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.key = (num_microbatches, dtype, device)
+        self.device = torch.device(device)
+        self.rows = torch.zeros(NUM_SLOTS, num_microbatches, dtype=dtype, device=device)
+        self.counts, self.negative, self.nonfinite = self.rows[SLOT_TOKENS], self.rows[SLOT_NEGATIVE], self.rows[
+            SLOT_NONFINITE]
+        self.zero = torch.zeros((), dtype=dtype, device=device)
+        self.vector = torch.zeros(NUM_SLOTS, dtype=torch.int64, device=device)
+
+
+def _general_vector(losses: list[torch.Tensor], counts: list[torch.Tensor], host_tokens: int) -> torch.Tensor:
+    """The vector for any mix the contract accepts: losses of several shapes or dtypes, counts of several shapes
+    or dtypes (uint16-64 widened), host counts; a loss on another device than the first is refused here."""
+    device = losses[0].device
+    for index, loss in enumerate(losses):
+        if loss.device != device:
+            raise LossContractError(
+                f"micro-batch {index} returned its loss on {loss.device}, earlier ones on {device}; keep every "
+                f"micro-batch's loss on the model's device.")
+    for count in counts:
+        if count.numel() != 1:
+            _require_integer_scalar(count)
+    zero = torch.zeros((), dtype=torch.int64, device=device)
+    device_counts, host_negative = [], 0
+    for count in counts:
+        if count.device == device:
+            device_counts.append(count)
+        else:  # a host tensor beside device losses: read on the host
+            value = int(count)
+            host_tokens += value
+            host_negative += value < 0
+    tokens, negative = zero, zero
+    if device_counts:  # summed in int64 (torch sums every integer dtype in int64)
+        stacked = _stacked_counts(device_counts)
+        tokens, negative = stacked.sum(), torch.count_nonzero(stacked < 0)
+    vector = torch.stack([tokens, negative, _nonfinite_microbatches(losses), zero])  # unchecked = 0
+    if host_tokens:  # a scalar operand: no host-to-device copy
+        vector[SLOT_TOKENS] += host_tokens
+    if host_negative:
+        vector[SLOT_NEGATIVE] += host_negative
+    return vector
 
 
 def _stacked_counts(counts: list[torch.Tensor]) -> torch.Tensor:
@@ -226,8 +295,8 @@ def _stacked_counts(counts: list[torch.Tensor]) -> torch.Tensor:
 
 def _nonfinite_microbatches(losses: list[torch.Tensor]) -> torch.Tensor:
     """How many micro-batches' losses hold an inf or nan: ``x - x`` is nan exactly there and 0 elsewhere, so it is
-    ``count_nonzero(x - x)``, three ops whatever GA is (losses of several elements or shapes, which Megatron does
-    not make, take a few more)."""
+    ``count_nonzero(x - x)`` (losses of several elements or shapes, which Megatron does not make, take a few more
+    ops)."""
     try:
         stacked = torch.stack(losses)
     except RuntimeError:

@@ -114,10 +114,9 @@ class _DispatchedOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _step_ops(num_microbatches: int) -> tuple[list[str], list[str]]:
+def _step_ops(contract: LossContract, num_microbatches: int) -> tuple[list[str], list[str]]:
     """(ops per micro-batch check, ops of collect) for a step of ``num_microbatches``."""
     micro = [masked_loss(l, m) for l, m in zip(LOSSES, MASKS)] * (num_microbatches // 2)
-    contract = LossContract()
     wrapped = contract.wrap(lambda outputs: outputs)
     with _DispatchedOps() as per_microbatch:
         for outputs in micro:
@@ -129,13 +128,34 @@ def _step_ops(num_microbatches: int) -> tuple[list[str], list[str]]:
 
 
 def test_contract_keeps_references_only_per_microbatch():
-    """Host bookkeeping per micro-batch: no op but the loss's detach (a view); the step's checks run in collect,
-    as the same few fused ops whatever GA is (and a metadata-only view per micro-batch)."""
-    views = {"detach", "view", "_unsafe_view"}
-    per_microbatch, collected = _step_ops(16)
-    assert per_microbatch == ["detach"] * 16
-    kernels = [op for op in collected if op not in views]
-    assert kernels == [op for op in _step_ops(2)[1] if op not in views] and len(kernels) <= 9
+    """Host bookkeeping per micro-batch: no op but the alias of the loss (a metadata-only detach); the step's
+    checks run in collect as the same six ops whatever GA is, into buffers made at the first step of a shape."""
+    contract = LossContract()
+    fused = ["stack", "stack", "lt", "sub", "ne", "sum"]
+    for num_microbatches in (16, 2):
+        per_microbatch, first = _step_ops(contract, num_microbatches)
+        assert per_microbatch == ["detach"] * num_microbatches
+        assert "zeros" in first  # the buffers of this shape
+        assert _step_ops(contract, num_microbatches) == (per_microbatch, fused)
+
+
+def test_fused_and_general_vectors_agree():
+    """The six fused ops give the vector the general path gives (every mix the contract accepts)."""
+    from megatron_ga_ext.reduction import _general_vector
+
+    torch.manual_seed(0)
+    for dtype in (torch.int64, torch.int32, torch.uint8, torch.int8):
+        for num_microbatches in (1, 3, 8):
+            losses = list(torch.randn(num_microbatches) * 100)
+            losses[num_microbatches // 2] = torch.tensor(float("nan"))
+            counts = [torch.tensor(int(v), dtype=dtype) for v in torch.randint(-3 if dtype.is_signed else 0, 100,
+                                                                            (num_microbatches,))]
+            contract = LossContract()
+            for loss, count in zip(losses, counts):
+                contract.check((loss, count, {}))
+            fused = contract.collect(torch.device("cpu"), is_last_stage=True).tolist()
+            assert fused == _general_vector(losses, counts, 0).tolist()
+            assert fused[:3] == [sum(int(c) for c in counts), sum(int(c) < 0 for c in counts), 1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
@@ -235,3 +255,16 @@ def test_every_integer_count_dtype_is_summed_and_checked(dtype):
         contract.check((torch.tensor(1.0), torch.tensor(value, dtype=getattr(torch, dtype)), {}))
     negative = int(dtype.startswith("int"))
     assert contract.collect(torch.device("cpu"), is_last_stage=True).tolist() == [sum(values), negative, 0, 0]
+
+
+def test_a_later_count_of_another_shape_is_refused_or_summed_at_collect():
+    """Only the first count's shape is read per step: a later count of the step's dtype but another shape makes
+    collect take its general path, which sums a one-element count and refuses a longer one."""
+    contract = LossContract()
+    for count in (torch.tensor(3), torch.tensor([4])):
+        contract.check((torch.tensor(1.0), count, {}))
+    assert contract.collect(torch.device("cpu"), is_last_stage=True).tolist() == [7, 0, 0, 0]
+    for count in (torch.tensor(3), torch.tensor([4, 5])):
+        contract.check((torch.tensor(1.0), count, {}))
+    with pytest.raises(LossContractError, match=r"num_tokens as a tensor of dtype torch\.int64 and shape \(2,\)"):
+        contract.collect(torch.device("cpu"), is_last_stage=True)

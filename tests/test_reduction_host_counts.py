@@ -34,7 +34,10 @@ def test_nonfinite_loss_with_an_int_count_is_flagged_on_the_device():
 
 
 def test_one_device_per_step():
-    contract = LossContract()
-    contract.check((torch.tensor(1.0), 3, {}))
-    with pytest.raises(LossContractError, match=r"micro-batch 1 returned its loss on meta, earlier ones on cpu"):
-        contract.check((torch.tensor(1.0, device="meta"), 3, {}))
+    """A loss on another device than the step's first is named at collect, before the step's collectives."""
+    for count in (3, torch.tensor(3)):
+        contract = LossContract()
+        contract.check((torch.tensor(1.0), count, {}))
+        contract.check((torch.tensor(1.0, device="meta"), count, {}))
+        with pytest.raises(LossContractError, match=r"micro-batch 1 returned its loss on meta, earlier ones on cpu"):
+            contract.collect(torch.device("cpu"), is_last_stage=True)
