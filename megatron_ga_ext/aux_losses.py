@@ -44,7 +44,9 @@ def padding_mask_forward(original: Callable, state: Any) -> Callable:
 
     @functools.wraps(original)
     def forward(model: Any, *args: Any, **kwargs: Any) -> Any:
-        if state.active and state.contract is not None and _wants_padding_mask(model, kwargs):
+        # MoE first: a dense model's forward pays one attribute read
+        if getattr(model.config, "num_moe_experts", None) and state.active and state.contract is not None and \
+                _wants_padding_mask(model, kwargs):
             kwargs["padding_mask"] = kwargs["loss_mask"] == 0
         return original(model, *args, **kwargs)
 

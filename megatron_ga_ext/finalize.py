@@ -277,8 +277,9 @@ class _Verdict:
 
     @classmethod
     def of(cls, vector: torch.Tensor, step: int, iteration: int | None) -> "_Verdict":
-        if vector.device.type != "cuda":  # the CPU (or a device without events): a plain copy
-            return cls(vector.to("cpu", copy=True), None, step, iteration)
+        kind = vector.device.type
+        if kind != "cuda":  # the CPU (or a device without events): a plain copy, as collect reuses its vector
+            return cls(vector.clone() if kind == "cpu" else vector.to("cpu", copy=True), None, step, iteration)
         host = torch.empty(vector.shape, dtype=vector.dtype, pin_memory=True)
         host.copy_(vector, non_blocking=True)
         event = torch.cuda.Event()
