@@ -17,6 +17,7 @@ sign and finiteness are checked for the whole step at once (:meth:`LossContract.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable
 
@@ -121,7 +122,7 @@ class LossContract:
     def __init__(self) -> None:
         self._losses: list[torch.Tensor] = []
         self._counts: list[torch.Tensor] = []
-        self._count_dtype: torch.dtype | None = None  # the step's first device count's, if 0-d and native
+        self._count_dtype: torch.dtype | None = None  # the device counts' dtype, kept from step to step
         self._uniform = True  # every device count is 0-d, of _count_dtype: collect's fused ops take them
         self._host_tokens = 0
         self._fused: _FusedBuffers | None = None
@@ -133,12 +134,12 @@ class LossContract:
 
     def wrap(self, loss_func: Callable) -> Callable:
         """``loss_func`` with its outputs checked; ``non_loss_data=True`` calls pass through."""
+        return functools.partial(self.checked_call, loss_func)
 
-        def checked(*args: Any, **kwargs: Any):
-            outputs = loss_func(*args, **kwargs)
-            return outputs if kwargs and kwargs.get("non_loss_data") else self.check(outputs)
-
-        return checked
+    def checked_call(self, loss_func: Callable, *args: Any, **kwargs: Any) -> Any:
+        """``loss_func(*args, **kwargs)``, its outputs checked (what :meth:`wrap` returns calls)."""
+        outputs = loss_func(*args, **kwargs)
+        return outputs if kwargs and kwargs.get("non_loss_data") else self.check(outputs)
 
     def check(self, outputs: Any) -> tuple:
         """Validate one micro-batch's ``(loss, num_tokens, report)``; return it unchanged.
@@ -163,13 +164,14 @@ class LossContract:
         return outputs
 
     def _other_count(self, num_tokens: Any, loss: torch.Tensor) -> None:
-        """A count that is not a tensor of the step's count dtype: validated; a 0-d device count of a native dtype
-        sets that dtype if none is set, any other makes the step's collect take its general path."""
+        """A count that is not a tensor of the count dtype: validated; the step's first device count, if 0-d and of
+        a native dtype, makes its dtype the count dtype; any other makes the step's collect take its general
+        path."""
         is_tensor = isinstance(num_tokens, torch.Tensor)
         if not is_tensor or num_tokens.dtype not in _INTEGER_DTYPES or num_tokens.numel() != 1:
             _require_integer_scalar(num_tokens)
         if is_tensor and num_tokens.device == loss.device:
-            if self._count_dtype is None and not num_tokens.dim() and num_tokens.dtype in _NATIVE_INTEGER_DTYPES:
+            if not self._counts and not num_tokens.dim() and num_tokens.dtype in _NATIVE_INTEGER_DTYPES:
                 self._count_dtype = num_tokens.dtype
             else:
                 self._uniform = False
@@ -184,7 +186,7 @@ class LossContract:
 
     def reset(self) -> None:
         """Forget everything kept (an evaluation call, or a step that follows an aborted one)."""
-        self._losses, self._counts, self._count_dtype, self._uniform, self._host_tokens = [], [], None, True, 0
+        self._losses, self._counts, self._uniform, self._host_tokens = [], [], True, 0
 
     def collect(self, device: torch.device, *, is_last_stage: bool) -> torch.Tensor:
         """This step's int64 vector, then reset:
@@ -225,7 +227,9 @@ class LossContract:
             fused = self._fused = _FusedBuffers(*key)
         if stacked.dim() != 1 or stacked.device != fused.device:
             return None
-        try:  # the first count, which set the step's count dtype, is 0-d: the others are too, or stack raises
+        if counts[0].dim():  # the others have its shape, or stack raises
+            return None
+        try:
             torch.stack(counts, out=fused.counts)
         except RuntimeError:  # counts of several shapes or devices
             return None

@@ -268,3 +268,15 @@ def test_a_later_count_of_another_shape_is_refused_or_summed_at_collect():
         contract.check((torch.tensor(1.0), count, {}))
     with pytest.raises(LossContractError, match=r"num_tokens as a tensor of dtype torch\.int64 and shape \(2,\)"):
         contract.collect(torch.device("cpu"), is_last_stage=True)
+
+
+def test_counts_of_another_shape_or_dtype_in_a_later_step():
+    """The count dtype is kept from step to step: a later step whose counts have another dtype, or the kept dtype
+    and shape (1,), takes the general path and comes out the same."""
+    contract = LossContract()
+    steps = [[torch.tensor(3), torch.tensor(4)], [torch.tensor([3]), torch.tensor([4])],
+             [torch.tensor(3, dtype=torch.int32), torch.tensor(4, dtype=torch.int32)], [torch.tensor(3), torch.tensor(4)]]
+    for counts in steps:
+        for count in counts:
+            contract.check((torch.tensor(1.0), count, {}))
+        assert contract.collect(torch.device("cpu"), is_last_stage=True).tolist() == [7, 0, 0, 0]
