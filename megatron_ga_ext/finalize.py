@@ -176,12 +176,14 @@ class FinalizeModelGrads:
             return
         self.pending = None
         values = pending.values()
-        where = f"--ga-checks async, verdict of training step {pending.step}" + (
-            f" (iteration {pending.iteration})" if pending.iteration is not None else "")
-        _raise_on_violations(values, where=where)
-        self.last_num_tokens = values[SLOT_TOKENS]
-        if not values[SLOT_TOKENS]:
+        if values[SLOT_NEGATIVE] or values[SLOT_NONFINITE] or values[SLOT_UNCHECKED] or not values[SLOT_TOKENS]:
+            where = f"--ga-checks async, verdict of training step {pending.step}" + (
+                f" (iteration {pending.iteration})" if pending.iteration is not None else "")
+            _raise_on_violations(values, where=where)
+            self.last_num_tokens = 0
             self._zero_tokens(where)
+            return
+        self.last_num_tokens = values[SLOT_TOKENS]
 
     def _topology_of(self, pg_collection: Any) -> tuple:
         """(pipeline group, DP x CP group, the last stage's global rank, whether this rank is it): the ranks looked up
