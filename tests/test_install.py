@@ -311,3 +311,31 @@ def test_step_schedule_sizes_the_run_of_megatrons_training_loop(monkeypatch):
     args.train_iters = None
     training.update_train_iters(args)
     assert args.train_iters == upstream_train_iters != 10
+
+
+@pytest.mark.parametrize("mode", ["token", "microbatch"])
+def test_installed_loss_step_by_position_and_by_keyword(mode):
+    """Megatron calls forward_step_calc_loss by position (the wrapper's fast path); a call with keywords takes the
+    general path. Both count the forward step for its chunk and check (token) or report the mean of (microbatch)
+    the loss function's outputs."""
+    import torch
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_ga_ext.reduction import masked_loss
+
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
+                               calculate_per_token_loss=mode == "token")
+    losses, mask = torch.tensor([1.0, 2.0, 4.0]), torch.tensor([1, 1, 0])
+    state = install(GAConfig(loss_reduction=mode))
+    chunk, store = torch.nn.Linear(1, 1), []
+    values = {"model": chunk, "output_tensor": losses, "loss_func": lambda out: masked_loss(out, mask),
+              "config": config, "vp_stage": None, "collect_non_loss_data": False, "num_microbatches": 2,
+              "forward_data_store": store, "cp_group_size": 1, "is_last_stage": True}
+    names = list(inspect.signature(ORIGINALS[f"{schedules.__name__}.forward_step_calc_loss"]).parameters)
+    schedules.forward_step_calc_loss(*[values[name] for name in names])
+    schedules.forward_step_calc_loss(**values)
+    assert state.counter.counts == {chunk: 2}
+    if mode == "token":
+        assert state.contract.microbatches == 2
+        assert state.contract.collect(torch.device("cpu"), is_last_stage=True).tolist() == [4, 0, 0, 0]
+    assert [report["lm loss"].tolist() for report in store] == [[3.0, 2.0] if mode == "token" else [1.5, 1.0]] * 2
