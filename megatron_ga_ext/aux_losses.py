@@ -40,13 +40,16 @@ logger = get_logger(__name__)
 
 
 def padding_mask_forward(original: Callable, state: Any) -> Callable:
-    """``GPTModel.forward`` that, in token mode, routes with padding_mask = (loss_mask == 0) (see above)."""
+    """``GPTModel.forward`` that, in token mode, routes with padding_mask = (loss_mask == 0) (see above). A model
+    without MoE layers is sent straight to upstream's forward from its first call on (Installation.bypass)."""
 
     @functools.wraps(original)
     def forward(model: Any, *args: Any, **kwargs: Any) -> Any:
-        # MoE first: a dense model's forward pays one attribute read
-        if getattr(model.config, "num_moe_experts", None) and state.active and state.contract is not None and \
-                _wants_padding_mask(model, kwargs):
+        if not state.active:
+            return original(model, *args, **kwargs)
+        if not getattr(model.config, "num_moe_experts", None):  # a dense model: its later calls skip this wrapper
+            state.bypass(model, "forward", original)
+        elif state.contract is not None and _wants_padding_mask(model, kwargs):
             kwargs["padding_mask"] = kwargs["loss_mask"] == 0
         return original(model, *args, **kwargs)
 

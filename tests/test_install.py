@@ -339,3 +339,31 @@ def test_installed_loss_step_by_position_and_by_keyword(mode):
         assert state.contract.microbatches == 2
         assert state.contract.collect(torch.device("cpu"), is_last_stage=True).tolist() == [4, 0, 0, 0]
     assert [report["lm loss"].tolist() for report in store] == [[3.0, 2.0] if mode == "token" else [1.5, 1.0]] * 2
+
+
+def test_a_dense_model_skips_the_padding_mask_wrapper_after_its_first_call():
+    """GPTModel.forward's wrapper (MoE routes with the loss mask's padding) binds upstream's forward on a model
+    without MoE layers at its first call, so its later calls skip the wrapper; uninstall() removes that binding."""
+    import torch
+
+    from megatron_ga_ext.aux_losses import padding_mask_forward
+
+    state = install()
+    seen = []
+
+    def forward(model, *args, **kwargs):
+        seen.append((model, kwargs.get("padding_mask")))
+
+    class Model:
+        def __init__(self, experts):
+            self.config = types.SimpleNamespace(num_moe_experts=experts, sequence_parallel=False)
+
+    Model.forward = padding_mask_forward(forward, state)
+    dense, moe = Model(None), Model(4)
+    for model in (dense, moe, dense, moe):
+        model.forward(loss_mask=torch.tensor([1, 0]))
+    assert dense.__dict__["forward"].__func__ is forward and "forward" not in moe.__dict__
+    assert [(model, mask if mask is None else mask.tolist()) for model, mask in seen] == [
+        (dense, None), (moe, [False, True]), (dense, None), (moe, [False, True])]
+    uninstall()
+    assert "forward" not in dense.__dict__
