@@ -10,6 +10,7 @@ each rank's instructions whatever else the machine runs:
   in every variant), with one intra-op thread (OpenMP's workers spin while they wait, and spinning is counted);
 * a round installs each variant once, in an order drawn at random per round (upstream after the same ``install()``
   and ``uninstall()``, as in overhead.py); an installation's first step runs its start-up checks and is left out;
+  the garbage collector is held off while steps are counted (a collection's cost is the whole heap's);
 * callgrind dumps its counters around the counted steps at a client request (``CALLGRIND_DUMP_STATS_AT``, from a
   three-line C helper built here with gcc and valgrind's header; ``callgrind_control`` does not reach forked ranks).
 
@@ -19,13 +20,14 @@ instructions per step over its main thread's CPU time per step, timed on the sam
 valgrind). ``spread`` is max / min of upstream's rounds: the floor of what a ratio resolves.
 
     python benchmarks/instructions.py --quick    # the position-wise model at GA 4: one JSON object on the last line
-    python benchmarks/instructions.py --write    # GA 4, 16, 64 on it, GA 4 and 16 on the tiny GPT: JSON, docs table
+    python benchmarks/instructions.py --write    # GA 4, 16 and 64 on both models: JSON, docs table
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import json
 import os
 import random
@@ -43,8 +45,11 @@ import overhead  # the harness and the variants (benchmarks/ is not a package)
 from megatron_ga_ext.verify.launch import LaunchConfig, run_on_ranks
 
 DP, VARIANTS = overhead.DP, overhead.VARIANTS
-#: Counted steps per installation, per model (a callgrind step of the tiny GPT: seconds at GA 4, half a minute at 16).
+#: Counted steps per installation, per model (a callgrind step of the tiny GPT: seconds at GA 4, half a minute at 16,
+#: two minutes at 64, where one step is counted).
 STEPS = {"positionwise": 4, "gpt": 2}
+#: The full run's rows (--quick: the first).
+PLAN = (("positionwise", 4), ("positionwise", 16), ("positionwise", 64), ("gpt", 4), ("gpt", 16), ("gpt", 64))
 VALGRIND = ("valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes")
 #: The client requests the ranks make (no-ops outside valgrind), and where the helper that makes them is.
 HELPER_SOURCE = """#include <valgrind/callgrind.h>
@@ -71,6 +76,8 @@ def rank_main(num_microbatches: int, model: str, rounds: int, steps: int, counti
         def installation(variant: str, timed_steps: int, label: str | None) -> float:
             one_step = overhead.installed_step(variant, harness)
             one_step()
+            gc.collect()  # held off while counted, as overhead.py times: a collection's cost is the heap's, not the step's
+            gc.disable()
             if label:
                 helper.megatron_ga_dump(f"{rank} skip".encode())
             start = time.thread_time()  # this thread's CPU time: no waits for the other rank, no gloo threads
@@ -79,6 +86,7 @@ def rank_main(num_microbatches: int, model: str, rounds: int, steps: int, counti
             elapsed = (time.thread_time() - start) / timed_steps
             if label:
                 helper.megatron_ga_dump(label.encode())
+            gc.enable()
             megatron_ga_ext.uninstall()
             return elapsed
 
@@ -150,7 +158,7 @@ def summarize(num_microbatches: int, model: str, counts: dict[str, int], native:
 
 def run(num_microbatches: int, model: str, rounds: int) -> dict:
     """Native times first (the rate), then the same rounds under callgrind, in a process of its own."""
-    steps = STEPS[model]
+    steps = 1 if (model, num_microbatches) == ("gpt", 64) else STEPS[model]
     launch = LaunchConfig(timeout_s=3600)
     native = run_on_ranks(rank_main, DP, (num_microbatches, model, rounds, steps, False), launch)[0]
     with tempfile.TemporaryDirectory(prefix="callgrind-") as out:
@@ -202,8 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.inside:
         run_on_ranks(rank_main, DP, (*json.loads(args.inside), True), LaunchConfig(timeout_s=7200))
         return 0
-    plan = [("positionwise", 4)] if args.quick else [("positionwise", 4), ("positionwise", 16), ("positionwise", 64),
-                                                     ("gpt", 4), ("gpt", 16)]
+    plan = PLAN[:1] if args.quick else PLAN
     rows = []
     for model, num_microbatches in plan:
         rows.append(run(num_microbatches, model, args.rounds))

@@ -217,6 +217,8 @@ class LossContract:
 
     def _fused_vector(self, losses: list[torch.Tensor], counts: list[torch.Tensor]) -> torch.Tensor | None:
         """The vector in six ops, or None where the losses do not stack into one vector on the counts' device."""
+        if counts[0].dim():  # the others have its shape, or stack raises
+            return None
         try:
             stacked = torch.stack(losses)
         except RuntimeError:  # losses of several shapes or devices
@@ -226,8 +228,6 @@ class LossContract:
         if fused is None or fused.key != key:
             fused = self._fused = _FusedBuffers(*key)
         if stacked.dim() != 1 or stacked.device != fused.device:
-            return None
-        if counts[0].dim():  # the others have its shape, or stack raises
             return None
         try:
             torch.stack(counts, out=fused.counts)
@@ -263,18 +263,17 @@ def _general_vector(losses: list[torch.Tensor], counts: list[torch.Tensor], host
             raise LossContractError(
                 f"micro-batch {index} returned its loss on {loss.device}, earlier ones on {device}; keep every "
                 f"micro-batch's loss on the model's device.")
+    device_counts, host_negative = [], 0
     for count in counts:
         if count.numel() != 1:
             _require_integer_scalar(count)
-    zero = torch.zeros((), dtype=torch.int64, device=device)
-    device_counts, host_negative = [], 0
-    for count in counts:
         if count.device == device:
             device_counts.append(count)
         else:  # a host tensor beside device losses: read on the host
             value = int(count)
             host_tokens += value
             host_negative += value < 0
+    zero = torch.zeros((), dtype=torch.int64, device=device)
     tokens, negative = zero, zero
     if device_counts:  # summed in int64 (torch sums every integer dtype in int64)
         stacked = _stacked_counts(device_counts)
