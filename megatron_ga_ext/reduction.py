@@ -9,10 +9,10 @@ over micro-batches m, data-parallel ranks r and context-parallel shards c, where
 means, ``(1/(M*D*C)) sum_{m,r,c} L(m,r,c) / max(n(m,r,c), 1)``. ``docs/reduction.md`` has the math.
 
 :func:`masked_loss` is the loss helper for pretrain_gpt-style loss functions. :class:`LossContract`
-checks what a loss function returns, one micro-batch at a time, with host bookkeeping only: tuple shape,
-dtypes and devices are host facts and fail at once; the loss and the count are kept by reference, and their
-sign and finiteness are checked for the whole step at once (:meth:`LossContract.collect`), in the vector
-:mod:`megatron_ga_ext.finalize` broadcasts and all-reduces with the token count anyway.
+checks what a loss function returns, one micro-batch at a time, with host bookkeeping only: the tuple's length
+and the count's type and dtype are host facts and fail at once; the loss and the count are kept by reference, and
+their devices, sign and finiteness are checked for the whole step at once (:meth:`LossContract.collect`), in the
+vector :mod:`megatron_ga_ext.finalize` broadcasts and all-reduces with the token count anyway.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class LossContract:
 
     Host facts fail at once (no synchronization): the outputs are not a 3-tuple; num_tokens is not an
     integer scalar; the loss is not a tensor. Per micro-batch it keeps references only (an alias of the loss's
-    data, the count): no op runs. :meth:`collect` turns them into the step's int64 vector [tokens, negative,
+    data, the count): no kernel runs. :meth:`collect` turns them into the step's int64 vector [tokens, negative,
     nonfinite, unchecked] for the finalize wrapper, which reads it once per step (or, with ``--ga-checks
     async``, not at all); a loss on another device than the step's first is named there.
 
