@@ -358,12 +358,17 @@ def test_a_dense_model_skips_the_padding_mask_wrapper_after_its_first_call():
         def __init__(self, experts):
             self.config = types.SimpleNamespace(num_moe_experts=experts, sequence_parallel=False)
 
+    class Subclass(Model):
+        def forward(self, *args, **kwargs):  # its own forward, through super(): never bound past
+            seen.append("subclass")
+            return super().forward(*args, **kwargs)
+
     Model.forward = padding_mask_forward(forward, state)
-    dense, moe = Model(None), Model(4)
-    for model in (dense, moe, dense, moe):
+    dense, moe, sub = Model(None), Model(4), Subclass(None)
+    for model in (dense, moe, sub, dense, moe, sub):
         model.forward(loss_mask=torch.tensor([1, 0]))
-    assert dense.__dict__["forward"].__func__ is forward and "forward" not in moe.__dict__
-    assert [(model, mask if mask is None else mask.tolist()) for model, mask in seen] == [
-        (dense, None), (moe, [False, True]), (dense, None), (moe, [False, True])]
+    assert dense.__dict__["forward"].__func__ is forward and "forward" not in moe.__dict__ | sub.__dict__
+    assert [entry if isinstance(entry, str) else (entry[0], entry[1] if entry[1] is None else entry[1].tolist())
+            for entry in seen] == [(dense, None), (moe, [False, True]), "subclass", (sub, None)] * 2
     uninstall()
     assert "forward" not in dense.__dict__
