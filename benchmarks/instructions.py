@@ -42,7 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import overhead  # the harness and the variants (benchmarks/ is not a package)
 
-from megatron_ga_ext.verify.launch import LaunchConfig, run_on_ranks
+from megatron_ga_ext.testing.distributed import LaunchConfig, run_on_ranks
 
 DP, VARIANTS = overhead.DP, overhead.VARIANTS
 #: Counted steps per installation, per model (a callgrind step of the tiny GPT: seconds at GA 4, half a minute at 16,
@@ -65,7 +65,7 @@ def rank_main(num_microbatches: int, model: str, rounds: int, steps: int, counti
     import torch
 
     import megatron_ga_ext
-    from megatron_ga_ext.verify.shims import cpu_shims
+    from megatron_ga_ext.testing.shims import cpu_shims
 
     helper = ctypes.CDLL(os.environ[HELPER_ENV]) if counting else None
     torch.set_num_threads(1)

@@ -47,7 +47,7 @@ from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
-from megatron_ga_ext.verify.launch import LaunchConfig, run_on_ranks
+from megatron_ga_ext.testing.distributed import LaunchConfig, run_on_ranks
 
 DP = 2
 VARIANTS = ("upstream", "extension", "extension_async")
@@ -70,7 +70,7 @@ COLLECTIVES = ("broadcast", "all_reduce", "reduce_scatter", "reduce_scatter_tens
 
 
 def rank_main(rounds: int, num_microbatches: int, model: str = "gpt") -> dict:
-    from megatron_ga_ext.verify.shims import cpu_shims
+    from megatron_ga_ext.testing.shims import cpu_shims
 
     with cpu_shims():
         return _measure(rounds, num_microbatches, model)
@@ -78,7 +78,7 @@ def rank_main(rounds: int, num_microbatches: int, model: str = "gpt") -> dict:
 
 def own_main(num_microbatches: int, model: str = "gpt", seconds: float = OWN_SECONDS) -> dict:
     """The own-cost timings on one rank: no other rank to wait for, so what is timed is this process's work."""
-    from megatron_ga_ext.verify.shims import cpu_shims
+    from megatron_ga_ext.testing.shims import cpu_shims
 
     with cpu_shims():
         return _own_cost(*_setup(num_microbatches, model, data_parallel_size=1), seconds)
@@ -86,7 +86,7 @@ def own_main(num_microbatches: int, model: str = "gpt", seconds: float = OWN_SEC
 
 def _setup(num_microbatches: int, model: str, data_parallel_size: int) -> tuple:
     """(DDP model, its config, layout, VerifyConfig, global batch, loss) of verify's harness, per-token loss."""
-    from megatron_ga_ext.reduction import masked_loss
+    from megatron_ga_ext.integration.loss_contract import masked_loss
     from megatron_ga_ext.verify.harness import (
         VerifyConfig,
         build_ddp,
@@ -178,7 +178,7 @@ def _own_cost(ddp, config, layout, cfg, batch, loss, seconds: float) -> dict:
     from megatron.core.distributed import finalize_model_grads as upstream_finalize
 
     import megatron_ga_ext
-    from megatron_ga_ext.compat import SCHEDULES
+    from megatron_ga_ext.integration.compat import SCHEDULES
     from megatron_ga_ext.verify.harness import _forward_step, microbatches, train_step
 
     # The first micro-batch's forward, as train_step runs it: its output and the loss function bound to its mask.
@@ -244,7 +244,7 @@ def _regions(whole_step, finalizes: tuple, seconds: float) -> dict:
     micro-batch, the extension's wrapper included) and in finalize added up per step: per region, and for the rest
     of the step, the difference of the minima (extension less upstream) and the median of the paired differences,
     in us."""
-    from megatron_ga_ext.compat import SCHEDULES
+    from megatron_ga_ext.integration.compat import SCHEDULES
 
     module = sys.modules[SCHEDULES]
     installed = module.forward_step_calc_loss

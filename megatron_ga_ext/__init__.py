@@ -1,13 +1,17 @@
 """megatron-ga-ext: exact batch arithmetic for Megatron-LM. The public API, nothing else."""
 
+from megatron_ga_ext.config.args import add_args, args_provider
+from megatron_ga_ext.config.ga_config import GAConfig
+from megatron_ga_ext.core.layout import BatchLayout
+from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.errors import (
     BatchSizeError,
     CompatError,
     GAError,
     GuardError,
     InterleaveError,
-    LayoutError,
     LayerSplitError,
+    LayoutError,
     LossContractError,
     OptionError,
     ScheduleError,
@@ -15,10 +19,7 @@ from megatron_ga_ext.errors import (
     SizeError,
     UsageError,
 )
-from megatron_ga_ext.install import install, uninstall
-from megatron_ga_ext.options import GAConfig, add_args, args_provider
-from megatron_ga_ext.layout import BatchLayout
-from megatron_ga_ext.schedule import StepSchedule
+from megatron_ga_ext.integration.install import install, uninstall
 
 __all__ = [
     "BatchLayout",

@@ -1,6 +1,6 @@
 """Make and check the patches that wire megatron-ga-ext into a vendored megatron/core (no install()).
 
-Each patched upstream module calls ``megatron_ga_ext.install.wire_vendored(__name__)`` as the last
+Each patched upstream module calls ``megatron_ga_ext.integration.install.wire_vendored(__name__)`` as the last
 thing it does on import, which wires that module exactly as install() would (same hooks, same checks).
 The pretrain_gpt.py patch adds the ``--ga-*`` flags and the one-line install() for the plugin route.
 
@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron_ga_ext.compat import RELEASES as VERSIONS
+from megatron_ga_ext.integration.compat import RELEASES as VERSIONS
 
 HERE = Path(__file__).resolve().parent
 MODULES = (

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from megatron_ga_ext.layout import FLAGS
-from megatron_ga_ext.options import NOT_MEGATRON, OPTIONS, VIRTUAL_PIPELINE
+from megatron_ga_ext.config.flags import OPTIONS
+from megatron_ga_ext.core.layout import FLAGS
+from megatron_ga_ext.core.megatron_flags import NOT_MEGATRON, VIRTUAL_PIPELINE
 
 #: Number spellings that have broken parsers somewhere (Python's int/float/Decimal, upstream's float()).
 SPECIAL_NUMBERS = (
@@ -127,7 +128,7 @@ def layout_kwargs() -> st.SearchStrategy[dict]:
 def ledger_argv() -> st.SearchStrategy[list[str]]:
     """``megatron-ga ledger`` arguments: a subset of its flags, each as ``--flag=value`` (argparse then reads any
     value, even one starting with '-'), switches bare; sometimes --json."""
-    from megatron_ga_ext.cli import _ledger_options
+    from megatron_ga_ext.cli.main import _ledger_options
 
     valued = [o.flag for o in _ledger_options() if o.type is not bool] + [VIRTUAL_PIPELINE.flag]
     switches = [o.flag for o in _ledger_options() if o.type is bool]

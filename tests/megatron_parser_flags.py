@@ -4,7 +4,15 @@ Run by tests/test_options_upstream.py in a subprocess: each snapshot's ``megatro
 builds its parser (``add_megatron_arguments``), one snapshot after another in one process. Optional
 packages the training code imports but the parser never uses are stubbed when they are not installed.
 """
-import argparse, importlib, importlib.abc, importlib.machinery, importlib.util, json, sys, types, warnings
+import argparse
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import sys
+import types
+import warnings
 
 warnings.filterwarnings("ignore")
 

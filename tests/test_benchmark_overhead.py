@@ -53,7 +53,7 @@ def test_regions_split_whole_steps_into_the_calls_they_time(monkeypatch):
     import sys
     import types
 
-    from megatron_ga_ext.compat import SCHEDULES
+    from megatron_ga_ext.integration.compat import SCHEDULES
 
     clock = [0.0]
     monkeypatch.setattr(overhead, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))

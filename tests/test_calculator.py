@@ -5,9 +5,9 @@ import logging
 import pytest
 
 from megatron_ga_ext import StepSchedule
-from megatron_ga_ext.calculator import StepScheduleCalculator
+from megatron_ga_ext.core.schedule.step_schedule import ScheduleWarning, Stage
 from megatron_ga_ext.errors import InterleaveError, ScheduleError, SizeError
-from megatron_ga_ext.schedule import ScheduleWarning, Stage
+from megatron_ga_ext.integration.calculator import StepScheduleCalculator
 
 SCALE_UP = "0:256 200000:512 600000:1024 1500000:2048 3000000:4096 6000000:6144"
 
@@ -101,11 +101,11 @@ def test_from_megatron_signature_and_decrease_refused():
 
 
 def test_logs_only_on_rank_zero_when_verbose(caplog):
-    with caplog.at_level(logging.INFO, logger="megatron_ga_ext.calculator"):
+    with caplog.at_level(logging.INFO, logger="megatron_ga_ext.integration.calculator"):
         calc = StepScheduleCalculator(StepSchedule.parse("0:16 100:32"), 4, 2, rank=1)
         calc.update(100, False, verbose=True)
     assert not caplog.records
-    with caplog.at_level(logging.INFO, logger="megatron_ga_ext.calculator"):
+    with caplog.at_level(logging.INFO, logger="megatron_ga_ext.integration.calculator"):
         calc = StepScheduleCalculator(StepSchedule.parse("0:16 100:32"), 4, 2, rank=0)
         calc.update(100, False, verbose=True)
     assert "global batch size 16 -> 32 at 100 consumed samples (4 micro-batches)" in caplog.text

@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_ga_ext import StepSchedule
-from megatron_ga_ext.calculator import StepScheduleCalculator
 from megatron_ga_ext.errors import GAError
+from megatron_ga_ext.integration.calculator import StepScheduleCalculator
 
 
 def _load_upstream() -> ModuleType | None:

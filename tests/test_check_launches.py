@@ -11,10 +11,10 @@ import shlex
 
 import pytest
 
-from megatron_ga_ext.check import launch_problems
-from megatron_ga_ext.cli import main
+from megatron_ga_ext.cli.main import main
 from megatron_ga_ext.errors import UsageError
-from megatron_ga_ext.launch import parse_launch
+from megatron_ga_ext.launch.line import parse_launch
+from megatron_ga_ext.launch.problems import launch_problems
 
 # 16 ranks, per-token loss on (the default --ga-loss-reduction token needs it).
 BASE = ("torchrun --nproc_per_node 8 --nnodes 2 pretrain_gpt.py --calculate-per-token-loss --micro-batch-size 1 "

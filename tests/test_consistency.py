@@ -7,11 +7,11 @@ from argparse import Namespace
 import pytest
 
 from megatron_ga_ext import GAConfig, StepSchedule
-from megatron_ga_ext.calculator import StepScheduleCalculator
-from megatron_ga_ext.consistency import StartupChecks, batch_settings, check_ranks_agree, describe_differences
 from megatron_ga_ext.errors import GuardError
-from megatron_ga_ext.guards import GuardedCalculator
-from megatron_ga_ext.verify.launch import LaunchConfig, run_on_ranks
+from megatron_ga_ext.integration.calculator import StepScheduleCalculator
+from megatron_ga_ext.integration.guards import GuardedCalculator
+from megatron_ga_ext.integration.startup import StartupChecks, batch_settings, check_ranks_agree, describe_differences
+from megatron_ga_ext.testing.distributed import LaunchConfig, run_on_ranks
 
 
 def megatron_args(**changes) -> Namespace:
@@ -73,7 +73,7 @@ def _resumed(checks: StartupChecks, checkpoint: Namespace, now: Namespace, caplo
     seen = []  # the wrapper is what Megatron-LM's load_checkpoint calls
     checks._recording(lambda checkpoint_args: seen.append(checkpoint_args))(checkpoint)
     assert seen == [checkpoint]  # upstream's check still runs, on the same args
-    with caplog.at_level(logging.WARNING, logger="megatron_ga_ext.consistency"):
+    with caplog.at_level(logging.WARNING, logger="megatron_ga_ext.integration.startup"):
         checks.run_once(GAConfig(), now)
         checks.run_once(GAConfig(), now)  # once only
     return caplog.text

@@ -29,15 +29,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from fuzz_inputs import (
     check_argv,
     consumed_counts,
     layout_kwargs,
-    mostly,
     ledger_argv,
+    mostly,
     numbers,
     python_sizes,
     ramp_values,
@@ -48,13 +45,16 @@ from fuzz_inputs import (
     sizes,
     valid_schedule_texts,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from megatron_ga_ext import BatchLayout, StepSchedule
-from megatron_ga_ext.calculator import StepScheduleCalculator
-from megatron_ga_ext.cli import main
+from megatron_ga_ext.cli.main import main
+from megatron_ga_ext.core.numbers import MAX_EXPONENT, format_count, parse_count, read_int, upstream_count
+from megatron_ga_ext.core.schedule.rampup import rampup_triple
 from megatron_ga_ext.errors import GAError, GuardError, ScheduleWarning
-from megatron_ga_ext.guards import GuardedCalculator
-from megatron_ga_ext.options import rampup_triple
-from megatron_ga_ext.schedule_numbers import MAX_EXPONENT, format_count, parse_count, read_int, upstream_count
+from megatron_ga_ext.integration.calculator import StepScheduleCalculator
+from megatron_ga_ext.integration.guards import GuardedCalculator
 
 pytestmark = pytest.mark.fuzz
 
@@ -62,6 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
 from reliability import write  # noqa: E402
+
 EXAMPLES = int(os.environ.get("MEGATRON_GA_FUZZ_EXAMPLES", "200"))
 LIMIT_S = 1.0
 #: The limit is example()'s CPU-time timer: hypothesis' deadline is wall-clock time, which other processes on a

@@ -5,11 +5,11 @@ import json
 import pytest
 
 from megatron_ga_ext import StepSchedule
-from megatron_ga_ext.calculator import StepScheduleCalculator
-from megatron_ga_ext.cli import main
+from megatron_ga_ext.cli.main import main
+from megatron_ga_ext.core.numbers import parse_count
 from megatron_ga_ext.errors import ScheduleParseError, SizeError
-from megatron_ga_ext.guards import GuardedCalculator
-from megatron_ga_ext.schedule_numbers import parse_count
+from megatron_ga_ext.integration.calculator import StepScheduleCalculator
+from megatron_ga_ext.integration.guards import GuardedCalculator
 
 
 @pytest.mark.parametrize("argv, flag", [

@@ -3,7 +3,12 @@
 import pytest
 
 from megatron_ga_ext.errors import GuardError
-from megatron_ga_ext.guards import GuardedCalculator, MicrobatchCounter, check_consumed_advance, check_microbatch_counts
+from megatron_ga_ext.integration.guards import (
+    GuardedCalculator,
+    MicrobatchCounter,
+    check_consumed_advance,
+    check_microbatch_counts,
+)
 
 
 def counts(*per_chunk: int) -> dict:

@@ -10,7 +10,7 @@ import tracemalloc
 
 import pytest
 
-from megatron_ga_ext.cli import main
+from megatron_ga_ext.cli.main import main
 
 BIG = "1" + "0" * 30  # 10**30, the largest size read
 HUGE = "9" * 5000  # past Python's own 4300-digit limit for int()

@@ -16,9 +16,9 @@ from megatron.core import num_microbatches_calculator as calculators  # noqa: E4
 import megatron_ga_ext  # noqa: E402
 from megatron_ga_ext import CompatError, GuardError, ScheduleError  # noqa: E402
 from megatron_ga_ext.errors import OptionError  # noqa: E402
-from megatron_ga_ext.compat import FINALIZE, TARGETS, matching_sources, megatron_core_version  # noqa: E402
-from megatron_ga_ext.guards import GuardedCalculator  # noqa: E402
-from megatron_ga_ext.install import GAConfig, add_args, install, installed, uninstall  # noqa: E402
+from megatron_ga_ext.integration.compat import FINALIZE, TARGETS, matching_sources, megatron_core_version  # noqa: E402
+from megatron_ga_ext.integration.guards import GuardedCalculator  # noqa: E402
+from megatron_ga_ext.integration.install import GAConfig, add_args, install, installed, uninstall  # noqa: E402
 
 finalize_module = importlib.import_module(FINALIZE)
 CORE_TARGETS = [t for t in TARGETS if not t.optional]  # megatron.training is not in every wheel
@@ -106,7 +106,7 @@ def test_unknown_fingerprint_refused_in_strict_mode_and_warned_otherwise(monkeyp
                        r"0\.18\.2, 0\.19\.2, main@9f3fe8c925fb.*--no-ga-strict"):
         install(GAConfig())
     assert installed() is None and schedules.forward_step_calc_loss is _changed_forward_step_calc_loss
-    with caplog.at_level(logging.WARNING, logger="megatron_ga_ext.compat"):
+    with caplog.at_level(logging.WARNING, logger="megatron_ga_ext.integration.compat"):
         install(GAConfig(strict=False))
     assert "forward_step_calc_loss" in caplog.text and version in caplog.text
     uninstall()
@@ -321,7 +321,7 @@ def test_installed_loss_step_by_position_and_by_keyword(mode):
     import torch
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_ga_ext.reduction import masked_loss
+    from megatron_ga_ext.integration.loss_contract import masked_loss
 
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
                                calculate_per_token_loss=mode == "token")
@@ -346,7 +346,7 @@ def test_a_dense_model_skips_the_padding_mask_wrapper_after_its_first_call():
     without MoE layers at its first call, so its later calls skip the wrapper; uninstall() removes that binding."""
     import torch
 
-    from megatron_ga_ext.aux_losses import padding_mask_forward
+    from megatron_ga_ext.integration.aux_losses import padding_mask_forward
 
     state = install()
     seen = []

@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from megatron_ga_ext.verify.launch import LaunchConfig, run_on_ranks  # noqa: E402
+from megatron_ga_ext.testing.distributed import LaunchConfig, run_on_ranks  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +63,7 @@ def rank_main(wiring: str = "install") -> dict:
     import sys
     import types
 
-    from megatron_ga_ext.verify.shims import cpu_shims
+    from megatron_ga_ext.testing.shims import cpu_shims
 
     args = megatron_args(["--ga-convert-rampup"])
     if wiring == "install":
@@ -83,10 +83,16 @@ def _rank_main(args: argparse.Namespace) -> dict:
     from megatron.core import num_microbatches_calculator as calculators
 
     from megatron_ga_ext.errors import GuardError
-    from megatron_ga_ext.install import installed
-    from megatron_ga_ext.reduction import masked_loss
-    from megatron_ga_ext.verify.harness import VerifyConfig, build_ddp, gradients, init_model_parallel
-    from megatron_ga_ext.verify.harness import relative_error, train_step
+    from megatron_ga_ext.integration.install import installed
+    from megatron_ga_ext.integration.loss_contract import masked_loss
+    from megatron_ga_ext.verify.harness import (
+        VerifyConfig,
+        build_ddp,
+        gradients,
+        init_model_parallel,
+        relative_error,
+        train_step,
+    )
     from megatron_ga_ext.verify.layouts import Layout
     from megatron_ga_ext.verify.references import reference_grads
 
@@ -132,8 +138,8 @@ def early_bound_finalize(ddp, config, cfg, step, ref, names) -> dict:
     """Item 4: configs that hold upstream's finalize, or another one, and what uninstall() leaves."""
     import megatron_ga_ext
     from megatron_ga_ext.errors import GuardError
-    from megatron_ga_ext.install import installed
-    from megatron_ga_ext.reduction import masked_loss
+    from megatron_ga_ext.integration.install import installed
+    from megatron_ga_ext.integration.loss_contract import masked_loss
     from megatron_ga_ext.verify.harness import gradients, relative_error, train_step
 
     layout, batch = step
@@ -164,7 +170,7 @@ def evaluate(ddp, cfg, layout, batch) -> None:
 
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_ga_ext.reduction import masked_loss
+    from megatron_ga_ext.integration.loss_contract import masked_loss
     from megatron_ga_ext.verify.harness import _forward_step, microbatches
 
     get_forward_backward_func()(

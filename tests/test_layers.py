@@ -3,7 +3,7 @@
 import pytest
 
 from megatron_ga_ext.errors import LayerSplitError
-from megatron_ga_ext.layers import LayerSplit, layout_stage_count, virtual_pipeline
+from megatron_ga_ext.launch.layer_split import LayerSplit, layout_stage_count, virtual_pipeline
 
 
 @pytest.mark.parametrize("layout, stages", [

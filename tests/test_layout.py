@@ -130,7 +130,7 @@ def test_interleave_with_explicit_group_size():
 
 
 def test_layout_imports_neither_torch_nor_megatron():
-    code = "import sys, megatron_ga_ext.layout, megatron_ga_ext.launch, megatron_ga_ext.cli; " \
+    code = "import sys, megatron_ga_ext.core.layout, megatron_ga_ext.launch.line, megatron_ga_ext.cli.main; " \
            "print([m for m in ('torch', 'megatron') if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

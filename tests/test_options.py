@@ -10,29 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ga_ext.calculator import StepScheduleCalculator
+from megatron_ga_ext.config.args import add_args
+from megatron_ga_ext.config.flags import GA_OPTIONS, MODES, OPTIONS, ZERO_TOKEN_POLICIES, flags_table
+from megatron_ga_ext.config.ga_config import GA_FIELDS, GAConfig
+from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
+from megatron_ga_ext.config.rules import check_guards, check_loss_mode, check_train_length
+from megatron_ga_ext.core.megatron_flags import MEGATRON_OPTIONS, NOT_MEGATRON
+from megatron_ga_ext.core.schedule.rampup import rampup_triple
 from megatron_ga_ext.errors import InterleaveError, OptionError, ScheduleError, ScheduleParseError, SizeError
-from megatron_ga_ext.options import (
-    GA_FIELDS,
-    GA_OPTIONS,
-    MEGATRON_OPTIONS,
-    MODES,
-    NOT_MEGATRON,
-    OPTIONS,
-    ZERO_TOKEN_POLICIES,
-    GAConfig,
-    ScheduleInputs,
-    add_args,
-    check_guards,
-    check_loss_mode,
-    check_train_length,
-    flags_table,
-    rampup_triple,
-    resolve_schedule,
-)
+from megatron_ga_ext.integration.calculator import StepScheduleCalculator
 
 ROOT = Path(__file__).resolve().parent.parent
-install_module = importlib.import_module("megatron_ga_ext.install")  # the package's ``install`` is the function
+install_module = importlib.import_module("megatron_ga_ext.integration.install")  # the package's ``install`` is the function
 
 
 # -- one declaration per flag ---------------------------------------------------------------------
@@ -58,10 +47,10 @@ def test_add_args_is_derived_from_the_declarations():
 
 
 def test_choices_are_listed_once():
-    from megatron_ga_ext import reduction
+    from megatron_ga_ext.integration import loss_contract
 
-    assert OPTIONS["--ga-loss-reduction"].choices is MODES is reduction.MODES
-    assert OPTIONS["--ga-zero-token-policy"].choices is ZERO_TOKEN_POLICIES  # the one list (reduction.py has none)
+    assert OPTIONS["--ga-loss-reduction"].choices is MODES is loss_contract.MODES
+    assert OPTIONS["--ga-zero-token-policy"].choices is ZERO_TOKEN_POLICIES  # the one list (loss_contract.py has none)
 
 
 def test_install_keeps_its_names():
@@ -161,7 +150,7 @@ def test_resolve_schedule_paths(caplog):
     converted = resolve_schedule(ScheduleInputs(rampup_batch_size=("16", "8", "300000"), global_batch_size=1024,
                                                 convert_rampup=True))
     assert len(converted.stages) == 127
-    with caplog.at_level(logging.WARNING, logger="megatron_ga_ext.options"):
+    with caplog.at_level(logging.WARNING, logger="megatron_ga_ext.config.resolve"):
         assert resolve_schedule(ScheduleInputs(rampup_batch_size=(16, 8, 300000), global_batch_size=1024)) is None
         assert not caplog.records  # upstream runs the rampup itself (0.16, 0.17)
         assert resolve_schedule(ScheduleInputs(rampup_batch_size=(16, 8, 300000), global_batch_size=1024,
@@ -226,7 +215,7 @@ def test_install_refuses_a_rampup_with_a_schedule_and_reads_rampups_typed():
 
 
 def test_pure_python_commands_import_neither_torch_nor_megatron():
-    code = ("import sys; from megatron_ga_ext.cli import main; "
+    code = ("import sys; from megatron_ga_ext.cli.main import main; "
             "main(['ledger', '--world-size', '8', '--micro-batch-size', '1']); "
             "main(['check', '--', 'torchrun --nproc-per-node 8 x.py --micro-batch-size 1 --calculate-per-token-loss']); "
             "main(['schedule', '0:8 100:16', '--micro-batch-size', '1', '--data-parallel-size', '8']); "

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ga_ext.options import MEGATRON_OPTIONS, NOT_MEGATRON
+from megatron_ga_ext.core.megatron_flags import MEGATRON_OPTIONS, NOT_MEGATRON
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))

@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = Path(os.environ.get("MEGATRON_GA_SOURCES", ROOT / ".cache" / "megatron-core-sources"))
-from megatron_ga_ext.compat import RELEASES, UPSTREAM  # noqa: E402
+from megatron_ga_ext.integration.compat import RELEASES, UPSTREAM  # noqa: E402
 
 LEG = f"{sys.version_info.major}.{sys.version_info.minor}"
 LEG_RELEASES = [u.name for u in UPSTREAM if u.is_release and u.python == LEG]

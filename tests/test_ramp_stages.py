@@ -7,10 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_ga_ext import StepSchedule
-from megatron_ga_ext.calculator import StepScheduleCalculator
+from megatron_ga_ext.core.schedule.checks import CheckLayout, schedule_problems, stage_error
+from megatron_ga_ext.core.schedule.rampup import LISTED_RAMP, RampStages
 from megatron_ga_ext.errors import InterleaveError, ScheduleError, UsageError
-from megatron_ga_ext.schedule_checks import CheckLayout, schedule_problems, stage_error
-from megatron_ga_ext.schedule_rampup import LISTED_RAMP, RampStages
+from megatron_ga_ext.integration.calculator import StepScheduleCalculator
 
 
 def upstream_gbs(start, increment, ramp, gbs, consumed):
@@ -56,7 +56,7 @@ def test_each_stage_starts_where_upstream_first_reaches_its_batch():
 
 
 def test_compact_and_listed_forms_agree_where_both_apply(monkeypatch):
-    import megatron_ga_ext.schedule as schedule_module
+    import megatron_ga_ext.core.schedule.step_schedule as schedule_module
 
     ramp = (16, 8, 300000, 1024)
     listed = StepSchedule.from_rampup(*ramp)

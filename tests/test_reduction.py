@@ -10,8 +10,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_ga_ext.errors import LossContractError, OptionError
-from megatron_ga_ext.finalize import check_ddp_chunks, check_per_token_flag, make_finalize_model_grads
-from megatron_ga_ext.reduction import LossContract, masked_loss, mean_of_means_reports, reduce_reports
+from megatron_ga_ext.integration.finalize import check_ddp_chunks, check_per_token_flag, make_finalize_model_grads
+from megatron_ga_ext.integration.loss_contract import LossContract, masked_loss, mean_of_means_reports, reduce_reports
 
 LOSSES = [torch.tensor([[1.0, 2.0, 3.0, 4.0]]), torch.tensor([[10.0, 20.0, 30.0, 40.0]])]
 MASKS = [torch.tensor([[1.0, 1.0, 1.0, 0.0]]), torch.tensor([[1.0, 0.0, 0.0, 0.0]])]
@@ -141,7 +141,7 @@ def test_contract_keeps_references_only_per_microbatch():
 
 def test_fused_and_general_vectors_agree():
     """The six fused ops give the vector the general path gives (every mix the contract accepts)."""
-    from megatron_ga_ext.reduction import _general_vector
+    from megatron_ga_ext.integration.loss_contract import _general_vector
 
     torch.manual_seed(0)
     for dtype in (torch.int64, torch.int32, torch.uint8, torch.int8):

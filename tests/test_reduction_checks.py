@@ -13,9 +13,9 @@ import warnings
 import pytest
 import torch
 
+from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.errors import GAError, LossContractError, OptionError
-from megatron_ga_ext.options import GAConfig
-from megatron_ga_ext.reduction import LossContract, masked_loss
+from megatron_ga_ext.integration.loss_contract import LossContract, masked_loss
 
 pytestmark = pytest.mark.slow
 
@@ -99,7 +99,7 @@ class _CountHostReads(torch.overrides.TorchFunctionMode):
 def _scenario(name, cfg, batch, refs):
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
 
-    from megatron_ga_ext.finalize import make_finalize_model_grads
+    from megatron_ga_ext.integration.finalize import make_finalize_model_grads
     from megatron_ga_ext.verify.harness import build_ddp, gradients, relative_error, train_step
     from megatron_ga_ext.verify.layouts import Layout
 
@@ -137,7 +137,7 @@ def _fsdp_checks(cfg) -> dict:
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
     from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
 
-    from megatron_ga_ext.finalize import check_ddp_chunks
+    from megatron_ga_ext.integration.finalize import check_ddp_chunks
     from megatron_ga_ext.verify.models import build_gpt, transformer_config
 
     out = {}
@@ -161,11 +161,12 @@ def _fsdp_checks(cfg) -> dict:
 
 
 def _run_scenarios():
+    from megatron.core import parallel_state
+
+    from megatron_ga_ext.testing.shims import cpu_shims
     from megatron_ga_ext.verify.harness import VerifyConfig, init_model_parallel
     from megatron_ga_ext.verify.layouts import DEFAULT_LAYOUTS, make_global_batch
     from megatron_ga_ext.verify.references import reference_grads
-    from megatron_ga_ext.verify.shims import cpu_shims
-    from megatron.core import parallel_state
 
     cfg = VerifyConfig(progress=False)
     batch = make_global_batch(cfg.lengths, cfg.model.seq_length, cfg.model.vocab_size)
@@ -196,7 +197,7 @@ def _count_groups() -> dict | None:
     import torch
     from megatron.core import parallel_state
 
-    from megatron_ga_ext.finalize import _groups
+    from megatron_ga_ext.integration.finalize import _groups
 
     if "gtp_remat_size" not in inspect.signature(parallel_state.initialize_model_parallel).parameters:
         return None
@@ -215,7 +216,7 @@ def _count_groups() -> dict | None:
 @pytest.fixture(scope="module")
 def outcomes():
     """{scenario: [(status, payload) per rank]} from one 4-rank launch."""
-    from megatron_ga_ext.verify.launch import LaunchConfig, run_on_ranks
+    from megatron_ga_ext.testing.distributed import LaunchConfig, run_on_ranks
 
     warnings.filterwarnings("ignore", category=UserWarning)
     per_rank = run_on_ranks(_run_scenarios, 4, (), LaunchConfig(timeout_s=240))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_ga_ext.errors import LossContractError
-from megatron_ga_ext.reduction import SLOT_NEGATIVE, SLOT_NONFINITE, SLOT_TOKENS, LossContract
+from megatron_ga_ext.integration.loss_contract import SLOT_NEGATIVE, SLOT_NONFINITE, SLOT_TOKENS, LossContract
 
 
 def test_int_counts_add_up_exactly_past_int32():

@@ -5,6 +5,7 @@ import warnings
 import pytest
 
 from megatron_ga_ext import StepSchedule
+from megatron_ga_ext.core.schedule.step_schedule import ScheduleWarning, Stage, _upstream_count, format_count
 from megatron_ga_ext.errors import (
     GAError,
     InterleaveError,
@@ -12,7 +13,6 @@ from megatron_ga_ext.errors import (
     ScheduleParseError,
     SizeError,
 )
-from megatron_ga_ext.schedule import ScheduleWarning, Stage, _upstream_count, format_count
 
 # -- parsing -----------------------------------------------------------------------------------
 

@@ -10,7 +10,11 @@ from pathlib import Path
 import pytest
 
 from megatron_ga_ext import StepSchedule
-from megatron_ga_ext.schedule_command import main
+from megatron_ga_ext.cli.main import main as cli_main
+
+
+def main(argv):
+    return cli_main(["schedule", *argv])
 
 EXE = str(Path(sys.executable).with_name("megatron-ga"))
 TOKENS = ["0:768 250B:1536 500B:3072 750B:6144", "--micro-batch-size", "4", "--data-parallel-size", "64",
@@ -152,8 +156,8 @@ def test_plot_png(tmp_path, capsys):
 
 
 def test_no_plot_means_no_matplotlib_and_no_megatron():
-    code = ("import sys; from megatron_ga_ext.schedule_command import main; "
-            "main(['0:8 100:16', '--micro-batch-size', '1', '--data-parallel-size', '8']); "
+    code = ("import sys; from megatron_ga_ext.cli.main import main; "
+            "main(['schedule', '0:8 100:16', '--micro-batch-size', '1', '--data-parallel-size', '8']); "
             "bad = [m for m in ('matplotlib', 'torch', 'megatron') if m in sys.modules]; "
             "sys.exit(f'imported {bad}' if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -7,9 +7,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from megatron_ga_ext import StepSchedule
-from megatron_ga_ext.calculator import StepScheduleCalculator
+from megatron_ga_ext.core.schedule.step_schedule import SUFFIXES, parse_count
 from megatron_ga_ext.errors import GAError
-from megatron_ga_ext.schedule import SUFFIXES, parse_count
+from megatron_ga_ext.integration.calculator import StepScheduleCalculator
 
 
 @st.composite

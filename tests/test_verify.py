@@ -14,9 +14,9 @@ import time
 import pytest
 import torch
 
-from megatron_ga_ext.verify.command import rows_from_results
+from megatron_ga_ext.cli.verify import rows_from_results
+from megatron_ga_ext.testing.distributed import LaunchConfig, WorkerError, run_on_ranks
 from megatron_ga_ext.verify.harness import LayoutResult, relative_error
-from megatron_ga_ext.verify.launch import LaunchConfig, WorkerError, run_on_ranks
 from megatron_ga_ext.verify.layouts import DEFAULT_LAYOUTS, DEFAULT_LENGTHS, Layout, make_global_batch
 from megatron_ga_ext.verify.references import mean_of_means_weights, token_weights
 
@@ -96,7 +96,7 @@ def test_launcher_reports_a_reply_the_parent_cannot_unpickle():
 
 PARENT = """
 import os, sys, time
-from megatron_ga_ext.verify.launch import LaunchConfig, run_on_ranks
+from megatron_ga_ext.testing.distributed import LaunchConfig, run_on_ranks
 
 def rank_main(folder):
     open(os.path.join(folder, str(os.getpid())), "w").close()
@@ -213,7 +213,7 @@ def test_relative_error_propagates_nan_from_any_parameter():
 @pytest.mark.slow
 def test_verify_command_end_to_end():
     """Every layout through install(), both modes, and the router's auxiliary-loss gradient before and after."""
-    proc = subprocess.run([sys.executable, "-m", "megatron_ga_ext.verify", "--json", "--timeout", "150"],
+    proc = subprocess.run([sys.executable, "-m", "megatron_ga_ext.cli", "verify", "--json", "--timeout", "150"],
                           capture_output=True, text=True, timeout=480)  # 3 launches of at most 150 s
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
@@ -239,12 +239,13 @@ def test_verify_command_end_to_end():
 
 
 def test_verify_command_fails_when_token_mode_misses(capsys, monkeypatch):
-    from megatron_ga_ext.verify import command
+    from megatron_ga_ext.cli import verify as command
+    from megatron_ga_ext.verify import launches
 
     results = {2: [[_result("DP2 x GA4", "token", 3e-5, 0.9, 72),
                     _result("DP2 x GA4", "microbatch", 3.0, 1e-7)]] * 2}
     monkeypatch.setattr(command, "_import_upstream", lambda: "megatron-core (not imported)")
-    monkeypatch.setattr(command, "_launch_all", lambda layouts, args: (results, []))
+    monkeypatch.setattr(launches, "launch_all", lambda layouts, **_: (results, []))
     parser = argparse.ArgumentParser()
     command.configure_parser(parser)
     assert command.run(parser.parse_args([])) == 1
@@ -257,9 +258,7 @@ def test_verify_command_fails_when_token_mode_misses(capsys, monkeypatch):
 def test_cpu_shims_restore_torch_and_megatron():
     from megatron.core.tensor_parallel import random as tp_random
 
-    from megatron_ga_ext.verify.shims import cpu_shims
-
-    from megatron_ga_ext.verify.shims import FACTORIES, NEW_METHODS
+    from megatron_ga_ext.testing.shims import FACTORIES, NEW_METHODS, cpu_shims
 
     def patched_names():
         return ((torch.cuda.current_device, torch.cuda.synchronize, tp_random._get_cuda_rng_state),
@@ -285,9 +284,9 @@ def test_cpu_shims_restore_torch_and_megatron():
 
 def test_cuda_without_a_device_is_a_clear_error(capsys, monkeypatch):
     """verify raises a VerifyError; the CLI's one error path prints it in one line and exits 2."""
-    from megatron_ga_ext.cli import main
+    from megatron_ga_ext.cli.main import main
+    from megatron_ga_ext.cli.verify import configure_parser, run
     from megatron_ga_ext.errors import VerifyError
-    from megatron_ga_ext.verify.command import configure_parser, run
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     parser = argparse.ArgumentParser()
@@ -301,7 +300,7 @@ def test_cuda_without_a_device_is_a_clear_error(capsys, monkeypatch):
 
 def test_verify_without_megatron_core_says_what_to_install(capsys, monkeypatch):
     """A login-node install (no extras) has no torch nor megatron-core: one line and exit 2, no traceback."""
-    from megatron_ga_ext.cli import main
+    from megatron_ga_ext.cli.main import main
 
     monkeypatch.setitem(sys.modules, "megatron", None)  # `import megatron.core` raises ImportError
     monkeypatch.setitem(sys.modules, "megatron.core", None)

@@ -16,9 +16,9 @@ pytestmark = pytest.mark.slow
 
 
 def _measure():
+    from megatron_ga_ext.testing.shims import cpu_shims
     from megatron_ga_ext.verify.aux import measure_router_coefficients
     from megatron_ga_ext.verify.harness import VerifyConfig
-    from megatron_ga_ext.verify.shims import cpu_shims
 
     with cpu_shims():
         return [(r.variant, r.coefficient, r.error) for r in measure_router_coefficients(VerifyConfig(progress=False))]
@@ -26,7 +26,7 @@ def _measure():
 
 @pytest.fixture(scope="module")
 def per_rank():
-    from megatron_ga_ext.verify.launch import run_on_ranks
+    from megatron_ga_ext.testing.distributed import run_on_ranks
 
     warnings.filterwarnings("ignore", category=UserWarning)
     return run_on_ranks(_measure, 2)

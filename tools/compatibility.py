@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megatron_ga_ext.compat import TARGETS, UPSTREAM, fingerprint_file, known_fingerprints  # noqa: E402
+from megatron_ga_ext.integration.compat import TARGETS, UPSTREAM, fingerprint_file, known_fingerprints  # noqa: E402
 
 COLUMNS = ("Source", "megatron-core", "Python, torch", "Hooked functions", "Behaviour suite", "End-to-end", "Run on")
 HEADER = """# Compatibility

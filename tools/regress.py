@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from compatibility import source_name, update  # noqa: E402
 
-from megatron_ga_ext.compat import UPSTREAM  # noqa: E402
+from megatron_ga_ext.integration.compat import UPSTREAM  # noqa: E402
 
 CACHE = ROOT / ".cache"
 LEG = f"{sys.version_info.major}.{sys.version_info.minor}"

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Unpack megatron/core of each tested megatron-core release from the package registry:
 #   tools/unpack-wheels.sh DIR [VERSION ...]   ->   DIR/<version>/megatron/core/...
-# Used to regenerate the fingerprint table (python -m megatron_ga_ext.compat --wheel-dir DIR)
+# Used to regenerate the fingerprint table (python -m megatron_ga_ext.integration.compat --wheel-dir DIR)
 # and to check the patches in patches/ against the released sources.
 set -euo pipefail
 dir=$1; shift
 python=${PYTHON:-python3}
 # The releases default to compat.py's list of tested sources (one place to add a release).
-versions=("${@:-$(cd "$(dirname "$0")/.." && PYTHONPATH=. "$python" -c 'from megatron_ga_ext.compat import RELEASES; print(*RELEASES)')}")
+versions=("${@:-$(cd "$(dirname "$0")/.." && PYTHONPATH=. "$python" -c 'from megatron_ga_ext.integration.compat import RELEASES; print(*RELEASES)')}")
 mkdir -p "$dir"
 for v in ${versions[@]}; do
   [ -d "$dir/$v/megatron/core" ] && continue

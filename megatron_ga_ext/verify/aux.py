@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_ga_ext.reduction import masked_loss
+from megatron_ga_ext.integration.loss_contract import masked_loss
 from megatron_ga_ext.verify.harness import VerifyConfig, relative_error, run_layout
 from megatron_ga_ext.verify.layouts import GlobalBatch, Layout, make_global_batch
 from megatron_ga_ext.verify.references import aux_reference_grads

@@ -25,9 +25,9 @@ from typing import Any, Callable
 
 import torch
 
-from megatron_ga_ext.finalize import make_finalize_model_grads
-from megatron_ga_ext.options import GAConfig
-from megatron_ga_ext.reduction import MODES, LossContract, masked_loss
+from megatron_ga_ext.config.ga_config import GAConfig
+from megatron_ga_ext.integration.finalize import make_finalize_model_grads
+from megatron_ga_ext.integration.loss_contract import MODES, LossContract, masked_loss
 from megatron_ga_ext.verify.layouts import (
     DEFAULT_LAYOUTS,
     DEFAULT_LENGTHS,
@@ -35,9 +35,13 @@ from megatron_ga_ext.verify.layouts import (
     Layout,
     make_global_batch,
 )
-from megatron_ga_ext.verify.models import ModelConfig, build_gpt, build_positionwise
-from megatron_ga_ext.verify.models import init_model_parallel  # also imported from here by callers
-from megatron_ga_ext.verify.models import transformer_config
+from megatron_ga_ext.verify.models import (
+    ModelConfig,
+    build_gpt,
+    build_positionwise,
+    init_model_parallel,  # also imported from here by callers
+    transformer_config,
+)
 from megatron_ga_ext.verify.references import reference_grads
 
 __all__ = ["LayoutResult", "VerifyConfig", "build_chunks", "build_ddp", "gradients", "init_model_parallel",
@@ -73,7 +77,7 @@ class LayoutResult:
 def run_rank(cfg: VerifyConfig) -> list[LayoutResult]:
     """Run every layout and mode of ``cfg`` on this rank (the launcher has set up the process group)."""
     if cfg.device == "cpu":
-        from megatron_ga_ext.verify.shims import cpu_shims
+        from megatron_ga_ext.testing.shims import cpu_shims
 
         with cpu_shims():
             return _run_all(cfg)
@@ -132,9 +136,10 @@ def run_layout(layout: Layout, mode: str, cfg: VerifyConfig, batch: GlobalBatch,
     ``extension=False`` runs upstream alone (its own ``--calculate-per-token-loss`` in mode token), for a
     before/after comparison; N is then None.
     """
-    import megatron_ga_ext
     from megatron.core import num_microbatches_calculator as calculators
     from megatron.core import parallel_state
+
+    import megatron_ga_ext
 
     vpp = layout.virtual_pipeline_model_parallel_size
     init_model_parallel(pipeline_model_parallel_size=layout.pipeline_model_parallel_size,

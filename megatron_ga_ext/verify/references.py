@@ -25,8 +25,13 @@ from typing import Iterable
 import torch
 
 from megatron_ga_ext.verify.layouts import GlobalBatch, Layout
-from megatron_ga_ext.verify.models import ModelConfig, build_gpt, build_positionwise, init_model_parallel
-from megatron_ga_ext.verify.models import transformer_config
+from megatron_ga_ext.verify.models import (
+    ModelConfig,
+    build_gpt,
+    build_positionwise,
+    init_model_parallel,
+    transformer_config,
+)
 
 __all__ = ["aux_reference_grads", "mean_of_means_weights", "reference_grads", "token_weights"]
 

@@ -17,7 +17,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-
 from pretrain_runs import ROOT, Run, launch
 
 sys.path.insert(0, str(ROOT / "tools"))
@@ -44,7 +43,7 @@ def _newest(trees: list[Path]) -> list[Path]:
     """The newest release and the newest main commit (compat.UPSTREAM is ordered); a given checkout as it is."""
     from compatibility import source_name
 
-    from megatron_ga_ext.compat import UPSTREAM
+    from megatron_ga_ext.integration.compat import UPSTREAM
 
     named = {source_name(t): t for t in trees}
     known = [u for u in UPSTREAM if u.name in named]

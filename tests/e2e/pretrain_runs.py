@@ -1,9 +1,9 @@
 """Launch Megatron-LM's own pretrain_gpt.py (through examples/pretrain_gpt_ga.py, or bare for upstream's
 reference) on the CPU over gloo, and read back what every rank recorded.
 
-The ranks are forked by ``megatron_ga_ext.verify.pretrain --nproc-per-node N`` after one import of Megatron
+The ranks are forked by ``megatron_ga_ext.testing.pretrain_server --nproc-per-node N`` after one import of Megatron
 (torchrun would start N interpreters that import it N times: 7-12 s each on 2 cores); each rank gets
-torchrun's environment and runs the script unchanged. That launcher runs in ``megatron_ga_ext.verify.pretrain
+torchrun's environment and runs the script unchanged. That launcher runs in ``megatron_ga_ext.testing.pretrain_server
 --serve``, one per Megatron-LM root, forked from its one import of Megatron, so the import is paid once per
 source instead of once per launch.
 
@@ -11,7 +11,7 @@ source instead of once per launch.
     run.rc, run.iterations (last-stage rows, one per iteration), run.error, run.num_tokens_match
 
 The tiny GPT and the CPU flags (UPSTREAM.md section 5) are the same for every run; a run adds its batch,
-loss-mode and checkpoint flags. ``megatron_ga_ext.verify.pretrain`` applies the CPU shims and records.
+loss-mode and checkpoint flags. ``megatron_ga_ext.testing.pretrain_server`` applies the CPU shims and records.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def launch(root: Path, layout: str, flags: list[str], *, extension: bool, name: 
     for old in workdir.glob(f"{name}.rank*.jsonl"):
         old.unlink()
     script = str(EXAMPLE) if extension else str(root / "pretrain_gpt.py")
-    command = [python, "-m", "megatron_ga_ext.verify.pretrain", "--nproc-per-node", str(processes), script,
+    command = [python, "-m", "megatron_ga_ext.testing.pretrain_server", "--nproc-per-node", str(processes), script,
                *TINY_GPT, *layout_flags, *flags]
     environment = {
         **os.environ, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
@@ -136,14 +136,14 @@ class _ServerGone(RuntimeError):
 
 
 class _Server:
-    """``python -m megatron_ga_ext.verify.pretrain --serve`` from a Megatron-LM root: each launch forked from its one
+    """``python -m megatron_ga_ext.testing.pretrain_server --serve`` from a Megatron-LM root: each launch forked from its one
     import of Megatron, answered as a JSON line (the fork's pid, then its exit status)."""
 
     def __init__(self, root: Path, python: str, environment: dict[str, str]) -> None:
         self.key = (root, python)
         self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"megatron-ga-serve-{os.getpid()}-{root.name}.log"
         with open(self.log, "w") as log:
-            self.process = subprocess.Popen([python, "-m", "megatron_ga_ext.verify.pretrain", "--serve"], cwd=root,
+            self.process = subprocess.Popen([python, "-m", "megatron_ga_ext.testing.pretrain_server", "--serve"], cwd=root,
                                             env=environment, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                             stderr=log, start_new_session=True)
         self._buffer = b""

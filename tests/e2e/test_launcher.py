@@ -8,7 +8,6 @@ import sys
 import time
 
 import pytest
-
 from pretrain_runs import ROOT, _server
 
 pytestmark = pytest.mark.e2e

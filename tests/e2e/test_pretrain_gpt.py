@@ -32,7 +32,7 @@ import pytest
 from compatibility import source_name
 from pretrain_runs import MICRO_BATCH_SIZE, SEQ_LENGTH, Run
 
-from megatron_ga_ext.guards import PP_RULE
+from megatron_ga_ext.integration.guards import PP_RULE
 
 pytestmark = pytest.mark.e2e
 

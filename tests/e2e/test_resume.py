@@ -22,8 +22,8 @@ from compatibility import source_name
 from plans import BOUNDED, planned_steps, ran_steps, save_every_step, saved, seq_length_schedule
 from reliability import write
 
-from megatron_ga_ext.compat import UPSTREAM
-from megatron_ga_ext.options import STEP_SCHEDULE
+from megatron_ga_ext.core.megatron_flags import STEP_SCHEDULE
+from megatron_ga_ext.integration.compat import UPSTREAM
 
 pytestmark = pytest.mark.e2e
 

@@ -1,0 +1,1 @@
+"""The ``megatron-ga`` command: ledger | check | schedule | verify."""

@@ -1,0 +1,205 @@
+"""The ``megatron-ga`` command: ledger | check | schedule | verify.
+
+``ledger``, ``check`` and ``schedule`` are pure Python and answer in well under a second; ``verify``
+imports torch and megatron-core only when it runs. Every command's errors take one path (:func:`main`):
+one line on stderr without a traceback (and, with ``--json``, a JSON error object on stdout), exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import itertools
+import json
+import sys
+from typing import Sequence
+
+from megatron_ga_ext.cli.render import print_table
+from megatron_ga_ext.config.flags import BY_DEST
+from megatron_ga_ext.core.layout import BatchLayout
+from megatron_ga_ext.core.megatron_flags import LAUNCHER_OPTIONS, MEGATRON_OPTIONS, VIRTUAL_PIPELINE, Option
+from megatron_ga_ext.core.numbers import read_int
+from megatron_ga_ext.errors import GAError, UsageError
+from megatron_ga_ext.launch.line import Launch, layout_kwargs, parse_launch
+from megatron_ga_ext.launch.problems import launch_problems
+
+__all__ = ["main"]
+
+#: Commands whose parser and handler live in their own module: (module, help).
+_DELEGATED = {
+    "schedule": ("megatron_ga_ext.cli.schedule", "table of a step batch-size schedule (or a converted rampup)"),
+    "verify": ("megatron_ga_ext.cli.verify", "prove the loss reduction on real megatron-core against a reference"),
+}
+
+_LEDGER_LABELS = {
+    "world_size": ("world size", "--nnodes x --nproc-per-node"),
+    "tensor_model_parallel_size": ("TP", ""),
+    "pipeline_model_parallel_size": ("PP", ""),
+    "virtual_pipeline_model_parallel_size": ("VPP", "model chunks per pipeline rank"),
+    "context_parallel_size": ("CP", ""),
+    "expert_model_parallel_size": ("EP", ""),
+    "expert_data_parallel_size": ("expert DP", "world / (ETP x EP x PP)"),
+    "data_parallel_size": ("DP", "world / (TP x PP x CP)"),
+    "micro_batch_size": ("MBS", "samples per forward/backward"),
+    "global_batch_size": ("GBS", "MBS x DP x GA; TP, PP, CP, EP never multiply it"),
+    "num_microbatches": ("GA = num_microbatches", "GBS / (MBS x DP), per rank and per model chunk"),
+    "samples_per_step": ("samples per step", "= GBS"),
+    "samples_per_rank_per_step": ("samples per DP rank per step", "MBS x GA"),
+    "seq_length": ("seq length", ""),
+    "tokens_per_step": ("tokens per step", "GBS x seq_length (padding included)"),
+    "dp_syncs_per_step": ("DP gradient syncs per step", "0 if DP = 1; 1 deferred; GA if every micro-batch syncs"),
+    "pipeline_bubble_fraction": ("pipeline bubble", "(PP - 1) / (VPP x GA + PP - 1)"),
+}
+
+#: Megatron flags the ledger does not take: they decide a schedule or the loss, not one layout.
+_NOT_LEDGER = {
+    "rampup_batch_size", "step_batch_size_schedule", "decrease_batch_size_if_needed", "decoder_seq_length",
+    "train_iters", "train_samples", "calculate_per_token_loss", "hybrid_context_parallel", "perform_rl_step",
+    "rl_use_sequence_packing",
+}
+
+
+def print_ledger(layout: BatchLayout, title: str = "megatron-ga ledger") -> None:
+    rows = [(_LEDGER_LABELS[k][0], v, _LEDGER_LABELS[k][1]) for k, v in layout.ledger().items()]
+    print_table(title, ("quantity", "value", "rule"), rows)
+
+
+# -- ledger ------------------------------------------------------------------------------------
+
+
+def _ledger_options() -> list[Option]:
+    """The ledger's flags: the launcher's and Megatron's that decide one layout (declared in options.py)."""
+    megatron = [o for o in MEGATRON_OPTIONS if o.dest not in _NOT_LEDGER]
+    return [*LAUNCHER_OPTIONS, *megatron]
+
+
+def _configure_ledger(parser: argparse.ArgumentParser) -> None:
+    for option in _ledger_options():
+        if option.type is bool:
+            parser.add_argument(option.flag, dest=option.dest, action="store_true", default=None)
+        else:
+            parser.add_argument(option.flag, dest=option.dest, metavar="N" if option.type is int else "TEXT",
+                                help=option.help or None)
+    parser.add_argument(VIRTUAL_PIPELINE.flag, dest=VIRTUAL_PIPELINE.dest, metavar="N", help=VIRTUAL_PIPELINE.help)
+    parser.add_argument(
+        "--grad-sync", choices=("step", "microbatch"), default="step",
+        help="DP gradient sync once per step (Megatron, no_sync) or after every micro-batch",
+    )
+    parser.add_argument("--json", action="store_true", help="print the ledger as JSON")
+
+
+def _run_ledger(args: argparse.Namespace) -> int:
+    launch = Launch()
+    for option in _ledger_options():
+        value = getattr(args, option.dest)
+        if value is None:
+            continue
+        if option.type is bool:
+            launch.switches[option.flag] = True
+        else:
+            launch.values[option.flag] = [value]
+    kwargs = layout_kwargs(launch)
+    vpp = args.virtual_pipeline_model_parallel_size
+    if vpp is not None:
+        if kwargs["virtual_pipeline_model_parallel_size"] is not None:
+            raise UsageError(f"{VIRTUAL_PIPELINE.flag} {vpp} is given with another flag that sets the virtual "
+                             f"pipeline size ({kwargs['given']['virtual_pipeline_model_parallel_size']}); keep one.")  # type: ignore[index]
+        kwargs["virtual_pipeline_model_parallel_size"] = read_int(VIRTUAL_PIPELINE.flag, vpp)
+    layout = BatchLayout(**kwargs, grad_sync=args.grad_sync)  # type: ignore[arg-type]
+    if args.json:
+        print(json.dumps(layout.ledger(), indent=2))
+    else:
+        print_ledger(layout)
+    return 0
+
+
+# -- check -------------------------------------------------------------------------------------
+
+
+def _configure_check(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world-size", metavar="N", help="the world size, where the launch line leaves it open")
+    parser.add_argument("--json", action="store_true", help="print the ledger and the problems as JSON")
+    parser.add_argument("launch", nargs=argparse.REMAINDER, help="-- then the whole launch line")
+
+
+def _run_check(args: argparse.Namespace) -> int:
+    tokens = args.launch[1:] if args.launch[:1] == ["--"] else args.launch
+    if not tokens:
+        raise UsageError("give the launch line after --: megatron-ga check -- torchrun ... pretrain_gpt.py ...")
+    world_size = None if args.world_size is None else read_int(BY_DEST["world_size"].flag, args.world_size)
+    layout, problems = launch_problems(parse_launch(tokens), world_size)
+    if args.json:
+        print(json.dumps({"ledger": layout.ledger() if layout else None, "problems": problems}, indent=2))
+        return 1 if problems else 0
+    if layout is not None:
+        print_ledger(layout, "megatron-ga check: ledger of the launch")
+    if problems:
+        print(f"\n{len(problems)} problem(s):")
+        for i, text in enumerate(problems, 1):
+            print(f"  {i}. {text}")
+        return 1
+    print("\nno problems found.")
+    return 0
+
+
+# -- entry point -------------------------------------------------------------------------------
+
+_LOCAL = {
+    "ledger": (_configure_ledger, _run_ledger, "the batch ledger of one layout, from Megatron's flags"),
+    "check": (_configure_check, _run_check, "read a whole launch line, print its ledger and every problem"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; a delegated command's module is imported only when ``command`` selects it. Built once per
+    command: parsing does not change it, and main() called in-process (tests, fuzzing) need not rebuild it."""
+    parser = argparse.ArgumentParser(prog="megatron-ga", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (configure, run, help_text) in _LOCAL.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        configure(p)
+        p.set_defaults(handler=run)
+    for name, (module_name, help_text) in _DELEGATED.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == command:
+            module = importlib.import_module(module_name)
+            module.configure_parser(p)
+            p.set_defaults(handler=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; a GAError is reported by :func:`report_error` (exit 2)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
+    try:
+        _require_inline_values(argv)
+        return args.handler(args)
+    except GAError as error:
+        return report_error(args.command, error, as_json=getattr(args, "json", False))
+
+
+def _require_inline_values(argv: Sequence[str]) -> None:
+    """argparse reads ``--flag=--`` as an empty list (it drops '--', its end-of-options marker), not as a value:
+    refuse it before a command reads a list where it expects text. A launch line after ``check --`` is not ours."""
+    for token in itertools.takewhile(lambda word: word != "--", argv):
+        name, eq, value = token.partition("=")
+        if name.startswith("--") and eq and value == "--":
+            raise UsageError(f"{token}: '--' is not a value for {name}; give {name} a value, or leave it out.")
+
+
+def report_error(command: str, error: GAError, as_json: bool = False) -> int:
+    """The one error path of every command: ``megatron-ga COMMAND: error: ...`` on stderr, no traceback; with
+    ``--json`` also ``{"error": ..., "error_type": ...}`` on stdout. Returns the exit status, 2."""
+    if as_json:
+        print(json.dumps({"error": str(error), "error_type": type(error).__name__, "ledger": None, "problems": []},
+                         indent=2))
+    print(f"megatron-ga {command}: error: {error}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

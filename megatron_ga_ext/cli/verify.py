@@ -1,0 +1,185 @@
+"""``megatron-ga verify``: every layout in both modes, through install(), against unpartitioned references.
+
+One launch per world size (1, 2, 4 ranks on the default layouts); each rank runs all layouts of its
+world size in sequence, re-initialising megatron's parallel state in between. The 2-rank launch also
+measures the MoE router's auxiliary-loss gradient against the token-mode target, before (upstream alone)
+and after install() (verify/aux.py). Exit status: 0 when every ``token`` row is within ``--tolerance`` of
+the token reference, with every rank dividing by N = the non-padding tokens of the global batch, every
+``microbatch`` row within it of its own mean-of-means reference, and the router's gradient with the
+extension within it of the target; 1 otherwise; 2 when a launch fails (a VerifyError, printed by the CLI's
+one error path). Layouts a release cannot run are listed as skipped, with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+import warnings
+from collections import defaultdict
+from typing import Any, Iterable
+
+from megatron_ga_ext.cli.render import print_table
+from megatron_ga_ext.errors import VerifyError
+
+__all__ = ["configure_parser", "run", "rows_from_results"]
+
+TOLERANCE = 1e-5
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    """Add verify's options to ``parser``."""
+    parser.add_argument("--json", action="store_true",
+                        help="print a JSON list of rows (layout, mode, rel_err_token, "
+                             "rel_err_mean_of_means, num_tokens, ok) instead of a table")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: gloo ranks with CPU shims (default); cuda: nccl, one GPU per rank")
+    parser.add_argument("--tolerance", type=float, default=TOLERANCE,
+                        help=f"largest relative gradient error that passes (default {TOLERANCE:g}, fp32)")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds allowed for each launch (default 300)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run verify as configured by :func:`configure_parser`; return the exit status (0 pass, 1 a row fails).
+
+    Raises VerifyError when it cannot run (no CUDA device, a launch failed): ``megatron-ga`` prints it.
+    """
+    start = time.perf_counter()
+    _quiet_upstream()
+    versions = _import_upstream()
+    from megatron_ga_ext.verify.launches import launch_all  # imports torch and megatron-core
+    from megatron_ga_ext.verify.layouts import DEFAULT_LAYOUTS, DEFAULT_LENGTHS
+
+    layouts, skipped = _supported(_runnable(DEFAULT_LAYOUTS, args.device))
+    print(f"megatron-ga verify: {versions}, device {args.device}", file=sys.stderr)
+    if not layouts:
+        raise VerifyError("--device cuda: no CUDA device is visible; run on a GPU machine or use --device cpu.")
+    try:
+        results, router = launch_all(layouts, device=args.device, timeout_s=args.timeout)
+    except Exception as exc:  # noqa: BLE001 - any failure of a launch is reported as one line by the CLI
+        raise VerifyError(f"verify launch failed: {type(exc).__name__}: {exc}") from exc
+    expected_num_tokens = sum(DEFAULT_LENGTHS)
+    rows = rows_from_results(results, args.tolerance, expected_num_tokens)
+    router_rows = [{"variant": r.variant, "coefficient": r.coefficient, "error": r.error} for r in router]
+    router_ok = all(r["error"] <= args.tolerance for r in router_rows if r["variant"].startswith("with"))
+    _report(rows, router_rows, skipped, args, expected_num_tokens, time.perf_counter() - start)
+    return 0 if all(row["ok"] for row in rows) and router_ok else 1
+
+
+def _supported(layouts: list) -> tuple[list, list[dict[str, str]]]:
+    """The layouts this megatron-core can run, and the others with the reason."""
+    from megatron.core.transformer import multi_token_prediction
+
+    mtp_clamped = hasattr(multi_token_prediction, "process_mtp_loss")
+    kept, skipped = [], []
+    for layout in layouts:
+        if layout.model in ("mtp", "moe_mtp") and not mtp_clamped:
+            skipped.append({"layout": layout.name, "reason": (
+                "megatron-core 0.16 divides each micro-batch's MTP loss by its rolled token count without a "
+                "clamp, so a micro-batch with at most one loss token per sequence (this batch has one) gives "
+                "NaN; the MTP rows need 0.17 or later")})
+        else:
+            kept.append(layout)
+    return kept, skipped
+
+
+def _quiet_upstream() -> None:
+    """megatron-core warns about Apex, Transformer Engine and deprecations on import and build."""
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    for name in ("megatron", "torch.utils.cpp_extension", "torch.distributed"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _import_upstream() -> str:
+    """Import megatron-core once in the parent: forked ranks inherit it instead of paying 5-12 s."""
+    try:
+        import megatron.core
+        import torch
+    except ImportError as exc:
+        raise VerifyError(
+            f"megatron-ga verify trains real megatron-core models and needs torch and megatron-core ({exc}); "
+            f"install them with pip install 'megatron-ga-ext[megatron]' (or pip install -e '.[megatron]' in a "
+            f"checkout). ledger, check and schedule need neither.") from exc
+
+    return f"megatron-core {megatron.core.__version__}, torch {torch.__version__}"
+
+
+def _runnable(layouts: tuple, device: str) -> list:
+    """All layouts on the CPU; on CUDA those with no more ranks than GPUs (nccl needs one each)."""
+    if device == "cpu":
+        return list(layouts)
+    import torch
+
+    gpus = torch.cuda.device_count()
+    kept = [lay for lay in layouts if lay.world_size <= gpus]
+    for lay in layouts:
+        if lay.world_size > gpus:
+            print(f"  skipped {lay.name}: needs {lay.world_size} GPUs, {gpus} visible", file=sys.stderr)
+    return kept
+
+
+def rows_from_results(results: dict[int, list[list[Any]]], tolerance: float,
+                      expected_num_tokens: int | None = None) -> list[dict[str, Any]]:
+    """One row per (layout, mode): the largest error over ranks, the token count, and the verdict.
+
+    ``token`` passes when within ``tolerance`` of the token reference and, given
+    ``expected_num_tokens``, every rank's finalize divided by N = that count (the non-padding tokens of
+    the global batch); ``microbatch`` passes when within ``tolerance`` of its own (mean-of-means)
+    reference. ``num_tokens`` is N when every rank reports the same, else None.
+    """
+    per_row: dict[tuple[str, str], list[Any]] = defaultdict(list)
+    for per_rank in results.values():
+        for rank_results in per_rank:
+            for res in rank_results:
+                per_row[(res.layout, res.mode)].append(res)
+    rows = []
+    for (layout, mode), ranks in per_row.items():
+        err_token = _worst(res.rel_err_token for res in ranks)
+        err_mom = _worst(res.rel_err_mean_of_means for res in ranks)
+        own = err_token if mode == "token" else err_mom
+        counts = {res.num_tokens for res in ranks}
+        num_tokens = counts.pop() if len(counts) == 1 else None
+        count_ok = mode != "token" or expected_num_tokens is None or num_tokens == expected_num_tokens
+        rows.append({"layout": layout, "mode": mode, "rel_err_token": err_token,
+                     "rel_err_mean_of_means": err_mom, "num_tokens": num_tokens,
+                     "ok": not math.isnan(own) and own <= tolerance and count_ok})
+    return rows
+
+
+def _worst(errors: Iterable[float]) -> float:
+    """The largest error, or NaN if any is NaN (Python's ``max`` drops a NaN that is not first)."""
+    errors = list(errors)
+    return math.nan if any(math.isnan(e) for e in errors) else max(errors)
+
+
+def _report(rows: list[dict[str, Any]], router: list[dict[str, Any]], skipped: list[dict[str, str]],
+            args: argparse.Namespace, expected_num_tokens: int, seconds: float) -> None:
+    if args.json:
+        print(json.dumps({"rows": rows, "router_aux_coefficient": router, "skipped": skipped}, indent=2))
+        return
+    table = [[r["layout"], r["mode"], f"{r['rel_err_token']:.2e}", f"{r['rel_err_mean_of_means']:.2e}",
+              "-" if r["mode"] != "token" else str(r["num_tokens"]), _verdict(r)] for r in rows]
+    print_table("Gradients against unpartitioned references (max relative error over ranks)",
+                ["layout", "mode", "vs token ref", "vs mean-of-means ref", "N", "verdict"], table)
+    if router:
+        print_table("MoE router's auxiliary-loss gradient against the token-mode target (DP2 x GA4, token mode)",
+                    ["step", "coefficient", "max relative error"],
+                    [[r["variant"], f"{r['coefficient']:.4f}", f"{r['error']:.2e}"] for r in router])
+    for skip in skipped:
+        print(f"skipped {skip['layout']}: {skip['reason']}")
+    failed = sum(not r["ok"] for r in rows)
+    summary = "all rows pass" if not failed else f"{failed} row(s) FAIL"
+    print(f"{summary} (tolerance {args.tolerance:g}; token rows must divide by N = "
+          f"{expected_num_tokens}); {seconds:.1f} s")
+
+
+def _verdict(row: dict[str, Any]) -> str:
+    if not row["ok"]:
+        return "FAIL"
+    return "ok: token mean" if row["mode"] == "token" else "ok: mean of means"

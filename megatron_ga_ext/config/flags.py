@@ -1,0 +1,93 @@
+"""The ``--ga-*`` flags (ours), declared once, beside Megatron's and the launcher's (``core/megatron_flags.py``).
+
+Everything else is derived from these declarations: ``add_args`` (config/args.py), :class:`GAConfig`, how
+``megatron-ga check`` reads a launch line, and the flags table of ``docs/guide.md`` (:func:`flags_table`).
+"""
+
+from __future__ import annotations
+
+from megatron_ga_ext.core.megatron_flags import LAUNCHER_OPTIONS, MEGATRON_OPTIONS, STEP_SCHEDULE, Option, switch
+from megatron_ga_ext.errors import OptionError
+
+#: ``--ga-loss-reduction``: every non-padding token weighs the same, or upstream's mean of means.
+MODES = ("token", "microbatch")
+#: ``--ga-zero-token-policy``: a global batch without a single token.
+ZERO_TOKEN_POLICIES = ("error", "skip")
+#: ``--ga-checks``: when token mode reads a step's checked count (finalize.py).
+CHECK_TIMINGS = ("sync", "async")
+
+
+# -- the --ga-* flags (ours) ----------------------------------------------------------------------
+
+LOSS_REDUCTION = Option(
+    flag="--ga-loss-reduction", dest="ga_loss_reduction", type=str, default="token", choices=MODES,
+    help="token: every non-padding token of the global batch weighs the same (needs --calculate-per-token-loss; "
+    "checked every step); microbatch: upstream's mean of means, chosen explicitly (without "
+    "--calculate-per-token-loss).",
+)
+ZERO_TOKEN_POLICY = Option(
+    flag="--ga-zero-token-policy", dest="ga_zero_token_policy", type=str, default="error", choices=ZERO_TOKEN_POLICIES,
+    help="a global batch with 0 non-padding tokens: error (default), or skip (that optimizer step is skipped, "
+    "as after an fp16 overflow: a skipped iteration, the learning rate held, a warning).",
+)
+STRICT = switch(
+    "--ga-strict", "ga_strict", default=True, negatable=True,
+    help="refuse to patch upstream functions whose source matches no tested release or main commit, whatever the "
+    "version string says (--no-ga-strict: warn and patch).",
+)
+CONVERT_RAMPUP = switch(
+    "--ga-convert-rampup", "ga_convert_rampup",
+    help="run a given --rampup-batch-size as the exact equivalent step schedule (megatron-core >= 0.18 otherwise "
+    "ignores the rampup without a word).",
+)
+GUARDS = switch(
+    "--ga-guards", "ga_guards", default=True, negatable=True,
+    help="check every step that each forward/backward call runs num_microbatches micro-batches per model chunk and "
+    "that consumed samples advance by the global batch size; --no-ga-guards for schedules that legitimately run "
+    "another number of forward passes (--hybrid-context-parallel, packed RL batches).",
+)
+CHECKS = Option(
+    flag="--ga-checks", dest="ga_checks", type=str, default="sync", choices=CHECK_TIMINGS,
+    help="token mode: sync (default) reads the step's checked token count once, in finalize, and raises before the "
+    "optimizer step; async reads nothing there (gradients scaled by a device 1/max(N, 1), as upstream) and raises a "
+    "broken step after the optimizer step or at the next step, naming it (not with --ga-zero-token-policy skip).",
+)
+#: The flags add_args adds (the schedule flag only where the parser lacks it).
+GA_OPTIONS = (LOSS_REDUCTION, ZERO_TOKEN_POLICY, STRICT, CONVERT_RAMPUP, GUARDS, CHECKS)
+
+#: Every flag by its spelling (a negatable switch under both).
+OPTIONS: dict[str, Option] = {
+    spelling: option
+    for option in (*GA_OPTIONS, *MEGATRON_OPTIONS, *LAUNCHER_OPTIONS)
+    for spelling in option.spellings
+}
+BY_DEST: dict[str, Option] = {option.dest: option for option in (*GA_OPTIONS, *MEGATRON_OPTIONS, *LAUNCHER_OPTIONS)}
+
+
+def check_choice(option: Option, value: object, *, error: type[OptionError] = OptionError) -> None:
+    """Raise ``error`` naming ``option`` when ``value`` is not one of its choices."""
+    if option.choices and value not in option.choices:
+        raise error(f"{option.flag} {value!r} is not one of {', '.join(option.choices)}; pick one of them.")
+
+
+
+def flags_table() -> str:
+    """The Markdown table of the flags add_args adds (docs/guide.md holds it; a test compares)."""
+    rows = ["| flag | default | what it does |", "|---|---|---|"]
+    for option in (*GA_OPTIONS, STEP_SCHEDULE):
+        rows.append(f"| {_flag_cell(option)} | {_default_cell(option)} | {option.help} |")
+    return "\n".join(rows)
+
+
+def _flag_cell(option: Option) -> str:
+    if option.choices:
+        return f"`{option.flag} {{{','.join(option.choices)}}}`"
+    return " / ".join(f"`{spelling}`" for spelling in option.spellings)
+
+
+def _default_cell(option: Option) -> str:
+    if option.type is bool:
+        return "on" if option.default else "off"
+    return "" if option.default is None else f"`{option.default}`"
+
+

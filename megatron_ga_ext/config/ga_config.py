@@ -1,0 +1,91 @@
+"""GAConfig: what install() turns on, read from Megatron's parsed args. Pure Python."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from megatron_ga_ext.config.flags import (
+    CHECKS,
+    CONVERT_RAMPUP,
+    GUARDS,
+    LOSS_REDUCTION,
+    STRICT,
+    ZERO_TOKEN_POLICY,
+    check_choice,
+)
+from megatron_ga_ext.config.rules import check_checks
+from megatron_ga_ext.core.schedule.rampup import rampup_triple
+
+
+@dataclass(kw_only=True, frozen=True)
+class GAConfig:
+    """What install() turns on; ``from_args`` reads it from Megatron's parsed args.
+
+    The first five fields are the ``--ga-*`` flags (:data:`GA_OPTIONS`: defaults and choices there); the
+    rest are Megatron's own settings the calculator needs where its call does not pass them.
+    """
+
+    loss_reduction: str = LOSS_REDUCTION.default
+    """``token`` (every non-padding token weighs the same) or ``microbatch`` (upstream's mean of means)."""
+    zero_token_policy: str = ZERO_TOKEN_POLICY.default
+    """A global batch with 0 tokens: ``error``, or ``skip`` (the optimizer skips that step; a warning)."""
+    strict: bool = STRICT.default
+    """Refuse upstream functions whose source fingerprint is unknown (else warn and patch)."""
+    convert_rampup: bool = CONVERT_RAMPUP.default
+    """Turn a given rampup triple into the equivalent step schedule."""
+    guards: bool = GUARDS.default
+    """Check micro-batch counts and consumed samples every step."""
+    checks: str = CHECKS.default
+    """When token mode reads a step's checked count: ``sync`` (in finalize) or ``async`` (after the step)."""
+    step_batch_size_schedule: str | None = None
+    """Megatron's ``--step-batch-size-schedule`` (or the backported flag)."""
+    rampup_batch_size: tuple[int, int, int] | None = None
+    """Megatron's ``--rampup-batch-size START INCREMENT SAMPLES``."""
+    seq_length: int | None = None
+    """Tokens per sample: schedule thresholds are tokens when set."""
+    pipeline_model_parallel_size: int | None = None
+    """PP, for the interleaved-schedule rule and the guards."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """VPP as Megatron derives it (``args.virtual_pipeline_model_parallel_size``)."""
+    microbatch_group_size_per_vp_stage: int | None = None
+    """N of the interleaved schedule (``--microbatch-group-size-per-virtual-pipeline-stage``); None means PP."""
+
+    def __post_init__(self) -> None:
+        check_choice(LOSS_REDUCTION, self.loss_reduction)
+        check_choice(ZERO_TOKEN_POLICY, self.zero_token_policy)
+        check_choice(CHECKS, self.checks)
+        check_checks(self.checks, self.zero_token_policy)
+        if self.rampup_batch_size is not None:
+            object.__setattr__(self, "rampup_batch_size", rampup_triple(self.rampup_batch_size))
+
+    @classmethod
+    def from_args(cls, args: Any) -> "GAConfig":
+        """From an argparse namespace holding Megatron's flags and the ``--ga-*`` flags (absent ones: defaults)."""
+        rampup = getattr(args, "rampup_batch_size", None)
+        return cls(
+            loss_reduction=getattr(args, LOSS_REDUCTION.dest, LOSS_REDUCTION.default),
+            zero_token_policy=getattr(args, ZERO_TOKEN_POLICY.dest, ZERO_TOKEN_POLICY.default),
+            strict=getattr(args, STRICT.dest, STRICT.default),
+            convert_rampup=getattr(args, CONVERT_RAMPUP.dest, CONVERT_RAMPUP.default),
+            guards=getattr(args, GUARDS.dest, GUARDS.default),
+            checks=getattr(args, CHECKS.dest, CHECKS.default),
+            step_batch_size_schedule=getattr(args, "step_batch_size_schedule", None),
+            rampup_batch_size=rampup_triple(rampup) if rampup else None,
+            seq_length=getattr(args, "seq_length", None),
+            pipeline_model_parallel_size=getattr(args, "pipeline_model_parallel_size", None),
+            virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
+            microbatch_group_size_per_vp_stage=getattr(args, "microbatch_group_size_per_vp_stage", None),
+        )
+
+
+#: GAConfig field of each --ga-* flag.
+GA_FIELDS = {
+    LOSS_REDUCTION: "loss_reduction",
+    ZERO_TOKEN_POLICY: "zero_token_policy",
+    STRICT: "strict",
+    CONVERT_RAMPUP: "convert_rampup",
+    GUARDS: "guards",
+    CHECKS: "checks",
+}
+

@@ -1,0 +1,260 @@
+"""The upstream sources we test, and fingerprints of every upstream function the extension hooks.
+
+A fingerprint is the first 16 hex digits of sha256 over a function's source text (decorators included),
+so it does not depend on the Python version. ``install()`` compares the live functions with the table
+before it patches anything, **by source, not by version string**: a main-branch checkout reports an
+unreleased version, and what matters is whether each hooked function is one we have tested. Every
+hooked function known: accepted, whatever the version says. One unknown: refused in strict mode, warned
+about otherwise, naming the function, its fingerprint and the nearest tested source.
+
+:data:`UPSTREAM` is the one list of tested sources: adding a release or a main-branch commit is one line
+there, then ``make fingerprints`` (``python -m megatron_ga_ext.integration.compat --write``) regenerates
+``fingerprints.json`` from the sources. Everything else (the Makefile, the end-to-end tier, the patches,
+the tests) reads the list from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import importlib
+import inspect
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from megatron_ga_ext.errors import CompatError
+from megatron_ga_ext.logs import get_logger
+
+__all__ = [
+    "RELEASES", "TARGETS", "UPSTREAM", "Target", "Upstream", "check_targets", "fingerprint", "known_fingerprints",
+    "megatron_core_version",
+]
+
+logger = get_logger(__name__)
+
+SCHEDULES = "megatron.core.pipeline_parallel.schedules"
+FINALIZE = "megatron.core.distributed.finalize_model_grads"
+CALCULATOR = "megatron.core.num_microbatches_calculator"
+TRAINING = "megatron.training.training"
+GPT_MODEL = "megatron.core.models.gpt.gpt_model"
+FINGERPRINTS = Path(__file__).with_name("fingerprints.json")
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """A Megatron-LM source we test: a release (its megatron-core wheel) or a main-branch commit."""
+
+    name: str
+    """How we call it: the megatron-core release ("0.19.2"), or "main@<commit>"."""
+    ref: str
+    """Its Megatron-LM snapshot: a tag (core_v0.19.0, whose core files equal the 0.19.2 wheel) or a commit."""
+    python: str
+    """The test leg that runs it: 0.16.1 on Python 3.11, everything from 0.17 on 3.12."""
+
+    @property
+    def is_release(self) -> bool:
+        return not self.name.startswith("main@")
+
+
+#: Every source the extension is tested on, oldest first. One line per release or commit.
+UPSTREAM = (
+    Upstream("0.16.1", "core_v0.16.1", "3.11"),
+    Upstream("0.17.1", "core_v0.17.1", "3.12"),
+    Upstream("0.18.2", "core_v0.18.2", "3.12"),
+    Upstream("0.19.2", "core_v0.19.0", "3.12"),
+    Upstream("main@9f3fe8c925fb", "9f3fe8c925fb", "3.12"),
+    Upstream("main@dd8c825b3ad5", "dd8c825b3ad5", "3.12"),
+    Upstream("main@d98e8a64ddf3", "d98e8a64ddf3", "3.12"),
+)
+RELEASES = tuple(u.name for u in UPSTREAM if u.is_release)
+
+
+@dataclass(frozen=True)
+class Target:
+    """An upstream function (or ``Class.method``) the extension replaces or wraps."""
+
+    module: str
+    name: str
+
+    @property
+    def qualified(self) -> str:
+        return f"{self.module}.{self.name}"
+
+    @property
+    def optional(self) -> bool:
+        """Megatron-LM's training package: not in every megatron-core wheel, checked where it is loaded."""
+        return self.module.startswith("megatron.training")
+
+    def resolve(self) -> Callable:
+        found = importlib.import_module(self.module)
+        for part in self.name.split("."):
+            found = getattr(found, part)
+        return found
+
+    def path_in(self, root: Path) -> Path:
+        return root / (self.module.replace(".", "/") + ".py")
+
+
+TARGETS = (
+    Target(SCHEDULES, "forward_step_calc_loss"),
+    Target(SCHEDULES, "forward_backward_no_pipelining"),
+    Target(SCHEDULES, "forward_backward_pipelining_with_interleaving"),
+    Target(SCHEDULES, "forward_backward_pipelining_without_interleaving"),
+    Target(FINALIZE, "finalize_model_grads"),
+    Target(CALCULATOR, "_configure_global_num_microbatches_calculator"),
+    Target(CALCULATOR, "get_num_microbatches"),
+    Target(CALCULATOR, "update_num_microbatches"),
+    Target(GPT_MODEL, "GPTModel.forward"),
+    Target(TRAINING, "update_train_iters"),
+    Target(TRAINING, "get_train_valid_test_num_samples"),
+)
+
+
+def known_fingerprints() -> dict[str, dict[str, list[str]]]:
+    """{qualified function name: {fingerprint: [tested sources that have it]}} from fingerprints.json."""
+    return json.loads(FINGERPRINTS.read_text())
+
+
+def live_calculator() -> Any:
+    """Megatron's global num-microbatches calculator (``_GLOBAL_NUM_MICROBATCHES_CALCULATOR``); None before it is
+    built."""
+    return getattr(sys.modules.get(CALCULATOR), "_GLOBAL_NUM_MICROBATCHES_CALCULATOR", None)
+
+
+def set_live_calculator(calculator: Any) -> None:
+    """Make ``calculator`` the one ``get_num_microbatches()`` and the training loop read."""
+    sys.modules[CALCULATOR]._GLOBAL_NUM_MICROBATCHES_CALCULATOR = calculator
+
+
+def megatron_core_version() -> str:
+    """The version of the megatron-core code that is imported (``megatron.core.package_info``, which a
+    tree on PYTHONPATH carries too), else the installed distribution's."""
+    try:
+        from megatron.core import package_info
+
+        return package_info.__version__.split("+")[0]  # a source tree in a git checkout adds "+<hash>"
+    except ImportError:
+        import importlib.metadata  # only where megatron.core lacks package_info
+
+        return importlib.metadata.version("megatron-core")
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+#: id(code object) -> (that code object, its fingerprint): a loaded function's source is read once.
+_FINGERPRINTS: dict[int, tuple[Any, str]] = {}
+
+
+def fingerprint(function: Callable) -> str:
+    """Fingerprint of a live function: sha256 of its source, decorators included (read once per code object:
+    the code that is loaded, not the file as it may have changed on disk since)."""
+    unwrapped = inspect.unwrap(function)
+    code = getattr(unwrapped, "__code__", unwrapped)
+    cached = _FINGERPRINTS.get(id(code))
+    if cached is None or cached[0] is not code:
+        cached = _FINGERPRINTS[id(code)] = (code, _digest(inspect.getsource(unwrapped)))
+    return cached[1]
+
+
+def fingerprint_file(path: Path, name: str) -> str:
+    """Fingerprint of the top-level function (or ``Class.method``) ``name`` in a source file, without
+    importing it. A method's source is dedented as ``inspect.getsource`` of the live method is not, so
+    the indentation is kept: the same text either way."""
+    text = path.read_text()
+    body = ast.parse(text).body
+    *classes, function = name.split(".")
+    for class_name in classes:
+        body = next((n.body for n in body if isinstance(n, ast.ClassDef) and n.name == class_name), [])
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == function:
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            lines = text.splitlines(keepends=True)[first - 1 : node.end_lineno]
+            return _digest("".join(lines))
+    raise CompatError(f"{name} is not defined in {path}.")
+
+
+def _live_targets(targets: tuple[Target, ...]) -> list[Target]:
+    """The targets that exist here: optional ones only where their module is loaded."""
+    return [t for t in targets if not t.optional or t.module in sys.modules]
+
+
+def check_targets(version: str, strict: bool, targets: tuple[Target, ...] = TARGETS) -> list[str]:
+    """Compare each live target's source with the tested fingerprints; raise (strict) or warn on a mismatch.
+
+    Returns the mismatch messages (empty when every hooked function is one we have tested)."""
+    known = known_fingerprints()
+    seen = {t.qualified: fingerprint(t.resolve()) for t in _live_targets(targets)}
+    unknown = [name for name, fp in seen.items() if fp not in known.get(name, {})]
+    if not unknown:
+        return []
+    nearest, matched = _nearest_source(seen, known)
+    problems = "; ".join(f"{name} has fingerprint {seen[name]}, which no tested source has" for name in unknown)
+    message = (
+        f"unknown upstream source in megatron-core {version}: {problems}. The nearest tested source is {nearest} "
+        f"({matched} of {len(seen)} hooked functions identical). The extension is tested on "
+        f"{', '.join(u.name for u in UPSTREAM)}: use one of them, or pass strict=False (--no-ga-strict) to "
+        f"patch anyway with a warning."
+    )
+    if strict:
+        raise CompatError(message)
+    logger.warning(message)
+    return [message]
+
+
+def _nearest_source(seen: dict[str, str], known: dict[str, dict[str, list[str]]]) -> tuple[str, int]:
+    """The tested source that shares the most hooked functions with the live ones, and how many."""
+    counts = {u.name: 0 for u in UPSTREAM}
+    for name, fp in seen.items():
+        for source in known.get(name, {}).get(fp, []):
+            counts[source] = counts.get(source, 0) + 1
+    best = max(counts, key=lambda source: counts[source])  # ties: the oldest, as UPSTREAM is ordered
+    return best, counts[best]
+
+
+def matching_sources(targets: tuple[Target, ...] = TARGETS) -> list[str]:
+    """The tested sources whose hooked functions all equal the live ones (for the start-up log)."""
+    known = known_fingerprints()
+    found = [set(known.get(t.qualified, {}).get(fingerprint(t.resolve()), [])) for t in _live_targets(targets)]
+    common = set.intersection(*found) if found else set()
+    return [u.name for u in UPSTREAM if u.name in common]
+
+
+def table_from_trees(trees: dict[str, Path]) -> dict[str, dict[str, list[str]]]:
+    """Fingerprints of :data:`TARGETS` in source trees ``{source name: root holding megatron/...}``."""
+    table: dict[str, dict[str, list[str]]] = {t.qualified: {} for t in TARGETS}
+    for source, root in trees.items():
+        for target in TARGETS:
+            path = target.path_in(root)
+            if target.optional and not path.exists():
+                continue
+            table[target.qualified].setdefault(fingerprint_file(path, target.name), []).append(source)
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="regenerate fingerprints.json from the tested sources")
+    parser.add_argument("--snapshots", type=Path, default=Path(".cache/megatron-lm"),
+                        help="holds megatron-lm-<ref>/ for every ref in UPSTREAM (tools/megatron-lm.sh unpacks them)")
+    parser.add_argument("--write", action="store_true", help=f"write {FINGERPRINTS.name} (else print it)")
+    parser.add_argument("--list", metavar="PYTHON", nargs="?", const="",
+                        help="print the tested source names (those of one Python leg, if given) and exit")
+    args = parser.parse_args()
+    if args.list is not None:
+        print(" ".join(u.name for u in UPSTREAM if args.list in ("", u.python)))
+        return
+    table = table_from_trees({u.name: args.snapshots / f"megatron-lm-{u.ref}" for u in UPSTREAM})
+    text = json.dumps(table, indent=1, sort_keys=True) + "\n"
+    if args.write:
+        FINGERPRINTS.write_text(text)
+    else:
+        print(text, end="")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,304 @@
+"""A ``finalize_model_grads`` wrapper that divides by the global token count, checked, in int64.
+
+In mode ``token`` the wrapper replaces upstream's last step (broadcast the count from the last PP stage,
+all-reduce it over DP x CP, divide the gradients by it) with the same two collectives on a small int64
+vector that also carries the loss contract's violation flags:
+
+    v = [n, negative, nonfinite, unchecked]          on every last PP stage (LossContract.collect)
+    v = broadcast(v, src = last PP stage)            so every stage divides by the same count
+    v = all_reduce_sum(v, DP x CP)                   N = sum_{m,r,c} n(m,r,c), summed, never averaged
+    grad = grad * (1 / max(N, 1))                    after upstream's finalize ran with num_tokens=None; a
+                                                     device scalar, as upstream scales
+
+``v`` is read back once per step, never per micro-batch (``--ga-checks sync``, the default: a broken step
+raises before its optimizer step). With ``--ga-checks async`` finalize reads nothing: ``v`` is copied to
+pinned host memory without blocking and read after the optimizer step (whose own grad-norm read has synced
+the stream by then) or at the start of the next step, whichever finds the copy done first; a broken step
+raises there, naming the step. Mode ``microbatch`` calls upstream unchanged after checking that the
+per-token flag is off.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from megatron_ga_ext.config.ga_config import GAConfig
+from megatron_ga_ext.config.rules import check_loss_mode
+from megatron_ga_ext.errors import LossContractError
+from megatron_ga_ext.integration.loss_contract import (
+    SLOT_NEGATIVE,
+    SLOT_NONFINITE,
+    SLOT_TOKENS,
+    SLOT_UNCHECKED,
+    LossContract,
+)
+from megatron_ga_ext.integration.training_hooks import megatron_args
+
+__all__ = ["FinalizeModelGrads", "check_ddp_chunks", "check_per_token_flag", "make_finalize_model_grads"]
+
+
+def check_per_token_flag(config: Any, mode: str) -> None:
+    """options.check_loss_mode on a model config (its calculate_per_token_loss, as the step reads it)."""
+    check_loss_mode(mode, bool(getattr(config, "calculate_per_token_loss", False)))
+
+
+def check_ddp_chunks(model: Sequence[torch.nn.Module], config: Any = None) -> None:
+    """Every data-parallel wrapper must sum gradients over DP x CP, not average them.
+
+    Megatron's DDP and Megatron-FSDP fix their pre-reduction gradient factor in ``__init__``: 1 (or none)
+    with per-token loss, 1/(DP x CP) without. A chunk built before ``calculate_per_token_loss`` was set
+    keeps 1/(DP x CP) and the finalize divides by the token count as well: gradients DP x CP times too
+    small, silently. torch FSDP2 (``--use-torch-fsdp2``) always averages in its reduce-scatter, so it is
+    refused. Plain modules (no wrapper) have no factor and pass. With ``config`` (the model's
+    TransformerConfig) the per-token flag is checked as well.
+    """
+    if config is not None:
+        check_per_token_flag(config, "token")
+    for index, chunk in enumerate(model):
+        if type(chunk).__name__ == "TorchFullyShardedDataParallel":
+            raise LossContractError(
+                f"model chunk {index} is wrapped in torch FSDP2 (--use-torch-fsdp2), whose reduce-scatter averages "
+                f"gradients over the data-parallel ranks; per-token loss needs them summed, then divided once by "
+                f"the global token count. Use Megatron's DDP (the default) or Megatron-FSDP (--use-megatron-fsdp), "
+                f"or --ga-loss-reduction microbatch without --calculate-per-token-loss.")
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if ddp_config is None:  # not a Megatron data-parallel wrapper
+            continue
+        if getattr(ddp_config, "average_in_collective", False):
+            raise LossContractError(
+                f"model chunk {index} was wrapped with DistributedDataParallelConfig("
+                f"average_in_collective=True); per-token loss needs a summing collective. Build DDP "
+                f"with average_in_collective=False (--no-average-in-collective is the default).")
+        for factor in _gradient_scaling_factors(chunk):
+            if factor is not None and factor != 1.0:
+                raise LossContractError(
+                    f"model chunk {index} was wrapped in {type(chunk).__name__} with gradient_scaling_factor "
+                    f"{factor:g} (= 1/{round(1 / factor)}), i.e. before calculate_per_token_loss was set; its "
+                    f"gradients would end up {round(1 / factor)} times too small. Set "
+                    f"config.calculate_per_token_loss=True before wrapping the model.")
+
+
+def _gradient_scaling_factors(chunk: torch.nn.Module) -> list[float | None]:
+    """The pre-reduction factors of a wrapper's gradient buffers: Megatron DDP keeps lists of buffers
+    (``buffers``, ``expert_parallel_buffers``; ``nn.Module.buffers`` is a method, not such a list),
+    Megatron-FSDP one ``param_and_grad_buffer`` with a dense and an expert factor."""
+    buffers = [b for attr in ("buffers", "expert_parallel_buffers")
+               if isinstance(getattr(chunk, attr, None), (list, tuple)) for b in getattr(chunk, attr)]
+    factors = [getattr(b, "gradient_scaling_factor", None) for b in buffers]
+    fsdp_buffer = getattr(chunk, "param_and_grad_buffer", None)
+    if fsdp_buffer is not None and not buffers:
+        factors += [getattr(fsdp_buffer, "gradient_scaling_factor", None),
+                    getattr(fsdp_buffer, "expert_gradient_scaling_factor", None)]
+    return factors
+
+
+class FinalizeModelGrads:
+    """Drop-in ``config.finalize_model_grads_func``; see the module docstring for the arithmetic.
+
+    Attributes:
+        last_num_tokens: the global token count N of the last step (mode ``token``), else None.
+        calls: how many times it ran (install() checks that every training step reached it).
+        enabled: False after uninstall(): a config that still holds it gets upstream's finalize unchanged.
+        skip_step: True after a step with 0 tokens under ``--ga-zero-token-policy skip``: the optimizer
+            wrapper install() puts on Megatron's optimizer skips that step (and clears it).
+        pending: under ``--ga-checks async``, the last step's verdict until :meth:`poll` reads it.
+    """
+
+    def __init__(self, original: Callable, contract: LossContract | None, config: GAConfig) -> None:
+        if config.loss_reduction == "token" and contract is None:
+            raise LossContractError("reduction mode 'token' needs a LossContract to read counts from.")
+        self.original = original
+        self.contract = contract
+        self.config = config
+        self.last_num_tokens: int | None = None
+        self.calls = 0
+        self.enabled = True
+        self.skip_step = False
+        self.pending: _Verdict | None = None
+        self._checked: tuple | None = None  # see _checked_chunks
+        self._topology: tuple | None = None  # (pp group, DP x CP group, last stage rank, is last stage)
+        self._tokens: tuple | None = None  # see _tokens_of
+
+    def __call__(self, model: list[torch.nn.Module], num_tokens: torch.Tensor | None = None,
+                 pg_collection: Any = None, force_all_reduce: bool | None = False) -> None:
+        if not self.enabled:
+            self.original(model, num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+            return
+        self.calls += 1
+        device, model_config = self._checked_chunks(model)
+        mode = self.config.loss_reduction
+        if (mode == "token") is not bool(getattr(model_config, "calculate_per_token_loss", False)):
+            check_per_token_flag(model_config, mode)  # raises: the flag was turned off (or on) since
+        if mode == "microbatch":
+            self.original(model, num_tokens, pg_collection=pg_collection,
+                          force_all_reduce=force_all_reduce)
+            return
+        if self.pending is not None:
+            self.poll(wait=True)  # an earlier step's verdict not yet read (no schedule call in between)
+        pp_group, dp_cp_group, last_stage_rank, is_last_stage = self._topology_of(pg_collection)
+        vector = self.contract.collect(device, is_last_stage=is_last_stage)  # before the grads' sync: no collective
+        self.original(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+        # where upstream reduces its count: after the grads, on every stage
+        torch.distributed.broadcast(vector, src=last_stage_rank, group=pp_group)
+        torch.distributed.all_reduce(vector, group=dp_cp_group)
+        # a device scalar, upstream's 1.0 / clamp(N, min=1) to the bit (torch computes x / t as t.reciprocal() * x)
+        scaling = torch.clamp(self._tokens_of(vector), min=1).reciprocal()
+        if self.config.checks == "async":
+            self.pending = _Verdict.of(vector, self.calls, _iteration())
+        else:
+            values = vector.tolist()  # the step's one device-to-host read
+            if values[SLOT_NEGATIVE] or values[SLOT_NONFINITE] or values[SLOT_UNCHECKED]:
+                _raise_on_violations(values)
+            self.last_num_tokens = values[SLOT_TOKENS]
+            if not values[SLOT_TOKENS]:  # --ga-zero-token-policy skip: a zero gradient for the skipped step
+                self._zero_tokens()
+                scaling = 0.0
+        for chunk in model:
+            chunk.scale_gradients(scaling)
+
+    def _tokens_of(self, vector: torch.Tensor) -> torch.Tensor:
+        """``vector[SLOT_TOKENS]``, the view made once per vector (LossContract.collect reuses its vector from one
+        step to the next of the same shape)."""
+        cached = self._tokens
+        if cached is None or cached[0] is not vector:
+            cached = self._tokens = (vector, vector[SLOT_TOKENS])
+        return cached[1]
+
+    def poll(self, *, wait: bool = False) -> None:
+        """``--ga-checks async``: read the pending verdict if its copy is done (or ``wait``) and raise if the
+        step it belongs to broke the contract."""
+        pending = self.pending
+        if pending is None or not (wait or pending.ready()):
+            return
+        self.pending = None
+        values = pending.values()
+        if values[SLOT_NEGATIVE] or values[SLOT_NONFINITE] or values[SLOT_UNCHECKED] or not values[SLOT_TOKENS]:
+            where = f"--ga-checks async, verdict of training step {pending.step}" + (
+                f" (iteration {pending.iteration})" if pending.iteration is not None else "")
+            _raise_on_violations(values, where=where)
+            self.last_num_tokens = 0
+            self._zero_tokens(where)
+            return
+        self.last_num_tokens = values[SLOT_TOKENS]
+
+    def _topology_of(self, pg_collection: Any) -> tuple:
+        """(pipeline group, DP x CP group, the last stage's global rank, whether this rank is it): the ranks looked up
+        again only when the groups are not the last step's (upstream's schedule builds a new pg_collection per step
+        from the same groups; a group's ranks never change)."""
+        pp_group, dp_cp_group = _groups(pg_collection)
+        cached = self._topology
+        if cached is None or cached[0] is not pp_group or cached[1] is not dp_cp_group:
+            last_stage_rank = torch.distributed.get_process_group_ranks(pp_group)[-1]
+            cached = self._topology = (pp_group, dp_cp_group, last_stage_rank,
+                                       torch.distributed.get_rank() == last_stage_rank)
+        return cached
+
+    def _checked_chunks(self, model: list[torch.nn.Module]) -> tuple[torch.device, Any]:
+        """The device of the step's model chunks and their model config, and in token mode :func:`check_ddp_chunks`
+        on them: once per list of chunks and mode (a wrapper fixes its gradient factor when it is built;
+        ``parameters()`` walks every submodule). The per-token flag is read from that config every step."""
+        checked, mode = self._checked, self.config.loss_reduction
+        if checked is None or checked[3] != mode or [ref() for ref in checked[0]] != model:  # list ==: identity first
+            from megatron.core.utils import get_model_config
+
+            config = get_model_config(model[0])
+            check_per_token_flag(config, mode)  # the rule a launch breaks, before what follows from it
+            device = None
+            if mode == "token":
+                check_ddp_chunks(model)
+                device = next(model[0].parameters()).device
+            checked = self._checked = ([weakref.ref(chunk) for chunk in model], device, config, mode)
+        return checked[1], checked[2]
+
+    def _zero_tokens(self, where: str = "") -> None:
+        message = (_prefixed(where) + "the global batch has 0 non-padding tokens (the sum of num_tokens over "
+                   "micro-batches and DP x CP ranks); there is nothing to average.")
+        if self.config.zero_token_policy == "error":
+            raise LossContractError(
+                message + " Check the loss mask and the data, or choose --ga-zero-token-policy skip to skip "
+                "the optimizer step and go on.")
+        self.skip_step = True
+        warnings.warn(message + " Skipping this optimizer step (--ga-zero-token-policy skip): the gradient is "
+                      "zeroed and Megatron's optimizer does not step, so Adam's moments and weight decay do not "
+                      "move either; Megatron counts a skipped iteration.", RuntimeWarning, stacklevel=3)
+
+
+def make_finalize_model_grads(original: Callable, contract: LossContract | None = None, *,
+                              config: GAConfig | None = None) -> FinalizeModelGrads:
+    """Wrap upstream's ``finalize_model_grads`` (``original``) for the given reduction mode."""
+    return FinalizeModelGrads(original, contract, config or GAConfig())
+
+
+def _groups(pg_collection: Any) -> tuple[Any, Any]:
+    """(pipeline group, DP x CP group), as upstream's finalize picks them."""
+    if pg_collection is not None:
+        # the groups set on it: upstream's getattr of an unset field goes through a __getattr__ that lists every field
+        dp_cp = getattr(pg_collection, "__dict__", {}).get("dp_cp_gtp_remat") or pg_collection.dp_cp
+        return pg_collection.pp, dp_cp
+    from megatron.core import parallel_state
+
+    return (parallel_state.get_pipeline_model_parallel_group(),
+            parallel_state.get_data_parallel_group(with_context_parallel=True))
+
+
+def _prefixed(where: str) -> str:
+    return f"{where}: " if where else ""
+
+
+def _raise_on_violations(values: list[int], *, where: str = "") -> None:
+    prefix = _prefixed(where)
+    if values[SLOT_UNCHECKED]:
+        raise LossContractError(
+            f"{prefix}{values[SLOT_UNCHECKED]} last-stage rank(s) ran no micro-batch through the LossContract "
+            f"this step, so their token counts are unchecked; wrap the loss function with "
+            f"contract.wrap(loss_func) (install() does this for you).")
+    if values[SLOT_NONFINITE]:
+        raise LossContractError(
+            f"{prefix}{values[SLOT_NONFINITE]} micro-batch(es) in this global batch returned a non-finite loss "
+            f"(inf or nan); the token-weighted gradient would be non-finite. Check the data, the loss function and "
+            f"the learning rate (--check-for-nan-in-loss-and-grad names the rank at the source).")
+    if values[SLOT_NEGATIVE]:
+        raise LossContractError(
+            f"{prefix}{values[SLOT_NEGATIVE]} micro-batch(es) returned a negative num_tokens; a token count is "
+            f">= 0. Count non-padding tokens as loss_mask.sum().to(torch.int64).")
+
+
+@dataclass
+class _Verdict:
+    """A step's reduced vector on its way to the host (``--ga-checks async``)."""
+
+    host: torch.Tensor
+    """Pinned host copy (CUDA: filled without blocking, done once ``event`` is)."""
+    event: Any
+    step: int
+    iteration: int | None
+
+    @classmethod
+    def of(cls, vector: torch.Tensor, step: int, iteration: int | None) -> "_Verdict":
+        kind = vector.device.type
+        if kind != "cuda":  # the CPU (or a device without events): a plain copy, as collect reuses its vector
+            return cls(vector.clone() if kind == "cpu" else vector.to("cpu", copy=True), None, step, iteration)
+        host = torch.empty(vector.shape, dtype=vector.dtype, pin_memory=True)
+        host.copy_(vector, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(host, event, step, iteration)
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def values(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()  # done already when ready(); else waits for this one copy
+        return self.host.numpy().tolist()  # host memory: reading it cannot synchronize the device
+
+
+def _iteration() -> int | None:
+    """The Megatron iteration being trained (``args.curr_iteration`` + 1, as its log numbers it), if any."""
+    current = getattr(megatron_args(), "curr_iteration", None)
+    return current + 1 if isinstance(current, int) else None

@@ -1,0 +1,347 @@
+"""Token-level loss reduction: the loss helper, and the per-micro-batch loss contract.
+
+Mode ``token`` (``--calculate-per-token-loss``) optimises
+
+    L_token = sum_{m,r,c} L(m,r,c) / sum_{m,r,c} n(m,r,c)
+
+over micro-batches m, data-parallel ranks r and context-parallel shards c, where L is a micro-batch's
+*summed* token loss and n its non-padding token count. Mode ``microbatch`` is upstream's default mean of
+means, ``(1/(M*D*C)) sum_{m,r,c} L(m,r,c) / max(n(m,r,c), 1)``. ``docs/reduction.md`` has the math.
+
+:func:`masked_loss` is the loss helper for pretrain_gpt-style loss functions. :class:`LossContract`
+checks what a loss function returns, one micro-batch at a time, with host bookkeeping only: the tuple's length
+and the count's type and dtype are host facts and fail at once; the loss and the count are kept by reference, and
+their devices, sign and finiteness are checked for the whole step at once (:meth:`LossContract.collect`), in the
+vector :mod:`megatron_ga_ext.integration.finalize` broadcasts and all-reduces with the token count anyway.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable
+
+import torch
+
+from megatron_ga_ext.config.flags import MODES
+from megatron_ga_ext.errors import LossContractError
+
+__all__ = ["MODES", "LossContract", "masked_loss", "mean_of_means_reports", "reduce_reports"]
+
+#: Slots of the per-step int64 vector (see :meth:`LossContract.collect`).
+SLOT_TOKENS, SLOT_NEGATIVE, SLOT_NONFINITE, SLOT_UNCHECKED = range(4)
+NUM_SLOTS = 4
+
+
+def masked_loss(losses: torch.Tensor, loss_mask: torch.Tensor, *, mode: str = "token",
+                key: str = "lm loss") -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """(per-token losses, loss_mask) -> (summed loss, num_tokens, report), the 3-tuple Megatron wants.
+
+        loss       = sum_i losses_i * mask_i          (a sum: the schedule or finalize divides)
+        num_tokens = sum_i mask_i                     (int64, so a global batch cannot overflow it)
+        report     = {key: [loss, num_tokens]}        in mode ``token``
+                     {key: [loss / max(num_tokens, 1), 1]}   in mode ``microbatch``
+
+    Megatron's training loop logs ``sum(report[0]) / sum(report[1])`` over micro-batches and DP x CP
+    ranks (:func:`reduce_reports` does the same), so in either mode the logged loss is the loss that is
+    optimised: the token mean, or the mean of the micro-batch means.
+    """
+    if losses.shape != loss_mask.shape and losses.numel() != loss_mask.numel():
+        raise LossContractError(
+            f"masked_loss: losses has shape {tuple(losses.shape)} but loss_mask has shape "
+            f"{tuple(loss_mask.shape)}; pass one loss per token and one mask value per token.")
+    mask = loss_mask.reshape(-1)
+    loss = torch.sum(losses.reshape(-1).float() * mask.float())
+    num_tokens = (mask != 0).sum().to(torch.int64)
+    if mode == "token":
+        row = torch.stack([loss.detach(), num_tokens.to(loss.dtype)])
+    elif mode == "microbatch":
+        mean = loss.detach() / torch.clamp(num_tokens, min=1)
+        row = torch.stack([mean, torch.ones_like(mean)])
+    else:
+        raise LossContractError(f"masked_loss: mode {mode!r} is not known; choose one of {MODES}.")
+    return loss, num_tokens, {key: row}
+
+
+def reduce_reports(reports: list[dict[str, torch.Tensor]],
+                   group: Any = None) -> dict[str, torch.Tensor]:
+    """The logged loss: sum over micro-batches (and ranks of ``group``) of report[0] / of report[1].
+
+    With :func:`masked_loss` reports this is the token-weighted mean in mode ``token`` and the mean of
+    micro-batch means in mode ``microbatch``: the loss the step optimises.
+    """
+    if not reports:
+        return {}
+    reduced = {}
+    for key in reports[0]:
+        total = torch.stack([r[key].reshape(-1) for r in reports]).sum(dim=0)
+        if group is not None:
+            torch.distributed.all_reduce(total, group=group)
+        reduced[key] = total[0] / total[1]
+    return reduced
+
+
+def mean_of_means_reports(loss_func: Callable) -> Callable:
+    """Mode ``microbatch`` with a loss function whose report is ``[summed loss, n]`` (upstream's pretrain_gpt):
+    report ``[summed loss / max(n, 1), 1]`` instead, so that Megatron's logged loss, sum(report[0]) /
+    sum(report[1]) over micro-batches and DP x CP ranks, is the mean of the micro-batch means that this mode
+    optimises, not the token mean. Reports of another shape pass unchanged."""
+
+    def reported(*args: Any, **kwargs: Any):
+        outputs = loss_func(*args, **kwargs)
+        if kwargs.get("non_loss_data") or not isinstance(outputs, tuple) or not isinstance(outputs[-1], dict):
+            return outputs
+        report = {key: _mean_row(value) for key, value in outputs[-1].items()}
+        return (*outputs[:-1], report)
+
+    return reported
+
+
+def _mean_row(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor) or value.numel() != 2:
+        return value
+    row = value.reshape(-1)
+    mean = row[0] / torch.clamp(row[1], min=1)
+    return torch.stack([mean, torch.ones_like(mean)]).reshape(value.shape)
+
+
+class LossContract:
+    """Checks each micro-batch's loss-function outputs with host bookkeeping only; the device checks of a
+    whole step run in :meth:`collect`, as a few fused ops, once per step.
+
+    Host facts fail at once (no synchronization): the outputs are not a 3-tuple; num_tokens is not an
+    integer scalar; the loss is not a tensor. Per micro-batch it keeps references only (an alias of the loss's
+    data, the count): no kernel runs. :meth:`collect` turns them into the step's int64 vector [tokens, negative,
+    nonfinite, unchecked] for the finalize wrapper, which reads it once per step (or, with ``--ga-checks
+    async``, not at all); a loss on another device than the step's first is named there.
+
+    Use ``contract.wrap(loss_func)`` where a loss function is built, or call ``contract.check(outputs)``
+    on what a loss function returned.
+    """
+
+    def __init__(self) -> None:
+        self._losses: list[torch.Tensor] = []
+        self._counts: list[torch.Tensor] = []
+        self._count_dtype: torch.dtype | None = None  # the device counts' dtype, kept from step to step
+        self._uniform = True  # every device count is 0-d, of _count_dtype: collect's fused ops take them
+        self._host_tokens = 0
+        self._fused: _FusedBuffers | None = None
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches checked since the last :meth:`collect` (a host count)."""
+        return len(self._losses)
+
+    def wrap(self, loss_func: Callable) -> Callable:
+        """``loss_func`` with its outputs checked; ``non_loss_data=True`` calls pass through."""
+        return functools.partial(self.checked_call, loss_func)
+
+    def checked_call(self, loss_func: Callable, *args: Any, **kwargs: Any) -> Any:
+        """``loss_func(*args, **kwargs)``, its outputs checked (what :meth:`wrap` returns calls)."""
+        outputs = loss_func(*args, **kwargs)
+        return outputs if kwargs and kwargs.get("non_loss_data") else self.check(outputs)
+
+    def check(self, outputs: Any) -> tuple:
+        """Validate one micro-batch's ``(loss, num_tokens, report)``; return it unchanged.
+
+        The loss is kept as ``loss.data``, an alias of its values without autograd: Megatron's 1F1B schedule
+        may free a last stage's output storage (``deallocate_pipeline_outputs``) before finalize, and the alias
+        keeps the values. A count on the host (an int, or a CPU tensor beside a device loss) is checked and
+        summed on the host, so no host-to-device copy (which would synchronize) happens per micro-batch.
+        """
+        if type(outputs) is not tuple or len(outputs) != 3:
+            _require_three_tuple(outputs, len(self._losses))
+        loss, num_tokens, _ = outputs
+        if not isinstance(loss, torch.Tensor):
+            raise LossContractError(
+                f"the loss function returned a loss of type {type(loss).__name__}; it must be a "
+                f"tensor (the summed token loss of the micro-batch).")
+        if isinstance(num_tokens, torch.Tensor) and num_tokens.dtype is self._count_dtype:
+            self._counts.append(num_tokens)  # its shape: the step's counts stack only if all are 0-d as the first
+        else:
+            self._other_count(num_tokens, loss)
+        self._losses.append(loss.data)
+        return outputs
+
+    def _other_count(self, num_tokens: Any, loss: torch.Tensor) -> None:
+        """A count that is not a tensor of the count dtype: validated; the step's first device count, if 0-d and of
+        a native dtype, makes its dtype the count dtype; any other makes the step's collect take its general
+        path."""
+        is_tensor = isinstance(num_tokens, torch.Tensor)
+        if not is_tensor or num_tokens.dtype not in _INTEGER_DTYPES or num_tokens.numel() != 1:
+            _require_integer_scalar(num_tokens)
+        if is_tensor and num_tokens.device == loss.device:
+            if not self._counts and not num_tokens.dim() and num_tokens.dtype in _NATIVE_INTEGER_DTYPES:
+                self._count_dtype = num_tokens.dtype
+            else:
+                self._uniform = False
+            self._counts.append(num_tokens)
+            return
+        count = int(num_tokens)  # a host value: reading it costs no device synchronization
+        if count < 0:
+            raise LossContractError(
+                f"the loss function returned num_tokens = {count} at micro-batch {len(self._losses)}; a token "
+                f"count is >= 0. Count non-padding tokens as loss_mask.sum().to(torch.int64).")
+        self._host_tokens += count
+
+    def reset(self) -> None:
+        """Forget everything kept (an evaluation call, or a step that follows an aborted one)."""
+        self._losses, self._counts, self._uniform, self._host_tokens = [], [], True, 0
+
+    def collect(self, device: torch.device, *, is_last_stage: bool) -> torch.Tensor:
+        """This step's int64 vector, then reset:
+
+            tokens    = sum_m n_m                    (int64: a global batch cannot overflow it)
+            negative  = #{m : n_m < 0}
+            nonfinite = #{m : loss_m has an inf or nan}
+            unchecked = 1 on a last pipeline stage that ran no micro-batch through the contract
+
+        ``unchecked`` is a host fact (the loss function was not wrapped), so it costs no synchronization. Where
+        every count is a 0-d device tensor of one dtype and every loss a 0-d tensor on that device (what
+        Megatron's loss functions return), the vector comes from six ops into buffers kept for the next step of
+        the same shape (:class:`_FusedBuffers`): a vector returned here is overwritten by that step's collect.
+        """
+        losses, counts = self._losses, self._counts
+        if not losses:  # no micro-batch went through the contract this step
+            vector = torch.zeros(NUM_SLOTS, dtype=torch.int64, device=device)
+            if is_last_stage:
+                vector[SLOT_UNCHECKED] = 1
+            return vector
+        if self._uniform and len(counts) == len(losses) and (vector := self._fused_vector(losses, counts)) is not None:
+            where = self._fused.device
+        else:
+            vector = _general_vector(losses, counts, self._host_tokens)
+            where = vector.device
+        self.reset()
+        return vector if where == device else vector.to(device)
+
+    def _fused_vector(self, losses: list[torch.Tensor], counts: list[torch.Tensor]) -> torch.Tensor | None:
+        """The vector in six ops, or None where the losses do not stack into one vector on the counts' device."""
+        if counts[0].dim():  # the others have its shape, or stack raises
+            return None
+        try:
+            stacked = torch.stack(losses)
+        except RuntimeError:  # losses of several shapes or devices
+            return None
+        fused = self._fused
+        key = (len(counts), counts[0].dtype, counts[0].device)
+        if fused is None or fused.key != key:
+            fused = self._fused = _FusedBuffers(*key)
+        if stacked.dim() != 1 or stacked.device != fused.device:
+            return None
+        try:
+            torch.stack(counts, out=fused.counts)
+        except RuntimeError:  # counts of several shapes or devices
+            return None
+        torch.lt(fused.counts, fused.zero, out=fused.negative)
+        difference = stacked - stacked  # 0 where finite, nan at inf and nan
+        torch.ne(difference, difference, out=fused.nonfinite)
+        return torch.sum(fused.rows, 1, dtype=torch.int64, out=fused.vector)
+
+
+class _FusedBuffers:
+    """What :meth:`LossContract._fused_vector` writes into, kept for the next step of the same shape: ``rows``
+    [NUM_SLOTS, M] in the counts' dtype (the counts, their signs, the losses' non-finiteness, and zeros for
+    ``unchecked``), summed along M into the int64 ``vector``."""
+
+    def __init__(self, num_microbatches: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.key = (num_microbatches, dtype, device)
+        self.device = torch.device(device)
+        self.rows = torch.zeros(NUM_SLOTS, num_microbatches, dtype=dtype, device=device)
+        self.counts, self.negative, self.nonfinite = self.rows[SLOT_TOKENS], self.rows[SLOT_NEGATIVE], self.rows[
+            SLOT_NONFINITE]
+        self.zero = torch.zeros((), dtype=dtype, device=device)
+        self.vector = torch.zeros(NUM_SLOTS, dtype=torch.int64, device=device)
+
+
+def _general_vector(losses: list[torch.Tensor], counts: list[torch.Tensor], host_tokens: int) -> torch.Tensor:
+    """The vector for any mix the contract accepts: losses of several shapes or dtypes, counts of several shapes
+    or dtypes (uint16-64 widened), host counts; a loss on another device than the first is refused here."""
+    device = losses[0].device
+    for index, loss in enumerate(losses):
+        if loss.device != device:
+            raise LossContractError(
+                f"micro-batch {index} returned its loss on {loss.device}, earlier ones on {device}; keep every "
+                f"micro-batch's loss on the model's device.")
+    device_counts, host_negative = [], 0
+    for count in counts:
+        if count.numel() != 1:
+            _require_integer_scalar(count)
+        if count.device == device:
+            device_counts.append(count)
+        else:  # a host tensor beside device losses: read on the host
+            value = int(count)
+            host_tokens += value
+            host_negative += value < 0
+    zero = torch.zeros((), dtype=torch.int64, device=device)
+    tokens, negative = zero, zero
+    if device_counts:  # summed in int64 (torch sums every integer dtype in int64)
+        stacked = _stacked_counts(device_counts)
+        tokens, negative = stacked.sum(), torch.count_nonzero(stacked < 0)
+    vector = torch.stack([tokens, negative, _nonfinite_microbatches(losses), zero])  # unchecked = 0
+    if host_tokens:  # a scalar operand: no host-to-device copy
+        vector[SLOT_TOKENS] += host_tokens
+    if host_negative:
+        vector[SLOT_NEGATIVE] += host_negative
+    return vector
+
+
+def _stacked_counts(counts: list[torch.Tensor]) -> torch.Tensor:
+    """The step's one-element counts in one op (counts of several shapes, () beside (1,), one by one; uint16-64,
+    which few torch ops take, widened to int64)."""
+    try:
+        stacked = torch.stack(counts)
+    except RuntimeError:
+        stacked = torch.stack([count.reshape(()) for count in counts])
+    return stacked if stacked.dtype in _NATIVE_INTEGER_DTYPES else stacked.to(torch.int64)
+
+
+def _nonfinite_microbatches(losses: list[torch.Tensor]) -> torch.Tensor:
+    """How many micro-batches' losses hold an inf or nan: ``x - x`` is nan exactly there and 0 elsewhere, so it is
+    ``count_nonzero(x - x)`` (losses of several elements or shapes, which Megatron does not make, take a few more
+    ops)."""
+    try:
+        stacked = torch.stack(losses)
+    except RuntimeError:
+        return torch.stack([(loss - loss).isnan().any() for loss in losses]).sum()
+    difference = stacked - stacked
+    if difference.numel() == len(losses):
+        return torch.count_nonzero(difference)
+    return difference.isnan().reshape(len(losses), -1).any(dim=1).sum()
+
+
+def _require_three_tuple(outputs: Any, index: int) -> None:
+    if isinstance(outputs, (tuple, list)) and len(outputs) == 3:
+        return
+    got = f"a {len(outputs)}-tuple" if isinstance(outputs, (tuple, list)) else type(outputs).__name__
+    raise LossContractError(
+        f"the loss function returned {got} at micro-batch {index}; token mode needs "
+        f"(summed loss, num_tokens, report). With a 2-tuple (loss, report) Megatron multiplies the "
+        f"loss by the CP size and never divides by a token count, so gradients come out summed over "
+        f"DP x CP instead of averaged. Return megatron_ga_ext.integration.loss_contract.masked_loss(losses, loss_mask).")
+
+
+#: Integer dtypes every torch op takes (sums of them are int64).
+_NATIVE_INTEGER_DTYPES = frozenset((torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64))
+#: Integer dtypes a token count may have (bool and floating or complex counts are refused).
+_INTEGER_DTYPES = frozenset(getattr(torch, name) for name in (
+    "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64") if hasattr(torch, name))
+
+
+def _require_integer_scalar(num_tokens: Any) -> None:
+    """One count per micro-batch, an integer; a tensor's dtype and shape are read once each (host metadata)."""
+    if isinstance(num_tokens, bool):
+        pass
+    elif isinstance(num_tokens, int):
+        return
+    elif isinstance(num_tokens, torch.Tensor):
+        dtype, shape = num_tokens.dtype, num_tokens.shape
+        if dtype in _INTEGER_DTYPES and math.prod(shape) == 1:
+            return
+        raise LossContractError(
+            f"the loss function returned num_tokens as a tensor of dtype {dtype} and shape {tuple(shape)}; it must "
+            f"be an integer scalar (one count of non-padding tokens per micro-batch; a float count is inexact "
+            f"above 2^24 in float32). Use loss_mask.sum().to(torch.int64).")
+    raise LossContractError(
+        f"the loss function returned num_tokens of type {type(num_tokens).__name__}; it must be an "
+        f"integer scalar tensor. Use loss_mask.sum().to(torch.int64).")

@@ -1,0 +1,131 @@
+"""The wirings into Megatron-LM's training loop (``megatron.training``), GPTModel and the optimizers Megatron
+builds: install() runs them once (a vendored tree at its first calculator hook, when Megatron has parsed its args).
+
+* ``update_train_iters`` / ``get_train_valid_test_num_samples``: the run length under a step schedule;
+* the optimizers' ``step``: skipped after a zero-token batch (``--ga-zero-token-policy skip``), and where the
+  ``--ga-checks async`` verdict of the step is read;
+* ``GPTModel.forward``: MoE routes with the loss mask's padding (aux_losses.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Callable
+
+from megatron_ga_ext.integration.compat import TARGETS, TRAINING, check_targets, live_calculator
+from megatron_ga_ext.logs import get_logger
+
+__all__ = ["OPTIMIZER_BUILDERS", "megatron_args", "wire_gpt_model", "wire_optimizer", "wire_training"]
+
+logger = get_logger(__name__)
+
+
+def wire_optimizer(state: Any) -> None:
+    """``--ga-zero-token-policy skip``: the optimizers Megatron builds skip a step whose global batch had no
+    tokens (FinalizeModelGrads.skip_step), returning (update_successful=False, None, None) as an fp16 overflow
+    does, so Megatron counts a skipped iteration and does not advance the learning rate. Only the returned
+    object is wrapped: the builders' own code is untouched (and not fingerprinted)."""
+    import megatron.core.optimizer as optimizers
+
+    for name in OPTIMIZER_BUILDERS:
+        if hasattr(optimizers, name):
+            state.patch(optimizers.__name__, name, lambda original: _skipping_builder(original, state))
+
+
+OPTIMIZER_BUILDERS = ("get_megatron_optimizer", "get_megatron_muon_optimizer")
+
+
+def wire_gpt_model(state: Any) -> None:
+    """Token mode: MoE routes with padding_mask = (loss_mask == 0) (aux_losses.py says why)."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from megatron_ga_ext.integration.aux_losses import padding_mask_forward
+
+    state.patch_attribute(GPTModel, "forward", lambda original: padding_mask_forward(original, state))
+
+
+def _skipping_builder(original: Callable, state: Any) -> Callable:
+    @functools.wraps(original)
+    def build(*args: Any, **kwargs: Any) -> Any:
+        optimizer = original(*args, **kwargs)
+        optimizer.step = _skipping_step(optimizer.step, state)
+        return optimizer
+
+    return build
+
+
+def _skipping_step(step: Callable, state: Any) -> Callable:
+    @functools.wraps(step)
+    def skipping_step(*args: Any, **kwargs: Any) -> Any:
+        finalize = state.finalize
+        if state.active and finalize is not None and finalize.skip_step:
+            finalize.skip_step = False
+            return False, None, None
+        result = step(*args, **kwargs)
+        if state.active and finalize is not None:
+            finalize.poll()  # --ga-checks async: the step's verdict, if its copy is done (the step's own reads synced)
+        return result
+
+    return skipping_step
+
+
+def wire_training(state: Any) -> bool:
+    """Megatron-LM's run length under a step schedule, once ``megatron.training.training`` is loaded
+    (False: not loaded yet)."""
+    if TRAINING not in sys.modules:
+        return False
+    targets = tuple(t for t in TARGETS if t.module == TRAINING)
+    problems = check_targets(state.version, state.config.strict and not state.waiting_for_args, targets)
+    state.compat_problems += problems
+    state.patch(TRAINING, "update_train_iters", lambda original: _update_train_iters(original, state))
+    state.patch(TRAINING, "get_train_valid_test_num_samples", lambda original: _num_samples(original, state))
+    return True
+
+
+def _step_calculator() -> Any:
+    """The live calculator if it is the extension's step-schedule calculator (under the guard), else None."""
+    from megatron_ga_ext.integration.calculator import StepScheduleCalculator
+
+    live = live_calculator()
+    live = getattr(live, "inner", live)
+    return live if isinstance(live, StepScheduleCalculator) else None
+
+
+def _update_train_iters(original: Callable, state: Any) -> Callable:
+    """``--train-samples`` under a step schedule: train_iters = the steps the schedule plans,
+    while consumed < train_samples (upstream divides by a constant GBS on 0.16/0.17 and with a rampup)."""
+
+    @functools.wraps(original)
+    def update_train_iters(args: Any) -> None:
+        calculator = _step_calculator()
+        if not state.active or calculator is None or args.train_iters or not args.train_samples:
+            return original(args)
+        iterations, samples = calculator.plan(args.train_samples)
+        args.train_iters = iterations
+        logger.info("step batch-size schedule: --train-samples %d takes %d iterations (%d samples)",
+                    args.train_samples, iterations, samples)
+
+    return update_train_iters
+
+
+def _num_samples(original: Callable, state: Any) -> Callable:
+    """The training dataset holds every sample the planned steps consume (the last step may pass
+    --train-samples)."""
+
+    @functools.wraps(original)
+    def get_train_valid_test_num_samples(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        calculator = _step_calculator()
+        train_samples = getattr(megatron_args(), "train_samples", None)
+        if not state.active or calculator is None or not train_samples or result[0] != train_samples:
+            return result
+        return (max(result[0], calculator.plan(train_samples)[1]), *result[1:])
+
+    return get_train_valid_test_num_samples
+
+
+def megatron_args() -> Any:
+    """Megatron's parsed args, or None before parsing (megatron.training is not imported for this)."""
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    return getattr(global_vars, "_GLOBAL_ARGS", None)

@@ -1,0 +1,240 @@
+"""Read the batch arithmetic out of a real launch line (torchrun ... pretrain_gpt.py ...). Pure Python.
+
+Only the flags options.py declares are read (Megatron's that decide the batch arithmetic, the launcher's,
+the ``--ga-*`` flags); every other flag is passed over with its values. ``--flag=value`` and ``--flag
+value`` both work, and ``_`` in a flag counts as ``-`` (torchrun accepts both spellings); messages name a
+flag as the line spelled it. Megatron's parser takes no positional arguments, so words left after a
+Megatron flag's values (a schedule split by an unquoted shell array) are kept to be reported: Megatron
+stops with "unrecognized arguments" there. ``check.py`` turns a :class:`Launch` into its problems.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+
+from megatron_ga_ext.config.flags import BY_DEST, OPTIONS
+from megatron_ga_ext.core.layout import FLAGS
+from megatron_ga_ext.core.megatron_flags import LAUNCHER_OPTIONS, NOT_MEGATRON, Option
+from megatron_ga_ext.core.numbers import read_int
+from megatron_ga_ext.errors import GAError, UsageError
+from megatron_ga_ext.launch.layer_split import LayerSplit, VirtualPipeline, virtual_pipeline
+
+__all__ = ["Launch", "LaunchLayout", "UsageError", "layout_kwargs", "parse_int", "parse_launch", "read_layout"]
+
+_LAUNCHER = {option.flag for option in LAUNCHER_OPTIONS}
+
+
+@dataclass
+class Launch:
+    """The declared flags of a launch line: the last value of each, and what else the line shows."""
+
+    values: dict[str, list[str]] = field(default_factory=dict)
+    """Each flag with values (by its declared spelling): the values of its last occurrence."""
+    switches: dict[str, bool] = field(default_factory=dict)
+    """Each switch given: on, or off for ``--no-<name>``."""
+    repeated: dict[str, list[list[str]]] = field(default_factory=dict)
+    spelled: dict[str, str] = field(default_factory=dict)
+    """How the line spelled each flag it gave (``--nproc_per_node`` for ``--nproc-per-node``)."""
+    stray: dict[str, list[str]] = field(default_factory=dict)
+    """Words left after a Megatron flag's values, which Megatron's parser refuses."""
+    not_megatron: dict[str, list[str]] = field(default_factory=dict)
+    """Flags no Megatron parser defines (options.NOT_MEGATRON), with their values."""
+
+    def get(self, flag: str) -> str | None:
+        return self.values[flag][0] if flag in self.values else None
+
+    def on(self, flag: str) -> bool:
+        """A switch is on (given, and not as ``--no-<name>``)."""
+        return self.switches.get(flag, OPTIONS[flag].default)
+
+    def name(self, flag: str) -> str:
+        """``flag`` as the line spelled it."""
+        return self.spelled.get(flag, flag)
+
+
+def _normalize(flag: str) -> str:
+    return "--" + flag[2:].replace("_", "-")
+
+
+def parse_launch(tokens: list[str]) -> Launch:
+    """Collect the declared flags of ``tokens``; a single token holding a whole line is split like a shell."""
+    if len(tokens) == 1 and " " in tokens[0].strip():
+        try:  # as the shell reads a pasted script: line continuations joined, comments dropped
+            tokens = shlex.split(tokens[0].replace("\\\n", " "), comments=True)
+        except ValueError as error:
+            raise UsageError(f"the launch line cannot be split like a shell line: {error}.") from None
+    launch, i = Launch(), 0
+    while i < len(tokens):
+        token, i = tokens[i], i + 1
+        if not token.startswith("--"):
+            continue
+        name, eq, inline = token.partition("=")
+        flag = _normalize(name)
+        if flag in NOT_MEGATRON:
+            launch.not_megatron[flag], i = _values(tokens, i, name, 1, inline if eq else None)
+        elif flag in OPTIONS:
+            i = _read(launch, OPTIONS[flag], flag, name, tokens, i, inline if eq else None)
+    return launch
+
+
+def _read(launch: Launch, option: Option, flag: str, name: str, tokens: list[str], i: int, inline: str | None) -> int:
+    """Record ``option`` (given as ``name``) and its values from ``tokens[i:]``; the index after them."""
+    launch.spelled[option.flag] = name
+    if option.nargs == 0:
+        launch.switches[option.flag] = not flag.startswith("--no-")
+        return i
+    values, i = _values(tokens, i, name, option.nargs, inline)
+    if option.flag in launch.values:
+        launch.repeated.setdefault(option.flag, [launch.values[option.flag]]).append(values)
+    launch.values[option.flag] = values
+    if option.flag not in _LAUNCHER:  # the launcher's flags are followed by the script and its words
+        stray = []
+        while i < len(tokens) and not tokens[i].startswith("-"):
+            stray.append(tokens[i])
+            i += 1
+        if stray:
+            launch.stray[option.flag] = stray
+    return i
+
+
+def _values(tokens: list[str], i: int, name: str, nargs: int, inline: str | None) -> tuple[list[str], int]:
+    values = [inline] if inline is not None else tokens[i : i + nargs]
+    if len(values) < nargs or any(v.startswith("--") for v in values):
+        raise UsageError(f"{name} needs {nargs} value(s), got {' '.join(values) or 'none'}.")
+    return values, i if inline is not None else i + nargs
+
+
+def parse_int(flag: str, text: str) -> int:
+    """An integer flag value (at most 10**30); a shell variable left unexpanded or a float is unusable input."""
+    return read_int(flag, text)
+
+
+# -- the layout of a launch ----------------------------------------------------------------------
+
+
+@dataclass
+class LaunchLayout:
+    """BatchLayout arguments of a launch line, and the rules its layer split breaks."""
+
+    kwargs: dict[str, object]
+    virtual_pipeline: VirtualPipeline
+    seq_problems: list[str] = field(default_factory=list)
+
+    @property
+    def problems(self) -> list[GAError]:
+        return list(self.virtual_pipeline.problems)
+
+
+def read_ints(launch: Launch) -> dict[str, int]:
+    """Every integer flag given, by its argparse destination (UsageError naming the flag as spelled)."""
+    return {
+        OPTIONS[flag].dest: read_int(launch.name(flag), values[0])
+        for flag, values in launch.values.items()
+        if OPTIONS[flag].type is int and OPTIONS[flag].nargs == 1
+    }
+
+
+def read_layout(launch: Launch, world_size: int | None = None) -> LaunchLayout:
+    """The layout of ``launch``; ``world_size`` overrides the launcher's. UsageError where it cannot be read."""
+    ints = read_ints(launch)
+    kwargs: dict[str, object] = {name: ints.get(BY_DEST[name].dest) for name in FLAGS if name in BY_DEST}
+    given: dict[str, str] = {}
+    kwargs["world_size"] = world_size if world_size is not None else _world_size(launch, ints, given)
+    if kwargs["micro_batch_size"] is None:
+        raise UsageError("--micro-batch-size is missing; Megatron needs it to split the global batch.")
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                 "expert_model_parallel_size"):
+        if kwargs[name] is None:
+            kwargs[name] = 1
+    seq_problems = _seq_length(launch, ints, kwargs, given)
+    vpp = virtual_pipeline(_layer_split(launch, ints, kwargs["pipeline_model_parallel_size"]))  # type: ignore[arg-type]
+    kwargs["virtual_pipeline_model_parallel_size"] = vpp.size
+    if vpp.given:
+        given["virtual_pipeline_model_parallel_size"] = vpp.given
+    for name in FLAGS:
+        flag = BY_DEST[name].flag if name in BY_DEST else None
+        if flag in launch.spelled and launch.spelled[flag] != flag and name not in given:
+            given[name] = launch.spelled[flag]
+    kwargs["given"] = given
+    return LaunchLayout(kwargs=kwargs, virtual_pipeline=vpp, seq_problems=seq_problems)
+
+
+def layout_kwargs(launch: Launch, world_size: int | None = None) -> dict[str, object]:
+    """BatchLayout arguments from a launch line, raising its first layer-split problem (the ledger's way)."""
+    layout = read_layout(launch, world_size)
+    if layout.problems:
+        raise layout.problems[0]
+    return layout.kwargs
+
+
+def _layer_split(launch: Launch, ints: dict[str, int], pipeline_model_parallel_size: int) -> LayerSplit:
+    pattern = launch.get("--hybrid-layer-pattern") or launch.get("--hybrid-override-pattern")
+    return LayerSplit(
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        num_layers=ints.get("num_layers"),
+        decoder_num_layers=ints.get("decoder_num_layers"),
+        num_layers_per_virtual_pipeline_stage=ints.get("num_layers_per_virtual_pipeline_stage"),
+        num_virtual_stages_per_pipeline_rank=ints.get("num_virtual_stages_per_pipeline_rank"),
+        pipeline_model_parallel_layout=launch.get("--pipeline-model-parallel-layout"),
+        hybrid_layer_pattern=pattern,
+        decoder_first_pipeline_num_layers=ints.get("decoder_first_pipeline_num_layers"),
+        decoder_last_pipeline_num_layers=ints.get("decoder_last_pipeline_num_layers"),
+        account_for_embedding_in_pipeline_split=launch.on("--account-for-embedding-in-pipeline-split"),
+        account_for_loss_in_pipeline_split=launch.on("--account-for-loss-in-pipeline-split"),
+    )
+
+
+def _seq_length(launch: Launch, ints: dict[str, int], kwargs: dict[str, object], given: dict[str, str]) -> list[str]:
+    """Megatron's seq_length: --seq-length, else --encoder-seq-length (arguments.py maps it so); the problems."""
+    seq, encoder, decoder = (ints.get(k) for k in ("seq_length", "encoder_seq_length", "decoder_seq_length"))
+    if seq is not None and encoder is not None:
+        return [f"--seq-length {seq} and --encoder-seq-length {encoder} are both given; Megatron asserts "
+                f"encoder_seq_length is None when --seq-length is set (it copies one into the other). Keep one."]
+    if seq is None and encoder is not None:
+        kwargs["seq_length"] = encoder
+        given["seq_length"] = launch.name("--encoder-seq-length")
+    if seq is None and encoder is None and decoder is not None:
+        return [f"--decoder-seq-length {decoder} is given without --seq-length or --encoder-seq-length; Megatron "
+                f"asserts encoder_seq_length is not None: the decoder length does not set the sequence length "
+                f"that schedules and tokens per step use. Add --seq-length."]
+    return []
+
+
+def _world_size(launch: Launch, ints: dict[str, int], given: dict[str, str]) -> int:
+    """--world-size, else the launcher's --nnodes x --nproc-per-node; ``given`` records the flags used."""
+    if "world_size" in ints:
+        return ints["world_size"]
+    nproc_flag = launch.name("--nproc-per-node")
+    nnodes, nproc = launch.get("--nnodes"), launch.get("--nproc-per-node")
+    if nproc is None:
+        raise UsageError(
+            "the world size is unknown: give torchrun's --nproc-per-node (and --nnodes), or "
+            "megatron-ga check --world-size N -- <launch line>."
+        )
+    if nproc.strip() in ("gpu", "cpu", "auto", "xpu"):  # torchrun's own choices
+        raise UsageError(
+            f"{nproc_flag} {nproc} leaves the world size to the machine; pass it with "
+            f"megatron-ga check --world-size N -- <launch line>."
+        )
+    per_node = read_int(nproc_flag, nproc)
+    nodes = _nnodes(launch, nnodes)
+    given["world_size"] = f"{launch.name('--nnodes')} {nodes} x {nproc_flag} {per_node}" if nnodes is not None \
+        else f"{nproc_flag} {per_node}"
+    return nodes * per_node
+
+
+def _nnodes(launch: Launch, text: str | None) -> int:
+    """torchrun's --nnodes: N, MIN:MAX with MIN == MAX (a fixed world), or an elastic range."""
+    if text is None:
+        return 1
+    flag = launch.name("--nnodes")
+    if ":" in text:
+        low, _, high = text.partition(":")
+        if low.strip() != high.strip():
+            raise UsageError(
+                f"{flag} {text} is an elastic range, so the world size is not fixed; pass the size to check "
+                f"with megatron-ga check --world-size N -- <launch line>."
+            )
+        text = low
+    return read_int(flag, text)

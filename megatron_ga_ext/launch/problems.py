@@ -1,0 +1,194 @@
+"""Every problem of a launch line, and its ledger (``megatron-ga check``). Pure Python.
+
+The rules are the ones a run is held to: the options layer's (``--ga-*`` choices, the loss mode against
+``--calculate-per-token-loss``, the guards against schedules that run another number of forwards, the
+one schedule of the launch), Megatron's parser and layer split (flags it does not define, stray words,
+the virtual pipeline), and the batch arithmetic of every stage (``layout.py``, ``schedule_checks.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from megatron_ga_ext.config.flags import CHECKS, CONVERT_RAMPUP, GUARDS, LOSS_REDUCTION, ZERO_TOKEN_POLICY, check_choice
+from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
+from megatron_ga_ext.config.rules import (
+    check_checks,
+    check_guards,
+    check_loss_mode,
+    check_train_length,
+    rampup_ignored_message,
+)
+from megatron_ga_ext.core.layout import BatchLayout
+from megatron_ga_ext.core.megatron_flags import NOT_MEGATRON
+from megatron_ga_ext.core.numbers import read_int
+from megatron_ga_ext.core.schedule.stages import FLAG as SCHEDULE_FLAG
+from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
+from megatron_ga_ext.errors import GAError
+from megatron_ga_ext.launch.line import Launch, LaunchLayout, read_layout
+
+__all__ = ["MAX_STAGE_PROBLEMS", "launch_problems"]
+
+MAX_STAGE_PROBLEMS = 5
+
+
+def launch_problems(launch: Launch, world_size: int | None) -> tuple[BatchLayout | None, list[str]]:
+    """The layout of a launch line (None if broken) and every problem found in it.
+
+    Raises UsageError where the line cannot be read at all (the world size, a value that is not a number).
+    """
+    problems = _line_problems(launch) + _option_problems(launch)
+    read = read_layout(launch, world_size)
+    problems += read.seq_problems + [str(e) for e in read.problems]
+    kwargs = dict(read.kwargs)
+    schedule, schedule_problems = _launch_schedule(launch, read)
+    if schedule is not None:
+        kwargs["global_batch_size"] = None  # the schedule's stages are checked one by one below
+    layout, errors = BatchLayout.problems(**kwargs)
+    problems += [str(e) for e in errors]
+    if layout is not None and schedule is not None:
+        stage_problems = _stage_problems(schedule, layout)
+        problems += stage_problems
+        # The ledger of a schedule is the ledger of its last stage (upstream's nominal GBS), once every stage is valid.
+        layout = None if stage_problems else BatchLayout(**{**kwargs, "global_batch_size": schedule.final_global_batch_size})
+    return layout, problems + schedule_problems
+
+
+def _line_problems(launch: Launch) -> list[str]:
+    """What Megatron's parser itself refuses: flags it does not define, words it cannot place; and repeats."""
+    problems = [
+        f"{launch.name(flag)} is given {len(vals)} times ({', '.join(' '.join(v) for v in vals)}); Megatron keeps "
+        f"the last ({' '.join(vals[-1])}). Give it once."
+        for flag, vals in launch.repeated.items()
+    ]
+    for flag, values in launch.not_megatron.items():
+        problems.append(
+            f"{flag} {' '.join(values)} is not a flag of Megatron's parser (no tested release, core_v0.16.1 to main, "
+            f"defines it): Megatron stops with \"unrecognized arguments\". {NOT_MEGATRON[flag]}."
+        )
+    for flag, words in launch.stray.items():
+        problems.append(_stray_problem(launch, flag, words))
+    return problems
+
+
+def _stray_problem(launch: Launch, flag: str, words: list[str]) -> str:
+    given = f"{launch.name(flag)} {' '.join(launch.values[flag])}"
+    if flag == SCHEDULE_FLAG and all(":" in w for w in words):
+        whole = " ".join([*launch.values[flag], *words])
+        return (
+            f"{given} is followed by {' '.join(words)}: the schedule was split into words (an unquoted shell "
+            f"variable or array?), so Megatron reads only {launch.values[flag][0]!r} and stops with \"unrecognized "
+            f"arguments: {' '.join(words)}\". Quote the whole schedule: {flag} \"{whole}\" (its stages are checked "
+            f"below as if quoted)."
+        )
+    return (
+        f"{given} is followed by {' '.join(words)}, which no flag takes: Megatron's parser has no positional "
+        f"arguments and stops with \"unrecognized arguments: {' '.join(words)}\". Drop them, or quote the value."
+    )
+
+
+def _option_problems(launch: Launch) -> list[str]:
+    """The --ga-* flags: their choices, the loss mode (the default token too), the guards and async checks."""
+    problems = []
+    mode = launch.get(LOSS_REDUCTION.flag)
+    for option in (LOSS_REDUCTION, ZERO_TOKEN_POLICY, CHECKS):
+        problems += _problem(check_choice, option, launch.get(option.flag) or option.default)
+    problems += _problem(check_checks, launch.get(CHECKS.flag) or CHECKS.default,
+                         launch.get(ZERO_TOKEN_POLICY.flag) or ZERO_TOKEN_POLICY.default)
+    if mode is None or mode in LOSS_REDUCTION.choices:
+        problems += _problem(check_loss_mode, mode or LOSS_REDUCTION.default, launch.on("--calculate-per-token-loss"),
+                             explicit=mode is not None)
+    packed_rl = launch.on("--perform-rl-step") and launch.on("--rl-use-sequence-packing")
+    problems += _problem(check_guards, launch.on(GUARDS.flag),
+                         hybrid_context_parallel=launch.on("--hybrid-context-parallel"), rl_sequence_packing=packed_rl)
+    return problems
+
+
+def _problem(rule, *args, **kwargs) -> list[str]:  # type: ignore[no-untyped-def]
+    """The message of the typed error ``rule`` raises, or nothing."""
+    try:
+        rule(*args, **kwargs)
+    except GAError as error:
+        return [str(error)]
+    return []
+
+
+def _launch_schedule(launch: Launch, read: LaunchLayout) -> tuple[StepSchedule | None, list[str]]:
+    """The step schedule the launch runs (options.resolve_schedule), or the rampup's equivalent to show; and
+    the problems of its flags."""
+    inputs = _schedule_inputs(launch, read)
+    problems = _schedule_flag_problems(launch, inputs)
+    try:
+        schedule = resolve_schedule(inputs)
+    except GAError as error:
+        return None, problems + [str(error)]
+    if inputs.rampup_batch_size is None or inputs.convert_rampup or inputs.step_batch_size_schedule is not None:
+        return schedule, problems
+    return _ignored_rampup(inputs)
+
+
+def _schedule_inputs(launch: Launch, read: LaunchLayout) -> ScheduleInputs:
+    text = launch.get(SCHEDULE_FLAG)
+    if text is not None and SCHEDULE_FLAG in launch.stray:
+        text = " ".join([text, *launch.stray[SCHEDULE_FLAG]])  # checked as if quoted (reported above)
+    kwargs = read.kwargs
+    return ScheduleInputs(
+        step_batch_size_schedule=text,
+        rampup_batch_size=launch.values.get("--rampup-batch-size"),
+        global_batch_size=kwargs["global_batch_size"],  # type: ignore[arg-type]
+        seq_length=kwargs["seq_length"],  # type: ignore[arg-type]
+        convert_rampup=launch.on(CONVERT_RAMPUP.flag),
+        pipeline_model_parallel_size=kwargs["pipeline_model_parallel_size"],  # type: ignore[arg-type]
+        virtual_pipeline_model_parallel_size=kwargs["virtual_pipeline_model_parallel_size"],  # type: ignore[arg-type]
+        microbatch_group_size_per_vp_stage=kwargs["microbatch_group_size_per_vp_stage"],  # type: ignore[arg-type]
+        decrease_batch_size_if_needed=launch.on("--decrease-batch-size-if-needed"),
+    )
+
+
+def _ignored_rampup(inputs: ScheduleInputs) -> tuple[StepSchedule | None, list[str]]:
+    """A rampup without --ga-convert-rampup: megatron-core >= 0.18 trains at constant GBS. Show the equivalent
+    schedule (and check its stages), which is what the run gets with --ga-convert-rampup."""
+    rampup = inputs.rampup_batch_size
+    ignored = rampup_ignored_message(rampup, inputs.global_batch_size)  # type: ignore[arg-type]
+    try:
+        schedule = resolve_schedule(replace(inputs, convert_rampup=True))
+    except GAError as error:
+        return None, [f"{ignored} It has no equivalent step schedule either: {error}"]
+    seq_length = inputs.seq_length
+    try:
+        text = schedule.to_string(seq_length)  # type: ignore[union-attr]
+    except GAError:
+        return schedule, [f"{ignored} Its equivalent step schedule has {schedule.summary()}; too many stages to "  # type: ignore[union-attr]
+                          f"write as {SCHEDULE_FLAG}, so {CONVERT_RAMPUP.flag} is the way to run it."]
+    unit = "tokens" if seq_length else "samples (add --seq-length: pretrain_gpt reads thresholds as tokens)"
+    return schedule, [
+        f"{ignored} Or replace it with the equivalent schedule ({len(schedule.stages)} stages, thresholds in "  # type: ignore[union-attr]
+        f"{unit}), dropping --global-batch-size and --rampup-batch-size: {SCHEDULE_FLAG} \"{text}\""
+    ]
+
+
+def _schedule_flag_problems(launch: Launch, inputs: ScheduleInputs) -> list[str]:
+    problems = []
+    if inputs.step_batch_size_schedule is not None and launch.get("--global-batch-size") is not None:
+        problems.append(
+            f"--global-batch-size is given together with {SCHEDULE_FLAG}; Megatron refuses the pair "
+            f"(the schedule sets the batch size). Drop --global-batch-size."
+        )
+    schedule = SCHEDULE_FLAG if inputs.step_batch_size_schedule is not None else (
+        f"--rampup-batch-size with {CONVERT_RAMPUP.flag}" if inputs.rampup_batch_size and inputs.convert_rampup else None)
+    train_iters = launch.get("--train-iters")
+    if train_iters is not None:
+        problems += _problem(check_train_length, schedule, read_int(launch.name("--train-iters"), train_iters))
+    return problems
+
+
+def _stage_problems(schedule: StepSchedule, layout: BatchLayout) -> list[str]:
+    problems = [str(p.error) for p in schedule.problems(
+        layout.micro_batch_size, layout.data_parallel_size, layout.pipeline_model_parallel_size,
+        layout.virtual_pipeline_size, microbatch_group_size_per_vp_stage=layout.microbatch_group_size_per_vp_stage,
+        virtual_pipeline_given=layout.named("virtual_pipeline_model_parallel_size"),
+    )]
+    if len(problems) > MAX_STAGE_PROBLEMS:
+        hidden = len(problems) - MAX_STAGE_PROBLEMS
+        problems[MAX_STAGE_PROBLEMS:] = [f"... and {hidden} more stage(s) like these; megatron-ga schedule lists every stage."]
+    return problems

@@ -1,0 +1,132 @@
+"""The package's layers, read from its source: imports run one way and nothing cycles.
+
+    errors, logs  <-  core  <-  config  <-  {launch, integration}  <-  the package root (the public API)
+        <-  testing  <-  verify  <-  cli
+
+Every import counts, at module level or inside a function (an import moved into a function to dodge a cycle
+is still a cycle). core, config and launch never import torch or megatron; cli imports them only inside the
+function that runs ``verify``. testing (CPU shims, the gloo launcher, the e2e server) is reached only from
+verify, from testing itself, and from the tests.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "megatron_ga_ext"
+RANKS = {"errors": 0, "logs": 0, "core": 1, "config": 2, "launch": 3, "integration": 3, "": 4, "testing": 5,
+         "verify": 6, "cli": 7}
+PURE = ("core", "config", "launch")
+HEAVY = ("torch", "megatron")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> list[tuple[str, bool]]:
+    """(imported module, at module level) for every import in ``path``; ``from x import y`` gives x.y where x.y
+    is a module of ours, else x."""
+    tree = ast.parse(path.read_text(), str(path))
+    top_level = {id(node) for node in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, id(node) in top_level) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            for alias in node.names:
+                name = f"{node.module}.{alias.name}"
+                found.append((name if name in MODULES else node.module, id(node) in top_level))
+    return found
+
+
+MODULES = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _ours(module: str) -> str | None:
+    """The module of ours that an import of ``module`` loads (a name imported from a module: that module)."""
+    while module and module not in MODULES:
+        module = module.rpartition(".")[0]
+    return module or None
+
+
+def _graph() -> dict[str, set[str]]:
+    return {name: {target for imported, _ in _imports(path) if (target := _ours(imported)) and target != name}
+            for name, path in MODULES.items()}
+
+
+def test_every_module_is_in_a_layer():
+    assert {_layer(name) for name in MODULES} <= set(RANKS)
+
+
+def test_imports_point_down_or_within_a_layer():
+    upward = [f"{name} -> {target}" for name, targets in _graph().items() for target in targets
+              if RANKS[_layer(target)] > RANKS[_layer(name)]
+              or (RANKS[_layer(target)] == RANKS[_layer(name)] and _layer(target) != _layer(name)
+                  and RANKS[_layer(name)] > 0)]
+    assert upward == []
+
+
+def test_no_import_cycle():
+    graph, cycles, state = _graph(), [], {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for target in sorted(graph[node]):
+            if state.get(target) == "open":
+                cycles.append(" -> ".join(stack[stack.index(target):] + [node, target]))
+            elif target not in state:
+                visit(target, stack + [node])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    assert cycles == []
+
+
+@pytest.mark.parametrize("layer", PURE)
+def test_pure_layers_never_import_torch_or_megatron(layer):
+    heavy = [f"{name}: {imported}" for name, path in MODULES.items() if _layer(name) == layer
+             for imported, _ in _imports(path) if imported.split(".")[0] in HEAVY]
+    assert heavy == []
+
+
+def test_cli_imports_torch_and_megatron_only_inside_functions():
+    heavy = [f"{name}: {imported}" for name, path in MODULES.items() if _layer(name) == "cli"
+             for imported, top in _imports(path) if top and imported.split(".")[0] in HEAVY]
+    assert heavy == []
+
+
+def test_testing_is_reached_only_from_verify_and_tests():
+    reached = [f"{name} -> {target}" for name, targets in _graph().items() for target in targets
+               if _layer(target) == "testing" and _layer(name) not in ("testing", "verify")]
+    assert reached == []
+
+
+def test_the_checks_see_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
+    """The rules above can fail: a planted cycle and a planted upward import are found."""
+    fake = {"megatron_ga_ext.core.a": "from megatron_ga_ext.core.b import x\n",
+            "megatron_ga_ext.core.b": "def f():\n    from megatron_ga_ext.core.a import y\n",
+            "megatron_ga_ext.core.c": "from megatron_ga_ext.integration.d import z\n",
+            "megatron_ga_ext.integration.d": "import torch\n"}
+    paths = {}
+    for name, text in fake.items():
+        path = tmp_path.joinpath(*name.split(".")).with_suffix(".py")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        paths[name] = path
+    monkeypatch.setattr(__import__(__name__), "MODULES", paths)
+    with pytest.raises(AssertionError, match="core.a -> megatron_ga_ext.core.b -> megatron_ga_ext.core.a"):
+        test_no_import_cycle()
+    with pytest.raises(AssertionError, match="core.c -> megatron_ga_ext.integration.d"):
+        test_imports_point_down_or_within_a_layer()
