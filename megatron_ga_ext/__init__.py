@@ -1,4 +1,10 @@
-"""megatron-ga-ext: exact batch arithmetic for Megatron-LM. The public API, nothing else."""
+"""megatron-ga-ext: exact batch arithmetic for Megatron-LM. The public API, nothing else.
+
+``install`` and ``uninstall`` load the Megatron integration (torch) on first use, so the pure-Python commands
+(``megatron-ga ledger | check | schedule``), which import this package first, never load torch.
+"""
+
+from typing import TYPE_CHECKING, Any
 
 from megatron_ga_ext.config.args import add_args, args_provider
 from megatron_ga_ext.config.ga_config import GAConfig
@@ -19,7 +25,6 @@ from megatron_ga_ext.errors import (
     SizeError,
     UsageError,
 )
-from megatron_ga_ext.integration.install import install, uninstall
 
 __all__ = [
     "BatchLayout",
@@ -43,3 +48,15 @@ __all__ = [
     "install",
     "uninstall",
 ]
+
+
+if TYPE_CHECKING:
+    from megatron_ga_ext.integration.install import install, uninstall
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("install", "uninstall"):
+        from megatron_ga_ext.integration import install as module
+
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

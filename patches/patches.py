@@ -31,7 +31,7 @@ MODULES = (
 )
 WIRING = (
     "\n\n# megatron-ga-ext: checked batch arithmetic, wired into this vendored tree (no install() needed).\n"
-    "from megatron_ga_ext.install import wire_vendored as _megatron_ga_wire  # noqa: E402\n"
+    "from megatron_ga_ext.integration.install import wire_vendored as _megatron_ga_wire  # noqa: E402\n"
     "\n"
     "_megatron_ga_wire(__name__)\n"
 )

@@ -41,6 +41,7 @@ from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
 from megatron_ga_ext.config.rules import check_guards, check_loss_mode, check_train_length
 from megatron_ga_ext.errors import CompatError, GuardError
+from megatron_ga_ext.integration.aux_losses import aux_summary, mtp_inexact_note, pipeline_inexact_note
 from megatron_ga_ext.integration.compat import (
     CALCULATOR,
     FINALIZE,
@@ -52,7 +53,14 @@ from megatron_ga_ext.integration.compat import (
     megatron_core_version,
     set_live_calculator,
 )
-from megatron_ga_ext.integration.guards import current_pipeline_size
+from megatron_ga_ext.integration.finalize import make_finalize_model_grads
+from megatron_ga_ext.integration.guards import (
+    GuardedCalculator,
+    MicrobatchCounter,
+    check_microbatch_counts,
+    current_pipeline_size,
+)
+from megatron_ga_ext.integration.loss_contract import LossContract, mean_of_means_reports
 from megatron_ga_ext.integration.startup import StartupChecks
 from megatron_ga_ext.integration.training_hooks import megatron_args, wire_gpt_model, wire_optimizer, wire_training
 from megatron_ga_ext.logs import get_logger
@@ -119,8 +127,6 @@ class Installation:
 
     def configure(self, config: GAConfig) -> None:
         """Apply ``config``: the reduction mode, the loss contract and the finalize wrapper's policy."""
-        from megatron_ga_ext.integration.loss_contract import LossContract, mean_of_means_reports
-
         self.config = config
         self.contract = LossContract() if config.loss_reduction == "token" else None
         self.wrap_loss = self.contract.wrap if self.contract is not None else mean_of_means_reports
@@ -296,8 +302,6 @@ def uninstall() -> None:
     if state is None:
         return
     state.restore()
-    from megatron_ga_ext.integration.guards import GuardedCalculator
-
     live = live_calculator()
     if isinstance(live, GuardedCalculator):
         set_live_calculator(live.inner)
@@ -345,8 +349,6 @@ def check_args(config: GAConfig, args: Any) -> None:
 
 
 def _wire_schedules(state: Installation) -> None:
-    from megatron_ga_ext.integration.guards import MicrobatchCounter
-
     state.counter = MicrobatchCounter()
     state.patch(SCHEDULES, "forward_step_calc_loss", lambda original: _forward_step_calc_loss(original, state))
     for name in SCHEDULE_FUNCTIONS:
@@ -354,8 +356,6 @@ def _wire_schedules(state: Installation) -> None:
 
 
 def _wire_finalize(state: Installation) -> None:
-    from megatron_ga_ext.integration.finalize import make_finalize_model_grads
-
     state.finalize = state.patch(
         FINALIZE, "finalize_model_grads",
         lambda original: make_finalize_model_grads(original, state.contract, config=state.config),
@@ -421,8 +421,6 @@ def _calc_loss_by_keyword(original: Callable, state: Installation, args: tuple, 
 
 
 def _guarded_schedule(original: Callable, state: Installation) -> Callable:
-    from megatron_ga_ext.integration.guards import check_microbatch_counts
-
     @functools.wraps(original)
     def schedule(*args: Any, **kwargs: Any):
         if not state.active:
@@ -459,8 +457,6 @@ def _report_first_step(state: Installation, kwargs: dict) -> None:
     """Once, after the first training step: the auxiliary losses and their scaling, and where this release or
     layout cannot meet the token-mode target, by how much (aux_losses.py)."""
     from megatron.core import parallel_state
-
-    from megatron_ga_ext.integration.aux_losses import aux_summary, mtp_inexact_note, pipeline_inexact_note
 
     state.reported_first_step = True
     config = state.model_config(kwargs.get("model"))
@@ -514,8 +510,6 @@ def _configure_calculator(original: Callable, state: Installation) -> Callable:
 
 
 def _guard_live_calculator(state: Installation) -> None:
-    from megatron_ga_ext.integration.guards import GuardedCalculator
-
     live = live_calculator()
     if live is None or isinstance(live, GuardedCalculator) or not state.config.guards:
         return

@@ -13,6 +13,8 @@ import functools
 import sys
 from typing import Any, Callable
 
+from megatron_ga_ext.integration.aux_losses import padding_mask_forward
+from megatron_ga_ext.integration.calculator import StepScheduleCalculator
 from megatron_ga_ext.integration.compat import TARGETS, TRAINING, check_targets, live_calculator
 from megatron_ga_ext.logs import get_logger
 
@@ -39,8 +41,6 @@ OPTIMIZER_BUILDERS = ("get_megatron_optimizer", "get_megatron_muon_optimizer")
 def wire_gpt_model(state: Any) -> None:
     """Token mode: MoE routes with padding_mask = (loss_mask == 0) (aux_losses.py says why)."""
     from megatron.core.models.gpt.gpt_model import GPTModel
-
-    from megatron_ga_ext.integration.aux_losses import padding_mask_forward
 
     state.patch_attribute(GPTModel, "forward", lambda original: padding_mask_forward(original, state))
 
@@ -85,8 +85,6 @@ def wire_training(state: Any) -> bool:
 
 def _step_calculator() -> Any:
     """The live calculator if it is the extension's step-schedule calculator (under the guard), else None."""
-    from megatron_ga_ext.integration.calculator import StepScheduleCalculator
-
     live = live_calculator()
     live = getattr(live, "inner", live)
     return live if isinstance(live, StepScheduleCalculator) else None
