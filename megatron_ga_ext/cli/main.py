@@ -69,7 +69,7 @@ def print_ledger(layout: BatchLayout, title: str = "megatron-ga ledger") -> None
 
 
 def _ledger_options() -> list[Option]:
-    """The ledger's flags: the launcher's and Megatron's that decide one layout (declared in options.py)."""
+    """The ledger's flags: the launcher's and Megatron's that decide one layout (declared in core/megatron_flags.py)."""
     megatron = [o for o in MEGATRON_OPTIONS if o.dest not in _NOT_LEDGER]
     return [*LAUNCHER_OPTIONS, *megatron]
 

@@ -20,10 +20,13 @@ import sys
 import time
 import warnings
 from collections import defaultdict
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from megatron_ga_ext.cli.render import print_table
 from megatron_ga_ext.errors import VerifyError
+
+if TYPE_CHECKING:
+    from megatron_ga_ext.verify.harness import LayoutResult
 
 __all__ = ["configure_parser", "run", "rows_from_results"]
 
@@ -124,7 +127,7 @@ def _runnable(layouts: tuple, device: str) -> list:
     return kept
 
 
-def rows_from_results(results: dict[int, list[list[Any]]], tolerance: float,
+def rows_from_results(results: dict[int, list[list[LayoutResult]]], tolerance: float,
                       expected_num_tokens: int | None = None) -> list[dict[str, Any]]:
     """One row per (layout, mode): the largest error over ranks, the token count, and the verdict.
 
@@ -133,7 +136,7 @@ def rows_from_results(results: dict[int, list[list[Any]]], tolerance: float,
     the global batch); ``microbatch`` passes when within ``tolerance`` of its own (mean-of-means)
     reference. ``num_tokens`` is N when every rank reports the same, else None.
     """
-    per_row: dict[tuple[str, str], list[Any]] = defaultdict(list)
+    per_row: dict[tuple[str, str], list[LayoutResult]] = defaultdict(list)
     for per_rank in results.values():
         for rank_results in per_rank:
             for res in rank_results:

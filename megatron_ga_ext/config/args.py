@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable
+from typing import Callable
 
 from megatron_ga_ext.config.flags import GA_OPTIONS, Option
 from megatron_ga_ext.core.megatron_flags import STEP_SCHEDULE
@@ -20,7 +20,7 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _add(group: Any, option: Option) -> None:
+def _add(group: argparse._ActionsContainer, option: Option) -> None:
     if option.type is bool:
         action = argparse.BooleanOptionalAction if option.negatable else "store_true"
         group.add_argument(option.flag, dest=option.dest, action=action, default=option.default, help=option.help)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 from megatron_ga_ext.config.flags import (
@@ -59,7 +60,7 @@ class GAConfig:
             object.__setattr__(self, "rampup_batch_size", rampup_triple(self.rampup_batch_size))
 
     @classmethod
-    def from_args(cls, args: Any) -> "GAConfig":
+    def from_args(cls, args: argparse.Namespace) -> "GAConfig":
         """From an argparse namespace holding Megatron's flags and the ``--ga-*`` flags (absent ones: defaults)."""
         rampup = getattr(args, "rampup_batch_size", None)
         return cls(

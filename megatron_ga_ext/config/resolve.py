@@ -55,7 +55,7 @@ class ScheduleInputs:
             decrease_batch_size_if_needed=bool(arguments.get("decrease_batch_size_if_needed")),
         )
 
-    def layout(self) -> dict[str, Any]:
+    def layout(self) -> dict[str, int | None]:
         """The keywords of :meth:`StepSchedule.problems` and the calculator for this launch's layout."""
         return {
             "micro_batch_size": self.micro_batch_size,

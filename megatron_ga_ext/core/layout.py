@@ -7,7 +7,7 @@
 
 Every rule Megatron enforces (at start-up or, worse, mid-run) is checked here up front; a violation
 raises a typed error that names the flag, the value, the rule and the nearest valid choices. The rules a
-step schedule shares with a constant batch are ``batch_rules.py``'s (re-exported here).
+step schedule shares with a constant batch are ``rules.py``'s (re-exported here).
 """
 
 from __future__ import annotations

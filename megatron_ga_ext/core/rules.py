@@ -3,7 +3,7 @@
     whole micro-batches:      GBS % (MBS x DP) == 0
     the interleaved schedule: M = GBS / (MBS x DP) >= N and M % N in {0} or [PP, N)   (N defaults to PP)
 
-``layout.py`` (one batch) and ``schedule_checks.py`` (every stage) build their errors here. Every
+``layout.py`` (one batch) and ``schedule/checks.py`` (every stage) build their errors here. Every
 suggestion (nearest valid values, divisors) is a closed form or a bounded search, so hostile numbers (a
 GBS of 10**30) answer at once.
 """

@@ -1,11 +1,11 @@
 """Read the batch arithmetic out of a real launch line (torchrun ... pretrain_gpt.py ...). Pure Python.
 
-Only the flags options.py declares are read (Megatron's that decide the batch arithmetic, the launcher's,
+Only the flags config/flags.py and core/megatron_flags.py declare are read (Megatron's that decide the batch arithmetic, the launcher's,
 the ``--ga-*`` flags); every other flag is passed over with its values. ``--flag=value`` and ``--flag
 value`` both work, and ``_`` in a flag counts as ``-`` (torchrun accepts both spellings); messages name a
 flag as the line spelled it. Megatron's parser takes no positional arguments, so words left after a
 Megatron flag's values (a schedule split by an unquoted shell array) are kept to be reported: Megatron
-stops with "unrecognized arguments" there. ``check.py`` turns a :class:`Launch` into its problems.
+stops with "unrecognized arguments" there. ``problems.py`` turns a :class:`Launch` into its problems.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The rules are the ones a run is held to: the options layer's (``--ga-*`` choices, the loss mode against
 ``--calculate-per-token-loss``, the guards against schedules that run another number of forwards, the
 one schedule of the launch), Megatron's parser and layer split (flags it does not define, stray words,
-the virtual pipeline), and the batch arithmetic of every stage (``layout.py``, ``schedule_checks.py``).
+the virtual pipeline), and the batch arithmetic of every stage (``core/layout.py``, ``core/schedule/checks.py``).
 """
 
 from __future__ import annotations

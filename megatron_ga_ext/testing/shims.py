@@ -50,12 +50,9 @@ Megatron-LM's own training loop (``pretrain()``, :func:`training_shims`) needs t
    ``memory_reserved``, ``max_memory_reserved``) answer 0 and ``memory_stats`` an empty dict, for the
    first iteration's memory report.
 
-Measured: over ``make test`` and the e2e tier (main d98e8a64, 0.16.1), what asked for CUDA was ``torch.empty``,
-``zeros``, ``ones``, ``tensor``, ``rand``, ``arange``, ``Tensor.new_empty``, ``Tensor.to`` and ``Tensor.cuda``; the
-other factories take the same ``device=`` and are wrapped too (a call none of them covers fails loudly: no CUDA).
-A default ``megatron-ga verify`` calls only ``current_device``, ``get_rng_state``, ``manual_seed``, the tracker's
-two RNG functions and (0.19.2) ``current_stream``; the others cover paths the same code reaches under other
-settings (batched PP p2p, overlapped grad reduce, a visible GPU) and cost nothing when unused, so they stay.
+Every factory that takes ``device=`` is wrapped, not only those megatron-core is known to call, so a path that
+starts to call another one keeps running; a call none of them covers fails loudly (no CUDA). A shim costs
+nothing where its path is not taken.
 
 Nothing here is imported by ``install()``: the shims exist to prove the extension on the CPU.
 """
