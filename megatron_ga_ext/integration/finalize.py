@@ -132,14 +132,12 @@ class FinalizeModelGrads:
         self.calls += 1
         device, model_config = self._checked_chunks(model)
         mode = self.config.loss_reduction
-        if (mode == "token") is not bool(getattr(model_config, "calculate_per_token_loss", False)):
-            check_per_token_flag(model_config, mode)  # raises: the flag was turned off (or on) since
+        check_per_token_flag(model_config, mode)
         if mode == "microbatch":
             self.original(model, num_tokens, pg_collection=pg_collection,
                           force_all_reduce=force_all_reduce)
             return
-        if self.pending is not None:
-            self.poll(wait=True)  # an earlier step's verdict not yet read (no schedule call in between)
+        self.poll(wait=True)  # an earlier step's verdict not yet read (no schedule call in between)
         pp_group, dp_cp_group, last_stage_rank, is_last_stage = self._topology_of(pg_collection)
         vector = self.contract.collect(device, is_last_stage=is_last_stage)  # before the grads' sync: no collective
         self.original(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
@@ -152,8 +150,7 @@ class FinalizeModelGrads:
             self.pending = _Verdict.of(vector, self.calls, _iteration())
         else:
             values = vector.tolist()  # the step's one device-to-host read
-            if values[SLOT_NEGATIVE] or values[SLOT_NONFINITE] or values[SLOT_UNCHECKED]:
-                _raise_on_violations(values)
+            _raise_on_violations(values)
             self.last_num_tokens = values[SLOT_TOKENS]
             if not values[SLOT_TOKENS]:  # --ga-zero-token-policy skip: a zero gradient for the skipped step
                 self._zero_tokens()
