@@ -24,10 +24,10 @@ def test_interface_after_construction():
 def test_first_checked_update_validates_every_remaining_stage():
     calc = StepScheduleCalculator(StepSchedule.parse("0:16 100:32 10000:36"), 4, 2)
     calc.update(50, consistency_check=False)  # unchecked: floors like upstream
-    with pytest.raises(ScheduleError, match=r"entry 3 '10000:36' .* not a multiple of --micro-batch-size 4 x "
-                                            r"data-parallel size 2 = 8") as caught:
+    with pytest.raises(AssertionError, match=r"entry 3 '10000:36' .* not a multiple of --micro-batch-size 4 x "
+                                             r"data-parallel size 2 = 8") as caught:
         calc.update(50, consistency_check=True)  # the bad stage is 10000 samples away: fails at start-up
-    assert isinstance(caught.value, AssertionError) and isinstance(caught.value, ValueError)
+    assert type(caught.value) is ScheduleError  # caught as upstream's callers catch its assert
 
 
 def test_past_stages_smaller_than_dp_are_allowed():
@@ -96,7 +96,8 @@ def test_from_megatron_signature_and_decrease_refused():
     calc = StepScheduleCalculator.from_megatron(micro_batch_size=1, data_parallel_size=512,
                                                 decrease_batch_size_if_needed=False, rank=0, schedule=SCALE_UP)
     assert calc.current_global_batch_size == 256
-    with pytest.raises(ValueError):
+    with pytest.raises(ScheduleError, match=r"^--decrease-batch-size-if-needed cannot be combined with a step batch-size "
+                                            r"schedule \(upstream refuses it too\)"):
         StepScheduleCalculator.from_megatron(1, 512, True, 0, SCALE_UP)
 
 
@@ -141,8 +142,8 @@ def test_schedule_built_from_stage_objects_keys_warnings_by_stage():
                                               (4, -2, "--data-parallel-size -2 must be at least 1")])
 def test_nonpositive_sizes_are_assertion_errors_like_upstream(mbs, dp, message):
     """Upstream: assert micro_batch_times_data_parallel_size > 0."""
-    with pytest.raises(ScheduleError, match=message) as caught:
+    with pytest.raises(AssertionError, match=message) as caught:
         StepScheduleCalculator(StepSchedule.parse("0:16"), mbs, dp)
-    assert isinstance(caught.value, AssertionError)
+    assert type(caught.value) is ScheduleError
     with pytest.raises(SizeError, match="--micro-batch-size 4.0 is not a whole number"):
         StepScheduleCalculator(StepSchedule.parse("0:16"), 4.0, 2)  # type: ignore[arg-type]

@@ -65,8 +65,14 @@ def test_ranks_that_differ_fail_on_every_rank_with_the_same_message():
                                 "rank 1. Data-parallel ranks that run different batches")
 
 
-def test_without_torch_distributed_there_is_nothing_to_compare():
-    check_ranks_agree({"--global-batch-size": "16"})  # one process: returns
+def test_without_torch_distributed_there_is_nothing_to_compare(monkeypatch):
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    gathered = []
+    monkeypatch.setattr(dist, "all_gather_object", lambda *args: gathered.append(args))
+    assert check_ranks_agree({"--global-batch-size": "16"}) is None
+    assert gathered == []  # one process: no collective, which would hang or fail without a process group
 
 
 def _resumed(checks: StartupChecks, checkpoint: Namespace, now: Namespace, caplog) -> str:

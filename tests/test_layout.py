@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from megatron_ga_ext import BatchLayout, BatchSizeError, GAError, InterleaveError, LayoutError, SizeError
+from megatron_ga_ext import BatchLayout, BatchSizeError, InterleaveError, LayoutError, SizeError
 
 
 def test_seed_gbs_128_two_ways_same_samples_different_syncs_and_work():
@@ -42,7 +42,7 @@ def test_dp_one_has_no_dp_sync():
 def test_raising_pp_keeps_gbs_and_only_moves_dp_and_ga():
     layouts = [BatchLayout(world_size=64, pipeline_model_parallel_size=pp, micro_batch_size=2, global_batch_size=512)
                for pp in (1, 2, 4, 8)]
-    assert [l.global_batch_size for l in layouts] == [512] * 4
+    assert [l.micro_batch_size * l.data_parallel_size * l.num_microbatches for l in layouts] == [512] * 4
     assert [l.data_parallel_size for l in layouts] == [64, 32, 16, 8]
     assert [l.num_microbatches for l in layouts] == [4, 8, 16, 32]
     assert [l.pipeline_bubble_fraction for l in layouts][0] == 0.0
@@ -103,7 +103,7 @@ def test_gbs_is_mbs_dp_ga_whatever_tp_pp_cp(mbs, dp, ga, tp, pp, cp):
 def test_bad_input_is_a_typed_error_naming_flag_value_and_fix(kwargs, error, pattern):
     with pytest.raises(error, match=pattern) as info:
         BatchLayout(**kwargs)
-    assert isinstance(info.value, (GAError, ValueError))
+    assert type(info.value) is error  # pytest.raises also passes a subclass
 
 
 def test_upstream_assertion_catchers_still_catch_gbs_error():
