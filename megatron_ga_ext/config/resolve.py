@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from megatron_ga_ext.config.ga_config import GAConfig
-from megatron_ga_ext.config.rules import decrease_error, rampup_ignored_message
+from megatron_ga_ext.config.rules import decrease_if_needed_error, rampup_ignored_message
 from megatron_ga_ext.core.schedule.rampup import rampup_triple
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.errors import ScheduleError, SizeError
@@ -96,7 +96,7 @@ def resolve_schedule(inputs: ScheduleInputs) -> StepSchedule | None:
             logger.warning(rampup_ignored_message(rampup, inputs.global_batch_size))
         return None
     if inputs.decrease_batch_size_if_needed:
-        raise decrease_error()
+        raise decrease_if_needed_error()
     if text is not None:
         return StepSchedule.parse(text, seq_length=inputs.seq_length)
     if inputs.global_batch_size is None:

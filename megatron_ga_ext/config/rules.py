@@ -77,7 +77,7 @@ def check_train_length(schedule: str | None, train_iters: int | None) -> None:
     )
 
 
-def decrease_error() -> ScheduleError:
+def decrease_if_needed_error() -> ScheduleError:
     """--decrease-batch-size-if-needed with a step schedule (upstream refuses the pair too)."""
     return ScheduleError(
         "--decrease-batch-size-if-needed cannot be combined with a step batch-size schedule (upstream refuses "

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
-from megatron_ga_ext.config.rules import decrease_error
+from megatron_ga_ext.config.rules import decrease_if_needed_error
 from megatron_ga_ext.core.rules import require_positive_int
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.errors import ScheduleError, SizeError
@@ -98,7 +98,7 @@ class StepScheduleCalculator:
     ) -> "StepScheduleCalculator":
         """The constructor signature of upstream's ``StepBatchsizeNumMicroBatchesCalculator`` (0.18+)."""
         if decrease_batch_size_if_needed:
-            raise decrease_error()
+            raise decrease_if_needed_error()
         return cls(StepSchedule.parse(schedule, seq_length), micro_batch_size, data_parallel_size, rank)
 
     @classmethod
@@ -121,7 +121,7 @@ class StepScheduleCalculator:
         passes pipeline/interleave/rescale keywords to the constructor.
         """
         if decrease_batch_size_if_needed:
-            raise decrease_error()  # this calculator runs a step schedule, even a constant one
+            raise decrease_if_needed_error()  # this calculator runs a step schedule, even a constant one
         schedule = resolve_schedule(ScheduleInputs(
             step_batch_size_schedule=step_batch_size_schedule, rampup_batch_size=rampup_batch_size,
             global_batch_size=global_batch_size, seq_length=seq_length, convert_rampup=True,

@@ -24,7 +24,7 @@ from megatron_ga_ext.core.schedule.rampup import RampStages
 from megatron_ga_ext.core.schedule.stages import ScheduleProblem, Stage
 from megatron_ga_ext.errors import GAError, ScheduleError
 
-__all__ = ["CheckLayout", "decrease_error", "stage_error", "schedule_problems", "with_count", "zero_microbatch_error"]
+__all__ = ["CheckLayout", "decreasing_stage_error", "stage_error", "schedule_problems", "with_count", "zero_microbatch_error"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -88,7 +88,7 @@ def schedule_problems(entries: Sequence[Stage], current: int, layout: CheckLayou
             if error is not None:
                 found.append(ScheduleProblem(stage=stage, index=index, future=future, error=error))
         if future and stage.global_batch_size < entries[index - 1].global_batch_size:
-            error = decrease_error(entries[index - 1], stage)
+            error = decreasing_stage_error(entries[index - 1], stage)
             found.append(ScheduleProblem(stage=stage, index=index, future=True, error=error))
     return found
 
@@ -132,7 +132,7 @@ def zero_microbatch_error(stage: Stage, mbs: int, dp: int, planned: bool = False
     )
 
 
-def decrease_error(previous: Stage, stage: Stage) -> ScheduleError:
+def decreasing_stage_error(previous: Stage, stage: Stage) -> ScheduleError:
     return ScheduleError(
         f"{stage.describe()} is smaller than entry {previous.position}'s {previous.global_batch_size}; the batch "
         f"size must never decrease (Megatron's training loop asserts the number of micro-batches \"should not "
