@@ -160,3 +160,11 @@ def test_check_matches_the_loss_mode_with_the_per_token_flag():
     assert result.returncode == 1 and "drop one of them" in result.stdout
     result = run("check", "--", LAUNCH + " --global-batch-size 64 --ga-loss-reduction=token")
     assert result.returncode == 0, result.stdout
+
+
+def test_version_names_the_installed_distribution():
+    from importlib.metadata import version
+
+    result = run("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"megatron-ga {version('megatron-ga-ext')}\n"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import importlib.metadata
 import itertools
 import json
 import sys
@@ -156,6 +157,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; a delegated command's module is imported only when ``command`` selects it. Built once per
     command: parsing does not change it, and main() called in-process (tests, fuzzing) need not rebuild it."""
     parser = argparse.ArgumentParser(prog="megatron-ga", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"megatron-ga {importlib.metadata.version('megatron-ga-ext')}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (configure, run, help_text) in _LOCAL.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
