@@ -78,7 +78,7 @@ regress: $(E2E_STAMP)
 
 # After adding a source to compat.UPSTREAM: fingerprints of its hooked functions, from the snapshots.
 fingerprints: $(STAMP)
-	$(PY) -c 'import sys; sys.path.insert(0, "tools"); import regress; [regress.tree(regress.snapshot_dir() / f"megatron-lm-{u.ref}.tar.gz") for u in regress.UPSTREAM]'
+	$(PY) -c 'from tools import regress; [regress.tree(regress.snapshot_dir() / f"megatron-lm-{u.ref}.tar.gz") for u in regress.UPSTREAM]'
 	$(PY) -m megatron_ga_ext.integration.compat --snapshots .cache/megatron-lm --write
 
 clean:

@@ -5,6 +5,7 @@ builds its parser (``add_megatron_arguments``), one snapshot after another in on
 packages the training code imports but the parser never uses are stubbed when they are not installed.
 """
 import argparse
+import contextlib
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -59,14 +60,28 @@ for name in list(_StubFinder.names):
 if importlib.util.find_spec("triton") is None:
     _StubFinder.names.add(_StubFinder.needs_triton)
 sys.meta_path.insert(0, _StubFinder())
-out = {}
-for root in sys.argv[1:]:
+
+
+@contextlib.contextmanager
+def first_on_path(root: str):
+    # A snapshot is another project's source tree, not an installed package, and its code imports itself as
+    # top-level `megatron`: only its root first on sys.path makes that import resolve to this snapshot.
+    sys.path.insert(0, root)
+    try:
+        yield
+    finally:
+        sys.path.remove(root)
+
+
+def option_strings(root: str) -> list[str]:
+    """Every option string of the parser that ``root``'s megatron/training/arguments.py builds."""
     for key in [k for k in sys.modules if k == "megatron" or k.startswith("megatron.")]:
         del sys.modules[key]
-    sys.path.insert(0, root)
-    arguments = importlib.import_module("megatron.training.arguments")
-    assert arguments.__file__.startswith(root), arguments.__file__
-    parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
-    out[root] = sorted(s for action in parser._actions for s in action.option_strings)
-    sys.path.remove(root)
-print(json.dumps(out))
+    with first_on_path(root):
+        arguments = importlib.import_module("megatron.training.arguments")
+        assert arguments.__file__.startswith(root), arguments.__file__
+        parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    return sorted(s for action in parser._actions for s in action.option_strings)
+
+
+print(json.dumps({root: option_strings(root) for root in sys.argv[1:]}))

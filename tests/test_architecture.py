@@ -12,6 +12,7 @@ verify, from testing itself, and from the tests.
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -125,7 +126,7 @@ def test_the_checks_see_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         paths[name] = path
-    monkeypatch.setattr(__import__(__name__), "MODULES", paths)
+    monkeypatch.setattr(sys.modules[__name__], "MODULES", paths)
     with pytest.raises(AssertionError, match="core.a -> megatron_ga_ext.core.b -> megatron_ga_ext.core.a"):
         test_no_import_cycle()
     with pytest.raises(AssertionError, match="core.c -> megatron_ga_ext.integration.d"):

@@ -20,16 +20,24 @@ import gc
 import io
 import json
 import os
-import sys
 import time
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-from fuzz_inputs import (
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from megatron_ga_ext import BatchLayout, StepSchedule
+from megatron_ga_ext.cli.main import main
+from megatron_ga_ext.core.numbers import MAX_EXPONENT, format_count, parse_count, read_int, upstream_count
+from megatron_ga_ext.core.schedule.rampup import rampup_triple
+from megatron_ga_ext.errors import GAError, GuardError, ScheduleWarning
+from megatron_ga_ext.integration.calculator import StepScheduleCalculator
+from megatron_ga_ext.integration.guards import GuardedCalculator
+from tests.fuzz_inputs import (
     check_argv,
     consumed_counts,
     layout_kwargs,
@@ -45,23 +53,9 @@ from fuzz_inputs import (
     sizes,
     valid_schedule_texts,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from megatron_ga_ext import BatchLayout, StepSchedule
-from megatron_ga_ext.cli.main import main
-from megatron_ga_ext.core.numbers import MAX_EXPONENT, format_count, parse_count, read_int, upstream_count
-from megatron_ga_ext.core.schedule.rampup import rampup_triple
-from megatron_ga_ext.errors import GAError, GuardError, ScheduleWarning
-from megatron_ga_ext.integration.calculator import StepScheduleCalculator
-from megatron_ga_ext.integration.guards import GuardedCalculator
+from tools.reliability import write
 
 pytestmark = pytest.mark.fuzz
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
-
-from reliability import write  # noqa: E402
 
 EXAMPLES = int(os.environ.get("MEGATRON_GA_FUZZ_EXAMPLES", "200"))
 LIMIT_S = 1.0

@@ -15,11 +15,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ga_ext.core.megatron_flags import MEGATRON_OPTIONS, NOT_MEGATRON
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-
-from regress import NO_SOURCE, sources  # noqa: E402
+from tools.regress import NO_SOURCE, sources
 
 DIRS = sources([])
 

@@ -59,10 +59,12 @@ def test_patched_tree_behaves_without_install(sources, tmp_path, version):
     applied = patches("apply", "--sources", str(sources), "--version", version, "--into", str(tree))
     assert applied.returncode == 0, applied.stderr
     code = (
-        "import sys; sys.path.insert(0, sys.argv[1]); import megatron.core, test_install_distributed as t; "
-        "assert megatron.core.__file__.startswith(sys.argv[2]), megatron.core.__file__; "
+        "import sys, megatron.core, tests.test_install_distributed as t; "
+        "assert megatron.core.__file__.startswith(sys.argv[1]), megatron.core.__file__; "
         "t.run_and_check('vendored'); print('vendored ok')"
     )
-    result = subprocess.run([sys.executable, "-c", code, str(ROOT / "tests"), str(tree)], capture_output=True,
-                            text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(tree)})
+    # python -c puts its cwd first on sys.path, so ROOT makes `tests` importable; PYTHONPATH puts the patched
+    # megatron before the installed one
+    result = subprocess.run([sys.executable, "-c", code, str(tree)], capture_output=True, text=True, timeout=300,
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(tree)})
     assert result.returncode == 0 and "vendored ok" in result.stdout, result.stderr[-3000:]

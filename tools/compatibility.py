@@ -9,13 +9,9 @@ The behaviour suite (``make matrix`` / ``make regress``) fills "Behaviour suite"
 from __future__ import annotations
 
 import datetime
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from megatron_ga_ext.integration.compat import TARGETS, UPSTREAM, fingerprint_file, known_fingerprints  # noqa: E402
+from megatron_ga_ext.integration.compat import TARGETS, UPSTREAM, fingerprint_file, known_fingerprints
 
 COLUMNS = ("Source", "megatron-core", "Python, torch", "Hooked functions", "Behaviour suite", "End-to-end", "Run on")
 HEADER = """# Compatibility

@@ -19,14 +19,14 @@ import sys
 import tarfile
 from pathlib import Path
 
+from megatron_ga_ext.integration.compat import UPSTREAM
+
+if __package__:  # tools.regress: the tests, python -m tools.regress
+    from .compatibility import source_name, update
+else:  # python tools/regress.py: the script's own directory is first on sys.path
+    from compatibility import source_name, update
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
-
-from compatibility import source_name, update  # noqa: E402
-
-from megatron_ga_ext.integration.compat import UPSTREAM  # noqa: E402
-
 CACHE = ROOT / ".cache"
 LEG = f"{sys.version_info.major}.{sys.version_info.minor}"
 BEHAVIOUR_TESTS = ("tests/test_install.py", "tests/test_install_distributed.py", "tests/test_guards.py",

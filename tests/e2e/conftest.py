@@ -17,11 +17,11 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from pretrain_runs import ROOT, Run, launch
 
-sys.path.insert(0, str(ROOT / "tools"))
-
-from regress import NO_SOURCE, sources  # noqa: E402
+from megatron_ga_ext.integration.compat import UPSTREAM
+from tests.e2e.pretrain_runs import Run, launch
+from tools.compatibility import core_version, hooked_functions, source_name, update
+from tools.regress import NO_SOURCE, sources
 
 SOURCES = sources([os.environ["MEGATRON_LM"]] if os.environ.get("MEGATRON_LM") else [])
 
@@ -29,8 +29,6 @@ SOURCES = sources([os.environ["MEGATRON_LM"]] if os.environ.get("MEGATRON_LM") e
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """``source``: every source; ``newest_source``: the newest release and main commit among them (faults);
     ``newest_release``: the first of those (the timing comparison)."""
-    from compatibility import source_name
-
     for fixture, trees in (("source", SOURCES), ("newest_source", _newest(SOURCES)),
                            ("newest_release", _newest(SOURCES)[:1])):
         if fixture in metafunc.fixturenames:
@@ -41,10 +39,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 def _newest(trees: list[Path]) -> list[Path]:
     """The newest release and the newest main commit (compat.UPSTREAM is ordered); a given checkout as it is."""
-    from compatibility import source_name
-
-    from megatron_ga_ext.integration.compat import UPSTREAM
-
     named = {source_name(t): t for t in trees}
     known = [u for u in UPSTREAM if u.name in named]
     if not known:
@@ -80,8 +74,6 @@ def _name_the_source(request: pytest.FixtureRequest) -> None:
     params = request.node.callspec.params if hasattr(request.node, "callspec") else {}
     source = params.get("source") or params.get("newest_source") or params.get("newest_release")
     if source is not None:
-        from compatibility import source_name
-
         request.node.user_properties.append(("source", source_name(source)))
 
 
@@ -121,7 +113,6 @@ def _write_doc() -> None:
     if not doc:
         return
     import torch  # noqa: F401  (only for its version, in the doc)
-    from compatibility import core_version, hooked_functions, source_name, update
 
     done = _LAUNCHES["session"].done if _LAUNCHES else {}
     for source in SOURCES:

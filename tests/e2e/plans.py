@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pretrain_runs import MICRO_BATCH_SIZE, SEQ_LENGTH, Run
+from tests.e2e.pretrain_runs import MICRO_BATCH_SIZE, SEQ_LENGTH, Run
 
 DATA_PARALLEL_SIZE = 2  # the dp2 layout
 #: Every launch here bounds each collective (Megatron's process-group timeout) besides the launch's own timeout.

@@ -8,7 +8,8 @@ import sys
 import time
 
 import pytest
-from pretrain_runs import ROOT, _server
+
+from tests.e2e.pretrain_runs import ROOT, _server
 
 pytestmark = pytest.mark.e2e
 

@@ -14,8 +14,9 @@ MTP layer).
 from __future__ import annotations
 
 import pytest
-from compatibility import source_name
-from test_pretrain_gpt import CONSTANT, TOKEN, check_num_tokens, check_run, record
+
+from tests.e2e.test_pretrain_gpt import CONSTANT, TOKEN, check_num_tokens, check_run, record
+from tools.compatibility import source_name
 
 pytestmark = pytest.mark.e2e
 

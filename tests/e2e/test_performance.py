@@ -18,9 +18,10 @@ import statistics
 from pathlib import Path
 
 import pytest
-from compatibility import source_name
-from plans import BOUNDED
-from reliability import update
+
+from tests.e2e.plans import BOUNDED
+from tools.compatibility import source_name
+from tools.reliability import update
 
 pytestmark = pytest.mark.e2e
 

@@ -29,10 +29,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from compatibility import source_name
-from pretrain_runs import MICRO_BATCH_SIZE, SEQ_LENGTH, Run
 
 from megatron_ga_ext.integration.guards import PP_RULE
+from tests.e2e.pretrain_runs import MICRO_BATCH_SIZE, SEQ_LENGTH, Run
+from tools.compatibility import source_name
 
 pytestmark = pytest.mark.e2e
 

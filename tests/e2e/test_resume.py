@@ -18,12 +18,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from compatibility import source_name
-from plans import BOUNDED, planned_steps, ran_steps, save_every_step, saved, seq_length_schedule
-from reliability import write
 
 from megatron_ga_ext.core.megatron_flags import STEP_SCHEDULE
 from megatron_ga_ext.integration.compat import UPSTREAM
+from tests.e2e.plans import BOUNDED, planned_steps, ran_steps, save_every_step, saved, seq_length_schedule
+from tools.compatibility import source_name
+from tools.reliability import write
 
 pytestmark = pytest.mark.e2e
 
