@@ -6,12 +6,10 @@ Which flags exist is Megatron's own parser at each tested release (core_v0.16.1 
 ``--pipeline-model-parallel-layout`` or the '|' segments of ``--hybrid-layer-pattern``.
 """
 
-import json
 import shlex
 
 import pytest
 
-from megatron_ga_ext.cli.main import main
 from megatron_ga_ext.errors import UsageError
 from megatron_ga_ext.launch.line import parse_launch
 from megatron_ga_ext.launch.problems import launch_problems
@@ -110,14 +108,14 @@ def test_hybrid_pattern_refuses_the_other_vpp_flags_as_megatron_does():
 # -- 3. the embedding and loss counted as layers ---------------------------------------------------
 
 
-def test_account_for_embedding_and_loss_count_in_the_layers():
+def test_account_for_embedding_and_loss_count_in_the_layers(cli):
     # 30 layers + embedding + loss = 32 over PP 4 = 8 per stage, 2 per virtual stage: VPP 4. A valid launch.
     line = BASE + (" --pipeline-model-parallel-size 4 --num-layers 30 --account-for-embedding-in-pipeline-split "
                    "--account-for-loss-in-pipeline-split --num-layers-per-virtual-pipeline-stage 2 "
                    "--global-batch-size 32")
     ledger, problems = check(line)
     assert problems == [] and ledger["virtual_pipeline_model_parallel_size"] == 4
-    assert main(["check", "--", *shlex.split(line)]) == 0
+    assert cli("check", "--", *shlex.split(line)).status == 0
 
 
 def test_one_accounted_layer_breaks_the_even_split():
@@ -241,10 +239,10 @@ def test_unreadable_values_name_the_flag_as_spelled():
         check("torchrun --nproc_per_node gpu x.py --micro-batch-size 1")
 
 
-def test_json_prints_an_error_object_when_the_line_cannot_be_read(capsys):
-    assert main(["check", "--json", "--", "torchrun", "--nproc_per_node", "gpu", "x.py", "--micro-batch-size", "1"]) == 2
-    captured = capsys.readouterr()
-    report = json.loads(captured.out)
+def test_json_prints_an_error_object_when_the_line_cannot_be_read(cli):
+    captured = cli("check", "--json", "--", "torchrun", "--nproc_per_node", "gpu", "x.py", "--micro-batch-size", "1")
+    assert captured.status == 2
+    report = captured.json()
     assert report["error_type"] == "UsageError" and report["ledger"] is None and report["problems"] == []
     assert report["error"].startswith("--nproc_per_node gpu leaves the world size to the machine")
     assert captured.err.startswith("megatron-ga check: error: --nproc_per_node gpu")

@@ -1,27 +1,17 @@
 """megatron-ga ledger and check, run as a user runs them (a subprocess of the console script)."""
 
 import json
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
-
-EXE = str(Path(sys.executable).with_name("megatron-ga"))
-
-
-def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([EXE, *args], capture_output=True, text=True, timeout=60)
-
 
 LEDGER = ["ledger", "--nnodes", "2", "--nproc-per-node", "8", "--tensor-model-parallel-size", "2",
           "--pipeline-model-parallel-size", "2", "--micro-batch-size", "4", "--global-batch-size", "128",
           "--seq-length", "2048"]
 
 
-def test_ledger_json_keys_and_values():
-    result = run(*LEDGER, "--json")
+def test_ledger_json_keys_and_values(cli_script):
+    result = cli_script(*LEDGER, "--json")
     assert result.returncode == 0, result.stderr
     ledger = json.loads(result.stdout)
     assert {k: ledger[k] for k in ("world_size", "data_parallel_size", "micro_batch_size", "global_batch_size",
@@ -31,8 +21,8 @@ def test_ledger_json_keys_and_values():
     assert ledger["pipeline_bubble_fraction"] == pytest.approx(1 / 9)
 
 
-def test_ledger_table_is_plain_text_off_a_terminal():
-    result = run(*LEDGER)
+def test_ledger_table_is_plain_text_off_a_terminal(cli_script):
+    result = cli_script(*LEDGER)
     assert result.returncode == 0
     lines = result.stdout.splitlines()
     assert lines[0] == "megatron-ga ledger"
@@ -40,9 +30,10 @@ def test_ledger_table_is_plain_text_off_a_terminal():
     assert "\x1b[" not in result.stdout
 
 
-def test_ledger_vpp_from_layers_per_virtual_stage():
-    result = run("ledger", "--world-size", "8", "--pipeline-model-parallel-size", "4", "--num-layers", "16",
-                 "--num-layers-per-virtual-pipeline-stage", "2", "--micro-batch-size", "1", "--global-batch-size", "8", "--json")
+def test_ledger_vpp_from_layers_per_virtual_stage(cli_script):
+    result = cli_script("ledger", "--world-size", "8", "--pipeline-model-parallel-size", "4", "--num-layers", "16",
+                        "--num-layers-per-virtual-pipeline-stage", "2", "--micro-batch-size", "1",
+                        "--global-batch-size", "8", "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["virtual_pipeline_model_parallel_size"] == 2
 
@@ -59,21 +50,21 @@ def test_ledger_vpp_from_layers_per_virtual_stage():
          "--num-layers-per-virtual-pipeline-stage 3 does not divide the 4 layers"),
     ],
 )
-def test_ledger_bad_input_exits_2_without_traceback(args, message):
-    result = run("ledger", *args)
+def test_ledger_bad_input_exits_2_without_traceback(args, message, cli_script):
+    result = cli_script("ledger", *args)
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
 
 
-def test_ledger_answers_fast_and_imports_no_torch():
-    best = min(_wall(LEDGER) for _ in range(5))
+def test_ledger_answers_fast_and_imports_no_torch(cli_script):
+    best = min(_wall(cli_script, LEDGER) for _ in range(5))
     assert best < 0.3, f"megatron-ga ledger took {best:.3f} s"
 
 
-def _wall(args: list[str]) -> float:
+def _wall(cli_script, args: list[str]) -> float:
     start = time.perf_counter()
-    assert run(*args).returncode == 0
+    assert cli_script(*args).returncode == 0
     return time.perf_counter() - start
 
 
@@ -83,15 +74,15 @@ BARE_LAUNCH = "torchrun --nproc_per_node=8 --nnodes 2 --master-addr host0 pretra
 LAUNCH = BARE_LAUNCH + " --calculate-per-token-loss"
 
 
-def test_check_clean_launch_exits_0():
-    result = run("check", "--", *LAUNCH.split(), "--global-batch-size=64")
+def test_check_clean_launch_exits_0(cli_script):
+    result = cli_script("check", "--", *LAUNCH.split(), "--global-batch-size=64")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "no problems found" in result.stdout
 
 
-def test_check_reads_a_single_quoted_line_and_reports_every_problem():
+def test_check_reads_a_single_quoted_line_and_reports_every_problem(cli_script):
     line = LAUNCH + " --global-batch-size 100 --micro-batch-size 4 --rampup-batch-size 16 8 300000"
-    result = run("check", "--json", "--", line)
+    result = cli_script("check", "--json", "--", line)
     assert result.returncode == 1
     problems = json.loads(result.stdout)["problems"]
     assert any("--micro-batch-size is given 2 times (2, 4)" in p for p in problems)
@@ -100,9 +91,9 @@ def test_check_reads_a_single_quoted_line_and_reports_every_problem():
     assert any("--rampup-batch-size 16 8 300000 is ignored without a word by megatron-core >= 0.18" in p for p in problems)
 
 
-def test_check_step_schedule_with_train_iters_and_gbs():
-    result = run("check", "--", *LAUNCH.split(), "--train-iters", "1000", "--global-batch-size", "64",
-                 "--step-batch-size-schedule", "0:32 1000000:64")
+def test_check_step_schedule_with_train_iters_and_gbs(cli_script):
+    result = cli_script("check", "--", *LAUNCH.split(), "--train-iters", "1000", "--global-batch-size", "64",
+                        "--step-batch-size-schedule", "0:32 1000000:64")
     assert result.returncode == 1
     assert "--step-batch-size-schedule with --train-iters" in result.stdout
     assert "--global-batch-size is given together with --step-batch-size-schedule" in result.stdout
@@ -118,21 +109,21 @@ def test_check_step_schedule_with_train_iters_and_gbs():
         ("torchrun --nproc-per-node 8 pretrain_gpt.py", "--micro-batch-size is missing"),
     ],
 )
-def test_check_unusable_input_exits_2(line, message):
-    result = run("check", "--", line)
+def test_check_unusable_input_exits_2(line, message, cli_script):
+    result = cli_script("check", "--", line)
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
 
 
-def test_check_world_size_override():
-    result = run("check", "--world-size", "64", "--json", "--",
-                 "torchrun --nproc-per-node gpu x.py --micro-batch-size 2 --calculate-per-token-loss")
+def test_check_world_size_override(cli_script):
+    result = cli_script("check", "--world-size", "64", "--json", "--",
+                        "torchrun --nproc-per-node gpu x.py --micro-batch-size 2 --calculate-per-token-loss")
     assert result.returncode == 0
     assert json.loads(result.stdout)["ledger"]["data_parallel_size"] == 64
 
 
-def test_check_prints_the_schedule_equivalent_to_a_rampup():
-    result = run("check", "--json", "--", LAUNCH + " --global-batch-size 64 --rampup-batch-size 16 16 1000")
+def test_check_prints_the_schedule_equivalent_to_a_rampup(cli_script):
+    result = cli_script("check", "--json", "--", LAUNCH + " --global-batch-size 64 --rampup-batch-size 16 16 1000")
     assert result.returncode == 1
     report = json.loads(result.stdout)
     (problem,) = report["problems"]
@@ -145,26 +136,26 @@ def test_check_prints_the_schedule_equivalent_to_a_rampup():
     assert report["ledger"]["global_batch_size"] == 64  # the ledger of the last stage
 
 
-def test_check_validates_every_stage_of_a_step_schedule():
-    result = run("check", "--", LAUNCH + " --step-batch-size-schedule '0:16 8192K:24 16384K:8'")
+def test_check_validates_every_stage_of_a_step_schedule(cli_script):
+    result = cli_script("check", "--", LAUNCH + " --step-batch-size-schedule '0:16 8192K:24 16384K:8'")
     assert result.returncode == 1
     assert "entry 2 '8192K:24'" in result.stdout and "not a multiple of --micro-batch-size 2 x data-parallel size 8 = 16" in result.stdout
     assert "entry 3 '16384K:8'" in result.stdout
 
 
-def test_check_matches_the_loss_mode_with_the_per_token_flag():
-    result = run("check", "--", BARE_LAUNCH + " --global-batch-size 64 --ga-loss-reduction token")
+def test_check_matches_the_loss_mode_with_the_per_token_flag(cli_script):
+    result = cli_script("check", "--", BARE_LAUNCH + " --global-batch-size 64 --ga-loss-reduction token")
     assert result.returncode == 1
     assert "--ga-loss-reduction token needs --calculate-per-token-loss" in result.stdout
-    result = run("check", "--", LAUNCH + " --global-batch-size 64 --ga-loss-reduction microbatch")
+    result = cli_script("check", "--", LAUNCH + " --global-batch-size 64 --ga-loss-reduction microbatch")
     assert result.returncode == 1 and "drop one of them" in result.stdout
-    result = run("check", "--", LAUNCH + " --global-batch-size 64 --ga-loss-reduction=token")
+    result = cli_script("check", "--", LAUNCH + " --global-batch-size 64 --ga-loss-reduction=token")
     assert result.returncode == 0, result.stdout
 
 
-def test_version_names_the_installed_distribution():
+def test_version_names_the_installed_distribution(cli_script):
     from importlib.metadata import version
 
-    result = run("--version")
+    result = cli_script("--version")
     assert result.returncode == 0, result.stderr
     assert result.stdout == f"megatron-ga {version('megatron-ga-ext')}\n"

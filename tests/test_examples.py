@@ -34,7 +34,7 @@ def test_drop_in_adds_the_ga_flags_to_megatrons_own_parser(monkeypatch):
     assert args.micro_batch_size == 2
 
 
-def test_launch_script_is_valid_bash_and_checks_before_it_launches(tmp_path):
+def test_launch_script_is_valid_bash_and_checks_before_it_launches(cli_script):
     subprocess.run(["bash", "-n", str(ROOT / "examples" / "launch.sh")], check=True)
     text = (ROOT / "examples" / "launch.sh").read_text()
     assert text.index('megatron-ga check -- "${LAUNCH[@]}"') < text.index('exec "${LAUNCH[@]}"')
@@ -43,7 +43,6 @@ def test_launch_script_is_valid_bash_and_checks_before_it_launches(tmp_path):
     tokens = [t for t in subprocess.run(
         ["bash", "-c", f'NNODES=2 DATA_PATH=d VOCAB_FILE=v MERGE_FILE=m; here=.; LAUNCH=({line}); printf "%s\\n" "${{LAUNCH[@]}}"'],
         capture_output=True, text=True, check=True).stdout.splitlines()]
-    result = subprocess.run([str(Path(sys.executable).with_name("megatron-ga")), "check", "--", *tokens],
-                            capture_output=True, text=True)
+    result = cli_script("check", "--", *tokens)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "no problems found" in result.stdout

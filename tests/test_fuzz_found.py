@@ -1,11 +1,9 @@
 """What the fuzz tests (tests/test_fuzz.py) found, each pinned by its smallest example."""
 
-import json
 
 import pytest
 
 from megatron_ga_ext import StepSchedule
-from megatron_ga_ext.cli.main import main
 from megatron_ga_ext.core.numbers import parse_count
 from megatron_ga_ext.errors import ScheduleParseError, SizeError
 from megatron_ga_ext.integration.calculator import StepScheduleCalculator
@@ -18,11 +16,12 @@ from megatron_ga_ext.integration.guards import GuardedCalculator
     (["schedule", "0:8", "--micro-batch-size", "1", "--data-parallel-size", "1", "--lr=--",
       "--lr-base-batch-size", "8"], "--lr"),
 ])
-def test_a_flag_given_as_flag_equals_dashdash_is_a_usage_error(capsys, argv, flag):
+def test_a_flag_given_as_flag_equals_dashdash_is_a_usage_error(cli, argv, flag):
     """argparse reads ``--flag=--`` as an empty list, which reached read_int (AttributeError) or math.isfinite
     (TypeError) as a traceback."""
-    assert main(argv) == 2
-    err = capsys.readouterr().err
+    answer = cli(*argv)
+    assert answer.status == 2
+    err = answer.err
     assert f"error: {flag}=--: '--' is not a value for {flag}; give {flag} a value, or leave it out." in err
     assert "Traceback" not in err
 
@@ -59,12 +58,13 @@ def test_the_guard_refuses_a_consumed_count_that_is_not_one(consumed):
     (["--pipeline-model-parallel-size", "0", "--num-layers", "8"],
      "--pipeline-model-parallel-size 0 must be at least 1; give an integer >= 1."),
 ])
-def test_a_zero_pipeline_size_is_a_problem_not_a_division_by_zero(capsys, flags, problem):
+def test_a_zero_pipeline_size_is_a_problem_not_a_division_by_zero(cli, flags, problem):
     """The layer split divided by these sizes before any check (ZeroDivisionError)."""
     line = ["torchrun", "--nproc-per-node", "8", "pretrain_gpt.py", "--micro-batch-size", "1",
             "--calculate-per-token-loss", *flags]
-    assert main(["check", "--json", "--", *line]) == 1
-    assert any(problem in text for text in json.loads(capsys.readouterr().out)["problems"])
+    answer = cli("check", "--json", "--", *line)
+    assert answer.status == 1
+    assert any(problem in text for text in answer.json()["problems"])
 
 
 def test_a_ramp_of_more_stages_than_len_can_count_is_read_and_checked():

@@ -1,33 +1,25 @@
 """megatron-ga schedule: table, JSON, rampup conversion, plot, one-line errors, and its speed."""
 
-import json
-import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from megatron_ga_ext import StepSchedule
-from megatron_ga_ext.cli.main import main as cli_main
 
-
-def main(argv):
-    return cli_main(["schedule", *argv])
-
-EXE = str(Path(sys.executable).with_name("megatron-ga"))
 TOKENS = ["0:768 250B:1536 500B:3072 750B:6144", "--micro-batch-size", "4", "--data-parallel-size", "64",
           "--seq-length", "4096"]
 
 
-def run_json(capsys, *args: str) -> dict:
-    assert main([*args, "--json"]) == 0
-    return json.loads(capsys.readouterr().out)
+def run_json(cli, *args: str) -> dict:
+    answer = cli("schedule", *args, "--json")
+    assert answer.status == 0, answer.err
+    return answer.json()
 
 
-def test_json_rows_and_iterations(capsys):
-    out = run_json(capsys, *TOKENS, "--train-tokens", "1T")
+def test_json_rows_and_iterations(cli):
+    out = run_json(cli, *TOKENS, "--train-tokens", "1T")
     assert out["schedule"] == "0:768 250B:1536 500B:3072 750B:6144" and out["thresholds_in"] == "tokens"
     assert out["train_samples"] == -(-10**12 // 4096)
     stages = out["stages"]
@@ -39,9 +31,10 @@ def test_json_rows_and_iterations(capsys):
     assert out["iterations"] == schedule.iterations(4, 64, out["train_samples"])
 
 
-def test_table_text(capsys):
-    assert main([*TOKENS, "--train-samples", "200M"]) == 0
-    out = capsys.readouterr().out
+def test_table_text(cli):
+    answer = cli("schedule", *TOKENS, "--train-samples", "200M")
+    assert answer.status == 0
+    out = answer.out
     lines = out.splitlines()
     assert lines[0] == '--step-batch-size-schedule "0:768 250B:1536 500B:3072 750B:6144" (thresholds in tokens, --seq-length 4096)'
     assert "first token" in out and "micro-batches" in out
@@ -49,17 +42,18 @@ def test_table_text(capsys):
     assert "steps for --train-samples 200,000,000" in out
 
 
-def test_sample_thresholds_with_seq_length(capsys):
-    out = run_json(capsys, "0:8 100:16", "--micro-batch-size", "1", "--data-parallel-size", "8", "--seq-length",
+def test_sample_thresholds_with_seq_length(cli):
+    out = run_json(cli, "0:8 100:16", "--micro-batch-size", "1", "--data-parallel-size", "8", "--seq-length",
                    "1024", "--sample-thresholds")
     assert out["stages"][1]["threshold_samples"] == 100 and out["stages"][1]["threshold_tokens"] == 102400
     assert out["schedule_tokens"] == "0:8 102400:16"
 
 
-def test_from_rampup_prints_the_converted_schedule(capsys):
-    assert main(["--from-rampup", "16", "8", "300000", "--global-batch-size", "1024", "--micro-batch-size", "4",
-                 "--data-parallel-size", "2", "--seq-length", "4096"]) == 0
-    out = capsys.readouterr().out
+def test_from_rampup_prints_the_converted_schedule(cli):
+    answer = cli("schedule", "--from-rampup", "16", "8", "300000", "--global-batch-size", "1024", "--micro-batch-size",
+                 "4", "--data-parallel-size", "2", "--seq-length", "4096")
+    assert answer.status == 0
+    out = answer.out
     assert "--rampup-batch-size 16 8 300000 --global-batch-size 1024 is this step schedule (127 stages):" in out
     samples_line = next(line for line in out.splitlines() if line.strip().startswith('--step-batch-size-schedule "0:16 2381:24'))
     text = samples_line.split('"')[1]
@@ -68,37 +62,38 @@ def test_from_rampup_prints_the_converted_schedule(capsys):
     assert StepSchedule.parse(tokens_line.split('"')[1], 4096).stages == StepSchedule.parse(text).stages
 
 
-def test_lr_hints_are_labelled(capsys):
-    assert main([*TOKENS, "--lr", "3e-4", "--lr-base-batch-size", "768"]) == 0
-    out = capsys.readouterr().out
+def test_lr_hints_are_labelled(cli):
+    answer = cli("schedule", *TOKENS, "--lr", "3e-4", "--lr-base-batch-size", "768")
+    assert answer.status == 0
+    out = answer.out
     assert "lr linear (hint)" in out and "lr sqrt (hint)" in out
     assert "hints only" in out and "Neither is a prescription" in out
-    data = run_json(capsys, *TOKENS, "--lr", "3e-4", "--lr-base-batch-size", "768")
+    data = run_json(cli, *TOKENS, "--lr", "3e-4", "--lr-base-batch-size", "768")
     assert data["stages"][3]["lr_linear"] == pytest.approx(3e-4 * 8)
     assert data["stages"][3]["lr_sqrt"] == pytest.approx(3e-4 * 8**0.5)
 
 
-def test_warn_future_stages(capsys):
-    assert main(["0:256 100:384", "--micro-batch-size", "1", "--data-parallel-size", "128",
-                 "--planned-data-parallel-sizes", "256", "--warn-future-stages"]) == 0
-    captured = capsys.readouterr()
-    assert "warning: --step-batch-size-schedule entry 2 '100:384'" in captured.err
+def test_warn_future_stages(cli):
+    answer = cli("schedule", "0:256 100:384", "--micro-batch-size", "1", "--data-parallel-size", "128",
+                 "--planned-data-parallel-sizes", "256", "--warn-future-stages")
+    assert answer.status == 0
+    assert "warning: --step-batch-size-schedule entry 2 '100:384'" in answer.err
 
 
 RESUMED = ["0:8 1000:64", "--micro-batch-size", "4", "--data-parallel-size", "16", "--consumed-samples", "2000"]
 
 
-def test_consumed_samples_starts_the_table_at_the_stage_in_force(capsys):
+def test_consumed_samples_starts_the_table_at_the_stage_in_force(cli):
     """Resumed after a scale-up: stage 1 (8 < 4 x 16) is past, so it is neither checked nor run."""
-    out = run_json(capsys, *RESUMED, "--train-samples", "3000")
+    out = run_json(cli, *RESUMED, "--train-samples", "3000")
     assert out["consumed_samples"] == 2000
     assert [(s["first_sample"], s["steps"]) for s in out["stages"]] == [(None, 0), (2000, 16)]
     assert (out["iterations"], out["samples_at_end"]) == (16, 3024)
-    assert main([*RESUMED, "--train-samples", "3000"]) == 0
-    captured = capsys.readouterr()
-    assert "16 steps from --consumed-samples 2,000 to --train-samples 3,000; the last step ends at 3,024" in captured.out
-    assert "stage(s) 1 already passed at --consumed-samples 2,000" in captured.out
-    assert "never used" not in captured.out and not captured.err
+    answer = cli("schedule", *RESUMED, "--train-samples", "3000")
+    assert answer.status == 0
+    assert "16 steps from --consumed-samples 2,000 to --train-samples 3,000; the last step ends at 3,024" in answer.out
+    assert "stage(s) 1 already passed at --consumed-samples 2,000" in answer.out
+    assert "never used" not in answer.out and not answer.err
 
 
 @pytest.mark.parametrize(
@@ -130,21 +125,21 @@ def test_consumed_samples_starts_the_table_at_the_stage_in_force(capsys):
          "--plot /nonexistent/dir/x.png: cannot write the figure"),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
-    assert main(args) == 2
-    captured = capsys.readouterr()
-    lines = captured.err.strip().splitlines()
+def test_bad_input_is_one_line_and_exit_2(cli, args, message):
+    answer = cli("schedule", *args)
+    assert answer.status == 2
+    lines = answer.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("megatron-ga schedule: error: ")
     assert message in lines[0]
-    assert "Traceback" not in captured.err
+    assert "Traceback" not in answer.err
 
 
-def test_plot_png(tmp_path, capsys):
+def test_plot_png(tmp_path, cli):
     import matplotlib.image
 
     path = tmp_path / "schedule.png"
-    assert main([*TOKENS, "--train-tokens", "1T", "--plot", str(path)]) == 0
-    assert f"plot written to {path}" in capsys.readouterr().out
+    answer = cli("schedule", *TOKENS, "--train-tokens", "1T", "--plot", str(path))
+    assert answer.status == 0 and f"plot written to {path}" in answer.out
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5_000
     image = matplotlib.image.imread(str(path))
@@ -164,13 +159,12 @@ def test_no_plot_means_no_matplotlib_and_no_megatron():
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.skipif(not os.path.exists(EXE), reason="console script not installed")
-def test_console_script_answers_in_under_half_a_second():
-    args = [EXE, "schedule", *TOKENS, "--train-tokens", "1T", "--lr", "3e-4", "--lr-base-batch-size", "768"]
+def test_console_script_answers_in_under_half_a_second(cli_script):
+    args = ["schedule", *TOKENS, "--train-tokens", "1T", "--lr", "3e-4", "--lr-base-batch-size", "768"]
     best = float("inf")
     for _ in range(3):  # best of three: the machine is shared
         start = time.perf_counter()
-        result = subprocess.run(args, capture_output=True, text=True, timeout=60)
+        result = cli_script(*args)
         best = min(best, time.perf_counter() - start)
         assert result.returncode == 0, result.stderr
     assert best < 0.5, f"megatron-ga schedule took {best:.3f} s"

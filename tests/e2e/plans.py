@@ -1,5 +1,5 @@
 """What `megatron-ga schedule` plans for a run, step by step, and what a launch saved: the yardsticks of
-test_faults.py and test_resume.py."""
+test_pretrain_gpt.py, test_faults.py and test_resume.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tests.e2e.pretrain_runs import MICRO_BATCH_SIZE, SEQ_LENGTH, Run
 
-DATA_PARALLEL_SIZE = 2  # the dp2 layout
+DATA_PARALLEL_SIZE = 2  # both layouts: dp2, and pp2dp2 (4 ranks over PP 2)
 #: Every launch here bounds each collective (Megatron's process-group timeout) besides the launch's own timeout.
 BOUNDED = ["--distributed-timeout-minutes", "1"]
 

@@ -23,21 +23,18 @@ num_microbatches every step.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from megatron_ga_ext.integration.guards import PP_RULE
-from tests.e2e.pretrain_runs import MICRO_BATCH_SIZE, SEQ_LENGTH, Run
+from tests.e2e.plans import planned_steps, ran_steps, seq_length_schedule
+from tests.e2e.pretrain_runs import Run
 from tools.compatibility import source_name
 
 pytestmark = pytest.mark.e2e
 
 MIN_LR = 1e-4
-DATA_PARALLEL_SIZE = 2  # both layouts
 TOKEN = ["--calculate-per-token-loss"]
 MICROBATCH = ["--ga-loss-reduction", "microbatch"]
 CONSTANT = ["--global-batch-size", "16", "--train-samples", "128"]
@@ -47,37 +44,18 @@ SCHEDULE_TEXT = "0:16 3072:24 6144:32"
 SCHEDULE = ["--step-batch-size-schedule", SCHEDULE_TEXT, "--train-samples", "160"]
 SAVE_AT = 4
 
-#: The `megatron-ga schedule` arguments that plan each case.
+#: The `megatron-ga schedule` arguments and --train-samples that plan each case (both layouts have DP 2).
 PLANS = {
-    "constant": ["0:16", "--seq-length", str(SEQ_LENGTH), "--train-samples", "128"],
-    "rampup": ["--from-rampup", "8", "8", "64", "--global-batch-size", "24", "--train-samples", "160"],
-    "schedule": [SCHEDULE_TEXT, "--seq-length", str(SEQ_LENGTH), "--train-samples", "160"],
+    "constant": (seq_length_schedule("0:16"), 128),
+    "rampup": (["--from-rampup", "8", "8", "64", "--global-batch-size", "24"], 160),
+    "schedule": (seq_length_schedule(SCHEDULE_TEXT), 160),
 }
-
-
-def planned_steps(case: str) -> list[tuple[int, int, int, int]]:
-    """(iteration, consumed samples after it, GBS, num_microbatches) per step, from `megatron-ga schedule --json`."""
-    exe = Path(sys.executable).with_name("megatron-ga")
-    out = subprocess.run([str(exe), "schedule", *PLANS[case], "--micro-batch-size", str(MICRO_BATCH_SIZE),
-                          "--data-parallel-size", str(DATA_PARALLEL_SIZE), "--json"],
-                         capture_output=True, text=True, check=True, timeout=60).stdout
-    steps, consumed = [], 0
-    for stage in json.loads(out)["stages"]:
-        for _ in range(stage["steps"]):
-            consumed += stage["global_batch_size"]
-            steps.append((len(steps) + 1, consumed, stage["global_batch_size"], stage["num_microbatches"]))
-    return steps
-
-
-def ran_steps(run: Run) -> list[tuple[int, int, int, int]]:
-    return [(r["iteration"], r["consumed_samples"], r["global_batch_size"], r["num_microbatches"])
-            for r in run.iterations]
 
 
 def check_run(run: Run, case: str) -> dict:
     """The checks every run gets; returns its row of the results table."""
     assert run.rc == 0 and run.error is None, run.describe()
-    plan, ran = planned_steps(case), ran_steps(run)
+    plan, ran = planned_steps(*PLANS[case]), ran_steps(run)
     assert ran == plan, f"{run.name}: ran {ran}, planned {plan}\n{run.describe()}"
     rates = [r["learning_rate"] for r in run.iterations]
     assert rates[-1] == pytest.approx(MIN_LR, rel=1e-9) and rates[-2] > MIN_LR * (1 + 1e-6), (run.name, rates)
@@ -187,7 +165,7 @@ def test_zero_token_batch_skips_the_optimizer_step(launches, newest_source, reco
     run = launches.get(source, "dp2", "zero-skip", [*TOKEN, *CONSTANT, "--ga-zero-token-policy", "skip"],
                        env={"MEGATRON_GA_FAULT": f"zero-tokens-at:{ZERO_AT}"})
     assert run.rc == 0 and run.error is None, run.describe()
-    assert ran_steps(run) == planned_steps("constant")  # the data is consumed: consumed samples still advance
+    assert ran_steps(run) == planned_steps(*PLANS["constant"])  # the data is consumed: consumed samples still advance
     rows = {r["iteration"]: r for r in run.iterations}
     skipped = rows[ZERO_AT]
     assert skipped["num_tokens"] == 0 and skipped["skipped"] == 1 and skipped["grad_norm"] is None, skipped
