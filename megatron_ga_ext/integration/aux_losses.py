@@ -40,18 +40,11 @@ logger = get_logger(__name__)
 
 
 def padding_mask_forward(original: Callable, state: Any) -> Callable:
-    """``GPTModel.forward`` that, in token mode, routes with padding_mask = (loss_mask == 0) (see above). A model
-    without MoE layers is sent straight to upstream's forward from its first call on (Installation.bypass), unless its
-    class defines a forward of its own (which may call this one through super())."""
+    """``GPTModel.forward`` that, in token mode, routes with padding_mask = (loss_mask == 0) (see above)."""
 
     @functools.wraps(original)
     def forward(model: Any, *args: Any, **kwargs: Any) -> Any:
-        if not state.active:
-            return original(model, *args, **kwargs)
-        if not getattr(model.config, "num_moe_experts", None):
-            if type(model).forward is forward:  # a dense model whose class has no forward of its own: skip this later
-                state.bypass(model, "forward", original)
-        elif state.contract is not None and _wants_padding_mask(model, kwargs):
+        if state.active and state.contract is not None and _wants_padding_mask(model, kwargs):
             kwargs["padding_mask"] = kwargs["loss_mask"] == 0
         return original(model, *args, **kwargs)
 

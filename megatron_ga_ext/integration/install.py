@@ -31,7 +31,6 @@ import functools
 import importlib.util
 import inspect
 import sys
-import types
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -111,8 +110,6 @@ class Installation:
     """The late wirings done (training, optimizer, GPT model): each once, at install() or at the first hook."""
     reported_first_step: bool = False
     attribute_patches: list = field(default_factory=list)
-    bypassed: list = field(default_factory=list)
-    """(weak reference to an instance, attribute name): what bypass() set."""
     configs: list = field(default_factory=list)
     """Weak references to model configs whose finalize_model_grads_func install() set."""
     counter: Any = None
@@ -164,13 +161,6 @@ class Installation:
         self.attribute_patches.append(_AttributePatch(owner, name, original))
         setattr(owner, name, make(original))
 
-    def bypass(self, instance: Any, name: str, original: Callable) -> None:
-        """``instance.name`` is ``original`` bound to it from now on, an instance attribute, which comes before the
-        class attribute install() patched: the instance's calls skip the wrapper (a Python call with its arguments
-        repacked, per call). restore() removes it."""
-        instance.__dict__[name] = types.MethodType(original, instance)
-        self.bypassed.append((weakref.ref(instance), name))
-
     def restore(self) -> None:
         """Every original back: where install() put a replacement, in modules imported since that bound
         one (``from x import y`` after install()), on classes, and in model configs that hold the finalize."""
@@ -178,11 +168,6 @@ class Installation:
         for a in reversed(self.attribute_patches):
             setattr(a.owner, a.name, a.original)
         self.attribute_patches.clear()
-        for ref, name in self.bypassed:
-            instance = ref()
-            if instance is not None:
-                instance.__dict__.pop(name, None)
-        self.bypassed.clear()
         for p in reversed(self.patches):
             p.namespace[p.name] = p.original
             for namespace in _namespaces_holding(p.replacement, p.name):
