@@ -2,11 +2,21 @@
 #   make test                       primary leg: Python 3.12, newest megatron-core (0.19.2)
 #   make test PYTHON=python3.11     compatibility leg: megatron-core 0.16.1, torch 2.13.0 (CPU)
 #   make e2e [MEGATRON_LM=DIR|TGZ]  Megatron-LM's own pretrain_gpt.py end to end (default: the snapshots in
-#                                   ../shared/upstream that run on this Python); writes docs/compatibility.md
+#                                   ../shared/upstream that run on this Python)
 #   make matrix                     the behaviour suite on every tested source of this Python
 #   make regress MEGATRON_LM=DIR|TGZ  both, on the Megatron-LM checkout you train from
-#   make fuzz                       10,000 hypothesis examples on each input surface; counts in docs/reliability.md
+#   make fuzz                       10,000 hypothesis examples on each input surface
 #   make test-O                     the fast suite (nothing that imports megatron-core) under python -O
+#   make docs                       render the generated parts of docs/ (tools/docs.py)
+#   make docs-check                 fail where a part rendered from code alone is not current (CI runs it)
+#
+# No test writes a tracked file. fuzz, e2e, matrix and regress record their measurements as JSON under
+# .cache/results (RESULTS; git ignores .cache/); `make docs` renders them into docs/compatibility.md,
+# reliability.md and performance.md, keeping the rows no run recorded (another leg's sources; delete
+# .cache/results to drop older records). Those tables hold timings and dates, so no check compares them: after `make fuzz` or
+# `make e2e`, run `make docs` and commit the pages.
+# The parts rendered from code alone (the flags table of docs/guide.md, the text of docs/compatibility.md above
+# its table) are the same on every run: `make docs-check` compares them byte for byte.
 PYTHON ?= python3.12
 PYVER := $(patsubst python%,%,$(notdir $(PYTHON)))
 VENV ?= $(if $(filter 3.12,$(PYVER)),.venv,.venv-$(PYVER))
@@ -21,11 +31,12 @@ STAMP := $(VENV)/.installed
 PY := $(VENV)/bin/python
 
 E2E_STAMP := $(VENV)/.installed-e2e
+RESULTS ?= $(CURDIR)/.cache/results
 MEGATRON_LM ?=
 MEGATRON_LM_SNAPSHOTS ?= ../shared/upstream
 export MEGATRON_LM MEGATRON_LM_SNAPSHOTS
 
-.PHONY: setup demo test test-O fuzz matrix e2e regress fingerprints clean
+.PHONY: setup demo test test-O fuzz matrix e2e regress docs docs-check fingerprints clean
 
 setup: $(STAMP)
 
@@ -51,7 +62,7 @@ FUZZ_HALVES := "check_launch_lines or ledger_arguments or number_spelling or cal
 	"schedule_parser or rampup_converter"
 fuzz: $(STAMP)
 	@status=0; pids=""; for surfaces in $(FUZZ_HALVES); do \
-		MEGATRON_GA_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) MEGATRON_GA_RELIABILITY_DOC=docs/reliability.md \
+		MEGATRON_GA_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) MEGATRON_GA_RESULTS=$(RESULTS) \
 		$(PY) -m pytest -q -p no:cacheprovider -m fuzz tests/test_fuzz.py -k "$$surfaces" $(PYTEST_ARGS) & \
 		pids="$$pids $$!"; \
 	done; for pid in $$pids; do wait $$pid || status=1; done; exit $$status
@@ -63,18 +74,22 @@ $(E2E_STAMP): $(STAMP)
 # The behaviour suite (install, guards, reduction, PP 2 x DP 2 through install()) on every tested source of
 # this Python: the snapshots (or MEGATRON_LM), else the released wheels' megatron/core.
 matrix: $(STAMP)
-	$(PY) tools/regress.py behaviour $(MEGATRON_LM)
+	MEGATRON_GA_RESULTS=$(RESULTS) $(PY) tools/regress.py behaviour $(MEGATRON_LM)
 
 e2e: $(E2E_STAMP)
 	@$(PY) tools/regress.py sources $(MEGATRON_LM) >/dev/null
-	MEGATRON_GA_COMPAT_DOC=docs/compatibility.md MEGATRON_GA_RELIABILITY_DOC=docs/reliability.md \
-	MEGATRON_GA_PERFORMANCE_DOC=docs/performance.md \
-		$(PY) -m pytest -q -p no:cacheprovider -m e2e tests/e2e $(PYTEST_ARGS)
+	MEGATRON_GA_RESULTS=$(RESULTS) $(PY) -m pytest -q -p no:cacheprovider -m e2e tests/e2e $(PYTEST_ARGS)
 
 regress: $(E2E_STAMP)
 	@test -n "$(MEGATRON_LM)" || { echo "make regress: pass MEGATRON_LM=<Megatron-LM checkout or .tar.gz>" >&2; exit 2; }
-	$(PY) tools/regress.py behaviour $(MEGATRON_LM)
-	MEGATRON_GA_COMPAT_DOC=docs/compatibility.md $(PY) -m pytest -q -p no:cacheprovider -m e2e tests/e2e $(PYTEST_ARGS)
+	MEGATRON_GA_RESULTS=$(RESULTS) $(PY) tools/regress.py behaviour $(MEGATRON_LM)
+	MEGATRON_GA_RESULTS=$(RESULTS) $(PY) -m pytest -q -p no:cacheprovider -m e2e tests/e2e $(PYTEST_ARGS)
+
+docs: $(STAMP)
+	$(PY) -m tools.docs --results $(RESULTS)
+
+docs-check: $(STAMP)
+	$(PY) -m tools.docs --check
 
 # After adding a source to compat.UPSTREAM: fingerprints of its hooked functions, from the snapshots.
 fingerprints: $(STAMP)

@@ -9,8 +9,8 @@ upstream's rampup arithmetic, the calculator against its schedule, JSON output),
 exit status 0, 1 or 2, never a traceback.
 
 The default suite runs 200 examples per surface; ``make fuzz`` runs 10,000 (``MEGATRON_GA_FUZZ_EXAMPLES``)
-and, with ``MEGATRON_GA_RELIABILITY_DOC``, writes the counts into docs/reliability.md. Each surface fails
-unless it ran at least that many examples. What fuzzing found is pinned in tests/test_fuzz_found.py.
+and records the counts (tools/results.py, ``MEGATRON_GA_RESULTS``) for ``make docs`` to render into
+docs/reliability.md. Each surface fails unless it ran at least that many examples. What fuzzing found is pinned in tests/test_fuzz_found.py.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from tests.fuzz_inputs import (
     sizes,
     valid_schedule_texts,
 )
-from tools.reliability import write
+from tools.results import record
 
 pytestmark = pytest.mark.fuzz
 
@@ -338,7 +338,7 @@ def test_calculator_update():
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _write_reliability_doc():
+def _record_counts():
     yield
     rows = []
     for stats in (s for s in _SURFACES.values() if s.passed):  # a surface that failed has no row
@@ -346,4 +346,4 @@ def _write_reliability_doc():
         rows.append({"Surface": stats.name.replace("_", " "), "Input": f"`{stats.entry}`",
                      "Examples": f"{stats.examples:,}", "Slowest example": f"{stats.slowest * 1000:.1f} ms",
                      "Answers": answers})
-    write("fuzz", rows)
+    record("fuzz", rows)

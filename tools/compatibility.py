@@ -1,31 +1,18 @@
-"""docs/compatibility.md: one row per Megatron-LM source (release or commit), written by the runs themselves.
+"""What a Megatron-LM source is, read from its tree: the cells of its row of docs/compatibility.md.
 
-    update(doc, source, **columns)    # merge one row's columns (other rows and columns are kept)
+    source_name(root)        # the tested source it is (0.19.2, main@d98e8a64ddf3), else the directory name
+    hooked_functions(root)   # whether every upstream function install() hooks has a known fingerprint
+    core_version(root)       # megatron-core's version, from package_info.py
 
-The behaviour suite (``make matrix`` / ``make regress``) fills "Behaviour suite", the end-to-end tier
-(``make e2e`` / ``make regress``) fills "End-to-end" and the descriptive columns.
+The behaviour suite (``make matrix`` / ``make regress``, tools/regress.py) and the end-to-end tier (``make e2e``,
+tests/e2e/conftest.py) record the row (tools/results.py); ``make docs`` renders it.
 """
 
 from __future__ import annotations
 
-import datetime
 from pathlib import Path
 
 from megatron_ga_ext.integration.compat import TARGETS, UPSTREAM, fingerprint_file, known_fingerprints
-
-COLUMNS = ("Source", "megatron-core", "Python, torch", "Hooked functions", "Behaviour suite", "End-to-end", "Run on")
-HEADER = """# Compatibility
-
-Written by the runs themselves (`make matrix`, `make e2e`, `make regress MEGATRON_LM=...`): one row per
-Megatron-LM release or main-branch commit. "Hooked functions" compares the source of every upstream function
-the extension hooks with the fingerprints of the tested sources (strict mode accepts a source whose hooked
-functions are all known, whatever its version string). "Behaviour suite" is the megatron-core tier (install,
-guards, reduction, the PP 2 x DP 2 schedule through install()) on that source; "End-to-end" is Megatron-LM's
-own `pretrain_gpt.py` through `examples/pretrain_gpt_ga.py` on the CPU over gloo (DP 2 and PP 2 x DP 2; token
-and microbatch mode; constant GBS, a converted rampup, a step schedule or its backport, checkpoint resume, the
-PP guard), each check against `megatron-ga schedule`'s plan and upstream's own `--calculate-per-token-loss` run.
-
-"""
 
 
 def source_name(root: Path) -> str:
@@ -63,32 +50,3 @@ def core_version(root: Path) -> str:
             key, value = (p.strip() for p in line.split("=", 1))
             parts[key] = value.strip("'\"")
     return ".".join(parts.get(k, "?") for k in ("MAJOR", "MINOR", "PATCH")) + parts.get("PRE_RELEASE", "")
-
-
-def _parse(doc: Path) -> dict[str, dict[str, str]]:
-    rows: dict[str, dict[str, str]] = {}
-    if not doc.exists():
-        return rows
-    for line in doc.read_text().splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == len(COLUMNS) and cells[0] not in ("Source", "---"):
-            rows[cells[0]] = dict(zip(COLUMNS, cells))
-    return rows
-
-
-def update(doc: Path, source: str, **columns: str) -> None:
-    """Merge ``columns`` (keyword names with ``_`` for spaces, e.g. end_to_end) into the row of ``source``."""
-    rows = _parse(doc)
-    row = rows.setdefault(source, {c: "" for c in COLUMNS})
-    row["Source"] = source
-    for key, value in columns.items():
-        name = {"megatron_core": "megatron-core", "python_torch": "Python, torch", "hooked_functions": "Hooked functions",
-                "behaviour_suite": "Behaviour suite", "end_to_end": "End-to-end", "run_on": "Run on"}[key]
-        row[name] = value.replace("|", "/").replace("\n", " ")
-    row["Run on"] = columns.get("run_on") or datetime.date.today().isoformat()
-    order = [u.name for u in UPSTREAM]
-    ranked = sorted(rows.values(), key=lambda r: (order.index(r["Source"]) if r["Source"] in order else len(order),
-                                                  r["Source"]))
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(r.get(c, "") for c in COLUMNS) + " |" for r in ranked]
-    doc.write_text(HEADER + "\n".join(lines) + "\n")

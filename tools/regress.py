@@ -1,13 +1,14 @@
 """Regression runs against Megatron-LM sources: which sources, and the behaviour suite on each.
 
     python tools/regress.py sources               # the trees to test, one per line (unpacking tarballs)
-    python tools/regress.py behaviour [PATH ...]  # the behaviour suite on each, rows in docs/compatibility.md
+    python tools/regress.py behaviour [PATH ...]  # the behaviour suite on each; its cell of the compatibility row
 
 Sources: the PATHs given (a Megatron-LM checkout or a .tar.gz of one; ``MEGATRON_LM`` in the Makefile),
 else every snapshot ``megatron-lm-<ref>.tar.gz`` in ``MEGATRON_LM_SNAPSHOTS`` (default ../shared/upstream)
 of a tested source (compat.UPSTREAM) that runs on this Python, else this Python's released megatron-core
 wheels (their megatron/core only: enough for the behaviour suite, not for the end-to-end tier).
-Tarballs and wheels are unpacked once under .cache/.
+Tarballs and wheels are unpacked once under .cache/. The behaviour suite's outcome is recorded (tools/results.py)
+where ``MEGATRON_GA_RESULTS`` is set, for ``make docs`` to render into docs/compatibility.md.
 """
 
 from __future__ import annotations
@@ -22,16 +23,17 @@ from pathlib import Path
 from megatron_ga_ext.integration.compat import UPSTREAM
 
 if __package__:  # tools.regress: the tests, python -m tools.regress
-    from .compatibility import source_name, update
+    from .compatibility import source_name
+    from .results import record
 else:  # python tools/regress.py: the script's own directory is first on sys.path
-    from compatibility import source_name, update
+    from compatibility import source_name
+    from results import record
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".cache"
 LEG = f"{sys.version_info.major}.{sys.version_info.minor}"
 BEHAVIOUR_TESTS = ("tests/test_install.py", "tests/test_install_distributed.py", "tests/test_guards.py",
                    "tests/test_reduction.py")
-DOC = ROOT / "docs" / "compatibility.md"
 NO_SOURCE = ("no Megatron-LM source: pass MEGATRON_LM=<checkout or .tar.gz>, or MEGATRON_LM_SNAPSHOTS=<dir of "
              "megatron-lm-<ref>.tar.gz> (default ../shared/upstream)")
 
@@ -80,7 +82,7 @@ def wheel_trees() -> list[Path]:
 
 
 def behaviour(trees: list[Path]) -> int:
-    """The behaviour suite with each tree's megatron first on the path; one doc row each. Exit status."""
+    """The behaviour suite with each tree's megatron first on the path; one recorded cell each. Exit status."""
     failed = 0
     for root in trees:
         name = source_name(root) if root.parent.name != "megatron-core-sources" else root.name
@@ -89,7 +91,7 @@ def behaviour(trees: list[Path]) -> int:
                               cwd=ROOT, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True)
         print(done.stdout[-3000:], done.stderr[-3000:], sep="", flush=True)
         summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else f"exit {done.returncode}"
-        update(DOC, name, behaviour_suite=summary.strip("= "))
+        record("compatibility", [{"Source": name, "Behaviour suite": summary.strip("= ")}])
         failed += done.returncode != 0
     return 1 if failed else 0
 

@@ -5,7 +5,8 @@ Sources (tools/regress.py): ``MEGATRON_LM`` (a checkout, or a .tar.gz of one), e
 With neither, every test here is skipped with one line saying what to pass (``make e2e`` says it first).
 
 Each (source, layout) runs a handful of launches, shared by the tests that check them. At the end the
-results table is printed, and with ``MEGATRON_GA_COMPAT_DOC`` set, written into docs/compatibility.md.
+results table is printed, and each source's compatibility row is recorded (tools/results.py, where
+``MEGATRON_GA_RESULTS`` is set: make e2e) for ``make docs`` to render into docs/compatibility.md.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import pytest
 
 from megatron_ga_ext.integration.compat import UPSTREAM
 from tests.e2e.pretrain_runs import Run, launch
-from tools.compatibility import core_version, hooked_functions, source_name, update
+from tools.compatibility import core_version, hooked_functions, source_name
 from tools.regress import NO_SOURCE, sources
+from tools.results import record, results_dir
 
 SOURCES = sources([os.environ["MEGATRON_LM"]] if os.environ.get("MEGATRON_LM") else [])
 
@@ -105,16 +107,16 @@ def pytest_terminal_summary(terminalreporter) -> None:
     terminalreporter.write_line("  ".join(c.ljust(widths[c]) for c in columns))
     for row in _ROWS:
         terminalreporter.write_line("  ".join(str(row.get(c, "")).ljust(widths[c]) for c in columns))
-    _write_doc()
+    _record_compatibility()
 
 
-def _write_doc() -> None:
-    doc = os.environ.get("MEGATRON_GA_COMPAT_DOC")
-    if not doc:
+def _record_compatibility() -> None:
+    if results_dir() is None:
         return
-    import torch  # noqa: F401  (only for its version, in the doc)
+    import torch  # noqa: F401  (only for its version, in the row)
 
     done = _LAUNCHES["session"].done if _LAUNCHES else {}
+    rows = []
     for source in SOURCES:
         name = source_name(source)
         outcomes = _OUTCOMES.get(name, [])
@@ -126,6 +128,7 @@ def _write_doc() -> None:
         cases = sorted({r["case"].split(" at ")[0] for r in _ROWS if r["source"] == name})
         summary = (f"{passed} of {len(outcomes)} tests passed, {len(runs)} launches of pretrain_gpt.py "
                    f"({', '.join(layouts)}; {', '.join(cases)})")
-        update(Path(doc), name, megatron_core=core_version(source),
-               python_torch=f"Python {platform.python_version()}, torch {sys.modules['torch'].__version__}",
-               hooked_functions=hooked_functions(source), end_to_end=summary)
+        rows.append({"Source": name, "megatron-core": core_version(source),
+                     "Python, torch": f"Python {platform.python_version()}, torch {sys.modules['torch'].__version__}",
+                     "Hooked functions": hooked_functions(source), "End-to-end": summary})
+    record("compatibility", rows)

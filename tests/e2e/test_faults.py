@@ -29,7 +29,7 @@ import pytest
 
 from tests.e2e.plans import BOUNDED, planned_steps, ran_steps, save_every_step, saved, seq_length_schedule
 from tools.compatibility import source_name
-from tools.reliability import write
+from tools.results import record
 
 pytestmark = pytest.mark.e2e
 
@@ -180,9 +180,9 @@ def _zero_token_rows(launches, source: Path) -> None:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _write_reliability_doc(launches):
+def _record_outcomes(launches):
     yield
     sources = {key[0] for key in launches.done if source_name(key[0]) in _ROWS}
     for source in sorted(sources):
         _zero_token_rows(launches, source)
-    write("faults", [r for rows in _ROWS.values() for r in rows])
+    record("faults", [r for rows in _ROWS.values() for r in rows])

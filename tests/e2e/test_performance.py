@@ -7,21 +7,19 @@ upstream's at every iteration (the async run's too), and the async run's N is th
 verdicts are read. Each variant runs twice, in the mirrored order upstream, extension, async, async, extension,
 upstream (a drift of the machine's speed over the session weighs on all three alike); the times (seconds between
 Megatron's iteration logs, the first two of each run left out: the median, and the fastest, which a slow phase of
-the machine cannot lower) are written into docs/performance.md (``MEGATRON_GA_PERFORMANCE_DOC``); they are a
-measurement, not a pass mark.
+the machine cannot lower) are recorded (tools/results.py) for ``make docs`` to render into docs/performance.md;
+they are a measurement, not a pass mark.
 """
 
 from __future__ import annotations
 
-import os
 import statistics
-from pathlib import Path
 
 import pytest
 
 from tests.e2e.plans import BOUNDED
 from tools.compatibility import source_name
-from tools.reliability import update
+from tools.results import record
 
 pytestmark = pytest.mark.e2e
 
@@ -54,18 +52,17 @@ def test_twenty_iterations_with_and_without_install(launches, newest_release):
                  for name in VARIANTS}
     median = {name: statistics.median(values) for name, values in intervals.items()}
     fastest = {name: min(values) for name, values in intervals.items()}
-    doc = os.environ.get("MEGATRON_GA_PERFORMANCE_DOC")
-    if doc:
-        def cell(name: str) -> str:
-            return f"{1e3 * median[name]:.1f} ({1e3 * fastest[name]:.1f})"
 
-        def ratios(seconds: dict[str, float]) -> str:
-            return ", ".join(f"{seconds[name] / seconds['upstream']:.3f}" for name in ("extension", "extension_async"))
+    def cell(name: str) -> str:
+        return f"{1e3 * median[name]:.1f} ({1e3 * fastest[name]:.1f})"
 
-        update(Path(doc), "e2e", [{
-            "Source": source_name(newest_release), "Layout": "DP 2, GA 8 (GBS 32, MBS 2), tiny GPT",
-            "Iterations": f"2 x {ITERATIONS}",
-            "Upstream (ms)": cell("upstream"), "Extension (ms)": cell("extension"),
-            "Async (ms)": cell("extension_async"),
-            "Ratio (extension, async)": f"{ratios(median)} ({ratios(fastest)})",
-            "Losses": "equal to upstream at every iteration"}])
+    def ratios(seconds: dict[str, float]) -> str:
+        return ", ".join(f"{seconds[name] / seconds['upstream']:.3f}" for name in ("extension", "extension_async"))
+
+    record("e2e", [{
+        "Source": source_name(newest_release), "Layout": "DP 2, GA 8 (GBS 32, MBS 2), tiny GPT",
+        "Iterations": f"2 x {ITERATIONS}",
+        "Upstream (ms)": cell("upstream"), "Extension (ms)": cell("extension"),
+        "Async (ms)": cell("extension_async"),
+        "Ratio (extension, async)": f"{ratios(median)} ({ratios(fastest)})",
+        "Losses": "equal to upstream at every iteration"}])

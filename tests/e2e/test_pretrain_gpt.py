@@ -73,7 +73,7 @@ def check_num_tokens(run: Run) -> str:
 
 
 def record(record_property, name: str, layout: str, rows: list[dict]) -> None:
-    """This test's rows of the results table (conftest prints them, and writes docs/compatibility.md)."""
+    """This test's rows of the results table (conftest prints them, and records each source's compatibility row)."""
     record_property("rows", [{"source": name, "layout": layout} | row for row in rows])
 
 

@@ -23,7 +23,7 @@ from megatron_ga_ext.core.megatron_flags import STEP_SCHEDULE
 from megatron_ga_ext.integration.compat import UPSTREAM
 from tests.e2e.plans import BOUNDED, planned_steps, ran_steps, save_every_step, saved, seq_length_schedule
 from tools.compatibility import source_name
-from tools.reliability import write
+from tools.results import record
 
 pytestmark = pytest.mark.e2e
 
@@ -90,12 +90,12 @@ def _train_iters(run) -> set[int]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _write_reliability_doc():
+def _record_resumes():
     yield
     what = {"schedule": f"`--step-batch-size-schedule \"{SCHEDULE_TEXT}\"`",
             "schedule (backported)": f"`--step-batch-size-schedule \"{SCHEDULE_TEXT}\"` (the backport)",
             "rampup": "`--rampup-batch-size 8 8 32 --global-batch-size 24 --ga-convert-rampup`"}
-    write("resumes", [
+    record("resumes", [
         {"Source": source, "Case": f"{what[case]}, {STEPS} steps of 8, 8, 16, 24 samples",
          "Resumed at": "after step " + ", ".join(map(str, sorted(boundaries))),
          "Checked against the uninterrupted run": "every step's (iteration, consumed samples, GBS, num_microbatches), "
