@@ -6,7 +6,14 @@ Everything else is derived from these declarations: ``add_args`` (config/args.py
 
 from __future__ import annotations
 
-from megatron_ga_ext.core.megatron_flags import LAUNCHER_OPTIONS, MEGATRON_OPTIONS, STEP_SCHEDULE, Option, switch
+from megatron_ga_ext.core.megatron_flags import (
+    COVERED_OPTIONS,
+    LAUNCHER_OPTIONS,
+    MEGATRON_OPTIONS,
+    STEP_SCHEDULE,
+    Option,
+    switch,
+)
 from megatron_ga_ext.errors import OptionError
 
 #: ``--ga-loss-reduction``: every non-padding token weighs the same, or upstream's mean of means.
@@ -58,10 +65,12 @@ GA_OPTIONS = (LOSS_REDUCTION, ZERO_TOKEN_POLICY, STRICT, CONVERT_RAMPUP, GUARDS,
 #: Every flag by its spelling (a negatable switch under both).
 OPTIONS: dict[str, Option] = {
     spelling: option
-    for option in (*GA_OPTIONS, *MEGATRON_OPTIONS, *LAUNCHER_OPTIONS)
+    for option in (*GA_OPTIONS, *MEGATRON_OPTIONS, *COVERED_OPTIONS, *LAUNCHER_OPTIONS)
     for spelling in option.spellings
 }
-BY_DEST: dict[str, Option] = {option.dest: option for option in (*GA_OPTIONS, *MEGATRON_OPTIONS, *LAUNCHER_OPTIONS)}
+BY_DEST: dict[str, Option] = {
+    option.dest: option for option in (*GA_OPTIONS, *MEGATRON_OPTIONS, *COVERED_OPTIONS, *LAUNCHER_OPTIONS)
+}
 
 
 def check_choice(option: Option, value: object, *, error: type[OptionError] = OptionError) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 __all__ = [
     "BY_DEST",
+    "COVERED_OPTIONS",
     "LAUNCHER_OPTIONS",
     "MEGATRON_OPTIONS",
     "NOT_MEGATRON",
@@ -33,8 +34,8 @@ class Option:
     """The argparse destination: the attribute of Megatron's ``args`` that holds the value."""
     type: type = int
     """``int``, ``str`` or ``bool`` (a switch)."""
-    nargs: int = 1
-    """Values after the flag: 0 for a switch, 3 for ``--rampup-batch-size``."""
+    nargs: int | str = 1
+    """Values after the flag: 0 for a switch, 3 for ``--rampup-batch-size``, ``"+"`` for one or more."""
     default: Any = None
     choices: tuple[str, ...] = ()
     negatable: bool = False
@@ -97,6 +98,50 @@ MEGATRON_OPTIONS = (
     switch("--rl-use-sequence-packing", "rl_use_sequence_packing", negatable=True),
 )
 
+# -- Megatron's flags on the loss, gradient, step or schedule path, beyond the ones above --------------
+# Each is classified by the coverage table (config/coverage.py). Defaults are Megatron's, so a launch line that
+# leaves a flag out reads as Megatron runs it.
+
+COVERED_OPTIONS = (
+    Option(flag="--cuda-graph-impl", dest="cuda_graph_impl", type=str, default="none",
+           choices=("none", "local", "transformer_engine", "full_iteration"),
+           help="full_iteration is a choice from core_v0.18.2 on; before, --cuda-graph-impl local with "
+           "--cuda-graph-scope full_iteration"),
+    Option(flag="--cuda-graph-scope", dest="cuda_graph_scope", type=str, nargs="+",
+           help="argparse dest cuda_graph_scope up to 0.17, cuda_graph_scope_deprecated from 0.18 (moved into "
+           "cuda_graph_modules, its full_iteration into --cuda-graph-impl full_iteration)"),
+    Option(flag="--cuda-graph-modules", dest="cuda_graph_modules", type=str, nargs="+", since="core_v0.18.2"),
+    switch("--enable-cuda-graph", "enable_cuda_graph", help="deprecated: --cuda-graph-impl local"),
+    switch("--external-cuda-graph", "external_cuda_graph", help="deprecated: --cuda-graph-impl transformer_engine"),
+    switch("--optimizer-cuda-graph", "optimizer_cuda_graph", since="core_v0.17.1"),
+    switch("--overlap-moe-expert-parallel-comm", "overlap_moe_expert_parallel_comm"),
+    switch("--delay-wgrad-compute", "delay_wgrad_compute"),
+    Option(flag="--rerun-mode", dest="rerun_mode", type=str, default="validate_results",
+           choices=("disabled", "validate_results", "report_stats")),
+    # Megatron's parser has only the negative spelling (store_false, dest default True): Launch.on() of this
+    # flag reads as the value of check_for_nan_in_loss_and_grad (True unless given).
+    Option(flag="--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", type=bool, nargs=0,
+           default=True),
+    Option(flag="--moe-router-load-balancing-type", dest="moe_router_load_balancing_type", type=str, nargs="+",
+           default=("aux_loss",), choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn",
+                                           "quantile_balancing", "none"),
+           help="quantile_balancing is a choice from core_v0.19.0 on"),
+    Option(flag="--moe-token-dispatcher-type", dest="moe_token_dispatcher_type", type=str, default="allgather",
+           choices=("allgather", "alltoall", "flex")),
+    Option(flag="--mtp-num-layers", dest="mtp_num_layers"),
+    switch("--is-hybrid-model", "is_hybrid_model"),
+    switch("--use-megatron-fsdp", "use_megatron_fsdp"),
+    switch("--use-torch-fsdp2", "use_torch_fsdp2"),
+    switch("--use-distributed-optimizer", "use_distributed_optimizer"),
+    switch("--overlap-grad-reduce", "overlap_grad_reduce"),
+    switch("--overlap-param-gather", "overlap_param_gather"),
+    switch("--sft", "sft"),
+    switch("--dataloader-inter-document-masking", "dataloader_inter_document_masking", since="core_v0.19.0"),
+    Option(flag="--iterations-to-skip", dest="iterations_to_skip", type=str, nargs="+", default=()),
+    switch("--fp16", "fp16"),
+    switch("--bf16", "bf16"),
+)
+
 #: The launcher's flags (torchrun; ``--world-size`` is megatron-ga's way to give the world outright).
 LAUNCHER_OPTIONS = (
     Option(flag="--nnodes", dest="nnodes", type=str, help="torchrun nodes: N, or an elastic range MIN:MAX"),
@@ -119,4 +164,6 @@ VIRTUAL_PIPELINE = Option(
 )
 
 #: Megatron's and the launcher's flags by argparse destination.
-BY_DEST: dict[str, Option] = {option.dest: option for option in (*MEGATRON_OPTIONS, *LAUNCHER_OPTIONS)}
+BY_DEST: dict[str, Option] = {
+    option.dest: option for option in (*MEGATRON_OPTIONS, *COVERED_OPTIONS, *LAUNCHER_OPTIONS)
+}

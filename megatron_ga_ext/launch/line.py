@@ -98,11 +98,24 @@ def _read(launch: Launch, option: Option, flag: str, name: str, tokens: list[str
     return i
 
 
-def _values(tokens: list[str], i: int, name: str, nargs: int, inline: str | None) -> tuple[list[str], int]:
-    values = [inline] if inline is not None else tokens[i : i + nargs]
-    if len(values) < nargs or any(v.startswith("--") for v in values):
-        raise UsageError(f"{name} needs {nargs} value(s), got {' '.join(values) or 'none'}.")
-    return values, i if inline is not None else i + nargs
+def _values(tokens: list[str], i: int, name: str, nargs: int | str, inline: str | None) -> tuple[list[str], int]:
+    """The values of a flag given as ``name`` at ``tokens[i:]`` (``nargs="+"``: every word up to the next flag)."""
+    need = nargs if isinstance(nargs, int) else 1
+    if inline is not None:
+        values = [inline]
+    else:
+        count = need if isinstance(nargs, int) else max(_words_before_flag(tokens, i), 1)
+        values = tokens[i : i + count]
+    if len(values) < need or any(v.startswith("--") for v in values):
+        raise UsageError(f"{name} needs {need} value(s), got {' '.join(values) or 'none'}.")
+    return values, i if inline is not None else i + len(values)
+
+
+def _words_before_flag(tokens: list[str], i: int) -> int:
+    end = i
+    while end < len(tokens) and not tokens[end].startswith("-"):
+        end += 1
+    return end - i
 
 
 def parse_int(flag: str, text: str) -> int:
