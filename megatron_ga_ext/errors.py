@@ -17,6 +17,7 @@ __all__ = [
     "ScheduleParseError",
     "ScheduleError",
     "OptionError",
+    "CoverageError",
     "UsageError",
     "LossContractError",
     "GuardError",
@@ -60,6 +61,11 @@ class ScheduleError(GAError, AssertionError):
 
 class OptionError(GAError):
     """A ``--ga-*`` setting is not one of its choices, or does not go with the Megatron flags beside it."""
+
+
+class CoverageError(OptionError):
+    """A Megatron feature under which the extension cannot keep its guarantee, refused at start-up (the coverage
+    table, ``config/coverage.py``)."""
 
 
 class UsageError(GAError):
