@@ -23,7 +23,7 @@ from megatron_ga_ext.core.megatron_flags import LAUNCHER_OPTIONS, MEGATRON_OPTIO
 from megatron_ga_ext.core.numbers import read_int
 from megatron_ga_ext.errors import GAError, UsageError
 from megatron_ga_ext.launch.line import Launch, layout_kwargs, parse_launch
-from megatron_ga_ext.launch.problems import launch_problems
+from megatron_ga_ext.launch.problems import launch_notes, launch_problems
 
 __all__ = ["main"]
 
@@ -129,12 +129,19 @@ def _run_check(args: argparse.Namespace) -> int:
     if not tokens:
         raise UsageError("give the launch line after --: megatron-ga check -- torchrun ... pretrain_gpt.py ...")
     world_size = None if args.world_size is None else read_int(BY_DEST["world_size"].flag, args.world_size)
-    layout, problems = launch_problems(parse_launch(tokens), world_size)
+    launch = parse_launch(tokens)
+    layout, problems = launch_problems(launch, world_size)
+    notes = launch_notes(launch)
     if args.json:
-        print(json.dumps({"ledger": layout.ledger() if layout else None, "problems": problems}, indent=2))
+        print(json.dumps({"ledger": layout.ledger() if layout else None, "problems": problems, "notes": notes},
+                         indent=2))
         return 1 if problems else 0
     if layout is not None:
         print_ledger(layout, "megatron-ga check: ledger of the launch")
+    if notes:
+        print(f"\n{len(notes)} note(s), limits of the coverage table (docs/coverage.md):")
+        for text in notes:
+            print(f"  - {text}")
     if problems:
         print(f"\n{len(problems)} problem(s):")
         for i, text in enumerate(problems, 1):
@@ -197,8 +204,8 @@ def report_error(command: str, error: GAError, as_json: bool = False) -> int:
     """The one error path of every command: ``megatron-ga COMMAND: error: ...`` on stderr, no traceback; with
     ``--json`` also ``{"error": ..., "error_type": ...}`` on stdout. Returns the exit status, 2."""
     if as_json:
-        print(json.dumps({"error": str(error), "error_type": type(error).__name__, "ledger": None, "problems": []},
-                         indent=2))
+        print(json.dumps({"error": str(error), "error_type": type(error).__name__, "ledger": None, "problems": [],
+                          "notes": []}, indent=2))
     print(f"megatron-ga {command}: error: {error}", file=sys.stderr)
     return 2
 

@@ -1,7 +1,7 @@
 """What every rank and a resumed checkpoint must agree on: the batch configuration, checked once at start-up.
 
-Two checks, made once per installation at the first forward/backward call (every rank makes it, and
-torch.distributed is initialized by then), never per micro-batch:
+At the first forward/backward call (every rank makes it, and torch.distributed is initialized by then), never per
+micro-batch: the coverage table's refusals and limits (config/coverage.py), then two checks, once per installation:
 
 * the ranks agree: each rank's batch settings (the flags that decide GBS and num_microbatches at every step,
   the loss mode, and what its calculator computes now) are all-gathered once; ranks launched with another
@@ -20,6 +20,7 @@ import functools
 import sys
 from typing import Any, Callable, Mapping, Sequence
 
+from megatron_ga_ext.config.coverage import enforce as enforce_coverage
 from megatron_ga_ext.config.flags import BY_DEST, CONVERT_RAMPUP
 from megatron_ga_ext.config.ga_config import GA_FIELDS, GAConfig
 from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
@@ -127,9 +128,11 @@ class StartupChecks:
         self.checkpoint_batch_size: Callable[[int], int | None] | None = None
 
     def run_once(self, config: GAConfig, args: Any) -> None:
-        """At the first forward/backward call: the ranks agree, and a resumed run says what changed."""
+        """At the first forward/backward call: the coverage table's refusals, the ranks agree, and a resumed run
+        says what changed."""
         if self.done:
             return
+        enforce_coverage(args, config)
         self.done = True
         check_ranks_agree(batch_settings(args, config, live_calculator()))
         if self.checkpoint_settings is not None and args is not None:

@@ -3,13 +3,15 @@
 The rules are the ones a run is held to: the options layer's (``--ga-*`` choices, the loss mode against
 ``--calculate-per-token-loss``, the guards against schedules that run another number of forwards, the
 one schedule of the launch), Megatron's parser and layer split (flags it does not define, stray words,
-the virtual pipeline), and the batch arithmetic of every stage (``core/layout.py``, ``core/schedule/checks.py``).
+the virtual pipeline), the coverage table's refusals (``config/coverage.py``; its limits are
+:func:`launch_notes`), and the batch arithmetic of every stage (``core/layout.py``, ``core/schedule/checks.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from megatron_ga_ext.config.coverage import Setting, verdict
 from megatron_ga_ext.config.flags import CHECKS, CONVERT_RAMPUP, GUARDS, LOSS_REDUCTION, ZERO_TOKEN_POLICY, check_choice
 from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
 from megatron_ga_ext.config.rules import (
@@ -20,14 +22,14 @@ from megatron_ga_ext.config.rules import (
     rampup_ignored_message,
 )
 from megatron_ga_ext.core.layout import BatchLayout
-from megatron_ga_ext.core.megatron_flags import NOT_MEGATRON
+from megatron_ga_ext.core.megatron_flags import COVERED_OPTIONS, MEGATRON_OPTIONS, NOT_MEGATRON
 from megatron_ga_ext.core.numbers import read_int
 from megatron_ga_ext.core.schedule.stages import FLAG as SCHEDULE_FLAG
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.errors import GAError
 from megatron_ga_ext.launch.line import Launch, LaunchLayout, read_layout
 
-__all__ = ["MAX_STAGE_PROBLEMS", "launch_problems"]
+__all__ = ["MAX_STAGE_PROBLEMS", "launch_notes", "launch_problems", "launch_setting"]
 
 MAX_STAGE_PROBLEMS = 5
 
@@ -37,7 +39,7 @@ def launch_problems(launch: Launch, world_size: int | None) -> tuple[BatchLayout
 
     Raises UsageError where the line cannot be read at all (the world size, a value that is not a number).
     """
-    problems = _line_problems(launch) + _option_problems(launch)
+    problems = _line_problems(launch) + _option_problems(launch) + _coverage_problems(launch)
     read = read_layout(launch, world_size)
     problems += read.seq_problems + [str(e) for e in read.problems]
     kwargs = dict(read.kwargs)
@@ -102,6 +104,30 @@ def _option_problems(launch: Launch) -> list[str]:
     problems += _problem(check_guards, launch.on(GUARDS.flag),
                          hybrid_context_parallel=launch.on("--hybrid-context-parallel"), rl_sequence_packing=packed_rl)
     return problems
+
+
+def launch_setting(launch: Launch) -> Setting:
+    """The coverage table's view of a launch line: Megatron's flags it gives, by argparse destination (the rest
+    read as Megatron's defaults), and the ``--ga-*`` settings."""
+    values: dict[str, object] = {}
+    for option in (*MEGATRON_OPTIONS, *COVERED_OPTIONS):
+        if option.nargs == 0 and option.flag in launch.switches:
+            values[option.dest] = launch.on(option.flag)
+        elif option.nargs != 0 and option.flag in launch.values:
+            given = launch.values[option.flag]
+            values[option.dest] = given[0] if option.nargs == 1 else given
+    return Setting(values, loss_reduction=launch.get(LOSS_REDUCTION.flag) or LOSS_REDUCTION.default,
+                   zero_token_policy=launch.get(ZERO_TOKEN_POLICY.flag) or ZERO_TOKEN_POLICY.default,
+                   checks=launch.get(CHECKS.flag) or CHECKS.default, convert_rampup=launch.on(CONVERT_RAMPUP.flag))
+
+
+def _coverage_problems(launch: Launch) -> list[str]:
+    return [row.message() for row in verdict(launch_setting(launch)).refused]
+
+
+def launch_notes(launch: Launch) -> list[str]:
+    """The limits of the coverage table that apply to a launch line (``check`` prints them as notes)."""
+    return verdict(launch_setting(launch)).notes()
 
 
 def _problem(rule, *args, **kwargs) -> list[str]:  # type: ignore[no-untyped-def]

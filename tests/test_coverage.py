@@ -1,0 +1,253 @@
+"""The coverage table (config/coverage.py): every refused row stops install() at start-up and is a problem of
+``megatron-ga check``, both naming the flag; every row's test exists; every row's flags are declared; the limits
+that apply are notes of ``check``; docs/coverage.md is the table's rendering."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import re
+import sys
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from megatron_ga_ext.cli.main import main
+from megatron_ga_ext.config.coverage import ROWS, Setting, coverage_doc, verdict
+from megatron_ga_ext.config.flags import OPTIONS
+from megatron_ga_ext.config.ga_config import GAConfig
+from megatron_ga_ext.core.megatron_flags import COVERED_OPTIONS, MEGATRON_OPTIONS, Option
+from megatron_ga_ext.errors import CoverageError
+
+ROOT = Path(__file__).resolve().parent.parent
+BY_ID = {row.id: row for row in ROWS}
+TOKEN = ["--calculate-per-token-loss"]
+EP_MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+          "--bf16"]
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A launch a refused row stops: Megatron's flags and the extension's settings."""
+
+    row: str
+    flags: list[str]
+    ga: dict = field(default_factory=dict)
+    spelling: str = ""
+    """Another spelling of the same row (a test id of its own)."""
+
+    @property
+    def id(self) -> str:
+        return self.row + (f"-{self.spelling}" if self.spelling else "")
+
+    def ga_flags(self) -> list[str]:
+        names = {"loss_reduction": "--ga-loss-reduction", "zero_token_policy": "--ga-zero-token-policy",
+                 "checks": "--ga-checks"}
+        return [word for name, value in self.ga.items() for word in (names[name], value)]
+
+
+MICROBATCH = {"loss_reduction": "microbatch"}
+REFUSALS = [
+    Refusal("full-iteration-graph-token", [*TOKEN, "--cuda-graph-impl", "full_iteration",
+                                           "--no-check-for-nan-in-loss-and-grad"]),
+    Refusal("full-iteration-graph-token", [*TOKEN, "--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"],
+            spelling="0.16-scope"),
+    Refusal("full-iteration-graph-token", [*TOKEN, "--enable-cuda-graph", "--cuda-graph-scope", "full_iteration"],
+            spelling="enable-cuda-graph"),
+    Refusal("full-iteration-graph-token", [*TOKEN, "--cuda-graph-modules", "full_iteration"], spelling="modules"),
+    Refusal("full-iteration-graph-schedule", ["--cuda-graph-impl", "full_iteration", "--step-batch-size-schedule",
+                                              "0:16 4096:32", "--train-samples", "160"], MICROBATCH),
+    Refusal("optimizer-graph-skip", [*TOKEN, "--optimizer-cuda-graph"], {"zero_token_policy": "skip"}),
+    Refusal("combined-1f1b-token", [*TOKEN, *EP_MOE, "--overlap-moe-expert-parallel-comm"]),
+    Refusal("delayed-wgrad-token", [*TOKEN, *EP_MOE, "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]),
+    Refusal("router-quantile-balancing-token", [*TOKEN, "--num-experts", "4", "--moe-router-load-balancing-type",
+                                                "quantile_balancing"]),
+    Refusal("router-quantile-balancing-token", [*TOKEN, "--num-experts", "4", "--moe-router-load-balancing-type",
+                                                "aux_loss", "quantile_balancing"], spelling="one-of-two"),
+    Refusal("torch-fsdp2-token", [*TOKEN, "--use-torch-fsdp2"]),
+]
+
+
+def megatron_parser() -> argparse.ArgumentParser:
+    """Megatron's flags as our declarations give them (the slow test below holds them to Megatron's parsers)."""
+    parser = argparse.ArgumentParser()
+    for option in (*MEGATRON_OPTIONS, *COVERED_OPTIONS):
+        for spelling in option.spellings:
+            parser.add_argument(spelling, dest=option.dest, **_argparse_kwargs(option, spelling))
+    return parser
+
+
+def _argparse_kwargs(option: Option, spelling: str) -> dict:
+    if option.type is bool:
+        store_false = spelling.startswith("--no-")
+        return {"action": "store_false" if store_false else "store_true", "default": option.default}
+    return {"nargs": None if option.nargs == 1 else option.nargs, "type": option.type, "default": option.default}
+
+
+def check(capsys, flags: list[str]) -> tuple[int, dict]:
+    """``megatron-ga check --json`` of a launch line with ``flags``: (exit status, report)."""
+    line = ["torchrun", "--nproc-per-node", "8", "pretrain_gpt.py", "--micro-batch-size", "1", *flags]
+    if "--step-batch-size-schedule" not in flags:
+        line += ["--global-batch-size", "16"]
+    status = main(["check", "--json", "--", *line])
+    return status, json.loads(capsys.readouterr().out)
+
+
+# -- every refused row: install() at start-up and check -------------------------------------------
+
+
+def test_every_refused_row_has_a_refusal_launch():
+    refused = {row.id for row in ROWS if row.support == "refused"}
+    assert {refusal.row for refusal in REFUSALS} == refused
+    assert all(BY_ID[r.row].support == "refused" for r in REFUSALS)
+    # the doc names each refusal's test by the row id: the first launch of each row has no other spelling
+    assert {r.row for r in REFUSALS if not r.spelling} == refused
+
+
+@pytest.mark.parametrize("refusal", REFUSALS, ids=lambda r: r.id)
+def test_refused_rows_stop_install_and_check(refusal, megatron_training, capsys):
+    row = BY_ID[refusal.row]
+    named = f"megatron-ga-ext refuses {re.escape(row.case)}"
+    assert row.flags[0] in row.given
+    status, report = check(capsys, [*refusal.flags, *refusal.ga_flags()])
+    assert status == 1 and [p for p in report["problems"] if re.match(named, p)], report["problems"]
+    _install_refuses(refusal, named, megatron_training)
+
+
+def _install_refuses(refusal: Refusal, named: str, megatron_training: types.ModuleType) -> None:
+    """Megatron's parsed args, install(), and the first forward/backward call: the start-up check raises before
+    the schedule runs."""
+    schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
+    from megatron_ga_ext.integration.install import install, uninstall
+
+    megatron_training._GLOBAL_ARGS = megatron_parser().parse_args(refusal.flags)
+    install(GAConfig(**refusal.ga))
+    try:
+        with pytest.raises(CoverageError, match=named):
+            schedules.forward_backward_no_pipelining(
+                forward_step_func=None, data_iterator=None, model=[], num_microbatches=1, seq_length=1,
+                micro_batch_size=1, forward_only=False)
+    finally:
+        uninstall()
+
+
+@pytest.fixture
+def megatron_training(monkeypatch):
+    """Stand-ins for Megatron-LM's megatron.training (not in the megatron-core wheel) holding the parsed args."""
+    training = types.ModuleType("megatron.training")
+    global_vars = types.ModuleType("megatron.training.global_vars")
+    global_vars._GLOBAL_ARGS = None
+    monkeypatch.setitem(sys.modules, "megatron.training", training)
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars", global_vars)
+    return global_vars
+
+
+def test_a_launch_with_several_refusals_names_each():
+    flags = [*TOKEN, "--cuda-graph-impl", "full_iteration", "--use-torch-fsdp2"]
+    error = verdict(Setting.of(megatron_parser().parse_args(flags), GAConfig())).error()
+    assert isinstance(error, CoverageError) and str(error).startswith("2 settings of this launch are refused: (1) ")
+    assert "--cuda-graph-impl" in str(error) and "(2) megatron-ga-ext refuses --use-torch-fsdp2" in str(error)
+
+
+@pytest.mark.parametrize("flags, ga", [
+    (["--cuda-graph-impl", "full_iteration"], MICROBATCH),  # limited: constant GBS, microbatch mode
+    ([*TOKEN, "--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn", "mlp"], {}),
+    ([*TOKEN, "--optimizer-cuda-graph"], {"checks": "async"}),
+    ([*EP_MOE, "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"], MICROBATCH),
+    (["--num-experts", "4", "--moe-router-load-balancing-type", "quantile_balancing"], MICROBATCH),
+    (["--use-torch-fsdp2"], MICROBATCH),
+])
+def test_the_same_flags_elsewhere_are_not_refused(flags, ga, capsys):
+    """Where the guarantee holds (another mode, another value), the flag is not refused; its limit is a note."""
+    status, report = check(capsys, [*flags, *Refusal("", [], ga).ga_flags()])
+    assert status == 0 and report["problems"] == [], report["problems"]
+    assert report["notes"]
+
+
+# -- limits: the start-up log and check's notes ----------------------------------------------------
+
+
+def test_limits_are_notes_of_check_and_logged_at_start_up(caplog, capsys):
+    from megatron_ga_ext.config.coverage import enforce
+
+    flags = [*TOKEN, "--use-megatron-fsdp", "--iterations-to-skip", "3", "7"]
+    status, report = check(capsys, flags)
+    notes = report["notes"]
+    assert status == 0 and any(n.startswith("--use-megatron-fsdp: ") for n in notes), notes
+    assert any(n.startswith("--iterations-to-skip: ") for n in notes)
+    with caplog.at_level("INFO", logger="megatron_ga_ext.config.coverage"):
+        result = enforce(megatron_parser().parse_args(flags), GAConfig())
+    assert result.notes() == notes and all(note in caplog.text for note in notes)
+
+
+def test_a_launch_without_covered_flags_gets_megatrons_defaults():
+    setting = Setting.of(argparse.Namespace(), GAConfig())
+    assert [row.id for row in verdict(setting).limited] == ["rerun-machine-token"]
+    assert verdict(Setting.of(None, GAConfig(loss_reduction="microbatch"))).limited == ()
+
+
+def test_check_reads_multi_value_flags_up_to_the_next_flag(capsys):
+    status, report = check(capsys, [*TOKEN, "--cuda-graph-scope", "attn", "full_iteration", "--bf16"])
+    assert status == 1 and any("--cuda-graph-scope full_iteration" in p for p in report["problems"])
+    assert not any("unrecognized arguments" in p for p in report["problems"])
+
+
+# -- every row: declared flags, and its tests exist ------------------------------------------------
+
+
+def test_rows_are_unique_and_complete():
+    assert len(BY_ID) == len(ROWS)
+    for row in ROWS:
+        assert row.flags and row.text.endswith("."), row.id
+        assert all(flag in OPTIONS for flag in row.flags), (row.id, row.flags)  # declared, so check reads them
+        if row.support == "supported":
+            assert row.proofs, f"{row.id}: a supported row names the test that proves it"
+        if row.support == "refused":
+            assert row.instead and not row.proofs, row.id
+
+
+def _proofs() -> list:
+    return sorted({proof for row in ROWS for proof in row.proofs}, key=str)
+
+
+@pytest.mark.parametrize("proof", _proofs(), ids=str)
+def test_each_rows_test_exists(proof):
+    path, _, name = proof.test.partition("::")
+    function, _, param = name.partition("[")
+    tree = ast.parse((ROOT / path).read_text())
+    defs = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    assert function in defs, f"{proof.test}: no test function {function} in {path}"
+    if param:
+        assert param[:-1] in _parametrize_ids(defs[function], tree), proof.test
+    if proof.case:
+        from megatron_ga_ext.verify.layouts import DEFAULT_LAYOUTS
+
+        assert proof.case in {layout.name for layout in DEFAULT_LAYOUTS}, f"{proof}: not a verify layout"
+
+
+def _parametrize_ids(function: ast.FunctionDef, tree: ast.Module) -> set[str]:
+    """The string values of the test's ``pytest.mark.parametrize`` lists (names of the module resolved)."""
+    assigned = {target.id: node.value for node in tree.body if isinstance(node, ast.Assign)
+                for target in node.targets if isinstance(target, ast.Name)}
+    values: set[str] = set()
+    for decorator in function.decorator_list:
+        if isinstance(decorator, ast.Call) and getattr(decorator.func, "attr", "") == "parametrize":
+            argvalues = decorator.args[1]
+            argvalues = assigned.get(getattr(argvalues, "id", ""), argvalues)
+            values |= {n.value for n in ast.walk(argvalues) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    return values
+
+
+# -- docs/coverage.md --------------------------------------------------------------------------------
+
+
+def test_the_committed_doc_is_the_tables_rendering():
+    doc = ROOT / "docs" / "coverage.md"
+    assert doc.read_text() == coverage_doc(), (
+        "docs/coverage.md is not the rendering of config/coverage.py: regenerate it with python -c \"from "
+        "megatron_ga_ext.config.coverage import coverage_doc; print(coverage_doc(), end='')\" > docs/coverage.md")
+    for row in ROWS:
+        assert f"| `{row.id}` |" in doc.read_text()
