@@ -1,4 +1,4 @@
-"""megatron-ga check on the launch-line shapes it misread (issue 9), each built from the shape that exposed it.
+"""megatron-ga check on launch-line shapes that are easy to misread, each built from a real launch line's shape.
 
 Which flags exist is Megatron's own parser at each tested release (core_v0.16.1 ... main d98e8a64):
 ``--virtual-pipeline-model-parallel-size`` is defined by none of them; the VPP comes from

@@ -68,7 +68,7 @@ def _wall(cli_script, args: list[str]) -> float:
     return time.perf_counter() - start
 
 
-# Without --calculate-per-token-loss, the default --ga-loss-reduction token is itself a problem (issue 9).
+# Without --calculate-per-token-loss, the default --ga-loss-reduction token is itself a problem.
 BARE_LAUNCH = "torchrun --nproc_per_node=8 --nnodes 2 --master-addr host0 pretrain_gpt.py --bf16 " \
               "--tensor-model-parallel-size 2 --micro-batch-size 2 --seq-length 4096 --use-mcore-models"
 LAUNCH = BARE_LAUNCH + " --calculate-per-token-loss"

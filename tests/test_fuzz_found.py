@@ -17,8 +17,8 @@ from megatron_ga_ext.integration.guards import GuardedCalculator
       "--lr-base-batch-size", "8"], "--lr"),
 ])
 def test_a_flag_given_as_flag_equals_dashdash_is_a_usage_error(cli, argv, flag):
-    """argparse reads ``--flag=--`` as an empty list, which reached read_int (AttributeError) or math.isfinite
-    (TypeError) as a traceback."""
+    """argparse reads ``--flag=--`` as an empty list: a usage error naming the flag, where read_int would raise
+    AttributeError and math.isfinite TypeError."""
     answer = cli(*argv)
     assert answer.status == 2
     err = answer.err
@@ -28,7 +28,7 @@ def test_a_flag_given_as_flag_equals_dashdash_is_a_usage_error(cli, argv, flag):
 
 @pytest.mark.parametrize("text", ["9" * 31, "1.0000001e30", "1000000000000000001T", "1000000000000000000001B"])
 def test_a_count_above_1e30_is_refused_exactly(text):
-    """parse_count bounded the exponent only, so values up to 10**31 - 1 passed its documented 10**30."""
+    """The bound is on the value, not its exponent: 10**31 - 1 has exponent 30 and is past 10**30 all the same."""
     with pytest.raises(ScheduleParseError, match=rf"value '{text}' is larger than 1e30; no run consumes that much"):
         parse_count(text, "value")
     assert parse_count("1e30") == parse_count("1000000000000000000T") == 10**30
@@ -42,7 +42,8 @@ def test_the_bound_is_the_same_for_a_schedule_entry():
 
 @pytest.mark.parametrize("consumed", ["8", 1.5, -1, True, None])
 def test_the_guard_refuses_a_consumed_count_that_is_not_one(consumed):
-    """The guard subtracted the count before any calculator checked it: a TypeError, not a typed error."""
+    """The guard does arithmetic on the count before any calculator sees it, so it checks the count first: a
+    SizeError, not a TypeError."""
     guarded = GuardedCalculator(StepScheduleCalculator(StepSchedule.constant(8), 1, 1), 1)
     guarded.update(0, True)
     with pytest.raises(SizeError, match=rf"consumed_samples {consumed!r} must be a whole number >= 0\."):
@@ -59,7 +60,8 @@ def test_the_guard_refuses_a_consumed_count_that_is_not_one(consumed):
      "--pipeline-model-parallel-size 0 must be at least 1; give an integer >= 1."),
 ])
 def test_a_zero_pipeline_size_is_a_problem_not_a_division_by_zero(cli, flags, problem):
-    """The layer split divided by these sizes before any check (ZeroDivisionError)."""
+    """The layer split divides by these sizes, so each is checked first: a problem of check, not a
+    ZeroDivisionError."""
     line = ["torchrun", "--nproc-per-node", "8", "pretrain_gpt.py", "--micro-batch-size", "1",
             "--calculate-per-token-loss", *flags]
     answer = cli("check", "--json", "--", *line)
@@ -68,8 +70,8 @@ def test_a_zero_pipeline_size_is_a_problem_not_a_division_by_zero(cli, flags, pr
 
 
 def test_a_ramp_of_more_stages_than_len_can_count_is_read_and_checked():
-    """A ramp of 2^63 increments (1 to 2^63 by 1) has more stages than ``len()`` returns (sys.maxsize): its index,
-    summary, problems and stage pairs raised OverflowError. They count with ``num_stages`` now, up to 1e30."""
+    """A ramp of 2^63 increments (1 to 2^63 by 1) has more stages than ``len()`` can return (sys.maxsize, else
+    OverflowError): its index, summary, problems and stage pairs count with ``num_stages``, up to 1e30."""
     schedule = StepSchedule.from_rampup(1, 1, 1, 2**63)
     assert schedule.num_stages == 2**63
     assert schedule.summary() == "9,223,372,036,854,775,808 stages: 0:1 1:2 ... 1:9223372036854775808"

@@ -178,7 +178,8 @@ def test_resolve_schedule_refusals(inputs, error, message):
 
 
 def test_install_check_and_calculator_see_the_same_schedule_and_layout():
-    """Issue 9: '0:48 100:80' with PP 4, VPP 2 and N = 6 runs (M = 6, 10); install used to drop N and fail."""
+    """'0:48 100:80' with PP 4, VPP 2 and N = 6 runs (M = 6, 10) only if install() passes N on to the
+    calculator as check does: without N, the default N = PP refuses M = 6."""
     config = GAConfig(step_batch_size_schedule="0:48 100:80", pipeline_model_parallel_size=4,
                       virtual_pipeline_model_parallel_size=2, microbatch_group_size_per_vp_stage=6)
     arguments = {"rank": 0, "global_batch_size": None, "micro_batch_size": 1, "data_parallel_size": 8,

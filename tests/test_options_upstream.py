@@ -1,5 +1,5 @@
-"""The Megatron flags options.py reads exist in Megatron-LM's own parser at each tested release and commit,
-and the ones it calls "not a Megatron flag" exist in none (issue 9, item 7).
+"""The Megatron flags core/megatron_flags.py declares exist in Megatron-LM's own parser at each tested release and
+commit, and the ones it calls "not a Megatron flag" exist in none.
 
 Needs the Megatron-LM source snapshots of this Python's tested sources (tools/regress.py: ../shared/upstream or
 $MEGATRON_LM_SNAPSHOTS, unpacked once to .cache/megatron-lm); skipped without them. One subprocess builds
