@@ -15,8 +15,8 @@
 # reliability.md and performance.md, keeping the rows no run recorded (another leg's sources; delete
 # .cache/results to drop older records). Those tables hold timings and dates, so no check compares them: after `make fuzz` or
 # `make e2e`, run `make docs` and commit the pages.
-# The parts rendered from code alone (the flags table of docs/guide.md, the text of docs/compatibility.md above
-# its table) are the same on every run: `make docs-check` compares them byte for byte.
+# The parts rendered from code alone (the flags table of docs/guide.md, docs/coverage.md, the text of
+# docs/compatibility.md above its table) are the same on every run: `make docs-check` compares them byte for byte.
 PYTHON ?= python3.12
 PYVER := $(patsubst python%,%,$(notdir $(PYTHON)))
 VENV ?= $(if $(filter 3.12,$(PYVER)),.venv,.venv-$(PYVER))

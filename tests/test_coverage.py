@@ -247,7 +247,6 @@ def _parametrize_ids(function: ast.FunctionDef, tree: ast.Module) -> set[str]:
 def test_the_committed_doc_is_the_tables_rendering():
     doc = ROOT / "docs" / "coverage.md"
     assert doc.read_text() == coverage_doc(), (
-        "docs/coverage.md is not the rendering of config/coverage.py: regenerate it with python -c \"from "
-        "megatron_ga_ext.config.coverage import coverage_doc; print(coverage_doc(), end='')\" > docs/coverage.md")
+        "docs/coverage.md is not the rendering of config/coverage.py: regenerate it with make docs")
     for row in ROWS:
         assert f"| `{row.id}` |" in doc.read_text()

@@ -107,3 +107,12 @@ def test_ci_runs_the_docs_check_and_no_target_hands_a_test_a_page():
     assert "docs-check: $(STAMP)\n\t$(PY) -m tools.docs --check\n" in (ROOT / "Makefile").read_text()
     assert '"docs-check fuzz"' in (ROOT / ".ci" / "run").read_text()
     assert "_DOC=" not in (ROOT / "Makefile").read_text() + (ROOT / ".ci" / "run").read_text()
+
+
+def test_a_stale_coverage_page_is_named_and_rewritten(pages):
+    page = pages / "docs" / "coverage.md"
+    current = page.read_text()
+    page.write_text(current.replace("*supported*", "*fine*", 1))
+    assert docs.stale(pages) == ["docs/coverage.md"]
+    docs.write(pages, results=None)
+    assert page.read_text() == current

@@ -6,8 +6,9 @@
 A generated part sits between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->``; the prose around it is kept.
 
 * Rendered from code declarations alone, so the same on every run (docs-check compares them): the flags table
-  of docs/guide.md (``megatron_ga_ext.config.flags.flags_table()``) and the text of docs/compatibility.md above
-  its table (:data:`COMPATIBILITY_HEADER`).
+  of docs/guide.md (``megatron_ga_ext.config.flags.flags_table()``), the whole of docs/coverage.md
+  (``megatron_ga_ext.config.coverage.coverage_doc()``) and the text of docs/compatibility.md above its table
+  (:data:`COMPATIBILITY_HEADER`).
 * Measured: the tables of tools/results.py, rendered from the rows the runs recorded under the results directory
   (default .cache/results). A recorded row replaces the page's row of the same key, cell by cell; rows no run
   recorded (another leg's sources) are kept. Timings and dates move from run to run, so docs-check leaves them
@@ -21,6 +22,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from megatron_ga_ext.config.coverage import coverage_doc
 from megatron_ga_ext.config.flags import flags_table
 from megatron_ga_ext.integration.compat import UPSTREAM
 
@@ -76,6 +78,7 @@ def _compatibility_header(text: str) -> str:
 #: page -> the renderings of its parts that follow from code alone.
 FIXED: dict[str, tuple[Callable[[str], str], ...]] = {
     "docs/guide.md": (_flags,),
+    "docs/coverage.md": (lambda text: coverage_doc(),),
     "docs/compatibility.md": (_compatibility_header,),
 }
 
