@@ -68,6 +68,7 @@ REFUSALS = [
     Refusal("router-quantile-balancing-token", [*TOKEN, "--num-experts", "4", "--moe-router-load-balancing-type",
                                                 "aux_loss", "quantile_balancing"], spelling="one-of-two"),
     Refusal("torch-fsdp2-token", [*TOKEN, "--use-torch-fsdp2"]),
+    Refusal("average-in-collective-token", [*TOKEN, "--ddp-average-in-collective"]),
 ]
 
 

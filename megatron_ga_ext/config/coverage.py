@@ -338,6 +338,19 @@ ROWS: tuple[Row, ...] = (
         support="limited", text=f"the dispatch does not touch the loss or the token count; {NO_GPU} (DeepEP, "
         "HybridEP).",
         applies=lambda s: _moe(s) and s.value("moe_token_dispatcher_type") == "flex"),
+    Row(id="rank-capacity-stash", flags=("--moe-expert-rank-capacity-factor",),
+        given="--moe-expert-rank-capacity-factor (0.18 and later)", support="limited",
+        text="Megatron wraps the forward/backward in a PagedStashRunner that, when a static buffer overflows, resets "
+        "the gradients and runs the step's forward/backward once more (synced dropless): each attempt runs the "
+        "extension's schedule hook and finalize and is checked on its own (under --ga-checks sync a broken first "
+        f"attempt stops the run before the retry); {NO_GPU} (HybridEP).",
+        applies=lambda s: s.value("moe_expert_rank_capacity_factor") is not None),
+    Row(id="dsa-indexer-loss-token", flags=("--experimental-attention-variant",),
+        given="--experimental-attention-variant dsa", when="in token mode", support="limited",
+        text="the extension does not reweight the DSA indexer loss: it is scaled as upstream's "
+        "--calculate-per-token-loss scales it (its scaler is given the loss scale, and finalize divides by N); "
+        f"{NOT_YET}.",
+        applies=_token(lambda s: "dsa" in s.names("experimental_attention_variant"))),
     # MTP and hybrid models
     Row(id="mtp", flags=("--mtp-num-layers",), given="--mtp-num-layers N", support="supported",
         text="the MTP loss weighs each micro-batch by its share of the loss tokens (on megatron-core 0.16 each MTP "
@@ -374,6 +387,12 @@ ROWS: tuple[Row, ...] = (
         "--calculate-per-token-loss and scales by 1 / N in finalize; the extension checks those factors at the "
         f"first step; {NO_GPU}.",
         applies=_on("use_megatron_fsdp")),
+    Row(id="average-in-collective-token", flags=("--ddp-average-in-collective",),
+        given="--ddp-average-in-collective", when="in token mode", support="refused",
+        text="an averaging collective divides the summed token loss by DP x CP before finalize divides it by N "
+        "(Megatron's DDP asserts it is off under --calculate-per-token-loss).",
+        instead="Drop --ddp-average-in-collective (off by default).",
+        applies=_token(_on("ddp_average_in_collective"))),
     Row(id="distributed-optimizer-overlap", flags=("--use-distributed-optimizer", "--overlap-grad-reduce"),
         given="--use-distributed-optimizer, --overlap-grad-reduce", support="supported",
         text="the gradients are summed over DP x CP (reduce-scatter, overlapped or not), then divided once by N.",
