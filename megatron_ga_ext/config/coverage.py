@@ -239,7 +239,8 @@ ROWS: tuple[Row, ...] = (
         given="--cuda-graph-impl local or transformer_engine (--enable-cuda-graph, --external-cuda-graph)",
         support="limited",
         text="graphs of layers replay inside the forward pass; the schedule, the loss function and finalize run in "
-        f"Python every step, so every check runs; {NO_GPU}.",
+        "Python every step, so every check runs (whether a captured MoE router is given the padding mask on replay "
+        f"is not verified); {NO_GPU}.",
         applies=_layer_graphs),
     Row(id="optimizer-graph-skip", flags=("--optimizer-cuda-graph",), given="--optimizer-cuda-graph",
         when="with --ga-zero-token-policy skip", support="refused",
