@@ -251,3 +251,22 @@ def test_the_committed_doc_is_the_tables_rendering():
         "docs/coverage.md is not the rendering of config/coverage.py: regenerate it with make docs")
     for row in ROWS:
         assert f"| `{row.id}` |" in doc.read_text()
+
+
+def test_megatrons_nan_check_off_is_read_from_its_negative_flag(capsys):
+    """Megatron's parser has only --no-check-for-nan-in-loss-and-grad (store_false, on by default)."""
+    ids = {row.id for row in verdict(Setting.of(megatron_parser().parse_args(TOKEN), GAConfig())).limited}
+    assert "rerun-machine-token" in ids and "no-megatron-nan-check-token" not in ids
+    status, report = check(capsys, [*TOKEN, "--no-check-for-nan-in-loss-and-grad"])
+    assert status == 0 and [n for n in report["notes"] if n.startswith("--no-check-for-nan-in-loss-and-grad")]
+    assert not [n for n in report["notes"] if n.startswith("--rerun-mode validate_results")]
+
+
+def test_check_prints_refusals_as_problems_and_limits_as_notes(capsys):
+    line = ["torchrun", "--nproc-per-node", "2", "pretrain_gpt.py", "--micro-batch-size", "1", "--global-batch-size",
+            "4", *TOKEN, "--use-torch-fsdp2", "--fp16"]
+    assert main(["check", "--", *line]) == 1
+    out = capsys.readouterr().out
+    notes, problems = out.index("note(s), limits of the coverage table"), out.index("1 problem(s):")
+    assert notes < problems and "  - --fp16: " in out[notes:problems]
+    assert "  1. megatron-ga-ext refuses --use-torch-fsdp2 in token mode: " in out[problems:]
