@@ -18,7 +18,7 @@ import pytest
 from megatron_ga_ext.cli.main import main
 from megatron_ga_ext.config.coverage import ROWS, Setting, coverage_doc, verdict
 from megatron_ga_ext.config.flags import OPTIONS
-from megatron_ga_ext.config.ga_config import GAConfig
+from megatron_ga_ext.config.ga_config import GA_FIELDS, GAConfig
 from megatron_ga_ext.core.megatron_flags import COVERED_OPTIONS, MEGATRON_OPTIONS, Option
 from megatron_ga_ext.errors import CoverageError
 
@@ -44,9 +44,8 @@ class Refusal:
         return self.row + (f"-{self.spelling}" if self.spelling else "")
 
     def ga_flags(self) -> list[str]:
-        names = {"loss_reduction": "--ga-loss-reduction", "zero_token_policy": "--ga-zero-token-policy",
-                 "checks": "--ga-checks"}
-        return [word for name, value in self.ga.items() for word in (names[name], value)]
+        flags = {name: option.flag for option, name in GA_FIELDS.items()}
+        return [word for name, value in self.ga.items() for word in (flags[name], value)]
 
 
 MICROBATCH = {"loss_reduction": "microbatch"}
