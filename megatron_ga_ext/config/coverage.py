@@ -12,7 +12,7 @@ A row is a flag, where it matters with a value, the loss mode or another ``--ga-
 Each row was decided by reading Megatron-LM at the tested sources (core_v0.16.1 ... main): the training loop's
 wrappers (``FullCudaGraphWrapper``, ``OptimizerCudaGraphWrapper``), pretrain_gpt's ``build_schedule_plan`` path,
 the router and the data-parallel wrappers. :func:`verdict` applies the table to one launch; :func:`coverage_doc`
-renders it (docs/coverage.md); tests/test_coverage.py holds every row to its test or its refusal.
+renders it (docs/coverage.md, written by ``make docs``); tests/test_coverage.py holds every row to its test or its refusal.
 """
 
 from __future__ import annotations
@@ -518,8 +518,8 @@ def enforce(args: Any, config: GAConfig) -> Verdict:
 
 DOC_HEADER = """# Coverage: Megatron's features on the loss, gradient, step and schedule path
 
-Generated from `megatron_ga_ext/config/coverage.py` (`coverage_doc()`); tests/test_coverage.py checks that this file
-is its rendering. *supported*: every check of every step runs, and the test named proves it. *limited*: it runs,
+Rendered by `make docs` from `megatron_ga_ext/config/coverage.py` (`coverage_doc()`); `make docs-check` and
+tests/test_coverage.py check that this file is its rendering. *supported*: every check of every step runs, and the test named proves it. *limited*: it runs,
 with the limit stated (logged at start-up, and a note of `megatron-ga check`). *refused*: `install()` stops at
 start-up with a `CoverageError` and `megatron-ga check` reports a problem (the refusal's test:
 `tests/test_coverage.py::test_refused_rows_stop_install_and_check[<row>]`).
