@@ -269,3 +269,12 @@ def test_check_prints_refusals_as_problems_and_limits_as_notes(capsys):
     notes, problems = out.index("note(s), limits of the coverage table"), out.index("1 problem(s):")
     assert notes < problems and "  - --fp16: " in out[notes:problems]
     assert "  1. megatron-ga-ext refuses --use-torch-fsdp2 in token mode: " in out[problems:]
+
+
+def test_unclassified_lists_only_new_flags_the_table_does_not_name():
+    from megatron_ga_ext.config.coverage import unclassified
+
+    tested = {"--lr", "--micro-batch-size"}
+    checkout = {*tested, "--cuda-graph-impl", "--zz-new-step-path-flag", "--aa-new-flag"}
+    assert unclassified(checkout, tested) == ["--aa-new-flag", "--zz-new-step-path-flag"]
+    assert unclassified(tested, tested) == []

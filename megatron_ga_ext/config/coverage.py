@@ -18,15 +18,17 @@ renders it (docs/coverage.md, written by ``make docs``); tests/test_coverage.py 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Callable, Iterable, Literal, Mapping
 
-from megatron_ga_ext.config.flags import BY_DEST, CHECKS, CONVERT_RAMPUP, LOSS_REDUCTION, ZERO_TOKEN_POLICY
+from megatron_ga_ext.config.flags import BY_DEST, CHECKS, CONVERT_RAMPUP, LOSS_REDUCTION, OPTIONS, ZERO_TOKEN_POLICY
 from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.core.megatron_flags import COVERED_OPTIONS, MEGATRON_OPTIONS
 from megatron_ga_ext.errors import CoverageError
 from megatron_ga_ext.logs import get_logger
 
-__all__ = ["ROWS", "Proof", "Row", "Setting", "Verdict", "coverage_doc", "coverage_table", "enforce", "verdict"]
+__all__ = [
+    "ROWS", "Proof", "Row", "Setting", "Verdict", "coverage_doc", "coverage_table", "enforce", "unclassified", "verdict",
+]
 
 logger = get_logger(__name__)
 
@@ -512,6 +514,14 @@ def enforce(args: Any, config: GAConfig) -> Verdict:
     for note in result.notes():
         logger.info("megatron-ga-ext coverage, limited: %s", note)
     return result
+
+
+def unclassified(flags: Iterable[str], known: Iterable[str]) -> list[str]:
+    """The flags of a checkout's parser (``flags``) that no tested source's parser defines (``known``) and that
+    neither a row nor a declaration names: new upstream flags, to read and classify before the table speaks for
+    that checkout. Sorted."""
+    named = {flag for row in ROWS for flag in row.flags} | set(OPTIONS)
+    return sorted(set(flags) - set(known) - named)
 
 
 # -- docs/coverage.md -------------------------------------------------------------------------------
