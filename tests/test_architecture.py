@@ -1,7 +1,7 @@
 """The package's layers, read from its source: imports run one way and nothing cycles.
 
     errors, logs  <-  core  <-  config  <-  {launch, integration}  <-  the package root (the public API)
-        <-  testing  <-  verify  <-  cli
+        <-  testing  <-  verify  <-  cli  <-  __main__ (python -m megatron_ga_ext SCRIPT)
 
 Every import counts, at module level or inside a function (an import moved into a function to dodge a cycle
 is still a cycle). core, config and launch never import torch or megatron; cli imports them only inside the
@@ -19,7 +19,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_ga_ext"
 RANKS = {"errors": 0, "logs": 0, "core": 1, "config": 2, "launch": 3, "integration": 3, "": 4, "testing": 5,
-         "verify": 6, "cli": 7}
+         "verify": 6, "cli": 7, "__main__": 8}
 PURE = ("core", "config", "launch")
 HEAVY = ("torch", "megatron")
 

@@ -11,12 +11,13 @@ from megatron_ga_ext.core.megatron_flags import STEP_SCHEDULE
 
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The ``--ga-*`` flags, for ``pretrain(..., extra_args_provider=add_args)``; on releases without
-    ``--step-batch-size-schedule`` it adds that flag too (the backport)."""
-    group = parser.add_argument_group("megatron-ga-ext", "checked batch arithmetic (megatron_ga_ext)")
-    for option in GA_OPTIONS:
-        _add(group, option)
-    if STEP_SCHEDULE.flag not in parser._option_string_actions:
-        _add(group, STEP_SCHEDULE)
+    ``--step-batch-size-schedule`` it adds that flag too (the backport). A flag the parser has already is
+    left as it is, so install()'s own provider and a script's ``args_provider()`` can both run."""
+    missing = [option for option in (*GA_OPTIONS, STEP_SCHEDULE) if option.flag not in parser._option_string_actions]
+    if missing:
+        group = parser.add_argument_group("megatron-ga-ext", "checked batch arithmetic (megatron_ga_ext)")
+        for option in missing:
+            _add(group, option)
     return parser
 
 

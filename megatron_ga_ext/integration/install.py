@@ -40,6 +40,7 @@ from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
 from megatron_ga_ext.config.rules import check_guards, check_loss_mode, check_train_length
 from megatron_ga_ext.errors import CompatError, GuardError
+from megatron_ga_ext.integration.arguments import wire_arguments
 from megatron_ga_ext.integration.aux_losses import aux_summary, mtp_inexact_note, pipeline_inexact_note
 from megatron_ga_ext.integration.compat import (
     CALCULATOR,
@@ -355,8 +356,8 @@ def _wire_late(state: Installation) -> None:
     """The wirings outside the three modules a vendored tree patches (patches/): Megatron-LM's training loop
     (once it is loaded), the optimizer builders and GPTModel. install() runs them at once; a vendored tree
     at its first calculator hook, when Megatron has parsed its args."""
-    for name, wire in (("optimizer", wire_optimizer), ("gpt_model", wire_gpt_model), ("training", wire_training),
-                       ("checkpoint_args", state.startup.wire)):
+    for name, wire in (("arguments", wire_arguments), ("optimizer", wire_optimizer), ("gpt_model", wire_gpt_model),
+                       ("training", wire_training), ("checkpoint_args", state.startup.wire)):
         if name not in state.wired and wire(state) is not False:
             state.wired.add(name)
 

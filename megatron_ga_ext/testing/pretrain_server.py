@@ -60,6 +60,9 @@ import time
 from collections import Counter
 from typing import Any, Callable
 
+#: What a rank runs as ``__main__``: a script's path or a module, through runpy.
+Program = Callable[[], object]
+
 __all__ = ["main"]
 
 
@@ -252,18 +255,24 @@ def main() -> None:
     sys.exit(_run(*launch))
 
 
-def _as_script(argv: list[str]) -> tuple[str, int | None]:
-    """``[--nproc-per-node N] SCRIPT ARGS...``: (SCRIPT, N), with ``sys.path`` and ``sys.argv`` as ``python SCRIPT
-    ARGS...`` run from the Megatron-LM root (the working directory) has them."""
+def _as_script(argv: list[str]) -> tuple[Program, int | None]:
+    """``[--nproc-per-node N] SCRIPT ARGS...`` or ``[--nproc-per-node N] -m MODULE ARGS...``: (what to run, N), with
+    ``sys.path`` and ``sys.argv`` as ``python SCRIPT ARGS...`` (or ``python -m MODULE ARGS...``) run from the
+    Megatron-LM root (the working directory) has them."""
     nproc = None
     if argv[:1] == ["--nproc-per-node"]:
         nproc, argv = int(argv[1]), argv[2:]
+    if argv[:1] == ["-m"]:
+        module, *module_args = argv[1:]
+        sys.path[0] = os.getcwd()  # as `python -m` sets it
+        sys.argv = [module, *module_args]
+        return functools.partial(runpy.run_module, module, run_name="__main__", alter_sys=True), nproc
     script, *script_args = argv
     script = os.path.abspath(script)
     sys.path[0] = os.path.dirname(script)  # as `python SCRIPT` sets it
     sys.path.insert(1, os.getcwd())  # the Megatron-LM root, as pretrain_gpt.py run from it sees it
     sys.argv = [script, *script_args]
-    return script, nproc
+    return functools.partial(runpy.run_path, script, run_name="__main__"), nproc
 
 
 def _import_megatron() -> None:
@@ -271,8 +280,8 @@ def _import_megatron() -> None:
     import megatron.training.training  # noqa: F401  (megatron before the shims: import-time code reads torch.cuda)
 
 
-def _run(script: str, nproc: int | None) -> int:
-    return run_rank(script) if nproc is None else fork_ranks(script, nproc)
+def _run(program: Program, nproc: int | None) -> int:
+    return run_rank(program) if nproc is None else fork_ranks(program, nproc)
 
 
 def serve() -> int:
@@ -311,7 +320,7 @@ def serve() -> int:
     return 0
 
 
-def fork_ranks(script: str, nproc: int) -> int:
+def fork_ranks(program: Program, nproc: int) -> int:
     """torchrun's job on one node: N ranks, forked after the import; the first failure stops the rest."""
     import signal
 
@@ -326,7 +335,7 @@ def fork_ranks(script: str, nproc: int) -> int:
             os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
             code = 1
             try:
-                code = run_rank(script)
+                code = run_rank(program)
             finally:
                 sys.stdout.flush()
                 sys.stderr.flush()
@@ -344,8 +353,8 @@ def fork_ranks(script: str, nproc: int) -> int:
     return status
 
 
-def run_rank(script: str) -> int:
-    """One rank: the shims, the recorder and any fault, then the script as __main__; its exit status."""
+def run_rank(program: Program) -> int:
+    """One rank: the shims, the recorder and any fault, then the program as __main__; its exit status."""
     import traceback
 
     import megatron.core
@@ -376,7 +385,7 @@ def run_rank(script: str) -> int:
     error, code = None, 0
     try:
         with training_shims():
-            runpy.run_path(script, run_name="__main__")
+            program()
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         error = None if code == 0 else f"SystemExit: {exc.code}"

@@ -1,0 +1,80 @@
+"""Megatron-LM's own parser with the ``--ga-*`` flags, and token mode's ``--calculate-per-token-loss`` turned on, so
+the whole drop-in is ``megatron_ga_ext.install()`` at the top of an unmodified training script.
+
+Megatron parses its command line in ``megatron.training.arguments.parse_args(extra_args_provider,
+ignore_unknown_args)`` on every tested source: ``parse_and_validate_args`` (0.18 and later) looks it up as a module
+global and ``initialize_megatron`` (0.16, 0.17) binds it by name, so replacing it wherever it is bound reaches both.
+The replacement runs the script's own ``extra_args_provider`` first, then adds the flags the parser lacks
+(``config/args.py``); a script that passes ``megatron_ga_ext.args_provider(...)`` itself keeps working.
+
+Token mode is what installing the extension asks for, and it needs Megatron's per-token loss
+(``docs/reduction.md``): without ``--calculate-per-token-loss`` Megatron divides each micro-batch by its own token
+count and DDP pre-divides by DP x CP. So a token-mode launch without the flag gets it set on the parsed args,
+before Megatron validates them or builds anything from them, and the start-up log says so once.
+``--ga-loss-reduction microbatch`` keeps upstream's mean of means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import importlib.util
+import sys
+from typing import Any, Callable, Protocol
+
+from megatron_ga_ext.config.args import args_provider
+from megatron_ga_ext.config.flags import LOSS_REDUCTION
+from megatron_ga_ext.config.ga_config import GAConfig
+from megatron_ga_ext.logs import get_logger
+
+__all__ = ["ARGUMENTS", "wire_arguments"]
+
+logger = get_logger(__name__)
+
+ARGUMENTS = "megatron.training.arguments"
+
+ParseArgs = Callable[..., argparse.Namespace]
+
+
+class Installation(Protocol):
+    """What this module reads of install()'s state (``install.Installation``)."""
+
+    active: bool
+    waiting_for_args: bool
+    config: GAConfig
+
+    def patch(self, module_name: str, name: str, make: Callable[[Any], Any]) -> Any: ...
+
+
+def wire_arguments(state: Installation) -> bool:
+    """Replace Megatron-LM's ``parse_args`` where it is bound; nothing to do with megatron-core alone."""
+    if ARGUMENTS not in sys.modules:
+        if importlib.util.find_spec("megatron.training") is None:
+            return True
+        importlib.import_module(ARGUMENTS)
+    state.patch(ARGUMENTS, "parse_args", lambda original: _with_ga(original, state))
+    return True
+
+
+def _with_ga(original: ParseArgs, state: Installation) -> ParseArgs:
+    announced = False
+
+    @functools.wraps(original)
+    def parse_args(extra_args_provider: Callable | None = None, ignore_unknown_args: bool = False) -> argparse.Namespace:
+        nonlocal announced
+        if not state.active:
+            return original(extra_args_provider, ignore_unknown_args)
+        args = original(args_provider(extra_args_provider), ignore_unknown_args)
+        mode = getattr(args, LOSS_REDUCTION.dest) if state.waiting_for_args else state.config.loss_reduction
+        if mode == "token" and not args.calculate_per_token_loss:
+            args.calculate_per_token_loss = True
+            if not announced:
+                announced = True
+                logger.info(
+                    "megatron-ga-ext: %s token turns on --calculate-per-token-loss: every non-padding token of the "
+                    "global batch weighs the same (%s microbatch keeps upstream's mean of means)",
+                    LOSS_REDUCTION.flag, LOSS_REDUCTION.flag)
+        return args
+
+    return parse_args
