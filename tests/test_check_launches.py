@@ -12,7 +12,7 @@ import pytest
 
 from megatron_ga_ext.errors import UsageError
 from megatron_ga_ext.launch.line import parse_launch
-from megatron_ga_ext.launch.problems import launch_problems
+from megatron_ga_ext.launch.problems import launch_problems, loss_reduction_note
 
 # 16 ranks, per-token loss on (the default --ga-loss-reduction token needs it).
 BASE = ("torchrun --nproc_per_node 8 --nnodes 2 pretrain_gpt.py --calculate-per-token-loss --micro-batch-size 1 "
@@ -179,12 +179,30 @@ def test_seq_lengths_megatron_refuses():
 # -- 6. the loss mode, the default token mode included ----------------------------------------------
 
 
-def test_default_token_mode_needs_the_per_token_flag():
+def test_loss_reduction_of_a_launch_without_the_extension_is_information():
     line = BASE.replace(" --calculate-per-token-loss", "") + " --global-batch-size 16"
-    problem = one_problem(line)
-    assert problem.startswith("--ga-loss-reduction token (the default) needs --calculate-per-token-loss")
-    assert "Add --calculate-per-token-loss, or choose --ga-loss-reduction microbatch" in problem
-    assert check(line + " --ga-loss-reduction microbatch")[1] == []
+    assert check(line)[1] == []
+    assert loss_reduction_note(parse_launch(shlex.split(line))).startswith(
+        "loss reduction: upstream's mean of means: each micro-batch's loss divided by its own token count")
+    assert "per-token (--calculate-per-token-loss)" in loss_reduction_note(parse_launch(shlex.split(BASE)))
+
+
+@pytest.mark.parametrize("on", ["--ga-loss-reduction token", "--ga-checks sync", "ENTRY"])
+def test_token_mode_of_the_extension_needs_no_per_token_flag(on):
+    line = BASE.replace(" --calculate-per-token-loss", "") + " --global-batch-size 16"
+    line = line.replace("pretrain_gpt.py", "-m megatron_ga_ext pretrain_gpt.py") if on == "ENTRY" else f"{line} {on}"
+    assert check(line)[1] == []
+    assert loss_reduction_note(parse_launch(shlex.split(line))) == (
+        "loss reduction: --ga-loss-reduction token, checked every step by megatron-ga-ext; install() turns on "
+        "--calculate-per-token-loss.")
+
+
+def test_microbatch_mode_must_not_have_the_per_token_flag():
+    problem = one_problem(BASE + " --global-batch-size 16 --ga-loss-reduction microbatch")
+    assert problem.startswith("--ga-loss-reduction microbatch is upstream's mean of means, but "
+                              "--calculate-per-token-loss makes Megatron run the token mean")
+    line = BASE.replace(" --calculate-per-token-loss", "") + " --global-batch-size 16 --ga-loss-reduction microbatch"
+    assert check(line)[1] == []
 
 
 def test_a_loss_mode_that_is_not_a_choice_names_the_choices():

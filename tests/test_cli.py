@@ -143,10 +143,13 @@ def test_check_validates_every_stage_of_a_step_schedule(cli_script):
     assert "entry 3 '16384K:8'" in result.stdout
 
 
-def test_check_matches_the_loss_mode_with_the_per_token_flag(cli_script):
+def test_check_holds_the_loss_mode_to_the_extension_only_where_it_is_on(cli_script):
+    result = cli_script("check", "--", BARE_LAUNCH + " --global-batch-size 64")
+    assert result.returncode == 0, result.stdout
+    assert "loss reduction: upstream's mean of means" in result.stdout and "not on this line" in result.stdout
     result = cli_script("check", "--", BARE_LAUNCH + " --global-batch-size 64 --ga-loss-reduction token")
-    assert result.returncode == 1
-    assert "--ga-loss-reduction token needs --calculate-per-token-loss" in result.stdout
+    assert result.returncode == 0, result.stdout
+    assert "install() turns on --calculate-per-token-loss" in result.stdout
     result = cli_script("check", "--", LAUNCH + " --global-batch-size 64 --ga-loss-reduction microbatch")
     assert result.returncode == 1 and "drop one of them" in result.stdout
     result = cli_script("check", "--", LAUNCH + " --global-batch-size 64 --ga-loss-reduction=token")

@@ -139,7 +139,7 @@ def _run_check(args: argparse.Namespace) -> int:
     if layout is not None:
         print_ledger(layout, "megatron-ga check: ledger of the launch")
     if notes:
-        print(f"\n{len(notes)} note(s), limits of the coverage table (docs/coverage.md):")
+        print(f"\n{len(notes)} note(s):")
         for text in notes:
             print(f"  - {text}")
     if problems:

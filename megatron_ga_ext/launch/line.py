@@ -23,6 +23,8 @@ from megatron_ga_ext.launch.layer_split import LayerSplit, VirtualPipeline, virt
 __all__ = ["Launch", "LaunchLayout", "UsageError", "layout_kwargs", "parse_int", "parse_launch", "read_layout"]
 
 _LAUNCHER = {option.flag for option in LAUNCHER_OPTIONS}
+#: The module of the drop-in entry (megatron_ga_ext/__main__.py).
+ENTRY = "megatron_ga_ext"
 
 
 @dataclass
@@ -39,7 +41,14 @@ class Launch:
     stray: dict[str, list[str]] = field(default_factory=dict)
     """Words left after a Megatron flag's values, which Megatron's parser refuses."""
     not_megatron: dict[str, list[str]] = field(default_factory=dict)
-    """Flags no Megatron parser defines (options.NOT_MEGATRON), with their values."""
+    """Flags no Megatron parser defines (NOT_MEGATRON), with their values."""
+    entry: bool = False
+    """The line runs the drop-in entry: ``python -m megatron_ga_ext SCRIPT`` or ``torchrun ... -m megatron_ga_ext``."""
+
+    @property
+    def extension(self) -> bool:
+        """The extension is on: the drop-in entry, or any ``--ga-*`` flag (a script with install() in it)."""
+        return self.entry or any(flag.startswith("--ga-") for flag in (*self.values, *self.switches))
 
     def get(self, flag: str) -> str | None:
         return self.values[flag][0] if flag in self.values else None
@@ -65,6 +74,7 @@ def parse_launch(tokens: list[str]) -> Launch:
         except ValueError as error:
             raise UsageError(f"the launch line cannot be split like a shell line: {error}.") from None
     launch, i = Launch(), 0
+    launch.entry = any(a in ("-m", "--module") and b == ENTRY for a, b in zip(tokens, tokens[1:]))
     while i < len(tokens):
         token, i = tokens[i], i + 1
         if not token.startswith("--"):

@@ -29,7 +29,7 @@ from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.errors import GAError
 from megatron_ga_ext.launch.line import Launch, LaunchLayout, read_layout
 
-__all__ = ["MAX_STAGE_PROBLEMS", "launch_notes", "launch_problems", "launch_setting"]
+__all__ = ["MAX_STAGE_PROBLEMS", "launch_notes", "launch_problems", "launch_setting", "loss_reduction_note"]
 
 MAX_STAGE_PROBLEMS = 5
 
@@ -97,9 +97,8 @@ def _option_problems(launch: Launch) -> list[str]:
         problems += _problem(check_choice, option, launch.get(option.flag) or option.default)
     problems += _problem(check_checks, launch.get(CHECKS.flag) or CHECKS.default,
                          launch.get(ZERO_TOKEN_POLICY.flag) or ZERO_TOKEN_POLICY.default)
-    if mode is None or mode in LOSS_REDUCTION.choices:
-        problems += _problem(check_loss_mode, mode or LOSS_REDUCTION.default, launch.on("--calculate-per-token-loss"),
-                             explicit=mode is not None)
+    if launch.extension and (mode or LOSS_REDUCTION.default) == "microbatch":
+        problems += _problem(check_loss_mode, "microbatch", launch.on("--calculate-per-token-loss"))
     packed_rl = launch.on("--perform-rl-step") and launch.on("--rl-use-sequence-packing")
     problems += _problem(check_guards, launch.on(GUARDS.flag),
                          hybrid_context_parallel=launch.on("--hybrid-context-parallel"), rl_sequence_packing=packed_rl)
@@ -122,12 +121,31 @@ def launch_setting(launch: Launch) -> Setting:
 
 
 def _coverage_problems(launch: Launch) -> list[str]:
-    return [row.message() for row in verdict(launch_setting(launch)).refused]
+    return [row.message() for row in verdict(launch_setting(launch)).refused] if launch.extension else []
 
 
 def launch_notes(launch: Launch) -> list[str]:
-    """The limits of the coverage table that apply to a launch line (``check`` prints them as notes)."""
-    return verdict(launch_setting(launch)).notes()
+    """What ``check`` says of a launch line beside its problems: its loss reduction, and the limits of the coverage
+    table that apply to it (only where the extension is on the line)."""
+    notes = [loss_reduction_note(launch)]
+    return notes + verdict(launch_setting(launch)).notes() if launch.extension else notes
+
+
+def loss_reduction_note(launch: Launch) -> str:
+    """The launch's loss reduction: what Megatron runs without the extension, or what the extension holds it to."""
+    per_token = launch.on("--calculate-per-token-loss")
+    mode = launch.get(LOSS_REDUCTION.flag) or LOSS_REDUCTION.default
+    if not launch.extension:
+        what = ("per-token (--calculate-per-token-loss): every non-padding token of the global batch weighs the same, "
+                "unchecked" if per_token else
+                "upstream's mean of means: each micro-batch's loss divided by its own token count, then averaged over "
+                "micro-batches and DP x CP ranks (add --calculate-per-token-loss for a per-token loss)")
+        return (f"loss reduction: {what}. megatron-ga-ext is not on this line (no -m megatron_ga_ext, no --ga-* "
+                f"flag), so its rules are not applied.")
+    if mode == "token":
+        turned = "" if per_token else "; install() turns on --calculate-per-token-loss"
+        return f"loss reduction: {LOSS_REDUCTION.flag} token, checked every step by megatron-ga-ext{turned}."
+    return f"loss reduction: {LOSS_REDUCTION.flag} microbatch, upstream's mean of means, chosen explicitly."
 
 
 def _problem(rule, *args, **kwargs) -> list[str]:  # type: ignore[no-untyped-def]
