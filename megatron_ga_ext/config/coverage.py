@@ -417,6 +417,11 @@ ROWS: tuple[Row, ...] = (
         text="it regroups sequences into micro-batches of its own, so the micro-batch guards must be off "
         f"(--no-ga-guards, checked); the token count and its checks hold; {NOT_YET}.",
         applies=_on("hybrid_context_parallel")),
+    Row(id="rl-sequence-packing", flags=("--perform-rl-step", "--rl-use-sequence-packing"),
+        given="--perform-rl-step --rl-use-sequence-packing", support="limited",
+        text="packed RL batches count bins, not samples, so the micro-batch guards must be off (--no-ga-guards, "
+        f"checked); the token count and its checks hold; {NOT_YET}.",
+        applies=lambda s: s.on("perform_rl_step") and s.on("rl_use_sequence_packing")),
     Row(id="packed-sequences", flags=("--sft", "--dataloader-inter-document-masking"),
         given="packed sequences (THD: --sft, --dataloader-inter-document-masking)", support="limited",
         text=f"each micro-batch's loss mask still counts its loss tokens, so N and its checks hold; {NOT_YET}.",
