@@ -2,7 +2,7 @@
 
     cd <Megatron-LM root>
     MEGATRON_GA_RECORD=out/run python -m megatron_ga_ext.testing.pretrain_server --nproc-per-node 4 \\
-        /path/to/examples/pretrain_gpt_ga.py <pretrain_gpt.py's flags> --distributed-backend gloo ...
+        -m megatron_ga_ext pretrain_gpt.py <pretrain_gpt.py's flags> --distributed-backend gloo ...
 
 With ``--nproc-per-node N`` it is its own launcher: it imports Megatron once, then forks N ranks with the
 environment torchrun would give them (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so the 7-12 s
@@ -10,7 +10,7 @@ import is paid once per launch instead of once per rank; the first rank to fail 
 exit status is the first failure's. With ``--serve`` it imports Megatron once for many launches
 (``tests/e2e/pretrain_runs.py``), each forked from that import; see :func:`serve`. Without either, it runs one
 rank under torchrun
-(``torchrun ... -m megatron_ga_ext.testing.pretrain_server SCRIPT ...``). Either way the script runs as ``python
+(``torchrun ... -m megatron_ga_ext.testing.pretrain_server SCRIPT ...``). SCRIPT may be ``-m MODULE``. Either way the script runs as ``python
 SCRIPT`` would run it from the Megatron-LM root (whose ``megatron`` package comes first on the path), under
 :func:`~megatron_ga_ext.testing.shims.training_shims`. With
 ``MEGATRON_GA_RECORD`` set, rank R appends JSON lines to ``<record>.rank<R>.jsonl``:

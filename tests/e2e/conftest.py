@@ -57,10 +57,10 @@ class Launches:
         self.done: dict[tuple, Run] = {}
 
     def get(self, source: Path, layout: str, name: str, flags: list[str], *, extension: bool = True,
-            env: dict[str, str] | None = None) -> Run:
+            drop_in: str = "entry", env: dict[str, str] | None = None) -> Run:
         key = (source, layout, name)
         if key not in self.done:
-            self.done[key] = launch(source, layout, flags, extension=extension, name=name,
+            self.done[key] = launch(source, layout, flags, extension=extension, name=name, drop_in=drop_in,
                                     workdir=self.workdir / source.name / layout, env=env)
         return self.done[key]
 

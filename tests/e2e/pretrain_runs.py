@@ -1,5 +1,8 @@
-"""Launch Megatron-LM's own pretrain_gpt.py (through examples/pretrain_gpt_ga.py, or bare for upstream's
-reference) on the CPU over gloo, and read back what every rank recorded.
+"""Launch Megatron-LM's own pretrain_gpt.py (with the extension through one of its drop-in routes, or bare for
+upstream's reference) on the CPU over gloo, and read back what every rank recorded.
+
+The drop-in routes, as a user takes them: ``entry``, the unmodified script run as ``python -m megatron_ga_ext
+pretrain_gpt.py ...``; ``one-line``, a copy of the script whose only change is the line ``ONE_LINE`` at its top.
 
 The ranks are forked by ``megatron_ga_ext.testing.pretrain_server --nproc-per-node N`` after one import of Megatron
 (torchrun would start N interpreters that import it N times: 7-12 s each on 2 cores); each rank gets
@@ -28,7 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "pretrain_gpt_ga.py"
+ONE_LINE = "import megatron_ga_ext; megatron_ga_ext.install()  # megatron-ga-ext: the whole drop-in\n"
+DROP_INS = ("entry", "one-line")
 
 #: name -> (processes, Megatron flags): DP = world / PP.
 LAYOUTS = {
@@ -98,16 +102,15 @@ def _iterations(rows: list[dict]) -> list[dict]:
 
 
 def launch(root: Path, layout: str, flags: list[str], *, extension: bool, name: str, workdir: Path,
-           python: str = sys.executable, env: dict[str, str] | None = None) -> Run:
+           drop_in: str = "entry", python: str = sys.executable, env: dict[str, str] | None = None) -> Run:
     """Run pretrain_gpt.py from the Megatron-LM checkout ``root`` as a user would, and collect the records."""
     processes, layout_flags = LAYOUTS[layout]
     workdir.mkdir(parents=True, exist_ok=True)
     record = workdir / name
     for old in workdir.glob(f"{name}.rank*.jsonl"):
         old.unlink()
-    script = str(EXAMPLE) if extension else str(root / "pretrain_gpt.py")
-    command = [python, "-m", "megatron_ga_ext.testing.pretrain_server", "--nproc-per-node", str(processes), script,
-               *TINY_GPT, *layout_flags, *flags]
+    command = [python, "-m", "megatron_ga_ext.testing.pretrain_server", "--nproc-per-node", str(processes),
+               *_program(root, workdir, extension, drop_in), *TINY_GPT, *layout_flags, *flags]
     environment = {
         **os.environ, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
         "MEGATRON_GA_RECORD": str(record), "MEGATRON_GA_MOCK_DOCUMENT_LENGTH": DOCUMENT_LENGTH,
@@ -127,6 +130,20 @@ def launch(root: Path, layout: str, flags: list[str], *, extension: bool, name: 
         rank = int(path.name.rsplit(".rank", 1)[1].split(".")[0])
         records[rank] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return Run(name, command, rc, seconds, records, output)
+
+
+def _program(root: Path, workdir: Path, extension: bool, drop_in: str) -> list[str]:
+    """What the launcher runs: upstream's pretrain_gpt.py, or the extension by the drop-in route ``drop_in``."""
+    script = root / "pretrain_gpt.py"
+    if not extension:
+        return [str(script)]
+    if drop_in == "entry":
+        return ["-m", "megatron_ga_ext", str(script)]
+    if drop_in != "one-line":
+        raise ValueError(f"drop_in {drop_in!r} is not one of {DROP_INS}")
+    one_line = workdir / "pretrain_gpt_one_line.py"
+    one_line.write_text(ONE_LINE + script.read_text())
+    return [str(one_line)]
 
 
 class _ServerGone(RuntimeError):

@@ -1,4 +1,4 @@
-"""Faults injected into Megatron-LM's own training loop (pretrain_gpt.py through examples/pretrain_gpt_ga.py),
+"""Faults injected into Megatron-LM's own training loop (pretrain_gpt.py through the drop-in entry (python -m megatron_ga_ext)),
 DP 2 on the CPU over gloo, on the newest release and the newest main commit of the leg. Each fault has one
 documented outcome (docs/reliability.md):
 

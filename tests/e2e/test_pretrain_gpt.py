@@ -1,11 +1,15 @@
-"""Megatron-LM's own training loop (pretrain_gpt.py's ``pretrain()``) through examples/pretrain_gpt_ga.py,
-on every tested release and main-branch commit, DP 2 and PP 2 x DP 2, on the CPU over gloo.
+"""Megatron-LM's own training loop (pretrain_gpt.py's ``pretrain()``), unmodified, run through the drop-in entry
+``python -m megatron_ga_ext pretrain_gpt.py``, on every tested release and main-branch commit, DP 2 and PP 2 x DP 2,
+on the CPU over gloo.
 
 Per (source, layout), five launches with the extension and one of upstream alone:
 
 * token mode, constant GBS 16, --train-samples 128, and the same launch of upstream's own
   ``--calculate-per-token-loss`` without the extension: every iteration's loss and grad norm are equal,
   and the extension's N is the batch's loss tokens (--eod-mask-loss on short documents);
+* DP 2: the one-line drop-in (a copy of pretrain_gpt.py with only ``import megatron_ga_ext;
+  megatron_ga_ext.install()`` added) and the entry, each launched with ``--ga-loss-reduction token`` and without
+  ``--calculate-per-token-loss``: equal to upstream's own per-token run, and N the batch's loss tokens;
 * token mode, ``--rampup-batch-size 8 8 64 --global-batch-size 24 --ga-convert-rampup``;
 * microbatch mode, ``--step-batch-size-schedule "0:16 3072:24 6144:32"`` (tokens; the backport on 0.16/0.17),
   saving at iteration 4, and a launch resuming from that checkpoint;
@@ -29,7 +33,7 @@ import pytest
 
 from megatron_ga_ext.integration.guards import PP_RULE
 from tests.e2e.plans import planned_steps, ran_steps, seq_length_schedule
-from tests.e2e.pretrain_runs import Run
+from tests.e2e.pretrain_runs import DROP_INS, Run
 from tools.compatibility import source_name
 
 pytestmark = pytest.mark.e2e
@@ -94,6 +98,22 @@ def test_token_mode_equals_upstream_per_token_loss(launches, source, layout, rec
     row |= {"mode": "token", "case": "constant", "loss_vs_upstream": "equal (loss, grad norm)",
             "N": check_num_tokens(token)}
     record(record_property, source_name(source), layout, [row])
+
+
+@pytest.mark.parametrize("drop_in", DROP_INS)
+def test_drop_in_alone_runs_the_token_mode(launches, source, drop_in, record_property):
+    """No --calculate-per-token-loss on the line: install() turns it on, and the run equals upstream's own."""
+    upstream, _ = constant_runs(launches, source, "dp2")
+    run = launches.get(source, "dp2", f"drop-in-{drop_in}", ["--ga-loss-reduction", "token", *CONSTANT],
+                       drop_in=drop_in)
+    row = check_run(run, "constant")
+    assert ran_steps(upstream) == ran_steps(run)
+    for ours, theirs in zip(run.iterations, upstream.iterations):
+        assert (ours["loss"], ours["grad_norm"]) == (theirs["loss"], theirs["grad_norm"]), (ours, theirs)
+    assert "turns on --calculate-per-token-loss" in run.output, run.describe()
+    row |= {"mode": "token", "case": f"{drop_in}, no --calculate-per-token-loss",
+            "loss_vs_upstream": "equal (loss, grad norm)", "N": check_num_tokens(run)}
+    record(record_property, source_name(source), "dp2", [row])
 
 
 @pytest.mark.parametrize("layout", ["dp2", "pp2dp2"])
