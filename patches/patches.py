@@ -2,7 +2,7 @@
 
 Each patched upstream module calls ``megatron_ga_ext.integration.install.wire_vendored(__name__)`` as the last
 thing it does on import, which wires that module exactly as install() would (same hooks, same checks).
-The pretrain_gpt.py patch adds the ``--ga-*`` flags and the one-line install() for the plugin route.
+The pretrain_gpt.py patch is the one-line drop-in: install() adds the ``--ga-*`` flags to Megatron's parser.
 
     python patches/patches.py generate --sources DIR        # DIR/<version>/megatron/core (tools/unpack-wheels.sh)
     python patches/patches.py check --sources DIR           # committed == regenerated, and each applies
@@ -38,17 +38,9 @@ WIRING = (
 MEGATRON_LM_COMMIT = "d98e8a64ddf3"
 PRETRAIN_GPT_EDITS = (
     (
-        "from model_provider import model_provider\n",
-        "from model_provider import model_provider\n"
-        "\n"
-        "import megatron_ga_ext\n"
-        "\n"
-        "# megatron-ga-ext: checked batch arithmetic; reads the --ga-* flags once Megatron has parsed them.\n"
-        "megatron_ga_ext.install()\n",
-    ),
-    (
-        "        extra_args_provider=add_modelopt_args if has_nvidia_modelopt else None,\n",
-        "        extra_args_provider=megatron_ga_ext.args_provider(add_modelopt_args if has_nvidia_modelopt else None),\n",
+        "# Copyright",
+        "import megatron_ga_ext; megatron_ga_ext.install()  # megatron-ga-ext: the whole drop-in\n"
+        "# Copyright",
     ),
 )
 
