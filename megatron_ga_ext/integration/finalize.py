@@ -122,7 +122,6 @@ class FinalizeModelGrads:
         self.pending: _Verdict | None = None
         self._checked: tuple | None = None  # see _checked_chunks
         self._topology: tuple | None = None  # (pp group, DP x CP group, last stage rank, is last stage)
-        self._tokens: tuple | None = None  # see _tokens_of
 
     def __call__(self, model: list[torch.nn.Module], num_tokens: torch.Tensor | None = None,
                  pg_collection: Any = None, force_all_reduce: bool | None = False) -> None:
@@ -145,7 +144,7 @@ class FinalizeModelGrads:
         torch.distributed.broadcast(vector, src=last_stage_rank, group=pp_group)
         torch.distributed.all_reduce(vector, group=dp_cp_group)
         # a device scalar, upstream's 1.0 / clamp(N, min=1) to the bit (torch computes x / t as t.reciprocal() * x)
-        scaling = torch.clamp(self._tokens_of(vector), min=1).reciprocal()
+        scaling = torch.clamp(vector[SLOT_TOKENS], min=1).reciprocal()
         if self.config.checks == "async":
             self.pending = _Verdict.of(vector, self.calls, _iteration())
         else:
@@ -157,14 +156,6 @@ class FinalizeModelGrads:
                 scaling = 0.0
         for chunk in model:
             chunk.scale_gradients(scaling)
-
-    def _tokens_of(self, vector: torch.Tensor) -> torch.Tensor:
-        """``vector[SLOT_TOKENS]``, the view made once per vector (LossContract.collect reuses its vector from one
-        step to the next of the same shape)."""
-        cached = self._tokens
-        if cached is None or cached[0] is not vector:
-            cached = self._tokens = (vector, vector[SLOT_TOKENS])
-        return cached[1]
 
     def poll(self, *, wait: bool = False) -> None:
         """``--ga-checks async``: read the pending verdict if its copy is done (or ``wait``) and raise if the
@@ -277,9 +268,8 @@ class _Verdict:
 
     @classmethod
     def of(cls, vector: torch.Tensor, step: int, iteration: int | None) -> "_Verdict":
-        kind = vector.device.type
-        if kind != "cuda":  # the CPU (or a device without events): a plain copy, as collect reuses its vector
-            return cls(vector.clone() if kind == "cpu" else vector.to("cpu", copy=True), None, step, iteration)
+        if vector.device.type != "cuda":  # the CPU, or a device without events: the vector itself, or a copy
+            return cls(vector.to("cpu"), None, step, iteration)
         host = torch.empty(vector.shape, dtype=vector.dtype, pin_memory=True)
         host.copy_(vector, non_blocking=True)
         event = torch.cuda.Event()

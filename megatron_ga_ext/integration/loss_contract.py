@@ -18,7 +18,6 @@ vector :mod:`megatron_ga_ext.integration.finalize` broadcasts and all-reduces wi
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, Callable
 
 import torch
@@ -107,7 +106,7 @@ def _mean_row(value: Any) -> Any:
 
 class LossContract:
     """Checks each micro-batch's loss-function outputs with host bookkeeping only; the device checks of a
-    whole step run in :meth:`collect`, as a few fused ops, once per step.
+    whole step run in :meth:`collect`, once per step.
 
     Host facts fail at once (no synchronization): the outputs are not a 3-tuple; num_tokens is not an
     integer scalar; the loss is not a tensor. Per micro-batch it keeps references only (an alias of the loss's
@@ -122,10 +121,7 @@ class LossContract:
     def __init__(self) -> None:
         self._losses: list[torch.Tensor] = []
         self._counts: list[torch.Tensor] = []
-        self._count_dtype: torch.dtype | None = None  # the device counts' dtype, kept from step to step
-        self._uniform = True  # every device count is 0-d, of _count_dtype: collect's fused ops take them
         self._host_tokens = 0
-        self._fused: _FusedBuffers | None = None
 
     @property
     def microbatches(self) -> int:
@@ -139,15 +135,15 @@ class LossContract:
     def checked_call(self, loss_func: Callable, *args: Any, **kwargs: Any) -> Any:
         """``loss_func(*args, **kwargs)``, its outputs checked (what :meth:`wrap` returns calls)."""
         outputs = loss_func(*args, **kwargs)
-        return outputs if kwargs and kwargs.get("non_loss_data") else self.check(outputs)
+        return outputs if kwargs.get("non_loss_data") else self.check(outputs)
 
     def check(self, outputs: Any) -> tuple:
         """Validate one micro-batch's ``(loss, num_tokens, report)``; return it unchanged.
 
         The loss is kept as ``loss.data``, an alias of its values without autograd: Megatron's 1F1B schedule
         may free a last stage's output storage (``deallocate_pipeline_outputs``) before finalize, and the alias
-        keeps the values. A count on the host (an int, or a CPU tensor beside a device loss) is checked and
-        summed on the host, so no host-to-device copy (which would synchronize) happens per micro-batch.
+        keeps the values. A count given as a Python int is checked and summed on the host, so no host-to-device
+        copy (which would synchronize) happens per micro-batch.
         """
         if type(outputs) is not tuple or len(outputs) != 3:
             _require_three_tuple(outputs, len(self._losses))
@@ -156,107 +152,47 @@ class LossContract:
             raise LossContractError(
                 f"the loss function returned a loss of type {type(loss).__name__}; it must be a "
                 f"tensor (the summed token loss of the micro-batch).")
-        if isinstance(num_tokens, torch.Tensor) and num_tokens.dtype is self._count_dtype:
-            self._counts.append(num_tokens)  # its shape: the step's counts stack only if all are 0-d as the first
+        _require_integer_scalar(num_tokens)
+        if isinstance(num_tokens, torch.Tensor):
+            self._counts.append(num_tokens)
+        elif num_tokens < 0:
+            raise LossContractError(
+                f"the loss function returned num_tokens = {num_tokens} at micro-batch {len(self._losses)}; a token "
+                f"count is >= 0. Count non-padding tokens as loss_mask.sum().to(torch.int64).")
         else:
-            self._other_count(num_tokens, loss)
+            self._host_tokens += num_tokens
         self._losses.append(loss.data)
         return outputs
 
-    def _other_count(self, num_tokens: Any, loss: torch.Tensor) -> None:
-        """A count that is not a tensor of the count dtype: validated; the step's first device count, if 0-d and of
-        a native dtype, makes its dtype the count dtype; any other makes the step's collect take its general
-        path."""
-        is_tensor = isinstance(num_tokens, torch.Tensor)
-        if not is_tensor or num_tokens.dtype not in _INTEGER_DTYPES or num_tokens.numel() != 1:
-            _require_integer_scalar(num_tokens)
-        if is_tensor and num_tokens.device == loss.device:
-            if not self._counts and not num_tokens.dim() and num_tokens.dtype in _NATIVE_INTEGER_DTYPES:
-                self._count_dtype = num_tokens.dtype
-            else:
-                self._uniform = False
-            self._counts.append(num_tokens)
-            return
-        count = int(num_tokens)  # a host value: reading it costs no device synchronization
-        if count < 0:
-            raise LossContractError(
-                f"the loss function returned num_tokens = {count} at micro-batch {len(self._losses)}; a token "
-                f"count is >= 0. Count non-padding tokens as loss_mask.sum().to(torch.int64).")
-        self._host_tokens += count
-
     def reset(self) -> None:
         """Forget everything kept (an evaluation call, or a step that follows an aborted one)."""
-        self._losses, self._counts, self._uniform, self._host_tokens = [], [], True, 0
+        self._losses, self._counts, self._host_tokens = [], [], 0
 
     def collect(self, device: torch.device, *, is_last_stage: bool) -> torch.Tensor:
-        """This step's int64 vector, then reset:
+        """This step's int64 vector on ``device``, then reset:
 
             tokens    = sum_m n_m                    (int64: a global batch cannot overflow it)
             negative  = #{m : n_m < 0}
             nonfinite = #{m : loss_m has an inf or nan}
             unchecked = 1 on a last pipeline stage that ran no micro-batch through the contract
 
-        ``unchecked`` is a host fact (the loss function was not wrapped), so it costs no synchronization. Where
-        every count is a 0-d device tensor of one dtype and every loss a 0-d tensor on that device (what
-        Megatron's loss functions return), the vector comes from six ops into buffers kept for the next step of
-        the same shape (:class:`_FusedBuffers`): a vector returned here is overwritten by that step's collect.
+        Device ops only, no read: ``unchecked`` is a host fact (the loss function was not wrapped), and a count
+        on the host is added as a scalar operand.
         """
-        losses, counts = self._losses, self._counts
+        losses, counts, host_tokens = self._losses, self._counts, self._host_tokens
+        self.reset()
         if not losses:  # no micro-batch went through the contract this step
             vector = torch.zeros(NUM_SLOTS, dtype=torch.int64, device=device)
             if is_last_stage:
                 vector[SLOT_UNCHECKED] = 1
             return vector
-        if self._uniform and len(counts) == len(losses) and (vector := self._fused_vector(losses, counts)) is not None:
-            where = self._fused.device
-        else:
-            vector = _general_vector(losses, counts, self._host_tokens)
-            where = vector.device
-        self.reset()
-        return vector if where == device else vector.to(device)
-
-    def _fused_vector(self, losses: list[torch.Tensor], counts: list[torch.Tensor]) -> torch.Tensor | None:
-        """The vector in six ops, or None where the losses do not stack into one vector on the counts' device."""
-        if counts[0].dim():  # the others have its shape, or stack raises
-            return None
-        try:
-            stacked = torch.stack(losses)
-        except RuntimeError:  # losses of several shapes or devices
-            return None
-        fused = self._fused
-        key = (len(counts), counts[0].dtype, counts[0].device)
-        if fused is None or fused.key != key:
-            fused = self._fused = _FusedBuffers(*key)
-        if stacked.dim() != 1 or stacked.device != fused.device:
-            return None
-        try:
-            torch.stack(counts, out=fused.counts)
-        except RuntimeError:  # counts of several shapes or devices
-            return None
-        torch.lt(fused.counts, fused.zero, out=fused.negative)
-        difference = stacked - stacked  # 0 where finite, nan at inf and nan
-        torch.ne(difference, difference, out=fused.nonfinite)
-        return torch.sum(fused.rows, 1, dtype=torch.int64, out=fused.vector)
+        return _step_vector(losses, counts, host_tokens).to(device)
 
 
-class _FusedBuffers:
-    """What :meth:`LossContract._fused_vector` writes into, kept for the next step of the same shape: ``rows``
-    [NUM_SLOTS, M] in the counts' dtype (the counts, their signs, the losses' non-finiteness, and zeros for
-    ``unchecked``), summed along M into the int64 ``vector``."""
-
-    def __init__(self, num_microbatches: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.key = (num_microbatches, dtype, device)
-        self.device = torch.device(device)
-        self.rows = torch.zeros(NUM_SLOTS, num_microbatches, dtype=dtype, device=device)
-        self.counts, self.negative, self.nonfinite = self.rows[SLOT_TOKENS], self.rows[SLOT_NEGATIVE], self.rows[
-            SLOT_NONFINITE]
-        self.zero = torch.zeros((), dtype=dtype, device=device)
-        self.vector = torch.zeros(NUM_SLOTS, dtype=torch.int64, device=device)
-
-
-def _general_vector(losses: list[torch.Tensor], counts: list[torch.Tensor], host_tokens: int) -> torch.Tensor:
-    """The vector for any mix the contract accepts: losses of several shapes or dtypes, counts of several shapes
-    or dtypes (uint16-64 widened), host counts; a loss on another device than the first is refused here."""
+def _step_vector(losses: list[torch.Tensor], counts: list[torch.Tensor], host_tokens: int) -> torch.Tensor:
+    """[tokens, negative, nonfinite, 0] on the losses' device, for any mix the contract accepts: losses of several
+    shapes or dtypes, counts of several shapes or dtypes (uint16-64 widened), host counts (a CPU tensor beside device
+    losses is read on the host, which synchronizes nothing); a loss on another device than the first is refused."""
     device = losses[0].device
     for index, loss in enumerate(losses):
         if loss.device != device:
@@ -265,11 +201,9 @@ def _general_vector(losses: list[torch.Tensor], counts: list[torch.Tensor], host
                 f"micro-batch's loss on the model's device.")
     device_counts, host_negative = [], 0
     for count in counts:
-        if count.numel() != 1:
-            _require_integer_scalar(count)
         if count.device == device:
             device_counts.append(count)
-        else:  # a host tensor beside device losses: read on the host
+        else:
             value = int(count)
             host_tokens += value
             host_negative += value < 0
@@ -278,10 +212,9 @@ def _general_vector(losses: list[torch.Tensor], counts: list[torch.Tensor], host
     if device_counts:  # summed in int64 (torch sums every integer dtype in int64)
         stacked = _stacked_counts(device_counts)
         tokens, negative = stacked.sum(), torch.count_nonzero(stacked < 0)
-    vector = torch.stack([tokens, negative, _nonfinite_microbatches(losses), zero])  # unchecked = 0
-    if host_tokens:  # a scalar operand: no host-to-device copy
+    vector = torch.stack([tokens, negative, _nonfinite_microbatches(losses), zero])
+    if host_tokens or host_negative:  # scalar operands: no host-to-device copy
         vector[SLOT_TOKENS] += host_tokens
-    if host_negative:
         vector[SLOT_NEGATIVE] += host_negative
     return vector
 
@@ -291,8 +224,8 @@ def _stacked_counts(counts: list[torch.Tensor]) -> torch.Tensor:
     which few torch ops take, widened to int64)."""
     try:
         stacked = torch.stack(counts)
-    except RuntimeError:
-        stacked = torch.stack([count.reshape(()) for count in counts])
+    except RuntimeError:  # counts of several shapes, or dtypes that do not promote to one
+        return torch.stack([count.reshape(()).to(torch.int64) for count in counts])
     return stacked if stacked.dtype in _NATIVE_INTEGER_DTYPES else stacked.to(torch.int64)
 
 
@@ -329,19 +262,17 @@ _INTEGER_DTYPES = frozenset(getattr(torch, name) for name in (
 
 
 def _require_integer_scalar(num_tokens: Any) -> None:
-    """One count per micro-batch, an integer; a tensor's dtype and shape are read once each (host metadata)."""
-    if isinstance(num_tokens, bool):
-        pass
-    elif isinstance(num_tokens, int):
-        return
-    elif isinstance(num_tokens, torch.Tensor):
-        dtype, shape = num_tokens.dtype, num_tokens.shape
-        if dtype in _INTEGER_DTYPES and math.prod(shape) == 1:
+    """One count per micro-batch, an integer: a Python int, or a one-element tensor of an integer dtype (its dtype
+    and size are host metadata)."""
+    if isinstance(num_tokens, torch.Tensor):
+        if num_tokens.dtype in _INTEGER_DTYPES and num_tokens.numel() == 1:
             return
         raise LossContractError(
-            f"the loss function returned num_tokens as a tensor of dtype {dtype} and shape {tuple(shape)}; it must "
-            f"be an integer scalar (one count of non-padding tokens per micro-batch; a float count is inexact "
-            f"above 2^24 in float32). Use loss_mask.sum().to(torch.int64).")
+            f"the loss function returned num_tokens as a tensor of dtype {num_tokens.dtype} and shape "
+            f"{tuple(num_tokens.shape)}; it must be an integer scalar (one count of non-padding tokens per "
+            f"micro-batch; a float count is inexact above 2^24 in float32). Use loss_mask.sum().to(torch.int64).")
+    if isinstance(num_tokens, int) and not isinstance(num_tokens, bool):
+        return
     raise LossContractError(
         f"the loss function returned num_tokens of type {type(num_tokens).__name__}; it must be an "
         f"integer scalar tensor. Use loss_mask.sum().to(torch.int64).")
