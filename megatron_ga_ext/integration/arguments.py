@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
-import importlib.util
 import sys
 from typing import Any, Callable, Protocol
 
@@ -50,9 +49,12 @@ class Installation(Protocol):
 def wire_arguments(state: Installation) -> bool:
     """Replace Megatron-LM's ``parse_args`` where it is bound; nothing to do with megatron-core alone."""
     if ARGUMENTS not in sys.modules:
-        if importlib.util.find_spec("megatron.training") is None:
-            return True
-        importlib.import_module(ARGUMENTS)
+        try:
+            importlib.import_module(ARGUMENTS)
+        except ModuleNotFoundError as error:
+            if error.name not in ("megatron.training", ARGUMENTS):
+                raise  # Megatron-LM's training code is there, but something it imports is not
+            return True  # megatron-core alone: Megatron-LM's parser is not there
     state.patch(ARGUMENTS, "parse_args", lambda original: _with_ga(original, state))
     return True
 
