@@ -28,9 +28,9 @@ CHECK_TIMINGS = ("sync", "async")
 
 LOSS_REDUCTION = Option(
     flag="--ga-loss-reduction", dest="ga_loss_reduction", type=str, default="token", choices=MODES,
-    help="token: every non-padding token of the global batch weighs the same (needs --calculate-per-token-loss; "
-    "checked every step); microbatch: upstream's mean of means, chosen explicitly (without "
-    "--calculate-per-token-loss).",
+    help="token: every non-padding token of the global batch weighs the same (install() turns on "
+    "--calculate-per-token-loss; checked every step); microbatch: upstream's mean of means, chosen explicitly "
+    "(without --calculate-per-token-loss).",
 )
 ZERO_TOKEN_POLICY = Option(
     flag="--ga-zero-token-policy", dest="ga_zero_token_policy", type=str, default="error", choices=ZERO_TOKEN_POLICIES,
