@@ -9,6 +9,7 @@
 #   make test-O                     the fast suite (nothing that imports megatron-core) under python -O
 #   make docs                       render the generated parts of docs/ (tools/docs.py)
 #   make docs-check                 fail where a part rendered from code alone is not current (CI runs it)
+#   make wheel-check                build the wheel, install it in a fresh venv, run it (CI runs it)
 #
 # No test writes a tracked file. fuzz, e2e, matrix and regress record their measurements as JSON under
 # .cache/results (RESULTS; git ignores .cache/); `make docs` renders them into docs/compatibility.md,
@@ -36,7 +37,7 @@ MEGATRON_LM ?=
 MEGATRON_LM_SNAPSHOTS ?= ../shared/upstream
 export MEGATRON_LM MEGATRON_LM_SNAPSHOTS
 
-.PHONY: setup demo test test-O fuzz matrix e2e regress docs docs-check fingerprints clean
+.PHONY: setup demo test test-O fuzz matrix e2e regress docs docs-check wheel-check fingerprints clean
 
 setup: $(STAMP)
 
@@ -90,6 +91,11 @@ docs: $(STAMP)
 
 docs-check: $(STAMP)
 	$(PY) -m tools.docs --check
+
+# The wheel and the sdist from this checkout; the wheel in a fresh venv: --version, check, install() on megatron-core.
+wheel-check:
+	@test -n "$(PYTHON_BIN)" || { echo "error: $(PYTHON) not found (neither on PATH nor under pyenv); install Python $(PYVER)" >&2; exit 2; }
+	bash tools/check-wheel.sh $(PYTHON_BIN) $(CONSTRAINTS)
 
 # After adding a source to compat.UPSTREAM: fingerprints of its hooked functions, from the snapshots.
 fingerprints: $(STAMP)

@@ -18,8 +18,8 @@ wheel=$(ls "$work/dist"/*.whl)
 "$work/env/bin/pip" install --quiet -c "$root/$constraints" "$wheel[megatron]"
 cd "$work"  # not the checkout: the wheel's package, not the source tree's
 "$work/env/bin/megatron-ga" --version
-"$work/env/bin/megatron-ga" check -- torchrun --nproc-per-node 8 pretrain_gpt.py --tensor-model-parallel-size 2 \
-  --micro-batch-size 2 --global-batch-size 64 --seq-length 2048 --calculate-per-token-loss
+"$work/env/bin/megatron-ga" check -- torchrun --nproc-per-node 8 -m megatron_ga_ext pretrain_gpt.py --tensor-model-parallel-size 2 \
+  --micro-batch-size 2 --global-batch-size 64 --seq-length 2048 --ga-loss-reduction token
 "$work/env/bin/python" - <<'PY'
 import megatron_ga_ext
 from megatron_ga_ext import GAConfig
