@@ -315,9 +315,8 @@ def test_step_schedule_sizes_the_run_of_megatrons_training_loop(monkeypatch):
 
 @pytest.mark.parametrize("mode", ["token", "microbatch"])
 def test_installed_loss_step_by_position_and_by_keyword(mode):
-    """Megatron calls forward_step_calc_loss by position (the wrapper's fast path); a call with keywords takes the
-    general path. Both count the forward step for its chunk and check (token) or report the mean of (microbatch)
-    the loss function's outputs."""
+    """Megatron calls forward_step_calc_loss by position; a caller may name the arguments. Both calls count the
+    forward step for its chunk and check (token) or report the mean of (microbatch) the loss function's outputs."""
     import torch
     from megatron.core.transformer import TransformerConfig
 

@@ -369,7 +369,7 @@ WIRING = {SCHEDULES: _wire_schedules, FINALIZE: _wire_finalize, CALCULATOR: _wir
 def _forward_step_calc_loss(original: Callable, state: Installation) -> Callable:
     """Counts forward steps per chunk; checks each micro-batch's loss in token mode, and in microbatch mode
     reports the micro-batch's mean (what that mode optimises) to Megatron's logged loss."""
-    # Where model and loss_func stand, looked up once: per micro-batch only a tuple index (no Signature.bind).
+    # Megatron passes every argument by position: find model and loss_func by index, not by Signature.bind per call.
     names = list(inspect.signature(original).parameters)
     model_at, loss_at = names.index("model"), names.index("loss_func")
 
@@ -377,33 +377,17 @@ def _forward_step_calc_loss(original: Callable, state: Installation) -> Callable
     def forward_step_calc_loss(*args: Any, **kwargs: Any):
         if not state.active:
             return original(*args, **kwargs)
-        if kwargs or len(args) <= loss_at or state.waiting_for_args:
-            return _calc_loss_by_keyword(original, state, args, kwargs, model_at, loss_at)
-        # Megatron's call: every argument by position. The counter's count(), inline (a Python call per micro-batch
-        # costs more than the count).
-        counts, chunk = state.counter.counts, args[model_at]
-        counts[chunk] = counts.get(chunk, 0) + 1
-        loss_func = args[loss_at]
-        if loss_func is not None:
+        state.settle()
+        state.counter.count(args[model_at] if len(args) > model_at else kwargs["model"])
+        if len(args) > loss_at:
             args = list(args)
-            args[loss_at] = state.wrap_loss(loss_func)
-        return original(*args)
+            if args[loss_at] is not None:
+                args[loss_at] = state.wrap_loss(args[loss_at])
+        elif kwargs.get("loss_func") is not None:
+            kwargs["loss_func"] = state.wrap_loss(kwargs["loss_func"])
+        return original(*args, **kwargs)
 
     return forward_step_calc_loss
-
-
-def _calc_loss_by_keyword(original: Callable, state: Installation, args: tuple, kwargs: dict, model_at: int,
-                          loss_at: int) -> Any:
-    """forward_step_calc_loss with some arguments by keyword, or before the config is settled."""
-    state.settle()
-    state.counter.count(args[model_at] if len(args) > model_at else kwargs["model"])
-    if len(args) > loss_at:
-        args = list(args)
-        if args[loss_at] is not None:
-            args[loss_at] = state.wrap_loss(args[loss_at])
-    elif kwargs.get("loss_func") is not None:
-        kwargs["loss_func"] = state.wrap_loss(kwargs["loss_func"])
-    return original(*args, **kwargs)
 
 
 def _guarded_schedule(original: Callable, state: Installation) -> Callable:
