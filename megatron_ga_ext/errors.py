@@ -23,6 +23,7 @@ __all__ = [
     "GuardError",
     "CompatError",
     "VerifyError",
+    "NoiseScaleError",
     "ScheduleWarning",
 ]
 
@@ -86,6 +87,11 @@ class CompatError(GAError, RuntimeError):
 
 class VerifyError(GAError, RuntimeError):
     """``megatron-ga verify`` could not run its launches (no device, a rank failed)."""
+
+
+class NoiseScaleError(GAError):
+    """A gradient-noise measurement or a measured trace cannot be used: too few replicas, a count or norm that is
+    not a finite number, a malformed trace or EMA state."""
 
 
 class ScheduleWarning(UserWarning):
