@@ -1,87 +1,14 @@
 """Print {snapshot: [option strings]} of Megatron-LM's own parser at each source snapshot given, as JSON.
 
-Run by tests/test_options_upstream.py in a subprocess: each snapshot's ``megatron/training/arguments.py``
-builds its parser (``add_megatron_arguments``), one snapshot after another in one process. Optional
-packages the training code imports but the parser never uses are stubbed when they are not installed.
+Run by tests/test_options_upstream.py in a subprocess (``python -m tests.megatron_parser_flags ROOT...``): each
+snapshot's parser is built one after another in one process (tests/snapshot_parser.py).
 """
-import argparse
-import contextlib
-import importlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import json
 import sys
-import types
 import warnings
 
+from tests.snapshot_parser import install_stubs, option_strings, parser_of
+
 warnings.filterwarnings("ignore")
-
-
-class _Stub(types.ModuleType):
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        if name[:1].isupper():
-            return type(name, (), {"__init_subclass__": classmethod(lambda cls, **kw: None),
-                                   "__init__": lambda self, *a, **k: None})
-        return _Stub(f"{self.__name__}.{name}")
-
-    def __call__(self, *args, **kwargs):
-        return self
-
-
-class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Optional packages Megatron-LM's training code imports but the parser does not need. Without triton
-    (the e2e extra), the one Megatron module that imports it is stubbed instead: a stub triton would make
-    torch believe triton is installed."""
-    names = {"modelopt", "six", "yaml", "regex", "pydantic"}
-    needs_triton = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
-
-    def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in self.names or name in self.names:
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-
-    def create_module(self, spec):
-        module = _Stub(spec.name)
-        module.__path__ = []
-        return module
-
-    def exec_module(self, module):
-        pass
-
-
-for name in list(_StubFinder.names):
-    try:
-        importlib.import_module(name)
-        _StubFinder.names.discard(name)
-    except ImportError:
-        pass
-if importlib.util.find_spec("triton") is None:
-    _StubFinder.names.add(_StubFinder.needs_triton)
-sys.meta_path.insert(0, _StubFinder())
-
-
-@contextlib.contextmanager
-def first_on_path(root: str):
-    # A snapshot is another project's source tree, not an installed package, and its code imports itself as
-    # top-level `megatron`: only its root first on sys.path makes that import resolve to this snapshot.
-    sys.path.insert(0, root)
-    try:
-        yield
-    finally:
-        sys.path.remove(root)
-
-
-def option_strings(root: str) -> list[str]:
-    """Every option string of the parser that ``root``'s megatron/training/arguments.py builds."""
-    for key in [k for k in sys.modules if k == "megatron" or k.startswith("megatron.")]:
-        del sys.modules[key]
-    with first_on_path(root):
-        arguments = importlib.import_module("megatron.training.arguments")
-        assert arguments.__file__.startswith(root), arguments.__file__
-        parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
-    return sorted(s for action in parser._actions for s in action.option_strings)
-
-
-print(json.dumps({root: option_strings(root) for root in sys.argv[1:]}))
+install_stubs()
+print(json.dumps({root: option_strings(parser_of(root)) for root in sys.argv[1:]}))

@@ -8,7 +8,6 @@ snapshot's parser.
 """
 
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,25 +17,23 @@ import pytest
 from megatron_ga_ext.config.coverage import ROWS
 from megatron_ga_ext.config.flags import OPTIONS
 from megatron_ga_ext.core.megatron_flags import COVERED_OPTIONS
+from tests.snapshot_parser import release
 from tests.test_coverage import REFUSALS
 from tools.regress import NO_SOURCE, sources
+
+ROOT = Path(__file__).resolve().parents[1]
 
 DIRS = sources([])
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not DIRS, reason=NO_SOURCE)]
 
 
-def _release(name: str) -> tuple[int, ...]:
-    """core_v0.18.2 -> (0, 18, 2); a main-branch commit sorts after every release."""
-    match = re.search(r"core_v(\d+)\.(\d+)\.(\d+)$", name)
-    return tuple(int(g) for g in match.groups()) if match else (99,)
-
 
 @pytest.fixture(scope="module")
 def upstream() -> dict[Path, dict]:
     cases = [[refusal.id, refusal.flags, refusal.ga] for refusal in REFUSALS]
-    result = subprocess.run([sys.executable, str(Path(__file__).with_name("coverage_upstream_args.py")),
-                             *map(str, DIRS)], input=json.dumps(cases), capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-m", "tests.coverage_upstream_args",
+                             *map(str, DIRS)], input=json.dumps(cases), capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     return {Path(root): found for root, found in json.loads(result.stdout.splitlines()[-1]).items()}
 
@@ -47,7 +44,7 @@ def test_every_rows_flag_is_megatrons_from_its_release_on(upstream):
         flags = set(found["flags"])
         for flag in {flag for row in ROWS for flag in row.flags} | {o.flag for o in COVERED_OPTIONS}:
             since = OPTIONS[flag].since
-            if since is not None and _release(directory.name) < _release(since):
+            if since is not None and release(directory.name) < release(since):
                 assert flag not in flags, f"{flag} in {directory.name}: its since= is too late"
             else:
                 assert flag in flags, f"{flag} is not a flag of {directory.name}"
@@ -60,6 +57,6 @@ def test_refusal_launches_read_by_megatrons_parser_are_refused(upstream):
         for refusal in REFUSALS:
             rows = found["refused"][refusal.id]
             if rows is None:
-                assert _release(directory.name) < (0, 19, 0), f"{directory.name} cannot read {refusal.id}"
+                assert release(directory.name) < (0, 19, 0), f"{directory.name} cannot read {refusal.id}"
                 continue
             assert refusal.row in rows, (directory.name, refusal.id, rows)

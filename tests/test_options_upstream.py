@@ -7,7 +7,6 @@ every snapshot's parser.
 """
 
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,23 +14,21 @@ from pathlib import Path
 import pytest
 
 from megatron_ga_ext.core.megatron_flags import MEGATRON_OPTIONS, NOT_MEGATRON
+from tests.snapshot_parser import release
 from tools.regress import NO_SOURCE, sources
+
+ROOT = Path(__file__).resolve().parents[1]
 
 DIRS = sources([])
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not DIRS, reason=NO_SOURCE)]
 
 
-def _release(directory: Path) -> tuple[int, ...]:
-    """core_v0.18.2 -> (0, 18, 2); a main-branch commit sorts after every release."""
-    match = re.search(r"core_v(\d+)\.(\d+)\.(\d+)$", directory.name)
-    return tuple(int(g) for g in match.groups()) if match else (99,)
-
 
 @pytest.fixture(scope="module")
 def parser_flags() -> dict[Path, set[str]]:
-    result = subprocess.run([sys.executable, str(Path(__file__).with_name("megatron_parser_flags.py")),
-                             *map(str, DIRS)], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-m", "tests.megatron_parser_flags",
+                             *map(str, DIRS)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     return {Path(root): set(flags) for root, flags in json.loads(result.stdout.splitlines()[-1]).items()}
 
@@ -39,7 +36,7 @@ def parser_flags() -> dict[Path, set[str]]:
 def test_every_flag_we_read_is_in_megatrons_parser_from_its_release_on(parser_flags):
     for directory, flags in parser_flags.items():
         for option in MEGATRON_OPTIONS:
-            if option.since is not None and _release(directory) < _release(Path(option.since)):
+            if option.since is not None and release(directory) < release(Path(option.since)):
                 assert option.flag not in flags, f"{option.flag} in {directory.name}: its since= is too late"
                 continue
             for spelling in option.spellings:
