@@ -4,8 +4,13 @@
         --seq-length 4096 --train-tokens 1T [--json] [--plot schedule.png] [--lr 3e-4 --lr-base-batch-size 768]
     megatron-ga schedule --from-rampup 16 8 300000 --global-batch-size 1024 --micro-batch-size 4 \\
         --data-parallel-size 2
+    megatron-ga schedule --suggest trace.json --micro-batch-size 2 --data-parallel-size 64 \\
+        --max-global-batch-size 8192 [--global-batch-size 128] [--trust 1.5] [--lr-warmup-samples 2M] \\
+        [--lr-decay-samples 100M --lr-wsd-decay-samples 20M] [--plot suggest.png]
 
-Pure Python: no torch, no megatron; matplotlib is imported only for ``--plot``. The schedule is the options
+``--suggest`` reads a measured noise-scale trace and prints the schedule the doubling rule gives
+(``core/schedule/suggest.py``; docs/noise-scale.md). Pure Python: no torch, no megatron; matplotlib is imported
+only for ``--plot``. The schedule is the options
 layer's (``resolve_schedule``), as for ``check``, the calculator and a running job. Bad input raises a typed
 error, which the CLI's one error path prints in one line (exit 2). A ramp of more than 10,000 stages is
 summarised, not listed.
@@ -31,10 +36,19 @@ from megatron_ga_ext.core.schedule.step_schedule import (
     total_samples,
     total_steps,
 )
+from megatron_ga_ext.core.schedule.suggest import DoublingRule, Frozen, Suggestion, TraceRow, read_trace, suggest_schedule
 from megatron_ga_ext.core.schedule.tables import TABLE_LIMIT
 from megatron_ga_ext.errors import ScheduleWarning, SizeError, UsageError
 
-__all__ = ["configure_parser", "run", "plot_schedule"]
+__all__ = ["configure_parser", "run", "plot_schedule", "plot_suggestion"]
+
+#: The flags that only ``--suggest`` reads: (dest, flag).
+SUGGEST_ONLY = (("max_global_batch_size", "--max-global-batch-size"), ("trust", "--trust"),
+                ("lr_warmup_samples", "--lr-warmup-samples"), ("lr_decay_samples", "--lr-decay-samples"),
+                ("lr_wsd_decay_samples", "--lr-wsd-decay-samples"))
+
+#: The largest trace file read (a row per step of a million-step run is about 100 MB).
+MAX_TRACE_BYTES = 256 * 2**20
 
 LR_NOTE = (
     "learning rates are hints only: the linear rule (Goyal et al.) holds only under its conditions (same other "
@@ -72,7 +86,20 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, metavar="LR", help="learning rate at --lr-base-batch-size (for hints)")
     parser.add_argument("--lr-base-batch-size", metavar="N", help="the batch size --lr was tuned at")
     parser.add_argument("--json", action="store_true", help="print the schedule and its rows as JSON")
-    parser.add_argument("--plot", metavar="FILE.png", help="draw GBS and num_microbatches against tokens")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw GBS and num_microbatches against tokens (with "
+                                                           "--suggest: the measured trace against the schedule)")
+    suggest = parser.add_argument_group("--suggest: a schedule from a measured critical batch (docs/noise-scale.md)")
+    suggest.add_argument("--suggest", metavar="TRACE.json",
+                         help="a noise-scale trace (JSON or JSON Lines rows of consumed_samples and b_simple_samples): "
+                              "print the schedule that doubles GBS where trust x B_simple passes 2 x GBS")
+    suggest.add_argument("--max-global-batch-size", metavar="N", help="the cap: GBS doubles only while 2 x GBS <= N")
+    suggest.add_argument("--trust", metavar="F", help="multiply the measured B_simple by F before comparing "
+                                                      "(default 1; B_simple underestimates, Merrill et al. 2025)")
+    suggest.add_argument("--lr-warmup-samples", metavar="N", help="no change before N consumed samples")
+    suggest.add_argument("--lr-decay-samples", metavar="N", help="where the LR decay ends (with "
+                                                                 "--lr-wsd-decay-samples)")
+    suggest.add_argument("--lr-wsd-decay-samples", metavar="N",
+                         help="the final decay's length: no change from --lr-decay-samples - N on")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,6 +112,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.suggest is not None:
+        return _run_suggest(args)
+    for dest, flag in SUGGEST_ONLY:
+        if getattr(args, dest) is not None:
+            raise UsageError(f"{flag} goes with --suggest TRACE.json; without it there is no trace to follow.")
     mbs = _count("--micro-batch-size", args.micro_batch_size)
     dp = _count("--data-parallel-size", args.data_parallel_size)
     seq = _count("--seq-length", args.seq_length) if args.seq_length is not None else None
@@ -208,6 +240,149 @@ def _source(args: argparse.Namespace) -> str:
     return f"--rampup-batch-size {start} {increment} {ramp} --global-batch-size {args.global_batch_size}"
 
 
+# -- suggest -----------------------------------------------------------------------------------
+
+
+def _run_suggest(args: argparse.Namespace) -> int:
+    """``--suggest TRACE``: the doubling rule's schedule, its doublings, its table, and the plot."""
+    if args.schedule is not None or args.from_rampup is not None:
+        raise UsageError("--suggest writes the schedule itself: give --suggest TRACE.json without a schedule or "
+                         "--from-rampup.")
+    mbs = _count("--micro-batch-size", args.micro_batch_size)
+    dp = _count("--data-parallel-size", args.data_parallel_size)
+    seq = _count("--seq-length", args.seq_length) if args.seq_length is not None else None
+    rule = _rule(args, mbs, dp)  # the flags first: a bad one fails before a long trace is read
+    trace = read_trace(_trace_text(args.suggest), tokens_per_sample=seq)
+    suggestion = suggest_schedule(trace, rule)
+    schedule = suggestion.schedule
+    schedule.validate(
+        mbs, dp, _count("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
+        _count("--virtual-pipeline-model-parallel-size", args.virtual_pipeline_model_parallel_size)
+        if args.virtual_pipeline_model_parallel_size else None,
+        microbatch_group_size_per_vp_stage=_count("--microbatch-group-size-per-virtual-pipeline-stage",
+                                                  args.microbatch_group_size_per_virtual_pipeline_stage)
+        if args.microbatch_group_size_per_virtual_pipeline_stage else None,
+    )
+    train_samples = _train_samples(args, seq)
+    base = _count("--lr-base-batch-size", args.lr_base_batch_size) if args.lr_base_batch_size else None
+    if (args.lr is None) != (base is None):
+        raise UsageError("--lr and --lr-base-batch-size go together: the hints scale --lr from the base batch size.")
+    rows = schedule.table(mbs, dp, seq_length=seq, train_samples=train_samples, lr=args.lr, lr_base_batch_size=base)
+    if args.json:
+        data = _as_json(args, schedule, rows, mbs, dp, seq, train_samples, 0, [])
+        data.update(_suggestion_json(args, trace, rule, suggestion))
+        print(json.dumps(data, indent=2))
+    else:
+        _print(args, schedule, rows, seq, train_samples, 0, [], header=_suggest_header(args, trace, rule, schedule,
+                                                                                        seq))
+        _print_decisions(suggestion)
+    if args.plot:
+        plot_suggestion(trace, suggestion, rule, args.plot, seq_length=seq, train_samples=train_samples)
+        if not args.json:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
+def _trace_text(path: str) -> str:
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_TRACE_BYTES + 1)
+    except OSError as error:
+        raise UsageError(f"--suggest {path}: cannot read the trace ({error.strerror or error}).") from None
+    if len(data) > MAX_TRACE_BYTES:
+        raise UsageError(f"--suggest {path}: the trace is over {MAX_TRACE_BYTES // 2**20} MiB; measure less often "
+                         "or keep every k-th row.")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise UsageError(f"--suggest {path}: not UTF-8 text at byte {error.start}; give the JSON trace.") from None
+
+
+def _rule(args: argparse.Namespace, mbs: int, dp: int) -> DoublingRule:
+    if args.max_global_batch_size is None:
+        raise UsageError("--suggest needs --max-global-batch-size: the largest batch the run may reach (memory, "
+                         "the data, or where the loss stops improving per sample).")
+    return DoublingRule(
+        micro_batch_size=mbs, data_parallel_size=dp,
+        max_global_batch_size=_count("--max-global-batch-size", args.max_global_batch_size),
+        initial_global_batch_size=_count("--global-batch-size", args.global_batch_size)
+        if args.global_batch_size is not None else None,
+        trust=_trust(args.trust), frozen=_frozen(args),
+    )
+
+
+def _trust(text: str | None) -> float:
+    if text is None:
+        return 1.0
+    try:
+        return float(text)
+    except ValueError:
+        raise UsageError(f"--trust {text!r} is not a number; give a positive factor, e.g. 1 or 1.5.") from None
+
+
+def _frozen(args: argparse.Namespace) -> tuple[Frozen, ...]:
+    """The LR warmup [0, W) and WSD's final decay [D - F, end): no stage may start in them."""
+    frozen = []
+    if args.lr_warmup_samples is not None:
+        warmup = _count("--lr-warmup-samples", args.lr_warmup_samples, minimum=0)
+        if warmup:
+            frozen.append(Frozen(label=f"the LR warmup (--lr-warmup-samples {warmup:,})", start=0, end=warmup))
+    decay, final = args.lr_decay_samples, args.lr_wsd_decay_samples
+    if (decay is None) != (final is None):
+        raise UsageError("--lr-decay-samples and --lr-wsd-decay-samples go together: the final decay runs from "
+                         "--lr-decay-samples - --lr-wsd-decay-samples to --lr-decay-samples (WSD). A cosine or "
+                         "linear decay spans the whole run after warmup: leave both out.")
+    if decay is not None:
+        end, length = _count("--lr-decay-samples", decay), _count("--lr-wsd-decay-samples", final)
+        if length > end:
+            raise UsageError(f"--lr-wsd-decay-samples {length:,} is longer than --lr-decay-samples {end:,}: the "
+                             "final decay must fit inside the decay.")
+        frozen.append(Frozen(label=f"the final decay (from {end - length:,} samples)", start=end - length, end=None))
+    return tuple(frozen)
+
+
+def _suggest_header(args: argparse.Namespace, trace: list[TraceRow], rule: DoublingRule, schedule: StepSchedule,
+                    seq: int | None) -> list[str]:
+    lines = [f"suggested from {args.suggest} ({len(trace):,} rows; trust {rule.trust:g}; first GBS "
+             f"{rule.first_global_batch_size:,}; cap {rule.max_global_batch_size:,}):"]
+    if seq is not None:
+        lines.append(f"  pretrain_gpt (thresholds in tokens, --seq-length {seq}):")
+        lines.append(f'    {FLAG} "{schedule.to_string(seq_length=seq)}"')
+        lines.append("  megatron-core callers passing seq_length=None (thresholds in samples):")
+    else:
+        lines.append("  thresholds in samples; pretrain_gpt reads tokens: add --seq-length for its string:")
+    lines.append(f'    {FLAG} "{schedule.samples_string()}"')
+    return lines
+
+
+def _print_decisions(suggestion: Suggestion) -> None:
+    rows = [[d.row.position, d.row.iteration, d.row.consumed_samples, d.row.b_simple_samples, d.trusted,
+             f"{d.before:,} -> {d.after:,}"] for d in suggestion.decisions]
+    print()
+    print_table(f"{len(rows)} doubling(s)", ["trace row", "iteration", "consumed samples", "B_simple (samples)",
+                                             "x trust", "GBS"], rows)
+    reasons: dict[str, list[TraceRow]] = {}
+    for held in suggestion.held:
+        reasons.setdefault(held.reason, []).append(held.row)
+    for reason, held_rows in reasons.items():
+        print(f"note: held by {reason} at {len(held_rows):,} row(s) that called for doubling, from consumed "
+              f"samples {held_rows[0].consumed_samples:,} to {held_rows[-1].consumed_samples:,}.")
+
+
+def _suggestion_json(args: argparse.Namespace, trace: list[TraceRow], rule: DoublingRule,
+                     suggestion: Suggestion) -> dict:
+    return {
+        "trace": args.suggest, "trace_rows": len(trace), "trust": rule.trust,
+        "first_global_batch_size": rule.first_global_batch_size, "max_global_batch_size": rule.max_global_batch_size,
+        "frozen": [{"label": f.label, "start": f.start, "end": f.end} for f in rule.frozen],
+        "decisions": [{"row": d.row.position, "iteration": d.row.iteration, "consumed_samples": d.row.consumed_samples,
+                       "b_simple_samples": d.row.b_simple_samples, "trusted": d.trusted, "before": d.before,
+                       "after": d.after} for d in suggestion.decisions],
+        "held": [{"row": h.row.position, "consumed_samples": h.row.consumed_samples, "trusted": h.trusted,
+                  "global_batch_size": h.global_batch_size, "reason": h.reason} for h in suggestion.held],
+    }
+
+
 # -- output ------------------------------------------------------------------------------------
 
 
@@ -244,8 +419,9 @@ def _print(
     train_samples: int | None,
     consumed: int,
     demoted: list[str],
+    header: list[str] | None = None,
 ) -> None:
-    for line in _header(args, schedule, seq):
+    for line in header if header is not None else _header(args, schedule, seq):
         print(line)
     columns = [c for c in _COLUMNS if seq is not None or c[1] not in ("first_token", "tokens")]
     if seq is None:
@@ -313,13 +489,7 @@ def plot_schedule(
     rows: list[StageRow], path: str, seq_length: int | None = None, train_samples: int | None = None
 ) -> None:
     """Draw GBS and num_microbatches (steps) against tokens, or samples without a seq_length, to ``path``."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise UsageError("--plot needs matplotlib: pip install 'megatron-ga-ext[plot]'.") from None
+    plt = _pyplot()
     scale = seq_length or 1
     used = [r for r in rows if r.first_sample is not None] or rows[:1]
     xs = [(r.first_sample if r.first_sample is not None else r.threshold_samples) * scale for r in used]
@@ -336,10 +506,62 @@ def plot_schedule(
         axis.grid(True, alpha=0.3)
     top.set_title("step batch-size schedule")
     figure.tight_layout()
+    _save(plt, figure, path)
+
+
+
+def plot_suggestion(
+    trace: list[TraceRow], suggestion: Suggestion, rule: DoublingRule, path: str, seq_length: int | None = None,
+    train_samples: int | None = None,
+) -> None:
+    """Draw the measured B_simple (and x trust), the suggested GBS, the 2 x GBS trigger and the frozen ranges,
+    against samples (or tokens with a seq_length), on a log scale, to ``path``; to ``train_samples`` if given."""
+    plt = _pyplot()
+    scale = seq_length or 1
+    measured = [(r.consumed_samples * scale, r.b_simple_samples) for r in trace if r.b_simple_samples is not None]
+    last = max([r.consumed_samples for r in trace] + [t for t, _ in suggestion.schedule.stages])
+    end = max(train_samples or 0, last + last // 20, 1) * scale  # the last stage gets some width
+    xs = [t * scale for t, _ in suggestion.schedule.stages] + [end]
+    batches = [b for _, b in suggestion.schedule.stages]
+    figure, axis = plt.subplots(figsize=(8, 4.5), dpi=100)
+    if measured:
+        axis.plot([x for x, _ in measured], [b for _, b in measured], "o-", color="C0", ms=3, lw=0.6,
+                  label="B_simple measured")
+        if rule.trust != 1:
+            axis.plot([x for x, _ in measured], [rule.trust * b for _, b in measured], "-", color="C0", lw=0.8,
+                      alpha=0.6, label=f"B_simple x trust {rule.trust:g}")
+    axis.step(xs, batches + batches[-1:], where="post", color="C1", lw=2, label="suggested GBS")
+    axis.step(xs, [2 * b for b in batches + batches[-1:]], where="post", color="C1", ls="--", lw=0.8,
+              label="2 x GBS (doubles when crossed)")
+    axis.axhline(rule.max_global_batch_size, color="grey", ls=":", lw=1, label="cap")
+    for frozen in rule.frozen:
+        axis.axvspan(frozen.start * scale, (frozen.end if frozen.end is not None else end / scale) * scale,
+                     color="grey", alpha=0.15, lw=0)
+    axis.set_yscale("log")
+    axis.set_xlabel("tokens consumed" if seq_length else "samples consumed")
+    axis.set_ylabel("samples")
+    axis.set_title("measured critical batch (B_simple) and the suggested schedule; grey: no change")
+    axis.grid(True, alpha=0.3)
+    axis.legend(fontsize=8, loc="lower right")
+    figure.tight_layout()
+    _save(plt, figure, path)
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install 'megatron-ga-ext[plot]'.") from None
+    return plt
+
+
+def _save(plt, figure, path: str) -> None:
     try:
         figure.savefig(path)
     except OSError as error:
         raise UsageError(f"--plot {path}: cannot write the figure ({error.strerror or error}).") from None
     finally:
         plt.close(figure)
-

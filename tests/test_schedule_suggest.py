@@ -1,0 +1,121 @@
+"""megatron-ga schedule --suggest: a measured trace in, the doubling rule's schedule, table and plot out."""
+
+import json
+
+import pytest
+
+from megatron_ga_ext import StepSchedule
+from megatron_ga_ext.cli import schedule as command
+from megatron_ga_ext.cli.main import build_parser
+from megatron_ga_ext.errors import InterleaveError, NoiseScaleError, ScheduleError, SizeError, UsageError
+
+ROWS = [
+    {"iteration": 0, "consumed_samples": 0, "b_simple_samples": 5},
+    {"iteration": 100, "consumed_samples": 3200, "b_simple_samples": 70},
+    {"iteration": 200, "consumed_samples": 9600, "b_simple_samples": 140},
+    {"iteration": 300, "consumed_samples": 22400, "b_simple_samples": None},
+    {"iteration": 400, "consumed_samples": 48000, "b_simple_samples": 300, "grad_sq": 0.01},
+    {"iteration": 500, "consumed_samples": 99200, "b_simple_tokens": 700 * 4096},
+    {"iteration": 600, "consumed_samples": 150000, "b_simple_samples": 2000},
+]
+LAYOUT = ["--micro-batch-size", "2", "--data-parallel-size", "16", "--max-global-batch-size", "512", "--seq-length",
+          "4096"]
+
+
+@pytest.fixture
+def trace(tmp_path):
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(ROWS))
+    return str(path)
+
+
+def invoke(*argv: str) -> int:
+    """The command's own run(), so a bad input surfaces as its typed error (main() prints it, exit 2)."""
+    return command.run(build_parser("schedule").parse_args(["schedule", *argv]))
+
+
+def test_json_gives_the_schedule_and_each_doubling(cli, trace):
+    answer = cli("schedule", "--suggest", trace, *LAYOUT, "--lr-warmup-samples", "5K", "--json")
+    assert answer.status == 0, answer.err
+    out = answer.json()
+    assert out["schedule_samples"] == "0:32 9600:64 48K:128 99200:256 150K:512"
+    assert StepSchedule.parse(out["schedule_tokens"], 4096).stages == StepSchedule.parse(out["schedule_samples"]).stages
+    assert [(d["consumed_samples"], d["before"], d["after"]) for d in out["decisions"]][0] == (9600, 32, 64)
+    assert out["decisions"][2]["b_simple_samples"] == 700  # read from b_simple_tokens / --seq-length
+    assert [(h["consumed_samples"], h["reason"]) for h in out["held"]] == [
+        (3200, "the LR warmup (--lr-warmup-samples 5,000)")]
+    assert [s["global_batch_size"] for s in out["stages"]] == [32, 64, 128, 256, 512]
+
+
+def test_text_prints_the_strings_the_table_and_the_notes(cli, trace):
+    answer = cli("schedule", "--suggest", trace, *LAYOUT, "--trust", "0.5",
+                 "--lr-decay-samples", "200K", "--lr-wsd-decay-samples", "60K", "--train-samples", "200K")
+    assert answer.status == 0, answer.err
+    lines = answer.out.splitlines()
+    assert lines[0].endswith("(7 rows; trust 0.5; first GBS 32; cap 512):")
+    assert lines[4] == '    --step-batch-size-schedule "0:32 9600:64 48K:128 99200:256"'
+    assert "steps for --train-samples 200,000" in answer.out and "3 doubling(s)" in answer.out
+    assert "note: held by the final decay (from 140,000 samples) at 1 row(s)" in answer.out
+
+
+def test_the_first_stage_and_the_cap(cli, trace):
+    out = cli("schedule", "--suggest", trace, "--micro-batch-size", "2", "--data-parallel-size", "16",
+              "--seq-length", "4096", "--global-batch-size", "64", "--max-global-batch-size", "256", "--json").json()
+    assert out["schedule_samples"] == "0:64 9600:128 48K:256"
+    assert out["held"][0]["reason"] == "the cap --max-global-batch-size 256"
+
+
+def test_plot_draws_the_trace_against_the_schedule(cli, trace, tmp_path):
+    pytest.importorskip("matplotlib")
+    figure = tmp_path / "suggest.png"
+    answer = cli("schedule", "--suggest", trace, *LAYOUT, "--lr-warmup-samples", "5000",
+                 "--trust", "1.5", "--plot", str(figure))
+    assert answer.status == 0, answer.err
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"plot written to {figure}" in answer.out
+
+
+def test_an_error_is_one_line_and_exit_2(cli, trace):
+    answer = cli("schedule", "--suggest", trace, "--micro-batch-size", "2", "--data-parallel-size", "16")
+    assert answer.status == 2
+    assert answer.err == ("megatron-ga schedule: error: --suggest needs --max-global-batch-size: the largest batch the "
+                          "run may reach (memory, the data, or where the loss stops improving per sample).\n")
+
+
+@pytest.mark.parametrize("extra, error, match", [
+    (["0:32"], UsageError, r"--suggest writes the schedule itself"),
+    (["--trust", "x"], UsageError, r"--trust 'x' is not a number"),
+    (["--trust", "-1"], UsageError, r"--trust -1.0 must be a positive finite number"),
+    (["--lr-decay-samples", "100K"], UsageError, r"--lr-decay-samples and --lr-wsd-decay-samples go together"),
+    (["--lr-decay-samples", "10", "--lr-wsd-decay-samples", "20"], UsageError,
+     r"--lr-wsd-decay-samples 20 is longer than --lr-decay-samples 10"),
+    (["--lr-warmup-samples", "-5"], SizeError, r"--lr-warmup-samples -5 must be at least 0"),
+    (["--global-batch-size", "48"], ScheduleError, r"--global-batch-size 48 \(the first stage\) is not a multiple"),
+    (["--virtual-pipeline-model-parallel-size", "2", "--pipeline-model-parallel-size", "4"], InterleaveError,
+     r"interleaved schedule needs num_microbatches >= N = 4"),
+])
+def test_bad_input_raises_a_typed_error(trace, extra, error, match):
+    positional = [e for e in extra if e == "0:32"]
+    rest = [e for e in extra if e != "0:32"]
+    with pytest.raises(error, match=match):
+        invoke(*positional, "--suggest", trace, *LAYOUT, *rest)
+
+
+def test_a_missing_or_bad_trace_file(tmp_path):
+    with pytest.raises(UsageError, match=r"--suggest .*nope.json: cannot read the trace"):
+        invoke("--suggest", str(tmp_path / "nope.json"), *LAYOUT)
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(b"\xff\xfe")
+    with pytest.raises(UsageError, match=r"not UTF-8 text at byte 0"):
+        invoke("--suggest", str(bad), *LAYOUT)
+    bad.write_text('[{"consumed_samples": 5, "b_simple_samples": 1}, {"consumed_samples": 4, "b_simple_samples": 1}]')
+    with pytest.raises(NoiseScaleError, match=r"trace row 2 has consumed_samples 4, not above row 1's 5"):
+        invoke("--suggest", str(bad), *LAYOUT)
+    bad.write_text('[{"consumed_samples": 5, "b_simple_tokens": 100}]')
+    with pytest.raises(UsageError, match=r'trace row 1 gives "b_simple_tokens" only: give --seq-length'):
+        invoke("--suggest", str(bad), *LAYOUT[:6])
+
+
+@pytest.mark.parametrize("flag", [flag for _, flag in command.SUGGEST_ONLY])
+def test_suggest_flags_without_suggest_are_refused(flag):
+    with pytest.raises(UsageError, match=f"{flag} goes with --suggest TRACE.json"):
+        invoke("0:32", "--micro-batch-size", "2", "--data-parallel-size", "16", flag, "1")
