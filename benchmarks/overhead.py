@@ -227,7 +227,7 @@ def _own_cost(ddp, config, layout, cfg, batch, loss, seconds: float) -> dict:
     # Installed, upstream's originals (bound before install()) stay callable beside the wrappers: the two take turns,
     # in alternating order, so both see the same moments of a noisy machine.
     state = megatron_ga_ext.install(megatron_ga_ext.GAConfig())
-    state.settle()
+    state.configure_from_megatron_args()
     hot = {"microbatch": (partial(microbatch_calls, upstream_calc, None),
                           partial(microbatch_calls, sys.modules[SCHEDULES].forward_step_calc_loss, state.contract)),
            "step": (partial(one_finalize, upstream_finalize, None), partial(one_finalize, state.finalize, state.contract))}

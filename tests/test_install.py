@@ -251,7 +251,7 @@ def test_uninstall_reaches_modules_imported_after_install_and_leaves_wrappers_in
         assert late.finalize_model_grads is ORIGINALS[f"{FINALIZE}.finalize_model_grads"]
         assert late.forward_step_calc_loss is ORIGINALS[f"{schedules.__name__}.forward_step_calc_loss"]
         # A wrapper someone kept a reference to calls straight through once uninstalled.
-        assert not state.active and state.finalize.enabled is False
+        assert not state.active and state.finalize.active is False
         assert wrapper is not late.forward_step_calc_loss
     finally:
         sys.modules.pop(late.__name__)

@@ -30,20 +30,25 @@ What cannot be made exact, said once at the first step with the size of the erro
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
+from megatron_ga_ext.integration.installation import Installation
 from megatron_ga_ext.logs import get_logger
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
 __all__ = ["aux_summary", "padding_mask_forward", "pipeline_inexact_note", "mtp_inexact_note"]
 
 logger = get_logger(__name__)
 
 
-def padding_mask_forward(original: Callable, state: Any) -> Callable:
+def padding_mask_forward(original: Callable, state: Installation) -> Callable:
     """``GPTModel.forward`` that, in token mode, routes with padding_mask = (loss_mask == 0) (see above)."""
 
     @functools.wraps(original)
-    def forward(model: Any, *args: Any, **kwargs: Any) -> Any:
+    def forward(model: GPTModel, *args: Any, **kwargs: Any) -> Any:
         if state.active and state.contract is not None and _wants_padding_mask(model, kwargs):
             kwargs["padding_mask"] = kwargs["loss_mask"] == 0
         return original(model, *args, **kwargs)
@@ -51,7 +56,7 @@ def padding_mask_forward(original: Callable, state: Any) -> Callable:
     return forward
 
 
-def _wants_padding_mask(model: Any, kwargs: dict) -> bool:
+def _wants_padding_mask(model: GPTModel, kwargs: dict[str, Any]) -> bool:
     """MoE layers, a loss mask and no padding mask; with sequence parallelism only where the stage
     scatters the mask itself (the first stage)."""
     config = model.config
@@ -62,7 +67,7 @@ def _wants_padding_mask(model: Any, kwargs: dict) -> bool:
     return not getattr(config, "sequence_parallel", False) or bool(getattr(model, "pre_process", False))
 
 
-def aux_summary(config: Any, mode: str) -> str | None:
+def aux_summary(config: TransformerConfig, mode: str) -> str | None:
     """The one line rank 0 logs at the first step: which auxiliary losses are active, and how scaled."""
     terms = []
     if getattr(config, "num_moe_experts", None):
@@ -85,7 +90,7 @@ def aux_summary(config: Any, mode: str) -> str | None:
     return f"megatron-ga-ext {mode} mode, auxiliary losses: {', '.join(terms)}: {how}."
 
 
-def pipeline_inexact_note(config: Any, mode: str, pipeline_model_parallel_size: int, positions: int,
+def pipeline_inexact_note(config: TransformerConfig, mode: str, pipeline_model_parallel_size: int, positions: int,
                           num_tokens: int) -> str | None:
     """MoE with PP in token mode: stages without the loss mask keep the (positions / loss tokens) factor."""
     if mode != "token" or pipeline_model_parallel_size <= 1 or not getattr(config, "num_moe_experts", None):
@@ -97,7 +102,7 @@ def pipeline_inexact_note(config: Any, mode: str, pipeline_model_parallel_size: 
             f"times their target weight: {positions} / {num_tokens} = {ratio:.3f} on the first step.")
 
 
-def mtp_inexact_note(config: Any, mode: str) -> str | None:
+def mtp_inexact_note(config: TransformerConfig, mode: str) -> str | None:
     """MTP in token mode on megatron-core 0.16 (no process_mtp_loss): each MTP token weighs 1/N."""
     if mode != "token" or not getattr(config, "mtp_num_layers", None):
         return None

@@ -24,14 +24,14 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from megatron_ga_ext.errors import CompatError
 from megatron_ga_ext.logs import get_logger
 
 __all__ = [
-    "RELEASES", "TARGETS", "UPSTREAM", "Target", "Upstream", "check_targets", "fingerprint", "known_fingerprints",
-    "megatron_core_version",
+    "RELEASES", "TARGETS", "UPSTREAM", "Calculator", "Target", "Upstream", "check_targets", "fingerprint", "known_fingerprints",
+    "megatron_args", "megatron_core_version",
 ]
 
 logger = get_logger(__name__)
@@ -119,15 +119,37 @@ def known_fingerprints() -> dict[str, dict[str, list[str]]]:
     return json.loads(FINGERPRINTS.read_text())
 
 
-def live_calculator() -> Any:
+class Calculator(Protocol):
+    """Megatron's num-microbatches calculator interface, as its training loop calls it: upstream's calculators, the
+    step-schedule calculator (calculator.py) and the consumed-samples guard around either (guards.py)."""
+
+    def get(self) -> int: ...
+
+    def get_current_global_batch_size(self) -> int: ...
+
+    def get_micro_batch_size(self) -> int: ...
+
+    def get_current_running_global_batch_size(self) -> int: ...
+
+    def update(self, consumed_samples: int, consistency_check: bool, verbose: bool = False) -> None: ...
+
+
+def live_calculator() -> Calculator | None:
     """Megatron's global num-microbatches calculator (``_GLOBAL_NUM_MICROBATCHES_CALCULATOR``); None before it is
     built."""
     return getattr(sys.modules.get(CALCULATOR), "_GLOBAL_NUM_MICROBATCHES_CALCULATOR", None)
 
 
-def set_live_calculator(calculator: Any) -> None:
+def set_live_calculator(calculator: Calculator) -> None:
     """Make ``calculator`` the one ``get_num_microbatches()`` and the training loop read."""
     sys.modules[CALCULATOR]._GLOBAL_NUM_MICROBATCHES_CALCULATOR = calculator
+
+
+def megatron_args() -> argparse.Namespace | None:
+    """Megatron-LM's parsed args (``get_args()``), or None before parsing or without Megatron-LM (megatron.training
+    is not imported for this)."""
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    return getattr(global_vars, "_GLOBAL_ARGS", None)
 
 
 def megatron_core_version() -> str:

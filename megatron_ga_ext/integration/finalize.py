@@ -23,31 +23,33 @@ from __future__ import annotations
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import torch
 
 from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.config.rules import check_loss_mode
 from megatron_ga_ext.errors import LossContractError
-from megatron_ga_ext.integration.loss_contract import (
-    SLOT_NEGATIVE,
-    SLOT_NONFINITE,
-    SLOT_TOKENS,
-    SLOT_UNCHECKED,
-    LossContract,
-)
-from megatron_ga_ext.integration.training_hooks import megatron_args
+from megatron_ga_ext.integration.compat import megatron_args
+from megatron_ga_ext.integration.loss_contract import SLOT_TOKENS, LossContract, StepChecks
+
+if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from torch.distributed import ProcessGroup
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+#: Upstream's ``finalize_model_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False)``.
+FinalizeFunction = Callable[..., None]
 
 __all__ = ["FinalizeModelGrads", "check_ddp_chunks", "check_per_token_flag", "make_finalize_model_grads"]
 
 
-def check_per_token_flag(config: Any, mode: str) -> None:
+def check_per_token_flag(config: TransformerConfig, mode: str) -> None:
     """options.check_loss_mode on a model config (its calculate_per_token_loss, as the step reads it)."""
     check_loss_mode(mode, bool(getattr(config, "calculate_per_token_loss", False)))
 
 
-def check_ddp_chunks(model: Sequence[torch.nn.Module], config: Any = None) -> None:
+def check_ddp_chunks(model: Sequence[torch.nn.Module], config: TransformerConfig | None = None) -> None:
     """Every data-parallel wrapper must sum gradients over DP x CP, not average them.
 
     Megatron's DDP and Megatron-FSDP fix their pre-reduction gradient factor in ``__init__``: 1 (or none)
@@ -97,19 +99,45 @@ def _gradient_scaling_factors(chunk: torch.nn.Module) -> list[float | None]:
     return factors
 
 
+class _Topology(NamedTuple):
+    """Where the step's count comes from and goes: the groups upstream's finalize reduces it over, and the last
+    pipeline stage (the only one that sees the loss)."""
+
+    pp_group: ProcessGroup
+    dp_cp_group: ProcessGroup
+    last_stage_rank: int
+    """The last pipeline stage's global rank, the broadcast's source."""
+    is_last_stage: bool
+
+
+@dataclass(frozen=True)
+class _CheckedChunks:
+    """Model chunks that passed :func:`check_ddp_chunks` in ``mode``, their model config and their device."""
+
+    chunks: list[weakref.ref[torch.nn.Module]]
+    mode: str
+    model_config: TransformerConfig
+    device: torch.device | None
+    """The chunks' device in token mode (where the step's vector is made); None in microbatch mode."""
+
+    def are(self, model: list[torch.nn.Module], mode: str) -> bool:
+        """The same chunks, checked in the same mode (``list ==`` compares identity first)."""
+        return self.mode == mode and [ref() for ref in self.chunks] == model
+
+
 class FinalizeModelGrads:
     """Drop-in ``config.finalize_model_grads_func``; see the module docstring for the arithmetic.
 
     Attributes:
         last_num_tokens: the global token count N of the last step (mode ``token``), else None.
         calls: how many times it ran (install() checks that every training step reached it).
-        enabled: False after uninstall(): a config that still holds it gets upstream's finalize unchanged.
+        active: False after uninstall(): a config that still holds it gets upstream's finalize unchanged.
         skip_step: True after a step with 0 tokens under ``--ga-zero-token-policy skip``: the optimizer
             wrapper install() puts on Megatron's optimizer skips that step (and clears it).
         pending: under ``--ga-checks async``, the last step's verdict until :meth:`poll` reads it.
     """
 
-    def __init__(self, original: Callable, contract: LossContract | None, config: GAConfig) -> None:
+    def __init__(self, original: FinalizeFunction, contract: LossContract | None, config: GAConfig) -> None:
         if config.loss_reduction == "token" and contract is None:
             raise LossContractError("reduction mode 'token' needs a LossContract to read counts from.")
         self.original = original
@@ -117,41 +145,42 @@ class FinalizeModelGrads:
         self.config = config
         self.last_num_tokens: int | None = None
         self.calls = 0
-        self.enabled = True
+        self.active = True
         self.skip_step = False
         self.pending: _Verdict | None = None
-        self._checked: tuple | None = None  # see _checked_chunks
-        self._topology: tuple | None = None  # (pp group, DP x CP group, last stage rank, is last stage)
+        self._checked: _CheckedChunks | None = None
+        self._topology: _Topology | None = None
 
     def __call__(self, model: list[torch.nn.Module], num_tokens: torch.Tensor | None = None,
-                 pg_collection: Any = None, force_all_reduce: bool | None = False) -> None:
-        if not self.enabled:
+                 pg_collection: ProcessGroupCollection | None = None, force_all_reduce: bool | None = False) -> None:
+        if not self.active:
             self.original(model, num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
             return
         self.calls += 1
-        device, model_config = self._checked_chunks(model)
+        checked = self._checked_chunks(model)
         mode = self.config.loss_reduction
-        check_per_token_flag(model_config, mode)
+        check_per_token_flag(checked.model_config, mode)
         if mode == "microbatch":
             self.original(model, num_tokens, pg_collection=pg_collection,
                           force_all_reduce=force_all_reduce)
             return
         self.poll(wait=True)  # an earlier step's verdict not yet read (no schedule call in between)
-        pp_group, dp_cp_group, last_stage_rank, is_last_stage = self._topology_of(pg_collection)
-        vector = self.contract.collect(device, is_last_stage=is_last_stage)  # before the grads' sync: no collective
+        topology = self._topology_of(pg_collection)
+        # before the grads' sync: no collective
+        vector = self.contract.collect(checked.device, is_last_stage=topology.is_last_stage)
         self.original(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
         # where upstream reduces its count: after the grads, on every stage
-        torch.distributed.broadcast(vector, src=last_stage_rank, group=pp_group)
-        torch.distributed.all_reduce(vector, group=dp_cp_group)
+        torch.distributed.broadcast(vector, src=topology.last_stage_rank, group=topology.pp_group)
+        torch.distributed.all_reduce(vector, group=topology.dp_cp_group)
         # a device scalar, upstream's 1.0 / clamp(N, min=1) to the bit (torch computes x / t as t.reciprocal() * x)
         scaling = torch.clamp(vector[SLOT_TOKENS], min=1).reciprocal()
         if self.config.checks == "async":
             self.pending = _Verdict.of(vector, self.calls, _iteration())
         else:
-            values = vector.tolist()  # the step's one device-to-host read
-            _raise_on_violations(values)
-            self.last_num_tokens = values[SLOT_TOKENS]
-            if not values[SLOT_TOKENS]:  # --ga-zero-token-policy skip: a zero gradient for the skipped step
+            checks = StepChecks(*vector.tolist())  # the step's one device-to-host read
+            _raise_on_violations(checks)
+            self.last_num_tokens = checks.tokens
+            if not checks.tokens:  # --ga-zero-token-policy skip: a zero gradient for the skipped step
                 self._zero_tokens()
                 scaling = 0.0
         for chunk in model:
@@ -164,34 +193,34 @@ class FinalizeModelGrads:
         if pending is None or not (wait or pending.ready()):
             return
         self.pending = None
-        values = pending.values()
-        if values[SLOT_NEGATIVE] or values[SLOT_NONFINITE] or values[SLOT_UNCHECKED] or not values[SLOT_TOKENS]:
+        checks = pending.checks()
+        if checks.negative or checks.nonfinite or checks.unchecked or not checks.tokens:
             where = f"--ga-checks async, verdict of training step {pending.step}" + (
                 f" (iteration {pending.iteration})" if pending.iteration is not None else "")
-            _raise_on_violations(values, where=where)
+            _raise_on_violations(checks, where=where)
             self.last_num_tokens = 0
             self._zero_tokens(where)
             return
-        self.last_num_tokens = values[SLOT_TOKENS]
+        self.last_num_tokens = checks.tokens
 
-    def _topology_of(self, pg_collection: Any) -> tuple:
-        """(pipeline group, DP x CP group, the last stage's global rank, whether this rank is it): the ranks looked up
-        again only when the groups are not the last step's (upstream's schedule builds a new pg_collection per step
-        from the same groups; a group's ranks never change)."""
+    def _topology_of(self, pg_collection: ProcessGroupCollection | None) -> _Topology:
+        """The step's :class:`_Topology`: the ranks looked up again only when the groups are not the last step's
+        (upstream's schedule builds a new pg_collection per step from the same groups; a group's ranks never
+        change)."""
         pp_group, dp_cp_group = _groups(pg_collection)
-        cached = self._topology
-        if cached is None or cached[0] is not pp_group or cached[1] is not dp_cp_group:
+        topology = self._topology
+        if topology is None or topology.pp_group is not pp_group or topology.dp_cp_group is not dp_cp_group:
             last_stage_rank = torch.distributed.get_process_group_ranks(pp_group)[-1]
-            cached = self._topology = (pp_group, dp_cp_group, last_stage_rank,
-                                       torch.distributed.get_rank() == last_stage_rank)
-        return cached
+            topology = self._topology = _Topology(pp_group, dp_cp_group, last_stage_rank,
+                                                  torch.distributed.get_rank() == last_stage_rank)
+        return topology
 
-    def _checked_chunks(self, model: list[torch.nn.Module]) -> tuple[torch.device, Any]:
-        """The device of the step's model chunks and their model config, and in token mode :func:`check_ddp_chunks`
-        on them: once per list of chunks and mode (a wrapper fixes its gradient factor when it is built;
-        ``parameters()`` walks every submodule). The per-token flag is read from that config every step."""
-        checked, mode = self._checked, self.config.loss_reduction
-        if checked is None or checked[3] != mode or [ref() for ref in checked[0]] != model:  # list ==: identity first
+    def _checked_chunks(self, model: list[torch.nn.Module]) -> _CheckedChunks:
+        """The step's model chunks, their config and device, and in token mode :func:`check_ddp_chunks` on them:
+        once per list of chunks and mode (a wrapper fixes its gradient factor when it is built; ``parameters()``
+        walks every submodule). The per-token flag is read from that config every step."""
+        mode = self.config.loss_reduction
+        if self._checked is None or not self._checked.are(model, mode):
             from megatron.core.utils import get_model_config
 
             config = get_model_config(model[0])
@@ -200,8 +229,8 @@ class FinalizeModelGrads:
             if mode == "token":
                 check_ddp_chunks(model)
                 device = next(model[0].parameters()).device
-            checked = self._checked = ([weakref.ref(chunk) for chunk in model], device, config, mode)
-        return checked[1], checked[2]
+            self._checked = _CheckedChunks([weakref.ref(chunk) for chunk in model], mode, config, device)
+        return self._checked
 
     def _zero_tokens(self, where: str = "") -> None:
         message = (_prefixed(where) + "the global batch has 0 non-padding tokens (the sum of num_tokens over "
@@ -216,13 +245,13 @@ class FinalizeModelGrads:
                       "move either; Megatron counts a skipped iteration.", RuntimeWarning, stacklevel=3)
 
 
-def make_finalize_model_grads(original: Callable, contract: LossContract | None = None, *,
+def make_finalize_model_grads(original: FinalizeFunction, contract: LossContract | None = None, *,
                               config: GAConfig | None = None) -> FinalizeModelGrads:
     """Wrap upstream's ``finalize_model_grads`` (``original``) for the given reduction mode."""
     return FinalizeModelGrads(original, contract, config or GAConfig())
 
 
-def _groups(pg_collection: Any) -> tuple[Any, Any]:
+def _groups(pg_collection: ProcessGroupCollection | None) -> tuple[ProcessGroup, ProcessGroup]:
     """(pipeline group, DP x CP group), as upstream's finalize picks them."""
     if pg_collection is not None:
         # the groups set on it: upstream's getattr of an unset field goes through a __getattr__ that lists every field
@@ -238,21 +267,21 @@ def _prefixed(where: str) -> str:
     return f"{where}: " if where else ""
 
 
-def _raise_on_violations(values: list[int], *, where: str = "") -> None:
+def _raise_on_violations(checks: StepChecks, *, where: str = "") -> None:
     prefix = _prefixed(where)
-    if values[SLOT_UNCHECKED]:
+    if checks.unchecked:
         raise LossContractError(
-            f"{prefix}{values[SLOT_UNCHECKED]} last-stage rank(s) ran no micro-batch through the LossContract "
+            f"{prefix}{checks.unchecked} last-stage rank(s) ran no micro-batch through the LossContract "
             f"this step, so their token counts are unchecked; wrap the loss function with "
             f"contract.wrap(loss_func) (install() does this for you).")
-    if values[SLOT_NONFINITE]:
+    if checks.nonfinite:
         raise LossContractError(
-            f"{prefix}{values[SLOT_NONFINITE]} micro-batch(es) in this global batch returned a non-finite loss "
+            f"{prefix}{checks.nonfinite} micro-batch(es) in this global batch returned a non-finite loss "
             f"(inf or nan); the token-weighted gradient would be non-finite. Check the data, the loss function and "
             f"the learning rate (--check-for-nan-in-loss-and-grad names the rank at the source).")
-    if values[SLOT_NEGATIVE]:
+    if checks.negative:
         raise LossContractError(
-            f"{prefix}{values[SLOT_NEGATIVE]} micro-batch(es) returned a negative num_tokens; a token count is "
+            f"{prefix}{checks.negative} micro-batch(es) returned a negative num_tokens; a token count is "
             f">= 0. Count non-padding tokens as loss_mask.sum().to(torch.int64).")
 
 
@@ -262,8 +291,9 @@ class _Verdict:
 
     host: torch.Tensor
     """Pinned host copy (CUDA: filled without blocking, done once ``event`` is)."""
-    event: Any
+    event: torch.cuda.Event | None
     step: int
+    """The finalize call it belongs to (FinalizeModelGrads.calls)."""
     iteration: int | None
 
     @classmethod
@@ -279,10 +309,10 @@ class _Verdict:
     def ready(self) -> bool:
         return self.event is None or self.event.query()
 
-    def values(self) -> list[int]:
+    def checks(self) -> StepChecks:
         if self.event is not None:
             self.event.synchronize()  # done already when ready(); else waits for this one copy
-        return self.host.numpy().tolist()  # host memory: reading it cannot synchronize the device
+        return StepChecks(*self.host.numpy().tolist())  # host memory: reading it cannot synchronize the device
 
 
 def _iteration() -> int | None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from megatron_ga_ext.core.rules import require_count
 from megatron_ga_ext.errors import GuardError
+from megatron_ga_ext.integration.compat import Calculator
 
 __all__ = ["MicrobatchCounter", "GuardedCalculator", "check_microbatch_counts", "check_consumed_advance"]
 
@@ -30,7 +31,7 @@ def _pp_note(got: int, expected: int, pipeline_model_parallel_size: int) -> str:
 
 
 def check_microbatch_counts(
-    counts: dict[Any, int], num_microbatches: int, expected: int | None, pipeline_model_parallel_size: int | None = 1
+    counts: dict[object, int], num_microbatches: int, expected: int | None, pipeline_model_parallel_size: int | None = 1
 ) -> None:
     """Raise :class:`GuardError` unless every chunk ran ``num_microbatches`` forward steps and that
     equals ``expected`` = GBS / (MBS x DP) from the calculator (None: not known, not checked). PP only goes into
@@ -89,7 +90,7 @@ class MicrobatchCounter:
     itself (``id()`` raises an audit event per call, which costs microseconds where a hook is installed)."""
 
     def __init__(self) -> None:
-        self.counts: dict[Any, int] = {}
+        self.counts: dict[object, int] = {}
 
     def reset(self) -> None:
         self.counts.clear()
@@ -106,7 +107,7 @@ class GuardedCalculator:
     checked call, so the advance is checked on unchecked calls; a step backwards (the train-iters
     simulation resetting to 0) or a checked call (checkpoint load) only moves the baseline."""
 
-    def __init__(self, inner: Any, pipeline_model_parallel_size: int | None = None) -> None:
+    def __init__(self, inner: Calculator, pipeline_model_parallel_size: int | None = None) -> None:
         self.inner = inner
         self._pipeline_model_parallel_size = pipeline_model_parallel_size
         self._consumed: int | None = None

@@ -14,8 +14,8 @@ What install() patches, after checking each target's source fingerprint against 
 * Megatron-LM's ``update_train_iters`` and ``get_train_valid_test_num_samples`` (megatron.training,
   wired once it is loaded): with a step schedule or a converted rampup in force, ``--train-samples``
   gives the planned number of steps (and a dataset that holds the samples they consume), not
-  train_samples // global_batch_size of a constant batch; and the optimizers Megatron builds and
-  ``GPTModel.forward`` (loop_hooks.py has these wirings).
+  train_samples // global_batch_size of a constant batch; and Megatron-LM's parser, the optimizers Megatron
+  builds and ``GPTModel.forward`` (training_hooks.py, arguments.py and aux_losses.py have these hooks).
 
 A name bound elsewhere by ``from x import y`` before install() (megatron.training.training binds
 ``finalize_model_grads``) is rebound too: every loaded module whose global holds the original is patched.
@@ -27,21 +27,20 @@ modules patched, in modules imported since that bound a replacement, and in mode
 
 from __future__ import annotations
 
+import argparse
 import functools
 import importlib.util
 import inspect
 import sys
-import weakref
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from megatron_ga_ext.config.args import add_args, args_provider
 from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
-from megatron_ga_ext.config.rules import check_guards, check_loss_mode, check_train_length
-from megatron_ga_ext.errors import CompatError, GuardError
+from megatron_ga_ext.errors import GuardError
 from megatron_ga_ext.integration.arguments import wire_arguments
 from megatron_ga_ext.integration.aux_losses import aux_summary, mtp_inexact_note, pipeline_inexact_note
+from megatron_ga_ext.integration.calculator import StepScheduleCalculator
 from megatron_ga_ext.integration.compat import (
     CALCULATOR,
     FINALIZE,
@@ -50,19 +49,14 @@ from megatron_ga_ext.integration.compat import (
     check_targets,
     live_calculator,
     matching_sources,
+    megatron_args,
     megatron_core_version,
     set_live_calculator,
 )
 from megatron_ga_ext.integration.finalize import make_finalize_model_grads
-from megatron_ga_ext.integration.guards import (
-    GuardedCalculator,
-    MicrobatchCounter,
-    check_microbatch_counts,
-    current_pipeline_size,
-)
-from megatron_ga_ext.integration.loss_contract import LossContract, mean_of_means_reports
-from megatron_ga_ext.integration.startup import StartupChecks
-from megatron_ga_ext.integration.training_hooks import megatron_args, wire_gpt_model, wire_optimizer, wire_training
+from megatron_ga_ext.integration.guards import GuardedCalculator, check_microbatch_counts, current_pipeline_size
+from megatron_ga_ext.integration.installation import Installation, check_args
+from megatron_ga_ext.integration.training_hooks import wire_gpt_model, wire_optimizer, wire_training
 from megatron_ga_ext.logs import get_logger
 
 __all__ = ["GAConfig", "Installation", "add_args", "args_provider", "install", "installed", "uninstall", "wire_vendored"]
@@ -76,160 +70,24 @@ SCHEDULE_FUNCTIONS = (
 )
 
 
-@dataclass
-class _Patch:
-    namespace: dict
-    name: str
-    original: Any
-    replacement: Any
-
-
-@dataclass
-class _AttributePatch:
-    """A class attribute install() replaced (a method: every instance looks it up on the class)."""
-
-    owner: type
-    name: str
-    original: Any
-
-
-@dataclass
-class Installation:
-    """Everything install() changed, so uninstall() can put it back."""
-
-    config: GAConfig
-    version: str
-    patches: list[_Patch] = field(default_factory=list)
-    vendored: bool = False
-    """Wired by a patched megatron/core (patches/) instead of install()."""
-    waiting_for_args: bool = False
-    """install() came before Megatron parsed its args: the config is read from them on first use."""
-    compat_problems: list[str] = field(default_factory=list)
-    active: bool = True
-    """False once uninstalled: a wrapper still referenced somewhere then calls straight through."""
-    wired: set = field(default_factory=set)
-    """The late wirings done (training, optimizer, GPT model): each once, at install() or at the first hook."""
-    reported_first_step: bool = False
-    attribute_patches: list = field(default_factory=list)
-    configs: list = field(default_factory=list)
-    """Weak references to model configs whose finalize_model_grads_func install() set."""
-    counter: Any = None
-    contract: Any = None
-    wrap_loss: Callable[[Callable], Callable] | None = None
-    """What each micro-batch's loss function is wrapped in: the contract's check (token) or the mean report."""
-    finalize: Any = None
-    startup: StartupChecks = field(default_factory=StartupChecks)
-    """Ranks agree on the batch configuration, and a resume says what changed: once, at the first schedule call."""
-    config_of: tuple | None = None
-    """(weak reference to a model chunk, its TransformerConfig): the last schedule call's, see model_config()."""
-
-    def configure(self, config: GAConfig) -> None:
-        """Apply ``config``: the reduction mode, the loss contract and the finalize wrapper's policy."""
-        self.config = config
-        self.contract = LossContract() if config.loss_reduction == "token" else None
-        self.wrap_loss = self.contract.wrap if self.contract is not None else mean_of_means_reports
-        if self.finalize is not None:
-            self.finalize.config, self.finalize.contract = config, self.contract
-
-    def settle(self) -> None:
-        """At the first hook that runs after install() without a config: Megatron's parsed args where
-        they exist (Megatron parses them before it builds the calculator), else the defaults."""
-        if not self.waiting_for_args:
-            return
-        self.waiting_for_args = False
-        args = megatron_args()
-        config = self.config if args is None else GAConfig.from_args(args)
-        if self.compat_problems and config.strict:
-            raise CompatError(" ".join(self.compat_problems))
-        if args is not None:
-            check_args(config, args)
-        self.configure(config)
-        logger.info("megatron-ga-ext on megatron-core %s, from Megatron's args: %s", self.version, config)
-
-    def patch(self, module_name: str, name: str, make: Callable[[Any], Any]) -> Any:
-        """Replace ``module.name`` by ``make(original)`` there and in every module that bound it."""
-        module = sys.modules[module_name]
-        original = module.__dict__[name]
-        replacement = make(original)
-        for namespace in _namespaces_holding(original, name):
-            self.patches.append(_Patch(namespace, name, original, replacement))
-            namespace[name] = replacement
-        return replacement
-
-    def patch_attribute(self, owner: type, name: str, make: Callable[[Any], Any]) -> None:
-        """Replace the class attribute ``owner.name`` by ``make(original)``."""
-        original = owner.__dict__[name]
-        self.attribute_patches.append(_AttributePatch(owner, name, original))
-        setattr(owner, name, make(original))
-
-    def restore(self) -> None:
-        """Every original back: where install() put a replacement, in modules imported since that bound
-        one (``from x import y`` after install()), on classes, and in model configs that hold the finalize."""
-        self.active = False
-        for a in reversed(self.attribute_patches):
-            setattr(a.owner, a.name, a.original)
-        self.attribute_patches.clear()
-        for p in reversed(self.patches):
-            p.namespace[p.name] = p.original
-            for namespace in _namespaces_holding(p.replacement, p.name):
-                namespace[p.name] = p.original
-        if self.finalize is not None:
-            self.finalize.enabled = False
-            for ref in self.configs:
-                config = ref()
-                if config is not None and config.finalize_model_grads_func is self.finalize:
-                    config.finalize_model_grads_func = self.finalize.original
-        self.patches.clear()
-        self.configs.clear()
-
-    def model_config(self, model: Any) -> Any:
-        """The TransformerConfig of a schedule's ``model`` argument: looked up again only for another first chunk
-        (a chunk keeps its config)."""
-        chunk = model[0] if isinstance(model, (list, tuple)) else model
-        if chunk is None:
-            return None
-        cached = self.config_of
-        if cached is None or cached[0]() is not chunk:
-            cached = self.config_of = (weakref.ref(chunk), _model_config(chunk))
-        return cached[1]
-
-    def adopt_finalize(self, config: Any) -> None:
-        """Give ``config`` the extension's finalize where it holds upstream's (set before install())."""
-        if self.finalize is None or config is None:
-            return
-        current = getattr(config, "finalize_model_grads_func", None)
-        if current is self.finalize.original:
-            config.finalize_model_grads_func = self.finalize
-        elif isinstance(current, functools.partial) and current.func is self.finalize.original:
-            config.finalize_model_grads_func = functools.partial(self.finalize, *current.args, **current.keywords)
-        else:
-            return
-        self.configs.append(weakref.ref(config))
-
-
-def _namespaces_holding(original: Any, name: str) -> list[dict]:
-    """Globals of every loaded module that hold ``original`` under ``name`` (``from x import name``)."""
-    found = []
-    for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None)
-        if isinstance(namespace, dict) and namespace.get(name) is original:
-            found.append(namespace)
-    return found
-
-
-_STATE: list[Installation] = []  # the one live installation, if any
+#: The live installation. install(), uninstall() and installed() take no handle (a training script calls install()
+#: once at its top, and a vendored tree's patched modules call wire_vendored() with their name only), so the one
+#: installation of the process is kept here, set by install() and wire_vendored(), cleared by uninstall().
+_live: Installation | None = None
 
 
 def installed() -> Installation | None:
-    return _STATE[0] if _STATE else None
+    """The live installation, if any."""
+    return _live
 
 
-def install(config: Any = None) -> Installation:
+def install(config: GAConfig | argparse.Namespace | None = None) -> Installation:
     """Turn the extension on. ``config``: a :class:`GAConfig`, Megatron's parsed args, or None: Megatron's
     parsed args once they exist (read at the first hook that runs), else the defaults (token mode,
     strict). Twice is harmless; a different config replaces the installation."""
+    global _live
     resolved, waiting = _resolve_config(config)
-    current = installed()
+    current = _live
     if current is not None:
         if config is None or current.config == resolved:
             return current
@@ -243,7 +101,7 @@ def install(config: Any = None) -> Installation:
     import megatron.core.pipeline_parallel.schedules  # noqa: F401
 
     version = megatron_core_version()
-    # Waiting for Megatron's args, strictness is theirs to decide (--no-ga-strict): refuse at settle().
+    # Waiting for Megatron's args, strictness is theirs to decide (--no-ga-strict): refused at the first hook.
     problems = check_targets(version, resolved.strict and not waiting, TARGETS)
     args = config if config is not None and not isinstance(config, GAConfig) else None
     if config is None and not waiting:
@@ -254,14 +112,14 @@ def install(config: Any = None) -> Installation:
     state = Installation(config=resolved, version=version, waiting_for_args=waiting, compat_problems=problems)
     state.configure(resolved)
     try:
-        for wire in WIRING.values():
+        for wire in WIRE_CORE_MODULE.values():
             wire(state)
-        _wire_late(state)
+        _wire_training_hooks(state)
         _guard_live_calculator(state)
     except BaseException:
         state.restore()
         raise
-    _STATE.append(state)
+    _live = state
     if waiting:
         logger.info("megatron-ga-ext installed on megatron-core %s (hooked functions as in %s); its "
                     "configuration is read from Megatron's args once they are parsed", version, sources)
@@ -274,29 +132,28 @@ def install(config: Any = None) -> Installation:
 def wire_vendored(module_name: str) -> None:
     """Called at the end of each patched upstream module of a vendored tree (patches/): wire that module
     into the one installation, which reads Megatron's args at its first hook like install()."""
-    state = installed()
-    if state is None:
-        state = Installation(config=GAConfig(), version=megatron_core_version(), vendored=True, waiting_for_args=True)
-        state.configure(state.config)
-        _STATE.append(state)
-    WIRING[module_name](state)
+    global _live
+    if _live is None:
+        _live = Installation(config=GAConfig(), version=megatron_core_version(), vendored=True, waiting_for_args=True)
+        _live.configure(_live.config)
+    WIRE_CORE_MODULE[module_name](_live)
 
 
 def uninstall() -> None:
     """Restore every original install() replaced; harmless when nothing is installed."""
-    state = installed()
+    global _live
+    state, _live = _live, None
     if state is None:
         return
     state.restore()
     live = live_calculator()
     if isinstance(live, GuardedCalculator):
         set_live_calculator(live.inner)
-    _STATE.clear()
     if state.finalize is not None:
         state.finalize.poll(wait=True)  # --ga-checks async: the last step's verdict, everything restored first
 
 
-def _resolve_config(config: Any) -> tuple[GAConfig, bool]:
+def _resolve_config(config: GAConfig | argparse.Namespace | None) -> tuple[GAConfig, bool]:
     """(config, waiting): waiting when Megatron's training code exists but has not parsed its args yet."""
     if isinstance(config, GAConfig):
         return config, False
@@ -318,27 +175,10 @@ def _has_megatron_training() -> bool:
         return False
 
 
-def check_args(config: GAConfig, args: Any) -> None:
-    """What Megatron's parsed args must agree with, checked when they are read (before any model is built):
-    the loss mode against ``--calculate-per-token-loss``, no ``--train-iters`` with a step schedule, and the
-    guards off where a schedule runs another number of forward passes (options.py has each rule)."""
-    if hasattr(args, "calculate_per_token_loss"):
-        check_loss_mode(config.loss_reduction, bool(args.calculate_per_token_loss),
-                        explicit=config.loss_reduction != "token")
-    if config.step_batch_size_schedule:
-        check_train_length("--step-batch-size-schedule", getattr(args, "train_iters", None))
-    elif config.rampup_batch_size and config.convert_rampup:
-        check_train_length("--rampup-batch-size with --ga-convert-rampup", getattr(args, "train_iters", None))
-    check_guards(config.guards, hybrid_context_parallel=bool(getattr(args, "hybrid_context_parallel", False)),
-                 rl_sequence_packing=bool(getattr(args, "perform_rl_step", False)
-                                          and getattr(args, "rl_use_sequence_packing", False)))
-
-
 def _wire_schedules(state: Installation) -> None:
-    state.counter = MicrobatchCounter()
     state.patch(SCHEDULES, "forward_step_calc_loss", lambda original: _forward_step_calc_loss(original, state))
     for name in SCHEDULE_FUNCTIONS:
-        state.patch(SCHEDULES, name, lambda original: _guarded_schedule(original, state))
+        state.patch(SCHEDULES, name, lambda original: _checked_schedule(original, state))
 
 
 def _wire_finalize(state: Installation) -> None:
@@ -352,18 +192,21 @@ def _wire_calculator(state: Installation) -> None:
     state.patch(CALCULATOR, "_configure_global_num_microbatches_calculator", lambda o: _configure_calculator(o, state))
 
 
-def _wire_late(state: Installation) -> None:
-    """The wirings outside the three modules a vendored tree patches (patches/): Megatron-LM's training loop
-    (once it is loaded), the optimizer builders and GPTModel. install() runs them at once; a vendored tree
-    at its first calculator hook, when Megatron has parsed its args."""
+def _wire_training_hooks(state: Installation) -> None:
+    """The hooks outside the three modules a vendored tree patches (patches/): Megatron-LM's parser and training
+    loop, the optimizer builders, GPTModel and the checkpoint's args. Each is wired once, as soon as its module is
+    loaded: install() tries them all, and the calculator hook tries again (a vendored tree's first chance, and
+    Megatron-LM's training modules are loaded by then)."""
     for name, wire in (("arguments", wire_arguments), ("optimizer", wire_optimizer), ("gpt_model", wire_gpt_model),
                        ("training", wire_training), ("checkpoint_args", state.startup.wire)):
-        if name not in state.wired and wire(state) is not False:
-            state.wired.add(name)
+        if name not in state.training_hooks_wired and wire(state) is not False:
+            state.training_hooks_wired.add(name)
 
 
-#: What each upstream module gets: install() runs all of them, a vendored tree each at its module's import.
-WIRING = {SCHEDULES: _wire_schedules, FINALIZE: _wire_finalize, CALCULATOR: _wire_calculator}
+#: How each of the three core modules is wired: install() runs all of them, a vendored tree each at its module's
+#: import.
+WIRE_CORE_MODULE: dict[str, Callable[[Installation], None]] = {
+    SCHEDULES: _wire_schedules, FINALIZE: _wire_finalize, CALCULATOR: _wire_calculator}
 
 
 def _forward_step_calc_loss(original: Callable, state: Installation) -> Callable:
@@ -377,7 +220,7 @@ def _forward_step_calc_loss(original: Callable, state: Installation) -> Callable
     def forward_step_calc_loss(*args: Any, **kwargs: Any):
         if not state.active:
             return original(*args, **kwargs)
-        state.settle()
+        state.configure_from_megatron_args()
         state.counter.count(args[model_at] if len(args) > model_at else kwargs["model"])
         if len(args) > loss_at:
             args = list(args)
@@ -390,12 +233,12 @@ def _forward_step_calc_loss(original: Callable, state: Installation) -> Callable
     return forward_step_calc_loss
 
 
-def _guarded_schedule(original: Callable, state: Installation) -> Callable:
+def _checked_schedule(original: Callable, state: Installation) -> Callable:
     @functools.wraps(original)
     def schedule(*args: Any, **kwargs: Any):
         if not state.active:
             return original(*args, **kwargs)
-        state.settle()
+        state.configure_from_megatron_args()
         state.startup.run_once(state.config, megatron_args())
         finalize, contract = state.finalize, state.contract
         finalize.poll(wait=True)  # --ga-checks async: the last step's verdict, if not read after its optimizer step
@@ -444,15 +287,6 @@ def _report_first_step(state: Installation, kwargs: dict) -> None:
         logger.warning(note)
 
 
-def _model_config(model: Any) -> Any:
-    """The TransformerConfig of a schedule's ``model`` argument (a chunk or a list of chunks)."""
-    if model is None:
-        return None
-    from megatron.core.utils import get_model_config
-
-    return get_model_config(model[0] if isinstance(model, (list, tuple)) else model)
-
-
 def _configure_calculator(original: Callable, state: Installation) -> Callable:
     """Upstream's configure, or the step-schedule calculator where a schedule (or a converted rampup)
     is given; then the consumed-samples guard around whichever is live."""
@@ -462,8 +296,8 @@ def _configure_calculator(original: Callable, state: Installation) -> Callable:
     def configure(*args: Any, **kwargs: Any) -> None:
         if not state.active:
             return original(*args, **kwargs)
-        state.settle()
-        _wire_late(state)
+        state.configure_from_megatron_args()
+        _wire_training_hooks(state)
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         inputs = ScheduleInputs.from_calculator_call(state.config, bound.arguments)
@@ -471,8 +305,6 @@ def _configure_calculator(original: Callable, state: Installation) -> Callable:
         if schedule is None:
             original(*bound.args, **bound.kwargs)
         else:
-            from megatron_ga_ext.integration.calculator import StepScheduleCalculator
-
             set_live_calculator(StepScheduleCalculator.for_launch(schedule, inputs, rank=bound.arguments["rank"]))
         _guard_live_calculator(state)
 

@@ -18,18 +18,36 @@ vector :mod:`megatron_ga_ext.integration.finalize` broadcasts and all-reduces wi
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
 
 from megatron_ga_ext.config.flags import MODES
 from megatron_ga_ext.errors import LossContractError
 
-__all__ = ["MODES", "LossContract", "masked_loss", "mean_of_means_reports", "reduce_reports"]
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
-#: Slots of the per-step int64 vector (see :meth:`LossContract.collect`).
-SLOT_TOKENS, SLOT_NEGATIVE, SLOT_NONFINITE, SLOT_UNCHECKED = range(4)
-NUM_SLOTS = 4
+__all__ = ["MODES", "LossContract", "StepChecks", "masked_loss", "mean_of_means_reports", "reduce_reports"]
+
+
+class StepChecks(NamedTuple):
+    """The step's int64 check vector (:meth:`LossContract.collect`), read on the host after the finalize's
+    collectives: each field summed over the DP x CP ranks."""
+
+    tokens: int
+    """N, the non-padding tokens of the global batch."""
+    negative: int
+    """Micro-batches that returned num_tokens < 0."""
+    nonfinite: int
+    """Micro-batches whose loss holds an inf or nan."""
+    unchecked: int
+    """Last pipeline stages that ran no micro-batch through the contract."""
+
+
+#: Where each field of :class:`StepChecks` stands in the device vector.
+SLOT_TOKENS, SLOT_NEGATIVE, SLOT_NONFINITE, SLOT_UNCHECKED = range(len(StepChecks._fields))
+NUM_SLOTS = len(StepChecks._fields)
 
 
 def masked_loss(losses: torch.Tensor, loss_mask: torch.Tensor, *, mode: str = "token",
@@ -63,7 +81,7 @@ def masked_loss(losses: torch.Tensor, loss_mask: torch.Tensor, *, mode: str = "t
 
 
 def reduce_reports(reports: list[dict[str, torch.Tensor]],
-                   group: Any = None) -> dict[str, torch.Tensor]:
+                   group: ProcessGroup | None = None) -> dict[str, torch.Tensor]:
     """The logged loss: sum over micro-batches (and ranks of ``group``) of report[0] / of report[1].
 
     With :func:`masked_loss` reports this is the token-weighted mean in mode ``token`` and the mean of

@@ -16,16 +16,17 @@ micro-batch: the coverage table's refusals and limits (config/coverage.py), then
 
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from megatron_ga_ext.config.coverage import enforce as enforce_coverage
 from megatron_ga_ext.config.flags import BY_DEST, CONVERT_RAMPUP
 from megatron_ga_ext.config.ga_config import GA_FIELDS, GAConfig
 from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
 from megatron_ga_ext.errors import GAError, GuardError
-from megatron_ga_ext.integration.compat import live_calculator
+from megatron_ga_ext.integration.compat import Calculator, live_calculator
 from megatron_ga_ext.logs import get_logger
 
 __all__ = ["BATCH_FLAGS", "StartupChecks", "batch_settings", "check_ranks_agree", "describe_differences"]
@@ -42,7 +43,8 @@ DATA_PARALLEL = "data-parallel size"
 CHECKPOINTING = "megatron.training.checkpointing"
 
 
-def batch_settings(args: Any = None, config: GAConfig | None = None, calculator: Any = None) -> dict[str, str]:
+def batch_settings(args: argparse.Namespace | None = None, config: GAConfig | None = None,
+                   calculator: Calculator | None = None) -> dict[str, str]:
     """The batch settings of one rank, as text by the flag that sets them: from Megatron's ``args`` where there
     are any, else from the extension's ``config``; and what the live ``calculator`` computes now."""
     settings = {}
@@ -119,6 +121,13 @@ def check_ranks_agree(settings: Mapping[str, str]) -> None:
             f"the same batch flags.")
 
 
+class Patching(Protocol):
+    """What :meth:`StartupChecks.wire` needs of install()'s state (installation.Installation, which holds a
+    StartupChecks)."""
+
+    def patch(self, module_name: str, name: str, make: Callable[[Callable], Callable]) -> Callable: ...
+
+
 class StartupChecks:
     """The checks of the module docstring, made once per installation; the checkpoint's args on the way."""
 
@@ -127,7 +136,7 @@ class StartupChecks:
         self.checkpoint_settings: dict[str, str] | None = None
         self.checkpoint_batch_size: Callable[[int], int | None] | None = None
 
-    def run_once(self, config: GAConfig, args: Any) -> None:
+    def run_once(self, config: GAConfig, args: argparse.Namespace | None) -> None:
         """At the first forward/backward call: the coverage table's refusals, the ranks agree, and a resumed run
         says what changed."""
         if self.done:
@@ -138,7 +147,7 @@ class StartupChecks:
         if self.checkpoint_settings is not None and args is not None:
             self._warn_if_changed(args)
 
-    def wire(self, state: Any) -> bool:
+    def wire(self, state: Patching) -> bool:
         """Record the checkpoint's args where Megatron-LM checks them on load (``check_checkpoint_args``); False
         while Megatron-LM's checkpointing is not loaded."""
         if not hasattr(sys.modules.get(CHECKPOINTING), "check_checkpoint_args"):
@@ -155,7 +164,7 @@ class StartupChecks:
 
         return check_checkpoint_args
 
-    def _warn_if_changed(self, args: Any) -> None:
+    def _warn_if_changed(self, args: argparse.Namespace) -> None:
         now = batch_settings(args)
         changed = [f"{key} {was!r} when it was saved, {now[key]!r} now"
                    for key, was in self.checkpoint_settings.items() if key in now and now[key] != was]
@@ -176,7 +185,7 @@ class StartupChecks:
             iteration, consumed, "; ".join(changed), iteration + 1, consumed, batch)
 
 
-def _batch_size_at(args: Any, consumed: int) -> int | None:
+def _batch_size_at(args: argparse.Namespace, consumed: int) -> int | None:
     """The global batch size ``args`` (a checkpoint's) give at ``consumed`` samples; None where unknown (an
     unconverted rampup, a configuration that no longer reads)."""
     rampup = getattr(args, "rampup_batch_size", None)

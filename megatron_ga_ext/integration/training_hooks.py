@@ -1,5 +1,5 @@
-"""The wirings into Megatron-LM's training loop (``megatron.training``), GPTModel and the optimizers Megatron
-builds: install() runs them once (a vendored tree at its first calculator hook, when Megatron has parsed its args).
+"""The hooks into Megatron-LM's training loop (``megatron.training``), GPTModel and the optimizers Megatron
+builds: install() wires them once (a vendored tree at its first calculator hook, when Megatron has parsed its args).
 
 * ``update_train_iters`` / ``get_train_valid_test_num_samples``: the run length under a step schedule;
 * the optimizers' ``step``: skipped after a zero-token batch (``--ga-zero-token-policy skip``), and where the
@@ -9,21 +9,23 @@ builds: install() runs them once (a vendored tree at its first calculator hook, 
 
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
 from typing import Any, Callable
 
 from megatron_ga_ext.integration.aux_losses import padding_mask_forward
 from megatron_ga_ext.integration.calculator import StepScheduleCalculator
-from megatron_ga_ext.integration.compat import TARGETS, TRAINING, check_targets, live_calculator
+from megatron_ga_ext.integration.compat import TARGETS, TRAINING, check_targets, live_calculator, megatron_args
+from megatron_ga_ext.integration.installation import Installation
 from megatron_ga_ext.logs import get_logger
 
-__all__ = ["OPTIMIZER_BUILDERS", "megatron_args", "wire_gpt_model", "wire_optimizer", "wire_training"]
+__all__ = ["OPTIMIZER_BUILDERS", "wire_gpt_model", "wire_optimizer", "wire_training"]
 
 logger = get_logger(__name__)
 
 
-def wire_optimizer(state: Any) -> None:
+def wire_optimizer(state: Installation) -> None:
     """``--ga-zero-token-policy skip``: the optimizers Megatron builds skip a step whose global batch had no
     tokens (FinalizeModelGrads.skip_step), returning (update_successful=False, None, None) as an fp16 overflow
     does, so Megatron counts a skipped iteration and does not advance the learning rate. Only the returned
@@ -38,14 +40,14 @@ def wire_optimizer(state: Any) -> None:
 OPTIMIZER_BUILDERS = ("get_megatron_optimizer", "get_megatron_muon_optimizer")
 
 
-def wire_gpt_model(state: Any) -> None:
+def wire_gpt_model(state: Installation) -> None:
     """Token mode: MoE routes with padding_mask = (loss_mask == 0) (aux_losses.py says why)."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     state.patch_attribute(GPTModel, "forward", lambda original: padding_mask_forward(original, state))
 
 
-def _skipping_builder(original: Callable, state: Any) -> Callable:
+def _skipping_builder(original: Callable, state: Installation) -> Callable:
     @functools.wraps(original)
     def build(*args: Any, **kwargs: Any) -> Any:
         optimizer = original(*args, **kwargs)
@@ -55,7 +57,7 @@ def _skipping_builder(original: Callable, state: Any) -> Callable:
     return build
 
 
-def _skipping_step(step: Callable, state: Any) -> Callable:
+def _skipping_step(step: Callable, state: Installation) -> Callable:
     @functools.wraps(step)
     def skipping_step(*args: Any, **kwargs: Any) -> Any:
         finalize = state.finalize
@@ -70,7 +72,7 @@ def _skipping_step(step: Callable, state: Any) -> Callable:
     return skipping_step
 
 
-def wire_training(state: Any) -> bool:
+def wire_training(state: Installation) -> bool:
     """Megatron-LM's run length under a step schedule, once ``megatron.training.training`` is loaded
     (False: not loaded yet)."""
     if TRAINING not in sys.modules:
@@ -83,19 +85,19 @@ def wire_training(state: Any) -> bool:
     return True
 
 
-def _step_calculator() -> Any:
+def _step_calculator() -> StepScheduleCalculator | None:
     """The live calculator if it is the extension's step-schedule calculator (under the guard), else None."""
     live = live_calculator()
     live = getattr(live, "inner", live)
     return live if isinstance(live, StepScheduleCalculator) else None
 
 
-def _update_train_iters(original: Callable, state: Any) -> Callable:
+def _update_train_iters(original: Callable, state: Installation) -> Callable:
     """``--train-samples`` under a step schedule: train_iters = the steps the schedule plans,
     while consumed < train_samples (upstream divides by a constant GBS on 0.16/0.17 and with a rampup)."""
 
     @functools.wraps(original)
-    def update_train_iters(args: Any) -> None:
+    def update_train_iters(args: argparse.Namespace) -> None:
         calculator = _step_calculator()
         if not state.active or calculator is None or args.train_iters or not args.train_samples:
             return original(args)
@@ -107,7 +109,7 @@ def _update_train_iters(original: Callable, state: Any) -> Callable:
     return update_train_iters
 
 
-def _num_samples(original: Callable, state: Any) -> Callable:
+def _num_samples(original: Callable, state: Installation) -> Callable:
     """The training dataset holds every sample the planned steps consume (the last step may pass
     --train-samples)."""
 
@@ -121,9 +123,3 @@ def _num_samples(original: Callable, state: Any) -> Callable:
         return (max(result[0], calculator.plan(train_samples)[1]), *result[1:])
 
     return get_train_valid_test_num_samples
-
-
-def megatron_args() -> Any:
-    """Megatron's parsed args, or None before parsing (megatron.training is not imported for this)."""
-    global_vars = sys.modules.get("megatron.training.global_vars")
-    return getattr(global_vars, "_GLOBAL_ARGS", None)
