@@ -119,3 +119,13 @@ def test_a_missing_or_bad_trace_file(tmp_path):
 def test_suggest_flags_without_suggest_are_refused(flag):
     with pytest.raises(UsageError, match=f"{flag} goes with --suggest TRACE.json"):
         invoke("0:32", "--micro-batch-size", "2", "--data-parallel-size", "16", flag, "1")
+
+
+def test_the_docs_example_is_current():
+    """docs/noise-scale.md shows what --suggest prints for examples/noise-scale-trace.json (python -m
+    tools.noise_scale --write renders both; this test only reads them)."""
+    from tools import docs, noise_scale
+
+    assert json.loads(noise_scale.TRACE.read_text()) == noise_scale.example_trace()
+    shown = docs.block(noise_scale.DOC.read_text(), "suggest-example")
+    assert noise_scale.suggest_output() in shown, "run python -m tools.noise_scale --write and commit"
