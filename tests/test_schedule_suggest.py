@@ -90,6 +90,8 @@ def test_an_error_is_one_line_and_exit_2(cli, trace):
      r"--lr-wsd-decay-samples 20 is longer than --lr-decay-samples 10"),
     (["--lr-warmup-samples", "-5"], SizeError, r"--lr-warmup-samples -5 must be at least 0"),
     (["--global-batch-size", "48"], ScheduleError, r"--global-batch-size 48 \(the first stage\) is not a multiple"),
+    (["--consumed-samples", "5", "--warn-future-stages"], UsageError,
+     r"--consumed-samples, --warn-future-stages do\(es\) not apply to --suggest"),
     (["--virtual-pipeline-model-parallel-size", "2", "--pipeline-model-parallel-size", "4"], InterleaveError,
      r"interleaved schedule needs num_microbatches >= N = 4"),
 ])

@@ -103,8 +103,8 @@ def test_every_suggestion_keeps_the_rules(estimates, gaps, mbs, dp, start_units,
 
 @pytest.mark.parametrize("kw, error, match", [
     ({"initial_global_batch_size": 48}, ScheduleError,
-     r"--global-batch-size 48 \(the first stage\) is not a multiple of --micro-batch-size 2 x data-parallel size "
-     r"16 = 32.*Nearest valid batch sizes: 32, 64"),
+     (r"--global-batch-size 48 \(the first stage\) is not a multiple of --micro-batch-size 2 x data-parallel size "
+      r"16 = 32.*Nearest valid batch sizes: 32, 64")),
     ({"max_global_batch_size": 16}, ScheduleError, r"--max-global-batch-size 16 is below the first stage's"),
     ({"trust": 0}, UsageError, r"--trust 0 must be a positive finite number"),
     ({"trust": math.nan}, UsageError, r"--trust nan"),
@@ -149,8 +149,8 @@ def test_samples_win_over_tokens_in_a_row_that_has_both():
     ([{"consumed_samples": 0, "b_simple_samples": -3}], NoiseScaleError, r"b_simple_samples -3 is not a positive"),
     ([{"consumed_samples": 0, "b_simple_samples": math.inf}], NoiseScaleError, r"write null"),
     ([{"consumed_samples": 0, "b_simple_samples": "12"}], NoiseScaleError, r"b_simple_samples '12'"),
-    ([{"consumed_samples": 0, "b_simple_tokens": 12}], UsageError, r"gives \"b_simple_tokens\" only: give "
-                                                                   r"--seq-length"),
+    ([{"consumed_samples": 0, "b_simple_tokens": 12}], UsageError,
+     r"gives \"b_simple_tokens\" only: give --seq-length"),
 ])
 def test_a_malformed_trace_is_refused(data, error, match):
     with pytest.raises(error, match=match):
@@ -160,3 +160,36 @@ def test_a_malformed_trace_is_refused(data, error, match):
 def test_text_that_is_not_json_names_its_line():
     with pytest.raises(NoiseScaleError, match=r"neither JSON nor JSON Lines: line 2"):
         read_trace('{"consumed_samples": 0, "b_simple_samples": 1}\n{oops\n')
+
+
+@pytest.mark.parametrize("text, match", [
+    ("[" * 100_000, r"line 1: RecursionError"),
+    ('[{"consumed_samples": ' + "1" * 5000 + ', "b_simple_samples": 1}]', r"line 1: ValueError: Exceeds the limit"),
+    ('[{"consumed_samples": 1, "b_simple_samples": 1' + "0" * 400 + "}]", r"100000000000\.\.\. \(401 digits\)"),
+    ('[{"consumed_samples": 1' + "0" * 31 + ', "b_simple_samples": 1}]', r"not a whole number from 0 to 10\*\*30"),
+    ('[{"consumed_samples": 1, "b_simple_samples": NaN}]', r"b_simple_samples nan is not a positive finite"),
+])
+def test_hostile_text_is_refused_in_one_line(text, match):
+    with pytest.raises(NoiseScaleError, match=match):
+        read_trace(text)
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=20), inner,
+                                                                                max_size=4), max_leaves=12)
+ROW = st.fixed_dictionaries({"consumed_samples": JSON | st.integers(0, 10**6)},
+                            optional={"b_simple_samples": JSON | st.floats(0, 1e6), "b_simple_tokens": JSON,
+                                      "iteration": JSON})
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.one_of(JSON, st.lists(ROW, max_size=5), st.text(max_size=40)))
+def test_any_json_is_read_or_refused_with_a_typed_error(data):
+    """Whatever the file holds, the reader returns typed rows or raises a GAError: nothing else escapes."""
+    text = data if isinstance(data, str) else json.dumps(data)
+    try:
+        rows = read_trace(text, tokens_per_sample=128.0)
+    except (NoiseScaleError, UsageError):
+        return
+    assert all(isinstance(r.consumed_samples, int) and (r.b_simple_samples is None or r.b_simple_samples > 0)
+               for r in rows)

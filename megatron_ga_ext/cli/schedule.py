@@ -36,7 +36,14 @@ from megatron_ga_ext.core.schedule.step_schedule import (
     total_samples,
     total_steps,
 )
-from megatron_ga_ext.core.schedule.suggest import DoublingRule, Frozen, Suggestion, TraceRow, read_trace, suggest_schedule
+from megatron_ga_ext.core.schedule.suggest import (
+    DoublingRule,
+    Frozen,
+    Suggestion,
+    TraceRow,
+    read_trace,
+    suggest_schedule,
+)
 from megatron_ga_ext.core.schedule.tables import TABLE_LIMIT
 from megatron_ga_ext.errors import ScheduleWarning, SizeError, UsageError
 
@@ -248,6 +255,14 @@ def _run_suggest(args: argparse.Namespace) -> int:
     if args.schedule is not None or args.from_rampup is not None:
         raise UsageError("--suggest writes the schedule itself: give --suggest TRACE.json without a schedule or "
                          "--from-rampup.")
+    unread = [flag for flag, given in (("--sample-thresholds", args.sample_thresholds),
+                                       ("--consumed-samples", args.consumed_samples != "0"),
+                                       ("--planned-data-parallel-sizes", bool(args.planned_data_parallel_sizes)),
+                                       ("--warn-future-stages", args.warn_future_stages)) if given]
+    if unread:
+        raise UsageError(f"{', '.join(unread)} do(es) not apply to --suggest: the suggested schedule starts at 0 "
+                         "and is held to today's layout. Leave it out, or run the printed schedule through "
+                         "megatron-ga schedule with it.")
     mbs = _count("--micro-batch-size", args.micro_batch_size)
     dp = _count("--data-parallel-size", args.data_parallel_size)
     seq = _count("--seq-length", args.seq_length) if args.seq_length is not None else None
@@ -255,14 +270,7 @@ def _run_suggest(args: argparse.Namespace) -> int:
     trace = read_trace(_trace_text(args.suggest), tokens_per_sample=seq)
     suggestion = suggest_schedule(trace, rule)
     schedule = suggestion.schedule
-    schedule.validate(
-        mbs, dp, _count("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
-        _count("--virtual-pipeline-model-parallel-size", args.virtual_pipeline_model_parallel_size)
-        if args.virtual_pipeline_model_parallel_size else None,
-        microbatch_group_size_per_vp_stage=_count("--microbatch-group-size-per-virtual-pipeline-stage",
-                                                  args.microbatch_group_size_per_virtual_pipeline_stage)
-        if args.microbatch_group_size_per_virtual_pipeline_stage else None,
-    )
+    _validate_suggested(args, schedule, mbs, dp)
     train_samples = _train_samples(args, seq)
     base = _count("--lr-base-batch-size", args.lr_base_batch_size) if args.lr_base_batch_size else None
     if (args.lr is None) != (base is None):
@@ -281,6 +289,17 @@ def _run_suggest(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"plot written to {args.plot}")
     return 0
+
+
+def _validate_suggested(args: argparse.Namespace, schedule: StepSchedule, mbs: int, dp: int) -> None:
+    """Doubling keeps MBS x DP dividing every stage, not the interleaved rule: hold it to the whole layout."""
+    vpp, group = args.virtual_pipeline_model_parallel_size, args.microbatch_group_size_per_virtual_pipeline_stage
+    schedule.validate(
+        mbs, dp, _count("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
+        _count("--virtual-pipeline-model-parallel-size", vpp) if vpp else None,
+        microbatch_group_size_per_vp_stage=_count("--microbatch-group-size-per-virtual-pipeline-stage", group)
+        if group else None,
+    )
 
 
 def _trace_text(path: str) -> str:

@@ -102,8 +102,9 @@ def unbiasedness_rows(trials: int = 4000, seed: int = 1) -> list[tuple[str, str,
 
 def unbiasedness_table(trials: int = 4000, seed: int = 1) -> str:
     """The rows as a Markdown table (deterministic for a seed and a torch build)."""
-    lines = ["| token counts b_r | estimator | quantity | truth | mean estimate | standard error | "
-             "(mean - truth) / SE |", "|---|---|---|---|---|---|---|"]
+    header = ("| token counts b_r | estimator | quantity | truth | mean estimate | standard error | "
+              "(mean - truth) / SE |")
+    lines = [header, "|---|---|---|---|---|---|---|"]
     for regime, name, quantity, s in unbiasedness_rows(trials, seed):
         counts = " ".join(map(str, COUNTS[regime]))
         quantity = quantity.replace("|", "\\|")  # a bare pipe would split the Markdown cell

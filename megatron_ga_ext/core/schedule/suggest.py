@@ -34,6 +34,7 @@ import operator
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from megatron_ga_ext.core.numbers import MAX_EXPONENT
 from megatron_ga_ext.core.rules import multiple_error, require_positive_int
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.errors import NoiseScaleError, ScheduleError, UsageError
@@ -188,7 +189,7 @@ def read_trace(text: str, tokens_per_sample: float | None = None) -> list[TraceR
     """Rows from a trace file's text: JSON (a list, or {"rows": [...]}) or JSON Lines (one row per line)."""
     try:
         data = json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # JSONDecodeError, an int past Python's digit limit, deep nesting
         data = _json_lines(text)
     if isinstance(data, Mapping) and "rows" in data:
         data = data["rows"]
@@ -207,6 +208,9 @@ def _json_lines(text: str) -> list[object]:
         except json.JSONDecodeError as error:
             raise NoiseScaleError(f"the trace is neither JSON nor JSON Lines: line {number}: {error.msg} "
                                   f"(column {error.colno}).") from None
+        except (ValueError, RecursionError) as error:
+            raise NoiseScaleError(f"the trace is neither JSON nor JSON Lines: line {number}: "
+                                  f"{type(error).__name__}: {str(error)[:80]}.") from None
     return rows
 
 
@@ -229,7 +233,7 @@ def _row(position: int, item: object, tokens_per_sample: float | None) -> TraceR
         raise NoiseScaleError(f"trace row {position} is a JSON {type(item).__name__}, not an object with "
                               '"consumed_samples" and "b_simple_samples".')
     if "consumed_samples" not in item:
-        raise NoiseScaleError(f"trace row {position} has no \"consumed_samples\" (keys: {sorted(item)}).")
+        raise NoiseScaleError(f"trace row {position} has no \"consumed_samples\" (keys: {_keys(item)}).")
     iteration = item.get("iteration")
     return TraceRow(
         position=position,
@@ -245,7 +249,7 @@ def _estimate(position: int, item: Mapping, tokens_per_sample: float | None) -> 
         return _positive(position, "b_simple_samples", item["b_simple_samples"])
     if "b_simple_tokens" not in item:
         raise NoiseScaleError(f"trace row {position} has neither \"b_simple_samples\" nor \"b_simple_tokens\" "
-                              f"(keys: {sorted(item)}).")
+                              f"(keys: {_keys(item)}).")
     tokens = _positive(position, "b_simple_tokens", item["b_simple_tokens"])
     if tokens is None:
         return None
@@ -255,13 +259,20 @@ def _estimate(position: int, item: Mapping, tokens_per_sample: float | None) -> 
     return tokens / tokens_per_sample
 
 
+def _keys(item: Mapping) -> str:
+    names = sorted(str(key) for key in item)
+    return ", ".join(names[:8]) + (f", ... ({len(names)} keys)" if len(names) > 8 else "") or "none"
+
+
 def _whole(position: int, key: str, value: object) -> int:
+    """A whole number in [0, 10**30] (past any sample count, and where every schedule number is bounded)."""
     try:
         number = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         number = -1
-    if isinstance(value, bool) or number < 0:
-        raise NoiseScaleError(f"trace row {position} {key} {value!r} is not a whole number >= 0.")
+    if isinstance(value, bool) or not 0 <= number <= 10**MAX_EXPONENT:
+        raise NoiseScaleError(f"trace row {position} {key} {_shown(value)} is not a whole number from 0 to "
+                              f"10**{MAX_EXPONENT}.")
     return number
 
 
@@ -269,7 +280,20 @@ def _positive(position: int, key: str, value: object) -> float | None:
     """A finite number > 0, or None for null (the estimate was not measurable on that step)."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-        raise NoiseScaleError(f"trace row {position} {key} {value!r} is not a positive finite number; write null "
-                              "for a step where B_simple was not measurable.")
-    return float(value)
+    try:
+        number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    except OverflowError:  # an int past the float range
+        number = math.inf
+    if not (math.isfinite(number) and number > 0):
+        raise NoiseScaleError(f"trace row {position} {key} {_shown(value)} is not a positive finite number; write "
+                              "null for a step where B_simple was not measurable.")
+    return number
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, cut short: a hostile trace may hold a number of thousands of digits."""
+    if isinstance(value, int) and abs(value) >= 10**40:
+        digits = str(value)
+        return f"{digits[:12]}... ({len(digits)} digits)"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
