@@ -78,7 +78,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     length.add_argument("--train-tokens", metavar="N", help="run length in tokens; needs --seq-length")
     parser.add_argument("--from-rampup", nargs=3, metavar=("START", "INCR", "SAMPLES"),
                         help="convert --rampup-batch-size START INCR SAMPLES (needs --global-batch-size)")
-    parser.add_argument("--global-batch-size", metavar="N", help="the GBS a --from-rampup ramp ends at")
+    parser.add_argument("--global-batch-size", metavar="N",
+                        help="the GBS a --from-rampup ramp ends at; with --suggest, the first stage (default MBS x DP)")
     parser.add_argument("--pipeline-model-parallel-size", metavar="N", default="1")
     parser.add_argument("--virtual-pipeline-model-parallel-size", metavar="N",
                         help="check each stage against the interleaved schedule's rule")
@@ -101,7 +102,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                               "print the schedule that doubles GBS where trust x B_simple passes 2 x GBS")
     suggest.add_argument("--max-global-batch-size", metavar="N", help="the cap: GBS doubles only while 2 x GBS <= N")
     suggest.add_argument("--trust", metavar="F", help="multiply the measured B_simple by F before comparing "
-                                                      "(default 1; B_simple underestimates, Merrill et al. 2025)")
+                                                      "(default 1; Merrill et al. 2025 found B_simple below the "
+                                                      "critical batch)")
     suggest.add_argument("--lr-warmup-samples", metavar="N", help="no change before N consumed samples")
     suggest.add_argument("--lr-decay-samples", metavar="N", help="where the LR decay ends (with "
                                                                  "--lr-wsd-decay-samples)")
