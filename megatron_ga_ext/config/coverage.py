@@ -115,6 +115,9 @@ class Row:
     instead: str = ""
     """refused: what to do instead."""
     proofs: tuple[Proof, ...] = ()
+    replays: bool = False
+    """The launch's iterations replay a captured graph without the extension's Python hooks, by design: the
+    per-iteration liveness check (integration/liveness.py) does not count them."""
     applies: Callable[[Setting], bool]
 
     @property
@@ -235,7 +238,8 @@ ROWS: tuple[Row, ...] = (
     Row(id="full-iteration-graph-microbatch", flags=("--cuda-graph-impl", "--cuda-graph-scope"), given=FULL_ITERATION,
         when="in microbatch mode", support="limited",
         text="the micro-batch guards run in the warm-up and capture iterations only; every replay runs the captured "
-        f"schedule, upstream's mean of means included; {NO_GPU}.",
+        f"schedule, upstream's mean of means included (the per-iteration liveness check is off); {NO_GPU}.",
+        replays=True,
         applies=lambda s: not s.token and _full_iteration(s) and not _batch_schedule(s)),
     Row(id="layer-graphs", flags=("--cuda-graph-impl", "--enable-cuda-graph", "--external-cuda-graph"),
         given="--cuda-graph-impl local or transformer_engine (--enable-cuda-graph, --external-cuda-graph)",

@@ -239,13 +239,17 @@ def _checked_schedule(original: Callable, state: Installation) -> Callable:
         if not state.active:
             return original(*args, **kwargs)
         state.configure_from_megatron_args()
-        state.startup.run_once(state.config, megatron_args())
+        verdict = state.startup.run_once(state.config, megatron_args())
+        if verdict is not None:
+            state.replays_expected = any(row.replays for row in verdict.limited)
         finalize, contract = state.finalize, state.contract
         finalize.poll(wait=True)  # --ga-checks async: the last step's verdict, if not read after its optimizer step
         state.counter.reset()
         if contract is not None:  # an evaluation call (forward_only) never reaches finalize
             contract.reset()
         forward_only = kwargs.get("forward_only")
+        if not forward_only:
+            state.training_schedules += 1
         state.adopt_finalize(state.model_config(kwargs.get("model")))
         finalized = finalize.calls
         result = original(*args, **kwargs)

@@ -92,6 +92,10 @@ class Installation:
     startup: StartupChecks = field(default_factory=StartupChecks)
     """Ranks agree on the batch configuration, and a resume says what changed: once, at the first schedule call."""
     reported_first_step: bool = False
+    training_schedules: int = 0
+    """Training calls (not forward_only) through the guarded schedule; liveness.py compares it per optimizer step."""
+    replays_expected: bool = False
+    """The launch replays graphs by design (a coverage row with ``replays``): liveness does not count its iterations."""
     last_model_config: _ChunkConfig | None = None
     """The last schedule call's first chunk and its config, see model_config()."""
 

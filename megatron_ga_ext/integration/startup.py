@@ -21,6 +21,7 @@ import functools
 import sys
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
+from megatron_ga_ext.config.coverage import Verdict
 from megatron_ga_ext.config.coverage import enforce as enforce_coverage
 from megatron_ga_ext.config.flags import BY_DEST, CONVERT_RAMPUP
 from megatron_ga_ext.config.ga_config import GA_FIELDS, GAConfig
@@ -136,16 +137,17 @@ class StartupChecks:
         self.checkpoint_settings: dict[str, str] | None = None
         self.checkpoint_batch_size: Callable[[int], int | None] | None = None
 
-    def run_once(self, config: GAConfig, args: argparse.Namespace | None) -> None:
+    def run_once(self, config: GAConfig, args: argparse.Namespace | None) -> Verdict | None:
         """At the first forward/backward call: the coverage table's refusals, the ranks agree, and a resumed run
-        says what changed."""
+        says what changed. Returns the coverage verdict the first time, else None."""
         if self.done:
-            return
-        enforce_coverage(args, config)
+            return None
+        verdict = enforce_coverage(args, config)
         self.done = True
         check_ranks_agree(batch_settings(args, config, live_calculator()))
         if self.checkpoint_settings is not None and args is not None:
             self._warn_if_changed(args)
+        return verdict
 
     def wire(self, state: Patching) -> bool:
         """Record the checkpoint's args where Megatron-LM checks them on load (``check_checkpoint_args``); False

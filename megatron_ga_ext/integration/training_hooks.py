@@ -2,7 +2,8 @@
 builds: install() wires them once (a vendored tree at its first calculator hook, when Megatron has parsed its args).
 
 * ``update_train_iters`` / ``get_train_valid_test_num_samples``: the run length under a step schedule;
-* the optimizers' ``step``: skipped after a zero-token batch (``--ga-zero-token-policy skip``), and where the
+* the optimizers' ``step``: where each iteration's liveness is checked (liveness.py: the schedule and finalize
+  hooks ran), skipped after a zero-token batch (``--ga-zero-token-policy skip``), and where the
   ``--ga-checks async`` verdict of the step is read;
 * ``GPTModel.forward``: MoE routes with the loss mask's padding (aux_losses.py).
 """
@@ -18,6 +19,7 @@ from megatron_ga_ext.integration.aux_losses import padding_mask_forward
 from megatron_ga_ext.integration.calculator import StepScheduleCalculator
 from megatron_ga_ext.integration.compat import TARGETS, TRAINING, check_targets, live_calculator, megatron_args
 from megatron_ga_ext.integration.installation import Installation
+from megatron_ga_ext.integration.liveness import StepLiveness
 from megatron_ga_ext.logs import get_logger
 
 __all__ = ["OPTIMIZER_BUILDERS", "wire_gpt_model", "wire_optimizer", "wire_training"]
@@ -58,15 +60,23 @@ def _skipping_builder(original: Callable, state: Installation) -> Callable:
 
 
 def _skipping_step(step: Callable, state: Installation) -> Callable:
+    """The optimizer's step: liveness first (the iteration ran the extension's hooks, liveness.py), then the skip
+    policy, then under --ga-checks async the step's verdict and liveness."""
+    liveness = StepLiveness(state)
+
     @functools.wraps(step)
     def skipping_step(*args: Any, **kwargs: Any) -> Any:
+        if not state.active:
+            return step(*args, **kwargs)
+        liveness.check(after_step=False)
         finalize = state.finalize
-        if state.active and finalize is not None and finalize.skip_step:
+        if finalize is not None and finalize.skip_step:
             finalize.skip_step = False
             return False, None, None
         result = step(*args, **kwargs)
-        if state.active and finalize is not None:
+        if finalize is not None:
             finalize.poll()  # --ga-checks async: the step's verdict, if its copy is done (the step's own reads synced)
+        liveness.check(after_step=True)
         return result
 
     return skipping_step

@@ -33,6 +33,8 @@ every rank without ``@R``):
 * ``empty-microbatch-at:K@R``: the first micro-batch of iteration K has an all-zero loss mask (the iteration row
   records the tokens removed as ``zeroed_tokens``);
 * ``nan-loss-at:K@R``: the loss function's loss of the first micro-batch of iteration K is NaN;
+* ``bypass-hooks``: the training loop's forward/backward function is upstream's schedule, not the one install()
+  wrapped (``get_forward_backward_func`` returns it unwrapped), so the extension's schedule hook never runs;
 * ``two-tuple-loss``: the loss function returns ``(loss, report)``, without the token count;
 * ``ddp-before-per-token-flag``: Megatron's DDP wrappers are built while ``calculate_per_token_loss`` is off, and
   the flag is set again after (a model wrapped before the flag).
@@ -236,7 +238,20 @@ def _pp_multiplied(get_forward_backward_func: Callable) -> Callable:
     return get
 
 
-FAULTS = {"pp-multiplied-microbatches": ("megatron.core.pipeline_parallel", "get_forward_backward_func", _pp_multiplied)}
+def _unwrapped(get_forward_backward_func: Callable) -> Callable:
+    """The fault ``bypass-hooks``: the training loop gets the schedule install() wrapped, unwrapped (the original
+    upstream function, as a loop that bound it before install() would hold)."""
+
+    @functools.wraps(get_forward_backward_func)
+    def get(*args: Any, **kwargs: Any) -> Callable:
+        forward_backward = get_forward_backward_func(*args, **kwargs)
+        return getattr(forward_backward, "__wrapped__", forward_backward)
+
+    return get
+
+
+FAULTS = {"pp-multiplied-microbatches": ("megatron.core.pipeline_parallel", "get_forward_backward_func", _pp_multiplied),
+          "bypass-hooks": ("megatron.core.pipeline_parallel", "get_forward_backward_func", _unwrapped)}
 
 
 def _patch_everywhere(module_name: str, name: str, make: Callable[[Callable], Callable]) -> None:

@@ -11,6 +11,8 @@ documented outcome (docs/reliability.md):
 * in that resumed run, a micro-batch without a single loss token on rank 1 (iteration 4): training goes on, and
   the global token count N is the other micro-batches' tokens;
 * a loss function returning a 2-tuple: LossContractError at the first micro-batch, nothing saved;
+* the loop's forward/backward function bypassing the extension's schedule hook: GuardError at the optimizer step of
+  iteration 1 (before it; with --ga-checks async after it) naming the bypass, nothing saved;
 * a model wrapped in DDP before --calculate-per-token-loss: LossContractError naming the factor 1/2, nothing saved;
 * rank 1 launched with another --global-batch-size, or another schedule: GuardError at the first forward/backward
   call naming both ranks and their values (the batch configuration is all-gathered once), nothing saved.
@@ -161,6 +163,24 @@ def test_ranks_launched_with_another_batch_configuration_fail_at_start(launches,
     nothing_saved(checkpoints)
     row(newest_source, f"rank 1 launched with another {case}", f"`MEGATRON_GA_EXTRA_ARGS_RANK1=\"{extra}\"`",
         f"GuardError at the first forward/backward call: {difference}", "none")
+
+
+@pytest.mark.parametrize("checks", ["sync", "async"])
+def test_an_iteration_that_bypassed_the_hooks_is_caught_and_named(launches, newest_source, checks):
+    """The training loop gets upstream's schedule instead of the one install() wrapped: finalize (bound by name in
+    training.py) still runs, the guarded schedule does not. The optimizer step's liveness check names the bypass,
+    before that step (sync) or after it (async); either way before Megatron logs or saves iteration 1."""
+    run, checkpoints = faulty(launches, newest_source, f"bypass-hooks-{checks}", [*CONSTANT, "--ga-checks", checks],
+                              MEGATRON_GA_FAULT="bypass-hooks")
+    prefix = "--ga-checks async, after the optimizer step: " if checks == "async" else ""
+    failed_with(run, "GuardError", f"{prefix}training iteration 1 reached the optimizer step through megatron-ga-ext's "
+                "finalize_model_grads but not through its guarded forward/backward schedule",
+                "not taken from megatron.core.pipeline_parallel.get_forward_backward_func()")
+    assert run.iterations == []
+    nothing_saved(checkpoints)
+    row(newest_source, f"forward/backward bypassing the schedule hook, --ga-checks {checks}", "`bypass-hooks`",
+        f"GuardError at the optimizer step of iteration 1 ({'after' if checks == 'async' else 'before'} it), naming "
+        "a forward_backward_func not taken from get_forward_backward_func", "none")
 
 
 def _zero_token_rows(launches, source: Path) -> None:

@@ -1,0 +1,98 @@
+"""Liveness: each optimizer step checks that its iteration ran the extension's schedule hook and finalize
+(integration/liveness.py); the real loop's bypass is tests/e2e/test_faults.py's ``bypass-hooks`` fault."""
+
+import re
+
+import pytest
+
+pytest.importorskip("megatron.core.pipeline_parallel.schedules")
+
+from megatron_ga_ext import GuardError  # noqa: E402
+from megatron_ga_ext.integration.install import GAConfig, install, uninstall  # noqa: E402
+from megatron_ga_ext.integration.liveness import bypass_message  # noqa: E402
+from megatron_ga_ext.integration.training_hooks import _skipping_step  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def clean():
+    uninstall()
+    yield
+    uninstall()
+
+
+@pytest.mark.parametrize("scheduled, finalized, token, expected", [
+    (True, True, True, None),
+    (True, False, False, None),  # microbatch mode: a loop may finalize by itself
+    (False, True, True, r"not through its guarded forward/backward schedule: .* not taken from "
+                        r"megatron\.core\.pipeline_parallel\.get_forward_backward_func\(\)"),
+    (False, False, True, r"neither its guarded forward/backward schedule nor its finalize_model_grads .* replayed "
+                         r"full-iteration CUDA graph \(--cuda-graph-impl full_iteration"),
+    (False, False, False, r"replayed full-iteration CUDA graph"),
+    (True, False, True, r"ran megatron-ga-ext's guarded schedule but not its finalize_model_grads"),
+])
+def test_bypass_message_names_what_most_likely_went_around_the_hooks(scheduled, finalized, token, expected):
+    message = bypass_message(scheduled=scheduled, finalized=finalized, token=token, iteration=7)
+    if expected is None:
+        assert message is None
+    else:
+        assert message.startswith("training iteration 7 ") and re.search(expected, message), message
+
+
+class Optimizer:
+    """An optimizer's step as Megatron's builders return it: (update_successful, grad_norm, num_zeros)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def step(self):
+        self.steps += 1
+        return True, 1.0, None
+
+
+def iteration(state, *, scheduled: bool = True, finalized: bool = True) -> None:
+    """What one iteration's hooks count: a training call through the guarded schedule, one finalize call."""
+    state.training_schedules += scheduled
+    state.finalize.calls += finalized
+
+
+def wrapped(state) -> tuple[Optimizer, object]:
+    optimizer = Optimizer()
+    return optimizer, _skipping_step(optimizer.step, state)
+
+
+@pytest.mark.parametrize("checks", ["sync", "async"])
+def test_an_iteration_without_the_hooks_raises_at_its_optimizer_step(checks):
+    state = install(GAConfig(checks=checks))
+    optimizer, step = wrapped(state)
+    iteration(state)
+    assert step() == (True, 1.0, None)
+    iteration(state, scheduled=False)  # finalize ran, the schedule hook did not
+    with pytest.raises(GuardError, match=r"not through its guarded forward/backward schedule"):
+        step()
+    # sync: raised before the optimizer stepped; async: after, as the step's other verdicts are read
+    assert optimizer.steps == (1 if checks == "sync" else 2)
+    iteration(state, scheduled=False, finalized=False)
+    with pytest.raises(GuardError, match=("^--ga-checks async, after the optimizer step: " if checks == "async" else "^")
+                       + r"a training iteration reached the optimizer step without running megatron-ga-ext's hooks"):
+        step()
+    iteration(state)  # a healthy iteration after: checked afresh
+    assert step() == (True, 1.0, None)
+
+
+def test_each_optimizer_keeps_its_own_count_and_replays_by_design_are_exempt():
+    state = install(GAConfig())
+    (_, first), (_, second) = wrapped(state), wrapped(state)
+    iteration(state)
+    first()
+    second()  # two optimizers stepping in one iteration: each saw the iteration's hooks
+    state.replays_expected = True  # a full-iteration graph in microbatch mode (coverage row `replays`)
+    iteration(state, scheduled=False, finalized=False)
+    first()
+
+
+def test_after_uninstall_the_step_calls_straight_through():
+    state = install(GAConfig())
+    optimizer, step = wrapped(state)
+    uninstall()
+    iteration(state, scheduled=False, finalized=False)
+    assert step() == (True, 1.0, None) and optimizer.steps == 1
