@@ -376,3 +376,67 @@ def test_padding_mask_forward_masks_moe_models_and_stays_a_class_attribute():
         model.forward(loss_mask=torch.tensor([1, 0]))
     assert later == [dense, moe, sub]
     uninstall()
+
+
+def test_uninstall_leaves_a_wrapper_other_code_put_on_top_of_ours():
+    """restore() puts an original back only where our replacement is still what is bound. Where other code wrapped
+    ours after install(), its wrapper stays bound; ours beneath it is inert (calls upstream straight through), so the
+    stack behaves as that wrapper over upstream's function."""
+    import functools
+
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    state = install()
+    ours, ours_forward = schedules.forward_step_calc_loss, GPTModel.__dict__["forward"]
+
+    @functools.wraps(ours)
+    def theirs(*args, **kwargs):
+        return ours(*args, **kwargs)
+
+    def their_forward(self, *args, **kwargs):
+        return ours_forward(self, *args, **kwargs)
+
+    schedules.forward_step_calc_loss, GPTModel.forward = theirs, their_forward
+    training = standin_training()  # a module that bound our finalize since: put back there
+    assert training.finalize_model_grads is state.finalize
+    try:
+        uninstall()
+        assert schedules.forward_step_calc_loss is theirs and GPTModel.__dict__["forward"] is their_forward
+        assert not state.active  # ours beneath theirs calls the original straight through
+        assert training.finalize_model_grads is ORIGINALS[f"{FINALIZE}.finalize_model_grads"]
+    finally:
+        schedules.forward_step_calc_loss = ORIGINALS[f"{schedules.__name__}.forward_step_calc_loss"]
+        GPTModel.forward = state_forward_original(ours_forward)
+
+
+def state_forward_original(wrapper):
+    """The function a functools.wraps wrapper wraps (GPTModel.forward before install())."""
+    return getattr(wrapper, "__wrapped__", wrapper)
+
+
+def test_a_partial_finalize_adopted_into_a_config_is_restored_and_a_reinstall_adopts_the_old_wrapper():
+    import functools
+
+    class Config:  # a model config as adopt_finalize sees it (weakly referenced)
+        finalize_model_grads_func = None
+
+    config = Config()
+    upstream = ORIGINALS[f"{FINALIZE}.finalize_model_grads"]
+    held = functools.partial(upstream, force_all_reduce=False)
+    config.finalize_model_grads_func = held
+    first = install()
+    first.adopt_finalize(config)
+    assert config.finalize_model_grads_func.func is first.finalize
+    assert config.finalize_model_grads_func.keywords == {"force_all_reduce": False}
+    config.finalize_model_grads_func = first.finalize  # what Megatron-LM's loop sets (training.py binds the name)
+    second = install(GAConfig(checks="async"))
+    assert second is not first and not first.active
+    second.adopt_finalize(config)  # the old installation's wrapper, inert now: the new one takes its place
+    assert config.finalize_model_grads_func is second.finalize
+    uninstall()
+    assert config.finalize_model_grads_func is first.finalize  # what the config held when it was adopted
+    config.finalize_model_grads_func = held
+    third = install()
+    third.adopt_finalize(config)
+    uninstall()
+    assert config.finalize_model_grads_func is held  # the partial object itself

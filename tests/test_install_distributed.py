@@ -158,10 +158,26 @@ def early_bound_finalize(ddp, config, cfg, step, ref, names) -> dict:
         skipped = None
     except GuardError as exc:
         skipped = str(exc)
-    config.finalize_model_grads_func = state.finalize
+    # install() with another config: the config still holds the first installation's finalize (as Megatron's loop
+    # set it), directly or in a partial; the next step adopts the new one and trains (no GuardError), and uninstall()
+    # puts the partial object itself back.
+    import dataclasses
+    from functools import partial
+
+    megatron_ga_ext.install(dataclasses.replace(state.config, checks="async"))
+    second = installed()
+    train_step(ddp, config, layout, cfg, batch, finalize=state.finalize, loss_func=masked_loss)
+    reinstalled = config.finalize_model_grads_func is second.finalize and second.finalize.calls == 1
+    second.finalize.poll(wait=True)
+    error_reinstalled = relative_error(gradients(ddp, names), ref)
+    held = partial(state.finalize, force_all_reduce=False)
+    train_step(ddp, config, layout, cfg, batch, finalize=held, loss_func=masked_loss)
+    adopted_partial = config.finalize_model_grads_func.func is second.finalize
     megatron_ga_ext.uninstall()
-    restored = config.finalize_model_grads_func is upstream
-    return {"adopted": adopted, "error": error, "skipped": skipped, "restored": restored}
+    restored_partial = config.finalize_model_grads_func is held
+    config.finalize_model_grads_func = upstream
+    return {"adopted": adopted, "error": error, "skipped": skipped, "restored": restored_partial,
+            "reinstalled": reinstalled, "error_reinstalled": error_reinstalled, "adopted_partial": adopted_partial}
 
 
 def evaluate(ddp, cfg, layout, batch) -> None:
@@ -235,6 +251,7 @@ def run_and_check(wiring: str) -> None:
         if wiring == "install":
             early = result["early_bound"]
             assert early["adopted"] and early["error"] < 1e-5 and early["restored"], early
+            assert early["reinstalled"] and early["error_reinstalled"] < 1e-5 and early["adopted_partial"], early
             assert early["skipped"] is not None and "never called megatron-ga-ext's finalize_model_grads" in early["skipped"]
 
 

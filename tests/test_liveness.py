@@ -96,3 +96,17 @@ def test_after_uninstall_the_step_calls_straight_through():
     uninstall()
     iteration(state, scheduled=False, finalized=False)
     assert step() == (True, 1.0, None) and optimizer.steps == 1
+
+
+def test_an_optimizer_built_before_a_reinstall_follows_the_new_installation():
+    """install() with another config after Megatron built its optimizer: the step keeps checking, against the new
+    installation's hooks and with its --ga-checks."""
+    first = install(GAConfig())
+    optimizer, step = wrapped(first)
+    second = install(GAConfig(checks="async"))
+    iteration(second)
+    assert step() == (True, 1.0, None)
+    iteration(second, scheduled=False)
+    with pytest.raises(GuardError, match=r"^--ga-checks async, after the optimizer step: .* not through its guarded"):
+        step()
+    assert optimizer.steps == 2

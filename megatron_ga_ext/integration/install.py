@@ -120,6 +120,8 @@ def install(config: GAConfig | argparse.Namespace | None = None) -> Installation
     except BaseException:
         state.restore()
         raise
+    if current is not None:
+        current.successor = state  # wrappers that outlive the old installation (an optimizer's step) follow it
     _live = state
     if waiting:
         logger.info("megatron-ga-ext installed on megatron-core %s (hooked functions as in %s); its "

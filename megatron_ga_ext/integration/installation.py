@@ -54,6 +54,16 @@ class _AttributePatch:
     owner: type
     name: str
     original: Callable
+    replacement: Callable
+
+
+@dataclass(frozen=True)
+class _AdoptedFinalize:
+    """A model config whose finalize_model_grads_func install() replaced: what it held, and what it holds since."""
+
+    config: weakref.ref[TransformerConfig]
+    original: Callable
+    replacement: Callable
 
 
 @dataclass(frozen=True)
@@ -81,8 +91,10 @@ class Installation:
     attribute_patches: list[_AttributePatch] = field(default_factory=list)
     training_hooks_wired: set[str] = field(default_factory=set)
     """The hooks outside the three core modules (install.py's _wire_training_hooks) in place, by name."""
-    configs: list[weakref.ref[TransformerConfig]] = field(default_factory=list)
+    configs: list[_AdoptedFinalize] = field(default_factory=list)
     """Model configs whose finalize_model_grads_func install() set."""
+    successor: Installation | None = None
+    """The installation that replaced this one (install() with another config): see :meth:`current`."""
     counter: MicrobatchCounter = field(default_factory=MicrobatchCounter)
     contract: LossContract | None = None
     """Token mode's loss contract; None in microbatch mode."""
@@ -136,28 +148,40 @@ class Installation:
     def patch_attribute(self, owner: type, name: str, make: Callable[[Callable], Callable]) -> None:
         """Replace the class attribute ``owner.name`` by ``make(original)``."""
         original = owner.__dict__[name]
-        self.attribute_patches.append(_AttributePatch(owner, name, original))
-        setattr(owner, name, make(original))
+        replacement = make(original)
+        self.attribute_patches.append(_AttributePatch(owner, name, original, replacement))
+        setattr(owner, name, replacement)
 
     def restore(self) -> None:
-        """Every original back: where install() put a replacement, in modules imported since that bound
-        one (``from x import y`` after install()), on classes, and in model configs that hold the finalize."""
+        """Every original back where install()'s replacement is still what is bound: in the modules patched, in
+        modules imported since that bound it (``from x import y`` after install()), on classes, and in model configs
+        that hold the finalize (or a partial of it). A wrapper other code put on top of ours stays where it is; ours
+        beneath it is inert from here on (``active`` False: it calls the original straight through)."""
         self.active = False
-        for a in reversed(self.attribute_patches):
-            setattr(a.owner, a.name, a.original)
-        self.attribute_patches.clear()
-        for p in reversed(self.patches):
-            p.namespace[p.name] = p.original
-            for namespace in _namespaces_holding(p.replacement, p.name):
-                namespace[p.name] = p.original
         if self.finalize is not None:
             self.finalize.active = False
-            for ref in self.configs:
-                config = ref()
-                if config is not None and config.finalize_model_grads_func is self.finalize:
-                    config.finalize_model_grads_func = self.finalize.original
+        for a in reversed(self.attribute_patches):
+            if a.owner.__dict__.get(a.name) is a.replacement:
+                setattr(a.owner, a.name, a.original)
+        self.attribute_patches.clear()
+        for p in reversed(self.patches):
+            for namespace in [p.namespace, *_namespaces_holding(p.replacement, p.name)]:
+                if namespace.get(p.name) is p.replacement:
+                    namespace[p.name] = p.original
+        for adopted in self.configs:
+            config = adopted.config()
+            if config is not None and config.finalize_model_grads_func is adopted.replacement:
+                config.finalize_model_grads_func = adopted.original
         self.patches.clear()
         self.configs.clear()
+
+    def current(self) -> Installation | None:
+        """The live installation this one led to: itself while active, else its successor's (install() with another
+        config), else None (uninstalled). A wrapper that outlives its installation (the optimizer's step) follows it."""
+        state: Installation | None = self
+        while state is not None and not state.active:
+            state = state.successor
+        return state
 
     def model_config(self, model: torch.nn.Module | list[torch.nn.Module] | None) -> TransformerConfig | None:
         """The TransformerConfig of a schedule's ``model`` argument: looked up again only for another first chunk
@@ -173,17 +197,24 @@ class Installation:
         return last.config
 
     def adopt_finalize(self, config: TransformerConfig | None) -> None:
-        """Give ``config`` the extension's finalize where it holds upstream's (set before install())."""
+        """Give ``config`` the extension's finalize where it holds upstream's (set before install()) or an earlier
+        installation's (set before install() with another config), directly or in a ``functools.partial``."""
         if self.finalize is None or config is None:
             return
         current = getattr(config, "finalize_model_grads_func", None)
-        if current is self.finalize.original:
-            config.finalize_model_grads_func = self.finalize
-        elif isinstance(current, functools.partial) and current.func is self.finalize.original:
-            config.finalize_model_grads_func = functools.partial(self.finalize, *current.args, **current.keywords)
-        else:
+        partial = isinstance(current, functools.partial)
+        function = current.func if partial else current
+        if function is self.finalize or not self._is_upstream_finalize(function):
             return
-        self.configs.append(weakref.ref(config))
+        replacement = functools.partial(self.finalize, *current.args, **current.keywords) if partial else self.finalize
+        config.finalize_model_grads_func = replacement
+        self.configs.append(_AdoptedFinalize(weakref.ref(config), current, replacement))
+
+    def _is_upstream_finalize(self, function: object) -> bool:
+        """Upstream's finalize (the one this installation wraps), or an uninstalled installation's wrapper of it."""
+        return function is self.finalize.original or (
+            isinstance(function, FinalizeModelGrads) and not function.active
+            and function.original is self.finalize.original)
 
 
 def _namespaces_holding(original: Callable, name: str) -> list[dict[str, Any]]:

@@ -61,6 +61,11 @@ class StepLiveness:
         self.state = state
         self.schedules, self.finalized = self._counts()
 
+    def follow(self, state: Installation) -> None:
+        """Count against ``state`` (the installation that replaced this one's) from now on: its counts start at
+        install(), so the iteration in progress is counted from 0."""
+        self.state, self.schedules, self.finalized = state, 0, 0
+
     def _counts(self) -> tuple[int, int]:
         finalize = self.state.finalize
         return self.state.training_schedules, 0 if finalize is None else finalize.calls

@@ -61,15 +61,19 @@ def _skipping_builder(original: Callable, state: Installation) -> Callable:
 
 def _skipping_step(step: Callable, state: Installation) -> Callable:
     """The optimizer's step: liveness first (the iteration ran the extension's hooks, liveness.py), then the skip
-    policy, then under --ga-checks async the step's verdict and liveness."""
+    policy, then under --ga-checks async the step's verdict and liveness. The optimizer outlives an install() with
+    another config: the step follows to the installation that replaced the one it was built under."""
     liveness = StepLiveness(state)
 
     @functools.wraps(step)
     def skipping_step(*args: Any, **kwargs: Any) -> Any:
-        if not state.active:
+        live = state.current()
+        if live is None:
             return step(*args, **kwargs)
+        if liveness.state is not live:
+            liveness.follow(live)
         liveness.check(after_step=False)
-        finalize = state.finalize
+        finalize = live.finalize
         if finalize is not None and finalize.skip_step:
             finalize.skip_step = False
             return False, None, None
