@@ -60,10 +60,6 @@ REFUSALS = [
     Refusal("optimizer-graph-skip", [*TOKEN, "--optimizer-cuda-graph"], {"zero_token_policy": "skip"}),
     Refusal("combined-1f1b-token", [*TOKEN, *EP_MOE, "--overlap-moe-expert-parallel-comm"]),
     Refusal("delayed-wgrad-token", [*TOKEN, *EP_MOE, "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]),
-    Refusal("router-quantile-balancing-token", [*TOKEN, "--num-experts", "4", "--moe-router-load-balancing-type",
-                                                "quantile_balancing"]),
-    Refusal("router-quantile-balancing-token", [*TOKEN, "--num-experts", "4", "--moe-router-load-balancing-type",
-                                                "aux_loss", "quantile_balancing"], spelling="one-of-two"),
     Refusal("torch-fsdp2-token", [*TOKEN, "--use-torch-fsdp2"]),
     Refusal("average-in-collective-token", [*TOKEN, "--ddp-average-in-collective"]),
 ]
@@ -147,6 +143,9 @@ def test_a_launch_with_several_refusals_names_each():
     ([*TOKEN, "--optimizer-cuda-graph"], {"checks": "async"}),
     ([*EP_MOE, "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"], MICROBATCH),
     (["--num-experts", "4", "--moe-router-load-balancing-type", "quantile_balancing"], MICROBATCH),
+    ([*TOKEN, "--num-experts", "4", "--moe-router-load-balancing-type", "quantile_balancing"], {}),
+    ([*TOKEN, "--num-experts", "4", "--moe-router-load-balancing-type", "aux_loss", "quantile_balancing",
+      "--moe-z-loss-coeff", "1e-3"], {}),
     (["--use-torch-fsdp2"], MICROBATCH),
 ])
 def test_the_same_flags_elsewhere_are_not_refused(flags, ga, capsys):

@@ -356,8 +356,9 @@ def test_padding_mask_forward_masks_moe_models_and_stays_a_class_attribute():
         seen.append((model, None if padding_mask is None else padding_mask.tolist()))
 
     class Model:
-        def __init__(self, experts):
-            self.config = types.SimpleNamespace(num_moe_experts=experts, sequence_parallel=False)
+        def __init__(self, experts, balancing="aux_loss"):
+            self.config = types.SimpleNamespace(num_moe_experts=experts, sequence_parallel=False,
+                                                moe_router_load_balancing_type=balancing)
 
     class Subclass(Model):
         def forward(self, *args, **kwargs):
@@ -369,6 +370,12 @@ def test_padding_mask_forward_masks_moe_models_and_stays_a_class_attribute():
     for model in (dense, moe, sub, dense, moe, sub):
         model.forward(loss_mask=torch.tensor([1, 0]))
     assert seen == [(dense, None), (moe, [False, True]), "subclass", (sub, None)] * 2
+    seen.clear()  # quantile balancing: no load-balancing loss, and upstream's router refuses a padding mask there
+    for balancing in ("quantile_balancing", ["aux_loss", "quantile_balancing"]):
+        quantile = Model(4, balancing)
+        quantile.forward(loss_mask=torch.tensor([1, 0]))
+        assert seen.pop() == (quantile, None)
+    seen.clear()
     assert not any("forward" in model.__dict__ for model in (dense, moe, sub))
     later = []
     Model.forward = lambda model, *args, **kwargs: later.append(model)

@@ -167,6 +167,17 @@ def _balancing(*kinds: str) -> Callable[[Setting], bool]:
     return lambda s: _moe(s) and any(kind in s.names("moe_router_load_balancing_type") for kind in kinds)
 
 
+def _quantile(s: Setting) -> bool:
+    return _balancing("quantile_balancing")(s)
+
+
+def _quantile_unmasked_losses(s: Setting) -> bool:
+    """Under quantile balancing the model routes without a padding mask: a z-loss or an aux-loss type in the same
+    list then counts padding positions."""
+    aux = {"aux_loss", "seq_aux_loss", "global_aux_loss"} & set(s.names("moe_router_load_balancing_type"))
+    return bool(s.value("moe_z_loss_coeff")) or bool(aux)
+
+
 def _nan_check_by_megatron(s: Setting) -> bool:
     return s.on("check_for_nan_in_loss_and_grad") and s.value("rerun_mode") != "disabled"
 
@@ -326,12 +337,20 @@ ROWS: tuple[Row, ...] = (
         applies=_balancing("sinkhorn", "none")),
     Row(id="router-quantile-balancing-token", flags=("--moe-router-load-balancing-type",),
         given="--moe-router-load-balancing-type quantile_balancing (0.19 and later)", when="in token mode",
-        support="refused",
-        text="megatron-core's router asserts that quantile balancing is given no padding mask, and in token mode "
-        "the extension routes MoE layers with padding_mask = loss_mask == 0: the first forward would stop there.",
-        instead="Choose another --moe-router-load-balancing-type, or train with --ga-loss-reduction microbatch "
-        "(without --calculate-per-token-loss).",
-        applies=_token(_balancing("quantile_balancing"))),
+        support="supported",
+        text="the router is given no padding mask (quantile balancing has no load-balancing loss, and megatron-core's "
+        "router refuses a padding mask there): the token count, the loss contract and its checks hold, and every "
+        "step's loss and gradient equal upstream's --calculate-per-token-loss run.",
+        proofs=(Proof(test=MOE_MTP + "test_quantile_balancing_token_mode_equals_upstream"),),
+        applies=_token(lambda s: _quantile(s) and not _quantile_unmasked_losses(s))),
+    Row(id="router-quantile-balancing-mixed-token",
+        flags=("--moe-router-load-balancing-type", "--moe-z-loss-coeff"),
+        given="--moe-router-load-balancing-type quantile_balancing with --moe-z-loss-coeff, or with an aux-loss type "
+        "in the same list", when="in token mode", support="limited",
+        text="the model is routed without a padding mask (upstream's router refuses one under quantile balancing), so "
+        "the z-loss and any aux-loss layers count padding positions: their gradients are (routed positions / loss "
+        f"tokens) times their token-mode target, as with upstream's --calculate-per-token-loss; {NOT_YET}.",
+        applies=_token(lambda s: _quantile(s) and _quantile_unmasked_losses(s))),
     Row(id="router-quantile-balancing-microbatch", flags=("--moe-router-load-balancing-type",),
         given="--moe-router-load-balancing-type quantile_balancing", when="in microbatch mode", support="limited",
         text=f"no padding mask is passed in microbatch mode; {NOT_YET}.",

@@ -126,6 +126,7 @@ COVERED_OPTIONS = (
            default=("aux_loss",), choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn",
                                            "quantile_balancing", "none"),
            help="quantile_balancing is a choice from core_v0.19.0 on"),
+    Option(flag="--moe-z-loss-coeff", dest="moe_z_loss_coeff", type=float),
     Option(flag="--moe-token-dispatcher-type", dest="moe_token_dispatcher_type", type=str, default="allgather",
            choices=("allgather", "alltoall", "flex")),
     Option(flag="--moe-expert-rank-capacity-factor", dest="moe_expert_rank_capacity_factor", type=str,

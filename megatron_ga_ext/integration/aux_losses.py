@@ -16,7 +16,9 @@ every routed position and the statistics include padding: the aux and z gradient
 (positions / loss tokens) times too large (about 2x at 50% padding). install() wraps ``GPTModel.forward``:
 in token mode, a model with MoE layers that is given a loss mask and no padding mask routes with
 ``padding_mask = (loss_mask == 0)``. It changes nothing else: routing itself ignores the padding mask, only
-the aux statistics, the z-loss and the expert-bias counts exclude those positions. MTP (0.17+) already
+the aux statistics, the z-loss and the expert-bias counts exclude those positions. Quantile balancing (0.19+) is
+routed without it: it has no load-balancing loss, and upstream's router refuses a padding mask there (a z-loss
+then counts padding positions, as upstream's does). MTP (0.17+) already
 weighs its mean by n_u / N (process_mtp_loss's original/rolled token counts).
 
 What cannot be made exact, said once at the first step with the size of the error:
@@ -58,13 +60,25 @@ def padding_mask_forward(original: Callable, state: Installation) -> Callable:
 
 def _wants_padding_mask(model: GPTModel, kwargs: dict[str, Any]) -> bool:
     """MoE layers, a loss mask and no padding mask; with sequence parallelism only where the stage
-    scatters the mask itself (the first stage)."""
+    scatters the mask itself (the first stage). Not under quantile balancing (0.19+): it has no load-balancing
+    loss to correct, and upstream's router asserts it is given no padding mask."""
     config = model.config
     if not getattr(config, "num_moe_experts", None) or kwargs.get("padding_mask") is not None:
+        return False
+    if QUANTILE_BALANCING in _balancing_types(config):
         return False
     if kwargs.get("loss_mask") is None:
         return False
     return not getattr(config, "sequence_parallel", False) or bool(getattr(model, "pre_process", False))
+
+
+QUANTILE_BALANCING = "quantile_balancing"
+
+
+def _balancing_types(config: TransformerConfig) -> list[str]:
+    """--moe-router-load-balancing-type as a list (one type, or one per layer group)."""
+    kinds = getattr(config, "moe_router_load_balancing_type", "aux_loss")
+    return list(kinds) if isinstance(kinds, (list, tuple)) else [kinds]
 
 
 def aux_summary(config: TransformerConfig, mode: str) -> str | None:
@@ -82,7 +96,10 @@ def aux_summary(config: TransformerConfig, mode: str) -> str | None:
         terms.append(f"MTP ({config.mtp_num_layers} layer(s), scaling factor {config.mtp_loss_scaling_factor:g})")
     if not terms:
         return None
-    if mode == "token":
+    if mode == "token" and QUANTILE_BALANCING in _balancing_types(config) and getattr(config, "num_moe_experts", None):
+        how = ("MoE routes without a padding mask under quantile balancing (upstream's router refuses one), so its "
+               "terms count every routed position, as upstream's --calculate-per-token-loss does")
+    elif mode == "token":
         how = ("each micro-batch's term computed over its loss tokens (MoE routes with padding_mask = loss_mask "
                "== 0) and weighted by its share n_u / N of the global batch's loss tokens")
     else:

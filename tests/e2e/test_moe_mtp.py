@@ -7,6 +7,8 @@ MTP layer).
   padding_mask = (loss_mask == 0), so the router's aux and z-losses count loss tokens: verify measures that
   gradient against the unpartitioned target), N is the batch's loss tokens every iteration, and rank 0 says
   once which auxiliary losses are active and how they are scaled.
+* MoE with quantile balancing (0.19+): routed without a padding mask (upstream's router refuses one there, and
+  there is no load-balancing loss to correct), every iteration's loss and grad norm equal upstream's own run.
 * MTP: upstream's per-token MTP scaling already meets the target on 0.17+, so every iteration's loss and grad
   norm equal upstream's; on 0.16 install() says at the first step by how much it misses it.
 """
@@ -59,4 +61,25 @@ def test_mtp_token_mode_equals_upstream(launches, newest_source, record_property
     inexact = "MTP in token mode on this megatron-core (0.16)" in run.output
     assert inexact == (run.records[0][0]["version"].startswith("0.16")), run.output_tail
     row["loss_vs_upstream"] = "equal (loss, grad norm)" + ("; 0.16: inexact, said at step 1" if inexact else "")
+    record(record_property, source_name(source), "dp2", [row])
+
+
+QUANTILE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-router-load-balancing-type", "quantile_balancing",
+            "--swiglu", "--disable-bias-linear", "--moe-token-dispatcher-type", "allgather"]
+
+
+def test_quantile_balancing_token_mode_equals_upstream(launches, newest_source, record_property):
+    """--moe-router-load-balancing-type quantile_balancing (0.19+): no load-balancing loss, and upstream's router
+    refuses a padding mask there, so install() routes it without one; every iteration's loss and grad norm equal
+    upstream's own --calculate-per-token-loss run, and N is the batch's loss tokens."""
+    source = newest_source
+    upstream = launches.get(source, "dp2", "quantile-upstream", [*TOKEN, *CONSTANT, *QUANTILE], extension=False)
+    if upstream.rc != 0 and "invalid choice: 'quantile_balancing'" in upstream.output:
+        pytest.skip("quantile balancing is in megatron-core 0.19 and later")
+    assert upstream.rc == 0, upstream.describe()
+    run = launches.get(source, "dp2", "quantile", [*TOKEN, *CONSTANT, *QUANTILE])
+    row = check_run(run, "constant") | {"mode": "token", "case": "MoE quantile balancing", "N": check_num_tokens(run)}
+    for ours, theirs in zip(run.iterations, upstream.iterations, strict=True):
+        assert (ours["loss"], ours["grad_norm"]) == (theirs["loss"], theirs["grad_norm"]), (ours, theirs)
+    row["loss_vs_upstream"] = "equal (loss, grad norm)"
     record(record_property, source_name(source), "dp2", [row])
