@@ -113,10 +113,17 @@ def test_refused_rows_stop_install_and_check(refusal, monkeypatch, capsys):
 
 
 def _install_refuses(refusal: Refusal, named: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """install(), Megatron's parsed args, and the first forward/backward call: the start-up check raises before
-    the schedule runs."""
+    """install() given Megatron's parsed args refuses at once, before anything is patched or built; install()
+    without them, at the first forward/backward call, before the schedule runs."""
     schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
+    from megatron_ga_ext.config.args import add_args
     from megatron_ga_ext.integration import install as installing
+
+    parsed = add_args(megatron_parser()).parse_args([*refusal.flags, *refusal.ga_flags()])
+    original = schedules.forward_step_calc_loss
+    with pytest.raises(CoverageError, match=named):
+        installing.install(parsed)
+    assert installing.installed() is None and schedules.forward_step_calc_loss is original
 
     args = megatron_parser().parse_args(refusal.flags)
     installing.install(GAConfig(**refusal.ga))
@@ -266,3 +273,28 @@ def test_unclassified_lists_only_new_flags_the_table_does_not_name():
     checkout = {*tested, "--cuda-graph-impl", "--zz-new-step-path-flag", "--aa-new-flag"}
     assert unclassified(checkout, tested) == ["--aa-new-flag", "--zz-new-step-path-flag"]
     assert unclassified(tested, tested) == []
+
+
+def test_a_refusal_stops_at_the_first_hook_after_megatron_parses_its_args(monkeypatch):
+    """install() at the top of pretrain_gpt.py, before Megatron parses its args: the refusal comes at the first hook
+    that reads them (Megatron's calculator init in initialize_megatron), before any model is built."""
+    import sys
+    import types
+
+    calculators = pytest.importorskip("megatron.core.num_microbatches_calculator")
+    from megatron_ga_ext.config.args import add_args
+    from megatron_ga_ext.integration import install as installing
+
+    training, global_vars = types.ModuleType("megatron.training"), types.ModuleType("megatron.training.global_vars")
+    global_vars._GLOBAL_ARGS = None
+    monkeypatch.setitem(sys.modules, "megatron.training", training)
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars", global_vars)
+    state = installing.install()
+    try:
+        assert state.waiting_for_args
+        global_vars._GLOBAL_ARGS = add_args(megatron_parser()).parse_args([*TOKEN, "--use-torch-fsdp2"])
+        with pytest.raises(CoverageError, match=r"megatron-ga-ext refuses --use-torch-fsdp2 in token mode"):
+            calculators.init_num_microbatches_calculator(0, None, 16, 2, 4)
+    finally:
+        installing.uninstall()
+        calculators.unset_num_microbatches_calculator()

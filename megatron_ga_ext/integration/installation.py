@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from megatron_ga_ext.config.coverage import Setting
+from megatron_ga_ext.config.coverage import verdict as coverage_verdict
 from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.config.rules import check_guards, check_loss_mode, check_train_length
 from megatron_ga_ext.errors import CompatError
@@ -229,8 +231,10 @@ def _namespaces_holding(original: Callable, name: str) -> list[dict[str, Any]]:
 
 def check_args(config: GAConfig, args: argparse.Namespace) -> None:
     """What Megatron's parsed args must agree with, checked when they are read (before any model is built):
-    the loss mode against ``--calculate-per-token-loss``, no ``--train-iters`` with a step schedule, and the
-    guards off where a schedule runs another number of forward passes (config/rules.py has each rule)."""
+    the loss mode against ``--calculate-per-token-loss``, no ``--train-iters`` with a step schedule, the
+    guards off where a schedule runs another number of forward passes (config/rules.py has each rule), and no
+    setting the coverage table refuses (config/coverage.py; the first forward/backward call checks it again, for
+    a loop without Megatron's args)."""
     if hasattr(args, "calculate_per_token_loss"):
         check_loss_mode(config.loss_reduction, bool(args.calculate_per_token_loss),
                         explicit=config.loss_reduction != "token")
@@ -241,3 +245,6 @@ def check_args(config: GAConfig, args: argparse.Namespace) -> None:
     check_guards(config.guards, hybrid_context_parallel=bool(getattr(args, "hybrid_context_parallel", False)),
                  rl_sequence_packing=bool(getattr(args, "perform_rl_step", False)
                                           and getattr(args, "rl_use_sequence_packing", False)))
+    refused = coverage_verdict(Setting.of(args, config)).error()  # its limits are logged at the first step
+    if refused is not None:
+        raise refused
