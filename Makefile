@@ -4,7 +4,8 @@
 #   make e2e [MEGATRON_LM=DIR|TGZ]  Megatron-LM's own pretrain_gpt.py end to end (default: the snapshots in
 #                                   ../shared/upstream that run on this Python)
 #   make matrix                     the behaviour suite on every tested source of this Python
-#   make regress MEGATRON_LM=DIR|TGZ  both, on the Megatron-LM checkout you train from
+#   make regress MEGATRON_LM=DIR|TGZ  both, on the Megatron-LM checkout you train from, after listing its drift:
+#                                   parser flags the coverage table does not classify, hooked functions changed
 #   make fuzz                       10,000 hypothesis examples on each input surface
 #   make test-O                     the fast suite (nothing that imports megatron-core) under python -O
 #   make docs                       render the generated parts of docs/ (tools/docs.py)
@@ -83,6 +84,7 @@ e2e: $(E2E_STAMP)
 
 regress: $(E2E_STAMP)
 	@test -n "$(MEGATRON_LM)" || { echo "make regress: pass MEGATRON_LM=<Megatron-LM checkout or .tar.gz>" >&2; exit 2; }
+	$(PY) tools/regress.py drift $(MEGATRON_LM)
 	MEGATRON_GA_RESULTS=$(RESULTS) $(PY) tools/regress.py behaviour $(MEGATRON_LM)
 	MEGATRON_GA_RESULTS=$(RESULTS) $(PY) -m pytest -q -p no:cacheprovider -m e2e tests/e2e $(PYTEST_ARGS)
 

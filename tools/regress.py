@@ -2,6 +2,7 @@
 
     python tools/regress.py sources               # the trees to test, one per line (unpacking tarballs)
     python tools/regress.py behaviour [PATH ...]  # the behaviour suite on each; its cell of the compatibility row
+    python tools/regress.py drift PATH ...        # what upstream changed there that the project has not classified
 
 Sources: the PATHs given (a Megatron-LM checkout or a .tar.gz of one; ``MEGATRON_LM`` in the Makefile),
 else every snapshot ``megatron-lm-<ref>.tar.gz`` in ``MEGATRON_LM_SNAPSHOTS`` (default ../shared/upstream)
@@ -13,6 +14,7 @@ where ``MEGATRON_GA_RESULTS`` is set, for ``make docs`` to render into docs/comp
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -20,7 +22,9 @@ import sys
 import tarfile
 from pathlib import Path
 
-from megatron_ga_ext.integration.compat import UPSTREAM
+from megatron_ga_ext.config.coverage import unclassified
+from megatron_ga_ext.errors import CompatError
+from megatron_ga_ext.integration.compat import TARGETS, UPSTREAM, fingerprint_file, known_fingerprints
 
 if __package__:  # tools.regress: the tests, python -m tools.regress
     from .compatibility import source_name
@@ -96,6 +100,71 @@ def behaviour(trees: list[Path]) -> int:
     return 1 if failed else 0
 
 
+def changed_functions(root: Path) -> tuple[str, list[str]]:
+    """(the nearest tested source, the hooked functions whose source in ``root`` no tested source has): a hooked
+    function that is gone is listed as such. The nearest source shares the most hooked functions with ``root``."""
+    known = known_fingerprints()
+    counts = {u.name: 0 for u in UPSTREAM}
+    changed = []
+    for target in TARGETS:
+        path = target.path_in(root)
+        if target.optional and not path.exists():
+            continue
+        try:
+            found = fingerprint_file(path, target.name) if path.exists() else None
+        except CompatError:
+            found = None
+        if found is None:
+            changed.append(f"{target.qualified} (gone)")
+            continue
+        tested = known.get(target.qualified, {}).get(found)
+        if tested is None:
+            changed.append(target.qualified)
+        for source in tested or ():
+            counts[source] += 1
+    nearest = max(counts, key=lambda source: counts[source])  # ties: the oldest, as UPSTREAM is ordered
+    return nearest, changed
+
+
+def parser_flags(roots: list[Path]) -> dict[Path, list[str]]:
+    """The option strings of Megatron-LM's own parser at each root (one subprocess: tests/megatron_parser_flags.py)."""
+    done = subprocess.run([sys.executable, "-m", "tests.megatron_parser_flags", *map(str, roots)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise SystemExit(f"building Megatron's parsers failed:\n{done.stderr[-3000:]}")
+    return {Path(root): flags for root, flags in json.loads(done.stdout.splitlines()[-1]).items()}
+
+
+def drift_report(name: str, flags: list[str], nearest: str, changed: list[str]) -> str:
+    """What ``make regress`` prints for a checkout: its unclassified flags and its changed hooked functions."""
+    lines = [f"== drift of {name} against the tested sources =="]
+    if flags:
+        lines.append(f"{len(flags)} flag(s) of its parser that no tested source's parser has and the coverage table "
+                     f"(config/coverage.py) does not classify; read each and add a row or a declaration:")
+        lines += [f"  {flag}" for flag in flags]
+    else:
+        lines.append("every flag of its parser is a tested source's or classified by the coverage table")
+    if changed:
+        lines.append(f"{len(changed)} hooked function(s) whose source no tested source has (nearest tested source: "
+                     f"{nearest}); read the change, then add the source to compat.UPSTREAM (make fingerprints):")
+        lines += [f"  {function}" for function in changed]
+    else:
+        lines.append(f"every hooked function's source is a tested one (nearest tested source: {nearest})")
+    return "\n".join(lines)
+
+
+def drift(trees: list[Path]) -> int:
+    """:func:`drift_report` for each tree; the known flags are those of this Python's tested snapshots. Exit status
+    0: a listing, for a person to read (the behaviour suite and the end-to-end tier are the pass/fail)."""
+    tested = sources([])
+    flags = parser_flags([*dict.fromkeys([*trees, *tested])])
+    known = {flag for root in tested for flag in flags[root]}
+    for root in trees:
+        nearest, changed = changed_functions(root)
+        print(drift_report(source_name(root), unclassified(flags[root], known), nearest, changed), flush=True)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     command, *paths = argv or ["sources"]
     trees = sources(paths)
@@ -107,7 +176,12 @@ def main(argv: list[str]) -> int:
         return 0
     if command == "behaviour":
         return behaviour(trees or wheel_trees())
-    print(f"unknown command {command!r}: sources or behaviour", file=sys.stderr)
+    if command == "drift":
+        if not paths:
+            print("drift: give the checkout (a Megatron-LM checkout or a .tar.gz of one)", file=sys.stderr)
+            return 2
+        return drift(trees)
+    print(f"unknown command {command!r}: sources, behaviour or drift", file=sys.stderr)
     return 2
 
 

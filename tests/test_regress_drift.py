@@ -1,0 +1,59 @@
+"""``make regress``'s drift listing (tools/regress.py drift): a checkout's parser flags that the coverage table does
+not classify, and the hooked functions whose source no tested source has, against the nearest tested source."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from megatron_ga_ext.integration.compat import FINALIZE, TARGETS, matching_sources
+from tools import regress
+
+megatron_core = pytest.importorskip("megatron.core")
+
+
+def checkout(tmp_path: Path) -> Path:
+    """A tree holding this megatron-core's hooked modules (megatron-core alone: no megatron/training)."""
+    installed = Path(megatron_core.__file__).parents[2]
+    for target in TARGETS:
+        source = target.path_in(installed)
+        if source.exists():
+            (destination := target.path_in(tmp_path)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, destination)
+    return tmp_path
+
+
+def test_an_unchanged_tree_matches_its_tested_source_and_a_changed_function_is_named(tmp_path):
+    root = checkout(tmp_path)
+    nearest, changed = regress.changed_functions(root)
+    assert changed == [] and nearest == matching_sources()[0]
+    finalize = root / (FINALIZE.replace(".", "/") + ".py")
+    text = finalize.read_text()
+    marker = "def finalize_model_grads("
+    body = text.index(":\n", text.index(marker)) + 2  # the first line of its body
+    finalize.write_text(text[:body] + "    _ = 'an upstream change'\n" + text[body:])
+    assert regress.changed_functions(root) == (nearest, [f"{FINALIZE}.finalize_model_grads"])
+    finalize.write_text(text.replace(marker, "def finalize_model_grads_renamed("))
+    assert regress.changed_functions(root)[1] == [f"{FINALIZE}.finalize_model_grads (gone)"]
+
+
+def test_drift_lists_the_unclassified_flags_and_the_changed_functions(tmp_path, monkeypatch, capsys):
+    root, tested = checkout(tmp_path / "checkout"), tmp_path / "tested"
+    monkeypatch.setattr(regress, "sources", lambda given: [tested])
+    monkeypatch.setattr(regress, "parser_flags", lambda roots: {
+        root: ["--lr", "--cuda-graph-impl", "--zz-new-loss-flag"], tested: ["--lr"]})
+    assert regress.drift([root]) == 0
+    out = capsys.readouterr().out
+    assert "1 flag(s) of its parser that no tested source's parser has and the coverage table" in out
+    assert "  --zz-new-loss-flag\n" in out and "--cuda-graph-impl" not in out  # a row classifies it
+    assert "every hooked function's source is a tested one (nearest tested source: " in out
+
+
+def test_drift_report_names_both_kinds():
+    report = regress.drift_report("main@abc", [], "0.19.2", [f"{FINALIZE}.finalize_model_grads"])
+    assert report.splitlines() == [
+        "== drift of main@abc against the tested sources ==",
+        "every flag of its parser is a tested source's or classified by the coverage table",
+        "1 hooked function(s) whose source no tested source has (nearest tested source: 0.19.2); read the change, "
+        "then add the source to compat.UPSTREAM (make fingerprints):",
+        f"  {FINALIZE}.finalize_model_grads"]
