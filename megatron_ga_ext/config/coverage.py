@@ -304,18 +304,22 @@ ROWS: tuple[Row, ...] = (
     # the rerun state machine
     Row(id="rerun-machine-token", flags=("--rerun-mode", "--no-check-for-nan-in-loss-and-grad"),
         given="--rerun-mode validate_results or report_stats with Megatron's NaN check (the defaults)",
-        when="in token mode", support="limited",
-        text="a NaN or Inf loss stops the run with the extension's LossContractError (in finalize; with --ga-checks "
-        "async after the optimizer step) before Megatron's rerun state machine re-runs the iteration: its fault "
-        "attribution (transient or reproducible) and its checkpoint-and-exit do not happen.",
-        proofs=(Proof(test=FAULTS + "test_a_nan_loss_on_one_rank_stops_that_step"),
-                Proof(test=FAULTS + "test_async_checks_stop_a_nan_step_after_its_optimizer_step_before_its_checkpoint")),
+        when="in token mode", support="supported",
+        text="a NaN or Inf loss is Megatron's to judge: the extension's finalize defers the non-finite flag to "
+        "Megatron's rerun state machine (the contract's other checks still raise), says so, and logs what Megatron "
+        "decided (its re-run, its fault attribution, its checkpoint-and-exit and exit code); a non-finite step that "
+        "reaches the optimizer step anyway (Megatron does not validate the first iteration, nor a loss function that "
+        "does not call its validate_result) stops there with a LossContractError.",
+        proofs=(Proof(test=FAULTS + "test_a_nan_loss_is_left_to_megatrons_rerun_state_machine_which_decides"),),
         applies=_token(_nan_check_by_megatron)),
     Row(id="no-megatron-nan-check-token", flags=("--rerun-mode", "--no-check-for-nan-in-loss-and-grad"),
         given="--no-check-for-nan-in-loss-and-grad or --rerun-mode disabled", when="in token mode",
-        support="limited",
-        text="the extension's own check still stops a step whose loss is NaN or Inf (LossContractError); "
-        f"{NOT_YET} with Megatron's check off.",
+        support="supported",
+        text="without Megatron's check the extension's own stops a step whose loss is NaN or Inf with a "
+        "LossContractError, in finalize before the optimizer step (with --ga-checks async after it, before its "
+        "checkpoint); with --rerun-mode disabled and the check on, Megatron's loss function raises its own error first.",
+        proofs=(Proof(test=FAULTS + "test_a_nan_loss_on_one_rank_stops_that_step"),
+                Proof(test=FAULTS + "test_async_checks_stop_a_nan_step_after_its_optimizer_step_before_its_checkpoint")),
         applies=_token(lambda s: not _nan_check_by_megatron(s))),
     # MoE
     Row(id="router-aux-loss", flags=("--moe-router-load-balancing-type",),

@@ -32,6 +32,7 @@ from megatron_ga_ext.config.rules import check_loss_mode
 from megatron_ga_ext.errors import LossContractError
 from megatron_ga_ext.integration.compat import megatron_args
 from megatron_ga_ext.integration.loss_contract import SLOT_TOKENS, LossContract, StepChecks
+from megatron_ga_ext.logs import get_logger
 
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -41,7 +42,10 @@ if TYPE_CHECKING:
 #: Upstream's ``finalize_model_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False)``.
 FinalizeFunction = Callable[..., None]
 
-__all__ = ["FinalizeModelGrads", "check_ddp_chunks", "check_per_token_flag", "make_finalize_model_grads"]
+__all__ = ["FinalizeModelGrads", "check_ddp_chunks", "check_per_token_flag", "make_finalize_model_grads",
+           "megatron_judges_nonfinite"]
+
+logger = get_logger(__name__)
 
 
 def check_per_token_flag(config: TransformerConfig, mode: str) -> None:
@@ -135,6 +139,8 @@ class FinalizeModelGrads:
         skip_step: True after a step with 0 tokens under ``--ga-zero-token-policy skip``: the optimizer
             wrapper install() puts on Megatron's optimizer skips that step (and clears it).
         pending: under ``--ga-checks async``, the last step's verdict until :meth:`poll` reads it.
+        deferred: a non-finite loss left to Megatron's rerun state machine (:meth:`_judged`), until a finite step
+            or the optimizer step (:meth:`check_deferred`).
     """
 
     def __init__(self, original: FinalizeFunction, contract: LossContract | None, config: GAConfig) -> None:
@@ -148,6 +154,9 @@ class FinalizeModelGrads:
         self.active = True
         self.skip_step = False
         self.pending: _Verdict | None = None
+        self.deferred: _Deferred | None = None
+        self.last_deferred: _Deferred | None = None
+        """The last deferral, until Megatron's decision on it is reported (training_hooks.py)."""
         self._checked: _CheckedChunks | None = None
         self._topology: _Topology | None = None
 
@@ -177,7 +186,7 @@ class FinalizeModelGrads:
         if self.config.checks == "async":
             self.pending = _Verdict.of(vector, self.calls, _iteration())
         else:
-            checks = StepChecks(*vector.tolist())  # the step's one device-to-host read
+            checks = self._judged(StepChecks(*vector.tolist()), _iteration())  # the step's one device-to-host read
             _raise_on_violations(checks)
             self.last_num_tokens = checks.tokens
             if not checks.tokens:  # --ga-zero-token-policy skip: a zero gradient for the skipped step
@@ -193,7 +202,7 @@ class FinalizeModelGrads:
         if pending is None or not (wait or pending.ready()):
             return
         self.pending = None
-        checks = pending.checks()
+        checks = self._judged(pending.checks(), pending.iteration)
         if checks.negative or checks.nonfinite or checks.unchecked or not checks.tokens:
             where = f"--ga-checks async, verdict of training step {pending.step}" + (
                 f" (iteration {pending.iteration})" if pending.iteration is not None else "")
@@ -202,6 +211,38 @@ class FinalizeModelGrads:
             self._zero_tokens(where)
             return
         self.last_num_tokens = checks.tokens
+
+    def _judged(self, checks: StepChecks, iteration: int | None) -> StepChecks:
+        """A non-finite loss is Megatron's to judge where its rerun state machine checks the loss
+        (:func:`megatron_judges_nonfinite`): the flag is recorded (:attr:`deferred`) and left out of the checks, once
+        the contract's own violations (unchecked ranks, negative counts) are clear. A step that is finite clears it:
+        Megatron re-ran the iteration and its loss came out finite this time."""
+        if self.deferred is not None and self.deferred.iteration != iteration:
+            self.check_deferred()  # an earlier iteration's, read late (--ga-checks async): it reached the optimizer
+        if not checks.nonfinite or checks.unchecked or checks.negative or not megatron_judges_nonfinite():
+            self.deferred = None
+            return checks
+        if self.deferred is None:
+            logger.warning(
+                "megatron-ga-ext: %d micro-batch(es) of iteration %s returned a non-finite loss; Megatron's rerun state "
+                "machine checks the loss (--rerun-mode %s, --check-for-nan-in-loss-and-grad), so the extension defers "
+                "to it (it re-runs the iteration to tell a transient fault from a reproducible one) and reports what it "
+                "decides. A non-finite step that reaches the optimizer step anyway stops there.",
+                checks.nonfinite, iteration, getattr(megatron_args(), "rerun_mode", None))
+        self.deferred = self.last_deferred = _Deferred(iteration, checks.nonfinite)
+        return checks._replace(nonfinite=0)
+
+    def check_deferred(self) -> None:
+        """At the optimizer step: a non-finite loss deferred to Megatron that reached the step (Megatron does not
+        validate the first iteration, nor a loss function that does not call its validate_result) stops here."""
+        deferred, self.deferred = self.deferred, None
+        if deferred is None:
+            return
+        raise LossContractError(
+            f"iteration {deferred.iteration}: {deferred.nonfinite} micro-batch(es) returned a non-finite loss (inf or "
+            f"nan) and Megatron's rerun state machine let the step reach the optimizer (it does not validate the first "
+            f"iteration, nor a loss function that does not call its validate_result); the token-weighted gradient "
+            f"would be non-finite. Check the data, the loss function and the learning rate.")
 
     def _topology_of(self, pg_collection: ProcessGroupCollection | None) -> _Topology:
         """The step's :class:`_Topology`: the ranks looked up again only when the groups are not the last step's
@@ -283,6 +324,23 @@ def _raise_on_violations(checks: StepChecks, *, where: str = "") -> None:
         raise LossContractError(
             f"{prefix}{checks.negative} micro-batch(es) returned a negative num_tokens; a token count is "
             f">= 0. Count non-padding tokens as loss_mask.sum().to(torch.int64).")
+
+
+def megatron_judges_nonfinite() -> bool:
+    """Megatron-LM's rerun state machine checks each loss for NaN and Inf: ``--check-for-nan-in-loss-and-grad`` (the
+    default) with ``--rerun-mode validate_results`` (the default) or ``report_stats``. (With ``--rerun-mode disabled``
+    its check raises in the loss function, before finalize.) Without Megatron's args: no."""
+    args = megatron_args()
+    return bool(getattr(args, "check_for_nan_in_loss_and_grad", False)) and \
+        getattr(args, "rerun_mode", "disabled") in ("validate_results", "report_stats")
+
+
+@dataclass(frozen=True)
+class _Deferred:
+    """A non-finite loss left to Megatron's rerun state machine."""
+
+    iteration: int | None
+    nonfinite: int
 
 
 @dataclass

@@ -56,7 +56,12 @@ from megatron_ga_ext.integration.compat import (
 from megatron_ga_ext.integration.finalize import make_finalize_model_grads
 from megatron_ga_ext.integration.guards import GuardedCalculator, check_microbatch_counts, current_pipeline_size
 from megatron_ga_ext.integration.installation import Installation, check_args
-from megatron_ga_ext.integration.training_hooks import wire_gpt_model, wire_optimizer, wire_training
+from megatron_ga_ext.integration.training_hooks import (
+    wire_gpt_model,
+    wire_optimizer,
+    wire_rerun_machine,
+    wire_training,
+)
 from megatron_ga_ext.logs import get_logger
 
 __all__ = ["GAConfig", "Installation", "add_args", "args_provider", "install", "installed", "uninstall", "wire_vendored"]
@@ -201,7 +206,8 @@ def _wire_training_hooks(state: Installation) -> None:
     loaded: install() tries them all, and the calculator hook tries again (a vendored tree's first chance, and
     Megatron-LM's training modules are loaded by then)."""
     for name, wire in (("arguments", wire_arguments), ("optimizer", wire_optimizer), ("gpt_model", wire_gpt_model),
-                       ("training", wire_training), ("checkpoint_args", state.startup.wire)):
+                       ("rerun_machine", wire_rerun_machine), ("training", wire_training),
+                       ("checkpoint_args", state.startup.wire)):
         if name not in state.training_hooks_wired and wire(state) is not False:
             state.training_hooks_wired.add(name)
 

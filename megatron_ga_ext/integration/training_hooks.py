@@ -5,7 +5,9 @@ builds: install() wires them once (a vendored tree at its first calculator hook,
 * the optimizers' ``step``: where each iteration's liveness is checked (liveness.py: the schedule and finalize
   hooks ran), skipped after a zero-token batch (``--ga-zero-token-policy skip``), and where the
   ``--ga-checks async`` verdict of the step is read;
-* ``GPTModel.forward``: MoE routes with the loss mask's padding (aux_losses.py).
+* ``GPTModel.forward``: MoE routes with the loss mask's padding (aux_losses.py);
+* ``RerunStateMachine.should_checkpoint_and_exit``: what Megatron decided on a non-finite loss the extension left
+  to it (finalize.py).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from megatron_ga_ext.integration.installation import Installation
 from megatron_ga_ext.integration.liveness import StepLiveness
 from megatron_ga_ext.logs import get_logger
 
-__all__ = ["OPTIMIZER_BUILDERS", "wire_gpt_model", "wire_optimizer", "wire_training"]
+__all__ = ["OPTIMIZER_BUILDERS", "describe_decision", "wire_gpt_model", "wire_optimizer", "wire_rerun_machine",
+           "wire_training"]
 
 logger = get_logger(__name__)
 
@@ -74,16 +77,51 @@ def _skipping_step(step: Callable, state: Installation) -> Callable:
             liveness.follow(live)
         liveness.check(after_step=False)
         finalize = live.finalize
+        is_async = live.config.checks == "async"
+        if finalize is not None and not is_async:
+            finalize.check_deferred()  # a non-finite loss left to Megatron's rerun machine that reached the step
         if finalize is not None and finalize.skip_step:
             finalize.skip_step = False
             return False, None, None
         result = step(*args, **kwargs)
         if finalize is not None:
             finalize.poll()  # --ga-checks async: the step's verdict, if its copy is done (the step's own reads synced)
+            if is_async:
+                finalize.check_deferred()
         liveness.check(after_step=True)
         return result
 
     return skipping_step
+
+
+def wire_rerun_machine(state: Installation) -> None:
+    """Megatron's rerun state machine: where a non-finite loss was left to it (finalize.py), log what it decided."""
+    from megatron.core.rerun_state_machine import RerunStateMachine
+
+    state.patch_attribute(RerunStateMachine, "should_checkpoint_and_exit",
+                          lambda original: _reporting_decision(original, state))
+
+
+def _reporting_decision(original: Callable, state: Installation) -> Callable:
+    @functools.wraps(original)
+    def should_checkpoint_and_exit(machine: Any, *args: Any, **kwargs: Any) -> Any:
+        decision = original(machine, *args, **kwargs)
+        finalize = state.finalize
+        deferred = None if finalize is None or not state.active else finalize.last_deferred
+        if deferred is not None:
+            finalize.last_deferred = None
+            logger.warning("megatron-ga-ext: Megatron's rerun state machine decided on the non-finite loss of "
+                           "iteration %s: %s", deferred.iteration, describe_decision(*decision))
+        return decision
+
+    return should_checkpoint_and_exit
+
+
+def describe_decision(checkpoint: bool, exit: bool, exit_code: int) -> str:
+    """Megatron's ``should_checkpoint_and_exit()`` in words."""
+    if exit:
+        return f"{'save a checkpoint and ' if checkpoint else ''}exit with code {exit_code}"
+    return "save a checkpoint and go on" if checkpoint else "go on training"
 
 
 def wire_training(state: Installation) -> bool:

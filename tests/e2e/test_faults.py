@@ -42,6 +42,7 @@ TRAIN_SAMPLES = 160
 SCHEDULE = ["--step-batch-size-schedule", SCHEDULE_TEXT, "--train-samples", str(TRAIN_SAMPLES)]
 CHANGED = ["--step-batch-size-schedule", CHANGED_TEXT, "--train-samples", str(TRAIN_SAMPLES)]
 NAN_AT, EMPTY_AT = 3, 4
+NO_MEGATRON_NAN_CHECK = ["--no-check-for-nan-in-loss-and-grad"]
 
 _ROWS: dict[str, list[dict]] = {}
 
@@ -69,15 +70,41 @@ def row(source: Path, fault: str, injected: str, outcome: str, checkpoints: str)
 
 
 def nan_run(launches, source: Path):
-    return faulty(launches, source, "nan-loss", SCHEDULE, MEGATRON_GA_FAULT=f"nan-loss-at:{NAN_AT}@1")
+    """Megatron's own NaN check off: the extension's is the one that stops the step."""
+    return faulty(launches, source, "nan-loss", [*SCHEDULE, *NO_MEGATRON_NAN_CHECK],
+                  MEGATRON_GA_FAULT=f"nan-loss-at:{NAN_AT}@1")
+
+
+def test_a_nan_loss_is_left_to_megatrons_rerun_state_machine_which_decides(launches, newest_source):
+    """Megatron's defaults (--rerun-mode validate_results, its NaN check on): the extension defers to Megatron, which
+    re-runs iteration 3 in place; the injected NaN (first micro-batch of the first run only) does not come back, so
+    Megatron judges a transient fault and exits with its code (0.16: after saving a checkpoint of the last iteration
+    it completed) before the optimizer step. The
+    extension says it deferred and reports that decision; the checkpoints of iterations 1-2 are there."""
+    run, checkpoints = faulty(launches, newest_source, "nan-loss-rerun", SCHEDULE,
+                              MEGATRON_GA_FAULT=f"nan-loss-at:{NAN_AT}@1")
+    assert run.rc != 0 and run.error is not None and run.error.startswith("SystemExit: "), run.describe()
+    code = int(run.error.split(": ")[1])
+    deferred = f"micro-batch(es) of iteration {NAN_AT} returned a non-finite loss; Megatron's rerun state machine"
+    decided = f"Megatron's rerun state machine decided on the non-finite loss of iteration {NAN_AT}: "
+    decision = run.output[run.output.index(decided) + len(decided):].splitlines()[0] if decided in run.output else ""
+    assert decision.endswith(f"exit with code {code}"), run.output[-3000:]  # 0.16 saves a checkpoint first
+    assert deferred in run.output and decided in run.output, run.output[-3000:]
+    assert "Possible transient error" in run.output
+    assert [r["iteration"] for r in run.iterations] == list(range(1, NAN_AT))
+    assert saved(checkpoints) == (NAN_AT - 1, list(range(1, NAN_AT)))
+    row(newest_source, "NaN loss on rank 1, Megatron's NaN check on (its defaults)", f"`nan-loss-at:{NAN_AT}@1`",
+        f"deferred to Megatron's rerun state machine: it re-ran iteration {NAN_AT} (finite: a transient fault) and "
+        f"decided: {decision}, reported", f"iterations 1-{NAN_AT - 1}, none of {NAN_AT}")
 
 
 def test_a_nan_loss_on_one_rank_stops_that_step(launches, newest_source):
+    """--no-check-for-nan-in-loss-and-grad: Megatron does not judge the loss, the extension stops the step."""
     run, checkpoints = nan_run(launches, newest_source)
     failed_with(run, "LossContractError", "1 micro-batch(es) in this global batch returned a non-finite loss")
     assert [r["iteration"] for r in run.iterations] == list(range(1, NAN_AT))
     assert saved(checkpoints) == (NAN_AT - 1, list(range(1, NAN_AT)))
-    row(newest_source, "NaN loss on rank 1", f"`nan-loss-at:{NAN_AT}@1`",
+    row(newest_source, "NaN loss on rank 1, --no-check-for-nan-in-loss-and-grad", f"`nan-loss-at:{NAN_AT}@1`",
         f"LossContractError at iteration {NAN_AT}: {run.error.split(': ', 1)[1].split(';')[0]}",
         f"iterations 1-{NAN_AT - 1}, none of {NAN_AT}")
 
@@ -85,13 +112,15 @@ def test_a_nan_loss_on_one_rank_stops_that_step(launches, newest_source):
 def test_async_checks_stop_a_nan_step_after_its_optimizer_step_before_its_checkpoint(launches, newest_source):
     """--ga-checks async: finalize reads nothing; the verdict of iteration 3 is read after its optimizer step (whose
     own grad-norm read has synchronized by then) and stops the run there, naming it, before Megatron saves it."""
-    run, checkpoints = faulty(launches, newest_source, "nan-loss-async", [*SCHEDULE, "--ga-checks", "async"],
+    run, checkpoints = faulty(launches, newest_source, "nan-loss-async",
+                              [*SCHEDULE, *NO_MEGATRON_NAN_CHECK, "--ga-checks", "async"],
                               MEGATRON_GA_FAULT=f"nan-loss-at:{NAN_AT}@1")
     failed_with(run, "LossContractError", f"--ga-checks async, verdict of training step {NAN_AT} (iteration {NAN_AT}): "
                 "1 micro-batch(es) in this global batch returned a non-finite loss")
     assert [r["iteration"] for r in run.iterations] == list(range(1, NAN_AT))
     assert saved(checkpoints) == (NAN_AT - 1, list(range(1, NAN_AT)))
-    row(newest_source, "NaN loss on rank 1, --ga-checks async", f"`nan-loss-at:{NAN_AT}@1`",
+    row(newest_source, "NaN loss on rank 1, --no-check-for-nan-in-loss-and-grad, --ga-checks async",
+        f"`nan-loss-at:{NAN_AT}@1`",
         f"LossContractError after the optimizer step of iteration {NAN_AT}, naming it", f"iterations 1-{NAN_AT - 1}, "
         f"none of {NAN_AT}")
 

@@ -1,0 +1,70 @@
+"""A non-finite loss under Megatron's rerun state machine (integration/finalize.py): deferred to Megatron where its NaN
+check runs, the extension's own error where it does not, and a deferred one that reaches the optimizer step stops
+there. The real loop: tests/e2e/test_faults.py (the nan-loss faults)."""
+
+import argparse
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from megatron_ga_ext import GAConfig, LossContractError  # noqa: E402
+from megatron_ga_ext.integration import finalize as finalizing  # noqa: E402
+from megatron_ga_ext.integration.loss_contract import LossContract, StepChecks  # noqa: E402
+from megatron_ga_ext.integration.training_hooks import describe_decision  # noqa: E402
+
+NAN = StepChecks(tokens=100, negative=0, nonfinite=1, unchecked=0)
+FINITE = StepChecks(tokens=100, negative=0, nonfinite=0, unchecked=0)
+
+
+def finalize(monkeypatch, **args) -> finalizing.FinalizeModelGrads:
+    monkeypatch.setattr(finalizing, "megatron_args", lambda: argparse.Namespace(**args) if args else None)
+    return finalizing.FinalizeModelGrads(lambda *a, **k: None, LossContract(), GAConfig())
+
+
+@pytest.mark.parametrize("args, judged", [
+    ({"rerun_mode": "validate_results", "check_for_nan_in_loss_and_grad": True}, True),
+    ({"rerun_mode": "report_stats", "check_for_nan_in_loss_and_grad": True}, True),
+    ({"rerun_mode": "validate_results", "check_for_nan_in_loss_and_grad": False}, False),
+    ({"rerun_mode": "disabled", "check_for_nan_in_loss_and_grad": True}, False),
+    ({}, False),  # a megatron-core loop: no rerun machine judges it
+])
+def test_a_nonfinite_loss_is_megatrons_only_where_its_check_runs(monkeypatch, args, judged):
+    step = finalize(monkeypatch, **args)
+    assert finalizing.megatron_judges_nonfinite() is judged
+    checks = step._judged(NAN, 3)
+    assert checks.nonfinite == (0 if judged else 1)  # not judged: _raise_on_violations raises on it
+    assert (step.deferred is not None) is judged
+
+
+def test_a_finite_rerun_clears_the_deferral_and_a_deferred_step_stops_at_the_optimizer(monkeypatch, caplog):
+    step = finalize(monkeypatch, rerun_mode="validate_results", check_for_nan_in_loss_and_grad=True)
+    with caplog.at_level("WARNING"):
+        step._judged(NAN, 3)
+    assert "1 micro-batch(es) of iteration 3 returned a non-finite loss; Megatron's rerun state machine" in caplog.text
+    step._judged(FINITE, 3)  # Megatron re-ran iteration 3 in place: finite this time
+    step.check_deferred()  # nothing to stop at the optimizer step
+    assert step.last_deferred.iteration == 3  # until its decision is reported
+    step._judged(NAN, 1)  # the first iteration: Megatron does not validate it, the step goes on to the optimizer
+    with pytest.raises(LossContractError, match=r"^iteration 1: 1 micro-batch\(es\) returned a non-finite loss .* "
+                                                r"Megatron's rerun state machine let the step reach the optimizer"):
+        step.check_deferred()
+    step._judged(NAN, 4)  # --ga-checks async: read late, then the next iteration's verdict comes
+    with pytest.raises(LossContractError, match=r"^iteration 4: "):
+        step._judged(FINITE, 5)
+
+
+def test_a_contract_violation_is_not_deferred(monkeypatch):
+    step = finalize(monkeypatch, rerun_mode="validate_results", check_for_nan_in_loss_and_grad=True)
+    checks = step._judged(NAN._replace(unchecked=1), 3)
+    assert checks.nonfinite == 1 and step.deferred is None
+
+
+@pytest.mark.parametrize("decision, words", [
+    ((False, True, 17), "exit with code 17"),
+    ((True, True, 16), "save a checkpoint and exit with code 16"),
+    ((True, False, 0), "save a checkpoint and go on"),
+    ((False, False, 0), "go on training"),
+])
+def test_megatrons_decision_in_words(decision, words):
+    assert describe_decision(*decision) == words
