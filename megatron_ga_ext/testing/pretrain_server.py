@@ -35,6 +35,8 @@ every rank without ``@R``):
 * ``nan-loss-at:K@R``: the loss function's loss of the first micro-batch of iteration K is NaN;
 * ``bypass-hooks``: the training loop's forward/backward function is upstream's schedule, not the one install()
   wrapped (``get_forward_backward_func`` returns it unwrapped), so the extension's schedule hook never runs;
+* ``late-install``: Megatron builds its calculator without the extension, and install() runs again after
+  ``initialize_megatron`` (a script that installs late);
 * ``two-tuple-loss``: the loss function returns ``(loss, report)``, without the token count;
 * ``ddp-before-per-token-flag``: Megatron's DDP wrappers are built while ``calculate_per_token_loss`` is off, and
   the flag is set again after (a model wrapped before the flag).
@@ -209,6 +211,42 @@ def _ddp_before_per_token_flag() -> None:
             config.calculate_per_token_loss = flag
 
     DistributedDataParallel.__init__ = init
+
+
+def _late_install() -> None:
+    """The fault ``late-install``: Megatron builds its calculator without the extension (its installation is inactive
+    around ``init_num_microbatches_calculator``), and ``install()`` runs again once ``initialize_megatron`` has
+    returned: a script that calls install() after initialize_megatron, with the args the drop-in's parser read."""
+    import megatron.training.global_vars as global_vars
+
+    import megatron_ga_ext
+    from megatron_ga_ext.integration.install import installed
+
+    init = global_vars.init_num_microbatches_calculator
+
+    @functools.wraps(init)
+    def init_without_the_extension(*args: Any, **kwargs: Any) -> Any:
+        state = installed()
+        state.configure_from_megatron_args()  # the drop-in's args are read as they would be, then set aside
+        state.active = False
+        try:
+            return init(*args, **kwargs)
+        finally:
+            state.active = True
+
+    global_vars.init_num_microbatches_calculator = init_without_the_extension
+
+    def late(initialize_megatron: Callable) -> Callable:
+        @functools.wraps(initialize_megatron)
+        def initialize(*args: Any, **kwargs: Any) -> Any:
+            result = initialize_megatron(*args, **kwargs)
+            megatron_ga_ext.uninstall()
+            megatron_ga_ext.install()
+            return result
+
+        return initialize
+
+    _patch_everywhere("megatron.training.initialize", "initialize_megatron", late)
 
 
 def _iteration() -> int:
@@ -397,6 +435,8 @@ def run_rank(program: Program) -> int:
             _patch_everywhere(*FAULTS[fault])
     if "ddp-before-per-token-flag" in faults:
         _ddp_before_per_token_flag()
+    if "late-install" in faults:
+        _late_install()
     error, code = None, 0
     try:
         with training_shims():

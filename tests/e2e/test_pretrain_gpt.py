@@ -123,6 +123,16 @@ def test_converted_rampup_runs_its_plan(launches, source, layout, record_propert
     record(record_property, source_name(source), layout, [row])
 
 
+def test_a_late_install_still_runs_the_converted_rampup(launches, source, record_property):
+    """install() after initialize_megatron (the fault late-install): Megatron built its own calculator (0.18+: a
+    constant 24, the rampup dropped; 0.16/0.17: its rampup calculator); install() replaces it by the converted
+    rampup's, and the run follows the same plan as an early install."""
+    run = launches.get(source, "dp2", "rampup-late-install", [*TOKEN, *RAMPUP], env={"MEGATRON_GA_FAULT": "late-install"})
+    assert "megatron-ga-ext installed after Megatron built its calculator" in run.output, run.describe()
+    row = check_run(run, "rampup") | {"mode": "token", "case": "rampup, install() late", "N": check_num_tokens(run)}
+    record(record_property, source_name(source), "dp2", [row])
+
+
 @pytest.mark.parametrize("layout", ["dp2", "pp2dp2"])
 def test_step_schedule_and_resume_mid_schedule(launches, source, layout, record_property):
     checkpoints = launches.workdir / source.name / layout / "checkpoints"
