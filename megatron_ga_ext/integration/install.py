@@ -242,10 +242,14 @@ def _forward_step_calc_loss(original: Callable, state: Installation) -> Callable
     return forward_step_calc_loss
 
 
-def _checked_schedule(original: Callable, state: Installation) -> Callable:
+def _checked_schedule(original: Callable, installed_as: Installation) -> Callable:
+    """The schedule, guarded. Megatron's loop takes its forward_backward_func once, before training: after install()
+    with another config that function is this wrapper still, so it runs the installation that replaced its own."""
+
     @functools.wraps(original)
     def schedule(*args: Any, **kwargs: Any):
-        if not state.active:
+        state = installed_as.current()
+        if state is None:
             return original(*args, **kwargs)
         state.configure_from_megatron_args()
         verdict = state.startup.run_once(state.config, megatron_args())

@@ -37,6 +37,7 @@ every rank without ``@R``):
   wrapped (``get_forward_backward_func`` returns it unwrapped), so the extension's schedule hook never runs;
 * ``late-install``: Megatron builds its calculator without the extension, and install() runs again after
   ``initialize_megatron`` (a script that installs late);
+* ``reinstall-at:K``: after iteration K is logged, install() with another config (``--ga-checks`` flipped);
 * ``two-tuple-loss``: the loss function returns ``(loss, report)``, without the token count;
 * ``ddp-before-per-token-flag``: Megatron's DDP wrappers are built while ``calculate_per_token_loss`` is off, and
   the flag is set again after (a model wrapped before the flag).
@@ -93,6 +94,8 @@ class Recorder:
                          loss_scale: Any, report_memory_flag: Any, skipped_iter: Any, grad_norm: Any,
                          *args: Any, **kwargs: Any) -> Any:
             self.write(self._iteration_row(loss_dict, learning_rate, iteration, skipped_iter, grad_norm))
+            if self._at("reinstall-at", int(iteration)):
+                _reinstall()
             return original(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
                             report_memory_flag, skipped_iter, grad_norm, *args, **kwargs)
 
@@ -247,6 +250,18 @@ def _late_install() -> None:
         return initialize
 
     _patch_everywhere("megatron.training.initialize", "initialize_megatron", late)
+
+
+def _reinstall() -> None:
+    """The fault ``reinstall-at:K``: after iteration K, install() with another config (--ga-checks flipped), while the
+    model config still holds the first installation's finalize and the optimizer its step wrapper."""
+    import dataclasses
+
+    import megatron_ga_ext
+    from megatron_ga_ext.integration.install import installed
+
+    config = installed().config
+    megatron_ga_ext.install(dataclasses.replace(config, checks="async" if config.checks == "sync" else "sync"))
 
 
 def _iteration() -> int:

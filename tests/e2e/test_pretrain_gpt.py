@@ -133,6 +133,17 @@ def test_a_late_install_still_runs_the_converted_rampup(launches, source, record
     record(record_property, source_name(source), "dp2", [row])
 
 
+def test_a_reinstall_with_another_config_trains_on(launches, source, record_property):
+    """install() with another config after iteration 2 (the fault reinstall-at:2): the model config still holds the
+    first installation's finalize and the optimizer its step wrapper; the next step adopts the new finalize, the
+    optimizer follows the new installation, and the run trains to its plan with N checked every iteration."""
+    run = launches.get(source, "dp2", "reinstall", [*TOKEN, *CONSTANT], env={"MEGATRON_GA_FAULT": "reinstall-at:2"})
+    assert "checks='async'" in run.output, run.describe()  # the second installation's config, logged
+    row = check_run(run, "constant") | {"mode": "token", "case": "install() again after iteration 2",
+                                        "N": check_num_tokens(run)}
+    record(record_property, source_name(source), "dp2", [row])
+
+
 @pytest.mark.parametrize("layout", ["dp2", "pp2dp2"])
 def test_step_schedule_and_resume_mid_schedule(launches, source, layout, record_property):
     checkpoints = launches.workdir / source.name / layout / "checkpoints"
