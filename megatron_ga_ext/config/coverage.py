@@ -232,7 +232,7 @@ ROWS: tuple[Row, ...] = (
         text="after capture, Megatron's FullCudaGraphWrapper replays the captured forward/backward and none of the "
         "extension's Python runs again: the loss contract, the non-finite, negative and unchecked token counts, the "
         "zero-token error or skip, the --ga-checks async verdict and the micro-batch guards would go silent (only the "
-        "division by N, a device op, replays).",
+        "division by N, a device op, replays); the per-iteration liveness check would stop the first replay.",
         instead="Capture layers instead (--cuda-graph-impl local or transformer_engine), which leaves the schedule, "
         "the loss function and finalize in Python, or leave CUDA graphs off.",
         applies=_token(_full_iteration)),
