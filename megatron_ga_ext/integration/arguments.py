@@ -20,12 +20,14 @@ import argparse
 import functools
 import importlib
 import sys
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Callable
 
 from megatron_ga_ext.config.args import args_provider
 from megatron_ga_ext.config.flags import LOSS_REDUCTION
-from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.logs import get_logger
+
+if TYPE_CHECKING:
+    from megatron_ga_ext.integration.installation import Installation
 
 __all__ = ["ARGUMENTS", "wire_arguments"]
 
@@ -36,19 +38,15 @@ ARGUMENTS = "megatron.training.arguments"
 ParseArgs = Callable[..., argparse.Namespace]
 
 
-class Installation(Protocol):
-    """What this module reads of install()'s state (``install.Installation``)."""
-
-    active: bool
-    waiting_for_args: bool
-    config: GAConfig
-
-    def patch(self, module_name: str, name: str, make: Callable[[Any], Any]) -> Any: ...
-
-
 def wire_arguments(state: Installation) -> bool:
-    """Replace Megatron-LM's ``parse_args`` where it is bound; nothing to do with megatron-core alone."""
+    """Replace Megatron-LM's ``parse_args`` where it is bound; nothing to do with megatron-core alone.
+
+    Importing ``megatron.training`` configures the root logger and loads Megatron-LM's whole training loop, so it
+    is imported here only for an install() that waits for Megatron's args (the training script imports it next
+    anyway); an install() given its config patches the parser only where the script has loaded it already."""
     if ARGUMENTS not in sys.modules:
+        if not state.waiting_for_args:
+            return True  # a config given outright (a megatron-core loop, verify): no Megatron-LM parse to join
         try:
             importlib.import_module(ARGUMENTS)
         except ModuleNotFoundError as error:
