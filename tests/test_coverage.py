@@ -62,6 +62,7 @@ REFUSALS = [
     Refusal("delayed-wgrad-token", [*TOKEN, *EP_MOE, "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]),
     Refusal("torch-fsdp2-token", [*TOKEN, "--use-torch-fsdp2"]),
     Refusal("average-in-collective-token", [*TOKEN, "--ddp-average-in-collective"]),
+    Refusal("yaml-cfg", [*TOKEN, "--yaml-cfg", "config.yaml"]),
 ]
 
 

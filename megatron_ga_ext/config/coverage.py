@@ -423,6 +423,12 @@ ROWS: tuple[Row, ...] = (
         "(Megatron's DDP asserts it is off under --calculate-per-token-loss).",
         instead="Drop --ddp-average-in-collective (off by default).",
         applies=_token(_on("ddp_average_in_collective"))),
+    Row(id="yaml-cfg", flags=("--yaml-cfg",), given="--yaml-cfg", support="refused",
+        text="Megatron's parse_args replaces the parsed command line by the YAML file's settings, so the --ga-* flags "
+        "and the per-token switch install() sets never reach the args the run is built from.",
+        instead="Give the launch's settings as command-line flags (Megatron's and the --ga-* ones) instead of "
+        "--yaml-cfg.",
+        applies=lambda s: s.value("yaml_cfg") is not None),
     Row(id="distributed-optimizer-overlap", flags=("--use-distributed-optimizer", "--overlap-grad-reduce"),
         given="--use-distributed-optimizer, --overlap-grad-reduce", support="supported",
         text="the gradients are summed over DP x CP (reduce-scatter, overlapped or not), then divided once by N.",

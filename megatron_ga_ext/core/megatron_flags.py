@@ -140,6 +140,7 @@ COVERED_OPTIONS = (
     switch("--use-distributed-optimizer", "use_distributed_optimizer"),
     switch("--overlap-grad-reduce", "overlap_grad_reduce"),
     switch("--ddp-average-in-collective", "ddp_average_in_collective"),
+    Option(flag="--yaml-cfg", dest="yaml_cfg", type=str),
     switch("--overlap-param-gather", "overlap_param_gather"),
     switch("--sft", "sft"),
     switch("--dataloader-inter-document-masking", "dataloader_inter_document_masking", since="core_v0.19.0"),
