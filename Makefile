@@ -74,8 +74,9 @@ $(E2E_STAMP): $(STAMP)
 	@touch $@
 
 # The behaviour suite (install, guards, reduction, PP 2 x DP 2 through install()) on every tested source of
-# this Python: the snapshots (or MEGATRON_LM), else the released wheels' megatron/core.
-matrix: $(STAMP)
+# this Python: the snapshots (or MEGATRON_LM), else the released wheels' megatron/core. A snapshot's install tests
+# import megatron/training (what install() hooks there), so the suite needs the e2e extra's packages too.
+matrix: $(E2E_STAMP)
 	MEGATRON_GA_RESULTS=$(RESULTS) $(PY) tools/regress.py behaviour $(MEGATRON_LM)
 
 e2e: $(E2E_STAMP)
