@@ -14,6 +14,8 @@ where ``MEGATRON_GA_RESULTS`` is set, for ``make docs`` to render into docs/comp
 
 from __future__ import annotations
 
+import ast
+import hashlib
 import json
 import os
 import shutil
@@ -126,6 +128,58 @@ def changed_functions(root: Path) -> tuple[str, list[str]]:
     return nearest, changed
 
 
+#: Names through which Megatron reaches the hooked functions without naming them: the schedule is called as
+#: get_forward_backward_func()(...) and finalize as config.finalize_model_grads_func(...).
+REACHED_THROUGH = ("get_forward_backward_func", "forward_backward_func", "finalize_model_grads_func")
+
+
+def callers(root: Path) -> dict[str, str]:
+    """{'module:Class.function': sha256 of its source} of every function under megatron/ (and the pretrain_*.py
+    scripts) that names a hooked function or a name in :data:`REACHED_THROUGH`. GPTModel.forward is left out:
+    it is reached as model(...), which names nothing."""
+    names = {t.name.rsplit(".", 1)[-1] for t in TARGETS if "." not in t.name} | set(REACHED_THROUGH)
+    found = {}
+    for path in sorted([*(root / "megatron").rglob("*.py"), *root.glob("pretrain_*.py")]):
+        text = path.read_text(errors="replace")
+        if not any(name in text for name in names):
+            continue
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        lines = text.splitlines(keepends=True)
+        module = path.relative_to(root).with_suffix("").as_posix().replace("/", ".")
+
+        def visit(body: list[ast.stmt], prefix: str) -> None:
+            for node in body:
+                if isinstance(node, ast.ClassDef):
+                    visit(node.body, f"{prefix}{node.name}.")
+                elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    named = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | {
+                        n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+                    if names & named and f"{module}.{prefix}{node.name}" not in {t.qualified for t in TARGETS}:
+                        source = "".join(lines[node.lineno - 1 : node.end_lineno])
+                        found[f"{module}:{prefix}{node.name}"] = hashlib.sha256(source.encode()).hexdigest()[:16]
+
+        visit(tree.body, "")
+    return found
+
+
+def changed_callers(root: Path, nearest: Path) -> list[str]:
+    """The callers of hooked functions in ``root`` whose source differs from ``nearest``'s, or that it lacks
+    ('(new)'), and the ones only ``nearest`` has ('(gone)')."""
+    here, there = callers(root), callers(nearest)
+    changed = [name + ("" if name in there else " (new)") for name in here if here[name] != there.get(name)]
+    return changed + [f"{name} (gone)" for name in there if name not in here]
+
+
+def nearest_tree(name: str) -> Path | None:
+    """The unpacked snapshot of the tested source ``name`` (any Python's), or None where it is not at hand."""
+    upstream = next(u for u in UPSTREAM if u.name == name)
+    tarball = snapshot_dir() / f"megatron-lm-{upstream.ref}.tar.gz"
+    return tree(tarball) if tarball.exists() else None
+
+
 def parser_flags(roots: list[Path]) -> dict[Path, list[str]]:
     """The option strings of Megatron-LM's own parser at each root (one subprocess: tests/megatron_parser_flags.py)."""
     done = subprocess.run([sys.executable, "-m", "tests.megatron_parser_flags", *map(str, roots)], cwd=ROOT,
@@ -135,8 +189,9 @@ def parser_flags(roots: list[Path]) -> dict[Path, list[str]]:
     return {Path(root): flags for root, flags in json.loads(done.stdout.splitlines()[-1]).items()}
 
 
-def drift_report(name: str, flags: list[str], nearest: str, changed: list[str]) -> str:
-    """What ``make regress`` prints for a checkout: its unclassified flags and its changed hooked functions."""
+def drift_report(name: str, flags: list[str], nearest: str, changed: list[str], moved: list[str] | None) -> str:
+    """What ``make regress`` prints for a checkout: its unclassified flags, its changed hooked functions and the
+    changed callers of hooked functions (``moved``; None where the nearest source's snapshot is not at hand)."""
     lines = [f"== drift of {name} against the tested sources =="]
     if flags:
         lines.append(f"{len(flags)} flag(s) of its parser that no tested source's parser has and the coverage table "
@@ -150,6 +205,14 @@ def drift_report(name: str, flags: list[str], nearest: str, changed: list[str]) 
         lines += [f"  {function}" for function in changed]
     else:
         lines.append(f"every hooked function's source is a tested one (nearest tested source: {nearest})")
+    if moved is None:
+        lines.append(f"callers not compared: no snapshot of {nearest} in {snapshot_dir()}")
+    elif moved:
+        lines.append(f"{len(moved)} caller(s) of hooked functions changed since {nearest}; read each for a path that "
+                     f"reaches the step without the hooks (a row of the coverage table, or a hook):")
+        lines += [f"  {caller}" for caller in moved]
+    else:
+        lines.append(f"every caller of a hooked function is as in {nearest}")
     return "\n".join(lines)
 
 
@@ -161,7 +224,9 @@ def drift(trees: list[Path]) -> int:
     known = {flag for root in tested for flag in flags[root]}
     for root in trees:
         nearest, changed = changed_functions(root)
-        print(drift_report(source_name(root), unclassified(flags[root], known), nearest, changed), flush=True)
+        nearest_root = nearest_tree(nearest)
+        moved = changed_callers(root, nearest_root) if nearest_root else None
+        print(drift_report(source_name(root), unclassified(flags[root], known), nearest, changed, moved), flush=True)
     return 0
 
 
