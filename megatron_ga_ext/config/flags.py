@@ -22,6 +22,8 @@ MODES = ("token", "microbatch")
 ZERO_TOKEN_POLICIES = ("error", "skip")
 #: ``--ga-checks``: when token mode reads a step's checked count (finalize.py).
 CHECK_TIMINGS = ("sync", "async")
+#: ``--ga-lr-scaling``: the learning rate of a step-schedule stage times (GBS / first GBS) ** exponent.
+LR_SCALINGS = ("none", "sqrt", "linear")
 
 
 # -- the --ga-* flags (ours) ----------------------------------------------------------------------
@@ -59,8 +61,29 @@ CHECKS = Option(
     "optimizer step; async reads nothing there (gradients scaled by a device 1/max(N, 1), as upstream) and raises a "
     "broken step after the optimizer step or at the next step, naming it (not with --ga-zero-token-policy skip).",
 )
+NOISE_SCALE = Option(
+    flag="--ga-noise-scale", dest="ga_noise_scale", type=int, default=0,
+    help="measure the gradient noise scale B_simple every K-th iteration (0: off) from each data-parallel replica's "
+    "gradient before the reduction and the reduced one (token mode, DP >= 2; docs/noise-scale.md): one all-reduce "
+    "of 5 numbers per measured step, logged after Megatron's iteration line, to TensorBoard and W&B.",
+)
+NOISE_SCALE_DECAY = Option(
+    flag="--ga-noise-scale-decay", dest="ga_noise_scale_decay", type=float, default=0.95,
+    help="EMA decay per measured step of tr(Sigma) and |G|^2, kept apart and divided (0: the last step only).",
+)
+NOISE_SCALE_TRACE = Option(
+    flag="--ga-noise-scale-trace", dest="ga_noise_scale_trace", type=str,
+    help="append each measured step to this JSON Lines file (one rank writes it): the trace `megatron-ga schedule "
+    "--suggest` reads.",
+)
+LR_SCALING = Option(
+    flag="--ga-lr-scaling", dest="ga_lr_scaling", type=str, default="none", choices=LR_SCALINGS,
+    help="under a step batch-size schedule, scale the learning rate from the step a stage starts by (GBS / first "
+    "GBS) ** 1/2 (sqrt, Adam's rule) or ** 1 (linear); none (default): Megatron's schedule as it is.",
+)
 #: The flags add_args adds (the schedule flag only where the parser lacks it).
-GA_OPTIONS = (LOSS_REDUCTION, ZERO_TOKEN_POLICY, STRICT, CONVERT_RAMPUP, GUARDS, CHECKS)
+GA_OPTIONS = (LOSS_REDUCTION, ZERO_TOKEN_POLICY, STRICT, CONVERT_RAMPUP, GUARDS, CHECKS, NOISE_SCALE,
+              NOISE_SCALE_DECAY, NOISE_SCALE_TRACE, LR_SCALING)
 
 #: Every flag by its spelling (a negatable switch under both).
 OPTIONS: dict[str, Option] = {

@@ -10,11 +10,15 @@ from megatron_ga_ext.config.flags import (
     CONVERT_RAMPUP,
     GUARDS,
     LOSS_REDUCTION,
+    LR_SCALING,
+    NOISE_SCALE,
+    NOISE_SCALE_DECAY,
+    NOISE_SCALE_TRACE,
     STRICT,
     ZERO_TOKEN_POLICY,
     check_choice,
 )
-from megatron_ga_ext.config.rules import check_checks
+from megatron_ga_ext.config.rules import check_checks, check_noise_scale
 from megatron_ga_ext.core.schedule.rampup import rampup_triple
 
 
@@ -22,7 +26,7 @@ from megatron_ga_ext.core.schedule.rampup import rampup_triple
 class GAConfig:
     """What install() turns on; ``from_args`` reads it from Megatron's parsed args.
 
-    The first five fields are the ``--ga-*`` flags (:data:`GA_OPTIONS`: defaults and choices there); the
+    The first ten fields are the ``--ga-*`` flags (:data:`GA_OPTIONS`: defaults and choices there); the
     rest are Megatron's own settings the calculator needs where its call does not pass them.
     """
 
@@ -38,6 +42,14 @@ class GAConfig:
     """Check micro-batch counts and consumed samples every step."""
     checks: str = CHECKS.default
     """When token mode reads a step's checked count: ``sync`` (in finalize) or ``async`` (after the step)."""
+    noise_scale: int = NOISE_SCALE.default
+    """Measure the gradient noise scale every this many iterations; 0: off."""
+    noise_scale_decay: float = NOISE_SCALE_DECAY.default
+    """The EMA decay per measured step."""
+    noise_scale_trace: str | None = NOISE_SCALE_TRACE.default
+    """A JSON Lines file that gets one row per measured step."""
+    lr_scaling: str = LR_SCALING.default
+    """``none``, ``sqrt`` or ``linear``: the learning rate times (GBS / first GBS) ** exponent."""
     step_batch_size_schedule: str | None = None
     """Megatron's ``--step-batch-size-schedule`` (or the backported flag)."""
     rampup_batch_size: tuple[int, int, int] | None = None
@@ -56,6 +68,8 @@ class GAConfig:
         check_choice(ZERO_TOKEN_POLICY, self.zero_token_policy)
         check_choice(CHECKS, self.checks)
         check_checks(self.checks, self.zero_token_policy)
+        check_choice(LR_SCALING, self.lr_scaling)
+        check_noise_scale(self.noise_scale, self.noise_scale_decay, self.loss_reduction)
         if self.rampup_batch_size is not None:
             object.__setattr__(self, "rampup_batch_size", rampup_triple(self.rampup_batch_size))
 
@@ -70,6 +84,10 @@ class GAConfig:
             convert_rampup=getattr(args, CONVERT_RAMPUP.dest, CONVERT_RAMPUP.default),
             guards=getattr(args, GUARDS.dest, GUARDS.default),
             checks=getattr(args, CHECKS.dest, CHECKS.default),
+            noise_scale=getattr(args, NOISE_SCALE.dest, NOISE_SCALE.default),
+            noise_scale_decay=getattr(args, NOISE_SCALE_DECAY.dest, NOISE_SCALE_DECAY.default),
+            noise_scale_trace=getattr(args, NOISE_SCALE_TRACE.dest, NOISE_SCALE_TRACE.default),
+            lr_scaling=getattr(args, LR_SCALING.dest, LR_SCALING.default),
             step_batch_size_schedule=getattr(args, "step_batch_size_schedule", None),
             rampup_batch_size=rampup_triple(rampup) if rampup else None,
             seq_length=getattr(args, "seq_length", None),
@@ -87,5 +105,9 @@ GA_FIELDS = {
     CONVERT_RAMPUP: "convert_rampup",
     GUARDS: "guards",
     CHECKS: "checks",
+    NOISE_SCALE: "noise_scale",
+    NOISE_SCALE_DECAY: "noise_scale_decay",
+    NOISE_SCALE_TRACE: "noise_scale_trace",
+    LR_SCALING: "lr_scaling",
 }
 

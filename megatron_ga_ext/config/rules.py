@@ -3,14 +3,26 @@
 * :func:`check_loss_mode`: ``--ga-loss-reduction token`` needs ``--calculate-per-token-loss``;
   ``microbatch`` must not have it;
 * :func:`check_guards`: schedules that run another number of forward passes need ``--no-ga-guards``;
-* :func:`check_checks`: ``--ga-checks async`` cannot skip a step, so not with ``--ga-zero-token-policy skip``.
+* :func:`check_checks`: ``--ga-checks async`` cannot skip a step, so not with ``--ga-zero-token-policy skip``;
+* :func:`check_noise_scale` and :func:`check_noise_scale_layout`: what ``--ga-noise-scale`` measures, and where.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from megatron_ga_ext.config.flags import CHECKS, CONVERT_RAMPUP, GUARDS, LOSS_REDUCTION, ZERO_TOKEN_POLICY, check_choice
+import math
+
+from megatron_ga_ext.config.flags import (
+    CHECKS,
+    CONVERT_RAMPUP,
+    GUARDS,
+    LOSS_REDUCTION,
+    NOISE_SCALE,
+    NOISE_SCALE_DECAY,
+    ZERO_TOKEN_POLICY,
+    check_choice,
+)
 from megatron_ga_ext.errors import OptionError, ScheduleError
 
 
@@ -46,6 +58,55 @@ def check_checks(checks: str, zero_token_policy: str) -> None:
             f"{CHECKS.flag} async reads a step's token count only after its optimizer step, so "
             f"{ZERO_TOKEN_POLICY.flag} skip cannot skip a step with 0 tokens. Drop one of them: {CHECKS.flag} sync "
             f"skips it, {ZERO_TOKEN_POLICY.flag} error (the default) stops the run there.")
+
+
+def check_noise_scale(interval: object, decay: object, loss_reduction: str) -> None:
+    """``--ga-noise-scale K``: K a whole number >= 0, the EMA decay in [0, 1), and token mode (the estimator needs
+    the reduced gradient to be the token mean, with each replica's token count). Raises OptionError."""
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+        raise OptionError(f"{NOISE_SCALE.flag} {interval!r} is not a whole number >= 0: give K to measure every "
+                          f"K-th iteration, or 0 (the default) for off.")
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not math.isfinite(decay) \
+            or not 0 <= decay < 1:
+        raise OptionError(f"{NOISE_SCALE_DECAY.flag} {decay!r} is not in [0, 1): 0 keeps the last measurement only, "
+                          f"0.95 (the default) averages about 20.")
+    if interval and loss_reduction != "token":
+        raise OptionError(
+            f"{NOISE_SCALE.flag} {interval} needs {LOSS_REDUCTION.flag} token: the estimator compares each replica's "
+            f"token-mean gradient with the token mean over all N tokens, and upstream's mean of means is neither. "
+            f"Use {LOSS_REDUCTION.flag} token, or drop {NOISE_SCALE.flag}.")
+
+
+#: (Megatron's flag, what the layout check reads, why --ga-noise-scale refuses it).
+NOISE_SCALE_REFUSALS = (
+    ("--context-parallel-size", "context_parallel_size",
+     "the CP shards of one sequence are parts of one sample, not independent replicas, and a replica's gradient "
+     "would need a reduction over CP before the one over DP x CP"),
+    ("--num-distributed-optimizer-instances", "num_distributed_optimizer_instances",
+     "the reduced gradient is all-reduced across the optimizer instances after the reduce-scatter"),
+)
+
+
+def check_noise_scale_layout(interval: int, *, data_parallel_size: int, settings: dict[str, object]) -> None:
+    """Where ``--ga-noise-scale`` can measure: DP >= 2 (it compares replicas), CP 1, one distributed-optimizer
+    instance, Megatron's DDP (not Megatron-FSDP, whose gradients are sharded before the reduction). Raises OptionError
+    naming the flag; ``settings`` holds Megatron's args by destination."""
+    if not interval:
+        return
+    if data_parallel_size < 2:
+        raise OptionError(
+            f"{NOISE_SCALE.flag} {interval} with data-parallel size {data_parallel_size}: the estimate compares each "
+            f"replica's gradient with the reduced one, so it needs DP >= 2. Drop {NOISE_SCALE.flag}, or train with "
+            f"more data-parallel replicas.")
+    for flag, dest, why in NOISE_SCALE_REFUSALS:
+        value = settings.get(dest) or 1
+        if value != 1:
+            raise OptionError(f"{NOISE_SCALE.flag} with {flag} {value}: {why}. Drop {NOISE_SCALE.flag}, or {flag} 1.")
+    if settings.get("use_megatron_fsdp"):
+        raise OptionError(
+            f"{NOISE_SCALE.flag} with --use-megatron-fsdp: Megatron-FSDP shards gradients across the data-parallel "
+            f"ranks before the reduction, so no rank holds its replica's gradient. Use Megatron's DDP (with "
+            f"--use-distributed-optimizer if you like), or drop {NOISE_SCALE.flag}.")
 
 
 def check_guards(guards: bool, *, hybrid_context_parallel: bool = False, rl_sequence_packing: bool = False) -> None:

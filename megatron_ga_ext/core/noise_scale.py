@@ -50,6 +50,7 @@ __all__ = [
     "b_simple",
     "equal_count_estimate",
     "replica_estimate",
+    "replica_estimate_from_sums",
     "two_batch_estimate",
 ]
 
@@ -122,7 +123,31 @@ def replica_estimate(local_sq_norms: Sequence[float], global_sq_norm: float, tok
     # h - 1/N in exact arithmetic: with N in the billions both terms are tiny and close.
     excess = sum(Fraction(1, b) for b in counts) / len(counts) - Fraction(1, total)
     mean_local = math.fsum(local_sq_norms) / len(local_sq_norms)
-    trace = (mean_local - global_sq_norm) / float(excess)
+    return _estimate(mean_local, global_sq_norm, float(excess), total)
+
+
+def replica_estimate_from_sums(*, mean_local_sq_norm: float, global_sq_norm: float, mean_inverse_tokens: float,
+                               tokens: int, replicas: int) -> NoiseEstimate:
+    """:func:`replica_estimate` from what one all-reduce gives: A = mean |g_r|^2, |g|^2, h = mean 1/b_r, N and K
+    (the in-run measurement, integration/noise_scale.py). h - 1/N >= (K - 1)/N keeps the float subtraction exact
+    to a few ulps of h."""
+    if replicas < 2:
+        raise NoiseScaleError(f"{replicas} replica(s): the noise estimate needs at least 2 (data-parallel size "
+                              ">= 2), since it compares a replica's gradient with the reduced one.")
+    if not (isinstance(tokens, int) and tokens >= replicas):
+        raise NoiseScaleError(f"{tokens!r} loss tokens over {replicas} replicas: every replica needs at least one.")
+    _require_norm("mean_local_sq_norm", mean_local_sq_norm)
+    _require_norm("global_sq_norm", global_sq_norm)
+    excess = mean_inverse_tokens - 1 / tokens
+    if not (_finite(excess) and excess > 0):
+        raise NoiseScaleError(f"mean 1/b_r {mean_inverse_tokens!r} with N = {tokens}: h - 1/N must be > 0 "
+                              "(h >= K/N for K >= 2 replicas).")
+    return _estimate(mean_local_sq_norm, global_sq_norm, excess, tokens)
+
+
+def _estimate(mean_local: float, global_sq_norm: float, excess: float, total: int) -> NoiseEstimate:
+    """tr(Sigma) = (A - |g|^2) / (h - 1/N), |G|^2 = |g|^2 - tr(Sigma) / N."""
+    trace = (mean_local - global_sq_norm) / excess
     return NoiseEstimate(trace_sigma=trace, grad_sq=global_sq_norm - trace / total, tokens=total)
 
 

@@ -32,6 +32,7 @@ from megatron_ga_ext.config.rules import check_loss_mode
 from megatron_ga_ext.errors import LossContractError
 from megatron_ga_ext.integration.compat import megatron_args
 from megatron_ga_ext.integration.loss_contract import SLOT_TOKENS, LossContract, StepChecks
+from megatron_ga_ext.integration.noise_scale import NoiseScaleMeter
 from megatron_ga_ext.logs import get_logger
 
 if TYPE_CHECKING:
@@ -157,6 +158,8 @@ class FinalizeModelGrads:
         self.deferred: _Deferred | None = None
         self.last_deferred: _Deferred | None = None
         """The last deferral, until Megatron's decision on it is reported (training_hooks.py)."""
+        self.noise_scale: NoiseScaleMeter | None = None
+        """--ga-noise-scale: the meter that reads the reduced gradient here (integration/noise_scale.py)."""
         self._checked: _CheckedChunks | None = None
         self._topology: _Topology | None = None
 
@@ -180,6 +183,8 @@ class FinalizeModelGrads:
         self.original(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
         # where upstream reduces its count: after the grads, on every stage
         torch.distributed.broadcast(vector, src=topology.last_stage_rank, group=topology.pp_group)
+        if self.noise_scale is not None:  # --ga-noise-scale: the reduced norm, before the division by N
+            self.noise_scale.after_reduction(model, vector[SLOT_TOKENS], topology.is_last_stage)
         torch.distributed.all_reduce(vector, group=topology.dp_cp_group)
         # a device scalar, upstream's 1.0 / clamp(N, min=1) to the bit (torch computes x / t as t.reciprocal() * x)
         scaling = torch.clamp(vector[SLOT_TOKENS], min=1).reciprocal()

@@ -39,6 +39,7 @@ from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
 from megatron_ga_ext.errors import GuardError, ScheduleError
 from megatron_ga_ext.integration.arguments import wire_arguments
+from megatron_ga_ext.integration.noise_scale import wire_bucket_groups
 from megatron_ga_ext.integration.aux_losses import aux_summary, mtp_inexact_note, pipeline_inexact_note
 from megatron_ga_ext.integration.calculator import StepScheduleCalculator
 from megatron_ga_ext.integration.compat import (
@@ -194,6 +195,7 @@ def _wire_finalize(state: Installation) -> None:
         FINALIZE, "finalize_model_grads",
         lambda original: make_finalize_model_grads(original, state.contract, config=state.config),
     )
+    state.finalize.noise_scale = state.noise_scale
 
 
 def _wire_calculator(state: Installation) -> None:
@@ -207,6 +209,7 @@ def _wire_training_hooks(state: Installation) -> None:
     Megatron-LM's training modules are loaded by then)."""
     for name, wire in (("arguments", wire_arguments), ("optimizer", wire_optimizer), ("gpt_model", wire_gpt_model),
                        ("rerun_machine", wire_rerun_machine), ("training", wire_training),
+                       ("bucket_groups", wire_bucket_groups),
                        ("checkpoint_args", state.startup.wire)):
         if name not in state.training_hooks_wired and wire(state) is not False:
             state.training_hooks_wired.add(name)

@@ -18,12 +18,13 @@ import torch
 from megatron_ga_ext.config.coverage import Setting
 from megatron_ga_ext.config.coverage import verdict as coverage_verdict
 from megatron_ga_ext.config.ga_config import GAConfig
-from megatron_ga_ext.config.rules import check_guards, check_loss_mode, check_train_length
+from megatron_ga_ext.config.rules import check_guards, check_loss_mode, check_noise_scale_layout, check_train_length
 from megatron_ga_ext.errors import CompatError
 from megatron_ga_ext.integration.compat import megatron_args
 from megatron_ga_ext.integration.finalize import FinalizeModelGrads
 from megatron_ga_ext.integration.guards import MicrobatchCounter
 from megatron_ga_ext.integration.loss_contract import LossContract, mean_of_means_reports
+from megatron_ga_ext.integration.noise_scale import NoiseScaleMeter
 from megatron_ga_ext.integration.startup import StartupChecks
 from megatron_ga_ext.logs import get_logger
 
@@ -103,6 +104,8 @@ class Installation:
     wrap_loss: LossWrapper = mean_of_means_reports
     """What each micro-batch's loss function is wrapped in: the contract's check (token) or the mean report."""
     finalize: FinalizeModelGrads | None = None
+    noise_scale: NoiseScaleMeter | None = None
+    """--ga-noise-scale K > 0: the in-run measurement (noise_scale.py)."""
     startup: StartupChecks = field(default_factory=StartupChecks)
     """Ranks agree on the batch configuration, and a resume says what changed: once, at the first schedule call."""
     reported_first_step: bool = False
@@ -118,8 +121,10 @@ class Installation:
         self.config = config
         self.contract = LossContract() if config.loss_reduction == "token" else None
         self.wrap_loss = self.contract.wrap if self.contract is not None else mean_of_means_reports
+        self.noise_scale = NoiseScaleMeter(config) if config.noise_scale else None
         if self.finalize is not None:
             self.finalize.config, self.finalize.contract = config, self.contract
+            self.finalize.noise_scale = self.noise_scale
 
     def configure_from_megatron_args(self) -> None:
         """Where install() came before Megatron parsed its args, configure from them at the first hook that runs
@@ -242,9 +247,20 @@ def check_args(config: GAConfig, args: argparse.Namespace) -> None:
         check_train_length("--step-batch-size-schedule", getattr(args, "train_iters", None))
     elif config.rampup_batch_size and config.convert_rampup:
         check_train_length("--rampup-batch-size with --ga-convert-rampup", getattr(args, "train_iters", None))
+    check_noise_scale_layout(config.noise_scale, data_parallel_size=_data_parallel_size(args), settings=vars(args))
     check_guards(config.guards, hybrid_context_parallel=bool(getattr(args, "hybrid_context_parallel", False)),
                  rl_sequence_packing=bool(getattr(args, "perform_rl_step", False)
                                           and getattr(args, "rl_use_sequence_packing", False)))
     refused = coverage_verdict(Setting.of(args, config)).error()  # its limits are logged at the first step
     if refused is not None:
         raise refused
+
+
+def _data_parallel_size(args: argparse.Namespace) -> int:
+    """DP as Megatron derives it (validate_args sets it; before that, from the world size and the other sizes)."""
+    if getattr(args, "data_parallel_size", None):
+        return args.data_parallel_size
+    model = 1
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        model *= getattr(args, name, None) or 1
+    return (getattr(args, "world_size", None) or model) // model

@@ -4,7 +4,7 @@ builds: install() wires them once (a vendored tree at its first calculator hook,
 * ``update_train_iters`` / ``get_train_valid_test_num_samples``: the run length under a step schedule;
 * the optimizers' ``step``: where each iteration's liveness is checked (liveness.py: the schedule and finalize
   hooks ran), skipped after a zero-token batch (``--ga-zero-token-policy skip``), and where the
-  ``--ga-checks async`` verdict of the step is read;
+  ``--ga-checks async`` verdict of the step and a ``--ga-noise-scale`` measurement are read;
 * ``GPTModel.forward``: MoE routes with the loss mask's padding (aux_losses.py);
 * ``RerunStateMachine.should_checkpoint_and_exit``: what Megatron decided on a non-finite loss the extension left
   to it (finalize.py).
@@ -56,15 +56,15 @@ def _skipping_builder(original: Callable, state: Installation) -> Callable:
     @functools.wraps(original)
     def build(*args: Any, **kwargs: Any) -> Any:
         optimizer = original(*args, **kwargs)
-        optimizer.step = _skipping_step(optimizer.step, state)
+        optimizer.step = _skipping_step(optimizer.step, state, optimizer)
         return optimizer
 
     return build
 
 
-def _skipping_step(step: Callable, state: Installation) -> Callable:
+def _skipping_step(step: Callable, state: Installation, optimizer: Any = None) -> Callable:
     """The optimizer's step: liveness first (the iteration ran the extension's hooks, liveness.py), then the skip
-    policy, then under --ga-checks async the step's verdict and liveness. The optimizer outlives an install() with
+    policy, then under --ga-checks async the step's verdict and liveness, then a --ga-noise-scale measurement. The optimizer outlives an install() with
     another config: the step follows to the installation that replaced the one it was built under."""
     liveness = StepLiveness(state)
 
@@ -89,6 +89,8 @@ def _skipping_step(step: Callable, state: Installation) -> Callable:
             if is_async:
                 finalize.check_deferred()
         liveness.check(after_step=True)
+        if live.noise_scale is not None:
+            live.noise_scale.after_optimizer_step(optimizer)
         return result
 
     return skipping_step

@@ -1,0 +1,323 @@
+"""``--ga-noise-scale K``: the gradient noise scale measured in the run, every K-th iteration.
+
+Per measured step (core/noise_scale.py has the estimator and its derivation), with replica r's b_r loss tokens and its
+summed gradient S_r = sum of its tokens' loss gradients, before the data-parallel reduction, and S = sum_r S_r after:
+
+    |g_r|^2 = |S_r|^2 / b_r^2        taken where each bucket group's grad sync starts (the gradients are complete
+                                     and not reduced yet, with or without --overlap-grad-reduce)
+    |g|^2   = |S|^2 / N^2            taken in finalize, after upstream's reduction, before the division by N
+
+Each rank adds its shard's part: a tensor-parallel duplicate counts on TP rank 0 only, a pipeline stage holds its own
+layers, and with the distributed optimizer each rank reads only the shard of S its reduce-scatter wrote. One
+all-reduce over the world, of six float64 numbers, then gives
+
+    [sum_r |g_r|^2, |g|^2, sum_r 1/b_r, N, K, replicas with b_r = 0]
+
+(the last four counted on one rank per replica: TP rank 0 of the last pipeline stage). The vector stays on the
+device until :meth:`NoiseScaleMeter.read` (Megatron's ``training_log``, once per measured iteration): no host read
+on the other steps, nothing per micro-batch.
+
+Measured over the dense parameters a replica owns whole: expert parameters (reduced over the expert data-parallel
+group), a tied embedding split across pipeline stages (its stages' parts are summed only after the reduction) and
+sequence-parallel parameters (summed over TP after it) are left out of both norms.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+
+from megatron_ga_ext.core.noise_scale import NoiseEstimate, NoiseScaleEMA, replica_estimate_from_sums
+from megatron_ga_ext.integration.compat import megatron_args
+from megatron_ga_ext.logs import get_logger
+
+if TYPE_CHECKING:
+    from megatron_ga_ext.config.ga_config import GAConfig
+
+__all__ = ["Measurement", "NoiseScaleMeter", "wire_bucket_groups"]
+
+logger = get_logger(__name__)
+
+#: Slots of the reduced vector.
+LOCAL, GLOBAL, INVERSE_COUNTS, TOKENS, REPLICAS, EMPTY = range(6)
+
+
+@dataclass(frozen=True)
+class _BucketPlan:
+    """Which elements of a bucket's ``grad_data`` the norms read: the counted parameters' ranges, merged."""
+
+    bucket: weakref.ref
+    ranges: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measurement:
+    """One measured iteration, as read on the host."""
+
+    iteration: int | None
+    estimate: NoiseEstimate
+    replicas: int
+
+
+class NoiseScaleMeter:
+    """The in-run measurement; see the module docstring. Made by install() where ``--ga-noise-scale`` > 0.
+
+    Attributes:
+        ema: the EMAs of tr(Sigma) and |G|^2 (kept in Megatron's checkpoints, integration/checkpoint sidecar).
+        last: the last measured iteration, or None.
+        measurements: how many iterations were measured since the start (or the resume).
+    """
+
+    def __init__(self, config: GAConfig) -> None:
+        self.interval = config.noise_scale
+        self.trace_path = config.noise_scale_trace
+        self.ema = NoiseScaleEMA(decay=config.noise_scale_decay)
+        self.last: Measurement | None = None
+        self.measurements = 0
+        self.steps = 0
+        """finalize calls seen: the step count where Megatron's iteration is not known."""
+        self._local: torch.Tensor | None = None
+        self._pending: tuple[torch.Tensor, int | None] | None = None
+        self._plans: dict[int, _BucketPlan] = {}
+
+    # -- which steps ------------------------------------------------------------------------------
+
+    def measuring(self) -> bool:
+        """Whether the step in progress is measured: Megatron's iteration (as its log numbers it) is a multiple of K;
+        without Megatron's args, the finalize count."""
+        iteration = _iteration()
+        step = iteration if iteration is not None else self.steps + 1
+        return step % self.interval == 0
+
+    # -- before the reduction: where each bucket group's grad sync starts ------------------------
+
+    def before_grad_sync(self, bucket_group: Any) -> None:
+        """Add this bucket group's part of |S_r|^2 (its gradients are complete and not reduced yet)."""
+        if not self.measuring():
+            return
+        part = self._local if self._local is not None else None
+        for bucket in bucket_group.buckets:
+            for start, end in self._plan(bucket).ranges:
+                norm = torch.linalg.vector_norm(bucket.grad_data[start:end], dtype=torch.float64).square()
+                part = norm if part is None else part + norm
+        if part is not None:
+            self._local = part
+
+    # -- after the reduction: in finalize ---------------------------------------------------------
+
+    def after_reduction(self, model: Sequence[torch.nn.Module], local_tokens: torch.Tensor, is_last_stage: bool
+                        ) -> None:
+        """In finalize, after upstream's reduction and before the division by N: this rank's parts of the vector,
+        summed over the world (the measured step's one collective). ``local_tokens`` is b_r (the replica's count,
+        broadcast from its last stage); TP rank 0 of the last stage counts the replica."""
+        from megatron.core import parallel_state
+
+        counts_replica = is_last_stage and parallel_state.get_tensor_model_parallel_rank() == 0
+        measuring = self.measuring()
+        self.steps += 1
+        if not measuring:
+            return
+        device = local_tokens.device
+        reduced = torch.zeros((), dtype=torch.float64, device=device)
+        for chunk in model:
+            for group in getattr(chunk, "bucket_groups", ()):
+                for bucket in group.buckets:
+                    for start, end in _owned(self._plan(bucket).ranges, bucket, group):
+                        reduced += torch.linalg.vector_norm(bucket.grad_data[start:end], dtype=torch.float64).square()
+        b = local_tokens.to(torch.float64)
+        safe = torch.clamp(b, min=1)
+        local = self._local if self._local is not None else torch.zeros((), dtype=torch.float64, device=device)
+        self._local = None
+        once = 1.0 if counts_replica else 0.0
+        vector = torch.stack([local / safe.square(), reduced, once / safe, once * b,
+                              torch.full((), once, dtype=torch.float64, device=device),
+                              once * (b == 0).to(torch.float64)])
+        torch.distributed.all_reduce(vector)
+        self._pending = (vector, _iteration() if _iteration() is not None else self.steps)
+
+    # -- on the host --------------------------------------------------------------------------------
+
+    def read(self, loss_scale: float = 1.0) -> Measurement | None:
+        """The pending measurement, read (one device-to-host copy) and folded into the EMAs; None where there is
+        none or it has no estimate (a replica without loss tokens, a non-finite gradient: an fp16 overflow)."""
+        if self._pending is None:
+            return None
+        vector, iteration = self._pending
+        self._pending = None
+        local, reduced, inverse_counts, tokens, replicas, empty = vector.tolist()
+        scale = float(loss_scale) ** 2
+        total = round(tokens)
+        if empty or replicas < 2 or not all(math.isfinite(x) for x in (local, reduced, scale)) or scale <= 0:
+            logger.info("megatron-ga-ext: noise scale not measured at iteration %s (%s)", iteration,
+                        "a replica without loss tokens" if empty else "a non-finite gradient")
+            return None
+        estimate = replica_estimate_from_sums(
+            mean_local_sq_norm=local / scale / replicas, global_sq_norm=reduced / scale / total**2,
+            mean_inverse_tokens=inverse_counts / replicas, tokens=total, replicas=round(replicas))
+        self.ema.update(estimate)
+        self.measurements += 1
+        self.last = Measurement(iteration=iteration, estimate=estimate, replicas=round(replicas))
+        return self.last
+
+    def after_optimizer_step(self, optimizer: Any) -> Measurement | None:
+        """Megatron's optimizer step is done (its grad-norm read has synced the stream): read a pending measurement,
+        unscaled by the optimizer's loss scale, and report it (:meth:`report`). Nothing on the other steps."""
+        if self._pending is None:
+            return None
+        get_loss_scale = getattr(optimizer, "get_loss_scale", None)
+        measurement = self.read(1.0 if get_loss_scale is None else float(get_loss_scale()))
+        if measurement is not None:
+            self.report(measurement)
+        return measurement
+
+    def report(self, measurement: Measurement) -> dict[str, Any]:
+        """Where Megatron users look: a line after the iteration's (printed by the last rank, as Megatron prints),
+        TensorBoard and W&B through Megatron's writers, and the trace file (``--ga-noise-scale-trace``). The row
+        is the trace's (what ``megatron-ga schedule --suggest`` reads)."""
+        row = self.trace_row(measurement)
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if rank == world - 1:
+            print(_log_line(row), flush=True)
+            tensorboard, wandb = _writers()
+            scalars = {f"noise-scale/{name.replace('_', '-')}": row[name] for name in SCALARS if row[name] is not None}
+            if tensorboard is not None:
+                for name, value in scalars.items():
+                    tensorboard.add_scalar(name, value, row["iteration"])
+            if wandb is not None:
+                wandb.log(scalars, row["iteration"])
+            if self.trace_path:
+                with open(self.trace_path, "a") as handle:
+                    handle.write(json.dumps(row) + "\n")
+        return row
+
+    def trace_row(self, measurement: Measurement) -> dict[str, Any]:
+        """The row ``megatron-ga schedule --suggest`` reads (core/schedule/suggest.py), and the parts behind it:
+        B_simple from the EMAs, in tokens and in samples (at this step's loss tokens per sample, N / GBS)."""
+        estimate = measurement.estimate
+        args = megatron_args()
+        consumed, tokens_per_sample = None, None
+        if args is not None and getattr(args, "consumed_train_samples", None) is not None:
+            from megatron.core.num_microbatches_calculator import get_current_global_batch_size
+
+            batch = get_current_global_batch_size()
+            consumed = args.consumed_train_samples + batch  # Megatron adds the step's batch after the step
+            tokens_per_sample = estimate.tokens / batch
+        return {
+            "iteration": measurement.iteration, "consumed_samples": consumed,
+            "b_simple_tokens": self.ema.b_simple(),
+            "b_simple_samples": self.ema.b_simple(tokens_per_sample) if tokens_per_sample else None,
+            "tokens_per_sample": tokens_per_sample,
+            "grad_sq": estimate.grad_sq, "trace_sigma": estimate.trace_sigma,
+            "grad_sq_ema": self.ema.grad_sq, "trace_sigma_ema": self.ema.trace_sigma,
+            "step_b_simple_tokens": estimate.b_simple_tokens, "tokens": estimate.tokens,
+            "replicas": measurement.replicas,
+        }
+
+    # -- the counted elements -----------------------------------------------------------------------
+
+    def _plan(self, bucket: Any) -> _BucketPlan:
+        plan = self._plans.get(id(bucket))
+        if plan is None or plan.bucket() is not bucket:
+            plan = self._plans[id(bucket)] = _BucketPlan(weakref.ref(bucket), _counted_ranges(bucket))
+        return plan
+
+
+def _counted_ranges(bucket: Any) -> tuple[tuple[int, int], ...]:
+    """The bucket-local ranges of the parameters a replica's gradient norm counts on this rank, merged."""
+    from megatron.core import parallel_state
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    extra = {id(p) for p in getattr(bucket, "params_with_extra_main_grads", ())}
+    spans = sorted(bucket.param_to_index[p] for p in bucket.params_list if _counted(p, tp_rank) and id(p) not in extra)
+    merged: list[list[int]] = []
+    for start, end in spans:
+        if merged and merged[-1][1] == start:
+            merged[-1][1] = end
+        else:
+            merged.append([start, end])
+    return tuple((start, end) for start, end in merged)
+
+
+def _counted(param: torch.nn.Parameter, tp_rank: int) -> bool:
+    """A parameter whose gradient before the reduction is this replica's whole gradient of it, counted once."""
+    if not getattr(param, "allreduce", True):  # an expert's: reduced over the expert data-parallel group
+        return False
+    if getattr(param, "shared_embedding", False):  # tied across pipeline stages: summed after the reduction
+        return False
+    if getattr(param, "sequence_parallel", False):  # a partial sum over TP until finalize all-reduces it
+        return False
+    return tp_rank == 0 or bool(getattr(param, "tensor_model_parallel", False))
+
+
+def _owned(ranges: Sequence[tuple[int, int]], bucket: Any, group: Any) -> list[tuple[int, int]]:
+    """The part of ``ranges`` whose reduced values this rank holds and counts: with the distributed optimizer the
+    shard its reduce-scatter wrote, else everything on data-parallel rank 0 (every rank holds all of S)."""
+    if group.ddp_config.use_distributed_optimizer:
+        size = group.intra_distributed_optimizer_instance_size
+        shard = bucket.grad_data.numel() // size
+        low = group.intra_distributed_optimizer_instance_rank * shard
+        high = low + shard
+    elif group.data_parallel_group.rank() == 0:
+        return list(ranges)
+    else:
+        return []
+    return [(max(start, low), min(end, high)) for start, end in ranges if start < high and end > low]
+
+
+def wire_bucket_groups(state: Any) -> None:
+    """``_ParamAndGradBucketGroup.start_grad_sync``: the meter reads the bucket group's gradients first, on a measured
+    step (``state``: the Installation, whose module imports this one). Wired whatever the config (Megatron's args may turn the meter on later): off, it costs an attribute read
+    per bucket group and step."""
+    import functools
+
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+
+    def make(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def start_grad_sync(group: Any, *args: Any, **kwargs: Any) -> Any:
+            meter = state.noise_scale if state.active else None
+            # upstream returns at once where the first batch's collective is already dispatched
+            if meter is not None and not (group.is_first_batch and group.grad_reduce_handle is not None):
+                meter.before_grad_sync(group)
+            return original(group, *args, **kwargs)
+
+        return start_grad_sync
+
+    state.patch_attribute(_ParamAndGradBucketGroup, "start_grad_sync", make)
+
+
+#: The trace row's values logged to TensorBoard and W&B (as noise-scale/<name with dashes>).
+SCALARS = ("b_simple_tokens", "b_simple_samples", "grad_sq", "trace_sigma", "grad_sq_ema", "trace_sigma_ema")
+
+
+def _log_line(row: dict[str, Any]) -> str:
+    def shown(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.4E}"
+
+    return (f" megatron-ga-ext noise scale | iteration {row['iteration']} | B_simple (EMA): "
+            f"{shown(row['b_simple_tokens'])} tokens, {shown(row['b_simple_samples'])} samples | "
+            f"|G|^2: {shown(row['grad_sq'])} (EMA {shown(row['grad_sq_ema'])}) | "
+            f"tr(Sigma): {shown(row['trace_sigma'])} (EMA {shown(row['trace_sigma_ema'])}) | "
+            f"loss tokens: {row['tokens']} over {row['replicas']} replicas |")
+
+
+def _writers() -> tuple[Any, Any]:
+    """Megatron-LM's TensorBoard and W&B writers (set on the last rank), where its training package is loaded."""
+    import sys
+
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    if global_vars is None:
+        return None, None
+    return global_vars.get_tensorboard_writer(), global_vars.get_wandb_writer()
+
+
+def _iteration() -> int | None:
+    """The Megatron iteration being trained (``args.curr_iteration`` + 1, as its log numbers it), if any."""
+    current = getattr(megatron_args(), "curr_iteration", None)
+    return current + 1 if isinstance(current, int) else None
