@@ -21,6 +21,10 @@ valgrind). ``spread`` is max / min of upstream's rounds: the floor of what a rat
 
     python benchmarks/instructions.py --quick    # the position-wise model at GA 4: one JSON object on the last line
     python benchmarks/instructions.py --write    # GA 4, 16 and 64 on both models: JSON, docs table
+    python benchmarks/instructions.py --noise-scale  # --ga-noise-scale 1 against upstream and the extension (GPT, GA 4)
+
+With ``--noise-scale`` the extension's variants are sync checks without and with the noise scale measured every step;
+the second's extra all-reduce runs on gloo's threads, which are not counted (its main-thread call is).
 """
 
 from __future__ import annotations
@@ -59,7 +63,12 @@ void megatron_ga_dump(const char *label) { CALLGRIND_DUMP_STATS_AT(label); }
 HELPER_ENV = "MEGATRON_GA_CALLGRIND_HELPER"
 
 
-def rank_main(num_microbatches: int, model: str, rounds: int, steps: int, counting: bool) -> dict:
+#: The variants of --noise-scale.
+NOISE_SCALE_VARIANTS = ("upstream", "extension", "extension_noise_scale")
+
+
+def rank_main(num_microbatches: int, model: str, rounds: int, steps: int, counting: bool,
+              variants: tuple[str, ...] = VARIANTS) -> dict:
     """This rank's rounds: under callgrind (``counting``) dumps labelled "<rank> <variant> <round>" around each
     installation's counted steps; outside it, their CPU times."""
     import torch
@@ -90,14 +99,14 @@ def rank_main(num_microbatches: int, model: str, rounds: int, steps: int, counti
             megatron_ga_ext.uninstall()
             return elapsed
 
-        for variant in VARIANTS:  # warm-up, not counted
+        for variant in variants:  # warm-up, not counted
             installation(variant, 1, None)
         if counting:
             helper.megatron_ga_start()
         order = random.Random(num_microbatches)  # the same orders on both ranks (they step together)
-        times = {variant: [] for variant in VARIANTS}
+        times = {variant: [] for variant in variants}
         for index in range(rounds):
-            for variant in order.sample(VARIANTS, len(VARIANTS)):
+            for variant in order.sample(variants, len(variants)):
                 label = f"{rank} {variant} {index}" if counting else None
                 times[variant].append(installation(variant, steps, label))
         return {"times": times}
@@ -129,14 +138,15 @@ def read_dumps(directory: Path) -> dict[str, int]:
     return counts
 
 
-def summarize(num_microbatches: int, model: str, counts: dict[str, int], native: dict, steps: int) -> dict:
+def summarize(num_microbatches: int, model: str, counts: dict[str, int], native: dict, steps: int,
+              variants: tuple[str, ...] = VARIANTS) -> dict:
     """One GA's row from the dumps ({"<rank> <variant> <round>": instructions}) and the native CPU times."""
-    rounds = sorted({int(label.split()[2]) for label in counts if label.split()[1] in VARIANTS})
+    rounds = sorted({int(label.split()[2]) for label in counts if label.split()[1] in variants})
     per_step = {v: [statistics.mean(counts[f"{rank} {v} {r}"] for rank in range(DP)) / steps for r in rounds]
-                for v in VARIANTS}
+                for v in variants}
     upstream = per_step["upstream"]
-    ratios = {v: [e / u for e, u in zip(per_step[v], upstream)] for v in VARIANTS[1:]}
-    added = {v: [(e - u) / num_microbatches for e, u in zip(per_step[v], upstream)] for v in VARIANTS[1:]}
+    ratios = {v: [e / u for e, u in zip(per_step[v], upstream)] for v in variants[1:]}
+    added = {v: [(e - u) / num_microbatches for e, u in zip(per_step[v], upstream)] for v in variants[1:]}
     upstream_us = 1e6 * statistics.median(native["times"]["upstream"])
     rate = statistics.median(upstream) / upstream_us  # upstream's instructions per microsecond of CPU time
     return {
@@ -144,27 +154,27 @@ def summarize(num_microbatches: int, model: str, counts: dict[str, int], native:
         "num_microbatches": num_microbatches,
         "rounds": len(rounds),
         "steps": len(rounds) * steps,
-        "instructions_per_step": {v: round(statistics.median(per_step[v])) for v in VARIANTS},
-        "ratio_median": {v: round(statistics.median(ratios[v]), 5) for v in VARIANTS[1:]},
-        "ratio_min": {v: round(min(ratios[v]), 5) for v in VARIANTS[1:]},
-        "ratio_max": {v: round(max(ratios[v]), 5) for v in VARIANTS[1:]},
+        "instructions_per_step": {v: round(statistics.median(per_step[v])) for v in variants},
+        "ratio_median": {v: round(statistics.median(ratios[v]), 5) for v in variants[1:]},
+        "ratio_min": {v: round(min(ratios[v]), 5) for v in variants[1:]},
+        "ratio_max": {v: round(max(ratios[v]), 5) for v in variants[1:]},
         "spread": round(max(upstream) / min(upstream), 5),
-        "added_instructions_per_microbatch": {v: round(statistics.median(added[v])) for v in VARIANTS[1:]},
+        "added_instructions_per_microbatch": {v: round(statistics.median(added[v])) for v in variants[1:]},
         "upstream_cpu_us_per_step": round(upstream_us, 1),
         "upstream_instructions_per_us": round(rate, 1),
-        "added_us_per_microbatch": {v: round(statistics.median(added[v]) / rate, 2) for v in VARIANTS[1:]},
+        "added_us_per_microbatch": {v: round(statistics.median(added[v]) / rate, 2) for v in variants[1:]},
     }
 
 
-def run(num_microbatches: int, model: str, rounds: int) -> dict:
+def run(num_microbatches: int, model: str, rounds: int, variants: tuple[str, ...] = VARIANTS) -> dict:
     """Native times first (the rate), then the same rounds under callgrind, in a process of its own."""
     steps = 1 if (model, num_microbatches) == ("gpt", 64) else STEPS[model]
     launch = LaunchConfig(timeout_s=3600)
-    native = run_on_ranks(rank_main, DP, (num_microbatches, model, rounds, steps, False), launch)[0]
+    native = run_on_ranks(rank_main, DP, (num_microbatches, model, rounds, steps, False, variants), launch)[0]
     with tempfile.TemporaryDirectory(prefix="callgrind-") as out:
         helper = build_helper(Path(out))
         command = [*VALGRIND, f"--callgrind-out-file={out}/callgrind.%p", sys.executable, __file__, "--inside",
-                   json.dumps([num_microbatches, model, rounds, steps])]
+                   json.dumps([num_microbatches, model, rounds, steps, variants])]
         env = {**os.environ, "OMP_NUM_THREADS": "1", HELPER_ENV: str(helper)}
         done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
         if done.returncode:
@@ -172,7 +182,7 @@ def run(num_microbatches: int, model: str, rounds: int) -> dict:
         counts = read_dumps(Path(out))
     if not counts:
         raise RuntimeError(f"callgrind wrote no labelled dump; its output ends:\n{done.stderr[-4000:]}")
-    return summarize(num_microbatches, model, counts, native, steps)
+    return summarize(num_microbatches, model, counts, native, steps, variants)
 
 
 def table(rows: list[dict]) -> str:
@@ -203,12 +213,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the position-wise model at GA 4 only")
     parser.add_argument("--write", action="store_true", help="write benchmarks/results/*.json and docs/performance.md")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per model and GA (default 3)")
+    parser.add_argument("--noise-scale", action="store_true",
+                        help="--ga-noise-scale 1 against upstream and the extension: the tiny GPT at GA 4")
     parser.add_argument("--inside", help=argparse.SUPPRESS)  # the process callgrind runs: its ranks count
     args = parser.parse_args(argv)
     import megatron.core.pipeline_parallel.schedules  # noqa: F401  (once here: every launch forks with it loaded)
 
     if args.inside:
-        run_on_ranks(rank_main, DP, (*json.loads(args.inside), True), LaunchConfig(timeout_s=7200))
+        num_microbatches, model, rounds, steps, variants = json.loads(args.inside)
+        run_on_ranks(rank_main, DP, (num_microbatches, model, rounds, steps, True, tuple(variants)),
+                     LaunchConfig(timeout_s=7200))
+        return 0
+    if args.noise_scale:
+        row = run(4, "gpt", args.rounds, NOISE_SCALE_VARIANTS)
+        print(json.dumps(row))
         return 0
     plan = PLAN[:1] if args.quick else PLAN
     rows = []

@@ -114,8 +114,9 @@ def installed_step(variant: str, harness: tuple) -> Callable[[], None]:
     from megatron_ga_ext.verify.harness import train_step
 
     ddp, config, layout, cfg, batch, loss = harness
-    checks = {"extension": "sync", "extension_async": "async"}.get(variant)
-    state = megatron_ga_ext.install(megatron_ga_ext.GAConfig(checks=checks or "sync"))
+    checks = {"extension": "sync", "extension_async": "async", "extension_noise_scale": "sync"}.get(variant)
+    noise_scale = 1 if variant == "extension_noise_scale" else 0  # every step measured: K = 1, the most it costs
+    state = megatron_ga_ext.install(megatron_ga_ext.GAConfig(checks=checks or "sync", noise_scale=noise_scale))
     if checks is None:
         megatron_ga_ext.uninstall()
         state = None
@@ -125,6 +126,8 @@ def installed_step(variant: str, harness: tuple) -> Callable[[], None]:
                    loss_func=loss)
         if state is not None:
             state.finalize.poll(wait=True)
+            if state.noise_scale is not None:
+                state.noise_scale.read()  # where Megatron's optimizer step reads it: one host read
 
     return one_step
 
