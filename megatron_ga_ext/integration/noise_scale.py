@@ -26,20 +26,24 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
 from megatron_ga_ext.core.noise_scale import NoiseEstimate, NoiseScaleEMA, replica_estimate_from_sums
+from megatron_ga_ext.errors import NoiseScaleError
 from megatron_ga_ext.integration.compat import megatron_args
 from megatron_ga_ext.logs import get_logger
 
 if TYPE_CHECKING:
     from megatron_ga_ext.config.ga_config import GAConfig
 
-__all__ = ["Measurement", "NoiseScaleMeter", "wire_bucket_groups"]
+__all__ = ["Measurement", "NoiseScaleMeter", "load_sidecar", "loading_sidecar", "save_sidecar", "saving_sidecar",
+           "sidecar_path", "wire_bucket_groups"]
 
 logger = get_logger(__name__)
 
@@ -68,9 +72,9 @@ class NoiseScaleMeter:
     """The in-run measurement; see the module docstring. Made by install() where ``--ga-noise-scale`` > 0.
 
     Attributes:
-        ema: the EMAs of tr(Sigma) and |G|^2 (kept in Megatron's checkpoints, integration/checkpoint sidecar).
+        ema: the EMAs of tr(Sigma) and |G|^2 (kept next to Megatron's checkpoints: the sidecar, end of this module).
         last: the last measured iteration, or None.
-        measurements: how many iterations were measured since the start (or the resume).
+        measurements: how many iterations were measured since the start (a resume continues the count).
     """
 
     def __init__(self, config: GAConfig) -> None:
@@ -321,3 +325,106 @@ def _iteration() -> int | None:
     """The Megatron iteration being trained (``args.curr_iteration`` + 1, as its log numbers it), if any."""
     current = getattr(megatron_args(), "curr_iteration", None)
     return current + 1 if isinstance(current, int) else None
+
+
+# -- the checkpoint sidecar: a resumed run continues the EMAs ---------------------------------------
+
+#: The sidecar's name in Megatron's ``iter_NNNNNNN`` checkpoint directory.
+SIDECAR = "megatron_ga_ext_noise_scale.json"
+#: The version of the sidecar's layout, checked on load.
+SIDECAR_VERSION = 1
+
+
+def sidecar_path(directory: str | os.PathLike, iteration: int) -> Path:
+    """``<directory>/iter_<iteration:07d>/megatron_ga_ext_noise_scale.json``: next to Megatron's checkpoint."""
+    return Path(directory) / f"iter_{iteration:07d}" / SIDECAR
+
+
+def save_sidecar(meter: NoiseScaleMeter, directory: str | os.PathLike, iteration: int) -> Path | None:
+    """Write the meter's EMAs and measurement count next to Megatron's checkpoint of ``iteration``, on the last rank
+    (the one that reports; every rank holds the same EMAs, since they are folded from one all-reduced vector).
+    Returns the path written, or None on the other ranks."""
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if rank != world - 1:
+        return None
+    path = sidecar_path(directory, iteration)
+    path.parent.mkdir(parents=True, exist_ok=True)  # an async save may not have made it yet
+    state = {"version": SIDECAR_VERSION, "iteration": iteration, "ema": meter.ema.state_dict(),
+             "measurements": meter.measurements}
+    partial = path.with_name(path.name + ".partial")  # a crash mid-write leaves no half file under the real name
+    partial.write_text(json.dumps(state) + "\n")
+    partial.replace(path)
+    return path
+
+
+def load_sidecar(meter: NoiseScaleMeter, directory: str | os.PathLike, iteration: int) -> bool:
+    """Continue the EMAs saved with Megatron's checkpoint of ``iteration`` (every rank reads it). False, with a log
+    line, where there is none (a checkpoint saved without ``--ga-noise-scale``) or it was kept under another
+    ``--ga-noise-scale-decay``: the EMAs then start afresh. A sidecar that cannot be read raises NoiseScaleError."""
+    path = sidecar_path(directory, iteration)
+    if not path.is_file():
+        logger.info("megatron-ga-ext: no noise-scale state at %s: the noise-scale EMAs start afresh", path)
+        return False
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise NoiseScaleError(f"the noise-scale state {path} cannot be read ({error}); delete it to start the "
+                              "EMAs afresh.") from error
+    expected = {"version", "iteration", "ema", "measurements"}
+    if not isinstance(state, dict) or set(state) != expected or state["version"] != SIDECAR_VERSION:
+        raise NoiseScaleError(f"the noise-scale state {path} is not a version-{SIDECAR_VERSION} sidecar with keys "
+                              f"{sorted(expected)}; delete it to start the EMAs afresh.")
+    measurements = state["measurements"]
+    if isinstance(measurements, bool) or not isinstance(measurements, int) or measurements < 0:
+        raise NoiseScaleError(f"the noise-scale state {path} has measurements {measurements!r}, not a whole "
+                              "number >= 0; delete it to start the EMAs afresh.")
+    ema = NoiseScaleEMA.from_state_dict(state["ema"])
+    if ema.decay != meter.ema.decay:
+        # The bias correction 1 - decay^n holds for one decay throughout: mixing two would misweigh the saved part.
+        logger.warning("megatron-ga-ext: the noise-scale EMAs in %s were kept with --ga-noise-scale-decay %s, this "
+                       "run has %s: they start afresh", path, ema.decay, meter.ema.decay)
+        return False
+    meter.ema = ema
+    meter.measurements = measurements
+    logger.info("megatron-ga-ext: noise-scale EMAs continued from %s (%d measurements)", path, ema.updates)
+    return True
+
+
+def saving_sidecar(original: Callable, state: Any) -> Callable:
+    """Megatron-LM's ``save_checkpoint(iteration, ...)``: the sidecar after it, into ``args.save`` (``state``: the
+    Installation). Non-persistent checkpoints (another directory, Megatron's own layout) get none."""
+    import functools
+
+    @functools.wraps(original)
+    def save_checkpoint(iteration: int, *args: Any, **kwargs: Any) -> Any:
+        result = original(iteration, *args, **kwargs)
+        meter = state.noise_scale if state.active else None
+        directory = getattr(megatron_args(), "save", None)
+        if meter is not None and directory and not kwargs.get("non_persistent_ckpt", False):
+            save_sidecar(meter, directory, iteration)
+        return result
+
+    return save_checkpoint
+
+
+def loading_sidecar(original: Callable, state: Any) -> Callable:
+    """Megatron-LM's ``load_checkpoint(..., load_arg='load', ...)``, which returns (iteration, flops): the sidecar of
+    that iteration read after it, from ``args.<load_arg>``. Iteration 0 (nothing loaded, --finetune) reads none."""
+    import functools
+
+    @functools.wraps(original)
+    def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        meter = state.noise_scale if state.active else None
+        if meter is None:
+            return result
+        megatron = megatron_args()
+        load_arg = kwargs.get("load_arg", args[3] if len(args) > 3 else "load")
+        directory = getattr(megatron, load_arg, None) if megatron is not None else None
+        iteration = result[0] if isinstance(result, tuple) and result else getattr(megatron, "iteration", 0)
+        if directory and isinstance(iteration, int) and iteration > 0:
+            load_sidecar(meter, directory, iteration)
+        return result
+
+    return load_checkpoint
