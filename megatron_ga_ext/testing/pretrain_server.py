@@ -12,14 +12,17 @@ exit status is the first failure's. With ``--serve`` it imports Megatron once fo
 rank under torchrun
 (``torchrun ... -m megatron_ga_ext.testing.pretrain_server SCRIPT ...``). SCRIPT may be ``-m MODULE``. Either way the script runs as ``python
 SCRIPT`` would run it from the Megatron-LM root (whose ``megatron`` package comes first on the path), under
-:func:`~megatron_ga_ext.testing.shims.training_shims`. With
+:func:`~megatron_ga_ext.testing.shims.training_shims`; with ``MEGATRON_GA_DEVICE=cuda`` (a rank on a CUDA device:
+tests/gpu) under :func:`~megatron_ga_ext.testing.shims.dataset_shims` only. With
 ``MEGATRON_GA_RECORD`` set, rank R appends JSON lines to ``<record>.rank<R>.jsonl``:
 
 * ``{"event": "start", "megatron": <path of the megatron package>, "version": ...}``;
 * per logged iteration (``training_log``): iteration, consumed samples, the calculator's GBS and
   num_microbatches, learning rate, losses, grad norm, skipped, whether this rank is a last pipeline stage,
   ``mask_tokens`` (the sum of the loss masks this rank's loss functions saw since the last iteration, read
-  from pretrain_gpt's ``loss_func`` partial), and from megatron-ga-ext when installed: ``num_tokens`` (the
+  from pretrain_gpt's ``loss_func`` partial; not read while a CUDA graph is being captured, where a host read
+  would end the capture, nor run where a captured graph replays), and from megatron-ga-ext when installed:
+  ``num_tokens`` (the
   global N of the step) and ``forward_steps`` (the guard's count of forward steps per model chunk);
 * ``{"event": "end", "train_iters": ..., "error": <type: message> or null}``.
 
@@ -54,6 +57,7 @@ Nothing here is imported by ``install()``: it exists to test the extension in th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import json
@@ -154,7 +158,7 @@ class Recorder:
             iteration = _iteration()
             first = self.microbatches[iteration] == 0
             self.microbatches[iteration] += 1
-            if hasattr(mask, "sum"):
+            if hasattr(mask, "sum") and not _capturing():
                 if self._at("zero-tokens-at", iteration) or first and self._at("empty-microbatch-at", iteration):
                     self.zeroed_tokens += int(mask.sum())
                     mask.zero_()
@@ -169,6 +173,13 @@ class Recorder:
 
     def _at(self, fault: str, iteration: int) -> bool:
         return fault in self.faults and self.faults[fault] == iteration
+
+
+def _capturing() -> bool:
+    """A CUDA graph is being captured on this thread's stream (a full-iteration graph captures the forward step)."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _faulty_loss(loss_func: Callable, *, nan: bool) -> Callable:
@@ -421,6 +432,22 @@ def fork_ranks(program: Program, nproc: int) -> int:
     return status
 
 
+#: The device the ranks train on: ``cpu`` (the default: every CPU shim) or ``cuda``.
+DEVICE = "MEGATRON_GA_DEVICE"
+
+
+def rank_shims(device: str) -> contextlib.AbstractContextManager:
+    """The shims a rank runs under: on the CPU all of them; on a CUDA device only the dataset helpers' (shim 10),
+    which a source tree needs wherever its helpers are not compiled."""
+    from megatron_ga_ext.testing.shims import dataset_shims, training_shims
+
+    if device == "cpu":
+        return training_shims()
+    if device == "cuda":
+        return dataset_shims()
+    raise ValueError(f"{DEVICE}={device!r} is not one of 'cpu', 'cuda'")
+
+
 def run_rank(program: Program) -> int:
     """One rank: the shims, the recorder and any fault, then the program as __main__; its exit status."""
     import traceback
@@ -428,7 +455,6 @@ def run_rank(program: Program) -> int:
     import megatron.core
 
     from megatron_ga_ext.integration.compat import megatron_core_version
-    from megatron_ga_ext.testing.shims import training_shims
 
     document_length = os.environ.get("MEGATRON_GA_MOCK_DOCUMENT_LENGTH")
     if document_length:
@@ -454,7 +480,7 @@ def run_rank(program: Program) -> int:
         _late_install()
     error, code = None, 0
     try:
-        with training_shims():
+        with rank_shims(os.environ.get(DEVICE, "cpu")):
             program()
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

@@ -43,7 +43,8 @@ Megatron-LM's own training loop (``pretrain()``, :func:`training_shims`) needs t
    ``is_available`` instead makes the DataLoader pin CUDA memory).
 10. The dataset helpers are not compiled: ``compile_helpers`` (rank 0 runs ``make`` with pybind11) does
    nothing, and a source tree without the compiled ``helpers_cpp`` gets the installed megatron-core
-   wheel's (the same ``helpers.cpp`` from 0.16.1 to main).
+   wheel's (the same ``helpers.cpp`` from 0.16.1 to main). A rank on a CUDA device needs this one alone
+   (:func:`dataset_shims`).
 11. 0.16/0.17 build the legacy fused kernels with nvcc at start-up: ``fused_kernels.load`` does nothing
    (the local transformer implementation never calls them).
 12. ``torch.cuda`` memory statistics (``memory_allocated``, ``max_memory_allocated``,
@@ -65,7 +66,7 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["cpu_shims", "training_shims"]
+__all__ = ["cpu_shims", "dataset_shims", "training_shims"]
 
 
 def _is_cuda(device: Any) -> bool:
@@ -259,19 +260,28 @@ def _load_wheel_helpers() -> None:
 
 
 @contextlib.contextmanager
+def dataset_shims() -> Iterator[None]:
+    """Shim 10 alone: Megatron-LM's datasets without compiling their helpers, on any device (import megatron
+    first)."""
+    from megatron.core.datasets import utils as dataset_utils
+
+    _load_wheel_helpers()
+    with _patched(dataset_utils, {"compile_helpers": lambda *a, **k: None}):
+        yield
+
+
+@contextlib.contextmanager
 def training_shims() -> Iterator[None]:
     """Shims 1-12, for Megatron-LM's ``pretrain()`` on the CPU over gloo (import megatron first)."""
     import sys
 
     import megatron.training.initialize as initialize
-    from megatron.core.datasets import utils as dataset_utils
 
-    _load_wheel_helpers()
     holders = [m for m in list(sys.modules.values())
                if getattr(m, "initialize_megatron", None) is initialize.initialize_megatron]
-    patches = [_patched(m, {"initialize_megatron": _allow_no_cuda(initialize.initialize_megatron)}) for m in holders]
-    patches += [_patched(dataset_utils, {"compile_helpers": lambda *a, **k: None}),
-                _patched(torch.cuda, _memory_replacements())]
+    patches = [dataset_shims()]
+    patches += [_patched(m, {"initialize_megatron": _allow_no_cuda(initialize.initialize_megatron)}) for m in holders]
+    patches.append(_patched(torch.cuda, _memory_replacements()))
     fused_kernels = sys.modules.get("megatron.legacy.fused_kernels")
     if fused_kernels is not None:
         patches.append(_patched(fused_kernels, {"load": lambda *a, **k: None}))

@@ -57,11 +57,11 @@ class Launches:
         self.done: dict[tuple, Run] = {}
 
     def get(self, source: Path, layout: str, name: str, flags: list[str], *, extension: bool = True,
-            drop_in: str = "entry", env: dict[str, str] | None = None) -> Run:
+            drop_in: str = "entry", env: dict[str, str] | None = None, device: str = "cpu") -> Run:
         key = (source, layout, name)
         if key not in self.done:
             self.done[key] = launch(source, layout, flags, extension=extension, name=name, drop_in=drop_in,
-                                    workdir=self.workdir / source.name / layout, env=env)
+                                    workdir=self.workdir / source.name / layout, env=env, device=device)
         return self.done[key]
 
 

@@ -1,5 +1,5 @@
 """Launch Megatron-LM's own pretrain_gpt.py (with the extension through one of its drop-in routes, or bare for
-upstream's reference) on the CPU over gloo, and read back what every rank recorded.
+upstream's reference) on the CPU over gloo, or on one CUDA device over NCCL, and read back what every rank recorded.
 
 The drop-in routes, as a user takes them: ``entry``, the unmodified script run as ``python -m megatron_ga_ext
 pretrain_gpt.py ...``; ``one-line``, a copy of the script whose only change is the line ``ONE_LINE`` at its top.
@@ -15,6 +15,10 @@ source instead of once per launch.
 
 The tiny GPT and the CPU flags (UPSTREAM.md section 5) are the same for every run; a run adds its batch,
 loss-mode and checkpoint flags. ``megatron_ga_ext.testing.pretrain_server`` applies the CPU shims and records.
+
+``device="cuda"`` (tests/gpu): one rank (layout ``dp1``) over NCCL, in a fresh interpreter per launch with torchrun's
+environment, not forked from a server: CUDA that the parent touched while importing cannot be used in a forked child.
+``MEGATRON_GA_DEVICE=cuda`` tells pretrain_server to leave torch.cuda alone (it keeps only the dataset helpers' shim).
 """
 
 from __future__ import annotations
@@ -30,17 +34,22 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_ga_ext.testing.distributed import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 ONE_LINE = "import megatron_ga_ext; megatron_ga_ext.install()  # megatron-ga-ext: the whole drop-in\n"
 DROP_INS = ("entry", "one-line")
 
 #: name -> (processes, Megatron flags): DP = world / PP.
 LAYOUTS = {
+    "dp1": (1, []),
     "dp2": (2, []),
     "pp2dp2": (4, ["--pipeline-model-parallel-size", "2"]),
 }
 SEQ_LENGTH = 64
 MICRO_BATCH_SIZE = 2
+#: The device a launch trains on -> Megatron's --distributed-backend there.
+BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 TINY_GPT = [
     "--distributed-backend", "gloo", "--transformer-impl", "local", "--no-persist-layer-norm",
     "--no-gradient-accumulation-fusion", "--clip-grad", "0", "--mock-data", "--tokenizer-type", "NullTokenizer",
@@ -102,34 +111,72 @@ def _iterations(rows: list[dict]) -> list[dict]:
 
 
 def launch(root: Path, layout: str, flags: list[str], *, extension: bool, name: str, workdir: Path,
-           drop_in: str = "entry", python: str = sys.executable, env: dict[str, str] | None = None) -> Run:
+           drop_in: str = "entry", python: str = sys.executable, env: dict[str, str] | None = None,
+           device: str = "cpu") -> Run:
     """Run pretrain_gpt.py from the Megatron-LM checkout ``root`` as a user would, and collect the records."""
-    processes, layout_flags = LAYOUTS[layout]
-    workdir.mkdir(parents=True, exist_ok=True)
-    record = workdir / name
+    command, environment = launch_command(root, layout, flags, extension=extension, name=name, workdir=workdir,
+                                          drop_in=drop_in, python=python, env=env, device=device)
     for old in workdir.glob(f"{name}.rank*.jsonl"):
         old.unlink()
-    command = [python, "-m", "megatron_ga_ext.testing.pretrain_server", "--nproc-per-node", str(processes),
-               *_program(root, workdir, extension, drop_in), *TINY_GPT, *layout_flags, *flags]
-    environment = {
-        **os.environ, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-        "MEGATRON_GA_RECORD": str(record), "MEGATRON_GA_MOCK_DOCUMENT_LENGTH": DOCUMENT_LENGTH,
-        "PYTHONPATH": str(ROOT), **(env or {}),
-    }
     start = time.monotonic()
     log = workdir / f"{name}.log"
-    try:
-        rc = _server(root, python, environment).run(command[3:], environment, log, TIMEOUT_S)
-    except _ServerGone as gone:  # the import failed, or the server died: that launch's failure
-        rc, output = 1, f"{gone}\n{_read(gone.log)}"
+    if device == "cuda":
+        timeout = IMPORT_TIMEOUT_S + TIMEOUT_S  # the launch imports Megatron itself
+        rc = _run_alone(command, root, environment, log, timeout)
+        output = _read(log) if rc != 124 else f"timed out after {timeout} s\n{_read(log)}"
     else:
-        output = _read(log) if rc != 124 else f"timed out after {TIMEOUT_S} s\n{_read(log)}"
+        try:
+            rc = _server(root, python, environment).run(command[3:], environment, log, TIMEOUT_S)
+        except _ServerGone as gone:  # the import failed, or the server died: that launch's failure
+            rc, output = 1, f"{gone}\n{_read(gone.log)}"
+        else:
+            output = _read(log) if rc != 124 else f"timed out after {TIMEOUT_S} s\n{_read(log)}"
     seconds = time.monotonic() - start
     records = {}
     for path in sorted(workdir.glob(f"{name}.rank*.jsonl")):
         rank = int(path.name.rsplit(".rank", 1)[1].split(".")[0])
         records[rank] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return Run(name, command, rc, seconds, records, output)
+
+
+def launch_command(root: Path, layout: str, flags: list[str], *, extension: bool, name: str, workdir: Path,
+                   drop_in: str = "entry", python: str = sys.executable, env: dict[str, str] | None = None,
+                   device: str = "cpu") -> tuple[list[str], dict[str, str]]:
+    """The launcher's command line and environment for :func:`launch` (run from ``root``); creates ``workdir``."""
+    if device not in BACKENDS:
+        raise ValueError(f"device {device!r} is not one of {tuple(BACKENDS)}")
+    processes, layout_flags = LAYOUTS[layout]
+    workdir.mkdir(parents=True, exist_ok=True)
+    tiny_gpt = list(TINY_GPT)
+    tiny_gpt[tiny_gpt.index("--distributed-backend") + 1] = BACKENDS[device]
+    # On the CPU the launcher forks the ranks; on a CUDA device this process is the one rank (see the docstring).
+    ranks = ["--nproc-per-node", str(processes)] if device == "cpu" else []
+    command = [python, "-m", "megatron_ga_ext.testing.pretrain_server", *ranks,
+               *_program(root, workdir, extension, drop_in), *tiny_gpt, *layout_flags, *flags]
+    environment = {
+        **os.environ, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+        "MEGATRON_GA_RECORD": str(workdir / name), "MEGATRON_GA_MOCK_DOCUMENT_LENGTH": DOCUMENT_LENGTH,
+        "PYTHONPATH": str(ROOT), "MEGATRON_GA_DEVICE": device, **(env or {}),
+    }
+    if device == "cuda":
+        if processes != 1:
+            raise ValueError(f"layout {layout!r} has {processes} ranks; a CUDA launch runs one (layout 'dp1')")
+        environment.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    return command, environment
+
+
+def _run_alone(command: list[str], root: Path, environment: dict[str, str], log: Path, timeout: float) -> int:
+    """One launch in an interpreter of its own; its exit status, 124 (its session killed) past ``timeout`` s."""
+    with open(log, "w") as output:
+        process = subprocess.Popen(command, cwd=root, env=environment, stdin=subprocess.DEVNULL, stdout=output,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            return 124
 
 
 def _program(root: Path, workdir: Path, extension: bool, drop_in: str) -> list[str]:
