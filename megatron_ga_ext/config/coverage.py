@@ -203,6 +203,7 @@ def _above_one(dest: str) -> Callable[[Setting], bool]:
 E2E = "tests/e2e/test_pretrain_gpt.py::"
 MOE_MTP = "tests/e2e/test_moe_mtp.py::"
 FAULTS = "tests/e2e/test_faults.py::"
+GPU_GRAPHS = "tests/gpu/test_cuda_graphs.py::"
 VERIFY = "tests/test_verify.py::test_verify_command_end_to_end"
 TOKEN_LOOP = (Proof(test=E2E + "test_token_mode_equals_upstream_per_token_loss[dp2]"),
               Proof(test=E2E + "test_token_mode_equals_upstream_per_token_loss[pp2dp2]"))
@@ -216,6 +217,7 @@ def _verify(*layouts: str) -> tuple[Proof, ...]:
 
 
 NO_GPU = "no test here runs it (it needs a GPU)"
+ON_GPU = "proven by a GPU-marked test that CPU CI does not run"
 NOT_YET = "no test runs it yet"
 INSTEAD_OF_1F1B = (
     "Drop --overlap-moe-expert-parallel-comm (and --delay-wgrad-compute), or train with --ga-loss-reduction microbatch "
@@ -249,7 +251,8 @@ ROWS: tuple[Row, ...] = (
     Row(id="full-iteration-graph-microbatch", flags=("--cuda-graph-impl", "--cuda-graph-scope"), given=FULL_ITERATION,
         when="in microbatch mode", support="limited",
         text="the micro-batch guards run in the warm-up and capture iterations only; every replay runs the captured "
-        f"schedule, upstream's mean of means included (the per-iteration liveness check is off); {NO_GPU}.",
+        f"schedule, upstream's mean of means included (the per-iteration liveness check is off); {ON_GPU}.",
+        proofs=(Proof(test=GPU_GRAPHS + "test_full_iteration_graph_in_microbatch_mode_trains_as_upstream"),),
         replays=True,
         applies=lambda s: not s.token and _full_iteration(s) and not _batch_schedule(s)),
     Row(id="layer-graphs", flags=("--cuda-graph-impl", "--enable-cuda-graph", "--external-cuda-graph"),
@@ -257,7 +260,8 @@ ROWS: tuple[Row, ...] = (
         support="limited",
         text="graphs of layers replay inside the forward pass; the schedule, the loss function and finalize run in "
         "Python every step, so every check runs (whether a captured MoE router is given the padding mask on replay "
-        f"is not verified); {NO_GPU}.",
+        f"is not verified); {ON_GPU}.",
+        proofs=(Proof(test=GPU_GRAPHS + "test_layer_graphs_keep_every_check_and_equal_upstream_per_token"),),
         applies=_layer_graphs),
     Row(id="optimizer-graph-skip", flags=("--optimizer-cuda-graph",), given="--optimizer-cuda-graph",
         when="with --ga-zero-token-policy skip", support="refused",
@@ -272,11 +276,13 @@ ROWS: tuple[Row, ...] = (
         when="with --ga-checks async", support="limited",
         text="the replayed optimizer step does not call the extension's step hook, so a broken step's verdict is "
         "read at the next forward/backward call, after Megatron may have saved that iteration's checkpoint "
-        f"(--ga-checks sync raises in finalize, before the optimizer step); {NO_GPU}.",
+        f"(--ga-checks sync raises in finalize, before the optimizer step); {ON_GPU}.",
+        proofs=(Proof(test=GPU_GRAPHS + "test_optimizer_graph_async_verdict_stops_the_next_forward_backward"),),
         applies=lambda s: s.on("optimizer_cuda_graph") and s.token and s.checks == "async"),
     Row(id="optimizer-graph", flags=("--optimizer-cuda-graph",), given="--optimizer-cuda-graph", support="limited",
         text="each step's checks run in finalize, before the captured optimizer step (the default "
-        f"--ga-zero-token-policy error and --ga-checks sync); {NO_GPU}.",
+        f"--ga-zero-token-policy error and --ga-checks sync); {ON_GPU}.",
+        proofs=(Proof(test=GPU_GRAPHS + "test_optimizer_graph_checks_each_step_in_finalize_before_the_replayed_step"),),
         applies=lambda s: s.on("optimizer_cuda_graph") and s.zero_token_policy != "skip"
         and not (s.token and s.checks == "async")),
     # combined 1F1B
