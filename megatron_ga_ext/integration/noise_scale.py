@@ -42,8 +42,8 @@ from megatron_ga_ext.logs import get_logger
 if TYPE_CHECKING:
     from megatron_ga_ext.config.ga_config import GAConfig
 
-__all__ = ["Measurement", "NoiseScaleMeter", "load_sidecar", "loading_sidecar", "save_sidecar", "saving_sidecar",
-           "sidecar_path", "wire_bucket_groups"]
+__all__ = ["Measurement", "NoiseScaleMeter", "load_sidecar", "loading_sidecar", "printing_after_training_log",
+           "save_sidecar", "saving_sidecar", "sidecar_path", "wire_bucket_groups"]
 
 logger = get_logger(__name__)
 
@@ -88,6 +88,8 @@ class NoiseScaleMeter:
         self._local: torch.Tensor | None = None
         self._pending: tuple[torch.Tensor, int | None] | None = None
         self._plans: dict[int, _BucketPlan] = {}
+        self.held_line: str | None = None
+        """The log line waiting for Megatron's ``training_log`` to return (printing_after_training_log)."""
 
     # -- which steps ------------------------------------------------------------------------------
 
@@ -187,7 +189,7 @@ class NoiseScaleMeter:
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         if rank == world - 1:
-            print(_log_line(row), flush=True)
+            self._say(_log_line(row))
             tensorboard, wandb = _writers()
             scalars = {f"noise-scale/{name.replace('_', '-')}": row[name] for name in SCALARS if row[name] is not None}
             if tensorboard is not None:
@@ -199,6 +201,21 @@ class NoiseScaleMeter:
                 with open(self.trace_path, "a") as handle:
                     handle.write(json.dumps(row) + "\n")
         return row
+
+    def _say(self, line: str) -> None:
+        """Print ``line``, or hold it for :meth:`say_held` (the report runs in the optimizer step, before Megatron
+        prints the iteration's line)."""
+        self.say_held()  # a line still held (no training_log since) is printed, not lost
+        if _training_log_prints_after():
+            self.held_line = line
+        else:
+            print(line, flush=True)
+
+    def say_held(self) -> None:
+        """Print the held log line, if any."""
+        line, self.held_line = self.held_line, None
+        if line is not None:
+            print(line, flush=True)
 
     def trace_row(self, measurement: Measurement) -> dict[str, Any]:
         """The row ``megatron-ga schedule --suggest`` reads (core/schedule/suggest.py), and the parts behind it:
@@ -428,3 +445,30 @@ def loading_sidecar(original: Callable, state: Any) -> Callable:
         return result
 
     return load_checkpoint
+
+
+def printing_after_training_log(original: Callable, state: Any) -> Callable:
+    """Megatron-LM's ``training_log``: the noise-scale line of the iteration printed after it, so it follows
+    Megatron's iteration line (the measurement is read in the optimizer step, before). Wiring it makes the meter
+    hold its lines."""
+    import functools
+
+    @functools.wraps(original)
+    def training_log(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        meter = state.noise_scale if state.active else None
+        if meter is not None:
+            meter.say_held()
+        return result
+
+    training_log.megatron_ga_ext_prints_after = True  # read by _training_log_prints_after; gone with the patch
+    return training_log
+
+
+def _training_log_prints_after() -> bool:
+    """Whether Megatron-LM's ``training_log`` is wired to print a held line (the meter is made after the wiring,
+    from Megatron's args, so it asks at each report; functools.wraps carries the mark through wrappers on top)."""
+    import sys
+
+    training = sys.modules.get("megatron.training.training")
+    return bool(getattr(getattr(training, "training_log", None), "megatron_ga_ext_prints_after", False))

@@ -9,7 +9,7 @@ builds: install() wires them once (a vendored tree at its first calculator hook,
 * ``RerunStateMachine.should_checkpoint_and_exit``: what Megatron decided on a non-finite loss the extension left
   to it (finalize.py);
 * ``save_checkpoint`` / ``load_checkpoint``: the ``--ga-noise-scale`` EMAs kept next to the checkpoint
-  (noise_scale.py's sidecar).
+  (noise_scale.py's sidecar); ``training_log``: its log line printed after Megatron's.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from megatron_ga_ext.integration.calculator import StepScheduleCalculator
 from megatron_ga_ext.integration.compat import TARGETS, TRAINING, check_targets, live_calculator, megatron_args
 from megatron_ga_ext.integration.installation import Installation
 from megatron_ga_ext.integration.liveness import StepLiveness
-from megatron_ga_ext.integration.noise_scale import loading_sidecar, saving_sidecar
+from megatron_ga_ext.integration.noise_scale import loading_sidecar, printing_after_training_log, saving_sidecar
 from megatron_ga_ext.logs import get_logger
 
 __all__ = ["OPTIMIZER_BUILDERS", "describe_decision", "wire_gpt_model", "wire_optimizer", "wire_rerun_machine",
@@ -139,9 +139,10 @@ def wire_training(state: Installation) -> bool:
     state.compat_problems += problems
     state.patch(TRAINING, "update_train_iters", lambda original: _update_train_iters(original, state))
     state.patch(TRAINING, "get_train_valid_test_num_samples", lambda original: _num_samples(original, state))
-    # --ga-noise-scale: the EMAs' sidecar after Megatron's save and load (training.py binds both from checkpointing);
-    # only wrapped around the call, so the bodies are not fingerprinted targets.
-    for name, make in (("save_checkpoint", saving_sidecar), ("load_checkpoint", loading_sidecar)):
+    # --ga-noise-scale: the EMAs' sidecar after Megatron's save and load (training.py binds both from checkpointing),
+    # and the log line after Megatron's; only wrapped around the call, so the bodies are not fingerprinted targets.
+    for name, make in (("save_checkpoint", saving_sidecar), ("load_checkpoint", loading_sidecar),
+                       ("training_log", printing_after_training_log)):
         if name in sys.modules[TRAINING].__dict__:
             state.patch(TRAINING, name, lambda original, make=make: make(original, state))
     return True
