@@ -50,6 +50,8 @@ TABLES = {
     "e2e": Table(doc="docs/performance.md", keys=1, columns=(
         "Source", "Layout", "Iterations", "Upstream (ms)", "Extension (ms)", "Async (ms)", "Ratio (extension, async)",
         "Losses", "Run on")),
+    "noise-scale": Table(doc="docs/noise-scale.md", keys=2, columns=(
+        "Source", "Layout", "Measured", "B_simple (EMA) at the last", "Resume", "Suggested (--suggest)", "Run on")),
 }
 
 
