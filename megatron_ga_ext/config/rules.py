@@ -4,7 +4,8 @@
   ``microbatch`` must not have it;
 * :func:`check_guards`: schedules that run another number of forward passes need ``--no-ga-guards``;
 * :func:`check_checks`: ``--ga-checks async`` cannot skip a step, so not with ``--ga-zero-token-policy skip``;
-* :func:`check_noise_scale` and :func:`check_noise_scale_layout`: what ``--ga-noise-scale`` measures, and where.
+* :func:`check_noise_scale` and :func:`check_noise_scale_layout`: what ``--ga-noise-scale`` measures, and where;
+* :func:`check_lr_scaling`: ``--ga-lr-scaling sqrt|linear`` needs a step batch-size schedule.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from megatron_ga_ext.config.flags import (
     CONVERT_RAMPUP,
     GUARDS,
     LOSS_REDUCTION,
+    LR_SCALING,
     NOISE_SCALE,
     NOISE_SCALE_DECAY,
     ZERO_TOKEN_POLICY,
@@ -107,6 +109,20 @@ def check_noise_scale_layout(interval: int, *, data_parallel_size: int, settings
             f"{NOISE_SCALE.flag} with --use-megatron-fsdp: Megatron-FSDP shards gradients across the data-parallel "
             f"ranks before the reduction, so no rank holds its replica's gradient. Use Megatron's DDP (with "
             f"--use-distributed-optimizer if you like), or drop {NOISE_SCALE.flag}.")
+
+
+def check_lr_scaling(lr_scaling: str, schedule: str | None) -> None:
+    """``--ga-lr-scaling sqrt|linear`` multiplies the learning rate by (GBS / first GBS) ** 1/2 or ** 1 of a step
+    batch-size schedule, so it needs one; ``schedule`` names what sets it (None: nothing). Raises OptionError."""
+    check_choice(LR_SCALING, lr_scaling)
+    if lr_scaling == "none" or schedule is not None:
+        return
+    exponent = "1/2" if lr_scaling == "sqrt" else "1"
+    raise OptionError(
+        f"{LR_SCALING.flag} {lr_scaling} scales the learning rate of each stage of a step batch-size schedule by "
+        f"(GBS / first GBS) ** {exponent}, but this launch has no schedule (no --step-batch-size-schedule, no "
+        f"--rampup-batch-size with {CONVERT_RAMPUP.flag}), so it would change nothing. Give "
+        f"--step-batch-size-schedule (or --rampup-batch-size with {CONVERT_RAMPUP.flag}), or drop {LR_SCALING.flag}.")
 
 
 def check_guards(guards: bool, *, hybrid_context_parallel: bool = False, rl_sequence_packing: bool = False) -> None:

@@ -18,7 +18,13 @@ import torch
 from megatron_ga_ext.config.coverage import Setting
 from megatron_ga_ext.config.coverage import verdict as coverage_verdict
 from megatron_ga_ext.config.ga_config import GAConfig
-from megatron_ga_ext.config.rules import check_guards, check_loss_mode, check_noise_scale_layout, check_train_length
+from megatron_ga_ext.config.rules import (
+    check_guards,
+    check_loss_mode,
+    check_lr_scaling,
+    check_noise_scale_layout,
+    check_train_length,
+)
 from megatron_ga_ext.errors import CompatError
 from megatron_ga_ext.integration.compat import megatron_args
 from megatron_ga_ext.integration.finalize import FinalizeModelGrads
@@ -236,17 +242,16 @@ def _namespaces_holding(original: Callable, name: str) -> list[dict[str, Any]]:
 
 def check_args(config: GAConfig, args: argparse.Namespace) -> None:
     """What Megatron's parsed args must agree with, checked when they are read (before any model is built):
-    the loss mode against ``--calculate-per-token-loss``, no ``--train-iters`` with a step schedule, the
-    guards off where a schedule runs another number of forward passes (config/rules.py has each rule), and no
-    setting the coverage table refuses (config/coverage.py; the first forward/backward call checks it again, for
-    a loop without Megatron's args)."""
+    the loss mode against ``--calculate-per-token-loss``, no ``--train-iters`` with a step schedule and no
+    ``--ga-lr-scaling sqrt|linear`` without one, the guards off where a schedule runs another number of forward
+    passes (config/rules.py has each rule), and no setting the coverage table refuses (config/coverage.py; the
+    first forward/backward call checks it again, for a loop without Megatron's args)."""
     if hasattr(args, "calculate_per_token_loss"):
         check_loss_mode(config.loss_reduction, bool(args.calculate_per_token_loss),
                         explicit=config.loss_reduction != "token")
-    if config.step_batch_size_schedule:
-        check_train_length("--step-batch-size-schedule", getattr(args, "train_iters", None))
-    elif config.rampup_batch_size and config.convert_rampup:
-        check_train_length("--rampup-batch-size with --ga-convert-rampup", getattr(args, "train_iters", None))
+    schedule = _schedule_source(config)
+    check_train_length(schedule, getattr(args, "train_iters", None))
+    check_lr_scaling(config.lr_scaling, schedule)
     check_noise_scale_layout(config.noise_scale, data_parallel_size=_data_parallel_size(args), settings=vars(args))
     check_guards(config.guards, hybrid_context_parallel=bool(getattr(args, "hybrid_context_parallel", False)),
                  rl_sequence_packing=bool(getattr(args, "perform_rl_step", False)
@@ -254,6 +259,15 @@ def check_args(config: GAConfig, args: argparse.Namespace) -> None:
     refused = coverage_verdict(Setting.of(args, config)).error()  # its limits are logged at the first step
     if refused is not None:
         raise refused
+
+
+def _schedule_source(config: GAConfig) -> str | None:
+    """The flags that give the launch a step batch-size schedule, in words; None without one."""
+    if config.step_batch_size_schedule:
+        return "--step-batch-size-schedule"
+    if config.rampup_batch_size and config.convert_rampup:
+        return "--rampup-batch-size with --ga-convert-rampup"
+    return None
 
 
 def _data_parallel_size(args: argparse.Namespace) -> int:
