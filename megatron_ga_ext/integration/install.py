@@ -57,6 +57,7 @@ from megatron_ga_ext.integration.compat import (
 from megatron_ga_ext.integration.finalize import make_finalize_model_grads
 from megatron_ga_ext.integration.guards import GuardedCalculator, check_microbatch_counts, current_pipeline_size
 from megatron_ga_ext.integration.installation import Installation, check_args
+from megatron_ga_ext.integration.lr_scaling import wire_lr_scaling
 from megatron_ga_ext.integration.training_hooks import (
     wire_gpt_model,
     wire_optimizer,
@@ -209,7 +210,7 @@ def _wire_training_hooks(state: Installation) -> None:
     Megatron-LM's training modules are loaded by then)."""
     for name, wire in (("arguments", wire_arguments), ("optimizer", wire_optimizer), ("gpt_model", wire_gpt_model),
                        ("rerun_machine", wire_rerun_machine), ("training", wire_training),
-                       ("bucket_groups", wire_bucket_groups),
+                       ("bucket_groups", wire_bucket_groups), ("lr_scaling", wire_lr_scaling),
                        ("checkpoint_args", state.startup.wire)):
         if name not in state.training_hooks_wired and wire(state) is not False:
             state.training_hooks_wired.add(name)

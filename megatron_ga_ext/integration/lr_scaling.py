@@ -1,0 +1,93 @@
+"""``--ga-lr-scaling {none,sqrt,linear}``: each stage of a step batch-size schedule trains at a learning rate scaled
+by its batch size.
+
+    lr = Megatron's scheduled lr x (GBS / GBS of the first stage) ** exponent      sqrt: 1/2 (Adam), linear: 1
+
+Megatron's ``OptimizerParamScheduler.get_lr(param_group)`` gives each param group its rate (warmup and decay from
+that group's ``max_lr`` / ``min_lr``, so decoupled-LR groups too), and ``step(increment)`` writes it into the group;
+the wrapper multiplies what ``get_lr`` returns. GBS is the schedule's at the scheduler's ``num_steps``, which counts
+samples (Megatron's loops step it by each step's GBS): the rate ``step()`` writes after a step is the next step's, and
+the next step's batch is the schedule's at the samples consumed so far, so a stage's first step already has the
+stage's factor. A skipped step holds the scheduler, and with it the factor, as Megatron holds the rate.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable
+
+from megatron_ga_ext.config.rules import check_lr_scaling
+from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
+from megatron_ga_ext.integration.calculator import StepScheduleCalculator
+from megatron_ga_ext.integration.compat import live_calculator
+from megatron_ga_ext.integration.installation import Installation
+from megatron_ga_ext.logs import get_logger
+
+__all__ = ["lr_factor", "stage_factors", "wire_lr_scaling"]
+
+logger = get_logger(__name__)
+
+#: How many stages the start-up line lists before it elides (a converted rampup can have thousands).
+LISTED_STAGES = 8
+
+
+def lr_factor(global_batch_size: int, first_global_batch_size: int, lr_scaling: str) -> float:
+    """(GBS / first GBS) ** exponent: sqrt 1/2, linear 1, none 0 (always 1.0)."""
+    if lr_scaling == "none":
+        return 1.0
+    ratio = global_batch_size / first_global_batch_size
+    return math.sqrt(ratio) if lr_scaling == "sqrt" else ratio  # math.sqrt is correctly rounded, ** 0.5 need not be
+
+
+def stage_factors(schedule: StepSchedule, lr_scaling: str) -> str:
+    """The factor of each stage in words, for the start-up log (the first LISTED_STAGES and the last)."""
+    first = schedule.entries[0].global_batch_size
+    count = schedule.num_stages
+    shown = list(range(min(count, LISTED_STAGES)))
+    if count > LISTED_STAGES:
+        shown.append(count - 1)
+    parts = []
+    for index in shown:
+        stage = schedule.entries[index]
+        if index == count - 1 and count > LISTED_STAGES:
+            parts.append("...")
+        parts.append(f"x {lr_factor(stage.global_batch_size, first, lr_scaling):.6g} from sample "
+                     f"{stage.threshold_samples} (GBS {stage.global_batch_size})")
+    return ", ".join(parts)
+
+
+def wire_lr_scaling(state: Installation) -> None:
+    """``OptimizerParamScheduler.get_lr`` returns the scaled rate (a class attribute: every scheduler, also one built
+    before install(), looks it up there)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    state.patch_attribute(OptimizerParamScheduler, "get_lr", lambda original: _scaled_get_lr(original, state))
+
+
+def _scaled_get_lr(original: Callable, state: Installation) -> Callable:
+    logged: list[StepSchedule] = []  # the schedule whose factors were logged: at start-up, and again if replaced
+
+    @functools.wraps(original)
+    def get_lr(scheduler: Any, param_group: dict) -> float:
+        if not state.active or state.config.lr_scaling == "none":
+            return original(scheduler, param_group)
+        scaling = state.config.lr_scaling
+        schedule = _live_schedule(scaling)
+        if not logged or logged[0] is not schedule:
+            logged[:] = [schedule]
+            logger.info("--ga-lr-scaling %s: the learning rate %s", scaling, stage_factors(schedule, scaling))
+        first = schedule.entries[0].global_batch_size
+        batch = schedule.global_batch_size_at(scheduler.num_steps)
+        return original(scheduler, param_group) * lr_factor(batch, first, scaling)
+
+    return get_lr
+
+
+def _live_schedule(lr_scaling: str) -> StepSchedule:
+    """The step schedule of the live calculator (under the guard); without one, the rule's OptionError."""
+    live = live_calculator()
+    live = getattr(live, "inner", live)
+    if not isinstance(live, StepScheduleCalculator):
+        check_lr_scaling(lr_scaling, None)  # raises: sqrt / linear without a schedule
+    return live.step_schedule
