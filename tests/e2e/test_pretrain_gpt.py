@@ -144,11 +144,18 @@ def test_a_reinstall_with_another_config_trains_on(launches, source, record_prop
     record(record_property, source_name(source), "dp2", [row])
 
 
-@pytest.mark.parametrize("layout", ["dp2", "pp2dp2"])
-def test_step_schedule_and_resume_mid_schedule(launches, source, layout, record_property):
+def schedule_run(launches, source: Path, layout: str) -> tuple[Run, Path]:
+    """The microbatch-mode launch of SCHEDULE, saving at SAVE_AT, and its checkpoint directory (test_lr_scaling.py
+    compares its learning rates with a scaled launch's)."""
     checkpoints = launches.workdir / source.name / layout / "checkpoints"
     run = launches.get(source, layout, "schedule", [*MICROBATCH, *SCHEDULE, "--save", str(checkpoints),
                                                     "--save-interval", str(SAVE_AT), "--ckpt-format", "torch"])
+    return run, checkpoints
+
+
+@pytest.mark.parametrize("layout", ["dp2", "pp2dp2"])
+def test_step_schedule_and_resume_mid_schedule(launches, source, layout, record_property):
+    run, checkpoints = schedule_run(launches, source, layout)
     row = check_run(run, "schedule") | {"mode": "microbatch", "case": "schedule"}
     assert all(r["num_tokens"] is None for r in run.iterations)  # microbatch mode takes no global count
     _, token = constant_runs(launches, source, layout)

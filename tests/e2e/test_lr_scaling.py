@@ -1,0 +1,46 @@
+"""``--ga-lr-scaling sqrt`` in Megatron-LM's own training loop (pretrain_gpt.py through the drop-in entry), DP 2 on the
+CPU over gloo, against the same step-schedule launch without it (test_pretrain_gpt.py's, microbatch mode).
+
+Megatron logs at iteration k the rate its scheduler wrote after step k, which step k + 1 trains at, so the factor
+of the logged rate is the one of the GBS at the samples consumed after step k (the next step's batch):
+
+    logged lr(k) = unscaled lr(k) x sqrt(GBS(consumed after k) / first GBS)       to 1e-9 relative
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
+from tests.e2e.plans import planned_steps, ran_steps
+from tests.e2e.pretrain_runs import SEQ_LENGTH
+from tests.e2e.test_pretrain_gpt import MICROBATCH, PLANS, SCHEDULE, SCHEDULE_TEXT, record, schedule_run
+from tools.compatibility import source_name
+
+pytestmark = pytest.mark.e2e
+
+
+def test_sqrt_scaling_follows_the_plan(launches, source, record_property):
+    unscaled, _ = schedule_run(launches, source, "dp2")
+    run = launches.get(source, "dp2", "schedule-lr-sqrt", [*MICROBATCH, *SCHEDULE, "--ga-lr-scaling", "sqrt"])
+    assert run.rc == 0 and run.error is None, run.describe()
+    assert unscaled.rc == 0 and unscaled.error is None, unscaled.describe()
+    plan = planned_steps(*PLANS["schedule"])
+    assert ran_steps(run) == plan == ran_steps(unscaled), (ran_steps(run), plan)
+    assert "--ga-lr-scaling sqrt: the learning rate x 1 from sample 0 (GBS 16), x 1.22474 from sample 48 (GBS 24), " \
+           "x 1.41421 from sample 96 (GBS 32)" in run.output, run.describe()
+
+    schedule = StepSchedule.parse(SCHEDULE_TEXT, SEQ_LENGTH)
+    first = schedule.entries[0].global_batch_size
+    factors = []
+    for ours, theirs in zip(run.iterations, unscaled.iterations, strict=True):
+        factor = math.sqrt(schedule.global_batch_size_at(ours["consumed_samples"]) / first)
+        assert ours["learning_rate"] == pytest.approx(theirs["learning_rate"] * factor, rel=1e-9, abs=0), (ours, theirs)
+        factors.append(factor)
+    assert sorted(set(factors)) == [1.0, math.sqrt(1.5), math.sqrt(2.0)]  # every stage's factor was checked
+    record(record_property, source_name(source), "dp2", [{
+        "mode": "microbatch", "case": "schedule, --ga-lr-scaling sqrt",
+        "iterations": f"{len(plan)} = plan", "samples": f"{plan[-1][1]} = plan",
+        "lr_end": "unscaled x sqrt(GBS / 16), rel 1e-9"}])
