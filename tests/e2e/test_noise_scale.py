@@ -153,7 +153,7 @@ def test_a_resume_continues_the_emas(launches, source, record_property):
         "iterations": f"{SAVE_AT + 1}-{ITERATIONS} = uninterrupted",
         "N": "EMAs of |G|^2, tr(Sigma) equal to 1e-9"}])
     record("noise-scale", [{"Source": source_name(source), "Layout": "dp2", "Resume": (
-        f"saved at {SAVE_AT}, resumed to {ITERATIONS}: EMAs of |G|^2 and tr(Sigma) equal to the uninterrupted run's "
+        f"saved at {SAVE_AT}, resumed to {ITERATIONS}: grad_sq_ema and trace_sigma_ema equal to the uninterrupted run's "
         "(1e-9 relative)")}])
 
 
