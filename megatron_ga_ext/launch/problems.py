@@ -12,11 +12,22 @@ from __future__ import annotations
 from dataclasses import replace
 
 from megatron_ga_ext.config.coverage import Setting, verdict
-from megatron_ga_ext.config.flags import CHECKS, CONVERT_RAMPUP, GUARDS, LOSS_REDUCTION, ZERO_TOKEN_POLICY, check_choice
+from megatron_ga_ext.config.flags import (
+    CHECKS,
+    CONVERT_RAMPUP,
+    GUARDS,
+    LOSS_REDUCTION,
+    NOISE_SCALE,
+    NOISE_SCALE_DECAY,
+    ZERO_TOKEN_POLICY,
+    check_choice,
+)
 from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
 from megatron_ga_ext.config.rules import (
     check_checks,
     check_guards,
+    check_noise_scale,
+    check_noise_scale_layout,
     check_loss_mode,
     check_train_length,
     rampup_ignored_message,
@@ -47,7 +58,7 @@ def launch_problems(launch: Launch, world_size: int | None) -> tuple[BatchLayout
     if schedule is not None:
         kwargs["global_batch_size"] = None  # the schedule's stages are checked one by one below
     layout, errors = BatchLayout.problems(**kwargs)
-    problems += [str(e) for e in errors]
+    problems += [str(e) for e in errors] + _noise_scale_problems(launch, layout)
     if layout is not None and schedule is not None:
         stage_problems = _stage_problems(schedule, layout)
         problems += stage_problems
@@ -102,6 +113,26 @@ def _option_problems(launch: Launch) -> list[str]:
     packed_rl = launch.on("--perform-rl-step") and launch.on("--rl-use-sequence-packing")
     problems += _problem(check_guards, launch.on(GUARDS.flag),
                          hybrid_context_parallel=launch.on("--hybrid-context-parallel"), rl_sequence_packing=packed_rl)
+    return problems
+
+
+def _noise_scale_problems(launch: Launch, layout: BatchLayout | None) -> list[str]:
+    """``--ga-noise-scale``: its value, the EMA decay, token mode, and where it can measure (DP >= 2, CP 1, DDP)."""
+    given = launch.get(NOISE_SCALE.flag)
+    if given is None:
+        return []
+    interval = int(given)  # read_layout has read it as a whole number (a UsageError otherwise)
+    decay_text = launch.get(NOISE_SCALE_DECAY.flag)
+    try:
+        decay: object = NOISE_SCALE_DECAY.default if decay_text is None else float(decay_text)
+    except ValueError:
+        decay = decay_text
+    problems = _problem(check_noise_scale, interval, decay, launch.get(LOSS_REDUCTION.flag) or LOSS_REDUCTION.default)
+    if layout is not None:
+        settings = {"context_parallel_size": layout.context_parallel_size,
+                    "use_megatron_fsdp": launch.on("--use-megatron-fsdp")}
+        problems += _problem(check_noise_scale_layout, interval, data_parallel_size=layout.data_parallel_size,
+                             settings=settings)
     return problems
 
 
