@@ -1,4 +1,4 @@
-"""``--ga-noise-scale``'s flags: typed errors naming the flag where it cannot measure, at install() and in ``check``."""
+"""``--ga-noise-scale`` and ``--ga-lr-scaling``: typed errors naming the flag where they cannot act, at install() and in ``check``."""
 
 import argparse
 import shlex
@@ -69,3 +69,11 @@ def test_check_reports_each_rule_on_a_launch_line():
     assert any("needs DP >= 2" in p for p in problems("--tensor-model-parallel-size 8"))
     assert any("--ga-noise-scale-decay 2.0 is not in [0, 1)" in p for p in problems("--ga-noise-scale-decay 2"))
     assert any("--ga-noise-scale-decay 'x' is not in [0, 1)" in p for p in problems("--ga-noise-scale-decay x"))
+
+
+def test_check_reports_lr_scaling_without_a_schedule():
+    line = LINE.replace("--ga-noise-scale 10 ", "")
+    found = launch_problems(parse_launch(shlex.split(line + "--ga-lr-scaling sqrt")), None)[1]
+    assert any(p.startswith("--ga-lr-scaling sqrt scales the learning rate") for p in found), found
+    scheduled = line.replace("--global-batch-size 64", "--step-batch-size-schedule '0:32 1000000:64'")
+    assert launch_problems(parse_launch(shlex.split(scheduled + "--ga-lr-scaling sqrt")), None)[1] == []

@@ -69,7 +69,8 @@ NOISE_SCALE = Option(
 )
 NOISE_SCALE_DECAY = Option(
     flag="--ga-noise-scale-decay", dest="ga_noise_scale_decay", type=float, default=0.95,
-    help="EMA decay per measured step of tr(Sigma) and |G|^2, kept apart and divided (0: the last step only).",
+    help="EMA decay per measured step of the gradient noise tr(Sigma) and the true gradient's squared norm, kept "
+    "apart and divided (0: the last step only).",
 )
 NOISE_SCALE_TRACE = Option(
     flag="--ga-noise-scale-trace", dest="ga_noise_scale_trace", type=str,

@@ -17,6 +17,7 @@ from megatron_ga_ext.config.flags import (
     CONVERT_RAMPUP,
     GUARDS,
     LOSS_REDUCTION,
+    LR_SCALING,
     NOISE_SCALE,
     NOISE_SCALE_DECAY,
     ZERO_TOKEN_POLICY,
@@ -26,6 +27,7 @@ from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
 from megatron_ga_ext.config.rules import (
     check_checks,
     check_guards,
+    check_lr_scaling,
     check_noise_scale,
     check_noise_scale_layout,
     check_loss_mode,
@@ -110,6 +112,9 @@ def _option_problems(launch: Launch) -> list[str]:
                          launch.get(ZERO_TOKEN_POLICY.flag) or ZERO_TOKEN_POLICY.default)
     if launch.extension and (mode or LOSS_REDUCTION.default) == "microbatch":
         problems += _problem(check_loss_mode, "microbatch", launch.on("--calculate-per-token-loss"))
+    schedule = "--step-batch-size-schedule" if launch.get("--step-batch-size-schedule") else (
+        "--rampup-batch-size" if launch.values.get("--rampup-batch-size") and launch.on(CONVERT_RAMPUP.flag) else None)
+    problems += _problem(check_lr_scaling, launch.get(LR_SCALING.flag) or LR_SCALING.default, schedule)
     packed_rl = launch.on("--perform-rl-step") and launch.on("--rl-use-sequence-packing")
     problems += _problem(check_guards, launch.on(GUARDS.flag),
                          hybrid_context_parallel=launch.on("--hybrid-context-parallel"), rl_sequence_packing=packed_rl)
