@@ -1,4 +1,4 @@
-"""``--ga-noise-scale`` and ``--ga-lr-scaling``: typed errors naming the flag where they cannot act, at install() and in ``check``."""
+"""``--ga-noise-scale`` and ``--ga-lr-scaling``: typed errors naming the flag, at install() and in ``check``."""
 
 import argparse
 import shlex
