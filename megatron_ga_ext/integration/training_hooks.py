@@ -87,6 +87,8 @@ def _skipping_step(step: Callable, state: Installation, optimizer: Any = None) -
             finalize.skip_step = False
             return False, None, None
         result = step(*args, **kwargs)
+        if _capturing():  # Megatron's optimizer CUDA graph captures this step: no host read can be in the graph
+            return result
         if finalize is not None:
             finalize.poll()  # --ga-checks async: the step's verdict, if its copy is done (the step's own reads synced)
             if is_async:
@@ -97,6 +99,13 @@ def _skipping_step(step: Callable, state: Installation, optimizer: Any = None) -
         return result
 
     return skipping_step
+
+
+def _capturing() -> bool:
+    """The current CUDA stream is capturing a graph (``--optimizer-cuda-graph`` captures the optimizer's step)."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def wire_rerun_machine(state: Installation) -> None:
