@@ -65,7 +65,7 @@ NOISE_SCALE = Option(
     flag="--ga-noise-scale", dest="ga_noise_scale", type=int, default=0,
     help="measure the gradient noise scale B_simple every K-th iteration (0: off) from each data-parallel replica's "
     "gradient before the reduction and the reduced one (token mode, DP >= 2; docs/noise-scale.md): one all-reduce "
-    "of 5 numbers per measured step, logged after Megatron's iteration line, to TensorBoard and W&B.",
+    "of 6 numbers per measured step, logged after Megatron's iteration line, to TensorBoard and W&B.",
 )
 NOISE_SCALE_DECAY = Option(
     flag="--ga-noise-scale-decay", dest="ga_noise_scale_decay", type=float, default=0.95,

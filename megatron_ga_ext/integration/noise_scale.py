@@ -14,7 +14,7 @@ all-reduce over the world, of six float64 numbers, then gives
     [sum_r |g_r|^2, |g|^2, sum_r 1/b_r, N, K, replicas with b_r = 0]
 
 (the last four counted on one rank per replica: TP rank 0 of the last pipeline stage). The vector stays on the
-device until :meth:`NoiseScaleMeter.read` (Megatron's ``training_log``, once per measured iteration): no host read
+device until :meth:`NoiseScaleMeter.read` (after Megatron's optimizer step, once per measured iteration): no host read
 on the other steps, nothing per micro-batch.
 
 Measured over the dense parameters a replica owns whole: expert parameters (reduced over the expert data-parallel
