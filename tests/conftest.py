@@ -52,3 +52,17 @@ def cli_script() -> Callable[..., subprocess.CompletedProcess]:
         return subprocess.run([str(CONSOLE_SCRIPT), *argv], capture_output=True, text=True, timeout=timeout)
 
     return run
+
+
+@pytest.fixture
+def clean_install():
+    """No installation and no num-microbatches calculator before and after the test (``usefixtures``)."""
+    from megatron.core import num_microbatches_calculator as calculators
+
+    from megatron_ga_ext import uninstall
+
+    uninstall()
+    calculators.unset_num_microbatches_calculator()
+    yield
+    uninstall()
+    calculators.unset_num_microbatches_calculator()

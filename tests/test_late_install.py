@@ -19,13 +19,7 @@ from megatron_ga_ext.integration.install import GAConfig, add_args, install, uni
 STEP_SCHEDULES = "step_batch_size_schedule" in inspect.signature(calculators.init_num_microbatches_calculator).parameters
 
 
-@pytest.fixture(autouse=True)
-def clean():
-    uninstall()
-    calculators.unset_num_microbatches_calculator()
-    yield
-    uninstall()
-    calculators.unset_num_microbatches_calculator()
+pytestmark = pytest.mark.usefixtures("clean_install")
 
 
 @pytest.fixture

@@ -27,13 +27,7 @@ TRAIN_SAMPLES = 400
 DECOUPLED = {"max_lr": 5e-3, "min_lr": 5e-4}
 
 
-@pytest.fixture(autouse=True)
-def clean():
-    uninstall()
-    calculators.unset_num_microbatches_calculator()
-    yield
-    uninstall()
-    calculators.unset_num_microbatches_calculator()
+pytestmark = pytest.mark.usefixtures("clean_install")
 
 
 def scheduler() -> OptimizerParamScheduler:
