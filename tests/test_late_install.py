@@ -14,7 +14,7 @@ from megatron.core import num_microbatches_calculator as calculators  # noqa: E4
 
 from megatron_ga_ext import ScheduleError  # noqa: E402
 from megatron_ga_ext.integration.calculator import StepScheduleCalculator  # noqa: E402
-from megatron_ga_ext.integration.install import GAConfig, add_args, install, uninstall  # noqa: E402
+from megatron_ga_ext.integration.install import GAConfig, add_args, install  # noqa: E402
 
 STEP_SCHEDULES = "step_batch_size_schedule" in inspect.signature(calculators.init_num_microbatches_calculator).parameters
 

@@ -24,6 +24,8 @@ ZERO_TOKEN_POLICIES = ("error", "skip")
 CHECK_TIMINGS = ("sync", "async")
 #: ``--ga-lr-scaling``: the learning rate of a step-schedule stage times (GBS / first GBS) ** exponent.
 LR_SCALINGS = ("none", "sqrt", "linear")
+#: ``--ga-batch-size-warmup``: off, or the doubling rule applied in the run from the measured noise scale.
+BATCH_SIZE_WARMUPS = ("off", "auto")
 
 
 # -- the --ga-* flags (ours) ----------------------------------------------------------------------
@@ -82,9 +84,26 @@ LR_SCALING = Option(
     help="under a step batch-size schedule, scale the learning rate from the step a stage starts by (GBS / first "
     "GBS) ** 1/2 (sqrt, Adam's rule) or ** 1 (linear); none (default): Megatron's schedule as it is.",
 )
+BATCH_SIZE_WARMUP = Option(
+    flag="--ga-batch-size-warmup", dest="ga_batch_size_warmup", type=str, default="off", choices=BATCH_SIZE_WARMUPS,
+    help="auto: from --global-batch-size on, double the global batch at the step after a measurement where trust x "
+    "B_simple (EMA, samples) >= 2 x GBS, up to --ga-batch-size-warmup-max, never in the LR warmup or a WSD final "
+    "decay; each decision logged as the schedule so far and kept in the checkpoint (needs --ga-noise-scale, "
+    "--train-samples).",
+)
+BATCH_SIZE_WARMUP_TRUST = Option(
+    flag="--ga-batch-size-warmup-trust", dest="ga_batch_size_warmup_trust", type=float, default=1.0,
+    help="how far --ga-batch-size-warmup auto trusts the measured B_simple: it doubles where trust x B_simple >= "
+    "2 x GBS (above 1 leans on Merrill et al.'s finding that it underestimates the critical batch).",
+)
+BATCH_SIZE_WARMUP_MAX = Option(
+    flag="--ga-batch-size-warmup-max", dest="ga_batch_size_warmup_max", type=int,
+    help="the cap of --ga-batch-size-warmup auto: the global batch doubles only while 2 x GBS <= this.",
+)
 #: The flags add_args adds (the schedule flag only where the parser lacks it).
 GA_OPTIONS = (LOSS_REDUCTION, ZERO_TOKEN_POLICY, STRICT, CONVERT_RAMPUP, GUARDS, CHECKS, NOISE_SCALE,
-              NOISE_SCALE_DECAY, NOISE_SCALE_TRACE, LR_SCALING)
+              NOISE_SCALE_DECAY, NOISE_SCALE_TRACE, LR_SCALING, BATCH_SIZE_WARMUP, BATCH_SIZE_WARMUP_TRUST,
+              BATCH_SIZE_WARMUP_MAX)
 
 #: Every flag by its spelling (a negatable switch under both).
 OPTIONS: dict[str, Option] = {

@@ -6,6 +6,9 @@ import argparse
 from dataclasses import dataclass
 
 from megatron_ga_ext.config.flags import (
+    BATCH_SIZE_WARMUP,
+    BATCH_SIZE_WARMUP_MAX,
+    BATCH_SIZE_WARMUP_TRUST,
     CHECKS,
     CONVERT_RAMPUP,
     GUARDS,
@@ -18,7 +21,7 @@ from megatron_ga_ext.config.flags import (
     ZERO_TOKEN_POLICY,
     check_choice,
 )
-from megatron_ga_ext.config.rules import check_checks, check_noise_scale
+from megatron_ga_ext.config.rules import check_batch_size_warmup, check_checks, check_noise_scale
 from megatron_ga_ext.core.schedule.rampup import rampup_triple
 
 
@@ -26,7 +29,7 @@ from megatron_ga_ext.core.schedule.rampup import rampup_triple
 class GAConfig:
     """What install() turns on; ``from_args`` reads it from Megatron's parsed args.
 
-    The first ten fields are the ``--ga-*`` flags (:data:`GA_OPTIONS`: defaults and choices there); the
+    The first thirteen fields are the ``--ga-*`` flags (:data:`GA_OPTIONS`: defaults and choices there); the
     rest are Megatron's own settings the calculator needs where its call does not pass them.
     """
 
@@ -50,6 +53,12 @@ class GAConfig:
     """A JSON Lines file that gets one row per measured step."""
     lr_scaling: str = LR_SCALING.default
     """``none``, ``sqrt`` or ``linear``: the learning rate times (GBS / first GBS) ** exponent."""
+    batch_size_warmup: str = BATCH_SIZE_WARMUP.default
+    """``off``, or ``auto``: the doubling rule applied in the run from the measured noise scale."""
+    batch_size_warmup_trust: float = BATCH_SIZE_WARMUP_TRUST.default
+    """The measured B_simple is multiplied by this before it is compared with 2 x GBS."""
+    batch_size_warmup_max: int | None = BATCH_SIZE_WARMUP_MAX.default
+    """The cap of the adaptive warmup."""
     step_batch_size_schedule: str | None = None
     """Megatron's ``--step-batch-size-schedule`` (or the backported flag)."""
     rampup_batch_size: tuple[int, int, int] | None = None
@@ -70,6 +79,9 @@ class GAConfig:
         check_checks(self.checks, self.zero_token_policy)
         check_choice(LR_SCALING, self.lr_scaling)
         check_noise_scale(self.noise_scale, self.noise_scale_decay, self.loss_reduction)
+        check_choice(BATCH_SIZE_WARMUP, self.batch_size_warmup)
+        check_batch_size_warmup(self.batch_size_warmup, self.noise_scale, self.batch_size_warmup_trust,
+                                self.batch_size_warmup_max)
         if self.rampup_batch_size is not None:
             object.__setattr__(self, "rampup_batch_size", rampup_triple(self.rampup_batch_size))
 
@@ -88,6 +100,9 @@ class GAConfig:
             noise_scale_decay=getattr(args, NOISE_SCALE_DECAY.dest, NOISE_SCALE_DECAY.default),
             noise_scale_trace=getattr(args, NOISE_SCALE_TRACE.dest, NOISE_SCALE_TRACE.default),
             lr_scaling=getattr(args, LR_SCALING.dest, LR_SCALING.default),
+            batch_size_warmup=getattr(args, BATCH_SIZE_WARMUP.dest, BATCH_SIZE_WARMUP.default),
+            batch_size_warmup_trust=getattr(args, BATCH_SIZE_WARMUP_TRUST.dest, BATCH_SIZE_WARMUP_TRUST.default),
+            batch_size_warmup_max=getattr(args, BATCH_SIZE_WARMUP_MAX.dest, BATCH_SIZE_WARMUP_MAX.default),
             step_batch_size_schedule=getattr(args, "step_batch_size_schedule", None),
             rampup_batch_size=rampup_triple(rampup) if rampup else None,
             seq_length=getattr(args, "seq_length", None),
@@ -109,5 +124,8 @@ GA_FIELDS = {
     NOISE_SCALE_DECAY: "noise_scale_decay",
     NOISE_SCALE_TRACE: "noise_scale_trace",
     LR_SCALING: "lr_scaling",
+    BATCH_SIZE_WARMUP: "batch_size_warmup",
+    BATCH_SIZE_WARMUP_TRUST: "batch_size_warmup_trust",
+    BATCH_SIZE_WARMUP_MAX: "batch_size_warmup_max",
 }
 

@@ -15,6 +15,9 @@ from typing import Sequence
 import math
 
 from megatron_ga_ext.config.flags import (
+    BATCH_SIZE_WARMUP,
+    BATCH_SIZE_WARMUP_MAX,
+    BATCH_SIZE_WARMUP_TRUST,
     CHECKS,
     CONVERT_RAMPUP,
     GUARDS,
@@ -123,6 +126,34 @@ def check_lr_scaling(lr_scaling: str, schedule: str | None) -> None:
         f"(GBS / first GBS) ** {exponent}, but this launch has no schedule (no --step-batch-size-schedule, no "
         f"--rampup-batch-size with {CONVERT_RAMPUP.flag}), so it would change nothing. Give "
         f"--step-batch-size-schedule (or --rampup-batch-size with {CONVERT_RAMPUP.flag}), or drop {LR_SCALING.flag}.")
+
+
+def check_batch_size_warmup(mode: str, noise_scale: int, trust: object, cap: object) -> None:
+    """``--ga-batch-size-warmup auto`` decides from the measured noise scale (``--ga-noise-scale K``), with a trust
+    factor > 0 and a cap (``--ga-batch-size-warmup-max``). Raises OptionError."""
+    if mode != "auto":
+        return
+    if not noise_scale:
+        raise OptionError(f"{BATCH_SIZE_WARMUP.flag} auto decides from the measured noise scale: add "
+                          f"{NOISE_SCALE.flag} K (measure every K-th iteration), or drop {BATCH_SIZE_WARMUP.flag}.")
+    if isinstance(trust, bool) or not isinstance(trust, (int, float)) or not math.isfinite(trust) or trust <= 0:
+        raise OptionError(f"{BATCH_SIZE_WARMUP_TRUST.flag} {trust!r} is not a positive finite number: 1 takes the "
+                          f"measured B_simple as it is, 2 doubles it, 0.5 halves it.")
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+        raise OptionError(f"{BATCH_SIZE_WARMUP.flag} auto needs {BATCH_SIZE_WARMUP_MAX.flag} (a whole number >= 1, "
+                          f"the global batch size it may grow to), not {cap!r}.")
+
+
+def check_batch_size_warmup_launch(global_batch_size: int | None, cap: int, schedule: str | None) -> None:
+    """Where ``--ga-batch-size-warmup auto`` can run: from a constant ``--global-batch-size`` (its first stage) up to
+    the cap, without a given schedule (it writes one; its run length in samples is :func:`check_train_length`'s).
+    Raises OptionError."""
+    if schedule is not None:
+        raise OptionError(f"{BATCH_SIZE_WARMUP.flag} auto writes the step schedule as it measures, so it does not "
+                          f"go with {schedule}; drop one of them.")
+    if global_batch_size is None or global_batch_size > cap:
+        raise OptionError(f"{BATCH_SIZE_WARMUP.flag} auto starts at --global-batch-size ({global_batch_size}) and "
+                          f"grows up to {BATCH_SIZE_WARMUP_MAX.flag} {cap}: give a --global-batch-size <= the cap.")
 
 
 def check_guards(guards: bool, *, hybrid_context_parallel: bool = False, rl_sequence_packing: bool = False) -> None:

@@ -23,6 +23,7 @@ from megatron_ga_ext.config.rules import decrease_if_needed_error
 from megatron_ga_ext.core.rules import require_positive_int
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.errors import ScheduleError, SizeError
+from megatron_ga_ext.integration.compat import live_calculator
 from megatron_ga_ext.logs import get_logger
 
 __all__ = ["StepScheduleCalculator"]
@@ -181,6 +182,16 @@ class StepScheduleCalculator:
         self.current_running_global_batch_size = batch
         self.num_micro_batches = batch // self.micro_batch_times_data_parallel_size
 
+    def extend(self, threshold_samples: int, global_batch_size: int) -> None:
+        """A stage added during the run (``--ga-batch-size-warmup auto``): ``global_batch_size`` from
+        ``threshold_samples`` on, after every stage (StepSchedule checks the order); every stage from the one in
+        force on is validated again at the next checked update."""
+        self.step_schedule = StepSchedule.from_stages([*self.step_schedule.stages,
+                                                       (threshold_samples, global_batch_size)])
+        self.schedule = self.step_schedule.stages
+        self.global_batch_size = self.step_schedule.final_global_batch_size
+        self._checked_from = None
+
     def plan(self, train_samples: int) -> tuple[int, int]:
         """(iterations, samples) a run of ``--train-samples`` takes from 0: one more step while consumed <
         train_samples, each step consuming MBS x DP x num_microbatches (StepSchedule.run_totals: the stages
@@ -215,6 +226,13 @@ class StepScheduleCalculator:
         self._demoted = bool(demoted)
         if self.validated_from is None:
             self.validated_from = consumed_samples
+
+
+def live_step_calculator() -> StepScheduleCalculator | None:
+    """The live calculator if it is the extension's step-schedule calculator (under the guard), else None."""
+    live = live_calculator()
+    live = getattr(live, "inner", live)
+    return live if isinstance(live, StepScheduleCalculator) else None
 
 
 def _present(value: int | None, name: str) -> int:

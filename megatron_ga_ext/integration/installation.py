@@ -19,6 +19,7 @@ from megatron_ga_ext.config.coverage import Setting
 from megatron_ga_ext.config.coverage import verdict as coverage_verdict
 from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.config.rules import (
+    check_batch_size_warmup_launch,
     check_guards,
     check_loss_mode,
     check_lr_scaling,
@@ -26,6 +27,7 @@ from megatron_ga_ext.config.rules import (
     check_train_length,
 )
 from megatron_ga_ext.errors import CompatError
+from megatron_ga_ext.integration.batch_warmup import BatchSizeWarmup
 from megatron_ga_ext.integration.compat import megatron_args
 from megatron_ga_ext.integration.finalize import FinalizeModelGrads
 from megatron_ga_ext.integration.guards import MicrobatchCounter
@@ -112,6 +114,8 @@ class Installation:
     finalize: FinalizeModelGrads | None = None
     noise_scale: NoiseScaleMeter | None = None
     """--ga-noise-scale K > 0: the in-run measurement (noise_scale.py)."""
+    batch_warmup: BatchSizeWarmup | None = None
+    """--ga-batch-size-warmup auto: the doubling decisions taken in the run (batch_warmup.py)."""
     startup: StartupChecks = field(default_factory=StartupChecks)
     """Ranks agree on the batch configuration, and a resume says what changed: once, at the first schedule call."""
     reported_first_step: bool = False
@@ -128,6 +132,7 @@ class Installation:
         self.contract = LossContract() if config.loss_reduction == "token" else None
         self.wrap_loss = self.contract.wrap if self.contract is not None else mean_of_means_reports
         self.noise_scale = NoiseScaleMeter(config) if config.noise_scale else None
+        self.batch_warmup = BatchSizeWarmup(config) if config.batch_size_warmup == "auto" else None
         if self.finalize is not None:
             self.finalize.config, self.finalize.contract = config, self.contract
             self.finalize.noise_scale = self.noise_scale
@@ -250,6 +255,10 @@ def check_args(config: GAConfig, args: argparse.Namespace) -> None:
         check_loss_mode(config.loss_reduction, bool(args.calculate_per_token_loss),
                         explicit=config.loss_reduction != "token")
     schedule = _schedule_source(config)
+    if config.batch_size_warmup == "auto":
+        given = schedule or ("--rampup-batch-size" if config.rampup_batch_size else None)
+        check_batch_size_warmup_launch(getattr(args, "global_batch_size", None), config.batch_size_warmup_max, given)
+        schedule = "--ga-batch-size-warmup auto"  # it writes one: a run length in samples, --ga-lr-scaling applies
     check_train_length(schedule, getattr(args, "train_iters", None))
     check_lr_scaling(config.lr_scaling, schedule)
     check_noise_scale_layout(config.noise_scale, data_parallel_size=_data_parallel_size(args), settings=vars(args))

@@ -19,8 +19,7 @@ from typing import Any, Callable
 
 from megatron_ga_ext.config.rules import check_lr_scaling
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
-from megatron_ga_ext.integration.calculator import StepScheduleCalculator
-from megatron_ga_ext.integration.compat import live_calculator
+from megatron_ga_ext.integration.calculator import live_step_calculator
 from megatron_ga_ext.integration.installation import Installation
 from megatron_ga_ext.logs import get_logger
 
@@ -86,8 +85,7 @@ def _scaled_get_lr(original: Callable, state: Installation) -> Callable:
 
 def _live_schedule(lr_scaling: str) -> StepSchedule:
     """The step schedule of the live calculator (under the guard); without one, the rule's OptionError."""
-    live = live_calculator()
-    live = getattr(live, "inner", live)
-    if not isinstance(live, StepScheduleCalculator):
+    live = live_step_calculator()
+    if live is None:
         check_lr_scaling(lr_scaling, None)  # raises: sqrt / linear without a schedule
     return live.step_schedule

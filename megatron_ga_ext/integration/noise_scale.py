@@ -36,6 +36,7 @@ import torch
 
 from megatron_ga_ext.core.noise_scale import NoiseEstimate, NoiseScaleEMA, replica_estimate_from_sums
 from megatron_ga_ext.errors import NoiseScaleError
+from megatron_ga_ext.integration.calculator import live_step_calculator
 from megatron_ga_ext.integration.compat import megatron_args
 from megatron_ga_ext.logs import get_logger
 
@@ -82,6 +83,8 @@ class NoiseScaleMeter:
         self.trace_path = config.noise_scale_trace
         self.ema = NoiseScaleEMA(decay=config.noise_scale_decay)
         self.last: Measurement | None = None
+        self.last_row: dict[str, Any] | None = None
+        """The last measurement's trace row (what --ga-batch-size-warmup auto decides from)."""
         self.measurements = 0
         self.steps = 0
         """finalize calls seen: the step count where Megatron's iteration is not known."""
@@ -185,7 +188,7 @@ class NoiseScaleMeter:
         """Where Megatron users look: a line after the iteration's (printed by the last rank, as Megatron prints),
         TensorBoard and W&B through Megatron's writers, and the trace file (``--ga-noise-scale-trace``). The row
         is the trace's (what ``megatron-ga schedule --suggest`` reads)."""
-        row = self.trace_row(measurement)
+        row = self.last_row = self.trace_row(measurement)
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         if rank == world - 1:
@@ -250,12 +253,22 @@ class NoiseScaleMeter:
 
 
 def _counted_ranges(bucket: Any) -> tuple[tuple[int, int], ...]:
-    """The bucket-local ranges of the parameters a replica's gradient norm counts on this rank, merged."""
+    """The bucket-local ranges of the parameters a replica's gradient norm counts on this rank, merged. Each is where
+    the parameter's ``main_grad`` view lies in ``grad_data``: ``param_to_index`` leaves out the padding between
+    parameters on 0.16 and 0.17. A ``main_grad`` held apart (0.19's extra main grads) is left out."""
     from megatron.core import parallel_state
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    extra = {id(p) for p in getattr(bucket, "params_with_extra_main_grads", ())}
-    spans = sorted(bucket.param_to_index[p] for p in bucket.params_list if _counted(p, tp_rank) and id(p) not in extra)
+    data = bucket.grad_data
+    spans = []
+    for param in bucket.params_list:
+        grad = getattr(param, "main_grad", None)
+        if grad is None or not _counted(param, tp_rank):
+            continue
+        start = (grad.data_ptr() - data.data_ptr()) // data.element_size()
+        if 0 <= start and start + grad.numel() <= data.numel():
+            spans.append((start, start + grad.numel()))
+    spans.sort()
     merged: list[list[int]] = []
     for start, end in spans:
         if merged and merged[-1][1] == start:
@@ -357,10 +370,12 @@ def sidecar_path(directory: str | os.PathLike, iteration: int) -> Path:
     return Path(directory) / f"iter_{iteration:07d}" / SIDECAR
 
 
-def save_sidecar(meter: NoiseScaleMeter, directory: str | os.PathLike, iteration: int) -> Path | None:
+def save_sidecar(meter: NoiseScaleMeter, directory: str | os.PathLike, iteration: int,
+                 stages: list[list[int]] | None = None) -> Path | None:
     """Write the meter's EMAs and measurement count next to Megatron's checkpoint of ``iteration``, on the last rank
-    (the one that reports; every rank holds the same EMAs, since they are folded from one all-reduced vector).
-    Returns the path written, or None on the other ranks."""
+    (the one that reports; every rank holds the same EMAs, since they are folded from one all-reduced vector), and
+    ``stages``, the step schedule --ga-batch-size-warmup auto has written so far. Returns the path written, or None
+    on the other ranks."""
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank != world - 1:
@@ -368,27 +383,28 @@ def save_sidecar(meter: NoiseScaleMeter, directory: str | os.PathLike, iteration
     path = sidecar_path(directory, iteration)
     path.parent.mkdir(parents=True, exist_ok=True)  # an async save may not have made it yet
     state = {"version": SIDECAR_VERSION, "iteration": iteration, "ema": meter.ema.state_dict(),
-             "measurements": meter.measurements}
+             "measurements": meter.measurements, "stages": stages}
     partial = path.with_name(path.name + ".partial")  # a crash mid-write leaves no half file under the real name
     partial.write_text(json.dumps(state) + "\n")
     partial.replace(path)
     return path
 
 
-def load_sidecar(meter: NoiseScaleMeter, directory: str | os.PathLike, iteration: int) -> bool:
-    """Continue the EMAs saved with Megatron's checkpoint of ``iteration`` (every rank reads it). False, with a log
-    line, where there is none (a checkpoint saved without ``--ga-noise-scale``) or it was kept under another
-    ``--ga-noise-scale-decay``: the EMAs then start afresh. A sidecar that cannot be read raises NoiseScaleError."""
+def load_sidecar(meter: NoiseScaleMeter, directory: str | os.PathLike, iteration: int) -> dict[str, Any] | None:
+    """Continue the EMAs saved with Megatron's checkpoint of ``iteration`` (every rank reads it); the sidecar read, or
+    None with a log line where there is none (a checkpoint saved without ``--ga-noise-scale``). Kept under another
+    ``--ga-noise-scale-decay``, the EMAs start afresh (its ``stages`` still hold). A sidecar that cannot be read
+    raises NoiseScaleError."""
     path = sidecar_path(directory, iteration)
     if not path.is_file():
         logger.info("megatron-ga-ext: no noise-scale state at %s: the noise-scale EMAs start afresh", path)
-        return False
+        return None
     try:
         state = json.loads(path.read_text())
     except (OSError, ValueError) as error:
         raise NoiseScaleError(f"the noise-scale state {path} cannot be read ({error}); delete it to start the "
                               "EMAs afresh.") from error
-    expected = {"version", "iteration", "ema", "measurements"}
+    expected = {"version", "iteration", "ema", "measurements", "stages"}
     if not isinstance(state, dict) or set(state) != expected or state["version"] != SIDECAR_VERSION:
         raise NoiseScaleError(f"the noise-scale state {path} is not a version-{SIDECAR_VERSION} sidecar with keys "
                               f"{sorted(expected)}; delete it to start the EMAs afresh.")
@@ -401,11 +417,11 @@ def load_sidecar(meter: NoiseScaleMeter, directory: str | os.PathLike, iteration
         # The bias correction 1 - decay^n holds for one decay throughout: mixing two would misweigh the saved part.
         logger.warning("megatron-ga-ext: the noise-scale EMAs in %s were kept with --ga-noise-scale-decay %s, this "
                        "run has %s: they start afresh", path, ema.decay, meter.ema.decay)
-        return False
+        return state
     meter.ema = ema
     meter.measurements = measurements
     logger.info("megatron-ga-ext: noise-scale EMAs continued from %s (%d measurements)", path, ema.updates)
-    return True
+    return state
 
 
 def saving_sidecar(original: Callable, state: Any) -> Callable:
@@ -419,7 +435,8 @@ def saving_sidecar(original: Callable, state: Any) -> Callable:
         meter = state.noise_scale if state.active else None
         directory = getattr(megatron_args(), "save", None)
         if meter is not None and directory and not kwargs.get("non_persistent_ckpt", False):
-            save_sidecar(meter, directory, iteration)
+            warmup = state.batch_warmup
+            save_sidecar(meter, directory, iteration, None if warmup is None else warmup.stages(live_step_calculator()))
         return result
 
     return save_checkpoint
@@ -441,7 +458,13 @@ def loading_sidecar(original: Callable, state: Any) -> Callable:
         directory = getattr(megatron, load_arg, None) if megatron is not None else None
         iteration = result[0] if isinstance(result, tuple) and result else getattr(megatron, "iteration", 0)
         if directory and isinstance(iteration, int) and iteration > 0:
-            load_sidecar(meter, directory, iteration)
+            saved = load_sidecar(meter, directory, iteration)
+            stages = saved.get("stages") if saved is not None else None
+            if state.batch_warmup is not None and stages:
+                state.batch_warmup.restore(stages, live_step_calculator())
+            elif state.batch_warmup is not None:
+                logger.warning("megatron-ga-ext: the checkpoint of iteration %d keeps no batch-size warmup stages: "
+                               "--ga-batch-size-warmup auto starts again from --global-batch-size", iteration)
         return result
 
     return load_checkpoint

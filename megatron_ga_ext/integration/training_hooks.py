@@ -20,8 +20,8 @@ import sys
 from typing import Any, Callable
 
 from megatron_ga_ext.integration.aux_losses import padding_mask_forward
-from megatron_ga_ext.integration.calculator import StepScheduleCalculator
-from megatron_ga_ext.integration.compat import TARGETS, TRAINING, check_targets, live_calculator, megatron_args
+from megatron_ga_ext.integration.calculator import live_step_calculator
+from megatron_ga_ext.integration.compat import TARGETS, TRAINING, check_targets, megatron_args
 from megatron_ga_ext.integration.installation import Installation
 from megatron_ga_ext.integration.liveness import StepLiveness
 from megatron_ga_ext.integration.noise_scale import loading_sidecar, printing_after_training_log, saving_sidecar
@@ -95,7 +95,9 @@ def _skipping_step(step: Callable, state: Installation, optimizer: Any = None) -
                 finalize.check_deferred()
         liveness.check(after_step=True)
         if live.noise_scale is not None:
-            live.noise_scale.after_optimizer_step(optimizer)
+            measurement = live.noise_scale.after_optimizer_step(optimizer)
+            if measurement is not None and live.batch_warmup is not None:  # --ga-batch-size-warmup auto
+                live.batch_warmup.decide(live.noise_scale.last_row, live_step_calculator())
         return result
 
     return skipping_step
@@ -157,20 +159,13 @@ def wire_training(state: Installation) -> bool:
     return True
 
 
-def _step_calculator() -> StepScheduleCalculator | None:
-    """The live calculator if it is the extension's step-schedule calculator (under the guard), else None."""
-    live = live_calculator()
-    live = getattr(live, "inner", live)
-    return live if isinstance(live, StepScheduleCalculator) else None
-
-
 def _update_train_iters(original: Callable, state: Installation) -> Callable:
     """``--train-samples`` under a step schedule: train_iters = the steps the schedule plans,
     while consumed < train_samples (upstream divides by a constant GBS on 0.16/0.17 and with a rampup)."""
 
     @functools.wraps(original)
     def update_train_iters(args: argparse.Namespace) -> None:
-        calculator = _step_calculator()
+        calculator = live_step_calculator()
         if not state.active or calculator is None or args.train_iters or not args.train_samples:
             return original(args)
         iterations, samples = calculator.plan(args.train_samples)
@@ -188,10 +183,12 @@ def _num_samples(original: Callable, state: Installation) -> Callable:
     @functools.wraps(original)
     def get_train_valid_test_num_samples(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
-        calculator = _step_calculator()
+        calculator = live_step_calculator()
         train_samples = getattr(megatron_args(), "train_samples", None)
         if not state.active or calculator is None or not train_samples or result[0] != train_samples:
             return result
-        return (max(result[0], calculator.plan(train_samples)[1]), *result[1:])
+        # --ga-batch-size-warmup auto: the last step of a schedule decided later may pass by up to the cap
+        margin = state.batch_warmup.cap if state.batch_warmup is not None else 0
+        return (max(result[0], calculator.plan(train_samples)[1] + margin), *result[1:])
 
     return get_train_valid_test_num_samples

@@ -1,0 +1,134 @@
+"""``--ga-batch-size-warmup auto``: the doubling rule (core/schedule/suggest.py) applied in the run.
+
+After each measured step (``--ga-noise-scale K``), with the EMA's B_simple in samples at that step's loss tokens per
+sample and C the samples consumed once the step is done:
+
+    if trust x B_simple >= 2 x GBS, 2 x GBS <= --ga-batch-size-warmup-max, and C is outside the LR warmup and a WSD
+    final decay:  the step schedule gets the stage C:2 x GBS (GBS doubles from the next step)
+
+The run starts as the constant schedule ``0:--global-batch-size`` on the extension's step-schedule calculator; a
+stage added is validated as any schedule's (MBS x DP divides it, the interleaved rule), ``args.train_iters`` becomes
+the steps the schedule now plans for ``--train-samples``, and the schedule so far is logged as the
+``--step-batch-size-schedule`` string that replays it. The stages are kept in the checkpoint's noise-scale sidecar
+(noise_scale.py) and restored on resume, so the resumed run trains the decisions taken before the checkpoint and
+takes the later ones from the same measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Mapping, Sequence
+
+from megatron_ga_ext.config.flags import BATCH_SIZE_WARMUP_MAX
+from megatron_ga_ext.config.ga_config import GAConfig
+from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
+from megatron_ga_ext.core.schedule.suggest import DoublingRule, Frozen, TraceRow, suggest_schedule
+from megatron_ga_ext.errors import ScheduleError
+from megatron_ga_ext.integration.compat import megatron_args
+from megatron_ga_ext.logs import get_logger
+
+__all__ = ["BatchSizeWarmup", "frozen_ranges"]
+
+logger = get_logger(__name__)
+
+
+class BatchSizeWarmup:
+    """The decisions of the adaptive warmup; see the module docstring. Made by install() where it is on.
+
+    Attributes:
+        decisions: the stages it added, as (iteration, consumed samples, GBS).
+    """
+
+    def __init__(self, config: GAConfig) -> None:
+        self.trust = config.batch_size_warmup_trust
+        self.cap = config.batch_size_warmup_max
+        self.decisions: list[tuple[int | None, int, int]] = []
+        self._held: str | None = None
+
+    def decide(self, row: Mapping[str, Any], calculator: Any) -> bool:
+        """After a measured step (``row``: its trace row, noise_scale.py): add the stage the rule calls for to
+        ``calculator`` (the live StepScheduleCalculator); True where it did."""
+        if calculator is None:
+            raise ScheduleError("--ga-batch-size-warmup auto needs the extension's step-schedule calculator, which "
+                                "install() builds when Megatron does: install() before initialize_megatron().")
+        consumed, estimate = row.get("consumed_samples"), row.get("b_simple_samples")
+        if consumed is None or estimate is None:
+            return False
+        args = megatron_args()
+        batch = calculator.step_schedule.final_global_batch_size
+        rule = DoublingRule(micro_batch_size=calculator.micro_batch_size,
+                            data_parallel_size=calculator.data_parallel_size, max_global_batch_size=self.cap,
+                            initial_global_batch_size=batch, trust=self.trust, frozen=frozen_ranges(args))
+        trace = [TraceRow(position=1, consumed_samples=consumed, b_simple_samples=estimate,
+                          iteration=row.get("iteration"))]
+        suggestion = suggest_schedule(trace, rule)
+        for held in suggestion.held:
+            reason = f"the cap {BATCH_SIZE_WARMUP_MAX.flag} {self.cap}" if held.reason.startswith("the cap") \
+                else held.reason
+            if reason != self._held:  # once per reason, not at every measured step
+                logger.info("megatron-ga-ext batch-size warmup: iteration %s: %.4g x B_simple %.4g samples >= 2 x "
+                            "GBS %d, held by %s", row.get("iteration"), self.trust, estimate, batch, reason)
+            self._held = reason
+        if not suggestion.decisions:
+            return False
+        calculator.extend(consumed, 2 * batch)
+        self.decisions.append((row.get("iteration"), consumed, 2 * batch))
+        _replan(calculator, args)
+        logger.warning(
+            "megatron-ga-ext batch-size warmup: iteration %s: %.4g x B_simple %.4g samples >= 2 x GBS %d: GBS %d from "
+            "%d consumed samples; the run's schedule so far: --step-batch-size-schedule \"%s\"", row.get("iteration"),
+            self.trust, estimate, batch, 2 * batch, consumed, _schedule_string(calculator.step_schedule, args))
+        return True
+
+    @staticmethod
+    def stages(calculator: Any) -> list[list[int]]:
+        """The schedule so far, for the checkpoint: ``[[threshold_samples, GBS], ...]``."""
+        return [[threshold, batch] for threshold, batch in calculator.step_schedule.stages]
+
+    def restore(self, stages: Sequence[Sequence[int]], calculator: Any) -> None:
+        """On resume: the stages saved with the checkpoint, from the same first stage (the same
+        ``--global-batch-size``), replace the calculator's; the run length follows."""
+        schedule = StepSchedule.from_stages([(int(t), int(b)) for t, b in stages])
+        first = calculator.step_schedule.stages[0]
+        if tuple(schedule.stages[0]) != tuple(first):
+            raise ScheduleError(
+                f"the checkpoint's batch-size warmup starts at {schedule.stages[0][1]} from sample 0, this run's "
+                f"--global-batch-size gives {first[1]}: resume with the --global-batch-size the run started with.")
+        for threshold, batch in schedule.stages[1:]:
+            calculator.extend(threshold, batch)
+        args = megatron_args()
+        _replan(calculator, args)
+        logger.info("megatron-ga-ext batch-size warmup: resumed with --step-batch-size-schedule \"%s\"",
+                    _schedule_string(calculator.step_schedule, args))
+
+
+def frozen_ranges(args: argparse.Namespace | None) -> tuple[Frozen, ...]:
+    """Consumed samples where the batch must not change: the LR warmup (``--lr-warmup-samples``, or
+    ``--lr-warmup-fraction`` of the decay), and a WSD schedule's final decay (``--lr-wsd-decay-samples`` before the
+    end of ``--lr-decay-samples``, else of ``--train-samples``)."""
+    if args is None:
+        return ()
+    frozen = []
+    decay_end = getattr(args, "lr_decay_samples", None) or getattr(args, "train_samples", None)
+    warmup = getattr(args, "lr_warmup_samples", None) or 0
+    if not warmup and getattr(args, "lr_warmup_fraction", None) and decay_end:
+        warmup = int(args.lr_warmup_fraction * decay_end)
+    if warmup:
+        frozen.append(Frozen(label=f"the LR warmup (to {warmup:,} samples)", start=0, end=warmup))
+    final = getattr(args, "lr_wsd_decay_samples", None)
+    if getattr(args, "lr_decay_style", None) == "WSD" and final and decay_end:
+        start = max(decay_end - final, 0)
+        frozen.append(Frozen(label=f"the WSD final decay (from {start:,} samples)", start=start, end=None))
+    return tuple(frozen)
+
+
+def _replan(calculator: Any, args: argparse.Namespace | None) -> None:
+    """``args.train_iters``: the steps the schedule now plans for ``--train-samples`` (Megatron's loop reads it at
+    every iteration)."""
+    if args is not None and getattr(args, "train_samples", None):
+        args.train_iters = calculator.plan(args.train_samples)[0]
+
+
+def _schedule_string(schedule: StepSchedule, args: argparse.Namespace | None) -> str:
+    """As pretrain_gpt.py reads it: thresholds in tokens where ``--seq-length`` is set."""
+    return schedule.to_string(getattr(args, "seq_length", None))

@@ -1,0 +1,90 @@
+"""``--ga-batch-size-warmup auto``'s decisions on the extension's real calculator, its restore and its refusals (the
+run itself: tests/e2e/test_batch_warmup.py)."""
+
+import argparse
+import logging
+
+import pytest
+
+from megatron_ga_ext import GAConfig
+from megatron_ga_ext.config.rules import check_batch_size_warmup_launch
+from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
+from megatron_ga_ext.errors import OptionError, ScheduleError
+from megatron_ga_ext.integration.batch_warmup import BatchSizeWarmup, frozen_ranges
+from megatron_ga_ext.integration.calculator import StepScheduleCalculator
+
+AUTO = {"noise_scale": 1, "batch_size_warmup": "auto", "batch_size_warmup_max": 32}
+
+
+def calculator() -> StepScheduleCalculator:
+    return StepScheduleCalculator(StepSchedule.constant(8), 1, 2)  # MBS 1 x DP 2
+
+
+def row(consumed: int, b_simple: float | None, iteration: int = 1) -> dict:
+    return {"iteration": iteration, "consumed_samples": consumed, "b_simple_samples": b_simple}
+
+
+def test_it_doubles_where_trust_times_b_simple_reaches_twice_the_batch_up_to_the_cap(caplog):
+    caplog.set_level(logging.INFO)
+    warmup, live = BatchSizeWarmup(GAConfig(**AUTO)), calculator()
+    assert not warmup.decide(row(8, 15.9), live)  # 15.9 < 2 x 8
+    assert warmup.decide(row(16, 16.0), live)  # 16 >= 2 x 8: GBS 16 from 16 samples
+    assert not warmup.decide(row(32, 31.0), live)
+    assert warmup.decide(row(48, 400.0), live)  # one doubling per measurement, however large the estimate
+    assert not warmup.decide(row(80, 400.0), live)  # 2 x 32 passes the cap
+    assert not warmup.decide(row(112, None), live)  # not measurable
+    assert list(live.step_schedule.stages) == [(0, 8), (16, 16), (48, 32)]
+    assert warmup.decisions == [(1, 16, 16), (1, 48, 32)]
+    live.update(48, consistency_check=True)
+    assert (live.get_current_global_batch_size(), live.get()) == (32, 16)
+    assert "held by the cap --ga-batch-size-warmup-max 32" in caplog.text
+    assert BatchSizeWarmup.stages(live) == [[0, 8], [16, 16], [48, 32]]
+
+
+def test_trust_scales_the_estimate():
+    warmup, live = BatchSizeWarmup(GAConfig(**AUTO, batch_size_warmup_trust=2.0)), calculator()
+    assert warmup.decide(row(16, 8.0), live)  # 2 x 8 >= 2 x 8
+
+
+def test_a_resume_restores_the_stages_from_the_same_first_batch():
+    warmup, live = BatchSizeWarmup(GAConfig(**AUTO)), calculator()
+    warmup.restore([[0, 8], [16, 16], [48, 32]], live)
+    assert list(live.step_schedule.stages) == [(0, 8), (16, 16), (48, 32)]
+    with pytest.raises(ScheduleError, match="the checkpoint's batch-size warmup starts at 16 from sample 0, this "
+                                            "run's --global-batch-size gives 8"):
+        warmup.restore([[0, 16]], calculator())
+
+
+def test_no_calculator_of_the_extension_is_an_error():
+    with pytest.raises(ScheduleError, match="install\\(\\) before initialize_megatron"):
+        BatchSizeWarmup(GAConfig(**AUTO)).decide(row(16, 100.0), None)
+
+
+def test_the_lr_warmup_and_a_wsd_final_decay_hold_the_batch():
+    args = argparse.Namespace(lr_warmup_samples=100, lr_decay_samples=1000, lr_wsd_decay_samples=200,
+                              lr_decay_style="WSD", train_samples=1200)
+    assert [(f.start, f.end) for f in frozen_ranges(args)] == [(0, 100), (800, None)]
+    fraction = argparse.Namespace(lr_warmup_samples=0, lr_warmup_fraction=0.1, lr_decay_samples=None,
+                                  train_samples=1000, lr_decay_style="cosine", lr_wsd_decay_samples=None)
+    assert [(f.start, f.end) for f in frozen_ranges(fraction)] == [(0, 100)]
+    assert frozen_ranges(None) == ()
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"batch_size_warmup": "auto", "batch_size_warmup_max": 32}, r"auto decides from the measured noise scale"),
+    ({**AUTO, "batch_size_warmup_max": None}, r"auto needs --ga-batch-size-warmup-max \(a whole number >= 1"),
+    ({**AUTO, "batch_size_warmup_trust": 0.0}, r"--ga-batch-size-warmup-trust 0.0 is not a positive finite number"),
+    ({**AUTO, "batch_size_warmup": "on"}, r"--ga-batch-size-warmup 'on' is not one of off, auto"),
+])
+def test_config_refusals_name_the_flag(fields, message):
+    with pytest.raises(OptionError, match=message):
+        GAConfig(**fields)
+
+
+def test_launch_refusals_name_the_flag():
+    with pytest.raises(OptionError, match="does not go with --step-batch-size-schedule"):
+        check_batch_size_warmup_launch(16, 64, "--step-batch-size-schedule")
+    with pytest.raises(OptionError, match=r"starts at --global-batch-size \(128\) and grows up to "
+                                          r"--ga-batch-size-warmup-max 64"):
+        check_batch_size_warmup_launch(128, 64, None)
+    check_batch_size_warmup_launch(16, 64, None)
