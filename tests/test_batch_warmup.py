@@ -88,3 +88,22 @@ def test_launch_refusals_name_the_flag():
                                           r"--ga-batch-size-warmup-max 64"):
         check_batch_size_warmup_launch(128, 64, None)
     check_batch_size_warmup_launch(16, 64, None)
+
+
+def test_check_reports_the_warmup_rules_on_a_launch_line():
+    import shlex
+
+    from megatron_ga_ext.launch.line import parse_launch
+    from megatron_ga_ext.launch.problems import launch_problems
+
+    line = ("torchrun --nproc_per_node 8 pretrain_gpt.py --calculate-per-token-loss --micro-batch-size 1 "
+            "--global-batch-size 64 --seq-length 2048 --train-samples 100000 --ga-batch-size-warmup auto ")
+
+    def problems(extra: str) -> list[str]:
+        return launch_problems(parse_launch(shlex.split(line + extra)), None)[1]
+
+    assert problems("--ga-noise-scale 10 --ga-batch-size-warmup-max 512 --ga-lr-scaling sqrt") == []
+    assert any("auto decides from the measured noise scale" in p for p in problems("--ga-batch-size-warmup-max 512"))
+    assert any("auto needs --ga-batch-size-warmup-max" in p for p in problems("--ga-noise-scale 10"))
+    assert any("grows up to --ga-batch-size-warmup-max 32" in p
+               for p in problems("--ga-noise-scale 10 --ga-batch-size-warmup-max 32"))

@@ -13,6 +13,9 @@ from dataclasses import replace
 
 from megatron_ga_ext.config.coverage import Setting, verdict
 from megatron_ga_ext.config.flags import (
+    BATCH_SIZE_WARMUP,
+    BATCH_SIZE_WARMUP_MAX,
+    BATCH_SIZE_WARMUP_TRUST,
     CHECKS,
     CONVERT_RAMPUP,
     GUARDS,
@@ -25,6 +28,8 @@ from megatron_ga_ext.config.flags import (
 )
 from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
 from megatron_ga_ext.config.rules import (
+    check_batch_size_warmup,
+    check_batch_size_warmup_launch,
     check_checks,
     check_guards,
     check_lr_scaling,
@@ -114,10 +119,33 @@ def _option_problems(launch: Launch) -> list[str]:
         problems += _problem(check_loss_mode, "microbatch", launch.on("--calculate-per-token-loss"))
     schedule = "--step-batch-size-schedule" if launch.get("--step-batch-size-schedule") else (
         "--rampup-batch-size" if launch.values.get("--rampup-batch-size") and launch.on(CONVERT_RAMPUP.flag) else None)
+    warmup = launch.get(BATCH_SIZE_WARMUP.flag) or BATCH_SIZE_WARMUP.default
+    problems += _problem(check_choice, BATCH_SIZE_WARMUP, warmup)
+    if warmup == "auto":
+        problems += _batch_size_warmup_problems(launch, schedule)
+        schedule = f"{BATCH_SIZE_WARMUP.flag} auto"  # it writes one
     problems += _problem(check_lr_scaling, launch.get(LR_SCALING.flag) or LR_SCALING.default, schedule)
     packed_rl = launch.on("--perform-rl-step") and launch.on("--rl-use-sequence-packing")
     problems += _problem(check_guards, launch.on(GUARDS.flag),
                          hybrid_context_parallel=launch.on("--hybrid-context-parallel"), rl_sequence_packing=packed_rl)
+    return problems
+
+
+def _batch_size_warmup_problems(launch: Launch, schedule: str | None) -> list[str]:
+    """``--ga-batch-size-warmup auto``: the noise scale measured, a trust and a cap, from a constant GBS."""
+    cap = launch.get(BATCH_SIZE_WARMUP_MAX.flag)
+    trust = launch.get(BATCH_SIZE_WARMUP_TRUST.flag)
+    try:
+        trust_value: object = BATCH_SIZE_WARMUP_TRUST.default if trust is None else float(trust)
+    except ValueError:
+        trust_value = trust
+    cap_value = None if cap is None else int(cap)  # read_layout reads it as a whole number
+    problems = _problem(check_batch_size_warmup, "auto", int(launch.get(NOISE_SCALE.flag) or 0), trust_value,
+                        cap_value)
+    if cap_value is not None:
+        given = schedule or ("--rampup-batch-size" if launch.values.get("--rampup-batch-size") else None)
+        gbs = launch.get("--global-batch-size")
+        problems += _problem(check_batch_size_warmup_launch, None if gbs is None else int(gbs), cap_value, given)
     return problems
 
 
