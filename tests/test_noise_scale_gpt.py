@@ -9,13 +9,13 @@ finalize and bucket hook, on every rank of the layout.
 1. Every measured step equals its reference exactly (the plumbing): with replica r's samples and b_r loss tokens,
    |g_r|^2 = |sum_{i in r} S_i / b_r|^2 and |g|^2 = |sum_i S_i / N|^2 give the estimate core/noise_scale.py computes
    (relative 1e-5 on the two norms). Unequal lengths, so the b_r differ: DP 2, DP 4, PP 2 x DP 2 (the tied embedding
-   left out, as the meter leaves it out), DP 2 with the distributed optimizer and overlapped grad reduce.
+   left out, as the meter leaves it out), TP 2 x DP 2 (a shard of the same weights per rank: verify's models
+   initialise a TP shard as its chunk of the whole parameter; duplicates counted once), DP 2 with the distributed
+   optimizer and overlapped grad reduce.
 2. The estimate is unbiased against the truth: with full-length sequences of T tokens, per-sample means s_i = S_i / T,
    the truth is |G|^2 = |mean s_i|^2 and tr(Sigma) = T tr(Cov s) per token (Cov over the population, 1/P); the mean
    of the per-step estimates over many steps is within 4 standard errors of both.
 
-TP 2 is not run: verify's models are built at TP 1 (their weights come from global names), and a TP 2 model of the
-same weights needs a TP-aware initialisation that does not exist yet.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def _layouts(world: int):
         return [Layout(data_parallel_size=2, num_microbatches=2),
                 Layout(data_parallel_size=2, num_microbatches=2, overlap_grad_reduce=True, distributed_optimizer=True)]
     return [Layout(data_parallel_size=4, num_microbatches=2),
-            Layout(pipeline_model_parallel_size=2, data_parallel_size=2, num_microbatches=2)]
+            Layout(pipeline_model_parallel_size=2, data_parallel_size=2, num_microbatches=2),
+            Layout(tensor_model_parallel_size=2, data_parallel_size=2, num_microbatches=2)]
 
 
 def _population(lengths):
@@ -97,7 +98,8 @@ def _run(layout, model, population, draws):
     from megatron_ga_ext.verify.models import init_model_parallel
 
     cfg = VerifyConfig(layouts=(layout,), model=model)
-    init_model_parallel(pipeline_model_parallel_size=layout.pipeline_model_parallel_size)
+    init_model_parallel(tensor_model_parallel_size=layout.tensor_model_parallel_size,
+                        pipeline_model_parallel_size=layout.pipeline_model_parallel_size)
     state = megatron_ga_ext.install(GAConfig(noise_scale=1, noise_scale_decay=0.0,
                                              pipeline_model_parallel_size=layout.pipeline_model_parallel_size))
     calculators.init_num_microbatches_calculator(0, None, layout.global_batch_size, layout.micro_batch_size,

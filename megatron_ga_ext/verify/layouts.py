@@ -21,6 +21,8 @@ class Layout:
 
     data_parallel_size: int
     num_microbatches: int
+    tensor_model_parallel_size: int = 1
+    """verify's layouts keep TP 1 (their gradients are compared by global name); the noise-scale check runs TP 2."""
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
@@ -35,8 +37,9 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        """PP x CP x DP (TP is 1)."""
-        return self.pipeline_model_parallel_size * self.context_parallel_size * self.data_parallel_size
+        """TP x PP x CP x DP."""
+        return (self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+                * self.data_parallel_size)
 
     @property
     def auxiliary(self) -> bool:
@@ -50,8 +53,9 @@ class Layout:
 
     @property
     def name(self) -> str:
-        sizes = (("PP", self.pipeline_model_parallel_size), ("VPP", self.virtual_pipeline_model_parallel_size),
-                 ("CP", self.context_parallel_size), ("EP", self.expert_model_parallel_size))
+        sizes = (("TP", self.tensor_model_parallel_size), ("PP", self.pipeline_model_parallel_size),
+                 ("VPP", self.virtual_pipeline_model_parallel_size), ("CP", self.context_parallel_size),
+                 ("EP", self.expert_model_parallel_size))
         parts = [f"{flag}{size}" for flag, size in sizes if size > 1]
         parts += [f"DP{self.data_parallel_size}", f"GA{self.num_microbatches}"]
         notes = [MODEL_NOTES[self.model]] if self.model in MODEL_NOTES else []

@@ -42,7 +42,7 @@ KINDS = {"gpt": {}, "moe": MOE, "mtp": MTP, "moe_mtp": {**MOE, **MTP}}
 
 
 def init_model_parallel(**sizes: int) -> None:
-    """megatron's parallel state (TP = 1) and its RNG tracker, as training sets them up."""
+    """megatron's parallel state and its RNG tracker, as training sets them up (verify's layouts: TP 1)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -52,7 +52,8 @@ def init_model_parallel(**sizes: int) -> None:
 
 def transformer_config(model: ModelConfig, *, calculate_per_token_loss: bool, kind: str = "gpt",
                        pipeline_model_parallel_size: int = 1, virtual_pipeline_model_parallel_size: int = 1,
-                       context_parallel_size: int = 1, expert_model_parallel_size: int = 1):
+                       context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
+                       tensor_model_parallel_size: int = 1):
     """A megatron TransformerConfig for the tiny models: fp32, no dropout, CPU initialisation; ``kind``
     adds MoE and/or MTP (:data:`KINDS`); MoE uses the alltoall dispatcher across EP ranks, else allgather."""
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -74,6 +75,7 @@ def transformer_config(model: ModelConfig, *, calculate_per_token_loss: bool, ki
         params_dtype=torch.float32,
         pipeline_dtype=torch.float32,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
+        tensor_model_parallel_size=tensor_model_parallel_size,
         context_parallel_size=context_parallel_size,
         calculate_per_token_loss=calculate_per_token_loss,
         batch_p2p_comm=False,
@@ -112,11 +114,23 @@ def global_names(module: torch.nn.Module) -> dict[str, str]:
 
 
 def init_by_name(module: torch.nn.Module, names: dict[str, str]) -> None:
-    """Set every parameter from its global name (see the module docstring)."""
+    """Set every parameter from its global name (see the module docstring). A tensor-parallel shard is its rank's
+    contiguous chunk of the whole parameter along ``partition_dim``, as megatron splits it (stride 1), so a TP
+    layout holds the same weights as TP 1."""
+    from megatron.core import parallel_state
+
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
     with torch.no_grad():
         for local, param in module.named_parameters():
             gen = torch.Generator().manual_seed(zlib.crc32(names[local].encode()))
-            values = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+            split = tp_size > 1 and getattr(param, "tensor_model_parallel", False)
+            shape = list(param.shape)
+            if split:
+                shape[param.partition_dim] *= tp_size
+            values = torch.randn(shape, generator=gen, dtype=torch.float32)
+            if split:
+                values = values.chunk(tp_size, dim=param.partition_dim)[tp_rank]
             is_norm = "norm" in local and local.endswith("weight")
             param.copy_(1.0 + 0.1 * values if is_norm else 0.02 * values)
 
