@@ -10,7 +10,8 @@ one launch resumes it from that checkpoint; one runs the same without ``--ga-noi
 * one trace row per iteration: consumed samples and loss tokens as the recorder saw them, 2 replicas;
 * the noise-scale/* scalars in Megatron's TensorBoard event files, equal to the trace's;
 * the checkpoint sidecar, and the resumed run's EMAs at iterations 4-8 equal to the uninterrupted run's;
-* ``megatron-ga schedule --suggest`` on the trace prints a schedule (recorded for docs/noise-scale.md).
+* ``megatron-ga schedule --suggest`` on the trace prints a schedule (recorded for docs/noise-scale.md);
+* PP 2 x DP 2 measures every iteration too, with the loss tokens of each step and 2 replicas, training as without it.
 """
 
 from __future__ import annotations
@@ -115,6 +116,20 @@ def test_the_run_logs_the_noise_scale_and_trains_as_without_it(launches, source,
         "iterations": f"{len(rows)} measured", "samples": f"{consumed[-1]}",
         "loss_vs_upstream": "equal to the run without it (loss, grad norm)",
         "N": f"B_simple {_shown(last['b_simple_tokens'])} tokens (EMA)"}])
+
+
+def test_pipeline_parallel_measures_each_replica_once(launches, source):
+    """PP 2 x DP 2: each replica's two stages add their layers' parts (the tied embedding left out), counted once."""
+    run, trace, _, _ = measured(launches, source, "pp2dp2")
+    assert run.rc == 0 and run.error is None, run.describe()
+    reference = launches.get(source, "pp2dp2", "noise-scale-off", FLAGS)
+    assert reference.rc == 0, reference.describe()
+    for ours, theirs in zip(run.iterations, reference.iterations, strict=True):
+        assert (ours["loss"], ours["grad_norm"]) == (theirs["loss"], theirs["grad_norm"]), (ours, theirs)
+    rows = trace_rows(trace)
+    assert [r["iteration"] for r in rows] == list(range(1, ITERATIONS + 1)), rows
+    assert [r["tokens"] for r in rows] == [r["num_tokens"] for r in run.iterations], rows
+    assert all(r["replicas"] == 2 and math.isfinite(r["grad_sq"]) and math.isfinite(r["trace_sigma"]) for r in rows), rows
 
 
 def tensorboard_scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
