@@ -306,8 +306,8 @@ def _owned(ranges: Sequence[tuple[int, int]], bucket: Any, group: Any) -> list[t
 
 def wire_bucket_groups(state: Any) -> None:
     """``_ParamAndGradBucketGroup.start_grad_sync``: the meter reads the bucket group's gradients first, on a measured
-    step (``state``: the Installation, whose module imports this one). Wired whatever the config (Megatron's args may turn the meter on later): off, it costs an attribute read
-    per bucket group and step."""
+    step (``state``: the Installation, whose module imports this one). Wired whatever the config (Megatron's args
+    may turn the meter on later): off, it costs an attribute read per bucket group and step."""
     import functools
 
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup

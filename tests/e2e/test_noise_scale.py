@@ -129,7 +129,7 @@ def test_pipeline_parallel_measures_each_replica_once(launches, source):
     rows = trace_rows(trace)
     assert [r["iteration"] for r in rows] == list(range(1, ITERATIONS + 1)), rows
     assert [r["tokens"] for r in rows] == [r["num_tokens"] for r in run.iterations], rows
-    assert all(r["replicas"] == 2 and math.isfinite(r["grad_sq"]) and math.isfinite(r["trace_sigma"]) for r in rows), rows
+    assert all(r["replicas"] == 2 and math.isfinite(r["grad_sq"] + r["trace_sigma"]) for r in rows), rows
 
 
 def tensorboard_scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
@@ -164,12 +164,13 @@ def test_a_resume_continues_the_emas(launches, source, record_property):
         for name in ("grad_sq_ema", "trace_sigma_ema", "grad_sq", "trace_sigma"):
             assert ours[name] == pytest.approx(theirs[name], rel=1e-9), (name, ours, theirs)
     record_property("rows", [{
-        "source": source_name(source), "layout": "dp2", "mode": "token", "case": f"--ga-noise-scale resume at {SAVE_AT}",
+        "source": source_name(source), "layout": "dp2", "mode": "token",
+        "case": f"--ga-noise-scale resume at {SAVE_AT}",
         "iterations": f"{SAVE_AT + 1}-{ITERATIONS} = uninterrupted",
         "N": "EMAs of |G|^2, tr(Sigma) equal to 1e-9"}])
     record("noise-scale", [{"Source": source_name(source), "Layout": "dp2", "Resume": (
-        f"saved at {SAVE_AT}, resumed to {ITERATIONS}: grad_sq_ema and trace_sigma_ema equal to the uninterrupted run's "
-        "(1e-9 relative)")}])
+        f"saved at {SAVE_AT}, resumed to {ITERATIONS}: grad_sq_ema and trace_sigma_ema equal to the uninterrupted "
+        "run's (1e-9 relative)")}])
 
 
 def test_suggest_reads_the_runs_trace(launches, source):
