@@ -12,6 +12,7 @@ from megatron_ga_ext.core.schedule.suggest import (
     Frozen,
     TraceRow,
     parse_trace,
+    read_log,
     read_trace,
     suggest_schedule,
 )
@@ -193,3 +194,30 @@ def test_any_json_is_read_or_refused_with_a_typed_error(data):
         return
     assert all(isinstance(r.consumed_samples, int) and (r.b_simple_samples is None or r.b_simple_samples > 0)
                for r in rows)
+
+
+def megatron_line(iteration: int, consumed: int) -> str:
+    return (f" [2026-12-02 08:12:50] iteration {iteration:8d}/      10 | consumed samples: {consumed:12d} | elapsed time "
+            f"per iteration (ms): 302.9 | global batch size:    16 | lm loss: 6.31E+00 |")
+
+
+def noise_line(iteration: int, samples: str) -> str:
+    return (f" megatron-ga-ext noise scale | iteration {iteration} | B_simple (EMA): 9.7495E+00 tokens, {samples} "
+            f"samples | |G|^2: 6.5495E+00 (EMA 1.0023E+01) | tr(Sigma): 5.0895E+01 (EMA 9.7714E+01) |")
+
+
+def test_a_run_log_gives_the_rows_the_later_copy_of_a_resumed_iteration_kept():
+    lines = [megatron_line(1, 16), noise_line(1, "n/a"), "some other line", megatron_line(2, 32),
+             noise_line(2, "1.5000E+01"), megatron_line(3, 48), noise_line(3, "2.0000E+01"),
+             # resumed from iteration 2: iteration 3 again
+             megatron_line(3, 48), noise_line(3, "2.5000E+01")]
+    rows = read_log(lines)
+    assert [(r.iteration, r.consumed_samples, r.b_simple_samples) for r in rows] == [
+        (1, 16, None), (2, 32, 15.0), (3, 48, 25.0)]
+
+
+def test_a_log_without_noise_lines_or_out_of_order_is_refused():
+    with pytest.raises(NoiseScaleError, match='no "megatron-ga-ext noise scale" line: run with --ga-noise-scale K'):
+        read_log([megatron_line(1, 16)])
+    with pytest.raises(NoiseScaleError, match="log line 1: the noise scale of iteration 1 comes before Megatron's"):
+        read_log([noise_line(1, "1.0E+00"), megatron_line(1, 16)])

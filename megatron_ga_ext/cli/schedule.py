@@ -8,7 +8,8 @@
         --max-global-batch-size 8192 [--global-batch-size 128] [--trust 1.5] [--lr-warmup-samples 2M] \\
         [--lr-decay-samples 100M --lr-wsd-decay-samples 20M] [--plot suggest.png]
 
-``--suggest`` reads a measured noise-scale trace and prints the schedule the doubling rule gives
+``--suggest`` reads a measured noise-scale trace (the ``--ga-noise-scale-trace`` file, a run's log or its TensorBoard
+directory) and prints the schedule the doubling rule gives
 (``core/schedule/suggest.py``; docs/noise-scale.md). Pure Python: no torch, no megatron; matplotlib is imported
 only for ``--plot``. The schedule is the options
 layer's (``resolve_schedule``), as for ``check``, the calculator and a running job. Bad input raises a typed
@@ -19,8 +20,10 @@ summarised, not listed.
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import math
+import os
 import sys
 import warnings
 from dataclasses import asdict
@@ -41,6 +44,8 @@ from megatron_ga_ext.core.schedule.suggest import (
     Frozen,
     Suggestion,
     TraceRow,
+    parse_trace,
+    read_log,
     read_trace,
     suggest_schedule,
 )
@@ -97,9 +102,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="FILE.png", help="draw GBS and num_microbatches against tokens (with "
                                                            "--suggest: the measured trace against the schedule)")
     suggest = parser.add_argument_group("--suggest: a schedule from a measured critical batch (docs/noise-scale.md)")
-    suggest.add_argument("--suggest", metavar="TRACE.json",
-                         help="a noise-scale trace (JSON or JSON Lines rows of consumed_samples and b_simple_samples): "
-                              "print the schedule that doubles GBS where trust x B_simple passes 2 x GBS")
+    suggest.add_argument("--suggest", metavar="TRACE",
+                         help="a noise-scale trace (JSON or JSON Lines rows of consumed_samples and b_simple_samples), "
+                              "a --ga-noise-scale run's log or its --tensorboard-dir: print the schedule that doubles "
+                              "GBS where trust x B_simple passes 2 x GBS")
     suggest.add_argument("--max-global-batch-size", metavar="N", help="the cap: GBS doubles only while 2 x GBS <= N")
     suggest.add_argument("--trust", metavar="F", help="multiply the measured B_simple by F before comparing "
                                                       "(default 1; Merrill et al. 2025 found B_simple below the "
@@ -269,7 +275,7 @@ def _run_suggest(args: argparse.Namespace) -> int:
     dp = _count("--data-parallel-size", args.data_parallel_size)
     seq = _count("--seq-length", args.seq_length) if args.seq_length is not None else None
     rule = _rule(args, mbs, dp)  # the flags first: a bad one fails before a long trace is read
-    trace = read_trace(_trace_text(args.suggest), tokens_per_sample=seq)
+    trace = _read_source(args.suggest, seq)
     suggestion = suggest_schedule(trace, rule)
     schedule = suggestion.schedule
     _validate_suggested(args, schedule, mbs, dp)
@@ -304,17 +310,52 @@ def _validate_suggested(args: argparse.Namespace, schedule: StepSchedule, mbs: i
     )
 
 
-def _trace_text(path: str) -> str:
+def _read_source(path: str, seq: int | None) -> list[TraceRow]:
+    """``--suggest``'s source: a TensorBoard directory (the run's ``--tensorboard-dir``), a JSON or JSON Lines trace
+    (``--ga-noise-scale-trace``), else a Megatron-LM run's log, read line by line."""
+    if os.path.isdir(path):
+        return _tensorboard_trace(path)
+    text = _trace_text(path, limit=4096)
+    if text.lstrip()[:1] in ("[", "{"):
+        return read_trace(_trace_text(path), tokens_per_sample=seq)
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        return read_log(handle)
+
+
+def _tensorboard_trace(directory: str) -> list[TraceRow]:
+    """Rows from the noise-scale/b-simple-samples and noise-scale/consumed-samples scalars of a run's TensorBoard
+    event files (the later value of a step logged twice, as by a resumed run). TensorBoard keeps float32: consumed
+    samples past 2**24 come back rounded to 7 digits (the trace file keeps them exact)."""
+    try:
+        from tensorboard.backend.event_processing import event_accumulator
+    except ImportError:
+        raise UsageError(f"--suggest {directory}: reading TensorBoard event files needs the tensorboard package (pip "
+                         "install tensorboard); or give the run's --ga-noise-scale-trace file.") from None
+    accumulator = event_accumulator.EventAccumulator(directory, size_guidance={event_accumulator.SCALARS: 0})
+    accumulator.Reload()
+    tags = set(accumulator.Tags()["scalars"])
+    wanted = ("noise-scale/consumed-samples", "noise-scale/b-simple-samples")
+    if not set(wanted) <= tags:
+        raise UsageError(f"--suggest {directory}: no {' and '.join(t for t in wanted if t not in tags)} scalars in "
+                         "its event files; give the --tensorboard-dir of a run with --ga-noise-scale K.")
+    consumed = {event.step: round(event.value) for event in accumulator.Scalars(wanted[0])}
+    estimates = {event.step: event.value for event in accumulator.Scalars(wanted[1])}
+    return parse_trace([{"iteration": step, "consumed_samples": consumed[step],
+                         "b_simple_samples": estimates.get(step)} for step in sorted(consumed)])
+
+
+def _trace_text(path: str, limit: int | None = None) -> str:
+    """The file's text; with ``limit``, its first ``limit`` bytes (a character they cut is left out)."""
     try:
         with open(path, "rb") as handle:
-            data = handle.read(MAX_TRACE_BYTES + 1)
+            data = handle.read((limit or MAX_TRACE_BYTES) + 1)
     except OSError as error:
         raise UsageError(f"--suggest {path}: cannot read the trace ({error.strerror or error}).") from None
-    if len(data) > MAX_TRACE_BYTES:
+    if limit is None and len(data) > MAX_TRACE_BYTES:
         raise UsageError(f"--suggest {path}: the trace is over {MAX_TRACE_BYTES // 2**20} MiB; measure less often "
                          "or keep every k-th row.")
     try:
-        return data.decode("utf-8")
+        return codecs.getincrementaldecoder("utf-8")().decode(data[:limit] if limit else data, final=limit is None)
     except UnicodeDecodeError as error:
         raise UsageError(f"--suggest {path}: not UTF-8 text at byte {error.start}; give the JSON trace.") from None
 

@@ -327,7 +327,8 @@ def wire_bucket_groups(state: Any) -> None:
 
 
 #: The trace row's values logged to TensorBoard and W&B (as noise-scale/<name with dashes>).
-SCALARS = ("b_simple_tokens", "b_simple_samples", "grad_sq", "trace_sigma", "grad_sq_ema", "trace_sigma_ema")
+SCALARS = ("b_simple_tokens", "b_simple_samples", "grad_sq", "trace_sigma", "grad_sq_ema", "trace_sigma_ema",
+           "consumed_samples")
 
 
 def _log_line(row: dict[str, Any]) -> str:

@@ -10,7 +10,8 @@ one launch resumes it from that checkpoint; one runs the same without ``--ga-noi
 * one trace row per iteration: consumed samples and loss tokens as the recorder saw them, 2 replicas;
 * the noise-scale/* scalars in Megatron's TensorBoard event files, equal to the trace's;
 * the checkpoint sidecar, and the resumed run's EMAs at iterations 4-8 equal to the uninterrupted run's;
-* ``megatron-ga schedule --suggest`` on the trace prints a schedule (recorded for docs/noise-scale.md);
+* ``megatron-ga schedule --suggest`` on the trace prints a schedule (recorded for docs/noise-scale.md), and on the
+  run's log and its TensorBoard directory the same one (with a trust that makes it double);
 * PP 2 x DP 2 measures every iteration too, with the loss tokens of each step and 2 replicas, training as without it.
 """
 
@@ -174,7 +175,7 @@ def test_a_resume_continues_the_emas(launches, source, record_property):
 
 
 def test_suggest_reads_the_runs_trace(launches, source):
-    run, trace, _, _ = measured(launches, source)
+    run, trace, tensorboard, _ = measured(launches, source)
     assert run.rc == 0 and run.error is None, run.describe()
     exe = Path(sys.executable).with_name("megatron-ga")
     done = subprocess.run([str(exe), "schedule", "--suggest", str(trace), *SUGGEST], capture_output=True, text=True,
@@ -184,6 +185,17 @@ def test_suggest_reads_the_runs_trace(launches, source):
     assert schedule is not None, done.stdout
     rows = trace_rows(trace)
     print(f"$ megatron-ga schedule --suggest {trace.name} {' '.join(SUGGEST)}\n{done.stdout}")
+    log = trace.with_name("noise-scale-run.log")
+    log.write_text(run.output)
+    for other in (log, tensorboard):  # the run's log and its TensorBoard directory give the same rows
+        again = subprocess.run([str(exe), "schedule", "--suggest", str(other), *SUGGEST, "--trust", "400", "--json"],
+                               capture_output=True, text=True, timeout=120, check=False)
+        assert again.returncode == 0, again.stderr
+        reference = subprocess.run([str(exe), "schedule", "--suggest", str(trace), *SUGGEST, "--trust", "400",
+                                    "--json"], capture_output=True, text=True, timeout=120, check=False)
+        ours, theirs = json.loads(again.stdout), json.loads(reference.stdout)
+        decisions = [[(d["consumed_samples"], d["after"]) for d in x["decisions"]] for x in (ours, theirs)]
+        assert ours["schedule"] == theirs["schedule"] and decisions[0] == decisions[1] != [], (other, ours, theirs)
     record("noise-scale", [{
         "Source": source_name(source), "Layout": "dp2",
         "Measured": f"{len(rows)} iterations of GBS 16, {rows[-1]['tokens']} loss tokens at the last",

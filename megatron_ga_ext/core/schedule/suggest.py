@@ -31,16 +31,17 @@ from __future__ import annotations
 import json
 import math
 import operator
+import re
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from megatron_ga_ext.core.numbers import MAX_EXPONENT
 from megatron_ga_ext.core.rules import multiple_error, require_positive_int
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.errors import NoiseScaleError, ScheduleError, UsageError
 
-__all__ = ["Decision", "DoublingRule", "Frozen", "Held", "Suggestion", "TraceRow", "parse_trace", "read_trace",
-           "suggest_schedule"]
+__all__ = ["Decision", "DoublingRule", "Frozen", "Held", "Suggestion", "TraceRow", "parse_trace", "read_log",
+           "read_trace", "suggest_schedule"]
 
 #: At most this many trace rows are read (a measurement every step of a million-step run).
 MAX_ROWS = 1_000_000
@@ -183,6 +184,40 @@ def _require_increasing(trace: Sequence[TraceRow]) -> None:
 
 
 # -- reading a trace ---------------------------------------------------------------------------
+
+#: Megatron's iteration line (its consumed samples) and the extension's noise-scale line after it.
+MEGATRON_LINE = re.compile(r"\biteration\s+(\d+)/\s*\d+ \|.*?consumed samples:\s+(\d+)")
+NOISE_LINE = re.compile(
+    r"megatron-ga-ext noise scale \| iteration (\d+) \| B_simple \(EMA\): \S+ tokens, (\S+) samples")
+
+
+def read_log(lines: Iterable[str]) -> list[TraceRow]:
+    """Rows from a Megatron-LM run's log (``--ga-noise-scale``): each noise-scale line's B_simple in samples, at the
+    consumed samples of Megatron's line of that iteration. A resumed run's log repeats iterations: the later copy
+    is kept. Read line by line (a run's log may be large)."""
+    consumed: dict[int, int] = {}
+    estimates: dict[int, float | None] = {}
+    for number, line in enumerate(lines, 1):
+        if (noise := NOISE_LINE.search(line)) is not None:
+            iteration = int(noise.group(1))
+            if iteration not in consumed:
+                raise NoiseScaleError(f"log line {number}: the noise scale of iteration {iteration} comes before "
+                                      "Megatron's line of that iteration, which gives its consumed samples.")
+            value = noise.group(2)
+            try:
+                estimates[iteration] = None if value == "n/a" else float(value)
+            except ValueError:
+                raise NoiseScaleError(f"log line {number}: B_simple {value!r} is not a number.") from None
+        elif (megatron := MEGATRON_LINE.search(line)) is not None:
+            consumed[int(megatron.group(1))] = int(megatron.group(2))
+        if len(estimates) > MAX_ROWS:
+            raise NoiseScaleError(f"the log measures more than {MAX_ROWS:,} iterations; measure less often.")
+    if not estimates:
+        raise NoiseScaleError("the log has no \"megatron-ga-ext noise scale\" line: run with --ga-noise-scale K, "
+                              "or give the --ga-noise-scale-trace file.")
+    data = [{"iteration": i, "consumed_samples": consumed[i], "b_simple_samples": estimates[i]}
+            for i in sorted(estimates)]
+    return parse_trace(data)
 
 
 def read_trace(text: str, tokens_per_sample: float | None = None) -> list[TraceRow]:
