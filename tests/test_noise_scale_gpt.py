@@ -172,14 +172,22 @@ def _reference(sums, counts, rows, layout):
     return local, float(np.dot(reduced, reduced)) / total**2, replica_counts
 
 
+def _version() -> str:
+    from megatron_ga_ext.integration.compat import megatron_core_version
+
+    return megatron_core_version()
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_measured_step_equals_its_per_example_reference(runs, world):
     from megatron_ga_ext.core.noise_scale import replica_estimate
+    from tools.results import record
 
     out, sums = runs[world]
     for layout in _layouts(world):
         result = out[layout.name]
         assert len(result["measured"]) == EXACT_STEPS and None not in result["measured"], layout.name
+        errors: dict[str, list[float]] = {"reduced": [], "local": []}
         for rows, (trace, grad_sq, replicas) in zip(result["draws"], result["measured"]):
             local, reduced, counts = _reference(*sums[result["tied"]], rows, layout)
             assert len(set(counts)) > 1, "the draw should give the replicas unequal token counts"
@@ -194,6 +202,12 @@ def test_every_measured_step_equals_its_per_example_reference(runs, world):
             assert measured_local == pytest.approx(sum(local) / len(local), rel=1e-5), layout.name
             assert trace == pytest.approx(expected.trace_sigma, rel=1e-3, abs=1e-6 * abs(expected.trace_sigma)), \
                 layout.name
+            errors["reduced"].append(abs(measured_reduced / reduced - 1))
+            errors["local"].append(abs(measured_local / (sum(local) / len(local)) - 1))
+        record("noise-scale-gpt", [{
+            "megatron-core": _version(), "Layout": layout.name, "Measured steps": f"{EXACT_STEPS}, unequal b_r",
+            "norm(g)^2: worst relative error": f"{max(errors['reduced']):.1e}",
+            "mean norm(g_r)^2: worst relative error": f"{max(errors['local']):.1e}"}])
 
 
 def test_the_estimates_are_unbiased_against_the_truth_of_the_population(runs):
@@ -206,8 +220,16 @@ def test_the_estimates_are_unbiased_against_the_truth_of_the_population(runs):
     true_trace = SEQ * float(((samples - mean) ** 2).sum(axis=1).mean())
     estimates = np.array([m[:2] for m in unbiased["measured"]])
     assert len(estimates) == UNBIASED_STEPS
-    for column, truth, name in ((0, true_trace, "tr(Sigma)"), (1, true_grad_sq, "|G|^2")):
+    shown = []
+    for column, truth, name in ((0, true_trace, "tr(Sigma)"), (1, true_grad_sq, "norm(G)^2")):
         values = estimates[:, column]
         error = values.std(ddof=1) / np.sqrt(len(values))
         assert abs(values.mean() - truth) < 4 * error, (name, values.mean(), truth, error)
         assert error < 0.25 * abs(truth), (name, error, truth)  # the run is long enough to say something
+        shown.append(f"{name}: truth {truth:.4g}, mean estimate {values.mean():.4g} +- {error:.2g} "
+                     f"({(values.mean() - truth) / error:+.1f} SE)")
+    from tools.results import record
+
+    record("noise-scale-gpt", [{
+        "megatron-core": _version(), "Layout": f"{_layouts(2)[0].name}, full-length population",
+        "Measured steps": f"{UNBIASED_STEPS}", "Against the truth": "; ".join(shown)}])
