@@ -12,7 +12,9 @@ finalize and bucket hook, on every rank of the layout.
    left out, as the meter leaves it out), TP 2 x DP 2 (a shard of the same weights per rank: verify's models
    initialise a TP shard as its chunk of the whole parameter; duplicates counted once), DP 2 with the distributed
    optimizer and overlapped grad reduce.
-2. The estimate is unbiased against the truth: with full-length sequences of T tokens, per-sample means s_i = S_i / T,
+2. Its cost in host reads and collectives: a measured step adds one all-reduce and one host read (the meter's),
+   a step it does not measure adds none.
+3. The estimate is unbiased against the truth: with full-length sequences of T tokens, per-sample means s_i = S_i / T,
    the truth is |G|^2 = |mean s_i|^2 and tr(Sigma) = T tr(Cov s) per token (Cov over the population, 1/P); the mean
    of the per-step estimates over many steps is within 4 standard errors of both.
 
@@ -82,8 +84,44 @@ def _draw(generator, size: int):
     return torch.randint(0, POPULATION, (size,), generator=generator)
 
 
-def _run(layout, model, population, draws):
-    """The layout's measurements, one per draw (the global batch's population indices), through install()."""
+HOST_READS = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__")
+
+
+class _Counting:
+    """Host reads (Tensor methods) and torch.distributed.all_reduce calls while on, a call inside another not twice."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.counts = {"host_reads": 0, "all_reduces": 0}
+        self.patched = [(torch.Tensor, name, "host_reads") for name in HOST_READS]
+        self.patched.append((torch.distributed, "all_reduce", "all_reduces"))
+        self.depth = 0
+
+    def __enter__(self):
+        self.originals = [(owner, name, getattr(owner, name)) for owner, name, _ in self.patched]
+        for (owner, name, key), (_, _, original) in zip(self.patched, self.originals):
+            setattr(owner, name, self._counter(original, key))
+        return self.counts
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, original in self.originals:
+            setattr(owner, name, original)
+
+    def _counter(self, original, key):
+        def counted(*args, **kwargs):
+            self.counts[key] += self.depth == 0
+            self.depth += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.depth -= 1
+        return counted
+
+
+def _run(layout, model, population, draws, noise_scale: int = 1, counts: list | None = None):
+    """The layout's measurements, one per draw (the global batch's population indices), through install(); with
+    ``counts``, each step's host reads and all-reduces (the step and the meter's read) appended to it."""
     from functools import partial
 
     import torch
@@ -100,7 +138,7 @@ def _run(layout, model, population, draws):
     cfg = VerifyConfig(layouts=(layout,), model=model)
     init_model_parallel(tensor_model_parallel_size=layout.tensor_model_parallel_size,
                         pipeline_model_parallel_size=layout.pipeline_model_parallel_size)
-    state = megatron_ga_ext.install(GAConfig(noise_scale=1, noise_scale_decay=0.0,
+    state = megatron_ga_ext.install(GAConfig(noise_scale=noise_scale, noise_scale_decay=0.0,
                                              pipeline_model_parallel_size=layout.pipeline_model_parallel_size))
     calculators.init_num_microbatches_calculator(0, None, layout.global_batch_size, layout.micro_batch_size,
                                                  layout.data_parallel_size)
@@ -112,9 +150,12 @@ def _run(layout, model, population, draws):
         for rows in draws:
             batch = GlobalBatch(*(getattr(population, f)[rows] for f in ("tokens", "labels", "loss_mask",
                                                                          "position_ids")))
-            train_step(chunks, config, layout, cfg, batch, finalize=finalize_model_grads,
-                       loss_func=partial(masked_loss, mode="token"))
-            measurement = state.noise_scale.read()
+            with _Counting() as counted:
+                train_step(chunks, config, layout, cfg, batch, finalize=finalize_model_grads,
+                           loss_func=partial(masked_loss, mode="token"))
+                measurement = state.noise_scale.read() if state.noise_scale is not None else None
+            if counts is not None:
+                counts.append(dict(counted))
             measured.append(None if measurement is None else
                             (measurement.estimate.trace_sigma, measurement.estimate.grad_sq, measurement.replicas))
         return measured
@@ -143,6 +184,12 @@ def _rank(world: int):
                                 "measured": _run(layout, model, population, draws),
                                 "tied": layout.pipeline_model_parallel_size == 1}
         if world == 2:
+            layout = _layouts(2)[0]
+            draws = [_draw(generator, layout.global_batch_size) for _ in range(4)]
+            out["counts"] = {}
+            for noise_scale in (0, 2):
+                out["counts"][noise_scale] = []
+                _run(layout, model, population, draws, noise_scale, out["counts"][noise_scale])
             full_model, full = _population([SEQ] * POPULATION)
             full_sums = _per_sample_sums(full_model, full, tied=True)
             layout = _layouts(2)[0]
@@ -233,3 +280,14 @@ def test_the_estimates_are_unbiased_against_the_truth_of_the_population(runs):
     record("noise-scale-gpt", [{
         "megatron-core": _version(), "Layout": f"{_layouts(2)[0].name}, full-length population",
         "Measured steps": f"{UNBIASED_STEPS}", "Against the truth": "; ".join(shown)}])
+
+
+def test_a_measured_step_adds_one_all_reduce_and_one_host_read_the_others_nothing(runs):
+    """--ga-noise-scale 2 against the same steps without it: steps 1 and 3 are not measured, 2 and 4 are."""
+    counts = runs[2][0]["counts"]
+    off, every_other = counts[0], counts[2]
+    assert len(off) == len(every_other) == 4
+    for step, (without, measured) in enumerate(zip(off, every_other), 1):
+        extra = 1 if step % 2 == 0 else 0
+        assert measured == {"host_reads": without["host_reads"] + extra,
+                            "all_reduces": without["all_reduces"] + extra}, (step, without, measured)
