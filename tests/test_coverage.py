@@ -63,6 +63,7 @@ REFUSALS = [
     Refusal("torch-fsdp2-token", [*TOKEN, "--use-torch-fsdp2"]),
     Refusal("average-in-collective-token", [*TOKEN, "--ddp-average-in-collective"]),
     Refusal("yaml-cfg", [*TOKEN, "--yaml-cfg", "config.yaml"]),
+    Refusal("rerun-report-stats", [*TOKEN, "--rerun-mode", "report_stats"]),
 ]
 
 

@@ -179,7 +179,7 @@ def _quantile_unmasked_losses(s: Setting) -> bool:
 
 
 def _nan_check_by_megatron(s: Setting) -> bool:
-    return s.on("check_for_nan_in_loss_and_grad") and s.value("rerun_mode") != "disabled"
+    return s.on("check_for_nan_in_loss_and_grad") and s.value("rerun_mode") == "validate_results"
 
 
 def _token(check: Callable[[Setting], bool]) -> Callable[[Setting], bool]:
@@ -308,8 +308,14 @@ ROWS: tuple[Row, ...] = (
         text=f"the delayed weight gradients are computed inside the schedule, before finalize; {NO_GPU}.",
         applies=_microbatch(_on("delay_wgrad_compute"))),
     # the rerun state machine
+    Row(id="rerun-report-stats", flags=("--rerun-mode",), given="--rerun-mode report_stats", support="refused",
+        text="Megatron-LM's initialize_megatron builds RerunMode(args.rerun_mode), and report_stats is not one of its "
+        "modes (the enum spells it report_determinism_stats): Megatron itself stops at start-up with a ValueError on "
+        "every tested source, before any step the extension could check.",
+        instead="Use --rerun-mode validate_results (the default) or disabled.",
+        applies=lambda s: s.value("rerun_mode") == "report_stats"),
     Row(id="rerun-machine-token", flags=("--rerun-mode", "--no-check-for-nan-in-loss-and-grad"),
-        given="--rerun-mode validate_results or report_stats with Megatron's NaN check (the defaults)",
+        given="--rerun-mode validate_results with Megatron's NaN check (the defaults)",
         when="in token mode", support="supported",
         text="a NaN or Inf loss is Megatron's to judge: the extension's finalize defers the non-finite flag to "
         "Megatron's rerun state machine (the contract's other checks still raise), says so, and logs what Megatron "

@@ -333,11 +333,12 @@ def _raise_on_violations(checks: StepChecks, *, where: str = "") -> None:
 
 def megatron_judges_nonfinite() -> bool:
     """Megatron-LM's rerun state machine checks each loss for NaN and Inf: ``--check-for-nan-in-loss-and-grad`` (the
-    default) with ``--rerun-mode validate_results`` (the default) or ``report_stats``. (With ``--rerun-mode disabled``
+    default) with ``--rerun-mode validate_results`` (the default; ``report_stats`` stops Megatron at start-up, and the
+    coverage table refuses it). (With ``--rerun-mode disabled``
     its check raises in the loss function, before finalize.) Without Megatron's args: no."""
     args = megatron_args()
     return bool(getattr(args, "check_for_nan_in_loss_and_grad", False)) and \
-        getattr(args, "rerun_mode", "disabled") in ("validate_results", "report_stats")
+        getattr(args, "rerun_mode", "disabled") == "validate_results"
 
 
 @dataclass(frozen=True)
