@@ -90,19 +90,7 @@ class GAConfig:
         """From an argparse namespace holding Megatron's flags and the ``--ga-*`` flags (absent ones: defaults)."""
         rampup = getattr(args, "rampup_batch_size", None)
         return cls(
-            loss_reduction=getattr(args, LOSS_REDUCTION.dest, LOSS_REDUCTION.default),
-            zero_token_policy=getattr(args, ZERO_TOKEN_POLICY.dest, ZERO_TOKEN_POLICY.default),
-            strict=getattr(args, STRICT.dest, STRICT.default),
-            convert_rampup=getattr(args, CONVERT_RAMPUP.dest, CONVERT_RAMPUP.default),
-            guards=getattr(args, GUARDS.dest, GUARDS.default),
-            checks=getattr(args, CHECKS.dest, CHECKS.default),
-            noise_scale=getattr(args, NOISE_SCALE.dest, NOISE_SCALE.default),
-            noise_scale_decay=getattr(args, NOISE_SCALE_DECAY.dest, NOISE_SCALE_DECAY.default),
-            noise_scale_trace=getattr(args, NOISE_SCALE_TRACE.dest, NOISE_SCALE_TRACE.default),
-            lr_scaling=getattr(args, LR_SCALING.dest, LR_SCALING.default),
-            batch_size_warmup=getattr(args, BATCH_SIZE_WARMUP.dest, BATCH_SIZE_WARMUP.default),
-            batch_size_warmup_trust=getattr(args, BATCH_SIZE_WARMUP_TRUST.dest, BATCH_SIZE_WARMUP_TRUST.default),
-            batch_size_warmup_max=getattr(args, BATCH_SIZE_WARMUP_MAX.dest, BATCH_SIZE_WARMUP_MAX.default),
+            **{name: getattr(args, option.dest, option.default) for option, name in GA_FIELDS.items()},
             step_batch_size_schedule=getattr(args, "step_batch_size_schedule", None),
             rampup_batch_size=rampup_triple(rampup) if rampup else None,
             seq_length=getattr(args, "seq_length", None),
