@@ -58,6 +58,8 @@ def test_the_guard_refuses_a_consumed_count_that_is_not_one(consumed):
      "--num-virtual-stages-per-pipeline-rank 0 must be at least 1"),
     (["--pipeline-model-parallel-size", "0", "--num-layers", "8"],
      "--pipeline-model-parallel-size 0 must be at least 1; give an integer >= 1."),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "-8", "--num-layers-per-virtual-pipeline-stage", "3"],
+     "--num-layers -8 must be at least 1: a model has layers to split over the pipeline stages."),
 ])
 def test_a_zero_pipeline_size_is_a_problem_not_a_division_by_zero(cli, flags, problem):
     """The layer split divides by these sizes, so each is checked first: a problem of check, not a
@@ -81,3 +83,12 @@ def test_a_ramp_of_more_stages_than_len_can_count_is_read_and_checked():
     assert repr(schedule.stages).endswith("9223372036854775808 stages)")
     ramp = StepSchedule.from_rampup(1, 1, 10**30, 10**30)
     assert ramp.num_stages == 10**30 and ramp.global_batch_size_at(10**30) == 10**30
+
+
+@pytest.mark.parametrize("flag", ["--ga-noise-scale", "--ga-batch-size-warmup-max"])
+def test_a_blank_integer_of_the_noise_scale_flags_is_a_usage_error(cli, flag):
+    """``check`` reads them as the layout's integers are read: a usage error naming the flag, not a ValueError."""
+    line = ["torchrun", "--nproc-per-node", "8", "pretrain_gpt.py", "--micro-batch-size", "1",
+            "--calculate-per-token-loss", "--ga-batch-size-warmup", "auto", flag, " "]
+    answer = cli("check", "--", *line)
+    assert answer.status == 2 and flag in answer.err and "Traceback" not in answer.err, answer.err

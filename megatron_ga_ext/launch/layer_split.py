@@ -81,6 +81,11 @@ def virtual_pipeline(split: LayerSplit) -> VirtualPipeline:
     result = VirtualPipeline()
     if split.pipeline_model_parallel_size < 1:
         return result  # no split to derive: the layout's own checks name --pipeline-model-parallel-size
+    for flag, value in (("--num-layers", split.num_layers), ("--decoder-num-layers", split.decoder_num_layers)):
+        if value is not None and value < 1:
+            result.problems.append(LayerSplitError(
+                f"{flag} {value} must be at least 1: a model has layers to split over the pipeline stages. Give a "
+                f"whole number >= 1."))
     for flag, value in ((PER_STAGE, split.num_layers_per_virtual_pipeline_stage),
                         (PER_RANK, split.num_virtual_stages_per_pipeline_rank)):
         if value is not None and value < 1:

@@ -139,22 +139,25 @@ def _batch_size_warmup_problems(launch: Launch, schedule: str | None) -> list[st
         trust_value: object = BATCH_SIZE_WARMUP_TRUST.default if trust is None else float(trust)
     except ValueError:
         trust_value = trust
-    cap_value = None if cap is None else int(cap)  # read_layout reads it as a whole number
-    problems = _problem(check_batch_size_warmup, "auto", int(launch.get(NOISE_SCALE.flag) or 0), trust_value,
-                        cap_value)
+    cap_value = _int(launch, BATCH_SIZE_WARMUP_MAX.flag)
+    problems = _problem(check_batch_size_warmup, "auto", _int(launch, NOISE_SCALE.flag) or 0, trust_value, cap_value)
     if cap_value is not None:
         given = schedule or ("--rampup-batch-size" if launch.values.get("--rampup-batch-size") else None)
-        gbs = launch.get("--global-batch-size")
-        problems += _problem(check_batch_size_warmup_launch, None if gbs is None else int(gbs), cap_value, given)
+        problems += _problem(check_batch_size_warmup_launch, _int(launch, "--global-batch-size"), cap_value, given)
     return problems
+
+
+def _int(launch: Launch, flag: str) -> int | None:
+    """An integer flag's value (UsageError naming the flag as spelled where it is not one), or None."""
+    given = launch.get(flag)
+    return None if given is None else read_int(launch.name(flag), given)
 
 
 def _noise_scale_problems(launch: Launch, layout: BatchLayout | None) -> list[str]:
     """``--ga-noise-scale``: its value, the EMA decay, token mode, and where it can measure (DP >= 2, CP 1, DDP)."""
-    given = launch.get(NOISE_SCALE.flag)
-    if given is None:
+    interval = _int(launch, NOISE_SCALE.flag)
+    if interval is None:
         return []
-    interval = int(given)  # read_layout has read it as a whole number (a UsageError otherwise)
     decay_text = launch.get(NOISE_SCALE_DECAY.flag)
     try:
         decay: object = NOISE_SCALE_DECAY.default if decay_text is None else float(decay_text)
