@@ -31,7 +31,7 @@ from megatron_ga_ext.logs import get_logger
 
 __all__ = [
     "RELEASES", "TARGETS", "UPSTREAM", "Calculator", "Target", "Upstream", "check_targets", "fingerprint", "known_fingerprints",
-    "megatron_args", "megatron_core_version",
+    "megatron_args", "megatron_core_version", "megatron_iteration",
 ]
 
 logger = get_logger(__name__)
@@ -150,6 +150,12 @@ def megatron_args() -> argparse.Namespace | None:
     is not imported for this)."""
     global_vars = sys.modules.get("megatron.training.global_vars")
     return getattr(global_vars, "_GLOBAL_ARGS", None)
+
+
+def megatron_iteration() -> int | None:
+    """The Megatron iteration being trained (``args.curr_iteration`` + 1, as its log numbers it), if any."""
+    current = getattr(megatron_args(), "curr_iteration", None)
+    return current + 1 if isinstance(current, int) else None
 
 
 def megatron_core_version() -> str:

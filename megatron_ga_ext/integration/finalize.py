@@ -30,7 +30,7 @@ import torch
 from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.config.rules import check_loss_mode
 from megatron_ga_ext.errors import LossContractError
-from megatron_ga_ext.integration.compat import megatron_args
+from megatron_ga_ext.integration.compat import megatron_args, megatron_iteration
 from megatron_ga_ext.integration.loss_contract import SLOT_TOKENS, LossContract, StepChecks
 from megatron_ga_ext.integration.noise_scale import NoiseScaleMeter
 from megatron_ga_ext.logs import get_logger
@@ -189,9 +189,10 @@ class FinalizeModelGrads:
         # a device scalar, upstream's 1.0 / clamp(N, min=1) to the bit (torch computes x / t as t.reciprocal() * x)
         scaling = torch.clamp(vector[SLOT_TOKENS], min=1).reciprocal()
         if self.config.checks == "async":
-            self.pending = _Verdict.of(vector, self.calls, _iteration())
+            self.pending = _Verdict.of(vector, self.calls, megatron_iteration())
         else:
-            checks = self._judged(StepChecks(*vector.tolist()), _iteration())  # the step's one device-to-host read
+            # the step's one device-to-host read
+            checks = self._judged(StepChecks(*vector.tolist()), megatron_iteration())
             _raise_on_violations(checks)
             self.last_num_tokens = checks.tokens
             if not checks.tokens:  # --ga-zero-token-policy skip: a zero gradient for the skipped step
@@ -378,8 +379,3 @@ class _Verdict:
             self.event.synchronize()  # done already when ready(); else waits for this one copy
         return StepChecks(*self.host.numpy().tolist())  # host memory: reading it cannot synchronize the device
 
-
-def _iteration() -> int | None:
-    """The Megatron iteration being trained (``args.curr_iteration`` + 1, as its log numbers it), if any."""
-    current = getattr(megatron_args(), "curr_iteration", None)
-    return current + 1 if isinstance(current, int) else None

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from megatron_ga_ext.errors import GuardError
-from megatron_ga_ext.integration.compat import megatron_args
+from megatron_ga_ext.integration.compat import megatron_iteration
 
 if TYPE_CHECKING:
     from megatron_ga_ext.integration.installation import Installation
@@ -78,7 +78,7 @@ class StepLiveness:
         if self.state.replays_expected or self.state.finalize is None:
             return None
         return bypass_message(scheduled=scheduled, finalized=reached, token=self.state.contract is not None,
-                              iteration=_iteration())
+                              iteration=megatron_iteration())
 
     def check(self, *, after_step: bool) -> None:
         """Raise the iteration's GuardError: before the step under ``--ga-checks sync`` (``after_step`` False), after
@@ -90,8 +90,3 @@ class StepLiveness:
         if message is not None:
             raise GuardError(("--ga-checks async, after the optimizer step: " if is_async else "") + message)
 
-
-def _iteration() -> int | None:
-    """The Megatron iteration being trained (``args.curr_iteration`` + 1, as its log numbers it), if any."""
-    current = getattr(megatron_args(), "curr_iteration", None)
-    return current + 1 if isinstance(current, int) else None

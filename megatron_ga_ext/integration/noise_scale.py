@@ -37,7 +37,7 @@ import torch
 from megatron_ga_ext.core.noise_scale import NoiseEstimate, NoiseScaleEMA, replica_estimate_from_sums
 from megatron_ga_ext.errors import NoiseScaleError
 from megatron_ga_ext.integration.calculator import live_step_calculator
-from megatron_ga_ext.integration.compat import megatron_args
+from megatron_ga_ext.integration.compat import megatron_args, megatron_iteration
 from megatron_ga_ext.logs import get_logger
 
 if TYPE_CHECKING:
@@ -47,10 +47,6 @@ __all__ = ["Measurement", "NoiseScaleMeter", "load_sidecar", "loading_sidecar", 
            "save_sidecar", "saving_sidecar", "sidecar_path", "wire_bucket_groups"]
 
 logger = get_logger(__name__)
-
-#: Slots of the reduced vector.
-LOCAL, GLOBAL, INVERSE_COUNTS, TOKENS, REPLICAS, EMPTY = range(6)
-
 
 @dataclass(frozen=True)
 class _BucketPlan:
@@ -99,7 +95,7 @@ class NoiseScaleMeter:
     def measuring(self) -> bool:
         """Whether the step in progress is measured: Megatron's iteration (as its log numbers it) is a multiple of K;
         without Megatron's args, the finalize count."""
-        iteration = _iteration()
+        iteration = megatron_iteration()
         step = iteration if iteration is not None else self.steps + 1
         return step % self.interval == 0
 
@@ -109,7 +105,7 @@ class NoiseScaleMeter:
         """Add this bucket group's part of |S_r|^2 (its gradients are complete and not reduced yet)."""
         if not self.measuring():
             return
-        part = self._local if self._local is not None else None
+        part = self._local
         for bucket in bucket_group.buckets:
             for start, end in self._plan(bucket).ranges:
                 norm = torch.linalg.vector_norm(bucket.grad_data[start:end], dtype=torch.float64).square()
@@ -147,7 +143,8 @@ class NoiseScaleMeter:
                               torch.full((), once, dtype=torch.float64, device=device),
                               once * (b == 0).to(torch.float64)])
         torch.distributed.all_reduce(vector)
-        self._pending = (vector, _iteration() if _iteration() is not None else self.steps)
+        iteration = megatron_iteration()
+        self._pending = (vector, iteration if iteration is not None else self.steps)
 
     # -- on the host --------------------------------------------------------------------------------
 
@@ -189,9 +186,7 @@ class NoiseScaleMeter:
         TensorBoard and W&B through Megatron's writers, and the trace file (``--ga-noise-scale-trace``). The row
         is the trace's (what ``megatron-ga schedule --suggest`` reads)."""
         row = self.last_row = self.trace_row(measurement)
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        if rank == world - 1:
+        if _last_rank():
             self._say(_log_line(row))
             tensorboard, wandb = _writers()
             scalars = {f"noise-scale/{name.replace('_', '-')}": row[name] for name in SCALARS if row[name] is not None}
@@ -342,6 +337,13 @@ def _log_line(row: dict[str, Any]) -> str:
             f"loss tokens: {row['tokens']} over {row['replicas']} replicas |")
 
 
+def _last_rank() -> bool:
+    """This rank is the one that reports: the last, where Megatron prints and keeps its writers."""
+    if not torch.distributed.is_initialized():
+        return True
+    return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+
+
 def _writers() -> tuple[Any, Any]:
     """Megatron-LM's TensorBoard and W&B writers (set on the last rank), where its training package is loaded."""
     import sys
@@ -351,11 +353,6 @@ def _writers() -> tuple[Any, Any]:
         return None, None
     return global_vars.get_tensorboard_writer(), global_vars.get_wandb_writer()
 
-
-def _iteration() -> int | None:
-    """The Megatron iteration being trained (``args.curr_iteration`` + 1, as its log numbers it), if any."""
-    current = getattr(megatron_args(), "curr_iteration", None)
-    return current + 1 if isinstance(current, int) else None
 
 
 # -- the checkpoint sidecar: a resumed run continues the EMAs ---------------------------------------
@@ -377,9 +374,7 @@ def save_sidecar(meter: NoiseScaleMeter, directory: str | os.PathLike, iteration
     (the one that reports; every rank holds the same EMAs, since they are folded from one all-reduced vector), and
     ``stages``, the step schedule --ga-batch-size-warmup auto has written so far. Returns the path written, or None
     on the other ranks."""
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    if rank != world - 1:
+    if not _last_rank():
         return None
     path = sidecar_path(directory, iteration)
     path.parent.mkdir(parents=True, exist_ok=True)  # an async save may not have made it yet
