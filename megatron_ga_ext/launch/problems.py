@@ -24,6 +24,7 @@ from megatron_ga_ext.config.flags import (
     NOISE_SCALE,
     NOISE_SCALE_DECAY,
     ZERO_TOKEN_POLICY,
+    Option,
     check_choice,
 )
 from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
@@ -133,14 +134,9 @@ def _option_problems(launch: Launch) -> list[str]:
 
 def _batch_size_warmup_problems(launch: Launch, schedule: str | None) -> list[str]:
     """``--ga-batch-size-warmup auto``: the noise scale measured, a trust and a cap, from a constant GBS."""
-    cap = launch.get(BATCH_SIZE_WARMUP_MAX.flag)
-    trust = launch.get(BATCH_SIZE_WARMUP_TRUST.flag)
-    try:
-        trust_value: object = BATCH_SIZE_WARMUP_TRUST.default if trust is None else float(trust)
-    except ValueError:
-        trust_value = trust
     cap_value = _int(launch, BATCH_SIZE_WARMUP_MAX.flag)
-    problems = _problem(check_batch_size_warmup, "auto", _int(launch, NOISE_SCALE.flag) or 0, trust_value, cap_value)
+    problems = _problem(check_batch_size_warmup, "auto", _int(launch, NOISE_SCALE.flag) or 0,
+                        _float(launch, BATCH_SIZE_WARMUP_TRUST), cap_value)
     if cap_value is not None:
         given = schedule or ("--rampup-batch-size" if launch.values.get("--rampup-batch-size") else None)
         problems += _problem(check_batch_size_warmup_launch, _int(launch, "--global-batch-size"), cap_value, given)
@@ -153,17 +149,25 @@ def _int(launch: Launch, flag: str) -> int | None:
     return None if given is None else read_int(launch.name(flag), given)
 
 
+def _float(launch: Launch, option: Option) -> object:
+    """A float flag's value, its default where it is not given, or the text as given where it is no number (the
+    rule's own error names it)."""
+    given = launch.get(option.flag)
+    if given is None:
+        return option.default
+    try:
+        return float(given)
+    except ValueError:
+        return given
+
+
 def _noise_scale_problems(launch: Launch, layout: BatchLayout | None) -> list[str]:
     """``--ga-noise-scale``: its value, the EMA decay, token mode, and where it can measure (DP >= 2, CP 1, DDP)."""
     interval = _int(launch, NOISE_SCALE.flag)
     if interval is None:
         return []
-    decay_text = launch.get(NOISE_SCALE_DECAY.flag)
-    try:
-        decay: object = NOISE_SCALE_DECAY.default if decay_text is None else float(decay_text)
-    except ValueError:
-        decay = decay_text
-    problems = _problem(check_noise_scale, interval, decay, launch.get(LOSS_REDUCTION.flag) or LOSS_REDUCTION.default)
+    problems = _problem(check_noise_scale, interval, _float(launch, NOISE_SCALE_DECAY),
+                        launch.get(LOSS_REDUCTION.flag) or LOSS_REDUCTION.default)
     if layout is not None:
         settings = {"context_parallel_size": layout.context_parallel_size,
                     "use_megatron_fsdp": launch.on("--use-megatron-fsdp")}
