@@ -193,27 +193,25 @@ def drift_report(name: str, flags: list[str], nearest: str, changed: list[str], 
     """What ``make regress`` prints for a checkout: its unclassified flags, its changed hooked functions and the
     changed callers of hooked functions (``moved``; None where the nearest source's snapshot is not at hand)."""
     lines = [f"== drift of {name} against the tested sources =="]
-    if flags:
-        lines.append(f"{len(flags)} flag(s) of its parser that no tested source's parser has and the coverage table "
-                     f"(config/coverage.py) does not classify; read each and add a row or a declaration:")
-        lines += [f"  {flag}" for flag in flags]
-    else:
-        lines.append("every flag of its parser is a tested source's or classified by the coverage table")
-    if changed:
-        lines.append(f"{len(changed)} hooked function(s) whose source no tested source has (nearest tested source: "
-                     f"{nearest}); read the change, then add the source to compat.UPSTREAM (make fingerprints):")
-        lines += [f"  {function}" for function in changed]
-    else:
-        lines.append(f"every hooked function's source is a tested one (nearest tested source: {nearest})")
+    lines += _listed(flags, f"{len(flags)} flag(s) of its parser that no tested source's parser has and the coverage "
+                     f"table (config/coverage.py) does not classify; read each and add a row or a declaration:",
+                     "every flag of its parser is a tested source's or classified by the coverage table")
+    lines += _listed(changed, f"{len(changed)} hooked function(s) whose source no tested source has (nearest tested "
+                     f"source: {nearest}); read the change, then add the source to compat.UPSTREAM "
+                     f"(make fingerprints):",
+                     f"every hooked function's source is a tested one (nearest tested source: {nearest})")
     if moved is None:
         lines.append(f"callers not compared: no snapshot of {nearest} in {snapshot_dir()}")
-    elif moved:
-        lines.append(f"{len(moved)} caller(s) of hooked functions changed since {nearest}; read each for a path that "
-                     f"reaches the step without the hooks (a row of the coverage table, or a hook):")
-        lines += [f"  {caller}" for caller in moved]
     else:
-        lines.append(f"every caller of a hooked function is as in {nearest}")
+        lines += _listed(moved, f"{len(moved)} caller(s) of hooked functions changed since {nearest}; read each for a "
+                         f"path that reaches the step without the hooks (a row of the coverage table, or a hook):",
+                         f"every caller of a hooked function is as in {nearest}")
     return "\n".join(lines)
+
+
+def _listed(items: list[str], header: str, none: str) -> list[str]:
+    """``header`` and the items indented, or the line that says there are none."""
+    return [header, *(f"  {item}" for item in items)] if items else [none]
 
 
 def drift(trees: list[Path]) -> int:
