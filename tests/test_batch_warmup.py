@@ -107,3 +107,14 @@ def test_check_reports_the_warmup_rules_on_a_launch_line():
     assert any("auto needs --ga-batch-size-warmup-max" in p for p in problems("--ga-noise-scale 10"))
     assert any("grows up to --ga-batch-size-warmup-max 32" in p
                for p in problems("--ga-noise-scale 10 --ga-batch-size-warmup-max 32"))
+
+
+def test_the_warmup_starts_from_the_constant_schedule_the_one_resolver_gives():
+    from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
+
+    inputs = ScheduleInputs.from_calculator_call(GAConfig(**AUTO), {"global_batch_size": 16, "micro_batch_size": 1})
+    assert list(resolve_schedule(inputs).stages) == [(0, 16)]
+    assert resolve_schedule(ScheduleInputs.from_calculator_call(GAConfig(), {"global_batch_size": 16})) is None
+    with pytest.raises(ScheduleError, match="--decrease-batch-size-if-needed cannot be combined"):
+        resolve_schedule(ScheduleInputs.from_calculator_call(
+            GAConfig(**AUTO), {"global_batch_size": 16, "decrease_batch_size_if_needed": True}))

@@ -35,6 +35,8 @@ class ScheduleInputs:
     virtual_pipeline_model_parallel_size: int | None = None
     microbatch_group_size_per_vp_stage: int | None = None
     decrease_batch_size_if_needed: bool = False
+    batch_size_warmup: bool = False
+    """``--ga-batch-size-warmup auto``: without a schedule, the constant one it adds stages to as it measures."""
 
     @classmethod
     def from_calculator_call(cls, config: GAConfig, arguments: Mapping[str, Any]) -> "ScheduleInputs":
@@ -53,6 +55,7 @@ class ScheduleInputs:
             virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
             microbatch_group_size_per_vp_stage=config.microbatch_group_size_per_vp_stage,
             decrease_batch_size_if_needed=bool(arguments.get("decrease_batch_size_if_needed")),
+            batch_size_warmup=config.batch_size_warmup == "auto",
         )
 
     def layout(self) -> dict[str, int | None]:
@@ -72,6 +75,7 @@ def resolve_schedule(inputs: ScheduleInputs) -> StepSchedule | None:
         a schedule                  -> that schedule, read exactly (thresholds in tokens with a seq_length)
         a rampup, converted         -> the exactly equivalent schedule (StepSchedule.from_rampup)
         a rampup, not converted     -> None (upstream's own; 0.18+ drops it: warned when rampup_ignored_upstream)
+        --ga-batch-size-warmup auto -> 0:GBS, which the warmup extends as it measures
         neither                     -> None
 
     Raises ScheduleError for a schedule together with a rampup (they set the same thing) and for
@@ -94,11 +98,14 @@ def resolve_schedule(inputs: ScheduleInputs) -> StepSchedule | None:
     if text is None and (rampup is None or not inputs.convert_rampup):
         if rampup is not None and inputs.rampup_ignored_upstream:
             logger.warning(rampup_ignored_message(rampup, inputs.global_batch_size))
-        return None
+        if not (inputs.batch_size_warmup and rampup is None and inputs.global_batch_size is not None):
+            return None
     if inputs.decrease_batch_size_if_needed:
         raise decrease_if_needed_error()
     if text is not None:
         return StepSchedule.parse(text, seq_length=inputs.seq_length)
+    if rampup is None:  # --ga-batch-size-warmup auto's first stage
+        return StepSchedule.constant(inputs.global_batch_size)  # type: ignore[arg-type]
     if inputs.global_batch_size is None:
         raise SizeError("--global-batch-size is required with --rampup-batch-size: the batch size the ramp ends at.")
     return StepSchedule.from_rampup(*rampup_triple(rampup), inputs.global_batch_size)  # type: ignore[arg-type]

@@ -38,7 +38,6 @@ from megatron_ga_ext.config.args import add_args, args_provider
 from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
 from megatron_ga_ext.errors import GuardError, ScheduleError
-from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.integration.arguments import wire_arguments
 from megatron_ga_ext.integration.noise_scale import wire_bucket_groups
 from megatron_ga_ext.integration.aux_losses import aux_summary, mtp_inexact_note, pipeline_inexact_note
@@ -324,8 +323,6 @@ def _configure_calculator(original: Callable, state: Installation) -> Callable:
         bound.apply_defaults()
         inputs = ScheduleInputs.from_calculator_call(state.config, bound.arguments)
         schedule = resolve_schedule(inputs)
-        if schedule is None and state.batch_warmup is not None:  # it adds stages as it measures
-            schedule = StepSchedule.constant(bound.arguments["global_batch_size"])
         if schedule is None:
             original(*bound.args, **bound.kwargs)
         else:
