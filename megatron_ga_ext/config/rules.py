@@ -172,6 +172,15 @@ def check_guards(guards: bool, *, hybrid_context_parallel: bool = False, rl_sequ
         )
 
 
+def schedule_source(step_batch_size_schedule: bool, rampup_batch_size: bool, convert_rampup: bool) -> str | None:
+    """The flags that give a launch its step batch-size schedule, in words; None without one."""
+    if step_batch_size_schedule:
+        return "--step-batch-size-schedule"
+    if rampup_batch_size and convert_rampup:
+        return f"--rampup-batch-size with {CONVERT_RAMPUP.flag}"
+    return None
+
+
 def check_train_length(schedule: str | None, train_iters: int | None) -> None:
     """A step schedule needs a run length in samples: with ``--train-iters`` Megatron sizes the LR warmup and
     decay and the dataset with a constant GBS = MBS x DP, not the schedule's batch sizes (UPSTREAM.md §2

@@ -25,6 +25,7 @@ from megatron_ga_ext.config.rules import (
     check_lr_scaling,
     check_noise_scale_layout,
     check_train_length,
+    schedule_source,
 )
 from megatron_ga_ext.errors import CompatError
 from megatron_ga_ext.integration.batch_warmup import BatchSizeWarmup
@@ -254,7 +255,8 @@ def check_args(config: GAConfig, args: argparse.Namespace) -> None:
     if hasattr(args, "calculate_per_token_loss"):
         check_loss_mode(config.loss_reduction, bool(args.calculate_per_token_loss),
                         explicit=config.loss_reduction != "token")
-    schedule = _schedule_source(config)
+    schedule = schedule_source(bool(config.step_batch_size_schedule), bool(config.rampup_batch_size),
+                               config.convert_rampup)
     if config.batch_size_warmup == "auto":
         given = schedule or ("--rampup-batch-size" if config.rampup_batch_size else None)
         check_batch_size_warmup_launch(getattr(args, "global_batch_size", None), config.batch_size_warmup_max, given)
@@ -268,15 +270,6 @@ def check_args(config: GAConfig, args: argparse.Namespace) -> None:
     refused = coverage_verdict(Setting.of(args, config)).error()  # its limits are logged at the first step
     if refused is not None:
         raise refused
-
-
-def _schedule_source(config: GAConfig) -> str | None:
-    """The flags that give the launch a step batch-size schedule, in words; None without one."""
-    if config.step_batch_size_schedule:
-        return "--step-batch-size-schedule"
-    if config.rampup_batch_size and config.convert_rampup:
-        return "--rampup-batch-size with --ga-convert-rampup"
-    return None
 
 
 def _data_parallel_size(args: argparse.Namespace) -> int:

@@ -36,6 +36,7 @@ from megatron_ga_ext.config.rules import (
     check_lr_scaling,
     check_noise_scale,
     check_noise_scale_layout,
+    schedule_source,
     check_loss_mode,
     check_train_length,
     rampup_ignored_message,
@@ -118,8 +119,8 @@ def _option_problems(launch: Launch) -> list[str]:
                          launch.get(ZERO_TOKEN_POLICY.flag) or ZERO_TOKEN_POLICY.default)
     if launch.extension and (mode or LOSS_REDUCTION.default) == "microbatch":
         problems += _problem(check_loss_mode, "microbatch", launch.on("--calculate-per-token-loss"))
-    schedule = "--step-batch-size-schedule" if launch.get("--step-batch-size-schedule") else (
-        "--rampup-batch-size" if launch.values.get("--rampup-batch-size") and launch.on(CONVERT_RAMPUP.flag) else None)
+    schedule = schedule_source(bool(launch.get("--step-batch-size-schedule")),
+                               bool(launch.values.get("--rampup-batch-size")), launch.on(CONVERT_RAMPUP.flag))
     warmup = launch.get(BATCH_SIZE_WARMUP.flag) or BATCH_SIZE_WARMUP.default
     problems += _problem(check_choice, BATCH_SIZE_WARMUP, warmup)
     if warmup == "auto":
