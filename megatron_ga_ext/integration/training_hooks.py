@@ -27,8 +27,8 @@ from megatron_ga_ext.integration.liveness import StepLiveness
 from megatron_ga_ext.integration.noise_scale import loading_sidecar, printing_after_training_log, saving_sidecar
 from megatron_ga_ext.logs import get_logger
 
-__all__ = ["OPTIMIZER_BUILDERS", "describe_decision", "wire_gpt_model", "wire_optimizer", "wire_rerun_machine",
-           "wire_training"]
+__all__ = ["OPTIMIZER_BUILDERS", "describe_decision", "stream_capturing", "wire_gpt_model", "wire_optimizer",
+           "wire_rerun_machine", "wire_training"]
 
 logger = get_logger(__name__)
 
@@ -87,7 +87,7 @@ def _skipping_step(step: Callable, state: Installation, optimizer: Any = None) -
             finalize.skip_step = False
             return False, None, None
         result = step(*args, **kwargs)
-        if _capturing():  # Megatron's optimizer CUDA graph captures this step: no host read can be in the graph
+        if stream_capturing():  # Megatron's optimizer CUDA graph captures this step: no host read can be in the graph
             return result
         if finalize is not None:
             finalize.poll()  # --ga-checks async: the step's verdict, if its copy is done (the step's own reads synced)
@@ -103,7 +103,7 @@ def _skipping_step(step: Callable, state: Installation, optimizer: Any = None) -
     return skipping_step
 
 
-def _capturing() -> bool:
+def stream_capturing() -> bool:
     """The current CUDA stream is capturing a graph (``--optimizer-cuda-graph`` captures the optimizer's step)."""
     import torch
 

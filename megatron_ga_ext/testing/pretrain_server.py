@@ -150,6 +150,8 @@ class Recorder:
         return pretrain
 
     def _counting(self, forward_step_func: Callable) -> Callable:
+        from megatron_ga_ext.integration.training_hooks import stream_capturing
+
         @functools.wraps(forward_step_func)
         def forward_step(*args: Any, **kwargs: Any) -> Any:
             result = forward_step_func(*args, **kwargs)
@@ -158,7 +160,7 @@ class Recorder:
             iteration = _iteration()
             first = self.microbatches[iteration] == 0
             self.microbatches[iteration] += 1
-            if hasattr(mask, "sum") and not _capturing():
+            if hasattr(mask, "sum") and not stream_capturing():
                 if self._at("zero-tokens-at", iteration) or first and self._at("empty-microbatch-at", iteration):
                     self.zeroed_tokens += int(mask.sum())
                     mask.zero_()
@@ -173,13 +175,6 @@ class Recorder:
 
     def _at(self, fault: str, iteration: int) -> bool:
         return fault in self.faults and self.faults[fault] == iteration
-
-
-def _capturing() -> bool:
-    """A CUDA graph is being captured on this thread's stream (a full-iteration graph captures the forward step)."""
-    import torch
-
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _faulty_loss(loss_func: Callable, *, nan: bool) -> Callable:
