@@ -11,6 +11,10 @@
 #   make docs                       render the generated parts of docs/ (tools/docs.py)
 #   make docs-check                 fail where a part rendered from code alone is not current (CI runs it)
 #   make wheel-check                build the wheel, install it in a fresh venv, run it (CI runs it)
+#   make gpu-wheels                 here (registry access): what make gpu-check installs offline, into
+#                                   .cache/gpu-wheels (the list: tools/gpu-wheels.txt)
+#   make gpu-check [PLAN=1]         on one GPU, no network, under 8 min: tests/gpu, the CUDA-graph rows, verify
+#                                   --device cuda, gpu_overhead.sh; results in $OUT or .cache/gpu-check
 #
 # No test writes a tracked file. fuzz, e2e, matrix and regress record their measurements as JSON under
 # .cache/results (RESULTS; git ignores .cache/); `make docs` renders them into docs/compatibility.md,
@@ -107,3 +111,12 @@ fingerprints: $(STAMP)
 
 clean:
 	rm -rf .venv .venv-* *.egg-info .pytest_cache .hypothesis
+
+# The GPU check's two halves (tools/gpu_check.py), neither on this Makefile's venv: the GPU image's python3 holds torch.
+GPU_PYTHON ?= python3
+.PHONY: gpu-wheels gpu-check
+gpu-wheels:
+	$(GPU_PYTHON) tools/gpu_check.py wheels
+
+gpu-check:
+	$(GPU_PYTHON) tools/gpu_check.py $(if $(PLAN),plan,run)
