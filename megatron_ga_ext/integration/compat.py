@@ -69,6 +69,7 @@ UPSTREAM = (
     Upstream("main@9f3fe8c925fb", "9f3fe8c925fb", "3.12"),
     Upstream("main@dd8c825b3ad5", "dd8c825b3ad5", "3.12"),
     Upstream("main@d98e8a64ddf3", "d98e8a64ddf3", "3.12"),
+    Upstream("main@e8fef4ebb23e", "e8fef4ebb23e", "3.12"),
 )
 RELEASES = tuple(u.name for u in UPSTREAM if u.is_release)
 
