@@ -6,6 +6,13 @@ Two counts are checked every step, both plain Python integers (no device-to-host
   num_microbatches = GBS / (MBS x DP) forward steps, whatever PP and VPP are;
 * consumed samples: they advance by exactly the running GBS = DP x MBS x num_microbatches per step.
 
+Under Megatron's sequence-packing scheduler (``--sequence-packing-scheduler dp_balanced``, which
+``--use-varlen-dataset`` selects) a step's GBS samples, num_microbatches = GBS / (MBS x DP) of them fetched per
+rank, are repacked into the scheduler's own number of micro-batches (``wrap_data_iterator``), and the schedule is
+called with that number. The micro-batch guard then follows the scheduler: the call must run exactly the count the
+scheduler produced for it (:meth:`MicrobatchCounter.schedule`), while consumed samples still advance by the GBS
+(Megatron counts DP x MBS x get_num_microbatches() per step, and the scheduler packs every fetched sample).
+
 A count that is a PP multiple of the right one gets the message "pipeline parallelism never multiplies
 the global batch size", with the numbers.
 """
@@ -18,9 +25,11 @@ from megatron_ga_ext.core.rules import require_count
 from megatron_ga_ext.errors import GuardError
 from megatron_ga_ext.integration.compat import Calculator
 
-__all__ = ["MicrobatchCounter", "GuardedCalculator", "check_microbatch_counts", "check_consumed_advance"]
+__all__ = ["MicrobatchCounter", "GuardedCalculator", "check_microbatch_counts", "check_consumed_advance",
+           "check_scheduled_count"]
 
 PP_RULE = "pipeline parallelism never multiplies the global batch size"
+SCHEDULER = "the sequence-packing scheduler (--sequence-packing-scheduler)"
 
 
 def _pp_note(got: int, expected: int, pipeline_model_parallel_size: int) -> str:
@@ -31,15 +40,19 @@ def _pp_note(got: int, expected: int, pipeline_model_parallel_size: int) -> str:
 
 
 def check_microbatch_counts(
-    counts: dict[object, int], num_microbatches: int, expected: int | None, pipeline_model_parallel_size: int | None = 1
+    counts: dict[object, int], num_microbatches: int, expected: int | None, pipeline_model_parallel_size: int | None = 1,
+    *, scheduled: bool = False,
 ) -> None:
     """Raise :class:`GuardError` unless every chunk ran ``num_microbatches`` forward steps and that
-    equals ``expected`` = GBS / (MBS x DP) from the calculator (None: not known, not checked). PP only goes into
-    the message; None reads it from megatron's parallel state then (the step's check reads nothing more)."""
+    equals ``expected`` = GBS / (MBS x DP) from the calculator (None: not known, not checked), or with ``scheduled``
+    the count the sequence-packing scheduler produced for this call. PP only goes into the message; None reads it
+    from megatron's parallel state then (the step's check reads nothing more)."""
     if (expected is None or num_microbatches == expected) and set(counts.values()) == {num_microbatches}:
         return
     pp = current_pipeline_size() if pipeline_model_parallel_size is None else pipeline_model_parallel_size
     if expected is not None and num_microbatches != expected:
+        if scheduled:
+            check_scheduled_count(num_microbatches, expected)
         raise GuardError(
             f"forward_backward_func was called with num_microbatches={num_microbatches}, but the calculator's "
             f"num_microbatches = GBS / (MBS x DP) is {expected}. {_pp_note(num_microbatches, expected, pp)}"
@@ -54,6 +67,18 @@ def check_microbatch_counts(
             f"{num_microbatches} for each chunk. {_pp_note(got, num_microbatches, pp)}"
             f"Each model chunk must see every micro-batch of the step exactly once."
         )
+
+
+def check_scheduled_count(num_microbatches: int, scheduled: int) -> None:
+    """Raise :class:`GuardError` unless a schedule call runs the ``scheduled`` micro-batches the sequence-packing
+    scheduler packed its step into: fewer leave packed samples untrained while consumed samples count them, more
+    read past the packed iterator."""
+    if num_microbatches == scheduled:
+        return
+    raise GuardError(
+        f"forward_backward_func was called with num_microbatches={num_microbatches}, but {SCHEDULER} packed this "
+        f"step's samples into {scheduled} micro-batches (wrap_data_iterator returned {scheduled}), and its data "
+        f"iterator holds exactly those. Pass the count wrap_data_iterator returns, as Megatron's train_step does.")
 
 
 def check_consumed_advance(
@@ -87,16 +112,46 @@ def current_pipeline_size() -> int:
 
 class MicrobatchCounter:
     """Forward steps per model chunk during one forward/backward call (host integers only), keyed by the chunk
-    itself (``id()`` raises an audit event per call, which costs microseconds where a hook is installed)."""
+    itself (``id()`` raises an audit event per call, which costs microseconds where a hook is installed); and the
+    micro-batch count the sequence-packing scheduler produced for the next call, if it ran."""
 
     def __init__(self) -> None:
         self.counts: dict[object, int] = {}
+        self.scheduled: int | None = None
+        """``wrap_data_iterator``'s count for the next forward/backward call (taken by :meth:`check`)."""
 
     def reset(self) -> None:
+        """Before a forward/backward call: no forward step yet (the scheduled count was given for this call)."""
         self.counts.clear()
 
     def count(self, model_chunk: object) -> None:
         self.counts[model_chunk] = self.counts.get(model_chunk, 0) + 1
+
+    def schedule(self, num_microbatches: object, requested: object = None) -> None:
+        """The sequence-packing scheduler packed a step (``requested`` micro-batches per rank, fetched) into
+        ``num_microbatches``: the next call must run exactly that many. Raise :class:`GuardError` unless it is an
+        integer >= 1."""
+        if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+            fetched = f" from {requested} fetched micro-batches per rank" if requested is not None else ""
+            raise GuardError(
+                f"{SCHEDULER} returned num_microbatches={num_microbatches!r} for a step{fetched}; a step runs an "
+                f"integer number >= 1 of micro-batches, so this step cannot be trained as packed. Check "
+                f"--max-seqlen-per-dp-cp-rank against the samples' lengths, and the data iterator.")
+        self.scheduled = num_microbatches
+
+    def check_scheduled(self, num_microbatches: int) -> None:
+        """Before a forward/backward call: it runs the scheduler's count, if the scheduler ran for it."""
+        if self.scheduled is not None and num_microbatches != self.scheduled:
+            scheduled, self.scheduled = self.scheduled, None  # this call is refused: the count was its
+            check_scheduled_count(num_microbatches, scheduled)
+
+    def check(self, num_microbatches: int, calculator: Calculator | None) -> None:
+        """After a forward/backward call: every chunk ran ``num_microbatches``, which is the scheduler's count for
+        this call where it ran (then consumed), else the calculator's GBS / (MBS x DP) (None: an evaluation call,
+        not known)."""
+        scheduled, self.scheduled = self.scheduled, None
+        expected = scheduled if scheduled is not None else None if calculator is None else calculator.get()
+        check_microbatch_counts(self.counts, num_microbatches, expected, None, scheduled=scheduled is not None)
 
 
 class GuardedCalculator:

@@ -6,7 +6,8 @@ What install() patches, after checking each target's source fingerprint against 
 * ``schedules.forward_step_calc_loss`` (a module global every schedule looks up, combined_1f1b too):
   count forward steps per model chunk, and in ``token`` mode check the loss contract;
 * the three ``forward_backward_*`` schedules (``get_forward_backward_func`` returns module globals):
-  after each call, every chunk ran exactly num_microbatches = GBS / (MBS x DP) micro-batches;
+  after each call, every chunk ran exactly num_microbatches = GBS / (MBS x DP) micro-batches (under the
+  sequence-packing scheduler, the count its ``wrap_data_iterator`` returned for the call: training_hooks.py);
 * ``finalize_model_grads``: the token-mode finalize (int64 count, checks read once per step);
 * ``_configure_global_num_microbatches_calculator`` (called by init and reconfigure): the global
   calculator becomes the step-schedule calculator where a schedule (or a converted rampup) is given,
@@ -55,12 +56,13 @@ from megatron_ga_ext.integration.compat import (
     set_live_calculator,
 )
 from megatron_ga_ext.integration.finalize import make_finalize_model_grads
-from megatron_ga_ext.integration.guards import GuardedCalculator, check_microbatch_counts, current_pipeline_size
+from megatron_ga_ext.integration.guards import GuardedCalculator, current_pipeline_size
 from megatron_ga_ext.integration.installation import Installation, check_args
 from megatron_ga_ext.integration.lr_scaling import wire_lr_scaling
 from megatron_ga_ext.integration.training_hooks import (
     wire_gpt_model,
     wire_optimizer,
+    wire_packing_scheduler,
     wire_rerun_machine,
     wire_training,
 )
@@ -210,6 +212,7 @@ def _wire_training_hooks(state: Installation) -> None:
     Megatron-LM's training modules are loaded by then)."""
     for name, wire in (("arguments", wire_arguments), ("optimizer", wire_optimizer), ("gpt_model", wire_gpt_model),
                        ("rerun_machine", wire_rerun_machine), ("training", wire_training),
+                       ("packing_scheduler", wire_packing_scheduler),
                        ("bucket_groups", wire_bucket_groups), ("lr_scaling", wire_lr_scaling),
                        ("checkpoint_args", state.startup.wire)):
         if name not in state.training_hooks_wired and wire(state) is not False:
@@ -264,6 +267,8 @@ def _checked_schedule(original: Callable, installed_as: Installation) -> Callabl
         state.counter.reset()
         if contract is not None:  # an evaluation call (forward_only) never reaches finalize
             contract.reset()
+        if state.config.guards:  # the sequence-packing scheduler's count, before its iterator is read
+            state.counter.check_scheduled(kwargs["num_microbatches"])
         forward_only = kwargs.get("forward_only")
         if not forward_only:
             state.training_schedules += 1
@@ -279,9 +284,7 @@ def _checked_schedule(original: Callable, installed_as: Installation) -> Callabl
                 "Set config.finalize_model_grads_func to megatron.core.distributed.finalize_model_grads after "
                 "megatron_ga_ext.install(), or leave it to Megatron's training loop.")
         if state.config.guards:
-            live = None if forward_only else live_calculator()
-            check_microbatch_counts(state.counter.counts, kwargs["num_microbatches"],
-                                    None if live is None else live.get(), None)
+            state.counter.check(kwargs["num_microbatches"], None if forward_only else live_calculator())
         return result
 
     return schedule

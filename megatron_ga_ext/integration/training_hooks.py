@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import sys
 from typing import Any, Callable
 
@@ -192,3 +193,37 @@ def _num_samples(original: Callable, state: Installation) -> Callable:
         return (max(result[0], calculator.plan(train_samples)[1] + margin), *result[1:])
 
     return get_train_valid_test_num_samples
+
+
+DATA_SCHEDULE = "megatron.core.datasets.data_schedule"
+
+
+def wire_packing_scheduler(state: Installation) -> bool:
+    """Megatron's sequence-packing scheduler (``--sequence-packing-scheduler``; main after d98e8a64 runs it in
+    ``train_step`` and ``evaluate``): ``wrap_data_iterator`` repacks a step's fetched micro-batches into a count of
+    its own, which the schedule is then called with; the count is handed to the micro-batch guard for that call
+    (guards.py). Only wrapped around the call, so its body is not a fingerprinted target; imported here (a few ms
+    once megatron.core is) so that a megatron-core loop that imports it later gets the wrapped one too."""
+    try:
+        module = importlib.import_module(DATA_SCHEDULE)
+    except ImportError:  # megatron-core 0.16-0.18: no data_schedule module
+        return True
+    if "wrap_data_iterator" in module.__dict__:  # 0.19: the module, without the scheduler
+        state.patch(DATA_SCHEDULE, "wrap_data_iterator", lambda original: _scheduled_count(original, state))
+    return True
+
+
+def _scheduled_count(original: Callable, state: Installation) -> Callable:
+    """``wrap_data_iterator(data_iterator, config, num_microbatches, ...)`` -> (iterator, the packed count, tokens,
+    squared lengths): the packed count, validated, is the one the next forward/backward call must run."""
+
+    @functools.wraps(original)
+    def wrap_data_iterator(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        live = state.current()
+        if live is not None and live.config.guards:
+            requested = args[2] if len(args) > 2 else kwargs.get("num_microbatches")
+            live.counter.schedule(result[1], requested)
+        return result
+
+    return wrap_data_iterator
