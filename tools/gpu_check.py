@@ -261,8 +261,13 @@ class _Log:
         with self.lock:
             self.handle.write(data)
             self.handle.flush()
-            sys.stdout.buffer.write(data)
-            sys.stdout.buffer.flush()
+            terminal = getattr(sys.stdout, "buffer", None)
+            if terminal is None:  # a text stream alone (a test's capture)
+                sys.stdout.write(data.decode(errors="replace"))
+                sys.stdout.flush()
+            else:
+                terminal.write(data)
+                terminal.flush()
 
     def pump(self, pipe: BinaryIO) -> None:
         for chunk in iter(lambda: os.read(pipe.fileno(), 65536), b""):
@@ -426,14 +431,16 @@ def command_run(args: argparse.Namespace) -> int:
     device = summary["device"]
     print(f"gpu-check on {device['name']} ({device['devices']} visible), torch {device['torch']}, "
           f"Python {device['python']}; results in {out}", flush=True)
-    signal.signal(signal.SIGTERM, _interrupted)
-    with open(out / LOG, "wb") as handle:
-        log = _Log(handle)
-        try:
+    previous = signal.signal(signal.SIGTERM, _interrupted)  # a killed check kills its step's processes too
+    try:
+        with open(out / LOG, "wb") as handle:
+            log = _Log(handle)
             for number, step in enumerate(plan[1:], 1):
                 summary["steps"][number] = run_step(step, out, log, step_env(step, folder, venv))
-        except KeyboardInterrupt:
-            return finish(130, "interrupted")
+    except KeyboardInterrupt:
+        return finish(130, "interrupted")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(summary_table(summary["steps"]))
     failed = [s["name"] for s in summary["steps"] if s["status"] != "passed"]
     return finish(1 if failed else 0, f"failed: {', '.join(failed)}" if failed else "")
