@@ -15,24 +15,43 @@ mask. Megatron-LM's pretrain_gpt gives GPTModel the loss mask but no padding mas
 every routed position and the statistics include padding: the aux and z gradients come out
 (positions / loss tokens) times too large (about 2x at 50% padding). install() wraps ``GPTModel.forward``:
 in token mode, a model with MoE layers that is given a loss mask and no padding mask routes with
-``padding_mask = (loss_mask == 0)``. It changes nothing else: routing itself ignores the padding mask, only
-the aux statistics, the z-loss and the expert-bias counts exclude those positions. Quantile balancing (0.19+) is
-routed without it: it has no load-balancing loss, and upstream's router refuses a padding mask there (a z-loss
-then counts padding positions, as upstream's does). MTP (0.17+) already
-weighs its mean by n_u / N (process_mtp_loss's original/rolled token counts).
+``padding_mask = (loss_mask == 0)``. Routing itself ignores the padding mask, only the aux statistics, the z-loss
+and the expert-bias counts exclude those positions. Quantile balancing (0.19+) is routed without it: it has no
+load-balancing loss, and upstream's router refuses a padding mask there (a z-loss then counts padding positions,
+as upstream's does).
+
+The padding mask turns on two upstream defects that install() corrects (Megatron-LM #7452, finding 10):
+
+* ``get_tokens_per_expert_and_token_count`` all-reduces ``local_tokens_per_expert`` in place and reads it back as
+  the local count, so the count the router pre-multiplies by is the group's (TP x CP, or TP x DP x CP for
+  global_aux_loss), not this rank's: the aux gradient is TP x CP (TP x DP x CP) times its target. And even the
+  local count is exact only where every TP / CP shard holds the same number of loss tokens. The exact factor for
+  a shard's piece of aux_u is n_u itself, the loss tokens its TP x CP group holds for this micro-batch of this DP
+  rank; :func:`exact_token_counts` returns ``valid_token_count = n_u / |TP x CP|`` on releases whose router
+  multiplies it by |TP x CP| (0.19 and later), and n_u before them.
+* Before 0.19 the router's per-token z-loss lacks that |TP x CP| factor (upstream #5047): its coefficient is
+  divided by |TP x CP| and nothing multiplies it back, so the z-loss gradient is 1 / (TP x CP) of its target.
+  :func:`tp_cp_scaled_z_loss` multiplies the gradient (not the logged value) by |TP x CP| there.
+
+MTP (0.17+): ``process_mtp_loss`` weighs depth k's MTP loss of unit u by n_u / m_u (m_u: u's rolled MTP tokens),
+local counts that give each MTP token the weight alpha n_u / (m_u N): unequal across units whenever the ratio
+differs (#7452, finding 3). The target is every MTP token at alpha / N, the one global count every other term of
+the step is divided by: L_mtp = alpha sum_t mtp_t / N. :func:`global_count_mtp_loss` attaches each depth's loss
+as that sum (megatron-core 0.16 already does).
 
 What cannot be made exact, said once at the first step with the size of the error:
 * MoE layers on a pipeline stage that is not given the loss mask (pretrain_gpt's get_batch gives it to the
   last stage only): their aux and z gradients keep the (positions / loss tokens) factor; with sequence
-  parallelism the mask is only given where the stage scatters it (the first stage);
-* MTP on megatron-core 0.16: each MTP token weighs 1/N instead of n_u / (n_mtp_u N): the MTP gradient is
-  n_mtp_u / n_u of the target, where the rolled mask drops one token per sequence and MTP layer.
+  parallelism the mask is only given where the stage scatters it (the first stage).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import TYPE_CHECKING, Any, Callable
+import inspect
+import sys
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from megatron_ga_ext.integration.installation import Installation
 from megatron_ga_ext.logs import get_logger
@@ -41,7 +60,8 @@ if TYPE_CHECKING:
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-__all__ = ["aux_summary", "padding_mask_forward", "pipeline_inexact_note", "mtp_inexact_note"]
+__all__ = ["aux_summary", "exact_token_counts", "global_count_mtp_loss", "padding_mask_forward",
+           "pipeline_inexact_note", "router_scales_by_tp_cp", "tp_cp_scaled_z_loss"]
 
 logger = get_logger(__name__)
 
@@ -119,15 +139,115 @@ def pipeline_inexact_note(config: TransformerConfig, mode: str, pipeline_model_p
             f"times their target weight: {positions} / {num_tokens} = {ratio:.3f} on the first step.")
 
 
-def mtp_inexact_note(config: TransformerConfig, mode: str) -> str | None:
-    """MTP in token mode on megatron-core 0.16 (no process_mtp_loss): each MTP token weighs 1/N."""
-    if mode != "token" or not getattr(config, "mtp_num_layers", None):
-        return None
-    from megatron.core.transformer import multi_token_prediction
+def _token_mode(state: Installation) -> bool:
+    return state.active and state.contract is not None
 
-    if hasattr(multi_token_prediction, "process_mtp_loss"):
-        return None
-    return ("MTP in token mode on this megatron-core (0.16): each MTP token weighs 1/N instead of "
-            "n_u / (n_mtp_u x N), so micro-batch u's MTP gradient is n_mtp_u / n_u of its target (the rolled "
-            "mask drops one token per sequence and MTP layer: at most MBS x MTP layers / n_u below 1). "
-            "megatron-core 0.17 and later meet the target.")
+
+def router_scales_by_tp_cp() -> bool:
+    """megatron-core 0.19 and later: the router multiplies valid_token_count and the z-loss by |TP x CP| (#5047)."""
+    from megatron_ga_ext.integration.compat import megatron_core_version
+
+    major, minor = (int(part) for part in megatron_core_version().split(".")[:2])
+    return (major, minor) >= (0, 19)
+
+
+def _tp_cp_group() -> Any:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_and_context_parallel_group()
+
+
+def exact_token_counts(original: Callable, state: Installation) -> Callable:
+    """``moe_utils.get_tokens_per_expert_and_token_count`` whose local count makes the router's pre-multiplication
+    n_u, the loss tokens of this micro-batch of this DP rank over its TP x CP group (module docstring):
+
+        valid_token_count = n_u / |TP x CP|   (0.19+, whose router multiplies it by |TP x CP|),   n_u before
+
+    n_u is upstream's own total where the counts are reduced over TP x CP (aux_loss, seq_aux_loss); for
+    global_aux_loss (reduced over TP x DP x CP) this rank's count is summed over TP x CP (one all-reduce of one
+    number, only where |TP x CP| > 1). Without a padding mask (microbatch mode, quantile balancing) upstream's
+    counts stand: it reads the routing map's shape, not the reduced counts."""
+    scales = router_scales_by_tp_cp()
+
+    @functools.wraps(original)
+    def counts(routing_map: Any, reduce_group: Any, topk: int | None = None, with_padding_mask: bool = False):
+        if not (with_padding_mask and _token_mode(state)):
+            return original(routing_map, reduce_group, topk, with_padding_mask)
+        local = routing_map.sum() / topk  # before upstream's in-place all-reduce of the per-expert counts
+        tokens_per_expert, _, total = original(routing_map, reduce_group, topk, with_padding_mask)
+        group = _tp_cp_group()
+        if reduce_group.size() == group.size():
+            unit = total
+        else:
+            unit = local
+            if group.size() > 1:
+                import torch
+
+                torch.distributed.all_reduce(unit, group=group)
+        return tokens_per_expert, unit / group.size() if scales else unit, total
+
+    return counts
+
+
+def tp_cp_scaled_z_loss(original: Callable, state: Installation) -> Callable:
+    """``moe_utils.z_loss_func`` as the router calls it before 0.19: in token mode with |TP x CP| > 1, the same
+    value with |TP x CP| times its gradient, ``z + (k - 1) (z - z.detach())``, the factor 0.19's router applies."""
+
+    @functools.wraps(original)
+    def z_loss_func(*args: Any, **kwargs: Any) -> Any:
+        z_loss = original(*args, **kwargs)
+        factor = _tp_cp_group().size() if _token_mode(state) else 1
+        return z_loss if factor == 1 else z_loss + (factor - 1) * (z_loss - z_loss.detach())
+
+    return z_loss_func
+
+
+def global_count_mtp_loss(original: Callable, state: Installation) -> Callable:
+    """``process_mtp_loss`` (0.17+) that, in token mode, attaches depth k's MTP loss as alpha x sum_t mtp_t, so
+    that finalize's division by N gives every MTP token the weight alpha / N (module docstring).
+
+    Upstream attaches ``alpha * mtp_loss * (n_u / max(m_u, 1))``; during the call, the count each ``roll_tensor``
+    returns is kept (the loss mask's roll is the last before each attachment) and the attached loss multiplied by
+    ``max(m_u, 1) / max(n_u, 1)``. Where labels are not given (upstream derives them from input_ids by a roll of
+    its own, the RL path) upstream's weighting stands."""
+    module = sys.modules[original.__module__]
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def process_mtp_loss(*args: Any, **kwargs: Any) -> Any:
+        given = signature.bind(*args, **kwargs).arguments
+        labels, loss_mask = given.get("labels"), given.get("loss_mask")
+        if labels is None or not _token_mode(state) or not given["config"].calculate_per_token_loss:
+            return original(*args, **kwargs)
+        num_tokens = labels.new_tensor(labels.numel()) if loss_mask is None else loss_mask.sum()
+        with _SummedMTPLoss(module, num_tokens).in_module():
+            return original(*args, **kwargs)
+
+    return process_mtp_loss
+
+
+class _SummedMTPLoss:
+    """One process_mtp_loss call: the rolled counts, and the attachment that undoes upstream's n_u / m_u."""
+
+    def __init__(self, module: Any, num_tokens: Any) -> None:
+        self.module = module
+        self.roll_tensor, self.autoscaler = module.roll_tensor, module.MTPLossAutoScaler
+        self.num_tokens = num_tokens
+        self.rolled_num_tokens: Any = None
+
+    @contextlib.contextmanager
+    def in_module(self) -> Iterator[None]:
+        self.module.roll_tensor, self.module.MTPLossAutoScaler = self.roll, self
+        try:
+            yield
+        finally:
+            self.module.roll_tensor, self.module.MTPLossAutoScaler = self.roll_tensor, self.autoscaler
+
+    def roll(self, *args: Any, **kwargs: Any) -> Any:
+        rolled, total = self.roll_tensor(*args, **kwargs)
+        self.rolled_num_tokens = total
+        return rolled, total
+
+    def apply(self, hidden_states: Any, mtp_loss: Any) -> Any:
+        ratio = self.rolled_num_tokens.clamp(min=1) / self.num_tokens.clamp(min=1)
+        return self.autoscaler.apply(hidden_states, mtp_loss * ratio)

@@ -41,6 +41,8 @@ FINALIZE = "megatron.core.distributed.finalize_model_grads"
 CALCULATOR = "megatron.core.num_microbatches_calculator"
 TRAINING = "megatron.training.training"
 GPT_MODEL = "megatron.core.models.gpt.gpt_model"
+MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
+MTP = "megatron.core.transformer.multi_token_prediction"
 FINGERPRINTS = Path(__file__).with_name("fingerprints.json")
 
 
@@ -80,6 +82,8 @@ class Target:
 
     module: str
     name: str
+    since: str | None = None
+    """The first tested release that defines it (None: every one); hooked and fingerprinted where it is defined."""
 
     @property
     def qualified(self) -> str:
@@ -110,6 +114,9 @@ TARGETS = (
     Target(CALCULATOR, "get_num_microbatches"),
     Target(CALCULATOR, "update_num_microbatches"),
     Target(GPT_MODEL, "GPTModel.forward"),
+    Target(MOE_UTILS, "get_tokens_per_expert_and_token_count"),  # #7452 finding 10
+    Target(MOE_UTILS, "z_loss_func"),
+    Target(MTP, "process_mtp_loss", since="0.17.1"),  # #7452 finding 3
     Target(TRAINING, "update_train_iters"),
     Target(TRAINING, "get_train_valid_test_num_samples"),
 )
@@ -208,9 +215,24 @@ def fingerprint_file(path: Path, name: str) -> str:
     raise CompatError(f"{name} is not defined in {path}.")
 
 
+def _defines(path: Path, name: str) -> bool:
+    """The source file defines the top-level function ``name``."""
+    return any(isinstance(n, ast.FunctionDef) and n.name == name for n in ast.parse(path.read_text()).body)
+
+
 def _live_targets(targets: tuple[Target, ...]) -> list[Target]:
-    """The targets that exist here: optional ones only where their module is loaded."""
-    return [t for t in targets if not t.optional or t.module in sys.modules]
+    """The targets that exist here: optional ones only where their module is loaded, and those of a later release
+    only where this one defines them."""
+    live = [t for t in targets if not t.optional or t.module in sys.modules]
+    return [t for t in live if t.since is None or _defined(t)]
+
+
+def _defined(target: Target) -> bool:
+    try:
+        target.resolve()
+    except AttributeError:
+        return False
+    return True
 
 
 def check_targets(version: str, strict: bool, targets: tuple[Target, ...] = TARGETS) -> list[str]:
@@ -261,6 +283,8 @@ def table_from_trees(trees: dict[str, Path]) -> dict[str, dict[str, list[str]]]:
         for target in TARGETS:
             path = target.path_in(root)
             if target.optional and not path.exists():
+                continue
+            if target.since is not None and not _defines(path, target.name):
                 continue
             table[target.qualified].setdefault(fingerprint_file(path, target.name), []).append(source)
     return table

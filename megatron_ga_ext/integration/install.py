@@ -41,7 +41,7 @@ from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
 from megatron_ga_ext.errors import GuardError, ScheduleError
 from megatron_ga_ext.integration.arguments import wire_arguments
 from megatron_ga_ext.integration.noise_scale import wire_bucket_groups
-from megatron_ga_ext.integration.aux_losses import aux_summary, mtp_inexact_note, pipeline_inexact_note
+from megatron_ga_ext.integration.aux_losses import aux_summary, pipeline_inexact_note
 from megatron_ga_ext.integration.calculator import StepScheduleCalculator
 from megatron_ga_ext.integration.compat import (
     CALCULATOR,
@@ -305,9 +305,8 @@ def _report_first_step(state: Installation, kwargs: dict) -> None:
     state.finalize.poll(wait=True)  # the first step's N (under --ga-checks async, once)
     positions = (kwargs["num_microbatches"] * kwargs.get("micro_batch_size", 1) * kwargs.get("seq_length", 0)
                  * parallel_state.get_data_parallel_world_size())
-    notes = [pipeline_inexact_note(config, mode, current_pipeline_size(), positions, state.finalize.last_num_tokens or 0),
-             mtp_inexact_note(config, mode)]
-    for note in filter(None, notes):
+    note = pipeline_inexact_note(config, mode, current_pipeline_size(), positions, state.finalize.last_num_tokens or 0)
+    if note is not None:
         logger.warning(note)
 
 

@@ -20,9 +20,15 @@ import importlib
 import sys
 from typing import Any, Callable
 
-from megatron_ga_ext.integration.aux_losses import padding_mask_forward
+from megatron_ga_ext.integration.aux_losses import (
+    exact_token_counts,
+    global_count_mtp_loss,
+    padding_mask_forward,
+    router_scales_by_tp_cp,
+    tp_cp_scaled_z_loss,
+)
 from megatron_ga_ext.integration.calculator import live_step_calculator
-from megatron_ga_ext.integration.compat import TARGETS, TRAINING, check_targets, megatron_args
+from megatron_ga_ext.integration.compat import MOE_UTILS, MTP, TARGETS, TRAINING, check_targets, megatron_args
 from megatron_ga_ext.integration.installation import Installation
 from megatron_ga_ext.integration.liveness import StepLiveness
 from megatron_ga_ext.integration.noise_scale import loading_sidecar, printing_after_training_log, saving_sidecar
@@ -50,10 +56,18 @@ OPTIMIZER_BUILDERS = ("get_megatron_optimizer", "get_megatron_muon_optimizer")
 
 
 def wire_gpt_model(state: Installation) -> None:
-    """Token mode: MoE routes with padding_mask = (loss_mask == 0) (aux_losses.py says why)."""
+    """Token mode: MoE routes with padding_mask = (loss_mask == 0), with the router's counts made exact, and MTP
+    weighs every token by the global count (aux_losses.py says why)."""
     from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer import multi_token_prediction
+    from megatron.core.transformer.moe import router  # noqa: F401 - binds moe_utils' functions, patched there too
 
     state.patch_attribute(GPTModel, "forward", lambda original: padding_mask_forward(original, state))
+    state.patch(MOE_UTILS, "get_tokens_per_expert_and_token_count", lambda original: exact_token_counts(original, state))
+    if not router_scales_by_tp_cp():
+        state.patch(MOE_UTILS, "z_loss_func", lambda original: tp_cp_scaled_z_loss(original, state))
+    if hasattr(multi_token_prediction, "process_mtp_loss"):  # 0.17 and later
+        state.patch(MTP, "process_mtp_loss", lambda original: global_count_mtp_loss(original, state))
 
 
 def _skipping_builder(original: Callable, state: Installation) -> Callable:
