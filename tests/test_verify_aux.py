@@ -1,9 +1,13 @@
-"""The MoE router's auxiliary-loss gradient in token mode, before and after install(), on real MoE layers.
+"""The auxiliary losses' gradients in token mode, before and after install(), on real MoE and MTP layers.
 
 Upstream's own ``--calculate-per-token-loss`` pre-multiplies the router's aux and z-losses by every routed
-position and computes their statistics over the padding too; install() routes with padding_mask = (loss_mask
-== 0), which meets the target of docs/reduction.md (each micro-batch's terms over its loss tokens, weighted
-n_u / N). One 2-rank launch measures both against the unpartitioned target (verify/aux.py).
+position and computes their statistics over the padding too; install() routes with padding_mask = (loss_mask ==
+0), which turns on the router's count defect of Megatron-LM #7452 (finding 10: the local count read back after an
+in-place all-reduce), corrected by install() too; MTP weighs its tokens by local counts (#7452, finding 3). One
+2-rank launch measures each against the unpartitioned target (verify/aux.py): the router at DP 2 with aux_loss and
+with global_aux_loss, MTP at DP 2 with uneven loss tokens across the ranks; and install() with upstream's router
+counts, to show the defect the correction removes. (TP 2 and CP 2 run in ``megatron-ga verify``'s 4-rank launch,
+tests/test_verify.py.)
 """
 
 from __future__ import annotations
@@ -16,12 +20,19 @@ pytestmark = pytest.mark.slow
 
 
 def _measure():
+    from megatron_ga_ext.integration import training_hooks
     from megatron_ga_ext.testing.shims import cpu_shims
-    from megatron_ga_ext.verify.aux import measure_router_coefficients
+    from megatron_ga_ext.verify.aux import AUX_LAYOUTS, measure_aux_coefficients
     from megatron_ga_ext.verify.harness import VerifyConfig
 
+    cfg = VerifyConfig(progress=False)
+    layouts = tuple(layout for layout in AUX_LAYOUTS if layout.world_size == 2)
     with cpu_shims():
-        return [(r.variant, r.coefficient, r.error) for r in measure_router_coefficients(VerifyConfig(progress=False))]
+        measured = measure_aux_coefficients(cfg, layouts)
+        training_hooks.exact_token_counts = lambda original, state: original  # upstream's router counts
+        unfixed = measure_aux_coefficients(cfg, tuple(lay for lay in layouts if lay.model == "moe_global"))
+    return ([(c.layout, c.variant, c.coefficient, c.error) for c in measured],
+            [(c.layout, c.variant, c.coefficient, c.error) for c in unfixed])
 
 
 @pytest.fixture(scope="module")
@@ -33,16 +44,38 @@ def per_rank():
 
 
 def test_both_ranks_measure_the_same(per_rank):
-    assert per_rank[0] == per_rank[1]  # the router's gradient is DP all-reduced: every rank holds it all
+    assert per_rank[0] == per_rank[1]  # the measured gradients are DP all-reduced: every rank holds them all
 
 
-def test_upstream_per_token_loss_misweighs_the_router_on_a_padded_batch(per_rank):
-    variant, coefficient, error = per_rank[0][0]
-    assert variant == "upstream --calculate-per-token-loss"
-    assert coefficient > 1.1 and error > 0.5  # counts and statistics over 128 positions, 72 of them loss tokens
+def test_the_measured_layouts(per_rank):
+    measured, _ = per_rank[0]
+    assert [(layout, variant) for layout, variant, *_ in measured] == [
+        (layout, variant) for layout in ("DP2 x GA4 (MoE)", "DP2 x GA4 (MoE global_aux_loss)", "DP2 x GA4 (MTP)")
+        for variant in ("upstream --calculate-per-token-loss", "with megatron-ga-ext")]
+
+
+def test_upstream_per_token_loss_misses_the_target(per_rank):
+    measured, _ = per_rank[0]
+    before = {layout: (coefficient, error) for layout, variant, coefficient, error in measured
+              if variant.startswith("upstream")}
+    assert before["DP2 x GA4 (MoE)"][0] > 1.1  # counts and statistics over 128 positions, 72 of them loss tokens
+    assert before["DP2 x GA4 (MTP)"][0] > 1.05  # MTP tokens weighted n_u / (m_u N), uneven across units
+    assert all(error > 0.3 for _, error in before.values()), before
 
 
 def test_install_meets_the_token_mode_target(per_rank):
-    variant, coefficient, error = per_rank[0][1]
-    assert variant == "with megatron-ga-ext"
-    assert coefficient == pytest.approx(1.0, abs=1e-6) and error < 1e-5
+    measured, _ = per_rank[0]
+    after = [(layout, coefficient, error) for layout, variant, coefficient, error in measured
+             if variant == "with megatron-ga-ext"]
+    assert len(after) == 3
+    for layout, coefficient, error in after:
+        assert coefficient == pytest.approx(1.0, abs=1e-6) and error < 1e-5, layout
+
+
+def test_upstream_router_counts_with_a_padding_mask_are_dp_times_the_target(per_rank):
+    """#7452 finding 10 under global_aux_loss: with the padding mask and upstream's counts, the router pre-multiplies
+    by micro-batch m's count over both DP ranks instead of this rank's, so unit (m, r)'s piece is T_m / n_(m,r)
+    times its target: DP = 2 times at equal counts; on this batch's uneven ones the projection is 1.43."""
+    _, unfixed = per_rank[0]
+    (_, variant, coefficient, error), = [row for row in unfixed if row[1] == "with megatron-ga-ext"]
+    assert 1.3 < coefficient < 2.5 and error > 0.5, (coefficient, error)

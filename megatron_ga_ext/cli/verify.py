@@ -1,12 +1,12 @@
 """``megatron-ga verify``: every layout in both modes, through install(), against unpartitioned references.
 
 One launch per world size (1, 2, 4 ranks on the default layouts); each rank runs all layouts of its
-world size in sequence, re-initialising megatron's parallel state in between. The 2-rank launch also
-measures the MoE router's auxiliary-loss gradient against the token-mode target, before (upstream alone)
-and after install() (verify/aux.py). Exit status: 0 when every ``token`` row is within ``--tolerance`` of
-the token reference, with every rank dividing by N = the non-padding tokens of the global batch, every
-``microbatch`` row within it of its own mean-of-means reference, and the router's gradient with the
-extension within it of the target; 1 otherwise; 2 when a launch fails (a VerifyError, printed by the CLI's
+world size in sequence, re-initialising megatron's parallel state in between. Each launch also measures
+the auxiliary losses' gradient (the MoE router at DP 2, with global_aux_loss, under TP 2 and CP 2; MTP) against
+the token-mode target, before (upstream alone) and after install() (verify/aux.py). Exit status: 0 when every
+``token`` row is within ``--tolerance`` of the token reference, with every rank dividing by N = the non-padding
+tokens of the global batch, every ``microbatch`` row within it of its own mean-of-means reference, and every
+auxiliary gradient with the extension within it of the target; 1 otherwise; 2 when a launch fails (a VerifyError, printed by the CLI's
 one error path). Layouts a release cannot run are listed as skipped, with the reason.
 """
 
@@ -61,16 +61,21 @@ def run(args: argparse.Namespace) -> int:
     print(f"megatron-ga verify: {versions}, device {args.device}", file=sys.stderr)
     if not layouts:
         raise VerifyError("--device cuda: no CUDA device is visible; run on a GPU machine or use --device cpu.")
+    from megatron_ga_ext.verify.aux import AFTER, AUX_LAYOUTS
+
+    aux_layouts = _runnable(AUX_LAYOUTS, args.device)  # token mode only: 0.16's MTP runs there
     try:
-        results, router = launch_all(layouts, device=args.device, timeout_s=args.timeout)
+        results, coefficients = launch_all(layouts, device=args.device, timeout_s=args.timeout,
+                                           aux_layouts=aux_layouts)
     except Exception as exc:  # noqa: BLE001 - any failure of a launch is reported as one line by the CLI
         raise VerifyError(f"verify launch failed: {type(exc).__name__}: {exc}") from exc
     expected_num_tokens = sum(DEFAULT_LENGTHS)
     rows = rows_from_results(results, args.tolerance, expected_num_tokens)
-    router_rows = [{"variant": r.variant, "coefficient": r.coefficient, "error": r.error} for r in router]
-    router_ok = all(r["error"] <= args.tolerance for r in router_rows if r["variant"].startswith("with"))
-    _report(rows, router_rows, skipped, args, expected_num_tokens, time.perf_counter() - start)
-    return 0 if all(row["ok"] for row in rows) and router_ok else 1
+    aux_rows = [{"layout": c.layout, "variant": c.variant, "coefficient": c.coefficient, "error": c.error}
+                for c in coefficients]
+    aux_ok = all(r["error"] <= args.tolerance for r in aux_rows if r["variant"] == AFTER)
+    _report(rows, aux_rows, skipped, args, expected_num_tokens, time.perf_counter() - start)
+    return 0 if all(row["ok"] for row in rows) and aux_ok else 1
 
 
 def _supported(layouts: list) -> tuple[list, list[dict[str, str]]]:
@@ -161,19 +166,19 @@ def _worst(errors: Iterable[float]) -> float:
     return math.nan if any(math.isnan(e) for e in errors) else max(errors)
 
 
-def _report(rows: list[dict[str, Any]], router: list[dict[str, Any]], skipped: list[dict[str, str]],
+def _report(rows: list[dict[str, Any]], aux: list[dict[str, Any]], skipped: list[dict[str, str]],
             args: argparse.Namespace, expected_num_tokens: int, seconds: float) -> None:
     if args.json:
-        print(json.dumps({"rows": rows, "router_aux_coefficient": router, "skipped": skipped}, indent=2))
+        print(json.dumps({"rows": rows, "aux_coefficients": aux, "skipped": skipped}, indent=2))
         return
     table = [[r["layout"], r["mode"], f"{r['rel_err_token']:.2e}", f"{r['rel_err_mean_of_means']:.2e}",
               "-" if r["mode"] != "token" else str(r["num_tokens"]), _verdict(r)] for r in rows]
     print_table("Gradients against unpartitioned references (max relative error over ranks)",
                 ["layout", "mode", "vs token ref", "vs mean-of-means ref", "N", "verdict"], table)
-    if router:
-        print_table("MoE router's auxiliary-loss gradient against the token-mode target (DP2 x GA4, token mode)",
-                    ["step", "coefficient", "max relative error"],
-                    [[r["variant"], f"{r['coefficient']:.4f}", f"{r['error']:.2e}"] for r in router])
+    if aux:
+        print_table("Auxiliary losses' gradient against the token-mode target (MoE: the router weights; MTP: all)",
+                    ["layout", "step", "coefficient", "max relative error"],
+                    [[r["layout"], r["variant"], f"{r['coefficient']:.4f}", f"{r['error']:.2e}"] for r in aux])
     for skip in skipped:
         print(f"skipped {skip['layout']}: {skip['reason']}")
     failed = sum(not r["ok"] for r in rows)

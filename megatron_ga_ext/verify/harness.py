@@ -36,6 +36,7 @@ from megatron_ga_ext.verify.layouts import (
     make_global_batch,
 )
 from megatron_ga_ext.verify.models import (
+    POSITIONWISE_GPT,
     ModelConfig,
     build_gpt,
     build_positionwise,
@@ -142,7 +143,8 @@ def run_layout(layout: Layout, mode: str, cfg: VerifyConfig, batch: GlobalBatch,
     import megatron_ga_ext
 
     vpp = layout.virtual_pipeline_model_parallel_size
-    init_model_parallel(pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+    init_model_parallel(tensor_model_parallel_size=layout.tensor_model_parallel_size,
+                        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
                         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
                         context_parallel_size=layout.context_parallel_size,
                         expert_model_parallel_size=layout.expert_model_parallel_size)
@@ -219,7 +221,7 @@ def _build_module(layout: Layout, cfg: VerifyConfig, config: Any, *, vp_stage: i
     if layout.model == "positionwise":
         return build_positionwise(cfg.model, config)
     return build_gpt(
-        cfg.model, config, vp_stage=vp_stage,
+        cfg.model, config, vp_stage=vp_stage, positionwise=layout.model in POSITIONWISE_GPT,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage))
 
@@ -255,14 +257,33 @@ def train_step(model: Any, config: Any, layout: Layout, cfg: VerifyConfig, batch
 def gradients(model: Any, names: dict[str, str]) -> dict[str, torch.Tensor]:
     """This rank's ``main_grad`` of every parameter of its chunk(s), by global name, on the CPU; with the
     distributed optimizer each rank holds the reduced gradient of its shard only, so the shards are
-    all-gathered first (:func:`_gather_shards`)."""
+    all-gathered first (:func:`_gather_shards`), and a tensor-parallel parameter's gradient is gathered over its
+    TP group into the whole parameter's (:func:`_whole`)."""
     chunks = model if isinstance(model, list) else [model]
     out = {}
     for chunk in chunks:
         if getattr(chunk.ddp_config, "use_distributed_optimizer", False):
             _gather_shards(chunk)
-        out.update({names[n]: p.main_grad.detach().clone().cpu() for n, p in chunk.module.named_parameters()})
+        out.update({names[n]: _whole(p, p.main_grad.detach().clone()).cpu() for n, p in chunk.module.named_parameters()})
     return out
+
+
+def _whole(param: torch.nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+    """The gradient of the whole parameter: a TP shard's gathered along its ``partition_dim`` over the TP group
+    (the expert TP group for an expert's), in rank order, as init_by_name split it."""
+    from megatron.core import parallel_state
+
+    if not getattr(param, "tensor_model_parallel", False):
+        return grad
+    expert = not getattr(param, "allreduce", True)
+    group = (parallel_state.get_expert_tensor_parallel_group() if expert
+             else parallel_state.get_tensor_model_parallel_group())
+    size = torch.distributed.get_world_size(group)
+    if size == 1:
+        return grad
+    parts = [torch.empty_like(grad) for _ in range(size)]
+    torch.distributed.all_gather(parts, grad.contiguous(), group=group)
+    return torch.cat(parts, dim=param.partition_dim)
 
 
 def _gather_shards(chunk: Any) -> None:

@@ -22,16 +22,17 @@ class Layout:
     data_parallel_size: int
     num_microbatches: int
     tensor_model_parallel_size: int = 1
-    """verify's layouts keep TP 1 (their gradients are compared by global name); the noise-scale check runs TP 2."""
+    """With sequence parallelism; each TP-split gradient is gathered over TP before the comparison."""
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     """Experts split over this many of the DP ranks (the alltoall dispatcher); it does not multiply the world."""
     micro_batch_size: int = 1
-    model: Literal["gpt", "positionwise", "moe", "mtp", "moe_mtp"] = "gpt"
+    model: Literal["gpt", "positionwise", "moe", "mtp", "moe_mtp", "moe_global", "moe_positionwise"] = "gpt"
     """``positionwise`` for CP: no attention, so a shard's gradient is exact without ring attention;
-    ``moe``, ``mtp``, ``moe_mtp``: the GPT with MoE layers and/or an MTP layer (models.KINDS)."""
+    ``moe``, ``mtp``, ``moe_mtp``: the GPT with MoE layers and/or an MTP layer; ``moe_global``: MoE with
+    global_aux_loss; ``moe_positionwise``: MoE layers without attention, for CP (models.KINDS)."""
     overlap_grad_reduce: bool = False
     distributed_optimizer: bool = False
 
@@ -44,7 +45,7 @@ class Layout:
     @property
     def auxiliary(self) -> bool:
         """The model has auxiliary losses (MoE load balancing and z-loss, MTP)."""
-        return self.model in ("moe", "mtp", "moe_mtp")
+        return self.model in ("moe", "mtp", "moe_mtp", "moe_global", "moe_positionwise")
 
     @property
     def global_batch_size(self) -> int:
@@ -77,7 +78,8 @@ class Layout:
         return torch.cat([first, second])
 
     def unit_samples(self) -> list[list[int]]:
-        """The samples of each unit (m, r), in unit order, without CP (the auxiliary-loss rows have none)."""
+        """The samples of each unit (m, r), in unit order. The auxiliary losses' units span CP (and TP): the
+        router reduces its counts over TP x CP, and MTP rolls across CP shards."""
         return [[self.sample(m, r, j) for j in range(self.micro_batch_size)]
                 for m in range(self.num_microbatches) for r in range(self.data_parallel_size)]
 
@@ -94,7 +96,8 @@ class Layout:
         return ids
 
 
-MODEL_NOTES = {"positionwise": "position-wise", "moe": "MoE", "mtp": "MTP", "moe_mtp": "MoE + MTP"}
+MODEL_NOTES = {"positionwise": "position-wise", "moe": "MoE", "mtp": "MTP", "moe_mtp": "MoE + MTP",
+               "moe_global": "MoE global_aux_loss", "moe_positionwise": "MoE, position-wise"}
 
 #: The layouts verify runs; GBS = 8 in each, MBS = 1.
 DEFAULT_LAYOUTS = (
@@ -110,6 +113,10 @@ DEFAULT_LAYOUTS = (
     Layout(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, data_parallel_size=2,
            num_microbatches=4),
     Layout(context_parallel_size=2, data_parallel_size=2, num_microbatches=4, model="positionwise"),
+    # The MoE router's counts under TP, CP and global_aux_loss (Megatron-LM #7452, finding 10).
+    Layout(data_parallel_size=2, num_microbatches=4, model="moe_global"),
+    Layout(tensor_model_parallel_size=2, data_parallel_size=2, num_microbatches=4, model="moe"),
+    Layout(context_parallel_size=2, data_parallel_size=2, num_microbatches=4, model="moe_positionwise"),
 )
 
 #: Non-padding tokens per sample: very uneven, sample 1 is nearly all padding.

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["KINDS", "ModelConfig", "build_gpt", "build_positionwise", "global_names", "init_by_name",
+__all__ = ["KINDS", "POSITIONWISE_GPT", "ModelConfig", "build_gpt", "build_positionwise", "global_names", "init_by_name",
            "init_model_parallel", "transformer_config"]
 
 
@@ -37,12 +37,19 @@ class ModelConfig:
 #: multi-token-prediction layer (which wants rotary position embeddings).
 MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 1e-2, "moe_z_loss_coeff": 1e-3,
        "moe_router_load_balancing_type": "aux_loss", "add_bias_linear": False}
+#: global_aux_loss alone: its reference weighs each DP rank's rows inside one forward per micro-batch
+#: (references.py), where a z-loss would need the unit's own mean.
+MOE_GLOBAL = {**MOE, "moe_router_load_balancing_type": "global_aux_loss", "moe_z_loss_coeff": None}
 MTP = {"mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.1}
-KINDS = {"gpt": {}, "moe": MOE, "mtp": MTP, "moe_mtp": {**MOE, **MTP}}
+KINDS = {"gpt": {}, "moe": MOE, "mtp": MTP, "moe_mtp": {**MOE, **MTP}, "moe_global": MOE_GLOBAL,
+         "moe_positionwise": MOE}
+#: GPT kinds whose layers have no attention (an MoE MLP and its norm only), so a CP shard's gradient is exact
+#: without ring attention (which needs Transformer Engine).
+POSITIONWISE_GPT = ("moe_positionwise",)
 
 
 def init_model_parallel(**sizes: int) -> None:
-    """megatron's parallel state and its RNG tracker, as training sets them up (verify's layouts: TP 1)."""
+    """megatron's parallel state and its RNG tracker, as training sets them up."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -55,7 +62,8 @@ def transformer_config(model: ModelConfig, *, calculate_per_token_loss: bool, ki
                        context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
                        tensor_model_parallel_size: int = 1):
     """A megatron TransformerConfig for the tiny models: fp32, no dropout, CPU initialisation; ``kind``
-    adds MoE and/or MTP (:data:`KINDS`); MoE uses the alltoall dispatcher across EP ranks, else allgather."""
+    adds MoE and/or MTP (:data:`KINDS`); MoE uses the alltoall dispatcher across EP ranks, else allgather. TP > 1
+    runs with sequence parallelism (megatron requires it for MoE)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     extra = dict(KINDS.get(kind, {}))
@@ -76,6 +84,7 @@ def transformer_config(model: ModelConfig, *, calculate_per_token_loss: bool, ki
         pipeline_dtype=torch.float32,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         tensor_model_parallel_size=tensor_model_parallel_size,
+        sequence_parallel=tensor_model_parallel_size > 1,
         context_parallel_size=context_parallel_size,
         calculate_per_token_loss=calculate_per_token_loss,
         batch_p2p_comm=False,
@@ -149,14 +158,30 @@ def reset_moe_logging() -> None:
     destroy_moe_metrics_tracker()
 
 
-def build_gpt(model: ModelConfig, config, *, pre_process: bool, post_process: bool, vp_stage: int | None = None):
+def build_gpt(model: ModelConfig, config, *, pre_process: bool, post_process: bool, vp_stage: int | None = None,
+              positionwise: bool = False):
     """A GPTModel with the local (no Transformer Engine) layer spec and tied embeddings; MoE layers and an
-    MTP block where ``config`` asks for them (rotary position embeddings with MTP)."""
+    MTP block where ``config`` asks for them (rotary position embeddings with MTP). ``positionwise``: the layers
+    keep their MLP (MoE) and its norm and drop attention (megatron's identity ops, as its attention-free layers)."""
+    import dataclasses
+
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+    from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 
     reset_moe_logging()
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    if positionwise:
+        spec = dataclasses.replace(spec, submodules=dataclasses.replace(
+            spec.submodules, input_layernorm=IdentityOp, self_attention=IdentityOp, self_attn_bda=IdentityFuncOp))
+    if config.sequence_parallel:  # the local spec's torch norm refuses sequence parallelism
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+        norms = {"input_layernorm": SequenceParallelLayerNorm, "pre_mlp_layernorm": SequenceParallelLayerNorm}
+        layer = dataclasses.replace(spec, submodules=dataclasses.replace(
+            spec.submodules, **{k: v for k, v in norms.items() if getattr(spec.submodules, k) is not IdentityOp}))
+        spec = TransformerBlockSubmodules(layer_specs=[layer] * config.num_layers,
+                                          layer_norm=SequenceParallelLayerNorm)
     mtp = bool(getattr(config, "mtp_num_layers", None))
     extra = {"vp_stage": vp_stage} if vp_stage is not None else {}
     if mtp:
@@ -175,6 +200,16 @@ def build_gpt(model: ModelConfig, config, *, pre_process: bool, post_process: bo
     names = global_names(gpt)
     init_by_name(gpt, names)
     return gpt, names
+
+
+class SequenceParallelLayerNorm(torch.nn.LayerNorm):
+    """torch's LayerNorm whose weights megatron's finalize sums over TP under sequence parallelism (each TP rank
+    normalises its shard of the sequence), as its fused norms mark theirs."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_: object) -> None:
+        super().__init__(hidden_size, eps=eps)
+        for param in self.parameters():
+            setattr(param, "sequence_parallel", config.sequence_parallel)
 
 
 def build_positionwise(model: ModelConfig, config):

@@ -6,26 +6,37 @@ The LM part of both definitions is a weighted sum of the per-token losses l[b, s
     mean of means:  w[b, s] = mask[b, s] / (U * max(n_u, 1)),      u = unit of (b, s), U units,
                     n_u = non-padding tokens of unit u (one micro-batch of one DP rank, one CP shard)
 
-and models with auxiliary losses (MoE load balancing and z-loss, MTP) add, per unit u,
+and models with auxiliary losses add, per unit u = (micro-batch m, DP rank r) (its TP and CP shards together, as
+the router reduces its counts over TP x CP),
 
-    token:          (n_u / N) * alpha * aux_u,   aux_u over u's loss tokens (the router given padding_mask =
-                    (loss_mask == 0)): the target docs/reduction.md defines;
-    mean of means:  (1 / U) * alpha * aux_u,     aux_u over all of u's positions: upstream's default path.
+    MoE load balancing and z-loss:
+      token:          (n_u / N) * alpha * aux_u,   aux_u over u's loss tokens (the router given padding_mask =
+                      (loss_mask == 0)): the target docs/reduction.md defines;
+      mean of means:  (1 / U) * alpha * aux_u,     aux_u over all of u's positions: upstream's default path;
+      global_aux_loss: the same weights on u's piece of the loss, whose statistics (tokens per expert, averaged
+                      over the step's micro-batches, and the token count) are micro-batch m's over every DP rank;
+    MTP (depth 1):
+      token:          alpha * sum_t mtp_t / N over the whole batch: every MTP token weighs alpha / N;
+      mean of means:  (1 / U) * alpha * mean of u's MTP tokens: upstream's default path.
 
 The auxiliary terms are megatron's own (router, MTP block), attached with megatron's autoscalers at exactly
 these weights (``set_loss_scale``), computed on a model built without the per-token flag, so that no
-per-token pre-multiplication nor finalize division takes part. The reference gradient is the gradient of
-the sum of both parts.
+per-token pre-multiplication nor finalize division takes part; global_aux_loss runs one forward per micro-batch m
+over every DP rank's rows (the statistics of m) and weighs each row's gradient at the router's logits. The
+reference gradient is the gradient of the sum of both parts.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+import contextlib
+from typing import Any, Iterable, Iterator
 
 import torch
 
 from megatron_ga_ext.verify.layouts import GlobalBatch, Layout
 from megatron_ga_ext.verify.models import (
+    KINDS,
+    POSITIONWISE_GPT,
     ModelConfig,
     build_gpt,
     build_positionwise,
@@ -101,27 +112,29 @@ def _build(model: ModelConfig, kind: str, device: str):
     if kind == "positionwise":
         module, names = build_positionwise(model, config)
     else:
-        module, names = build_gpt(model, config, pre_process=True, post_process=True)
+        module, names = build_gpt(model, config, pre_process=True, post_process=True,
+                                  positionwise=kind in POSITIONWISE_GPT)
     return module.to(device), names
 
 
-def _set_aux_scale(scale: float | None) -> None:
-    """The weight megatron's autoscalers give the auxiliary losses attached in the next forward; None
-    leaves them unset, as a new process has them (the schedule sets its own, of shape [1])."""
+def _set_aux_scale(scale: float | None, mtp: float | None = None) -> None:
+    """The weight megatron's autoscalers give the auxiliary losses attached in the next forward (``mtp``: MTP's,
+    if it differs from MoE's); None leaves them unset, as a new process has them (the schedule sets its own, of
+    shape [1])."""
     from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
 
-    scalers = [MoEAuxLossAutoScaler]
+    scalers = [(MoEAuxLossAutoScaler, scale)]
     try:
         from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
-        scalers.append(MTPLossAutoScaler)
+        scalers.append((MTPLossAutoScaler, scale if mtp is None else mtp))
     except ImportError:  # a release without MTP
         pass
-    for scaler in scalers:
-        if scale is None:
+    for scaler, value in scalers:
+        if value is None:
             scaler.main_loss_backward_scale = None
         else:
-            scaler.set_loss_scale(torch.tensor([scale]))
+            scaler.set_loss_scale(torch.tensor([value]))
 
 
 def _forward(module: torch.nn.Module, batch: GlobalBatch, rows: list[int] | slice, device: str,
@@ -146,15 +159,97 @@ def _lm_grads(module: torch.nn.Module, names: dict[str, str], batch: GlobalBatch
 
 def _aux_grads(module: torch.nn.Module, names: dict[str, str], batch: GlobalBatch, layout: Layout,
                mode: str) -> Grads:
-    """grad of sum_u weight_u * alpha * aux_u (module docstring), one forward per unit, LM loss at weight 0."""
+    """grad of the auxiliary part of the reference (module docstring), the LM loss at weight 0: MoE's terms
+    (MTP's at weight 0), then MTP's (MoE's at weight 0)."""
+    extra = KINDS[layout.model]
+    out: Grads = {}
+    if extra.get("num_moe_experts"):
+        moe = _global_aux_grads if extra["moe_router_load_balancing_type"] == "global_aux_loss" else _moe_grads
+        out = moe(module, names, batch, layout, mode)
+    if extra.get("mtp_num_layers"):
+        out = _plus(out, _mtp_grads(module, names, batch, layout, mode))
+    return out
+
+
+def _unit_weight(batch: GlobalBatch, rows: list[int], num_units: int, mode: str) -> float:
+    """n_u / N (token) or 1 / U (mean of means)."""
+    return float(batch.loss_mask[rows].sum() / batch.loss_mask.sum()) if mode == "token" else 1.0 / num_units
+
+
+def _moe_grads(module, names, batch, layout, mode) -> Grads:
+    """One forward per unit, its MoE terms at the unit's weight."""
     device = next(module.parameters()).device
-    total = float(batch.loss_mask.sum())
     units = layout.unit_samples()
     out: Grads = {}
     for rows in units:
-        n_u = float(batch.loss_mask[rows].sum())
-        _set_aux_scale(n_u / total if mode == "token" else 1.0 / len(units))
+        _set_aux_scale(_unit_weight(batch, rows, len(units), mode), mtp=0.0)
         losses = _forward(module, batch, rows, device, padding=(mode == "token"))
+        out = _plus(out, _grad(module, names, (losses * 0.0).sum()))
+    return out
+
+
+def _global_aux_grads(module, names, batch, layout, mode) -> Grads:
+    """global_aux_loss: one forward per micro-batch m over every DP rank's rows, in order from a fresh tracker (the
+    router averages m's counts over the micro-batches so far), each row's router-logit gradient times its unit's
+    weight."""
+    device = next(module.parameters()).device
+    routers = [m for m in module.modules() if hasattr(m, "reset_global_aux_loss_tracker")]
+    for router in routers:
+        router.reset_global_aux_loss_tracker()
+    units = layout.unit_samples()
+    per_microbatch = len(units) // layout.num_microbatches
+    out: Grads = {}
+    _set_aux_scale(1.0, mtp=0.0)
+    for m in range(layout.num_microbatches):
+        unit_rows = units[m * per_microbatch:(m + 1) * per_microbatch]
+        rows = [row for unit in unit_rows for row in unit]
+        weights = torch.tensor([_unit_weight(batch, unit, len(units), mode) for unit in unit_rows for _ in unit])
+        with _row_weighted(routers, weights.to(device)):
+            losses = _forward(module, batch, rows, device, padding=(mode == "token"))
+            out = _plus(out, _grad(module, names, (losses * 0.0).sum()))
+    return out
+
+
+@contextlib.contextmanager
+def _row_weighted(routers: list[torch.nn.Module], weights: torch.Tensor) -> Iterator[None]:
+    """The load-balancing loss passes its gradient back through each token of row b times ``weights[b]`` (its
+    value unchanged: ``p w + (p (1 - w)).detach()`` on the router probabilities it is given, tokens [S x B] in
+    megatron's sequence-major order), and counts over this process alone: the routers' TP x DP x CP group is
+    their TP x CP one, of size 1 here (the reference runs on every rank of a launch, whose DP group spans them)."""
+    from megatron.core.transformer.moe import router as router_module
+
+    original = router_module.switch_load_balancing_loss_func
+
+    def weighted(*, probs: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        w = weights.repeat(probs.shape[0] // weights.numel())[:, None]
+        return original(probs=probs * w + (probs * (1 - w)).detach(), **kwargs)
+
+    groups = [router.tp_dp_cp_group for router in routers]
+    router_module.switch_load_balancing_loss_func = weighted
+    for router in routers:
+        router.tp_dp_cp_group = router.tp_cp_group
+    try:
+        yield
+    finally:
+        router_module.switch_load_balancing_loss_func = original
+        for router, group in zip(routers, groups):
+            router.tp_dp_cp_group = group
+
+
+def _mtp_grads(module, names, batch, layout, mode) -> Grads:
+    """Token: one forward of the whole batch, MTP's mean over its M rolled tokens weighted M / N; mean of means:
+    one forward per unit at 1 / U."""
+    device = next(module.parameters()).device
+    if mode == "token":
+        rolled = float(batch.loss_mask[:, 1:].sum())  # depth 1: the roll drops each sequence's first position
+        _set_aux_scale(0.0, mtp=rolled / float(batch.loss_mask.sum()))
+        losses = _forward(module, batch, slice(None), device, padding=False)
+        return _grad(module, names, (losses * 0.0).sum())
+    units = layout.unit_samples()
+    out: Grads = {}
+    for rows in units:
+        _set_aux_scale(0.0, mtp=1.0 / len(units))
+        losses = _forward(module, batch, rows, device, padding=False)
         out = _plus(out, _grad(module, names, (losses * 0.0).sum()))
     return out
 
