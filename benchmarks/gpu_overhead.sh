@@ -29,19 +29,22 @@ MODEL=(--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 
        --train-iters "$ITERS" --log-interval 1 --eval-iters 0 --eval-interval 1000000 --eod-mask-loss
        --calculate-per-token-loss --distributed-backend nccl --seed 1234)
 
-run() {  # run NAME SCRIPT GA [extra flags...]
-  local name=$1 script=$2 ga=$3; shift 3
+UPSTREAM=("$MEGATRON_LM/pretrain_gpt.py")
+EXTENSION=(-m megatron_ga_ext "$MEGATRON_LM/pretrain_gpt.py")  # the drop-in entry: pretrain_gpt.py unmodified
+run() {  # run NAME GA PROGRAM... -- [extra flags...]
+  local name=$1 ga=$2 program=(); shift 2
+  while [ "$1" != -- ]; do program+=("$1"); shift; done; shift
   echo "== $name, GA $ga" >&2
   (cd "$MEGATRON_LM" && PYTHONPATH="$HERE:$MEGATRON_LM" "$PYTHON" -m torch.distributed.run --nproc-per-node 1 \
-     "$script" "${MODEL[@]}" --global-batch-size "$ga" "$@") > "$LOGS/$name-$ga.log" 2>&1 \
+     "${program[@]}" "${MODEL[@]}" --global-batch-size "$ga" "$@") > "$LOGS/$name-$ga.log" 2>&1 \
      || { tail -n 40 "$LOGS/$name-$ga.log" >&2; exit 1; }
 }
 
 for ga in $GA_VALUES; do
   # Interleaved per GA, so the three see the same machine state.
-  run upstream "$MEGATRON_LM/pretrain_gpt.py" "$ga"
-  run extension "$HERE/examples/pretrain_gpt_ga.py" "$ga"
-  run extension_async "$HERE/examples/pretrain_gpt_ga.py" "$ga" --ga-checks async
+  run upstream "$ga" "${UPSTREAM[@]}" --
+  run extension "$ga" "${EXTENSION[@]}" --
+  run extension_async "$ga" "${EXTENSION[@]}" -- --ga-checks async
 done
 
 "$PYTHON" - "$LOGS" "$OUT" "$WARMUP" "$IMPL" $GA_VALUES <<'EOF'

@@ -304,3 +304,35 @@ def test_setup_installs_the_folder_offline_over_this_pythons_torch(wheel_folder,
     assert f"megatron.core {gpu_check.primary_pin()}: {venv}" in done.stdout
     assert f"megatron_ga_ext {VERSION}: {venv}" in done.stdout and "torch " in done.stdout
     assert list((tree / "megatron" / "core" / "datasets").glob("helpers_cpp*.so"))
+
+
+# -- the benchmark step's launches ------------------------------------------------------------------------------------
+
+def test_gpu_overhead_launches_upstream_and_the_extension_through_the_drop_in_entry(tmp_path):
+    """benchmarks/gpu_overhead.sh under a python that records each launch (it needs CUDA to run them)."""
+    record, final = tmp_path / "launches", tmp_path / "final"
+    python = fake_python(tmp_path / "python", f"""case "$1" in
+  -c) case "$2" in *transformer_engine*) exit 1;; *) exit 0;; esac;;
+  -m) echo "$PWD|$PYTHONPATH|$*" >> {record}; echo "elapsed time per iteration (ms): 100.0"; exit 0;;
+  -) cat > /dev/null; echo "$*" > {final}; exit 0;;
+esac
+exit 3""")
+    source = tmp_path / "megatron-lm"
+    source.mkdir()
+    out = tmp_path / "results" / "overhead.json"
+    done = subprocess.run(["bash", "benchmarks/gpu_overhead.sh", str(source)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHON": python, "OUT": str(out),
+                                                      "ITERS": "3", "WARMUP": "1", "GA_VALUES": "8 32"})
+    assert done.returncode == 0, done.stderr
+    launches = [line.split("|") for line in record.read_text().splitlines()]
+    assert {(cwd, path) for cwd, path, _ in launches} == {(str(source), f"{ROOT}:{source}")}
+    script = str(source / "pretrain_gpt.py")
+    runner = "-m torch.distributed.run --nproc-per-node 1"
+    programs = [argv.split(" --num-layers")[0] for _, _, argv in launches]
+    assert programs == [f"{runner} {script}", f"{runner} -m megatron_ga_ext {script}",
+                        f"{runner} -m megatron_ga_ext {script}"] * 2
+    assert [argv.split("--global-batch-size ")[1] for _, _, argv in launches] == [
+        "8", "8", "8 --ga-checks async", "32", "32", "32 --ga-checks async"]
+    assert all("--train-iters 3 " in argv and "--transformer-impl local " in argv for _, _, argv in launches)
+    logs = final.read_text().split()[1]
+    assert final.read_text().split()[2:] == [str(out), "1", "local", "8", "32"] and logs.startswith("/")
