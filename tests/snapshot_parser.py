@@ -14,6 +14,8 @@ import sys
 import types
 from pathlib import Path
 
+from megatron_ga_ext.integration.compat import UPSTREAM
+
 
 class _Stub(types.ModuleType):
     def __getattr__(self, name):
@@ -86,6 +88,10 @@ def option_strings(parser: argparse.ArgumentParser) -> list[str]:
 
 
 def release(name: str) -> tuple[int, ...]:
-    """core_v0.18.2 -> (0, 18, 2); a main-branch commit sorts after every release."""
+    """core_v0.18.2 -> (0, 18, 2); a main-branch commit sorts after every release, the tested ones in the order of
+    compat.UPSTREAM (a ref, or a snapshot directory named after it), any other after them."""
     match = re.search(r"core_v(\d+)\.(\d+)\.(\d+)$", Path(name).name)
-    return tuple(int(g) for g in match.groups()) if match else (99,)
+    if match:
+        return tuple(int(g) for g in match.groups())
+    mains = [u.ref for u in UPSTREAM if not u.is_release]
+    return (99, next((i for i, ref in enumerate(mains) if Path(name).name.endswith(ref)), len(mains)))

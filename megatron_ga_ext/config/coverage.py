@@ -205,6 +205,9 @@ MOE_MTP = "tests/e2e/test_moe_mtp.py::"
 FAULTS = "tests/e2e/test_faults.py::"
 GPU_GRAPHS = "tests/gpu/test_cuda_graphs.py::"
 VERIFY = "tests/test_verify.py::test_verify_command_end_to_end"
+PACKING = "tests/test_packing_scheduler.py::test_upstream_train_step_with_the_packing_scheduler_through_install"
+PACKING_E2E = "tests/e2e/test_packing.py::test_pretrain_gpt_trains_the_schedulers_packed_steps"
+PACKING_FAULT = "tests/e2e/test_packing.py::test_a_pp_multiplied_packed_count_is_stopped"
 TOKEN_LOOP = (Proof(test=E2E + "test_token_mode_equals_upstream_per_token_loss[dp2]"),
               Proof(test=E2E + "test_token_mode_equals_upstream_per_token_loss[pp2dp2]"))
 MOE_LOOP = (Proof(test=MOE_MTP + "test_moe_token_mode_counts_loss_tokens[EP 1 allgather]"),
@@ -471,6 +474,30 @@ ROWS: tuple[Row, ...] = (
         given="packed sequences (THD: --sft, --dataloader-inter-document-masking)", support="limited",
         text=f"each micro-batch's loss mask still counts its loss tokens, so N and its checks hold; {NOT_YET}.",
         applies=lambda s: s.on("sft") or s.on("dataloader_inter_document_masking")),
+    # the sequence-packing scheduler in the loop (main after d98e8a64, #6742)
+    Row(id="sequence-packing-scheduler", flags=("--sequence-packing-scheduler", "--use-varlen-dataset"),
+        given="--sequence-packing-scheduler dp_balanced (--use-varlen-dataset selects it; main after d98e8a64)",
+        support="limited",
+        text="train_step repacks each step's GBS samples into THD micro-batches of the scheduler's own number "
+        "(wrap_data_iterator) and calls the schedule with it: the micro-batch guard follows that count for each call "
+        "(an integer >= 1, the one the scheduler returned; a call with another is stopped before it reads the packed "
+        "iterator), consumed samples and the learning rate still advance by exactly GBS per step (guarded), and N "
+        "sums the loss tokens of every packed micro-batch. Proven on the CPU at DP 2 and PP 2 x DP 2: upstream's "
+        "train_step and scheduler (a position-wise model: the gradient equals the unpartitioned token-level one), and "
+        "pretrain_gpt.py equal to upstream's own per-token run, with two stand-ins for Transformer Engine "
+        "(TransformerConfig requires TE >= 2.9 for the scheduler, and the local attention refuses packed sequences, "
+        "so it attends a packed micro-batch as one sequence); TE's THD attention, MoE, VPP and CP under the scheduler "
+        "are not run.",
+        proofs=(Proof(test=PACKING), Proof(test=PACKING_E2E + "[dp2]"), Proof(test=PACKING_E2E + "[pp2dp2]"),
+                Proof(test=PACKING_FAULT)),
+        applies=lambda s: s.value("sequence_packing_scheduler") is not None
+        or (s.on("use_varlen_dataset") and not s.on("varlen_sbhd_validation"))),
+    Row(id="varlen-sbhd-validation", flags=("--varlen-sbhd-validation",),
+        given="--use-varlen-dataset --varlen-sbhd-validation", support="limited",
+        text="no packing scheduler runs (Megatron refuses one there): samples are right-padded to --seq-length and "
+        "each micro-batch's loss mask counts its loss tokens, as for any dataset, so the guards and N hold; it needs a "
+        f"real dataset (Megatron refuses --mock-data there); {NOT_YET}.",
+        applies=lambda s: s.on("use_varlen_dataset") and s.on("varlen_sbhd_validation")),
     # the step and the schedule
     Row(id="iterations-to-skip", flags=("--iterations-to-skip",), given="--iterations-to-skip", support="limited",
         text="a listed iteration runs no forward/backward: its stage's global batch is consumed without training, "

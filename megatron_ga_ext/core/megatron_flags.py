@@ -42,7 +42,8 @@ class Option:
     """A switch that also has ``--no-<name>`` (argparse's BooleanOptionalAction)."""
     help: str = ""
     since: str | None = None
-    """The first tested Megatron release whose parser defines the flag (None: all of them)."""
+    """The first tested Megatron source whose parser defines the flag, by its ref in compat.UPSTREAM: a release tag
+    (``core_v0.18.2``) or a main-branch commit (``e8fef4ebb23e``, after every release) (None: all of them)."""
 
     @property
     def spellings(self) -> tuple[str, ...]:
@@ -145,6 +146,12 @@ COVERED_OPTIONS = (
     switch("--sft", "sft"),
     switch("--dataloader-inter-document-masking", "dataloader_inter_document_masking", since="core_v0.19.0"),
     Option(flag="--iterations-to-skip", dest="iterations_to_skip", type=str, nargs="+", default=()),
+    # main after d98e8a64 (#6742): the sequence-packing scheduler in the training loop
+    Option(flag="--sequence-packing-scheduler", dest="sequence_packing_scheduler", type=str, choices=("dp_balanced",),
+           since="e8fef4ebb23e"),
+    switch("--use-varlen-dataset", "use_varlen_dataset", since="e8fef4ebb23e",
+           help="selects --sequence-packing-scheduler dp_balanced, unless --varlen-sbhd-validation"),
+    switch("--varlen-sbhd-validation", "varlen_sbhd_validation", since="e8fef4ebb23e"),
     switch("--fp16", "fp16"),
     switch("--bf16", "bf16"),
 )

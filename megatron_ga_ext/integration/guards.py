@@ -19,6 +19,7 @@ the global batch size", with the numbers.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from megatron_ga_ext.core.rules import require_count
@@ -40,8 +41,8 @@ def _pp_note(got: int, expected: int, pipeline_model_parallel_size: int) -> str:
 
 
 def check_microbatch_counts(
-    counts: dict[object, int], num_microbatches: int, expected: int | None, pipeline_model_parallel_size: int | None = 1,
-    *, scheduled: bool = False,
+    counts: dict[object, int], num_microbatches: int, expected: int | None,
+    pipeline_model_parallel_size: int | None = 1, *, scheduled: bool = False,
 ) -> None:
     """Raise :class:`GuardError` unless every chunk ran ``num_microbatches`` forward steps and that
     equals ``expected`` = GBS / (MBS x DP) from the calculator (None: not known, not checked), or with ``scheduled``
@@ -75,10 +76,12 @@ def check_scheduled_count(num_microbatches: int, scheduled: int) -> None:
     read past the packed iterator."""
     if num_microbatches == scheduled:
         return
+    pp = current_pipeline_size() if "megatron.core.parallel_state" in sys.modules else 1
     raise GuardError(
         f"forward_backward_func was called with num_microbatches={num_microbatches}, but {SCHEDULER} packed this "
         f"step's samples into {scheduled} micro-batches (wrap_data_iterator returned {scheduled}), and its data "
-        f"iterator holds exactly those. Pass the count wrap_data_iterator returns, as Megatron's train_step does.")
+        f"iterator holds exactly those. {_pp_note(num_microbatches, scheduled, pp)}Pass the count wrap_data_iterator "
+        f"returns, as Megatron's train_step does.")
 
 
 def check_consumed_advance(
