@@ -479,6 +479,7 @@ def command_setup(args: argparse.Namespace) -> int:
             "".join(f"import site; site.addsitedir({p!r})\n" for p in site.getsitepackages()))
         print(f"setup: {sys.prefix} is a venv: its site-packages added to the new one", flush=True)
     vpy = str(venv / "bin" / "python")
+    _python3_config(venv)
     # Every wheel into the venv, whatever the image has. Not from the checkout: pip would take its egg-info for an
     # installed megatron-ga-ext.
     _echo([vpy, "-m", "pip", "install", "--no-index", "--find-links", str(folder), "--no-deps", "--no-compile",
@@ -494,6 +495,20 @@ def command_setup(args: argparse.Namespace) -> int:
     _echo([vpy, str(THIS), "check-venv", "--megatron-lm", str(tree)], cwd=venv,
           env={**os.environ, "PYTHONWARNINGS": "ignore"})  # megatron-core's warnings about TE and Apex
     return 0
+
+
+def _python3_config(venv: Path) -> None:
+    """pretrain_gpt.py runs `make` in megatron/core/datasets on rank 0, whose Makefile names its target by
+    `python3-config --extension-suffix`; a venv has no python3-config, and another Python's would name another file.
+    This one names the file check-venv puts there, so that make finds it built and compiles nothing."""
+    config = venv / "bin" / "python3-config"
+    config.write_text(f"""#!/bin/sh
+# gpu_check.py: the extension suffix of this venv's python, for megatron/core/datasets/Makefile.
+[ "$1" = --extension-suffix ] && exec {shlex.quote(str(venv / "bin" / "python"))} -c \\
+  'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))'
+echo "python3-config (gpu_check.py): only --extension-suffix" >&2; exit 1
+""")
+    config.chmod(0o755)
 
 
 def _echo(command: list[str], cwd: Path = ROOT, env: dict[str, str] | None = None) -> str:
@@ -535,7 +550,7 @@ def command_check_venv(args: argparse.Namespace) -> int:
         source = target / "helpers.cpp"
         if source.is_file() and source.read_bytes() == (datasets / "helpers.cpp").read_bytes():
             if not (target / built.name).exists():
-                shutil.copy2(built, target / built.name)
+                shutil.copy(built, target / built.name)  # newer than helpers.cpp: make leaves it
                 print(f"  {built.name}: the wheel's, into {target}")
     return 0
 
