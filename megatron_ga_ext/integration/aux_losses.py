@@ -120,8 +120,9 @@ def aux_summary(config: TransformerConfig, mode: str) -> str | None:
         how = ("MoE routes without a padding mask under quantile balancing (upstream's router refuses one), so its "
                "terms count every routed position, as upstream's --calculate-per-token-loss does")
     elif mode == "token":
-        how = ("each micro-batch's term computed over its loss tokens (MoE routes with padding_mask = loss_mask "
-               "== 0) and weighted by its share n_u / N of the global batch's loss tokens")
+        how = ("MoE: each micro-batch's terms over its loss tokens (routed with padding_mask = loss_mask == 0, the "
+               "router's counts over its TP x CP group) and weighted by its share n_u / N of the global batch's loss "
+               "tokens; MTP: every MTP token weighs its scaling factor / N")
     else:
         how = "each micro-batch's term over all its positions, weighted 1 / (num_microbatches x DP), as upstream"
     return f"megatron-ga-ext {mode} mode, auxiliary losses: {', '.join(terms)}: {how}."
