@@ -27,6 +27,7 @@ A source without the scheduler skips it; the unit tests run everywhere.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 import sys
@@ -145,12 +146,13 @@ def test_check_without_the_extension_says_nothing_of_the_scheduler(capsys):
 
 
 def _has_scheduler_in_train_step() -> bool:
-    """The source's train_step runs the packing scheduler (Megatron-LM main after d98e8a64)."""
-    try:
-        from megatron.training import training
-    except Exception:  # noqa: BLE001 - no Megatron-LM training package (a megatron-core wheel), or it cannot load
+    """The source's train_step runs the packing scheduler (Megatron-LM main after d98e8a64). Read, not imported:
+    this process runs other tests, which must not find megatron.training loaded (the ranks import it)."""
+    spec = importlib.util.find_spec("megatron.core")
+    if spec is None or spec.origin is None:
         return False
-    return "wrap_data_iterator" in vars(training)
+    training = Path(spec.origin).parents[1] / "training" / "training.py"  # none beside a megatron-core wheel
+    return training.exists() and "wrap_data_iterator(data_iterator, config" in training.read_text()
 
 
 def _samples(step: int) -> list[dict]:
