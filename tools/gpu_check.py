@@ -469,7 +469,8 @@ def command_setup(args: argparse.Namespace) -> int:
               f"{sys.version.split()[0]} ({sys.executable})", file=sys.stderr)
         return 1
     wheels = read_wheel_list()
-    _echo([sys.executable, "-m", "venv", "--clear", "--system-site-packages", str(venv)])
+    # No pip of its own: the image's (through its site-packages) installs into it, and ensurepip is not needed.
+    _echo([sys.executable, "-m", "venv", "--clear", "--system-site-packages", "--without-pip", str(venv)])
     if sys.prefix != sys.base_prefix:
         # This python is itself a venv (the image's is /opt/torch/.venv): --system-site-packages reaches the
         # interpreter below it, not this venv's site-packages, where torch is. A .pth file adds them (and runs their
@@ -480,6 +481,8 @@ def command_setup(args: argparse.Namespace) -> int:
         print(f"setup: {sys.prefix} is a venv: its site-packages added to the new one", flush=True)
     vpy = str(venv / "bin" / "python")
     _python3_config(venv)
+    if subprocess.run([vpy, "-m", "pip", "--version"], cwd=venv, capture_output=True).returncode != 0:
+        _echo([vpy, "-m", "ensurepip", "--default-pip"], cwd=venv)
     # Every wheel into the venv, whatever the image has. Not from the checkout: pip would take its egg-info for an
     # installed megatron-ga-ext.
     _echo([vpy, "-m", "pip", "install", "--no-index", "--find-links", str(folder), "--no-deps", "--no-compile",
@@ -526,22 +529,23 @@ def command_check_venv(args: argparse.Namespace) -> int:
     pretrain_gpt.py need not compile them there)."""
     import importlib
     import importlib.metadata
+    import importlib.util
 
-    for name in ("torch", "megatron.core", "megatron_ga_ext", "pytest", "hypothesis", "einops"):
-        module = importlib.import_module(name)
-        distribution = {"megatron.core": "megatron-core", "megatron_ga_ext": "megatron-ga-ext"}.get(name, name)
-        print(f"  {name} {importlib.metadata.version(distribution)}: {Path(module.__file__).parent}")
-    if importlib.metadata.version("megatron-core") != primary_pin():
-        print(f"check-venv: megatron-core is {importlib.metadata.version('megatron-core')}, not {primary_pin()}",
-              file=sys.stderr)
-        return 1
-    installed = Path(importlib.import_module("megatron_ga_ext").__file__).parent
+    installed = Path(importlib.util.find_spec("megatron_ga_ext").origin).parent
     if not installed.is_relative_to(sys.prefix):
         print(f"check-venv: megatron_ga_ext is {installed}, not the venv's wheel", file=sys.stderr)
         return 1
     stale = _differences(installed, ROOT / "megatron_ga_ext")
     if stale:  # the tests run the checkout, verify the wheel: they must be the same code
         print(f"check-venv: the wheel is not this checkout (rebuild it: make gpu-wheels): {', '.join(stale)}",
+              file=sys.stderr)
+        return 1
+    for name in ("torch", "megatron.core", "megatron_ga_ext", "pytest", "hypothesis", "einops"):
+        module = importlib.import_module(name)
+        distribution = {"megatron.core": "megatron-core", "megatron_ga_ext": "megatron-ga-ext"}.get(name, name)
+        print(f"  {name} {importlib.metadata.version(distribution)}: {Path(module.__file__).parent}")
+    if importlib.metadata.version("megatron-core") != primary_pin():
+        print(f"check-venv: megatron-core is {importlib.metadata.version('megatron-core')}, not {primary_pin()}",
               file=sys.stderr)
         return 1
     datasets = Path(importlib.import_module("megatron.core.datasets").__file__).parent
