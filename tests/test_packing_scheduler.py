@@ -297,6 +297,7 @@ def _packed_rank_main() -> dict:  # noqa: PLR0915 - one training run, read top t
     result = {"rows": rows, "increments": increments, "errors": errors, "hooked": hooked,
               "installed": installed() is state}
     megatron_ga_ext.uninstall()
+    result["restored"] = getattr(training.wrap_data_iterator, "__wrapped__", None) is None
     return result
 
 
@@ -341,7 +342,7 @@ def test_upstream_train_step_with_the_packing_scheduler_through_install():
         assert row["N"] == expected_tokens, row  # N over the packed step = the loss tokens of its GBS samples
         assert row["rel_err"] < 1e-6, row  # the packed step's gradient is the unpartitioned token-level one
     assert result["increments"] == [GBS] * len(rows)  # the learning rate advances by GBS samples per step
-    (first, first_error), (second, second_error) = result["errors"]
+    assert result["hooked"] and result["installed"] and result["restored"], result
+    (_, first_error), (_, second_error) = result["errors"]
     assert first_error and "packed this step's samples into" in first_error, result["errors"]
     assert second_error and "packed this step's samples into" in second_error, result["errors"]
-    print(json.dumps(result, indent=1))
