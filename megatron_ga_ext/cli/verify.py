@@ -44,6 +44,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         help=f"largest relative gradient error that passes (default {TOLERANCE:g}, fp32)")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds allowed for each launch (default 300)")
+    parser.add_argument("--fuzz", type=int, metavar="N",
+                        help="instead of the default layouts, N layouts drawn at random (TP, PP, VPP, CP, EP, DP, MBS, GA, "
+                             "MoE balancing types, MTP, overlap, distributed optimizer; uneven loss tokens), each "
+                             "against the unpartitioned reference (verify/fuzz.py)")
+    parser.add_argument("--seed", type=int, default=0, help="--fuzz: the seed of the draws (default 0)")
+    parser.add_argument("--draw", type=int, metavar="K", help="--fuzz: run draw K of the seed alone")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     _quiet_upstream()
     versions = _import_upstream()
+    if args.fuzz is not None:
+        return _fuzz(args, versions, start)
     from megatron_ga_ext.verify.launches import launch_all  # imports torch and megatron-core
     from megatron_ga_ext.verify.layouts import DEFAULT_LAYOUTS, DEFAULT_LENGTHS
 
@@ -76,6 +84,84 @@ def run(args: argparse.Namespace) -> int:
     aux_ok = all(r["error"] <= args.tolerance for r in aux_rows if r["variant"] == AFTER)
     _report(rows, aux_rows, skipped, args, expected_num_tokens, time.perf_counter() - start)
     return 0 if all(row["ok"] for row in rows) and aux_ok else 1
+
+
+def _fuzz(args: argparse.Namespace, versions: str, start: float) -> int:
+    """``--fuzz N``: the draws of ``--seed`` (or draw ``--draw`` alone), one launch per world size; 0 when every draw
+    that ran passes, 1 otherwise."""
+    if args.fuzz < 1 or (args.draw is not None and not 0 <= args.draw < args.fuzz):
+        raise VerifyError(f"--fuzz {args.fuzz} --draw {args.draw}: --fuzz takes N >= 1 draws, and --draw K one of "
+                          f"them (0 <= K < N).")
+    from megatron_ga_ext.testing.distributed import LaunchConfig, run_on_ranks
+    from megatron_ga_ext.verify.fuzz import draw_layouts, run_draws
+
+    draws = draw_layouts(args.fuzz, args.seed)
+    draws = [draws[args.draw]] if args.draw is not None else draws
+    print(f"megatron-ga verify --fuzz {args.fuzz} --seed {args.seed}: {versions}, device {args.device}",
+          file=sys.stderr)
+    by_world: dict[int, list] = defaultdict(list)
+    for draw in _runnable_draws(draws, args.device):
+        by_world[draw.layout.world_size].append(draw)
+    launch = LaunchConfig(backend="gloo" if args.device == "cpu" else "nccl", timeout_s=args.timeout)
+    rows = []
+    for world_size in sorted(by_world):
+        print(f"launching {world_size} rank(s): {len(by_world[world_size])} draw(s)", file=sys.stderr, flush=True)
+        try:
+            per_rank = run_on_ranks(run_draws, world_size, (tuple(by_world[world_size]), args.device), launch)
+        except Exception as exc:  # noqa: BLE001 - a launch that fails fails its draws, the next launch runs
+            rows += [_draw_row(draw, None, f"launch failed: {type(exc).__name__}: {exc}", args) for draw in
+                     by_world[world_size]]
+            continue
+        for verdicts in zip(*per_rank):
+            rows.append(_draw_row(verdicts[0].draw, verdicts, None, args))
+    _report_fuzz(rows, args, time.perf_counter() - start)
+    return 0 if all(row["verdict"] in ("ok", "limited") for row in rows) else 1
+
+
+def _runnable_draws(draws: list, device: str) -> list:
+    kept = _runnable(tuple(draw.layout for draw in draws), device)
+    return [draw for draw in draws if draw.layout in kept]
+
+
+def _draw_row(draw, verdicts, failure: str | None, args: argparse.Namespace) -> dict[str, Any]:
+    """One draw's row: the worst errors over ranks of its two modes, and its verdict."""
+    row = {"draw": draw.index, "layout": draw.layout.name, "micro_batch_size": draw.layout.micro_batch_size,
+           "lengths": list(draw.lengths), "rel_err_token": None, "rel_err_mean_of_means": None, "num_tokens": None,
+           "verdict": "FAIL", "reason": failure, "row": draw.row,
+           "rerun": f"megatron-ga verify --fuzz {args.fuzz} --seed {args.seed} --draw {draw.index}"}
+    if verdicts is None:
+        return row
+    limited = {v.limited for v in verdicts} - {None}
+    errors = {v.error for v in verdicts} - {None}
+    if limited:
+        return row | {"verdict": "limited", "reason": limited.pop()}
+    if errors:
+        return row | {"reason": sorted(errors)[0]}
+    results = {0: [list(v.results) for v in verdicts]}
+    mode_rows = {r["mode"]: r for r in rows_from_results(results, args.tolerance, sum(draw.lengths))}
+    return row | {"rel_err_token": mode_rows["token"]["rel_err_token"],
+                  "rel_err_mean_of_means": mode_rows["microbatch"]["rel_err_mean_of_means"],
+                  "num_tokens": mode_rows["token"]["num_tokens"],
+                  "verdict": "ok" if all(r["ok"] for r in mode_rows.values()) else "FAIL"}
+
+
+def _report_fuzz(rows: list[dict[str, Any]], args: argparse.Namespace, seconds: float) -> None:
+    if args.json:
+        print(json.dumps({"seed": args.seed, "draws": rows}, indent=2))
+        return
+    table = [[str(r["draw"]), r["layout"], str(r["micro_batch_size"]), str(sum(r["lengths"])),
+              "-" if r["rel_err_token"] is None else f"{r['rel_err_token']:.2e}",
+              "-" if r["rel_err_mean_of_means"] is None else f"{r['rel_err_mean_of_means']:.2e}", r["verdict"]]
+             for r in rows]
+    print_table(f"Drawn layouts (seed {args.seed}) against unpartitioned references",
+                ["draw", "layout", "MBS", "N", "token vs token ref", "microbatch vs its ref", "verdict"], table)
+    for r in rows:
+        if r["verdict"] != "ok":
+            print(f"draw {r['draw']} {r['verdict']}: {r['reason'] or 'a mode misses its reference'}\n"
+                  f"  row: {r['row']}\n  rerun: {r['rerun']}")
+    passed = sum(r["verdict"] == "ok" for r in rows)
+    limited = sum(r["verdict"] == "limited" for r in rows)
+    print(f"{passed} of {len(rows)} draws pass, {limited} limited (tolerance {args.tolerance:g}); {seconds:.1f} s")
 
 
 def _supported(layouts: list) -> tuple[list, list[dict[str, str]]]:

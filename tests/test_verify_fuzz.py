@@ -1,0 +1,93 @@
+"""``megatron-ga verify --fuzz``: the draws are valid and reproducible, a fixed seed passes, and with install()'s
+router-count correction disabled the fuzzer finds Megatron-LM #7452's defect (finding 10) itself."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megatron_ga_ext.verify.fuzz import MAX_WORLD, SEQ_LENGTH, draw_layouts
+
+
+def test_draws_are_reproducible_and_each_depends_on_its_index_alone():
+    assert draw_layouts(20, seed=3) == draw_layouts(20, seed=3)
+    assert draw_layouts(20, seed=3)[:5] == draw_layouts(5, seed=3)
+    assert draw_layouts(5, seed=3) != draw_layouts(5, seed=4)
+
+
+def test_every_draw_is_a_layout_megatron_core_runs_on_the_cpu():
+    draws = draw_layouts(400, seed=0)
+    for draw in draws:
+        layout = draw.layout
+        assert layout.world_size <= MAX_WORLD, draw
+        assert len(draw.lengths) == layout.global_batch_size and all(1 <= n <= SEQ_LENGTH for n in draw.lengths)
+        if layout.context_parallel_size > 1:  # attention under CP needs Transformer Engine
+            assert layout.model in ("positionwise", "moe_positionwise"), draw
+        if "mtp" in layout.model:  # MTP's norms under sequence parallelism need Transformer Engine
+            assert layout.tensor_model_parallel_size == 1 and layout.pipeline_model_parallel_size == 1, draw
+        if layout.pipeline_model_parallel_size > 1:  # the interleaved schedule's rule, kept for every PP draw
+            assert layout.num_microbatches % layout.pipeline_model_parallel_size == 0, draw
+        if layout.expert_model_parallel_size > 1:
+            assert "moe" in layout.model and layout.data_parallel_size % layout.expert_model_parallel_size == 0
+    # the space is covered: every model, TP, PP with VPP, CP, EP, MBS 2, both DP-side options
+    models = {d.layout.model for d in draws}
+    assert models == {"gpt", "positionwise", "moe", "moe_seq", "moe_global", "moe_positionwise", "mtp", "moe_mtp"}
+    assert any(d.layout.tensor_model_parallel_size > 1 and "moe" in d.layout.model for d in draws)
+    assert any(d.layout.virtual_pipeline_model_parallel_size > 1 for d in draws)
+    assert any(d.layout.expert_model_parallel_size > 1 for d in draws)
+    assert any(d.layout.micro_batch_size > 1 for d in draws)
+    assert any(d.layout.overlap_grad_reduce and d.layout.distributed_optimizer for d in draws)
+    assert any(len(set(d.lengths)) > 1 for d in draws)
+
+
+def _verify(*args: str, script: str | None = None) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-c", script, *args] if script else [sys.executable, "-m", "megatron_ga_ext.cli",
+                                                                      "verify", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_a_fixed_seed_passes():
+    proc = _verify("--fuzz", "6", "--seed", "0", "--json", "--timeout", "300")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert [row["draw"] for row in sorted(out["draws"], key=lambda r: r["draw"])] == list(range(6))
+    for row in out["draws"]:
+        assert row["verdict"] in ("ok", "limited"), row
+        if row["verdict"] == "ok":
+            assert row["rel_err_token"] < 1e-5 and row["rel_err_mean_of_means"] < 1e-5
+            assert row["num_tokens"] == sum(row["lengths"])
+
+
+UNCORRECTED = """
+import sys
+from megatron_ga_ext.integration import training_hooks
+training_hooks.exact_token_counts = lambda original, state: original  # upstream's router counts
+from megatron_ga_ext.cli.main import main
+sys.exit(main(["verify", *sys.argv[1:]]))
+"""
+
+
+@pytest.mark.slow
+def test_the_fuzzer_finds_the_router_count_defect_without_the_correction():
+    """Draw 3 of seed 1 is TP 2 x GA 1 with MoE: with upstream's counts its token mode misses the reference, and the
+    failing draw prints its row and how to rerun it; microbatch mode (no padding mask) still passes."""
+    args = ("--fuzz", "12", "--seed", "1", "--draw", "3", "--timeout", "300")
+    proc = _verify(*args, script=UNCORRECTED)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "TP2 x DP1 x GA1 (MoE)" in proc.stdout and "FAIL" in proc.stdout
+    assert "row: Layout(data_parallel_size=1, num_microbatches=1, tensor_model_parallel_size=2" in proc.stdout
+    assert "rerun: megatron-ga verify --fuzz 12 --seed 1 --draw 3" in proc.stdout
+    assert "0 of 1 draws pass" in proc.stdout
+    fixed = _verify(*args)
+    assert fixed.returncode == 0 and "1 of 1 draws pass" in fixed.stdout, fixed.stdout[-3000:] + fixed.stderr[-2000:]
+
+
+def test_fuzz_arguments_are_checked(capsys):
+    from megatron_ga_ext.cli.main import main
+
+    assert main(["verify", "--fuzz", "3", "--draw", "5"]) == 2
+    assert "--fuzz takes N >= 1 draws, and --draw K one of them (0 <= K < N)" in capsys.readouterr().err
