@@ -157,7 +157,7 @@ def test_a_torch_without_cuda_exits_2_naming_it(tmp_path):
     done = tool("run", "--out", str(tmp_path), "--wheels", str(tmp_path / "none"), env=env)
     assert done.returncode == 2, done.stderr
     assert any(reason in done.stderr for reason in ("torch.cuda.is_available() is False", "has no torch", "lacks",
-                                                    "did not answer within 30 s")), done.stderr  # a loaded CPU
+                                                    "did not answer within")), done.stderr  # a loaded CPU
 
 
 def test_a_python_without_torch_exits_2_naming_it(tmp_path):

@@ -186,19 +186,19 @@ def steps(out: Path, python: str = sys.executable, folder: Path = WHEELS, venv: 
     pytest = [vpy, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     verify_s = 50
     return [
-        Step("cuda", 30, "torch sees a CUDA device (else: exit 2 at once, nothing run)", [python, "-c", PROBE]),
+        Step("cuda", 45, "torch sees a CUDA device (else: exit 2 at once, nothing run)", [python, "-c", PROBE]),
         Step("setup", 45, "venv over the image's torch; pip install --no-index the wheel folder; unpack Megatron-LM",
              [python, str(THIS), "setup", "--wheels", str(folder), "--venv", str(venv)]),
         Step("gpu-tests", 40, "tests/gpu but the CUDA-graph rows, every marker (the launch harness, on real CUDA)",
              [*pytest, "-m", "gpu or not gpu", "tests/gpu", "--ignore=tests/gpu/test_cuda_graphs.py",
               f"--junitxml={out / 'gpu-tests.xml'}"], junit="gpu-tests.xml"),
-        Step("cuda-graphs", 170, "the CUDA-graph rows in pretrain_gpt.py (marker gpu; the optimizer graph needs TE)",
+        Step("cuda-graphs", 165, "the CUDA-graph rows in pretrain_gpt.py (marker gpu; the optimizer graph needs TE)",
              [*pytest, "-m", "gpu", "tests/gpu/test_cuda_graphs.py", f"--junitxml={out / 'cuda-graphs.xml'}"],
              junit="cuda-graphs.xml"),
         Step("verify", verify_s, "megatron-ga verify --device cuda (the layouts of one GPU), against the reference",
              [str(venv / "bin" / "megatron-ga"), "verify", "--device", "cuda", "--json",
               "--timeout", str(verify_s - 10)], stdout="verify.json"),
-        Step("overhead", 135, "benchmarks/gpu_overhead.sh: upstream / extension / async, 350M GPT, side by side",
+        Step("overhead", 130, "benchmarks/gpu_overhead.sh: upstream / extension / async, 350M GPT, side by side",
              ["bash", "benchmarks/gpu_overhead.sh", str(megatron_lm(folder, read_wheel_list()))],
              env={"PYTHON": vpy, "OUT": str(out / "overhead.json"), "ITERS": os.environ.get("ITERS", "12"),
                   "WARMUP": os.environ.get("WARMUP", "4"), "GA_VALUES": os.environ.get("GA_VALUES", "8")}),
@@ -380,7 +380,8 @@ def no_cuda(step: Step) -> tuple[str | None, dict]:
         done = subprocess.run(step.command, capture_output=True, text=True, timeout=step.timeout_s,
                               stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
-        return f"no CUDA device: torch in {step.command[0]} did not answer within {step.timeout_s} s", {}
+        return (f"no CUDA device: torch in {step.command[0]} did not answer within {step.timeout_s} s (a hung "
+                f"driver, or a cold import slower than that)"), {}
     except OSError as exc:
         return f"cannot run {step.command[0]}: {exc}", {}
     if done.returncode != 0:
