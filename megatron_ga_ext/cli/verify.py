@@ -103,19 +103,26 @@ def _fuzz(args: argparse.Namespace, versions: str, start: float) -> int:
     for draw in _runnable_draws(draws, args.device):
         by_world[draw.layout.world_size].append(draw)
     launch = LaunchConfig(backend="gloo" if args.device == "cpu" else "nccl", timeout_s=args.timeout)
+    batches = [(world_size, draws[i:i + DRAWS_PER_LAUNCH]) for world_size, draws in sorted(by_world.items())
+               for i in range(0, len(draws), DRAWS_PER_LAUNCH)]
     rows = []
-    for world_size in sorted(by_world):
-        print(f"launching {world_size} rank(s): {len(by_world[world_size])} draw(s)", file=sys.stderr, flush=True)
+    for world_size, batch in batches:
+        print(f"launching {world_size} rank(s): draw(s) {', '.join(str(d.index) for d in batch)}", file=sys.stderr,
+              flush=True)
         try:
-            per_rank = run_on_ranks(run_draws, world_size, (tuple(by_world[world_size]), args.device), launch)
+            per_rank = run_on_ranks(run_draws, world_size, (tuple(batch), args.device), launch)
         except Exception as exc:  # noqa: BLE001 - a launch that fails fails its draws, the next launch runs
-            rows += [_draw_row(draw, None, f"launch failed: {type(exc).__name__}: {exc}", args) for draw in
-                     by_world[world_size]]
+            rows += [_draw_row(draw, None, f"launch failed: {type(exc).__name__}: {exc}", args) for draw in batch]
             continue
         for verdicts in zip(*per_rank):
             rows.append(_draw_row(verdicts[0].draw, verdicts, None, args))
     _report_fuzz(rows, args, time.perf_counter() - start)
     return 0 if all(row["verdict"] in ("ok", "limited") for row in rows) else 1
+
+
+#: Each draw builds megatron's process groups anew, and gloo keeps the threads of every group it made: a few draws
+#: per launch keep a rank's threads in the tens.
+DRAWS_PER_LAUNCH = 4
 
 
 def _runnable_draws(draws: list, device: str) -> list:

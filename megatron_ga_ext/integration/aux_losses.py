@@ -167,7 +167,8 @@ def exact_token_counts(original: Callable, state: Installation) -> Callable:
     n_u is upstream's own total where the counts are reduced over TP x CP (aux_loss, seq_aux_loss); for
     global_aux_loss (reduced over TP x DP x CP) this rank's count is summed over TP x CP (one all-reduce of one
     number, only where |TP x CP| > 1). Without a padding mask (microbatch mode, quantile balancing) upstream's
-    counts stand: it reads the routing map's shape, not the reduced counts."""
+    counts stand: it reads the routing map's shape, not the reduced counts. The total is clamped to 1: upstream
+    divides the load-balancing loss by its square, and a micro-batch without loss tokens would give NaN."""
     scales = router_scales_by_tp_cp()
 
     @functools.wraps(original)
@@ -185,7 +186,8 @@ def exact_token_counts(original: Callable, state: Installation) -> Callable:
                 import torch
 
                 torch.distributed.all_reduce(unit, group=group)
-        return tokens_per_expert, unit / group.size() if scales else unit, total
+        # A unit without loss tokens routes none: its load-balancing loss is 0, not upstream's 0 / 0 (NaN).
+        return tokens_per_expert, unit / group.size() if scales else unit, total.clamp(min=1)
 
     return counts
 

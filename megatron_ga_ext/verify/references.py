@@ -182,7 +182,10 @@ def _moe_grads(module, names, batch, layout, mode) -> Grads:
     units = layout.unit_samples()
     out: Grads = {}
     for rows in units:
-        _set_aux_scale(_unit_weight(batch, rows, len(units), mode), mtp=0.0)
+        weight = _unit_weight(batch, rows, len(units), mode)
+        if weight == 0:  # a unit without loss tokens has no term (upstream's router would divide 0 by 0)
+            continue
+        _set_aux_scale(weight, mtp=0.0)
         losses = _forward(module, batch, rows, device, padding=(mode == "token"))
         out = _plus(out, _grad(module, names, (losses * 0.0).sum()))
     return out
