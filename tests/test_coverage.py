@@ -47,6 +47,7 @@ class Refusal:
 
 
 MICROBATCH = {"loss_reduction": "microbatch"}
+SCHEDULE = ["--step-batch-size-schedule", "0:16 4096:32", "--train-samples", "160"]
 REFUSALS = [
     Refusal("full-iteration-graph-token", [*TOKEN, "--cuda-graph-impl", "full_iteration",
                                            "--no-check-for-nan-in-loss-and-grad"]),
@@ -64,6 +65,12 @@ REFUSALS = [
     Refusal("average-in-collective-token", [*TOKEN, "--ddp-average-in-collective"]),
     Refusal("yaml-cfg", [*TOKEN, "--yaml-cfg", "config.yaml"]),
     Refusal("rerun-report-stats", [*TOKEN, "--rerun-mode", "report_stats"]),
+    Refusal("gtp", [*TOKEN, "--tensor-parallel-num-weight-shards", "2"]),
+    Refusal("gtp", [*TOKEN, "--expert-tensor-parallel-num-weight-shards", "2", *EP_MOE], spelling="experts"),
+    Refusal("rl-context-parallel-token", [*TOKEN, "--perform-rl-step", "--context-parallel-size", "2"]),
+    Refusal("override-iteration-schedule", ["--override-ckpt-iteration", "10", *SCHEDULE], MICROBATCH),
+    Refusal("override-iteration-schedule", ["--freeze-all-layers", *SCHEDULE], MICROBATCH, spelling="freeze"),
+    Refusal("phase-transitions-schedule", ["--phase-transition-iterations", "10", *SCHEDULE], MICROBATCH),
 ]
 
 
@@ -271,13 +278,40 @@ def test_check_prints_refusals_as_problems_and_limits_as_notes(capsys):
     assert "  1. megatron-ga-ext refuses --use-torch-fsdp2 in token mode: " in out[problems:]
 
 
-def test_unclassified_lists_only_new_flags_the_table_does_not_name():
+def test_unclassified_lists_the_flags_neither_a_row_nor_the_off_path_list_names():
+    """Whether or not a tested parser has it: a flag is classified by a row (any spelling of it) or by a reason."""
     from megatron_ga_ext.config.coverage import unclassified
 
-    tested = {"--lr", "--micro-batch-size"}
-    checkout = {*tested, "--cuda-graph-impl", "--zz-new-step-path-flag", "--aa-new-flag"}
-    assert unclassified(checkout, tested) == ["--aa-new-flag", "--zz-new-step-path-flag"]
-    assert unclassified(tested, tested) == []
+    parser = {"--lr", "--micro-batch-size", "--cuda-graph-impl", "--no-rl-use-sequence-packing", "--qk-layernorm"}
+    assert unclassified(parser) == []
+    assert unclassified([*parser, "--zz-new-step-path-flag", "--aa-new-flag"]) == [
+        "--aa-new-flag", "--zz-new-step-path-flag"]
+
+
+@pytest.mark.parametrize("flags, row", [
+    ([*TOKEN, "--tensor-parallel-num-weight-shards", "2", "--tensor-model-parallel-size", "2"], None),  # no GTP
+    ([*TOKEN, "--qk-layernorm", "--tensor-model-parallel-size", "2"], "qk-layernorm"),
+    ([*TOKEN, "--qk-layernorm"], None),  # TP 1: each rank holds the whole q/k layernorm gradient
+    ([*TOKEN, "--grad-reduce-in-bf16", "--bf16"], "grad-reduce-bf16"),
+    ([*TOKEN, "--bf16", "--grad-reduce-in-bf16", "--ddp-param-name-patterns-for-fp32-local-accumulation", "*norm*"],
+     "fp32-local-accumulation"),
+    ([*TOKEN, "--non-persistent-save-interval", "5", "--save", "ckpt", "--save-interval", "100"],
+     "non-persistent-checkpoints"),
+    ([*TOKEN, "--sequence-parallel", "--tensor-model-parallel-size", "2"], "sequence-parallel"),
+    ([*TOKEN, "--num-experts", "4", "--moe-router-enable-expert-bias"], "router-expert-bias"),
+    ([*TOKEN, "--perform-rl-step"], "rl-step"),
+    ([*TOKEN, "--override-ckpt-iteration", "10"], None),  # a constant global batch: iteration x GBS is right
+    ([*SCHEDULE, "--lr-warmup-samples", "32"], "lr-schedule"),
+    ([*TOKEN, "--ddp-num-buckets", "4"], "grad-reduce-buckets"),
+])
+def test_the_new_rows_limit_or_leave_a_launch_as_their_text_says(flags, row, capsys):
+    """The on-path flags a row names: refused nowhere here, a note where the row's limit applies."""
+    status, report = check(capsys, flags)
+    assert status == 0 and report["problems"] == [], report["problems"]
+    if row is not None:
+        assert any(note.startswith(BY_ID[row].case + ": ") for note in report["notes"]), report["notes"]
+    else:
+        assert not [n for n in report["notes"] if "GTP" in n or "--qk-layernorm" in n or "override" in n]
 
 
 def test_a_refusal_stops_at_the_first_hook_after_megatron_parses_its_args(monkeypatch):

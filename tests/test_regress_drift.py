@@ -1,5 +1,5 @@
-"""``make regress``'s drift listing (tools/regress.py drift): a checkout's parser flags that the coverage table does
-not classify, the hooked functions whose source no tested source has, against the nearest tested source, and the
+"""``make regress``'s drift listing (tools/regress.py drift): a checkout's parser flags that neither a coverage row
+nor the off-path list names (whether or not a tested source's parser has them), the hooked functions whose source no tested source has, against the nearest tested source, and the
 callers of hooked functions that changed since that source."""
 
 import shutil
@@ -39,15 +39,17 @@ def test_an_unchanged_tree_matches_its_tested_source_and_a_changed_function_is_n
 
 
 def test_drift_lists_the_unclassified_flags_and_the_changed_functions(tmp_path, monkeypatch, capsys):
-    root, tested = checkout(tmp_path / "checkout"), tmp_path / "tested"
-    monkeypatch.setattr(regress, "sources", lambda given: [tested])
+    root = checkout(tmp_path / "checkout")
     monkeypatch.setattr(regress, "nearest_tree", lambda name: root)
     monkeypatch.setattr(regress, "parser_flags", lambda roots: {
-        root: ["--lr", "--cuda-graph-impl", "--zz-new-loss-flag"], tested: ["--lr"]})
+        root: ["--lr", "--cuda-graph-impl", "--zz-new-loss-flag", "--zz-old-but-unlisted"]})
     assert regress.drift([root]) == 0
     out = capsys.readouterr().out
-    assert "1 flag(s) of its parser that no tested source's parser has and the coverage table" in out
-    assert "  --zz-new-loss-flag\n" in out and "--cuda-graph-impl" not in out  # a row classifies it
+    assert "2 flag(s) of its parser that neither a row of the coverage table (config/coverage.py) nor the off-path " \
+           "list (config/off_path.py) names" in out
+    # a row names --cuda-graph-impl, the off-path list --lr; a flag is listed whoever else has it
+    assert "  --zz-new-loss-flag\n" in out and "  --zz-old-but-unlisted\n" in out
+    assert "--cuda-graph-impl" not in out and "  --lr\n" not in out
     assert "every hooked function's source is a tested one (nearest tested source: " in out
     assert "every caller of a hooked function is as in " in out
 
@@ -90,7 +92,7 @@ def test_drift_report_names_both_kinds():
                                   ["megatron.training.training:train_step"])
     assert report.splitlines() == [
         "== drift of main@abc against the tested sources ==",
-        "every flag of its parser is a tested source's or classified by the coverage table",
+        "every flag of its parser is named by a coverage row or the off-path list",
         "1 hooked function(s) whose source no tested source has (nearest tested source: 0.19.2); read the change, "
         "then add the source to compat.UPSTREAM (make fingerprints):",
         f"  {FINALIZE}.finalize_model_grads",

@@ -193,9 +193,10 @@ def drift_report(name: str, flags: list[str], nearest: str, changed: list[str], 
     """What ``make regress`` prints for a checkout: its unclassified flags, its changed hooked functions and the
     changed callers of hooked functions (``moved``; None where the nearest source's snapshot is not at hand)."""
     lines = [f"== drift of {name} against the tested sources =="]
-    lines += _listed(flags, f"{len(flags)} flag(s) of its parser that no tested source's parser has and the coverage "
-                     f"table (config/coverage.py) does not classify; read each and add a row or a declaration:",
-                     "every flag of its parser is a tested source's or classified by the coverage table")
+    lines += _listed(flags, f"{len(flags)} flag(s) of its parser that neither a row of the coverage table "
+                     f"(config/coverage.py) nor the off-path list (config/off_path.py) names; read each and give it a "
+                     f"row or an off-path reason:",
+                     "every flag of its parser is named by a coverage row or the off-path list")
     lines += _listed(changed, f"{len(changed)} hooked function(s) whose source no tested source has (nearest tested "
                      f"source: {nearest}); read the change, then add the source to compat.UPSTREAM "
                      f"(make fingerprints):",
@@ -215,16 +216,15 @@ def _listed(items: list[str], header: str, none: str) -> list[str]:
 
 
 def drift(trees: list[Path]) -> int:
-    """:func:`drift_report` for each tree; the known flags are those of this Python's tested snapshots. Exit status
-    0: a listing, for a person to read (the behaviour suite and the end-to-end tier are the pass/fail)."""
-    tested = sources([])
-    flags = parser_flags([*dict.fromkeys([*trees, *tested])])
-    known = {flag for root in tested for flag in flags[root]}
+    """:func:`drift_report` for each tree: its parser's flags that neither list names (a tested source's parser has
+    none: tests/test_coverage_complete.py), whether or not a tested source has them. Exit status 0: a listing, for a
+    person to read (the behaviour suite and the end-to-end tier are the pass/fail)."""
+    flags = parser_flags(trees)
     for root in trees:
         nearest, changed = changed_functions(root)
         nearest_root = nearest_tree(nearest)
         moved = changed_callers(root, nearest_root) if nearest_root else None
-        print(drift_report(source_name(root), unclassified(flags[root], known), nearest, changed, moved), flush=True)
+        print(drift_report(source_name(root), unclassified(flags[root]), nearest, changed, moved), flush=True)
     return 0
 
 
