@@ -440,7 +440,8 @@ def saving_sidecar(original: Callable, state: Any) -> Callable:
 
 def loading_sidecar(original: Callable, state: Any) -> Callable:
     """Megatron-LM's ``load_checkpoint(..., load_arg='load', ...)``, which returns (iteration, flops): the sidecar of
-    that iteration read after it, from ``args.<load_arg>``. Iteration 0 (nothing loaded, --finetune) reads none."""
+    that iteration read after it, from ``args.<load_arg>``. Iteration 0 (nothing loaded, --finetune) reads none.
+    Restored warmup stages are made live before it returns (:func:`_restored_stages_live`)."""
     import functools
 
     @functools.wraps(original)
@@ -458,12 +459,24 @@ def loading_sidecar(original: Callable, state: Any) -> Callable:
             stages = saved.get("stages") if saved is not None else None
             if state.batch_warmup is not None and stages:
                 state.batch_warmup.restore(stages, live_step_calculator())
+                _restored_stages_live(megatron)
             elif state.batch_warmup is not None:
                 logger.warning("megatron-ga-ext: the checkpoint of iteration %d keeps no batch-size warmup stages: "
                                "--ga-batch-size-warmup auto starts again from --global-batch-size", iteration)
         return result
 
     return load_checkpoint
+
+
+def _restored_stages_live(megatron: Any) -> None:
+    """After --ga-batch-size-warmup auto's stages are restored, at the end of Megatron's load_checkpoint: make them
+    live before Megatron reads the loaded run's batch. The load has already updated the calculator at the loaded
+    consumed samples, with the first stage only: left so, the loop's first update would see the batch change and
+    save the loaded iteration again, in place."""
+    from megatron.core.num_microbatches_calculator import update_num_microbatches
+
+    consumed = getattr(megatron, "consumed_train_samples", None) or 0
+    update_num_microbatches(consumed, consistency_check=True, verbose=True)  # through the guard: its baseline too
 
 
 def printing_after_training_log(original: Callable, state: Any) -> Callable:

@@ -9,13 +9,17 @@ ends the run after 5 iterations (16 + 32 + 64 + 128 + 128). Checked:
   sample count (its train_iters follows the schedule as it grows);
 * each decision is logged with the schedule so far as the --step-batch-size-schedule string that replays it, and
   the first step the cap holds back (iteration 4: 2000 x 0.17 >= 2 x 128) once;
-* a run saved at iteration 2 and resumed trains iterations 3-5 as the uninterrupted run: the same GBS (the
-  decisions before the checkpoint restored, the one after it taken again from the restored EMAs), loss and grad
-  norm;
+* a run saved at iteration 2 and resumed, with --save to the loaded directory, trains iterations 3-5 as the
+  uninterrupted run: the same GBS (the decisions before the checkpoint restored, the one after it taken again from
+  the restored EMAs), LR, loss and grad norm; and it leaves the loaded checkpoint alone (no save of iteration 2
+  again, its files' mtimes unchanged);
 * the launch mistakes are refused at start-up, naming the flag.
 """
 
 from __future__ import annotations
+
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -58,17 +62,37 @@ def test_the_batch_doubles_as_measured_and_the_run_ends_at_its_samples(launches,
 def test_a_resume_replays_the_decisions(launches, source):
     run, checkpoints = warmup_run(launches, source)
     assert run.rc == 0, run.describe()
+    # Resumed with --save to the loaded directory (a copy: the uninterrupted run's is shared): the loaded checkpoint
+    # is not saved again (the restored stages are live before Megatron reads the micro-batch count after the load).
+    directory = launches.workdir / source.name / "dp2" / "batch-warmup-resumed-checkpoints"
+    shutil.rmtree(directory, ignore_errors=True)
+    shutil.copytree(checkpoints, directory)
+    loaded = directory / f"iter_{SAVE_AT:07d}"
+    before = _mtimes(loaded)
     resumed = launches.get(source, "dp2", "batch-warmup-resumed", [
-        *FLAGS, "--load", str(checkpoints), "--ckpt-step", str(SAVE_AT), "--ckpt-format", "torch"])
+        *FLAGS, "--load", str(directory), "--ckpt-step", str(SAVE_AT), "--ckpt-format", "torch",
+        "--save", str(directory), "--save-interval", str(SAVE_AT)])
     assert resumed.rc == 0 and resumed.error is None, resumed.describe()
     assert f'resumed with --step-batch-size-schedule {LOGGED[1]}' in resumed.output, resumed.describe()
+    resaved = f"saving checkpoint at iteration {SAVE_AT:7d}"
+    assert not [line for line in resumed.output.splitlines() if resaved in line], resumed.describe()
+    assert _mtimes(loaded) == before, resumed.describe()
     whole = run.iterations[SAVE_AT:]
     again = resumed.iterations
     assert [r["iteration"] for r in again] == [r["iteration"] for r in whole] == list(range(SAVE_AT + 1, len(GBS) + 1))
     for ours, theirs in zip(again, whole, strict=True):
-        assert (ours["global_batch_size"], ours["consumed_samples"]) == (theirs["global_batch_size"],
-                                                                         theirs["consumed_samples"]), (ours, theirs)
-        assert (ours["loss"], ours["grad_norm"]) == (theirs["loss"], theirs["grad_norm"]), (ours, theirs)
+        assert (ours["global_batch_size"], ours["consumed_samples"], ours["num_microbatches"]) == (
+            theirs["global_batch_size"], theirs["consumed_samples"], theirs["num_microbatches"]), (ours, theirs)
+        assert (ours["learning_rate"], ours["loss"], ours["grad_norm"]) == (
+            theirs["learning_rate"], theirs["loss"], theirs["grad_norm"]), (ours, theirs)
+
+
+def _mtimes(directory: Path) -> dict[str, int]:
+    """Every file under ``directory``, by relative path: its modification time in ns."""
+    files = {str(path.relative_to(directory)): path.stat().st_mtime_ns
+             for path in directory.rglob("*") if path.is_file()}
+    assert files, f"no checkpoint files under {directory}"
+    return files
 
 
 @pytest.mark.parametrize("extra, message", [
