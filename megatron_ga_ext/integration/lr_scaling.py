@@ -8,7 +8,10 @@ that group's ``max_lr`` / ``min_lr``, so decoupled-LR groups too), and ``step(in
 the wrapper multiplies what ``get_lr`` returns. GBS is the schedule's at the scheduler's ``num_steps``, which counts
 samples (Megatron's loops step it by each step's GBS): the rate ``step()`` writes after a step is the next step's, and
 the next step's batch is the schedule's at the samples consumed so far, so a stage's first step already has the
-stage's factor. A skipped step holds the scheduler, and with it the factor, as Megatron holds the rate.
+stage's factor. A skipped step holds the scheduler, and with it the factor, as Megatron holds the rate. A resumed
+``--ga-batch-size-warmup auto`` run restores its stages after the scheduler's ``load_state_dict`` has written the
+rates; the rates are written again then (noise_scale.py, ``loading_sidecar``), so the first resumed step has its stage's
+factor too.
 """
 
 from __future__ import annotations

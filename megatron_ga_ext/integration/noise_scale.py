@@ -459,7 +459,8 @@ def loading_sidecar(original: Callable, state: Any) -> Callable:
             stages = saved.get("stages") if saved is not None else None
             if state.batch_warmup is not None and stages:
                 state.batch_warmup.restore(stages, live_step_calculator())
-                _restored_stages_live(megatron)
+                scheduler = kwargs.get("opt_param_scheduler", args[2] if len(args) > 2 else None)
+                _restored_stages_live(megatron, scheduler)
             elif state.batch_warmup is not None:
                 logger.warning("megatron-ga-ext: the checkpoint of iteration %d keeps no batch-size warmup stages: "
                                "--ga-batch-size-warmup auto starts again from --global-batch-size", iteration)
@@ -468,15 +469,18 @@ def loading_sidecar(original: Callable, state: Any) -> Callable:
     return load_checkpoint
 
 
-def _restored_stages_live(megatron: Any) -> None:
+def _restored_stages_live(megatron: Any, scheduler: Any) -> None:
     """After --ga-batch-size-warmup auto's stages are restored, at the end of Megatron's load_checkpoint: make them
-    live before Megatron reads the loaded run's batch. The load has already updated the calculator at the loaded
-    consumed samples, with the first stage only: left so, the loop's first update would see the batch change and
-    save the loaded iteration again, in place."""
+    live before Megatron reads the loaded run's batch and rates. The load has already updated the calculator at the
+    loaded consumed samples, and its scheduler's ``load_state_dict`` written the rates (--ga-lr-scaling's factor),
+    both with the first stage only: left so, the loop's first update would see the batch change and save the loaded
+    iteration again, in place, and the first step would train at the first stage's rate."""
     from megatron.core.num_microbatches_calculator import update_num_microbatches
 
     consumed = getattr(megatron, "consumed_train_samples", None) or 0
     update_num_microbatches(consumed, consistency_check=True, verbose=True)  # through the guard: its baseline too
+    if scheduler is not None:
+        scheduler.step(0)  # each group's rate and weight decay written again at its count, as its constructor does
 
 
 def printing_after_training_log(original: Callable, state: Any) -> Callable:

@@ -5,6 +5,9 @@ Megatron logs at iteration k the rate its scheduler wrote after step k, which st
 of the logged rate is the one of the GBS at the samples consumed after step k (the next step's batch):
 
     logged lr(k) = unscaled lr(k) x sqrt(GBS(consumed after k) / first GBS)       to 1e-9 relative
+
+Across a resume of a --ga-batch-size-warmup auto run, the resumed iterations equal the uninterrupted run's (the
+first resumed step trains at the restored stage's rate, which no log line shows: its loss and grad norm do).
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ import pytest
 
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from tests.e2e.plans import planned_steps, ran_steps
+from tests.e2e.test_batch_warmup import FLAGS as WARMUP_FLAGS
+from tests.e2e.test_batch_warmup import GBS as WARMUP_GBS
+from tests.e2e.test_batch_warmup import SAVE_AT as WARMUP_SAVE_AT
 from tests.e2e.pretrain_runs import SEQ_LENGTH
 from tests.e2e.test_pretrain_gpt import MICROBATCH, PLANS, SCHEDULE, SCHEDULE_TEXT, record, schedule_run
 from tools.compatibility import source_name
@@ -44,3 +50,23 @@ def test_sqrt_scaling_follows_the_plan(launches, source, record_property):
         "mode": "microbatch", "case": "schedule, --ga-lr-scaling sqrt",
         "iterations": f"{len(plan)} = plan", "samples": f"{plan[-1][1]} = plan",
         "lr_end": "unscaled x sqrt(GBS / 16), rel 1e-9"}])
+
+
+def test_sqrt_scaling_across_a_batch_warmup_resume(launches, source):
+    """--ga-batch-size-warmup auto with --ga-lr-scaling sqrt, saved at iteration 2 and resumed: the first resumed step
+    trains at the restored stage's rate (Megatron's scheduler writes the rates while loading, before the stages are
+    restored), so iterations 3-5 equal the uninterrupted run's in GBS, LR, loss and grad norm."""
+    checkpoints = launches.workdir / source.name / "dp2" / "warmup-lr-sqrt-checkpoints"
+    flags = [*WARMUP_FLAGS, "--ga-lr-scaling", "sqrt", "--ckpt-format", "torch"]
+    run = launches.get(source, "dp2", "warmup-lr-sqrt", [
+        *flags, "--save", str(checkpoints), "--save-interval", str(WARMUP_SAVE_AT)])
+    assert run.rc == 0 and run.error is None, run.describe()
+    resumed = launches.get(source, "dp2", "warmup-lr-sqrt-resumed", [
+        *flags, "--load", str(checkpoints), "--ckpt-step", str(WARMUP_SAVE_AT)])
+    assert resumed.rc == 0 and resumed.error is None, resumed.describe()
+    assert [r["global_batch_size"] for r in run.iterations] == WARMUP_GBS, run.iterations
+    whole, again = run.iterations[WARMUP_SAVE_AT:], resumed.iterations
+    assert [r["iteration"] for r in again] == [r["iteration"] for r in whole], (again, whole)
+    for ours, theirs in zip(again, whole, strict=True):
+        assert (ours["global_batch_size"], ours["learning_rate"], ours["loss"], ours["grad_norm"]) == (
+            theirs["global_batch_size"], theirs["learning_rate"], theirs["loss"], theirs["grad_norm"]), (ours, theirs)
