@@ -92,37 +92,17 @@ def _fuzz(args: argparse.Namespace, versions: str, start: float) -> int:
     if args.fuzz < 1 or (args.draw is not None and not 0 <= args.draw < args.fuzz):
         raise VerifyError(f"--fuzz {args.fuzz} --draw {args.draw}: --fuzz takes N >= 1 draws, and --draw K one of "
                           f"them (0 <= K < N).")
-    from megatron_ga_ext.testing.distributed import LaunchConfig, run_on_ranks
-    from megatron_ga_ext.verify.fuzz import draw_layouts, run_draws
+    from megatron_ga_ext.verify.fuzz import draw_layouts
+    from megatron_ga_ext.verify.launches import launch_draws
 
     draws = draw_layouts(args.fuzz, args.seed)
     draws = [draws[args.draw]] if args.draw is not None else draws
     print(f"megatron-ga verify --fuzz {args.fuzz} --seed {args.seed}: {versions}, device {args.device}",
           file=sys.stderr)
-    by_world: dict[int, list] = defaultdict(list)
-    for draw in _runnable_draws(draws, args.device):
-        by_world[draw.layout.world_size].append(draw)
-    launch = LaunchConfig(backend="gloo" if args.device == "cpu" else "nccl", timeout_s=args.timeout)
-    batches = [(world_size, draws[i:i + DRAWS_PER_LAUNCH]) for world_size, draws in sorted(by_world.items())
-               for i in range(0, len(draws), DRAWS_PER_LAUNCH)]
-    rows = []
-    for world_size, batch in batches:
-        print(f"launching {world_size} rank(s): draw(s) {', '.join(str(d.index) for d in batch)}", file=sys.stderr,
-              flush=True)
-        try:
-            per_rank = run_on_ranks(run_draws, world_size, (tuple(batch), args.device), launch)
-        except Exception as exc:  # noqa: BLE001 - a launch that fails fails its draws, the next launch runs
-            rows += [_draw_row(draw, None, f"launch failed: {type(exc).__name__}: {exc}", args) for draw in batch]
-            continue
-        for verdicts in zip(*per_rank):
-            rows.append(_draw_row(verdicts[0].draw, verdicts, None, args))
+    rows = [_draw_row(draw, verdicts, failure, args) for draw, verdicts, failure in
+            launch_draws(_runnable_draws(draws, args.device), device=args.device, timeout_s=args.timeout)]
     _report_fuzz(rows, args, time.perf_counter() - start)
     return 0 if all(row["verdict"] in ("ok", "limited") for row in rows) else 1
-
-
-#: Each draw builds megatron's process groups anew, and gloo keeps the threads of every group it made: a few draws
-#: per launch keep a rank's threads in the tens.
-DRAWS_PER_LAUNCH = 4
 
 
 def _runnable_draws(draws: list, device: str) -> list:

@@ -1,5 +1,6 @@
 """What ``megatron-ga verify`` launches: one launch of gloo (or NCCL) ranks per world size, every layout of that
-size on each rank, then the auxiliary losses' coefficients (aux.py) of that size."""
+size on each rank, then the auxiliary losses' coefficients (aux.py) of that size; with ``--fuzz``, the draws
+(fuzz.py), a few per launch."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Sequence
 from megatron_ga_ext.testing.distributed import LaunchConfig, run_on_ranks
 from megatron_ga_ext.testing.shims import cpu_shims
 from megatron_ga_ext.verify.aux import AUX_LAYOUTS, AuxCoefficient, measure_aux_coefficients
+from megatron_ga_ext.verify.fuzz import Draw, DrawResult, run_draws
 from megatron_ga_ext.verify.harness import LayoutResult, VerifyConfig, run_rank
 from megatron_ga_ext.verify.layouts import DEFAULT_LENGTHS, Layout
 
@@ -46,3 +48,31 @@ def _rank_work(cfg: VerifyConfig, aux_layouts: tuple[Layout, ...]) -> tuple[list
         return results, measure_aux_coefficients(cfg, aux_layouts)
     with cpu_shims():
         return results, measure_aux_coefficients(cfg, aux_layouts)
+
+
+#: Each draw builds megatron's process groups anew, and gloo keeps the threads of every group it made: a few draws
+#: per launch keep a rank's threads in the tens.
+DRAWS_PER_LAUNCH = 4
+
+
+def launch_draws(draws: Sequence[Draw], *, device: str, timeout_s: float,
+                 ) -> list[tuple[Draw, tuple[DrawResult, ...] | None, str | None]]:
+    """(draw, every rank's verdict, None) for each draw, or (draw, None, why) where its launch failed; the draws of
+    one world size at most :data:`DRAWS_PER_LAUNCH` to a launch."""
+    by_world: dict[int, list[Draw]] = defaultdict(list)
+    for draw in draws:
+        by_world[draw.layout.world_size].append(draw)
+    launch = LaunchConfig(backend="gloo" if device == "cpu" else "nccl", timeout_s=timeout_s)
+    out = []
+    for world_size, of_world in sorted(by_world.items()):
+        for i in range(0, len(of_world), DRAWS_PER_LAUNCH):
+            batch = tuple(of_world[i:i + DRAWS_PER_LAUNCH])
+            print(f"launching {world_size} rank(s): draw(s) {', '.join(str(d.index) for d in batch)}",
+                  file=sys.stderr, flush=True)
+            try:
+                per_rank = run_on_ranks(run_draws, world_size, (batch, device), launch)
+            except Exception as exc:  # noqa: BLE001 - a launch that fails fails its draws, the next launch runs
+                out += [(draw, None, f"launch failed: {type(exc).__name__}: {exc}") for draw in batch]
+                continue
+            out += [(verdicts[0].draw, verdicts, None) for verdicts in zip(*per_rank)]
+    return out
