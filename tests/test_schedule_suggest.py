@@ -117,6 +117,32 @@ def test_a_missing_or_bad_trace_file(tmp_path):
         invoke("--suggest", str(bad), *LAYOUT[:6])
 
 
+def test_a_run_log_with_k_not_a_multiple_of_the_log_interval(cli, tmp_path):
+    """``--log-interval 10 --ga-noise-scale 5``: Megatron logs iterations 10 and 20, the extension's line (as the run
+    prints it) every 5; --suggest reads the consumed samples from the noise-scale lines."""
+    noise_scale = pytest.importorskip("megatron_ga_ext.integration.noise_scale")  # the run's writer (torch)
+    lines = []
+    for iteration in range(1, 21):
+        consumed = 16 * iteration
+        if iteration % 10 == 0:
+            lines.append(f" [2026-12-02 08:12:50] iteration {iteration:8d}/      20 | consumed samples: {consumed:12d} "
+                         "| elapsed time per iteration (ms): 302.9 | global batch size:    16 | lm loss: 6.31E+00 |")
+        if iteration % 5 == 0:
+            lines.append(noise_scale._log_line({
+                "iteration": iteration, "consumed_samples": consumed, "b_simple_tokens": 640.0 * iteration,
+                "b_simple_samples": 10.0 * iteration, "grad_sq": 6.5, "grad_sq_ema": 10.0, "trace_sigma": 50.9,
+                "trace_sigma_ema": 97.7, "tokens": 898, "replicas": 2}))
+    log = tmp_path / "run.log"
+    log.write_text("\n".join(lines) + "\n")
+    answer = cli("schedule", "--suggest", str(log), "--micro-batch-size", "2", "--data-parallel-size", "2",
+                 "--global-batch-size", "16", "--max-global-batch-size", "64", "--seq-length", "64", "--json")
+    assert answer.status == 0, answer.err
+    out = answer.json()
+    assert out["schedule_samples"] == "0:16 80:32 160:64", out  # B_simple 50 at 80 samples, 100 at 160
+    assert [(d["iteration"], d["consumed_samples"]) for d in out["decisions"]] == [(5, 80), (10, 160)], out
+    assert [h["consumed_samples"] for h in out["held"]] == [240, 320], out  # the cap 64
+
+
 @pytest.mark.parametrize("flag", [flag for _, flag in command.SUGGEST_ONLY])
 def test_suggest_flags_without_suggest_are_refused(flag):
     with pytest.raises(UsageError, match=f"{flag} goes with --suggest TRACE.json"):

@@ -201,9 +201,11 @@ def megatron_line(iteration: int, consumed: int) -> str:
             f"per iteration (ms): 302.9 | global batch size:    16 | lm loss: 6.31E+00 |")
 
 
-def noise_line(iteration: int, samples: str) -> str:
+def noise_line(iteration: int, samples: str, consumed: int | str | None = None) -> str:
+    """The extension's line; ``consumed`` None: as an older release printed it, without its consumed samples."""
+    end = "" if consumed is None else f" loss tokens: 898 over 2 replicas | consumed samples: {consumed} |"
     return (f" megatron-ga-ext noise scale | iteration {iteration} | B_simple (EMA): 9.7495E+00 tokens, {samples} "
-            f"samples | |G|^2: 6.5495E+00 (EMA 1.0023E+01) | tr(Sigma): 5.0895E+01 (EMA 9.7714E+01) |")
+            f"samples | |G|^2: 6.5495E+00 (EMA 1.0023E+01) | tr(Sigma): 5.0895E+01 (EMA 9.7714E+01) |{end}")
 
 
 def test_a_run_log_gives_the_rows_the_later_copy_of_a_resumed_iteration_kept():
@@ -216,8 +218,27 @@ def test_a_run_log_gives_the_rows_the_later_copy_of_a_resumed_iteration_kept():
         (1, 16, None), (2, 32, 15.0), (3, 48, 25.0)]
 
 
+def test_a_log_measured_between_megatrons_lines_is_read_from_the_noise_lines():
+    """--log-interval 10 --ga-noise-scale 5: Megatron logs iterations 10 and 20 only; each noise-scale line gives its
+    own consumed samples (and is read before Megatron's line of the iteration too)."""
+    lines = []
+    for iteration in range(5, 25, 5):
+        if iteration % 10 == 0:
+            lines.append(megatron_line(iteration, 16 * iteration))
+        lines.append(noise_line(iteration, f"{iteration}.0E+00", 16 * iteration))
+    lines.insert(0, noise_line(1, "n/a", "n/a"))  # consumed samples unknown (no Megatron args): Megatron's line's
+    lines.insert(0, megatron_line(1, 16))
+    rows = read_log(lines)
+    assert [(r.iteration, r.consumed_samples, r.b_simple_samples) for r in rows] == [
+        (1, 16, None), (5, 80, 5.0), (10, 160, 10.0), (15, 240, 15.0), (20, 320, 20.0)]
+    rows = read_log([noise_line(3, "1.0E+00", 48), megatron_line(3, 48)])  # the line's own, before Megatron's
+    assert [(r.iteration, r.consumed_samples) for r in rows] == [(3, 48)]
+
+
 def test_a_log_without_noise_lines_or_out_of_order_is_refused():
     with pytest.raises(NoiseScaleError, match='no "megatron-ga-ext noise scale" line: run with --ga-noise-scale K'):
         read_log([megatron_line(1, 16)])
-    with pytest.raises(NoiseScaleError, match="log line 1: the noise scale of iteration 1 comes before Megatron's"):
+    # an older release's line, without its consumed samples, measured where Megatron logs no line
+    with pytest.raises(NoiseScaleError, match="log line 1: the noise scale of iteration 1 gives no consumed samples "
+                                              "and comes before Megatron's line of that iteration"):
         read_log([noise_line(1, "1.0E+00"), megatron_line(1, 16)])

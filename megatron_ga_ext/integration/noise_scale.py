@@ -182,7 +182,8 @@ class NoiseScaleMeter:
         return measurement
 
     def report(self, measurement: Measurement) -> dict[str, Any]:
-        """Where Megatron users look: a line after the iteration's (printed by the last rank, as Megatron prints),
+        """Where Megatron users look: a line after the iteration's (printed by the last rank, as Megatron prints; it
+        gives the consumed samples after the step, so ``--suggest`` reads a log whatever K and --log-interval),
         TensorBoard and W&B through Megatron's writers, and the trace file (``--ga-noise-scale-trace``). The row
         is the trace's (what ``megatron-ga schedule --suggest`` reads)."""
         row = self.last_row = self.trace_row(measurement)
@@ -334,7 +335,8 @@ def _log_line(row: dict[str, Any]) -> str:
             f"{shown(row['b_simple_tokens'])} tokens, {shown(row['b_simple_samples'])} samples | "
             f"|G|^2: {shown(row['grad_sq'])} (EMA {shown(row['grad_sq_ema'])}) | "
             f"tr(Sigma): {shown(row['trace_sigma'])} (EMA {shown(row['trace_sigma_ema'])}) | "
-            f"loss tokens: {row['tokens']} over {row['replicas']} replicas |")
+            f"loss tokens: {row['tokens']} over {row['replicas']} replicas | "
+            f"consumed samples: {'n/a' if row['consumed_samples'] is None else row['consumed_samples']} |")
 
 
 def _last_rank() -> bool:

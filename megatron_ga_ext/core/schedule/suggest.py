@@ -185,38 +185,48 @@ def _require_increasing(trace: Sequence[TraceRow]) -> None:
 
 # -- reading a trace ---------------------------------------------------------------------------
 
-#: Megatron's iteration line (its consumed samples) and the extension's noise-scale line after it.
+#: Megatron's iteration line (its consumed samples) and the extension's noise-scale line, which ends with the
+#: consumed samples after the step (a log of an older release has no such field: Megatron's line gives them).
 MEGATRON_LINE = re.compile(r"\biteration\s+(\d+)/\s*\d+ \|.*?consumed samples:\s+(\d+)")
 NOISE_LINE = re.compile(
     r"megatron-ga-ext noise scale \| iteration (\d+) \| B_simple \(EMA\): \S+ tokens, (\S+) samples")
+NOISE_CONSUMED = re.compile(r"\| consumed samples: (\d+|n/a) \|")
 
 
 def read_log(lines: Iterable[str]) -> list[TraceRow]:
     """Rows from a Megatron-LM run's log (``--ga-noise-scale``): each noise-scale line's B_simple in samples, at the
-    consumed samples of Megatron's line of that iteration. A resumed run's log repeats iterations: the later copy
-    is kept. Read line by line (a run's log may be large)."""
-    consumed: dict[int, int] = {}
-    estimates: dict[int, float | None] = {}
+    consumed samples the line gives (whatever K and Megatron's --log-interval); a line without them (an older
+    release's) at those of Megatron's line of that iteration. A resumed run's log repeats iterations: the later
+    copy is kept. Read line by line (a run's log may be large)."""
+    logged: dict[int, int] = {}
+    rows: dict[int, tuple[int, float | None]] = {}
     for number, line in enumerate(lines, 1):
         if (noise := NOISE_LINE.search(line)) is not None:
             iteration = int(noise.group(1))
-            if iteration not in consumed:
-                raise NoiseScaleError(f"log line {number}: the noise scale of iteration {iteration} comes before "
-                                      "Megatron's line of that iteration, which gives its consumed samples.")
+            stated = NOISE_CONSUMED.search(line, noise.end())
+            if stated is not None and stated.group(1) != "n/a":
+                consumed = int(stated.group(1))
+            elif iteration in logged:
+                consumed = logged[iteration]
+            else:
+                raise NoiseScaleError(
+                    f"log line {number}: the noise scale of iteration {iteration} gives no consumed samples and comes "
+                    "before Megatron's line of that iteration, which gives them (a log of a release that did not print "
+                    "them, measured at an iteration Megatron does not log: --ga-noise-scale K not a multiple of "
+                    "--log-interval); give the run's --ga-noise-scale-trace file or --tensorboard-dir instead.")
             value = noise.group(2)
             try:
-                estimates[iteration] = None if value == "n/a" else float(value)
+                rows[iteration] = (consumed, None if value == "n/a" else float(value))
             except ValueError:
                 raise NoiseScaleError(f"log line {number}: B_simple {value!r} is not a number.") from None
         elif (megatron := MEGATRON_LINE.search(line)) is not None:
-            consumed[int(megatron.group(1))] = int(megatron.group(2))
-        if len(estimates) > MAX_ROWS:
+            logged[int(megatron.group(1))] = int(megatron.group(2))
+        if len(rows) > MAX_ROWS:
             raise NoiseScaleError(f"the log measures more than {MAX_ROWS:,} iterations; measure less often.")
-    if not estimates:
+    if not rows:
         raise NoiseScaleError("the log has no \"megatron-ga-ext noise scale\" line: run with --ga-noise-scale K, "
                               "or give the --ga-noise-scale-trace file.")
-    data = [{"iteration": i, "consumed_samples": consumed[i], "b_simple_samples": estimates[i]}
-            for i in sorted(estimates)]
+    data = [{"iteration": i, "consumed_samples": rows[i][0], "b_simple_samples": rows[i][1]} for i in sorted(rows)]
     return parse_trace(data)
 
 
