@@ -34,7 +34,8 @@ def test_every_draw_is_a_layout_megatron_core_runs_on_the_cpu():
             assert "moe" in layout.model and layout.data_parallel_size % layout.expert_model_parallel_size == 0
     # the space is covered: every model, TP, PP with VPP, CP, EP, MBS 2, both DP-side options
     models = {d.layout.model for d in draws}
-    assert models == {"gpt", "positionwise", "moe", "moe_seq", "moe_global", "moe_positionwise", "mtp", "moe_mtp"}
+    assert models == {"gpt", "positionwise", "moe", "moe_seq", "moe_global", "moe_bias", "moe_positionwise", "mtp",
+                      "moe_mtp"}
     assert any(d.layout.tensor_model_parallel_size > 1 and "moe" in d.layout.model for d in draws)
     assert any(d.layout.virtual_pipeline_model_parallel_size > 1 for d in draws)
     assert any(d.layout.expert_model_parallel_size > 1 for d in draws)

@@ -32,6 +32,9 @@ The padding mask turns on two upstream defects that install() corrects (Megatron
 * Before 0.19 the router's per-token z-loss lacks that |TP x CP| factor (upstream #5047): its coefficient is
   divided by |TP x CP| and nothing multiplies it back, so the z-loss gradient is 1 / (TP x CP) of its target.
   :func:`tp_cp_scaled_z_loss` multiplies the gradient (not the logged value) by |TP x CP| there.
+* Before main@d98e8a64 the expert-bias update (``--moe-router-enable-expert-bias``) masks its [tokens, experts]
+  routing map with the flat padding mask: a shape error at the first step, or, where the tokens number the
+  experts, experts masked instead of padding. :func:`per_token_padding_expert_bias` gives it the mask per token.
 
 MTP (0.17+): ``process_mtp_loss`` weighs depth k's MTP loss of unit u by n_u / m_u (m_u: u's rolled MTP tokens),
 local counts that give each MTP token the weight alpha n_u / (m_u N): unequal across units whenever the ratio
@@ -60,8 +63,9 @@ if TYPE_CHECKING:
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-__all__ = ["aux_summary", "exact_token_counts", "global_count_mtp_loss", "padding_mask_forward",
-           "pipeline_inexact_note", "router_scales_by_tp_cp", "tp_cp_scaled_z_loss"]
+__all__ = ["aux_summary", "broadcasts_padding_per_token", "exact_token_counts", "global_count_mtp_loss",
+           "padding_mask_forward", "per_token_padding_expert_bias", "pipeline_inexact_note", "router_scales_by_tp_cp",
+           "tp_cp_scaled_z_loss"]
 
 logger = get_logger(__name__)
 
@@ -254,3 +258,23 @@ class _SummedMTPLoss:
     def apply(self, hidden_states: Any, mtp_loss: Any) -> Any:
         ratio = self.rolled_num_tokens.clamp(min=1) / self.num_tokens.clamp(min=1)
         return self.autoscaler.apply(hidden_states, mtp_loss * ratio)
+
+
+def broadcasts_padding_per_token(router_class: type) -> bool:
+    """Upstream's expert-bias update masks its [tokens, experts] routing map with the padding mask unsqueezed to
+    [tokens, 1] (main from d98e8a64); before, with the flat [tokens] mask, which broadcasts against the experts."""
+    return ".unsqueeze(-1)" in inspect.getsource(router_class._apply_expert_bias)
+
+
+def per_token_padding_expert_bias(original: Callable, state: Installation) -> Callable:
+    """``TopKRouter._apply_expert_bias`` on sources whose update masks the [tokens, experts] routing map with the flat
+    [tokens] padding mask (a shape error, or experts masked where the tokens number the experts): given the mask as
+    [tokens, 1], so that the expert-bias counts exclude exactly the padding positions install()'s mask names."""
+
+    @functools.wraps(original)
+    def apply_expert_bias(router: Any, routing_map: Any, padding_mask: Any = None) -> Any:
+        if padding_mask is not None and padding_mask.dim() == 1 and state.active:
+            padding_mask = padding_mask.unsqueeze(-1)
+        return original(router, routing_map, padding_mask)
+
+    return apply_expert_bias

@@ -43,6 +43,7 @@ TRAINING = "megatron.training.training"
 GPT_MODEL = "megatron.core.models.gpt.gpt_model"
 MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
 MTP = "megatron.core.transformer.multi_token_prediction"
+ROUTER = "megatron.core.transformer.moe.router"
 FINGERPRINTS = Path(__file__).with_name("fingerprints.json")
 
 
@@ -117,6 +118,7 @@ TARGETS = (
     Target(MOE_UTILS, "get_tokens_per_expert_and_token_count"),  # #7452 finding 10
     Target(MOE_UTILS, "z_loss_func"),
     Target(MTP, "process_mtp_loss", since="0.17.1"),  # #7452 finding 3
+    Target(ROUTER, "TopKRouter._apply_expert_bias"),
     Target(TRAINING, "update_train_iters"),
     Target(TRAINING, "get_train_valid_test_num_samples"),
 )

@@ -21,9 +21,11 @@ import sys
 from typing import Any, Callable
 
 from megatron_ga_ext.integration.aux_losses import (
+    broadcasts_padding_per_token,
     exact_token_counts,
     global_count_mtp_loss,
     padding_mask_forward,
+    per_token_padding_expert_bias,
     router_scales_by_tp_cp,
     tp_cp_scaled_z_loss,
 )
@@ -60,10 +62,13 @@ def wire_gpt_model(state: Installation) -> None:
     weighs every token by the global count (aux_losses.py says why)."""
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer import multi_token_prediction
-    from megatron.core.transformer.moe import router  # noqa: F401 - binds moe_utils' functions, patched there too
+    from megatron.core.transformer.moe import router  # binds moe_utils' functions: patched there too
 
     state.patch_attribute(GPTModel, "forward", lambda original: padding_mask_forward(original, state))
     state.patch(MOE_UTILS, "get_tokens_per_expert_and_token_count", lambda original: exact_token_counts(original, state))
+    if not broadcasts_padding_per_token(router.TopKRouter):
+        state.patch_attribute(router.TopKRouter, "_apply_expert_bias",
+                              lambda original: per_token_padding_expert_bias(original, state))
     if not router_scales_by_tp_cp():
         state.patch(MOE_UTILS, "z_loss_func", lambda original: tp_cp_scaled_z_loss(original, state))
     if hasattr(multi_token_prediction, "process_mtp_loss"):  # 0.17 and later

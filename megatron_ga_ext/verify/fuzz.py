@@ -4,8 +4,8 @@ verify's default layouts are the ones we chose; the fuzzer draws the rest of the
 next bug of the router-count kind (Megatron-LM #7452) is ours to find first. Each draw picks, under the rules
 megatron-core itself enforces (and the CPU's: at most 4 ranks, no Transformer Engine):
 
-* a model: dense GPT, MoE (aux_loss, seq_aux_loss or global_aux_loss), MTP, MoE + MTP, and, under CP, the
-  position-wise models (attention under CP needs Transformer Engine's ring attention);
+* a model: dense GPT, MoE (aux_loss, seq_aux_loss or global_aux_loss; the expert bias), MTP, MoE + MTP, and,
+  under CP, the position-wise models (attention under CP needs Transformer Engine's ring attention);
 * TP (with sequence parallelism), PP and VPP, CP, EP, DP, with world = TP x PP x CP x DP <= 4;
 * MBS and GA, and per-sample loss-token counts drawn from 1 to the sequence length, so that units, DP ranks, CP
   and TP shards hold uneven counts;
@@ -28,7 +28,7 @@ __all__ = ["Draw", "draw_layouts"]
 
 SEQ_LENGTH = 16
 MAX_WORLD = 4
-MOE_KINDS = ("moe", "moe_seq", "moe_global")
+MOE_KINDS = ("moe", "moe_seq", "moe_global", "moe_bias")
 
 
 @dataclass(frozen=True)

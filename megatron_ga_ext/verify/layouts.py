@@ -29,10 +29,12 @@ class Layout:
     expert_model_parallel_size: int = 1
     """Experts split over this many of the DP ranks (the alltoall dispatcher); it does not multiply the world."""
     micro_batch_size: int = 1
-    model: Literal["gpt", "positionwise", "moe", "mtp", "moe_mtp", "moe_global", "moe_seq", "moe_positionwise"] = "gpt"
+    model: Literal["gpt", "positionwise", "moe", "mtp", "moe_mtp", "moe_global", "moe_seq", "moe_bias",
+                   "moe_positionwise"] = "gpt"
     """``positionwise`` for CP: no attention, so a shard's gradient is exact without ring attention;
     ``moe``, ``mtp``, ``moe_mtp``: the GPT with MoE layers and/or an MTP layer; ``moe_global``, ``moe_seq``: MoE
-    with global_aux_loss, seq_aux_loss; ``moe_positionwise``: MoE layers without attention, for CP (models.KINDS)."""
+    with global_aux_loss, seq_aux_loss; ``moe_bias``: MoE with the expert bias (sigmoid scores);
+    ``moe_positionwise``: MoE layers without attention, for CP (models.KINDS)."""
     overlap_grad_reduce: bool = False
     distributed_optimizer: bool = False
 
@@ -45,7 +47,7 @@ class Layout:
     @property
     def auxiliary(self) -> bool:
         """The model has auxiliary losses (MoE load balancing and z-loss, MTP)."""
-        return self.model in ("moe", "mtp", "moe_mtp", "moe_global", "moe_seq", "moe_positionwise")
+        return self.model in ("moe", "mtp", "moe_mtp", "moe_global", "moe_seq", "moe_bias", "moe_positionwise")
 
     @property
     def global_batch_size(self) -> int:
@@ -97,7 +99,7 @@ class Layout:
 
 
 MODEL_NOTES = {"positionwise": "position-wise", "moe": "MoE", "mtp": "MTP", "moe_mtp": "MoE + MTP",
-               "moe_global": "MoE global_aux_loss", "moe_seq": "MoE seq_aux_loss",
+               "moe_global": "MoE global_aux_loss", "moe_seq": "MoE seq_aux_loss", "moe_bias": "MoE expert bias",
                "moe_positionwise": "MoE, position-wise"}
 
 #: The layouts verify runs; GBS = 8 in each, MBS = 1.

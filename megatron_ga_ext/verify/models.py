@@ -42,7 +42,8 @@ MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 1e-2, "
 MOE_GLOBAL = {**MOE, "moe_router_load_balancing_type": "global_aux_loss", "moe_z_loss_coeff": None}
 MTP = {"mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.1}
 KINDS = {"gpt": {}, "moe": MOE, "mtp": MTP, "moe_mtp": {**MOE, **MTP}, "moe_global": MOE_GLOBAL,
-         "moe_seq": {**MOE, "moe_router_load_balancing_type": "seq_aux_loss"}, "moe_positionwise": MOE}
+         "moe_seq": {**MOE, "moe_router_load_balancing_type": "seq_aux_loss"}, "moe_positionwise": MOE,
+         "moe_bias": {**MOE, "moe_router_enable_expert_bias": True, "moe_router_score_function": "sigmoid"}}
 #: GPT kinds whose layers have no attention (an MoE MLP and its norm only), so a CP shard's gradient is exact
 #: without ring attention (which needs Transformer Engine).
 POSITIONWISE_GPT = ("moe_positionwise",)

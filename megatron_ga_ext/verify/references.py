@@ -114,6 +114,9 @@ def _build(model: ModelConfig, kind: str, device: str):
     else:
         module, names = build_gpt(model, config, pre_process=True, post_process=True,
                                   positionwise=kind in POSITIONWISE_GPT)
+    for router in module.modules():  # the expert bias starts at 0 and moves in finalize: one step never reads it
+        if getattr(router, "enable_expert_bias", False):
+            router.enable_expert_bias = False
     return module.to(device), names
 
 
