@@ -298,7 +298,7 @@ def test_unclassified_lists_the_flags_neither_a_row_nor_the_off_path_list_names(
     ([*TOKEN, "--non-persistent-save-interval", "5", "--save", "ckpt", "--save-interval", "100"],
      "non-persistent-checkpoints"),
     ([*TOKEN, "--sequence-parallel", "--tensor-model-parallel-size", "2"], "sequence-parallel"),
-    ([*TOKEN, "--num-experts", "4", "--moe-router-enable-expert-bias"], "router-expert-bias"),
+    ([*TOKEN, "--num-experts", "4", "--moe-router-enable-expert-bias"], None),  # supported: no note
     ([*TOKEN, "--perform-rl-step"], "rl-step"),
     ([*TOKEN, "--override-ckpt-iteration", "10"], None),  # a constant global batch: iteration x GBS is right
     ([*SCHEDULE, "--lr-warmup-samples", "32"], "lr-schedule"),

@@ -419,15 +419,33 @@ ROWS: tuple[Row, ...] = (
     Row(id="router-aux-loss", flags=("--moe-router-load-balancing-type", "--moe-aux-loss-coeff"),
         given="--moe-router-load-balancing-type aux_loss (the default)", support="supported",
         text="token mode: each micro-batch's load-balancing and z-loss terms are computed over its loss tokens and "
-        "weighted by its share of the global batch's loss tokens; microbatch mode: as upstream.",
-        proofs=(*MOE_LOOP, *_verify("DP2 x GA4 (MoE)", "EP2 x DP2 x GA4 (MoE)"),
-                Proof(test="tests/test_verify_aux.py::test_install_meets_the_token_mode_target")),
+        "weighted by its share of the global batch's loss tokens. install() corrects the router's count, which "
+        "megatron-core reads back after an in-place all-reduce once a padding mask is given (Megatron-LM #7452, "
+        "finding 10: TP x CP times the target), and before 0.19 gives the z-loss its missing TP x CP factor: exact "
+        "under TP (sequence parallel) and CP, with uneven loss tokens across the shards; a micro-batch without loss "
+        "tokens adds no term. Microbatch mode: as upstream.",
+        proofs=(*MOE_LOOP, *_verify("DP2 x GA4 (MoE)", "EP2 x DP2 x GA4 (MoE)", "TP2 x DP2 x GA4 (MoE)",
+                                    "CP2 x DP2 x GA4 (MoE, position-wise)"),
+                Proof(test="tests/test_verify_aux.py::test_install_meets_the_token_mode_target"),
+                Proof(test="tests/test_moe_empty_microbatch.py::test_the_step_matches_the_token_reference")),
         applies=_balancing("aux_loss")),
-    Row(id="router-seq-global-aux-loss", flags=("--moe-router-load-balancing-type",),
-        given="--moe-router-load-balancing-type seq_aux_loss or global_aux_loss", support="limited",
-        text="the router computes them from the same statistics as aux_loss, with the padding mask in token mode; "
-        f"{NOT_YET}.",
-        applies=_balancing("seq_aux_loss", "global_aux_loss")),
+    Row(id="router-global-aux-loss", flags=("--moe-router-load-balancing-type",),
+        given="--moe-router-load-balancing-type global_aux_loss", support="supported",
+        text="token mode: each DP rank's piece of a micro-batch's global load-balancing loss (statistics over every "
+        "DP rank) weighted by its share of the loss tokens; install() corrects the router's count, which with a "
+        "padding mask is the micro-batch's over every DP rank (#7452 finding 10: about DP times the target). "
+        "Microbatch mode: as upstream.",
+        proofs=(*_verify("DP2 x GA4 (MoE global_aux_loss)"),
+                Proof(test="tests/test_verify_aux.py::test_install_meets_the_token_mode_target"),
+                Proof(test="tests/test_verify_fuzz.py::test_a_fixed_seed_passes")),
+        applies=_balancing("global_aux_loss")),
+    Row(id="router-seq-aux-loss", flags=("--moe-router-load-balancing-type",),
+        given="--moe-router-load-balancing-type seq_aux_loss", support="limited",
+        text="token mode: computed over the loss tokens like aux_loss, with the router's count corrected (drawn by "
+        "megatron-ga verify --fuzz). Before 0.19 the router pre-multiplies it by a per-sequence count: with "
+        "--micro-batch-size above 1 its gradient is 1 / MBS of the target there (0.19 fixed it).",
+        proofs=(Proof(test="tests/test_verify_fuzz.py::test_a_fixed_seed_passes"),),
+        applies=_balancing("seq_aux_loss")),
     Row(id="router-sinkhorn-none", flags=("--moe-router-load-balancing-type",),
         given="--moe-router-load-balancing-type sinkhorn or none", support="limited",
         text="no load-balancing loss; in token mode the z-loss and the expert-bias counts exclude padding; "
@@ -455,13 +473,15 @@ ROWS: tuple[Row, ...] = (
         text=f"no padding mask is passed in microbatch mode; {NOT_YET}.",
         applies=_microbatch(_balancing("quantile_balancing"))),
     Row(id="router-expert-bias", flags=("--moe-router-enable-expert-bias", "--moe-router-bias-update-rate"),
-        given="--moe-router-enable-expert-bias", support="limited",
+        given="--moe-router-enable-expert-bias", support="supported",
         text="the router counts the tokens routed to each expert, in token mode under the padding mask, and finalize "
         "moves the bias from those counts summed over TP x CP x DP; the bias steers routing and weighs no loss token. "
         "On every tested source before main@d98e8a64ddf3 (core_v0.16.1 to core_v0.19.0, main@9f3fe8c925fb, "
         "main@dd8c825b3ad5) the router masks its [tokens, experts] routing map with the flattened [tokens] padding "
-        "mask without unsqueezing it, so in token mode Megatron stops at the first step with a shape error, or, where "
-        f"a micro-batch routes as many tokens as there are experts, masks experts instead of padding; {NOT_YET}.",
+        "mask (a shape error at the first step, or, where a micro-batch routes as many tokens as there are experts, "
+        "experts masked instead of padding): install() gives it the mask per token there.",
+        proofs=(Proof(test="tests/test_moe_expert_bias.py::test_the_expert_bias_counts_exclude_the_padding_tokens"),
+                Proof(test="tests/test_moe_expert_bias.py::test_a_step_with_the_expert_bias_meets_both_references")),
         applies=lambda s: _moe(s) and s.on("moe_router_enable_expert_bias")),
     Row(id="router-fusion", flags=("--moe-router-fusion",), given="--moe-router-fusion", support="limited",
         text="Transformer Engine's fused kernels compute the router's top-k and its auxiliary-loss terms, given the "
@@ -498,10 +518,13 @@ ROWS: tuple[Row, ...] = (
     # MTP and hybrid models
     Row(id="mtp", flags=("--mtp-num-layers", "--mtp-loss-scaling-factor"), given="--mtp-num-layers N",
         support="supported",
-        text="the MTP loss weighs each micro-batch by its share of the loss tokens (on megatron-core 0.16 each MTP "
-        "token weighs 1/N instead, said at the first step).",
-        proofs=(Proof(test=MOE_MTP + "test_mtp_token_mode_equals_upstream"),
-                *_verify("DP2 x GA4 (MTP)", "DP2 x GA4 (MoE + MTP)")),
+        text="token mode: every MTP token weighs its scaling factor / N, the global count every term is divided by; "
+        "install() undoes process_mtp_loss's local n_u / m_u weighting (0.17+, Megatron-LM #7452 finding 3; 0.16 "
+        "attaches the sum already). Where labels are not given (the RL path) upstream's weighting stands. Microbatch "
+        "mode: as upstream.",
+        proofs=(Proof(test=MOE_MTP + "test_mtp_token_mode_weighs_every_mtp_token_by_n"),
+                *_verify("DP2 x GA4 (MTP)", "DP2 x GA4 (MoE + MTP)"),
+                Proof(test="tests/test_verify_aux.py::test_install_meets_the_token_mode_target")),
         applies=lambda s: s.number("mtp_num_layers") > 0),
     Row(id="hybrid-moe-token", flags=("--hybrid-override-pattern", "--hybrid-layer-pattern", "--is-hybrid-model"),
         given="a hybrid (Mamba) model with MoE layers", when="in token mode", support="limited",
