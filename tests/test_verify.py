@@ -138,9 +138,9 @@ def test_default_layouts_cover_every_layout_users_run():
     names = [layout.name for layout in DEFAULT_LAYOUTS]
     assert names == ["DP1 x GA8", "DP2 x GA4", "DP2 x GA4 (overlapped grad reduce, distributed optimizer)",
                      "DP2 x GA4 (MoE)", "EP2 x DP2 x GA4 (MoE)", "DP2 x GA4 (MTP)", "DP2 x GA4 (MoE + MTP)",
-                     "DP4 x GA2", "PP2 x DP2 x GA4", "PP2 x VPP2 x DP2 x GA4", "CP2 x DP2 x GA4 (position-wise)",
-                     "DP2 x GA4 (MoE global_aux_loss)", "TP2 x DP2 x GA4 (MoE)",
-                     "CP2 x DP2 x GA4 (MoE, position-wise)"]
+                     "DP2 x GA4 (MoE global_aux_loss)", "DP4 x GA2", "PP2 x DP2 x GA4", "PP2 x VPP2 x DP2 x GA4",
+                     "CP2 x DP2 x GA4 (position-wise)",
+                     "TP2 x DP2 x GA4 (MoE, sequence parallel)", "CP2 x DP2 x GA4 (MoE, position-wise)"]
     assert {layout.global_batch_size for layout in DEFAULT_LAYOUTS} == {len(DEFAULT_LENGTHS)}
     assert min(DEFAULT_LENGTHS) == 1  # one micro-batch nearly all padding
 

@@ -37,6 +37,8 @@ def test_every_draw_is_a_layout_megatron_core_runs_on_the_cpu():
     assert models == {"gpt", "positionwise", "moe", "moe_seq", "moe_global", "moe_bias", "moe_positionwise", "mtp",
                       "moe_mtp"}
     assert any(d.layout.tensor_model_parallel_size > 1 and "moe" in d.layout.model for d in draws)
+    assert {d.layout.sequence_parallel for d in draws if d.layout.tensor_model_parallel_size > 1} == {True, False}
+    assert not any(d.layout.sequence_parallel for d in draws if d.layout.tensor_model_parallel_size == 1)
     assert any(d.layout.virtual_pipeline_model_parallel_size > 1 for d in draws)
     assert any(d.layout.expert_model_parallel_size > 1 for d in draws)
     assert any(d.layout.micro_batch_size > 1 for d in draws)
@@ -79,8 +81,9 @@ def test_the_fuzzer_finds_the_router_count_defect_without_the_correction():
     args = ("--fuzz", "12", "--seed", "1", "--draw", "3", "--timeout", "300")
     proc = _verify(*args, script=UNCORRECTED)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "TP2 x DP1 x GA1 (MoE)" in proc.stdout and "FAIL" in proc.stdout
-    assert "row: Layout(data_parallel_size=1, num_microbatches=1, tensor_model_parallel_size=2" in proc.stdout
+    assert "TP2 x DP1 x GA1 (MoE, sequence parallel)" in proc.stdout and "FAIL" in proc.stdout
+    row = "row: Layout(data_parallel_size=1, num_microbatches=1, tensor_model_parallel_size=2, sequence_parallel=True"
+    assert row in proc.stdout
     assert "rerun: megatron-ga verify --fuzz 12 --seed 1 --draw 3" in proc.stdout
     assert "0 of 1 draws pass" in proc.stdout
     fixed = _verify(*args)

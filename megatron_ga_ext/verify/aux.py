@@ -31,7 +31,8 @@ AUX_LAYOUTS = (
     Layout(data_parallel_size=2, num_microbatches=4, model="moe"),
     Layout(data_parallel_size=2, num_microbatches=4, model="moe_global"),
     Layout(data_parallel_size=2, num_microbatches=4, model="mtp"),
-    Layout(tensor_model_parallel_size=2, data_parallel_size=2, num_microbatches=4, model="moe"),
+    Layout(tensor_model_parallel_size=2, sequence_parallel=True, data_parallel_size=2, num_microbatches=4,
+           model="moe"),
     Layout(context_parallel_size=2, data_parallel_size=2, num_microbatches=4, model="moe_positionwise"),
 )
 

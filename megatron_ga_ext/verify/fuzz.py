@@ -6,7 +6,7 @@ megatron-core itself enforces (and the CPU's: at most 4 ranks, no Transformer En
 
 * a model: dense GPT, MoE (aux_loss, seq_aux_loss or global_aux_loss; the expert bias), MTP, MoE + MTP, and,
   under CP, the position-wise models (attention under CP needs Transformer Engine's ring attention);
-* TP (with sequence parallelism), PP and VPP, CP, EP, DP, with world = TP x PP x CP x DP <= 4;
+* TP (with or without sequence parallelism), PP and VPP, CP, EP, DP, with world = TP x PP x CP x DP <= 4;
 * MBS and GA, and per-sample loss-token counts drawn from 1 to the sequence length, so that units, DP ranks, CP
   and TP shards hold uneven counts;
 * overlapped grad reduce and the distributed optimizer.
@@ -68,7 +68,7 @@ def _draw(rng: random.Random, index: int) -> Draw:
     num_microbatches = rng.choice(ga_choices)
     distributed_optimizer = dp > 1 and rng.random() < 0.3
     layout = Layout(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+        tensor_model_parallel_size=tp, sequence_parallel=tp > 1 and rng.random() < 0.7, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=cp, expert_model_parallel_size=ep, data_parallel_size=dp,
         num_microbatches=num_microbatches, micro_batch_size=micro_batch_size, model=model,
         overlap_grad_reduce=rng.random() < 0.3, distributed_optimizer=distributed_optimizer)

@@ -200,7 +200,7 @@ def build_chunks(layout: Layout, cfg: VerifyConfig, *, calculate_per_token_loss:
         cfg.model, kind=layout.model, pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=vpp, context_parallel_size=layout.context_parallel_size,
         expert_model_parallel_size=layout.expert_model_parallel_size,
-        tensor_model_parallel_size=layout.tensor_model_parallel_size,
+        tensor_model_parallel_size=layout.tensor_model_parallel_size, sequence_parallel=layout.sequence_parallel,
         calculate_per_token_loss=calculate_per_token_loss)
     ddp_config = ddp_config or DistributedDataParallelConfig(
         overlap_grad_reduce=layout.overlap_grad_reduce, use_distributed_optimizer=layout.distributed_optimizer)

@@ -22,7 +22,9 @@ class Layout:
     data_parallel_size: int
     num_microbatches: int
     tensor_model_parallel_size: int = 1
-    """With sequence parallelism; each TP-split gradient is gathered over TP before the comparison."""
+    """Each TP-split gradient is gathered over TP before the comparison."""
+    sequence_parallel: bool = False
+    """With TP > 1: sequence parallelism (the layers' norms are then verify's own, models.py)."""
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
@@ -62,6 +64,7 @@ class Layout:
         parts = [f"{flag}{size}" for flag, size in sizes if size > 1]
         parts += [f"DP{self.data_parallel_size}", f"GA{self.num_microbatches}"]
         notes = [MODEL_NOTES[self.model]] if self.model in MODEL_NOTES else []
+        notes += ["sequence parallel"] * self.sequence_parallel
         notes += ["overlapped grad reduce"] * self.overlap_grad_reduce + ["distributed optimizer"] * self.distributed_optimizer
         return " x ".join(parts) + (f" ({', '.join(notes)})" if notes else "")
 
@@ -111,14 +114,15 @@ DEFAULT_LAYOUTS = (
     Layout(data_parallel_size=2, num_microbatches=4, model="moe", expert_model_parallel_size=2),
     Layout(data_parallel_size=2, num_microbatches=4, model="mtp"),
     Layout(data_parallel_size=2, num_microbatches=4, model="moe_mtp"),
+    Layout(data_parallel_size=2, num_microbatches=4, model="moe_global"),  # #7452 finding 10 under global_aux_loss
     Layout(data_parallel_size=4, num_microbatches=2),
     Layout(pipeline_model_parallel_size=2, data_parallel_size=2, num_microbatches=4),
     Layout(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, data_parallel_size=2,
            num_microbatches=4),
     Layout(context_parallel_size=2, data_parallel_size=2, num_microbatches=4, model="positionwise"),
-    # The MoE router's counts under TP, CP and global_aux_loss (Megatron-LM #7452, finding 10).
-    Layout(data_parallel_size=2, num_microbatches=4, model="moe_global"),
-    Layout(tensor_model_parallel_size=2, data_parallel_size=2, num_microbatches=4, model="moe"),
+    # The MoE router's counts under TP and CP (Megatron-LM #7452, finding 10).
+    Layout(tensor_model_parallel_size=2, sequence_parallel=True, data_parallel_size=2, num_microbatches=4,
+           model="moe"),
     Layout(context_parallel_size=2, data_parallel_size=2, num_microbatches=4, model="moe_positionwise"),
 )
 

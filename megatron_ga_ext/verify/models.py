@@ -61,10 +61,9 @@ def init_model_parallel(**sizes: int) -> None:
 def transformer_config(model: ModelConfig, *, calculate_per_token_loss: bool, kind: str = "gpt",
                        pipeline_model_parallel_size: int = 1, virtual_pipeline_model_parallel_size: int = 1,
                        context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
-                       tensor_model_parallel_size: int = 1):
+                       tensor_model_parallel_size: int = 1, sequence_parallel: bool = False):
     """A megatron TransformerConfig for the tiny models: fp32, no dropout, CPU initialisation; ``kind``
-    adds MoE and/or MTP (:data:`KINDS`); MoE uses the alltoall dispatcher across EP ranks, else allgather. TP > 1
-    runs with sequence parallelism (megatron requires it for MoE)."""
+    adds MoE and/or MTP (:data:`KINDS`); MoE uses the alltoall dispatcher across EP ranks, else allgather."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     extra = dict(KINDS.get(kind, {}))
@@ -85,7 +84,7 @@ def transformer_config(model: ModelConfig, *, calculate_per_token_loss: bool, ki
         pipeline_dtype=torch.float32,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         tensor_model_parallel_size=tensor_model_parallel_size,
-        sequence_parallel=tensor_model_parallel_size > 1,
+        sequence_parallel=sequence_parallel,
         context_parallel_size=context_parallel_size,
         calculate_per_token_loss=calculate_per_token_loss,
         batch_p2p_comm=False,
