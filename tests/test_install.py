@@ -17,12 +17,18 @@ from megatron.core import num_microbatches_calculator as calculators  # noqa: E4
 import megatron_ga_ext  # noqa: E402
 from megatron_ga_ext import CompatError, GuardError, ScheduleError  # noqa: E402
 from megatron_ga_ext.errors import OptionError  # noqa: E402
-from megatron_ga_ext.integration.compat import FINALIZE, TARGETS, matching_sources, megatron_core_version  # noqa: E402
+from megatron_ga_ext.integration.compat import (  # noqa: E402
+    FINALIZE,
+    TARGETS,
+    live_targets,
+    matching_sources,
+    megatron_core_version,
+)
 from megatron_ga_ext.integration.guards import GuardedCalculator  # noqa: E402
 from megatron_ga_ext.integration.install import GAConfig, add_args, install, installed, uninstall  # noqa: E402
 
 finalize_module = importlib.import_module(FINALIZE)
-CORE_TARGETS = [t for t in TARGETS if not t.optional]  # megatron.training is not in every wheel
+CORE_TARGETS = [t for t in live_targets(TARGETS) if not t.optional]  # megatron.training is not in every wheel
 ORIGINALS = {t.qualified: t.resolve() for t in CORE_TARGETS}
 STEP_SCHEDULES = "step_batch_size_schedule" in inspect.signature(calculators.init_num_microbatches_calculator).parameters
 

@@ -76,15 +76,16 @@ sys.exit(main(["verify", *sys.argv[1:]]))
 
 @pytest.mark.slow
 def test_the_fuzzer_finds_the_router_count_defect_without_the_correction():
-    """Draw 3 of seed 1 is TP 2 x GA 1 with MoE: with upstream's counts its token mode misses the reference, and the
-    failing draw prints its row and how to rerun it; microbatch mode (no padding mask) still passes."""
-    args = ("--fuzz", "12", "--seed", "1", "--draw", "3", "--timeout", "300")
+    """Draw 10 of seed 3 is DP 2 x GA 2 with MoE global_aux_loss: with upstream's counts (micro-batch m's over both DP
+    ranks, on every release) its token mode misses the reference, and the failing draw prints its row and how to
+    rerun it; with install()'s correction it passes."""
+    args = ("--fuzz", "12", "--seed", "3", "--draw", "10", "--timeout", "300")
     proc = _verify(*args, script=UNCORRECTED)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "TP2 x DP1 x GA1 (MoE, sequence parallel)" in proc.stdout and "FAIL" in proc.stdout
-    row = "row: Layout(data_parallel_size=1, num_microbatches=1, tensor_model_parallel_size=2, sequence_parallel=True"
-    assert row in proc.stdout
-    assert "rerun: megatron-ga verify --fuzz 12 --seed 1 --draw 3" in proc.stdout
+    assert "DP2 x GA2 (MoE global_aux_loss, overlapped grad reduce)" in proc.stdout and "FAIL" in proc.stdout
+    row = "row: Layout(data_parallel_size=2, num_microbatches=2, tensor_model_parallel_size=1, sequence_parallel=False"
+    assert row in proc.stdout and "model='moe_global'" in proc.stdout
+    assert "rerun: megatron-ga verify --fuzz 12 --seed 3 --draw 10" in proc.stdout
     assert "0 of 1 draws pass" in proc.stdout
     fixed = _verify(*args)
     assert fixed.returncode == 0 and "1 of 1 draws pass" in fixed.stdout, fixed.stdout[-3000:] + fixed.stderr[-2000:]

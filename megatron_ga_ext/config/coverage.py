@@ -421,11 +421,11 @@ ROWS: tuple[Row, ...] = (
         text="token mode: each micro-batch's load-balancing and z-loss terms are computed over its loss tokens and "
         "weighted by its share of the global batch's loss tokens. install() corrects the router's count, which "
         "megatron-core reads back after an in-place all-reduce once a padding mask is given (Megatron-LM #7452, "
-        "finding 10: TP x CP times the target), and before 0.19 gives the z-loss its missing TP x CP factor: exact "
-        "under TP (sequence parallel) and CP, with uneven loss tokens across the shards; a micro-batch without loss "
-        "tokens adds no term. Microbatch mode: as upstream.",
-        proofs=(*MOE_LOOP, *_verify("DP2 x GA4 (MoE)", "EP2 x DP2 x GA4 (MoE)", "TP2 x DP2 x GA4 (MoE, sequence parallel)",
-                                    "CP2 x DP2 x GA4 (MoE, position-wise)"),
+        "finding 10: TP x CP times the target from 0.19), and before 0.19 gives the z-loss its missing TP x CP "
+        "factor: exact under TP (sequence parallel) and CP, with uneven loss tokens across the shards; a micro-batch "
+        "without loss tokens adds no term. Microbatch mode: as upstream.",
+        proofs=(*MOE_LOOP, *_verify("DP2 x GA4 (MoE)", "EP2 x DP2 x GA4 (MoE)",
+                                    "TP2 x DP2 x GA4 (MoE, sequence parallel)", "CP2 x DP2 x GA4 (MoE, position-wise)"),
                 Proof(test="tests/test_verify_aux.py::test_install_meets_the_token_mode_target"),
                 Proof(test="tests/test_moe_empty_microbatch.py::test_the_step_matches_the_token_reference")),
         applies=_balancing("aux_loss")),

@@ -31,7 +31,7 @@ from megatron_ga_ext.logs import get_logger
 
 __all__ = [
     "RELEASES", "TARGETS", "UPSTREAM", "Calculator", "Target", "Upstream", "check_targets", "fingerprint", "known_fingerprints",
-    "megatron_args", "megatron_core_version", "megatron_iteration",
+    "defines_function", "live_targets", "megatron_args", "megatron_core_version", "megatron_iteration",
 ]
 
 logger = get_logger(__name__)
@@ -217,12 +217,12 @@ def fingerprint_file(path: Path, name: str) -> str:
     raise CompatError(f"{name} is not defined in {path}.")
 
 
-def _defines(path: Path, name: str) -> bool:
+def defines_function(path: Path, name: str) -> bool:
     """The source file defines the top-level function ``name``."""
     return any(isinstance(n, ast.FunctionDef) and n.name == name for n in ast.parse(path.read_text()).body)
 
 
-def _live_targets(targets: tuple[Target, ...]) -> list[Target]:
+def live_targets(targets: tuple[Target, ...]) -> list[Target]:
     """The targets that exist here: optional ones only where their module is loaded, and those of a later release
     only where this one defines them."""
     live = [t for t in targets if not t.optional or t.module in sys.modules]
@@ -242,7 +242,7 @@ def check_targets(version: str, strict: bool, targets: tuple[Target, ...] = TARG
 
     Returns the mismatch messages (empty when every hooked function is one we have tested)."""
     known = known_fingerprints()
-    seen = {t.qualified: fingerprint(t.resolve()) for t in _live_targets(targets)}
+    seen = {t.qualified: fingerprint(t.resolve()) for t in live_targets(targets)}
     unknown = [name for name, fp in seen.items() if fp not in known.get(name, {})]
     if not unknown:
         return []
@@ -273,7 +273,7 @@ def _nearest_source(seen: dict[str, str], known: dict[str, dict[str, list[str]]]
 def matching_sources(targets: tuple[Target, ...] = TARGETS) -> list[str]:
     """The tested sources whose hooked functions all equal the live ones (for the start-up log)."""
     known = known_fingerprints()
-    found = [set(known.get(t.qualified, {}).get(fingerprint(t.resolve()), [])) for t in _live_targets(targets)]
+    found = [set(known.get(t.qualified, {}).get(fingerprint(t.resolve()), [])) for t in live_targets(targets)]
     common = set.intersection(*found) if found else set()
     return [u.name for u in UPSTREAM if u.name in common]
 
@@ -286,7 +286,7 @@ def table_from_trees(trees: dict[str, Path]) -> dict[str, dict[str, list[str]]]:
             path = target.path_in(root)
             if target.optional and not path.exists():
                 continue
-            if target.since is not None and not _defines(path, target.name):
+            if target.since is not None and not defines_function(path, target.name):
                 continue
             table[target.qualified].setdefault(fingerprint_file(path, target.name), []).append(source)
     return table
