@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_ga_ext.integration.compat import TARGETS, UPSTREAM, fingerprint_file, known_fingerprints
+from megatron_ga_ext.integration.compat import UPSTREAM, fingerprint_file, known_fingerprints, tree_targets
 
 
 def source_name(root: Path) -> str:
@@ -27,7 +27,8 @@ def hooked_functions(root: Path) -> str:
     """'all N known (as <source>)' or the unknown functions, from the tree's files (no import)."""
     known = known_fingerprints()
     unknown, sources = [], None
-    for target in TARGETS:
+    targets = tree_targets(root)
+    for target in targets:
         path = target.path_in(root)
         if not path.exists():
             unknown.append(target.name)
@@ -37,9 +38,9 @@ def hooked_functions(root: Path) -> str:
             unknown.append(target.name)
         sources = having if sources is None else sources & having
     if unknown:
-        return f"{len(unknown)} of {len(TARGETS)} unknown: {', '.join(unknown)}"
+        return f"{len(unknown)} of {len(targets)} unknown: {', '.join(unknown)}"
     same = ", ".join(u.name for u in UPSTREAM if u.name in (sources or set()))
-    return f"all {len(TARGETS)} known" + (f" (as {same})" if same else " (mixed)")
+    return f"all {len(targets)} known" + (f" (as {same})" if same else " (mixed)")
 
 
 def core_version(root: Path) -> str:

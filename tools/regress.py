@@ -26,13 +26,7 @@ from pathlib import Path
 
 from megatron_ga_ext.config.coverage import unclassified
 from megatron_ga_ext.errors import CompatError
-from megatron_ga_ext.integration.compat import (
-    TARGETS,
-    UPSTREAM,
-    defines_function,
-    fingerprint_file,
-    known_fingerprints,
-)
+from megatron_ga_ext.integration.compat import TARGETS, UPSTREAM, fingerprint_file, known_fingerprints, tree_targets
 
 if __package__:  # tools.regress: the tests, python -m tools.regress
     from .compatibility import source_name
@@ -114,12 +108,8 @@ def changed_functions(root: Path) -> tuple[str, list[str]]:
     known = known_fingerprints()
     counts = {u.name: 0 for u in UPSTREAM}
     changed = []
-    for target in TARGETS:
+    for target in tree_targets(root):
         path = target.path_in(root)
-        if target.optional and not path.exists():
-            continue
-        if target.since is not None and path.exists() and not defines_function(path, target.name):
-            continue  # a function of later releases: this one is as its own release, without it
         try:
             found = fingerprint_file(path, target.name) if path.exists() else None
         except CompatError:

@@ -31,7 +31,7 @@ from megatron_ga_ext.logs import get_logger
 
 __all__ = [
     "RELEASES", "TARGETS", "UPSTREAM", "Calculator", "Target", "Upstream", "check_targets", "fingerprint", "known_fingerprints",
-    "defines_function", "live_targets", "megatron_args", "megatron_core_version", "megatron_iteration",
+    "defines_function", "live_targets", "tree_targets", "megatron_args", "megatron_core_version", "megatron_iteration",
 ]
 
 logger = get_logger(__name__)
@@ -222,6 +222,18 @@ def defines_function(path: Path, name: str) -> bool:
     return any(isinstance(n, ast.FunctionDef) and n.name == name for n in ast.parse(path.read_text()).body)
 
 
+def tree_targets(root: Path, targets: tuple[Target, ...] = TARGETS) -> list[Target]:
+    """The targets a source tree has: optional ones where their file is there, those of a later release where the
+    file defines them (the others, gone, are kept: the caller names them)."""
+    def has(target: Target) -> bool:
+        path = target.path_in(root)
+        if target.optional and not path.exists():
+            return False
+        return target.since is None or (path.exists() and defines_function(path, target.name))
+
+    return [t for t in targets if has(t)]
+
+
 def live_targets(targets: tuple[Target, ...]) -> list[Target]:
     """The targets that exist here: optional ones only where their module is loaded, and those of a later release
     only where this one defines them."""
@@ -282,13 +294,8 @@ def table_from_trees(trees: dict[str, Path]) -> dict[str, dict[str, list[str]]]:
     """Fingerprints of :data:`TARGETS` in source trees ``{source name: root holding megatron/...}``."""
     table: dict[str, dict[str, list[str]]] = {t.qualified: {} for t in TARGETS}
     for source, root in trees.items():
-        for target in TARGETS:
-            path = target.path_in(root)
-            if target.optional and not path.exists():
-                continue
-            if target.since is not None and not defines_function(path, target.name):
-                continue
-            table[target.qualified].setdefault(fingerprint_file(path, target.name), []).append(source)
+        for target in tree_targets(root):
+            table[target.qualified].setdefault(fingerprint_file(target.path_in(root), target.name), []).append(source)
     return table
 
 
