@@ -179,13 +179,12 @@ def exact_token_counts(original: Callable, state: Installation) -> Callable:
     def counts(routing_map: Any, reduce_group: Any, topk: int | None = None, with_padding_mask: bool = False):
         if not (with_padding_mask and _token_mode(state)):
             return original(routing_map, reduce_group, topk, with_padding_mask)
-        local = routing_map.sum() / topk  # before upstream's in-place all-reduce of the per-expert counts
         tokens_per_expert, _, total = original(routing_map, reduce_group, topk, with_padding_mask)
         group = _tp_cp_group()
         if reduce_group.size() == group.size():
             unit = total
         else:
-            unit = local
+            unit = routing_map.sum() / topk  # this rank's (upstream reduced a copy of the per-expert counts)
             if group.size() > 1:
                 import torch
 
