@@ -6,8 +6,8 @@ the auxiliary losses' gradient (the MoE router at DP 2, with global_aux_loss, un
 the token-mode target, before (upstream alone) and after install() (verify/aux.py). Exit status: 0 when every
 ``token`` row is within ``--tolerance`` of the token reference, with every rank dividing by N = the non-padding
 tokens of the global batch, every ``microbatch`` row within it of its own mean-of-means reference, and every
-auxiliary gradient with the extension within it of the target; 1 otherwise; 2 when a launch fails (a VerifyError, printed by the CLI's
-one error path). Layouts a release cannot run are listed as skipped, with the reason.
+auxiliary gradient with the extension within it of the target; 1 otherwise; 2 when a launch fails (a VerifyError,
+printed by the CLI's one error path). Layouts a release cannot run are listed as skipped, with the reason.
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds allowed for each launch (default 300)")
     parser.add_argument("--fuzz", type=int, metavar="N",
-                        help="instead of the default layouts, N layouts drawn at random (TP, PP, VPP, CP, EP, DP, MBS, GA, "
-                             "MoE balancing types, MTP, overlap, distributed optimizer; uneven loss tokens), each "
-                             "against the unpartitioned reference (verify/fuzz.py)")
+                        help="instead of the default layouts, N layouts drawn at random (TP, PP, VPP, CP, EP, DP, "
+                             "MBS, GA, MoE balancing types, MTP, overlap, distributed optimizer; uneven loss "
+                             "tokens), each against the unpartitioned reference (verify/fuzz.py)")
     parser.add_argument("--seed", type=int, default=0, help="--fuzz: the seed of the draws (default 0)")
     parser.add_argument("--draw", type=int, metavar="K", help="--fuzz: run draw K of the seed alone")
 

@@ -68,7 +68,8 @@ def _draw(rng: random.Random, index: int) -> Draw:
     num_microbatches = rng.choice(ga_choices)
     distributed_optimizer = dp > 1 and rng.random() < 0.3
     layout = Layout(
-        tensor_model_parallel_size=tp, sequence_parallel=tp > 1 and rng.random() < 0.7, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+        tensor_model_parallel_size=tp, sequence_parallel=tp > 1 and rng.random() < 0.7,
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=cp, expert_model_parallel_size=ep, data_parallel_size=dp,
         num_microbatches=num_microbatches, micro_batch_size=micro_batch_size, model=model,
         overlap_grad_reduce=rng.random() < 0.3, distributed_optimizer=distributed_optimizer)

@@ -264,7 +264,8 @@ def gradients(model: Any, names: dict[str, str]) -> dict[str, torch.Tensor]:
     for chunk in chunks:
         if getattr(chunk.ddp_config, "use_distributed_optimizer", False):
             _gather_shards(chunk)
-        out.update({names[n]: _whole(p, p.main_grad.detach().clone()).cpu() for n, p in chunk.module.named_parameters()})
+        out.update({names[n]: _whole(p, p.main_grad.detach().clone()).cpu()
+                    for n, p in chunk.module.named_parameters()})
     return out
 
 

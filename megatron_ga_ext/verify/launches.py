@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 from collections import defaultdict
-from typing import Sequence
+from typing import Callable, Sequence
 
 from megatron_ga_ext.testing.distributed import LaunchConfig, run_on_ranks
 from megatron_ga_ext.testing.shims import cpu_shims
@@ -16,16 +16,12 @@ from megatron_ga_ext.verify.harness import LayoutResult, VerifyConfig, run_rank
 from megatron_ga_ext.verify.layouts import DEFAULT_LENGTHS, Layout
 
 
-def launch_all(layouts: Sequence[Layout], *, device: str, timeout_s: float, aux_layouts: Sequence[Layout] = AUX_LAYOUTS,
+def launch_all(layouts: Sequence[Layout], *, device: str, timeout_s: float,
+               aux_layouts: Sequence[Layout] = AUX_LAYOUTS,
                ) -> tuple[dict[int, list[list[LayoutResult]]], list[AuxCoefficient]]:
     """({world size: per-rank lists of LayoutResult}, rank 0's auxiliary coefficients), one launch per world
     size; each of ``aux_layouts`` rides on the launch of its world size (one is made for it if no layout has it)."""
-    by_world: dict[int, list[Layout]] = defaultdict(list)
-    for layout in layouts:
-        by_world[layout.world_size].append(layout)
-    aux_by_world: dict[int, list[Layout]] = defaultdict(list)
-    for layout in aux_layouts:
-        aux_by_world[layout.world_size].append(layout)
+    by_world, aux_by_world = _by_world(layouts), _by_world(aux_layouts)
     launch = LaunchConfig(backend="gloo" if device == "cpu" else "nccl", timeout_s=timeout_s)
     results, coefficients = {}, []
     for world_size in sorted(by_world.keys() | aux_by_world.keys()):
@@ -37,6 +33,14 @@ def launch_all(layouts: Sequence[Layout], *, device: str, timeout_s: float, aux_
             results[world_size] = [layouts_done for layouts_done, _ in per_rank]
         coefficients += per_rank[0][1]
     return results, coefficients
+
+
+def _by_world(items: Sequence, layout_of: Callable = lambda layout: layout) -> defaultdict[int, list]:
+    """``items`` (layouts, or draws with ``layout_of``) by their layout's world size, in order."""
+    grouped: defaultdict[int, list] = defaultdict(list)
+    for item in items:
+        grouped[layout_of(item).world_size].append(item)
+    return grouped
 
 
 def _rank_work(cfg: VerifyConfig, aux_layouts: tuple[Layout, ...]) -> tuple[list[LayoutResult], list[AuxCoefficient]]:
@@ -59,12 +63,9 @@ def launch_draws(draws: Sequence[Draw], *, device: str, timeout_s: float,
                  ) -> list[tuple[Draw, tuple[DrawResult, ...] | None, str | None]]:
     """(draw, every rank's verdict, None) for each draw, or (draw, None, why) where its launch failed; the draws of
     one world size at most :data:`DRAWS_PER_LAUNCH` to a launch."""
-    by_world: dict[int, list[Draw]] = defaultdict(list)
-    for draw in draws:
-        by_world[draw.layout.world_size].append(draw)
     launch = LaunchConfig(backend="gloo" if device == "cpu" else "nccl", timeout_s=timeout_s)
     out = []
-    for world_size, of_world in sorted(by_world.items()):
+    for world_size, of_world in sorted(_by_world(draws, lambda draw: draw.layout).items()):
         for i in range(0, len(of_world), DRAWS_PER_LAUNCH):
             batch = tuple(of_world[i:i + DRAWS_PER_LAUNCH])
             print(f"launching {world_size} rank(s): draw(s) {', '.join(str(d.index) for d in batch)}",

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["KINDS", "POSITIONWISE_GPT", "ModelConfig", "build_gpt", "build_positionwise", "global_names", "init_by_name",
-           "init_model_parallel", "transformer_config"]
+__all__ = ["KINDS", "POSITIONWISE_GPT", "ModelConfig", "build_gpt", "build_positionwise", "global_names",
+           "init_by_name", "init_model_parallel", "transformer_config"]
 
 
 @dataclass(kw_only=True, frozen=True)
