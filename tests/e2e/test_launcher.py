@@ -13,9 +13,11 @@ from tests.e2e.pretrain_runs import ROOT, _server
 
 pytestmark = pytest.mark.e2e
 
+# One write per rank: the ranks share the log, and print's separate writes of each piece interleave under load.
 REPORT = """import os, sys
-print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], os.environ['MARK'], sys.argv[1:],
-      'imported' if 'megatron.training.training' in sys.modules else 'not imported')
+imported = 'imported' if 'megatron.training.training' in sys.modules else 'not imported'
+line = f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} {os.environ['MARK']} {sys.argv[1:]} {imported}"
+os.write(1, (line + chr(10)).encode())
 """
 
 
