@@ -10,7 +10,7 @@ pytest.importorskip("megatron.core.pipeline_parallel.schedules")
 from megatron_ga_ext import GuardError  # noqa: E402
 from megatron_ga_ext.integration.install import GAConfig, install, uninstall  # noqa: E402
 from megatron_ga_ext.integration.liveness import bypass_message  # noqa: E402
-from megatron_ga_ext.integration.training_hooks import _skipping_step  # noqa: E402
+from megatron_ga_ext.integration.hooks import optimizer_step  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -57,7 +57,7 @@ def iteration(state, *, scheduled: bool = True, finalized: bool = True) -> None:
 
 def wrapped(state) -> tuple[Optimizer, object]:
     optimizer = Optimizer()
-    return optimizer, _skipping_step(optimizer.step, state)
+    return optimizer, optimizer_step(optimizer.step, state)
 
 
 @pytest.mark.parametrize("checks", ["sync", "async"])

@@ -67,8 +67,8 @@ def test_a_fixed_seed_passes():
 
 UNCORRECTED = """
 import sys
-from megatron_ga_ext.integration import training_hooks
-training_hooks.exact_token_counts = lambda original, state: original  # upstream's router counts
+from megatron_ga_ext.integration import hooks
+hooks.HOOKS = tuple(h for h in hooks.HOOKS if h.name != "get_tokens_per_expert_and_token_count")  # upstream's counts
 from megatron_ga_ext.cli.main import main
 sys.exit(main(["verify", *sys.argv[1:]]))
 """

@@ -20,6 +20,7 @@ import argparse
 import functools
 import importlib
 import sys
+from types import ModuleType
 from typing import TYPE_CHECKING, Callable
 
 from megatron_ga_ext.config.args import args_provider
@@ -29,7 +30,7 @@ from megatron_ga_ext.logs import get_logger
 if TYPE_CHECKING:
     from megatron_ga_ext.integration.installation import Installation
 
-__all__ = ["ARGUMENTS", "wire_arguments"]
+__all__ = ["ARGUMENTS", "parser_module", "with_ga_flags"]
 
 logger = get_logger(__name__)
 
@@ -38,26 +39,27 @@ ARGUMENTS = "megatron.training.arguments"
 ParseArgs = Callable[..., argparse.Namespace]
 
 
-def wire_arguments(state: Installation) -> bool:
-    """Replace Megatron-LM's ``parse_args`` where it is bound; nothing to do with megatron-core alone.
+def parser_module(state: Installation) -> ModuleType | bool:
+    """Megatron-LM's ``megatron.training.arguments``, whose ``parse_args`` the hook table replaces where it is bound;
+    False (nothing to do) with megatron-core alone.
 
     Importing ``megatron.training`` configures the root logger and loads Megatron-LM's whole training loop, so it
     is imported here only for an install() that waits for Megatron's args (the training script imports it next
     anyway); an install() given its config patches the parser only where the script has loaded it already."""
     if ARGUMENTS not in sys.modules:
         if not state.waiting_for_args:
-            return True  # a config given outright (a megatron-core loop, verify): no Megatron-LM parse to join
+            return False  # a config given outright (a megatron-core loop, verify): no Megatron-LM parse to join
         try:
-            importlib.import_module(ARGUMENTS)
+            return importlib.import_module(ARGUMENTS)
         except ModuleNotFoundError as error:
             if error.name not in ("megatron.training", ARGUMENTS):
                 raise  # Megatron-LM's training code is there, but something it imports is not
-            return True  # megatron-core alone: Megatron-LM's parser is not there
-    state.patch(ARGUMENTS, "parse_args", lambda original: _with_ga(original, state))
-    return True
+            return False  # megatron-core alone: Megatron-LM's parser is not there
+    return sys.modules[ARGUMENTS]
 
 
-def _with_ga(original: ParseArgs, state: Installation) -> ParseArgs:
+def with_ga_flags(original: ParseArgs, state: Installation) -> ParseArgs:
+    """``parse_args`` with the ``--ga-*`` flags, and ``--calculate-per-token-loss`` on in token mode."""
     announced = False
 
     @functools.wraps(original)

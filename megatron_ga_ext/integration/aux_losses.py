@@ -42,10 +42,7 @@ differs (#7452, finding 3). The target is every MTP token at alpha / N, the one 
 the step is divided by: L_mtp = alpha sum_t mtp_t / N. :func:`global_count_mtp_loss` attaches each depth's loss
 as that sum (megatron-core 0.16 already does).
 
-What cannot be made exact, said once at the first step with the size of the error:
-* MoE layers on a pipeline stage that is not given the loss mask (pretrain_gpt's get_batch gives it to the
-  last stage only): their aux and z gradients keep the (positions / loss tokens) factor; with sequence
-  parallelism the mask is only given where the stage scatters it (the first stage).
+What cannot be made exact is said once at the first step, with the size of the error (aux_report.py).
 """
 
 from __future__ import annotations
@@ -56,16 +53,16 @@ import inspect
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from megatron_ga_ext.integration.installation import Installation
+from megatron_ga_ext.integration.aux_report import QUANTILE_BALANCING, balancing_types
 from megatron_ga_ext.logs import get_logger
 
 if TYPE_CHECKING:
+    from megatron_ga_ext.integration.installation import Installation
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-__all__ = ["aux_summary", "broadcasts_padding_per_token", "exact_token_counts", "global_count_mtp_loss",
-           "padding_mask_forward", "per_token_padding_expert_bias", "pipeline_inexact_note", "router_scales_by_tp_cp",
-           "tp_cp_scaled_z_loss"]
+__all__ = ["broadcasts_padding_per_token", "exact_token_counts", "global_count_mtp_loss", "padding_mask_forward",
+           "per_token_padding_expert_bias", "router_scales_by_tp_cp", "tp_cp_scaled_z_loss"]
 
 logger = get_logger(__name__)
 
@@ -89,59 +86,11 @@ def _wants_padding_mask(model: GPTModel, kwargs: dict[str, Any]) -> bool:
     config = model.config
     if not getattr(config, "num_moe_experts", None) or kwargs.get("padding_mask") is not None:
         return False
-    if QUANTILE_BALANCING in _balancing_types(config):
+    if QUANTILE_BALANCING in balancing_types(config):
         return False
     if kwargs.get("loss_mask") is None:
         return False
     return not getattr(config, "sequence_parallel", False) or bool(getattr(model, "pre_process", False))
-
-
-QUANTILE_BALANCING = "quantile_balancing"
-
-
-def _balancing_types(config: TransformerConfig) -> list[str]:
-    """--moe-router-load-balancing-type as a list (one type, or one per layer group)."""
-    kinds = getattr(config, "moe_router_load_balancing_type", "aux_loss")
-    return list(kinds) if isinstance(kinds, (list, tuple)) else [kinds]
-
-
-def aux_summary(config: TransformerConfig, mode: str) -> str | None:
-    """The one line rank 0 logs at the first step: which auxiliary losses are active, and how scaled."""
-    terms = []
-    if getattr(config, "num_moe_experts", None):
-        kinds = getattr(config, "moe_router_load_balancing_type", "aux_loss")
-        kinds = kinds if isinstance(kinds, (list, tuple)) else [kinds]
-        coeffs = getattr(config, "moe_aux_loss_coeff", 0.0)
-        coeffs = coeffs if isinstance(coeffs, (list, tuple)) else [coeffs] * len(kinds)
-        terms += [f"MoE {kind} (coefficient {coeff:g})" for kind, coeff in zip(kinds, coeffs) if coeff]
-        if getattr(config, "moe_z_loss_coeff", None):
-            terms.append(f"MoE z-loss (coefficient {config.moe_z_loss_coeff:g})")
-    if getattr(config, "mtp_num_layers", None):
-        terms.append(f"MTP ({config.mtp_num_layers} layer(s), scaling factor {config.mtp_loss_scaling_factor:g})")
-    if not terms:
-        return None
-    if mode == "token" and QUANTILE_BALANCING in _balancing_types(config) and getattr(config, "num_moe_experts", None):
-        how = ("MoE routes without a padding mask under quantile balancing (upstream's router refuses one), so its "
-               "terms count every routed position, as upstream's --calculate-per-token-loss does")
-    elif mode == "token":
-        how = ("MoE: each micro-batch's terms over its loss tokens (routed with padding_mask = loss_mask == 0, the "
-               "router's counts over its TP x CP group) and weighted by its share n_u / N of the global batch's loss "
-               "tokens; MTP: every MTP token weighs its scaling factor / N")
-    else:
-        how = "each micro-batch's term over all its positions, weighted 1 / (num_microbatches x DP), as upstream"
-    return f"megatron-ga-ext {mode} mode, auxiliary losses: {', '.join(terms)}: {how}."
-
-
-def pipeline_inexact_note(config: TransformerConfig, mode: str, pipeline_model_parallel_size: int, positions: int,
-                          num_tokens: int) -> str | None:
-    """MoE with PP in token mode: stages without the loss mask keep the (positions / loss tokens) factor."""
-    if mode != "token" or pipeline_model_parallel_size <= 1 or not getattr(config, "num_moe_experts", None):
-        return None
-    ratio = positions / max(num_tokens, 1)
-    return (f"MoE with pipeline parallelism (PP {pipeline_model_parallel_size}) in token mode: Megatron-LM's "
-            f"get_batch gives the loss mask to the last stage only, so MoE layers on the other stages route "
-            f"without a padding mask and their aux and z-loss gradients are (routed positions / loss tokens) "
-            f"times their target weight: {positions} / {num_tokens} = {ratio:.3f} on the first step.")
 
 
 def _token_mode(state: Installation) -> bool:

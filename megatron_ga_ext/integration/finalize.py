@@ -157,7 +157,7 @@ class FinalizeModelGrads:
         self.pending: _Verdict | None = None
         self.deferred: _Deferred | None = None
         self.last_deferred: _Deferred | None = None
-        """The last deferral, until Megatron's decision on it is reported (training_hooks.py)."""
+        """The last deferral, until Megatron's decision on it is reported (Installation.rerun_decided)."""
         self.noise_scale: NoiseScaleMeter | None = None
         """--ga-noise-scale: the meter that reads the reduced gradient here (integration/noise_scale.py)."""
         self._checked: _CheckedChunks | None = None
@@ -379,3 +379,9 @@ class _Verdict:
             self.event.synchronize()  # done already when ready(); else waits for this one copy
         return StepChecks(*self.host.numpy().tolist())  # host memory: reading it cannot synchronize the device
 
+
+def describe_decision(checkpoint: bool, exit: bool, exit_code: int) -> str:
+    """Megatron's ``RerunStateMachine.should_checkpoint_and_exit()`` in words."""
+    if exit:
+        return f"{'save a checkpoint and ' if checkpoint else ''}exit with code {exit_code}"
+    return "save a checkpoint and go on" if checkpoint else "go on training"

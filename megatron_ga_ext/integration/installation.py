@@ -1,13 +1,25 @@
-"""What one ``install()`` holds: its configuration, what it replaced (so ``uninstall()`` can put it back), and the
-objects its hooks share (the loss contract, the finalize wrapper, the forward-step counter, the start-up checks).
+"""What one ``install()`` holds, and the phases of a run in order: one method per phase.
 
-install.py makes an Installation and runs the hooks; the hook modules (training_hooks.py, aux_losses.py) read it.
+An Installation keeps its configuration, what it replaced (so ``uninstall()`` can put it back) and the objects its
+hooks share (the loss contract, the finalize wrapper, the forward-step counter, the start-up checks). The hook table
+(hooks.py) calls its phase methods; one training step reads, in this file:
+
+    configure_calculator       Megatron builds (or rebuilds) its num-microbatches calculator
+    begin_step                 a forward/backward call starts: start-up checks once, counters reset
+      micro_batch  x M         each forward step: counted, its loss wrapped (the contract, or the mean report)
+      (finalize)               FinalizeModelGrads (finalize.py): N, the checks, the division
+    end_step                   the call returns: finalize ran, each chunk ran M micro-batches
+    before_optimizer_step      liveness, a deferred verdict, the zero-token skip
+    after_optimizer_step       the async verdict, liveness, the noise scale and the batch-size warmup
+    rerun_decided / after_log  what Megatron's rerun machine decided; the held noise-scale line
+    after_save / after_load    the noise-scale sidecar beside Megatron's checkpoint
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -27,13 +39,17 @@ from megatron_ga_ext.config.rules import (
     check_train_length,
     schedule_source,
 )
-from megatron_ga_ext.errors import CompatError
+from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
+from megatron_ga_ext.errors import CompatError, GuardError
+from megatron_ga_ext.integration.aux_report import aux_summary, pipeline_inexact_note
 from megatron_ga_ext.integration.batch_warmup import BatchSizeWarmup
-from megatron_ga_ext.integration.compat import megatron_args
-from megatron_ga_ext.integration.finalize import FinalizeModelGrads
-from megatron_ga_ext.integration.guards import MicrobatchCounter
+from megatron_ga_ext.integration.calculator import StepScheduleCalculator, live_step_calculator
+from megatron_ga_ext.integration.compat import live_calculator, megatron_args, set_live_calculator
+from megatron_ga_ext.integration.finalize import FinalizeModelGrads, describe_decision
+from megatron_ga_ext.integration.guards import GuardedCalculator, MicrobatchCounter, current_pipeline_size
+from megatron_ga_ext.integration.liveness import StepLiveness
 from megatron_ga_ext.integration.loss_contract import LossContract, mean_of_means_reports
-from megatron_ga_ext.integration.noise_scale import NoiseScaleMeter
+from megatron_ga_ext.integration.noise_scale import NoiseScaleMeter, load_sidecar, save_sidecar
 from megatron_ga_ext.integration.startup import StartupChecks
 from megatron_ga_ext.logs import get_logger
 
@@ -101,8 +117,10 @@ class Installation:
     """False once uninstalled: a wrapper still referenced somewhere then calls straight through."""
     patches: list[_GlobalPatch] = field(default_factory=list)
     attribute_patches: list[_AttributePatch] = field(default_factory=list)
-    training_hooks_wired: set[str] = field(default_factory=set)
-    """The hooks outside the three core modules (install.py's _wire_training_hooks) in place, by name."""
+    settled_hooks: set[str] = field(default_factory=set)
+    """The hook table's rows wired (or absent from this source), by qualified name (hooks.wire)."""
+    checked_modules: set[str] = field(default_factory=set)
+    """Host-loop modules whose fingerprinted targets were checked when they were wired."""
     configs: list[_AdoptedFinalize] = field(default_factory=list)
     """Model configs whose finalize_model_grads_func install() set."""
     successor: Installation | None = None
@@ -153,6 +171,170 @@ class Installation:
             check_args(config, args)
         self.configure(config)
         logger.info("megatron-ga-ext on megatron-core %s, from Megatron's args: %s", self.version, config)
+
+    # -- the phases of a run, in order (hooks.py's wrappers call them) ---------------------------------------------
+
+    def configure_calculator(self, configure: Callable, bound: inspect.BoundArguments) -> None:
+        """Megatron builds its calculator: upstream's ``configure``, or the step-schedule calculator where a
+        schedule (or a converted rampup) is given; then the consumed-samples guard around whichever is live."""
+        inputs = ScheduleInputs.from_calculator_call(self.config, bound.arguments)
+        schedule = resolve_schedule(inputs)
+        if schedule is None:
+            configure(*bound.args, **bound.kwargs)
+        else:
+            set_live_calculator(StepScheduleCalculator.for_launch(schedule, inputs, rank=bound.arguments["rank"]))
+        self.guard_live_calculator()
+
+    def guard_live_calculator(self) -> None:
+        """The live calculator behind the consumed-samples guard (guards.py), once."""
+        live = live_calculator()
+        if live is not None and not isinstance(live, GuardedCalculator) and self.config.guards:
+            set_live_calculator(GuardedCalculator(live, self.config.pipeline_model_parallel_size))
+
+    def scheduled(self, count: int, requested: object) -> None:
+        """The sequence-packing scheduler repacked a step into ``count`` micro-batches: the next call must run them."""
+        if self.config.guards:
+            self.counter.schedule(count, requested)
+
+    def begin_step(self, call: dict[str, Any]) -> int:
+        """A forward/backward call starts (``call``: its keyword arguments): the start-up checks once, the last
+        step's async verdict, the counters reset, the model config's finalize adopted. Returns finalize's call
+        count, for :meth:`end_step`."""
+        self.configure_from_megatron_args()
+        verdict = self.startup.run_once(self.config, megatron_args())
+        if verdict is not None:
+            self.replays_expected = any(row.replays for row in verdict.limited)
+        self.finalize.poll(wait=True)  # --ga-checks async: the last step's verdict, if not read after its step
+        self.counter.reset()
+        if self.contract is not None:  # an evaluation call (forward_only) never reaches finalize
+            self.contract.reset()
+        if self.config.guards:  # the sequence-packing scheduler's count, before its iterator is read
+            self.counter.check_scheduled(call["num_microbatches"])
+        if not call.get("forward_only"):
+            self.training_schedules += 1
+        self.adopt_finalize(self.model_config(call.get("model")))
+        return self.finalize.calls
+
+    def micro_batch(self, model_chunk: torch.nn.Module, loss_func: LossFunction | None) -> LossFunction | None:
+        """A forward step: counted for its chunk; its loss function wrapped (token mode: the contract's check;
+        microbatch mode: the micro-batch's mean reported to Megatron's logged loss)."""
+        self.configure_from_megatron_args()
+        self.counter.count(model_chunk)
+        return None if loss_func is None else self.wrap_loss(loss_func)
+
+    def end_step(self, call: dict[str, Any], finalized: int) -> None:
+        """The forward/backward call returned: a training call reached finalize (token mode), and every chunk ran
+        num_microbatches micro-batches; after the first, the auxiliary losses' report."""
+        training = not call.get("forward_only")
+        if training and not self.reported_first_step:
+            self._report_first_step(call)
+        if training and self.contract is not None and self.finalize.calls == finalized:
+            raise GuardError(
+                "this training step's forward_backward_func never called megatron-ga-ext's finalize_model_grads, "
+                "so the global token count N was not taken and the gradients were not divided by it (nor checked). "
+                "Set config.finalize_model_grads_func to megatron.core.distributed.finalize_model_grads after "
+                "megatron_ga_ext.install(), or leave it to Megatron's training loop.")
+        if self.config.guards:
+            self.counter.check(call["num_microbatches"], live_calculator() if training else None)
+
+    def before_optimizer_step(self, liveness: StepLiveness) -> bool:
+        """Before the optimizer's step: the iteration ran the hooks (liveness.py), a non-finite loss left to
+        Megatron's rerun machine (sync checks), and the zero-token policy. True: skip this step."""
+        if liveness.state is not self:
+            liveness.follow(self)
+        liveness.check(after_step=False)
+        finalize = self.finalize
+        if finalize is None:
+            return False
+        if self.config.checks != "async":
+            finalize.check_deferred()
+        skip, finalize.skip_step = finalize.skip_step, False
+        return skip
+
+    def after_optimizer_step(self, optimizer: Any, liveness: StepLiveness) -> None:
+        """After the optimizer's step: the step's async verdict once its copy is done, liveness, then a
+        --ga-noise-scale measurement and the batch-size warmup's decision on it."""
+        if self.finalize is not None:
+            self.finalize.poll()  # the step's own reads synced
+            if self.config.checks == "async":
+                self.finalize.check_deferred()
+        liveness.check(after_step=True)
+        if self.noise_scale is not None:
+            measurement = self.noise_scale.after_optimizer_step(optimizer)
+            if measurement is not None and self.batch_warmup is not None:
+                self.batch_warmup.decide(self.noise_scale.last_row, live_step_calculator())
+
+    def rerun_decided(self, decision: tuple[bool, bool, int]) -> None:
+        """Megatron's rerun state machine decided: where a non-finite loss was left to it (finalize.py), say what."""
+        deferred = None if self.finalize is None else self.finalize.last_deferred
+        if deferred is not None:
+            self.finalize.last_deferred = None
+            logger.warning("megatron-ga-ext: Megatron's rerun state machine decided on the non-finite loss of "
+                           "iteration %s: %s", deferred.iteration, describe_decision(*decision))
+
+    def after_log(self) -> None:
+        """Megatron-LM's training_log returned: the noise-scale line held for it follows Megatron's line."""
+        if self.noise_scale is not None:
+            self.noise_scale.say_held()
+
+    def after_save(self, iteration: int, non_persistent: bool) -> None:
+        """Megatron-LM saved a checkpoint: the noise-scale EMAs (and warmup stages) beside it, into ``args.save``.
+        Non-persistent checkpoints (another directory, Megatron's own layout) get none."""
+        directory = getattr(megatron_args(), "save", None)
+        if self.noise_scale is None or not directory or non_persistent:
+            return
+        warmup = self.batch_warmup
+        save_sidecar(self.noise_scale, directory, iteration,
+                     None if warmup is None else warmup.stages(live_step_calculator()))
+
+    def after_load(self, iteration: object, load_arg: str, scheduler: Any) -> None:
+        """Megatron-LM loaded the checkpoint of ``iteration`` from ``args.<load_arg>``: its sidecar read (iteration 0:
+        nothing loaded, none), and restored warmup stages made live before Megatron reads the loaded run's batch and
+        rates. The load has already updated the calculator at the loaded consumed samples, and the scheduler's
+        ``load_state_dict`` written the rates (--ga-lr-scaling's factor), both with the first stage only: left so,
+        the loop's first update would see the batch change and save the loaded iteration again, in place, and the
+        first step would train at the first stage's rate."""
+        megatron = megatron_args()
+        directory = getattr(megatron, load_arg, None) if megatron is not None else None
+        if self.noise_scale is None or not directory or not isinstance(iteration, int) or iteration <= 0:
+            return
+        saved = load_sidecar(self.noise_scale, directory, iteration)
+        stages = saved.get("stages") if saved is not None else None
+        if self.batch_warmup is None:
+            return
+        if not stages:
+            logger.warning("megatron-ga-ext: the checkpoint of iteration %d keeps no batch-size warmup stages: "
+                           "--ga-batch-size-warmup auto starts again from --global-batch-size", iteration)
+            return
+        self.batch_warmup.restore(stages, live_step_calculator())
+        from megatron.core.num_microbatches_calculator import update_num_microbatches
+
+        consumed = getattr(megatron, "consumed_train_samples", None) or 0
+        update_num_microbatches(consumed, consistency_check=True, verbose=True)  # through the guard: its baseline too
+        if scheduler is not None:
+            scheduler.step(0)  # each group's rate and weight decay written again at its count, as its constructor does
+
+    def _report_first_step(self, call: dict[str, Any]) -> None:
+        """Once, after the first training step: the auxiliary losses and their scaling, and where this release or
+        layout cannot meet the token-mode target, by how much (aux_report.py)."""
+        from megatron.core import parallel_state
+
+        self.reported_first_step = True
+        config = self.model_config(call.get("model"))
+        mode = self.config.loss_reduction
+        summary = aux_summary(config, mode)
+        if summary is None:
+            return
+        logger.info(summary)
+        self.finalize.poll(wait=True)  # the first step's N (under --ga-checks async, once)
+        positions = (call["num_microbatches"] * call.get("micro_batch_size", 1) * call.get("seq_length", 0)
+                     * parallel_state.get_data_parallel_world_size())
+        note = pipeline_inexact_note(config, mode, current_pipeline_size(), positions,
+                                     self.finalize.last_num_tokens or 0)
+        if note is not None:
+            logger.warning(note)
+
+    # -- patching -------------------------------------------------------------------------------------------------
 
     def patch(self, module_name: str, name: str, make: Callable[[Callable], Callable]) -> Callable:
         """Replace ``module.name`` by ``make(original)`` there and in every module that bound it."""

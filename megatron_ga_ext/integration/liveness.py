@@ -1,7 +1,7 @@
 """Liveness: every training iteration ran the extension's hooks, or the run says which path went around them.
 
 The optimizer step that Megatron's builders return runs once per training iteration, after the forward/backward
-and finalize. Its wrapper (training_hooks.py) compares two host counters with their values at that optimizer's
+and finalize. Its wrapper (hooks.optimizer_step) compares two host counters with their values at that optimizer's
 previous step:
 
 * the training calls (not ``forward_only``) through the guarded schedule (``Installation.training_schedules``):
@@ -18,13 +18,10 @@ Two integer comparisons per step; nothing per micro-batch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from megatron_ga_ext.errors import GuardError
 from megatron_ga_ext.integration.compat import megatron_iteration
-
-if TYPE_CHECKING:
-    from megatron_ga_ext.integration.installation import Installation
 
 __all__ = ["StepLiveness", "bypass_message"]
 
@@ -53,15 +50,25 @@ def bypass_message(*, scheduled: bool, finalized: bool, token: bool, iteration: 
             f"to megatron.core.distributed.finalize_model_grads after megatron_ga_ext.install().")
 
 
+class Hooked(Protocol):
+    """What liveness reads of an installation (installation.Installation)."""
+
+    config: Any
+    finalize: Any
+    contract: Any
+    training_schedules: int
+    replays_expected: bool
+
+
 class StepLiveness:
     """One optimizer's view: the schedule and finalize counts at its last step (an optimizer steps once per
     iteration; two optimizers each keep their own)."""
 
-    def __init__(self, state: Installation) -> None:
+    def __init__(self, state: Hooked) -> None:
         self.state = state
         self.schedules, self.finalized = self._counts()
 
-    def follow(self, state: Installation) -> None:
+    def follow(self, state: Hooked) -> None:
         """Count against ``state`` (the installation that replaced this one's) from now on: its counts start at
         install(), so the iteration in progress is counted from 0."""
         self.state, self.schedules, self.finalized = state, 0, 0

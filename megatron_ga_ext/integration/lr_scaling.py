@@ -10,7 +10,7 @@ samples (Megatron's loops step it by each step's GBS): the rate ``step()`` write
 the next step's batch is the schedule's at the samples consumed so far, so a stage's first step already has the
 stage's factor. A skipped step holds the scheduler, and with it the factor, as Megatron holds the rate. A resumed
 ``--ga-batch-size-warmup auto`` run restores its stages after the scheduler's ``load_state_dict`` has written the
-rates; the rates are written again then (noise_scale.py, ``loading_sidecar``), so the first resumed step has its stage's
+rates; the rates are written again then (``Installation.after_load``), so the first resumed step has its stage's
 factor too.
 """
 
@@ -18,15 +18,17 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from megatron_ga_ext.config.rules import check_lr_scaling
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.integration.calculator import live_step_calculator
-from megatron_ga_ext.integration.installation import Installation
 from megatron_ga_ext.logs import get_logger
 
-__all__ = ["lr_factor", "stage_factors", "wire_lr_scaling"]
+if TYPE_CHECKING:
+    from megatron_ga_ext.integration.installation import Installation
+
+__all__ = ["lr_factor", "scaled_get_lr", "stage_factors"]
 
 logger = get_logger(__name__)
 
@@ -59,15 +61,9 @@ def stage_factors(schedule: StepSchedule, lr_scaling: str) -> str:
     return ", ".join(parts)
 
 
-def wire_lr_scaling(state: Installation) -> None:
-    """``OptimizerParamScheduler.get_lr`` returns the scaled rate (a class attribute: every scheduler, also one built
-    before install(), looks it up there)."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    state.patch_attribute(OptimizerParamScheduler, "get_lr", lambda original: _scaled_get_lr(original, state))
-
-
-def _scaled_get_lr(original: Callable, state: Installation) -> Callable:
+def scaled_get_lr(original: Callable, state: Installation) -> Callable:
+    """``OptimizerParamScheduler.get_lr``, returning the scaled rate (a class attribute: every scheduler, also one
+    built before install(), looks it up there)."""
     logged: list[StepSchedule] = []  # the schedule whose factors were logged: at start-up, and again if replaced
 
     @functools.wraps(original)

@@ -36,15 +36,13 @@ import torch
 
 from megatron_ga_ext.core.noise_scale import NoiseEstimate, NoiseScaleEMA, replica_estimate_from_sums
 from megatron_ga_ext.errors import NoiseScaleError
-from megatron_ga_ext.integration.calculator import live_step_calculator
 from megatron_ga_ext.integration.compat import megatron_args, megatron_iteration
 from megatron_ga_ext.logs import get_logger
 
 if TYPE_CHECKING:
     from megatron_ga_ext.config.ga_config import GAConfig
 
-__all__ = ["Measurement", "NoiseScaleMeter", "load_sidecar", "loading_sidecar", "printing_after_training_log",
-           "save_sidecar", "saving_sidecar", "sidecar_path", "wire_bucket_groups"]
+__all__ = ["Measurement", "NoiseScaleMeter", "counting_bucket_group", "load_sidecar", "save_sidecar", "sidecar_path"]
 
 logger = get_logger(__name__)
 
@@ -88,7 +86,7 @@ class NoiseScaleMeter:
         self._pending: tuple[torch.Tensor, int | None] | None = None
         self._plans: dict[int, _BucketPlan] = {}
         self.held_line: str | None = None
-        """The log line waiting for Megatron's ``training_log`` to return (printing_after_training_log)."""
+        """The log line waiting for Megatron's ``training_log`` to return (megatron_lm.printing_after_training_log)."""
 
     # -- which steps ------------------------------------------------------------------------------
 
@@ -300,26 +298,21 @@ def _owned(ranges: Sequence[tuple[int, int]], bucket: Any, group: Any) -> list[t
     return [(max(start, low), min(end, high)) for start, end in ranges if start < high and end > low]
 
 
-def wire_bucket_groups(state: Any) -> None:
+def counting_bucket_group(original: Callable, state: Any) -> Callable:
     """``_ParamAndGradBucketGroup.start_grad_sync``: the meter reads the bucket group's gradients first, on a measured
-    step (``state``: the Installation, whose module imports this one). Wired whatever the config (Megatron's args
-    may turn the meter on later): off, it costs an attribute read per bucket group and step."""
+    step (``state``: the Installation). Wired whatever the config (Megatron's args may turn the meter on later): off,
+    it costs an attribute read per bucket group and step."""
     import functools
 
-    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+    @functools.wraps(original)
+    def start_grad_sync(group: Any, *args: Any, **kwargs: Any) -> Any:
+        meter = state.noise_scale if state.active else None
+        # upstream returns at once where the first batch's collective is already dispatched
+        if meter is not None and not (group.is_first_batch and group.grad_reduce_handle is not None):
+            meter.before_grad_sync(group)
+        return original(group, *args, **kwargs)
 
-    def make(original: Callable) -> Callable:
-        @functools.wraps(original)
-        def start_grad_sync(group: Any, *args: Any, **kwargs: Any) -> Any:
-            meter = state.noise_scale if state.active else None
-            # upstream returns at once where the first batch's collective is already dispatched
-            if meter is not None and not (group.is_first_batch and group.grad_reduce_handle is not None):
-                meter.before_grad_sync(group)
-            return original(group, *args, **kwargs)
-
-        return start_grad_sync
-
-    state.patch_attribute(_ParamAndGradBucketGroup, "start_grad_sync", make)
+    return start_grad_sync
 
 
 #: The trace row's values logged to TensorBoard and W&B (as noise-scale/<name with dashes>).
@@ -420,87 +413,6 @@ def load_sidecar(meter: NoiseScaleMeter, directory: str | os.PathLike, iteration
     meter.measurements = measurements
     logger.info("megatron-ga-ext: noise-scale EMAs continued from %s (%d measurements)", path, ema.updates)
     return state
-
-
-def saving_sidecar(original: Callable, state: Any) -> Callable:
-    """Megatron-LM's ``save_checkpoint(iteration, ...)``: the sidecar after it, into ``args.save`` (``state``: the
-    Installation). Non-persistent checkpoints (another directory, Megatron's own layout) get none."""
-    import functools
-
-    @functools.wraps(original)
-    def save_checkpoint(iteration: int, *args: Any, **kwargs: Any) -> Any:
-        result = original(iteration, *args, **kwargs)
-        meter = state.noise_scale if state.active else None
-        directory = getattr(megatron_args(), "save", None)
-        if meter is not None and directory and not kwargs.get("non_persistent_ckpt", False):
-            warmup = state.batch_warmup
-            save_sidecar(meter, directory, iteration, None if warmup is None else warmup.stages(live_step_calculator()))
-        return result
-
-    return save_checkpoint
-
-
-def loading_sidecar(original: Callable, state: Any) -> Callable:
-    """Megatron-LM's ``load_checkpoint(..., load_arg='load', ...)``, which returns (iteration, flops): the sidecar of
-    that iteration read after it, from ``args.<load_arg>``. Iteration 0 (nothing loaded, --finetune) reads none.
-    Restored warmup stages are made live before it returns (:func:`_restored_stages_live`)."""
-    import functools
-
-    @functools.wraps(original)
-    def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)
-        meter = state.noise_scale if state.active else None
-        if meter is None:
-            return result
-        megatron = megatron_args()
-        load_arg = kwargs.get("load_arg", args[3] if len(args) > 3 else "load")
-        directory = getattr(megatron, load_arg, None) if megatron is not None else None
-        iteration = result[0] if isinstance(result, tuple) and result else getattr(megatron, "iteration", 0)
-        if directory and isinstance(iteration, int) and iteration > 0:
-            saved = load_sidecar(meter, directory, iteration)
-            stages = saved.get("stages") if saved is not None else None
-            if state.batch_warmup is not None and stages:
-                state.batch_warmup.restore(stages, live_step_calculator())
-                scheduler = kwargs.get("opt_param_scheduler", args[2] if len(args) > 2 else None)
-                _restored_stages_live(megatron, scheduler)
-            elif state.batch_warmup is not None:
-                logger.warning("megatron-ga-ext: the checkpoint of iteration %d keeps no batch-size warmup stages: "
-                               "--ga-batch-size-warmup auto starts again from --global-batch-size", iteration)
-        return result
-
-    return load_checkpoint
-
-
-def _restored_stages_live(megatron: Any, scheduler: Any) -> None:
-    """After --ga-batch-size-warmup auto's stages are restored, at the end of Megatron's load_checkpoint: make them
-    live before Megatron reads the loaded run's batch and rates. The load has already updated the calculator at the
-    loaded consumed samples, and its scheduler's ``load_state_dict`` written the rates (--ga-lr-scaling's factor),
-    both with the first stage only: left so, the loop's first update would see the batch change and save the loaded
-    iteration again, in place, and the first step would train at the first stage's rate."""
-    from megatron.core.num_microbatches_calculator import update_num_microbatches
-
-    consumed = getattr(megatron, "consumed_train_samples", None) or 0
-    update_num_microbatches(consumed, consistency_check=True, verbose=True)  # through the guard: its baseline too
-    if scheduler is not None:
-        scheduler.step(0)  # each group's rate and weight decay written again at its count, as its constructor does
-
-
-def printing_after_training_log(original: Callable, state: Any) -> Callable:
-    """Megatron-LM's ``training_log``: the noise-scale line of the iteration printed after it, so it follows
-    Megatron's iteration line (the measurement is read in the optimizer step, before). Wiring it makes the meter
-    hold its lines."""
-    import functools
-
-    @functools.wraps(original)
-    def training_log(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)
-        meter = state.noise_scale if state.active else None
-        if meter is not None:
-            meter.say_held()
-        return result
-
-    training_log.megatron_ga_ext_prints_after = True  # read by _training_log_prints_after; gone with the patch
-    return training_log
 
 
 def _training_log_prints_after() -> bool:

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from megatron_ga_ext.config.coverage import Verdict
 from megatron_ga_ext.config.coverage import enforce as enforce_coverage
@@ -41,7 +40,6 @@ BATCH_FLAGS = (
     *(option.dest for option in GA_FIELDS),
 )
 DATA_PARALLEL = "data-parallel size"
-CHECKPOINTING = "megatron.training.checkpointing"
 
 
 def batch_settings(args: argparse.Namespace | None = None, config: GAConfig | None = None,
@@ -122,13 +120,6 @@ def check_ranks_agree(settings: Mapping[str, str]) -> None:
             f"the same batch flags.")
 
 
-class Patching(Protocol):
-    """What :meth:`StartupChecks.wire` needs of install()'s state (installation.Installation, which holds a
-    StartupChecks)."""
-
-    def patch(self, module_name: str, name: str, make: Callable[[Callable], Callable]) -> Callable: ...
-
-
 class StartupChecks:
     """The checks of the module docstring, made once per installation; the checkpoint's args on the way."""
 
@@ -149,15 +140,8 @@ class StartupChecks:
             self._warn_if_changed(args)
         return verdict
 
-    def wire(self, state: Patching) -> bool:
-        """Record the checkpoint's args where Megatron-LM checks them on load (``check_checkpoint_args``); False
-        while Megatron-LM's checkpointing is not loaded."""
-        if not hasattr(sys.modules.get(CHECKPOINTING), "check_checkpoint_args"):
-            return False
-        state.patch(CHECKPOINTING, "check_checkpoint_args", self._recording)
-        return True
-
-    def _recording(self, original: Callable) -> Callable:
+    def recording(self, original: Callable) -> Callable:
+        """Megatron-LM's ``check_checkpoint_args`` on load: the checkpoint's args recorded on the way."""
         @functools.wraps(original)
         def check_checkpoint_args(checkpoint_args: Any, *args: Any, **kwargs: Any) -> Any:
             self.checkpoint_settings = batch_settings(checkpoint_args)

@@ -150,7 +150,7 @@ class Recorder:
         return pretrain
 
     def _counting(self, forward_step_func: Callable) -> Callable:
-        from megatron_ga_ext.integration.training_hooks import stream_capturing
+        from megatron_ga_ext.integration.hooks import stream_capturing
 
         @functools.wraps(forward_step_func)
         def forward_step(*args: Any, **kwargs: Any) -> Any:
