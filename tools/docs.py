@@ -6,7 +6,8 @@
 A generated part sits between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->``; the prose around it is kept.
 
 * Rendered from code declarations alone, so the same on every run (docs-check compares them): the flags table
-  of docs/guide.md (``megatron_ga_ext.config.flags.flags_table()``), the whole of docs/coverage.md
+  of docs/guide.md (``megatron_ga_ext.config.flags.flags_table()``), the hook table of docs/design.md
+  (``megatron_ga_ext.integration.hooks.hook_table()``), the whole of docs/coverage.md
   (``megatron_ga_ext.config.coverage.coverage_doc()``) and the text of docs/compatibility.md above its table
   (:data:`COMPATIBILITY_HEADER`).
 * Measured: the tables of tools/results.py, rendered from the rows the runs recorded under the results directory
@@ -69,6 +70,12 @@ def _flags(text: str) -> str:
     return replace_block(text, "flags", flags_table(), "docs/guide.md")
 
 
+def _hooks(text: str) -> str:
+    from megatron_ga_ext.integration.hooks import hook_table  # torch: the wrappers the rows name
+
+    return replace_block(text, "hooks", hook_table(), "docs/design.md")
+
+
 def _compatibility_header(text: str) -> str:
     marker = "<!-- table:compatibility -->"
     if marker not in text:
@@ -80,6 +87,7 @@ def _compatibility_header(text: str) -> str:
 FIXED: dict[str, tuple[Callable[[str], str], ...]] = {
     "docs/guide.md": (_flags,),
     "docs/coverage.md": (lambda text: coverage_doc(),),
+    "docs/design.md": (_hooks,),
     "docs/compatibility.md": (_compatibility_header,),
 }
 

@@ -45,7 +45,7 @@ from megatron_ga_ext.integration.liveness import StepLiveness
 from megatron_ga_ext.integration.lr_scaling import scaled_get_lr
 from megatron_ga_ext.integration.noise_scale import counting_bucket_group
 
-__all__ = ["HOOKS", "PHASES", "Hook", "optimizer_step", "stream_capturing", "wire"]
+__all__ = ["HOOKS", "PHASES", "Hook", "hook_table", "optimizer_step", "stream_capturing", "wire"]
 
 #: The phases of a run, in order; each row serves one (the Installation method of the same name runs it).
 PHASES = ("configure", "step", "micro_batch", "finalize", "optimizer_step", "log", "save", "load")
@@ -69,6 +69,8 @@ class Hook:
     present: Callable[[ModuleType], bool] | None = None
     """Whether this source has the target (None: where the name resolves)."""
     fingerprinted: bool = False
+    does: str = ""
+    """What the replacement does, in a few words (the table in docs/design.md)."""
 
     @property
     def qualified(self) -> str:
@@ -226,43 +228,62 @@ _LM = {"load": "loaded", "host": "megatron-lm"}
 #: module's import; install() wires all the rows it can.
 HOOKS: tuple[Hook, ...] = (
     # configure: the flags, the calculator, the run length
-    Hook("configure", ARGUMENTS, "parse_args", with_ga_flags, load="parser", host="megatron-lm"),
+    Hook("configure", ARGUMENTS, "parse_args", with_ga_flags, load="parser", host="megatron-lm",
+         does="adds the --ga-* flags; token mode turns on --calculate-per-token-loss before anything is built"),
     Hook("configure", CALCULATOR, "_configure_global_num_microbatches_calculator", _configure_calculator,
-         fingerprinted=True),
-    Hook("configure", TRAINING, "update_train_iters", megatron_lm.planned_train_iters, fingerprinted=True, **_LM),
+         fingerprinted=True, does="the step-schedule calculator where a schedule (or a converted rampup) is given, "
+         "behind the consumed-samples guard; first, the rows of modules loaded since install()"),
+    Hook("configure", TRAINING, "update_train_iters", megatron_lm.planned_train_iters, fingerprinted=True, **_LM,
+         does="--train-samples under a step schedule: the steps the schedule plans"),
     Hook("configure", TRAINING, "get_train_valid_test_num_samples", megatron_lm.planned_num_samples,
-         fingerprinted=True, **_LM),
+         fingerprinted=True, **_LM, does="a training dataset that holds every sample the planned steps consume"),
     # step: one forward/backward call, and the sequence-packing scheduler's count for it
-    *(Hook("step", SCHEDULES, name, _schedule, fingerprinted=True) for name in (
-        "forward_backward_no_pipelining", "forward_backward_pipelining_with_interleaving",
-        "forward_backward_pipelining_without_interleaving")),
-    Hook("step", _DATA_SCHEDULE, "wrap_data_iterator", _scheduled_count),
+    *(Hook("step", SCHEDULES, name, _schedule, fingerprinted=True,
+           does="the start-up checks once; after the call, every chunk ran num_microbatches and finalize was reached")
+      for name in ("forward_backward_no_pipelining", "forward_backward_pipelining_with_interleaving",
+                   "forward_backward_pipelining_without_interleaving")),
+    Hook("step", _DATA_SCHEDULE, "wrap_data_iterator", _scheduled_count,
+         does="the sequence-packing scheduler's count, the one the next forward/backward call must run"),
     # micro_batch: the loss contract, and the MoE/MTP terms with the loss mask's padding (aux_losses.py)
-    Hook("micro_batch", SCHEDULES, "forward_step_calc_loss", _forward_step_calc_loss, fingerprinted=True),
-    Hook("micro_batch", GPT_MODEL, "GPTModel.forward", aux_losses.padding_mask_forward, fingerprinted=True),
+    Hook("micro_batch", SCHEDULES, "forward_step_calc_loss", _forward_step_calc_loss, fingerprinted=True,
+         does="counts forward steps per chunk; token mode checks each loss function's return (the loss contract)"),
+    Hook("micro_batch", GPT_MODEL, "GPTModel.forward", aux_losses.padding_mask_forward, fingerprinted=True,
+         does="token mode, MoE: routes with padding_mask = (loss_mask == 0)"),
     # the router first: it binds moe_utils' functions by name, and is patched there too once it is loaded
     Hook("micro_batch", ROUTER, "TopKRouter._apply_expert_bias", aux_losses.per_token_padding_expert_bias,
-         fingerprinted=True, present=lambda module: not aux_losses.broadcasts_padding_per_token(module.TopKRouter)),
+         fingerprinted=True, present=lambda module: not aux_losses.broadcasts_padding_per_token(module.TopKRouter),
+         does="before main@d98e8a64: the expert-bias counts given the padding mask per token"),
     Hook("micro_batch", MOE_UTILS, "get_tokens_per_expert_and_token_count", aux_losses.exact_token_counts,
-         fingerprinted=True),
+         fingerprinted=True, does="the router's count n_u over this micro-batch's TP x CP group (#7452 finding 10)"),
     Hook("micro_batch", MOE_UTILS, "z_loss_func", aux_losses.tp_cp_scaled_z_loss, fingerprinted=True,
-         present=lambda module: not aux_losses.router_scales_by_tp_cp()),
-    Hook("micro_batch", MTP, "process_mtp_loss", aux_losses.global_count_mtp_loss, fingerprinted=True),
+         present=lambda module: not aux_losses.router_scales_by_tp_cp(),
+         does="before 0.19: the z-loss gradient times the TP x CP size (value unchanged)"),
+    Hook("micro_batch", MTP, "process_mtp_loss", aux_losses.global_count_mtp_loss, fingerprinted=True,
+         does="0.17+: every MTP token weighs alpha / N (#7452 finding 3)"),
     # finalize: the noise scale's read of each bucket group, then the token count N and the division
     Hook("finalize", "megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup.start_grad_sync",
-         counting_bucket_group),
-    Hook("finalize", FINALIZE, "finalize_model_grads", _finalize, fingerprinted=True),
+         counting_bucket_group, does="--ga-noise-scale, measured steps: the replica's squared norm before the "
+         "reduction"),
+    Hook("finalize", FINALIZE, "finalize_model_grads", _finalize, fingerprinted=True,
+         does="token mode: N as int64 with the step's checks in one vector, the gradients divided by N"),
     # optimizer_step: liveness, the skip policy, the async verdict, the noise scale; the scaled learning rate
-    *(Hook("optimizer_step", _OPTIMIZER, name, _optimizer_builder)
+    *(Hook("optimizer_step", _OPTIMIZER, name, _optimizer_builder,
+           does="the built optimizer's step: liveness, --ga-zero-token-policy skip, the async verdict, a noise-scale "
+           "measurement")
       for name in ("get_megatron_optimizer", "get_megatron_muon_optimizer")),
     Hook("optimizer_step", "megatron.core.optimizer_param_scheduler", "OptimizerParamScheduler.get_lr",
-         scaled_get_lr),
+         scaled_get_lr, does="--ga-lr-scaling: the rate times (GBS / first GBS) ** 1/2 or ** 1"),
     # log, save, load: what Megatron decided, the noise-scale line, the sidecar, the checkpoint's batch settings
-    Hook("log", "megatron.core.rerun_state_machine", "RerunStateMachine.should_checkpoint_and_exit", _rerun_decision),
-    Hook("log", TRAINING, "training_log", megatron_lm.printing_after_training_log, **_LM),
-    Hook("save", TRAINING, "save_checkpoint", megatron_lm.saving_sidecar, **_LM),
-    Hook("load", TRAINING, "load_checkpoint", megatron_lm.loading_sidecar, **_LM),
-    Hook("load", _CHECKPOINTING, "check_checkpoint_args", _record_checkpoint_args, **_LM),
+    Hook("log", "megatron.core.rerun_state_machine", "RerunStateMachine.should_checkpoint_and_exit", _rerun_decision,
+         does="what Megatron decided on a non-finite loss left to its rerun machine, logged"),
+    Hook("log", TRAINING, "training_log", megatron_lm.printing_after_training_log, **_LM,
+         does="--ga-noise-scale: its line after Megatron's"),
+    Hook("save", TRAINING, "save_checkpoint", megatron_lm.saving_sidecar, **_LM,
+         does="--ga-noise-scale: its EMAs (and warmup stages) in a sidecar beside each persistent checkpoint"),
+    Hook("load", TRAINING, "load_checkpoint", megatron_lm.loading_sidecar, **_LM,
+         does="the sidecar read on resume; restored warmup stages live before the loop reads them"),
+    Hook("load", _CHECKPOINTING, "check_checkpoint_args", _record_checkpoint_args, **_LM,
+         does="the checkpoint's batch settings, so a resume with others is said at start-up"),
 )
 
 #: The modules a vendored tree patches, each wiring its rows at its import (patches/, install.wire_vendored).
@@ -310,3 +331,14 @@ def _check_host_targets(state: Installation, hook: Hook) -> None:
     state.checked_modules.add(hook.module)
     targets = tuple(t for t in TARGETS if t.module == hook.module)
     state.compat_problems += check_targets(state.version, state.config.strict and not state.waiting_for_args, targets)
+
+
+def hook_table() -> str:
+    """The table as markdown, in phase order (docs/design.md)."""
+    lines = ["| phase | target | wrapped as | wired | fingerprinted | what it does |", "|---|---|---|---|---|---|"]
+    wired = {"import": "at install()", "loaded": "once loaded", "parser": "at install(), with Megatron-LM"}
+    for hook in sorted(HOOKS, key=lambda hook: PHASES.index(hook.phase)):
+        how = "class attribute" if "." in hook.name else "module global"
+        lines.append(f"| {hook.phase} | `{hook.qualified}` | {how} | {hook.host}, {wired[hook.load]} | "
+                     f"{'yes' if hook.fingerprinted else 'no'} | {hook.does} |")
+    return "\n".join(lines)
