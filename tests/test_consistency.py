@@ -10,7 +10,7 @@ from megatron_ga_ext import GAConfig, StepSchedule
 from megatron_ga_ext.errors import GuardError
 from megatron_ga_ext.integration.calculator import StepScheduleCalculator
 from megatron_ga_ext.integration.guards import GuardedCalculator
-from megatron_ga_ext.integration.startup import StartupChecks, batch_settings, check_ranks_agree, describe_differences
+from megatron_ga_ext.integration.agreement import StartupChecks, batch_settings, check_ranks_agree, describe_differences
 from megatron_ga_ext.testing.distributed import LaunchConfig, run_on_ranks
 
 
@@ -79,7 +79,7 @@ def _resumed(checks: StartupChecks, checkpoint: Namespace, now: Namespace, caplo
     seen = []  # the wrapper is what Megatron-LM's load_checkpoint calls
     checks._recording(lambda checkpoint_args: seen.append(checkpoint_args))(checkpoint)
     assert seen == [checkpoint]  # upstream's check still runs, on the same args
-    with caplog.at_level(logging.WARNING, logger="megatron_ga_ext.integration.startup"):
+    with caplog.at_level(logging.WARNING, logger="megatron_ga_ext.integration.agreement"):
         checks.run_once(GAConfig(), now)
         checks.run_once(GAConfig(), now)  # once only
     return caplog.text

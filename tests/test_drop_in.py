@@ -7,7 +7,7 @@ import sys
 import pytest
 
 import megatron_ga_ext
-from megatron_ga_ext.integration import arguments as ga_arguments
+from megatron_ga_ext.integration import megatron_lm as ga_arguments
 
 arguments = pytest.importorskip(
     "megatron.training.arguments", reason="megatron.training ships in the megatron-core wheel from 0.19 on")

@@ -26,7 +26,6 @@ from types import ModuleType
 from typing import Any, Callable
 
 from megatron_ga_ext.integration import aux_losses, megatron_lm
-from megatron_ga_ext.integration.arguments import ARGUMENTS, parser_module, with_ga_flags
 from megatron_ga_ext.integration.compat import (
     CALCULATOR,
     FINALIZE,
@@ -216,7 +215,7 @@ def _scheduled_count(original: Callable, state: Installation) -> Callable:
 
 
 def _record_checkpoint_args(original: Callable, state: Installation) -> Callable:
-    return state.startup.recording(original)
+    return state.agreement.recording(original)
 
 
 _OPTIMIZER = "megatron.core.optimizer"
@@ -228,7 +227,7 @@ _LM = {"load": "loaded", "host": "megatron-lm"}
 #: module's import; install() wires all the rows it can.
 HOOKS: tuple[Hook, ...] = (
     # configure: the flags, the calculator, the run length
-    Hook("configure", ARGUMENTS, "parse_args", with_ga_flags, load="parser", host="megatron-lm",
+    Hook("configure", megatron_lm.ARGUMENTS, "parse_args", megatron_lm.with_ga_flags, load="parser", host="megatron-lm",
          does="adds the --ga-* flags; token mode turns on --calculate-per-token-loss before anything is built"),
     Hook("configure", CALCULATOR, "_configure_global_num_microbatches_calculator", _configure_calculator,
          fingerprinted=True, does="the step-schedule calculator where a schedule (or a converted rampup) is given, "
@@ -316,7 +315,7 @@ def _module_of(hook: Hook, state: Installation) -> ModuleType | bool | None:
     if hook.load == "loaded":
         return sys.modules.get(hook.module)
     if hook.load == "parser":
-        return parser_module(state)
+        return megatron_lm.parser_module(state)
     try:
         return importlib.import_module(hook.module)
     except ImportError:  # e.g. megatron-core 0.16-0.18 have no data_schedule module

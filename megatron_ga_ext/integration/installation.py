@@ -50,7 +50,7 @@ from megatron_ga_ext.integration.guards import GuardedCalculator, MicrobatchCoun
 from megatron_ga_ext.integration.liveness import StepLiveness
 from megatron_ga_ext.integration.loss_contract import LossContract, mean_of_means_reports
 from megatron_ga_ext.integration.noise_scale import NoiseScaleMeter, load_sidecar, save_sidecar
-from megatron_ga_ext.integration.startup import StartupChecks
+from megatron_ga_ext.integration.agreement import StartupChecks
 from megatron_ga_ext.logs import get_logger
 
 if TYPE_CHECKING:
@@ -135,7 +135,7 @@ class Installation:
     """--ga-noise-scale K > 0: the in-run measurement (noise_scale.py)."""
     batch_warmup: BatchSizeWarmup | None = None
     """--ga-batch-size-warmup auto: the doubling decisions taken in the run (batch_warmup.py)."""
-    startup: StartupChecks = field(default_factory=StartupChecks)
+    agreement: StartupChecks = field(default_factory=StartupChecks)
     """Ranks agree on the batch configuration, and a resume says what changed: once, at the first schedule call."""
     reported_first_step: bool = False
     training_schedules: int = 0
@@ -201,7 +201,7 @@ class Installation:
         step's async verdict, the counters reset, the model config's finalize adopted. Returns finalize's call
         count, for :meth:`end_step`."""
         self.configure_from_megatron_args()
-        verdict = self.startup.run_once(self.config, megatron_args())
+        verdict = self.agreement.run_once(self.config, megatron_args())
         if verdict is not None:
             self.replays_expected = any(row.replays for row in verdict.limited)
         self.finalize.poll(wait=True)  # --ga-checks async: the last step's verdict, if not read after its step

@@ -1,4 +1,4 @@
-"""What every rank and a resumed checkpoint must agree on: the batch configuration, checked once at start-up.
+"""The batch configuration every rank and a resumed checkpoint agree on, checked once at start-up.
 
 At the first forward/backward call (every rank makes it, and torch.distributed is initialized by then), never per
 micro-batch: the coverage table's refusals and limits (config/coverage.py), then two checks, once per installation:
