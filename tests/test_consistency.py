@@ -77,7 +77,7 @@ def test_without_torch_distributed_there_is_nothing_to_compare(monkeypatch):
 
 def _resumed(checks: StartupChecks, checkpoint: Namespace, now: Namespace, caplog) -> str:
     seen = []  # the wrapper is what Megatron-LM's load_checkpoint calls
-    checks._recording(lambda checkpoint_args: seen.append(checkpoint_args))(checkpoint)
+    checks.recording(lambda checkpoint_args: seen.append(checkpoint_args))(checkpoint)
     assert seen == [checkpoint]  # upstream's check still runs, on the same args
     with caplog.at_level(logging.WARNING, logger="megatron_ga_ext.integration.agreement"):
         checks.run_once(GAConfig(), now)
