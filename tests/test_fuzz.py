@@ -4,7 +4,7 @@ within 1 s of CPU time, less garbage collection (example(): an example that take
 Surfaces: the schedule parser (and ``megatron-ga schedule``), the number spelling, the ledger's arguments
 (BatchLayout and ``megatron-ga ledger``), ``megatron-ga check`` on launch lines built from Megatron's own flag
 names, the rampup converter, and the calculator's ``update`` over consumed-sample sequences. Inputs:
-tests/fuzz_inputs.py. Where an input is accepted, the answer is checked too (round trips, GBS = MBS x DP x GA,
+tests/support/fuzz_inputs.py. Where an input is accepted, the answer is checked too (round trips, GBS = MBS x DP x GA,
 upstream's rampup arithmetic, the calculator against its schedule, JSON output), and a command answers with
 exit status 0, 1 or 2, never a traceback.
 
@@ -37,7 +37,7 @@ from megatron_ga_ext.core.schedule.rampup import rampup_triple
 from megatron_ga_ext.errors import GAError, GuardError, ScheduleWarning
 from megatron_ga_ext.integration.calculator import StepScheduleCalculator
 from megatron_ga_ext.integration.guards import GuardedCalculator
-from tests.fuzz_inputs import (
+from tests.support.fuzz_inputs import (
     check_argv,
     consumed_counts,
     layout_kwargs,

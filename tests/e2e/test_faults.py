@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.plans import BOUNDED, planned_steps, ran_steps, save_every_step, saved, seq_length_schedule
+from tests.support.plans import BOUNDED, planned_steps, ran_steps, save_every_step, saved, seq_length_schedule
 from tools.compatibility import source_name
 from tools.results import record
 

@@ -17,7 +17,7 @@ import statistics
 
 import pytest
 
-from tests.e2e.plans import BOUNDED
+from tests.support.plans import BOUNDED
 from tools.compatibility import source_name
 from tools.results import record
 

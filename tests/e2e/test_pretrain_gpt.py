@@ -32,8 +32,8 @@ from pathlib import Path
 import pytest
 
 from megatron_ga_ext.integration.guards import PP_RULE
-from tests.e2e.plans import planned_steps, ran_steps, seq_length_schedule
-from tests.e2e.pretrain_runs import DROP_INS, Run
+from tests.support.plans import planned_steps, ran_steps, seq_length_schedule
+from tests.support.pretrain_runs import DROP_INS, Run
 from tools.compatibility import source_name
 
 pytestmark = pytest.mark.e2e

@@ -1,4 +1,4 @@
-"""The options layer: each flag declared once and everything derived from it; the shared rules."""
+"""config/: each flag declared once and everything derived from it; the shared rules."""
 
 import argparse
 import dataclasses
