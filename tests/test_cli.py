@@ -57,7 +57,7 @@ def test_ledger_bad_input_exits_2_without_traceback(args, message, cli_script):
     assert "Traceback" not in result.stderr
 
 
-def test_ledger_answers_fast_and_imports_no_torch(cli_script):
+def test_ledger_answers_in_under_0_3_seconds(cli_script):
     best = min(_wall(cli_script, LEDGER) for _ in range(5))
     assert best < 0.3, f"megatron-ga ledger took {best:.3f} s"
 

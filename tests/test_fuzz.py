@@ -157,12 +157,17 @@ def cli(surface: str, argv: list[str]) -> tuple[int, Any]:
 def schedule_parser(text, seq_length, options):
     with example("schedule_parser"):
         schedule = answer("schedule_parser", StepSchedule.parse, text, seq_length)
-        if not failed(schedule):
+        if failed(schedule):
+            assert str(schedule).startswith("--"), schedule  # a sentence that names the flag
+        else:
             stages = list(schedule.stages)
             assert stages[0][0] == 0 and all(b >= 1 for _, b in stages)
             assert all(a[0] < b[0] for a, b in zip(stages, stages[1:]))
             assert StepSchedule.parse(schedule.to_string(), seq_length).stages == stages  # exact round trips
             assert StepSchedule.parse(schedule.samples_string()).stages == stages
+            assert StepSchedule.parse(str(schedule), seq_length).stages == stages
+            if seq_length is not None:  # thresholds in tokens read back as the same samples
+                assert StepSchedule.parse(schedule.to_string(seq_length=seq_length), seq_length).stages == stages
         if isinstance(text, str):
             cli("schedule_parser", ["schedule", *options, "--", text])
 
