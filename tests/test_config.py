@@ -53,10 +53,6 @@ def test_choices_are_listed_once():
     assert OPTIONS["--ga-zero-token-policy"].choices is ZERO_TOKEN_POLICIES  # the one list (loss_contract.py has none)
 
 
-def test_install_keeps_its_names():
-    assert install_module.GAConfig is GAConfig and install_module.add_args is add_args
-
-
 def test_flags_table_has_every_declared_flag_and_its_help():
     """docs/guide.md holds this table, rendered by make docs; tests/test_docs.py checks that it is current."""
     table = flags_table()

@@ -107,8 +107,9 @@ def test_bad_input_is_a_typed_error_naming_flag_value_and_fix(kwargs, error, pat
 
 
 def test_upstream_assertion_catchers_still_catch_gbs_error():
-    with pytest.raises(AssertionError):
+    with pytest.raises(BatchSizeError, match=r"--global-batch-size 8 is not a multiple of --micro-batch-size 3") as info:
         BatchLayout(world_size=8, micro_batch_size=3, global_batch_size=8)
+    assert isinstance(info.value, AssertionError)  # what upstream's callers catch
 
 
 def test_problems_collects_every_violation():

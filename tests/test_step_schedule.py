@@ -112,10 +112,18 @@ def test_parse_errors_name_entry_position_and_fix(text, seq_length, error, messa
     assert type(caught.value) is error  # pytest.raises also passes a subclass
 
 
-def test_semantic_errors_also_catchable_as_assertion_error_like_upstream():
-    for text in ("", "10:8", "0:8 0:16", "0:0", "-5:4 0:8", "0:8 100:16 200:8 150:4"):
-        with pytest.raises(AssertionError):
-            StepSchedule.parse(text)
+@pytest.mark.parametrize("text, match", [
+    ("", "is empty"),
+    ("10:8", "is the first entry but its threshold is not 0"),
+    ("0:8 0:16", "repeats the threshold of entry 1"),
+    ("0:0", "batch size is 0"),
+    ("-5:4 0:8", "threshold '-5' is negative"),
+    ("0:8 100:16 200:8 150:4", "comes after entry 3 '200:8', whose threshold is larger"),
+])
+def test_semantic_errors_also_catchable_as_assertion_error_like_upstream(text, match):
+    with pytest.raises(ScheduleError, match=match) as info:
+        StepSchedule.parse(text)
+    assert isinstance(info.value, AssertionError)  # what upstream's callers catch
 
 
 def test_non_string_and_bad_seq_length():
