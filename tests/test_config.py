@@ -14,7 +14,7 @@ from megatron_ga_ext.config.args import add_args
 from megatron_ga_ext.config.flags import GA_OPTIONS, MODES, OPTIONS, ZERO_TOKEN_POLICIES, flags_table
 from megatron_ga_ext.config.ga_config import GA_FIELDS, GAConfig
 from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
-from megatron_ga_ext.config.rules import check_guards, check_loss_mode, check_train_length
+from megatron_ga_ext.config.launch_rules import check_guards, check_loss_mode, check_train_length
 from megatron_ga_ext.core.megatron_flags import MEGATRON_OPTIONS, NOT_MEGATRON
 from megatron_ga_ext.core.schedule.rampup import rampup_triple
 from megatron_ga_ext.errors import InterleaveError, OptionError, ScheduleError, ScheduleParseError, SizeError

@@ -11,7 +11,7 @@ import torch  # noqa: E402
 from megatron.core import num_microbatches_calculator as calculators  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 
-from megatron_ga_ext.config.rules import check_lr_scaling  # noqa: E402
+from megatron_ga_ext.config.launch_rules import check_lr_scaling  # noqa: E402
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule  # noqa: E402
 from megatron_ga_ext.errors import OptionError  # noqa: E402
 from megatron_ga_ext.integration.install import GAConfig, install, uninstall  # noqa: E402

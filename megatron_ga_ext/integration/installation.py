@@ -6,7 +6,6 @@ install.py makes an Installation and runs the hooks; the hook modules (training_
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 import weakref
@@ -15,18 +14,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from megatron_ga_ext.config.coverage import Setting
-from megatron_ga_ext.config.coverage import verdict as coverage_verdict
 from megatron_ga_ext.config.ga_config import GAConfig
-from megatron_ga_ext.config.rules import (
-    check_batch_size_warmup_launch,
-    check_guards,
-    check_loss_mode,
-    check_lr_scaling,
-    check_noise_scale_layout,
-    check_train_length,
-    schedule_source,
-)
+from megatron_ga_ext.config.install_check import check_args  # the rule pass install() runs on Megatron's args
 from megatron_ga_ext.errors import CompatError
 from megatron_ga_ext.integration.batch_warmup import BatchSizeWarmup
 from megatron_ga_ext.integration.compat import megatron_args
@@ -244,39 +233,3 @@ def _namespaces_holding(original: Callable, name: str) -> list[dict[str, Any]]:
         if isinstance(namespace, dict) and namespace.get(name) is original:
             found.append(namespace)
     return found
-
-
-def check_args(config: GAConfig, args: argparse.Namespace) -> None:
-    """What Megatron's parsed args must agree with, checked when they are read (before any model is built):
-    the loss mode against ``--calculate-per-token-loss``, no ``--train-iters`` with a step schedule and no
-    ``--ga-lr-scaling sqrt|linear`` without one, the guards off where a schedule runs another number of forward
-    passes (config/rules.py has each rule), and no setting the coverage table refuses (config/coverage.py; the
-    first forward/backward call checks it again, for a loop without Megatron's args)."""
-    if hasattr(args, "calculate_per_token_loss"):
-        check_loss_mode(config.loss_reduction, bool(args.calculate_per_token_loss),
-                        explicit=config.loss_reduction != "token")
-    schedule = schedule_source(bool(config.step_batch_size_schedule), bool(config.rampup_batch_size),
-                               config.convert_rampup)
-    if config.batch_size_warmup == "auto":
-        given = schedule or ("--rampup-batch-size" if config.rampup_batch_size else None)
-        check_batch_size_warmup_launch(getattr(args, "global_batch_size", None), config.batch_size_warmup_max, given)
-        schedule = "--ga-batch-size-warmup auto"  # it writes one: a run length in samples, --ga-lr-scaling applies
-    check_train_length(schedule, getattr(args, "train_iters", None))
-    check_lr_scaling(config.lr_scaling, schedule)
-    check_noise_scale_layout(config.noise_scale, data_parallel_size=_data_parallel_size(args), settings=vars(args))
-    check_guards(config.guards, hybrid_context_parallel=bool(getattr(args, "hybrid_context_parallel", False)),
-                 rl_sequence_packing=bool(getattr(args, "perform_rl_step", False)
-                                          and getattr(args, "rl_use_sequence_packing", False)))
-    refused = coverage_verdict(Setting.of(args, config)).error()  # its limits are logged at the first step
-    if refused is not None:
-        raise refused
-
-
-def _data_parallel_size(args: argparse.Namespace) -> int:
-    """DP as Megatron derives it (validate_args sets it; before that, from the world size and the other sizes)."""
-    if getattr(args, "data_parallel_size", None):
-        return args.data_parallel_size
-    model = 1
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
-        model *= getattr(args, name, None) or 1
-    return (getattr(args, "world_size", None) or model) // model

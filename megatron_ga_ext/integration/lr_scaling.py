@@ -20,7 +20,7 @@ import functools
 import math
 from typing import Any, Callable
 
-from megatron_ga_ext.config.rules import check_lr_scaling
+from megatron_ga_ext.config.launch_rules import check_lr_scaling
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.integration.calculator import live_step_calculator
 from megatron_ga_ext.integration.installation import Installation
