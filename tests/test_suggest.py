@@ -7,15 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_ga_ext.core.schedule.suggest import (
-    DoublingRule,
-    Frozen,
-    TraceRow,
-    parse_trace,
-    read_log,
-    read_trace,
-    suggest_schedule,
-)
+from megatron_ga_ext.core.lr_windows import Frozen
+from megatron_ga_ext.core.noise_trace import TraceRow, parse_trace, read_log, read_trace
+from megatron_ga_ext.core.schedule.suggest import DoublingRule, suggest_schedule
 from megatron_ga_ext.errors import NoiseScaleError, ScheduleError, SizeError, UsageError
 
 
