@@ -33,7 +33,8 @@ from megatron_ga_ext.integration.calculator import live_step_calculator
 from megatron_ga_ext.integration.compat import MOE_UTILS, MTP, TARGETS, TRAINING, check_targets, megatron_args
 from megatron_ga_ext.integration.installation import Installation
 from megatron_ga_ext.integration.liveness import StepLiveness
-from megatron_ga_ext.integration.noise_scale import loading_sidecar, printing_after_training_log, saving_sidecar
+from megatron_ga_ext.integration.noise_scale import printing_after_training_log
+from megatron_ga_ext.integration.noise_scale_sidecar import loading_sidecar, saving_sidecar
 from megatron_ga_ext.logs import get_logger
 
 __all__ = ["OPTIMIZER_BUILDERS", "describe_decision", "stream_capturing", "wire_gpt_model", "wire_optimizer",
