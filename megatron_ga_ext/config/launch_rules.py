@@ -2,7 +2,7 @@
 
 :func:`launch_errors` is the pass: each ``--ga-*`` flag's own rule (its declaration in config/flags.py), then
 the rules between flags and Megatron's settings below. GAConfig runs it at construction (the flags alone),
-install() through :func:`check_args` (with Megatron's parsed args) and ``megatron-ga check`` on a launch line
+install() through ``check_args`` (config/install_check.py, with Megatron's parsed args) and ``megatron-ga check`` on a launch line
 (launch/problems.py), so a setting is refused the same way wherever it is read.
 
 * :func:`check_loss_mode`: ``--ga-loss-reduction token`` needs ``--calculate-per-token-loss``;

@@ -1,8 +1,9 @@
 """Every problem of a launch line, and its ledger (``megatron-ga check``). Pure Python.
 
-The rules are the ones a run is held to: the options layer's (``--ga-*`` choices, the loss mode against
-``--calculate-per-token-loss``, the guards against schedules that run another number of forwards, the
-one schedule of the launch), Megatron's parser and layer split (flags it does not define, stray words,
+The rules are the ones a run is held to: install()'s own rule pass (config/launch_rules.py: each ``--ga-*``
+flag's rule, the loss mode against ``--calculate-per-token-loss``, the guards against schedules that run another
+number of forwards, what a schedule needs of the launch, where the noise scale can measure), the one schedule of the
+launch, Megatron's parser and layer split (flags it does not define, stray words,
 the virtual pipeline), the coverage table's refusals (``config/coverage.py``; its limits are
 :func:`launch_notes`), and the batch arithmetic of every stage (``core/layout.py``, ``core/schedule/checks.py``).
 """
