@@ -146,5 +146,5 @@ def test_nonpositive_sizes_are_assertion_errors_like_upstream(mbs, dp, message):
     with pytest.raises(AssertionError, match=message) as caught:
         StepScheduleCalculator(StepSchedule.parse("0:16"), mbs, dp)
     assert type(caught.value) is ScheduleError
-    with pytest.raises(SizeError, match="--micro-batch-size 4.0 is not a whole number"):
+    with pytest.raises(SizeError, match=r"--micro-batch-size 4\.0 is not a whole number"):
         StepScheduleCalculator(StepSchedule.parse("0:16"), 4.0, 2)  # type: ignore[arg-type]

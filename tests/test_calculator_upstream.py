@@ -219,7 +219,7 @@ def _upstream_rampup(start, increment, ramp, gbs, mbs=1, dp=1):
 @needs_rampup
 @pytest.mark.parametrize("ramp", RAMPS, ids=[":".join(map(str, r)) for r in RAMPS])
 def test_rampup_equal_at_every_consumed_count(ramp):
-    start, increment, ramp_samples, gbs = ramp
+    *_, ramp_samples, gbs = ramp
     ours = StepSchedule.from_rampup(*ramp)
     theirs = _upstream_rampup(*ramp)
     for consumed in range(0, ramp_samples + 2 * gbs + 2):

@@ -1,7 +1,5 @@
 """megatron-ga schedule: table, JSON, rampup conversion, plot, one-line errors, and its speed."""
 
-import subprocess
-import sys
 import time
 
 import pytest

@@ -41,7 +41,8 @@ def test_json_gives_the_schedule_and_each_doubling(cli, trace):
     out = answer.json()
     assert out["schedule_samples"] == "0:32 9600:64 48K:128 99200:256 150K:512"
     assert StepSchedule.parse(out["schedule_tokens"], 4096).stages == StepSchedule.parse(out["schedule_samples"]).stages
-    assert [(d["consumed_samples"], d["before"], d["after"]) for d in out["decisions"]][0] == (9600, 32, 64)
+    first = out["decisions"][0]
+    assert (first["consumed_samples"], first["before"], first["after"]) == (9600, 32, 64)
     assert out["decisions"][2]["b_simple_samples"] == 700  # read from b_simple_tokens / --seq-length
     assert [(h["consumed_samples"], h["reason"]) for h in out["held"]] == [
         (3200, "the LR warmup (--lr-warmup-samples 5,000)")]

@@ -4,8 +4,6 @@ import argparse
 import dataclasses
 import importlib
 import logging
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,8 +11,8 @@ import pytest
 from megatron_ga_ext.config.args import add_args
 from megatron_ga_ext.config.flags import GA_OPTIONS, MODES, OPTIONS, ZERO_TOKEN_POLICIES, flags_table
 from megatron_ga_ext.config.ga_config import GA_FIELDS, GAConfig
-from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
 from megatron_ga_ext.config.launch_rules import check_guards, check_loss_mode, check_train_length
+from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
 from megatron_ga_ext.core.megatron_flags import MEGATRON_OPTIONS, NOT_MEGATRON
 from megatron_ga_ext.core.schedule.rampup import rampup_triple
 from megatron_ga_ext.errors import InterleaveError, OptionError, ScheduleError, ScheduleParseError, SizeError

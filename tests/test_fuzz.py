@@ -18,13 +18,15 @@ from __future__ import annotations
 import contextlib
 import gc
 import io
+import itertools
 import json
 import os
 import time
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -162,7 +164,7 @@ def schedule_parser(text, seq_length, options):
         else:
             stages = list(schedule.stages)
             assert stages[0][0] == 0 and all(b >= 1 for _, b in stages)
-            assert all(a[0] < b[0] for a, b in zip(stages, stages[1:]))
+            assert all(a[0] < b[0] for a, b in itertools.pairwise(stages))
             assert StepSchedule.parse(schedule.to_string(), seq_length).stages == stages  # exact round trips
             assert StepSchedule.parse(schedule.samples_string()).stages == stages
             assert StepSchedule.parse(str(schedule), seq_length).stages == stages

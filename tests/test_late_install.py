@@ -10,11 +10,11 @@ import types
 import pytest
 
 pytest.importorskip("megatron.core.pipeline_parallel.schedules")
-from megatron.core import num_microbatches_calculator as calculators  # noqa: E402
+from megatron.core import num_microbatches_calculator as calculators
 
-from megatron_ga_ext import ScheduleError  # noqa: E402
-from megatron_ga_ext.integration.calculator import StepScheduleCalculator  # noqa: E402
-from megatron_ga_ext.integration.install import GAConfig, add_args, install  # noqa: E402
+from megatron_ga_ext import ScheduleError
+from megatron_ga_ext.integration.calculator import StepScheduleCalculator
+from megatron_ga_ext.integration.install import GAConfig, add_args, install
 
 STEP_SCHEDULES = "step_batch_size_schedule" in inspect.signature(calculators.init_num_microbatches_calculator).parameters
 

@@ -1,7 +1,5 @@
 """The batch arithmetic of the seed note, and a typed error for every bad input."""
 
-import subprocess
-import sys
 
 import pytest
 from hypothesis import given
@@ -42,10 +40,10 @@ def test_dp_one_has_no_dp_sync():
 def test_raising_pp_keeps_gbs_and_only_moves_dp_and_ga():
     layouts = [BatchLayout(world_size=64, pipeline_model_parallel_size=pp, micro_batch_size=2, global_batch_size=512)
                for pp in (1, 2, 4, 8)]
-    assert [l.micro_batch_size * l.data_parallel_size * l.num_microbatches for l in layouts] == [512] * 4
-    assert [l.data_parallel_size for l in layouts] == [64, 32, 16, 8]
-    assert [l.num_microbatches for l in layouts] == [4, 8, 16, 32]
-    assert [l.pipeline_bubble_fraction for l in layouts][0] == 0.0
+    assert [x.micro_batch_size * x.data_parallel_size * x.num_microbatches for x in layouts] == [512] * 4
+    assert [x.data_parallel_size for x in layouts] == [64, 32, 16, 8]
+    assert [x.num_microbatches for x in layouts] == [4, 8, 16, 32]
+    assert layouts[0].pipeline_bubble_fraction == 0.0
 
 
 def test_bubble_and_default_gbs():

@@ -7,10 +7,10 @@ import pytest
 
 pytest.importorskip("megatron.core.pipeline_parallel.schedules")
 
-from megatron_ga_ext import GuardError  # noqa: E402
-from megatron_ga_ext.integration.install import GAConfig, install, uninstall  # noqa: E402
-from megatron_ga_ext.integration.liveness import bypass_message  # noqa: E402
-from megatron_ga_ext.integration.training_hooks import _skipping_step  # noqa: E402
+from megatron_ga_ext import GuardError
+from megatron_ga_ext.integration.install import GAConfig, install, uninstall
+from megatron_ga_ext.integration.liveness import bypass_message
+from megatron_ga_ext.integration.training_hooks import _skipping_step
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,6 @@
 """StepSchedule: exact parsing, every error by type and message, validation, rampup conversion, tables."""
 
+import itertools
 import warnings
 
 import pytest
@@ -176,7 +177,7 @@ def test_from_stages_and_constant():
     assert str(StepSchedule.from_stages([(0, 8), (2000, 16)])) == "0:8 2K:16"
     with pytest.raises(ScheduleError, match="comes after entry 2"):
         StepSchedule.from_stages([(0, 8), (20, 16), (10, 32)])
-    with pytest.raises(ScheduleParseError, match="stage 2 threshold 1.5 is not an integer"):
+    with pytest.raises(ScheduleParseError, match=r"stage 2 threshold 1\.5 is not an integer"):
         StepSchedule.from_stages([(0, 8), (1.5, 16)])
 
 
@@ -202,7 +203,7 @@ def test_rampup_docs_example():
     assert len(stages) == 127
     assert stages[0] == (0, 16) and stages[-1][1] == 1024
     assert [b for _, b in stages] == list(range(16, 1025, 8))
-    gaps = {b[0] - a[0] for a, b in zip(stages, stages[1:])}
+    gaps = {b[0] - a[0] for a, b in itertools.pairwise(stages)}
     assert gaps <= {2380, 2381}
     assert stages[1] == (2381, 24)  # int(c / 2380.95...) first reaches 1 at c = 2381
 

@@ -1,5 +1,6 @@
 """The doubling rule (core/schedule/suggest.py): from a measured trace to a step schedule."""
 
+import itertools
 import json
 import math
 
@@ -87,7 +88,7 @@ def test_every_suggestion_keeps_the_rules(estimates, gaps, mbs, dp, start_units,
     stages = s.schedule.stages
     batches = [b for _, b in stages]
     assert all(b % unit == 0 for b in batches)
-    assert all(later == 2 * earlier for earlier, later in zip(batches, batches[1:]))
+    assert all(later == 2 * earlier for earlier, later in itertools.pairwise(batches))
     assert batches[-1] <= max(cap_units * unit, start_units * unit)
     for threshold, _ in stages[1:]:
         assert not any(f.holds(threshold) for f in frozen)

@@ -148,10 +148,10 @@ def callers(root: Path) -> dict[str, str]:
         lines = text.splitlines(keepends=True)
         module = path.relative_to(root).with_suffix("").as_posix().replace("/", ".")
 
-        def visit(body: list[ast.stmt], prefix: str) -> None:
+        def visit(body: list[ast.stmt], prefix: str, module: str, lines: list[str]) -> None:
             for node in body:
                 if isinstance(node, ast.ClassDef):
-                    visit(node.body, f"{prefix}{node.name}.")
+                    visit(node.body, f"{prefix}{node.name}.", module, lines)
                 elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     named = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | {
                         n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
@@ -159,7 +159,7 @@ def callers(root: Path) -> dict[str, str]:
                         source = "".join(lines[node.lineno - 1 : node.end_lineno])
                         found[f"{module}:{prefix}{node.name}"] = hashlib.sha256(source.encode()).hexdigest()[:16]
 
-        visit(tree.body, "")
+        visit(tree.body, "", module, lines)
     return found
 
 

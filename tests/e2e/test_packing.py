@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 
 from megatron_ga_ext.integration.guards import PP_RULE
+from tests.e2e.test_pretrain_gpt import TOKEN, check_num_tokens, record
 from tests.support import pretrain_runs
 from tests.support.pretrain_runs import MICRO_BATCH_SIZE
-from tests.e2e.test_pretrain_gpt import TOKEN, check_num_tokens, record
 from tools.compatibility import source_name
 
 pytestmark = pytest.mark.e2e

@@ -13,6 +13,7 @@ import re
 import sys
 import types
 from pathlib import Path
+from typing import ClassVar
 
 from megatron_ga_ext.integration.compat import UPSTREAM
 
@@ -34,7 +35,7 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Optional packages Megatron-LM's training code imports but the parser does not need. Without triton
     (the e2e extra), the one Megatron module that imports it is stubbed instead: a stub triton would make
     torch believe triton is installed."""
-    names = {"modelopt", "six", "yaml", "regex", "pydantic"}
+    names: ClassVar[set[str]] = {"modelopt", "six", "yaml", "regex", "pydantic"}
     needs_triton = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
 
     def find_spec(self, name, path, target=None):
