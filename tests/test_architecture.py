@@ -106,7 +106,8 @@ def test_pure_layers_never_import_torch_or_megatron(layer):
 #: What a user runs without a GPU stack, and what it must not load: each in a fresh interpreter.
 PURE_PYTHON_RUNS = {
     "the public API": ("import megatron_ga_ext", ("torch", "megatron")),
-    "the pure layers": ("import megatron_ga_ext.core.layout, megatron_ga_ext.config.launch_rules, megatron_ga_ext.launch.line",
+    "the pure layers": ("import megatron_ga_ext.core.layout, megatron_ga_ext.config.launch_rules, "
+                        "megatron_ga_ext.launch.line",
                         ("torch", "megatron")),
     "megatron-ga ledger": ("main(['ledger', '--world-size', '8', '--micro-batch-size', '1'])", ("torch", "megatron")),
     "megatron-ga check": ("main(['check', '--', 'torchrun --nproc-per-node 8 x.py --micro-batch-size 1 "

@@ -81,7 +81,8 @@ def test_build_from_megatron_arguments():
     "kwargs, error, message",
     [
         (dict(rampup_batch_size=[16, 8], global_batch_size=64), SizeError, "takes three values"),
-        (dict(rampup_batch_size=[16, 8, "1e5"], global_batch_size=64), SizeError, "ramp-up samples '1e5' is not a whole"),
+        (dict(rampup_batch_size=[16, 8, "1e5"], global_batch_size=64), SizeError,
+         "ramp-up samples '1e5' is not a whole"),
         (dict(rampup_batch_size=[16, 8, 100]), SizeError, "--global-batch-size is required"),
         (dict(rampup_batch_size=[16, 8, 100], step_batch_size_schedule="0:8"), ScheduleError, "both given"),
         (dict(global_batch_size=64, decrease_batch_size_if_needed=True), ScheduleError,
@@ -97,8 +98,8 @@ def test_from_megatron_signature_and_decrease_refused():
     calc = StepScheduleCalculator.from_megatron(micro_batch_size=1, data_parallel_size=512,
                                                 decrease_batch_size_if_needed=False, rank=0, schedule=SCALE_UP)
     assert calc.current_global_batch_size == 256
-    with pytest.raises(ScheduleError, match=r"^--decrease-batch-size-if-needed cannot be combined with a step batch-size "
-                                            r"schedule \(upstream refuses it too\)"):
+    with pytest.raises(ScheduleError, match=r"^--decrease-batch-size-if-needed cannot be combined with a step "
+                                            r"batch-size schedule \(upstream refuses it too\)"):
         StepScheduleCalculator.from_megatron(1, 512, True, 0, SCALE_UP)
 
 

@@ -143,7 +143,8 @@ def test_checked_updates_agree_or_fail_earlier(text, mbs, dp, data):
         except (ScheduleError, BatchSizeError):
             ours_failed = True  # a later stage is bad (divisibility, 0 micro-batches or a decrease)
             continue
-        assert (ours.get(), ours.get_current_global_batch_size()) == (theirs.get(), theirs.get_current_global_batch_size())
+        assert (ours.get(), ours.get_current_global_batch_size()) == (
+            theirs.get(), theirs.get_current_global_batch_size())
 
 
 @needs_step
@@ -294,7 +295,8 @@ def test_calculator_equals_rampup_calculator_through_training():
         while consumed < ramp_samples + 5 * gbs:
             ours.update(consumed, consistency_check=True)
             theirs.update(consumed, consistency_check=True)
-            assert (ours.get(), ours.get_current_global_batch_size()) == (theirs.get(), theirs.get_current_global_batch_size())
+            assert (ours.get(), ours.get_current_global_batch_size()) == (
+            theirs.get(), theirs.get_current_global_batch_size())
             consumed += dp * mbs * ours.get()
 
 

@@ -34,7 +34,8 @@ def test_table_text(cli):
     assert answer.status == 0
     out = answer.out
     lines = out.splitlines()
-    assert lines[0] == '--step-batch-size-schedule "0:768 250B:1536 500B:3072 750B:6144" (thresholds in tokens, --seq-length 4096)'
+    assert lines[0] == ('--step-batch-size-schedule "0:768 250B:1536 500B:3072 750B:6144" '
+                        '(thresholds in tokens, --seq-length 4096)')
     assert "first token" in out and "micro-batches" in out
     assert any(line.split()[:4] == ["2", "250B:1536", "1,536", "6"] for line in lines)
     assert "steps for --train-samples 200,000,000" in out
@@ -53,7 +54,8 @@ def test_from_rampup_prints_the_converted_schedule(cli):
     assert answer.status == 0
     out = answer.out
     assert "--rampup-batch-size 16 8 300000 --global-batch-size 1024 is this step schedule (127 stages):" in out
-    samples_line = next(line for line in out.splitlines() if line.strip().startswith('--step-batch-size-schedule "0:16 2381:24'))
+    samples_line = next(line for line in out.splitlines()
+                        if line.strip().startswith('--step-batch-size-schedule "0:16 2381:24'))
     text = samples_line.split('"')[1]
     assert StepSchedule.parse(text).stages == StepSchedule.from_rampup(16, 8, 300000, 1024).stages
     tokens_line = next(line for line in out.splitlines() if '"0:16 9752576:24' in line)

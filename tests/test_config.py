@@ -19,7 +19,8 @@ from megatron_ga_ext.errors import InterleaveError, OptionError, ScheduleError, 
 from megatron_ga_ext.integration.calculator import StepScheduleCalculator
 
 ROOT = Path(__file__).resolve().parent.parent
-install_module = importlib.import_module("megatron_ga_ext.integration.install")  # the package's ``install`` is the function
+# The module: the package's ``install`` is the function.
+install_module = importlib.import_module("megatron_ga_ext.integration.install")
 
 
 # -- one declaration per flag ---------------------------------------------------------------------
@@ -91,7 +92,8 @@ def test_gaconfig_from_args_reads_megatrons_names():
 @pytest.mark.parametrize("values, message", [
     ([16, 8], r"takes three values, START INCREMENT SAMPLES \(e\.g\. 16 8 300000\); got 2: 16 8"),
     (["16", "8", "1e5"], r"--rampup-batch-size ramp-up samples '1e5' is not a whole number"),
-    (["16", "8", "9" * 5000], r"--rampup-batch-size ramp-up samples value '999999999999\.\.\.9999' has 5000 characters"),
+    (["16", "8", "9" * 5000],
+     r"--rampup-batch-size ramp-up samples value '999999999999\.\.\.9999' has 5000 characters"),
     ("16 8 100", r"takes three values.*got 1: 16 8 100"),
 ])
 def test_rampup_values_are_typed_errors(values, message):
@@ -128,9 +130,9 @@ def test_guards_rule():
 def test_train_length_rule():
     check_train_length(None, 1000)
     check_train_length("--step-batch-size-schedule", None)
-    with pytest.raises(ScheduleError, match=r"^--step-batch-size-schedule with --train-iters 1000: Megatron converts LR "
-                                            r"warmup/decay iterations and the dataset size with GBS = MBS x DP.*Give "
-                                            r"--train-samples"):
+    with pytest.raises(ScheduleError, match=r"^--step-batch-size-schedule with --train-iters 1000: Megatron converts "
+                                            r"LR warmup/decay iterations and the dataset size with GBS = MBS x DP.*"
+                                            r"Give --train-samples"):
         check_train_length("--step-batch-size-schedule", 1000)
 
 

@@ -51,7 +51,8 @@ SCHEDULE = ["--step-batch-size-schedule", "0:16 4096:32", "--train-samples", "16
 REFUSALS = [
     Refusal("full-iteration-graph-token", [*TOKEN, "--cuda-graph-impl", "full_iteration",
                                            "--no-check-for-nan-in-loss-and-grad"]),
-    Refusal("full-iteration-graph-token", [*TOKEN, "--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"],
+    Refusal("full-iteration-graph-token",
+            [*TOKEN, "--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"],
             spelling="0.16-scope"),
     Refusal("full-iteration-graph-token", [*TOKEN, "--enable-cuda-graph", "--cuda-graph-scope", "full_iteration"],
             spelling="enable-cuda-graph"),

@@ -10,7 +10,8 @@ exit status 0, 1 or 2, never a traceback.
 
 The default suite runs 200 examples per surface; ``make fuzz`` runs 10,000 (``MEGATRON_GA_FUZZ_EXAMPLES``)
 and records the counts (tools/results.py, ``MEGATRON_GA_RESULTS``) for ``make docs`` to render into
-docs/reliability.md. Each surface fails unless it ran at least that many examples. What fuzzing found is pinned in tests/test_fuzz_found.py.
+docs/reliability.md. Each surface fails unless it ran at least that many examples. What fuzzing found is pinned in
+tests/test_fuzz_found.py.
 """
 
 from __future__ import annotations

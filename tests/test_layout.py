@@ -72,10 +72,13 @@ def test_gbs_is_mbs_dp_ga_whatever_tp_pp_cp(mbs, dp, ga, tp, pp, cp):
     [
         (dict(world_size=0, micro_batch_size=1), SizeError, r"--world-size 0 must be at least 1; give an integer >= 1"),
         (dict(world_size=8, micro_batch_size=-2), SizeError, r"--micro-batch-size -2 must be at least 1"),
-        (dict(world_size=8, micro_batch_size=2.5), SizeError, r"--micro-batch-size 2\.5 is not a whole number.*e\.g\. 2 or 3"),
+        (dict(world_size=8, micro_batch_size=2.5), SizeError,
+         r"--micro-batch-size 2\.5 is not a whole number.*e\.g\. 2 or 3"),
         (dict(world_size=8, micro_batch_size="4"), SizeError, r"--micro-batch-size '4' is not a whole number"),
-        (dict(world_size=8, micro_batch_size=1, global_batch_size=0), SizeError, r"--global-batch-size 0 must be at least 1"),
-        (dict(world_size=8, micro_batch_size=1, pipeline_model_parallel_size=True), SizeError, r"--pipeline-model-parallel-size True is not a whole number"),
+        (dict(world_size=8, micro_batch_size=1, global_batch_size=0), SizeError,
+         r"--global-batch-size 0 must be at least 1"),
+        (dict(world_size=8, micro_batch_size=1, pipeline_model_parallel_size=True), SizeError,
+         r"--pipeline-model-parallel-size True is not a whole number"),
         (dict(world_size=12, micro_batch_size=1, tensor_model_parallel_size=8), LayoutError,
          r"--world-size 12 is not divisible by --tensor-model-parallel-size 8 x --pipeline-model-parallel-size 1 x "
          r"--context-parallel-size 1 = 8.*Nearest valid world sizes: 8, 16"),
@@ -89,13 +92,15 @@ def test_gbs_is_mbs_dp_ga_whatever_tp_pp_cp(mbs, dp, ga, tp, pp, cp):
          r"num_microbatches = 24 / \(MBS 1 x DP 4\) = 6 .*% N == 0.*Nearest valid --global-batch-size: 16, 32"),
         (dict(world_size=8, micro_batch_size=1, global_batch_size=2, pipeline_model_parallel_size=4,
               virtual_pipeline_model_parallel_size=2), InterleaveError,
-         r"= 1 with --virtual-pipeline-model-parallel-size 2.*needs num_microbatches >= N = 4.*Nearest valid --global-batch-size: 8, 16"),
+         r"= 1 with --virtual-pipeline-model-parallel-size 2.*needs num_microbatches >= N = 4.*"
+         r"Nearest valid --global-batch-size: 8, 16"),
         (dict(world_size=8, micro_batch_size=1, virtual_pipeline_model_parallel_size=2), LayoutError,
          r"--virtual-pipeline-model-parallel-size 2 needs --pipeline-model-parallel-size > 1"),
         (dict(world_size=8, micro_batch_size=1, expert_model_parallel_size=3), LayoutError,
          r"--world-size 8 is not divisible by --expert-tensor-parallel-size 1 x --expert-model-parallel-size 3"),
         (dict(world_size=8, micro_batch_size=1, expert_model_parallel_size=4, num_experts=6), LayoutError,
-         r"--num-experts 6 is not divisible by --expert-model-parallel-size 4.*Valid --expert-model-parallel-size: 1, 2, 3, 6"),
+         r"--num-experts 6 is not divisible by --expert-model-parallel-size 4.*"
+         r"Valid --expert-model-parallel-size: 1, 2, 3, 6"),
     ],
 )
 def test_bad_input_is_a_typed_error_naming_flag_value_and_fix(kwargs, error, pattern):
@@ -105,7 +110,7 @@ def test_bad_input_is_a_typed_error_naming_flag_value_and_fix(kwargs, error, pat
 
 
 def test_upstream_assertion_catchers_still_catch_gbs_error():
-    with pytest.raises(BatchSizeError, match=r"--global-batch-size 8 is not a multiple of --micro-batch-size 3") as info:
+    with pytest.raises(BatchSizeError, match="--global-batch-size 8 is not a multiple of --micro-batch-size 3") as info:
         BatchLayout(world_size=8, micro_batch_size=3, global_batch_size=8)
     assert isinstance(info.value, AssertionError)  # what upstream's callers catch
 

@@ -236,7 +236,8 @@ def test_microbatch_mode_reports_each_micro_batch_mean():
     logged = reduce_reports(reports)["lm loss"]
     means = [float((LOSSES[m] * MASKS[m]).sum() / MASKS[m].sum().clamp(min=1)) for m in range(len(LOSSES))]
     assert float(logged) == pytest.approx(sum(means) / len(means), rel=1e-6)
-    token_mean = sum(float((LOSSES[m] * MASKS[m]).sum()) for m in range(len(LOSSES))) / float(sum(m.sum() for m in MASKS))
+    token_sum = sum(float((loss * mask).sum()) for loss, mask in zip(LOSSES, MASKS))
+    token_mean = token_sum / float(sum(mask.sum() for mask in MASKS))
     assert abs(float(logged) - token_mean) > 1e-3  # the masks are uneven: the two means differ
     _, n, _ = func(MASKS[0], LOSSES[0])
     assert int(n) == int(MASKS[0].sum())  # the loss and count Megatron scales by are unchanged
@@ -284,7 +285,8 @@ def test_counts_of_another_shape_or_dtype_in_a_later_step():
     """One contract, steps whose counts differ in shape and dtype: each step's vector is its own."""
     contract = LossContract()
     steps = [[torch.tensor(3), torch.tensor(4)], [torch.tensor([3]), torch.tensor([4])],
-             [torch.tensor(3, dtype=torch.int32), torch.tensor(4, dtype=torch.int32)], [torch.tensor(3), torch.tensor(4)]]
+             [torch.tensor(3, dtype=torch.int32), torch.tensor(4, dtype=torch.int32)],
+             [torch.tensor(3), torch.tensor(4)]]
     for counts in steps:
         for count in counts:
             contract.check((torch.tensor(1.0), count, {}))

@@ -86,8 +86,9 @@ E = "--step-batch-size-schedule entry"
          rf"{E} 1 '100:8' \(from 100 samples, global batch size 8\) is the first entry but its threshold is not 0.*"
          r"Begin the schedule with '0:8'"),
         ("100:8", 4096, ScheduleError,
-         r"^--step-batch-size-schedule entry 1 '100:8' \(from 100 tokens = 0 samples, global batch size 8\) is the first "
-         r"entry; its threshold of 100 tokens becomes 0 samples \(100 // --seq-length 4096\), the start of training, "
+         r"^--step-batch-size-schedule entry 1 '100:8' \(from 100 tokens = 0 samples, global batch size 8\) is the "
+         r"first entry; its threshold of 100 tokens becomes 0 samples \(100 // --seq-length 4096\), the start of "
+         r"training, "
          r"but the first threshold must be written as 0\. Write '0:8'\.$"),
         ("8192:8", 4096, ScheduleError, r"entry 1 '8192:8' \(from 8,192 tokens = 2 samples.*threshold is not 0, so no "
                                         r"batch size is set for the start of training"),
@@ -233,7 +234,8 @@ def test_rampup_boundaries(args, stages):
         ((16, 8, 1.5, 64), SizeError, r"--rampup-batch-size ramp-up samples 1.5 must be a whole number >= 0"),
         ((128, 8, 100, 64), ScheduleError, r"start batch size 128 exceeds --global-batch-size 64; a ramp only grows"),
         ((16, 10, 100, 64), ScheduleError,
-         r"increment 10 does not divide --global-batch-size 64 - start 16 = 48.*Use an increment in \{1, 2, 3, 4, 6, 8"),
+         r"increment 10 does not divide --global-batch-size 64 - start 16 = 48.*"
+         r"Use an increment in \{1, 2, 3, 4, 6, 8"),
     ],
 )
 def test_rampup_errors(args, error, message):
@@ -365,7 +367,8 @@ def test_table_from_consumed_samples_starts_at_the_stage_in_force():
     assert [(r.first_sample, r.first_step, r.steps, r.samples) for r in rows] == [
         (None, None, 0, 0), (2000, 0, 16, 1024)
     ]
-    assert [(r.first_sample, r.steps) for r in schedule.table(4, 16, consumed_samples=1000)] == [(None, 0), (1000, None)]
+    rows = schedule.table(4, 16, consumed_samples=1000)
+    assert [(r.first_sample, r.steps) for r in rows] == [(None, 0), (1000, None)]
     with pytest.raises(ScheduleError, match=r"entry 1 '0:8' .* gives 0 micro-batches"):
         schedule.table(4, 16, consumed_samples=999)
     with pytest.raises(SizeError, match="consumed_samples -1 must be a whole number >= 0"):

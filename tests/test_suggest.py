@@ -192,8 +192,8 @@ def test_any_json_is_read_or_refused_with_a_typed_error(data):
 
 
 def megatron_line(iteration: int, consumed: int) -> str:
-    return (f" [2026-12-02 08:12:50] iteration {iteration:8d}/      10 | consumed samples: {consumed:12d} | elapsed time "
-            f"per iteration (ms): 302.9 | global batch size:    16 | lm loss: 6.31E+00 |")
+    return (f" [2026-12-02 08:12:50] iteration {iteration:8d}/      10 | consumed samples: {consumed:12d} | "
+            f"elapsed time per iteration (ms): 302.9 | global batch size:    16 | lm loss: 6.31E+00 |")
 
 
 def noise_line(iteration: int, samples: str, consumed: int | str | None = None) -> str:

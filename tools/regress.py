@@ -179,7 +179,8 @@ def nearest_tree(name: str) -> Path | None:
 
 
 def parser_flags(roots: list[Path]) -> dict[Path, list[str]]:
-    """The option strings of Megatron-LM's own parser at each root (one subprocess: tests/support/megatron_parser_flags.py)."""
+    """The option strings of Megatron-LM's own parser at each root (one subprocess:
+    tests/support/megatron_parser_flags.py)."""
     done = subprocess.run([sys.executable, "-m", "tests.support.megatron_parser_flags", *map(str, roots)], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     if done.returncode != 0:

@@ -51,7 +51,8 @@ def runs_the_scheduler(source: Path) -> bool:
 
 
 def _packed_program(root: Path, workdir: Path, extension: bool, drop_in: str) -> list[str]:
-    """tests/support/packed_gpt.py (``root``'s pretrain_gpt.py with the two CPU stand-ins) by the drop-in entry, or bare."""
+    """tests/support/packed_gpt.py (``root``'s pretrain_gpt.py with the two CPU stand-ins) by the drop-in entry, or
+    bare."""
     return ["-m", "megatron_ga_ext", str(PACKED_GPT)] if extension else [str(PACKED_GPT)]
 
 

@@ -1,5 +1,6 @@
 """Megatron-LM's own argument parser at a source snapshot, for the tests that hold our flag declarations and the
-coverage table to it (tests/support/megatron_parser_flags.py, tests/support/coverage_upstream_args.py, run in subprocesses).
+coverage table to it (tests/support/megatron_parser_flags.py, tests/support/coverage_upstream_args.py, run in
+subprocesses).
 
 Optional packages the training code imports but the parser never uses are stubbed when they are not installed.
 """
