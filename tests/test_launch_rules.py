@@ -81,7 +81,8 @@ FLAG_CASES = [
      "--ga-checks async reads a step's token count only after its optimizer step"),
     ({"noise_scale": 10, "loss_reduction": "microbatch"}, "--ga-noise-scale 10 --ga-loss-reduction microbatch",
      "--ga-noise-scale 10 needs --ga-loss-reduction token"),
-    ({"batch_size_warmup": "auto", "batch_size_warmup_max": 32}, "--ga-batch-size-warmup auto --ga-batch-size-warmup-max 32",
+    ({"batch_size_warmup": "auto", "batch_size_warmup_max": 32},
+     "--ga-batch-size-warmup auto --ga-batch-size-warmup-max 32",
      "--ga-batch-size-warmup auto decides from the measured noise scale"),
     ({"lr_scaling": "cubic"}, "--ga-lr-scaling cubic", "--ga-lr-scaling 'cubic' is not one of none, sqrt, linear"),
 ]

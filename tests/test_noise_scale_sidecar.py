@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import pytest
 
 pytest.importorskip("torch")
-from megatron_ga_ext.core.noise_scale import NoiseEstimate, NoiseScaleEMA  # noqa: E402
-from megatron_ga_ext.errors import NoiseScaleError  # noqa: E402
-from megatron_ga_ext.integration.noise_scale_sidecar import (  # noqa: E402
+from megatron_ga_ext.core.noise_scale import NoiseEstimate, NoiseScaleEMA
+from megatron_ga_ext.errors import NoiseScaleError
+from megatron_ga_ext.integration.noise_scale_sidecar import (
     SIDECAR,
     load_sidecar,
     save_sidecar,
