@@ -8,6 +8,7 @@
 #                                   parser flags the coverage table does not classify, hooked functions changed
 #   make fuzz                       10,000 hypothesis examples on each input surface
 #   make test-O                     the fast suite (nothing that imports megatron-core) under python -O
+#   make lint                       ruff over the tree, mypy over core/ and config/ (pyproject.toml; CI runs it)
 #   make docs                       render the generated parts of docs/ (tools/docs.py)
 #   make docs-check                 fail where a part rendered from code alone is not current (CI runs it)
 #   make wheel-check                build the wheel, install it in a fresh venv, run it (CI runs it)
@@ -37,12 +38,13 @@ STAMP := $(VENV)/.installed
 PY := $(VENV)/bin/python
 
 E2E_STAMP := $(VENV)/.installed-e2e
+LINT_STAMP := $(VENV)/.installed-lint
 RESULTS ?= $(CURDIR)/.cache/results
 MEGATRON_LM ?=
 MEGATRON_LM_SNAPSHOTS ?= ../shared/upstream
 export MEGATRON_LM MEGATRON_LM_SNAPSHOTS
 
-.PHONY: setup demo test test-O fuzz matrix e2e regress docs docs-check wheel-check fingerprints clean
+.PHONY: setup demo test test-O lint fuzz matrix e2e regress docs docs-check wheel-check fingerprints clean
 
 setup: $(STAMP)
 
@@ -61,6 +63,15 @@ test: $(STAMP)
 # No check may rest on assert, which python -O strips.
 test-O: $(STAMP)
 	$(PY) -O -m pytest -q -p no:cacheprovider -m 'not slow and not gpu and not e2e' $(PYTEST_ARGS)
+
+$(LINT_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[megatron,test,plot,lint]'
+	@touch $@
+
+# ruff's rules and mypy's files are in pyproject.toml.
+lint: $(LINT_STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 # tests/test_fuzz.py at FUZZ_EXAMPLES per surface, in two processes (one per core), each half of the surfaces.
 FUZZ_EXAMPLES ?= 10000

@@ -85,7 +85,8 @@ def rank_main(num_microbatches: int, model: str, rounds: int, steps: int, counti
         def installation(variant: str, timed_steps: int, label: str | None) -> float:
             one_step = overhead.installed_step(variant, harness)
             one_step()
-            gc.collect()  # held off while counted, as overhead.py times: a collection's cost is the heap's, not the step's
+            # Held off while counted, as overhead.py times: a collection's cost is the heap's, not the step's.
+            gc.collect()
             gc.disable()
             if label:
                 helper.megatron_ga_dump(f"{rank} skip".encode())

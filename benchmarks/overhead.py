@@ -233,7 +233,8 @@ def _own_cost(ddp, config, layout, cfg, batch, loss, seconds: float) -> dict:
     state.configure_from_megatron_args()
     hot = {"microbatch": (partial(microbatch_calls, upstream_calc, None),
                           partial(microbatch_calls, sys.modules[SCHEDULES].forward_step_calc_loss, state.contract)),
-           "step": (partial(one_finalize, upstream_finalize, None), partial(one_finalize, state.finalize, state.contract))}
+           "step": (partial(one_finalize, upstream_finalize, None),
+                    partial(one_finalize, state.finalize, state.contract))}
     whole_step(True)
     own = _alternating(hot, seconds)
     own["in_step"] = _alternating({"step": (partial(whole_step, False), partial(whole_step, True))}, seconds)
@@ -374,7 +375,8 @@ def summarize(num_microbatches: int, model: str, measured: dict) -> dict:
         "control": {"ratio_median": round(statistics.median(ratios[CONTROL]), 4),
                     "ratio_ci95": [round(x, 4) for x in median_ci95(ratios[CONTROL])]},
         "own_us": {**own, "per_microbatch_at_this_ga": _per_microbatch(own, num_microbatches),
-                   "paired": {**own["paired"], "per_microbatch_at_this_ga": _per_microbatch(own["paired"], num_microbatches)},
+                   "paired": {**own["paired"],
+                              "per_microbatch_at_this_ga": _per_microbatch(own["paired"], num_microbatches)},
                    "in_step": {**own["in_step"], "per_microbatch_at_this_ga": {
                        "step": round(own["in_step"]["step"] / num_microbatches, 2),
                        "paired": round(own["in_step"]["paired"]["step"] / num_microbatches, 2)}}},

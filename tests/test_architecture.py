@@ -12,6 +12,7 @@ verify, from testing itself, and from the tests.
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 from pathlib import Path
 
@@ -102,6 +103,34 @@ def test_pure_layers_never_import_torch_or_megatron(layer):
     assert heavy == []
 
 
+#: What a user runs without a GPU stack, and what it must not load: each in a fresh interpreter.
+PURE_PYTHON_RUNS = {
+    "the public API": ("import megatron_ga_ext", ("torch", "megatron")),
+    "the pure layers": ("import megatron_ga_ext.core.layout, megatron_ga_ext.config.launch_rules, "
+                        "megatron_ga_ext.launch.line",
+                        ("torch", "megatron")),
+    "megatron-ga ledger": ("main(['ledger', '--world-size', '8', '--micro-batch-size', '1'])", ("torch", "megatron")),
+    "megatron-ga check": ("main(['check', '--', 'torchrun --nproc-per-node 8 x.py --micro-batch-size 1 "
+                          "--calculate-per-token-loss'])", ("torch", "megatron")),
+    "megatron-ga schedule": ("main(['schedule', '0:8 100:16', '--micro-batch-size', '1', '--data-parallel-size', '8'])",
+                             ("torch", "megatron", "matplotlib")),
+}
+
+
+@pytest.mark.parametrize("run", PURE_PYTHON_RUNS, ids=str)
+def test_pure_python_runs_load_neither_torch_nor_megatron(run):
+    """The run-time side of the rules above: what the pure-Python commands load, lazy imports included."""
+    statement, heavy = PURE_PYTHON_RUNS[run]
+    code = (f"import sys\nfrom megatron_ga_ext.cli.main import main\n{statement}\n"
+            f"print('loaded:', *(m for m in {heavy!r} if m in sys.modules))")
+    if not statement.startswith("main("):
+        code = code.replace("from megatron_ga_ext.cli.main import main\n", "")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                            cwd=PACKAGE.parent)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "loaded:", f"{run}: {result.stdout.splitlines()[-1]}"
+
+
 def test_cli_imports_torch_and_megatron_only_inside_functions():
     heavy = [f"{name}: {imported}" for name, path in MODULES.items() if _layer(name) == "cli"
              for imported, top in _imports(path) if top and imported.split(".")[0] in HEAVY]
@@ -127,7 +156,7 @@ def test_the_checks_see_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
         path.write_text(text)
         paths[name] = path
     monkeypatch.setattr(sys.modules[__name__], "MODULES", paths)
-    with pytest.raises(AssertionError, match="core.a -> megatron_ga_ext.core.b -> megatron_ga_ext.core.a"):
+    with pytest.raises(AssertionError, match=r"core\.a -> megatron_ga_ext\.core\.b -> megatron_ga_ext\.core\.a"):
         test_no_import_cycle()
-    with pytest.raises(AssertionError, match="core.c -> megatron_ga_ext.integration.d"):
+    with pytest.raises(AssertionError, match=r"core\.c -> megatron_ga_ext\.integration\.d"):
         test_imports_point_down_or_within_a_layer()

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from megatron_ga_ext import GAConfig
-from megatron_ga_ext.config.rules import check_batch_size_warmup_launch
+from megatron_ga_ext.config.launch_rules import check_batch_size_warmup_launch
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.errors import OptionError, ScheduleError
 from megatron_ga_ext.integration.batch_warmup import BatchSizeWarmup, frozen_ranges

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_ga_ext import StepSchedule
-from megatron_ga_ext.errors import GAError
+from megatron_ga_ext.errors import BatchSizeError, GAError, ScheduleError
 from megatron_ga_ext.integration.calculator import StepScheduleCalculator
 
 
@@ -133,17 +133,18 @@ def test_checked_updates_agree_or_fail_earlier(text, mbs, dp, data):
             theirs.update(consumed, consistency_check=True)
         except AssertionError:
             if not ours_failed:
-                with pytest.raises(AssertionError):
+                with pytest.raises((ScheduleError, BatchSizeError), match="--step-batch-size-schedule entry"):
                     ours.update(consumed, consistency_check=True)
             return
         if ours_failed:
             continue
         try:
             ours.update(consumed, consistency_check=True)
-        except AssertionError:
+        except (ScheduleError, BatchSizeError):
             ours_failed = True  # a later stage is bad (divisibility, 0 micro-batches or a decrease)
             continue
-        assert (ours.get(), ours.get_current_global_batch_size()) == (theirs.get(), theirs.get_current_global_batch_size())
+        assert (ours.get(), ours.get_current_global_batch_size()) == (
+            theirs.get(), theirs.get_current_global_batch_size())
 
 
 @needs_step
@@ -176,10 +177,10 @@ def test_upstream_unit_tests_pass_against_our_class():
         micro_batch_size=1, data_parallel_size=512, decrease_batch_size_if_needed=False, rank=0,
         schedule="0:256 200000:512 600000:1024",
     )
-    with pytest.raises(AssertionError):
+    with pytest.raises(ScheduleError, match=r"entry 1 '0:256' .* gives 0 micro-batches per step"):
         calc.update(0, consistency_check=True)
 
-    with pytest.raises(ValueError):
+    with pytest.raises(ScheduleError, match="--decrease-batch-size-if-needed cannot be combined"):
         StepScheduleCalculator.from_megatron(
             micro_batch_size=1, data_parallel_size=512, decrease_batch_size_if_needed=True, rank=0,
             schedule="0:256 200000:512 600000:1024",
@@ -192,8 +193,9 @@ def test_upstream_assertion_errors_stay_assertion_errors(text):
     seq_length = 4096 if text == "0:8 100:16 5000:32" else None
     with upstream_refuses(text):
         _upstream_step(text, 1, 8, seq_length)
-    with pytest.raises(AssertionError):
+    with pytest.raises(ScheduleError, match="--step-batch-size-schedule") as info:
         StepScheduleCalculator.from_megatron(1, 8, False, 0, text, seq_length)
+    assert isinstance(info.value, AssertionError)  # what upstream raised, for its callers
 
 
 # -- 0.16.1: rampup ----------------------------------------------------------------------------
@@ -218,7 +220,7 @@ def _upstream_rampup(start, increment, ramp, gbs, mbs=1, dp=1):
 @needs_rampup
 @pytest.mark.parametrize("ramp", RAMPS, ids=[":".join(map(str, r)) for r in RAMPS])
 def test_rampup_equal_at_every_consumed_count(ramp):
-    start, increment, ramp_samples, gbs = ramp
+    *_, ramp_samples, gbs = ramp
     ours = StepSchedule.from_rampup(*ramp)
     theirs = _upstream_rampup(*ramp)
     for consumed in range(0, ramp_samples + 2 * gbs + 2):
@@ -293,7 +295,8 @@ def test_calculator_equals_rampup_calculator_through_training():
         while consumed < ramp_samples + 5 * gbs:
             ours.update(consumed, consistency_check=True)
             theirs.update(consumed, consistency_check=True)
-            assert (ours.get(), ours.get_current_global_batch_size()) == (theirs.get(), theirs.get_current_global_batch_size())
+            assert (ours.get(), ours.get_current_global_batch_size()) == (
+            theirs.get(), theirs.get_current_global_batch_size())
             consumed += dp * mbs * ours.get()
 
 

@@ -136,9 +136,9 @@ def test_layers_not_divisible_by_pp_are_caught_without_any_vpp_flag():
 
 
 def test_uneven_first_and_last_stages_split_the_middle_as_megatron_does():
-    ledger, problems = check(BASE + " --pipeline-model-parallel-size 4 --num-layers 30 "
-                             "--decoder-first-pipeline-num-layers 6 --decoder-last-pipeline-num-layers 6 "
-                             "--global-batch-size 32")
+    _, problems = check(BASE + " --pipeline-model-parallel-size 4 --num-layers 30 "
+                        "--decoder-first-pipeline-num-layers 6 --decoder-last-pipeline-num-layers 6 "
+                        "--global-batch-size 32")
     assert problems == []  # 18 middle layers over 2 middle stages
     problem = one_problem(BASE + " --pipeline-model-parallel-size 4 --num-layers 31 "
                           "--decoder-first-pipeline-num-layers 6 --decoder-last-pipeline-num-layers 6 "

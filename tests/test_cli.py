@@ -57,7 +57,7 @@ def test_ledger_bad_input_exits_2_without_traceback(args, message, cli_script):
     assert "Traceback" not in result.stderr
 
 
-def test_ledger_answers_fast_and_imports_no_torch(cli_script):
+def test_ledger_answers_in_under_0_3_seconds(cli_script):
     best = min(_wall(cli_script, LEDGER) for _ in range(5))
     assert best < 0.3, f"megatron-ga ledger took {best:.3f} s"
 
@@ -88,7 +88,8 @@ def test_check_reads_a_single_quoted_line_and_reports_every_problem(cli_script):
     assert any("--micro-batch-size is given 2 times (2, 4)" in p for p in problems)
     assert any("--global-batch-size 100 is not a multiple of --micro-batch-size 4 x data-parallel size 8 = 32" in p
                and "Nearest valid --global-batch-size: 96, 128" in p for p in problems)
-    assert any("--rampup-batch-size 16 8 300000 is ignored without a word by megatron-core >= 0.18" in p for p in problems)
+    ignored = "--rampup-batch-size 16 8 300000 is ignored without a word by megatron-core >= 0.18"
+    assert any(ignored in p for p in problems)
 
 
 def test_check_step_schedule_with_train_iters_and_gbs(cli_script):
@@ -102,9 +103,12 @@ def test_check_step_schedule_with_train_iters_and_gbs(cli_script):
 @pytest.mark.parametrize(
     "line, message",
     [
-        ("torchrun --nproc-per-node gpu pretrain_gpt.py --micro-batch-size 2", "--nproc-per-node gpu leaves the world size"),
-        ("torchrun --nnodes 1:4 --nproc-per-node 8 pretrain_gpt.py --micro-batch-size 2", "--nnodes 1:4 is an elastic range"),
-        ("torchrun --nproc-per-node 8 pretrain_gpt.py --micro-batch-size $MBS", "--micro-batch-size '$MBS' is not an integer"),
+        ("torchrun --nproc-per-node gpu pretrain_gpt.py --micro-batch-size 2",
+         "--nproc-per-node gpu leaves the world size"),
+        ("torchrun --nnodes 1:4 --nproc-per-node 8 pretrain_gpt.py --micro-batch-size 2",
+         "--nnodes 1:4 is an elastic range"),
+        ("torchrun --nproc-per-node 8 pretrain_gpt.py --micro-batch-size $MBS",
+         "--micro-batch-size '$MBS' is not an integer"),
         ("python pretrain_gpt.py --micro-batch-size 2", "the world size is unknown"),
         ("torchrun --nproc-per-node 8 pretrain_gpt.py", "--micro-batch-size is missing"),
     ],
@@ -139,7 +143,8 @@ def test_check_prints_the_schedule_equivalent_to_a_rampup(cli_script):
 def test_check_validates_every_stage_of_a_step_schedule(cli_script):
     result = cli_script("check", "--", LAUNCH + " --step-batch-size-schedule '0:16 8192K:24 16384K:8'")
     assert result.returncode == 1
-    assert "entry 2 '8192K:24'" in result.stdout and "not a multiple of --micro-batch-size 2 x data-parallel size 8 = 16" in result.stdout
+    assert "entry 2 '8192K:24'" in result.stdout
+    assert "not a multiple of --micro-batch-size 2 x data-parallel size 8 = 16" in result.stdout
     assert "entry 3 '16384K:8'" in result.stdout
 
 

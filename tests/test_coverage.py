@@ -51,7 +51,8 @@ SCHEDULE = ["--step-batch-size-schedule", "0:16 4096:32", "--train-samples", "16
 REFUSALS = [
     Refusal("full-iteration-graph-token", [*TOKEN, "--cuda-graph-impl", "full_iteration",
                                            "--no-check-for-nan-in-loss-and-grad"]),
-    Refusal("full-iteration-graph-token", [*TOKEN, "--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"],
+    Refusal("full-iteration-graph-token",
+            [*TOKEN, "--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"],
             spelling="0.16-scope"),
     Refusal("full-iteration-graph-token", [*TOKEN, "--enable-cuda-graph", "--cuda-graph-scope", "full_iteration"],
             spelling="enable-cuda-graph"),
@@ -127,6 +128,7 @@ def _install_refuses(refusal: Refusal, named: str, monkeypatch: pytest.MonkeyPat
     schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
     from megatron_ga_ext.config.args import add_args
     from megatron_ga_ext.integration import install as installing
+    from megatron_ga_ext.integration import installation
 
     parsed = add_args(megatron_parser()).parse_args([*refusal.flags, *refusal.ga_flags()])
     original = schedules.forward_step_calc_loss
@@ -136,7 +138,7 @@ def _install_refuses(refusal: Refusal, named: str, monkeypatch: pytest.MonkeyPat
 
     args = megatron_parser().parse_args(refusal.flags)
     installing.install(GAConfig(**refusal.ga))
-    monkeypatch.setattr(installing, "megatron_args", lambda: args)  # where Megatron-LM's get_args() is read
+    monkeypatch.setattr(installation, "megatron_args", lambda: args)  # where the first step reads get_args()
     try:
         with pytest.raises(CoverageError, match=named):
             schedules.forward_backward_no_pipelining(

@@ -5,7 +5,7 @@ too, fails here, named. Every tested source whose code runs on this Python is re
 
 Needs the Megatron-LM source snapshots (tools/regress.py: ../shared/upstream or $MEGATRON_LM_SNAPSHOTS, unpacked once
 to .cache/megatron-lm); skipped without them. One subprocess builds every snapshot's parser
-(tests/megatron_parser_flags.py).
+(tests/support/megatron_parser_flags.py).
 """
 
 import json
@@ -36,7 +36,7 @@ def parsers() -> dict[str, list[str]]:
     if not PRESENT:
         pytest.skip(f"no Megatron-LM snapshot of a tested source in {snapshot_dir()}")
     roots = {name: tree(path) for name, path in PRESENT.items()}
-    result = subprocess.run([sys.executable, "-m", "tests.megatron_parser_flags", *map(str, roots.values())],
+    result = subprocess.run([sys.executable, "-m", "tests.support.megatron_parser_flags", *map(str, roots.values())],
                             capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     found = json.loads(result.stdout.splitlines()[-1])

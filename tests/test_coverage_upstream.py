@@ -17,7 +17,7 @@ import pytest
 from megatron_ga_ext.config.coverage import ROWS
 from megatron_ga_ext.config.flags import OPTIONS
 from megatron_ga_ext.core.megatron_flags import COVERED_OPTIONS
-from tests.snapshot_parser import release
+from tests.support.snapshot_parser import release
 from tests.test_coverage import REFUSALS
 from tools.regress import NO_SOURCE, sources
 
@@ -32,8 +32,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not DIRS, reason=NO_SOURCE)]
 @pytest.fixture(scope="module")
 def upstream() -> dict[Path, dict]:
     cases = [[refusal.id, refusal.flags, refusal.ga] for refusal in REFUSALS]
-    result = subprocess.run([sys.executable, "-m", "tests.coverage_upstream_args",
-                             *map(str, DIRS)], input=json.dumps(cases), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    result = subprocess.run([sys.executable, "-m", "tests.support.coverage_upstream_args",
+                             *map(str, DIRS)], input=json.dumps(cases), capture_output=True, text=True, timeout=300,
+                            cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     return {Path(root): found for root, found in json.loads(result.stdout.splitlines()[-1]).items()}
 

@@ -4,13 +4,14 @@ within 1 s of CPU time, less garbage collection (example(): an example that take
 Surfaces: the schedule parser (and ``megatron-ga schedule``), the number spelling, the ledger's arguments
 (BatchLayout and ``megatron-ga ledger``), ``megatron-ga check`` on launch lines built from Megatron's own flag
 names, the rampup converter, and the calculator's ``update`` over consumed-sample sequences. Inputs:
-tests/fuzz_inputs.py. Where an input is accepted, the answer is checked too (round trips, GBS = MBS x DP x GA,
+tests/support/fuzz_inputs.py. Where an input is accepted, the answer is checked too (round trips, GBS = MBS x DP x GA,
 upstream's rampup arithmetic, the calculator against its schedule, JSON output), and a command answers with
 exit status 0, 1 or 2, never a traceback.
 
 The default suite runs 200 examples per surface; ``make fuzz`` runs 10,000 (``MEGATRON_GA_FUZZ_EXAMPLES``)
 and records the counts (tools/results.py, ``MEGATRON_GA_RESULTS``) for ``make docs`` to render into
-docs/reliability.md. Each surface fails unless it ran at least that many examples. What fuzzing found is pinned in tests/test_fuzz_found.py.
+docs/reliability.md. Each surface fails unless it ran at least that many examples. What fuzzing found is pinned in
+tests/test_fuzz_found.py.
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ from __future__ import annotations
 import contextlib
 import gc
 import io
+import itertools
 import json
 import os
 import time
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -37,7 +40,7 @@ from megatron_ga_ext.core.schedule.rampup import rampup_triple
 from megatron_ga_ext.errors import GAError, GuardError, ScheduleWarning
 from megatron_ga_ext.integration.calculator import StepScheduleCalculator
 from megatron_ga_ext.integration.guards import GuardedCalculator
-from tests.fuzz_inputs import (
+from tests.support.fuzz_inputs import (
     check_argv,
     consumed_counts,
     layout_kwargs,
@@ -157,12 +160,17 @@ def cli(surface: str, argv: list[str]) -> tuple[int, Any]:
 def schedule_parser(text, seq_length, options):
     with example("schedule_parser"):
         schedule = answer("schedule_parser", StepSchedule.parse, text, seq_length)
-        if not failed(schedule):
+        if failed(schedule):
+            assert str(schedule).startswith("--"), schedule  # a sentence that names the flag
+        else:
             stages = list(schedule.stages)
             assert stages[0][0] == 0 and all(b >= 1 for _, b in stages)
-            assert all(a[0] < b[0] for a, b in zip(stages, stages[1:]))
+            assert all(a[0] < b[0] for a, b in itertools.pairwise(stages))
             assert StepSchedule.parse(schedule.to_string(), seq_length).stages == stages  # exact round trips
             assert StepSchedule.parse(schedule.samples_string()).stages == stages
+            assert StepSchedule.parse(str(schedule), seq_length).stages == stages
+            if seq_length is not None:  # thresholds in tokens read back as the same samples
+                assert StepSchedule.parse(schedule.to_string(seq_length=seq_length), seq_length).stages == stages
         if isinstance(text, str):
             cli("schedule_parser", ["schedule", *options, "--", text])
 

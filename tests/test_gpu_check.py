@@ -1,6 +1,6 @@
-"""make gpu-check (tools/gpu_check.py) on the CPU, as far as it goes without a GPU: its plan and their timeouts, its wheel
-list, its exit without CUDA, its step runner (timeouts, failures, skips), and tests/gpu skipping without CUDA. The
-steps themselves need a GPU."""
+"""make gpu-check (tools/gpu_check.py) on the CPU, as far as it goes without a GPU: its plan and their timeouts, its
+wheel list, its exit without CUDA, its step runner (timeouts, failures, skips), and tests/gpu skipping without CUDA.
+The steps themselves need a GPU."""
 
 from __future__ import annotations
 
@@ -89,11 +89,11 @@ def test_the_plan_prints_each_step_its_timeout_and_the_wheels_and_runs_nothing(t
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 def test_the_makefile_targets_call_the_tool(tmp_path):
-    plan = subprocess.run(["make", "-s", "--no-print-directory", "gpu-check", "PLAN=1", f"GPU_PYTHON={sys.executable}"], cwd=ROOT,
-                          env={**NO_CUDA, "OUT": str(tmp_path)}, capture_output=True, text=True, timeout=60)
+    plan = subprocess.run(["make", "-s", "--no-print-directory", "gpu-check", "PLAN=1", f"GPU_PYTHON={sys.executable}"],
+                          cwd=ROOT, env={**NO_CUDA, "OUT": str(tmp_path)}, capture_output=True, text=True, timeout=60)
     assert plan.returncode == 0 and f"results  {tmp_path}" in plan.stdout, plan.stdout + plan.stderr
-    dry = subprocess.run(["make", "-n", "--no-print-directory", "gpu-wheels", "gpu-check", "GPU_PYTHON=py"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60)
+    dry = subprocess.run(["make", "-n", "--no-print-directory", "gpu-wheels", "gpu-check", "GPU_PYTHON=py"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
     assert dry.stdout.splitlines() == ["py tools/gpu_check.py wheels", "py tools/gpu_check.py run"]
 
 

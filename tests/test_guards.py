@@ -27,7 +27,8 @@ def test_right_counts_pass():
 
 def test_pp_multiplied_num_microbatches_is_named():
     with pytest.raises(GuardError, match=r"num_microbatches=32, but the calculator's num_microbatches = GBS / "
-                       r"\(MBS x DP\) is 8\. 32 = 8 x PP 4: pipeline parallelism never multiplies the global batch size"):
+                       r"\(MBS x DP\) is 8\. 32 = 8 x PP 4: pipeline parallelism never multiplies the global "
+                       r"batch size"):
         check_microbatch_counts(counts(32), num_microbatches=32, expected=8, pipeline_model_parallel_size=4)
 
 

@@ -30,7 +30,8 @@ from megatron_ga_ext.integration.install import GAConfig, add_args, install, ins
 finalize_module = importlib.import_module(FINALIZE)
 CORE_TARGETS = [t for t in live_targets(TARGETS) if not t.optional]  # megatron.training is not in every wheel
 ORIGINALS = {t.qualified: t.resolve() for t in CORE_TARGETS}
-STEP_SCHEDULES = "step_batch_size_schedule" in inspect.signature(calculators.init_num_microbatches_calculator).parameters
+STEP_SCHEDULES = "step_batch_size_schedule" in inspect.signature(
+    calculators.init_num_microbatches_calculator).parameters
 
 
 @pytest.fixture(autouse=True)
@@ -107,8 +108,9 @@ def test_unknown_fingerprint_refused_in_strict_mode_and_warned_otherwise(monkeyp
     assert this_source, "every hooked function of the megatron-core under test is a tested one"
     monkeypatch.setattr(schedules, "forward_step_calc_loss", _changed_forward_step_calc_loss)
     version = megatron_core_version()
-    with pytest.raises(CompatError, match=rf"unknown upstream source in megatron-core {version}: \S+forward_step_calc_loss "
-                       r"has fingerprint [0-9a-f]{16}, which no tested source has\. The nearest tested source is "
+    with pytest.raises(CompatError, match=rf"unknown upstream source in megatron-core {version}: "
+                       r"\S+forward_step_calc_loss has fingerprint [0-9a-f]{16}, which no tested source has\. "
+                       r"The nearest tested source is "
                        rf"({this_source}) \(\d+ of \d+ hooked functions identical\).*tested on 0\.16\.1, 0\.17\.1, "
                        r"0\.18\.2, 0\.19\.2, main@9f3fe8c925fb.*--no-ga-strict"):
         install(GAConfig())
@@ -141,7 +143,8 @@ def test_add_args_flags_and_config_from_args():
     assert add_args(upstream).parse_args([]).step_batch_size_schedule == "upstream"
 
 
-def init_calculator(global_batch_size, micro_batch_size, data_parallel_size, rampup=None, schedule=None, seq_length=None):
+def init_calculator(global_batch_size, micro_batch_size, data_parallel_size, rampup=None, schedule=None,
+                    seq_length=None):
     """Call megatron-core's own init as its training code does for this release."""
     if STEP_SCHEDULES:
         calculators.init_num_microbatches_calculator(
@@ -223,7 +226,8 @@ def test_strictness_waits_for_megatron_args_too(megatron_training, monkeypatch):
     state = install()  # unknown source, but --no-ga-strict may still come
     assert state.waiting_for_args
     megatron_training._GLOBAL_ARGS = add_args(argparse.ArgumentParser()).parse_args([])
-    with pytest.raises(CompatError, match=r"forward_step_calc_loss has fingerprint [0-9a-f]{16}, which no tested source has"):
+    with pytest.raises(CompatError,
+                       match=r"forward_step_calc_loss has fingerprint [0-9a-f]{16}, which no tested source has"):
         init_calculator(16, 2, 4)
     uninstall()
     megatron_training._GLOBAL_ARGS = None

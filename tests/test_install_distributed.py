@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from megatron_ga_ext.testing.distributed import LaunchConfig, run_on_ranks  # noqa: E402
+from megatron_ga_ext.testing.distributed import LaunchConfig, run_on_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -201,7 +201,8 @@ def step_batch(cfg, consumed: int, num_microbatches: int):
     from megatron_ga_ext.verify.layouts import DEFAULT_LENGTHS, Layout, make_global_batch
 
     layout = Layout(data_parallel_size=DP, num_microbatches=num_microbatches, pipeline_model_parallel_size=PP)
-    lengths = tuple(DEFAULT_LENGTHS[i % len(DEFAULT_LENGTHS)] for i in range(consumed, consumed + layout.global_batch_size))
+    samples = range(consumed, consumed + layout.global_batch_size)
+    lengths = tuple(DEFAULT_LENGTHS[i % len(DEFAULT_LENGTHS)] for i in samples)
     return layout, make_global_batch(lengths, cfg.model.seq_length, cfg.model.vocab_size, seed=consumed)
 
 
@@ -252,7 +253,8 @@ def run_and_check(wiring: str) -> None:
             early = result["early_bound"]
             assert early["adopted"] and early["error"] < 1e-5 and early["restored"], early
             assert early["reinstalled"] and early["error_reinstalled"] < 1e-5 and early["adopted_partial"], early
-            assert early["skipped"] is not None and "never called megatron-ga-ext's finalize_model_grads" in early["skipped"]
+            assert early["skipped"] is not None
+            assert "never called megatron-ga-ext's finalize_model_grads" in early["skipped"]
 
 
 def test_install_on_the_real_pipeline_schedule():

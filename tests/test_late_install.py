@@ -10,13 +10,14 @@ import types
 import pytest
 
 pytest.importorskip("megatron.core.pipeline_parallel.schedules")
-from megatron.core import num_microbatches_calculator as calculators  # noqa: E402
+from megatron.core import num_microbatches_calculator as calculators
 
-from megatron_ga_ext import ScheduleError  # noqa: E402
-from megatron_ga_ext.integration.calculator import StepScheduleCalculator  # noqa: E402
-from megatron_ga_ext.integration.install import GAConfig, add_args, install  # noqa: E402
+from megatron_ga_ext import ScheduleError
+from megatron_ga_ext.integration.calculator import StepScheduleCalculator
+from megatron_ga_ext.integration.install import GAConfig, add_args, install
 
-STEP_SCHEDULES = "step_batch_size_schedule" in inspect.signature(calculators.init_num_microbatches_calculator).parameters
+STEP_SCHEDULES = "step_batch_size_schedule" in inspect.signature(
+    calculators.init_num_microbatches_calculator).parameters
 
 
 pytestmark = pytest.mark.usefixtures("clean_install")
@@ -111,6 +112,7 @@ def test_a_live_calculator_that_does_not_say_its_layout_is_refused_with_the_fix(
             return 4
 
     calculators._GLOBAL_NUM_MICROBATCHES_CALCULATOR = Opaque()
-    with pytest.raises(ScheduleError, match=r"install\(\) came after Megatron built its num-microbatches calculator "
-                                            r"\(Opaque\).* Call megatron_ga_ext.install\(\) before initialize_megatron"):
+    with pytest.raises(ScheduleError, match=r"install\(\) came after Megatron built its num-microbatches "
+                                            r"calculator \(Opaque\).* Call megatron_ga_ext.install\(\) before "
+                                            r"initialize_megatron"):
         install(GAConfig(step_batch_size_schedule="0:4 64:8"))

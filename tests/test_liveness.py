@@ -7,10 +7,10 @@ import pytest
 
 pytest.importorskip("megatron.core.pipeline_parallel.schedules")
 
-from megatron_ga_ext import GuardError  # noqa: E402
-from megatron_ga_ext.integration.install import GAConfig, install, uninstall  # noqa: E402
-from megatron_ga_ext.integration.liveness import bypass_message  # noqa: E402
-from megatron_ga_ext.integration.hooks import optimizer_step  # noqa: E402
+from megatron_ga_ext import GuardError
+from megatron_ga_ext.integration.install import GAConfig, install, uninstall
+from megatron_ga_ext.integration.liveness import bypass_message
+from megatron_ga_ext.integration.hooks import optimizer_step
 
 
 @pytest.fixture(autouse=True)
@@ -72,8 +72,9 @@ def test_an_iteration_without_the_hooks_raises_at_its_optimizer_step(checks):
     # sync: raised before the optimizer stepped; async: after, as the step's other verdicts are read
     assert optimizer.steps == (1 if checks == "sync" else 2)
     iteration(state, scheduled=False, finalized=False)
-    with pytest.raises(GuardError, match=("^--ga-checks async, after the optimizer step: " if checks == "async" else "^")
-                       + r"a training iteration reached the optimizer step without running megatron-ga-ext's hooks"):
+    prefix = "^--ga-checks async, after the optimizer step: " if checks == "async" else "^"
+    with pytest.raises(GuardError, match=prefix + r"a training iteration reached the optimizer step without running "
+                                                  r"megatron-ga-ext's hooks"):
         step()
     iteration(state)  # a healthy iteration after: checked afresh
     assert step() == (True, 1.0, None)

@@ -6,7 +6,7 @@ import shlex
 import pytest
 
 from megatron_ga_ext import GAConfig
-from megatron_ga_ext.config.rules import check_noise_scale_layout
+from megatron_ga_ext.config.launch_rules import check_noise_scale_layout
 from megatron_ga_ext.errors import OptionError
 from megatron_ga_ext.launch.line import parse_launch
 from megatron_ga_ext.launch.problems import launch_problems

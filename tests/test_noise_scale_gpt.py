@@ -26,7 +26,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from megatron_ga_ext.testing.distributed import LaunchConfig, run_on_ranks  # noqa: E402
+from megatron_ga_ext.testing.distributed import LaunchConfig, run_on_ranks
 
 pytestmark = pytest.mark.slow
 

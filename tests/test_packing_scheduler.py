@@ -109,7 +109,7 @@ def test_a_count_that_ran_short_after_the_scheduler_is_stopped_after_the_call():
 
 @pytest.mark.parametrize("count", [0, -1, True, 2.0, None, "3"])
 def test_the_schedulers_count_must_be_an_integer_of_at_least_one(count):
-    with pytest.raises(GuardError, match="returned num_microbatches=.* from 8 fetched micro-batches per rank"):
+    with pytest.raises(GuardError, match=r"returned num_microbatches=.* from 8 fetched micro-batches per rank"):
         MicrobatchCounter().schedule(count, NUM_MICROBATCHES)
 
 
@@ -187,12 +187,12 @@ def packed_rank_main() -> dict:
         return _packed_rank_main()
 
 
-def _packed_rank_main() -> dict:  # noqa: PLR0915 - one training run, read top to bottom
+def _packed_rank_main() -> dict:
     from functools import partial
 
     import torch
-    from megatron.core import parallel_state
     from megatron.core import num_microbatches_calculator as calculators
+    from megatron.core import parallel_state
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.process_groups_config import ProcessGroupCollection

@@ -39,7 +39,8 @@ def test_every_patch_is_current_and_applies_cleanly(sources):
     result = patches("check", "--sources", str(sources))
     assert result.returncode == 0, result.stdout + result.stderr
     for version in RELEASES:
-        assert f"megatron-core-{version}/megatron-ga-ext.patch applies cleanly to megatron-core {version}" in result.stdout
+        applies = f"megatron-core-{version}/megatron-ga-ext.patch applies cleanly to megatron-core {version}"
+        assert applies in result.stdout
 
 
 def test_pretrain_gpt_patch_checks_a_named_checkout_or_says_it_skipped():

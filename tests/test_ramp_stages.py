@@ -36,7 +36,7 @@ def test_a_ramp_past_the_listed_limit_is_described():
 @pytest.mark.parametrize("ramp", [(1, 1, 10**6, 10**12), (16, 8, 300000, 10**12), (1, 1, 10**15, 10**12),
                                   (3, 2, 10**12 + 7, 2 * 10**5 + 3), (5, 5, 12345, 5 * 20001)])
 def test_lookups_follow_upstreams_float_arithmetic(ramp):
-    start, increment, samples, gbs = ramp
+    samples = ramp[2]
     schedule = StepSchedule.from_rampup(*ramp)
     assert isinstance(schedule.entries, RampStages)
     probes = {0, 1, 2, samples - 1, samples, samples + 1, samples + 2} | {samples * k // 97 for k in range(97)}

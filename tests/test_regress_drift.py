@@ -1,6 +1,7 @@
 """``make regress``'s drift listing (tools/regress.py drift): a checkout's parser flags that neither a coverage row
-nor the off-path list names (whether or not a tested source's parser has them), the hooked functions whose source no tested source has, against the nearest tested source, and the
-callers of hooked functions that changed since that source."""
+nor the off-path list names (whether or not a tested source's parser has them), the hooked functions whose source
+no tested source has, against the nearest tested source, and the callers of hooked functions that changed since that
+source."""
 
 import shutil
 from pathlib import Path
@@ -81,7 +82,8 @@ def test_callers_are_the_functions_that_name_a_hooked_function_and_their_changes
     assert regress.changed_callers(new, old) == []
     changed = SCHEDULE_CALLER.replace("return forward_backward_func(config)", "return None  # a replayed graph")
     (new / "megatron" / "training" / "loop.py").write_text(changed.replace("def finalize(", "def finalize_v2("))
-    (new / "pretrain_moe.py").write_text("def train(model):\n    return model.build_schedule_plan(model.config.finalize_model_grads_func)\n")
+    (new / "pretrain_moe.py").write_text(
+        "def train(model):\n    return model.build_schedule_plan(model.config.finalize_model_grads_func)\n")
     assert regress.changed_callers(new, old) == [
         "megatron.training.loop:Loop.step", "megatron.training.loop:finalize_v2 (new)",
         "pretrain_moe:train (new)", "megatron.training.loop:finalize (gone)"]

@@ -8,10 +8,10 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from megatron_ga_ext import GAConfig, LossContractError  # noqa: E402
-from megatron_ga_ext.integration import finalize as finalizing  # noqa: E402
-from megatron_ga_ext.integration.loss_contract import LossContract, StepChecks  # noqa: E402
-from megatron_ga_ext.integration.finalize import describe_decision  # noqa: E402
+from megatron_ga_ext import GAConfig, LossContractError
+from megatron_ga_ext.integration import finalize as finalizing
+from megatron_ga_ext.integration.loss_contract import LossContract, StepChecks
+from megatron_ga_ext.integration.finalize import describe_decision
 
 NAN = StepChecks(tokens=100, negative=0, nonfinite=1, unchecked=0)
 FINITE = StepChecks(tokens=100, negative=0, nonfinite=0, unchecked=0)

@@ -1,5 +1,6 @@
 """The doubling rule (core/schedule/suggest.py): from a measured trace to a step schedule."""
 
+import itertools
 import json
 import math
 
@@ -7,15 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_ga_ext.core.schedule.suggest import (
-    DoublingRule,
-    Frozen,
-    TraceRow,
-    parse_trace,
-    read_log,
-    read_trace,
-    suggest_schedule,
-)
+from megatron_ga_ext.core.lr_windows import Frozen
+from megatron_ga_ext.core.noise_trace import TraceRow, parse_trace, read_log, read_trace
+from megatron_ga_ext.core.schedule.suggest import DoublingRule, suggest_schedule
 from megatron_ga_ext.errors import NoiseScaleError, ScheduleError, SizeError, UsageError
 
 
@@ -93,7 +88,7 @@ def test_every_suggestion_keeps_the_rules(estimates, gaps, mbs, dp, start_units,
     stages = s.schedule.stages
     batches = [b for _, b in stages]
     assert all(b % unit == 0 for b in batches)
-    assert all(later == 2 * earlier for earlier, later in zip(batches, batches[1:]))
+    assert all(later == 2 * earlier for earlier, later in itertools.pairwise(batches))
     assert batches[-1] <= max(cap_units * unit, start_units * unit)
     for threshold, _ in stages[1:]:
         assert not any(f.holds(threshold) for f in frozen)
@@ -197,8 +192,8 @@ def test_any_json_is_read_or_refused_with_a_typed_error(data):
 
 
 def megatron_line(iteration: int, consumed: int) -> str:
-    return (f" [2026-12-02 08:12:50] iteration {iteration:8d}/      10 | consumed samples: {consumed:12d} | elapsed time "
-            f"per iteration (ms): 302.9 | global batch size:    16 | lm loss: 6.31E+00 |")
+    return (f" [2026-12-02 08:12:50] iteration {iteration:8d}/      10 | consumed samples: {consumed:12d} | "
+            f"elapsed time per iteration (ms): 302.9 | global batch size:    16 | lm loss: 6.31E+00 |")
 
 
 def noise_line(iteration: int, samples: str, consumed: int | str | None = None) -> str:

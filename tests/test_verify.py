@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from megatron_ga_ext.cli.verify import rows_from_results
-from megatron_ga_ext.testing.distributed import LaunchConfig, WorkerError, run_on_ranks
 from megatron_ga_ext.integration.compat import megatron_core_version
+from megatron_ga_ext.testing.distributed import LaunchConfig, WorkerError, run_on_ranks
 from megatron_ga_ext.verify.aux import AUX_LAYOUTS
 from megatron_ga_ext.verify.harness import LayoutResult, relative_error
 from megatron_ga_ext.verify.layouts import DEFAULT_LAYOUTS, DEFAULT_LENGTHS, Layout, make_global_batch

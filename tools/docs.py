@@ -37,8 +37,8 @@ row per Megatron-LM release or main-branch commit. "Hooked functions" compares t
 function the extension hooks with the fingerprints of the tested sources (strict mode accepts a source whose
 hooked functions are all known, whatever its version string). "Behaviour suite" is the megatron-core tier
 (install, guards, reduction, the PP 2 x DP 2 schedule through install(), and upstream's `train_step` with the
-sequence-packing scheduler where the source runs it) on that source; "End-to-end" is
-Megatron-LM's own `pretrain_gpt.py` through the drop-in entry (`python -m megatron_ga_ext`) on the CPU over gloo (DP 2 and PP 2 x
+sequence-packing scheduler where the source runs it) on that source; "End-to-end" is Megatron-LM's own
+`pretrain_gpt.py` through the drop-in entry (`python -m megatron_ga_ext`) on the CPU over gloo (DP 2 and PP 2 x
 DP 2; token and microbatch mode; constant GBS, a converted rampup, a step schedule or its backport, checkpoint
 resume, the PP guard, the sequence-packing scheduler where the source runs it), each check against
 `megatron-ga schedule`'s plan and upstream's own `--calculate-per-token-loss` run.

@@ -23,6 +23,7 @@ Stdlib only, so that the plan, the wheel list and the exit without CUDA are test
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -304,10 +305,8 @@ def kill_tree(process: subprocess.Popen) -> None:
             except (ProcessLookupError, PermissionError):
                 pass
         if sig == signal.SIGTERM:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
             time.sleep(0.2)
     process.wait()
 
@@ -318,7 +317,7 @@ def run_step(step: Step, out: Path, log: _Log, env: dict[str, str]) -> dict:
     log.write(f"\n== {step.name} (timeout {step.timeout_s} s): {step.what}\n$ {env_shown}{shlex.join(step.command)}\n")
     offset = log.handle.tell()
     start = time.monotonic()
-    stdout = open(out / step.stdout, "wb") if step.stdout else None
+    stdout = open(out / step.stdout, "wb") if step.stdout else None  # noqa: SIM115 - closed in the finally below
     try:
         process = subprocess.Popen(step.command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
                                    stdout=stdout or subprocess.PIPE,
@@ -407,7 +406,7 @@ def command_run(args: argparse.Namespace) -> int:
     plan = steps(out, args.python, folder, venv)
     for name in {LOG, SUMMARY, *(f for s in plan for f in s.files)}:
         (out / name).unlink(missing_ok=True)
-    summary: dict = {"started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    summary: dict = {"started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                      "budget_s": BUDGET_S, "results": str(out), "python": args.python, "device": {},
                      "steps": [{"name": s.name, "timeout_s": s.timeout_s, "status": "not run"} for s in plan]}
     start = time.monotonic()
@@ -553,10 +552,10 @@ def command_check_venv(args: argparse.Namespace) -> int:
     target = Path(args.megatron_lm) / "megatron" / "core" / "datasets"
     for built in datasets.glob("helpers_cpp*.so"):
         source = target / "helpers.cpp"
-        if source.is_file() and source.read_bytes() == (datasets / "helpers.cpp").read_bytes():
-            if not (target / built.name).exists():
-                shutil.copy(built, target / built.name)  # newer than helpers.cpp: make leaves it
-                print(f"  {built.name}: the wheel's, into {target}")
+        same_source = source.is_file() and source.read_bytes() == (datasets / "helpers.cpp").read_bytes()
+        if same_source and not (target / built.name).exists():
+            shutil.copy(built, target / built.name)  # newer than helpers.cpp: make leaves it
+            print(f"  {built.name}: the wheel's, into {target}")
     return 0
 
 

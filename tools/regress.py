@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".cache"
 LEG = f"{sys.version_info.major}.{sys.version_info.minor}"
 BEHAVIOUR_TESTS = ("tests/test_install.py", "tests/test_install_distributed.py", "tests/test_guards.py",
-                   "tests/test_reduction.py", "tests/test_packing_scheduler.py")
+                   "tests/test_loss_contract.py", "tests/test_packing_scheduler.py")
 NO_SOURCE = ("no Megatron-LM source: pass MEGATRON_LM=<checkout or .tar.gz>, or MEGATRON_LM_SNAPSHOTS=<dir of "
              "megatron-lm-<ref>.tar.gz> (default ../shared/upstream)")
 
@@ -148,10 +148,10 @@ def callers(root: Path) -> dict[str, str]:
         lines = text.splitlines(keepends=True)
         module = path.relative_to(root).with_suffix("").as_posix().replace("/", ".")
 
-        def visit(body: list[ast.stmt], prefix: str) -> None:
+        def visit(body: list[ast.stmt], prefix: str, module: str, lines: list[str]) -> None:
             for node in body:
                 if isinstance(node, ast.ClassDef):
-                    visit(node.body, f"{prefix}{node.name}.")
+                    visit(node.body, f"{prefix}{node.name}.", module, lines)
                 elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     named = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | {
                         n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
@@ -159,7 +159,7 @@ def callers(root: Path) -> dict[str, str]:
                         source = "".join(lines[node.lineno - 1 : node.end_lineno])
                         found[f"{module}:{prefix}{node.name}"] = hashlib.sha256(source.encode()).hexdigest()[:16]
 
-        visit(tree.body, "")
+        visit(tree.body, "", module, lines)
     return found
 
 
@@ -179,8 +179,9 @@ def nearest_tree(name: str) -> Path | None:
 
 
 def parser_flags(roots: list[Path]) -> dict[Path, list[str]]:
-    """The option strings of Megatron-LM's own parser at each root (one subprocess: tests/megatron_parser_flags.py)."""
-    done = subprocess.run([sys.executable, "-m", "tests.megatron_parser_flags", *map(str, roots)], cwd=ROOT,
+    """The option strings of Megatron-LM's own parser at each root (one subprocess:
+    tests/support/megatron_parser_flags.py)."""
+    done = subprocess.run([sys.executable, "-m", "tests.support.megatron_parser_flags", *map(str, roots)], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise SystemExit(f"building Megatron's parsers failed:\n{done.stderr[-3000:]}")

@@ -53,7 +53,8 @@ TABLES = {
     "noise-scale": Table(doc="docs/noise-scale.md", keys=2, columns=(
         "Source", "Layout", "Measured", "B_simple (EMA) at the last", "Resume", "Suggested (--suggest)", "Run on")),
     "noise-scale-gpt": Table(doc="docs/noise-scale.md", keys=2, columns=(
-        "megatron-core", "Layout", "Measured steps", "norm(g)^2: worst relative error", "mean norm(g_r)^2: worst relative error",
+        "megatron-core", "Layout", "Measured steps", "norm(g)^2: worst relative error",
+        "mean norm(g_r)^2: worst relative error",
         "Against the truth", "Run on")),
 }
 

@@ -18,6 +18,7 @@ from typing import Sequence
 
 from megatron_ga_ext.cli.render import print_table
 from megatron_ga_ext.config.flags import BY_DEST
+from megatron_ga_ext.config.megatron_args import MegatronArgs
 from megatron_ga_ext.core.layout import BatchLayout
 from megatron_ga_ext.core.megatron_flags import LAUNCHER_OPTIONS, MEGATRON_OPTIONS, VIRTUAL_PIPELINE, Option
 from megatron_ga_ext.core.numbers import read_int
@@ -91,9 +92,9 @@ def _configure_ledger(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_ledger(args: argparse.Namespace) -> int:
-    launch = Launch()
+    launch, given = Launch(), MegatronArgs.of(args)
     for option in _ledger_options():
-        value = getattr(args, option.dest)
+        value = given.get(option.dest, None)
         if value is None:
             continue
         if option.type is bool:
@@ -188,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _require_inline_values(argv)
         return args.handler(args)
     except GAError as error:
-        return report_error(args.command, error, as_json=getattr(args, "json", False))
+        return report_error(args.command, error, as_json=vars(args).get("json", False))
 
 
 def _require_inline_values(argv: Sequence[str]) -> None:

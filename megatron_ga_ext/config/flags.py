@@ -1,18 +1,28 @@
-"""The ``--ga-*`` flags (ours), declared once, beside Megatron's and the launcher's (``core/megatron_flags.py``).
+"""The ``--ga-*`` flags (ours), each declared once, beside Megatron's and the launcher's (``core/megatron_flags.py``).
 
-Everything else is derived from these declarations: ``add_args`` (config/args.py), :class:`GAConfig`, how
-``megatron-ga check`` reads a launch line, and the flags table of ``docs/guide.md`` (:func:`flags_table`).
+A flag is one field of :class:`GAFlags`: its name (``noise_scale`` is ``--ga-noise-scale``, argparse destination
+``ga_noise_scale``), its type (the annotation), its default, its help, its choices and its rule (a validator of its
+own value). Everything else is derived from these fields: :class:`GAConfig` (a subclass), ``add_args``
+(config/args.py), how ``megatron-ga check`` reads a launch line (launch/line.py), :data:`BY_DEST`, the rule pass
+(config/launch_rules.py calls :func:`flag_errors`) and the flags table of ``docs/guide.md`` (:func:`flags_table`).
+The rules *between* flags live in config/launch_rules.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from megatron_ga_ext.core.megatron_flags import BY_DEST as MEGATRON_BY_DEST
 from megatron_ga_ext.core.megatron_flags import (
     COVERED_OPTIONS,
     LAUNCHER_OPTIONS,
     MEGATRON_OPTIONS,
     STEP_SCHEDULE,
     Option,
-    switch,
 )
 from megatron_ga_ext.errors import OptionError
 
@@ -27,93 +37,32 @@ LR_SCALINGS = ("none", "sqrt", "linear")
 #: ``--ga-batch-size-warmup``: off, or the doubling rule applied in the run from the measured noise scale.
 BATCH_SIZE_WARMUPS = ("off", "auto")
 
+#: A flag's own rule: raises OptionError naming the flag, the value, the rule and a fix.
+Rule = Callable[["GAFlag", Any], None]
 
-# -- the --ga-* flags (ours) ----------------------------------------------------------------------
 
-LOSS_REDUCTION = Option(
-    flag="--ga-loss-reduction", dest="ga_loss_reduction", type=str, default="token", choices=MODES,
-    help="token: every non-padding token of the global batch weighs the same (install() turns on "
-    "--calculate-per-token-loss; checked every step); microbatch: upstream's mean of means, chosen explicitly "
-    "(without --calculate-per-token-loss).",
-)
-ZERO_TOKEN_POLICY = Option(
-    flag="--ga-zero-token-policy", dest="ga_zero_token_policy", type=str, default="error", choices=ZERO_TOKEN_POLICIES,
-    help="a global batch with 0 non-padding tokens: error (default), or skip (that optimizer step is skipped, "
-    "as after an fp16 overflow: a skipped iteration, the learning rate held, a warning).",
-)
-STRICT = switch(
-    "--ga-strict", "ga_strict", default=True, negatable=True,
-    help="refuse to patch upstream functions whose source matches no tested release or main commit, whatever the "
-    "version string says (--no-ga-strict: warn and patch).",
-)
-CONVERT_RAMPUP = switch(
-    "--ga-convert-rampup", "ga_convert_rampup",
-    help="run a given --rampup-batch-size as the exact equivalent step schedule (megatron-core >= 0.18 otherwise "
-    "ignores the rampup without a word).",
-)
-GUARDS = switch(
-    "--ga-guards", "ga_guards", default=True, negatable=True,
-    help="check every step that each forward/backward call runs num_microbatches micro-batches per model chunk and "
-    "that consumed samples advance by the global batch size; --no-ga-guards for schedules that legitimately run "
-    "another number of forward passes (--hybrid-context-parallel, packed RL batches).",
-)
-CHECKS = Option(
-    flag="--ga-checks", dest="ga_checks", type=str, default="sync", choices=CHECK_TIMINGS,
-    help="token mode: sync (default) reads the step's checked token count once, in finalize, and raises before the "
-    "optimizer step; async reads nothing there (gradients scaled by a device 1/max(N, 1), as upstream) and raises a "
-    "broken step after the optimizer step or at the next step, naming it (not with --ga-zero-token-policy skip).",
-)
-NOISE_SCALE = Option(
-    flag="--ga-noise-scale", dest="ga_noise_scale", type=int, default=0,
-    help="measure the gradient noise scale B_simple every K-th iteration (0: off) from each data-parallel replica's "
-    "gradient before the reduction and the reduced one (token mode, DP >= 2; docs/noise-scale.md): one all-reduce "
-    "of 6 numbers per measured step, logged after Megatron's iteration line, to TensorBoard and W&B.",
-)
-NOISE_SCALE_DECAY = Option(
-    flag="--ga-noise-scale-decay", dest="ga_noise_scale_decay", type=float, default=0.95,
-    help="EMA decay per measured step of the gradient noise tr(Sigma) and the true gradient's squared norm, kept "
-    "apart and divided (0: the last step only).",
-)
-NOISE_SCALE_TRACE = Option(
-    flag="--ga-noise-scale-trace", dest="ga_noise_scale_trace", type=str,
-    help="append each measured step to this JSON Lines file (one rank writes it): the trace `megatron-ga schedule "
-    "--suggest` reads.",
-)
-LR_SCALING = Option(
-    flag="--ga-lr-scaling", dest="ga_lr_scaling", type=str, default="none", choices=LR_SCALINGS,
-    help="under a step batch-size schedule, scale the learning rate from the step a stage starts by (GBS / first "
-    "GBS) ** 1/2 (sqrt, Adam's rule) or ** 1 (linear); none (default): Megatron's schedule as it is.",
-)
-BATCH_SIZE_WARMUP = Option(
-    flag="--ga-batch-size-warmup", dest="ga_batch_size_warmup", type=str, default="off", choices=BATCH_SIZE_WARMUPS,
-    help="auto: from --global-batch-size on, double the global batch at the step after a measurement where trust x "
-    "B_simple (EMA, samples) >= 2 x GBS, up to --ga-batch-size-warmup-max, never in the LR warmup or a WSD final "
-    "decay; each decision logged as the schedule so far and kept in the checkpoint (needs --ga-noise-scale, "
-    "--train-samples).",
-)
-BATCH_SIZE_WARMUP_TRUST = Option(
-    flag="--ga-batch-size-warmup-trust", dest="ga_batch_size_warmup_trust", type=float, default=1.0,
-    help="how far --ga-batch-size-warmup auto trusts the measured B_simple: it doubles where trust x B_simple >= "
-    "2 x GBS (above 1 leans on Merrill et al.'s finding that it underestimates the critical batch).",
-)
-BATCH_SIZE_WARMUP_MAX = Option(
-    flag="--ga-batch-size-warmup-max", dest="ga_batch_size_warmup_max", type=int,
-    help="the cap of --ga-batch-size-warmup auto: the global batch doubles only while 2 x GBS <= this.",
-)
-#: The flags add_args adds (the schedule flag only where the parser lacks it).
-GA_OPTIONS = (LOSS_REDUCTION, ZERO_TOKEN_POLICY, STRICT, CONVERT_RAMPUP, GUARDS, CHECKS, NOISE_SCALE,
-              NOISE_SCALE_DECAY, NOISE_SCALE_TRACE, LR_SCALING, BATCH_SIZE_WARMUP, BATCH_SIZE_WARMUP_TRUST,
-              BATCH_SIZE_WARMUP_MAX)
+@dataclass(frozen=True, kw_only=True)
+class GAFlag(Option):
+    """One ``--ga-*`` flag, derived from its :class:`GAFlags` field."""
 
-#: Every flag by its spelling (a negatable switch under both).
-OPTIONS: dict[str, Option] = {
-    spelling: option
-    for option in (*GA_OPTIONS, *MEGATRON_OPTIONS, *COVERED_OPTIONS, *LAUNCHER_OPTIONS)
-    for spelling in option.spellings
-}
-BY_DEST: dict[str, Option] = {
-    option.dest: option for option in (*GA_OPTIONS, *MEGATRON_OPTIONS, *COVERED_OPTIONS, *LAUNCHER_OPTIONS)
-}
+    field: str
+    """The GAConfig field (``noise_scale`` for ``--ga-noise-scale``)."""
+    rule: Rule | None = None
+    """Its own value's rule (choices are checked apart); None: the type alone."""
+
+    def check(self, value: Any) -> None:
+        """Raise OptionError where ``value`` breaks this flag's type, choices or rule."""
+        if self.choices:
+            check_choice(self, value)
+        elif self.rule is not None:
+            self.rule(self, value)
+        elif not (isinstance(value, self.type) or (value is None and self.default is None)):
+            kind = "on or off (True or False)" if self.type is bool else f"a {self.type.__name__}"
+            raise OptionError(f"{self.flag} {value!r} is not {kind}; give {self.flag} as the help says "
+                              f"(default: {self.default!r}).")
+
+
+# -- the rules of one value --------------------------------------------------------------------------
 
 
 def check_choice(option: Option, value: object, *, error: type[OptionError] = OptionError) -> None:
@@ -121,6 +70,173 @@ def check_choice(option: Option, value: object, *, error: type[OptionError] = Op
     if option.choices and value not in option.choices:
         raise error(f"{option.flag} {value!r} is not one of {', '.join(option.choices)}; pick one of them.")
 
+
+def whole_number(minimum: int, fix: str, *, optional: bool = False) -> Rule:
+    """A whole number >= ``minimum`` (None too where ``optional``); ``fix`` ends the message."""
+
+    def rule(flag: GAFlag, value: Any) -> None:
+        if optional and value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise OptionError(f"{flag.flag} {value!r} is not a whole number >= {minimum}: {fix}")
+
+    return rule
+
+
+def _finite(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def fraction(fix: str) -> Rule:
+    """A number in [0, 1); ``fix`` ends the message."""
+
+    def rule(flag: GAFlag, value: Any) -> None:
+        if not (_finite(value) and 0 <= value < 1):
+            raise OptionError(f"{flag.flag} {value!r} is not in [0, 1): {fix}")
+
+    return rule
+
+
+def positive(fix: str) -> Rule:
+    """A finite number > 0; ``fix`` ends the message."""
+
+    def rule(flag: GAFlag, value: Any) -> None:
+        if not (_finite(value) and value > 0):
+            raise OptionError(f"{flag.flag} {value!r} is not a positive finite number: {fix}")
+
+    return rule
+
+
+def ga_flag(default: Any, *, help: str, choices: tuple[str, ...] = (), negatable: bool = False,
+            rule: Rule | None = None) -> Any:
+    """A :class:`GAFlags` field: the flag's default, help, choices and rule (its type is the annotation)."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "negatable": negatable,
+                                                        "rule": rule})
+
+
+# -- the --ga-* flags (ours) -------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, frozen=True)
+class GAFlags:
+    """The ``--ga-*`` flags, one field each (GAConfig adds Megatron's settings the calculator needs)."""
+
+    loss_reduction: str = ga_flag(
+        "token", choices=MODES,
+        help="token: every non-padding token of the global batch weighs the same (install() turns on "
+        "--calculate-per-token-loss; checked every step); microbatch: upstream's mean of means, chosen explicitly "
+        "(without --calculate-per-token-loss).")
+    zero_token_policy: str = ga_flag(
+        "error", choices=ZERO_TOKEN_POLICIES,
+        help="a global batch with 0 non-padding tokens: error (default), or skip (that optimizer step is skipped, "
+        "as after an fp16 overflow: a skipped iteration, the learning rate held, a warning).")
+    strict: bool = ga_flag(
+        True, negatable=True,
+        help="refuse to patch upstream functions whose source matches no tested release or main commit, whatever "
+        "the version string says (--no-ga-strict: warn and patch).")
+    convert_rampup: bool = ga_flag(
+        False,
+        help="run a given --rampup-batch-size as the exact equivalent step schedule (megatron-core >= 0.18 "
+        "otherwise ignores the rampup without a word).")
+    guards: bool = ga_flag(
+        True, negatable=True,
+        help="check every step that each forward/backward call runs num_microbatches micro-batches per model chunk "
+        "and that consumed samples advance by the global batch size; --no-ga-guards for schedules that "
+        "legitimately run another number of forward passes (--hybrid-context-parallel, packed RL batches).")
+    checks: str = ga_flag(
+        "sync", choices=CHECK_TIMINGS,
+        help="token mode: sync (default) reads the step's checked token count once, in finalize, and raises before "
+        "the optimizer step; async reads nothing there (gradients scaled by a device 1/max(N, 1), as upstream) and "
+        "raises a broken step after the optimizer step or at the next step, naming it (not with "
+        "--ga-zero-token-policy skip).")
+    noise_scale: int = ga_flag(
+        0, rule=whole_number(0, "give K to measure every K-th iteration, or 0 (the default) for off."),
+        help="measure the gradient noise scale B_simple every K-th iteration (0: off) from each data-parallel "
+        "replica's gradient before the reduction and the reduced one (token mode, DP >= 2; docs/noise-scale.md): one "
+        "all-reduce of 6 numbers per measured step, logged after Megatron's iteration line, to TensorBoard and W&B.")
+    noise_scale_decay: float = ga_flag(
+        0.95, rule=fraction("0 keeps the last measurement only, 0.95 (the default) averages about 20."),
+        help="EMA decay per measured step of the gradient noise tr(Sigma) and the true gradient's squared norm, "
+        "kept apart and divided (0: the last step only).")
+    noise_scale_trace: str | None = ga_flag(
+        None,
+        help="append each measured step to this JSON Lines file (one rank writes it): the trace `megatron-ga "
+        "schedule --suggest` reads.")
+    lr_scaling: str = ga_flag(
+        "none", choices=LR_SCALINGS,
+        help="under a step batch-size schedule, scale the learning rate from the step a stage starts by (GBS / "
+        "first GBS) ** 1/2 (sqrt, Adam's rule) or ** 1 (linear); none (default): Megatron's schedule as it is.")
+    batch_size_warmup: str = ga_flag(
+        "off", choices=BATCH_SIZE_WARMUPS,
+        help="auto: from --global-batch-size on, double the global batch at the step after a measurement where "
+        "trust x B_simple (EMA, samples) >= 2 x GBS, up to --ga-batch-size-warmup-max, never in the LR warmup or a "
+        "WSD final decay; each decision logged as the schedule so far and kept in the checkpoint (needs "
+        "--ga-noise-scale, --train-samples).")
+    batch_size_warmup_trust: float = ga_flag(
+        1.0, rule=positive("1 takes the measured B_simple as it is, 2 doubles it, 0.5 halves it."),
+        help="how far --ga-batch-size-warmup auto trusts the measured B_simple: it doubles where trust x B_simple "
+        ">= 2 x GBS (above 1 leans on Merrill et al.'s finding that it underestimates the critical batch).")
+    batch_size_warmup_max: int | None = ga_flag(
+        None, rule=whole_number(1, "give the global batch size --ga-batch-size-warmup auto may grow to.",
+                                optional=True),
+        help="the cap of --ga-batch-size-warmup auto: the global batch doubles only while 2 x GBS <= this.")
+
+
+def _declared(flags: type) -> tuple[GAFlag, ...]:
+    """A GAFlag for each field of ``flags``: ``--ga-<name>``, destination ``ga_<name>``, the annotation's type."""
+    hints = typing.get_type_hints(flags)
+    declared = []
+    for spec in dataclasses.fields(flags):
+        kind = next(t for t in (*typing.get_args(hints[spec.name]), hints[spec.name]) if t is not type(None))
+        declared.append(GAFlag(
+            flag="--ga-" + spec.name.replace("_", "-"), dest="ga_" + spec.name, field=spec.name, type=kind,
+            nargs=0 if kind is bool else 1, default=spec.default, **spec.metadata))
+    return tuple(declared)
+
+
+#: The flags add_args adds (the schedule flag too, where the parser lacks it), in GAFlags' order.
+GA_OPTIONS: tuple[GAFlag, ...] = _declared(GAFlags)
+#: Each --ga-* flag by its GAConfig field.
+GA_FLAGS: dict[str, GAFlag] = {option.field: option for option in GA_OPTIONS}
+#: GAConfig field of each --ga-* flag.
+GA_FIELDS: dict[GAFlag, str] = {option: option.field for option in GA_OPTIONS}
+
+# The flags other modules name (a new flag needs no line here unless a rule between flags names it).
+LOSS_REDUCTION = GA_FLAGS["loss_reduction"]
+ZERO_TOKEN_POLICY = GA_FLAGS["zero_token_policy"]
+STRICT = GA_FLAGS["strict"]
+CONVERT_RAMPUP = GA_FLAGS["convert_rampup"]
+GUARDS = GA_FLAGS["guards"]
+CHECKS = GA_FLAGS["checks"]
+NOISE_SCALE = GA_FLAGS["noise_scale"]
+NOISE_SCALE_DECAY = GA_FLAGS["noise_scale_decay"]
+NOISE_SCALE_TRACE = GA_FLAGS["noise_scale_trace"]
+LR_SCALING = GA_FLAGS["lr_scaling"]
+BATCH_SIZE_WARMUP = GA_FLAGS["batch_size_warmup"]
+BATCH_SIZE_WARMUP_TRUST = GA_FLAGS["batch_size_warmup_trust"]
+BATCH_SIZE_WARMUP_MAX = GA_FLAGS["batch_size_warmup_max"]
+
+#: Every flag by its spelling (a negatable switch under both).
+OPTIONS: dict[str, Option] = {
+    spelling: option
+    for option in (*GA_OPTIONS, *MEGATRON_OPTIONS, *COVERED_OPTIONS, *LAUNCHER_OPTIONS)
+    for spelling in option.spellings
+}
+#: Every flag by argparse destination: Megatron's and the launcher's (core/megatron_flags.py), and ours.
+BY_DEST: dict[str, Option] = {**MEGATRON_BY_DEST, **{option.dest: option for option in GA_OPTIONS}}
+
+
+def flag_errors(values: Mapping[str, Any]) -> dict[str, OptionError]:
+    """Each ``--ga-*`` flag's own rule over ``values`` (by GAConfig field; absent: the default, not checked):
+    the error of each flag that breaks its rule, by field."""
+    errors = {}
+    for option in GA_OPTIONS:
+        if option.field in values:
+            try:
+                option.check(values[option.field])
+            except OptionError as error:
+                errors[option.field] = error
+    return errors
 
 
 def flags_table() -> str:
@@ -141,5 +257,3 @@ def _default_cell(option: Option) -> str:
     if option.type is bool:
         return "on" if option.default else "off"
     return "" if option.default is None else f"`{option.default}`"
-
-

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from megatron_ga_ext.config.ga_config import GAConfig
-from megatron_ga_ext.config.rules import decrease_if_needed_error, rampup_ignored_message
+from megatron_ga_ext.config.launch_rules import decrease_if_needed_error, rampup_ignored_message
 from megatron_ga_ext.core.schedule.rampup import rampup_triple
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.errors import ScheduleError, SizeError

@@ -10,8 +10,8 @@ The run starts as the constant schedule ``0:--global-batch-size`` on the extensi
 stage added is validated as any schedule's (MBS x DP divides it, the interleaved rule), ``args.train_iters`` becomes
 the steps the schedule now plans for ``--train-samples``, and the schedule so far is logged as the
 ``--step-batch-size-schedule`` string that replays it. The stages are kept in the checkpoint's noise-scale sidecar
-(noise_scale.py) and restored on resume, so the resumed run trains the decisions taken before the checkpoint and
-takes the later ones from the same measurements.
+(noise_scale_sidecar.py) and restored on resume, so the resumed run trains the decisions taken before the checkpoint
+and takes the later ones from the same measurements. The LR windows are core/lr_windows.py's, as for ``--suggest``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from typing import Any, Mapping, Sequence
 from megatron_ga_ext.config.flags import BATCH_SIZE_WARMUP_MAX
 from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
-from megatron_ga_ext.core.schedule.suggest import DoublingRule, Frozen, TraceRow, suggest_schedule
+from megatron_ga_ext.core.lr_windows import Frozen, lr_windows, warmup_samples
+from megatron_ga_ext.core.noise_trace import TraceRow
+from megatron_ga_ext.core.schedule.suggest import DoublingRule, suggest_schedule
 from megatron_ga_ext.errors import ScheduleError
 from megatron_ga_ext.integration.compat import megatron_args
 from megatron_ga_ext.logs import get_logger
@@ -46,7 +48,7 @@ class BatchSizeWarmup:
         self._held: str | None = None
 
     def decide(self, row: Mapping[str, Any], calculator: Any) -> bool:
-        """After a measured step (``row``: its trace row, noise_scale.py): add the stage the rule calls for to
+        """After a measured step (``row``: its trace row, core/noise_trace.py): add the stage the rule calls for to
         ``calculator`` (the live StepScheduleCalculator); True where it did."""
         if calculator is None:
             raise ScheduleError("--ga-batch-size-warmup auto needs the extension's step-schedule calculator, which "
@@ -103,23 +105,17 @@ class BatchSizeWarmup:
 
 
 def frozen_ranges(args: argparse.Namespace | None) -> tuple[Frozen, ...]:
-    """Consumed samples where the batch must not change: the LR warmup (``--lr-warmup-samples``, or
-    ``--lr-warmup-fraction`` of the decay), and a WSD schedule's final decay (``--lr-wsd-decay-samples`` before the
-    end of ``--lr-decay-samples``, else of ``--train-samples``)."""
+    """Consumed samples where the batch must not change (core/lr_windows.py): the LR warmup
+    (``--lr-warmup-samples``, or ``--lr-warmup-fraction`` of the decay), and a WSD schedule's final decay
+    (``--lr-wsd-decay-samples`` before the end of ``--lr-decay-samples``, else of ``--train-samples``)."""
     if args is None:
         return ()
-    frozen = []
     decay_end = getattr(args, "lr_decay_samples", None) or getattr(args, "train_samples", None)
-    warmup = getattr(args, "lr_warmup_samples", None) or 0
-    if not warmup and getattr(args, "lr_warmup_fraction", None) and decay_end:
-        warmup = int(args.lr_warmup_fraction * decay_end)
-    if warmup:
-        frozen.append(Frozen(label=f"the LR warmup (to {warmup:,} samples)", start=0, end=warmup))
-    final = getattr(args, "lr_wsd_decay_samples", None)
-    if getattr(args, "lr_decay_style", None) == "WSD" and final and decay_end:
-        start = max(decay_end - final, 0)
-        frozen.append(Frozen(label=f"the WSD final decay (from {start:,} samples)", start=start, end=None))
-    return tuple(frozen)
+    warmup = warmup_samples(getattr(args, "lr_warmup_samples", None), getattr(args, "lr_warmup_fraction", None),
+                            decay_end)
+    wsd = getattr(args, "lr_decay_style", None) == "WSD"
+    return lr_windows(warmup=warmup, decay_end=decay_end,
+                      final_decay=getattr(args, "lr_wsd_decay_samples", None) if wsd else None)
 
 
 def _replan(calculator: Any, args: argparse.Namespace | None) -> None:

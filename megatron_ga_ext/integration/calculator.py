@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
-from megatron_ga_ext.config.rules import decrease_if_needed_error
+from megatron_ga_ext.config.launch_rules import decrease_if_needed_error
 from megatron_ga_ext.core.rules import require_positive_int
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.errors import ScheduleError, SizeError

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 import torch
 
 from megatron_ga_ext.config.ga_config import GAConfig
-from megatron_ga_ext.config.rules import check_loss_mode
+from megatron_ga_ext.config.launch_rules import check_loss_mode
 from megatron_ga_ext.errors import LossContractError
 from megatron_ga_ext.integration.compat import megatron_args, megatron_iteration
 from megatron_ga_ext.integration.loss_contract import SLOT_TOKENS, LossContract, StepChecks

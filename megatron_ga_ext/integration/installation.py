@@ -17,7 +17,6 @@ hooks share (the loss contract, the finalize wrapper, the forward-step counter, 
 
 from __future__ import annotations
 
-import argparse
 import functools
 import inspect
 import sys
@@ -27,18 +26,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from megatron_ga_ext.config.coverage import Setting
-from megatron_ga_ext.config.coverage import verdict as coverage_verdict
 from megatron_ga_ext.config.ga_config import GAConfig
-from megatron_ga_ext.config.rules import (
-    check_batch_size_warmup_launch,
-    check_guards,
-    check_loss_mode,
-    check_lr_scaling,
-    check_noise_scale_layout,
-    check_train_length,
-    schedule_source,
-)
+from megatron_ga_ext.config.install_check import check_args  # the rule pass install() runs on Megatron's args
 from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
 from megatron_ga_ext.errors import CompatError, GuardError
 from megatron_ga_ext.integration.aux_report import aux_summary, pipeline_inexact_note
@@ -49,7 +38,8 @@ from megatron_ga_ext.integration.finalize import FinalizeModelGrads, describe_de
 from megatron_ga_ext.integration.guards import GuardedCalculator, MicrobatchCounter, current_pipeline_size
 from megatron_ga_ext.integration.liveness import StepLiveness
 from megatron_ga_ext.integration.loss_contract import LossContract, mean_of_means_reports
-from megatron_ga_ext.integration.noise_scale import NoiseScaleMeter, load_sidecar, save_sidecar
+from megatron_ga_ext.integration.noise_scale import NoiseScaleMeter
+from megatron_ga_ext.integration.noise_scale_sidecar import load_sidecar, save_sidecar
 from megatron_ga_ext.integration.agreement import StartupChecks
 from megatron_ga_ext.logs import get_logger
 
@@ -426,39 +416,3 @@ def _namespaces_holding(original: Callable, name: str) -> list[dict[str, Any]]:
         if isinstance(namespace, dict) and namespace.get(name) is original:
             found.append(namespace)
     return found
-
-
-def check_args(config: GAConfig, args: argparse.Namespace) -> None:
-    """What Megatron's parsed args must agree with, checked when they are read (before any model is built):
-    the loss mode against ``--calculate-per-token-loss``, no ``--train-iters`` with a step schedule and no
-    ``--ga-lr-scaling sqrt|linear`` without one, the guards off where a schedule runs another number of forward
-    passes (config/rules.py has each rule), and no setting the coverage table refuses (config/coverage.py; the
-    first forward/backward call checks it again, for a loop without Megatron's args)."""
-    if hasattr(args, "calculate_per_token_loss"):
-        check_loss_mode(config.loss_reduction, bool(args.calculate_per_token_loss),
-                        explicit=config.loss_reduction != "token")
-    schedule = schedule_source(bool(config.step_batch_size_schedule), bool(config.rampup_batch_size),
-                               config.convert_rampup)
-    if config.batch_size_warmup == "auto":
-        given = schedule or ("--rampup-batch-size" if config.rampup_batch_size else None)
-        check_batch_size_warmup_launch(getattr(args, "global_batch_size", None), config.batch_size_warmup_max, given)
-        schedule = "--ga-batch-size-warmup auto"  # it writes one: a run length in samples, --ga-lr-scaling applies
-    check_train_length(schedule, getattr(args, "train_iters", None))
-    check_lr_scaling(config.lr_scaling, schedule)
-    check_noise_scale_layout(config.noise_scale, data_parallel_size=_data_parallel_size(args), settings=vars(args))
-    check_guards(config.guards, hybrid_context_parallel=bool(getattr(args, "hybrid_context_parallel", False)),
-                 rl_sequence_packing=bool(getattr(args, "perform_rl_step", False)
-                                          and getattr(args, "rl_use_sequence_packing", False)))
-    refused = coverage_verdict(Setting.of(args, config)).error()  # its limits are logged at the first step
-    if refused is not None:
-        raise refused
-
-
-def _data_parallel_size(args: argparse.Namespace) -> int:
-    """DP as Megatron derives it (validate_args sets it; before that, from the world size and the other sizes)."""
-    if getattr(args, "data_parallel_size", None):
-        return args.data_parallel_size
-    model = 1
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
-        model *= getattr(args, name, None) or 1
-    return (getattr(args, "world_size", None) or model) // model

@@ -11,16 +11,16 @@ the next step's batch is the schedule's at the samples consumed so far, so a sta
 stage's factor. A skipped step holds the scheduler, and with it the factor, as Megatron holds the rate. A resumed
 ``--ga-batch-size-warmup auto`` run restores its stages after the scheduler's ``load_state_dict`` has written the
 rates; the rates are written again then (``Installation.after_load``), so the first resumed step has its stage's
-factor too.
+factor too. The factor itself is core/lr_factor.py's, as the ``schedule`` table's hints.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from typing import TYPE_CHECKING, Any, Callable
 
-from megatron_ga_ext.config.rules import check_lr_scaling
+from megatron_ga_ext.config.launch_rules import check_lr_scaling
+from megatron_ga_ext.core.lr_factor import lr_factor
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.integration.calculator import live_step_calculator
 from megatron_ga_ext.logs import get_logger
@@ -28,20 +28,12 @@ from megatron_ga_ext.logs import get_logger
 if TYPE_CHECKING:
     from megatron_ga_ext.integration.installation import Installation
 
-__all__ = ["lr_factor", "scaled_get_lr", "stage_factors"]
+__all__ = ["scaled_get_lr", "stage_factors"]
 
 logger = get_logger(__name__)
 
 #: How many stages the start-up line lists before it elides (a converted rampup can have thousands).
 LISTED_STAGES = 8
-
-
-def lr_factor(global_batch_size: int, first_global_batch_size: int, lr_scaling: str) -> float:
-    """(GBS / first GBS) ** exponent: sqrt 1/2, linear 1, none 0 (always 1.0)."""
-    if lr_scaling == "none":
-        return 1.0
-    ratio = global_batch_size / first_global_batch_size
-    return math.sqrt(ratio) if lr_scaling == "sqrt" else ratio  # math.sqrt is correctly rounded, ** 0.5 need not be
 
 
 def stage_factors(schedule: StepSchedule, lr_scaling: str) -> str:

@@ -24,25 +24,22 @@ sequence-parallel parameters (summed over TP after it) are left out of both norm
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
 from megatron_ga_ext.core.noise_scale import NoiseEstimate, NoiseScaleEMA, replica_estimate_from_sums
-from megatron_ga_ext.errors import NoiseScaleError
+from megatron_ga_ext.core.noise_trace import SCALARS, json_line, log_line, scalar_tag, trace_row
 from megatron_ga_ext.integration.compat import megatron_args, megatron_iteration
 from megatron_ga_ext.logs import get_logger
 
 if TYPE_CHECKING:
     from megatron_ga_ext.config.ga_config import GAConfig
 
-__all__ = ["Measurement", "NoiseScaleMeter", "counting_bucket_group", "load_sidecar", "save_sidecar", "sidecar_path"]
+__all__ = ["Measurement", "NoiseScaleMeter", "counting_bucket_group", "last_rank"]
 
 logger = get_logger(__name__)
 
@@ -67,7 +64,7 @@ class NoiseScaleMeter:
     """The in-run measurement; see the module docstring. Made by install() where ``--ga-noise-scale`` > 0.
 
     Attributes:
-        ema: the EMAs of tr(Sigma) and |G|^2 (kept next to Megatron's checkpoints: the sidecar, end of this module).
+        ema: the EMAs of tr(Sigma) and |G|^2 (kept next to Megatron's checkpoints: noise_scale_sidecar.py).
         last: the last measured iteration, or None.
         measurements: how many iterations were measured since the start (a resume continues the count).
     """
@@ -185,10 +182,10 @@ class NoiseScaleMeter:
         TensorBoard and W&B through Megatron's writers, and the trace file (``--ga-noise-scale-trace``). The row
         is the trace's (what ``megatron-ga schedule --suggest`` reads)."""
         row = self.last_row = self.trace_row(measurement)
-        if _last_rank():
-            self._say(_log_line(row))
+        if last_rank():
+            self._say(log_line(row))
             tensorboard, wandb = _writers()
-            scalars = {f"noise-scale/{name.replace('_', '-')}": row[name] for name in SCALARS if row[name] is not None}
+            scalars = {scalar_tag(name): row[name] for name in SCALARS if row[name] is not None}
             if tensorboard is not None:
                 for name, value in scalars.items():
                     tensorboard.add_scalar(name, value, row["iteration"])
@@ -196,7 +193,7 @@ class NoiseScaleMeter:
                 wandb.log(scalars, row["iteration"])
             if self.trace_path:
                 with open(self.trace_path, "a") as handle:
-                    handle.write(json.dumps(row) + "\n")
+                    handle.write(json_line(row))
         return row
 
     def _say(self, line: str) -> None:
@@ -226,16 +223,16 @@ class NoiseScaleMeter:
             batch = get_current_global_batch_size()
             consumed = args.consumed_train_samples + batch  # Megatron adds the step's batch after the step
             tokens_per_sample = estimate.tokens / batch
-        return {
-            "iteration": measurement.iteration, "consumed_samples": consumed,
-            "b_simple_tokens": self.ema.b_simple(),
-            "b_simple_samples": self.ema.b_simple(tokens_per_sample) if tokens_per_sample else None,
-            "tokens_per_sample": tokens_per_sample,
-            "grad_sq": estimate.grad_sq, "trace_sigma": estimate.trace_sigma,
-            "grad_sq_ema": self.ema.grad_sq, "trace_sigma_ema": self.ema.trace_sigma,
-            "step_b_simple_tokens": estimate.b_simple_tokens, "tokens": estimate.tokens,
-            "replicas": measurement.replicas,
-        }
+        return trace_row(
+            iteration=measurement.iteration, consumed_samples=consumed,
+            b_simple_tokens=self.ema.b_simple(),
+            b_simple_samples=self.ema.b_simple(tokens_per_sample) if tokens_per_sample else None,
+            tokens_per_sample=tokens_per_sample,
+            grad_sq=estimate.grad_sq, trace_sigma=estimate.trace_sigma,
+            grad_sq_ema=self.ema.grad_sq, trace_sigma_ema=self.ema.trace_sigma,
+            step_b_simple_tokens=estimate.b_simple_tokens, tokens=estimate.tokens,
+            replicas=measurement.replicas,
+        )
 
     # -- the counted elements -----------------------------------------------------------------------
 
@@ -315,24 +312,7 @@ def counting_bucket_group(original: Callable, state: Any) -> Callable:
     return start_grad_sync
 
 
-#: The trace row's values logged to TensorBoard and W&B (as noise-scale/<name with dashes>).
-SCALARS = ("b_simple_tokens", "b_simple_samples", "grad_sq", "trace_sigma", "grad_sq_ema", "trace_sigma_ema",
-           "consumed_samples")
-
-
-def _log_line(row: dict[str, Any]) -> str:
-    def shown(value: float | None) -> str:
-        return "n/a" if value is None else f"{value:.4E}"
-
-    return (f" megatron-ga-ext noise scale | iteration {row['iteration']} | B_simple (EMA): "
-            f"{shown(row['b_simple_tokens'])} tokens, {shown(row['b_simple_samples'])} samples | "
-            f"|G|^2: {shown(row['grad_sq'])} (EMA {shown(row['grad_sq_ema'])}) | "
-            f"tr(Sigma): {shown(row['trace_sigma'])} (EMA {shown(row['trace_sigma_ema'])}) | "
-            f"loss tokens: {row['tokens']} over {row['replicas']} replicas | "
-            f"consumed samples: {'n/a' if row['consumed_samples'] is None else row['consumed_samples']} |")
-
-
-def _last_rank() -> bool:
+def last_rank() -> bool:
     """This rank is the one that reports: the last, where Megatron prints and keeps its writers."""
     if not torch.distributed.is_initialized():
         return True
@@ -347,72 +327,6 @@ def _writers() -> tuple[Any, Any]:
     if global_vars is None:
         return None, None
     return global_vars.get_tensorboard_writer(), global_vars.get_wandb_writer()
-
-
-
-# -- the checkpoint sidecar: a resumed run continues the EMAs ---------------------------------------
-
-#: The sidecar's name in Megatron's ``iter_NNNNNNN`` checkpoint directory.
-SIDECAR = "megatron_ga_ext_noise_scale.json"
-#: The version of the sidecar's layout, checked on load.
-SIDECAR_VERSION = 1
-
-
-def sidecar_path(directory: str | os.PathLike, iteration: int) -> Path:
-    """``<directory>/iter_<iteration:07d>/megatron_ga_ext_noise_scale.json``: next to Megatron's checkpoint."""
-    return Path(directory) / f"iter_{iteration:07d}" / SIDECAR
-
-
-def save_sidecar(meter: NoiseScaleMeter, directory: str | os.PathLike, iteration: int,
-                 stages: list[list[int]] | None = None) -> Path | None:
-    """Write the meter's EMAs and measurement count next to Megatron's checkpoint of ``iteration``, on the last rank
-    (the one that reports; every rank holds the same EMAs, since they are folded from one all-reduced vector), and
-    ``stages``, the step schedule --ga-batch-size-warmup auto has written so far. Returns the path written, or None
-    on the other ranks."""
-    if not _last_rank():
-        return None
-    path = sidecar_path(directory, iteration)
-    path.parent.mkdir(parents=True, exist_ok=True)  # an async save may not have made it yet
-    state = {"version": SIDECAR_VERSION, "iteration": iteration, "ema": meter.ema.state_dict(),
-             "measurements": meter.measurements, "stages": stages}
-    partial = path.with_name(path.name + ".partial")  # a crash mid-write leaves no half file under the real name
-    partial.write_text(json.dumps(state) + "\n")
-    partial.replace(path)
-    return path
-
-
-def load_sidecar(meter: NoiseScaleMeter, directory: str | os.PathLike, iteration: int) -> dict[str, Any] | None:
-    """Continue the EMAs saved with Megatron's checkpoint of ``iteration`` (every rank reads it); the sidecar read, or
-    None with a log line where there is none (a checkpoint saved without ``--ga-noise-scale``). Kept under another
-    ``--ga-noise-scale-decay``, the EMAs start afresh (its ``stages`` still hold). A sidecar that cannot be read
-    raises NoiseScaleError."""
-    path = sidecar_path(directory, iteration)
-    if not path.is_file():
-        logger.info("megatron-ga-ext: no noise-scale state at %s: the noise-scale EMAs start afresh", path)
-        return None
-    try:
-        state = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise NoiseScaleError(f"the noise-scale state {path} cannot be read ({error}); delete it to start the "
-                              "EMAs afresh.") from error
-    expected = {"version", "iteration", "ema", "measurements", "stages"}
-    if not isinstance(state, dict) or set(state) != expected or state["version"] != SIDECAR_VERSION:
-        raise NoiseScaleError(f"the noise-scale state {path} is not a version-{SIDECAR_VERSION} sidecar with keys "
-                              f"{sorted(expected)}; delete it to start the EMAs afresh.")
-    measurements = state["measurements"]
-    if isinstance(measurements, bool) or not isinstance(measurements, int) or measurements < 0:
-        raise NoiseScaleError(f"the noise-scale state {path} has measurements {measurements!r}, not a whole "
-                              "number >= 0; delete it to start the EMAs afresh.")
-    ema = NoiseScaleEMA.from_state_dict(state["ema"])
-    if ema.decay != meter.ema.decay:
-        # The bias correction 1 - decay^n holds for one decay throughout: mixing two would misweigh the saved part.
-        logger.warning("megatron-ga-ext: the noise-scale EMAs in %s were kept with --ga-noise-scale-decay %s, this "
-                       "run has %s: they start afresh", path, ema.decay, meter.ema.decay)
-        return state
-    meter.ema = ema
-    meter.measurements = measurements
-    logger.info("megatron-ga-ext: noise-scale EMAs continued from %s (%d measurements)", path, ema.updates)
-    return state
 
 
 def _training_log_prints_after() -> bool:

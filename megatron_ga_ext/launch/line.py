@@ -13,14 +13,15 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
-from megatron_ga_ext.config.flags import BY_DEST, OPTIONS
+from megatron_ga_ext.config.flags import BY_DEST, GA_OPTIONS, OPTIONS, GAFlag
 from megatron_ga_ext.core.layout import FLAGS
 from megatron_ga_ext.core.megatron_flags import LAUNCHER_OPTIONS, NOT_MEGATRON, Option
 from megatron_ga_ext.core.numbers import read_int
 from megatron_ga_ext.errors import GAError, UsageError
 from megatron_ga_ext.launch.layer_split import LayerSplit, VirtualPipeline, virtual_pipeline
 
-__all__ = ["Launch", "LaunchLayout", "UsageError", "layout_kwargs", "parse_int", "parse_launch", "read_layout"]
+__all__ = ["Launch", "LaunchLayout", "UsageError", "ga_values", "layout_kwargs", "parse_int", "parse_launch",
+           "read_layout"]
 
 _LAUNCHER = {option.flag for option in LAUNCHER_OPTIONS}
 #: The module of the drop-in entry (megatron_ga_ext/__main__.py).
@@ -131,6 +132,30 @@ def _words_before_flag(tokens: list[str], i: int) -> int:
 def parse_int(flag: str, text: str) -> int:
     """An integer flag value (at most 10**30); a shell variable left unexpanded or a float is unusable input."""
     return read_int(flag, text)
+
+
+def ga_values(launch: Launch) -> dict[str, object]:
+    """The ``--ga-*`` flags the line gives, by GAConfig field, typed as config/flags.py declares them: an integer
+    that is not one raises UsageError naming the flag as spelled; a float that is no number stays text (its rule
+    names it). Flags the line leaves out are absent (the rule pass reads their defaults)."""
+    values: dict[str, object] = {}
+    for option in GA_OPTIONS:
+        if option.type is bool and option.flag in launch.switches:
+            values[option.field] = launch.on(option.flag)
+        elif option.type is not bool and option.flag in launch.values:
+            values[option.field] = _typed(launch, option, launch.values[option.flag][0])
+    return values
+
+
+def _typed(launch: Launch, option: GAFlag, text: str) -> object:
+    if option.type is int:
+        return read_int(launch.name(option.flag), text)
+    if option.type is float:
+        try:
+            return float(text)
+        except ValueError:
+            return text
+    return text
 
 
 # -- the layout of a launch ----------------------------------------------------------------------

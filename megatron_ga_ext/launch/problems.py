@@ -1,8 +1,9 @@
 """Every problem of a launch line, and its ledger (``megatron-ga check``). Pure Python.
 
-The rules are the ones a run is held to: the options layer's (``--ga-*`` choices, the loss mode against
-``--calculate-per-token-loss``, the guards against schedules that run another number of forwards, the
-one schedule of the launch), Megatron's parser and layer split (flags it does not define, stray words,
+The rules are the ones a run is held to: install()'s own rule pass (config/launch_rules.py: each ``--ga-*``
+flag's rule, the loss mode against ``--calculate-per-token-loss``, the guards against schedules that run another
+number of forwards, what a schedule needs of the launch, where the noise scale can measure), the one schedule of the
+launch, Megatron's parser and layer split (flags it does not define, stray words,
 the virtual pipeline), the coverage table's refusals (``config/coverage.py``; its limits are
 :func:`launch_notes`), and the batch arithmetic of every stage (``core/layout.py``, ``core/schedule/checks.py``).
 """
@@ -12,42 +13,16 @@ from __future__ import annotations
 from dataclasses import replace
 
 from megatron_ga_ext.config.coverage import Setting, verdict
-from megatron_ga_ext.config.flags import (
-    BATCH_SIZE_WARMUP,
-    BATCH_SIZE_WARMUP_MAX,
-    BATCH_SIZE_WARMUP_TRUST,
-    CHECKS,
-    CONVERT_RAMPUP,
-    GUARDS,
-    LOSS_REDUCTION,
-    LR_SCALING,
-    NOISE_SCALE,
-    NOISE_SCALE_DECAY,
-    ZERO_TOKEN_POLICY,
-    Option,
-    check_choice,
-)
+from megatron_ga_ext.config.flags import CONVERT_RAMPUP, LOSS_REDUCTION
+from megatron_ga_ext.config.launch_rules import launch_errors, rampup_ignored_message
+from megatron_ga_ext.config.megatron_args import MegatronArgs
 from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
-from megatron_ga_ext.config.rules import (
-    check_batch_size_warmup,
-    check_batch_size_warmup_launch,
-    check_checks,
-    check_guards,
-    check_lr_scaling,
-    check_noise_scale,
-    check_noise_scale_layout,
-    schedule_source,
-    check_loss_mode,
-    check_train_length,
-    rampup_ignored_message,
-)
 from megatron_ga_ext.core.layout import BatchLayout
 from megatron_ga_ext.core.megatron_flags import COVERED_OPTIONS, MEGATRON_OPTIONS, NOT_MEGATRON
-from megatron_ga_ext.core.numbers import read_int
 from megatron_ga_ext.core.schedule.stages import FLAG as SCHEDULE_FLAG
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.errors import GAError
-from megatron_ga_ext.launch.line import Launch, LaunchLayout, read_layout
+from megatron_ga_ext.launch.line import Launch, LaunchLayout, ga_values, read_ints, read_layout
 
 __all__ = ["MAX_STAGE_PROBLEMS", "launch_notes", "launch_problems", "launch_setting", "loss_reduction_note"]
 
@@ -59,15 +34,14 @@ def launch_problems(launch: Launch, world_size: int | None) -> tuple[BatchLayout
 
     Raises UsageError where the line cannot be read at all (the world size, a value that is not a number).
     """
-    problems = _line_problems(launch) + _option_problems(launch) + _coverage_problems(launch)
     read = read_layout(launch, world_size)
-    problems += read.seq_problems + [str(e) for e in read.problems]
     kwargs = dict(read.kwargs)
     schedule, schedule_problems = _launch_schedule(launch, read)
     if schedule is not None:
         kwargs["global_batch_size"] = None  # the schedule's stages are checked one by one below
     layout, errors = BatchLayout.problems(**kwargs)
-    problems += [str(e) for e in errors] + _noise_scale_problems(launch, layout)
+    problems = _line_problems(launch) + _rule_problems(launch, layout) + _coverage_problems(launch)
+    problems += read.seq_problems + [str(e) for e in read.problems] + [str(e) for e in errors]
     if layout is not None and schedule is not None:
         stage_problems = _stage_problems(schedule, layout)
         problems += stage_problems
@@ -109,72 +83,22 @@ def _stray_problem(launch: Launch, flag: str, words: list[str]) -> str:
     )
 
 
-def _option_problems(launch: Launch) -> list[str]:
-    """The --ga-* flags: their choices, the loss mode (the default token too), the guards and async checks."""
-    problems = []
-    mode = launch.get(LOSS_REDUCTION.flag)
-    for option in (LOSS_REDUCTION, ZERO_TOKEN_POLICY, CHECKS):
-        problems += _problem(check_choice, option, launch.get(option.flag) or option.default)
-    problems += _problem(check_checks, launch.get(CHECKS.flag) or CHECKS.default,
-                         launch.get(ZERO_TOKEN_POLICY.flag) or ZERO_TOKEN_POLICY.default)
-    if launch.extension and (mode or LOSS_REDUCTION.default) == "microbatch":
-        problems += _problem(check_loss_mode, "microbatch", launch.on("--calculate-per-token-loss"))
-    schedule = schedule_source(bool(launch.get("--step-batch-size-schedule")),
-                               bool(launch.values.get("--rampup-batch-size")), launch.on(CONVERT_RAMPUP.flag))
-    warmup = launch.get(BATCH_SIZE_WARMUP.flag) or BATCH_SIZE_WARMUP.default
-    problems += _problem(check_choice, BATCH_SIZE_WARMUP, warmup)
-    if warmup == "auto":
-        problems += _batch_size_warmup_problems(launch, schedule)
-        schedule = f"{BATCH_SIZE_WARMUP.flag} auto"  # it writes one
-    problems += _problem(check_lr_scaling, launch.get(LR_SCALING.flag) or LR_SCALING.default, schedule)
-    packed_rl = launch.on("--perform-rl-step") and launch.on("--rl-use-sequence-packing")
-    problems += _problem(check_guards, launch.on(GUARDS.flag),
-                         hybrid_context_parallel=launch.on("--hybrid-context-parallel"), rl_sequence_packing=packed_rl)
-    return problems
+def _rule_problems(launch: Launch, layout: BatchLayout | None) -> list[str]:
+    """The rule pass install() runs (config/launch_rules.py), over the line's --ga-* flags and Megatron's."""
+    return [str(error) for error in launch_errors(ga_values(launch), launch_args(launch, layout))]
 
 
-def _batch_size_warmup_problems(launch: Launch, schedule: str | None) -> list[str]:
-    """``--ga-batch-size-warmup auto``: the noise scale measured, a trust and a cap, from a constant GBS."""
-    cap_value = _int(launch, BATCH_SIZE_WARMUP_MAX.flag)
-    problems = _problem(check_batch_size_warmup, "auto", _int(launch, NOISE_SCALE.flag) or 0,
-                        _float(launch, BATCH_SIZE_WARMUP_TRUST), cap_value)
-    if cap_value is not None:
-        given = schedule or ("--rampup-batch-size" if launch.values.get("--rampup-batch-size") else None)
-        problems += _problem(check_batch_size_warmup_launch, _int(launch, "--global-batch-size"), cap_value, given)
-    return problems
-
-
-def _int(launch: Launch, flag: str) -> int | None:
-    """An integer flag's value (UsageError naming the flag as spelled where it is not one), or None."""
-    given = launch.get(flag)
-    return None if given is None else read_int(launch.name(flag), given)
-
-
-def _float(launch: Launch, option: Option) -> object:
-    """A float flag's value, its default where it is not given, or the text as given where it is no number (the
-    rule's own error names it)."""
-    given = launch.get(option.flag)
-    if given is None:
-        return option.default
-    try:
-        return float(given)
-    except ValueError:
-        return given
-
-
-def _noise_scale_problems(launch: Launch, layout: BatchLayout | None) -> list[str]:
-    """``--ga-noise-scale``: its value, the EMA decay, token mode, and where it can measure (DP >= 2, CP 1, DDP)."""
-    interval = _int(launch, NOISE_SCALE.flag)
-    if interval is None:
-        return []
-    problems = _problem(check_noise_scale, interval, _float(launch, NOISE_SCALE_DECAY),
-                        launch.get(LOSS_REDUCTION.flag) or LOSS_REDUCTION.default)
-    if layout is not None:
-        settings = {"context_parallel_size": layout.context_parallel_size,
-                    "use_megatron_fsdp": launch.on("--use-megatron-fsdp")}
-        problems += _problem(check_noise_scale_layout, interval, data_parallel_size=layout.data_parallel_size,
-                             settings=settings)
-    return problems
+def launch_args(launch: Launch, layout: BatchLayout | None) -> MegatronArgs:
+    """Megatron's args as the launch line gives them: its flags by destination (the integers as numbers), DP
+    from the layout (None where it is broken), and --calculate-per-token-loss as install() leaves it (on in token
+    mode, with the extension on the line; without it the loss mode is not ours to check)."""
+    values = dict(launch_setting(launch).values)
+    values.update(read_ints(launch))
+    values.pop("world_size", None)
+    values["data_parallel_size"] = None if layout is None else layout.data_parallel_size
+    mode = ga_values(launch).get(LOSS_REDUCTION.field, LOSS_REDUCTION.default)
+    values["calculate_per_token_loss"] = launch.on("--calculate-per-token-loss") or mode == "token"
+    return MegatronArgs(values)
 
 
 def launch_setting(launch: Launch) -> Setting:
@@ -187,9 +111,9 @@ def launch_setting(launch: Launch) -> Setting:
         elif option.nargs != 0 and option.flag in launch.values:
             given = launch.values[option.flag]
             values[option.dest] = given[0] if option.nargs == 1 else given
-    return Setting(values, loss_reduction=launch.get(LOSS_REDUCTION.flag) or LOSS_REDUCTION.default,
-                   zero_token_policy=launch.get(ZERO_TOKEN_POLICY.flag) or ZERO_TOKEN_POLICY.default,
-                   checks=launch.get(CHECKS.flag) or CHECKS.default, convert_rampup=launch.on(CONVERT_RAMPUP.flag))
+    ga = ga_values(launch)
+    return Setting(values, **{name: ga[name] for name in ("loss_reduction", "zero_token_policy", "checks",
+                                                           "convert_rampup") if name in ga})
 
 
 def _coverage_problems(launch: Launch) -> list[str]:
@@ -218,15 +142,6 @@ def loss_reduction_note(launch: Launch) -> str:
         turned = "" if per_token else "; install() turns on --calculate-per-token-loss"
         return f"loss reduction: {LOSS_REDUCTION.flag} token, checked every step by megatron-ga-ext{turned}."
     return f"loss reduction: {LOSS_REDUCTION.flag} microbatch, upstream's mean of means, chosen explicitly."
-
-
-def _problem(rule, *args, **kwargs) -> list[str]:  # type: ignore[no-untyped-def]
-    """The message of the typed error ``rule`` raises, or nothing."""
-    try:
-        rule(*args, **kwargs)
-    except GAError as error:
-        return [str(error)]
-    return []
 
 
 def _launch_schedule(launch: Launch, read: LaunchLayout) -> tuple[StepSchedule | None, list[str]]:
@@ -290,11 +205,6 @@ def _schedule_flag_problems(launch: Launch, inputs: ScheduleInputs) -> list[str]
             f"--global-batch-size is given together with {SCHEDULE_FLAG}; Megatron refuses the pair "
             f"(the schedule sets the batch size). Drop --global-batch-size."
         )
-    schedule = SCHEDULE_FLAG if inputs.step_batch_size_schedule is not None else (
-        f"--rampup-batch-size with {CONVERT_RAMPUP.flag}" if inputs.rampup_batch_size and inputs.convert_rampup else None)
-    train_iters = launch.get("--train-iters")
-    if train_iters is not None:
-        problems += _problem(check_train_length, schedule, read_int(launch.name("--train-iters"), train_iters))
     return problems
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ga_ext.integration.compat import UPSTREAM
-from tests.e2e.pretrain_runs import Run, launch
+from tests.support.pretrain_runs import Run, launch
 from tools.compatibility import core_version, hooked_functions, source_name
 from tools.regress import NO_SOURCE, sources
 from tools.results import record, results_dir

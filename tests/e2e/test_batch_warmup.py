@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.plans import BOUNDED
+from tests.support.plans import BOUNDED
 
 pytestmark = pytest.mark.e2e
 

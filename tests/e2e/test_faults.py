@@ -1,6 +1,6 @@
-"""Faults injected into Megatron-LM's own training loop (pretrain_gpt.py through the drop-in entry (python -m megatron_ga_ext)),
-DP 2 on the CPU over gloo, on the newest release and the newest main commit of the leg. Each fault has one
-documented outcome (docs/reliability.md):
+"""Faults injected into Megatron-LM's own training loop (pretrain_gpt.py through the drop-in entry,
+``python -m megatron_ga_ext``), DP 2 on the CPU over gloo, on the newest release and the newest main commit of the
+leg. Each fault has one documented outcome (docs/reliability.md):
 
 * a NaN loss on rank 1 at iteration 3: LossContractError naming the non-finite loss, at iteration 3; the
   checkpoints of iterations 1 and 2 are there, none of iteration 3; the same with --ga-checks async, raised after
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.plans import BOUNDED, planned_steps, ran_steps, save_every_step, saved, seq_length_schedule
+from tests.support.plans import BOUNDED, planned_steps, ran_steps, save_every_step, saved, seq_length_schedule
 from tools.compatibility import source_name
 from tools.results import record
 

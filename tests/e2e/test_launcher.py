@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.e2e.pretrain_runs import ROOT, _server
+from tests.support.pretrain_runs import ROOT, _server
 
 pytestmark = pytest.mark.e2e
 

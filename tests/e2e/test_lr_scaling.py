@@ -17,12 +17,12 @@ import math
 import pytest
 
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
-from tests.e2e.plans import planned_steps, ran_steps
 from tests.e2e.test_batch_warmup import FLAGS as WARMUP_FLAGS
 from tests.e2e.test_batch_warmup import GBS as WARMUP_GBS
 from tests.e2e.test_batch_warmup import SAVE_AT as WARMUP_SAVE_AT
-from tests.e2e.pretrain_runs import SEQ_LENGTH
 from tests.e2e.test_pretrain_gpt import MICROBATCH, PLANS, SCHEDULE, SCHEDULE_TEXT, record, schedule_run
+from tests.support.plans import planned_steps, ran_steps
+from tests.support.pretrain_runs import SEQ_LENGTH
 from tools.compatibility import source_name
 
 pytestmark = pytest.mark.e2e

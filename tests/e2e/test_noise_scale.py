@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ga_ext.integration.noise_scale import SIDECAR, sidecar_path
-from tests.e2e.plans import BOUNDED
+from megatron_ga_ext.integration.noise_scale_sidecar import SIDECAR, sidecar_path
+from tests.support.plans import BOUNDED
 from tools.compatibility import source_name
 from tools.results import record
 

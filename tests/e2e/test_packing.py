@@ -2,7 +2,7 @@
 selects ``--sequence-packing-scheduler dp_balanced``; main after d98e8a64, #6742), through the drop-in entry, on the
 CPU over gloo, against upstream's own run of the same launch.
 
-pretrain_gpt.py runs it on the CPU only with two stand-ins for Transformer Engine (tests/e2e/packed_gpt.py: the
+pretrain_gpt.py runs it on the CPU only with two stand-ins for Transformer Engine (tests/support/packed_gpt.py: the
 TE >= 2.9 check of TransformerConfig, and the local attention given no ``packed_seq_params``, so a packed
 micro-batch is attended as one causal sequence); upstream's run has the same two. Everything else is upstream's:
 MockVarlenDataset and its loader, ``wrap_data_iterator`` in ``train_step``, the packed get_batch, the loss function
@@ -26,14 +26,14 @@ from pathlib import Path
 import pytest
 
 from megatron_ga_ext.integration.guards import PP_RULE
-from tests.e2e import pretrain_runs
-from tests.e2e.pretrain_runs import MICRO_BATCH_SIZE
 from tests.e2e.test_pretrain_gpt import TOKEN, check_num_tokens, record
+from tests.support import pretrain_runs
+from tests.support.pretrain_runs import MICRO_BATCH_SIZE
 from tools.compatibility import source_name
 
 pytestmark = pytest.mark.e2e
 
-PACKED_GPT = Path(__file__).with_name("packed_gpt.py")
+PACKED_GPT = Path(__file__).resolve().parents[1] / "support" / "packed_gpt.py"
 GBS, DP, ITERATIONS = 16, 2, 4
 NUM_MICROBATCHES = GBS // (MICRO_BATCH_SIZE * DP)
 #: Samples of 8 to 64 tokens (lognormal around 32), packed up to 128 tokens per micro-batch.
@@ -51,7 +51,8 @@ def runs_the_scheduler(source: Path) -> bool:
 
 
 def _packed_program(root: Path, workdir: Path, extension: bool, drop_in: str) -> list[str]:
-    """tests/e2e/packed_gpt.py (``root``'s pretrain_gpt.py with the two CPU stand-ins) by the drop-in entry, or bare."""
+    """tests/support/packed_gpt.py (``root``'s pretrain_gpt.py with the two CPU stand-ins) by the drop-in entry, or
+    bare."""
     return ["-m", "megatron_ga_ext", str(PACKED_GPT)] if extension else [str(PACKED_GPT)]
 
 

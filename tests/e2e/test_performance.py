@@ -13,11 +13,12 @@ they are a measurement, not a pass mark.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 
 import pytest
 
-from tests.e2e.plans import BOUNDED
+from tests.support.plans import BOUNDED
 from tools.compatibility import source_name
 from tools.results import record
 
@@ -31,7 +32,7 @@ VARIANTS = {"upstream": ([], False), "extension": ([], True), "extension_async":
 def iteration_seconds(run) -> list[float]:
     """Times between consecutive iteration logs, past the first two (start-up, first-step checks)."""
     times = [row["time"] for row in run.iterations]
-    return [b - a for a, b in zip(times[2:], times[3:])]
+    return [b - a for a, b in itertools.pairwise(times[2:])]
 
 
 def test_twenty_iterations_with_and_without_install(launches, newest_release):

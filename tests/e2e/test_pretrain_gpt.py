@@ -32,8 +32,8 @@ from pathlib import Path
 import pytest
 
 from megatron_ga_ext.integration.guards import PP_RULE
-from tests.e2e.plans import planned_steps, ran_steps, seq_length_schedule
-from tests.e2e.pretrain_runs import DROP_INS, Run
+from tests.support.plans import planned_steps, ran_steps, seq_length_schedule
+from tests.support.pretrain_runs import DROP_INS, Run
 from tools.compatibility import source_name
 
 pytestmark = pytest.mark.e2e
@@ -127,7 +127,8 @@ def test_a_late_install_still_runs_the_converted_rampup(launches, source, record
     """install() after initialize_megatron (the fault late-install): Megatron built its own calculator (0.18+: a
     constant 24, the rampup dropped; 0.16/0.17: its rampup calculator); install() replaces it by the converted
     rampup's, and the run follows the same plan as an early install."""
-    run = launches.get(source, "dp2", "rampup-late-install", [*TOKEN, *RAMPUP], env={"MEGATRON_GA_FAULT": "late-install"})
+    run = launches.get(source, "dp2", "rampup-late-install", [*TOKEN, *RAMPUP],
+                       env={"MEGATRON_GA_FAULT": "late-install"})
     assert "megatron-ga-ext installed after Megatron built its calculator" in run.output, run.describe()
     row = check_run(run, "rampup") | {"mode": "token", "case": "rampup, install() late", "N": check_num_tokens(run)}
     record(record_property, source_name(source), "dp2", [row])

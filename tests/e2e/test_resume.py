@@ -21,7 +21,7 @@ import pytest
 
 from megatron_ga_ext.core.megatron_flags import STEP_SCHEDULE
 from megatron_ga_ext.integration.compat import UPSTREAM
-from tests.e2e.plans import BOUNDED, planned_steps, ran_steps, save_every_step, saved, seq_length_schedule
+from tests.support.plans import BOUNDED, planned_steps, ran_steps, save_every_step, saved, seq_length_schedule
 from tools.compatibility import source_name
 from tools.results import record
 

@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 
 from megatron_ga_ext.config.coverage import ROWS
-from tests.e2e.plans import ran_steps
-from tests.e2e.pretrain_runs import Run
+from tests.support.plans import ran_steps
+from tests.support.pretrain_runs import Run
 from tools.compatibility import core_version
 
 pytestmark = pytest.mark.gpu

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.pretrain_runs import launch_command
+from tests.support.pretrain_runs import launch_command
 
 ROOT = Path("/megatron-lm")  # never run: the command is only built
 FLAGS = ["--global-batch-size", "16"]

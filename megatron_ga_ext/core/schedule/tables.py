@@ -9,10 +9,10 @@ which can be past its threshold, and a stage can be skipped entirely (steps 0).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Iterator, Protocol, Sequence
 
+from megatron_ga_ext.core.lr_factor import lr_factor
 from megatron_ga_ext.core.rules import require_positive_int
 from megatron_ga_ext.core.schedule.checks import zero_microbatch_error
 from megatron_ga_ext.core.schedule.stages import Stage
@@ -213,7 +213,10 @@ def _row(
     lr_base: int | None,
 ) -> StageRow:
     samples = None if steps is None else steps * per_step
-    ratio = None if lr is None or lr_base is None else stage.global_batch_size / lr_base
+    lr_linear = lr_sqrt = None
+    if lr is not None and lr_base is not None:  # hints only: lr x (GBS / base) ** 1 or ** 1/2
+        lr_linear = lr * lr_factor(stage.global_batch_size, lr_base, "linear")
+        lr_sqrt = lr * lr_factor(stage.global_batch_size, lr_base, "sqrt")
     return StageRow(
         position=stage.position,
         entry=stage.spelling,
@@ -229,6 +232,6 @@ def _row(
         steps=steps,
         samples=samples,
         tokens=None if samples is None or seq is None else samples * seq,
-        lr_linear=None if ratio is None else lr * ratio,  # type: ignore[operator]
-        lr_sqrt=None if ratio is None else lr * math.sqrt(ratio),  # type: ignore[operator]
+        lr_linear=lr_linear,
+        lr_sqrt=lr_sqrt,
     )

@@ -1,5 +1,6 @@
 """StepSchedule: exact parsing, every error by type and message, validation, rampup conversion, tables."""
 
+import itertools
 import warnings
 
 import pytest
@@ -85,8 +86,9 @@ E = "--step-batch-size-schedule entry"
          rf"{E} 1 '100:8' \(from 100 samples, global batch size 8\) is the first entry but its threshold is not 0.*"
          r"Begin the schedule with '0:8'"),
         ("100:8", 4096, ScheduleError,
-         r"^--step-batch-size-schedule entry 1 '100:8' \(from 100 tokens = 0 samples, global batch size 8\) is the first "
-         r"entry; its threshold of 100 tokens becomes 0 samples \(100 // --seq-length 4096\), the start of training, "
+         r"^--step-batch-size-schedule entry 1 '100:8' \(from 100 tokens = 0 samples, global batch size 8\) is the "
+         r"first entry; its threshold of 100 tokens becomes 0 samples \(100 // --seq-length 4096\), the start of "
+         r"training, "
          r"but the first threshold must be written as 0\. Write '0:8'\.$"),
         ("8192:8", 4096, ScheduleError, r"entry 1 '8192:8' \(from 8,192 tokens = 2 samples.*threshold is not 0, so no "
                                         r"batch size is set for the start of training"),
@@ -112,10 +114,18 @@ def test_parse_errors_name_entry_position_and_fix(text, seq_length, error, messa
     assert type(caught.value) is error  # pytest.raises also passes a subclass
 
 
-def test_semantic_errors_also_catchable_as_assertion_error_like_upstream():
-    for text in ("", "10:8", "0:8 0:16", "0:0", "-5:4 0:8", "0:8 100:16 200:8 150:4"):
-        with pytest.raises(AssertionError):
-            StepSchedule.parse(text)
+@pytest.mark.parametrize("text, match", [
+    ("", "is empty"),
+    ("10:8", "is the first entry but its threshold is not 0"),
+    ("0:8 0:16", "repeats the threshold of entry 1"),
+    ("0:0", "batch size is 0"),
+    ("-5:4 0:8", "threshold '-5' is negative"),
+    ("0:8 100:16 200:8 150:4", "comes after entry 3 '200:8', whose threshold is larger"),
+])
+def test_semantic_errors_also_catchable_as_assertion_error_like_upstream(text, match):
+    with pytest.raises(ScheduleError, match=match) as info:
+        StepSchedule.parse(text)
+    assert isinstance(info.value, AssertionError)  # what upstream's callers catch
 
 
 def test_non_string_and_bad_seq_length():
@@ -168,7 +178,7 @@ def test_from_stages_and_constant():
     assert str(StepSchedule.from_stages([(0, 8), (2000, 16)])) == "0:8 2K:16"
     with pytest.raises(ScheduleError, match="comes after entry 2"):
         StepSchedule.from_stages([(0, 8), (20, 16), (10, 32)])
-    with pytest.raises(ScheduleParseError, match="stage 2 threshold 1.5 is not an integer"):
+    with pytest.raises(ScheduleParseError, match=r"stage 2 threshold 1\.5 is not an integer"):
         StepSchedule.from_stages([(0, 8), (1.5, 16)])
 
 
@@ -194,7 +204,7 @@ def test_rampup_docs_example():
     assert len(stages) == 127
     assert stages[0] == (0, 16) and stages[-1][1] == 1024
     assert [b for _, b in stages] == list(range(16, 1025, 8))
-    gaps = {b[0] - a[0] for a, b in zip(stages, stages[1:])}
+    gaps = {b[0] - a[0] for a, b in itertools.pairwise(stages)}
     assert gaps <= {2380, 2381}
     assert stages[1] == (2381, 24)  # int(c / 2380.95...) first reaches 1 at c = 2381
 
@@ -224,7 +234,8 @@ def test_rampup_boundaries(args, stages):
         ((16, 8, 1.5, 64), SizeError, r"--rampup-batch-size ramp-up samples 1.5 must be a whole number >= 0"),
         ((128, 8, 100, 64), ScheduleError, r"start batch size 128 exceeds --global-batch-size 64; a ramp only grows"),
         ((16, 10, 100, 64), ScheduleError,
-         r"increment 10 does not divide --global-batch-size 64 - start 16 = 48.*Use an increment in \{1, 2, 3, 4, 6, 8"),
+         r"increment 10 does not divide --global-batch-size 64 - start 16 = 48.*"
+         r"Use an increment in \{1, 2, 3, 4, 6, 8"),
     ],
 )
 def test_rampup_errors(args, error, message):
@@ -356,7 +367,8 @@ def test_table_from_consumed_samples_starts_at_the_stage_in_force():
     assert [(r.first_sample, r.first_step, r.steps, r.samples) for r in rows] == [
         (None, None, 0, 0), (2000, 0, 16, 1024)
     ]
-    assert [(r.first_sample, r.steps) for r in schedule.table(4, 16, consumed_samples=1000)] == [(None, 0), (1000, None)]
+    rows = schedule.table(4, 16, consumed_samples=1000)
+    assert [(r.first_sample, r.steps) for r in rows] == [(None, 0), (1000, None)]
     with pytest.raises(ScheduleError, match=r"entry 1 '0:8' .* gives 0 micro-batches"):
         schedule.table(4, 16, consumed_samples=999)
     with pytest.raises(SizeError, match="consumed_samples -1 must be a whole number >= 0"):

@@ -7,6 +7,7 @@ import pytest
 from megatron_ga_ext import StepSchedule
 from megatron_ga_ext.cli import schedule as command
 from megatron_ga_ext.cli.main import build_parser
+from megatron_ga_ext.core.noise_trace import log_line
 from megatron_ga_ext.errors import InterleaveError, NoiseScaleError, ScheduleError, SizeError, UsageError
 
 ROWS = [
@@ -40,7 +41,8 @@ def test_json_gives_the_schedule_and_each_doubling(cli, trace):
     out = answer.json()
     assert out["schedule_samples"] == "0:32 9600:64 48K:128 99200:256 150K:512"
     assert StepSchedule.parse(out["schedule_tokens"], 4096).stages == StepSchedule.parse(out["schedule_samples"]).stages
-    assert [(d["consumed_samples"], d["before"], d["after"]) for d in out["decisions"]][0] == (9600, 32, 64)
+    first = out["decisions"][0]
+    assert (first["consumed_samples"], first["before"], first["after"]) == (9600, 32, 64)
     assert out["decisions"][2]["b_simple_samples"] == 700  # read from b_simple_tokens / --seq-length
     assert [(h["consumed_samples"], h["reason"]) for h in out["held"]] == [
         (3200, "the LR warmup (--lr-warmup-samples 5,000)")]
@@ -120,7 +122,6 @@ def test_a_missing_or_bad_trace_file(tmp_path):
 def test_a_run_log_with_k_not_a_multiple_of_the_log_interval(cli, tmp_path):
     """``--log-interval 10 --ga-noise-scale 5``: Megatron logs iterations 10 and 20, the extension's line (as the run
     prints it) every 5; --suggest reads the consumed samples from the noise-scale lines."""
-    noise_scale = pytest.importorskip("megatron_ga_ext.integration.noise_scale")  # the run's writer (torch)
     lines = []
     for iteration in range(1, 21):
         consumed = 16 * iteration
@@ -128,7 +129,7 @@ def test_a_run_log_with_k_not_a_multiple_of_the_log_interval(cli, tmp_path):
             lines.append(f" [2026-12-02 08:12:50] iteration {iteration:8d}/      20 | consumed samples: {consumed:12d} "
                          "| elapsed time per iteration (ms): 302.9 | global batch size:    16 | lm loss: 6.31E+00 |")
         if iteration % 5 == 0:
-            lines.append(noise_scale._log_line({
+            lines.append(log_line({  # the line the run prints
                 "iteration": iteration, "consumed_samples": consumed, "b_simple_tokens": 640.0 * iteration,
                 "b_simple_samples": 10.0 * iteration, "grad_sq": 6.5, "grad_sq_ema": 10.0, "trace_sigma": 50.9,
                 "trace_sigma_ema": 97.7, "tokens": 898, "replicas": 2}))

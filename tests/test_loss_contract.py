@@ -25,9 +25,9 @@ def test_masked_loss_token_mode_sums_and_counts_in_int64():
 
 
 def test_report_mean_is_the_optimised_loss_in_each_mode():
-    token = [masked_loss(l, m)[2] for l, m in zip(LOSSES, MASKS)]
+    token = [masked_loss(loss, m)[2] for loss, m in zip(LOSSES, MASKS)]
     assert reduce_reports(token)["lm loss"].item() == pytest.approx((6.0 + 10.0) / 4)
-    means = [masked_loss(l, m, mode="microbatch")[2] for l, m in zip(LOSSES, MASKS)]
+    means = [masked_loss(loss, m, mode="microbatch")[2] for loss, m in zip(LOSSES, MASKS)]
     assert reduce_reports(means)["lm loss"].item() == pytest.approx((6.0 / 3 + 10.0 / 1) / 2)
 
 
@@ -64,10 +64,10 @@ class _NoHostReads(TorchFunctionMode):
     index, and the comparisons that answer a Python bool without ``__bool__`` (equal, allclose,
     is_nonzero)."""
 
-    READS = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.tolist, torch.Tensor.__int__,
+    READS = frozenset({torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.tolist, torch.Tensor.__int__,
              torch.Tensor.__float__, torch.Tensor.numpy, torch.Tensor.__index__,
              torch.equal, torch.Tensor.equal, torch.allclose, torch.Tensor.allclose,
-             torch.is_nonzero, torch.Tensor.is_nonzero}
+             torch.is_nonzero, torch.Tensor.is_nonzero})
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in self.READS:
@@ -88,7 +88,7 @@ def test_no_host_reads_catches_every_read(read):
 
 def test_contract_accumulates_device_flags_without_host_reads():
     contract = LossContract()
-    micro = [masked_loss(l, m) for l, m in zip(LOSSES, MASKS)]
+    micro = [masked_loss(loss, m) for loss, m in zip(LOSSES, MASKS)]
     bad_count = (micro[0][0], micro[0][1] - 10, micro[0][2])
     bad_loss = (micro[1][0] * float("inf"), micro[1][1], micro[1][2])
     wrapped = contract.wrap(lambda outputs: outputs)
@@ -116,7 +116,7 @@ class _DispatchedOps(TorchDispatchMode):
 
 def _step_ops(contract: LossContract, num_microbatches: int) -> tuple[list[str], list[str]]:
     """(ops per micro-batch check, ops of collect) for a step of ``num_microbatches``."""
-    micro = [masked_loss(l, m) for l, m in zip(LOSSES, MASKS)] * (num_microbatches // 2)
+    micro = [masked_loss(loss, m) for loss, m in zip(LOSSES, MASKS)] * (num_microbatches // 2)
     wrapped = contract.wrap(lambda outputs: outputs)
     with _DispatchedOps() as per_microbatch:
         for outputs in micro:
@@ -236,9 +236,10 @@ def test_microbatch_mode_reports_each_micro_batch_mean():
     logged = reduce_reports(reports)["lm loss"]
     means = [float((LOSSES[m] * MASKS[m]).sum() / MASKS[m].sum().clamp(min=1)) for m in range(len(LOSSES))]
     assert float(logged) == pytest.approx(sum(means) / len(means), rel=1e-6)
-    token_mean = sum(float((LOSSES[m] * MASKS[m]).sum()) for m in range(len(LOSSES))) / float(sum(m.sum() for m in MASKS))
+    token_sum = sum(float((loss * mask).sum()) for loss, mask in zip(LOSSES, MASKS))
+    token_mean = token_sum / float(sum(mask.sum() for mask in MASKS))
     assert abs(float(logged) - token_mean) > 1e-3  # the masks are uneven: the two means differ
-    loss, n, _ = func(MASKS[0], LOSSES[0])
+    _, n, _ = func(MASKS[0], LOSSES[0])
     assert int(n) == int(MASKS[0].sum())  # the loss and count Megatron scales by are unchanged
 
 
@@ -284,7 +285,8 @@ def test_counts_of_another_shape_or_dtype_in_a_later_step():
     """One contract, steps whose counts differ in shape and dtype: each step's vector is its own."""
     contract = LossContract()
     steps = [[torch.tensor(3), torch.tensor(4)], [torch.tensor([3]), torch.tensor([4])],
-             [torch.tensor(3, dtype=torch.int32), torch.tensor(4, dtype=torch.int32)], [torch.tensor(3), torch.tensor(4)]]
+             [torch.tensor(3, dtype=torch.int32), torch.tensor(4, dtype=torch.int32)],
+             [torch.tensor(3), torch.tensor(4)]]
     for counts in steps:
         for count in counts:
             contract.check((torch.tensor(1.0), count, {}))

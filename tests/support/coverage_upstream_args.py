@@ -2,8 +2,9 @@
 them, as JSON: {snapshot: {"flags": [option strings], "refused": {case: [row ids] or null}}} (null: that parser
 refuses the line, e.g. a flag it does not define yet).
 
-Run by tests/test_coverage_upstream.py in a subprocess (``python -m tests.coverage_upstream_args``), the cases as JSON on stdin ([[case, flags, GAConfig
-kwargs], ...]), the snapshot roots as arguments. Each snapshot's parser is built by tests/snapshot_parser.py.
+Run by tests/test_coverage_upstream.py in a subprocess (``python -m tests.support.coverage_upstream_args``), the
+cases as JSON on stdin ([[case, flags, GAConfig kwargs], ...]), the snapshot roots as arguments. Each snapshot's
+parser is built by tests/support/snapshot_parser.py.
 """
 import argparse
 import contextlib
@@ -14,7 +15,7 @@ import warnings
 
 from megatron_ga_ext.config.coverage import Setting, verdict
 from megatron_ga_ext.config.ga_config import GAConfig
-from tests.snapshot_parser import install_stubs, option_strings, parser_of
+from tests.support.snapshot_parser import install_stubs, option_strings, parser_of
 
 warnings.filterwarnings("ignore")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ga_ext.core.megatron_flags import MEGATRON_OPTIONS, NOT_MEGATRON
-from tests.snapshot_parser import release
+from tests.support.snapshot_parser import release
 from tools.regress import NO_SOURCE, sources
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not DIRS, reason=NO_SOURCE)]
 
 @pytest.fixture(scope="module")
 def parser_flags() -> dict[Path, set[str]]:
-    result = subprocess.run([sys.executable, "-m", "tests.megatron_parser_flags",
+    result = subprocess.run([sys.executable, "-m", "tests.support.megatron_parser_flags",
                              *map(str, DIRS)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     return {Path(root): set(flags) for root, flags in json.loads(result.stdout.splitlines()[-1]).items()}

@@ -1,34 +1,40 @@
-"""The rules between flags, shared by ``check``, ``schedule``, the calculator and ``install()``. Pure Python.
+"""The one rule pass over a launch's settings, and the rules between flags it runs. Pure Python.
+
+:func:`launch_errors` is the pass: each ``--ga-*`` flag's own rule (its declaration in config/flags.py), then
+the rules between flags and Megatron's settings below. GAConfig runs it at construction (the flags alone),
+install() through ``check_args`` (config/install_check.py, with Megatron's parsed args) and ``megatron-ga check`` on a launch line
+(launch/problems.py), so a setting is refused the same way wherever it is read.
 
 * :func:`check_loss_mode`: ``--ga-loss-reduction token`` needs ``--calculate-per-token-loss``;
   ``microbatch`` must not have it;
 * :func:`check_guards`: schedules that run another number of forward passes need ``--no-ga-guards``;
 * :func:`check_checks`: ``--ga-checks async`` cannot skip a step, so not with ``--ga-zero-token-policy skip``;
-* :func:`check_noise_scale` and :func:`check_noise_scale_layout`: what ``--ga-noise-scale`` measures, and where;
-* :func:`check_lr_scaling`: ``--ga-lr-scaling sqrt|linear`` needs a step batch-size schedule.
+* :func:`check_noise_scale_layout`: where ``--ga-noise-scale`` can measure;
+* :func:`check_lr_scaling`: ``--ga-lr-scaling sqrt|linear`` needs a step batch-size schedule;
+* :func:`check_batch_size_warmup_launch` and :func:`check_train_length`: what a schedule needs of the launch.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
-
-import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
 
 from megatron_ga_ext.config.flags import (
     BATCH_SIZE_WARMUP,
     BATCH_SIZE_WARMUP_MAX,
-    BATCH_SIZE_WARMUP_TRUST,
     CHECKS,
     CONVERT_RAMPUP,
+    GA_OPTIONS,
     GUARDS,
     LOSS_REDUCTION,
     LR_SCALING,
     NOISE_SCALE,
-    NOISE_SCALE_DECAY,
     ZERO_TOKEN_POLICY,
     check_choice,
+    flag_errors,
 )
-from megatron_ga_ext.errors import OptionError, ScheduleError
+from megatron_ga_ext.config.megatron_args import MegatronArgs
+from megatron_ga_ext.errors import GAError, OptionError, ScheduleError
 
 
 def check_loss_mode(loss_reduction: str, calculate_per_token_loss: bool, *, explicit: bool = True) -> None:
@@ -65,23 +71,6 @@ def check_checks(checks: str, zero_token_policy: str) -> None:
             f"skips it, {ZERO_TOKEN_POLICY.flag} error (the default) stops the run there.")
 
 
-def check_noise_scale(interval: object, decay: object, loss_reduction: str) -> None:
-    """``--ga-noise-scale K``: K a whole number >= 0, the EMA decay in [0, 1), and token mode (the estimator needs
-    the reduced gradient to be the token mean, with each replica's token count). Raises OptionError."""
-    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
-        raise OptionError(f"{NOISE_SCALE.flag} {interval!r} is not a whole number >= 0: give K to measure every "
-                          f"K-th iteration, or 0 (the default) for off.")
-    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not math.isfinite(decay) \
-            or not 0 <= decay < 1:
-        raise OptionError(f"{NOISE_SCALE_DECAY.flag} {decay!r} is not in [0, 1): 0 keeps the last measurement only, "
-                          f"0.95 (the default) averages about 20.")
-    if interval and loss_reduction != "token":
-        raise OptionError(
-            f"{NOISE_SCALE.flag} {interval} needs {LOSS_REDUCTION.flag} token: the estimator compares each replica's "
-            f"token-mean gradient with the token mean over all N tokens, and upstream's mean of means is neither. "
-            f"Use {LOSS_REDUCTION.flag} token, or drop {NOISE_SCALE.flag}.")
-
-
 #: (Megatron's flag, what the layout check reads, why --ga-noise-scale refuses it).
 NOISE_SCALE_REFUSALS = (
     ("--context-parallel-size", "context_parallel_size",
@@ -92,12 +81,14 @@ NOISE_SCALE_REFUSALS = (
 )
 
 
-def check_noise_scale_layout(interval: int, *, data_parallel_size: int, settings: dict[str, object]) -> None:
+def check_noise_scale_layout(interval: int, *, data_parallel_size: int,
+                             settings: Mapping[str, Any] | MegatronArgs) -> None:
     """Where ``--ga-noise-scale`` can measure: DP >= 2 (it compares replicas), CP 1, one distributed-optimizer
     instance, Megatron's DDP (not Megatron-FSDP, whose gradients are sharded before the reduction). Raises OptionError
     naming the flag; ``settings`` holds Megatron's args by destination."""
     if not interval:
         return
+    settings = MegatronArgs.of(settings)
     if data_parallel_size < 2:
         raise OptionError(
             f"{NOISE_SCALE.flag} {interval} with data-parallel size {data_parallel_size}: the estimate compares each "
@@ -126,22 +117,6 @@ def check_lr_scaling(lr_scaling: str, schedule: str | None) -> None:
         f"(GBS / first GBS) ** {exponent}, but this launch has no schedule (no --step-batch-size-schedule, no "
         f"--rampup-batch-size with {CONVERT_RAMPUP.flag}), so it would change nothing. Give "
         f"--step-batch-size-schedule (or --rampup-batch-size with {CONVERT_RAMPUP.flag}), or drop {LR_SCALING.flag}.")
-
-
-def check_batch_size_warmup(mode: str, noise_scale: int, trust: object, cap: object) -> None:
-    """``--ga-batch-size-warmup auto`` decides from the measured noise scale (``--ga-noise-scale K``), with a trust
-    factor > 0 and a cap (``--ga-batch-size-warmup-max``). Raises OptionError."""
-    if mode != "auto":
-        return
-    if not noise_scale:
-        raise OptionError(f"{BATCH_SIZE_WARMUP.flag} auto decides from the measured noise scale: add "
-                          f"{NOISE_SCALE.flag} K (measure every K-th iteration), or drop {BATCH_SIZE_WARMUP.flag}.")
-    if isinstance(trust, bool) or not isinstance(trust, (int, float)) or not math.isfinite(trust) or trust <= 0:
-        raise OptionError(f"{BATCH_SIZE_WARMUP_TRUST.flag} {trust!r} is not a positive finite number: 1 takes the "
-                          f"measured B_simple as it is, 2 doubles it, 0.5 halves it.")
-    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
-        raise OptionError(f"{BATCH_SIZE_WARMUP.flag} auto needs {BATCH_SIZE_WARMUP_MAX.flag} (a whole number >= 1, "
-                          f"the global batch size it may grow to), not {cap!r}.")
 
 
 def check_batch_size_warmup_launch(global_batch_size: int | None, cap: int, schedule: str | None) -> None:
@@ -213,3 +188,111 @@ def rampup_ignored_message(rampup: Sequence[int | str], global_batch_size: int |
     )
 
 
+
+
+# -- the one rule pass ---------------------------------------------------------------------------------
+
+Values = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Between:
+    """A rule between flags: the ``--ga-*`` fields it reads (it is skipped where one of them breaks its own rule),
+    and whether it reads Megatron's settings (skipped without them: GAConfig alone)."""
+
+    reads: tuple[str, ...]
+    check: Callable[[Values, MegatronArgs], None]
+    needs_args: bool = True
+
+
+def _schedule(values: Values, settings: MegatronArgs) -> str | None:
+    """What gives the launch its step schedule, in words (``--ga-batch-size-warmup auto`` writes one)."""
+    if values["batch_size_warmup"] == "auto":
+        return f"{BATCH_SIZE_WARMUP.flag} auto"
+    return schedule_source(bool(settings.step_batch_size_schedule), bool(settings.rampup_batch_size),
+                           values["convert_rampup"])
+
+
+def _noise_scale_mode(values: Values, settings: MegatronArgs) -> None:
+    """``--ga-noise-scale K`` needs token mode: the estimator compares token-mean gradients."""
+    interval = values["noise_scale"]
+    if interval and values["loss_reduction"] != "token":
+        raise OptionError(
+            f"{NOISE_SCALE.flag} {interval} needs {LOSS_REDUCTION.flag} token: the estimator compares each replica's "
+            f"token-mean gradient with the token mean over all N tokens, and upstream's mean of means is neither. "
+            f"Use {LOSS_REDUCTION.flag} token, or drop {NOISE_SCALE.flag}.")
+
+
+def _batch_size_warmup(values: Values, settings: MegatronArgs) -> None:
+    """``--ga-batch-size-warmup auto`` decides from the measured noise scale, up to a cap."""
+    if values["batch_size_warmup"] != "auto":
+        return
+    if not values["noise_scale"]:
+        raise OptionError(f"{BATCH_SIZE_WARMUP.flag} auto decides from the measured noise scale: add "
+                          f"{NOISE_SCALE.flag} K (measure every K-th iteration), or drop {BATCH_SIZE_WARMUP.flag}.")
+    if values["batch_size_warmup_max"] is None:
+        raise OptionError(f"{BATCH_SIZE_WARMUP.flag} auto needs {BATCH_SIZE_WARMUP_MAX.flag} (a whole number >= 1, "
+                          f"the global batch size it may grow to), not None.")
+
+
+def _loss_mode(values: Values, settings: MegatronArgs) -> None:
+    per_token = settings.calculate_per_token_loss
+    if per_token is not None:
+        mode = values["loss_reduction"]
+        check_loss_mode(mode, per_token, explicit=mode != LOSS_REDUCTION.default)
+
+
+def _warmup_launch(values: Values, settings: MegatronArgs) -> None:
+    cap = values["batch_size_warmup_max"]
+    if values["batch_size_warmup"] != "auto" or cap is None:
+        return
+    given = schedule_source(bool(settings.step_batch_size_schedule), bool(settings.rampup_batch_size),
+                            values["convert_rampup"])
+    given = given or ("--rampup-batch-size" if settings.rampup_batch_size else None)
+    check_batch_size_warmup_launch(settings.global_batch_size, cap, given)
+
+
+def _noise_scale_layout(values: Values, settings: MegatronArgs) -> None:
+    dp = settings.data_parallel_size
+    if dp is not None:
+        check_noise_scale_layout(values["noise_scale"], data_parallel_size=dp, settings=settings)
+
+
+#: Every rule between flags, in the order their errors are reported.
+BETWEEN = (
+    Between(("checks", "zero_token_policy"), lambda v, s: check_checks(v["checks"], v["zero_token_policy"]),
+            needs_args=False),
+    Between(("noise_scale", "loss_reduction"), _noise_scale_mode, needs_args=False),
+    Between(("batch_size_warmup", "noise_scale", "batch_size_warmup_max"), _batch_size_warmup, needs_args=False),
+    Between(("loss_reduction",), _loss_mode),
+    Between(("batch_size_warmup", "batch_size_warmup_max", "convert_rampup"), _warmup_launch),
+    Between(("batch_size_warmup", "convert_rampup"), lambda v, s: check_train_length(_schedule(v, s), s.train_iters)),
+    Between(("lr_scaling", "batch_size_warmup", "convert_rampup"),
+            lambda v, s: check_lr_scaling(v["lr_scaling"], _schedule(v, s))),
+    Between(("noise_scale",), _noise_scale_layout),
+    Between(("guards",), lambda v, s: check_guards(v["guards"], hybrid_context_parallel=s.hybrid_context_parallel,
+                                                   rl_sequence_packing=s.rl_sequence_packing)),
+)
+
+
+def launch_errors(values: Values, settings: MegatronArgs | None = None) -> list[GAError]:
+    """The one rule pass: every error of the ``--ga-*`` settings ``values`` (by GAConfig field; absent ones read as
+    their defaults) and, given Megatron's ``settings``, of the two together. Empty: nothing is refused."""
+    errors = flag_errors(values)
+    full = {option.field: values.get(option.field, option.default) for option in GA_OPTIONS}
+    found: list[GAError] = list(errors.values())
+    for rule in BETWEEN:
+        if (rule.needs_args and settings is None) or any(field in errors for field in rule.reads):
+            continue
+        try:
+            rule.check(full, settings or MegatronArgs())
+        except GAError as error:
+            found.append(error)
+    return found
+
+
+def check_launch(values: Values, settings: MegatronArgs | None = None) -> None:
+    """Raise the first error of :func:`launch_errors`."""
+    errors = launch_errors(values, settings)
+    if errors:
+        raise errors[0]

@@ -200,14 +200,15 @@ class _ServerGone(RuntimeError):
 
 
 class _Server:
-    """``python -m megatron_ga_ext.testing.pretrain_server --serve`` from a Megatron-LM root: each launch forked from its one
-    import of Megatron, answered as a JSON line (the fork's pid, then its exit status)."""
+    """``python -m megatron_ga_ext.testing.pretrain_server --serve`` from a Megatron-LM root: each launch forked from
+    its one import of Megatron, answered as a JSON line (the fork's pid, then its exit status)."""
 
     def __init__(self, root: Path, python: str, environment: dict[str, str]) -> None:
         self.key = (root, python)
         self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"megatron-ga-serve-{os.getpid()}-{root.name}.log"
         with open(self.log, "w") as log:
-            self.process = subprocess.Popen([python, "-m", "megatron_ga_ext.testing.pretrain_server", "--serve"], cwd=root,
+            self.process = subprocess.Popen([python, "-m", "megatron_ga_ext.testing.pretrain_server", "--serve"],
+                                            cwd=root,
                                             env=environment, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                             stderr=log, start_new_session=True)
         self._buffer = b""

@@ -1,5 +1,6 @@
 """Megatron-LM's own argument parser at a source snapshot, for the tests that hold our flag declarations and the
-coverage table to it (tests/megatron_parser_flags.py, tests/coverage_upstream_args.py, run in subprocesses).
+coverage table to it (tests/support/megatron_parser_flags.py, tests/support/coverage_upstream_args.py, run in
+subprocesses).
 
 Optional packages the training code imports but the parser never uses are stubbed when they are not installed.
 """
@@ -13,6 +14,7 @@ import re
 import sys
 import types
 from pathlib import Path
+from typing import ClassVar
 
 from megatron_ga_ext.integration.compat import UPSTREAM
 
@@ -34,7 +36,7 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Optional packages Megatron-LM's training code imports but the parser does not need. Without triton
     (the e2e extra), the one Megatron module that imports it is stubbed instead: a stub triton would make
     torch believe triton is installed."""
-    names = {"modelopt", "six", "yaml", "regex", "pydantic"}
+    names: ClassVar[set[str]] = {"modelopt", "six", "yaml", "regex", "pydantic"}
     needs_triton = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
 
     def find_spec(self, name, path, target=None):

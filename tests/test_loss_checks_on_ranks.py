@@ -252,7 +252,8 @@ def test_broken_check_raises(outcomes, name, match):
 @pytest.mark.parametrize("name, match", [
     ("async_nan", r"--ga-checks async, verdict of training step 1: 8 micro-batch\(es\) in this global batch returned a "
                   r"non-finite loss"),
-    ("async_negative_count", r"--ga-checks async, verdict of training step 1: \d+ micro-batch\(es\) returned a negative"),
+    ("async_negative_count",
+     r"--ga-checks async, verdict of training step 1: \d+ micro-batch\(es\) returned a negative"),
     ("async_zero_tokens", r"--ga-checks async, verdict of training step 1: the global batch has 0 non-padding tokens"),
 ])
 def test_async_checks_raise_when_the_verdict_is_read(outcomes, name, match):
@@ -311,7 +312,7 @@ def test_megatron_fsdp_chunks_are_checked_and_torch_fsdp2_refused(outcomes):
 
 
 def test_token_count_group_spans_the_gtp_remat_axis_on_every_path(outcomes):
-    for status, groups in outcomes["count_groups"]:
+    for _, groups in outcomes["count_groups"]:
         if groups is None:
             pytest.skip("no GTP weight remat in this megatron-core (before 0.19)")
         assert len(groups["upstream"]) == 4 and len(groups["replicate"]) == 2

@@ -1,5 +1,5 @@
-"""consistency.py: the batch settings ranks and a resumed checkpoint must agree on (end to end:
-tests/e2e/test_faults.py)."""
+"""The batch settings every rank and a resumed checkpoint must agree on, and the message naming what differs
+(end to end: tests/e2e/test_faults.py)."""
 
 import logging
 from argparse import Namespace

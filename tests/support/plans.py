@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.e2e.pretrain_runs import MICRO_BATCH_SIZE, SEQ_LENGTH, Run
+from tests.support.pretrain_runs import MICRO_BATCH_SIZE, SEQ_LENGTH, Run
 
 DATA_PARALLEL_SIZE = 2  # both layouts: dp2, and pp2dp2 (4 ranks over PP 2)
 #: Every launch here bounds each collective (Megatron's process-group timeout) besides the launch's own timeout.

@@ -1,7 +1,5 @@
 """megatron-ga schedule: table, JSON, rampup conversion, plot, one-line errors, and its speed."""
 
-import subprocess
-import sys
 import time
 
 import pytest
@@ -36,7 +34,8 @@ def test_table_text(cli):
     assert answer.status == 0
     out = answer.out
     lines = out.splitlines()
-    assert lines[0] == '--step-batch-size-schedule "0:768 250B:1536 500B:3072 750B:6144" (thresholds in tokens, --seq-length 4096)'
+    assert lines[0] == ('--step-batch-size-schedule "0:768 250B:1536 500B:3072 750B:6144" '
+                        '(thresholds in tokens, --seq-length 4096)')
     assert "first token" in out and "micro-batches" in out
     assert any(line.split()[:4] == ["2", "250B:1536", "1,536", "6"] for line in lines)
     assert "steps for --train-samples 200,000,000" in out
@@ -55,7 +54,8 @@ def test_from_rampup_prints_the_converted_schedule(cli):
     assert answer.status == 0
     out = answer.out
     assert "--rampup-batch-size 16 8 300000 --global-batch-size 1024 is this step schedule (127 stages):" in out
-    samples_line = next(line for line in out.splitlines() if line.strip().startswith('--step-batch-size-schedule "0:16 2381:24'))
+    samples_line = next(line for line in out.splitlines()
+                        if line.strip().startswith('--step-batch-size-schedule "0:16 2381:24'))
     text = samples_line.split('"')[1]
     assert StepSchedule.parse(text).stages == StepSchedule.from_rampup(16, 8, 300000, 1024).stages
     tokens_line = next(line for line in out.splitlines() if '"0:16 9752576:24' in line)
@@ -148,15 +148,6 @@ def test_plot_png(tmp_path, cli):
     not_white = (rgb < 0.95).any(axis=-1).mean()
     assert 0.01 < not_white < 0.5  # axes, labels and the two step lines: drawn, not blank, not a solid fill
     assert rgb.std() > 0.05
-
-
-def test_no_plot_means_no_matplotlib_and_no_megatron():
-    code = ("import sys; from megatron_ga_ext.cli.main import main; "
-            "main(['schedule', '0:8 100:16', '--micro-batch-size', '1', '--data-parallel-size', '8']); "
-            "bad = [m for m in ('matplotlib', 'torch', 'megatron') if m in sys.modules]; "
-            "sys.exit(f'imported {bad}' if bad else 0)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
 
 
 def test_console_script_answers_in_under_half_a_second(cli_script):

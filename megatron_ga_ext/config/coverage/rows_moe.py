@@ -1,0 +1,151 @@
+"""The coverage rows of MoE (routers and their auxiliary losses, dispatchers, capacity), the DSA indexer loss, MTP and
+hybrid models. Pure Python; the table is :data:`megatron_ga_ext.config.coverage.rows.ROWS`, in this order.
+"""
+
+from __future__ import annotations
+
+from megatron_ga_ext.config.coverage.conditions import (
+    balancing,
+    has_moe,
+    in_microbatch_mode,
+    in_token_mode,
+    is_hybrid,
+    quantile_balancing,
+    quantile_unmasked_losses,
+)
+from megatron_ga_ext.config.coverage.proofs import MOE_LOOP, MOE_MTP, NO_GPU, NOT_YET, verify_layouts
+from megatron_ga_ext.config.coverage.row import Proof, Row
+
+__all__ = ["MOE_ROWS"]
+
+#: The flex dispatcher's backends and their options (the dispatcher-flex row).
+FLEX_DISPATCHER = (
+    "--moe-flex-dispatcher-backend", "--moe-enable-deepep", "--moe-deepep-num-sms", "--moe-hybridep-num-sms",
+    "--moe-flex-dispatcher-num-sms", "--moe-hybridep-num-blocks-permute", "--moe-hybridep-num-blocks-unpermute",
+    "--moe-hybridep-num-sms-preprocessing", "--moe-hybridep-pad-uneven-dispatch-inputs",
+    "--moe-permute-fusion-into-hybridep", "--moe-ncclep-zero-copy", "--moe-dispatch-fwd-dtype",
+    "--moe-combine-bwd-dtype")
+
+MOE_ROWS: tuple[Row, ...] = (
+    # MoE
+    Row(id="router-aux-loss", flags=("--moe-router-load-balancing-type", "--moe-aux-loss-coeff"),
+        given="--moe-router-load-balancing-type aux_loss (the default)", support="supported",
+        text="token mode: each micro-batch's load-balancing and z-loss terms are computed over its loss tokens and "
+        "weighted by its share of the global batch's loss tokens. install() corrects the router's count, which "
+        "megatron-core reads back after an in-place all-reduce once a padding mask is given (Megatron-LM #7452, "
+        "finding 10: TP x CP times the target from 0.19), and before 0.19 gives the z-loss its missing TP x CP "
+        "factor: exact under TP (sequence parallel) and CP, with uneven loss tokens across the shards; a micro-batch "
+        "without loss tokens adds no term. Microbatch mode: as upstream.",
+        proofs=(*MOE_LOOP, *verify_layouts("DP2 x GA4 (MoE)", "EP2 x DP2 x GA4 (MoE)",
+                                    "TP2 x DP2 x GA4 (MoE, sequence parallel)", "CP2 x DP2 x GA4 (MoE, position-wise)"),
+                Proof(test="tests/test_verify_aux.py::test_install_meets_the_token_mode_target"),
+                Proof(test="tests/test_moe_empty_microbatch.py::test_the_step_matches_the_token_reference")),
+        applies=balancing("aux_loss")),
+    Row(id="router-global-aux-loss", flags=("--moe-router-load-balancing-type",),
+        given="--moe-router-load-balancing-type global_aux_loss", support="supported",
+        text="token mode: each DP rank's piece of a micro-batch's global load-balancing loss (statistics over every "
+        "DP rank) weighted by its share of the loss tokens; install() corrects the router's count, which with a "
+        "padding mask is the micro-batch's over every DP rank (#7452 finding 10: about DP times the target). "
+        "Microbatch mode: as upstream.",
+        proofs=(*verify_layouts("DP2 x GA4 (MoE global_aux_loss)"),
+                Proof(test="tests/test_verify_aux.py::test_install_meets_the_token_mode_target"),
+                Proof(test="tests/test_verify_fuzz.py::test_a_fixed_seed_passes")),
+        applies=balancing("global_aux_loss")),
+    Row(id="router-seq-aux-loss", flags=("--moe-router-load-balancing-type",),
+        given="--moe-router-load-balancing-type seq_aux_loss", support="limited",
+        text="token mode: computed over the loss tokens like aux_loss, with the router's count corrected (drawn by "
+        "megatron-ga verify --fuzz). Before 0.19 the router pre-multiplies it by a per-sequence count: with "
+        "--micro-batch-size above 1 its gradient is 1 / MBS of the target there (0.19 fixed it).",
+        proofs=(Proof(test="tests/test_verify_fuzz.py::test_a_fixed_seed_passes"),),
+        applies=balancing("seq_aux_loss")),
+    Row(id="router-sinkhorn-none", flags=("--moe-router-load-balancing-type",),
+        given="--moe-router-load-balancing-type sinkhorn or none", support="limited",
+        text="no load-balancing loss; in token mode the z-loss and the expert-bias counts exclude padding; "
+        f"{NOT_YET}.",
+        applies=balancing("sinkhorn", "none")),
+    Row(id="router-quantile-balancing-token", flags=("--moe-router-load-balancing-type",
+                                                     "--moe-router-quantile-balancing-ema"),
+        given="--moe-router-load-balancing-type quantile_balancing (0.19 and later)", when="in token mode",
+        support="supported",
+        text="the router is given no padding mask (quantile balancing has no load-balancing loss, and megatron-core's "
+        "router refuses a padding mask there): the token count, the loss contract and its checks hold, and every "
+        "step's loss and gradient equal upstream's --calculate-per-token-loss run.",
+        proofs=(Proof(test=MOE_MTP + "test_quantile_balancing_token_mode_equals_upstream"),),
+        applies=in_token_mode(lambda s: quantile_balancing(s) and not quantile_unmasked_losses(s))),
+    Row(id="router-quantile-balancing-mixed-token",
+        flags=("--moe-router-load-balancing-type", "--moe-z-loss-coeff"),
+        given="--moe-router-load-balancing-type quantile_balancing with --moe-z-loss-coeff, or with an aux-loss type "
+        "in the same list", when="in token mode", support="limited",
+        text="the model is routed without a padding mask (upstream's router refuses one under quantile balancing), so "
+        "the z-loss and any aux-loss layers count padding positions: their gradients are (routed positions / loss "
+        f"tokens) times their token-mode target, as with upstream's --calculate-per-token-loss; {NOT_YET}.",
+        applies=in_token_mode(lambda s: quantile_balancing(s) and quantile_unmasked_losses(s))),
+    Row(id="router-quantile-balancing-microbatch", flags=("--moe-router-load-balancing-type",),
+        given="--moe-router-load-balancing-type quantile_balancing", when="in microbatch mode", support="limited",
+        text=f"no padding mask is passed in microbatch mode; {NOT_YET}.",
+        applies=in_microbatch_mode(balancing("quantile_balancing"))),
+    Row(id="router-expert-bias", flags=("--moe-router-enable-expert-bias", "--moe-router-bias-update-rate"),
+        given="--moe-router-enable-expert-bias", support="supported",
+        text="the router counts the tokens routed to each expert, in token mode under the padding mask, and finalize "
+        "moves the bias from those counts summed over TP x CP x DP; the bias steers routing and weighs no loss token. "
+        "On every tested source before main@d98e8a64ddf3 (core_v0.16.1 to core_v0.19.0, main@9f3fe8c925fb, "
+        "main@dd8c825b3ad5) the router masks its [tokens, experts] routing map with the flattened [tokens] padding "
+        "mask (a shape error at the first step, or, where a micro-batch routes as many tokens as there are experts, "
+        "experts masked instead of padding): install() gives it the mask per token there.",
+        proofs=(Proof(test="tests/test_moe_expert_bias.py::test_the_expert_bias_counts_exclude_the_padding_tokens"),
+                Proof(test="tests/test_moe_expert_bias.py::test_a_step_with_the_expert_bias_meets_both_references")),
+        applies=lambda s: has_moe(s) and s.on("moe_router_enable_expert_bias")),
+    Row(id="router-fusion", flags=("--moe-router-fusion",), given="--moe-router-fusion", support="limited",
+        text="Transformer Engine's fused kernels compute the router's top-k and its auxiliary-loss terms, given the "
+        f"padding mask and the token counts as the unfused path is; {NO_GPU} (Transformer Engine 2.7 or later).",
+        applies=lambda s: has_moe(s) and s.on("moe_router_fusion")),
+    Row(id="dispatcher-allgather-alltoall", flags=("--moe-token-dispatcher-type", "--expert-model-parallel-size"),
+        given="--moe-token-dispatcher-type allgather or alltoall, --expert-model-parallel-size N",
+        support="supported", text="the token count, the loss contract and the auxiliary-loss weights hold.",
+        proofs=MOE_LOOP + verify_layouts("EP2 x DP2 x GA4 (MoE)"),
+        applies=lambda s: has_moe(s) and s.value("moe_token_dispatcher_type") in ("allgather", "alltoall")),
+    Row(id="dispatcher-flex", flags=("--moe-token-dispatcher-type", *FLEX_DISPATCHER),
+        given="--moe-token-dispatcher-type flex",
+        support="limited", text="the dispatch does not touch the loss or the token count, whatever its backend and "
+        f"its options (its payload dtypes change the precision of what is sent, not its weight); {NO_GPU} (DeepEP, "
+        "HybridEP, NCCL EP).",
+        applies=lambda s: has_moe(s) and s.value("moe_token_dispatcher_type") == "flex"),
+    Row(id="rank-capacity-stash", flags=("--moe-expert-rank-capacity-factor", "--moe-paged-stash",
+                                         "--moe-paged-stash-page-size", "--moe-paged-stash-buffer-size-factor-cuda",
+                                         "--moe-paged-stash-buffer-size-factor-cpu"),
+        given="--moe-expert-rank-capacity-factor (0.18 and later)", support="limited",
+        text="Megatron wraps the forward/backward in a PagedStashRunner that, when a static buffer overflows, resets "
+        "the gradients and runs the step's forward/backward once more (synced dropless): each attempt runs the "
+        "extension's schedule hook and finalize and is checked on its own (under --ga-checks sync a broken first "
+        "attempt stops the run before the retry); --moe-paged-stash (which needs the factor) and its page and buffer "
+        f"sizes only size the stash; {NO_GPU} (HybridEP).",
+        applies=lambda s: s.value("moe_expert_rank_capacity_factor") is not None),
+    Row(id="dsa-indexer-loss-token", flags=("--experimental-attention-variant", "--dsa-indexer-loss-coeff",
+                                            "--dsa-indexer-use-sparse-loss"),
+        given="--experimental-attention-variant dsa", when="in token mode", support="limited",
+        text="the extension does not reweight the DSA indexer loss: it is scaled as upstream's "
+        "--calculate-per-token-loss scales it (its scaler is given the loss scale, and finalize divides by N); "
+        f"{NOT_YET}.",
+        applies=in_token_mode(lambda s: "dsa" in s.names("experimental_attention_variant"))),
+    # MTP and hybrid models
+    Row(id="mtp", flags=("--mtp-num-layers", "--mtp-loss-scaling-factor"), given="--mtp-num-layers N",
+        support="supported",
+        text="token mode: every MTP token weighs its scaling factor / N, the global count every term is divided by; "
+        "install() undoes process_mtp_loss's local n_u / m_u weighting (0.17+, Megatron-LM #7452 finding 3; 0.16 "
+        "attaches the sum already). Where labels are not given (the RL path) upstream's weighting stands. Microbatch "
+        "mode: as upstream.",
+        proofs=(Proof(test=MOE_MTP + "test_mtp_token_mode_weighs_every_mtp_token_by_n"),
+                *verify_layouts("DP2 x GA4 (MTP)", "DP2 x GA4 (MoE + MTP)"),
+                Proof(test="tests/test_verify_aux.py::test_install_meets_the_token_mode_target")),
+        applies=lambda s: s.number("mtp_num_layers") > 0),
+    Row(id="hybrid-moe-token", flags=("--hybrid-override-pattern", "--hybrid-layer-pattern", "--is-hybrid-model"),
+        given="a hybrid (Mamba) model with MoE layers", when="in token mode", support="limited",
+        text="the extension's MoE correction wraps GPTModel.forward only: a hybrid model's MoE layers route "
+        "without a padding mask, so their load-balancing and z-loss gradients are (routed positions / loss tokens) "
+        "times their target weight, as with upstream's --calculate-per-token-loss.",
+        applies=in_token_mode(lambda s: is_hybrid(s) and has_moe(s))),
+    Row(id="hybrid", flags=("--hybrid-override-pattern", "--hybrid-layer-pattern", "--is-hybrid-model"),
+        given="a hybrid (Mamba) model", support="limited",
+        text=f"its loss goes through forward_step_calc_loss and finalize as a GPT's does; {NOT_YET}.",
+        applies=lambda s: is_hybrid(s) and not (s.token and has_moe(s))),
+)

@@ -1,0 +1,260 @@
+"""The coverage rows of data parallelism (DDP, FSDP, the distributed optimizer, gradient buckets and precision), tensor
+parallelism, weight sharding and tied embeddings, context parallelism, RL and packed sequences. Pure Python; the
+table is :data:`megatron_ga_ext.config.coverage.rows.ROWS`, in this order.
+"""
+
+from __future__ import annotations
+
+from megatron_ga_ext.config.coverage.conditions import (
+    above_one,
+    any_given,
+    gtp_remat,
+    in_microbatch_mode,
+    in_token_mode,
+    is_on,
+    pipeline_tied,
+)
+from megatron_ga_ext.config.coverage.proofs import (
+    NO_GPU,
+    NOT_YET,
+    PACKING,
+    PACKING_E2E,
+    PACKING_FAULT,
+    TOKEN_LOOP,
+    verify_layouts,
+)
+from megatron_ga_ext.config.coverage.row import Proof, Row
+
+__all__ = ["PARALLEL_ROWS"]
+
+#: The GRPO loop's loss and batch flags (the rl-step row).
+GRPO = (
+    "--grpo-prompts-per-step", "--grpo-group-size", "--grpo-iterations", "--grpo-clamp-eps-lower",
+    "--grpo-clamp-eps-upper", "--grpo-kl-beta", "--grpo-entropy-term-weight", "--grpo-filter-groups-with-same-reward",
+    "--rl-importance-sampling-truncation-coef", "--rl-inference-logprobs-is-correction", "--rl-skip-bos-token",
+    "--rl-partial-rollouts", "--rl-generation-lag", "--rl-consumption-granularity", "--rl-submission-granularity",
+    "--rl-max-inflight-requests")
+#: Megatron-FSDP's sharding, buffer and precision options (the megatron-fsdp row).
+MEGATRON_FSDP = (
+    "--data-parallel-sharding-strategy", "--outer-dp-sharding-strategy", "--enable-full-sharding-in-hsdp",
+    "--megatron-fsdp-grad-comm-dtype", "--megatron-fsdp-main-grads-dtype", "--megatron-fsdp-main-params-dtype",
+    "--fsdp-double-buffer", "--fsdp-manual-registration", "--suggested-communication-unit-size",
+    "--keep-fp8-transpose-cache", "--init-model-with-meta-device", "--megatron-fsdp-version",
+    "--megatron-fsdp-enable-fine-grained-param-gather", "--fsdp-db-use-persist-buf-on-alloc-fail",
+    "--megatron-fsdp-max-pool-double-buffer", "--no-gradient-reduce-div-fusion")
+
+PARALLEL_ROWS: tuple[Row, ...] = (
+    # data parallelism
+    Row(id="torch-fsdp2-token", flags=("--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward"),
+        given="--use-torch-fsdp2", when="in token mode",
+        support="refused",
+        text="megatron-core's TorchFullyShardedDataParallel keeps the base class's scale_gradients, which does "
+        "nothing, so the division by the global token count N never reaches the gradients, and FSDP2's "
+        "reduce-scatter averages over the data-parallel ranks: the update would be the summed token loss / "
+        "(DP x CP), not / N.",
+        instead="Use Megatron-FSDP (--use-megatron-fsdp) or Megatron's DDP with --use-distributed-optimizer, or "
+        "train with --ga-loss-reduction microbatch (without --calculate-per-token-loss).",
+        applies=in_token_mode(is_on("use_torch_fsdp2"))),
+    Row(id="torch-fsdp2-microbatch", flags=("--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward"),
+        given="--use-torch-fsdp2",
+        when="in microbatch mode", support="limited",
+        text=f"FSDP2 averages over the data-parallel ranks as upstream's mean of means expects; {NO_GPU}.",
+        applies=in_microbatch_mode(is_on("use_torch_fsdp2"))),
+    Row(id="megatron-fsdp", flags=("--use-megatron-fsdp", *MEGATRON_FSDP), given="--use-megatron-fsdp",
+        support="limited",
+        text="Megatron-FSDP builds its gradient buffers without the 1 / (DP x CP) factor under "
+        "--calculate-per-token-loss and scales by 1 / N in finalize; the extension checks those factors at the "
+        "first step; its sharding, buffer and precision options change how the gradient is sharded, sent and stored "
+        f"(in the dtypes they name), not that factor; {NO_GPU}.",
+        applies=is_on("use_megatron_fsdp")),
+    Row(id="average-in-collective-token", flags=("--ddp-average-in-collective",),
+        given="--ddp-average-in-collective", when="in token mode", support="refused",
+        text="an averaging collective divides the summed token loss by DP x CP before finalize divides it by N "
+        "(Megatron's DDP asserts it is off under --calculate-per-token-loss).",
+        instead="Drop --ddp-average-in-collective (off by default).",
+        applies=in_token_mode(is_on("ddp_average_in_collective"))),
+    Row(id="yaml-cfg", flags=("--yaml-cfg",), given="--yaml-cfg", support="refused",
+        text="Megatron's parse_args replaces the parsed command line by the YAML file's settings, so the --ga-* flags "
+        "and the per-token switch install() sets never reach the args the run is built from.",
+        instead="Give the launch's settings as command-line flags (Megatron's and the --ga-* ones) instead of "
+        "--yaml-cfg.",
+        applies=lambda s: s.value("yaml_cfg") is not None),
+    Row(id="distributed-optimizer-overlap", flags=("--use-distributed-optimizer", "--overlap-grad-reduce"),
+        given="--use-distributed-optimizer, --overlap-grad-reduce", support="supported",
+        text="the gradients are summed over DP x CP (reduce-scatter, overlapped or not), then divided once by N.",
+        proofs=verify_layouts("DP2 x GA4 (overlapped grad reduce, distributed optimizer)"),
+        applies=lambda s: s.on("use_distributed_optimizer") or s.on("overlap_grad_reduce")),
+    Row(id="overlap-param-gather", flags=("--overlap-param-gather", "--overlap-param-gather-with-optimizer-step",
+                                          "--no-align-param-gather"),
+        given="--overlap-param-gather", support="limited",
+        text="the parameters' all-gather after the optimizer step overlaps the next forward (or, with "
+        "--overlap-param-gather-with-optimizer-step, its first bucket the step itself; unaligned across pipeline "
+        "stages with --no-align-param-gather); a step skipped under "
+        f"--ga-zero-token-policy skip changes no parameter; {NOT_YET}.",
+        applies=is_on("overlap_param_gather")),
+    Row(id="distributed-optimizer-instances", flags=("--num-distributed-optimizer-instances",),
+        given="--num-distributed-optimizer-instances N (N > 1)", support="limited",
+        text="the gradient is reduce-scattered within each optimizer instance and all-reduced across the instances, "
+        f"then divided by N: the same sum over DP x CP; --ga-noise-scale refuses it; {NOT_YET}.",
+        applies=above_one("num_distributed_optimizer_instances")),
+    Row(id="grad-reduce-buckets", flags=("--ddp-bucket-size", "--ddp-num-buckets",
+                                         "--ddp-pad-buckets-for-high-nccl-busbw", "--no-align-grad-reduce",
+                                         "--disable-align-grad-reduce"),
+        given="--ddp-bucket-size, --ddp-num-buckets, --ddp-pad-buckets-for-high-nccl-busbw or --no-align-grad-reduce",
+        support="limited",
+        text="they change how Megatron's DDP splits the gradient's sum over DP x CP into buckets and when each "
+        "bucket's collective starts (aligned across pipeline stages or not), not the sum or its 1/N; the noise-scale "
+        f"meter reads each bucket group as its reduction starts; {NOT_YET}.",
+        applies=any_given("ddp_bucket_size", "ddp_num_buckets", "ddp_pad_buckets_for_high_nccl_busbw",
+                       "align_grad_reduce")),
+    Row(id="grad-reduce-bf16", flags=("--grad-reduce-in-bf16",), given="--grad-reduce-in-bf16 (with --bf16)",
+        support="limited",
+        text="the main gradients are bf16: each micro-batch's gradient is added into them, summed over DP x CP and "
+        "divided by N in bf16, so every token keeps its weight and each gradient loses precision (the parameters "
+        "--ddp-param-name-patterns-for-fp32-local-accumulation names add their micro-batches in fp32); "
+        f"{NOT_YET}.",
+        applies=is_on("grad_reduce_in_bf16")),
+    Row(id="fp32-local-accumulation", flags=("--ddp-param-name-patterns-for-fp32-local-accumulation",),
+        given="--ddp-param-name-patterns-for-fp32-local-accumulation (0.17 and later)", support="limited",
+        text="the parameters it names add their micro-batch gradients into an fp32 main_grad apart from the bf16 "
+        "buffer; upstream copies it into the buffer before the reduction and back after, and scales both by 1/N, "
+        "so every token keeps its weight; --ga-noise-scale leaves those parameters out of its norms (their main_grad "
+        f"is not in the buffer it reads); {NOT_YET}.",
+        applies=lambda s: bool(s.names("ddp_param_name_patterns_for_fp32_local_accumulation"))),
+    Row(id="fp32-grad-reduce", flags=("--accumulate-allreduce-grads-in-fp32",
+                                      "--ddp-reduce-scatter-with-fp32-accumulation"),
+        given="--accumulate-allreduce-grads-in-fp32 or --ddp-reduce-scatter-with-fp32-accumulation", support="limited",
+        text="the first keeps the main gradients in fp32 (Megatron turns it on under --bf16 unless "
+        "--grad-reduce-in-bf16 or a bf16 --main-grads-dtype), the second sends bf16 over the wire and adds in fp32: "
+        f"the same sum over DP x CP and the same 1/N, in another precision; {NOT_YET}.",
+        applies=any_given("accumulate_allreduce_grads_in_fp32", "ddp_reduce_scatter_with_fp32_accumulation")),
+    Row(id="precision-aware-optimizer", flags=("--use-precision-aware-optimizer", "--main-grads-dtype"),
+        given="--use-precision-aware-optimizer (with --main-grads-dtype)", support="limited",
+        text="Transformer Engine's FusedAdam keeps the main gradients in --main-grads-dtype (fp32 unless given): the "
+        "sum over micro-batches and over DP x CP and the 1/N run in that precision, every token's weight unchanged; "
+        f"{NO_GPU} (Transformer Engine).",
+        applies=any_given("use_precision_aware_optimizer", "main_grads_dtype")),
+    Row(id="gradient-accumulation-fusion", flags=("--no-gradient-accumulation-fusion",),
+        given="--no-gradient-accumulation-fusion", support="supported",
+        text="the backward's hook adds each micro-batch's weight gradient into main_grad (rather than the wgrad GEMM, "
+        "Megatron's default where its CUDA extension is built): each is added once, then reduced and divided by N; "
+        "the end-to-end runs train this way (the fused default is not run here).",
+        proofs=TOKEN_LOOP,
+        applies=lambda s: not s.value("gradient_accumulation_fusion")),
+    Row(id="fake-process-group", flags=("--fake-process-group",), given="--fake-process-group", support="limited",
+        text="a memory-profiling mode: every collective is skipped, so N, the gradient's sums and the noise scale "
+        f"cover this rank only, and no step trains as the launch would; {NOT_YET}.",
+        applies=is_on("fake_process_group")),
+    # tensor parallelism, weight sharding, tied embeddings
+    Row(id="gtp", flags=("--tensor-parallel-num-weight-shards", "--expert-tensor-parallel-num-weight-shards",
+                         "--gtp-remat-reduce-scatter-with-fp32-accumulation", "--gtp-remat-opt-in-modules",
+                         "--gtp-remat-nccl-ub", "--gtp-expert-remat-nccl-ub"),
+        given="--tensor-parallel-num-weight-shards N above --tensor-model-parallel-size (or "
+        "--expert-tensor-parallel-num-weight-shards N above the experts' tensor-parallel size): GTP weight "
+        "rematerialization (0.19 and later)", support="refused",
+        text="GTP shards each weight over an extra axis whose ranks take distinct data (Megatron's data-parallel size "
+        "becomes the replicate degree, and the micro-batches are spread over replicate DP x GTP) and reduce-scatters "
+        "the weight gradients over that axis inside the backward pass, outside the data-parallel reduction the "
+        "extension's finalize, its checks and the noise-scale meter are built around; the token count's group spans "
+        "the axis, but no test has run a GTP step, so the extension cannot say that every token keeps its weight.",
+        instead="Keep --tensor-parallel-num-weight-shards at --tensor-model-parallel-size (and "
+        "--expert-tensor-parallel-num-weight-shards at the experts' tensor-parallel size): no GTP weight "
+        "rematerialization.",
+        applies=gtp_remat),
+    Row(id="tensor-parallel", flags=("--tensor-model-parallel-size",), given="--tensor-model-parallel-size N (N > 1)",
+        support="limited",
+        text="every TP rank of a replica computes the same loss over the same tokens, so N sums the count over DP x CP "
+        "only, and finalize's reductions over TP (sequence-parallel and q/k layernorm gradients) run before the "
+        "division by N; no verify row runs TP > 1 yet (tests/test_noise_scale_gpt.py measures the noise scale on "
+        "TP 2 x DP 2).",
+        applies=above_one("tensor_model_parallel_size")),
+    Row(id="sequence-parallel", flags=("--sequence-parallel",), given="--sequence-parallel", support="limited",
+        text="each TP rank holds the gradient of its sequence shard for the parameters marked sequence_parallel (the "
+        "layer norms) until finalize all-reduces them over TP, before the division by N; the noise-scale meter "
+        f"leaves those parameters out of its norms; {NOT_YET}.",
+        applies=is_on("sequence_parallel")),
+    Row(id="qk-layernorm", flags=("--qk-layernorm",),
+        given="--qk-layernorm with --tensor-model-parallel-size N (N > 1)", support="limited",
+        text="each TP rank's q/k layernorm gradient covers only its own attention heads until finalize sums it over TP "
+        "(every tested source does, before the division by N), so every token keeps its weight; under "
+        "--ga-noise-scale, where these weights carry no sequence_parallel mark (without --sequence-parallel), the "
+        "meter counts TP rank 0's partial gradient of them as the replica's whole one (it reads the buckets before "
+        f"that sum), so their part of the measured |S_r|^2 is not the replica's; {NOT_YET}.",
+        applies=lambda s: s.on("qk_layernorm") and s.number("tensor_model_parallel_size") > 1),
+    Row(id="tied-embeddings-pipeline", flags=("--untie-embeddings-and-output-weights",),
+        given="tied embeddings (no --untie-embeddings-and-output-weights) with --pipeline-model-parallel-size N "
+        "(N > 1)", support="supported",
+        text="the first and the last stage each hold the word embedding; finalize sums their gradients of it over the "
+        "embedding group before the division by N.",
+        proofs=(TOKEN_LOOP[1], *verify_layouts("PP2 x DP2 x GA4")),
+        applies=pipeline_tied(untied=False)),
+    Row(id="untied-embeddings-pipeline", flags=("--untie-embeddings-and-output-weights",),
+        given="--untie-embeddings-and-output-weights with --pipeline-model-parallel-size N (N > 1)", support="limited",
+        text="the input embedding (first stage) and the output layer (last stage) are separate weights, with no "
+        f"gradient to sum across stages; {NOT_YET}.",
+        applies=pipeline_tied(untied=True)),
+    # context parallelism, packed sequences
+    Row(id="context-parallel", flags=("--context-parallel-size",), given="--context-parallel-size N (N > 1)",
+        support="supported",
+        text="each CP shard counts its own loss tokens and N sums them over DP x CP; microbatch mode is upstream's "
+        "per-shard mean.",
+        proofs=verify_layouts("CP2 x DP2 x GA4 (position-wise)"), applies=above_one("context_parallel_size")),
+    Row(id="hybrid-context-parallel", flags=("--hybrid-context-parallel", "--max-seqlen-per-dp-cp-rank"),
+        given="--hybrid-context-parallel",
+        support="limited",
+        text="it regroups sequences into micro-batches of its own, so the micro-batch guards must be off "
+        f"(--no-ga-guards, checked); the token count and its checks hold; {NOT_YET}.",
+        applies=is_on("hybrid_context_parallel")),
+    Row(id="rl-sequence-packing", flags=("--perform-rl-step", "--rl-use-sequence-packing", "--rl-sequence-packing-algo",
+                                         "--rl-sequence-packing-max-sequences-per-bin"),
+        given="--perform-rl-step --rl-use-sequence-packing", support="limited",
+        text="packed RL batches count bins, not samples, so the micro-batch guards must be off (--no-ga-guards, "
+        "checked); the token count and its checks hold, but for a bin without loss tokens, which upstream's GRPO loss "
+        f"function reports as 1 token (see rl-step); {NOT_YET}.",
+        applies=lambda s: s.on("perform_rl_step") and s.on("rl_use_sequence_packing")),
+    Row(id="rl-step", flags=("--perform-rl-step", *GRPO), given="--perform-rl-step (GRPO)", support="limited",
+        text="Megatron's RL loop trains on the rollouts it generates: a round's --grpo-prompts-per-step x "
+        "--grpo-group-size x --grpo-iterations rollouts must be a multiple of --global-batch-size, and each training "
+        "step takes one global batch of them; its GRPO loss function (train_rl.py: the clipped ratio, the KL, entropy "
+        "and importance-sampling terms) returns the loss summed over the loss mask with the mask's token count, "
+        "except that a micro-batch without loss tokens reports 1 token, so N counts one token more per such "
+        f"micro-batch and the zero-token policy does not see it; {NOT_YET}.",
+        applies=is_on("perform_rl_step")),
+    Row(id="rl-context-parallel-token", flags=("--perform-rl-step", "--context-parallel-size"),
+        given="--perform-rl-step with --context-parallel-size N (N > 1)", when="in token mode", support="refused",
+        text="Megatron-LM's GRPO loss function (train_rl.py) multiplies each micro-batch's summed loss by "
+        "--context-parallel-size on every tested source before main@dd8c825b3ad5, while the token count it returns "
+        "is the CP shard's: there the token-mode gradient would be CP times its target, and no test has run RL under "
+        "CP on the sources without that factor.",
+        instead="Train RL with --context-parallel-size 1, or with --ga-loss-reduction microbatch (without "
+        "--calculate-per-token-loss).",
+        applies=in_token_mode(lambda s: s.on("perform_rl_step") and s.number("context_parallel_size") > 1)),
+    Row(id="packed-sequences", flags=("--sft", "--dataloader-inter-document-masking"),
+        given="packed sequences (THD: --sft, --dataloader-inter-document-masking)", support="limited",
+        text=f"each micro-batch's loss mask still counts its loss tokens, so N and its checks hold; {NOT_YET}.",
+        applies=lambda s: s.on("sft") or s.on("dataloader_inter_document_masking")),
+    # the sequence-packing scheduler in the loop (main after d98e8a64, #6742)
+    Row(id="sequence-packing-scheduler", flags=("--sequence-packing-scheduler", "--use-varlen-dataset"),
+        given="--sequence-packing-scheduler dp_balanced (--use-varlen-dataset selects it; main after d98e8a64)",
+        support="limited",
+        text="train_step repacks each step's GBS samples into THD micro-batches of the scheduler's own number "
+        "(wrap_data_iterator) and calls the schedule with it: the micro-batch guard follows that count for each call "
+        "(an integer >= 1, the one the scheduler returned; a call with another is stopped before it reads the packed "
+        "iterator), consumed samples and the learning rate still advance by exactly GBS per step (guarded), and N "
+        "sums the loss tokens of every packed micro-batch. Proven on the CPU at DP 2 and PP 2 x DP 2: upstream's "
+        "train_step and scheduler (a position-wise model: the gradient equals the unpartitioned token-level one), and "
+        "pretrain_gpt.py equal to upstream's own per-token run, with two stand-ins for Transformer Engine "
+        "(TransformerConfig requires TE >= 2.9 for the scheduler, and the local attention refuses packed sequences, "
+        "so it attends a packed micro-batch as one sequence); TE's THD attention, MoE, VPP and CP under the scheduler "
+        "are not run.",
+        proofs=(Proof(test=PACKING), Proof(test=PACKING_E2E + "[dp2]"), Proof(test=PACKING_E2E + "[pp2dp2]"),
+                Proof(test=PACKING_FAULT)),
+        applies=lambda s: s.value("sequence_packing_scheduler") is not None
+        or (s.on("use_varlen_dataset") and not s.on("varlen_sbhd_validation"))),
+    Row(id="varlen-sbhd-validation", flags=("--varlen-sbhd-validation",),
+        given="--use-varlen-dataset --varlen-sbhd-validation", support="limited",
+        text="no packing scheduler runs (Megatron refuses one there): samples are right-padded to --seq-length and "
+        "each micro-batch's loss mask counts its loss tokens, as for any dataset, so the guards and N hold; it needs a "
+        f"real dataset (Megatron refuses --mock-data there); {NOT_YET}.",
+        applies=lambda s: s.on("use_varlen_dataset") and s.on("varlen_sbhd_validation")),
+)

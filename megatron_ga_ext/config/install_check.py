@@ -1,0 +1,27 @@
+"""What Megatron's parsed args must agree with when install() reads them (before any model is built). Pure Python.
+
+The rule pass of config/launch_rules.py over the ``--ga-*`` settings and Megatron's args, then the coverage table
+(config/coverage.py; the first forward/backward call checks it again, for a loop without Megatron's args).
+``megatron-ga check`` runs the same pass on a launch line (launch/problems.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Mapping
+
+from megatron_ga_ext.config.coverage import Setting, verdict
+from megatron_ga_ext.config.ga_config import GAConfig
+from megatron_ga_ext.config.launch_rules import check_launch
+from megatron_ga_ext.config.megatron_args import MegatronArgs
+
+__all__ = ["check_args"]
+
+
+def check_args(config: GAConfig, args: argparse.Namespace | Mapping[str, Any] | MegatronArgs) -> None:
+    """Raise the first rule the pair breaks (launch_rules.launch_errors), else the coverage table's refusal."""
+    settings = MegatronArgs.of(args)
+    check_launch(config.flag_values(), settings)
+    refused = verdict(Setting.of(argparse.Namespace(**settings.values), config)).error()
+    if refused is not None:
+        raise refused
