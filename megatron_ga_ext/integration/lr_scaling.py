@@ -17,7 +17,8 @@ has its stage's factor too. The factor itself is core/lr_factor.py's, as the ``s
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from megatron_ga_ext.config.launch_rules import check_lr_scaling
 from megatron_ga_ext.core.lr_factor import lr_factor
