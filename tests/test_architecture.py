@@ -160,3 +160,12 @@ def test_the_checks_see_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
         test_no_import_cycle()
     with pytest.raises(AssertionError, match=r"core\.c -> megatron_ga_ext\.integration\.d"):
         test_imports_point_down_or_within_a_layer()
+
+
+def test_test_support_lives_in_tests_support():
+    """Every module under tests/ is a test file, a conftest or a package marker, except under tests/support/."""
+    tests = Path(__file__).resolve().parent
+    strays = [str(path.relative_to(tests)) for path in tests.rglob("*.py")
+              if path.relative_to(tests).parts[0] != "support"
+              and not path.name.startswith("test_") and path.name not in ("conftest.py", "__init__.py")]
+    assert strays == [], f"support modules outside tests/support/: {strays}"

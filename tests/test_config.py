@@ -1,69 +1,21 @@
-"""config/: each flag declared once and everything derived from it; the shared rules."""
+"""config/: GAConfig's validation, the rules between flags, and how the batch schedule is resolved (the flag
+declarations themselves: tests/test_flag_declarations.py)."""
 
 import argparse
-import dataclasses
 import importlib
 import logging
-from pathlib import Path
 
 import pytest
 
-from megatron_ga_ext.config.args import add_args
-from megatron_ga_ext.config.flags import GA_OPTIONS, MODES, OPTIONS, ZERO_TOKEN_POLICIES, flags_table
-from megatron_ga_ext.config.ga_config import GA_FIELDS, GAConfig
+from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.config.launch_rules import check_guards, check_loss_mode, check_train_length
 from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
-from megatron_ga_ext.core.megatron_flags import MEGATRON_OPTIONS, NOT_MEGATRON
 from megatron_ga_ext.core.schedule.rampup import rampup_triple
 from megatron_ga_ext.errors import InterleaveError, OptionError, ScheduleError, ScheduleParseError, SizeError
 from megatron_ga_ext.integration.calculator import StepScheduleCalculator
 
-ROOT = Path(__file__).resolve().parent.parent
 # The module: the package's ``install`` is the function.
 install_module = importlib.import_module("megatron_ga_ext.integration.install")
-
-
-# -- one declaration per flag ---------------------------------------------------------------------
-
-
-def test_every_ga_flag_is_a_gaconfig_field_with_the_declared_default():
-    fields = {f.name: f for f in dataclasses.fields(GAConfig)}
-    assert set(GA_FIELDS) == set(GA_OPTIONS)
-    for option, name in GA_FIELDS.items():
-        assert fields[name].default == option.default, option.flag
-        assert option.flag.startswith("--ga-") and option.dest == "ga_" + name
-
-
-def test_add_args_is_derived_from_the_declarations():
-    parser = add_args(argparse.ArgumentParser())
-    for option in GA_OPTIONS:
-        for spelling in option.spellings:
-            assert spelling in parser._option_string_actions, spelling
-    defaults = parser.parse_args([])
-    assert {o.dest: getattr(defaults, o.dest) for o in GA_OPTIONS} == {o.dest: o.default for o in GA_OPTIONS}
-    args = parser.parse_args(["--no-ga-guards", "--ga-zero-token-policy", "skip"])
-    assert GAConfig.from_args(args) == GAConfig(guards=False, zero_token_policy="skip")
-
-
-def test_choices_are_listed_once():
-    from megatron_ga_ext.integration import loss_contract
-
-    assert OPTIONS["--ga-loss-reduction"].choices is MODES is loss_contract.MODES
-    assert OPTIONS["--ga-zero-token-policy"].choices is ZERO_TOKEN_POLICIES  # the one list (loss_contract.py has none)
-
-
-def test_flags_table_has_every_declared_flag_and_its_help():
-    """docs/guide.md holds this table, rendered by make docs; tests/test_docs.py checks that it is current."""
-    table = flags_table()
-    for option in GA_OPTIONS:
-        assert option.flag in table and option.help in table
-
-
-def test_megatron_flags_are_spelled_as_megatrons_parser_spells_them():
-    flags = {o.flag for o in MEGATRON_OPTIONS}
-    assert "--microbatch-group-size-per-virtual-pipeline-stage" in flags
-    assert not flags & set(NOT_MEGATRON)
-    assert all(o.flag == "--" + o.flag[2:].replace("_", "-") for o in MEGATRON_OPTIONS)
 
 
 # -- GAConfig -------------------------------------------------------------------------------------

@@ -12,9 +12,20 @@ import pytest
 
 from megatron_ga_ext.config import flags
 from megatron_ga_ext.config.args import add_args
-from megatron_ga_ext.config.flags import BY_DEST, GA_OPTIONS, OPTIONS, GAFlag, flag_errors, ga_flag, whole_number
+from megatron_ga_ext.config.flags import (
+    BY_DEST,
+    GA_OPTIONS,
+    MODES,
+    OPTIONS,
+    ZERO_TOKEN_POLICIES,
+    GAFlag,
+    flag_errors,
+    ga_flag,
+    whole_number,
+)
 from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.core.megatron_flags import BY_DEST as MEGATRON_BY_DEST
+from megatron_ga_ext.core.megatron_flags import MEGATRON_OPTIONS, NOT_MEGATRON
 from megatron_ga_ext.errors import OptionError
 from megatron_ga_ext.launch.line import ga_values, parse_launch
 
@@ -30,7 +41,9 @@ def test_each_declared_flag_is_a_typed_gaconfig_field_with_its_default():
 
 
 def test_add_args_parses_every_declared_flag_and_from_args_reads_it_back():
-    args = add_args(argparse.ArgumentParser()).parse_args([])
+    parser = add_args(argparse.ArgumentParser())
+    assert {s for o in GA_OPTIONS for s in o.spellings} <= set(parser._option_string_actions)
+    args = parser.parse_args([])
     assert {o.dest: getattr(args, o.dest) for o in GA_OPTIONS} == {o.dest: o.default for o in GA_OPTIONS}
     assert GAConfig.from_args(args) == GAConfig()
     args = add_args(argparse.ArgumentParser()).parse_args(["--ga-noise-scale", "10", "--no-ga-guards"])
@@ -41,6 +54,21 @@ def test_by_dest_is_one_table_of_megatrons_flags_and_ours():
     assert {d: o for d, o in BY_DEST.items() if d in MEGATRON_BY_DEST} == MEGATRON_BY_DEST
     assert {o.dest for o in GA_OPTIONS} == set(BY_DEST) - set(MEGATRON_BY_DEST)
     assert all(OPTIONS[spelling] is option for option in GA_OPTIONS for spelling in option.spellings)
+
+
+def test_choices_are_listed_once():
+    from megatron_ga_ext.integration import loss_contract
+
+    assert OPTIONS["--ga-loss-reduction"].choices is MODES is loss_contract.MODES
+    assert OPTIONS["--ga-zero-token-policy"].choices is ZERO_TOKEN_POLICIES  # the one list (loss_contract.py has none)
+
+
+def test_megatron_flags_are_spelled_as_megatrons_parser_spells_them():
+    """The spelling only: tests/test_megatron_flags_upstream.py holds each one to Megatron-LM's own parsers."""
+    spelled = {o.flag for o in MEGATRON_OPTIONS}
+    assert "--microbatch-group-size-per-virtual-pipeline-stage" in spelled
+    assert not spelled & set(NOT_MEGATRON)
+    assert all(o.flag == "--" + o.flag[2:].replace("_", "-") for o in MEGATRON_OPTIONS)
 
 
 def test_a_launch_line_reads_each_flag_typed_as_declared():

@@ -60,7 +60,7 @@ def test_patched_tree_behaves_without_install(sources, tmp_path, version):
     applied = patches("apply", "--sources", str(sources), "--version", version, "--into", str(tree))
     assert applied.returncode == 0, applied.stderr
     code = (
-        "import sys, megatron.core, tests.test_install_distributed as t; "
+        "import sys, megatron.core, tests.test_install_pipeline_schedule as t; "
         "assert megatron.core.__file__.startswith(sys.argv[1]), megatron.core.__file__; "
         "t.run_and_check('vendored'); print('vendored ok')"
     )

@@ -38,7 +38,7 @@ else:  # python tools/regress.py: the script's own directory is first on sys.pat
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".cache"
 LEG = f"{sys.version_info.major}.{sys.version_info.minor}"
-BEHAVIOUR_TESTS = ("tests/test_install.py", "tests/test_install_distributed.py", "tests/test_guards.py",
+BEHAVIOUR_TESTS = ("tests/test_install.py", "tests/test_install_pipeline_schedule.py", "tests/test_guards.py",
                    "tests/test_loss_contract.py", "tests/test_packing_scheduler.py")
 NO_SOURCE = ("no Megatron-LM source: pass MEGATRON_LM=<checkout or .tar.gz>, or MEGATRON_LM_SNAPSHOTS=<dir of "
              "megatron-lm-<ref>.tar.gz> (default ../shared/upstream)")

@@ -14,7 +14,7 @@ import importlib.metadata
 import itertools
 import json
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from megatron_ga_ext.cli.render import print_table
 from megatron_ga_ext.config.flags import BY_DEST
@@ -160,12 +160,13 @@ _LOCAL = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; a delegated command's module is imported only when ``command`` selects it. Built once per
     command: parsing does not change it, and main() called in-process (tests, fuzzing) need not rebuild it."""
     parser = argparse.ArgumentParser(prog="megatron-ga", description=__doc__.splitlines()[0])
-    parser.add_argument("--version", action="version", version=f"megatron-ga {importlib.metadata.version('megatron-ga-ext')}")
+    version = importlib.metadata.version("megatron-ga-ext")
+    parser.add_argument("--version", action="version", version=f"megatron-ga {version}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (configure, run, help_text) in _LOCAL.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -187,7 +188,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser(command).parse_args(argv)
     try:
         _require_inline_values(argv)
-        return args.handler(args)
+        status: int = args.handler(args)
+        return status
     except GAError as error:
         return report_error(args.command, error, as_json=vars(args).get("json", False))
 

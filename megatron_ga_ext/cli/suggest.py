@@ -23,7 +23,7 @@ from megatron_ga_ext.cli.render import print_table
 from megatron_ga_ext.cli.schedule_args import count, lr_hints, run_length
 from megatron_ga_ext.cli.stage_table import print_stages, stages_json
 from megatron_ga_ext.core.lr_windows import Frozen, lr_windows
-from megatron_ga_ext.core.noise_trace import TraceRow, parse_trace, read_log, read_trace
+from megatron_ga_ext.core.noise_trace import TraceRow, parse_trace, read_log, read_trace, scalar_tag
 from megatron_ga_ext.core.schedule.step_schedule import FLAG, StepSchedule
 from megatron_ga_ext.core.schedule.suggest import DoublingRule, Suggestion, suggest_schedule
 from megatron_ga_ext.errors import UsageError
@@ -109,7 +109,7 @@ def _tensorboard_trace(directory: str) -> list[TraceRow]:
     accumulator = event_accumulator.EventAccumulator(directory, size_guidance={event_accumulator.SCALARS: 0})
     accumulator.Reload()
     tags = set(accumulator.Tags()["scalars"])
-    wanted = ("noise-scale/consumed-samples", "noise-scale/b-simple-samples")
+    wanted = (scalar_tag("consumed_samples"), scalar_tag("b_simple_samples"))  # as the run logs them
     if not set(wanted) <= tags:
         raise UsageError(f"--suggest {directory}: no {' and '.join(t for t in wanted if t not in tags)} scalars in "
                          "its event files; give the --tensorboard-dir of a run with --ga-noise-scale K.")

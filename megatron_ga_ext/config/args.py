@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+from collections.abc import Callable
 
 from megatron_ga_ext.config.flags import GA_OPTIONS, Option
 from megatron_ga_ext.core.megatron_flags import STEP_SCHEDULE

@@ -13,8 +13,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from megatron_ga_ext.core.megatron_flags import BY_DEST as MEGATRON_BY_DEST
 from megatron_ga_ext.core.megatron_flags import (

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any
 
 from megatron_ga_ext.config.flags import GA_FIELDS, GA_OPTIONS, GAFlags
 from megatron_ga_ext.config.launch_rules import check_launch
@@ -47,7 +48,7 @@ class GAConfig(GAFlags):
         return {spec.name: getattr(self, spec.name) for spec in fields(GAFlags)}
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace | Mapping[str, Any] | MegatronArgs) -> "GAConfig":
+    def from_args(cls, args: argparse.Namespace | Mapping[str, Any] | MegatronArgs) -> GAConfig:
         """From Megatron's parsed args holding Megatron's flags and the ``--ga-*`` flags (absent ones: defaults)."""
         settings = MegatronArgs.of(args)
         rampup = settings.rampup_batch_size

@@ -8,7 +8,8 @@ The rule pass of config/launch_rules.py over the ``--ga-*`` settings and Megatro
 from __future__ import annotations
 
 import argparse
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from megatron_ga_ext.config.coverage import Setting, verdict
 from megatron_ga_ext.config.ga_config import GAConfig

@@ -2,8 +2,8 @@
 
 :func:`launch_errors` is the pass: each ``--ga-*`` flag's own rule (its declaration in config/flags.py), then
 the rules between flags and Megatron's settings below. GAConfig runs it at construction (the flags alone),
-install() through ``check_args`` (config/install_check.py, with Megatron's parsed args) and ``megatron-ga check`` on a launch line
-(launch/problems.py), so a setting is refused the same way wherever it is read.
+install() through ``check_args`` (config/install_check.py, with Megatron's parsed args) and ``megatron-ga check``
+on a launch line (launch/problems.py), so a setting is refused the same way wherever it is read.
 
 * :func:`check_loss_mode`: ``--ga-loss-reduction token`` needs ``--calculate-per-token-loss``;
   ``microbatch`` must not have it;
@@ -16,8 +16,9 @@ install() through ``check_args`` (config/install_check.py, with Megatron's parse
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from megatron_ga_ext.config.flags import (
     BATCH_SIZE_WARMUP,

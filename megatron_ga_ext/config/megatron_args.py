@@ -9,8 +9,9 @@ type; a flag the args lack reads as Megatron's default there. Nothing else in th
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from megatron_ga_ext.config.flags import BY_DEST
 
@@ -28,7 +29,7 @@ class MegatronArgs:
     """Every value the args hold, by destination; absent ones read as their declared default."""
 
     @classmethod
-    def of(cls, args: argparse.Namespace | Mapping[str, Any] | "MegatronArgs" | None) -> "MegatronArgs":
+    def of(cls, args: argparse.Namespace | Mapping[str, Any] | MegatronArgs | None) -> MegatronArgs:
         """From a Namespace, a dict by destination, another view, or None (a loop without Megatron's args)."""
         if isinstance(args, MegatronArgs):
             return args
@@ -73,7 +74,8 @@ class MegatronArgs:
 
     @property
     def step_batch_size_schedule(self) -> str | None:
-        return self.get("step_batch_size_schedule")
+        value = self.get("step_batch_size_schedule")
+        return None if value is None else str(value)
 
     @property
     def decrease_batch_size_if_needed(self) -> bool:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.config.launch_rules import decrease_if_needed_error, rampup_ignored_message
@@ -39,7 +40,7 @@ class ScheduleInputs:
     """``--ga-batch-size-warmup auto``: without a schedule, the constant one it adds stages to as it measures."""
 
     @classmethod
-    def from_calculator_call(cls, config: GAConfig, arguments: Mapping[str, Any]) -> "ScheduleInputs":
+    def from_calculator_call(cls, config: GAConfig, arguments: Mapping[str, Any]) -> ScheduleInputs:
         """From the bound arguments of megatron-core's ``_configure_global_num_microbatches_calculator`` (any
         release) and the config: upstream's arguments win, the config fills in what a release does not pass."""
         return cls(
@@ -108,4 +109,4 @@ def resolve_schedule(inputs: ScheduleInputs) -> StepSchedule | None:
         return StepSchedule.constant(inputs.global_batch_size)  # type: ignore[arg-type]
     if inputs.global_batch_size is None:
         raise SizeError("--global-batch-size is required with --rampup-batch-size: the batch size the ramp ends at.")
-    return StepSchedule.from_rampup(*rampup_triple(rampup), inputs.global_batch_size)  # type: ignore[arg-type]
+    return StepSchedule.from_rampup(*rampup_triple(rampup), inputs.global_batch_size)

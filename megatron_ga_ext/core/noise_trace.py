@@ -23,8 +23,9 @@ import json
 import math
 import operator
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from megatron_ga_ext.core.numbers import MAX_EXPONENT
 from megatron_ga_ext.errors import NoiseScaleError, UsageError

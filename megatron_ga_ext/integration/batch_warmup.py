@@ -17,13 +17,14 @@ and takes the later ones from the same measurements. The LR windows are core/lr_
 from __future__ import annotations
 
 import argparse
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from megatron_ga_ext.config.flags import BATCH_SIZE_WARMUP_MAX
 from megatron_ga_ext.config.ga_config import GAConfig
-from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.core.lr_windows import Frozen, lr_windows, warmup_samples
 from megatron_ga_ext.core.noise_trace import TraceRow
+from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.core.schedule.suggest import DoublingRule, suggest_schedule
 from megatron_ga_ext.errors import ScheduleError
 from megatron_ga_ext.integration.compat import megatron_args

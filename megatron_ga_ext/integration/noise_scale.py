@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -257,7 +258,7 @@ def _counted_ranges(bucket: Any) -> tuple[tuple[int, int], ...]:
         if grad is None or not _counted(param, tp_rank):
             continue
         start = (grad.data_ptr() - data.data_ptr()) // data.element_size()
-        if 0 <= start and start + grad.numel() <= data.numel():
+        if start >= 0 and start + grad.numel() <= data.numel():
             spans.append((start, start + grad.numel()))
     spans.sort()
     merged: list[list[int]] = []

@@ -1,17 +1,20 @@
 """Read the batch arithmetic out of a real launch line (torchrun ... pretrain_gpt.py ...). Pure Python.
 
-Only the flags config/flags.py and core/megatron_flags.py declare are read (Megatron's that decide the batch arithmetic, the launcher's,
-the ``--ga-*`` flags); every other flag is passed over with its values. ``--flag=value`` and ``--flag
-value`` both work, and ``_`` in a flag counts as ``-`` (torchrun accepts both spellings); messages name a
-flag as the line spelled it. Megatron's parser takes no positional arguments, so words left after a
-Megatron flag's values (a schedule split by an unquoted shell array) are kept to be reported: Megatron
-stops with "unrecognized arguments" there. ``problems.py`` turns a :class:`Launch` into its problems.
+Only the flags config/flags.py and core/megatron_flags.py declare are read (Megatron's that decide the batch
+arithmetic, the launcher's, the ``--ga-*`` flags, typed as declared); every other flag is passed over with its
+values. ``--flag=value`` and ``--flag value`` both work, and ``_`` in a flag counts as ``-`` (torchrun accepts
+both spellings); messages name a flag as the line spelled it. Megatron's parser takes no positional arguments,
+so words left after a Megatron flag's values (a schedule split by an unquoted shell array) are kept to be
+reported: Megatron stops with "unrecognized arguments" there. ``problems.py`` turns a :class:`Launch` into its
+problems.
 """
 
 from __future__ import annotations
 
+import itertools
 import shlex
 from dataclasses import dataclass, field
+from typing import Any
 
 from megatron_ga_ext.config.flags import BY_DEST, GA_OPTIONS, OPTIONS, GAFlag
 from megatron_ga_ext.core.layout import FLAGS
@@ -56,7 +59,7 @@ class Launch:
 
     def on(self, flag: str) -> bool:
         """A switch is on (given, and not as ``--no-<name>``)."""
-        return self.switches.get(flag, OPTIONS[flag].default)
+        return bool(self.switches.get(flag, OPTIONS[flag].default))
 
     def name(self, flag: str) -> str:
         """``flag`` as the line spelled it."""
@@ -75,7 +78,7 @@ def parse_launch(tokens: list[str]) -> Launch:
         except ValueError as error:
             raise UsageError(f"the launch line cannot be split like a shell line: {error}.") from None
     launch, i = Launch(), 0
-    launch.entry = any(a in ("-m", "--module") and b == ENTRY for a, b in zip(tokens, tokens[1:]))
+    launch.entry = any(a in ("-m", "--module") and b == ENTRY for a, b in itertools.pairwise(tokens))
     while i < len(tokens):
         token, i = tokens[i], i + 1
         if not token.startswith("--"):
@@ -134,11 +137,11 @@ def parse_int(flag: str, text: str) -> int:
     return read_int(flag, text)
 
 
-def ga_values(launch: Launch) -> dict[str, object]:
+def ga_values(launch: Launch) -> dict[str, Any]:
     """The ``--ga-*`` flags the line gives, by GAConfig field, typed as config/flags.py declares them: an integer
     that is not one raises UsageError naming the flag as spelled; a float that is no number stays text (its rule
     names it). Flags the line leaves out are absent (the rule pass reads their defaults)."""
-    values: dict[str, object] = {}
+    values: dict[str, Any] = {}
     for option in GA_OPTIONS:
         if option.type is bool and option.flag in launch.switches:
             values[option.field] = launch.on(option.flag)

@@ -46,7 +46,8 @@ def launch_problems(launch: Launch, world_size: int | None) -> tuple[BatchLayout
         stage_problems = _stage_problems(schedule, layout)
         problems += stage_problems
         # The ledger of a schedule is the ledger of its last stage (upstream's nominal GBS), once every stage is valid.
-        layout = None if stage_problems else BatchLayout(**{**kwargs, "global_batch_size": schedule.final_global_batch_size})
+        final = {**kwargs, "global_batch_size": schedule.final_global_batch_size}
+        layout = None if stage_problems else BatchLayout(**final)  # type: ignore[arg-type]
     return layout, problems + schedule_problems
 
 
@@ -216,5 +217,6 @@ def _stage_problems(schedule: StepSchedule, layout: BatchLayout) -> list[str]:
     )]
     if len(problems) > MAX_STAGE_PROBLEMS:
         hidden = len(problems) - MAX_STAGE_PROBLEMS
-        problems[MAX_STAGE_PROBLEMS:] = [f"... and {hidden} more stage(s) like these; megatron-ga schedule lists every stage."]
+        problems[MAX_STAGE_PROBLEMS:] = [
+            f"... and {hidden} more stage(s) like these; megatron-ga schedule lists every stage."]
     return problems

@@ -25,7 +25,8 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["FAULTS", "apply_faults", "current_iteration", "faulty_loss", "patch_everywhere", "rank_faults",
            "reinstall"]
@@ -163,8 +164,11 @@ def _unwrapped(get_forward_backward_func: Callable) -> Callable:
     return get
 
 
-FAULTS = {"pp-multiplied-microbatches": ("megatron.core.pipeline_parallel", "get_forward_backward_func", _pp_multiplied),
-          "bypass-hooks": ("megatron.core.pipeline_parallel", "get_forward_backward_func", _unwrapped)}
+#: The faults that replace a Megatron function: (module, name, make the replacement from the original).
+FAULTS = {
+    "pp-multiplied-microbatches": ("megatron.core.pipeline_parallel", "get_forward_backward_func", _pp_multiplied),
+    "bypass-hooks": ("megatron.core.pipeline_parallel", "get_forward_backward_func", _unwrapped),
+}
 
 
 def patch_everywhere(module_name: str, name: str, make: Callable[[Callable], Callable]) -> None:

@@ -10,7 +10,8 @@ import is paid once per launch instead of once per rank; the first rank to fail 
 exit status is the first failure's. With ``--serve`` it imports Megatron once for many launches
 (``tests/e2e/pretrain_runs.py``), each forked from that import; see :func:`serve`. Without either, it runs one
 rank under torchrun (``torchrun ... -m megatron_ga_ext.testing.pretrain_server SCRIPT ...``). SCRIPT may be
-``-m MODULE``. Either way the script runs as ``python SCRIPT`` would run it from the Megatron-LM root (whose ``megatron`` package comes first on the path), under
+``-m MODULE``. Either way the script runs as ``python SCRIPT`` would run it from the Megatron-LM root (whose
+``megatron`` package comes first on the path), under
 :func:`~megatron_ga_ext.testing.shims.training_shims`; with ``MEGATRON_GA_DEVICE=cuda`` (a rank on a CUDA device:
 tests/gpu) under :func:`~megatron_ga_ext.testing.shims.dataset_shims` only. With
 ``MEGATRON_GA_RECORD`` set, each rank records its iterations (testing/recorder.py); ``MEGATRON_GA_FAULT`` injects
@@ -35,7 +36,7 @@ import os
 import runpy
 import shlex
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from megatron_ga_ext.testing.faults import apply_faults, patch_everywhere, rank_faults
 from megatron_ga_ext.testing.recorder import Recorder
@@ -75,7 +76,7 @@ def _as_script(argv: list[str]) -> tuple[Program, int | None]:
 
 
 def _import_megatron() -> None:
-    import megatron.core  # noqa: F401
+    import megatron.core
     import megatron.training.training  # noqa: F401  (megatron before the shims: import-time code reads torch.cuda)
 
 
@@ -199,7 +200,7 @@ def run_rank(program: Program) -> int:
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         error = None if code == 0 else f"SystemExit: {exc.code}"
-    except BaseException as exc:  # noqa: BLE001 - the rank's failure is its exit status, as under torchrun
+    except BaseException as exc:  # the rank's failure is its exit status, as under torchrun
         traceback.print_exc()
         error, code = f"{type(exc).__name__}: {exc}", 1
     finally:

@@ -19,7 +19,8 @@ import json
 import os
 import time
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from megatron_ga_ext.testing.faults import current_iteration, faulty_loss, reinstall
 
@@ -112,7 +113,7 @@ class Recorder:
             first = self.microbatches[iteration] == 0
             self.microbatches[iteration] += 1
             if hasattr(mask, "sum") and not stream_capturing():
-                if self._at("zero-tokens-at", iteration) or first and self._at("empty-microbatch-at", iteration):
+                if self._at("zero-tokens-at", iteration) or (first and self._at("empty-microbatch-at", iteration)):
                     self.zeroed_tokens += int(mask.sum())
                     mask.zero_()
                 self.mask_tokens += int(mask.sum())

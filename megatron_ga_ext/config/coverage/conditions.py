@@ -4,7 +4,7 @@ true where a row applies (a feature on, a loss mode, a layout). Pure Python.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from megatron_ga_ext.config.coverage.row import SCOPE_DEPRECATED, Setting
 from megatron_ga_ext.config.flags import BY_DEST

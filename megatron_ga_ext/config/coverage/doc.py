@@ -10,9 +10,10 @@ __all__ = ["coverage_doc", "coverage_table", "off_path_table"]
 DOC_HEADER = """# Coverage: Megatron's features on the loss, gradient, step and schedule path
 
 Rendered by `make docs` from `megatron_ga_ext/config/coverage/` (`coverage_doc()`); `make docs-check` and
-tests/test_coverage.py check that this file is its rendering. *supported*: every check of every step runs, and the test named proves it. *limited*: it runs,
-with the limit stated (logged at start-up, and a note of `megatron-ga check`). *refused*: `install()` stops at
-start-up with a `CoverageError` and `megatron-ga check` reports a problem (the refusal's test:
+tests/test_coverage.py check that this file is its rendering. *supported*: every check of every step runs, and the
+test named proves it. *limited*: it runs, with the limit stated (logged at start-up, and a note of
+`megatron-ga check`). *refused*: `install()` stops at start-up with a `CoverageError` and `megatron-ga check`
+reports a problem (the refusal's test:
 `tests/test_coverage.py::test_refused_rows_stop_install_and_check[<row>]`).
 """
 

@@ -5,8 +5,9 @@ settings), :class:`Row` (a flag, where it matters, and one behaviour: supported,
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Literal
 
 from megatron_ga_ext.config.flags import BY_DEST, CHECKS, CONVERT_RAMPUP, LOSS_REDUCTION, ZERO_TOKEN_POLICY
 from megatron_ga_ext.config.ga_config import GAConfig
@@ -35,7 +36,7 @@ class Setting:
     convert_rampup: bool = CONVERT_RAMPUP.default
 
     @classmethod
-    def of(cls, args: Any, config: GAConfig) -> "Setting":
+    def of(cls, args: Any, config: GAConfig) -> Setting:
         """From Megatron's parsed ``args`` (None: a megatron-core loop without them) and the installed ``config``."""
         values = {} if args is None else {dest: getattr(args, dest) for dest in READ if hasattr(args, dest)}
         return cls(values, config.loss_reduction, config.zero_token_policy, config.checks, config.convert_rampup)

@@ -135,9 +135,11 @@ GRAPH_ROWS: tuple[Row, ...] = (
         support="supported",
         text="without Megatron's check the extension's own stops a step whose loss is NaN or Inf with a "
         "LossContractError, in finalize before the optimizer step (with --ga-checks async after it, before its "
-        "checkpoint); with --rerun-mode disabled and the check on, Megatron's loss function raises its own error first.",
+        "checkpoint); with --rerun-mode disabled and the check on, Megatron's loss function raises its own error "
+        "first.",
         proofs=(Proof(test=FAULTS + "test_a_nan_loss_on_one_rank_stops_that_step"),
-                Proof(test=FAULTS + "test_async_checks_stop_a_nan_step_after_its_optimizer_step_before_its_checkpoint")),
+                Proof(test=FAULTS
+                      + "test_async_checks_stop_a_nan_step_after_its_optimizer_step_before_its_checkpoint")),
         applies=in_token_mode(lambda s: not nan_check_by_megatron(s))),
     Row(id="rerun-checks", flags=("--check-for-spiky-loss", "--check-for-large-grads", "--error-injection-rate",
                                   "--error-injection-type"),

@@ -48,7 +48,8 @@ STEP_ROWS: tuple[Row, ...] = (
         given="--eod-mask-loss (and --allow-ambiguous-pad-tokens)", support="supported",
         text="they decide which tokens the dataset's loss mask keeps (EOD tokens out with --eod-mask-loss; tokens "
         "whose id the pad token shares kept with --allow-ambiguous-pad-tokens); N counts what the mask keeps, and "
-        "every kept token weighs the same: the end-to-end runs mask EOD tokens, a different share in every micro-batch.",
+        "every kept token weighs the same: the end-to-end runs mask EOD tokens, a different share in every "
+        "micro-batch.",
         proofs=TOKEN_LOOP,
         applies=any_given("eod_mask_loss", "allow_ambiguous_pad_tokens")),
     Row(id="logits-distillation", flags=("--logits-load-dir", "--logits-load-kd-loss-alpha",

@@ -5,8 +5,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from megatron_ga_ext.config.coverage.row import Row, Setting
 from megatron_ga_ext.config.coverage.rows import ROWS

@@ -19,9 +19,10 @@ The trace's rows and their format: core/noise_trace.py; the frozen ranges: core/
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from megatron_ga_ext.core.lr_windows import Frozen
 from megatron_ga_ext.core.noise_trace import TraceRow
@@ -135,7 +136,7 @@ def _held_by(row: TraceRow, batch: int, rule: DoublingRule) -> str | None:
 
 
 def _require_increasing(trace: Sequence[TraceRow]) -> None:
-    for earlier, later in zip(trace, trace[1:]):
+    for earlier, later in itertools.pairwise(trace):
         if later.consumed_samples <= earlier.consumed_samples:
             raise NoiseScaleError(
                 f"trace row {later.position} has consumed_samples {later.consumed_samples}, not above row "

@@ -9,8 +9,9 @@ which can be past its threshold, and a stage can be skipped entirely (steps 0).
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Protocol, Sequence
+from typing import Protocol
 
 from megatron_ga_ext.core.lr_factor import lr_factor
 from megatron_ga_ext.core.rules import require_positive_int
@@ -185,7 +186,8 @@ def run_totals(
         per_step = entries[index].global_batch_size // unit * unit
         if per_step == 0:
             raise zero_microbatch_error(entries[index], micro_batch_size, data_parallel_size)
-        end = train_samples if index + 1 == schedule.num_stages else min(train_samples, entries[index + 1].threshold_samples)
+        last = index + 1 == schedule.num_stages
+        end = train_samples if last else min(train_samples, entries[index + 1].threshold_samples)
         count = -(-(end - consumed) // per_step)
         consumed, steps = consumed + count * per_step, steps + count
     return steps, consumed - consumed_samples
