@@ -66,7 +66,7 @@ class OptionError(GAError):
 
 class CoverageError(OptionError):
     """A Megatron feature under which the extension cannot keep its guarantee, refused at start-up (the coverage
-    table, ``config/coverage.py``)."""
+    table, ``config/coverage/``)."""
 
 
 class UsageError(GAError):

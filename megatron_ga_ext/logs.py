@@ -21,7 +21,7 @@ class RankZeroFilter(logging.Filter):
 def _rank() -> int:
     distributed = getattr(sys.modules.get("torch"), "distributed", None)
     if distributed is not None and distributed.is_available() and distributed.is_initialized():
-        return distributed.get_rank()
+        return int(distributed.get_rank())
     return int(os.environ.get("RANK", "0"))
 
 

@@ -63,7 +63,8 @@ def _diff(path: str, before: str, after: str) -> str:
 
 def core_patch(root: Path) -> str:
     """The patch for one release's ``megatron/core`` under ``root``: the wiring appended to each module."""
-    return "".join(_diff(m, (root / m).read_text(), (root / m).read_text().rstrip("\n") + "\n" + WIRING) for m in MODULES)
+    texts = {m: (root / m).read_text() for m in MODULES}
+    return "".join(_diff(m, texts[m], texts[m].rstrip("\n") + "\n" + WIRING) for m in MODULES)
 
 
 def pretrain_gpt_patch(checkout: Path) -> str:

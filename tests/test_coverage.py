@@ -1,4 +1,4 @@
-"""The coverage table (config/coverage.py): every refused row stops install() at start-up and is a problem of
+"""The coverage table (config/coverage/): every refused row stops install() at start-up and is a problem of
 ``megatron-ga check``, both naming the flag; every row's test exists; every row's flags are declared; the limits
 that apply are notes of ``check``; docs/coverage.md is the table's rendering."""
 
@@ -254,7 +254,7 @@ def _parametrize_ids(function: ast.FunctionDef, tree: ast.Module) -> set[str]:
 def test_the_committed_doc_is_the_tables_rendering():
     doc = ROOT / "docs" / "coverage.md"
     assert doc.read_text() == coverage_doc(), (
-        "docs/coverage.md is not the rendering of config/coverage.py: regenerate it with make docs")
+        "docs/coverage.md is not the rendering of config/coverage/: regenerate it with make docs")
     for row in ROWS:
         assert f"| `{row.id}` |" in doc.read_text()
 

@@ -1,4 +1,4 @@
-"""Every flag of every tested Megatron-LM parser is named by a row of the coverage table (config/coverage.py) or
+"""Every flag of every tested Megatron-LM parser is named by a row of the coverage table (config/coverage/) or
 listed off the path with its reason (config/off_path.py): a flag in neither, one a new source in compat.UPSTREAM adds
 too, fails here, named. Every tested source whose code runs on this Python is read (the 3.12 leg reads them all, the
 3.11 leg core_v0.16.1: later sources use Python 3.12's typing).
@@ -51,7 +51,7 @@ def unlisted(parsers: dict[str, list[str]]) -> dict[str, list[str]]:
 
 def report(missing: dict[str, list[str]]) -> str:
     lines = [f"{name}: {', '.join(flags)}" for name, flags in missing.items()]
-    return ("flags of a tested Megatron parser that neither a coverage row (config/coverage.py) nor the off-path list "
+    return ("flags of a tested Megatron parser that neither a coverage row (config/coverage/) nor the off-path list "
             "(config/off_path.py) names; read each flag's help and its use upstream, then give it a row or a reason:\n"
             + "\n".join(lines))
 

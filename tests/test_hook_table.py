@@ -7,9 +7,9 @@ import pytest
 
 pytest.importorskip("megatron.core.pipeline_parallel.schedules")
 
-from megatron_ga_ext.integration import hooks, installation  # noqa: E402
-from megatron_ga_ext.integration.compat import TARGETS  # noqa: E402
-from megatron_ga_ext.integration.install import GAConfig, install, uninstall  # noqa: E402
+from megatron_ga_ext.integration import hooks, installation
+from megatron_ga_ext.integration.compat import TARGETS
+from megatron_ga_ext.integration.install import GAConfig, install, uninstall
 
 #: Fingerprinted because install() reads them (the calculator's interface), not because it wraps them.
 READ_ONLY = {"megatron.core.num_microbatches_calculator.get_num_microbatches",

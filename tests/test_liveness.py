@@ -8,9 +8,9 @@ import pytest
 pytest.importorskip("megatron.core.pipeline_parallel.schedules")
 
 from megatron_ga_ext import GuardError
+from megatron_ga_ext.integration.hooks import optimizer_step
 from megatron_ga_ext.integration.install import GAConfig, install, uninstall
 from megatron_ga_ext.integration.liveness import bypass_message
-from megatron_ga_ext.integration.hooks import optimizer_step
 
 
 @pytest.fixture(autouse=True)

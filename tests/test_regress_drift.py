@@ -46,7 +46,7 @@ def test_drift_lists_the_unclassified_flags_and_the_changed_functions(tmp_path, 
         root: ["--lr", "--cuda-graph-impl", "--zz-new-loss-flag", "--zz-old-but-unlisted"]})
     assert regress.drift([root]) == 0
     out = capsys.readouterr().out
-    assert "2 flag(s) of its parser that neither a row of the coverage table (config/coverage.py) nor the off-path " \
+    assert "2 flag(s) of its parser that neither a row of the coverage table (config/coverage/) nor the off-path " \
            "list (config/off_path.py) names" in out
     # a row names --cuda-graph-impl, the off-path list --lr; a flag is listed whoever else has it
     assert "  --zz-new-loss-flag\n" in out and "  --zz-old-but-unlisted\n" in out

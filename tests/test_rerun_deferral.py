@@ -10,8 +10,8 @@ pytest.importorskip("megatron.core")
 
 from megatron_ga_ext import GAConfig, LossContractError
 from megatron_ga_ext.integration import finalize as finalizing
-from megatron_ga_ext.integration.loss_contract import LossContract, StepChecks
 from megatron_ga_ext.integration.finalize import describe_decision
+from megatron_ga_ext.integration.loss_contract import LossContract, StepChecks
 
 NAN = StepChecks(tokens=100, negative=0, nonfinite=1, unchecked=0)
 FINITE = StepChecks(tokens=100, negative=0, nonfinite=0, unchecked=0)

@@ -8,9 +8,9 @@ import pytest
 
 from megatron_ga_ext import GAConfig, StepSchedule
 from megatron_ga_ext.errors import GuardError
+from megatron_ga_ext.integration.agreement import StartupChecks, batch_settings, check_ranks_agree, describe_differences
 from megatron_ga_ext.integration.calculator import StepScheduleCalculator
 from megatron_ga_ext.integration.guards import GuardedCalculator
-from megatron_ga_ext.integration.agreement import StartupChecks, batch_settings, check_ranks_agree, describe_differences
 from megatron_ga_ext.testing.distributed import LaunchConfig, run_on_ranks
 
 

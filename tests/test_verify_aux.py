@@ -20,7 +20,6 @@ pytestmark = pytest.mark.slow
 
 
 def _measure():
-    from dataclasses import replace
 
     from megatron_ga_ext.integration import hooks
     from megatron_ga_ext.testing.shims import cpu_shims

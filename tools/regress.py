@@ -193,7 +193,7 @@ def drift_report(name: str, flags: list[str], nearest: str, changed: list[str], 
     changed callers of hooked functions (``moved``; None where the nearest source's snapshot is not at hand)."""
     lines = [f"== drift of {name} against the tested sources =="]
     lines += _listed(flags, f"{len(flags)} flag(s) of its parser that neither a row of the coverage table "
-                     f"(config/coverage.py) nor the off-path list (config/off_path.py) names; read each and give it a "
+                     f"(config/coverage/) nor the off-path list (config/off_path.py) names; read each and give it a "
                      f"row or an off-path reason:",
                      "every flag of its parser is named by a coverage row or the off-path list")
     lines += _listed(changed, f"{len(changed)} hooked function(s) whose source no tested source has (nearest tested "

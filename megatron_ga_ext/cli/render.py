@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import sys
-from typing import Sequence, TextIO
+from collections.abc import Sequence
+from typing import TextIO
 
 __all__ = ["print_table"]
 

@@ -20,7 +20,8 @@ import sys
 import time
 import warnings
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from megatron_ga_ext.cli.render import print_table
 from megatron_ga_ext.errors import VerifyError
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         results, coefficients = launch_all(layouts, device=args.device, timeout_s=args.timeout,
                                            aux_layouts=aux_layouts)
-    except Exception as exc:  # noqa: BLE001 - any failure of a launch is reported as one line by the CLI
+    except Exception as exc:
         raise VerifyError(f"verify launch failed: {type(exc).__name__}: {exc}") from exc
     expected_num_tokens = sum(DEFAULT_LENGTHS)
     rows = rows_from_results(results, args.tolerance, expected_num_tokens)

@@ -1,7 +1,7 @@
 """What Megatron's parsed args must agree with when install() reads them (before any model is built). Pure Python.
 
 The rule pass of config/launch_rules.py over the ``--ga-*`` settings and Megatron's args, then the coverage table
-(config/coverage.py; the first forward/backward call checks it again, for a loop without Megatron's args).
+(config/coverage/; the first forward/backward call checks it again, for a loop without Megatron's args).
 ``megatron-ga check`` runs the same pass on a launch line (launch/problems.py).
 """
 

@@ -5,7 +5,7 @@ micro-batch's summed loss and each auxiliary loss term is weighted, how the grad
 micro-batches, reduced over DP x CP (and TP, PP, EP where finalize does) and divided by N, in what precision that
 accumulation and reduction runs, how many micro-batches and samples a step has, when the optimizer steps or skips,
 whether the extension's hooks run (schedule, loss, finalize, optimizer step), and what a resume restores. The coverage
-table (config/coverage.py) has a row for every flag on it. Every other flag of every tested Megatron parser is listed
+table (config/coverage/) has a row for every flag on it. Every other flag of every tested Megatron parser is listed
 here, one by one, under a theme whose reason holds for each flag of it (read from the flag's help and its use in
 megatron/training and megatron/core at the tested sources): what only changes the values the model computes for a
 token (architecture, initialization, kernels and their numeric formats), what the optimizer does with the reduced,

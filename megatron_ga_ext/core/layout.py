@@ -12,8 +12,8 @@ step schedule shares with a constant batch are ``rules.py``'s (re-exported here)
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping
 
 from megatron_ga_ext.core.megatron_flags import BY_DEST, LAUNCHER_OPTIONS, VIRTUAL_PIPELINE
 from megatron_ga_ext.core.rules import (
@@ -94,11 +94,11 @@ class BatchLayout:
             object.__setattr__(self, "global_batch_size", self.micro_batch_size * self.data_parallel_size)
 
     @classmethod
-    def problems(cls, **kwargs: object) -> tuple["BatchLayout | None", list[GAError]]:
+    def problems(cls, **kwargs: object) -> tuple[BatchLayout | None, list[GAError]]:
         """Build a layout, collecting every violated rule instead of raising the first."""
         probe = object.__new__(cls)
         for name, spec in cls.__dataclass_fields__.items():
-            default = spec.default_factory() if callable(spec.default_factory) else spec.default  # type: ignore[misc]
+            default = spec.default_factory() if callable(spec.default_factory) else spec.default
             object.__setattr__(probe, name, kwargs.get(name, default))
         errors = list(probe._violations())
         if errors:

@@ -2,7 +2,7 @@
 them. Pure Python. The ``--ga-*`` flags (ours) are declared in ``config/flags.py``.
 
 Which flags exist is Megatron-LM's own parser at each tested release and commit (core_v0.16.1 ... main):
-tests/test_options_upstream.py builds each snapshot's parser and checks every declaration (``since``
+tests/test_megatron_flags_upstream.py builds each snapshot's parser and checks every declaration (``since``
 included) and :data:`NOT_MEGATRON` against it.
 """
 
@@ -100,7 +100,7 @@ MEGATRON_OPTIONS = (
 )
 
 # -- Megatron's flags on the loss, gradient, step or schedule path, beyond the ones above --------------
-# Each is classified by the coverage table (config/coverage.py). Defaults are Megatron's, so a launch line that
+# Each is classified by the coverage table (config/coverage/). Defaults are Megatron's, so a launch line that
 # leaves a flag out reads as Megatron runs it.
 
 COVERED_OPTIONS = (

@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Mapping, Sequence
 
 from megatron_ga_ext.errors import NoiseScaleError
 
@@ -222,7 +222,7 @@ class NoiseScaleEMA:
                 "grad_sq_ema": self.grad_sq_ema, "updates": self.updates}
 
     @classmethod
-    def from_state_dict(cls, state: Mapping[str, object]) -> "NoiseScaleEMA":
+    def from_state_dict(cls, state: Mapping[str, object]) -> NoiseScaleEMA:
         """The EMA :meth:`state_dict` saved; a missing key or another version is refused, not guessed."""
         expected = {"version", "decay", "trace_sigma_ema", "grad_sq_ema", "updates"}
         if not isinstance(state, Mapping) or set(state) != expected:

@@ -157,7 +157,10 @@ def interleaved_microbatch_problem(
     above = _valid_at_least(m, pp, group)
     candidates = {above, _valid_at_least(above + 1, pp, group)}
     if below is not None:
-        candidates |= {below} | ({_valid_at_most(below - 1, pp, group)} - {None})  # type: ignore[arg-type]
+        candidates.add(below)
+        lower = _valid_at_most(below - 1, pp, group)
+        if lower is not None:
+            candidates.add(lower)
     return rule, sorted(sorted(candidates, key=lambda c: (abs(c - m), c))[:2])
 
 

@@ -1,7 +1,7 @@
 """The batch configuration every rank and a resumed checkpoint agree on, checked once at start-up.
 
 At the first forward/backward call (every rank makes it, and torch.distributed is initialized by then), never per
-micro-batch: the coverage table's refusals and limits (config/coverage.py), then two checks, once per installation:
+micro-batch: the coverage table's refusals and limits (config/coverage/), then two checks, once per installation:
 
 * the ranks agree: each rank's batch settings (the flags that decide GBS and num_microbatches at every step,
   the loss mode, and what its calculator computes now) are all-gathered once; ranks launched with another
@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import argparse
 import functools
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from megatron_ga_ext.config.coverage import Verdict
 from megatron_ga_ext.config.coverage import enforce as enforce_coverage

@@ -51,15 +51,16 @@ import contextlib
 import functools
 import inspect
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from megatron_ga_ext.integration.aux_report import QUANTILE_BALANCING, balancing_types
 from megatron_ga_ext.logs import get_logger
 
 if TYPE_CHECKING:
-    from megatron_ga_ext.integration.installation import Installation
     from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_ga_ext.integration.installation import Installation
 
 __all__ = ["broadcasts_padding_per_token", "exact_token_counts", "global_count_mtp_loss", "padding_mask_forward",
            "per_token_padding_expert_bias", "router_scales_by_tp_cp", "tp_cp_scaled_z_loss"]

@@ -16,10 +16,10 @@ an instance behind megatron's ``_GLOBAL_NUM_MICROBATCHES_CALCULATOR``.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
-from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
 from megatron_ga_ext.config.launch_rules import decrease_if_needed_error
+from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
 from megatron_ga_ext.core.rules import require_positive_int
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.errors import ScheduleError, SizeError
@@ -96,7 +96,7 @@ class StepScheduleCalculator:
         rank: int,
         schedule: str,
         seq_length: int | None = None,
-    ) -> "StepScheduleCalculator":
+    ) -> StepScheduleCalculator:
         """The constructor signature of upstream's ``StepBatchsizeNumMicroBatchesCalculator`` (0.18+)."""
         if decrease_batch_size_if_needed:
             raise decrease_if_needed_error()
@@ -114,7 +114,7 @@ class StepScheduleCalculator:
         step_batch_size_schedule: str | None = None,
         seq_length: int | None = None,
         **layout: object,
-    ) -> "StepScheduleCalculator":
+    ) -> StepScheduleCalculator:
         """The arguments of ``init_num_microbatches_calculator`` (any megatron-core release).
 
         The schedule is :func:`~megatron_ga_ext.config.resolve.resolve_schedule`'s, with a given rampup converted
@@ -132,7 +132,7 @@ class StepScheduleCalculator:
         return cls(schedule, micro_batch_size, data_parallel_size, rank, **layout)  # type: ignore[arg-type]
 
     @classmethod
-    def for_launch(cls, schedule: StepSchedule, inputs: ScheduleInputs, rank: int = 0) -> "StepScheduleCalculator":
+    def for_launch(cls, schedule: StepSchedule, inputs: ScheduleInputs, rank: int = 0) -> StepScheduleCalculator:
         """The calculator of a resolved schedule, checked against the same layout as ``megatron-ga check``
         (``inputs.layout()``: MBS, DP, PP, VPP and N)."""
         layout = inputs.layout()

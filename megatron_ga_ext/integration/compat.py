@@ -22,16 +22,18 @@ import importlib
 import inspect
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from megatron_ga_ext.errors import CompatError
 from megatron_ga_ext.logs import get_logger
 
 __all__ = [
-    "RELEASES", "TARGETS", "UPSTREAM", "Calculator", "Target", "Upstream", "check_targets", "fingerprint", "known_fingerprints",
-    "defines_function", "live_targets", "tree_targets", "megatron_args", "megatron_core_version", "megatron_iteration",
+    "RELEASES", "TARGETS", "UPSTREAM", "Calculator", "Target", "Upstream", "check_targets", "defines_function",
+    "fingerprint", "known_fingerprints", "live_targets", "megatron_args", "megatron_core_version", "megatron_iteration",
+    "tree_targets",
 ]
 
 logger = get_logger(__name__)

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -37,8 +38,8 @@ from megatron_ga_ext.logs import get_logger
 
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from torch.distributed import ProcessGroup
     from megatron.core.transformer.transformer_config import TransformerConfig
+    from torch.distributed import ProcessGroup
 
 #: Upstream's ``finalize_model_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False)``.
 FinalizeFunction = Callable[..., None]
@@ -230,10 +231,10 @@ class FinalizeModelGrads:
             return checks
         if self.deferred is None:
             logger.warning(
-                "megatron-ga-ext: %d micro-batch(es) of iteration %s returned a non-finite loss; Megatron's rerun state "
-                "machine checks the loss (--rerun-mode %s, --check-for-nan-in-loss-and-grad), so the extension defers "
-                "to it (it re-runs the iteration to tell a transient fault from a reproducible one) and reports what it "
-                "decides. A non-finite step that reaches the optimizer step anyway stops there.",
+                "megatron-ga-ext: %d micro-batch(es) of iteration %s returned a non-finite loss; Megatron's rerun "
+                "state machine checks the loss (--rerun-mode %s, --check-for-nan-in-loss-and-grad), so the extension "
+                "defers to it (it re-runs the iteration to tell a transient fault from a reproducible one) and reports "
+                "what it decides. A non-finite step that reaches the optimizer step anyway stops there.",
                 checks.nonfinite, iteration, getattr(megatron_args(), "rerun_mode", None))
         self.deferred = self.last_deferred = _Deferred(iteration, checks.nonfinite)
         return checks._replace(nonfinite=0)
@@ -362,7 +363,7 @@ class _Verdict:
     iteration: int | None
 
     @classmethod
-    def of(cls, vector: torch.Tensor, step: int, iteration: int | None) -> "_Verdict":
+    def of(cls, vector: torch.Tensor, step: int, iteration: int | None) -> _Verdict:
         if vector.device.type != "cuda":  # the CPU, or a device without events: the vector itself, or a copy
             return cls(vector.to("cpu"), None, step, iteration)
         host = torch.empty(vector.shape, dtype=vector.dtype, pin_memory=True)

@@ -21,9 +21,10 @@ import functools
 import importlib
 import inspect
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 from megatron_ga_ext.integration import aux_losses, megatron_lm
 from megatron_ga_ext.integration.compat import (

@@ -36,7 +36,8 @@ from megatron_ga_ext.integration.hooks import wire
 from megatron_ga_ext.integration.installation import Installation, check_args
 from megatron_ga_ext.logs import get_logger
 
-__all__ = ["GAConfig", "Installation", "add_args", "args_provider", "install", "installed", "uninstall", "wire_vendored"]
+__all__ = ["GAConfig", "Installation", "add_args", "args_provider", "install", "installed", "uninstall",
+           "wire_vendored"]
 
 logger = get_logger(__name__)
 
@@ -66,8 +67,8 @@ def install(config: GAConfig | argparse.Namespace | None = None) -> Installation
             current.configure(resolved)
             return current
         uninstall()
-    import megatron.core.distributed.finalize_model_grads  # noqa: F401  (load every target module)
-    import megatron.core.num_microbatches_calculator  # noqa: F401
+    import megatron.core.distributed.finalize_model_grads
+    import megatron.core.num_microbatches_calculator
     import megatron.core.pipeline_parallel.schedules  # noqa: F401
 
     version = megatron_core_version()
@@ -161,7 +162,8 @@ def _reconfigure_live_calculator(state: Installation) -> None:
     micro_batch_size = getattr(inner, "micro_batch_size", None)
     global_batch_size = getattr(args, "global_batch_size", None) or getattr(inner, "global_batch_size", None) \
         or getattr(inner, "current_global_batch_size", None)
-    arguments = {"micro_batch_size": micro_batch_size, "global_batch_size": global_batch_size, "rampup_batch_size": None,
+    arguments = {"micro_batch_size": micro_batch_size, "global_batch_size": global_batch_size,
+                 "rampup_batch_size": None,
                  "data_parallel_size": _data_parallel_size(inner)}
     inputs = ScheduleInputs.from_calculator_call(state.config, arguments)
     schedule = resolve_schedule(inputs)

@@ -21,8 +21,9 @@ import functools
 import inspect
 import sys
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +31,7 @@ from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.config.install_check import check_args  # the rule pass install() runs on Megatron's args
 from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
 from megatron_ga_ext.errors import CompatError, GuardError
+from megatron_ga_ext.integration.agreement import StartupChecks
 from megatron_ga_ext.integration.aux_report import aux_summary, pipeline_inexact_note
 from megatron_ga_ext.integration.batch_warmup import BatchSizeWarmup
 from megatron_ga_ext.integration.calculator import StepScheduleCalculator, live_step_calculator
@@ -40,7 +42,6 @@ from megatron_ga_ext.integration.liveness import StepLiveness
 from megatron_ga_ext.integration.loss_contract import LossContract, mean_of_means_reports
 from megatron_ga_ext.integration.noise_scale import NoiseScaleMeter
 from megatron_ga_ext.integration.noise_scale_sidecar import load_sidecar, save_sidecar
-from megatron_ga_ext.integration.agreement import StartupChecks
 from megatron_ga_ext.logs import get_logger
 
 if TYPE_CHECKING:

@@ -18,7 +18,8 @@ vector :mod:`megatron_ga_ext.integration.finalize` broadcasts and all-reduces wi
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -269,7 +270,8 @@ def _require_three_tuple(outputs: Any, index: int) -> None:
         f"the loss function returned {got} at micro-batch {index}; token mode needs "
         f"(summed loss, num_tokens, report). With a 2-tuple (loss, report) Megatron multiplies the "
         f"loss by the CP size and never divides by a token count, so gradients come out summed over "
-        f"DP x CP instead of averaged. Return megatron_ga_ext.integration.loss_contract.masked_loss(losses, loss_mask).")
+        f"DP x CP instead of averaged. Return "
+        f"megatron_ga_ext.integration.loss_contract.masked_loss(losses, loss_mask).")
 
 
 #: Integer dtypes every torch op takes (sums of them are int64).

@@ -30,8 +30,9 @@ import argparse
 import functools
 import importlib
 import sys
+from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from megatron_ga_ext.config.args import args_provider
 from megatron_ga_ext.config.flags import LOSS_REDUCTION
@@ -76,7 +77,8 @@ def with_ga_flags(original: ParseArgs, state: Installation) -> ParseArgs:
     announced = False
 
     @functools.wraps(original)
-    def parse_args(extra_args_provider: Callable | None = None, ignore_unknown_args: bool = False) -> argparse.Namespace:
+    def parse_args(extra_args_provider: Callable | None = None,
+                   ignore_unknown_args: bool = False) -> argparse.Namespace:
         nonlocal announced
         if not state.active:
             return original(extra_args_provider, ignore_unknown_args)

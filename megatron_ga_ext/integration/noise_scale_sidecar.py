@@ -5,7 +5,8 @@ stages.
         {"version": 1, "iteration": I, "ema": <NoiseScaleEMA.state_dict()>, "measurements": M,
          "stages": [[threshold_samples, GBS], ...]}
 
-Written after Megatron's ``save_checkpoint`` on the last rank (``Installation.after_save``) (every rank folds the same all-reduced vector, so every
+Written after Megatron's ``save_checkpoint`` on the last rank, by ``Installation.after_save`` (every rank folds the
+same all-reduced vector, so every
 rank holds the same EMAs), read by every rank after ``load_checkpoint``. The EMAs are kept only under one
 ``--ga-noise-scale-decay``: the bias correction 1 - decay^n holds for one decay throughout.
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 

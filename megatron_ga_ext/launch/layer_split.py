@@ -190,7 +190,8 @@ def _from_layers_per_stage(split: LayerSplit, result: VirtualPipeline) -> None:
     layers = split.num_layers if split.num_layers is not None else split.decoder_num_layers
     if layers is None:
         result.problems.append(LayerSplitError(
-            f"{PER_STAGE} {per_stage} needs --num-layers to derive the virtual pipeline size (layers / PP / {PER_STAGE})."
+            f"{PER_STAGE} {per_stage} needs --num-layers to derive the virtual pipeline size "
+            f"(layers / PP / {PER_STAGE})."
         ))
         return
     total = layers + split.extra_layers
@@ -211,7 +212,7 @@ def _from_layers_per_stage(split: LayerSplit, result: VirtualPipeline) -> None:
 
 def _split_problems(split: LayerSplit, vpp: VirtualPipeline) -> list[LayerSplitError]:
     """The layers over the pipeline ranks (and their virtual stages), when --num-layers is given."""
-    if split.num_layers is None or split.pipeline_model_parallel_size == 1 and vpp.size is None:
+    if split.num_layers is None or (split.pipeline_model_parallel_size == 1 and vpp.size is None):
         return []
     if split.uneven:
         return _uneven_problems(split, vpp)
@@ -239,18 +240,20 @@ def _uneven_problems(split: LayerSplit, vpp: VirtualPipeline) -> list[LayerSplit
             f"time with account_for_embedding_in_pipeline_split\"). Keep one way of balancing the stages."
         )]
     problems, middle, stages = [], split.num_layers, split.pipeline_model_parallel_size
-    for flag, given in ((FIRST, split.decoder_first_pipeline_num_layers), (LAST, split.decoder_last_pipeline_num_layers)):
+    ends = ((FIRST, split.decoder_first_pipeline_num_layers), (LAST, split.decoder_last_pipeline_num_layers))
+    for flag, given in ends:
         if given is None:
             continue
         if given < 1 or (vpp.size is not None and given % vpp.size):
             problems.append(LayerSplitError(
-                f"{flag} {given} must be at least 1{' and a multiple of the virtual pipeline size ' if vpp.size else ''}"
+                f"{flag} {given} must be at least 1"
+                f"{' and a multiple of the virtual pipeline size ' if vpp.size else ''}"
                 f"{f'{vpp.size} ({vpp.given})' if vpp.size else ''}; Megatron refuses it otherwise."
             ))
         middle, stages = middle - given, stages - 1  # type: ignore[operator]
     if problems:
         return problems
-    if bool(middle) != bool(stages) or stages and middle % stages:  # type: ignore[operator]
+    if bool(middle) != bool(stages) or (stages and middle % stages):  # type: ignore[operator]
         problems.append(LayerSplitError(
             f"--num-layers {split.num_layers} leaves {middle} layers for the {stages} middle pipeline stage(s) after "
             f"{FIRST}/{LAST}, which do not split evenly; Megatron refuses it (\"number of layers at middle stage must "

@@ -4,7 +4,7 @@ The rules are the ones a run is held to: install()'s own rule pass (config/launc
 flag's rule, the loss mode against ``--calculate-per-token-loss``, the guards against schedules that run another
 number of forwards, what a schedule needs of the launch, where the noise scale can measure), the one schedule of the
 launch, Megatron's parser and layer split (flags it does not define, stray words,
-the virtual pipeline), the coverage table's refusals (``config/coverage.py``; its limits are
+the virtual pipeline), the coverage table's refusals (``config/coverage/``; its limits are
 :func:`launch_notes`), and the batch arithmetic of every stage (``core/layout.py``, ``core/schedule/checks.py``).
 """
 

@@ -20,8 +20,9 @@ import socket
 import threading
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 __all__ = ["LaunchConfig", "WorkerError", "free_port", "run_on_ranks"]
 
@@ -64,7 +65,7 @@ def _worker(rank: int, world_size: int, port: int, cfg: LaunchConfig, fn: Callab
         dist.init_process_group(cfg.backend, rank=rank, world_size=world_size,
                                 init_method=f"tcp://127.0.0.1:{port}")
         reply = _reply(rank, "ok", fn(*args), "")
-    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
+    except BaseException as exc:
         reply = _reply(rank, "error", exc, traceback.format_exc())
     try:
         queue.put(reply)
@@ -89,7 +90,7 @@ def _reply(rank: int, status: str, payload: Any, tb: str) -> tuple[int, str, str
     background thread and never raises, so an unpicklable payload would vanish silently."""
     try:
         return rank, status, tb, pickle.dumps(payload)
-    except Exception as exc:  # noqa: BLE001 - any pickling failure becomes a WorkerError
+    except Exception as exc:
         what = "result" if status == "ok" else f"exception ({type(payload).__name__}: {payload})"
         message = (f"rank {rank} {'returned' if status == 'ok' else 'raised'} a {what} that cannot be "
                    f"pickled ({type(exc).__name__}: {exc}); rank functions must return plain data")
@@ -189,7 +190,7 @@ def _unpack(replies: dict[int, tuple[str, str, bytes]], world_size: int) -> list
         status, tb, blob = replies[rank]
         try:
             payload = pickle.loads(blob)
-        except Exception as exc:  # noqa: BLE001 - e.g. an exception class with a custom __init__
+        except Exception as exc:
             raise WorkerError(f"rank {rank} of {world_size} sent a reply ({status}) that cannot be "
                               f"unpickled in the parent ({type(exc).__name__}: {exc})"
                               + (f"; its traceback:\n{tb}" if tb else "")) from exc

@@ -10,8 +10,8 @@ Megatron's token-level reduction. Used by tests/test_noise_scale.py and tools/no
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
@@ -36,7 +36,7 @@ class Problem:
     factor: torch.Tensor
 
     @classmethod
-    def make(cls, dim: int = 16, seed: int = 0) -> "Problem":
+    def make(cls, dim: int = 16, seed: int = 0) -> Problem:
         """A dense, non-diagonal Sigma and a G with B_simple = tr(Sigma) / |G|^2 of a few tens of tokens."""
         generator = torch.Generator().manual_seed(seed)
         factor = torch.randn(dim, dim, generator=generator, dtype=torch.float64) / math.sqrt(dim)

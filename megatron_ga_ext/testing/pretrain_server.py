@@ -8,7 +8,7 @@ With ``--nproc-per-node N`` it is its own launcher: it imports Megatron once, th
 environment torchrun would give them (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so the 7-12 s
 import is paid once per launch instead of once per rank; the first rank to fail stops the others, and the
 exit status is the first failure's. With ``--serve`` it imports Megatron once for many launches
-(``tests/e2e/pretrain_runs.py``), each forked from that import; see :func:`serve`. Without either, it runs one
+(``tests/support/pretrain_runs.py``), each forked from that import; see :func:`serve`. Without either, it runs one
 rank under torchrun (``torchrun ... -m megatron_ga_ext.testing.pretrain_server SCRIPT ...``). SCRIPT may be
 ``-m MODULE``. Either way the script runs as ``python SCRIPT`` would run it from the Megatron-LM root (whose
 ``megatron`` package comes first on the path), under

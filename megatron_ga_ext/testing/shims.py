@@ -62,7 +62,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -131,7 +132,7 @@ class _Stream:
     def wait_stream(self, *args: Any) -> None:
         pass
 
-    def record_event(self, *args: Any) -> "_Stream":
+    def record_event(self, *args: Any) -> _Stream:
         return _Stream()
 
     def record(self, *args: Any) -> None:
@@ -207,10 +208,10 @@ def cpu_shims(*, device_count: int = 0) -> Iterator[None]:
     gemm = {} if hasattr(moe_utils, "te_general_gemm") else {"te_general_gemm": None}
     mtp, inference_linear = _mtp_without_te()
     factories, methods = _device_replacements()
-    with _patched(torch.cuda, _replacements(device_count)), _patched(tp_random, _rng_replacements()):
-        with _patched(token_dispatcher, moe), _patched(moe_utils, gemm), _patched(mtp, inference_linear):
-            with _patched(torch, factories), _patched(torch.Tensor, methods):
-                yield
+    with (_patched(torch.cuda, _replacements(device_count)), _patched(tp_random, _rng_replacements()),
+          _patched(token_dispatcher, moe), _patched(moe_utils, gemm), _patched(mtp, inference_linear),
+          _patched(torch, factories), _patched(torch.Tensor, methods)):
+        yield
 
 
 def _mtp_without_te() -> tuple[Any, dict[str, Any]]:
@@ -253,7 +254,8 @@ def _load_wheel_helpers() -> None:
     if not built:
         raise RuntimeError("the installed megatron-core wheel ships no compiled helpers_cpp to run the datasets with")
     path = str(built[0].locate())
-    spec = importlib.util.spec_from_file_location(name, path, loader=importlib.machinery.ExtensionFileLoader(name, path))
+    loader = importlib.machinery.ExtensionFileLoader(name, path)
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     sys.modules[name] = module

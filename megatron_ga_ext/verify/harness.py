@@ -19,9 +19,10 @@ from __future__ import annotations
 import inspect
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 from collections import defaultdict
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from megatron_ga_ext.testing.distributed import LaunchConfig, run_on_ranks
 from megatron_ga_ext.testing.shims import cpu_shims
@@ -72,7 +72,7 @@ def launch_draws(draws: Sequence[Draw], *, device: str, timeout_s: float,
                   file=sys.stderr, flush=True)
             try:
                 per_rank = run_on_ranks(run_draws, world_size, (batch, device), launch)
-            except Exception as exc:  # noqa: BLE001 - a launch that fails fails its draws, the next launch runs
+            except Exception as exc:
                 out += [(draw, None, f"launch failed: {type(exc).__name__}: {exc}") for draw in batch]
                 continue
             out += [(verdicts[0].draw, verdicts, None) for verdicts in zip(*per_rank)]

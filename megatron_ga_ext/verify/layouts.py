@@ -65,7 +65,8 @@ class Layout:
         parts += [f"DP{self.data_parallel_size}", f"GA{self.num_microbatches}"]
         notes = [MODEL_NOTES[self.model]] if self.model in MODEL_NOTES else []
         notes += ["sequence parallel"] * self.sequence_parallel
-        notes += ["overlapped grad reduce"] * self.overlap_grad_reduce + ["distributed optimizer"] * self.distributed_optimizer
+        notes += ["overlapped grad reduce"] * self.overlap_grad_reduce
+        notes += ["distributed optimizer"] * self.distributed_optimizer
         return " x ".join(parts) + (f" ({', '.join(notes)})" if notes else "")
 
     def sample(self, microbatch: int, dp_rank: int, j: int) -> int:

@@ -209,7 +209,7 @@ class SequenceParallelLayerNorm(torch.nn.LayerNorm):
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_: object) -> None:
         super().__init__(hidden_size, eps=eps)
         for param in self.parameters():
-            setattr(param, "sequence_parallel", config.sequence_parallel)
+            param.sequence_parallel = config.sequence_parallel
 
 
 def build_positionwise(model: ModelConfig, config):

@@ -29,7 +29,8 @@ reference gradient is the gradient of the sum of both parts.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 

@@ -1,4 +1,4 @@
-"""The CUDA-graph rows of the coverage table (config/coverage.py) in Megatron-LM's own pretrain_gpt.py, on one CUDA
+"""The CUDA-graph rows of the coverage table (config/coverage/) in Megatron-LM's own pretrain_gpt.py, on one CUDA
 device over NCCL (DP 1, micro-batch size 2, GBS 16: 8 micro-batches a step), through the drop-in entry, on the
 newest release among the end-to-end tier's sources (0.19 or later). Every graph captures at the second iteration
 (--cuda-graph-warmup-steps 1) and replays from then on; a NaN is injected into the first micro-batch's loss at

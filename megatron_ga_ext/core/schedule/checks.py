@@ -16,15 +16,16 @@ many do, in O(log) whatever the number of stages.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
 
 from megatron_ga_ext.core.rules import interleave_error, microbatch_group_error, multiple_error, require_positive_int
 from megatron_ga_ext.core.schedule.rampup import RampStages
 from megatron_ga_ext.core.schedule.stages import ScheduleProblem, Stage
 from megatron_ga_ext.errors import GAError, ScheduleError
 
-__all__ = ["CheckLayout", "decreasing_stage_error", "stage_error", "schedule_problems", "with_count", "zero_microbatch_error"]
+__all__ = ["CheckLayout", "decreasing_stage_error", "schedule_problems", "stage_error", "with_count",
+           "zero_microbatch_error"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -46,7 +47,7 @@ class CheckLayout:
         cls, micro_batch_size: int, data_parallel_size: int, pipeline_model_parallel_size: int = 1,
         virtual_pipeline_size: int | None = None, planned_data_parallel_sizes: Sequence[int] = (),
         microbatch_group_size_per_vp_stage: int | None = None, virtual_pipeline_given: str | None = None,
-    ) -> "CheckLayout":
+    ) -> CheckLayout:
         """Each size refused unless it is an int >= 1 (SizeError naming its flag)."""
         pp = require_positive_int("--pipeline-model-parallel-size", pipeline_model_parallel_size)
         return cls(
@@ -116,7 +117,8 @@ def stage_error(stage: Stage, layout: CheckLayout, data_parallel_size: int | Non
             error=ScheduleError,
         )
     if layout.interleaved:
-        given = layout.virtual_pipeline_given or f"--virtual-pipeline-model-parallel-size {layout.virtual_pipeline_size}"
+        given = (layout.virtual_pipeline_given
+                 or f"--virtual-pipeline-model-parallel-size {layout.virtual_pipeline_size}")
         return interleave_error(
             stage.describe(), batch, mbs, dp, layout.pipeline_model_parallel_size, given, layout.microbatch_group_size
         )
@@ -164,7 +166,8 @@ def _ramp_problems(ramp: RampStages, current: int, layout: CheckLayout) -> list[
                     raise AssertionError(f"closed form disagrees with stage_error at stage {first}")
                 if count > 1:
                     error = type(error)(f"{error} (So do {count - 1:,} later stages of the ramp.)")
-                found.append(ScheduleProblem(stage=stage, index=first, future=first > current, error=error, count=count))
+                found.append(ScheduleProblem(stage=stage, index=first, future=first > current, error=error,
+                                             count=count))
     return found
 
 

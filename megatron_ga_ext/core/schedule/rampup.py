@@ -18,8 +18,9 @@ read, and the stage in force at c is stage g(c), in O(1).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence, overload
+from typing import overload
 
 from megatron_ga_ext.core.numbers import MAX_EXPONENT, is_int, read_int
 from megatron_ga_ext.core.rules import divisor_list, require_positive_int
@@ -46,7 +47,8 @@ def check_rampup(start: int, increment: int, ramp_samples: int, global_batch_siz
             f"{FLAG} ramp-up samples {ramp_samples!r} must be a whole number >= 0; give 0 for no ramp, or the "
             f"samples to ramp over."
         )
-    for name, value in (("ramp-up samples", ramp_samples), ("start batch size", start), ("--global-batch-size", global_batch_size)):
+    named = (("ramp-up samples", ramp_samples), ("start batch size", start), ("--global-batch-size", global_batch_size))
+    for name, value in named:
         if value > 10**MAX_EXPONENT:
             raise SizeError(f"{FLAG} {name} {value} is larger than 1e{MAX_EXPONENT}; no run consumes that much.")
     diff = global_batch_size - start
@@ -100,7 +102,8 @@ class _Ramp:
         return _least(reached, 0, high, guess)
 
 
-def listed_rampup_stages(start: int, increment: int, ramp_samples: int, global_batch_size: int) -> list[tuple[int, int]]:
+def listed_rampup_stages(start: int, increment: int, ramp_samples: int,
+                         global_batch_size: int) -> list[tuple[int, int]]:
     """Every distinct stage of a ramp of at most :data:`LISTED_RAMP` increments, as (threshold, GBS)."""
     ramp = _Ramp(start, increment, ramp_samples, global_batch_size)
     stages: list[tuple[int, int]] = [(0, start)]
@@ -136,7 +139,7 @@ class RampStages(Sequence[Stage]):
     @overload
     def __getitem__(self, index: slice) -> list[Stage]: ...
 
-    def __getitem__(self, index):
+    def __getitem__(self, index: int | slice) -> Stage | list[Stage]:
         if isinstance(index, slice):
             return [self[k] for k in range(self.num_stages)[index]]
         k = range(self.num_stages)[index]  # IndexError past the end, negative indices from the end

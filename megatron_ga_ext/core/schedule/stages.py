@@ -7,15 +7,18 @@ thresholds are tokens and become samples by ``tokens // seq_length`` (upstream's
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Iterator, Sequence
+from typing import overload
 
 from megatron_ga_ext.core.megatron_flags import STEP_SCHEDULE
 from megatron_ga_ext.core.numbers import format_count, parse_count, upstream_count
 from megatron_ga_ext.errors import GAError, ScheduleError, ScheduleParseError
 
-__all__ = ["FLAG", "ScheduleProblem", "Stage", "StagePairs", "check_order", "number_stages", "parse_entries", "stage_count"]
+__all__ = ["FLAG", "ScheduleProblem", "Stage", "StagePairs", "check_order", "number_stages", "parse_entries",
+           "stage_count"]
 
 FLAG = STEP_SCHEDULE.flag
 
@@ -84,7 +87,13 @@ class StagePairs(Sequence[tuple[int, int]]):
     def __len__(self) -> int:
         return len(self._entries)
 
-    def __getitem__(self, index):  # type: ignore[override]
+    @overload
+    def __getitem__(self, index: int) -> tuple[int, int]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[tuple[int, int]]: ...
+
+    def __getitem__(self, index: int | slice) -> tuple[int, int] | list[tuple[int, int]]:
         if isinstance(index, slice):
             return [self[i] for i in range(stage_count(self._entries))[index]]
         stage = self._entries[index]
@@ -98,7 +107,8 @@ class StagePairs(Sequence[tuple[int, int]]):
             return True  # the same stages (two long ramps compare by their four numbers)
         if not isinstance(other, Sequence) or isinstance(other, str):
             return NotImplemented
-        return stage_count(self._entries) == stage_count(other) and all(tuple(a) == tuple(b) for a, b in zip(self, other))
+        return stage_count(self._entries) == stage_count(other) and all(
+            tuple(a) == tuple(b) for a, b in zip(self, other))
 
     def __repr__(self) -> str:
         shown = ", ".join(map(str, self[:3]))
@@ -167,7 +177,7 @@ def check_order(entries: tuple[Stage, ...], seq_length: int | None) -> None:
         if stage.global_batch_size < 1 or stage.threshold_samples < 0:
             raise ScheduleError(f"{stage.describe()}: thresholds must be >= 0 and batch sizes >= 1.")
     _check_first(entries[0], seq_length)
-    for previous, stage in zip(entries, entries[1:]):
+    for previous, stage in itertools.pairwise(entries):
         _check_pair(previous, stage, entries, seq_length)
 
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import bisect
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from megatron_ga_ext.core.numbers import SUFFIXES, format_count, parse_count
 from megatron_ga_ext.core.numbers import upstream_count as _upstream_count  # noqa: F401  (tests import it here)
@@ -55,7 +55,7 @@ from megatron_ga_ext.core.schedule.tables import (
     total_samples,
     total_steps,
 )
-from megatron_ga_ext.errors import ScheduleError, ScheduleParseError, ScheduleWarning, UsageError
+from megatron_ga_ext.errors import GAError, ScheduleError, ScheduleParseError, ScheduleWarning, UsageError
 
 __all__ = [
     "FLAG",
@@ -99,7 +99,7 @@ class StepSchedule:
     # -- construction --------------------------------------------------------------------------
 
     @classmethod
-    def parse(cls, text: str, seq_length: int | None = None) -> "StepSchedule":
+    def parse(cls, text: str, seq_length: int | None = None) -> StepSchedule:
         """Read upstream's format exactly; thresholds are tokens when ``seq_length`` is given.
 
         Token thresholds become samples by floor division, ``tokens // seq_length``, as upstream does,
@@ -110,7 +110,7 @@ class StepSchedule:
         return cls(parse_entries(text, seq_length), seq_length)
 
     @classmethod
-    def from_stages(cls, stages: Sequence[tuple[int, int]]) -> "StepSchedule":
+    def from_stages(cls, stages: Sequence[tuple[int, int]]) -> StepSchedule:
         """Build from ``(threshold_samples, global_batch_size)`` pairs, checked like a parsed schedule."""
         built = []
         for i, (threshold, batch) in enumerate(stages, 1):
@@ -121,13 +121,13 @@ class StepSchedule:
         return cls(tuple(built))
 
     @classmethod
-    def constant(cls, global_batch_size: int) -> "StepSchedule":
+    def constant(cls, global_batch_size: int) -> StepSchedule:
         """The one-stage schedule ``0:GBS``."""
         require_positive_int("--global-batch-size", global_batch_size, below_one=ScheduleError)
         return cls.from_stages([(0, global_batch_size)])
 
     @classmethod
-    def from_rampup(cls, start: int, increment: int, ramp_samples: int, global_batch_size: int) -> "StepSchedule":
+    def from_rampup(cls, start: int, increment: int, ramp_samples: int, global_batch_size: int) -> StepSchedule:
         """The step schedule equal to megatron-core 0.16.1's ``RampupBatchsizeNumMicroBatchesCalculator``
         (see :mod:`~megatron_ga_ext.core.schedule.rampup`). Where upstream divides by zero (ramp_samples = 0, or
         start = GBS), the ramp is empty: the schedule is ``0:GBS``. A ramp of more than 10,000 increments is
@@ -276,7 +276,7 @@ class StepSchedule:
     def stage_error(
         self, index: int, micro_batch_size: int, data_parallel_size: int, pipeline_model_parallel_size: int = 1,
         virtual_pipeline_size: int | None = None, microbatch_group_size_per_vp_stage: int | None = None,
-    ):
+    ) -> GAError | None:
         """The first rule the stage ``entries[index]`` breaks for today's layout, or None: O(1)."""
         layout = CheckLayout.checked(
             micro_batch_size, data_parallel_size, pipeline_model_parallel_size, virtual_pipeline_size,
