@@ -35,7 +35,7 @@ class MegatronArgs:
             return args
         if args is None:
             return cls({})
-        return cls(dict(args) if isinstance(args, Mapping) else dict(vars(args)))
+        return cls(args if isinstance(args, Mapping) else vars(args))  # a view: a Namespace's values as they change
 
     def has(self, dest: str) -> bool:
         """The args hold ``dest`` (a release or parser without the flag does not)."""
@@ -156,3 +156,58 @@ class MegatronArgs:
     @property
     def use_megatron_fsdp(self) -> bool:
         return self._on("use_megatron_fsdp")
+
+    # -- the run in progress, set by Megatron-LM's loop -------------------------------------------
+
+    @property
+    def consumed_train_samples(self) -> int:
+        return self._int("consumed_train_samples") or 0
+
+    @property
+    def iteration(self) -> int:
+        """The last completed (or loaded) iteration."""
+        return self._int("iteration") or 0
+
+    @property
+    def curr_iteration(self) -> int | None:
+        """The iteration in progress, counted from 0 (Megatron's log numbers it + 1)."""
+        return self._int("curr_iteration")
+
+    def directory(self, dest: str) -> str | None:
+        """A checkpoint directory flag's value (``save``, ``load``, ``pretrained_checkpoint``); None where unset."""
+        value = self.get(dest, None)
+        return str(value) if value else None
+
+    @property
+    def rerun_mode(self) -> str:
+        """``disabled`` where the args do not hold it (a loop without Megatron-LM's rerun machine)."""
+        return str(self.get("rerun_mode", "disabled"))
+
+    @property
+    def check_for_nan_in_loss_and_grad(self) -> bool:
+        """Off where the args do not hold it (a loop without Megatron-LM's rerun machine)."""
+        return bool(self.get("check_for_nan_in_loss_and_grad", False))
+
+    # -- the learning-rate schedule (in samples) ---------------------------------------------------
+
+    @property
+    def lr_decay_samples(self) -> int | None:
+        return self._int("lr_decay_samples")
+
+    @property
+    def lr_warmup_samples(self) -> int | None:
+        return self._int("lr_warmup_samples")
+
+    @property
+    def lr_warmup_fraction(self) -> float | None:
+        value = self.get("lr_warmup_fraction", None)
+        return None if value is None else float(value)
+
+    @property
+    def lr_decay_style(self) -> str | None:
+        value = self.get("lr_decay_style", None)
+        return None if value is None else str(value)
+
+    @property
+    def lr_wsd_decay_samples(self) -> int | None:
+        return self._int("lr_wsd_decay_samples")

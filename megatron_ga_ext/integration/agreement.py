@@ -25,6 +25,7 @@ from megatron_ga_ext.config.coverage import Verdict
 from megatron_ga_ext.config.coverage import enforce as enforce_coverage
 from megatron_ga_ext.config.flags import BY_DEST, CONVERT_RAMPUP
 from megatron_ga_ext.config.ga_config import GA_FIELDS, GAConfig
+from megatron_ga_ext.config.megatron_args import MegatronArgs
 from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
 from megatron_ga_ext.errors import GAError, GuardError
 from megatron_ga_ext.integration.compat import Calculator, live_calculator
@@ -49,11 +50,12 @@ def batch_settings(args: argparse.Namespace | None = None, config: GAConfig | No
     are any, else from the extension's ``config``; and what the live ``calculator`` computes now."""
     settings = {}
     if args is not None:
+        view = MegatronArgs.of(args)
         for dest in BATCH_FLAGS:
-            if hasattr(args, dest):
-                settings[BY_DEST[dest].flag] = _shown(getattr(args, dest))
-        if getattr(args, "data_parallel_size", None) is not None:
-            settings[DATA_PARALLEL] = _shown(args.data_parallel_size)
+            if view.has(dest):
+                settings[BY_DEST[dest].flag] = _shown(view.get(dest))
+        if view.get("data_parallel_size", None) is not None:
+            settings[DATA_PARALLEL] = _shown(view.get("data_parallel_size"))
     elif config is not None:
         for option, name in GA_FIELDS.items():
             settings[option.flag] = _shown(getattr(config, name))
@@ -157,7 +159,8 @@ class StartupChecks:
                    for key, was in self.checkpoint_settings.items() if key in now and now[key] != was]
         if not changed:
             return
-        consumed, iteration = int(args.consumed_train_samples), int(getattr(args, "iteration", 0) or 0)
+        view = MegatronArgs.of(args)
+        consumed, iteration = view.consumed_train_samples, view.iteration
         calculator = live_calculator()
         batch = "" if calculator is None else (
             f": global batch size {calculator.get_current_global_batch_size()} "
@@ -175,17 +178,16 @@ class StartupChecks:
 def _batch_size_at(args: argparse.Namespace, consumed: int) -> int | None:
     """The global batch size ``args`` (a checkpoint's) give at ``consumed`` samples; None where unknown (an
     unconverted rampup, a configuration that no longer reads)."""
-    rampup = getattr(args, "rampup_batch_size", None)
-    convert = bool(getattr(args, CONVERT_RAMPUP.dest, False))
-    if rampup and not convert:
+    view = MegatronArgs.of(args)
+    convert = bool(view.get(CONVERT_RAMPUP.dest, False))
+    if view.rampup_batch_size and not convert:
         return None
     try:
         schedule = resolve_schedule(ScheduleInputs(
-            step_batch_size_schedule=getattr(args, "step_batch_size_schedule", None), rampup_batch_size=rampup,
-            global_batch_size=getattr(args, "global_batch_size", None), seq_length=getattr(args, "seq_length", None),
-            convert_rampup=convert))
+            step_batch_size_schedule=view.step_batch_size_schedule, rampup_batch_size=view.rampup_batch_size,
+            global_batch_size=view.global_batch_size, seq_length=view.seq_length, convert_rampup=convert))
     except GAError:
         return None
     if schedule is None:
-        return getattr(args, "global_batch_size", None)
+        return view.global_batch_size
     return schedule.global_batch_size_at(consumed)

@@ -22,6 +22,7 @@ from typing import Any
 
 from megatron_ga_ext.config.flags import BATCH_SIZE_WARMUP_MAX
 from megatron_ga_ext.config.ga_config import GAConfig
+from megatron_ga_ext.config.megatron_args import MegatronArgs
 from megatron_ga_ext.core.lr_windows import Frozen, lr_windows, warmup_samples
 from megatron_ga_ext.core.noise_trace import TraceRow
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
@@ -111,21 +112,20 @@ def frozen_ranges(args: argparse.Namespace | None) -> tuple[Frozen, ...]:
     (``--lr-wsd-decay-samples`` before the end of ``--lr-decay-samples``, else of ``--train-samples``)."""
     if args is None:
         return ()
-    decay_end = getattr(args, "lr_decay_samples", None) or getattr(args, "train_samples", None)
-    warmup = warmup_samples(getattr(args, "lr_warmup_samples", None), getattr(args, "lr_warmup_fraction", None),
-                            decay_end)
-    wsd = getattr(args, "lr_decay_style", None) == "WSD"
-    return lr_windows(warmup=warmup, decay_end=decay_end,
-                      final_decay=getattr(args, "lr_wsd_decay_samples", None) if wsd else None)
+    view = MegatronArgs.of(args)
+    decay_end = view.lr_decay_samples or view.train_samples
+    warmup = warmup_samples(view.lr_warmup_samples, view.lr_warmup_fraction, decay_end)
+    wsd = view.lr_decay_style == "WSD"
+    return lr_windows(warmup=warmup, decay_end=decay_end, final_decay=view.lr_wsd_decay_samples if wsd else None)
 
 
 def _replan(calculator: Any, args: argparse.Namespace | None) -> None:
     """``args.train_iters``: the steps the schedule now plans for ``--train-samples`` (Megatron's loop reads it at
     every iteration)."""
-    if args is not None and getattr(args, "train_samples", None):
+    if args is not None and MegatronArgs.of(args).train_samples:
         args.train_iters = calculator.plan(args.train_samples)[0]
 
 
 def _schedule_string(schedule: StepSchedule, args: argparse.Namespace | None) -> str:
     """As pretrain_gpt.py reads it: thresholds in tokens where ``--seq-length`` is set."""
-    return schedule.to_string(getattr(args, "seq_length", None))
+    return schedule.to_string(MegatronArgs.of(args).seq_length)

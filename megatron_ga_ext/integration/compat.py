@@ -27,12 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from megatron_ga_ext.config.megatron_args import MegatronArgs
 from megatron_ga_ext.errors import CompatError
 from megatron_ga_ext.logs import get_logger
 
 __all__ = [
     "RELEASES", "TARGETS", "UPSTREAM", "Calculator", "Target", "Upstream", "check_targets", "defines_function",
     "fingerprint", "known_fingerprints", "live_targets", "megatron_args", "megatron_core_version", "megatron_iteration",
+    "megatron_view",
     "tree_targets",
 ]
 
@@ -164,10 +166,15 @@ def megatron_args() -> argparse.Namespace | None:
     return getattr(global_vars, "_GLOBAL_ARGS", None)
 
 
+def megatron_view() -> MegatronArgs:
+    """Megatron-LM's parsed args through the typed view (config/megatron_args.py); empty without them."""
+    return MegatronArgs.of(megatron_args())
+
+
 def megatron_iteration() -> int | None:
     """The Megatron iteration being trained (``args.curr_iteration`` + 1, as its log numbers it), if any."""
-    current = getattr(megatron_args(), "curr_iteration", None)
-    return current + 1 if isinstance(current, int) else None
+    current = megatron_view().curr_iteration
+    return None if current is None else current + 1
 
 
 def megatron_core_version() -> str:

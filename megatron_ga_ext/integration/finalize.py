@@ -31,7 +31,7 @@ import torch
 from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.config.launch_rules import check_loss_mode
 from megatron_ga_ext.errors import LossContractError
-from megatron_ga_ext.integration.compat import megatron_args, megatron_iteration
+from megatron_ga_ext.integration.compat import megatron_iteration, megatron_view
 from megatron_ga_ext.integration.loss_contract import SLOT_TOKENS, LossContract, StepChecks
 from megatron_ga_ext.integration.noise_scale import NoiseScaleMeter
 from megatron_ga_ext.logs import get_logger
@@ -235,7 +235,7 @@ class FinalizeModelGrads:
                 "state machine checks the loss (--rerun-mode %s, --check-for-nan-in-loss-and-grad), so the extension "
                 "defers to it (it re-runs the iteration to tell a transient fault from a reproducible one) and reports "
                 "what it decides. A non-finite step that reaches the optimizer step anyway stops there.",
-                checks.nonfinite, iteration, getattr(megatron_args(), "rerun_mode", None))
+                checks.nonfinite, iteration, megatron_view().rerun_mode)
         self.deferred = self.last_deferred = _Deferred(iteration, checks.nonfinite)
         return checks._replace(nonfinite=0)
 
@@ -338,9 +338,8 @@ def megatron_judges_nonfinite() -> bool:
     default) with ``--rerun-mode validate_results`` (the default; ``report_stats`` stops Megatron at start-up, and the
     coverage table refuses it). (With ``--rerun-mode disabled``
     its check raises in the loss function, before finalize.) Without Megatron's args: no."""
-    args = megatron_args()
-    return bool(getattr(args, "check_for_nan_in_loss_and_grad", False)) and \
-        getattr(args, "rerun_mode", "disabled") == "validate_results"
+    args = megatron_view()
+    return args.check_for_nan_in_loss_and_grad and args.rerun_mode == "validate_results"
 
 
 @dataclass(frozen=True)

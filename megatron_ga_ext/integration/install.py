@@ -29,6 +29,7 @@ from megatron_ga_ext.integration.compat import (
     matching_sources,
     megatron_args,
     megatron_core_version,
+    megatron_view,
     set_live_calculator,
 )
 from megatron_ga_ext.integration.guards import GuardedCalculator
@@ -158,9 +159,9 @@ def _reconfigure_live_calculator(state: Installation) -> None:
     inner = getattr(live, "inner", live)
     if live is None or isinstance(inner, StepScheduleCalculator) or state.waiting_for_args:
         return
-    args = megatron_args()
+    args = megatron_view()
     micro_batch_size = getattr(inner, "micro_batch_size", None)
-    global_batch_size = getattr(args, "global_batch_size", None) or getattr(inner, "global_batch_size", None) \
+    global_batch_size = args.global_batch_size or getattr(inner, "global_batch_size", None) \
         or getattr(inner, "current_global_batch_size", None)
     arguments = {"micro_batch_size": micro_batch_size, "global_batch_size": global_batch_size,
                  "rampup_batch_size": None,
@@ -179,7 +180,7 @@ def _reconfigure_live_calculator(state: Installation) -> None:
 
     rank = distributed.get_rank() if distributed.is_available() and distributed.is_initialized() else 0
     calculator = StepScheduleCalculator.for_launch(schedule, inputs, rank=rank)
-    consumed = int(getattr(args, "consumed_train_samples", 0) or 0)
+    consumed = args.consumed_train_samples
     if consumed:
         calculator.update(consumed, consistency_check=False)
     set_live_calculator(calculator)

@@ -35,7 +35,7 @@ from megatron_ga_ext.integration.agreement import StartupChecks
 from megatron_ga_ext.integration.aux_report import aux_summary, pipeline_inexact_note
 from megatron_ga_ext.integration.batch_warmup import BatchSizeWarmup
 from megatron_ga_ext.integration.calculator import StepScheduleCalculator, live_step_calculator
-from megatron_ga_ext.integration.compat import live_calculator, megatron_args, set_live_calculator
+from megatron_ga_ext.integration.compat import live_calculator, megatron_args, megatron_view, set_live_calculator
 from megatron_ga_ext.integration.finalize import FinalizeModelGrads, describe_decision
 from megatron_ga_ext.integration.guards import GuardedCalculator, MicrobatchCounter, current_pipeline_size
 from megatron_ga_ext.integration.liveness import StepLiveness
@@ -271,7 +271,7 @@ class Installation:
     def after_save(self, iteration: int, non_persistent: bool) -> None:
         """Megatron-LM saved a checkpoint: the noise-scale EMAs (and warmup stages) beside it, into ``args.save``.
         Non-persistent checkpoints (another directory, Megatron's own layout) get none."""
-        directory = getattr(megatron_args(), "save", None)
+        directory = megatron_view().directory("save")
         if self.noise_scale is None or not directory or non_persistent:
             return
         warmup = self.batch_warmup
@@ -285,8 +285,8 @@ class Installation:
         ``load_state_dict`` written the rates (--ga-lr-scaling's factor), both with the first stage only: left so,
         the loop's first update would see the batch change and save the loaded iteration again, in place, and the
         first step would train at the first stage's rate."""
-        megatron = megatron_args()
-        directory = getattr(megatron, load_arg, None) if megatron is not None else None
+        megatron = megatron_view()
+        directory = megatron.directory(load_arg)
         if self.noise_scale is None or not directory or not isinstance(iteration, int) or iteration <= 0:
             return
         saved = load_sidecar(self.noise_scale, directory, iteration)
@@ -300,8 +300,8 @@ class Installation:
         self.batch_warmup.restore(stages, live_step_calculator())
         from megatron.core.num_microbatches_calculator import update_num_microbatches
 
-        consumed = getattr(megatron, "consumed_train_samples", None) or 0
-        update_num_microbatches(consumed, consistency_check=True, verbose=True)  # through the guard: its baseline too
+        # through the guard: its baseline too
+        update_num_microbatches(megatron.consumed_train_samples, consistency_check=True, verbose=True)
         if scheduler is not None:
             scheduler.step(0)  # each group's rate and weight decay written again at its count, as its constructor does
 

@@ -36,8 +36,9 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_ga_ext.config.args import args_provider
 from megatron_ga_ext.config.flags import LOSS_REDUCTION
+from megatron_ga_ext.config.megatron_args import MegatronArgs
 from megatron_ga_ext.integration.calculator import live_step_calculator
-from megatron_ga_ext.integration.compat import megatron_args
+from megatron_ga_ext.integration.compat import megatron_view
 from megatron_ga_ext.logs import get_logger
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ def with_ga_flags(original: ParseArgs, state: Installation) -> ParseArgs:
         if not state.active:
             return original(extra_args_provider, ignore_unknown_args)
         args = original(args_provider(extra_args_provider), ignore_unknown_args)
-        mode = getattr(args, LOSS_REDUCTION.dest) if state.waiting_for_args else state.config.loss_reduction
+        mode = MegatronArgs.of(args).get(LOSS_REDUCTION.dest) if state.waiting_for_args else state.config.loss_reduction
         if mode == "token" and not args.calculate_per_token_loss:
             args.calculate_per_token_loss = True
             if not announced:
@@ -122,7 +123,7 @@ def planned_num_samples(original: Callable, state: Installation) -> Callable:
     def get_train_valid_test_num_samples(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
         calculator = live_step_calculator()
-        train_samples = getattr(megatron_args(), "train_samples", None)
+        train_samples = megatron_view().train_samples
         if not state.active or calculator is None or not train_samples or result[0] != train_samples:
             return result
         # --ga-batch-size-warmup auto: the last step of a schedule decided later may pass by up to the cap
@@ -168,7 +169,7 @@ def loading_sidecar(original: Callable, state: Installation) -> Callable:
     def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
         if state.active:
-            iteration = result[0] if isinstance(result, tuple) and result else getattr(megatron_args(), "iteration", 0)
+            iteration = result[0] if isinstance(result, tuple) and result else megatron_view().iteration
             state.after_load(iteration, kwargs.get("load_arg", args[3] if len(args) > 3 else "load"),
                              kwargs.get("opt_param_scheduler", args[2] if len(args) > 2 else None))
         return result

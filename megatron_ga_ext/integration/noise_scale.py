@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from megatron_ga_ext.config.megatron_args import MegatronArgs
 from megatron_ga_ext.core.noise_scale import NoiseEstimate, NoiseScaleEMA, replica_estimate_from_sums
 from megatron_ga_ext.core.noise_trace import SCALARS, json_line, log_line, scalar_tag, trace_row
 from megatron_ga_ext.integration.compat import megatron_args, megatron_iteration
@@ -218,7 +219,7 @@ class NoiseScaleMeter:
         estimate = measurement.estimate
         args = megatron_args()
         consumed, tokens_per_sample = None, None
-        if args is not None and getattr(args, "consumed_train_samples", None) is not None:
+        if args is not None and MegatronArgs.of(args).has("consumed_train_samples"):
             from megatron.core.num_microbatches_calculator import get_current_global_batch_size
 
             batch = get_current_global_batch_size()

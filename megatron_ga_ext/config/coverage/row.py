@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from megatron_ga_ext.config.flags import BY_DEST, CHECKS, CONVERT_RAMPUP, LOSS_REDUCTION, ZERO_TOKEN_POLICY
 from megatron_ga_ext.config.ga_config import GAConfig
+from megatron_ga_ext.config.megatron_args import MegatronArgs
 from megatron_ga_ext.core.megatron_flags import COVERED_OPTIONS, MEGATRON_OPTIONS
 
 __all__ = ["READ", "SCOPE_DEPRECATED", "Proof", "Row", "Setting", "Support"]
@@ -38,7 +39,8 @@ class Setting:
     @classmethod
     def of(cls, args: Any, config: GAConfig) -> Setting:
         """From Megatron's parsed ``args`` (None: a megatron-core loop without them) and the installed ``config``."""
-        values = {} if args is None else {dest: getattr(args, dest) for dest in READ if hasattr(args, dest)}
+        view = MegatronArgs.of(args)
+        values = {dest: view.get(dest) for dest in READ if view.has(dest)}
         return cls(values, config.loss_reduction, config.zero_token_policy, config.checks, config.convert_rampup)
 
     def value(self, dest: str) -> Any:
