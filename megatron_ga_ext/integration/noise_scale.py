@@ -41,9 +41,25 @@ from megatron_ga_ext.logs import get_logger
 if TYPE_CHECKING:
     from megatron_ga_ext.config.ga_config import GAConfig
 
-__all__ = ["Measurement", "NoiseScaleMeter", "counting_bucket_group", "last_rank"]
+__all__ = ["NORM_CHUNK", "Measurement", "NoiseScaleMeter", "counting_bucket_group", "last_rank", "squared_norm"]
 
 logger = get_logger(__name__)
+
+NORM_CHUNK = 1 << 24
+"""Elements converted to float64 at a time by :func:`squared_norm`: at most 128 MiB of extra memory per norm."""
+
+
+def squared_norm(values: torch.Tensor) -> torch.Tensor:
+    """|values|^2 accumulated in float64, as a 0-d float64 tensor on the values' device.
+
+    The elements are converted to float64 :data:`NORM_CHUNK` at a time (the estimate subtracts two close sums, so the
+    accumulation stays in float64): the extra memory is 8 x NORM_CHUNK bytes whatever the bucket's size, where one
+    conversion of the whole range would take 8 bytes per element (a whole model's gradient without bucketing)."""
+    total = torch.zeros((), dtype=torch.float64, device=values.device)
+    for start in range(0, values.numel(), NORM_CHUNK):
+        total += torch.linalg.vector_norm(values[start:start + NORM_CHUNK], dtype=torch.float64).square()
+    return total
+
 
 @dataclass(frozen=True)
 class _BucketPlan:
@@ -105,7 +121,7 @@ class NoiseScaleMeter:
         part = self._local
         for bucket in bucket_group.buckets:
             for start, end in self._plan(bucket).ranges:
-                norm = torch.linalg.vector_norm(bucket.grad_data[start:end], dtype=torch.float64).square()
+                norm = squared_norm(bucket.grad_data[start:end])
                 part = norm if part is None else part + norm
         if part is not None:
             self._local = part
@@ -130,7 +146,7 @@ class NoiseScaleMeter:
             for group in getattr(chunk, "bucket_groups", ()):
                 for bucket in group.buckets:
                     for start, end in _owned(self._plan(bucket).ranges, bucket, group):
-                        reduced += torch.linalg.vector_norm(bucket.grad_data[start:end], dtype=torch.float64).square()
+                        reduced += squared_norm(bucket.grad_data[start:end])
         b = local_tokens.to(torch.float64)
         safe = torch.clamp(b, min=1)
         local = self._local if self._local is not None else torch.zeros((), dtype=torch.float64, device=device)
