@@ -50,5 +50,117 @@ def test_no_sidecar_and_a_bad_one(tmp_path):
     path = sidecar_path(tmp_path, 7)
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"version": 99}))
-    with pytest.raises(NoiseScaleError, match=r"is not a version-1 sidecar"):
+    with pytest.raises(NoiseScaleError, match=r"has version 99; this release reads versions 1 and 2"):
         load_sidecar(meter(), tmp_path, 7)
+
+
+def write(tmp_path, iteration: int, state: dict):
+    path = sidecar_path(tmp_path, iteration)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(state))
+    return path
+
+
+EMA = {"version": 1, "decay": 0.95, "trace_sigma_ema": 14.996751701984154, "grad_sq_ema": 1.427371326976292,
+       "updates": 3}
+
+
+def test_the_sidecar_is_version_2_with_stages(tmp_path):
+    path = save_sidecar(meter(updates=1), tmp_path, 2, stages=[[0, 16]])
+    assert json.loads(path.read_text())["version"] == 2
+
+
+@pytest.mark.parametrize("extra", [{}, {"stages": [[0, 16], [48, 32]]}])
+def test_a_version_1_sidecar_is_read(tmp_path, extra):
+    """Version 1 kept the EMAs only (and, written before the version said so, the stages)."""
+    write(tmp_path, 3, {"version": 1, "iteration": 3, "ema": EMA, "measurements": 3, **extra})
+    resumed = meter(decay=0.95)
+    state = load_sidecar(resumed, tmp_path, 3)
+    assert state["stages"] == extra.get("stages") and resumed.measurements == 3 and resumed.ema.updates == 3
+
+
+def test_the_docs_example_is_read(tmp_path):
+    from pathlib import Path
+
+    docs = (Path(__file__).parents[1] / "docs" / "noise-scale.md").read_text()
+    example = docs[docs.index("megatron_ga_ext_noise_scale.json`"):].split("```json\n", 1)[1].split("\n```")[0]
+    state = json.loads(example)
+    write(tmp_path, state["iteration"], state)
+    resumed = meter(decay=state["ema"]["decay"])
+    assert load_sidecar(resumed, tmp_path, state["iteration"])["version"] == 2
+    assert resumed.measurements == state["measurements"]
+
+
+@pytest.mark.parametrize("state, message", [
+    ({"version": 3, "iteration": 3, "ema": EMA, "measurements": 3, "stages": None},
+     r"has version 3; this release reads versions 1 and 2"),
+    ({"version": "2"}, r"has version '2'; this release reads versions 1 and 2"),
+    ([1, 2], r"has version None; this release reads versions 1 and 2"),
+    ({"version": 2, "iteration": 3, "ema": EMA, "measurements": 3},
+     r"is a version-2 sidecar with keys \['ema', 'iteration', 'measurements', 'version'\], not "
+     r"\['ema', 'iteration', 'measurements', 'stages', 'version'\]"),
+])
+def test_an_unknown_version_is_refused_naming_the_file(tmp_path, state, message):
+    path = write(tmp_path, 3, state)
+    with pytest.raises(NoiseScaleError, match=rf"^the noise-scale state {path} {message}"):
+        load_sidecar(meter(), tmp_path, 3)
+
+
+# -- non-persistent checkpoints: the sidecar where Megatron-LM put the checkpoint, read where it loaded it from --
+
+
+def installation(monkeypatch, tmp_path, **megatron):
+    """An Installation with the meter (and the warmup), under Megatron's args ``megatron``."""
+    import argparse
+
+    from megatron_ga_ext import GAConfig
+    from megatron_ga_ext.integration import compat
+    from megatron_ga_ext.integration.installation import Installation
+
+    args = argparse.Namespace(save=str(tmp_path / "save"), load=str(tmp_path / "save"), consumed_train_samples=0,
+                              **megatron)
+    monkeypatch.setattr(compat, "megatron_args", lambda: args)
+    config = GAConfig(noise_scale=1)
+    state = Installation(config=config, version="test")
+    state.configure(config)
+    return state
+
+
+def tracker(directory, iteration: int) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_a_non_persistent_global_checkpoint_gets_its_sidecar_and_a_resume_reads_it(monkeypatch, tmp_path, explicit):
+    non_persistent = tmp_path / "np" if explicit else tmp_path / "save" / "non_persistent"
+    extra = {"non_persistent_global_ckpt_dir": str(non_persistent)} if explicit else {}
+    saving = installation(monkeypatch, tmp_path, non_persistent_ckpt_type="global", **extra)
+    saving.noise_scale.ema = meter(decay=0.95, updates=4).ema
+    saving.noise_scale.measurements = 4
+    saving.after_save(6, non_persistent=True)
+    assert sidecar_path(non_persistent, 6).is_file() and not sidecar_path(tmp_path / "save", 6).exists()
+    tracker(non_persistent, 6)
+    tracker(tmp_path / "save", 4)  # an older persistent checkpoint: Megatron loads the non-persistent one
+    resumed = installation(monkeypatch, tmp_path, non_persistent_ckpt_type="global", **extra)
+    resumed.after_load(6, "load", None)
+    assert resumed.noise_scale.measurements == 4
+    assert resumed.noise_scale.ema.state_dict() == saving.noise_scale.ema.state_dict()
+
+
+def test_a_persistent_checkpoint_beside_non_persistent_ones_is_read_from_load(monkeypatch, tmp_path):
+    saving = installation(monkeypatch, tmp_path, non_persistent_ckpt_type="global")
+    saving.noise_scale.ema = meter(decay=0.95, updates=2).ema
+    saving.after_save(8, non_persistent=False)
+    tracker(tmp_path / "save" / "non_persistent", 6)  # older: Megatron loads the persistent iteration 8
+    tracker(tmp_path / "save", 8)
+    resumed = installation(monkeypatch, tmp_path, non_persistent_ckpt_type="global")
+    resumed.after_load(8, "load", None)
+    assert resumed.noise_scale.ema.updates == 2
+
+
+def test_a_local_non_persistent_checkpoint_gets_none(monkeypatch, tmp_path):
+    saving = installation(monkeypatch, tmp_path, non_persistent_ckpt_type="local",
+                          non_persistent_local_ckpt_dir=str(tmp_path / "local"))
+    saving.after_save(6, non_persistent=True)
+    assert not list(tmp_path.rglob(SIDECAR))

@@ -41,7 +41,12 @@ from megatron_ga_ext.integration.guards import GuardedCalculator, MicrobatchCoun
 from megatron_ga_ext.integration.liveness import StepLiveness
 from megatron_ga_ext.integration.loss_contract import LossContract, mean_of_means_reports
 from megatron_ga_ext.integration.noise_scale import NoiseScaleMeter
-from megatron_ga_ext.integration.noise_scale_sidecar import load_sidecar, save_sidecar
+from megatron_ga_ext.integration.noise_scale_sidecar import (
+    load_sidecar,
+    loaded_directory,
+    save_sidecar,
+    saved_directory,
+)
 from megatron_ga_ext.logs import get_logger
 
 if TYPE_CHECKING:
@@ -269,25 +274,29 @@ class Installation:
             self.noise_scale.say_held()
 
     def after_save(self, iteration: int, non_persistent: bool) -> None:
-        """Megatron-LM saved a checkpoint: the noise-scale EMAs (and warmup stages) beside it, into ``args.save``.
-        Non-persistent checkpoints (another directory, Megatron's own layout) get none."""
-        directory = megatron_view().directory("save")
-        if self.noise_scale is None or not directory or non_persistent:
+        """Megatron-LM saved a checkpoint: the noise-scale EMAs (and warmup stages) beside it, where Megatron put it
+        (``args.save``, or a non-persistent global checkpoint's directory: noise_scale_sidecar.saved_directory).
+        A local non-persistent checkpoint has no such directory and gets none."""
+        directory = saved_directory(megatron_view(), non_persistent)
+        if self.noise_scale is None or not directory:
             return
         warmup = self.batch_warmup
         save_sidecar(self.noise_scale, directory, iteration,
                      None if warmup is None else warmup.stages(live_step_calculator()))
 
     def after_load(self, iteration: object, load_arg: str, scheduler: Any) -> None:
-        """Megatron-LM loaded the checkpoint of ``iteration`` from ``args.<load_arg>``: its sidecar read (iteration 0:
-        nothing loaded, none), and restored warmup stages made live before Megatron reads the loaded run's batch and
-        rates. The load has already updated the calculator at the loaded consumed samples, and the scheduler's
-        ``load_state_dict`` written the rates (--ga-lr-scaling's factor), both with the first stage only: left so,
-        the loop's first update would see the batch change and save the loaded iteration again, in place, and the
-        first step would train at the first stage's rate."""
+        """Megatron-LM loaded the checkpoint of ``iteration`` from ``args.<load_arg>``, or from its non-persistent
+        global directory where Megatron picked that one: its sidecar read (iteration 0: nothing loaded, none), and
+        restored warmup stages made live before Megatron reads the loaded run's batch and rates. The load has
+        already updated the calculator at the loaded consumed samples, and the scheduler's ``load_state_dict``
+        written the rates (--ga-lr-scaling's factor), both with the first stage only: left so, the loop's first
+        update would see the batch change and save the loaded iteration again, in place, and the first step would
+        train at the first stage's rate."""
         megatron = megatron_view()
-        directory = megatron.directory(load_arg)
-        if self.noise_scale is None or not directory or not isinstance(iteration, int) or iteration <= 0:
+        if self.noise_scale is None or not isinstance(iteration, int) or iteration <= 0:
+            return
+        directory = loaded_directory(megatron, load_arg, iteration)  # a non-persistent checkpoint's, if it was that
+        if not directory:
             return
         saved = load_sidecar(self.noise_scale, directory, iteration)
         stages = saved.get("stages") if saved is not None else None

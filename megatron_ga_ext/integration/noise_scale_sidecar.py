@@ -1,14 +1,17 @@
 """The noise-scale meter's checkpoint sidecar: a resumed run continues the EMAs and --ga-batch-size-warmup auto's
 stages.
 
-    <--save>/iter_<iteration:07d>/megatron_ga_ext_noise_scale.json
-        {"version": 1, "iteration": I, "ema": <NoiseScaleEMA.state_dict()>, "measurements": M,
-         "stages": [[threshold_samples, GBS], ...]}
+    <checkpoint directory>/iter_<iteration:07d>/megatron_ga_ext_noise_scale.json
+        {"version": 2, "iteration": I, "ema": <NoiseScaleEMA.state_dict()>, "measurements": M,
+         "stages": [[threshold_samples, GBS], ...] or null}
+
+Version 1 had no ``stages`` (the EMAs only); it is read as a sidecar without stages. The checkpoint directory is
+where Megatron put that checkpoint (:func:`checkpoint_directory`): ``--save`` / ``--load``, or for a non-persistent
+global checkpoint ``--non-persistent-global-ckpt-dir`` (default ``<--save>/non_persistent``).
 
 Written after Megatron's ``save_checkpoint`` on the last rank, by ``Installation.after_save`` (every rank folds the
-same all-reduced vector, so every
-rank holds the same EMAs), read by every rank after ``load_checkpoint``. The EMAs are kept only under one
-``--ga-noise-scale-decay``: the bias correction 1 - decay^n holds for one decay throughout.
+same all-reduced vector, so every rank holds the same EMAs), read by every rank after ``load_checkpoint``. The EMAs
+are kept only under one ``--ga-noise-scale-decay``: the bias correction 1 - decay^n holds for one decay throughout.
 """
 
 from __future__ import annotations
@@ -18,19 +21,67 @@ import os
 from pathlib import Path
 from typing import Any
 
+from megatron_ga_ext.config.megatron_args import MegatronArgs
 from megatron_ga_ext.core.noise_scale import NoiseScaleEMA
 from megatron_ga_ext.errors import NoiseScaleError
 from megatron_ga_ext.integration.noise_scale import NoiseScaleMeter, last_rank
 from megatron_ga_ext.logs import get_logger
 
-__all__ = ["SIDECAR", "SIDECAR_VERSION", "load_sidecar", "save_sidecar", "sidecar_path"]
+__all__ = ["SIDECAR", "SIDECAR_VERSION", "load_sidecar", "loaded_directory", "save_sidecar", "saved_directory",
+           "sidecar_path"]
 
 logger = get_logger(__name__)
 
 #: The sidecar's name in Megatron's ``iter_NNNNNNN`` checkpoint directory.
 SIDECAR = "megatron_ga_ext_noise_scale.json"
-#: The version of the sidecar's layout, checked on load.
-SIDECAR_VERSION = 1
+#: The version of the sidecar's layout this release writes.
+SIDECAR_VERSION = 2
+_BASE_KEYS = frozenset({"version", "iteration", "ema", "measurements"})
+#: The key sets each version it reads may have: 1 kept the EMAs only (and, written by releases that added
+#: ``stages`` before the version said so, the stages too), 2 the EMAs and the warmup's ``stages``.
+SIDECAR_KEYS = {1: (_BASE_KEYS, _BASE_KEYS | {"stages"}), 2: (_BASE_KEYS | {"stages"},)}
+
+
+#: Megatron-LM's subdirectory of ``--save`` / ``--load`` for non-persistent global checkpoints
+#: (``_NON_PERSISTENT_CKPT_SUBDIR`` in megatron/training/checkpointing.py), and its tracker file's name.
+NON_PERSISTENT_SUBDIR = "non_persistent"
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def saved_directory(args: MegatronArgs, non_persistent: bool) -> str | None:
+    """Where Megatron-LM's ``save_checkpoint`` put its checkpoint: ``--save``, or for a non-persistent global one
+    ``--non-persistent-global-ckpt-dir`` (default ``<--save>/non_persistent``). None where there is no such
+    directory: no ``--save``, or a local non-persistent checkpoint (per-rank files in Megatron's local checkpoint
+    manager, no ``iter_NNNNNNN`` directory; --ga-batch-size-warmup auto refuses it at start-up)."""
+    save = args.directory("save")
+    if not non_persistent:
+        return save
+    if args.get("non_persistent_ckpt_type") != "global":
+        return None
+    return args.get("non_persistent_global_ckpt_dir") or (None if save is None else
+                                                          os.path.join(save, NON_PERSISTENT_SUBDIR))
+
+
+def loaded_directory(args: MegatronArgs, load_arg: str, iteration: int) -> str | None:
+    """Where Megatron-LM's ``load_checkpoint`` read ``iteration`` from: its non-persistent global directory
+    (``--non-persistent-global-ckpt-dir``, or ``<args.load_arg>/non_persistent``) where that directory's tracker
+    names ``iteration`` (upstream's ``_load_base_checkpoint`` prefers it when it is not older than the persistent
+    one), else ``args.<load_arg>``."""
+    load = args.directory(load_arg)
+    if args.get("non_persistent_ckpt_type") == "global":
+        explicit = args.get("non_persistent_global_ckpt_dir")
+        candidate = explicit if explicit or load is None else os.path.join(load, NON_PERSISTENT_SUBDIR)
+        if candidate and _tracked_iteration(Path(candidate) / TRACKER) == iteration:
+            return candidate
+    return load
+
+
+def _tracked_iteration(tracker: Path) -> int | None:
+    """The iteration a Megatron tracker file names; None where there is none (or it says ``release``)."""
+    try:
+        return int(tracker.read_text().strip())
+    except (OSError, ValueError):
+        return None
 
 
 def sidecar_path(directory: str | os.PathLike, iteration: int) -> Path:
@@ -70,10 +121,7 @@ def load_sidecar(meter: NoiseScaleMeter, directory: str | os.PathLike, iteration
     except (OSError, ValueError) as error:
         raise NoiseScaleError(f"the noise-scale state {path} cannot be read ({error}); delete it to start the "
                               "EMAs afresh.") from error
-    expected = {"version", "iteration", "ema", "measurements", "stages"}
-    if not isinstance(state, dict) or set(state) != expected or state["version"] != SIDECAR_VERSION:
-        raise NoiseScaleError(f"the noise-scale state {path} is not a version-{SIDECAR_VERSION} sidecar with keys "
-                              f"{sorted(expected)}; delete it to start the EMAs afresh.")
+    state = _versioned(state, path)
     measurements = state["measurements"]
     if isinstance(measurements, bool) or not isinstance(measurements, int) or measurements < 0:
         raise NoiseScaleError(f"the noise-scale state {path} has measurements {measurements!r}, not a whole "
@@ -88,3 +136,19 @@ def load_sidecar(meter: NoiseScaleMeter, directory: str | os.PathLike, iteration
     meter.measurements = measurements
     logger.info("megatron-ga-ext: noise-scale EMAs continued from %s (%d measurements)", path, ema.updates)
     return state
+
+
+def _versioned(state: object, path: Path) -> dict[str, Any]:
+    """``state`` as the latest version: a version-1 sidecar gets ``stages`` None (it kept none). Raises
+    NoiseScaleError for another version, or keys that are not its version's, naming the file and what it reads."""
+    versions = " and ".join(str(v) for v in SIDECAR_KEYS)
+    version = state.get("version") if isinstance(state, dict) else None
+    if isinstance(version, bool) or not isinstance(version, int) or version not in SIDECAR_KEYS:
+        raise NoiseScaleError(f"the noise-scale state {path} has version {version!r}; this release reads versions "
+                              f"{versions}. Delete it to start the EMAs afresh, or resume with the release that "
+                              "wrote it.")
+    allowed = SIDECAR_KEYS[version]
+    if set(state) not in allowed:
+        raise NoiseScaleError(f"the noise-scale state {path} is a version-{version} sidecar with keys "
+                              f"{sorted(state)}, not {sorted(allowed[-1])}; delete it to start the EMAs afresh.")
+    return {"stages": None, **state}
