@@ -11,11 +11,16 @@ on a launch line (launch/problems.py), so a setting is refused the same way wher
 * :func:`check_checks`: ``--ga-checks async`` cannot skip a step, so not with ``--ga-zero-token-policy skip``;
 * :func:`check_noise_scale_layout`: where ``--ga-noise-scale`` can measure;
 * :func:`check_lr_scaling`: ``--ga-lr-scaling sqrt|linear`` needs a step batch-size schedule;
-* :func:`check_batch_size_warmup_launch` and :func:`check_train_length`: what a schedule needs of the launch.
+* :func:`check_batch_size_warmup_launch` and :func:`check_train_length`: what a schedule needs of the launch;
+* :func:`check_warmup_checkpoints`: ``--ga-batch-size-warmup auto`` keeps its stages beside global checkpoints only.
+
+:func:`check_trace_path` reads the file system, so install() runs it on the training machine (config/install_check.py),
+not on a launch line read elsewhere.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +35,7 @@ from megatron_ga_ext.config.flags import (
     LOSS_REDUCTION,
     LR_SCALING,
     NOISE_SCALE,
+    NOISE_SCALE_TRACE,
     ZERO_TOKEN_POLICY,
     check_choice,
     flag_errors,
@@ -130,6 +136,42 @@ def check_batch_size_warmup_launch(global_batch_size: int | None, cap: int, sche
     if global_batch_size is None or global_batch_size > cap:
         raise OptionError(f"{BATCH_SIZE_WARMUP.flag} auto starts at --global-batch-size ({global_batch_size}) and "
                           f"grows up to {BATCH_SIZE_WARMUP_MAX.flag} {cap}: give a --global-batch-size <= the cap.")
+
+
+def check_warmup_checkpoints(batch_size_warmup: str, non_persistent_ckpt_type: str | None) -> None:
+    """``--ga-batch-size-warmup auto`` keeps its stages in a sidecar beside each checkpoint's ``iter_NNNNNNN``
+    directory (integration/noise_scale_sidecar.py). A local non-persistent checkpoint
+    (``--non-persistent-ckpt-type local``) is per-rank files in Megatron's local checkpoint manager, with no such
+    directory: a resume from one would fall back to ``--global-batch-size`` mid-run. Raises OptionError."""
+    if batch_size_warmup != "auto" or non_persistent_ckpt_type != "local":
+        return
+    raise OptionError(
+        f"{BATCH_SIZE_WARMUP.flag} auto with --non-persistent-ckpt-type local: the warmup's stages are kept beside "
+        f"each checkpoint's iter_NNNNNNN directory, and a local non-persistent checkpoint (per-rank files of "
+        f"Megatron's local checkpoint manager) has none, so a resume from it would train at --global-batch-size "
+        f"again. Use --non-persistent-ckpt-type global (the stages are kept beside it), or drop "
+        f"{BATCH_SIZE_WARMUP.flag}.")
+
+
+def check_trace_path(interval: int, trace: str | None) -> None:
+    """``--ga-noise-scale-trace PATH`` is appended to by the last rank at each measured iteration; its directory
+    must exist and be writable (and PATH, where it exists, a writable file), or that rank alone raises there and
+    the others wait in the next collective. Reads the file system. Raises OptionError."""
+    if not interval or not trace:
+        return
+    directory = os.path.dirname(os.path.abspath(trace))
+    problem = None
+    if not os.path.isdir(directory):
+        problem = f"its directory {directory} does not exist"
+    elif os.path.isdir(trace):
+        problem = "it is a directory"
+    elif not os.access(trace if os.path.exists(trace) else directory, os.W_OK):
+        problem = f"{'it' if os.path.exists(trace) else f'its directory {directory}'} is not writable"
+    if problem is not None:
+        raise OptionError(
+            f"{NOISE_SCALE_TRACE.flag} {trace}: {problem}, so the last rank would fail at the first measured "
+            f"iteration ({NOISE_SCALE.flag} {interval}) while the other ranks wait. Create the directory (mkdir -p "
+            f"{directory}) or give a writable file path.")
 
 
 def check_guards(guards: bool, *, hybrid_context_parallel: bool = False, rl_sequence_packing: bool = False) -> None:
@@ -271,6 +313,8 @@ BETWEEN = (
     Between(("lr_scaling", "batch_size_warmup", "convert_rampup"),
             lambda v, s: check_lr_scaling(v["lr_scaling"], _schedule(v, s))),
     Between(("noise_scale",), _noise_scale_layout),
+    Between(("batch_size_warmup",),
+            lambda v, s: check_warmup_checkpoints(v["batch_size_warmup"], s.get("non_persistent_ckpt_type"))),
     Between(("guards",), lambda v, s: check_guards(v["guards"], hybrid_context_parallel=s.hybrid_context_parallel,
                                                    rl_sequence_packing=s.rl_sequence_packing)),
 )

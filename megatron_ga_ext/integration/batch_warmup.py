@@ -27,7 +27,7 @@ from megatron_ga_ext.core.lr_windows import Frozen, lr_windows, warmup_samples
 from megatron_ga_ext.core.noise_trace import TraceRow
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.core.schedule.suggest import DoublingRule, suggest_schedule
-from megatron_ga_ext.errors import ScheduleError
+from megatron_ga_ext.errors import OptionError, ScheduleError
 from megatron_ga_ext.integration.compat import megatron_args
 from megatron_ga_ext.logs import get_logger
 
@@ -91,8 +91,9 @@ class BatchSizeWarmup:
 
     def restore(self, stages: Sequence[Sequence[int]], calculator: Any) -> None:
         """On resume: the stages saved with the checkpoint, from the same first stage (the same
-        ``--global-batch-size``), replace the calculator's; the run length follows."""
+        ``--global-batch-size``) and within this run's cap, replace the calculator's; the run length follows."""
         schedule = StepSchedule.from_stages([(int(t), int(b)) for t, b in stages])
+        self._check_cap(schedule)
         first = calculator.step_schedule.stages[0]
         if tuple(schedule.stages[0]) != tuple(first):
             raise ScheduleError(
@@ -104,6 +105,20 @@ class BatchSizeWarmup:
         _replan(calculator, args)
         logger.info("megatron-ga-ext batch-size warmup: resumed with --step-batch-size-schedule \"%s\"",
                     _schedule_string(calculator.step_schedule, args))
+
+
+    def _check_cap(self, schedule: StepSchedule) -> None:
+        """The restored stages must fit under --ga-batch-size-warmup-max: a run cannot shrink a batch it has
+        trained (the dataset, and Megatron's own checks, are sized for the cap). Raises OptionError."""
+        batch = max(b for _, b in schedule.stages)
+        if batch <= self.cap:
+            return
+        threshold = next(t for t, b in schedule.stages if b == batch)
+        raise OptionError(
+            f"{BATCH_SIZE_WARMUP_MAX.flag} {self.cap} is below the global batch size {batch} the checkpoint's "
+            f"batch-size warmup reached (from sample {threshold}); the warmup never shrinks the batch, and this run's "
+            f"dataset and micro-batch checks are sized for the cap. Resume with {BATCH_SIZE_WARMUP_MAX.flag} {batch} "
+            f"or more.")
 
 
 def frozen_ranges(args: argparse.Namespace | None) -> tuple[Frozen, ...]:
