@@ -172,7 +172,7 @@ def optimizer_step(step: Callable, state: Installation, optimizer: Any = None) -
         live = state.current()
         if live is None:
             return step(*args, **kwargs)
-        if live.before_optimizer_step(liveness):
+        if live.before_optimizer_step(liveness, optimizer):
             return False, None, None  # a skipped step, as after an fp16 overflow
         result = step(*args, **kwargs)
         if not stream_capturing():  # Megatron's optimizer CUDA graph captures this step: no host read in the graph

@@ -233,12 +233,14 @@ class Installation:
         if self.config.guards:
             self.counter.check(call["num_microbatches"], live_calculator() if training else None)
 
-    def before_optimizer_step(self, liveness: StepLiveness) -> bool:
-        """Before the optimizer's step: the iteration ran the hooks (liveness.py), a non-finite loss left to
-        Megatron's rerun machine (sync checks), and the zero-token policy. True: skip this step."""
+    def before_optimizer_step(self, liveness: StepLiveness, optimizer: Any = None) -> bool:
+        """Before the optimizer's step: the iteration ran the hooks (liveness.py), the noise scale's loss scale kept,
+        a non-finite loss left to Megatron's rerun machine (sync checks), and the zero-token policy. True: skip."""
         if liveness.state is not self:
             liveness.follow(self)
         liveness.check(after_step=False)
+        if self.noise_scale is not None:
+            self.noise_scale.before_optimizer_step(optimizer)
         finalize = self.finalize
         if finalize is None:
             return False

@@ -100,6 +100,11 @@ class NoiseScaleMeter:
         self._local: torch.Tensor | None = None
         self._pending: tuple[torch.Tensor, int | None] | None = None
         self._plans: dict[int, _BucketPlan] = {}
+        self._chunks: list[weakref.ref] = []
+        self._names = _NO_NAMES
+        self.coverage_logged = False
+        self._loss_scale: torch.Tensor | float | None = None
+        """The loss scale of the pending measurement's gradients, kept before the optimizer step."""
         self.held_line: str | None = None
         """The log line waiting for Megatron's ``training_log`` to return (megatron_lm.printing_after_training_log)."""
 
@@ -114,10 +119,13 @@ class NoiseScaleMeter:
 
     # -- before the reduction: where each bucket group's grad sync starts ------------------------
 
-    def before_grad_sync(self, bucket_group: Any) -> None:
-        """Add this bucket group's part of |S_r|^2 (its gradients are complete and not reduced yet)."""
+    def before_grad_sync(self, bucket_group: Any, chunks: Sequence[torch.nn.Module] = ()) -> None:
+        """Add this bucket group's part of |S_r|^2 (its gradients are complete and not reduced yet). ``chunks``: the
+        step's model chunks known here (the schedule's first), for the names of their parameters."""
         if not self.measuring():
             return
+        self.learn_chunks(chunks)
+        _wait_for_graph_replays(bucket_group)
         part = self._local
         for bucket in bucket_group.buckets:
             for start, end in self._plan(bucket).ranges:
@@ -139,7 +147,11 @@ class NoiseScaleMeter:
         measuring = self.measuring()
         self.steps += 1
         if not measuring:
+            self.learn_chunks(model)
             return
+        if not self.coverage_logged:
+            self.coverage_logged = True
+            logger.info("%s", self.coverage(model).line())
         device = local_tokens.device
         reduced = torch.zeros((), dtype=torch.float64, device=device)
         for chunk in model:
@@ -158,6 +170,7 @@ class NoiseScaleMeter:
         torch.distributed.all_reduce(vector)
         iteration = megatron_iteration()
         self._pending = (vector, iteration if iteration is not None else self.steps)
+        self.learn_chunks(model)  # the next step's plans know every chunk's names
 
     # -- on the host --------------------------------------------------------------------------------
 
@@ -183,13 +196,23 @@ class NoiseScaleMeter:
         self.last = Measurement(iteration=iteration, estimate=estimate, replicas=round(replicas))
         return self.last
 
+    def before_optimizer_step(self, optimizer: Any) -> None:
+        """Before Megatron's optimizer step, on a measured step: keep the loss scale the measured gradients hold. The
+        step's dynamic scaler may grow it (or shrink it, on an overflow); kept as given, a device tensor is not read
+        here (:meth:`after_optimizer_step` reads it)."""
+        if self._pending is None:
+            return
+        scale = _loss_scale(optimizer)
+        self._loss_scale = scale.detach().clone() if isinstance(scale, torch.Tensor) else scale
+
     def after_optimizer_step(self, optimizer: Any) -> Measurement | None:
         """Megatron's optimizer step is done (its grad-norm read has synced the stream): read a pending measurement,
-        unscaled by the optimizer's loss scale, and report it (:meth:`report`). Nothing on the other steps."""
+        unscaled by the loss scale kept before the step (:meth:`before_optimizer_step`; the optimizer's own where
+        none was kept), and report it (:meth:`report`). Nothing on the other steps."""
+        scale, self._loss_scale = self._loss_scale, None
         if self._pending is None:
             return None
-        get_loss_scale = getattr(optimizer, "get_loss_scale", None)
-        measurement = self.read(1.0 if get_loss_scale is None else float(get_loss_scale()))
+        measurement = self.read(float(_loss_scale(optimizer) if scale is None else scale))
         if measurement is not None:
             self.report(measurement)
         return measurement
@@ -257,27 +280,125 @@ class NoiseScaleMeter:
     def _plan(self, bucket: Any) -> _BucketPlan:
         plan = self._plans.get(id(bucket))
         if plan is None or plan.bucket() is not bucket:
-            plan = self._plans[id(bucket)] = _BucketPlan(weakref.ref(bucket), _counted_ranges(bucket))
+            ranges = _counted_ranges(bucket, _Layout.here(self._names))
+            plan = self._plans[id(bucket)] = _BucketPlan(weakref.ref(bucket), ranges)
         return plan
 
+    def learn_chunks(self, chunks: Sequence[torch.nn.Module]) -> None:
+        """Model chunks whose parameter names the counted set may need (upstream's finalize sums the q/k layernorm
+        gradients over TP by name). Called between steps only: a new chunk rebuilds the plans from the next bucket
+        read, so one step's two norms always read the same elements."""
+        alive = [ref for ref in self._chunks if ref() is not None]
+        new = [chunk for chunk in chunks if chunk is not None and all(ref() is not chunk for ref in alive)]
+        if not new and len(alive) == len(self._chunks):
+            return
+        self._chunks = alive + [weakref.ref(chunk) for chunk in new]
+        self._names = _Names.of([chunk for ref in self._chunks if (chunk := ref()) is not None])
+        self._plans.clear()
 
-def _counted_ranges(bucket: Any) -> tuple[tuple[int, int], ...]:
+    def coverage(self, model: Sequence[torch.nn.Module]) -> Coverage:
+        """This rank's parameter elements (those that take a gradient) and which of them the norms count, by why
+        the others are left out."""
+        layout = _Layout.here(self._names)
+        buckets = {}
+        for chunk in model:
+            for group in (*getattr(chunk, "bucket_groups", ()), *getattr(chunk, "expert_parallel_bucket_groups", ())):
+                for bucket in group.buckets:
+                    buckets.update((id(param), bucket) for param in bucket.params_list)
+        left_out: dict[str, int] = {}
+        total = 0
+        for chunk in model:
+            for param in chunk.parameters():
+                if not param.requires_grad:
+                    continue
+                total += param.numel()
+                bucket = buckets.get(id(param))
+                why = NOT_BUFFERED if bucket is None else _why_left_out(param, bucket, layout)
+                if why is not None:
+                    left_out[why] = left_out.get(why, 0) + param.numel()
+        return Coverage(elements=total, left_out=left_out)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Coverage:
+    """The parameter elements of one rank, and the parts the meter leaves out of both norms, by class."""
+
+    elements: int
+    left_out: dict[str, int]
+
+    @property
+    def counted(self) -> int:
+        return self.elements - sum(self.left_out.values())
+
+    def line(self) -> str:
+        share = 100.0 * self.counted / self.elements if self.elements else 0.0
+        out = ", ".join(f"{why} ({count:,})" for why, count in sorted(self.left_out.items(), key=lambda kv: -kv[1]))
+        return (f"megatron-ga-ext: the noise scale covers {share:.1f}% of this rank's {self.elements:,} parameter "
+                f"elements ({self.counted:,}); left out: {out or 'none'}")
+
+
+EXPERTS = "experts (reduced over the expert data-parallel group)"
+TIED_EMBEDDING = "the tied embedding (summed across pipeline stages)"
+SEQUENCE_PARALLEL = "sequence-parallel (summed over TP in finalize)"
+QK_LAYERNORM = "q/k layernorm (summed over TP in finalize)"
+TP_AVERAGED = "TP-averaged (averaged over TP in finalize)"
+PP_SYNCED = "pipeline-synced (summed across pipeline stages in finalize)"
+TP_DUPLICATE = "tensor-parallel duplicates (counted on TP rank 0)"
+UNNAMED = "TP duplicates of a chunk not seen yet (counted from the next step)"
+HELD_APART = "main_grad held outside the bucket"
+NOT_BUFFERED = "not in a gradient buffer"
+
+
+@dataclass(frozen=True)
+class _Names:
+    """What the known model chunks' parameter names decide: the q/k layernorms upstream's finalize sums over TP
+    (``config.qk_layernorm`` and "q_layernorm" or "k_layernorm" in the name, as its
+    ``_allreduce_non_tensor_model_parallel_grads`` reads them), by parameter id."""
+
+    known: frozenset[int]
+    qk_layernorm: frozenset[int]
+
+    @classmethod
+    def of(cls, chunks: Sequence[torch.nn.Module]) -> _Names:
+        from megatron.core.utils import get_model_config
+
+        known, qk = set(), set()
+        for chunk in chunks:
+            summed = bool(getattr(get_model_config(chunk), "qk_layernorm", False))
+            for name, param in chunk.named_parameters():
+                known.add(id(param))
+                if summed and ("q_layernorm" in name or "k_layernorm" in name):
+                    qk.add(id(param))
+        return cls(frozenset(known), frozenset(qk))
+
+
+_NO_NAMES = _Names(frozenset(), frozenset())
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """This rank's place in the model-parallel groups, and the names known, as the counted set needs them."""
+
+    tp_rank: int
+    tp_size: int
+    pp_size: int
+    names: _Names
+
+    @classmethod
+    def here(cls, names: _Names) -> _Layout:
+        from megatron.core import parallel_state
+
+        return cls(parallel_state.get_tensor_model_parallel_rank(),
+                   parallel_state.get_tensor_model_parallel_world_size(),
+                   parallel_state.get_pipeline_model_parallel_world_size(), names)
+
+
+def _counted_ranges(bucket: Any, layout: _Layout) -> tuple[tuple[int, int], ...]:
     """The bucket-local ranges of the parameters a replica's gradient norm counts on this rank, merged. Each is where
     the parameter's ``main_grad`` view lies in ``grad_data``: ``param_to_index`` leaves out the padding between
-    parameters on 0.16 and 0.17. A ``main_grad`` held apart (0.19's extra main grads) is left out."""
-    from megatron.core import parallel_state
-
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    data = bucket.grad_data
-    spans = []
-    for param in bucket.params_list:
-        grad = getattr(param, "main_grad", None)
-        if grad is None or not _counted(param, tp_rank):
-            continue
-        start = (grad.data_ptr() - data.data_ptr()) // data.element_size()
-        if start >= 0 and start + grad.numel() <= data.numel():
-            spans.append((start, start + grad.numel()))
-    spans.sort()
+    parameters on 0.16 and 0.17."""
+    spans = sorted(span for param in bucket.params_list
+                   if _why_left_out(param, bucket, layout) is None and (span := _span(param, bucket)) is not None)
     merged: list[list[int]] = []
     for start, end in spans:
         if merged and merged[-1][1] == start:
@@ -287,15 +408,42 @@ def _counted_ranges(bucket: Any) -> tuple[tuple[int, int], ...]:
     return tuple((start, end) for start, end in merged)
 
 
-def _counted(param: torch.nn.Parameter, tp_rank: int) -> bool:
-    """A parameter whose gradient before the reduction is this replica's whole gradient of it, counted once."""
+def _span(param: torch.nn.Parameter, bucket: Any) -> tuple[int, int] | None:
+    """Where the parameter's ``main_grad`` lies in the bucket's ``grad_data``; None where it is held apart (0.19's
+    extra main grads, fp32 local accumulation)."""
+    grad, data = getattr(param, "main_grad", None), bucket.grad_data
+    if grad is None:
+        return None
+    start = (grad.data_ptr() - data.data_ptr()) // data.element_size()
+    return (start, start + grad.numel()) if start >= 0 and start + grad.numel() <= data.numel() else None
+
+
+def _why_left_out(param: torch.nn.Parameter, bucket: Any, layout: _Layout) -> str | None:
+    """Why the norms leave a parameter out on this rank; None where its gradient before the reduction is this
+    replica's whole gradient of it, counted once. Left out is everything upstream's finalize reduces again after
+    the data-parallel reduction (summed over TP or across pipeline stages: the local value is a partial sum)."""
     if not getattr(param, "allreduce", True):  # an expert's: reduced over the expert data-parallel group
-        return False
+        return EXPERTS
     if getattr(param, "shared_embedding", False):  # tied across pipeline stages: summed after the reduction
-        return False
+        return TIED_EMBEDDING
     if getattr(param, "sequence_parallel", False):  # a partial sum over TP until finalize all-reduces it
-        return False
-    return tp_rank == 0 or bool(getattr(param, "tensor_model_parallel", False))
+        return SEQUENCE_PARALLEL
+    if layout.tp_size > 1 and getattr(param, "average_gradients_across_tp_domain", False):
+        return TP_AVERAGED
+    if layout.tp_size > 1 and id(param) in layout.names.qk_layernorm:
+        return QK_LAYERNORM
+    if layout.pp_size > 1 and (getattr(param, "flextron_router_pp_sync", False)
+                               or getattr(param, "pipeline_parallel", False)):
+        return PP_SYNCED  # routers and conditional embedders replicated per stage, summed across them in finalize
+    if _span(param, bucket) is None:
+        return HELD_APART
+    if getattr(param, "tensor_model_parallel", False):
+        return None
+    if layout.tp_rank != 0:
+        return TP_DUPLICATE
+    if layout.tp_size > 1 and id(param) not in layout.names.known:
+        return UNNAMED  # its name may make it a q/k layernorm: left out of both norms until it is known
+    return None
 
 
 def _owned(ranges: Sequence[tuple[int, int]], bucket: Any, group: Any) -> list[tuple[int, int]]:
@@ -313,6 +461,25 @@ def _owned(ranges: Sequence[tuple[int, int]], bucket: Any, group: Any) -> list[t
     return [(max(start, low), min(end, high)) for start, end in ranges if start < high and end > low]
 
 
+def _loss_scale(optimizer: Any) -> torch.Tensor | float:
+    """The optimizer's loss scale (fp16's grad scaler; 1 for an optimizer without one), as it gives it."""
+    get_loss_scale = getattr(optimizer, "get_loss_scale", None)
+    return 1.0 if get_loss_scale is None else get_loss_scale()
+
+
+def _wait_for_graph_replays(bucket_group: Any) -> None:
+    """Local CUDA graphs: a backward graph's replay is asynchronous to the hooks, and upstream's start_grad_sync
+    waits for each parameter's ``_cudagraph_wgrad_ready_event`` before it reads the bucket. The meter reads first,
+    so it waits first (each event once; upstream's own wait after it is then a no-op)."""
+    waited: set[int] = set()
+    for bucket in bucket_group.buckets:
+        for param in bucket.params_list:
+            event = getattr(param, "_cudagraph_wgrad_ready_event", None)
+            if event is not None and id(event) not in waited:
+                torch.cuda.current_stream().wait_event(event)
+                waited.add(id(event))
+
+
 def counting_bucket_group(original: Callable, state: Any) -> Callable:
     """``_ParamAndGradBucketGroup.start_grad_sync``: the meter reads the bucket group's gradients first, on a measured
     step (``state``: the Installation). Wired whatever the config (Megatron's args may turn the meter on later): off,
@@ -324,7 +491,8 @@ def counting_bucket_group(original: Callable, state: Any) -> Callable:
         meter = state.noise_scale if state.active else None
         # upstream returns at once where the first batch's collective is already dispatched
         if meter is not None and not (group.is_first_batch and group.grad_reduce_handle is not None):
-            meter.before_grad_sync(group)
+            known = state.last_model_config  # the schedule's first chunk, recorded as the step began
+            meter.before_grad_sync(group, () if known is None else (known.chunk(),))
         return original(group, *args, **kwargs)
 
     return start_grad_sync
