@@ -69,3 +69,58 @@ def test_a_contract_violation_is_not_deferred(monkeypatch):
 ])
 def test_megatrons_decision_in_words(decision, words):
     assert describe_decision(*decision) == words
+
+
+class Copy:
+    """A step's verdict on its way to the host (finalize._Verdict): ``landed`` False while its copy is not done."""
+
+    def __init__(self, checks: StepChecks, iteration: int, step: int, landed: bool) -> None:
+        self._checks, self.iteration, self.step, self.landed, self.read = checks, iteration, step, landed, False
+
+    def ready(self) -> bool:
+        return self.landed
+
+    def checks(self) -> StepChecks:
+        self.read = True  # a real one waits for its copy here
+        return self._checks
+
+
+def async_finalize(monkeypatch) -> finalizing.FinalizeModelGrads:
+    step = finalize(monkeypatch, rerun_mode="validate_results", check_for_nan_in_loss_and_grad=True)
+    step.config = GAConfig(checks="async")
+    return step
+
+
+def rerun(monkeypatch, second: StepChecks) -> finalizing.FinalizeModelGrads:
+    """--ga-checks async, Megatron re-running iteration 3 in place: the first run's NaN verdict is read at the re-run's
+    finalize (poll(wait=True)), the re-run's verdict is pending, its copy not landed when the optimizer step ends."""
+    step = async_finalize(monkeypatch)
+    step.pending = Copy(NAN, 3, 1, landed=True)
+    step.poll(wait=True)
+    assert step.deferred is not None
+    step.pending = Copy(second, 3, 2, landed=False)
+    return step
+
+
+def test_async_a_finite_rerun_whose_copy_has_not_landed_clears_the_deferral(monkeypatch):
+    step = rerun(monkeypatch, FINITE)
+    copy = step.pending
+    step.poll()  # after the optimizer step: not landed yet
+    step.check_deferred()  # reads the re-run's own verdict first: finite, nothing to stop
+    assert copy.read and step.pending is None and step.deferred is None and step.last_num_tokens == 100
+
+
+def test_async_a_nonfinite_rerun_still_stops_at_the_optimizer(monkeypatch):
+    step = rerun(monkeypatch, NAN)
+    step.poll()
+    with pytest.raises(LossContractError, match=r"^iteration 3: 1 micro-batch\(es\) returned a non-finite loss"):
+        step.check_deferred()
+
+
+def test_async_an_earlier_iterations_deferral_read_with_the_next_verdict_still_stops(monkeypatch):
+    step = async_finalize(monkeypatch)
+    step.pending = Copy(NAN, 3, 1, landed=True)
+    step.poll(wait=True)
+    step.pending = Copy(FINITE, 4, 2, landed=False)  # iteration 3 reached its optimizer step: a later verdict
+    with pytest.raises(LossContractError, match=r"^iteration 3: "):
+        step.check_deferred()

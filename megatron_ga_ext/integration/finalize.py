@@ -241,7 +241,13 @@ class FinalizeModelGrads:
 
     def check_deferred(self) -> None:
         """At the optimizer step: a non-finite loss deferred to Megatron that reached the step (Megatron does not
-        validate the first iteration, nor a loss function that does not call its validate_result) stops here."""
+        validate the first iteration, nor a loss function that does not call its validate_result) stops here.
+
+        Under ``--ga-checks async`` the verdict of Megatron's re-run of that iteration may still be on its way to the
+        host: it is read first (waiting for its copy), so a re-run that came out finite clears the deferral instead
+        of the first run's verdict stopping a step Megatron judged sound."""
+        if self.deferred is not None and self.pending is not None:
+            self.poll(wait=True)
         deferred, self.deferred = self.deferred, None
         if deferred is None:
             return
