@@ -42,8 +42,13 @@ class Refusal:
         return self.row + (f"-{self.spelling}" if self.spelling else "")
 
     def ga_flags(self) -> list[str]:
-        flags = {name: option.flag for option, name in GA_FIELDS.items()}
-        return [word for name, value in self.ga.items() for word in (flags[name], value)]
+        """The ``--ga-*`` flags of :attr:`ga` (a switch by its spelling: ``--no-ga-guards`` for guards False)."""
+        options = {name: option for option, name in GA_FIELDS.items()}
+        words: list[str] = []
+        for name, value in self.ga.items():
+            spellings = options[name].spellings
+            words += [spellings[0] if value else spellings[-1]] if isinstance(value, bool) else [spellings[0], value]
+        return words
 
 
 MICROBATCH = {"loss_reduction": "microbatch"}
@@ -72,6 +77,7 @@ REFUSALS = [
     Refusal("override-iteration-schedule", ["--override-ckpt-iteration", "10", *SCHEDULE], MICROBATCH),
     Refusal("override-iteration-schedule", ["--freeze-all-layers", *SCHEDULE], MICROBATCH, spelling="freeze"),
     Refusal("phase-transitions-schedule", ["--phase-transition-iterations", "10", *SCHEDULE], MICROBATCH),
+    Refusal("hybrid-context-parallel-schedule", [*TOKEN, "--hybrid-context-parallel", *SCHEDULE], {"guards": False}),
 ]
 
 
@@ -165,12 +171,63 @@ def test_a_launch_with_several_refusals_names_each():
     ([*TOKEN, "--num-experts", "4", "--moe-router-load-balancing-type", "aux_loss", "quantile_balancing",
       "--moe-z-loss-coeff", "1e-3"], {}),
     (["--use-torch-fsdp2"], MICROBATCH),
+    ([*TOKEN, "--hybrid-context-parallel"], {"guards": False}),  # a constant global batch: the sampler's
 ])
 def test_the_same_flags_elsewhere_are_not_refused(flags, ga, capsys):
     """Where the guarantee holds (another mode, another value), the flag is not refused; its limit is a note."""
     status, report = check(capsys, [*flags, *Refusal("", [], ga).ga_flags()])
     assert status == 0 and report["problems"] == [], report["problems"]
     assert report["notes"]
+
+
+# -- the noise scale's refusals: one rule (config/launch_rules.py), named by the rows ----------------
+
+#: (the row that says --ga-noise-scale refuses its flag, the launch's flags, the refusal's setting as named).
+NOISE_SCALE_REFUSED = [
+    ("context-parallel", ["--context-parallel-size", "2"], "--context-parallel-size 2"),
+    ("hybrid-context-parallel", ["--hybrid-context-parallel", "--no-ga-guards"], "--hybrid-context-parallel"),
+    ("gtp", ["--tensor-model-parallel-size", "2", "--tensor-parallel-num-weight-shards", "4"],
+     "--tensor-parallel-num-weight-shards 4 (above --tensor-model-parallel-size 2)"),
+    ("distributed-optimizer-instances", ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"],
+     "--num-distributed-optimizer-instances 2"),
+    ("megatron-fsdp", ["--use-megatron-fsdp"], "--use-megatron-fsdp"),
+    ("fp32-local-accumulation", ["--bf16", "--ddp-param-name-patterns-for-fp32-local-accumulation", "all"],
+     "--ddp-param-name-patterns-for-fp32-local-accumulation all"),
+    ("optimizer-graph", ["--optimizer-cuda-graph"], "--optimizer-cuda-graph"),
+    ("optimizer-graph", ["--optimizer-cuda-graph", "--ga-batch-size-warmup", "auto", "--ga-batch-size-warmup-max",
+                         "64", "--train-samples", "1024"], "--optimizer-cuda-graph"),
+]
+
+
+def test_every_row_that_says_the_noise_scale_refuses_it_has_a_launch():
+    said = {row.id for row in ROWS if "--ga-noise-scale refuses" in row.text}
+    assert said == {row for row, _, _ in NOISE_SCALE_REFUSED}
+
+
+@pytest.mark.parametrize("row, flags, setting", NOISE_SCALE_REFUSED, ids=[f"{c[0]}-{len(c[1])}" for c in
+                                                                          NOISE_SCALE_REFUSED])
+def test_the_noise_scale_refuses_what_its_rows_say_in_install_and_check(row, flags, setting, capsys):
+    """``megatron-ga check`` on the launch line and install() on Megatron's parsed args: one OptionError, naming the
+    flag and its value; without --ga-noise-scale (the warmup needs it) neither refuses it."""
+    pytest.importorskip("megatron.core.pipeline_parallel.schedules")
+    from megatron_ga_ext.config.args import add_args
+    from megatron_ga_ext.errors import OptionError
+    from megatron_ga_ext.integration import install as installing
+
+    named = f"--ga-noise-scale with {setting}: "
+    status, report = check(capsys, [*TOKEN, *flags, "--ga-noise-scale", "10"])
+    found = [p for p in report["problems"] if p.startswith(named)]
+    assert status == 1 and len(found) == 1 and found[0].endswith("."), report["problems"]
+    assert found[0].split(": ", 1)[1].count(". Drop --ga-noise-scale, or ") == 1
+    if "--ga-batch-size-warmup" not in flags:
+        _, report = check(capsys, [*TOKEN, *flags])
+        assert not [p for p in report["problems"] if p.startswith("--ga-noise-scale")], report["problems"]
+    parsed = add_args(megatron_parser()).parse_args([*TOKEN, *flags, "--ga-noise-scale", "10"])
+    parsed.world_size, parsed.global_batch_size = 8, 16  # as check's line, and Megatron's validate_args leaves them
+    parsed.data_parallel_size = 8 // (parsed.tensor_model_parallel_size * parsed.context_parallel_size)
+    with pytest.raises(OptionError) as refused:
+        installing.install(parsed)
+    assert str(refused.value) == found[0] and installing.installed() is None
 
 
 # -- limits: the start-up log and check's notes ----------------------------------------------------
@@ -305,6 +362,8 @@ def test_unclassified_lists_the_flags_neither_a_row_nor_the_off_path_list_names(
     ([*TOKEN, "--override-ckpt-iteration", "10"], None),  # a constant global batch: iteration x GBS is right
     ([*SCHEDULE, "--lr-warmup-samples", "32"], "lr-schedule"),
     ([*TOKEN, "--ddp-num-buckets", "4"], "grad-reduce-buckets"),
+    ([*TOKEN, "--optimizer-cuda-graph"], "optimizer-graph-liveness"),
+    (["--optimizer-cuda-graph", "--ga-loss-reduction", "microbatch"], "optimizer-graph-liveness"),
 ])
 def test_the_new_rows_limit_or_leave_a_launch_as_their_text_says(flags, row, capsys):
     """The on-path flags a row names: refused nowhere here, a note where the row's limit applies."""

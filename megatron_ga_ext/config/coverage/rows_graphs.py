@@ -79,10 +79,21 @@ GRAPH_ROWS: tuple[Row, ...] = (
         applies=lambda s: s.on("optimizer_cuda_graph") and s.token and s.checks == "async"),
     Row(id="optimizer-graph", flags=("--optimizer-cuda-graph",), given="--optimizer-cuda-graph", support="limited",
         text="each step's checks run in finalize, before the captured optimizer step (the default "
-        f"--ga-zero-token-policy error and --ga-checks sync); {ON_GPU}.",
+        "--ga-zero-token-policy error and --ga-checks sync); --ga-noise-scale refuses it (the replayed step takes no "
+        f"measurement, so neither the meter nor --ga-batch-size-warmup auto would go on); {ON_GPU}.",
         proofs=(Proof(test=GPU_GRAPHS + "test_optimizer_graph_checks_each_step_in_finalize_before_the_replayed_step"),),
         applies=lambda s: s.on("optimizer_cuda_graph") and s.zero_token_policy != "skip"
         and not (s.token and s.checks == "async")),
+    Row(id="optimizer-graph-liveness", flags=("--optimizer-cuda-graph", "--cuda-graph-warmup-steps"),
+        given="--optimizer-cuda-graph", support="limited",
+        text="from its capture on (core_v0.19.0 optimizer/optimizer_cuda_graph.py:31-50: at --cuda-graph-warmup-steps, "
+        "then replay(); training.py:3633-3638 wraps the built optimizer's step, the extension's hook inside it) no "
+        "Python of the optimizer step runs: the per-iteration liveness check stops, so an iteration that goes around "
+        "the guarded schedule is no longer named; the token-mode checks run in finalize every step, before the "
+        "replay (optimizer-graph), but for a non-finite loss left to Megatron's rerun state machine that reaches the "
+        "step anyway (a loss function that does not call its validate_result), which is stopped at the next step's "
+        "finalize instead of before its own optimizer step, and not at all at the last iteration.",
+        applies=is_on("optimizer_cuda_graph")),
     # combined 1F1B
     Row(id="combined-1f1b-token", flags=("--overlap-moe-expert-parallel-comm",),
         given="--overlap-moe-expert-parallel-comm", when="in token mode", support="refused",

@@ -8,6 +8,7 @@ from __future__ import annotations
 from megatron_ga_ext.config.coverage.conditions import (
     above_one,
     any_given,
+    batch_schedule,
     gtp_remat,
     in_microbatch_mode,
     in_token_mode,
@@ -65,7 +66,8 @@ PARALLEL_ROWS: tuple[Row, ...] = (
         text="Megatron-FSDP builds its gradient buffers without the 1 / (DP x CP) factor under "
         "--calculate-per-token-loss and scales by 1 / N in finalize; the extension checks those factors at the "
         "first step; its sharding, buffer and precision options change how the gradient is sharded, sent and stored "
-        f"(in the dtypes they name), not that factor; {NO_GPU}.",
+        "(in the dtypes they name), not that factor; --ga-noise-scale refuses it (no rank holds its replica's "
+        f"gradient before the reduction); {NO_GPU}.",
         applies=is_on("use_megatron_fsdp")),
     Row(id="average-in-collective-token", flags=("--ddp-average-in-collective",),
         given="--ddp-average-in-collective", when="in token mode", support="refused",
@@ -118,8 +120,10 @@ PARALLEL_ROWS: tuple[Row, ...] = (
         given="--ddp-param-name-patterns-for-fp32-local-accumulation (0.17 and later)", support="limited",
         text="the parameters it names add their micro-batch gradients into an fp32 main_grad apart from the bf16 "
         "buffer; upstream copies it into the buffer before the reduction and back after, and scales both by 1/N, "
-        "so every token keeps its weight; --ga-noise-scale leaves those parameters out of its norms (their main_grad "
-        f"is not in the buffer it reads); {NOT_YET}.",
+        "so every token keeps its weight; --ga-noise-scale refuses it: its norms read only the parameters whose "
+        "main_grad lies in the buffer (core_v0.19.0 param_and_grad_buffer.py:1363-1384 gives the matched ones a "
+        "main_grad apart, which :643-647 copies in only as the reduction starts), so it would leave them out, and with "
+        f"the pattern all every parameter (each estimate 0 / 0); {NOT_YET}.",
         applies=lambda s: bool(s.names("ddp_param_name_patterns_for_fp32_local_accumulation"))),
     Row(id="fp32-grad-reduce", flags=("--accumulate-allreduce-grads-in-fp32",
                                       "--ddp-reduce-scatter-with-fp32-accumulation"),
@@ -156,7 +160,9 @@ PARALLEL_ROWS: tuple[Row, ...] = (
         "becomes the replicate degree, and the micro-batches are spread over replicate DP x GTP) and reduce-scatters "
         "the weight gradients over that axis inside the backward pass, outside the data-parallel reduction the "
         "extension's finalize, its checks and the noise-scale meter are built around; the token count's group spans "
-        "the axis, but no test has run a GTP step, so the extension cannot say that every token keeps its weight.",
+        "the axis, but no test has run a GTP step, so the extension cannot say that every token keeps its weight "
+        "(and --ga-noise-scale refuses --tensor-parallel-num-weight-shards above --tensor-model-parallel-size on its "
+        "own account: the gradient it reads before the data-parallel reduction already sums the GTP ranks' samples).",
         instead="Keep --tensor-parallel-num-weight-shards at --tensor-model-parallel-size (and "
         "--expert-tensor-parallel-num-weight-shards at the experts' tensor-parallel size): no GTP weight "
         "rematerialization.",
@@ -197,14 +203,29 @@ PARALLEL_ROWS: tuple[Row, ...] = (
     Row(id="context-parallel", flags=("--context-parallel-size",), given="--context-parallel-size N (N > 1)",
         support="supported",
         text="each CP shard counts its own loss tokens and N sums them over DP x CP; microbatch mode is upstream's "
-        "per-shard mean.",
+        "per-shard mean; --ga-noise-scale refuses it (the CP shards of one sequence are not independent replicas).",
         proofs=verify_layouts("CP2 x DP2 x GA4 (position-wise)"), applies=above_one("context_parallel_size")),
     Row(id="hybrid-context-parallel", flags=("--hybrid-context-parallel", "--max-seqlen-per-dp-cp-rank"),
         given="--hybrid-context-parallel",
         support="limited",
         text="it regroups sequences into micro-batches of its own, so the micro-batch guards must be off "
-        f"(--no-ga-guards, checked); the token count and its checks hold; {NOT_YET}.",
+        "(--no-ga-guards, checked); the token count and its checks hold; --ga-noise-scale refuses it (a sequence "
+        "split over several data-parallel ranks makes their gradients dependent: core_v0.19.0 "
+        f"core/datasets/data_schedule.py:12-26); {NOT_YET}.",
         applies=is_on("hybrid_context_parallel")),
+    Row(id="hybrid-context-parallel-schedule", flags=("--hybrid-context-parallel", "--step-batch-size-schedule",
+                                                      "--rampup-batch-size"),
+        given="--hybrid-context-parallel", when="with a batch-size schedule (--step-batch-size-schedule or "
+        "--rampup-batch-size)", support="refused",
+        text="its sampler reads one global batch per step, of args.global_batch_size samples, fixed when the data "
+        "loader is built (core_v0.19.0 training/datasets/data_samplers.py:41 and :49-56; num_micro_batches at :197; "
+        "the same on every tested source), while the loop advances consumed samples by the schedule's global batch "
+        "(training.py:3936-3942): with a step schedule args.global_batch_size is MBS x DP (arguments.py:684-685), so "
+        "each step would train on another batch than the one the schedule, its learning rate and the checkpoints "
+        "count (--ga-batch-size-warmup auto needs --ga-noise-scale, which refuses --hybrid-context-parallel).",
+        instead="Train hybrid context parallelism at a constant --global-batch-size, or drop "
+        "--hybrid-context-parallel.",
+        applies=lambda s: s.on("hybrid_context_parallel") and batch_schedule(s)),
     Row(id="rl-sequence-packing", flags=("--perform-rl-step", "--rl-use-sequence-packing", "--rl-sequence-packing-algo",
                                          "--rl-sequence-packing-max-sequences-per-bin"),
         given="--perform-rl-step --rl-use-sequence-packing", support="limited",
