@@ -1,6 +1,7 @@
 """--ga-lr-scaling on megatron-core's own OptimizerParamScheduler, stepped as Megatron-LM's loop steps it, with the
 calculator install() puts behind get_num_microbatches()."""
 
+import argparse
 import logging
 import math
 
@@ -15,7 +16,7 @@ from megatron_ga_ext.config.launch_rules import check_lr_scaling
 from megatron_ga_ext.core.lr_factor import lr_factor
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.errors import OptionError
-from megatron_ga_ext.integration.install import GAConfig, install, uninstall
+from megatron_ga_ext.integration.install import GAConfig, install, installed, uninstall
 from tests.test_install import STEP_SCHEDULES, init_calculator, parsed
 
 SCHEDULE = "0:16 64:32 160:64"
@@ -136,3 +137,40 @@ def test_a_loop_without_the_schedule_calculator_is_refused_at_the_first_rate():
     init_calculator(16, 2, 4)
     with pytest.raises(OptionError, match=r"--ga-lr-scaling sqrt .* this launch has no schedule"):
         scheduler()
+
+
+def run_skipping(monkeypatch, state, skipped: set[int]) -> list[tuple[int, list[float], list[float]]]:
+    """Megatron-LM's loop with its args: per iteration the calculator updated at ``args.consumed_train_samples``, a
+    training forward/backward call, the optimizer step at the groups' rates (recorded with the step's GBS and
+    Megatron's unscaled rates at the scheduler's count), ``scheduler.step(GBS)`` only where the step was not
+    skipped (an fp16 overflow, a zero-token skip), and the consumed samples counted after it either way."""
+    from megatron_ga_ext.integration import compat
+
+    args = argparse.Namespace(consumed_train_samples=0)
+    monkeypatch.setattr(compat, "megatron_args", lambda: args)
+    lr_scheduler, steps, iteration = scheduler(), [], 0
+    unscaled = OptimizerParamScheduler.get_lr.__wrapped__
+    while args.consumed_train_samples < TRAIN_SAMPLES:
+        calculators.update_num_microbatches(args.consumed_train_samples, consistency_check=True)
+        batch = calculators.get_current_global_batch_size()
+        state.training_schedules += 1  # the step's forward/backward call (Installation.begin_step counts it)
+        groups = lr_scheduler.optimizer.param_groups
+        steps.append((batch, [g["lr"] for g in groups], [unscaled(lr_scheduler, g) for g in groups]))
+        if iteration not in skipped:
+            lr_scheduler.step(increment=batch)
+        args.consumed_train_samples += batch
+        iteration += 1
+    return steps
+
+
+@pytest.mark.parametrize("lr_scaling", ["sqrt", "linear"])
+def test_after_a_skipped_step_each_step_runs_at_its_own_batchs_factor(monkeypatch, lr_scaling):
+    """A skipped step holds the scheduler's count while the consumed samples (and the batch) advance: the factor
+    follows the batch, so the next stage's first step (at 64 samples, GBS 32) already has its stage's factor."""
+    install_schedule(lr_scaling)
+    state = installed()
+    steps = run_skipping(monkeypatch, state, skipped={1})  # the second step, at 16 samples: GBS 16
+    assert [batch for batch, _, _ in steps[:6]] == [16, 16, 16, 16, 32, 32]
+    for batch, rates, megatron_rates in steps:
+        assert rates == [rate * lr_factor(batch, FIRST_GBS, lr_scaling) for rate in megatron_rates]
+    assert {batch for batch, _, _ in steps} == {16, 32, 64}

@@ -5,10 +5,18 @@ by its batch size.
 
 Megatron's ``OptimizerParamScheduler.get_lr(param_group)`` gives each param group its rate (warmup and decay from
 that group's ``max_lr`` / ``min_lr``, so decoupled-LR groups too), and ``step(increment)`` writes it into the group;
-the wrapper multiplies what ``get_lr`` returns. GBS is the schedule's at the scheduler's ``num_steps``, which counts
-samples (Megatron's loops step it by each step's GBS): the rate ``step()`` writes after a step is the next step's, and
-the next step's batch is the schedule's at the samples consumed so far, so a stage's first step already has the
-stage's factor. A skipped step holds the scheduler, and with it the factor, as Megatron holds the rate. A resumed
+the wrapper multiplies what ``get_lr`` returns.
+
+The rate ``step()`` writes is the one the next optimizer step trains with, so GBS is the batch of that step: the
+schedule at the samples consumed when it runs. In Megatron-LM's loop that is ``args.consumed_train_samples`` (what the
+loop has counted) plus, when ``step()`` runs inside a training step, the batch of that step, which the loop counts only
+after it returns (the live calculator's current GBS; "inside a training step": a training forward/backward call ran
+since the scheduler's count last changed). Not the scheduler's ``num_steps``: a skipped step (an fp16 overflow,
+``--ga-zero-token-policy skip``, ``--iterations-to-skip``) holds it, while consumed samples, and with them the batch,
+advance, so every later stage's factor would come late. Without Megatron-LM's args (a megatron-core loop) the
+schedule is read at ``num_steps``, which such a loop steps by each step's GBS. Megatron writes the rates only after
+a successful step: the step right after a skipped one trains at the rate written before it, the skipped step's
+batch's factor, which differs only where that skipped step was the last of its stage. A resumed
 ``--ga-batch-size-warmup auto`` run restores its stages after the scheduler's ``load_state_dict`` has written the
 rates; the rates are written again then (``Installation.after_load``), so the first resumed step has its stage's
 factor too. The factor itself is core/lr_factor.py's, as the ``schedule`` table's hints.
@@ -17,13 +25,16 @@ factor too. The factor itself is core/lr_factor.py's, as the ``schedule`` table'
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from megatron_ga_ext.config.launch_rules import check_lr_scaling
 from megatron_ga_ext.core.lr_factor import lr_factor
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.integration.calculator import live_step_calculator
+from megatron_ga_ext.integration.compat import megatron_view
 from megatron_ga_ext.logs import get_logger
 
 if TYPE_CHECKING:
@@ -58,6 +69,7 @@ def scaled_get_lr(original: Callable, state: Installation) -> Callable:
     """``OptimizerParamScheduler.get_lr``, returning the scaled rate (a class attribute: every scheduler, also one
     built before install(), looks it up there)."""
     logged: list[StepSchedule] = []  # the schedule whose factors were logged: at start-up, and again if replaced
+    counts: weakref.WeakKeyDictionary[Any, _Count] = weakref.WeakKeyDictionary()  # per scheduler, see next_step_batch
 
     @functools.wraps(original)
     def get_lr(scheduler: Any, param_group: dict) -> float:
@@ -69,10 +81,40 @@ def scaled_get_lr(original: Callable, state: Installation) -> Callable:
             logged[:] = [schedule]
             logger.info("--ga-lr-scaling %s: the learning rate %s", scaling, stage_factors(schedule, scaling))
         first = schedule.entries[0].global_batch_size
-        batch = schedule.global_batch_size_at(scheduler.num_steps)
+        batch = next_step_batch(schedule, scheduler, state.training_schedules, counts)
         return original(scheduler, param_group) * lr_factor(batch, first, scaling)
 
     return get_lr
+
+
+@dataclass(frozen=True)
+class _Count:
+    """A scheduler's ``num_steps`` and the training calls seen when it last changed, and whether a training call
+    ran since the change before (then the rates it writes follow a step the loop has not counted yet)."""
+
+    num_steps: int
+    training_schedules: int
+    in_step: bool
+
+
+def next_step_batch(schedule: StepSchedule, scheduler: Any, training_schedules: int,
+                    counts: weakref.WeakKeyDictionary[Any, _Count]) -> int:
+    """The GBS of the step that trains with the rate ``scheduler`` writes now (see the module docstring): the
+    schedule at Megatron's consumed samples, plus the live calculator's current GBS where a training call
+    (``training_schedules``: Installation.training_schedules) ran since the scheduler's count last changed; without
+    Megatron-LM's args, at ``scheduler.num_steps``. ``counts`` keeps each scheduler's last :class:`_Count`, so every
+    param group of one ``step()`` reads the same step."""
+    last = counts.get(scheduler)
+    if last is None or (last.num_steps, last.training_schedules) != (scheduler.num_steps, training_schedules):
+        in_step = training_schedules > (last.training_schedules if last is not None else 0)
+        last = counts[scheduler] = _Count(scheduler.num_steps, training_schedules, in_step)
+    megatron = megatron_view()
+    if not megatron.has("consumed_train_samples"):
+        return schedule.global_batch_size_at(scheduler.num_steps)
+    consumed = megatron.consumed_train_samples
+    live = live_step_calculator()
+    pending = live.get_current_global_batch_size() if last.in_step and live is not None else 0
+    return schedule.global_batch_size_at(consumed + pending)
 
 
 def _live_schedule(lr_scaling: str) -> StepSchedule:
