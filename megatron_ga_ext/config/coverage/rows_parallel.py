@@ -219,7 +219,9 @@ PARALLEL_ROWS: tuple[Row, ...] = (
         "--rampup-batch-size)", support="refused",
         text="its sampler reads one global batch per step, of args.global_batch_size samples, fixed when the data "
         "loader is built (core_v0.19.0 training/datasets/data_samplers.py:41 and :49-56; num_micro_batches at :197; "
-        "the same on every tested source), while the loop advances consumed samples by the schedule's global batch "
+        "the same on every tested source; main after d98e8a64 with --sequence-packing-scheduler packs the batches "
+        "itself instead, which no test runs with hybrid CP), while the loop advances consumed samples by the "
+        "schedule's global batch "
         "(training.py:3936-3942): with a step schedule args.global_batch_size is MBS x DP (arguments.py:684-685), so "
         "each step would train on another batch than the one the schedule, its learning rate and the checkpoints "
         "count (--ga-batch-size-warmup auto needs --ga-noise-scale, which refuses --hybrid-context-parallel).",
