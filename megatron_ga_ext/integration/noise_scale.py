@@ -18,8 +18,16 @@ device until :meth:`NoiseScaleMeter.read` (after Megatron's optimizer step, once
 on the other steps, nothing per micro-batch.
 
 Measured over the dense parameters a replica owns whole: expert parameters (reduced over the expert data-parallel
-group), a tied embedding split across pipeline stages (its stages' parts are summed only after the reduction) and
-sequence-parallel parameters (summed over TP after it) are left out of both norms.
+group), a tied embedding split across pipeline stages (its stages' parts are summed only after the reduction), and
+every parameter upstream's finalize reduces again after the data-parallel reduction (sequence-parallel parameters
+and, at TP > 1, the q/k layernorms under ``qk_layernorm`` and those marked ``average_gradients_across_tp_domain``,
+summed or averaged over TP; at PP > 1, routers and conditional embedders synced across stages) are left out of both
+norms: each rank's local value of those is a partial one. The first measured step logs the share of this rank's
+parameter elements the norms cover, and the classes left out (:meth:`NoiseScaleMeter.coverage`).
+
+Each squared norm is accumulated in float64, :data:`NORM_CHUNK` elements converted at a time (bounded extra memory).
+The local read waits for a local CUDA graph's backward replay as upstream's grad sync does, and the loss scale the
+gradients hold is kept before the optimizer step (its dynamic scaler may change it in the step).
 """
 
 from __future__ import annotations
