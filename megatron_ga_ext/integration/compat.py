@@ -167,8 +167,17 @@ def megatron_args() -> argparse.Namespace | None:
 
 
 def megatron_view() -> MegatronArgs:
-    """Megatron-LM's parsed args through the typed view (config/megatron_args.py); empty without them."""
-    return MegatronArgs.of(megatron_args())
+    """Megatron-LM's parsed args through the typed view (config/megatron_args.py); empty without them. The view of
+    the same Namespace is kept (it reads the Namespace's values as they change): the step's hooks read it often."""
+    global _VIEW
+    args = megatron_args()
+    if _VIEW[0] is not args:
+        _VIEW = (args, MegatronArgs.of(args))
+    return _VIEW[1]
+
+
+#: The last args megatron_view() was asked for, and their view.
+_VIEW: tuple[argparse.Namespace | None, MegatronArgs] = (None, MegatronArgs({}))
 
 
 def megatron_iteration() -> int | None:
