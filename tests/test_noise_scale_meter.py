@@ -16,6 +16,7 @@ pytest.importorskip("megatron.core")
 from megatron_ga_ext import GAConfig
 from megatron_ga_ext.integration import noise_scale
 from megatron_ga_ext.integration.noise_scale import (
+    PP_SYNCED,
     QK_LAYERNORM,
     TP_AVERAGED,
     TP_DUPLICATE,
@@ -142,6 +143,27 @@ def test_the_coverage_line_gives_the_share_and_the_classes(layout):
     assert line.startswith(f"megatron-ga-ext: the noise scale covers {100 * counted / total:.1f}% of this rank's "
                            f"{total:,} parameter elements ({counted:,}); left out: ")
     assert QK_LAYERNORM in line and TP_AVERAGED in line
+
+
+def test_parameters_finalize_syncs_across_pipeline_stages_are_left_out_at_pp_above_1(layout):
+    """Upstream's finalize sums routers marked flextron_router_pp_sync, and conditional embedders (pipeline_parallel,
+    under config.has_cond_embedder), across the pipeline stages: each stage's local value is a partial sum."""
+    layout(tp_rank=0, tp_size=1, pp_size=2)
+    chunk = _Chunk(qk_layernorm=False)
+    chunk.config.has_cond_embedder = True
+    chunk.router.weight.flextron_router_pp_sync = True
+    chunk.input_layernorm.weight.pipeline_parallel = True
+    meter = _meter()
+    meter.learn_chunks([chunk])
+    synced = chunk.router.weight.numel() + chunk.input_layernorm.weight.numel()
+    assert meter.coverage([chunk]).left_out == {PP_SYNCED: synced}
+    layout(tp_rank=0, tp_size=1, pp_size=1)
+    assert meter.coverage([chunk]).left_out == {}
+    chunk.config.has_cond_embedder = False  # upstream syncs pipeline_parallel parameters only under it
+    layout(tp_rank=0, tp_size=1, pp_size=2)
+    meter = _meter()
+    meter.learn_chunks([chunk])
+    assert meter.coverage([chunk]).left_out == {PP_SYNCED: chunk.router.weight.numel()}
 
 
 # -- the loss scale: read before the optimizer step ---------------------------------------------------------------

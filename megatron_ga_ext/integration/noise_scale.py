@@ -359,25 +359,31 @@ NOT_BUFFERED = "not in a gradient buffer"
 
 @dataclass(frozen=True)
 class _Names:
-    """What the known model chunks' parameter names decide: the q/k layernorms upstream's finalize sums over TP
-    (``config.qk_layernorm`` and "q_layernorm" or "k_layernorm" in the name, as its
-    ``_allreduce_non_tensor_model_parallel_grads`` reads them), by parameter id."""
+    """What the known model chunks' names and configs decide, by parameter id: the q/k layernorms upstream's finalize
+    sums over TP (``config.qk_layernorm`` and "q_layernorm" or "k_layernorm" in the name, as its
+    ``_allreduce_non_tensor_model_parallel_grads`` reads them) and the conditional embedders it sums across stages
+    (``config.has_cond_embedder`` and the parameter's ``pipeline_parallel``)."""
 
     known: frozenset[int]
     qk_layernorm: frozenset[int]
+    cond_embedder: frozenset[int] = frozenset()
 
     @classmethod
     def of(cls, chunks: Sequence[torch.nn.Module]) -> _Names:
         from megatron.core.utils import get_model_config
 
-        known, qk = set(), set()
+        known, qk, cond = set(), set(), set()
         for chunk in chunks:
-            summed = bool(getattr(get_model_config(chunk), "qk_layernorm", False))
+            config = get_model_config(chunk)
+            summed = bool(getattr(config, "qk_layernorm", False))
+            conditional = bool(getattr(config, "has_cond_embedder", False))
             for name, param in chunk.named_parameters():
                 known.add(id(param))
                 if summed and ("q_layernorm" in name or "k_layernorm" in name):
                     qk.add(id(param))
-        return cls(frozenset(known), frozenset(qk))
+                if conditional and getattr(param, "pipeline_parallel", False):
+                    cond.add(id(param))
+        return cls(frozenset(known), frozenset(qk), frozenset(cond))
 
 
 _NO_NAMES = _Names(frozenset(), frozenset())
@@ -441,7 +447,7 @@ def _why_left_out(param: torch.nn.Parameter, bucket: Any, layout: _Layout) -> st
     if layout.tp_size > 1 and id(param) in layout.names.qk_layernorm:
         return QK_LAYERNORM
     if layout.pp_size > 1 and (getattr(param, "flextron_router_pp_sync", False)
-                               or getattr(param, "pipeline_parallel", False)):
+                               or id(param) in layout.names.cond_embedder):
         return PP_SYNCED  # routers and conditional embedders replicated per stage, summed across them in finalize
     if _span(param, bucket) is None:
         return HELD_APART
