@@ -10,6 +10,8 @@ one launch resumes it from that checkpoint; one runs the same without ``--ga-noi
 * one trace row per iteration: consumed samples and loss tokens as the recorder saw them, 2 replicas;
 * the noise-scale/* scalars in Megatron's TensorBoard event files, equal to the trace's;
 * the checkpoint sidecar, and the resumed run's EMAs at iterations 4-8 equal to the uninterrupted run's;
+* with non-persistent global checkpoints (torch_dist, where psutil is importable), the sidecar beside the latest,
+  and a resume from it continuing the EMAs (iterations 7-8 equal to the run's own);
 * ``megatron-ga schedule --suggest`` on the trace prints a schedule (recorded for docs/noise-scale.md), and on the
   run's log and its TensorBoard directory the same one (with a trust that makes it double);
 * PP 2 x DP 2 measures every iteration too, with the loss tokens of each step and 2 replicas, training as without it.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -172,6 +175,44 @@ def test_a_resume_continues_the_emas(launches, source, record_property):
     record("noise-scale", [{"Source": source_name(source), "Layout": "dp2", "Resume": (
         f"saved at {SAVE_AT}, resumed to {ITERATIONS}: grad_sq_ema and trace_sigma_ema equal to the uninterrupted "
         "run's (1e-9 relative)")}])
+
+
+NON_PERSISTENT_AT = 3
+
+
+def test_a_resume_from_a_non_persistent_checkpoint_continues_the_emas(launches, source):
+    """--non-persistent-ckpt-type global: the sidecar beside each non-persistent checkpoint (iterations 3 and 6 in
+    --non-persistent-global-ckpt-dir; Megatron keeps the latest), and a resume that loads the latest (its --load
+    holds no persistent one) continues the EMAs there: iterations 7-8 equal the run's own."""
+    workdir = launches.workdir / source.name / "dp2"
+    trace, non_persistent = workdir / "noise-scale-np-trace.jsonl", workdir / "noise-scale-np-checkpoints"
+    psutil = pytest.importorskip("psutil", reason="Megatron's torch_dist checkpoints (non-persistent global ones "
+                                 "need that format) import psutil")
+    env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), str(Path(psutil.__file__).parents[1])])}
+    checkpoints = ["--ckpt-format", "torch_dist", "--non-persistent-ckpt-type", "global",
+                   "--non-persistent-global-ckpt-dir", str(non_persistent)]
+    run = launches.get(source, "dp2", "noise-scale-np", [
+        *FLAGS, "--ga-noise-scale", "1", "--ga-noise-scale-trace", str(trace), "--save",
+        str(workdir / "noise-scale-np-persistent"), "--save-interval", "1000", "--non-persistent-save-interval",
+        str(NON_PERSISTENT_AT), *checkpoints], env=env)
+    assert run.rc == 0 and run.error is None, run.describe()
+    latest = 2 * NON_PERSISTENT_AT
+    sidecar = json.loads(sidecar_path(non_persistent, latest).read_text())
+    assert (sidecar["version"], sidecar["iteration"], sidecar["measurements"]) == (2, latest, latest), sidecar
+
+    resumed_trace = workdir / "noise-scale-np-resumed-trace.jsonl"
+    resumed = launches.get(source, "dp2", "noise-scale-np-resumed", [
+        *FLAGS, "--ga-noise-scale", "1", "--ga-noise-scale-trace", str(resumed_trace), "--load",
+        str(workdir / "noise-scale-np-no-persistent"), *checkpoints], env=env)
+    assert resumed.rc == 0 and resumed.error is None, resumed.describe()
+    assert f"noise-scale EMAs continued from {sidecar_path(non_persistent, latest)}" in resumed.output, \
+        resumed.describe()
+    whole, again = trace_rows(trace)[latest:], trace_rows(resumed_trace)
+    assert [r["iteration"] for r in again] == [r["iteration"] for r in whole] == list(range(latest + 1,
+                                                                                            ITERATIONS + 1))
+    for ours, theirs in zip(again, whole):
+        for name in ("grad_sq_ema", "trace_sigma_ema", "grad_sq", "trace_sigma", "consumed_samples"):
+            assert ours[name] == pytest.approx(theirs[name], rel=1e-9), (name, ours, theirs)
 
 
 def test_suggest_reads_the_runs_trace(launches, source):
