@@ -24,6 +24,7 @@ __all__ = [
     "CompatError",
     "VerifyError",
     "NoiseScaleError",
+    "CriticalBatchError",
     "ScheduleWarning",
 ]
 
@@ -92,6 +93,12 @@ class VerifyError(GAError, RuntimeError):
 class NoiseScaleError(GAError):
     """A gradient-noise measurement or a measured trace cannot be used: too few replicas, a count or norm that is
     not a finite number, a malformed trace or EMA state."""
+
+
+class CriticalBatchError(GAError):
+    """``megatron-ga critical-batch`` cannot read its runs or targets: a file that is neither a Megatron log nor a
+    TensorBoard directory, two runs at one global batch size, a run whose batch size changes, a target no run
+    reached."""
 
 
 class ScheduleWarning(UserWarning):

@@ -1,7 +1,7 @@
-"""The ``megatron-ga`` command: ledger | check | schedule | verify.
+"""The ``megatron-ga`` command: ledger | check | schedule | verify | critical-batch.
 
-``ledger``, ``check`` and ``schedule`` are pure Python and answer in well under a second; ``verify``
-imports torch and megatron-core only when it runs. Every command's errors take one path (:func:`main`):
+``ledger``, ``check``, ``schedule`` and ``critical-batch`` are pure Python and answer in well under a second;
+``verify`` imports torch and megatron-core only when it runs. Every command's errors take one path (:func:`main`):
 one line on stderr without a traceback (and, with ``--json``, a JSON error object on stdout), exit 2.
 """
 
@@ -32,6 +32,8 @@ __all__ = ["main"]
 _DELEGATED = {
     "schedule": ("megatron_ga_ext.cli.schedule", "table of a step batch-size schedule (or a converted rampup)"),
     "verify": ("megatron_ga_ext.cli.verify", "prove the loss reduction on real megatron-core against a reference"),
+    "critical-batch": ("megatron_ga_ext.cli.critical_batch",
+                       "B_crit = E_min / S_min from runs at several global batch sizes (McCandlish et al. 2018)"),
 }
 
 _LEDGER_LABELS = {

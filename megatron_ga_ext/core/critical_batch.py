@@ -1,0 +1,240 @@
+"""The critical batch size from a sweep of runs at several global batch sizes (McCandlish et al. 2018). Pure Python.
+
+Each run, at batch size B, first reaches a target loss after S optimizer steps and E = S x B samples. McCandlish's
+trade-off between the two is the hyperbola
+
+    (S / S_min - 1) (E / E_min - 1) = 1,
+
+which this module fits in the parametrisation
+
+    S(B) = S_min (1 + B_crit / B),     E(B) = E_min (1 + B / B_crit),     B_crit = E_min / S_min,
+
+so that log S(B) = a + log(1 + B_crit / B) and log E(B) = a + log(B_crit + B), with a = log S_min.
+
+**The fit** is least squares in log space over every run's two coordinates, log S and log E (the residuals are
+multiplicative errors, and a run at a small B weighs as much as one at a large B):
+
+    minimise over (a, B_crit):  sum_i (log S_i - a - log(1 + B_crit / B_i))^2 + (log E_i - a - log(B_crit + B_i))^2.
+
+For a fixed B_crit the best a is closed-form (the mean of the 2n residuals without it), so the fit is a 1-D search
+over u = log B_crit: a grid of :data:`GRID` points over [log min B - log 1000, log max B + log 1000], then a golden
+section search between the best grid point's neighbours. S_min = exp(a), E_min = S_min x B_crit.
+
+**Fittable** only when at least 3 runs with 3 distinct batch sizes reached the target, and the fitted B_crit lies
+within the span of their batch sizes [min B, max B] (a run on each side of the knee). Where every run is far above
+the knee (B >> B_crit) S is flat at S_min and E_min is not determined; where every run is far below it
+(B << B_crit) E is flat at E_min and S_min is not: such a target is reported with its reason, never fitted.
+
+**The uncertainty** is a percentile bootstrap over runs: draw n runs with replacement (seeded), refit, and take
+the (1 - level) / 2 and (1 + level) / 2 quantiles of the refitted B_crit (linear between order statistics). A
+resample with fewer than 3 distinct batch sizes cannot be fitted: it is counted and left out.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from megatron_ga_ext.errors import CriticalBatchError
+
+__all__ = ["Fit", "Interval", "RunPoint", "TargetFit", "bootstrap_b_crit", "default_targets", "fit_hyperbola",
+           "fit_target"]
+
+#: Grid points of the 1-D search over log B_crit before the golden section refines it.
+GRID = 48
+#: The search reaches this factor beyond the smallest and largest batch size.
+REACH = 1000.0
+#: Golden-section iterations: the bracket shrinks by 0.618 each, from two grid steps to ~1e-9 in log B_crit.
+GOLDEN_ITERATIONS = 45
+#: The fewest runs (with distinct batch sizes) a target needs to be fitted: two parameters and one degree of freedom.
+MIN_RUNS = 3
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunPoint:
+    """Where one run first reached a target."""
+
+    label: str
+    """The run, for messages and tables (its log file or TensorBoard directory)."""
+    batch_size: int
+    """Its global batch size B, in samples."""
+    steps: float
+    """Optimizer steps S to the target."""
+    samples: float
+    """Samples E to the target (S x B for a run at one batch size from step 0)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fit:
+    """The least-squares hyperbola through a target's points (module docstring)."""
+
+    s_min: float
+    e_min: float
+    b_crit: float
+    residuals: tuple[tuple[float, float], ...]
+    """Per point, in the order given: (log S - log S(B), log E - log E(B)), natural log (0.05 is about 5 %)."""
+
+    @property
+    def rms_log_residual(self) -> float:
+        """The root mean square of the 2n log residuals: the fit's typical multiplicative error."""
+        values = [r for pair in self.residuals for r in pair]
+        return math.sqrt(sum(r * r for r in values) / len(values))
+
+    def steps(self, batch_size: float) -> float:
+        return self.s_min * (1 + self.b_crit / batch_size)
+
+    def samples(self, batch_size: float) -> float:
+        return self.e_min * (1 + batch_size / self.b_crit)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Interval:
+    """A percentile bootstrap interval of B_crit."""
+
+    low: float
+    high: float
+    level: float
+    resamples: int
+    """Resamples drawn."""
+    used: int
+    """Resamples fitted (the others had fewer than 3 distinct batch sizes)."""
+    seed: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class TargetFit:
+    """One target: its points, and either a fit with its interval or the reason it is not fittable."""
+
+    target: float
+    points: tuple[RunPoint, ...]
+    fit: Fit | None
+    interval: Interval | None
+    reason: str | None
+    """Why the target is not fittable; None when it is fitted."""
+
+
+def fit_hyperbola(points: Sequence[RunPoint]) -> Fit:
+    """The least-squares fit of the module docstring, whatever side of the knee the points lie on (the caller
+    judges that: :func:`fit_target`). Needs at least 2 points with distinct batch sizes."""
+    if len({p.batch_size for p in points}) < 2:
+        raise CriticalBatchError(f"the hyperbola needs points at 2 or more batch sizes ({len(points)} given).")
+    for p in points:
+        if not (p.batch_size > 0 and p.steps > 0 and p.samples > 0 and math.isfinite(p.steps * p.samples)):
+            raise CriticalBatchError(f"run {p.label}: batch size {p.batch_size}, steps {p.steps!r} and samples "
+                                     f"{p.samples!r} must all be positive finite numbers.")
+    sizes = [float(p.batch_size) for p in points]
+    log_s = [math.log(p.steps) for p in points]
+    log_e = [math.log(p.samples) for p in points]
+
+    def profile(u: float) -> tuple[float, float]:
+        """(sum of squares, a) at B_crit = exp(u), a at its closed-form best."""
+        c = math.exp(u)
+        r = [s - math.log1p(c / b) for s, b in zip(log_s, sizes)] + [e - math.log(c + b) for e, b in zip(log_e, sizes)]
+        a = sum(r) / len(r)
+        return sum((x - a) ** 2 for x in r), a
+
+    u = _minimise(lambda x: profile(x)[0], math.log(min(sizes) / REACH), math.log(max(sizes) * REACH))
+    a = profile(u)[1]
+    b_crit = math.exp(u)
+    s_min = math.exp(a)
+    residuals = tuple((s - a - math.log1p(b_crit / b), e - a - math.log(b_crit + b))
+                      for s, e, b in zip(log_s, log_e, sizes))
+    return Fit(s_min=s_min, e_min=s_min * b_crit, b_crit=b_crit, residuals=residuals)
+
+
+def _minimise(f: Callable[[float], float], low: float, high: float) -> float:
+    """The argmin of ``f`` on [low, high]: the best of :data:`GRID` points, then a golden section between its
+    neighbours (the profile is smooth; the grid keeps the section off a far local minimum)."""
+    step = (high - low) / (GRID - 1)
+    grid = [low + i * step for i in range(GRID)]
+    best = min(range(GRID), key=lambda i: f(grid[i]))
+    a, b = grid[max(best - 1, 0)], grid[min(best + 1, GRID - 1)]
+    ratio = (math.sqrt(5) - 1) / 2
+    x1, x2 = b - ratio * (b - a), a + ratio * (b - a)
+    f1, f2 = f(x1), f(x2)
+    for _ in range(GOLDEN_ITERATIONS):
+        if f1 <= f2:
+            b, x2, f2 = x2, x1, f1
+            x1 = b - ratio * (b - a)
+            f1 = f(x1)
+        else:
+            a, x1, f1 = x1, x2, f2
+            x2 = a + ratio * (b - a)
+            f2 = f(x2)
+    return (a + b) / 2
+
+
+def not_fittable_reason(points: Sequence[RunPoint], fit: Fit | None) -> str | None:
+    """Why a target's points cannot determine both S_min and E_min (module docstring), or None."""
+    sizes = sorted({p.batch_size for p in points})
+    if len(points) < MIN_RUNS or len(sizes) < MIN_RUNS:
+        return (f"{len(points)} run(s) at {len(sizes)} batch size(s) reached it; the fit needs at least {MIN_RUNS} "
+                "runs at distinct batch sizes")
+    if fit is None:
+        return None
+    if fit.b_crit < sizes[0]:
+        return (f"every run is above the knee: the fit puts B_crit at {fit.b_crit:.4g}, below the smallest batch "
+                f"size {sizes[0]:,}, where S is flat at S_min and E_min (so B_crit) is not determined; add runs at "
+                "smaller batch sizes")
+    if fit.b_crit > sizes[-1]:
+        return (f"every run is below the knee: the fit puts B_crit at {fit.b_crit:.4g}, above the largest batch "
+                f"size {sizes[-1]:,}, where E is flat at E_min and S_min (so B_crit) is not determined; add runs at "
+                "larger batch sizes")
+    return None
+
+
+def bootstrap_b_crit(points: Sequence[RunPoint], *, resamples: int = 1000, seed: int = 0,
+                     level: float = 0.95) -> Interval:
+    """The percentile bootstrap interval of B_crit over runs (module docstring)."""
+    if resamples < 1:
+        raise CriticalBatchError(f"the bootstrap needs at least 1 resample ({resamples} given).")
+    if not 0 < level < 1:
+        raise CriticalBatchError(f"the interval's level {level!r} must lie strictly between 0 and 1, e.g. 0.95.")
+    rng = random.Random(seed)
+    values = []
+    for _ in range(resamples):
+        drawn = [points[rng.randrange(len(points))] for _ in points]
+        if len({p.batch_size for p in drawn}) >= MIN_RUNS:
+            values.append(fit_hyperbola(drawn).b_crit)
+    if not values:
+        raise CriticalBatchError(f"no bootstrap resample of {len(points)} runs had {MIN_RUNS} distinct batch sizes.")
+    values.sort()
+    return Interval(low=_quantile(values, (1 - level) / 2), high=_quantile(values, (1 + level) / 2), level=level,
+                    resamples=resamples, used=len(values), seed=seed)
+
+
+def _quantile(ordered: Sequence[float], q: float) -> float:
+    """The q quantile of sorted values, linear between order statistics (numpy's default)."""
+    position = q * (len(ordered) - 1)
+    below = math.floor(position)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
+
+
+def fit_target(target: float, points: Sequence[RunPoint], *, resamples: int = 1000, seed: int = 0,
+               level: float = 0.95) -> TargetFit:
+    """One target: fitted with its bootstrap interval, or not fittable with the reason (module docstring)."""
+    points = tuple(points)
+    reason = not_fittable_reason(points, None)
+    fit = None if reason else fit_hyperbola(points)
+    reason = reason or not_fittable_reason(points, fit)
+    if reason is not None:
+        return TargetFit(target=target, points=points, fit=None, interval=None, reason=reason)
+    interval = bootstrap_b_crit(points, resamples=resamples, seed=seed, level=level)
+    return TargetFit(target=target, points=points, fit=fit, interval=interval, reason=None)
+
+
+def default_targets(every_run_reaches: float, every_run_starts_above: float, count: int) -> list[float]:
+    """``count`` evenly spaced losses, highest first, from ``every_run_reaches`` (the highest of the runs' lowest
+    losses: each run reaches it) up to, not including, ``every_run_starts_above`` (the lowest of the runs' first
+    losses): lo + (hi - lo) x k / count for k = count - 1, ..., 0."""
+    lo, hi = every_run_reaches, every_run_starts_above
+    if count < 1:
+        raise CriticalBatchError(f"--num-targets {count} must be at least 1.")
+    if not lo < hi:
+        raise CriticalBatchError(
+            f"the runs' losses do not overlap: some run's first logged loss ({hi:.6g}) is already at or below the "
+            f"lowest loss every run reaches ({lo:.6g}), so no target lies between; give --targets.")
+    return [lo + (hi - lo) * k / count for k in reversed(range(count))]
