@@ -35,7 +35,7 @@ from megatron_ga_ext.errors import CriticalBatchError
 __all__ = ["LossCurve", "LossPoint", "first_reach", "read_megatron_log", "smooth"]
 
 GLOBAL_BATCH = re.compile(r"\| global batch size:\s+(\d+) \|")
-VALIDATION_LINE = re.compile(r"\bvalidation loss at iteration (\d+)(?: on validation set)? \|")
+VALIDATION_LINE = re.compile(r"\bvalidation loss at iteration (\d+)(?: on validation set)?(?= \|)")
 
 
 @dataclass(frozen=True, kw_only=True)
