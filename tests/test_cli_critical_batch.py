@@ -127,6 +127,7 @@ def test_one_side_of_the_knee_and_too_few_runs_are_reported_not_fitted(cli, tmp_
     ("changes", ["--targets", "3.0"], r"global batch size changes \(16 from iteration 5, 32 from iteration 100\)"),
     ("no_eval", ["--targets", "3.0"], r"no validation 'lm loss' was logged .* --train-loss-smoothing EMA_DECAY"),
     ("two_runs", ["--targets", "3.0"], r"2 RUN\(s\) given; the fit of S_min and E_min needs runs at 3 or more"),
+    ("twice", ["--targets", "3.0"], r"RUN \S+gbs8.log is given twice; give each run once"),
     ("ok", ["--targets", "3.0,x"], r"--targets 'x' is not a finite number"),
     ("ok", ["--bootstrap", "0"], r"--bootstrap 0 must lie from 1 to"),
 ])
@@ -146,6 +147,8 @@ def test_bad_input_is_a_typed_error_on_the_one_path(cli, tmp_path, make, argv, m
         paths.append(str(tmp_path / "noeval.log"))
     elif make == "two_runs":
         paths = paths[:2]
+    elif make == "twice":
+        paths.append(paths[0])
     out = cli("critical-batch", *paths, *argv)
     assert out.status == 2 and out.out == ""
     assert out.err.startswith("megatron-ga critical-batch: error: ") and "Traceback" not in out.err

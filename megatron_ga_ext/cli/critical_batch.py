@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(_as_json(rule, curves, series, fits), indent=2))
     else:
-        _print(rule, curves, series, fits)
+        _print(rule, curves, series, fits, level)
     if args.plot:
         plot_fits(fits, args.plot)
         if not args.json:
@@ -121,6 +121,8 @@ def _tensorboard_curve(path: str, loss_name: str) -> LossCurve:
 def _check_runs(curves: Sequence[LossCurve]) -> None:
     seen: dict[int, str] = {}
     for c in curves:
+        if c.source in seen.values():
+            raise CriticalBatchError(f"RUN {c.source} is given twice; give each run once.")
         if c.global_batch_size in seen:
             raise CriticalBatchError(
                 f"RUN {c.source} and RUN {seen[c.global_batch_size]} both ran at global batch size "
@@ -216,7 +218,7 @@ def _rule(args: argparse.Namespace, decay: float | None) -> dict:
 
 
 def _print(rule: dict, curves: Sequence[LossCurve], series: dict[str, tuple[LossPoint, ...]],
-           fits: Sequence[TargetFit]) -> None:
+           fits: Sequence[TargetFit], level: float) -> None:
     print(f"loss: {rule['loss']}; S and E at {rule['reach']}.")
     print(f"fit: (S/S_min - 1)(E/E_min - 1) = 1, {rule['fit']}; B_crit = E_min / S_min.\n")
     runs = sorted(curves, key=lambda c: c.global_batch_size)
@@ -226,8 +228,7 @@ def _print(rule: dict, curves: Sequence[LossCurve], series: dict[str, tuple[Loss
              *(r.get(c.source) for r in reached)] for c in runs]
     print_table("runs", header, rows)
     print()
-    level = next((f.interval.level for f in fits if f.interval), None)
-    interval_name = f"B_crit {level:.0%} interval" if level else "B_crit interval"
+    interval_name = f"B_crit {level * 100:g}% interval"
     table = []
     for f in fits:
         if f.fit is None or f.interval is None:
