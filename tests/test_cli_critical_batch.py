@@ -7,6 +7,7 @@ import random
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -217,3 +218,15 @@ def test_runs_in_well_under_a_second_without_torch_megatron_or_matplotlib(tmp_pa
     *_, seconds, loaded = result.stdout.splitlines()
     assert loaded == "loaded:"
     assert float(seconds.split()[1]) < 1.0, seconds
+
+
+def test_the_docs_example_is_what_the_command_prints(cli, tmp_path, monkeypatch):
+    """docs/critical-batch.md's output block, up to its '...', on the same six logs."""
+    page = (Path(__file__).parents[1] / "docs" / "critical-batch.md").read_text()
+    block = page.split("$ megatron-ga critical-batch gbs8.log", 1)[1].split("```", 1)[0]
+    expected = block.split("--interpolate\n", 1)[1].split("...\n", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    write_runs(Path("."))
+    out = cli("critical-batch", *(f"gbs{b}.log" for b in SIZES), "--targets", "3.5,3.0,2.5", "--interpolate")
+    assert out.status == 0, out.err
+    assert out.out.startswith(expected), out.out
