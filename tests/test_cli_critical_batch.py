@@ -87,6 +87,17 @@ def test_first_point_rule_and_the_table(cli, tmp_path):
     assert "NOT FITTABLE" not in out.out
 
 
+def test_a_run_already_below_the_target_at_its_first_log_is_left_out(cli, tmp_path):
+    """At its first evaluation (step 5) the run at B 64 logs 4.967, at B 32 4.975: a target of 4.97 was reached by
+    the runs at 64, 128 and 256 at some step the log does not give."""
+    data = cli("critical-batch", *write_runs(tmp_path, sigma=0.0), "--targets", "4.97", "--json").json()
+    (target,) = data["targets"]
+    assert [Path(p).name for p in target["reached_before_first_log"]] == ["gbs64.log", "gbs128.log", "gbs256.log"]
+    assert [p["global_batch_size"] for p in target["points"]] == [8, 16, 32]
+    out = cli("critical-batch", *write_runs(tmp_path, sigma=0.0), "--targets", "4.97")
+    assert "its first logged loss is already at or below the target" in out.out
+
+
 def test_default_targets_lie_between_what_every_run_reaches(cli, tmp_path):
     data = cli("critical-batch", *write_runs(tmp_path, sigma=0.0), "--num-targets", "4", "--json").json()
     targets = [t["target"] for t in data["targets"]]

@@ -52,15 +52,15 @@ def run(args: argparse.Namespace) -> int:
     _check_runs(curves)
     series = {c.source: _series(c, decay, args.loss_name) for c in curves}
     targets = _targets(args, series)
-    fits = []
+    fits, early = [], {}
     for target in targets:
-        points = _points(curves, series, target, args.interpolate)
+        points, early[target] = _points(curves, series, target, args.interpolate)
         fits.append(fit_target(target, points, resamples=resamples, seed=seed, level=level))
     rule = _rule(args, decay)
     if args.json:
-        print(json.dumps(_as_json(rule, curves, series, fits), indent=2))
+        print(json.dumps(_as_json(rule, curves, series, fits, early), indent=2))
     else:
-        _print(rule, curves, series, fits, level)
+        _print(rule, curves, series, fits, early, level)
     if args.plot:
         plot_fits(fits, args.plot)
         if not args.json:
@@ -172,14 +172,19 @@ def _targets(args: argparse.Namespace, series: dict[str, tuple[LossPoint, ...]])
 
 
 def _points(curves: Sequence[LossCurve], series: dict[str, tuple[LossPoint, ...]], target: float,
-            interpolate: bool) -> list[RunPoint]:
-    points = []
+            interpolate: bool) -> tuple[list[RunPoint], list[str]]:
+    """Each run's (S, E) at the target, by batch size; and the runs whose first logged loss is already at or below
+    it: they reached it at or before that point, at an S the log does not give, and are left out."""
+    points, early = [], []
     for c in sorted(curves, key=lambda c: c.global_batch_size):
+        if series[c.source][0].loss <= target:
+            early.append(c.source)
+            continue
         reached = first_reach(series[c.source], target, interpolate)
-        if reached is not None and reached[0] > 0:
+        if reached is not None:
             points.append(RunPoint(label=c.source, batch_size=c.global_batch_size, steps=reached[0],
                                    samples=reached[1]))
-    return points
+    return points, early
 
 
 # -- numbers -----------------------------------------------------------------------------------------
@@ -218,7 +223,7 @@ def _rule(args: argparse.Namespace, decay: float | None) -> dict:
 
 
 def _print(rule: dict, curves: Sequence[LossCurve], series: dict[str, tuple[LossPoint, ...]],
-           fits: Sequence[TargetFit], level: float) -> None:
+           fits: Sequence[TargetFit], early: dict[float, list[str]], level: float) -> None:
     print(f"loss: {rule['loss']}; S and E at {rule['reach']}.")
     print(f"fit: (S/S_min - 1)(E/E_min - 1) = 1, {rule['fit']}; B_crit = E_min / S_min.\n")
     runs = sorted(curves, key=lambda c: c.global_batch_size)
@@ -239,6 +244,9 @@ def _print(rule: dict, curves: Sequence[LossCurve], series: dict[str, tuple[Loss
     print_table("critical batch per target", ["target", "runs", "S_min", "E_min", "B_crit", interval_name,
                                               "rms log residual"], table)
     for f in fits:
+        if early[f.target]:
+            print(f"target {f.target:.4g}: left out {', '.join(early[f.target])}: its first logged loss is already at "
+                  "or below the target (reached at an earlier step than the log gives).")
         if f.reason:
             print(f"target {f.target:.4g}: NOT FITTABLE: {f.reason}.")
         elif f.interval and f.interval.used < f.interval.resamples:
@@ -247,13 +255,13 @@ def _print(rule: dict, curves: Sequence[LossCurve], series: dict[str, tuple[Loss
 
 
 def _as_json(rule: dict, curves: Sequence[LossCurve], series: dict[str, tuple[LossPoint, ...]],
-             fits: Sequence[TargetFit]) -> dict:
+             fits: Sequence[TargetFit], early: dict[float, list[str]]) -> dict:
     return {
         "rule": rule,
         "runs": [{"run": c.source, "global_batch_size": c.global_batch_size, "points": len(series[c.source]),
                   "lowest_loss": min(p.loss for p in series[c.source]), "skipped_not_finite": c.skipped}
                  for c in sorted(curves, key=lambda c: c.global_batch_size)],
-        "targets": [_fit_json(f) for f in fits],
+        "targets": [{**_fit_json(f), "reached_before_first_log": early[f.target]} for f in fits],
     }
 
 
