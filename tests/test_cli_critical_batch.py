@@ -142,6 +142,8 @@ def test_one_side_of_the_knee_and_too_few_runs_are_reported_not_fitted(cli, tmp_
     ("twice", ["--targets", "3.0"], r"RUN \S+gbs8.log is given twice; give each run once"),
     ("ok", ["--targets", "3.0,x"], r"--targets 'x' is not a finite number"),
     ("ok", ["--bootstrap", "0"], r"--bootstrap 0 must lie from 1 to"),
+    ("ok", ["--confidence", "95"], r"--confidence 95 must lie strictly between 0 and 1, e.g. 0.95"),
+    ("ok", ["--train-loss-smoothing", "1"], r"--train-loss-smoothing 1.0 must be an EMA decay in \[0, 1\)"),
 ])
 def test_bad_input_is_a_typed_error_on_the_one_path(cli, tmp_path, make, argv, message):
     paths = write_runs(tmp_path, sizes=(8, 16, 32), sigma=0.0, steps=1200)

@@ -47,6 +47,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     resamples, seed = _whole("--bootstrap", args.bootstrap, 1), _whole("--seed", args.seed, 0)
     level = _number("--confidence", args.confidence)
+    if not 0 < level < 1:
+        raise CriticalBatchError(f"--confidence {args.confidence} must lie strictly between 0 and 1, e.g. 0.95.")
     decay = None if args.train_loss_smoothing is None else _number("--train-loss-smoothing", args.train_loss_smoothing)
     curves = [_read_run(path, args.loss_name) for path in args.runs]
     _check_runs(curves)
