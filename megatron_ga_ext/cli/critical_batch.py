@@ -220,14 +220,15 @@ def _rule(args: argparse.Namespace, decay: float | None) -> dict:
             f"training '{args.loss_name}', EMA decay {decay:g} per logged point")
     reach = ("linear interpolation between the last logged point above the target and the first at or below it"
              if args.interpolate else "the first logged point at or below the target")
-    return {"loss": loss, "reach": reach, "fit": "least squares in log S and log E; 1-D search over log B_crit",
+    return {"loss": loss, "reach": reach, "fit": "least squares in log S, log E (1-D search over B_crit)",
             "interpolate": args.interpolate, "train_loss_smoothing": decay}
 
 
 def _print(rule: dict, curves: Sequence[LossCurve], series: dict[str, tuple[LossPoint, ...]],
            fits: Sequence[TargetFit], early: dict[float, list[str]], level: float) -> None:
-    print(f"loss: {rule['loss']}; S and E at {rule['reach']}.")
-    print(f"fit: (S/S_min - 1)(E/E_min - 1) = 1, {rule['fit']}; B_crit = E_min / S_min.\n")
+    print(f"loss: {rule['loss']}")
+    print(f"reached: S and E at {rule['reach']}")
+    print(f"fit: (S/S_min - 1)(E/E_min - 1) = 1 by {rule['fit']}; B_crit = E_min / S_min\n")
     runs = sorted(curves, key=lambda c: c.global_batch_size)
     header = ["run", "GBS", "points", "lowest loss", *(f"S to {f.target:.4g}" for f in fits)]
     reached = [{p.label: p.steps for p in f.points} for f in fits]
