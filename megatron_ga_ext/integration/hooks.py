@@ -279,7 +279,8 @@ HOOKS: tuple[Hook, ...] = (
     Hook("log", TRAINING, "training_log", megatron_lm.printing_after_training_log, **_LM,
          does="--ga-noise-scale: its line after Megatron's"),
     Hook("save", TRAINING, "save_checkpoint", megatron_lm.saving_sidecar, **_LM,
-         does="--ga-noise-scale: its EMAs (and warmup stages) in a sidecar beside each checkpoint (non-persistent global too)"),
+         does="--ga-noise-scale: its EMAs (and warmup stages) in a sidecar beside each checkpoint "
+         "(non-persistent global too)"),
     Hook("load", TRAINING, "load_checkpoint", megatron_lm.loading_sidecar, **_LM,
          does="the sidecar read on resume; restored warmup stages live before the loop reads them"),
     Hook("load", _CHECKPOINTING, "check_checkpoint_args", _record_checkpoint_args, **_LM,
