@@ -141,22 +141,33 @@ def test_a_loop_without_the_schedule_calculator_is_refused_at_the_first_rate():
 
 def run_skipping(monkeypatch, state, skipped: set[int]) -> list[tuple[int, list[float], list[float]]]:
     """Megatron-LM's loop with its args: per iteration the calculator updated at ``args.consumed_train_samples``, a
-    training forward/backward call, the optimizer step at the groups' rates (recorded with the step's GBS and
-    Megatron's unscaled rates at the scheduler's count), ``scheduler.step(GBS)`` only where the step was not
-    skipped (an fp16 overflow, a zero-token skip), and the consumed samples counted after it either way."""
+    training forward/backward call and its finalize, the optimizer step as install() wraps the one Megatron's builder
+    returns (its inner step records the groups' rates with the step's GBS and Megatron's unscaled rates at the
+    scheduler's count),
+    ``scheduler.step(GBS)`` only where the step was not skipped (an fp16 overflow, a zero-token skip), and the
+    consumed samples counted after it either way."""
     from megatron_ga_ext.integration import compat
+    from megatron_ga_ext.integration.hooks import optimizer_step
 
     args = argparse.Namespace(consumed_train_samples=0)
     monkeypatch.setattr(compat, "megatron_args", lambda: args)
     lr_scheduler, steps, iteration = scheduler(), [], 0
     unscaled = OptimizerParamScheduler.get_lr.__wrapped__
+    groups = lr_scheduler.optimizer.param_groups
+
+    def inner_step() -> tuple[bool, float, int]:
+        steps.append((batch, [g["lr"] for g in groups], [unscaled(lr_scheduler, g) for g in groups]))
+        return iteration not in skipped, 1.0, 0
+
+    step = optimizer_step(inner_step, state, lr_scheduler.optimizer)
     while args.consumed_train_samples < TRAIN_SAMPLES:
         calculators.update_num_microbatches(args.consumed_train_samples, consistency_check=True)
         batch = calculators.get_current_global_batch_size()
         state.training_schedules += 1  # the step's forward/backward call (Installation.begin_step counts it)
-        groups = lr_scheduler.optimizer.param_groups
-        steps.append((batch, [g["lr"] for g in groups], [unscaled(lr_scheduler, g) for g in groups]))
-        if iteration not in skipped:
+        if state.finalize is not None:
+            state.finalize.calls += 1  # and its finalize (token mode)
+        successful, _, _ = step()
+        if successful:
             lr_scheduler.step(increment=batch)
         args.consumed_train_samples += batch
         iteration += 1
@@ -164,13 +175,20 @@ def run_skipping(monkeypatch, state, skipped: set[int]) -> list[tuple[int, list[
 
 
 @pytest.mark.parametrize("lr_scaling", ["sqrt", "linear"])
-def test_after_a_skipped_step_each_step_runs_at_its_own_batchs_factor(monkeypatch, lr_scaling):
+@pytest.mark.parametrize("skipped, batches", [
+    ({1}, [16, 16, 16, 16, 32, 32]),  # the second step, at 16 samples: within the first stage
+    ({3}, [16, 16, 16, 16, 32, 32]),  # the first stage's last step (at 48 samples): the next is a new stage's first
+    ({3, 4}, [16, 16, 16, 16, 32, 32]),  # and that one skipped too
+])
+def test_after_a_skipped_step_each_step_runs_at_its_own_batchs_factor(monkeypatch, lr_scaling, skipped, batches):
     """A skipped step holds the scheduler's count while the consumed samples (and the batch) advance: the factor
-    follows the batch, so the next stage's first step (at 64 samples, GBS 32) already has its stage's factor."""
+    follows the batch, so the next stage's first step (at 64 samples, GBS 32) already has its stage's factor, also
+    where the skipped step was the last of its stage and its rates were written for its own batch (written again
+    before the next optimizer step)."""
     install_schedule(lr_scaling)
     state = installed()
-    steps = run_skipping(monkeypatch, state, skipped={1})  # the second step, at 16 samples: GBS 16
-    assert [batch for batch, _, _ in steps[:6]] == [16, 16, 16, 16, 32, 32]
+    steps = run_skipping(monkeypatch, state, skipped)
+    assert [batch for batch, _, _ in steps[:6]] == batches
     for batch, rates, megatron_rates in steps:
         assert rates == [rate * lr_factor(batch, FIRST_GBS, lr_scaling) for rate in megatron_rates]
     assert {batch for batch, _, _ in steps} == {16, 32, 64}

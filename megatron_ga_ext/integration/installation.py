@@ -9,7 +9,7 @@ hooks share (the loss contract, the finalize wrapper, the forward-step counter, 
       micro_batch  x M         each forward step: counted, its loss wrapped (the contract, or the mean report)
       (finalize)               FinalizeModelGrads (finalize.py): N, the checks, the division
     end_step                   the call returns: finalize ran, each chunk ran M micro-batches
-    before_optimizer_step      liveness, a deferred verdict, the zero-token skip
+    before_optimizer_step      liveness, the scaled rates after a skip, a deferred verdict, the zero-token skip
     after_optimizer_step       the async verdict, liveness, the noise scale and the batch-size warmup
     rerun_decided / after_log  what Megatron's rerun machine decided; the held noise-scale line
     after_save / after_load    the noise-scale sidecar beside Megatron's checkpoint
@@ -40,6 +40,7 @@ from megatron_ga_ext.integration.finalize import FinalizeModelGrads, describe_de
 from megatron_ga_ext.integration.guards import GuardedCalculator, MicrobatchCounter, current_pipeline_size
 from megatron_ga_ext.integration.liveness import StepLiveness
 from megatron_ga_ext.integration.loss_contract import LossContract, mean_of_means_reports
+from megatron_ga_ext.integration.lr_scaling import ScaledRates
 from megatron_ga_ext.integration.noise_scale import NoiseScaleMeter
 from megatron_ga_ext.integration.noise_scale_sidecar import (
     load_sidecar,
@@ -131,6 +132,8 @@ class Installation:
     """--ga-noise-scale K > 0: the in-run measurement (noise_scale.py)."""
     batch_warmup: BatchSizeWarmup | None = None
     """--ga-batch-size-warmup auto: the doubling decisions taken in the run (batch_warmup.py)."""
+    scaled_rates: ScaledRates = field(default_factory=ScaledRates)
+    """--ga-lr-scaling: what each scheduler's rates were written for (lr_scaling.py)."""
     agreement: StartupChecks = field(default_factory=StartupChecks)
     """Ranks agree on the batch configuration, and a resume says what changed: once, at the first schedule call."""
     reported_first_step: bool = False
@@ -234,11 +237,14 @@ class Installation:
             self.counter.check(call["num_microbatches"], live_calculator() if training else None)
 
     def before_optimizer_step(self, liveness: StepLiveness, optimizer: Any = None) -> bool:
-        """Before the optimizer's step: the iteration ran the hooks (liveness.py), the noise scale's loss scale kept,
-        a non-finite loss left to Megatron's rerun machine (sync checks), and the zero-token policy. True: skip."""
+        """Before the optimizer's step: the iteration ran the hooks (liveness.py), the rates of this step's batch
+        (--ga-lr-scaling, after a skipped step), the noise scale's loss scale kept, a non-finite loss left to
+        Megatron's rerun machine (sync checks), and the zero-token policy. True: skip."""
         if liveness.state is not self:
             liveness.follow(self)
         liveness.check(after_step=False)
+        if self.config.lr_scaling != "none":
+            self.scaled_rates.before_step(optimizer)
         if self.noise_scale is not None:
             self.noise_scale.before_optimizer_step(optimizer)
         finalize = self.finalize

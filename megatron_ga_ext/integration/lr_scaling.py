@@ -15,8 +15,10 @@ since the scheduler's count last changed). Not the scheduler's ``num_steps``: a 
 ``--ga-zero-token-policy skip``, ``--iterations-to-skip``) holds it, while consumed samples, and with them the batch,
 advance, so every later stage's factor would come late. Without Megatron-LM's args (a megatron-core loop) the
 schedule is read at ``num_steps``, which such a loop steps by each step's GBS. Megatron writes the rates only after
-a successful step: the step right after a skipped one trains at the rate written before it, the skipped step's
-batch's factor, which differs only where that skipped step was the last of its stage. A resumed
+a successful step: the step right after a skipped one would train at the rate written before it, the skipped step's
+batch's factor, which differs where that skipped step was the last of its stage; before each optimizer step in
+Megatron-LM's loop, rates written for another batch than the step's are written again (:meth:`ScaledRates.
+before_step`: a comparison of two ints per step, a rewrite only after such a skip). A resumed
 ``--ga-batch-size-warmup auto`` run restores its stages after the scheduler's ``load_state_dict`` has written the
 rates; the rates are written again then (``Installation.after_load``), so the first resumed step has its stage's
 factor too. The factor itself is core/lr_factor.py's, as the ``schedule`` table's hints.
@@ -27,8 +29,8 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 from megatron_ga_ext.config.launch_rules import check_lr_scaling
 from megatron_ga_ext.core.lr_factor import lr_factor
@@ -37,10 +39,7 @@ from megatron_ga_ext.integration.calculator import live_step_calculator
 from megatron_ga_ext.integration.compat import megatron_view
 from megatron_ga_ext.logs import get_logger
 
-if TYPE_CHECKING:
-    from megatron_ga_ext.integration.installation import Installation
-
-__all__ = ["scaled_get_lr", "stage_factors"]
+__all__ = ["ScaledRates", "scaled_get_lr", "stage_factors"]
 
 logger = get_logger(__name__)
 
@@ -65,11 +64,10 @@ def stage_factors(schedule: StepSchedule, lr_scaling: str) -> str:
     return ", ".join(parts)
 
 
-def scaled_get_lr(original: Callable, state: Installation) -> Callable:
+def scaled_get_lr(original: Callable, state: Any) -> Callable:
     """``OptimizerParamScheduler.get_lr``, returning the scaled rate (a class attribute: every scheduler, also one
-    built before install(), looks it up there)."""
-    logged: list[StepSchedule] = []  # the schedule whose factors were logged: at start-up, and again if replaced
-    counts: weakref.WeakKeyDictionary[Any, _Count] = weakref.WeakKeyDictionary()  # per scheduler, see next_step_batch
+    built before install(), looks it up there); ``state``: the Installation, whose ``scaled_rates`` it keeps."""
+    rates = state.scaled_rates
 
     @functools.wraps(original)
     def get_lr(scheduler: Any, param_group: dict) -> float:
@@ -77,14 +75,46 @@ def scaled_get_lr(original: Callable, state: Installation) -> Callable:
             return original(scheduler, param_group)
         scaling = state.config.lr_scaling
         schedule = _live_schedule(scaling)
-        if not logged or logged[0] is not schedule:
-            logged[:] = [schedule]
+        if rates.logged is not schedule:
+            rates.logged = schedule
             logger.info("--ga-lr-scaling %s: the learning rate %s", scaling, stage_factors(schedule, scaling))
         first = schedule.entries[0].global_batch_size
-        batch = next_step_batch(schedule, scheduler, state.training_schedules, counts)
+        batch = rates.rewriting
+        if batch is None:
+            batch = next_step_batch(schedule, scheduler, state.training_schedules, rates.counts)
+        rates.written[scheduler] = batch
         return original(scheduler, param_group) * lr_factor(batch, first, scaling)
 
     return get_lr
+
+
+@dataclass
+class ScaledRates:
+    """What the scaled ``get_lr`` keeps between calls, per scheduler (weakly held): its last :class:`_Count` (see
+    next_step_batch) and the batch whose factor it last wrote; and the schedule whose factors were logged (at
+    start-up, and again if replaced)."""
+
+    counts: weakref.WeakKeyDictionary[Any, _Count] = field(default_factory=weakref.WeakKeyDictionary)
+    written: weakref.WeakKeyDictionary[Any, int] = field(default_factory=weakref.WeakKeyDictionary)
+    logged: StepSchedule | None = None
+    rewriting: int | None = None
+    """The batch :meth:`before_step` writes the rates for, while it does."""
+
+    def before_step(self, optimizer: Any) -> None:
+        """Before ``optimizer``'s step in Megatron-LM's loop: its schedulers whose rates were written for another batch
+        than this step's (the live calculator's current GBS; the step before was skipped and was the last of its
+        stage) write them again at their count, with this step's factor (``step(0)``, as after a load)."""
+        live = live_step_calculator()
+        if live is None or not self.written or not megatron_view().has("consumed_train_samples"):
+            return
+        batch = live.get_current_global_batch_size()
+        for scheduler, written in list(self.written.items()):
+            if written != batch and getattr(scheduler, "optimizer", None) is optimizer:
+                self.rewriting = batch
+                try:
+                    scheduler.step(0)
+                finally:
+                    self.rewriting = None
 
 
 @dataclass(frozen=True)

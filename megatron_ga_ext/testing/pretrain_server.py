@@ -192,6 +192,7 @@ def run_rank(program: Program) -> int:
                         "version": megatron_core_version()})
         patch_everywhere("megatron.training.training", "training_log", recorder.training_log)
         patch_everywhere("megatron.training.training", "pretrain", recorder.pretrain)
+        recorder.watch_optimizer_steps()
     apply_faults(faults)
     error, code = None, 0
     try:

@@ -2,7 +2,9 @@
 
 * ``{"event": "start", "megatron": <path of the megatron package>, "version": ...}``;
 * per logged iteration (``training_log``): iteration, consumed samples, the calculator's GBS and
-  num_microbatches, learning rate, losses, grad norm, skipped, whether this rank is a last pipeline stage,
+  num_microbatches, learning rate (Megatron's: what its scheduler wrote after the step), ``trained_lr`` (the first
+  param group's rate when torch's optimizer stepped in this iteration, read by a global step pre-hook; None where no
+  step ran: a skipped step), losses, grad norm, skipped, whether this rank is a last pipeline stage,
   ``mask_tokens`` (the sum of the loss masks this rank's loss functions saw since the last iteration, read
   from pretrain_gpt's ``loss_func`` partial; not read while a CUDA graph is being captured, where a host read
   would end the capture, nor run where a captured graph replays), and from megatron-ga-ext when installed:
@@ -39,6 +41,17 @@ class Recorder:
         """This rank's faults (faults.py's ``rank_faults``) that act on the forward step or the loss function."""
         self.microbatches: Counter = Counter()
         """Forward steps per iteration, so a fault can pick the first micro-batch of one."""
+        self.trained_lr: float | None = None
+
+    def watch_optimizer_steps(self) -> None:
+        """Keep the rate each of torch's optimizer steps trains with (the first one since the last logged row)."""
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        def before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+            if self.trained_lr is None:
+                self.trained_lr = float(optimizer.param_groups[0]["lr"])
+
+        register_optimizer_step_pre_hook(before_step)
 
     def write(self, row: dict) -> None:
         with open(self.path, "a") as handle:
@@ -75,6 +88,7 @@ class Recorder:
             "global_batch_size": int(calculators.get_current_global_batch_size()),
             "num_microbatches": int(calculators.get_num_microbatches()),
             "learning_rate": None if learning_rate is None else float(learning_rate),
+            "trained_lr": self.trained_lr,
             "loss": {key: float(value) for key, value in loss_dict.items()},
             "grad_norm": None if grad_norm is None else float(grad_norm),
             "skipped": int(skipped_iter),
@@ -86,6 +100,7 @@ class Recorder:
             "time": time.perf_counter(),  # when Megatron logged the iteration (its log interval is 1 here)
         }
         self.mask_tokens = self.zeroed_tokens = 0
+        self.trained_lr = None
         return row
 
     def pretrain(self, original: Callable) -> Callable:

@@ -8,6 +8,10 @@ of the logged rate is the one of the GBS at the samples consumed after step k (t
 
 Across a resume of a --ga-batch-size-warmup auto run, the resumed iterations equal the uninterrupted run's (the
 first resumed step trains at the restored stage's rate, which no log line shows: its loss and grad norm do).
+
+Where a skipped step (here the zero-token skip of iteration 3, the first stage's last) was the last of its stage,
+Megatron has written no rate after it: the rate each step trained with (the recorder's ``trained_lr``, read when
+torch's optimizer steps) is the unscaled run's times its own batch's factor, the next stage's first step too.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from tests.e2e.test_batch_warmup import FLAGS as WARMUP_FLAGS
 from tests.e2e.test_batch_warmup import GBS as WARMUP_GBS
 from tests.e2e.test_batch_warmup import SAVE_AT as WARMUP_SAVE_AT
-from tests.e2e.test_pretrain_gpt import MICROBATCH, PLANS, SCHEDULE, SCHEDULE_TEXT, record, schedule_run
+from tests.e2e.test_pretrain_gpt import MICROBATCH, PLANS, SCHEDULE, SCHEDULE_TEXT, TOKEN, record, schedule_run
 from tests.support.plans import planned_steps, ran_steps
 from tests.support.pretrain_runs import SEQ_LENGTH
 from tools.compatibility import source_name
@@ -70,3 +74,24 @@ def test_sqrt_scaling_across_a_batch_warmup_resume(launches, source):
     for ours, theirs in zip(again, whole, strict=True):
         assert (ours["global_batch_size"], ours["learning_rate"], ours["loss"], ours["grad_norm"]) == (
             theirs["global_batch_size"], theirs["learning_rate"], theirs["loss"], theirs["grad_norm"]), (ours, theirs)
+
+
+def test_after_a_skipped_last_step_of_a_stage_the_next_trains_at_its_factor(launches, newest_source):
+    skip = ["--ga-zero-token-policy", "skip"]
+    fault = {"MEGATRON_GA_FAULT": "zero-tokens-at:3"}  # 3 x GBS 16 = 48 samples: the first stage's last step
+    unscaled = launches.get(newest_source, "dp2", "schedule-skip-3", [*TOKEN, *SCHEDULE, *skip], env=fault)
+    run = launches.get(newest_source, "dp2", "schedule-skip-3-lr-sqrt", [*TOKEN, *SCHEDULE, *skip,
+                                                                          "--ga-lr-scaling", "sqrt"], env=fault)
+    for launched in (unscaled, run):
+        assert launched.rc == 0 and launched.error is None, launched.describe()
+    rows = {r["iteration"]: r for r in run.iterations}
+    assert rows[3]["skipped"] == 1 and rows[3]["trained_lr"] is None, rows[3]
+    assert (rows[3]["global_batch_size"], rows[4]["global_batch_size"]) == (16, 24), rows
+    trained = 0
+    for ours, theirs in zip(run.iterations, unscaled.iterations, strict=True):
+        if ours["iteration"] == 3:
+            continue
+        factor = math.sqrt(ours["global_batch_size"] / 16)
+        assert ours["trained_lr"] == pytest.approx(theirs["trained_lr"] * factor, rel=1e-9, abs=0), (ours, theirs)
+        trained += 1
+    assert trained == len(run.iterations) - 1
