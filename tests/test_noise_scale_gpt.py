@@ -119,7 +119,7 @@ class _Counting:
         return counted
 
 
-def _run(layout, model, population, draws, noise_scale: int = 1, counts: list | None = None):
+def _run(layout, model, population, draws, noise_scale: int = 1, counts: list | None = None, ddp_config=None):
     """The layout's measurements, one per draw (the global batch's population indices), through install(); with
     ``counts``, each step's host reads and all-reduces (the step and the meter's read) appended to it."""
     from functools import partial
@@ -137,13 +137,14 @@ def _run(layout, model, population, draws, noise_scale: int = 1, counts: list | 
 
     cfg = VerifyConfig(layouts=(layout,), model=model)
     init_model_parallel(tensor_model_parallel_size=layout.tensor_model_parallel_size,
-                        pipeline_model_parallel_size=layout.pipeline_model_parallel_size)
+                        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+                        context_parallel_size=layout.context_parallel_size)
     state = megatron_ga_ext.install(GAConfig(noise_scale=noise_scale, noise_scale_decay=0.0,
                                              pipeline_model_parallel_size=layout.pipeline_model_parallel_size))
     calculators.init_num_microbatches_calculator(0, None, layout.global_batch_size, layout.micro_batch_size,
                                                  layout.data_parallel_size)
     try:
-        chunks, _, config = build_chunks(layout, cfg, calculate_per_token_loss=True)
+        chunks, _, config = build_chunks(layout, cfg, calculate_per_token_loss=True, ddp_config=ddp_config)
         from megatron.core.distributed import finalize_model_grads  # the extension's, after install()
 
         measured = []
@@ -166,8 +167,39 @@ def _run(layout, model, population, draws, noise_scale: int = 1, counts: list | 
         torch.distributed.barrier()
 
 
+def _refusals(world: int, model, population, generator) -> dict[str, str | None]:
+    """A megatron-core loop (no Megatron-LM args) where the meter cannot measure: the OptionError of its first
+    forward/backward call, by case (None: it ran)."""
+    import dataclasses
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from megatron_ga_ext.errors import OptionError
+    from megatron_ga_ext.verify.layouts import Layout
+
+    cases = {}
+    if world == 2:
+        cases["tp2-dp1"] = (Layout(tensor_model_parallel_size=2, data_parallel_size=1, num_microbatches=2), None)
+        if "param_name_patterns_for_fp32_local_accumulation" in {f.name for f in dataclasses.fields(
+                DistributedDataParallelConfig)}:
+            cases["fp32-all"] = (Layout(data_parallel_size=2, num_microbatches=2), DistributedDataParallelConfig(
+                param_name_patterns_for_fp32_local_accumulation=("all",)))
+    else:
+        cases["cp2-dp2"] = (Layout(context_parallel_size=2, data_parallel_size=2, num_microbatches=2,
+                                   model="positionwise"), None)  # CP on the CPU: the local impl has no CP attention
+    out = {}
+    for name, (layout, ddp_config) in cases.items():
+        try:
+            _run(layout, model, population, [_draw(generator, layout.global_batch_size)], ddp_config=ddp_config)
+            out[name] = None
+        except OptionError as error:
+            out[name] = str(error)
+    return out
+
+
 def _rank(world: int):
-    """Every layout of this world size: exact steps on unequal lengths, then (DP 2) the unbiasedness run."""
+    """Every layout of this world size: exact steps on unequal lengths, then (DP 2) the unbiasedness run, and the
+    refused layouts."""
     import torch
 
     from megatron_ga_ext.testing.shims import cpu_shims
@@ -183,6 +215,7 @@ def _rank(world: int):
             out[layout.name] = {"draws": [d.tolist() for d in draws],
                                 "measured": _run(layout, model, population, draws),
                                 "tied": layout.pipeline_model_parallel_size == 1}
+        out["refused"] = _refusals(world, model, population, generator)
         if world == 2:
             layout = _layouts(2)[0]
             draws = [_draw(generator, layout.global_batch_size) for _ in range(4)]
@@ -291,3 +324,21 @@ def test_a_measured_step_adds_one_all_reduce_and_one_host_read_the_others_nothin
         extra = 1 if step % 2 == 0 else 0
         assert measured == {"host_reads": without["host_reads"] + extra,
                             "all_reduces": without["all_reduces"] + extra}, (step, without, measured)
+
+
+REFUSED = {
+    "tp2-dp1": "--ga-noise-scale 1 with data-parallel size 1: the estimate compares each replica's gradient",
+    "fp32-all": "--ga-noise-scale with --ddp-param-name-patterns-for-fp32-local-accumulation all: the parameters it "
+                "names accumulate",
+    "cp2-dp2": "--ga-noise-scale with --context-parallel-size 2: the CP shards of one sequence",
+}
+CORE_LOOP = "(A megatron-core loop: the setting as parallel_state and the model's DDP and Transformer configs hold it"
+
+
+def test_a_megatron_core_loop_is_refused_where_the_meter_cannot_measure(runs):
+    """Without Megatron-LM's args install() has no flags to refuse: the first forward/backward call reads the same
+    settings from megatron-core (DP 1, CP 2, fp32 local accumulation where the release has it)."""
+    refused = {name: message for world in (2, 4) for name, message in runs[world][0]["refused"].items()}
+    assert {"tp2-dp1", "cp2-dp2"} <= set(refused), refused
+    for name, message in refused.items():
+        assert message is not None and message.startswith(REFUSED[name]) and CORE_LOOP in message, (name, message)

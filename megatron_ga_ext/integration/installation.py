@@ -41,7 +41,7 @@ from megatron_ga_ext.integration.guards import GuardedCalculator, MicrobatchCoun
 from megatron_ga_ext.integration.liveness import StepLiveness
 from megatron_ga_ext.integration.loss_contract import LossContract, mean_of_means_reports
 from megatron_ga_ext.integration.lr_scaling import ScaledRates
-from megatron_ga_ext.integration.noise_scale import NoiseScaleMeter
+from megatron_ga_ext.integration.noise_scale import NoiseScaleMeter, check_core_layout
 from megatron_ga_ext.integration.noise_scale_sidecar import (
     load_sidecar,
     loaded_directory,
@@ -196,13 +196,16 @@ class Installation:
             self.counter.schedule(count, requested)
 
     def begin_step(self, call: dict[str, Any]) -> int:
-        """A forward/backward call starts (``call``: its keyword arguments): the start-up checks once, the last
-        step's async verdict, the counters reset, the model config's finalize adopted. Returns finalize's call
-        count, for :meth:`end_step`."""
+        """A forward/backward call starts (``call``: its keyword arguments): the start-up checks once (with a
+        megatron-core loop's --ga-noise-scale layout), the last step's async verdict, the counters reset, the model
+        config's finalize adopted. Returns finalize's call count, for :meth:`end_step`."""
         self.configure_from_megatron_args()
-        verdict = self.agreement.run_once(self.config, megatron_args())
+        args = megatron_args()
+        verdict = self.agreement.run_once(self.config, args)
         if verdict is not None:
             self.replays_expected = any(row.replays for row in verdict.limited)
+            if self.noise_scale is not None and args is None:  # with args, install() checked them
+                check_core_layout(self.config.noise_scale, call.get("model"))
         self.finalize.poll(wait=True)  # --ga-checks async: the last step's verdict, if not read after its step
         self.counter.reset()
         if self.contract is not None:  # an evaluation call (forward_only) never reaches finalize

@@ -28,6 +28,10 @@ parameter elements the norms cover, and the classes left out (:meth:`NoiseScaleM
 Each squared norm is accumulated in float64, :data:`NORM_CHUNK` elements converted at a time (bounded extra memory).
 The local read waits for a local CUDA graph's backward replay as upstream's grad sync does, and the loss scale the
 gradients hold is kept before the optimizer step (its dynamic scaler may change it in the step).
+
+Where it cannot measure (config/launch_rules.check_noise_scale_layout) is refused at install() from Megatron-LM's
+args; a megatron-core loop without them is refused at its first forward/backward call, from what megatron-core holds
+(:func:`check_core_layout`).
 """
 
 from __future__ import annotations
@@ -40,9 +44,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from megatron_ga_ext.config.launch_rules import check_noise_scale_layout
 from megatron_ga_ext.config.megatron_args import MegatronArgs
 from megatron_ga_ext.core.noise_scale import NoiseEstimate, NoiseScaleEMA, replica_estimate_from_sums
 from megatron_ga_ext.core.noise_trace import SCALARS, json_line, log_line, scalar_tag, trace_row
+from megatron_ga_ext.errors import OptionError
 from megatron_ga_ext.integration.compat import megatron_args, megatron_iteration
 from megatron_ga_ext.logs import get_logger
 
@@ -492,6 +498,33 @@ def _wait_for_graph_replays(bucket_group: Any) -> None:
             if event is not None and id(event) not in waited:
                 torch.cuda.current_stream().wait_event(event)
                 waited.add(id(event))
+
+
+def check_core_layout(interval: int, model: Any) -> None:
+    """A megatron-core loop (no Megatron-LM args): check_noise_scale_layout on the settings Megatron-LM's flags would
+    have set, as megatron-core holds them: the DP, CP and TP sizes from parallel_state, the rest from the first model
+    chunk's DDP config and TransformerConfig (fields an older release lacks count as off). Raises OptionError."""
+    from megatron.core import parallel_state
+
+    chunk = model[0] if isinstance(model, (list, tuple)) else model
+    ddp, config = getattr(chunk, "ddp_config", None), getattr(chunk, "config", None)
+    settings = {
+        "context_parallel_size": parallel_state.get_context_parallel_world_size(),
+        "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+        "hybrid_context_parallel": getattr(config, "hybrid_context_parallel", False),
+        "tensor_parallel_num_weight_shards": getattr(config, "tensor_parallel_num_weight_shards", None),
+        "num_distributed_optimizer_instances": getattr(ddp, "num_distributed_optimizer_instances", 1),
+        "use_megatron_fsdp": (getattr(ddp, "use_megatron_fsdp", False)
+                              or type(chunk).__name__ == "FullyShardedDataParallel"),
+        "ddp_param_name_patterns_for_fp32_local_accumulation": getattr(
+            ddp, "param_name_patterns_for_fp32_local_accumulation", ()),
+    }
+    try:
+        check_noise_scale_layout(interval, data_parallel_size=parallel_state.get_data_parallel_world_size(),
+                                 settings=settings)
+    except OptionError as error:
+        raise OptionError(f"{error} (A megatron-core loop: the setting as parallel_state and the model's DDP and "
+                          f"Transformer configs hold it, which that Megatron-LM flag sets.)") from None
 
 
 def counting_bucket_group(original: Callable, state: Any) -> Callable:
