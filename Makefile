@@ -9,6 +9,7 @@
 #   make fuzz                       10,000 hypothesis examples on each input surface
 #   make test-O                     the fast suite (nothing that imports megatron-core) under python -O
 #   make lint                       ruff over the tree, mypy over core/ and config/ (pyproject.toml; CI runs it)
+#   make corpus                     the real-text corpus (benchmarks/corpus.py): .cache/corpus, built once
 #   make docs                       render the generated parts of docs/ (tools/docs.py)
 #   make docs-check                 fail where a part rendered from code alone is not current (CI runs it)
 #   make wheel-check                build the wheel, install it in a fresh venv, run it (CI runs it)
@@ -44,7 +45,7 @@ MEGATRON_LM ?=
 MEGATRON_LM_SNAPSHOTS ?= ../shared/upstream
 export MEGATRON_LM MEGATRON_LM_SNAPSHOTS
 
-.PHONY: setup demo test test-O lint fuzz matrix e2e regress docs docs-check wheel-check fingerprints clean
+.PHONY: setup demo test test-O lint fuzz matrix e2e regress corpus docs docs-check wheel-check fingerprints clean
 
 setup: $(STAMP)
 
@@ -97,6 +98,9 @@ matrix: $(E2E_STAMP)
 e2e: $(E2E_STAMP)
 	@$(PY) tools/regress.py sources $(MEGATRON_LM) >/dev/null
 	MEGATRON_GA_RESULTS=$(RESULTS) $(PY) -m pytest -q -p no:cacheprovider -m e2e tests/e2e $(PYTEST_ARGS)
+
+corpus: $(STAMP)
+	$(PY) -m benchmarks.corpus
 
 regress: $(E2E_STAMP)
 	@test -n "$(MEGATRON_LM)" || { echo "make regress: pass MEGATRON_LM=<Megatron-LM checkout or .tar.gz>" >&2; exit 2; }

@@ -149,6 +149,8 @@ def launch_command(root: Path, layout: str, flags: list[str], *, extension: bool
     workdir.mkdir(parents=True, exist_ok=True)
     tiny_gpt = list(TINY_GPT)
     tiny_gpt[tiny_gpt.index("--distributed-backend") + 1] = BACKENDS[device]
+    if "--data-path" in flags:  # a real dataset (benchmarks/corpus.py): its flags, given later, set the tokenizer
+        tiny_gpt.remove("--mock-data")
     # On the CPU the launcher forks the ranks; on a CUDA device this process is the one rank (see the docstring).
     ranks = ["--nproc-per-node", str(processes)] if device == "cpu" else []
     command = [python, "-m", "megatron_ga_ext.testing.pretrain_server", *ranks,

@@ -1,0 +1,105 @@
+"""The real-text corpus of the critical-batch benchmark: the Python sources of the installed megatron-core wheel
+(its version pinned per leg by constraints/), byte-level, written as Megatron's indexed dataset by megatron-core's
+own builder (``IndexedDatasetBuilder``). Every machine that installs the project has it, without a download.
+
+One document per ``.py`` file under ``megatron/core``, in the sorted order of its path inside the package: its bytes
+as token ids 0-255, then the end-of-document id EOD = 256. pretrain_gpt.py reads it with
+
+    --data-path DIR/<name>_text_document --split 98,2,0 --tokenizer-type NullTokenizer --vocab-size V --eod-mask-loss
+
+where V makes NullTokenizer's end-of-document id 256 on that Megatron-LM tree (:func:`tokenizer_flags`: 257 where
+the tree's NullTokenizer takes ``eod_id`` and defaults it to ``vocab_size - 1``, 256 where it is ``vocab_size``).
+Megatron's ``--split`` gives the validation documents.
+
+    python -m benchmarks.corpus [--out DIR]      (make corpus; DIR defaults to .cache/corpus)
+
+writes ``<name>_text_document.{bin,idx}`` and ``<name>.json`` (files, documents, tokens, the sha256 of the token
+stream), ``<name>`` = ``megatron-core-<version>``; a second call finds them and writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / ".cache" / "corpus"
+EOD = 256
+SPLIT = "98,2,0"
+
+
+def sources() -> tuple[str, list[Path]]:
+    """The installed megatron-core's version and its ``.py`` files under megatron/core, sorted by relative path."""
+    import megatron.core
+
+    from megatron_ga_ext.integration.compat import megatron_core_version
+
+    package = Path(megatron.core.__file__).resolve().parent
+    files = sorted(package.rglob("*.py"), key=lambda path: path.relative_to(package).as_posix())
+    return megatron_core_version(), files
+
+
+def prefix(out: Path = DEFAULT_OUT) -> Path:
+    """The path prefix ``--data-path`` takes (without .bin / .idx)."""
+    version, _ = sources()
+    return out / f"megatron-core-{version}_text_document"
+
+
+def build(out: Path = DEFAULT_OUT) -> dict:
+    """Write the corpus under ``out`` unless it is there; its description (the JSON beside it)."""
+    import numpy
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    version, files = sources()
+    name = f"megatron-core-{version}"
+    described = out / f"{name}.json"
+    data = prefix(out)
+    if described.is_file() and all(Path(f"{data}{suffix}").is_file() for suffix in (".bin", ".idx")):
+        return json.loads(described.read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    builder = IndexedDatasetBuilder(str(data) + ".bin", dtype=numpy.uint16)
+    digest, tokens = hashlib.sha256(), 0
+    for path in files:
+        ids = numpy.frombuffer(path.read_bytes(), dtype=numpy.uint8).astype(numpy.uint16)
+        ids = numpy.append(ids, numpy.uint16(EOD))
+        builder.add_item(torch.from_numpy(ids.astype(numpy.int64)))
+        builder.end_document()
+        digest.update(ids.tobytes())
+        tokens += len(ids)
+    builder.finalize(str(data) + ".idx")
+    description = {"source": f"megatron-core {version}: megatron/core/**/*.py, sorted", "files": len(files),
+                   "documents": len(files), "tokens": tokens, "eod": EOD, "sha256": digest.hexdigest(),
+                   "data_path": str(data), "split": SPLIT}
+    described.write_text(json.dumps(description, indent=1) + "\n")
+    return description
+
+
+def tokenizer_flags(megatron_lm: Path) -> list[str]:
+    """NullTokenizer with end-of-document id EOD on the Megatron-LM tree ``megatron_lm`` (read from its source:
+    0.18 and later take ``eod_id``, defaulting it to vocab_size - 1; earlier ones use vocab_size itself)."""
+    null = megatron_lm / "megatron/core/tokenizers/text/libraries/null_tokenizer.py"
+    newer = null.is_file() and re.search(r"def __init__\(self, vocab_size, eod_id\b", null.read_text()) is not None
+    return ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(EOD + 1 if newer else EOD)]
+
+
+def data_flags(megatron_lm: Path, out: Path = DEFAULT_OUT) -> list[str]:
+    """pretrain_gpt.py's data and tokenizer flags for the corpus (built if it is not there)."""
+    build(out)
+    return ["--data-path", str(prefix(out)), "--split", SPLIT, *tokenizer_flags(megatron_lm), "--eod-mask-loss"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.corpus", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where to write it (default: .cache/corpus)")
+    description = build(parser.parse_args(argv).out)
+    print(json.dumps(description, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
