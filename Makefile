@@ -10,6 +10,9 @@
 #   make test-O                     the fast suite (nothing that imports megatron-core) under python -O
 #   make lint                       ruff over the tree, mypy over core/ and config/ (pyproject.toml; CI runs it)
 #   make corpus                     the real-text corpus (benchmarks/corpus.py): .cache/corpus, built once
+#   make critical-batch             the critical-batch benchmark (benchmarks/critical_batch.py, about an hour):
+#                                   JSON and plots in benchmarks/results; then make docs
+#   make critical-batch-quick       its pipeline in about a minute, measuring nothing (CI runs it)
 #   make docs                       render the generated parts of docs/ (tools/docs.py)
 #   make docs-check                 fail where a part rendered from code alone is not current (CI runs it)
 #   make wheel-check                build the wheel, install it in a fresh venv, run it (CI runs it)
@@ -45,7 +48,7 @@ MEGATRON_LM ?=
 MEGATRON_LM_SNAPSHOTS ?= ../shared/upstream
 export MEGATRON_LM MEGATRON_LM_SNAPSHOTS
 
-.PHONY: setup demo test test-O lint fuzz matrix e2e regress corpus docs docs-check wheel-check fingerprints clean
+.PHONY: setup demo test test-O lint fuzz matrix e2e regress corpus critical-batch critical-batch-quick docs docs-check wheel-check fingerprints clean
 
 setup: $(STAMP)
 
@@ -101,6 +104,12 @@ e2e: $(E2E_STAMP)
 
 corpus: $(STAMP)
 	$(PY) -m benchmarks.corpus
+
+critical-batch: $(E2E_STAMP)
+	$(PY) benchmarks/critical_batch.py $(CRITICAL_BATCH_ARGS)
+
+critical-batch-quick: $(E2E_STAMP)
+	$(PY) benchmarks/critical_batch.py --quick
 
 regress: $(E2E_STAMP)
 	@test -n "$(MEGATRON_LM)" || { echo "make regress: pass MEGATRON_LM=<Megatron-LM checkout or .tar.gz>" >&2; exit 2; }

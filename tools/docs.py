@@ -8,8 +8,9 @@ A generated part sits between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->
 * Rendered from code declarations alone, so the same on every run (docs-check compares them): the flags table
   of docs/guide.md (``megatron_ga_ext.config.flags.flags_table()``), the hook table of docs/design.md
   (``megatron_ga_ext.integration.hooks.hook_table()``), the whole of docs/coverage.md
-  (``megatron_ga_ext.config.coverage.coverage_doc()``) and the text of docs/compatibility.md above its table
-  (:data:`COMPATIBILITY_HEADER`).
+  (``megatron_ga_ext.config.coverage.coverage_doc()``), the text of docs/compatibility.md above its table
+  (:data:`COMPATIBILITY_HEADER`) and the critical-batch tables of docs/noise-scale.md (from the committed
+  benchmarks/results JSON: benchmarks/critical_batch_report.py).
 * Measured: the tables of tools/results.py, rendered from the rows the runs recorded under the results directory
   (default .cache/results). A recorded row replaces the page's row of the same key, cell by cell; rows no run
   recorded (another leg's sources) are kept. Timings and dates move from run to run, so docs-check leaves them
@@ -76,6 +77,14 @@ def _hooks(text: str) -> str:
     return replace_block(text, "hooks", hook_table(), "docs/design.md")
 
 
+def _critical_batch(text: str) -> str:
+    from benchmarks.critical_batch_report import tables
+
+    for name, body in tables().items():
+        text = replace_block(text, name, body, "docs/noise-scale.md")
+    return text
+
+
 def _compatibility_header(text: str) -> str:
     marker = "<!-- table:compatibility -->"
     if marker not in text:
@@ -89,6 +98,7 @@ FIXED: dict[str, tuple[Callable[[str], str], ...]] = {
     "docs/coverage.md": (lambda text: coverage_doc(),),
     "docs/design.md": (_hooks,),
     "docs/compatibility.md": (_compatibility_header,),
+    "docs/noise-scale.md": (_critical_batch,),
 }
 
 

@@ -112,8 +112,9 @@ def _iterations(rows: list[dict]) -> list[dict]:
 
 def launch(root: Path, layout: str, flags: list[str], *, extension: bool, name: str, workdir: Path,
            drop_in: str = "entry", python: str = sys.executable, env: dict[str, str] | None = None,
-           device: str = "cpu") -> Run:
-    """Run pretrain_gpt.py from the Megatron-LM checkout ``root`` as a user would, and collect the records."""
+           device: str = "cpu", timeout: float = TIMEOUT_S) -> Run:
+    """Run pretrain_gpt.py from the Megatron-LM checkout ``root`` as a user would, and collect the records
+    (``timeout``: seconds the training may take, on the CPU)."""
     command, environment = launch_command(root, layout, flags, extension=extension, name=name, workdir=workdir,
                                           drop_in=drop_in, python=python, env=env, device=device)
     for old in workdir.glob(f"{name}.rank*.jsonl"):
@@ -126,11 +127,11 @@ def launch(root: Path, layout: str, flags: list[str], *, extension: bool, name: 
         output = _read(log) if rc != 124 else f"timed out after {timeout} s\n{_read(log)}"
     else:
         try:
-            rc = _server(root, python, environment).run(command[3:], environment, log, TIMEOUT_S)
+            rc = _server(root, python, environment).run(command[3:], environment, log, timeout)
         except _ServerGone as gone:  # the import failed, or the server died: that launch's failure
             rc, output = 1, f"{gone}\n{_read(gone.log)}"
         else:
-            output = _read(log) if rc != 124 else f"timed out after {TIMEOUT_S} s\n{_read(log)}"
+            output = _read(log) if rc != 124 else f"timed out after {timeout} s\n{_read(log)}"
     seconds = time.monotonic() - start
     records = {}
     for path in sorted(workdir.glob(f"{name}.rank*.jsonl")):
