@@ -17,6 +17,7 @@ measuring every NOISE_EVERY samples into a trace:
   and the final validation loss.
 
     python benchmarks/critical_batch.py [--quick] [--seed N]   # JSON under benchmarks/results/ (--quick: .cache)
+    python benchmarks/critical_batch.py --seed 7 --like benchmarks/results/critical-batch-DATE.json   # a second seed
 
 ``--quick`` (a few minutes: three batch sizes, one LR, few samples) keeps the pipeline working; it measures nothing.
 """
@@ -99,9 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few minutes: the pipeline, not the science")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--sweep-only", action="store_true", help="McCandlish's sweep only, no warmup test (a second "
-                        "seed's B_crit)")
+    parser.add_argument("--like", type=Path, metavar="RESULT", help="a first seed's result JSON: the sweep only (no "
+                        "warmup test), at its targets and, per GBS, at the LR its fits chose at most targets")
     args = parser.parse_args(argv)
+    first = json.loads(args.like.read_text()) if args.like else None
     plan = QUICK if args.quick else FULL
     trees = sources([])
     if not trees:
@@ -129,14 +131,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {record['steps']} steps in {record['seconds']} s", flush=True)
         return record
 
+    factors = _chosen_factors(first) if first else {gbs: plan.lr_factors for gbs in plan.sweep}
     for gbs in plan.sweep:
-        for factor in plan.lr_factors:
+        for factor in factors.get(gbs, plan.lr_factors):
             runs.append(train(f"gbs{gbs}-lr{factor:g}", gbs, plan.lr(gbs, factor)))
-    whole = critical_batch([Path(r["log"]) for r in runs if r["lr"] == plan.lr(r["gbs"], plan.lr_factors[-1])],
-                           None, plan.num_targets)
-    if "error" in whole and not args.quick:
-        raise SystemExit(f"critical-batch on the sweep: {whole['error']}")
-    targets = [fit["target"] for fit in whole.get("targets", [])]
+    if first:
+        targets = [fit["target"] for fit in first["fits"]]
+    else:  # the command's default targets, on the runs at the last LR factor (one per GBS)
+        whole = critical_batch([Path(r["log"]) for r in runs if r["lr"] == plan.lr(r["gbs"], plan.lr_factors[-1])],
+                               None, plan.num_targets)
+        if "error" in whole and not args.quick:
+            raise SystemExit(f"critical-batch on the sweep: {whole['error']}")
+        targets = [fit["target"] for fit in whole.get("targets", [])]
     fits = []
     for target in targets:
         best = {}
@@ -149,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         fits.append({"target": target, "runs": [r["name"] for r in chosen], "fit": fit,
                      "b_simple": {r["name"]: _b_simple_at(r, target) for r in chosen}})
     small, large = plan.sweep[0], plan.sweep[-1]
-    if args.sweep_only:
+    if first:
         return _write(args, plan, tree, start, runs, fits, {})
     best_small = min((r for r in runs if r["gbs"] == small), key=lambda r: _final_loss(Path(r["log"])))
     best_large = min((r for r in runs if r["gbs"] == large), key=lambda r: _final_loss(Path(r["log"])))
@@ -181,6 +187,16 @@ def _write(args: argparse.Namespace, plan: Plan, tree: Path, start: float, runs:
     print(json.dumps({"seconds": result["seconds"], "result": str(path), "b_crit": {
         f"{f['target']:.6g}": (f["fit"].get("targets") or [{}])[0].get("b_crit") for f in fits}}))
     return 0
+
+
+def _chosen_factors(first: dict) -> dict[int, tuple[float, ...]]:
+    """Per GBS, the LR factor of the run a first seed's fits chose at most targets (the earlier target's on a tie)."""
+    votes: dict[int, list[float]] = {}
+    for fit in first["fits"]:
+        for name in fit["runs"]:
+            gbs, factor = re.fullmatch(r"gbs(\d+)-lr([\d.]+)", name).groups()
+            votes.setdefault(int(gbs), []).append(float(factor))
+    return {gbs: (max(factors, key=factors.count),) for gbs, factors in votes.items()}
 
 
 def _geometric_mean(values) -> float | None:

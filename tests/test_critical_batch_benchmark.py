@@ -75,3 +75,12 @@ def test_the_tables_give_b_crit_b_simple_their_ratio_and_the_other_seed(tmp_path
 def test_without_a_result_the_tables_say_how_to_make_one(tmp_path):
     assert set(report.tables(tmp_path).values()) == {
         "No result committed yet: run `make critical-batch`, then `make docs`."}
+
+
+def test_a_second_seed_trains_each_batch_size_at_the_lr_the_first_chose_most():
+    pytest.importorskip("megatron.core")
+    from benchmarks import critical_batch
+
+    first = {"fits": [{"runs": ["gbs8-lr0.5", "gbs16-lr1"]}, {"runs": ["gbs8-lr1", "gbs16-lr1"]},
+                      {"runs": ["gbs8-lr1", "gbs16-lr0.5"]}]}
+    assert critical_batch._chosen_factors(first) == {8: (1.0,), 16: (1.0,)}
