@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import corpus  # noqa: E402
-from benchmarks.critical_batch_report import plot  # noqa: E402
+from benchmarks.critical_batch_report import geometric_mean, plot  # noqa: E402
 from tests.support.pretrain_runs import launch  # noqa: E402
 from tools.regress import sources  # noqa: E402
 
@@ -159,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         return _write(args, plan, tree, start, runs, fits, {})
     best_small = min((r for r in runs if r["gbs"] == small), key=lambda r: _final_loss(Path(r["log"])))
     best_large = min((r for r in runs if r["gbs"] == large), key=lambda r: _final_loss(Path(r["log"])))
-    ratios = sorted(f["fit"]["targets"][0]["b_crit"] / _geometric_mean(f["b_simple"].values()) for f in fits
-                    if (f["fit"].get("targets") or [{}])[0].get("fittable") and _geometric_mean(f["b_simple"].values()))
+    ratios = sorted(f["fit"]["targets"][0]["b_crit"] / geometric_mean(f["b_simple"].values()) for f in fits
+                    if (f["fit"].get("targets") or [{}])[0].get("fittable") and geometric_mean(f["b_simple"].values()))
     trusts = [1.0] + ([float(f"{ratios[len(ratios) // 2]:.3g}")] if ratios else [])  # the median B_crit / B_simple
     warmups = [train(f"warmup-auto-trust{trust:g}", small, best_small["lr"], (
         "--ga-batch-size-warmup", "auto", "--ga-batch-size-warmup-max", str(large), "--ga-lr-scaling", "sqrt",
@@ -197,11 +197,6 @@ def _chosen_factors(first: dict) -> dict[int, tuple[float, ...]]:
             gbs, factor = re.fullmatch(r"gbs(\d+)-lr([\d.]+)", name).groups()
             votes.setdefault(int(gbs), []).append(float(factor))
     return {gbs: (max(factors, key=factors.count),) for gbs, factors in votes.items()}
-
-
-def _geometric_mean(values) -> float | None:
-    positive = [v for v in values if v is not None and v > 0]
-    return math.exp(sum(map(math.log, positive)) / len(positive)) if positive else None
 
 
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+)")

@@ -35,6 +35,12 @@ def results(directory: Path = RESULTS) -> list[dict]:
     return [json.loads(p.read_text()) for _, _, p in ordered]
 
 
+def geometric_mean(values) -> float | None:
+    """Of the positive values (None and 0 left out); None where there is none."""
+    positive = [v for v in values if v is not None and v > 0]
+    return math.exp(sum(map(math.log, positive)) / len(positive)) if positive else None
+
+
 def _b_crit(fit: dict) -> dict | None:
     targets = fit.get("targets") or []
     return targets[0] if targets and targets[0].get("fittable") else None
@@ -54,7 +60,7 @@ def fits_table(runs: list[dict]) -> str:
     for entry in first["fits"]:
         fit = _b_crit(entry["fit"])
         simple = [v for v in entry["b_simple"].values() if v is not None and v > 0]
-        mean = math.exp(sum(map(math.log, simple)) / len(simple)) if simple else None
+        mean = geometric_mean(simple)
         spread = f"[{_g(min(simple))}, {_g(max(simple))}]" if simple else ""
         if fit is None:
             reason = (entry["fit"].get("targets") or [{}])[0].get("reason") or entry["fit"].get("error", "")
