@@ -18,6 +18,7 @@ measuring every NOISE_EVERY samples into a trace:
 
     python benchmarks/critical_batch.py [--quick] [--seed N]   # JSON under benchmarks/results/ (--quick: .cache)
     python benchmarks/critical_batch.py --seed 7 --like benchmarks/results/critical-batch-DATE.json   # a second seed
+    python benchmarks/critical_batch.py --refit benchmarks/results/critical-batch-DATE.json   # its fits, again
 
 ``--quick`` (a few minutes: three batch sizes, one LR, few samples) keeps the pipeline working; it measures nothing.
 """
@@ -102,7 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--like", type=Path, metavar="RESULT", help="a first seed's result JSON: the sweep only (no "
                         "warmup test), at its targets and, per GBS, at the LR its fits chose at most targets")
+    parser.add_argument("--refit", type=Path, metavar="RESULT", help="fit a result's targets again from its runs' "
+                        "logs in .cache/critical-batch (after a change to the fit); trains nothing")
     args = parser.parse_args(argv)
+    if args.refit:
+        return refit(args.refit)
     first = json.loads(args.like.read_text()) if args.like else None
     plan = QUICK if args.quick else FULL
     trees = sources([])
@@ -143,17 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         if "error" in whole and not args.quick:
             raise SystemExit(f"critical-batch on the sweep: {whole['error']}")
         targets = [fit["target"] for fit in whole.get("targets", [])]
-    fits = []
-    for target in targets:
-        best = {}
-        for record in runs:
-            reached = _steps_to(Path(record["log"]), target)
-            if reached is not None and (record["gbs"] not in best or reached < best[record["gbs"]][0]):
-                best[record["gbs"]] = (reached, record)
-        chosen = [record for _, record in best.values()]
-        fit = critical_batch([Path(r["log"]) for r in chosen], [target], plan.num_targets)
-        fits.append({"target": target, "runs": [r["name"] for r in chosen], "fit": fit,
-                     "b_simple": {r["name"]: _b_simple_at(r, target) for r in chosen}})
+    fits = fit_targets(runs, targets, plan)
     small, large = plan.sweep[0], plan.sweep[-1]
     if first:
         return _write(args, plan, tree, start, runs, fits, {})
@@ -173,10 +168,44 @@ def main(argv: list[str] | None = None) -> int:
     return _write(args, plan, tree, start, runs + warmups, fits, merrill)
 
 
+def fit_targets(runs: list[dict], targets: list[float], plan: Plan) -> list[dict]:
+    """Per target: per GBS the run that reaches it in the fewest steps, ``megatron-ga critical-batch`` on those, and
+    their B_simple there."""
+    fits = []
+    for target in targets:
+        best = {}
+        for record in runs:
+            reached = _steps_to(Path(record["log"]), target)
+            if reached is not None and (record["gbs"] not in best or reached < best[record["gbs"]][0]):
+                best[record["gbs"]] = (reached, record)
+        chosen = [record for _, record in best.values()]
+        fit = critical_batch([Path(r["log"]) for r in chosen], [target], plan.num_targets)
+        fits.append({"target": target, "runs": [r["name"] for r in chosen], "fit": fit,
+                     "b_simple": {r["name"]: _b_simple_at(r, target) for r in chosen}})
+    return fits
+
+
+def refit(path: Path, cache: Path = ROOT / ".cache" / "critical-batch") -> int:
+    """Fit a result's targets again from its runs' logs and traces in the cache (after a change to the fit), keeping
+    its runs, its warmup test and its time; the JSON records the date of the refit."""
+    result = json.loads(path.read_text())
+    out = cache / ("quick" if result["quick"] else f"seed{result['seed']}")
+    runs = [{**r, "log": str(out / f"{r['name']}.log"), "trace": trace_rows(out / f"{r['name']}.trace.jsonl")}
+            for r in result["runs"] if r["name"].startswith("gbs")]
+    missing = [r["log"] for r in runs if not Path(r["log"]).exists()]
+    if missing:
+        raise SystemExit(f"--refit needs the runs' logs in the cache; missing: {', '.join(missing)}")
+    result["fits"] = fit_targets(runs, [f["target"] for f in result["fits"]], Plan(**result["plan"]))
+    result["refit"] = datetime.date.today().isoformat()
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
 def _write(args: argparse.Namespace, plan: Plan, tree: Path, start: float, runs: list[dict], fits: list[dict],
            merrill: dict) -> int:
     """The result JSON (benchmarks/results/, --quick: .cache) and its plots beside it."""
-    result = {"date": datetime.date.today().isoformat(), "quick": args.quick, "seed": args.seed, "source": tree.name,
+    result = {"date": datetime.date.today().isoformat(), "quick": args.quick, "seed": args.seed,
+              "like": args.like.name if args.like else None, "source": tree.name,
               "plan": plan.__dict__, "seconds": round(time.monotonic() - start, 1),
               "runs": [{k: v for k, v in r.items() if k not in ("trace", "log")} for r in runs],
               "fits": fits, "merrill": merrill}

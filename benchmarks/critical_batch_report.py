@@ -5,7 +5,8 @@ writes it). Pure Python but the plots (matplotlib, the ``plot`` extra).
 ``make docs-check`` holds them); the benchmark draws the plots beside its JSON.
 
 * ``critical-batch``: per target (validation loss), the runs that reached it, S_min, E_min, B_crit with its bootstrap
-  interval, B_simple where those runs reached it (geometric mean over the batch sizes, and its range), the ratio
+  interval (an end the data do not bound written open: (0, high] or [low, inf)), B_simple where those runs reached
+  it (geometric mean over the batch sizes, and its range), the ratio
   B_simple / B_crit (its range from B_crit's interval), and B_crit of each other seed, with whether it lies inside
   the first seed's interval;
 * ``warmup-test``: Merrill's runs at the same sample budget: steps to each target and the final validation loss.
@@ -25,14 +26,17 @@ _NAME = re.compile(r"critical-batch-(\d{4}-\d{2}-\d{2})(?:-seed(\d+))?\.json")
 
 
 def results(directory: Path = RESULTS) -> list[dict]:
-    """The newest date's results, the first seed's first (empty where there is none)."""
-    found = [(m.group(1), int(m.group(2) or FIRST_SEED), p) for p in directory.glob("critical-batch-*.json")
-             if (m := _NAME.fullmatch(p.name))]
-    if not found:
+    """The newest first-seed result, then the other seeds' results run ``--like`` it, by seed (empty where there is
+    none)."""
+    found = {p.name: (m.group(1), int(m.group(2) or FIRST_SEED)) for p in directory.glob("critical-batch-*.json")
+             if (m := _NAME.fullmatch(p.name))}
+    firsts = [name for name, (_, seed) in found.items() if seed == FIRST_SEED]
+    if not firsts:
         return []
-    newest = max(date for date, _, _ in found)
-    ordered = sorted((seed != FIRST_SEED, seed, p) for date, seed, p in found if date == newest)
-    return [json.loads(p.read_text()) for _, _, p in ordered]
+    first = max(firsts, key=lambda name: found[name][0])
+    others = [json.loads((directory / name).read_text()) for name in sorted(found, key=lambda n: found[n][1])
+              if found[name][1] != FIRST_SEED]
+    return [json.loads((directory / first).read_text()), *(r for r in others if r.get("like") == first)]
 
 
 def geometric_mean(values) -> float | None:
@@ -44,6 +48,18 @@ def geometric_mean(values) -> float | None:
 def _b_crit(fit: dict) -> dict | None:
     targets = fit.get("targets") or []
     return targets[0] if targets and targets[0].get("fittable") else None
+
+
+def _ends(interval: dict) -> tuple[float, float]:
+    """An interval's ends, an end the data do not bound (null: ``megatron-ga critical-batch``) as 0 or inf."""
+    return (0.0 if interval["low"] is None else interval["low"],
+            math.inf if interval["high"] is None else interval["high"])
+
+
+def _span(low: float, high: float) -> str:
+    """[low, high], an open end at 0 or inf written as such: (0, high] or [low, inf)."""
+    return (f"{'(0' if low == 0 else f'[{_g(low)}'}, "
+            f"{'inf)' if math.isinf(high) else f'{_g(high)}]'}")
 
 
 def _g(value: float | None, digits: int = 3) -> str:
@@ -67,8 +83,9 @@ def fits_table(runs: list[dict]) -> str:
             lines.append(f"| {entry['target']:.4g} | {len(entry['runs'])} | not fittable: {reason} | | | "
                          f"{_g(mean)} {spread} | | |")
             continue
-        low, high = fit["b_crit_interval"]["low"], fit["b_crit_interval"]["high"]
-        ratio = "-" if mean is None else f"{_g(mean / fit['b_crit'])} [{_g(mean / high)}, {_g(mean / low)}]"
+        low, high = _ends(fit["b_crit_interval"])
+        ratio = "-" if mean is None else (f"{_g(mean / fit['b_crit'])} "
+                                          f"{_span(mean / high, mean / low if low else math.inf)}")
         seeds = []
         for other in others:
             match = next((e for e in other["fits"] if abs(e["target"] - entry["target"]) < 1e-9), None)
@@ -76,7 +93,7 @@ def fits_table(runs: list[dict]) -> str:
             seeds.append(f"seed {other['seed']}: " + ("-" if theirs is None else
                          f"{_g(theirs['b_crit'])} ({'inside' if low <= theirs['b_crit'] <= high else 'outside'})"))
         lines.append(f"| {entry['target']:.4g} | {len(entry['runs'])} | {_g(fit['s_min'])} | {_g(fit['e_min'])} | "
-                     f"{_g(fit['b_crit'])} [{_g(low)}, {_g(high)}] | {_g(mean)} {spread} | {ratio} | "
+                     f"{_g(fit['b_crit'])} {_span(low, high)} | {_g(mean)} {spread} | {ratio} | "
                      f"{'; '.join(seeds) or '-'} |")
     return "\n".join(lines)
 

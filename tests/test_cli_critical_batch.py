@@ -243,3 +243,23 @@ def test_the_docs_example_is_what_the_command_prints(cli, tmp_path, monkeypatch)
     out = cli("critical-batch", *(f"gbs{b}.log" for b in SIZES), "--targets", "3.5,3.0,2.5", "--interpolate")
     assert out.status == 0, out.err
     assert out.out.startswith(expected), out.out
+
+
+def test_a_large_batch_that_needs_more_steps_is_named_and_its_end_left_open(cli, tmp_path):
+    """GBS 128 takes twice its hyperbola's steps (as an LR-limited large batch does): the command names the rise,
+    and the resamples that keep only the large batches run to B_crit -> 0, so the interval has no lower end."""
+    paths = []
+    for batch in (8, 16, 32, 64, 128):
+        path = tmp_path / f"gbs{batch}.log"
+        path.write_text(megatron_log(batch, b_crit=20.0, noise=math.log(2.0) if batch == 128 else 0.0))
+        paths.append(str(path))
+    out = cli("critical-batch", *paths, "--targets", "3.0", "--interpolate")
+    assert out.status == 0, out.err
+    assert re.search(r"S rises from [\d.]+ steps at GBS 64 to [\d.]+ at GBS 128: the hyperbola has S fall", out.out)
+    assert re.search(r"\d+ of \d+ fitted resamples ran to B_crit -> 0 .*so that end of the interval is not bounded",
+                     out.out)
+    assert re.search(r"below [\d.]+ ", out.out)
+    target = cli("critical-batch", *paths, "--targets", "3.0", "--interpolate", "--json").json()["targets"][0]
+    assert target["steps_rise"] == [[64, 128]]
+    assert target["b_crit_interval"]["low"] is None and target["b_crit_interval"]["below"] > 0
+    assert target["b_crit"] < target["b_crit_interval"]["high"]

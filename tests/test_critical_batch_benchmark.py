@@ -37,7 +37,7 @@ def test_a_run_whose_batch_grows_is_read_and_its_crossing_interpolated(tmp_path)
     assert critical_batch._b_simple_at(record, 3.5) == 2.0  # the first measurement at or after 32 samples
 
 
-def _fit(target: float, b_crit: float | None, low: float = 0.0, high: float = 0.0) -> dict:
+def _fit(target: float, b_crit: float | None, low: float | None = 0.0, high: float | None = 0.0) -> dict:
     if b_crit is None:
         return {"targets": [{"target": target, "fittable": False, "reason": "2 run(s) at 2 batch size(s) reached it"}]}
     return {"targets": [{"target": target, "fittable": True, "s_min": 100.0, "e_min": 100.0 * b_crit, "b_crit": b_crit,
@@ -54,10 +54,15 @@ def _result(seed: int, fits: list[dict]) -> dict:
 def test_the_tables_give_b_crit_b_simple_their_ratio_and_the_other_seed(tmp_path):
     first = [{"target": 3.5, "runs": ["a", "b", "c"], "fit": _fit(3.5, 40.0, 20.0, 80.0),
               "b_simple": {"a": 2.0, "b": 8.0, "c": None}},
-             {"target": 3.0, "runs": ["a", "b"], "fit": _fit(3.0, None), "b_simple": {"a": 4.0, "b": None}}]
-    second = [{"target": 3.5, "runs": ["a", "b", "c"], "fit": _fit(3.5, 90.0, 50.0, 120.0), "b_simple": {}}]
+             {"target": 3.0, "runs": ["a", "b"], "fit": _fit(3.0, None), "b_simple": {"a": 4.0, "b": None}},
+             {"target": 2.5, "runs": ["a", "b", "c"], "fit": _fit(2.5, 40.0, None, 80.0), "b_simple": {"a": 4.0}}]
+    second = [{"target": 3.5, "runs": ["a", "b", "c"], "fit": _fit(3.5, 90.0, 50.0, 120.0), "b_simple": {}},
+              {"target": 2.5, "runs": ["a", "b", "c"], "fit": _fit(2.5, 10.0, 5.0, None), "b_simple": {}}]
     (tmp_path / "critical-batch-2026-12-02.json").write_text(json.dumps(_result(1234, first)))
-    (tmp_path / "critical-batch-2026-12-02-seed7.json").write_text(json.dumps(_result(7, second)))
+    (tmp_path / "critical-batch-2026-12-03-seed7.json").write_text(
+        json.dumps({**_result(7, second), "like": "critical-batch-2026-12-02.json"}))
+    (tmp_path / "critical-batch-2026-12-01-seed9.json").write_text(  # like an older first seed: not read
+        json.dumps({**_result(9, second), "like": "critical-batch-2026-11-30.json"}))
     (tmp_path / "critical-batch-2026-11-30.json").write_text(json.dumps(_result(1234, [])))  # an older date: not read
     assert [r["seed"] for r in report.results(tmp_path)] == [1234, 7]
     tables = report.tables(tmp_path)
@@ -67,9 +72,11 @@ def test_the_tables_give_b_crit_b_simple_their_ratio_and_the_other_seed(tmp_path
     assert rows[4] == (f"| 3.5 | 3 | 100 | 4,000 | 40 [20, 80] | {mean:.3g} [2, 8] | 0.1 [0.05, 0.2] | "
                        f"seed 7: 90 (outside) |")
     assert rows[5].startswith("| 3 | 2 | not fittable: 2 run(s) at 2 batch size(s) reached it |")
+    # an end the bootstrap does not bound (null) is open: B_crit in (0, 80], so 10 lies inside
+    assert rows[6] == "| 2.5 | 3 | 100 | 4,000 | 40 (0, 80] | 4 [4, 4] | 0.1 [0.05, inf) | seed 7: 10 (inside) |"
     warmup = tables["warmup-test"].splitlines()
-    assert warmup[0] == "| run | steps to 3.5 | steps to 3 | final validation loss |"
-    assert warmup[2:] == ["| gbs8-lr1 | 200.0 | - | 3.2 |", "| warmup-auto-trust1 | 120.5 | 300.0 | 2.9 |"]
+    assert warmup[0] == "| run | steps to 3.5 | steps to 3 | steps to 2.5 | final validation loss |"
+    assert warmup[2:] == ["| gbs8-lr1 | 200.0 | - | - | 3.2 |", "| warmup-auto-trust1 | 120.5 | 300.0 | - | 2.9 |"]
 
 
 def test_without_a_result_the_tables_say_how_to_make_one(tmp_path):
@@ -84,3 +91,30 @@ def test_a_second_seed_trains_each_batch_size_at_the_lr_the_first_chose_most():
     first = {"fits": [{"runs": ["gbs8-lr0.5", "gbs16-lr1"]}, {"runs": ["gbs8-lr1", "gbs16-lr1"]},
                       {"runs": ["gbs8-lr1", "gbs16-lr0.5"]}]}
     assert critical_batch._chosen_factors(first) == {8: (1.0,), 16: (1.0,)}
+
+
+def test_a_refit_fits_the_targets_again_from_the_cached_logs(tmp_path):
+    pytest.importorskip("megatron.core")
+    from benchmarks import critical_batch
+    from tests.test_cli_critical_batch import megatron_log
+
+    cache = tmp_path / "cache"
+    (cache / "seed5").mkdir(parents=True)
+    names = [f"gbs{b}-lr1" for b in (8, 32, 128)]
+    for name, batch in zip(names, (8, 32, 128)):
+        (cache / "seed5" / f"{name}.log").write_text(megatron_log(batch, steps=1500))
+    stale = {"targets": [{"target": 3.5, "fittable": True, "b_crit": 1.0, "b_crit_interval": {"low": 0.03}}]}
+    result = {"seed": 5, "quick": False, "plan": critical_batch.QUICK.__dict__, "seconds": 12.0, "merrill": {"m": 1},
+              "runs": [{"name": n, "gbs": b, "lr": 1e-3} for n, b in zip(names, (8, 32, 128))],
+              "fits": [{"target": 3.5, "runs": names, "fit": stale, "b_simple": {}}]}
+    path = tmp_path / "critical-batch-2026-12-02-seed5.json"
+    path.write_text(json.dumps(result))
+    assert critical_batch.refit(path, cache) == 0
+    again = json.loads(path.read_text())
+    fit = again["fits"][0]["fit"]["targets"][0]
+    assert fit["fittable"] and 20 < fit["b_crit"] < 50 and fit["b_crit_interval"]["below"] == 0  # B_CRIT 32
+    assert again["fits"][0]["b_simple"] == dict.fromkeys(names)  # no trace in the cache: none measured
+    assert (again["seconds"], again["merrill"], again["refit"]) == (12.0, {"m": 1}, again["refit"])
+    (cache / "seed5" / f"{names[0]}.log").unlink()
+    with pytest.raises(SystemExit, match=r"--refit needs the runs' logs in the cache; missing: .*gbs8-lr1\.log"):
+        critical_batch.refit(path, cache)

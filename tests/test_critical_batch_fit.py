@@ -12,6 +12,7 @@ from megatron_ga_ext.core.critical_batch import (
     default_targets,
     fit_hyperbola,
     fit_target,
+    steps_rise,
 )
 from megatron_ga_ext.core.loss_curve import LossPoint, first_reach, read_megatron_log, smooth
 from megatron_ga_ext.errors import CriticalBatchError, GAError
@@ -78,6 +79,26 @@ def test_points_on_one_side_of_the_knee_are_not_fitted(sizes, side):
     result = fit_target(3.0, sweep(64.0, 1000.0, sizes=sizes, sigma=0.05, seed=1))
     assert result.fit is None and result.interval is None
     assert side in result.reason and "not determined" in result.reason
+
+
+def test_resamples_that_run_to_the_search_edge_leave_that_end_unbounded():
+    """Five runs whose largest batch needs more steps than the one before it (an LR- or warmup-limited large batch,
+    as in docs/noise-scale.md's sweep): a resample of only the three largest has its minimum at B_crit -> 0. Such
+    resamples count as -inf, so the lower end is None (not the search's edge, 32 / 1000); the same sweep without
+    the rise bounds both ends."""
+    clean = sweep(20.0, 100.0, sizes=(8, 16, 32, 64, 128))
+    rising = [*clean[:4], RunPoint(label="gbs128", batch_size=128, steps=clean[4].steps * 2,
+                                   samples=clean[4].samples * 2)]
+    result = fit_target(3.0, rising)
+    assert result.fit is not None and result.interval is not None, result.reason
+    interval = result.interval
+    assert interval.low is None and interval.above == 0
+    assert interval.below > (1 - interval.level) / 2 * interval.used
+    assert interval.high is not None and result.fit.b_crit < interval.high < 128
+    assert [(a.batch_size, b.batch_size) for a, b in steps_rise(rising)] == [(64, 128)] and not steps_rise(clean)
+    bounded = fit_target(3.0, clean).interval
+    assert bounded is not None and bounded.below == bounded.above == 0
+    assert bounded.low == pytest.approx(20.0) and bounded.high == pytest.approx(20.0)
 
 
 @pytest.mark.parametrize("sizes", [(16, 64), (16, 16, 64)])

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from megatron_ga_ext.cli import plots
 from megatron_ga_ext.cli.render import print_table
-from megatron_ga_ext.core.critical_batch import RunPoint, TargetFit, default_targets, fit_target
+from megatron_ga_ext.core.critical_batch import RunPoint, TargetFit, default_targets, fit_target, steps_rise
 from megatron_ga_ext.core.loss_curve import LossCurve, LossPoint, curve, first_reach, read_megatron_log, smooth
 from megatron_ga_ext.errors import CriticalBatchError
 
@@ -243,7 +243,7 @@ def _print(rule: dict, curves: Sequence[LossCurve], series: dict[str, tuple[Loss
             table.append([f.target, len(f.points), None, None, "NOT FITTABLE", None, None])
         else:
             table.append([f.target, len(f.points), f.fit.s_min, f.fit.e_min, f.fit.b_crit,
-                          f"{f.interval.low:.4g} - {f.interval.high:.4g}", f.fit.rms_log_residual])
+                          span(f.interval.low, f.interval.high), f.fit.rms_log_residual])
     print_table("critical batch per target", ["target", "runs", "S_min", "E_min", "B_crit", interval_name,
                                               "rms log residual"], table)
     for f in fits:
@@ -252,9 +252,22 @@ def _print(rule: dict, curves: Sequence[LossCurve], series: dict[str, tuple[Loss
                   "or below the target (reached at an earlier step than the log gives).")
         if f.reason:
             print(f"target {f.target:.4g}: NOT FITTABLE: {f.reason}.")
-        elif f.interval and f.interval.used < f.interval.resamples:
-            print(f"target {f.target:.4g}: {f.interval.resamples - f.interval.used} of {f.interval.resamples} "
-                  "bootstrap resamples had fewer than 3 distinct batch sizes and were left out.")
+            continue
+        for small, large in steps_rise(f.points):
+            print(f"target {f.target:.4g}: S rises from {small.steps:.4g} steps at GBS {small.batch_size:,} to "
+                  f"{large.steps:.4g} at GBS {large.batch_size:,}: the hyperbola has S fall as B grows, so the larger "
+                  "run is limited by something it leaves out (its LR, its warmup, the run's length).")
+        i = f.interval
+        if i is None:
+            continue
+        if i.used < i.resamples:
+            print(f"target {f.target:.4g}: {i.resamples - i.used} of {i.resamples} bootstrap resamples had fewer "
+                  "than 3 distinct batch sizes and were left out.")
+        for count, limit, end in ((i.below, "B_crit -> 0", i.low), (i.above, "B_crit -> inf", i.high)):
+            if count:
+                print(f"target {f.target:.4g}: {count} of {i.used} fitted resamples ran to {limit} (every drawn run "
+                      "far on one side of the knee): undetermined"
+                      f"{'' if end is not None else ', so that end of the interval is not bounded'}.")
 
 
 def _as_json(rule: dict, curves: Sequence[LossCurve], series: dict[str, tuple[LossPoint, ...]],
@@ -271,16 +284,26 @@ def _as_json(rule: dict, curves: Sequence[LossCurve], series: dict[str, tuple[Lo
 def _fit_json(f: TargetFit) -> dict:
     data: dict = {"target": f.target, "runs_reaching": len(f.points), "fittable": f.fit is not None,
                   "reason": f.reason,
+                  "steps_rise": [[small.batch_size, large.batch_size] for small, large in steps_rise(f.points)],
                   "points": [{"run": p.label, "global_batch_size": p.batch_size, "steps": p.steps, "samples": p.samples}
                              for p in f.points]}
     if f.fit is not None and f.interval is not None:
         i = f.interval
         data.update({"s_min": f.fit.s_min, "e_min": f.fit.e_min, "b_crit": f.fit.b_crit,
                      "b_crit_interval": {"low": i.low, "high": i.high, "level": i.level, "resamples": i.resamples,
-                                         "used": i.used, "seed": i.seed},
+                                         "used": i.used, "below": i.below, "above": i.above, "seed": i.seed},
                      "rms_log_residual": f.fit.rms_log_residual,
                      "log_residuals": [{"steps": s, "samples": e} for s, e in f.fit.residuals]})
     return data
+
+
+def span(low: float | None, high: float | None) -> str:
+    """An interval as text; an end the data do not bound (None) is said so."""
+    if low is None and high is None:
+        return "not bounded"
+    if low is None:
+        return f"below {high:.4g}"
+    return f"above {low:.4g}" if high is None else f"{low:.4g} - {high:.4g}"
 
 
 def plot_fits(fits: Sequence[TargetFit], path: str) -> None:

@@ -27,11 +27,15 @@ the knee (B >> B_crit) S is flat at S_min and E_min is not determined; where eve
 
 **The uncertainty** is a percentile bootstrap over runs: draw n runs with replacement (seeded), refit, and take
 the (1 - level) / 2 and (1 + level) / 2 quantiles of the refitted B_crit (linear between order statistics). A
-resample with fewer than 3 distinct batch sizes cannot be fitted: it is counted and left out.
+resample with fewer than 3 distinct batch sizes cannot be fitted: it is counted and left out. A resample whose fit
+runs to the search's edge (its sum of squares still falls toward B_crit -> 0 or -> inf: every drawn run far on one
+side of the knee) does not determine B_crit: it counts as -inf or +inf, and where a quantile falls on such a
+resample, that end of the interval is not bounded (None), never the search's edge.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections.abc import Callable, Sequence
@@ -40,7 +44,7 @@ from dataclasses import dataclass
 from megatron_ga_ext.errors import CriticalBatchError
 
 __all__ = ["Fit", "Interval", "RunPoint", "TargetFit", "bootstrap_b_crit", "default_targets", "fit_hyperbola",
-           "fit_target"]
+           "fit_target", "steps_rise"]
 
 #: Grid points of the 1-D search over log B_crit before the golden section refines it.
 GRID = 32
@@ -92,15 +96,19 @@ class Fit:
 
 @dataclass(frozen=True, kw_only=True)
 class Interval:
-    """A percentile bootstrap interval of B_crit."""
+    """A percentile bootstrap interval of B_crit; an end is None where the data do not bound it (module docstring)."""
 
-    low: float
-    high: float
+    low: float | None
+    high: float | None
     level: float
     resamples: int
     """Resamples drawn."""
     used: int
     """Resamples fitted (the others had fewer than 3 distinct batch sizes)."""
+    below: int
+    """Fitted resamples whose fit ran to the search's lower edge (B_crit -> 0: every drawn run above the knee)."""
+    above: int
+    """Fitted resamples whose fit ran to the search's upper edge (B_crit -> inf: every drawn run below the knee)."""
     seed: int
 
 
@@ -132,9 +140,11 @@ def fit_hyperbola(points: Sequence[RunPoint]) -> Fit:
     return Fit(s_min=s_min, e_min=s_min * b_crit, b_crit=b_crit, residuals=residuals)
 
 
-def _fit_logs(logs: Sequence[tuple[float, float, float]], weights: Sequence[int]) -> tuple[float, float]:
+def _fit_logs(logs: Sequence[tuple[float, float, float]], weights: Sequence[int],
+              edges: bool = False) -> tuple[float, float]:
     """(B_crit, a = log S_min) minimising the weighted sum of squares over (B, log S, log E) points: a point of
-    weight w counts as w copies (a bootstrap resample draws a run more than once)."""
+    weight w counts as w copies (a bootstrap resample draws a run more than once). With ``edges``, a minimum at the
+    search's edge (within a hundredth of a grid step) gives B_crit = -inf or +inf: not determined."""
     total = 2 * sum(weights)
 
     def profile(u: float) -> tuple[float, float]:
@@ -145,7 +155,11 @@ def _fit_logs(logs: Sequence[tuple[float, float, float]], weights: Sequence[int]
         return sum(w * ((x - a) ** 2 + (y - a) ** 2) for x, y, w in r), a
 
     sizes = [b for b, _, _ in logs]
-    u = _minimise(lambda x: profile(x)[0], math.log(min(sizes) / REACH), math.log(max(sizes) * REACH))
+    low, high = math.log(min(sizes) / REACH), math.log(max(sizes) * REACH)
+    u = _minimise(lambda x: profile(x)[0], low, high)
+    margin = (high - low) / (GRID - 1) / 100
+    if edges and not low + margin < u < high - margin:
+        return (-math.inf if u - low < high - u else math.inf), math.nan
     return math.exp(u), profile(u)[1]
 
 
@@ -190,6 +204,18 @@ def not_fittable_reason(points: Sequence[RunPoint], fit: Fit | None) -> str | No
     return None
 
 
+def steps_rise(points: Sequence[RunPoint]) -> list[tuple[RunPoint, RunPoint]]:
+    """Pairs of runs at neighbouring batch sizes (the fewest steps at each) where the larger batch needed more
+    steps: the hyperbola has S fall as B grows, so such a run is limited by something the model leaves out (its
+    LR, its warmup, the run's length)."""
+    fewest: dict[int, RunPoint] = {}
+    for p in points:
+        if p.batch_size not in fewest or p.steps < fewest[p.batch_size].steps:
+            fewest[p.batch_size] = p
+    ordered = [fewest[b] for b in sorted(fewest)]
+    return [(small, large) for small, large in itertools.pairwise(ordered) if large.steps > small.steps]
+
+
 def bootstrap_b_crit(points: Sequence[RunPoint], *, resamples: int = 1000, seed: int = 0,
                      level: float = 0.95) -> Interval:
     """The percentile bootstrap interval of B_crit over runs (module docstring)."""
@@ -206,20 +232,25 @@ def bootstrap_b_crit(points: Sequence[RunPoint], *, resamples: int = 1000, seed:
             counts[rng.randrange(len(points))] += 1
         drawn = [k for k, count in enumerate(counts) if count]
         if len({points[k].batch_size for k in drawn}) >= MIN_RUNS:
-            values.append(_fit_logs([logs[k] for k in drawn], [counts[k] for k in drawn])[0])
+            values.append(_fit_logs([logs[k] for k in drawn], [counts[k] for k in drawn], edges=True)[0])
     if not values:
         raise CriticalBatchError(f"no bootstrap resample of {len(points)} runs had {MIN_RUNS} distinct batch sizes.")
     values.sort()
     return Interval(low=_quantile(values, (1 - level) / 2), high=_quantile(values, (1 + level) / 2), level=level,
-                    resamples=resamples, used=len(values), seed=seed)
+                    resamples=resamples, used=len(values), below=values.count(-math.inf),
+                    above=values.count(math.inf), seed=seed)
 
 
-def _quantile(ordered: Sequence[float], q: float) -> float:
-    """The q quantile of sorted values, linear between order statistics (numpy's default)."""
+def _quantile(ordered: Sequence[float], q: float) -> float | None:
+    """The q quantile of sorted values, linear between order statistics (numpy's default); None where it touches an
+    infinite (undetermined) value."""
     position = q * (len(ordered) - 1)
     below = math.floor(position)
-    above = min(below + 1, len(ordered) - 1)
-    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
+    share = position - below
+    low, high = ordered[below], ordered[min(below + 1, len(ordered) - 1)]
+    if not math.isfinite(low) or (share and not math.isfinite(high)):
+        return None
+    return low + (high - low) * share if share else low
 
 
 def fit_target(target: float, points: Sequence[RunPoint], *, resamples: int = 1000, seed: int = 0,
