@@ -90,8 +90,12 @@ def fits_table(runs: list[dict]) -> str:
         for other in others:
             match = next((e for e in other["fits"] if abs(e["target"] - entry["target"]) < 1e-9), None)
             theirs = None if match is None else _b_crit(match["fit"])
-            seeds.append(f"seed {other['seed']}: " + ("-" if theirs is None else
-                         f"{_g(theirs['b_crit'])} ({'inside' if low <= theirs['b_crit'] <= high else 'outside'})"))
+            if theirs is not None:
+                inside = "inside" if low <= theirs["b_crit"] <= high else "outside"
+                seeds.append(f"seed {other['seed']}: {_g(theirs['b_crit'])} ({inside})")
+            else:  # the reason's first clause: "every run is above the knee", "2 run(s) at 2 batch size(s) ..."
+                reason = "" if match is None else ((match["fit"].get("targets") or [{}])[0].get("reason") or "")
+                seeds.append(f"seed {other['seed']}: " + (f"not fittable ({reason.split(':')[0]})" if reason else "-"))
         lines.append(f"| {entry['target']:.4g} | {len(entry['runs'])} | {_g(fit['s_min'])} | {_g(fit['e_min'])} | "
                      f"{_g(fit['b_crit'])} {_span(low, high)} | {_g(mean)} {spread} | {ratio} | "
                      f"{'; '.join(seeds) or '-'} |")

@@ -63,17 +63,21 @@ def test_the_tables_give_b_crit_b_simple_their_ratio_and_the_other_seed(tmp_path
         json.dumps({**_result(7, second), "like": "critical-batch-2026-12-02.json"}))
     (tmp_path / "critical-batch-2026-12-01-seed9.json").write_text(  # like an older first seed: not read
         json.dumps({**_result(9, second), "like": "critical-batch-2026-11-30.json"}))
+    third = [{"target": 2.5, "runs": ["a", "b"], "fit": _fit(2.5, None), "b_simple": {}}]
+    (tmp_path / "critical-batch-2026-12-03-seed11.json").write_text(
+        json.dumps({**_result(11, third), "like": "critical-batch-2026-12-02.json"}))
     (tmp_path / "critical-batch-2026-11-30.json").write_text(json.dumps(_result(1234, [])))  # an older date: not read
-    assert [r["seed"] for r in report.results(tmp_path)] == [1234, 7]
+    assert [r["seed"] for r in report.results(tmp_path)] == [1234, 7, 11]
     tables = report.tables(tmp_path)
     rows = tables["critical-batch"].splitlines()
     assert rows[0] == "2026-12-02, megatron-lm-core_v0.19.0, 2900 s for seed 1234."
     mean = math.sqrt(2.0 * 8.0)  # 4: the geometric mean of the runs' B_simple
     assert rows[4] == (f"| 3.5 | 3 | 100 | 4,000 | 40 [20, 80] | {mean:.3g} [2, 8] | 0.1 [0.05, 0.2] | "
-                       f"seed 7: 90 (outside) |")
+                       f"seed 7: 90 (outside); seed 11: - |")
     assert rows[5].startswith("| 3 | 2 | not fittable: 2 run(s) at 2 batch size(s) reached it |")
     # an end the bootstrap does not bound (null) is open: B_crit in (0, 80], so 10 lies inside
-    assert rows[6] == "| 2.5 | 3 | 100 | 4,000 | 40 (0, 80] | 4 [4, 4] | 0.1 [0.05, inf) | seed 7: 10 (inside) |"
+    assert rows[6] == ("| 2.5 | 3 | 100 | 4,000 | 40 (0, 80] | 4 [4, 4] | 0.1 [0.05, inf) | "
+                       "seed 7: 10 (inside); seed 11: not fittable (2 run(s) at 2 batch size(s) reached it) |")
     warmup = tables["warmup-test"].splitlines()
     assert warmup[0] == "| run | steps to 3.5 | steps to 3 | steps to 2.5 | final validation loss |"
     assert warmup[2:] == ["| gbs8-lr1 | 200.0 | - | - | 3.2 |", "| warmup-auto-trust1 | 120.5 | 300.0 | - | 2.9 |"]

@@ -79,8 +79,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                               "GBS where trust x B_simple passes 2 x GBS")
     suggest.add_argument("--max-global-batch-size", metavar="N", help="the cap: GBS doubles only while 2 x GBS <= N")
     suggest.add_argument("--trust", metavar="F", help="multiply the measured B_simple by F before comparing "
-                                                      "(default 1; Merrill et al. 2025 found B_simple below the "
-                                                      "critical batch)")
+                                                      "(default 1; on real text it measured 0.24-0.54 of the "
+                                                      "critical batch, docs/noise-scale.md, as Merrill et al. 2025 "
+                                                      "found)")
     suggest.add_argument("--lr-warmup-samples", metavar="N", help="no change before N consumed samples")
     suggest.add_argument("--lr-decay-samples", metavar="N", help="where the LR decay ends (with "
                                                                  "--lr-wsd-decay-samples)")
