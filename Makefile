@@ -13,6 +13,8 @@
 #   make critical-batch             the critical-batch benchmark (benchmarks/critical_batch.py, about an hour):
 #                                   JSON and plots in benchmarks/results; then make docs
 #   make critical-batch-quick       its pipeline in about a minute, measuring nothing (CI runs it)
+#   make test-bridge                Megatron-Bridge 0.6.2's own pretrain() end to end (tests/bridge; CI runs it):
+#                                   .venv-bridge holds Bridge's pins over the primary leg's venv (docs/bridge.md)
 #   make docs                       render the generated parts of docs/ (tools/docs.py)
 #   make docs-check                 fail where a part rendered from code alone is not current (CI runs it)
 #   make wheel-check                build the wheel, install it in a fresh venv, run it (CI runs it)
@@ -48,7 +50,7 @@ MEGATRON_LM ?=
 MEGATRON_LM_SNAPSHOTS ?= ../shared/upstream
 export MEGATRON_LM MEGATRON_LM_SNAPSHOTS
 
-.PHONY: setup demo test test-O lint fuzz matrix e2e regress corpus critical-batch critical-batch-quick docs docs-check wheel-check fingerprints clean
+.PHONY: setup demo test test-O lint fuzz matrix e2e regress corpus critical-batch critical-batch-quick test-bridge docs docs-check wheel-check fingerprints clean
 
 setup: $(STAMP)
 
@@ -110,6 +112,25 @@ critical-batch: $(E2E_STAMP)
 
 critical-batch-quick: $(E2E_STAMP)
 	$(PY) benchmarks/critical_batch.py --quick
+
+# Bridge's pins (constraints/bridge.txt) in their own venv, over the primary venv's torch, megatron-core and this
+# package (a .pth that adds its site-packages); nvidia-resiliency-ext 0.6.0 is published for glibc 2.39 only, and
+# its library needs 2.32: installed by its platform tag.
+BRIDGE_VENV := .venv-bridge
+BRIDGE_SITE := $(BRIDGE_VENV)/lib/python3.12/site-packages
+BRIDGE_STAMP := $(BRIDGE_VENV)/.installed
+$(BRIDGE_STAMP): constraints/bridge.txt
+	$(MAKE) $(if $(filter 3.12,$(PYVER)),$(E2E_STAMP),PYTHON=python3.12 .venv/.installed-e2e)
+	rm -rf $(BRIDGE_VENV)
+	$(PYTHON_BIN) -m venv $(BRIDGE_VENV)
+	echo "import site; site.addsitedir('$(CURDIR)/.venv/lib/python3.12/site-packages')" > $(BRIDGE_SITE)/primary-venv.pth
+	$(BRIDGE_VENV)/bin/pip install --quiet --no-deps -r constraints/bridge.txt
+	$(BRIDGE_VENV)/bin/pip install --quiet --no-deps --only-binary=:all: --platform manylinux_2_39_x86_64 \
+		--python-version 3.12 --implementation cp --target $(BRIDGE_SITE) nvidia-resiliency-ext==0.6.0
+	@touch $@
+
+test-bridge: $(BRIDGE_STAMP)
+	$(BRIDGE_VENV)/bin/python -m pytest -q -p no:cacheprovider -m bridge tests/bridge $(PYTEST_ARGS)
 
 regress: $(E2E_STAMP)
 	@test -n "$(MEGATRON_LM)" || { echo "make regress: pass MEGATRON_LM=<Megatron-LM checkout or .tar.gz>" >&2; exit 2; }

@@ -169,7 +169,8 @@ class Installation:
         if args is not None:
             check_args(config, args)
         self.configure(config)
-        logger.info("megatron-ga-ext on megatron-core %s, from Megatron's args: %s", self.version, config)
+        source = "from Megatron's args" if args is not None else "no Megatron-LM args: the config install() was given"
+        logger.info("megatron-ga-ext on megatron-core %s, %s: %s", self.version, source, config)
 
     # -- the phases of a run, in order (hooks.py's wrappers call them) ---------------------------------------------
 

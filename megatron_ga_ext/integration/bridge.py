@@ -1,0 +1,163 @@
+"""Megatron-Bridge's training loop (``megatron.bridge.training.pretrain.pretrain``) as a host: the extension
+configured from Bridge's ``ConfigContainer`` instead of argparse (docs/bridge.md).
+
+    from megatron_ga_ext.integration import bridge as ga_bridge
+
+    cfg = ga_bridge.with_ga(recipe_config, zero_token_policy="skip")   # a GAContainer; cfg.ga: the --ga-* settings
+    ga_bridge.install(cfg)
+    pretrain(cfg, forward_step)
+
+``cfg.ga`` is a :data:`GASection`: one mutable field per ``--ga-*`` flag (GAFlags' names and defaults), so Bridge's
+own overrides reach it (``ga.zero_token_policy=skip`` through ``process_config_with_overrides``, a YAML ``ga:``
+section read by ``GAContainer.from_yaml``). Importing this module imports Bridge, and lets Bridge's YAML loader
+build this package's classes (``register_allowed_target_prefix``).
+
+:func:`install` does, before ``pretrain()``:
+
+* reads ``cfg.ga`` and what the container holds (``model.seq_length``, PP and VPP) into a GAConfig;
+* token mode: sets ``model.calculate_per_token_loss`` (Bridge has no parsed args to set it in; the log says so);
+* runs the rule pass and the coverage table of a Megatron-LM launch over the container's fields, read under
+  Megatron-LM's names (``train.micro_batch_size`` is ``--micro-batch-size``). A refusal names Bridge's field
+  where Megatron-LM's message names its flag;
+* refuses what Bridge's loop does not give the extension yet (:data:`NOT_YET`): the settings that change the batch
+  (Bridge computes the run length and the LR horizon from one GBS) and the noise scale (its line, scalars and
+  checkpoint sidecar hook Megatron-LM's ``training_log`` and checkpointing, which Bridge does not call); and a
+  ``train.rampup_batch_size``, which megatron-core 0.18 and later drop with a warning;
+* then ``megatron_ga_ext.install(config)``: the schedule, finalize, calculator and optimizer hooks are megatron-core's,
+  and Bridge's loop calls them (Bridge binds ``finalize_model_grads`` and its schedule by name: install() rebinds
+  both).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+from collections.abc import Iterator
+from typing import Any
+
+from megatron.bridge.training.config import ConfigContainer
+from megatron.bridge.utils.instantiate_utils import register_allowed_target_prefix
+
+from megatron_ga_ext.config.flags import GA_FLAGS, GA_OPTIONS, GAFlags
+from megatron_ga_ext.config.ga_config import GAConfig
+from megatron_ga_ext.config.install_check import check_args
+from megatron_ga_ext.errors import GAError, OptionError
+from megatron_ga_ext.integration.install import install as install_extension
+from megatron_ga_ext.integration.installation import Installation
+from megatron_ga_ext.logs import get_logger
+
+__all__ = ["NOT_YET", "GAContainer", "GASection", "ga_config", "install", "megatron_settings", "with_ga"]
+
+logger = get_logger(__name__)
+
+register_allowed_target_prefix("megatron_ga_ext")
+
+#: The --ga-* settings as a mutable dataclass (Bridge's overrides write each field back with setattr).
+GASection = dataclasses.make_dataclass(
+    "GASection", [(f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
+                  for f in dataclasses.fields(GAFlags)], kw_only=True, module=__name__)
+
+
+@dataclasses.dataclass(kw_only=True)
+class GAContainer(ConfigContainer):
+    """Bridge's ConfigContainer with a ``ga`` section."""
+
+    ga: Any = dataclasses.field(default_factory=GASection)
+
+
+#: Settings Bridge's loop does not give the extension yet, by field: (their off value, why).
+NOT_YET: dict[str, tuple[Any, str]] = {
+    "convert_rampup": (False, "converting train.rampup_batch_size to a step schedule needs the run length and the "
+                       "LR horizon in the schedule's steps, and Bridge computes both from one GBS"),
+    "batch_size_warmup": ("off", "a batch that grows needs the run length and the LR horizon in the schedule's "
+                          "steps, and Bridge computes both from one GBS"),
+    "lr_scaling": ("none", "it scales the LR of a step schedule's stages, and Bridge runs none"),
+    "noise_scale": (0, "its log line, TensorBoard/W&B scalars and checkpoint sidecar hook Megatron-LM's "
+                    "training_log and checkpointing, which Bridge's loop does not call"),
+}
+
+#: The container's sections read as Megatron-LM's args, in order: a name two sections hold is the first's.
+SECTIONS = ("train", "model", "optimizer", "ddp", "scheduler", "dataset", "validation", "checkpoint", "logger",
+            "dist", "rng", "rerun_state_machine", "tokenizer")
+
+
+def with_ga(cfg: ConfigContainer, **settings: Any) -> GAContainer:
+    """``cfg`` as a GAContainer (the same section objects) with ``ga`` holding ``settings`` (GAFlags' field names;
+    the others at their defaults). An unknown name is an OptionError that lists the known ones."""
+    unknown = sorted(set(settings) - set(GA_FLAGS))
+    if unknown:
+        raise OptionError(f"ga.{unknown[0]}: not a megatron-ga-ext setting; the ga section holds "
+                          f"{', '.join(sorted(GA_FLAGS))} (the --ga-* flags, as fields).")
+    values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init and f.name != "ga"}
+    return GAContainer(**values, ga=GASection(**settings))
+
+
+def megatron_settings(cfg: ConfigContainer) -> tuple[dict[str, Any], dict[str, str]]:
+    """(Megatron-LM arg name -> value, Megatron-LM arg name -> Bridge's field) over :data:`SECTIONS`' dataclass
+    fields."""
+    values: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for section in SECTIONS:
+        holder = getattr(cfg, section, None)
+        if holder is None or not dataclasses.is_dataclass(holder):
+            continue
+        for f in dataclasses.fields(holder):
+            if f.name not in values and not f.name.startswith("_"):
+                values[f.name] = getattr(holder, f.name)
+                origin[f.name] = f"{section}.{f.name}"
+    return values, origin
+
+
+def ga_config(cfg: ConfigContainer) -> GAConfig:
+    """The GAConfig of ``cfg``: its ``ga`` section (none: the defaults) and the container's model settings."""
+    section = getattr(cfg, "ga", None)
+    settings = {} if section is None else {f.name: getattr(section, f.name) for f in dataclasses.fields(GAFlags)}
+    model = cfg.model
+    with _bridge_names(megatron_settings(cfg)[1]):
+        return GAConfig(**settings, seq_length=getattr(model, "seq_length", None),
+                        pipeline_model_parallel_size=getattr(model, "pipeline_model_parallel_size", None),
+                        virtual_pipeline_model_parallel_size=getattr(model, "virtual_pipeline_model_parallel_size",
+                                                                     None))
+
+
+def install(cfg: ConfigContainer) -> Installation:
+    """Configure, check and install the extension for ``pretrain(cfg, ...)`` (module docstring)."""
+    config = ga_config(cfg)
+    for field, (off, why) in NOT_YET.items():
+        if getattr(config, field) != off:
+            flag = GA_FLAGS[field]
+            raise OptionError(f"ga.{field} {getattr(config, field)!r} ({flag.flag}) is not supported on "
+                              f"Megatron-Bridge yet: {why}. Leave it at {off!r}, or train with Megatron-LM's "
+                              "pretrain_gpt.py (docs/bridge.md).")
+    rampup = getattr(cfg.train, "rampup_batch_size", None)
+    if rampup is not None:
+        raise OptionError(f"train.rampup_batch_size {list(rampup)}: megatron-core 0.18 and later drop it with a "
+                          "warning (init_num_microbatches_calculator passes no ramp on), so the run would train "
+                          f"at global_batch_size {cfg.train.global_batch_size} from the first step, and converting "
+                          "it to a step schedule is not supported on Megatron-Bridge yet. Remove it (None), or "
+                          "train with Megatron-LM's pretrain_gpt.py and --ga-convert-rampup (docs/bridge.md).")
+    if config.loss_reduction == "token" and not cfg.model.calculate_per_token_loss:
+        cfg.model.calculate_per_token_loss = True
+        logger.info("megatron-ga-ext: ga.loss_reduction token: model.calculate_per_token_loss set to True "
+                    "(ga.loss_reduction microbatch keeps Bridge's mean of means)")
+    values, origin = megatron_settings(cfg)
+    with _bridge_names(origin):
+        check_args(config, values)
+    return install_extension(config)
+
+
+@contextlib.contextmanager
+def _bridge_names(origin: dict[str, str]) -> Iterator[None]:
+    """Re-raise a GAError with Bridge's field names where it names flags: ``--ga-noise-scale`` as
+    ``ga.noise_scale``, Megatron-LM's ``--micro-batch-size`` as ``train.micro_batch_size``."""
+    try:
+        yield
+    except GAError as error:
+        names = {option.flag: f"ga.{option.field}" for option in GA_OPTIONS}
+        names.update({"--" + name.replace("_", "-"): path for name, path in origin.items()})
+        raise type(error)(_FLAG.sub(lambda match: names.get(match.group(0), match.group(0)), str(error))) from error
+
+
+#: A command-line flag in a message: ``--`` and a name, not inside a longer one.
+_FLAG = re.compile(r"(?<![\w-])--[a-z0-9][a-z0-9-]*")

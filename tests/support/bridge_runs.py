@@ -1,0 +1,197 @@
+"""Megatron-Bridge 0.6.2's own ``pretrain(cfg, forward_step)`` on the CPU over gloo, DP 2, on a tiny GPT over mock
+data, with Bridge's GPT step (tests/bridge; make test-bridge).
+
+    python tests/support/bridge_runs.py OUT CASE [CASE ...]
+
+imports Bridge once (under the TE import stand-in, shim 13 of megatron_ga_ext/testing/shims.py), then per case forks
+two ranks. Each rank applies ``bridge_shims()``, builds :func:`tiny_config`, runs the case's :data:`CASES` set-up
+and ``pretrain()``, and writes ``OUT/CASE.rankR.jsonl``: one row per iteration at full precision from Bridge's own
+``training_log`` (iteration, ``lm loss``, grad norm, learning rate, consumed samples), and a last row
+``{"error": ..., "type": ...}`` where ``pretrain()`` raised. The parent exits 0 once every rank has finished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+SEQ_LENGTH = 64
+WORLD_SIZE = 2
+
+
+def tiny_config(*, per_token: bool = True, train_iters: int = 6) -> Any:
+    """A 2-layer GPT (hidden 64, 4 heads, seq 64) on mock data: GBS 8, MBS 2 (2 micro-batches per rank at DP 2),
+    fp32, Adam, clip_grad 1, linear LR decay, ``model.calculate_per_token_loss`` as ``per_token``."""
+    import torch
+    from megatron.bridge.models.gpt_provider import GPTModelProvider, local_layer_spec
+    from megatron.bridge.training import config as c
+
+    model = GPTModelProvider(
+        transformer_layer_spec=local_layer_spec, num_layers=2, hidden_size=64, ffn_hidden_size=256,
+        num_attention_heads=4, seq_length=SEQ_LENGTH, vocab_size=1024, make_vocab_size_divisible_by=128,
+        use_cpu_initialization=True, bf16=False, fp16=False, calculate_per_token_loss=per_token,
+        persist_layer_norm=False, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
+        bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, hidden_dropout=0.0,
+        attention_dropout=0.0)
+    model.params_dtype = torch.float32
+    return c.ConfigContainer(
+        model=model,
+        train=c.TrainingConfig(train_iters=train_iters, global_batch_size=8, micro_batch_size=2),
+        validation=c.ValidationConfig(eval_interval=1000, eval_iters=0),
+        optimizer=c.OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, weight_decay=0.01, bf16=False,
+                                    fp16=False, use_distributed_optimizer=False, clip_grad=1.0),
+        scheduler=c.SchedulerConfig(lr_decay_style="linear", lr_warmup_iters=0, start_weight_decay=0.01,
+                                    end_weight_decay=0.01, weight_decay_incr_style="constant"),
+        ddp=c.DistributedDataParallelConfig(use_distributed_optimizer=False, overlap_grad_reduce=False,
+                                            overlap_param_gather=False, grad_reduce_in_fp32=False),
+        dataset=c.MockGPTDatasetConfig(seq_length=SEQ_LENGTH, random_seed=1234, reset_position_ids=False,
+                                       reset_attention_mask=False, eod_mask_loss=True, num_workers=0,
+                                       dataloader_type="single", split="99,1,0"),
+        logger=c.LoggerConfig(log_interval=1, tensorboard_dir=None),
+        tokenizer=c.TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=1024),
+        checkpoint=c.CheckpointConfig(save=None, save_interval=None, load=None),
+        rng=c.RNGConfig(seed=1234),
+        dist=c.DistributedInitConfig(distributed_backend="gloo"),
+        mixed_precision=None)
+
+
+def _bridge(cfg: Any) -> Any:
+    """Bridge's own per-token run: nothing of ours."""
+    return cfg
+
+
+def _microbatch(cfg: Any) -> Any:
+    """Bridge's mean of per-micro-batch means (per-token loss off): the reference must differ from it."""
+    cfg.model.calculate_per_token_loss = False
+    return cfg
+
+
+def _extension(cfg: Any) -> Any:
+    """A user's launch: per-token loss off in the recipe, the extension configured from its ga section
+    (``ga_bridge.install`` turns per-token loss on)."""
+    from megatron_ga_ext.integration import bridge as ga_bridge
+
+    cfg.model.calculate_per_token_loss = False
+    cfg = ga_bridge.with_ga(cfg)
+    ga_bridge.install(cfg)
+    return cfg
+
+
+def _drop_finalize() -> None:
+    """Bridge #4974's shape: the model config the loop trains with holds no finalize_model_grads_func."""
+    import megatron.bridge.training.pretrain as pretrain_module
+    from megatron.core.utils import get_model_config
+
+    original = pretrain_module.train
+
+    def train(forward_step_func: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+        get_model_config(model[0]).finalize_model_grads_func = None
+        return original(forward_step_func, model, *args, **kwargs)
+
+    pretrain_module.train = train
+
+
+def _dropped(setup: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def dropped(cfg: Any) -> Any:
+        _drop_finalize()
+        return setup(cfg)
+
+    return dropped
+
+
+#: case -> what it does to the tiny config before pretrain() (and returns as the config to train).
+CASES: dict[str, Callable[[Any], Any]] = {
+    "bridge": _bridge,
+    "bridge-microbatch": _microbatch,
+    "extension": _extension,
+    "dropped-finalize-bridge": _dropped(_bridge),
+    "dropped-finalize-extension": _dropped(_extension),
+}
+
+
+def _record(path: Path) -> Any:
+    """Wrap Bridge's training_log (bound by name in train.py) to write one row per iteration to ``path``."""
+    import megatron.bridge.training.train as train
+
+    original = train.training_log
+    out = path.open("w")
+
+    def training_log(loss_dict: dict, total_loss_dict: dict, learning_rate: Any, decoupled_learning_rate: Any,
+                     loss_scale: Any, report_memory_flag: Any, skipped_iter: Any, grad_norm: Any, *args: Any,
+                     **kwargs: Any) -> Any:
+        state = kwargs.get("global_state", args[3] if len(args) > 3 else None)
+        loss = loss_dict.get("lm loss")
+        out.write(json.dumps({
+            "iteration": state.train_state.step, "consumed_samples": state.train_state.consumed_train_samples,
+            "loss": None if loss is None else float(loss), "lr": learning_rate,
+            "grad_norm": None if grad_norm is None else float(grad_norm), "skipped": int(skipped_iter)}) + "\n")
+        out.flush()
+        return original(loss_dict, total_loss_dict, learning_rate, decoupled_learning_rate, loss_scale,
+                        report_memory_flag, skipped_iter, grad_norm, *args, **kwargs)
+
+    train.training_log = training_log
+    return out
+
+
+def _rank(case: str, rank: int, port: int, out: Path) -> int:
+    from megatron.bridge.training.gpt_step import forward_step
+    from megatron.bridge.training.pretrain import pretrain
+
+    from megatron_ga_ext.testing.shims import bridge_shims
+
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD_SIZE),
+                       "LOCAL_WORLD_SIZE": str(WORLD_SIZE), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    rows = _record(out / f"{case}.rank{rank}.jsonl")
+    with bridge_shims():
+        try:
+            pretrain(CASES[case](tiny_config()), forward_step)
+        except BaseException as error:  # the error is the result: written for the test to read
+            traceback.print_exc()
+            rows.write(json.dumps({"error": str(error), "type": type(error).__name__}) + "\n")
+            rows.close()
+            return 1
+    rows.close()
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    out, cases = Path(argv[0]), argv[1:]
+    unknown = [case for case in cases if case not in CASES]
+    if unknown:
+        raise SystemExit(f"unknown case {unknown[0]!r}; the cases: {', '.join(CASES)}")
+    out.mkdir(parents=True, exist_ok=True)
+    warnings.filterwarnings("ignore")
+    from megatron_ga_ext.testing.distributed import free_port
+    from megatron_ga_ext.testing.shims import bridge_import_shim
+
+    with bridge_import_shim():
+        import megatron.bridge.training.gpt_step
+        import megatron.bridge.training.pretrain  # noqa: F401
+    for case in cases:
+        port, children = free_port(), []
+        for rank in range(WORLD_SIZE):
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    code = _rank(case, rank, port, out)
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)
+            children.append(pid)
+        codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]
+        print(f"{case}: exit codes {codes}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main(sys.argv[1:]))
