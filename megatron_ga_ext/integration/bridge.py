@@ -14,14 +14,17 @@ build this package's classes (``register_allowed_target_prefix``).
 
 :func:`install` does, before ``pretrain()``:
 
-* reads ``cfg.ga`` and what the container holds (``model.seq_length``, PP and VPP) into a GAConfig;
+* reads ``cfg.ga`` and what the container holds (``train.step_batch_size_schedule``, which Bridge itself never
+  passes on; ``model.seq_length``, PP and VPP) into a GAConfig: the calculator hook runs the schedule, and
+  ``GAContainer.validate()`` gives it its run length;
 * token mode: sets ``model.calculate_per_token_loss`` (Bridge has no parsed args to set it in; the log says so);
 * runs the rule pass and the coverage table of a Megatron-LM launch over the container's fields, read under
   Megatron-LM's names (``train.micro_batch_size`` is ``--micro-batch-size``). A refusal names Bridge's field
   where Megatron-LM's message names its flag;
 * refuses what Bridge's loop does not give the extension yet (:data:`NOT_YET`): the settings that change the batch
-  (Bridge computes the run length and the LR horizon from one GBS) and the noise scale (its line, scalars and
-  checkpoint sidecar hook Megatron-LM's ``training_log`` and checkpointing, which Bridge does not call); and a
+  as the run goes (Bridge computes the run length and the LR horizon from one GBS) and the noise scale (its line,
+  scalars and checkpoint sidecar hook Megatron-LM's ``training_log`` and checkpointing, which Bridge does not call);
+  and a
   ``train.rampup_batch_size``, which megatron-core 0.18 and later drop with a warning;
 * then ``megatron_ga_ext.install(config)``: the schedule, finalize, calculator and optimizer hooks are megatron-core's,
   and Bridge's loop calls them (Bridge binds ``finalize_model_grads`` and its schedule by name: install() rebinds
@@ -42,7 +45,8 @@ from megatron.bridge.utils.instantiate_utils import register_allowed_target_pref
 from megatron_ga_ext.config.flags import GA_FLAGS, GA_OPTIONS, GAFlags
 from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.config.install_check import check_args
-from megatron_ga_ext.errors import GAError, OptionError
+from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
+from megatron_ga_ext.errors import GAError, OptionError, ScheduleError
 from megatron_ga_ext.integration.install import install as install_extension
 from megatron_ga_ext.integration.installation import Installation
 from megatron_ga_ext.logs import get_logger
@@ -61,9 +65,32 @@ GASection = dataclasses.make_dataclass(
 
 @dataclasses.dataclass(kw_only=True)
 class GAContainer(ConfigContainer):
-    """Bridge's ConfigContainer with a ``ga`` section."""
+    """Bridge's ConfigContainer with a ``ga`` section, whose validation gives a step schedule its run length."""
 
     ga: Any = dataclasses.field(default_factory=GASection)
+
+    def validate(self) -> None:
+        """Bridge's validation (``runtime_config_update`` runs it in ``pretrain()``), then, under
+        ``train.step_batch_size_schedule``: ``train.train_iters`` = the steps the schedule takes to
+        ``train.train_samples`` (Bridge divides by one GBS). The LR horizons are samples (Bridge's sample-based
+        scheduler, stepped by each step's batch), so the LR decay ends on the last step."""
+        super().validate()
+        text = getattr(self.train, "step_batch_size_schedule", None)
+        if text is None:
+            return
+        samples = self.train.train_samples
+        with _bridge_names(megatron_settings(self)[1]):
+            schedule = StepSchedule.parse(text, seq_length=getattr(self.model, "seq_length", None))
+            iterations, planned = schedule.run_totals(self.train.micro_batch_size, self.data_parallel_size, samples)
+        if planned != samples:
+            raise ScheduleError(
+                f"train.train_samples {samples}: under train.step_batch_size_schedule {text!r} (MBS "
+                f"{self.train.micro_batch_size}, DP {self.data_parallel_size}) the last of its {iterations} steps "
+                f"ends at {planned} samples, and Bridge builds the training data and the LR decay for "
+                f"{samples}. Set train.train_samples to {planned} (megatron-ga schedule prints the steps).")
+        logger.info("megatron-ga-ext: train.step_batch_size_schedule %r: train.train_samples %d takes %d "
+                    "iterations (Bridge's %d at one GBS)", text, samples, iterations, self.train.train_iters)
+        self.train.train_iters = iterations
 
 
 #: Settings Bridge's loop does not give the extension yet, by field: (their off value, why).
@@ -116,6 +143,7 @@ def ga_config(cfg: ConfigContainer) -> GAConfig:
     model = cfg.model
     with _bridge_names(megatron_settings(cfg)[1]):
         return GAConfig(**settings, seq_length=getattr(model, "seq_length", None),
+                        step_batch_size_schedule=getattr(cfg.train, "step_batch_size_schedule", None),
                         pipeline_model_parallel_size=getattr(model, "pipeline_model_parallel_size", None),
                         virtual_pipeline_model_parallel_size=getattr(model, "virtual_pipeline_model_parallel_size",
                                                                      None))
@@ -137,6 +165,14 @@ def install(cfg: ConfigContainer) -> Installation:
                           f"at global_batch_size {cfg.train.global_batch_size} from the first step, and converting "
                           "it to a step schedule is not supported on Megatron-Bridge yet. Remove it (None), or "
                           "train with Megatron-LM's pretrain_gpt.py and --ga-convert-rampup (docs/bridge.md).")
+    if config.step_batch_size_schedule is not None and not (isinstance(cfg, GAContainer) and cfg.train.train_samples):
+        raise ScheduleError(
+            f"train.step_batch_size_schedule {config.step_batch_size_schedule!r} needs "
+            f"{'train.train_samples' if isinstance(cfg, GAContainer) else 'a GAContainer (ga_bridge.with_ga(cfg))'}: "
+            "Bridge passes no schedule to the calculator and turns train_iters and lr_*_iters into samples at one "
+            "GBS; the extension runs the schedule, and GAContainer.validate() gives train.train_iters the "
+            "schedule's steps to train.train_samples (with sample-based LR fields, the LR decay ends on the last "
+            "step).")
     if config.loss_reduction == "token" and not cfg.model.calculate_per_token_loss:
         cfg.model.calculate_per_token_loss = True
         logger.info("megatron-ga-ext: ga.loss_reduction token: model.calculate_per_token_loss set to True "

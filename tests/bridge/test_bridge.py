@@ -18,7 +18,8 @@ import pytest
 
 pytestmark = pytest.mark.bridge
 ROOT = Path(__file__).resolve().parents[2]
-CASES = ("bridge", "bridge-microbatch", "extension", "dropped-finalize-bridge", "dropped-finalize-extension")
+CASES = ("bridge", "bridge-microbatch", "extension", "schedule-bridge", "schedule-extension",
+         "dropped-finalize-bridge", "dropped-finalize-extension")
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +43,24 @@ def test_the_extension_trains_exactly_bridges_own_per_token_run(runs):
         assert runs["extension"][rank] == reference[rank]
     microbatch = runs["bridge-microbatch"][0]
     assert all(row["loss"] != ref["loss"] for row, ref in zip(microbatch[1:], reference[0][1:]))
+
+
+def test_a_step_schedule_trains_the_planned_samples_with_the_lr_ending_on_the_last_step(runs):
+    """train.train_samples 56 under train.step_batch_size_schedule "0:8 1536:16" (tokens; 24 samples at seq 64),
+    linear decay in samples from 1e-3 to 1e-4: Bridge alone drops the schedule and trains 7 steps of 8; through
+    the extension, 3 steps of 8 then 2 of 16, 56 samples in all, each step's LR that of its consumed samples, and
+    min_lr on the last. The steps before the switch equal Bridge's own."""
+    bare = runs["schedule-bridge"][0]
+    assert [row["consumed_samples"] for row in bare] == [8, 16, 24, 32, 40, 48, 56]
+    for rank in runs["schedule-extension"]:
+        assert [row["consumed_samples"] for row in rank] == [8, 16, 24, 40, 56]
+        assert {row["train_iters"] for row in rank} == {5}
+        for row in rank:
+            assert row["lr"] == pytest.approx(1e-3 - 9e-4 * row["consumed_samples"] / 56, rel=1e-12)
+        assert rank[-1]["lr"] == pytest.approx(1e-4, rel=1e-12)
+        same = ("consumed_samples", "loss", "lr", "grad_norm")
+        assert [[row[k] for k in same] for row in rank[:3]] == [[row[k] for k in same] for row in bare[:3]]
+        assert rank[3]["grad_norm"] != bare[3]["grad_norm"]
 
 
 def test_a_dropped_finalize_is_stopped_at_the_first_step(runs):
@@ -121,6 +140,32 @@ def test_refusals_name_bridges_fields(ga_bridge, cfg, change, settings, error, m
         ga_bridge.install(ga_bridge.with_ga(cfg, **settings))
     assert type(raised.value).__name__ == error
     assert installed() is None
+
+
+def test_a_step_schedule_needs_its_samples_and_a_ga_container(ga_bridge, cfg):
+    from megatron_ga_ext.errors import ScheduleError
+
+    cfg.train.train_iters, cfg.train.train_samples = None, 50
+    cfg.train.step_batch_size_schedule = "0:8 1536:16"
+    with pytest.raises(ScheduleError, match=r"needs a GAContainer \(ga_bridge\.with_ga\(cfg\)\): Bridge passes no "
+                                            "schedule to the calculator"):
+        ga_bridge.install(cfg)
+    container = ga_bridge.with_ga(cfg)
+    ga_bridge.install(container)
+    container.data_parallel_size = 2  # what Bridge's validation sets, and GAContainer.validate() reads after it
+    with pytest.raises(ScheduleError, match=r"^train\.train_samples 50: .* the last of its 5 steps ends at 56 "
+                                            r"samples, .* Set train\.train_samples to 56"):
+        _plan_only(ga_bridge, container)
+
+
+def _plan_only(ga_bridge, container):
+    """GAContainer.validate() after Bridge's own (which needs torch.distributed for the world size)."""
+    base = ga_bridge.ConfigContainer.validate
+    try:
+        ga_bridge.ConfigContainer.validate = lambda self: None
+        container.validate()
+    finally:
+        ga_bridge.ConfigContainer.validate = base
 
 
 def test_an_unknown_ga_setting_is_named(ga_bridge, cfg):

@@ -84,6 +84,18 @@ def _extension(cfg: Any) -> Any:
     return cfg
 
 
+def _schedule(cfg: Any) -> Any:
+    """train_samples 56 under train.step_batch_size_schedule "0:8 1536:16" (thresholds in tokens, as upstream's:
+    24 samples of 64; GBS 8 for 3 steps, then 16 for 2), sample-based LR decay to min_lr at 56."""
+    cfg.train.train_iters, cfg.train.train_samples = None, 56
+    cfg.train.step_batch_size_schedule = "0:8 1536:16"
+    return cfg
+
+
+def _schedule_extension(cfg: Any) -> Any:
+    return _extension(_schedule(cfg))
+
+
 def _drop_finalize() -> None:
     """Bridge #4974's shape: the model config the loop trains with holds no finalize_model_grads_func."""
     import megatron.bridge.training.pretrain as pretrain_module
@@ -111,6 +123,8 @@ CASES: dict[str, Callable[[Any], Any]] = {
     "bridge": _bridge,
     "bridge-microbatch": _microbatch,
     "extension": _extension,
+    "schedule-bridge": _schedule,
+    "schedule-extension": _schedule_extension,
     "dropped-finalize-bridge": _dropped(_bridge),
     "dropped-finalize-extension": _dropped(_extension),
 }
@@ -130,6 +144,7 @@ def _record(path: Path) -> Any:
         loss = loss_dict.get("lm loss")
         out.write(json.dumps({
             "iteration": state.train_state.step, "consumed_samples": state.train_state.consumed_train_samples,
+            "train_iters": state.cfg.train.train_iters,
             "loss": None if loss is None else float(loss), "lr": learning_rate,
             "grad_norm": None if grad_norm is None else float(grad_norm), "skipped": int(skipped_iter)}) + "\n")
         out.flush()
