@@ -105,7 +105,7 @@ def test_a_page_without_the_markers_of_its_table_is_an_error(pages):
 
 def test_ci_runs_the_docs_check_and_no_target_hands_a_test_a_page():
     assert "docs-check: $(STAMP)\n\t$(PY) -m tools.docs --check\n" in (ROOT / "Makefile").read_text()
-    assert '"docs-check fuzz critical-batch-quick"' in (ROOT / ".ci" / "run").read_text()
+    assert '"docs-check fuzz critical-batch-quick test-bridge"' in (ROOT / ".ci" / "run").read_text()
     assert "_DOC=" not in (ROOT / "Makefile").read_text() + (ROOT / ".ci" / "run").read_text()
 
 

@@ -291,3 +291,19 @@ def test_counts_of_another_shape_or_dtype_in_a_later_step():
         for count in counts:
             contract.check((torch.tensor(1.0), count, {}))
         assert contract.collect(torch.device("cpu"), is_last_stage=True).tolist() == [7, 0, 0, 0]
+
+
+def test_the_extensions_finalize_is_named_as_upstreams_in_a_yaml_config():
+    """Megatron-Bridge saves its config (holding partial(finalize_model_grads, pg_collection=...)) as YAML beside each
+    checkpoint, naming a function by its module and __qualname__: the extension's finalize answers upstream's."""
+    import functools
+
+    yaml = pytest.importorskip("yaml")
+    yaml_utils = pytest.importorskip("megatron.training.config.yaml_utils")
+    from megatron.core.distributed import finalize_model_grads
+
+    bound = functools.partial(make_finalize_model_grads(finalize_model_grads, LossContract()),
+                              pg_collection=None)
+    with yaml_utils.safe_yaml_representers():
+        text = yaml.safe_dump({"finalize_model_grads_func": bound})
+    assert "_target_: megatron.core.distributed.finalize_model_grads.finalize_model_grads" in text

@@ -20,6 +20,7 @@ per-token flag is off.
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -148,6 +149,9 @@ class FinalizeModelGrads:
     def __init__(self, original: FinalizeFunction, contract: LossContract | None, config: GAConfig) -> None:
         if config.loss_reduction == "token" and contract is None:
             raise LossContractError("reduction mode 'token' needs a LossContract to read counts from.")
+        # upstream's __module__, __name__ and __qualname__: Bridge writes its config (holding a partial of this) as
+        # YAML beside each checkpoint, and names a function's target by them
+        functools.update_wrapper(self, original, updated=())
         self.original = original
         self.contract = contract
         self.config = config

@@ -18,8 +18,8 @@ import pytest
 
 pytestmark = pytest.mark.bridge
 ROOT = Path(__file__).resolve().parents[2]
-CASES = ("bridge", "bridge-microbatch", "extension", "schedule-bridge", "schedule-extension",
-         "dropped-finalize-bridge", "dropped-finalize-extension")
+CASES = ("bridge", "bridge-microbatch", "extension", "schedule-bridge", "schedule-extension", "resume-save",
+         "resume-load", "dropped-finalize-bridge", "dropped-finalize-extension")
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +61,16 @@ def test_a_step_schedule_trains_the_planned_samples_with_the_lr_ending_on_the_la
         same = ("consumed_samples", "loss", "lr", "grad_norm")
         assert [[row[k] for k in same] for row in rank[:3]] == [[row[k] for k in same] for row in bare[:3]]
         assert rank[3]["grad_norm"] != bare[3]["grad_norm"]
+
+
+def test_a_resume_at_the_stage_switch_trains_on_as_the_uninterrupted_run(runs):
+    """The schedule's run saved at iteration 3 (torch_dist; Bridge writes its config, holding the extension's
+    finalize, as YAML beside it) and stopped, then resumed: iterations 4 and 5 (GBS 16 from consumed sample 24)
+    equal the uninterrupted run's in consumed samples, loss, LR and grad norm."""
+    whole = runs["schedule-extension"]
+    for rank in range(2):
+        assert runs["resume-save"][rank] == whole[rank][:3]
+        assert runs["resume-load"][rank] == whole[rank][3:]
 
 
 def test_a_dropped_finalize_is_stopped_at_the_first_step(runs):

@@ -6,13 +6,15 @@ data, with Bridge's GPT step (tests/bridge; make test-bridge).
 imports Bridge once (under the TE import stand-in, shim 13 of megatron_ga_ext/testing/shims.py), then per case forks
 two ranks. Each rank applies ``bridge_shims()``, builds :func:`tiny_config`, runs the case's :data:`CASES` set-up
 and ``pretrain()``, and writes ``OUT/CASE.rankR.jsonl``: one row per iteration at full precision from Bridge's own
-``training_log`` (iteration, ``lm loss``, grad norm, learning rate, consumed samples), and a last row
-``{"error": ..., "type": ...}`` where ``pretrain()`` raised. The parent exits 0 once every rank has finished.
+``training_log`` (iteration, ``lm loss``, grad norm, learning rate, consumed samples, train_iters), and a last row
+``{"error": ..., "type": ...}`` where ``pretrain()`` raised (Bridge's ``sys.exit(0)`` at ``train.exit_interval``
+is a normal end). The parent exits 0 once every rank has finished.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import sys
 import traceback
@@ -24,6 +26,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 SEQ_LENGTH = 64
 WORLD_SIZE = 2
+#: The output directory (main's first argument): rows, and the checkpoints of the resume cases.
+OUT = Path(".")
 
 
 def tiny_config(*, per_token: bool = True, train_iters: int = 6) -> Any:
@@ -96,6 +100,21 @@ def _schedule_extension(cfg: Any) -> Any:
     return _extension(_schedule(cfg))
 
 
+def _saving(cfg: Any) -> Any:
+    """The schedule's run through the extension, saved at iteration 3 (where its batch is to double) and stopped."""
+    cfg = _schedule_extension(cfg)
+    cfg.checkpoint.save = str(OUT / "checkpoints")
+    cfg.train.exit_interval = 3
+    return cfg
+
+
+def _resuming(cfg: Any) -> Any:
+    """The same run resumed from that checkpoint, to its end."""
+    cfg = _schedule_extension(cfg)
+    cfg.checkpoint.save = cfg.checkpoint.load = str(OUT / "checkpoints")
+    return cfg
+
+
 def _drop_finalize() -> None:
     """Bridge #4974's shape: the model config the loop trains with holds no finalize_model_grads_func."""
     import megatron.bridge.training.pretrain as pretrain_module
@@ -125,6 +144,8 @@ CASES: dict[str, Callable[[Any], Any]] = {
     "extension": _extension,
     "schedule-bridge": _schedule,
     "schedule-extension": _schedule_extension,
+    "resume-save": _saving,
+    "resume-load": _resuming,
     "dropped-finalize-bridge": _dropped(_bridge),
     "dropped-finalize-extension": _dropped(_extension),
 }
@@ -167,6 +188,9 @@ def _rank(case: str, rank: int, port: int, out: Path) -> int:
     with bridge_shims():
         try:
             pretrain(CASES[case](tiny_config()), forward_step)
+        except SystemExit as error:  # train.exit_interval: Bridge saves, then sys.exit(0)
+            if error.code not in (0, None):
+                raise
         except BaseException as error:  # the error is the result: written for the test to read
             traceback.print_exc()
             rows.write(json.dumps({"error": str(error), "type": type(error).__name__}) + "\n")
@@ -177,7 +201,9 @@ def _rank(case: str, rank: int, port: int, out: Path) -> int:
 
 
 def main(argv: list[str]) -> int:
+    global OUT
     out, cases = Path(argv[0]), argv[1:]
+    OUT = out
     unknown = [case for case in cases if case not in CASES]
     if unknown:
         raise SystemExit(f"unknown case {unknown[0]!r}; the cases: {', '.join(CASES)}")
@@ -198,6 +224,10 @@ def main(argv: list[str]) -> int:
                 try:
                     code = _rank(case, rank, port, out)
                 finally:
+                    # the checkpoint writer's spawned workers hold the parent's pipes and outlive os._exit
+                    for child in multiprocessing.active_children():
+                        child.terminate()
+                        child.join()
                     sys.stdout.flush()
                     sys.stderr.flush()
                     os._exit(code)
