@@ -23,6 +23,7 @@ from megatron_ga_ext.core.layout import BatchLayout
 from megatron_ga_ext.core.megatron_flags import LAUNCHER_OPTIONS, MEGATRON_OPTIONS, VIRTUAL_PIPELINE, Option
 from megatron_ga_ext.core.numbers import read_int
 from megatron_ga_ext.errors import GAError, UsageError
+from megatron_ga_ext.launch.bridge_line import bridge_check
 from megatron_ga_ext.launch.line import Launch, layout_kwargs, parse_launch
 from megatron_ga_ext.launch.problems import launch_notes, launch_problems
 
@@ -124,6 +125,9 @@ def _run_ledger(args: argparse.Namespace) -> int:
 def _configure_check(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", metavar="N", help="the world size, where the launch line leaves it open")
     parser.add_argument("--json", action="store_true", help="print the ledger and the problems as JSON")
+    parser.add_argument("--bridge", action="store_true",
+                        help="a Megatron-Bridge launch (run_recipe.py, or a script that calls ga_bridge.install): "
+                             "read its section.field=value overrides (docs/bridge.md)")
     parser.add_argument("launch", nargs=argparse.REMAINDER, help="-- then the whole launch line")
 
 
@@ -132,9 +136,12 @@ def _run_check(args: argparse.Namespace) -> int:
     if not tokens:
         raise UsageError("give the launch line after --: megatron-ga check -- torchrun ... pretrain_gpt.py ...")
     world_size = None if args.world_size is None else read_int(BY_DEST["world_size"].flag, args.world_size)
-    launch = parse_launch(tokens)
-    layout, problems = launch_problems(launch, world_size)
-    notes = launch_notes(launch)
+    if args.bridge:
+        layout, problems, notes = bridge_check(tokens, world_size)
+    else:
+        launch = parse_launch(tokens)
+        layout, problems = launch_problems(launch, world_size)
+        notes = launch_notes(launch)
     if args.json:
         print(json.dumps({"ledger": layout.ledger() if layout else None, "problems": problems, "notes": notes},
                          indent=2))

@@ -21,11 +21,10 @@ build this package's classes (``register_allowed_target_prefix``).
 * runs the rule pass and the coverage table of a Megatron-LM launch over the container's fields, read under
   Megatron-LM's names (``train.micro_batch_size`` is ``--micro-batch-size``). A refusal names Bridge's field
   where Megatron-LM's message names its flag;
-* refuses what Bridge's loop does not give the extension yet (:data:`NOT_YET`): the settings that change the batch
-  as the run goes (Bridge computes the run length and the LR horizon from one GBS) and the noise scale (its line,
-  scalars and checkpoint sidecar hook Megatron-LM's ``training_log`` and checkpointing, which Bridge does not call);
-  and a
-  ``train.rampup_batch_size``, which megatron-core 0.18 and later drop with a warning;
+* refuses what Bridge's loop does not give the extension yet (config/bridge_rules.py): the settings that change the
+  batch as the run goes (Bridge computes the run length and the LR horizon from one GBS), the noise scale (its
+  line, scalars and sidecar hook Megatron-LM's ``training_log`` and checkpointing, which Bridge does not call), and
+  a ``train.rampup_batch_size``, which megatron-core 0.18 and later drop with a warning;
 * then ``megatron_ga_ext.install(config)``: the schedule, finalize, calculator and optimizer hooks are megatron-core's,
   and Bridge's loop calls them (Bridge binds ``finalize_model_grads`` and its schedule by name: install() rebinds
   both).
@@ -35,14 +34,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import re
 from collections.abc import Iterator
 from typing import Any
 
 from megatron.bridge.training.config import ConfigContainer
 from megatron.bridge.utils.instantiate_utils import register_allowed_target_prefix
 
-from megatron_ga_ext.config.flags import GA_FLAGS, GA_OPTIONS, GAFlags
+from megatron_ga_ext.config.bridge_rules import SECTIONS, bridge_errors, bridge_names
+from megatron_ga_ext.config.flags import GA_FLAGS, GAFlags
 from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.config.install_check import check_args
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
@@ -51,7 +50,7 @@ from megatron_ga_ext.integration.install import install as install_extension
 from megatron_ga_ext.integration.installation import Installation
 from megatron_ga_ext.logs import get_logger
 
-__all__ = ["NOT_YET", "GAContainer", "GASection", "ga_config", "install", "megatron_settings", "with_ga"]
+__all__ = ["GAContainer", "GASection", "ga_config", "install", "megatron_settings", "with_ga"]
 
 logger = get_logger(__name__)
 
@@ -91,22 +90,6 @@ class GAContainer(ConfigContainer):
         logger.info("megatron-ga-ext: train.step_batch_size_schedule %r: train.train_samples %d takes %d "
                     "iterations (Bridge's %d at one GBS)", text, samples, iterations, self.train.train_iters)
         self.train.train_iters = iterations
-
-
-#: Settings Bridge's loop does not give the extension yet, by field: (their off value, why).
-NOT_YET: dict[str, tuple[Any, str]] = {
-    "convert_rampup": (False, "converting train.rampup_batch_size to a step schedule needs the run length and the "
-                       "LR horizon in the schedule's steps, and Bridge computes both from one GBS"),
-    "batch_size_warmup": ("off", "a batch that grows needs the run length and the LR horizon in the schedule's "
-                          "steps, and Bridge computes both from one GBS"),
-    "lr_scaling": ("none", "it scales the LR of a step schedule's stages, and Bridge runs none"),
-    "noise_scale": (0, "its log line, TensorBoard/W&B scalars and checkpoint sidecar hook Megatron-LM's "
-                    "training_log and checkpointing, which Bridge's loop does not call"),
-}
-
-#: The container's sections read as Megatron-LM's args, in order: a name two sections hold is the first's.
-SECTIONS = ("train", "model", "optimizer", "ddp", "scheduler", "dataset", "validation", "checkpoint", "logger",
-            "dist", "rng", "rerun_state_machine", "tokenizer")
 
 
 def with_ga(cfg: ConfigContainer, **settings: Any) -> GAContainer:
@@ -152,19 +135,10 @@ def ga_config(cfg: ConfigContainer) -> GAConfig:
 def install(cfg: ConfigContainer) -> Installation:
     """Configure, check and install the extension for ``pretrain(cfg, ...)`` (module docstring)."""
     config = ga_config(cfg)
-    for field, (off, why) in NOT_YET.items():
-        if getattr(config, field) != off:
-            flag = GA_FLAGS[field]
-            raise OptionError(f"ga.{field} {getattr(config, field)!r} ({flag.flag}) is not supported on "
-                              f"Megatron-Bridge yet: {why}. Leave it at {off!r}, or train with Megatron-LM's "
-                              "pretrain_gpt.py (docs/bridge.md).")
-    rampup = getattr(cfg.train, "rampup_batch_size", None)
-    if rampup is not None:
-        raise OptionError(f"train.rampup_batch_size {list(rampup)}: megatron-core 0.18 and later drop it with a "
-                          "warning (init_num_microbatches_calculator passes no ramp on), so the run would train "
-                          f"at global_batch_size {cfg.train.global_batch_size} from the first step, and converting "
-                          "it to a step schedule is not supported on Megatron-Bridge yet. Remove it (None), or "
-                          "train with Megatron-LM's pretrain_gpt.py and --ga-convert-rampup (docs/bridge.md).")
+    errors = bridge_errors(config.flag_values(), getattr(cfg.train, "rampup_batch_size", None),
+                           cfg.train.global_batch_size)
+    if errors:
+        raise errors[0]
     if config.step_batch_size_schedule is not None and not (isinstance(cfg, GAContainer) and cfg.train.train_samples):
         raise ScheduleError(
             f"train.step_batch_size_schedule {config.step_batch_size_schedule!r} needs "
@@ -185,15 +159,9 @@ def install(cfg: ConfigContainer) -> Installation:
 
 @contextlib.contextmanager
 def _bridge_names(origin: dict[str, str]) -> Iterator[None]:
-    """Re-raise a GAError with Bridge's field names where it names flags: ``--ga-noise-scale`` as
-    ``ga.noise_scale``, Megatron-LM's ``--micro-batch-size`` as ``train.micro_batch_size``."""
+    """Re-raise a GAError with Bridge's field names where it names flags (config/bridge_rules.bridge_names)."""
     try:
         yield
     except GAError as error:
-        names = {option.flag: f"ga.{option.field}" for option in GA_OPTIONS}
-        names.update({"--" + name.replace("_", "-"): path for name, path in origin.items()})
-        raise type(error)(_FLAG.sub(lambda match: names.get(match.group(0), match.group(0)), str(error))) from error
-
-
-#: A command-line flag in a message: ``--`` and a name, not inside a longer one.
-_FLAG = re.compile(r"(?<![\w-])--[a-z0-9][a-z0-9-]*")
+        fields = {"--" + name.replace("_", "-"): path for name, path in origin.items()}
+        raise type(error)(bridge_names(str(error), fields)) from error

@@ -1,0 +1,63 @@
+"""What Megatron-Bridge's loop does not give the extension yet, and Bridge's field names for Megatron-LM's flags:
+shared by ``integration/bridge.py`` (install(cfg)) and ``megatron-ga check --bridge``. Pure Python.
+
+A field of Bridge's ConfigContainer sections has the name of Megatron-LM's arg (``train.micro_batch_size`` is
+``--micro-batch-size``); ``ga.<field>`` is ``--ga-<field>``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from megatron_ga_ext.config.flags import GA_FLAGS
+from megatron_ga_ext.errors import OptionError
+
+__all__ = ["NOT_YET", "SECTIONS", "bridge_errors", "bridge_names"]
+
+#: The container's sections read as Megatron-LM's args, in order: a name two sections hold is the first's.
+SECTIONS = ("train", "model", "optimizer", "ddp", "scheduler", "dataset", "validation", "checkpoint", "logger",
+            "dist", "rng", "rerun_state_machine", "tokenizer")
+
+#: Settings Bridge's loop does not give the extension yet, by field: (their off value, why).
+NOT_YET: dict[str, tuple[Any, str]] = {
+    "convert_rampup": (False, "converting train.rampup_batch_size to a step schedule needs the run length and the "
+                       "LR horizon in the schedule's steps, and Bridge computes both from one GBS"),
+    "batch_size_warmup": ("off", "a batch that grows needs the run length and the LR horizon in the schedule's "
+                          "steps, and Bridge computes both from one GBS"),
+    "lr_scaling": ("none", "it scales the LR of a step schedule's stages, and is not proven on Bridge yet"),
+    "noise_scale": (0, "its log line, TensorBoard/W&B scalars and checkpoint sidecar hook Megatron-LM's "
+                    "training_log and checkpointing, which Bridge's loop does not call"),
+}
+
+
+def bridge_errors(ga: Mapping[str, Any], rampup: Sequence[int] | None,
+                  global_batch_size: int | None) -> list[OptionError]:
+    """The refusals of a Bridge launch: each ``ga`` setting (by field) of :data:`NOT_YET` that is on, and a
+    ``train.rampup_batch_size``, which megatron-core 0.18 and later drop with a warning."""
+    errors = [OptionError(f"ga.{field} {ga[field]!r} is not supported on Megatron-Bridge yet: {why}. Leave it at "
+                          f"{off!r}, or train with Megatron-LM's pretrain_gpt.py (docs/bridge.md).")
+              for field, (off, why) in NOT_YET.items() if field in ga and ga[field] != off]
+    if rampup is not None:
+        errors.append(OptionError(
+            f"train.rampup_batch_size {list(rampup)}: megatron-core 0.18 and later drop it with a warning "
+            "(init_num_microbatches_calculator passes no ramp on), so the run would train at global_batch_size "
+            f"{global_batch_size} from the first step, and ga.convert_rampup is not supported on Megatron-Bridge "
+            "yet. Remove it (None), or give train.step_batch_size_schedule its equivalent with train.train_samples "
+            f"(megatron-ga schedule --from-rampup {' '.join(map(str, rampup))} --global-batch-size="
+            f"{global_batch_size} prints it; docs/bridge.md)."))
+    return errors
+
+
+def bridge_names(message: str, fields: Mapping[str, str]) -> str:
+    """``message`` with each flag it names as Bridge's field: ``--ga-noise-scale`` as ``ga.noise_scale``, and each
+    Megatron-LM flag of ``fields`` (flag -> ``section.field``) as that field."""
+    names = {option.flag: f"ga.{option.field}" for option in GA_FLAGS.values()}
+    names.update(fields)
+    return _FLAG.sub(lambda match: names.get(match.group(0), match.group(0)), message)
+
+
+#: A command-line flag in a message: ``--`` and a name, not inside a longer one; ``--flag=value`` is a command of
+#: this package's CLI quoted in the message, kept as it is.
+_FLAG = re.compile(r"(?<![\w-])--[a-z0-9][a-z0-9-]*(?![\w=-])")

@@ -1,0 +1,79 @@
+"""A Megatron-Bridge launch line, ``torchrun ... SCRIPT --recipe NAME section.field=value ...``, read as the
+Megatron-LM line it configures, for ``megatron-ga check --bridge``. Pure Python.
+
+The script is Bridge's ``scripts/training/run_recipe.py``, or a copy that calls ``ga_bridge.install(cfg)`` before
+``pretrain()``. Its overrides are Hydra's: ``section.field=value``, with ``+`` or ``++`` before a new key. A field of
+Bridge's sections (config/bridge_rules.SECTIONS) has the name of Megatron-LM's arg, and ``ga.<field>`` is
+``--ga-<field>``: each override of a flag that ``check`` reads becomes that flag (a switch: given where the value
+is true, ``--no-...`` where false and negatable; a list such as ``[2,2,64]``: its values). The other overrides
+are Bridge's alone and left out; every other word of the line is kept. The recipe's own values are not on the
+line, so what no override sets reads as Megatron-LM's default: ``check`` says so.
+"""
+
+from __future__ import annotations
+
+from megatron_ga_ext.config.bridge_rules import SECTIONS, bridge_errors, bridge_names
+from megatron_ga_ext.config.flags import BY_DEST, GA_FLAGS
+from megatron_ga_ext.core.layout import BatchLayout
+from megatron_ga_ext.core.megatron_flags import Option
+from megatron_ga_ext.launch.line import ga_values, parse_int, parse_launch
+from megatron_ga_ext.launch.problems import launch_notes, launch_problems
+
+__all__ = ["bridge_check", "bridge_tokens"]
+
+#: Where Bridge holds what check's messages name without an override of it.
+_FIELDS = {"--calculate-per-token-loss": "model.calculate_per_token_loss"}
+
+
+def bridge_check(tokens: list[str], world_size: int | None) -> tuple[BatchLayout | None, list[str], list[str]]:
+    """(layout, problems, notes) of a Bridge launch line: Megatron-LM's line it configures, checked as one with the
+    extension on, with Bridge's refusals (config/bridge_rules.py), every flag named as Bridge's field."""
+    line, fields = bridge_tokens(tokens)
+    launch = parse_launch(line)
+    launch.entry = True  # the script calls ga_bridge.install(cfg)
+    ramp_flag, gbs_flag = BY_DEST["rampup_batch_size"].flag, BY_DEST["global_batch_size"].flag
+    ramp = launch.values.pop(ramp_flag, None)  # Bridge's own refusal below, not Megatron-LM's advice
+    layout, problems = launch_problems(launch, world_size)
+    rampup = None if ramp is None else [parse_int(ramp_flag, value) for value in ramp]
+    gbs = launch.get(gbs_flag)
+    global_batch_size = None if gbs is None else parse_int(gbs_flag, gbs)
+    problems += [str(error) for error in bridge_errors(ga_values(launch), rampup, global_batch_size)]
+    names = {**_FIELDS, **fields}
+    notes = [f"a Megatron-Bridge launch: read from its {len(fields)} override(s) of fields check reads; the "
+             "recipe's own values are not on the line, so a field no override sets reads as Megatron-LM's default "
+             "(give the ones that decide the batch: train.micro_batch_size, train.global_batch_size, the parallel "
+             "sizes)", *launch_notes(launch)]
+    return layout, [bridge_names(p, names) for p in problems], [bridge_names(n, names) for n in notes]
+
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+
+
+def bridge_tokens(tokens: list[str]) -> tuple[list[str], dict[str, str]]:
+    """(the line with each override of a declared flag as that flag, flag -> the override's key)."""
+    line: list[str] = []
+    fields: dict[str, str] = {}
+    for token in tokens:
+        key, eq, value = token.lstrip("+").partition("=")
+        section, _, name = key.partition(".")
+        if not eq or token.startswith("-"):  # the launcher, the script, --recipe NAME, --config_file PATH
+            line.append(token)
+            continue
+        option = GA_FLAGS.get(name) if section == "ga" else BY_DEST.get(name) if section in SECTIONS else None
+        if option is None:  # an override of a field check does not read: Bridge's, not Megatron-LM's parser's
+            continue
+        fields[option.flag] = key
+        line += _flag(option, value.strip().strip("'\""))
+    return line, fields
+
+
+def _flag(option: Option, value: str) -> list[str]:
+    if option.nargs == 0:
+        if value.lower() in _TRUE:
+            return [option.flag]
+        if value.lower() in _FALSE:
+            return ["--no-" + option.flag[2:]] if option.negatable else []
+        return [option.flag, value]  # not a truth value: the flag's own reading refuses it
+    if value.startswith("[") and value.endswith("]"):
+        return [option.flag, *value[1:-1].replace(",", " ").split()]
+    return [option.flag, value]

@@ -1,0 +1,46 @@
+"""``megatron-ga check --bridge``: a Megatron-Bridge launch (run_recipe.py with Hydra overrides) read as the
+Megatron-LM line it configures, with Bridge's refusals and Bridge's field names (launch/bridge_line.py)."""
+
+import json
+import re
+
+RECIPE = ["torchrun", "--nnodes", "2", "--nproc-per-node", "8", "scripts/training/run_recipe.py", "--recipe",
+          "llama32_1b_pretrain_config"]
+
+
+def test_the_overrides_give_the_ledger_and_the_recipes_values_are_said_to_be_unread(cli):
+    out = cli("check", "--bridge", "--json", "--", *RECIPE, "train.micro_batch_size=2",
+              "++train.global_batch_size=512", "model.tensor_model_parallel_size=2", "+model.seq_length=4096",
+              "model.calculate_per_token_loss=false", "ga.strict=false", "ga.zero_token_policy=skip",
+              "logger.log_interval=10")
+    assert out.status == 0, out.out
+    data = json.loads(out.out)
+    ledger = data["ledger"]
+    assert [ledger[k] for k in ("world_size", "tensor_model_parallel_size", "data_parallel_size", "micro_batch_size",
+                                "global_batch_size", "num_microbatches")] == [16, 2, 8, 2, 512, 32]
+    assert ledger["seq_length"] == 4096
+    assert data["problems"] == []
+    assert re.match(r"a Megatron-Bridge launch: read from its 7 override\(s\) of fields check reads; the recipe's "
+                    r"own values are not on the line", data["notes"][0])
+    assert "install() turns on model.calculate_per_token_loss" in data["notes"][1]
+
+
+def test_refusals_name_bridges_fields(cli):
+    out = cli("check", "--bridge", "--", *RECIPE, "train.micro_batch_size=2", "train.global_batch_size=20",
+              "model.overlap_moe_expert_parallel_comm=true", "ga.noise_scale=1",
+              "train.rampup_batch_size=[32,32,1000]")
+    assert out.status == 1
+    problems = out.out.split("problem(s):", 1)[1]
+    assert "megatron-ga-ext refuses model.overlap_moe_expert_parallel_comm in token mode" in problems
+    assert "train.global_batch_size 20 is not a multiple of train.micro_batch_size 2 x data-parallel size 16" \
+        in problems
+    assert "ga.noise_scale 1 is not supported on Megatron-Bridge yet" in problems
+    assert ("train.rampup_batch_size [32, 32, 1000]: megatron-core 0.18 and later drop it with a warning" in problems
+            and "megatron-ga schedule --from-rampup 32 32 1000 --global-batch-size=20 prints it" in problems)
+    assert "--ga-convert-rampup" not in out.out and "Pass ga.convert_rampup" not in out.out  # Megatron-LM's advice
+
+
+def test_without_bridge_the_overrides_are_not_read(cli):
+    out = cli("check", "--json", "--", *RECIPE, "train.micro_batch_size=2", "train.global_batch_size=512")
+    assert not any("Megatron-Bridge" in note for note in json.loads(out.out)["notes"])
+    assert (json.loads(out.out)["ledger"] or {}).get("micro_batch_size") != 2
