@@ -25,6 +25,7 @@ build this package's classes (``register_allowed_target_prefix``).
   batch as the run goes (Bridge computes the run length and the LR horizon from one GBS), the noise scale (its
   line, scalars and sidecar hook Megatron-LM's ``training_log`` and checkpointing, which Bridge does not call), and
   a ``train.rampup_batch_size``, which megatron-core 0.18 and later drop with a warning;
+* says, as a limit, that Bridge's GPT step passes no ``loss_mask`` to the model (MoE and MTP count padding there);
 * then ``megatron_ga_ext.install(config)``: the schedule, finalize, calculator and optimizer hooks are megatron-core's,
   and Bridge's loop calls them (Bridge binds ``finalize_model_grads`` and its schedule by name: install() rebinds
   both).
@@ -154,6 +155,14 @@ def install(cfg: ConfigContainer) -> Installation:
     values, origin = megatron_settings(cfg)
     with _bridge_names(origin):
         check_args(config, values)
+    moe_or_mtp = [f"model.{name}" for name in ("num_moe_experts", "mtp_num_layers") if getattr(cfg.model, name, None)]
+    if config.loss_reduction == "token" and moe_or_mtp:
+        logger.warning(
+            "megatron-ga-ext coverage, limited on Megatron-Bridge: %s: Bridge's gpt_step.forward_step does not pass "
+            "loss_mask to the model (Bridge #6103), so the router's auxiliary losses and the MTP loss count the "
+            "positions the loss mask drops, and the extension's padding rule for them (docs/reduction.md) cannot "
+            "hold; a forward step that calls model(..., loss_mask=loss_mask) gives it the mask.",
+            " and ".join(moe_or_mtp))
     return install_extension(config)
 
 

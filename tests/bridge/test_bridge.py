@@ -184,3 +184,12 @@ def test_an_unknown_ga_setting_is_named(ga_bridge, cfg):
     with pytest.raises(OptionError, match=r"^ga\.noise: not a megatron-ga-ext setting; the ga section holds .*"
                                           r"noise_scale"):
         ga_bridge.with_ga(cfg, noise=1)
+
+
+def test_moe_or_mtp_in_token_mode_is_said_to_count_padding_on_bridge(ga_bridge, cfg, caplog):
+    """Bridge's gpt_step passes no loss_mask to the model (Bridge #6103): the limit is logged at install."""
+    cfg.model.mtp_num_layers = 1
+    with caplog.at_level("WARNING", logger="megatron_ga_ext.integration.bridge"):
+        ga_bridge.install(ga_bridge.with_ga(cfg))
+    assert ("megatron-ga-ext coverage, limited on Megatron-Bridge: model.mtp_num_layers: Bridge's "
+            "gpt_step.forward_step does not pass loss_mask to the model (Bridge #6103)") in caplog.text
