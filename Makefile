@@ -68,7 +68,7 @@ test: $(STAMP)
 
 # No check may rest on assert, which python -O strips.
 test-O: $(STAMP)
-	$(PY) -O -m pytest -q -p no:cacheprovider -m 'not slow and not gpu and not e2e' $(PYTEST_ARGS)
+	$(PY) -O -m pytest -q -p no:cacheprovider -m 'not slow and not gpu and not e2e and not bridge' $(PYTEST_ARGS)
 
 $(LINT_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[megatron,test,plot,lint]'
