@@ -102,17 +102,15 @@ def _schedule_extension(cfg: Any) -> Any:
 
 def _saving(cfg: Any) -> Any:
     """The schedule's run through the extension, saved at iteration 3 (where its batch is to double) and stopped."""
-    cfg = _schedule_extension(cfg)
     cfg.checkpoint.save = str(OUT / "checkpoints")
     cfg.train.exit_interval = 3
-    return cfg
+    return _schedule_extension(cfg)
 
 
 def _resuming(cfg: Any) -> Any:
     """The same run resumed from that checkpoint, to its end."""
-    cfg = _schedule_extension(cfg)
     cfg.checkpoint.save = cfg.checkpoint.load = str(OUT / "checkpoints")
-    return cfg
+    return _schedule_extension(cfg)
 
 
 def _drop_finalize() -> None:
