@@ -27,16 +27,17 @@ def test_the_overrides_give_the_ledger_and_the_recipes_values_are_said_to_be_unr
 
 def test_refusals_name_bridges_fields(cli):
     out = cli("check", "--bridge", "--", *RECIPE, "train.micro_batch_size=2", "train.global_batch_size=20",
-              "model.overlap_moe_expert_parallel_comm=true", "ga.noise_scale=1",
+              "model.overlap_moe_expert_parallel_comm=true", "ga.lr_scaling=sqrt",
               "train.rampup_batch_size=[32,32,1000]")
     assert out.status == 1
     problems = out.out.split("problem(s):", 1)[1]
     assert "megatron-ga-ext refuses model.overlap_moe_expert_parallel_comm in token mode" in problems
     assert "train.global_batch_size 20 is not a multiple of train.micro_batch_size 2 x data-parallel size 16" \
         in problems
-    assert "ga.noise_scale 1 is not supported on Megatron-Bridge yet" in problems
+    assert "ga.lr_scaling 'sqrt' is not supported on Megatron-Bridge yet" in problems
     assert ("train.rampup_batch_size [32, 32, 1000]: megatron-core 0.18 and later drop it with a warning" in problems
-            and "megatron-ga schedule --from-rampup 32 32 1000 --global-batch-size=20 prints it" in problems)
+            and "Set ga.convert_rampup=true to run it as its exact step schedule" in problems
+            and "megatron-ga schedule --from-rampup 32 32 1000 --global-batch-size=20 prints that schedule" in problems)
     assert "--ga-convert-rampup" not in out.out and "Pass ga.convert_rampup" not in out.out  # Megatron-LM's advice
 
 
@@ -44,3 +45,17 @@ def test_without_bridge_the_overrides_are_not_read(cli):
     out = cli("check", "--json", "--", *RECIPE, "train.micro_batch_size=2", "train.global_batch_size=512")
     assert not any("Megatron-Bridge" in note for note in json.loads(out.out)["notes"])
     assert (json.loads(out.out)["ledger"] or {}).get("micro_batch_size") != 2
+
+
+def test_a_converted_rampup_is_checked_as_its_schedule_under_bridges_names(cli):
+    """ga.convert_rampup=true: the ramp is not refused; its stages are checked against the layout like a step
+    schedule's, named as the train.step_batch_size_schedule install() writes (16 is under MBS 2 x DP 16)."""
+    ramp = [*RECIPE, "train.micro_batch_size=2", "train.global_batch_size=128", "+model.seq_length=1024",
+            "train.train_samples=20000", "ga.convert_rampup=true"]
+    out = cli("check", "--bridge", "--", *ramp, "train.rampup_batch_size=[32,32,1000]")
+    assert out.status == 0, out.out
+    out = cli("check", "--bridge", "--", *ramp, "train.rampup_batch_size=[16,16,1000]")
+    assert out.status == 1
+    assert re.search(r"train\.step_batch_size_schedule entry 1 '0:16' \(from 0 samples, global batch size 16\) is "
+                     r"smaller than train\.micro_batch_size 2 x data-parallel size 16 = 32", out.out), out.out
+    assert "train.rampup_batch_size [16, 16, 1000]" not in out.out

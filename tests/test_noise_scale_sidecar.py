@@ -126,6 +126,21 @@ def installation(monkeypatch, tmp_path, **megatron):
     return state
 
 
+def save(state, iteration: int, non_persistent: bool) -> None:
+    """Megatron-LM's save_checkpoint(iteration, ...) of nothing, through the extension's wrapper (the save row)."""
+    from megatron_ga_ext.integration import megatron_lm
+
+    megatron_lm.saving_sidecar(lambda *args, **kwargs: None, state)(iteration, [], None, None, 0,
+                                                                  non_persistent_ckpt=non_persistent)
+
+
+def load(state, iteration: int) -> None:
+    """Megatron-LM's load_checkpoint(model, optimizer, scheduler) returning ``iteration``, through the wrapper."""
+    from megatron_ga_ext.integration import megatron_lm
+
+    megatron_lm.loading_sidecar(lambda *args, **kwargs: (iteration, 0), state)([], None, None)
+
+
 def tracker(directory, iteration: int) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "latest_checkpointed_iteration.txt").write_text(str(iteration))
@@ -138,12 +153,12 @@ def test_a_non_persistent_global_checkpoint_gets_its_sidecar_and_a_resume_reads_
     saving = installation(monkeypatch, tmp_path, non_persistent_ckpt_type="global", **extra)
     saving.noise_scale.ema = meter(decay=0.95, updates=4).ema
     saving.noise_scale.measurements = 4
-    saving.after_save(6, non_persistent=True)
+    save(saving, 6, non_persistent=True)
     assert sidecar_path(non_persistent, 6).is_file() and not sidecar_path(tmp_path / "save", 6).exists()
     tracker(non_persistent, 6)
     tracker(tmp_path / "save", 4)  # an older persistent checkpoint: Megatron loads the non-persistent one
     resumed = installation(monkeypatch, tmp_path, non_persistent_ckpt_type="global", **extra)
-    resumed.after_load(6, "load", None)
+    load(resumed, 6)
     assert resumed.noise_scale.measurements == 4
     assert resumed.noise_scale.ema.state_dict() == saving.noise_scale.ema.state_dict()
 
@@ -151,16 +166,16 @@ def test_a_non_persistent_global_checkpoint_gets_its_sidecar_and_a_resume_reads_
 def test_a_persistent_checkpoint_beside_non_persistent_ones_is_read_from_load(monkeypatch, tmp_path):
     saving = installation(monkeypatch, tmp_path, non_persistent_ckpt_type="global")
     saving.noise_scale.ema = meter(decay=0.95, updates=2).ema
-    saving.after_save(8, non_persistent=False)
+    save(saving, 8, non_persistent=False)
     tracker(tmp_path / "save" / "non_persistent", 6)  # older: Megatron loads the persistent iteration 8
     tracker(tmp_path / "save", 8)
     resumed = installation(monkeypatch, tmp_path, non_persistent_ckpt_type="global")
-    resumed.after_load(8, "load", None)
+    load(resumed, 8)
     assert resumed.noise_scale.ema.updates == 2
 
 
 def test_a_local_non_persistent_checkpoint_gets_none(monkeypatch, tmp_path):
     saving = installation(monkeypatch, tmp_path, non_persistent_ckpt_type="local",
                           non_persistent_local_ckpt_dir=str(tmp_path / "local"))
-    saving.after_save(6, non_persistent=True)
+    save(saving, 6, non_persistent=True)
     assert not list(tmp_path.rglob(SIDECAR))

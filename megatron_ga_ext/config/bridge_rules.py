@@ -22,31 +22,28 @@ SECTIONS = ("train", "model", "optimizer", "ddp", "scheduler", "dataset", "valid
 
 #: Settings Bridge's loop does not give the extension yet, by field: (their off value, why).
 NOT_YET: dict[str, tuple[Any, str]] = {
-    "convert_rampup": (False, "converting train.rampup_batch_size to a step schedule needs the run length and the "
-                       "LR horizon in the schedule's steps, and Bridge computes both from one GBS"),
     "batch_size_warmup": ("off", "a batch that grows needs the run length and the LR horizon in the schedule's "
                           "steps, and Bridge computes both from one GBS"),
     "lr_scaling": ("none", "it scales the LR of a step schedule's stages, and is not proven on Bridge yet"),
-    "noise_scale": (0, "its log line, TensorBoard/W&B scalars and checkpoint sidecar hook Megatron-LM's "
-                    "training_log and checkpointing, which Bridge's loop does not call"),
 }
 
 
 def bridge_errors(ga: Mapping[str, Any], rampup: Sequence[int] | None,
                   global_batch_size: int | None) -> list[OptionError]:
     """The refusals of a Bridge launch: each ``ga`` setting (by field) of :data:`NOT_YET` that is on, and a
-    ``train.rampup_batch_size``, which megatron-core 0.18 and later drop with a warning."""
+    ``train.rampup_batch_size`` without ``ga.convert_rampup``: megatron-core 0.18 and later drop it with a warning,
+    and Bridge's validation refuses it with ``train.train_samples``."""
     errors = [OptionError(f"ga.{field} {ga[field]!r} is not supported on Megatron-Bridge yet: {why}. Leave it at "
                           f"{off!r}, or train with Megatron-LM's pretrain_gpt.py (docs/bridge.md).")
               for field, (off, why) in NOT_YET.items() if field in ga and ga[field] != off]
-    if rampup is not None:
+    if rampup is not None and not ga.get("convert_rampup"):
         errors.append(OptionError(
             f"train.rampup_batch_size {list(rampup)}: megatron-core 0.18 and later drop it with a warning "
             "(init_num_microbatches_calculator passes no ramp on), so the run would train at global_batch_size "
-            f"{global_batch_size} from the first step, and ga.convert_rampup is not supported on Megatron-Bridge "
-            "yet. Remove it (None), or give train.step_batch_size_schedule its equivalent with train.train_samples "
-            f"(megatron-ga schedule --from-rampup {' '.join(map(str, rampup))} --global-batch-size="
-            f"{global_batch_size} prints it; docs/bridge.md)."))
+            f"{global_batch_size} from the first step. Set ga.convert_rampup=true to run it as its exact step "
+            "schedule (with train.train_samples), or remove it (None); megatron-ga schedule --from-rampup "
+            f"{' '.join(map(str, rampup))} --global-batch-size={global_batch_size} prints that schedule "
+            "(docs/bridge.md)."))
     return errors
 
 

@@ -14,6 +14,8 @@ build this package's classes (``register_allowed_target_prefix``).
 
 :func:`install` does, before ``pretrain()``:
 
+* under ``ga.convert_rampup``, writes ``train.rampup_batch_size`` as its exact ``train.step_batch_size_schedule``
+  and clears it (megatron-core 0.18 and later drop a rampup; Bridge refuses one with ``train.train_samples``);
 * reads ``cfg.ga`` and what the container holds (``train.step_batch_size_schedule``, which Bridge itself never
   passes on; ``model.seq_length``, PP and VPP) into a GAConfig: the calculator hook runs the schedule, and
   ``GAContainer.validate()`` gives it its run length;
@@ -21,14 +23,14 @@ build this package's classes (``register_allowed_target_prefix``).
 * runs the rule pass and the coverage table of a Megatron-LM launch over the container's fields, read under
   Megatron-LM's names (``train.micro_batch_size`` is ``--micro-batch-size``). A refusal names Bridge's field
   where Megatron-LM's message names its flag;
-* refuses what Bridge's loop does not give the extension yet (config/bridge_rules.py): the settings that change the
-  batch as the run goes (Bridge computes the run length and the LR horizon from one GBS), the noise scale (its
-  line, scalars and sidecar hook Megatron-LM's ``training_log`` and checkpointing, which Bridge does not call), and
-  a ``train.rampup_batch_size``, which megatron-core 0.18 and later drop with a warning;
+* refuses what Bridge's loop does not give the extension yet (config/bridge_rules.py): the batch-size warmup and
+  the LR scaling (a batch decided as the run goes, and rates scaled by stage, are not proven on Bridge), and a
+  ``train.rampup_batch_size`` left unconverted;
 * says, as a limit, that Bridge's GPT step passes no ``loss_mask`` to the model (MoE and MTP count padding there);
 * then ``megatron_ga_ext.install(config)``: the schedule, finalize, calculator and optimizer hooks are megatron-core's,
   and Bridge's loop calls them (Bridge binds ``finalize_model_grads`` and its schedule by name: install() rebinds
-  both).
+  both); the noise scale's line, TensorBoard/W&B scalars and sidecar go through Bridge's ``train_step``,
+  ``training_log``, GlobalState writers and checkpointing (bridge_loop.py's rows of the hook table).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from megatron_ga_ext.config.bridge_rules import SECTIONS, bridge_errors, bridge_
 from megatron_ga_ext.config.flags import GA_FLAGS, GAFlags
 from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.config.install_check import check_args
+from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.errors import GAError, OptionError, ScheduleError
 from megatron_ga_ext.integration.install import install as install_extension
@@ -106,15 +109,20 @@ def with_ga(cfg: ConfigContainer, **settings: Any) -> GAContainer:
 
 def megatron_settings(cfg: ConfigContainer) -> tuple[dict[str, Any], dict[str, str]]:
     """(Megatron-LM arg name -> value, Megatron-LM arg name -> Bridge's field) over :data:`SECTIONS`' dataclass
-    fields."""
-    values: dict[str, Any] = {}
+    fields, and the world size as Bridge reads it (``get_world_size_safe``: torch.distributed's, else
+    ``WORLD_SIZE``). ``dataset.data_parallel_size`` is left out: Bridge sets it from the world size when it
+    validates the container, so before ``pretrain()`` it holds its default 1; DP is derived as Megatron derives it,
+    world / (TP x PP x CP)."""
+    from megatron.bridge.utils.common_utils import get_world_size_safe
+
+    values: dict[str, Any] = {"world_size": get_world_size_safe()}
     origin: dict[str, str] = {}
     for section in SECTIONS:
         holder = getattr(cfg, section, None)
         if holder is None or not dataclasses.is_dataclass(holder):
             continue
         for f in dataclasses.fields(holder):
-            if f.name not in values and not f.name.startswith("_"):
+            if f.name not in values and not f.name.startswith("_") and f.name != "data_parallel_size":
                 values[f.name] = getattr(holder, f.name)
                 origin[f.name] = f"{section}.{f.name}"
     return values, origin
@@ -135,6 +143,8 @@ def ga_config(cfg: ConfigContainer) -> GAConfig:
 
 def install(cfg: ConfigContainer) -> Installation:
     """Configure, check and install the extension for ``pretrain(cfg, ...)`` (module docstring)."""
+    if getattr(getattr(cfg, "ga", None), "convert_rampup", False) and cfg.train.rampup_batch_size is not None:
+        _convert_rampup(cfg)
     config = ga_config(cfg)
     errors = bridge_errors(config.flag_values(), getattr(cfg.train, "rampup_batch_size", None),
                            cfg.train.global_batch_size)
@@ -164,6 +174,34 @@ def install(cfg: ConfigContainer) -> Installation:
             "hold; a forward step that calls model(..., loss_mask=loss_mask) gives it the mask.",
             " and ".join(moe_or_mtp))
     return install_extension(config)
+
+
+def _convert_rampup(cfg: ConfigContainer) -> None:
+    """``train.rampup_batch_size`` under ``ga.convert_rampup``: written as ``train.step_batch_size_schedule``, its
+    exact equivalent (thresholds in tokens at ``model.seq_length``, as that field is read), and cleared, since
+    megatron-core 0.18 and later drop it and Bridge's validation refuses it with ``train.train_samples``. A run
+    given in ``train.train_iters`` is refused with the samples those steps take: Bridge sizes the run and the LR
+    horizons at one GBS."""
+    rampup, train = list(cfg.train.rampup_batch_size), cfg.train
+    with _bridge_names(megatron_settings(cfg)[1]):
+        schedule = resolve_schedule(ScheduleInputs(
+            step_batch_size_schedule=getattr(train, "step_batch_size_schedule", None), rampup_batch_size=rampup,
+            global_batch_size=train.global_batch_size, convert_rampup=True))
+        if not train.train_samples:
+            samples = 0
+            for _ in range(train.train_iters or 0):
+                samples += schedule.global_batch_size_at(samples)
+            raise ScheduleError(
+                f"train.rampup_batch_size {rampup} with ga.convert_rampup needs train.train_samples: Bridge sizes "
+                f"train.train_iters and the lr_*_iters fields at one GBS ({train.global_batch_size}), and the ramp "
+                f"changes it. The {train.train_iters} steps of train.train_iters take {samples} samples under the "
+                f"ramp: set train.train_iters=null train.train_samples={samples}, and give the LR warmup and decay "
+                "in samples (scheduler.lr_warmup_samples, scheduler.lr_decay_samples).")
+        text = schedule.to_string(cfg.model.seq_length)
+    train.step_batch_size_schedule, train.rampup_batch_size = text, None
+    logger.info("megatron-ga-ext: ga.convert_rampup: train.rampup_batch_size %s runs as its exact step schedule, "
+                "train.step_batch_size_schedule %r (thresholds in tokens at seq_length %s); the rampup field is "
+                "cleared", rampup, text, cfg.model.seq_length)
 
 
 @contextlib.contextmanager

@@ -32,9 +32,9 @@ from megatron_ga_ext.errors import CompatError
 from megatron_ga_ext.logs import get_logger
 
 __all__ = [
-    "RELEASES", "TARGETS", "UPSTREAM", "Calculator", "Target", "Upstream", "check_targets", "defines_function",
-    "fingerprint", "known_fingerprints", "live_targets", "megatron_args", "megatron_core_version", "megatron_iteration",
-    "megatron_view",
+    "RELEASES", "TARGETS", "UPSTREAM", "Calculator", "Target", "Upstream", "bridge_step_state", "check_targets",
+    "consumed_train_samples", "defines_function", "fingerprint", "known_fingerprints", "live_targets",
+    "megatron_args", "megatron_core_version", "megatron_iteration", "megatron_view", "set_bridge_step_state",
     "tree_targets",
 ]
 
@@ -181,9 +181,36 @@ _VIEW: tuple[argparse.Namespace | None, MegatronArgs] = (None, MegatronArgs({}))
 
 
 def megatron_iteration() -> int | None:
-    """The Megatron iteration being trained (``args.curr_iteration`` + 1, as its log numbers it), if any."""
+    """The Megatron iteration being trained, as its log numbers it: ``args.curr_iteration`` + 1 in Megatron-LM's
+    loop, ``train_state.step`` + 1 in a Megatron-Bridge step (:func:`bridge_step_state`); None in neither."""
     current = megatron_view().curr_iteration
-    return None if current is None else current + 1
+    if current is not None:
+        return current + 1
+    bridge = bridge_step_state()
+    return None if bridge is None else bridge.train_state.step + 1
+
+
+def consumed_train_samples() -> int | None:
+    """The samples consumed before the step in progress (Megatron-LM's ``args.consumed_train_samples``, Bridge's
+    ``train_state.consumed_train_samples``; both add the step's batch after it); None in neither loop."""
+    view = megatron_view()
+    if view.has("consumed_train_samples"):
+        return view.consumed_train_samples
+    bridge = bridge_step_state()
+    return None if bridge is None else bridge.train_state.consumed_train_samples
+
+
+def bridge_step_state() -> Any:
+    """Megatron-Bridge's ``GlobalState`` while its ``train_step`` runs (bridge_loop.py sets it): the run state Bridge
+    keeps where Megatron-LM keeps its parsed args and global writers; None outside a Bridge step."""
+    return _BRIDGE_STEP[0]
+
+
+def set_bridge_step_state(state: Any) -> None:
+    _BRIDGE_STEP[0] = state
+
+
+_BRIDGE_STEP: list[Any] = [None]
 
 
 def megatron_core_version() -> str:

@@ -5,12 +5,14 @@ or a ``Class.method`` (replaced on the class, so instances built before install(
 ``wrap(original, state)`` that makes its replacement, and where the code is:
 
 * ``import``: a megatron-core module, imported and wired at install();
-* ``loaded``: a module of the host loop (Megatron-LM's ``megatron.training``), wired once the script has loaded it:
+* ``loaded``: a module of a host loop (Megatron-LM's ``megatron.training``, Megatron-Bridge's
+  ``megatron.bridge.training``), wired once the script has loaded it:
   install() tries, and the calculator hook tries again (Megatron-LM's training modules are loaded by then);
 * a row whose function this source does not define (``present`` false) is settled, never wired.
 
 The wrappers here are thin: each calls the Installation's method for its phase (installation.py), where the order of
-one training step reads in one file. The table's rows for a host loop are its adapter: Megatron-LM's rows now.
+one training step reads in one file. The table's rows for a host loop are its adapter: Megatron-LM's
+(megatron_lm.py) and Megatron-Bridge's (bridge_loop.py).
 ``fingerprinted`` rows replace behaviour and are compared with the tested sources (compat.TARGETS) before patching;
 the others only wrap around a call and are not.
 """
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from megatron_ga_ext.integration import aux_losses, megatron_lm
+from megatron_ga_ext.integration import aux_losses, bridge_loop, megatron_lm
 from megatron_ga_ext.integration.compat import (
     CALCULATOR,
     FINALIZE,
@@ -65,7 +67,7 @@ class Hook:
     load: str = "import"
     """``import``: imported at install(); ``loaded``: wired once the host loop has loaded the module."""
     host: str = "megatron-core"
-    """The code the row belongs to: megatron-core, or a host loop (megatron-lm)."""
+    """The code the row belongs to: megatron-core, or a host loop (megatron-lm, megatron-bridge)."""
     present: Callable[[ModuleType], bool] | None = None
     """Whether this source has the target (None: where the name resolves)."""
     fingerprinted: bool = False
@@ -223,6 +225,7 @@ _OPTIMIZER = "megatron.core.optimizer"
 _DATA_SCHEDULE = "megatron.core.datasets.data_schedule"
 _CHECKPOINTING = "megatron.training.checkpointing"
 _LM = {"load": "loaded", "host": "megatron-lm"}
+_BRIDGE = {"load": "loaded", "host": "megatron-bridge"}
 
 #: Every target, by phase. A vendored tree (patches/) wires the rows of SCHEDULES, FINALIZE and CALCULATOR at each
 #: module's import; install() wires all the rows it can.
@@ -242,6 +245,8 @@ HOOKS: tuple[Hook, ...] = (
            does="the start-up checks once; after the call, every chunk ran num_microbatches and finalize was reached")
       for name in ("forward_backward_no_pipelining", "forward_backward_pipelining_with_interleaving",
                    "forward_backward_pipelining_without_interleaving")),
+    Hook("step", bridge_loop.TRAIN, "train_step", bridge_loop.stepping, **_BRIDGE,
+         does="Bridge's GlobalState as the step's run state: its iteration, consumed samples and writers"),
     Hook("step", _DATA_SCHEDULE, "wrap_data_iterator", _scheduled_count,
          does="the sequence-packing scheduler's count, the one the next forward/backward call must run"),
     # micro_batch: the loss contract, and the MoE/MTP terms with the loss mask's padding (aux_losses.py)
@@ -278,11 +283,17 @@ HOOKS: tuple[Hook, ...] = (
          does="what Megatron decided on a non-finite loss left to its rerun machine, logged"),
     Hook("log", TRAINING, "training_log", megatron_lm.printing_after_training_log, **_LM,
          does="--ga-noise-scale: its line after Megatron's"),
+    Hook("log", bridge_loop.TRAIN, "training_log", megatron_lm.printing_after_training_log, **_BRIDGE,
+         does="--ga-noise-scale: its line after Bridge's"),
     Hook("save", TRAINING, "save_checkpoint", megatron_lm.saving_sidecar, **_LM,
          does="--ga-noise-scale: its EMAs (and warmup stages) in a sidecar beside each checkpoint "
          "(non-persistent global too)"),
     Hook("load", TRAINING, "load_checkpoint", megatron_lm.loading_sidecar, **_LM,
          does="the sidecar read on resume; restored warmup stages live before the loop reads them"),
+    Hook("save", bridge_loop.CHECKPOINTING, "save_checkpoint", bridge_loop.saving_sidecar, **_BRIDGE,
+         does="--ga-noise-scale: its EMAs in a sidecar beside each checkpoint Bridge saves"),
+    Hook("load", bridge_loop.CHECKPOINTING, "load_checkpoint", bridge_loop.loading_sidecar, **_BRIDGE,
+         does="the sidecar read from the checkpoint Bridge loaded"),
     Hook("load", _CHECKPOINTING, "check_checkpoint_args", _record_checkpoint_args, **_LM,
          does="the checkpoint's batch settings, so a resume with others is said at start-up"),
 )

@@ -35,19 +35,14 @@ from megatron_ga_ext.integration.agreement import StartupChecks
 from megatron_ga_ext.integration.aux_report import aux_summary, pipeline_inexact_note
 from megatron_ga_ext.integration.batch_warmup import BatchSizeWarmup
 from megatron_ga_ext.integration.calculator import StepScheduleCalculator, live_step_calculator
-from megatron_ga_ext.integration.compat import live_calculator, megatron_args, megatron_view, set_live_calculator
+from megatron_ga_ext.integration.compat import live_calculator, megatron_args, set_live_calculator
 from megatron_ga_ext.integration.finalize import FinalizeModelGrads, describe_decision
 from megatron_ga_ext.integration.guards import GuardedCalculator, MicrobatchCounter, current_pipeline_size
 from megatron_ga_ext.integration.liveness import StepLiveness
 from megatron_ga_ext.integration.loss_contract import LossContract, mean_of_means_reports
 from megatron_ga_ext.integration.lr_scaling import ScaledRates
 from megatron_ga_ext.integration.noise_scale import NoiseScaleMeter, check_core_layout
-from megatron_ga_ext.integration.noise_scale_sidecar import (
-    load_sidecar,
-    loaded_directory,
-    save_sidecar,
-    saved_directory,
-)
+from megatron_ga_ext.integration.noise_scale_sidecar import load_sidecar, save_sidecar
 from megatron_ga_ext.logs import get_logger
 
 if TYPE_CHECKING:
@@ -285,30 +280,24 @@ class Installation:
         if self.noise_scale is not None:
             self.noise_scale.say_held()
 
-    def after_save(self, iteration: int, non_persistent: bool) -> None:
-        """Megatron-LM saved a checkpoint: the noise-scale EMAs (and warmup stages) beside it, where Megatron put it
-        (``args.save``, or a non-persistent global checkpoint's directory: noise_scale_sidecar.saved_directory).
-        A local non-persistent checkpoint has no such directory and gets none."""
-        directory = saved_directory(megatron_view(), non_persistent)
+    def after_save(self, directory: str | None, iteration: int) -> None:
+        """The loop saved the checkpoint of ``iteration`` under ``directory`` (its ``iter_NNNNNNN`` parent; None for
+        one that has none, a local non-persistent checkpoint): the noise-scale EMAs (and warmup stages) beside it."""
         if self.noise_scale is None or not directory:
             return
         warmup = self.batch_warmup
         save_sidecar(self.noise_scale, directory, iteration,
                      None if warmup is None else warmup.stages(live_step_calculator()))
 
-    def after_load(self, iteration: object, load_arg: str, scheduler: Any) -> None:
-        """Megatron-LM loaded the checkpoint of ``iteration`` from ``args.<load_arg>``, or from its non-persistent
-        global directory where Megatron picked that one: its sidecar read (iteration 0: nothing loaded, none), and
-        restored warmup stages made live before Megatron reads the loaded run's batch and rates. The load has
-        already updated the calculator at the loaded consumed samples, and the scheduler's ``load_state_dict``
-        written the rates (--ga-lr-scaling's factor), both with the first stage only: left so, the loop's first
-        update would see the batch change and save the loaded iteration again, in place, and the first step would
-        train at the first stage's rate."""
-        megatron = megatron_view()
-        if self.noise_scale is None or not isinstance(iteration, int) or iteration <= 0:
-            return
-        directory = loaded_directory(megatron, load_arg, iteration)  # a non-persistent checkpoint's, if it was that
-        if not directory:
+    def after_load(self, directory: str | None, iteration: int, scheduler: Any, consumed_samples: int) -> None:
+        """The loop loaded the checkpoint of ``iteration`` from ``directory`` (where the loop picked it: a
+        non-persistent one, if it was that), at ``consumed_samples``: its sidecar read (iteration 0: nothing
+        loaded, none), and restored warmup stages made live before the loop reads the loaded run's batch and rates.
+        The load has already updated the calculator at the loaded consumed samples, and the scheduler's
+        ``load_state_dict`` written the rates (--ga-lr-scaling's factor), both with the first stage only: left so,
+        the loop's first update would see the batch change and save the loaded iteration again, in place, and the
+        first step would train at the first stage's rate."""
+        if self.noise_scale is None or not directory or iteration <= 0:
             return
         saved = load_sidecar(self.noise_scale, directory, iteration)
         stages = saved.get("stages") if saved is not None else None
@@ -322,7 +311,7 @@ class Installation:
         from megatron.core.num_microbatches_calculator import update_num_microbatches
 
         # through the guard: its baseline too
-        update_num_microbatches(megatron.consumed_train_samples, consistency_check=True, verbose=True)
+        update_num_microbatches(consumed_samples, consistency_check=True, verbose=True)
         if scheduler is not None:
             scheduler.step(0)  # each group's rate and weight decay written again at its count, as its constructor does
 

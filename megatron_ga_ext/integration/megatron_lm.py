@@ -39,6 +39,7 @@ from megatron_ga_ext.config.flags import LOSS_REDUCTION
 from megatron_ga_ext.config.megatron_args import MegatronArgs
 from megatron_ga_ext.integration.calculator import live_step_calculator
 from megatron_ga_ext.integration.compat import megatron_view
+from megatron_ga_ext.integration.noise_scale_sidecar import loaded_directory, saved_directory
 from megatron_ga_ext.logs import get_logger
 
 if TYPE_CHECKING:
@@ -149,13 +150,14 @@ def printing_after_training_log(original: Callable, state: Installation) -> Call
 
 
 def saving_sidecar(original: Callable, state: Installation) -> Callable:
-    """``save_checkpoint(iteration, ...)``: the sidecar after it."""
+    """``save_checkpoint(iteration, ...)``: the sidecar after it, where Megatron put the checkpoint."""
 
     @functools.wraps(original)
     def save_checkpoint(iteration: int, *args: Any, **kwargs: Any) -> Any:
         result = original(iteration, *args, **kwargs)
         if state.active:
-            state.after_save(iteration, bool(kwargs.get("non_persistent_ckpt", False)))
+            state.after_save(saved_directory(megatron_view(), bool(kwargs.get("non_persistent_ckpt", False))),
+                             iteration)
         return result
 
     return save_checkpoint
@@ -163,15 +165,18 @@ def saving_sidecar(original: Callable, state: Installation) -> Callable:
 
 def loading_sidecar(original: Callable, state: Installation) -> Callable:
     """``load_checkpoint(model, optimizer, opt_param_scheduler, load_arg='load', ...)``, which returns (iteration,
-    flops): the sidecar of that iteration read after it."""
+    flops): the sidecar of that iteration read after it, from where Megatron loaded it."""
 
     @functools.wraps(original)
     def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
-        if state.active:
-            iteration = result[0] if isinstance(result, tuple) and result else megatron_view().iteration
-            state.after_load(iteration, kwargs.get("load_arg", args[3] if len(args) > 3 else "load"),
-                             kwargs.get("opt_param_scheduler", args[2] if len(args) > 2 else None))
+        view = megatron_view()
+        iteration = result[0] if isinstance(result, tuple) and result else view.iteration
+        if state.active and isinstance(iteration, int) and iteration > 0:
+            load_arg = kwargs.get("load_arg", args[3] if len(args) > 3 else "load")
+            state.after_load(loaded_directory(view, load_arg, iteration), iteration,
+                             kwargs.get("opt_param_scheduler", args[2] if len(args) > 2 else None),
+                             view.consumed_train_samples)
         return result
 
     return load_checkpoint

@@ -45,11 +45,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megatron_ga_ext.config.launch_rules import check_noise_scale_layout
-from megatron_ga_ext.config.megatron_args import MegatronArgs
 from megatron_ga_ext.core.noise_scale import NoiseEstimate, NoiseScaleEMA, replica_estimate_from_sums
 from megatron_ga_ext.core.noise_trace import SCALARS, json_line, log_line, scalar_tag, trace_row
 from megatron_ga_ext.errors import OptionError
-from megatron_ga_ext.integration.compat import megatron_args, megatron_iteration
+from megatron_ga_ext.integration.compat import (
+    bridge_step_state,
+    consumed_train_samples,
+    megatron_args,
+    megatron_iteration,
+)
 from megatron_ga_ext.logs import get_logger
 
 if TYPE_CHECKING:
@@ -270,13 +274,12 @@ class NoiseScaleMeter:
         """The row ``megatron-ga schedule --suggest`` reads (core/schedule/suggest.py), and the parts behind it:
         B_simple from the EMAs, in tokens and in samples (at this step's loss tokens per sample, N / GBS)."""
         estimate = measurement.estimate
-        args = megatron_args()
-        consumed, tokens_per_sample = None, None
-        if args is not None and MegatronArgs.of(args).has("consumed_train_samples"):
+        consumed, tokens_per_sample = consumed_train_samples(), None
+        if consumed is not None:
             from megatron.core.num_microbatches_calculator import get_current_global_batch_size
 
             batch = get_current_global_batch_size()
-            consumed = args.consumed_train_samples + batch  # Megatron adds the step's batch after the step
+            consumed += batch  # the loop adds the step's batch after the step
             tokens_per_sample = estimate.tokens / batch
         return trace_row(
             iteration=measurement.iteration, consumed_samples=consumed,
@@ -553,19 +556,31 @@ def last_rank() -> bool:
 
 
 def _writers() -> tuple[Any, Any]:
-    """Megatron-LM's TensorBoard and W&B writers (set on the last rank), where its training package is loaded."""
+    """The loop's TensorBoard and W&B writers (each made on the last rank only): Megatron-LM's global ones, where
+    its training package is loaded, else those of the Megatron-Bridge step in progress (its GlobalState's)."""
     import sys
 
     global_vars = sys.modules.get("megatron.training.global_vars")
-    if global_vars is None:
+    if global_vars is not None and megatron_args() is not None:
+        return global_vars.get_tensorboard_writer(), global_vars.get_wandb_writer()
+    bridge = bridge_step_state()
+    if bridge is None:
         return None, None
-    return global_vars.get_tensorboard_writer(), global_vars.get_wandb_writer()
+    return bridge.tensorboard_logger, bridge.wandb_logger
 
 
 def _training_log_prints_after() -> bool:
-    """Whether Megatron-LM's ``training_log`` is wired to print a held line (the meter is made after the wiring,
-    from Megatron's args, so it asks at each report; functools.wraps carries the mark through wrappers on top)."""
+    """Whether the loop's ``training_log`` is wired to print a held line and runs after this step: Megatron-LM's,
+    or in a Megatron-Bridge step Bridge's (which it skips under ``logger.skip_train_metrics_log``). The meter is
+    made after the wiring, so it asks at each report; functools.wraps carries the mark through wrappers on top."""
     import sys
 
-    training = sys.modules.get("megatron.training.training")
-    return bool(getattr(getattr(training, "training_log", None), "megatron_ga_ext_prints_after", False))
+    bridge = bridge_step_state()
+    if bridge is not None:
+        if bridge.cfg.logger.skip_train_metrics_log:
+            return False
+        module = "megatron.bridge.training.train"
+    else:
+        module = "megatron.training.training"
+    training_log = getattr(sys.modules.get(module), "training_log", None)
+    return bool(getattr(training_log, "megatron_ga_ext_prints_after", False))

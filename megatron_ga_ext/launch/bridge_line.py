@@ -22,7 +22,9 @@ from megatron_ga_ext.launch.problems import launch_notes, launch_problems
 __all__ = ["bridge_check", "bridge_tokens"]
 
 #: Where Bridge holds what check's messages name without an override of it.
-_FIELDS = {"--calculate-per-token-loss": "model.calculate_per_token_loss"}
+_FIELDS = {"--calculate-per-token-loss": "model.calculate_per_token_loss",
+           "--step-batch-size-schedule": "train.step_batch_size_schedule",  # a converted rampup's, as install writes it
+           "--rampup-batch-size": "train.rampup_batch_size"}
 
 
 def bridge_check(tokens: list[str], world_size: int | None) -> tuple[BatchLayout | None, list[str], list[str]]:
@@ -32,7 +34,9 @@ def bridge_check(tokens: list[str], world_size: int | None) -> tuple[BatchLayout
     launch = parse_launch(line)
     launch.entry = True  # the script calls ga_bridge.install(cfg)
     ramp_flag, gbs_flag = BY_DEST["rampup_batch_size"].flag, BY_DEST["global_batch_size"].flag
-    ramp = launch.values.pop(ramp_flag, None)  # Bridge's own refusal below, not Megatron-LM's advice
+    converted = bool(ga_values(launch).get("convert_rampup"))
+    # unconverted: Bridge's own refusal below, not Megatron-LM's advice; converted: checked as Megatron-LM's
+    ramp = launch.values.get(ramp_flag) if converted else launch.values.pop(ramp_flag, None)
     layout, problems = launch_problems(launch, world_size)
     rampup = None if ramp is None else [parse_int(ramp_flag, value) for value in ramp]
     gbs = launch.get(gbs_flag)

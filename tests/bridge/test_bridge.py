@@ -10,26 +10,41 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.support.event_files import tensorboard_scalars
+
 pytestmark = pytest.mark.bridge
 ROOT = Path(__file__).resolve().parents[2]
 CASES = ("bridge", "bridge-microbatch", "extension", "schedule-bridge", "schedule-extension", "resume-save",
-         "resume-load", "dropped-finalize-bridge", "dropped-finalize-extension")
+         "resume-load", "rampup-extension", "noise-scale", "noise-scale-save", "noise-scale-load",
+         "dropped-finalize-bridge", "dropped-finalize-extension")
+BRIDGE_LINE = re.compile(r"\biteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \|")
+NOISE_LINE = re.compile(r"^ ?megatron-ga-ext noise scale \| iteration (\d+) \| .* \| "
+                        r"loss tokens: (\d+) over 2 replicas \| consumed samples: (\d+) \|$")
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, list[list[dict]]]:
-    """Each case's rows, per rank."""
+def out(tmp_path_factory) -> Path:
+    """Every case run: OUT/CASE.rankR.jsonl (rows) and .log (what the rank printed and logged), and the runs'
+    directories."""
     out = tmp_path_factory.mktemp("bridge-runs")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
     done = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "bridge_runs.py"), str(out), *CASES],
                           capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    logs = "".join(f"{path.name}: ...{path.read_text()[-1500:]}\n" for path in sorted(out.glob("*.log")))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + logs[-6000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(out) -> dict[str, list[list[dict]]]:
+    """Each case's rows, per rank."""
     return {case: [[json.loads(line) for line in (out / f"{case}.rank{rank}.jsonl").read_text().splitlines()]
                    for rank in range(2)] for case in CASES}
 
@@ -71,6 +86,71 @@ def test_a_resume_at_the_stage_switch_trains_on_as_the_uninterrupted_run(runs):
     for rank in range(2):
         assert runs["resume-save"][rank] == whole[rank][:3]
         assert runs["resume-load"][rank] == whole[rank][3:]
+
+
+def test_a_converted_rampup_trains_exactly_its_step_schedule(runs):
+    """train.rampup_batch_size [8, 8, 24] to GBS 16 under ga.convert_rampup (Bridge alone refuses a rampup with
+    train_samples, and megatron-core 0.19 drops it): install() writes it as its schedule, "0:8 1536:16" in
+    tokens, and the run equals the explicit schedule's in every row (consumed samples, loss, LR, grad norm)."""
+    for rank in range(2):
+        assert runs["rampup-extension"][rank] == runs["schedule-extension"][rank]
+
+
+def test_the_noise_scale_line_scalars_and_sidecar_on_bridge(runs, out, cli):
+    """ga.noise_scale 1 on Bridge's loop: it trains as without it; on the last rank each iteration's line follows
+    Bridge's iteration line, with the loss tokens and consumed samples of the trace row; the noise-scale/* scalars
+    in Bridge's TensorBoard equal the trace; each checkpoint Bridge saved holds its sidecar."""
+    from megatron_ga_ext.integration.noise_scale_sidecar import sidecar_path
+
+    same = ("iteration", "consumed_samples", "loss", "lr", "grad_norm")
+    for rank in range(2):
+        assert [[r[k] for k in same] for r in runs["noise-scale"][rank]] == [
+            [r[k] for k in same] for r in runs["extension"][rank]]
+    run = out / "noise-scale"
+    trace = [json.loads(line) for line in (run / "trace-save.jsonl").read_text().splitlines()]
+    assert [(r["iteration"], r["consumed_samples"], r["replicas"]) for r in trace] == [
+        (i, 8 * i, 2) for i in range(1, 7)]
+    lines = (out / "noise-scale.rank1.log").read_text().splitlines()
+    pairs = [(BRIDGE_LINE.search(line), NOISE_LINE.match(lines[n + 1]))
+             for n, line in enumerate(lines[:-1]) if BRIDGE_LINE.search(line)]
+    assert [(int(b[1]), int(b[2])) for b, _ in pairs] == [(i, 8 * i) for i in range(1, 7)]
+    assert [tuple(map(int, m.groups())) for _, m in pairs] == [
+        (r["iteration"], r["tokens"], r["consumed_samples"]) for r in trace]
+    assert "megatron-ga-ext noise scale" not in (out / "noise-scale.rank0.log").read_text()
+    scalars = tensorboard_scalars(run / "tb")
+    for name in ("grad_sq", "trace_sigma", "grad_sq_ema", "trace_sigma_ema", "b_simple_tokens"):
+        steps, values = zip(*scalars[f"noise-scale/{name.replace('_', '-')}"], strict=True)
+        assert steps == tuple(range(1, 7)), name
+        assert values == pytest.approx([r[name] for r in trace], rel=1e-6), name
+    for iteration in (3, 6):
+        sidecar = json.loads(sidecar_path(run / "checkpoints", iteration).read_text())
+        assert (sidecar["iteration"], sidecar["measurements"], sidecar["ema"]["updates"]) == (iteration,) * 3
+    layout = ("--micro-batch-size", "2", "--data-parallel-size", "2", "--global-batch-size", "8",
+              "--max-global-batch-size", "32", "--seq-length", "64", "--train-samples", "512")
+    from_trace, from_tensorboard = (cli("schedule", "--suggest", str(path), *layout)
+                                    for path in (run / "trace-save.jsonl", run / "tb"))
+    assert from_trace.status == from_tensorboard.status == 0, from_trace.err + from_tensorboard.err
+    schedule = from_trace.out.split("\n", 1)[1]  # after the line naming what it read
+    assert "--step-batch-size-schedule" in schedule and from_tensorboard.out.split("\n", 1)[1] == schedule
+
+
+def test_a_resume_continues_the_noise_scale_emas_on_bridge(runs, out):
+    """Saved at iteration 3 and stopped, then resumed by Bridge's load: the rows are the uninterrupted run's, the
+    resumed EMAs at iterations 4-6 equal its to 1e-9, read from the sidecar Bridge loaded, and the loaded checkpoint
+    is not saved again."""
+    whole = [json.loads(line) for line in (out / "noise-scale" / "trace-save.jsonl").read_text().splitlines()]
+    resumed = out / "noise-scale-resume"
+    again = [json.loads(line) for line in (resumed / "trace-load.jsonl").read_text().splitlines()]
+    for rank in range(2):
+        assert runs["noise-scale-save"][rank] + runs["noise-scale-load"][rank] == runs["noise-scale"][rank]
+    assert [r["iteration"] for r in again] == [4, 5, 6]
+    for ours, theirs in zip(again, whole[3:], strict=True):
+        for name in ("grad_sq_ema", "trace_sigma_ema", "grad_sq", "trace_sigma", "consumed_samples"):
+            assert ours[name] == pytest.approx(theirs[name], rel=1e-9), (name, ours, theirs)
+    log = (out / "noise-scale-load.rank0.log").read_text()  # where Bridge prints and logs at INFO
+    assert (f"noise-scale EMAs continued from {resumed / 'checkpoints' / 'iter_0000003'}" in log
+            and "(3 measurements)" in log), log[-2000:]
+    assert re.findall(r"saving checkpoint at iteration\s+(\d+)", log) == ["6"]
 
 
 def test_a_dropped_finalize_is_stopped_at_the_first_step(runs):
@@ -129,15 +209,14 @@ def test_install_turns_on_per_token_loss_and_installs(ga_bridge, cfg):
 
 
 @pytest.mark.parametrize(("change", "settings", "error", "message"), [
-    ({}, {"noise_scale": 1}, "OptionError",
-     r"^ga\.noise_scale 1 is not supported on Megatron-Bridge yet: its log line"),
     ({}, {"lr_scaling": "sqrt"}, "OptionError", r"^ga\.lr_scaling 'sqrt' is not supported on "
      r"Megatron-Bridge yet"),
     ({}, {"batch_size_warmup": "auto", "noise_scale": 1}, "OptionError",
      r"^ga\.batch_size_warmup auto needs ga\.batch_size_warmup_max"),  # the flags' own rules first
     ({}, {"zero_token_policy": "never"}, "OptionError", r"ga\.zero_token_policy"),
     ({("train", "rampup_batch_size"): [2, 2, 64]}, {}, "OptionError",
-     r"^train\.rampup_batch_size \[2, 2, 64\]: megatron-core 0\.18 and later drop it"),
+     r"^train\.rampup_batch_size \[2, 2, 64\]: megatron-core 0\.18 and later drop it .* Set "
+     r"ga\.convert_rampup=true to run it as its exact step schedule"),
     ({("model", "overlap_moe_expert_parallel_comm"): True}, {}, "CoverageError",
      r"megatron-ga-ext refuses model\.overlap_moe_expert_parallel_comm in token mode"),
 ])
@@ -193,3 +272,38 @@ def test_moe_or_mtp_in_token_mode_is_said_to_count_padding_on_bridge(ga_bridge, 
         ga_bridge.install(ga_bridge.with_ga(cfg))
     assert ("megatron-ga-ext coverage, limited on Megatron-Bridge: model.mtp_num_layers: Bridge's "
             "gpt_step.forward_step does not pass loss_mask to the model (Bridge #6103)") in caplog.text
+
+
+def test_a_rampup_is_converted_at_install(ga_bridge, cfg):
+    """ga.convert_rampup: train.rampup_batch_size becomes its exact schedule in train.step_batch_size_schedule
+    (tokens at model.seq_length 64), and is cleared; a run in train_iters is refused with the samples its steps
+    take under the ramp (8 + 8 + 8 + 16 x 3 = 72)."""
+    from megatron_ga_ext.errors import ScheduleError
+
+    cfg.train.global_batch_size, cfg.train.rampup_batch_size = 16, [8, 8, 24]
+    with pytest.raises(ScheduleError, match=r"^train\.rampup_batch_size \[8, 8, 24\] with ga\.convert_rampup needs "
+                                            r"train\.train_samples: .* The 6 steps of train\.train_iters take 72 "
+                                            r"samples under the ramp: set train\.train_iters=null "
+                                            r"train\.train_samples=72"):
+        ga_bridge.install(ga_bridge.with_ga(cfg, convert_rampup=True))
+    cfg.train.train_iters, cfg.train.train_samples = None, 56
+    container = ga_bridge.with_ga(cfg, convert_rampup=True)
+    state = ga_bridge.install(container)
+    assert (container.train.step_batch_size_schedule, container.train.rampup_batch_size) == ("0:8 1536:16", None)
+    assert state.config.step_batch_size_schedule == "0:8 1536:16"
+
+
+@pytest.mark.parametrize(("world_size", "refused"), [("1", True), ("2", False)])
+def test_the_layout_checks_read_the_world_size_bridge_reads(ga_bridge, cfg, monkeypatch, world_size, refused):
+    """Before pretrain() the container's dataset.data_parallel_size is Bridge's default 1: DP comes from the world
+    size (WORLD_SIZE, as Bridge's get_world_size_safe reads it before torch.distributed starts)."""
+    from megatron_ga_ext.errors import OptionError
+
+    monkeypatch.setenv("WORLD_SIZE", world_size)
+    container = ga_bridge.with_ga(cfg, noise_scale=1)
+    if refused:
+        with pytest.raises(OptionError, match=r"^ga\.noise_scale 1 with data-parallel size 1: .* Drop "
+                                              r"ga\.noise_scale"):
+            ga_bridge.install(container)
+    else:
+        assert ga_bridge.install(container).noise_scale is not None

@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ga_ext.integration.noise_scale_sidecar import SIDECAR, sidecar_path
+from tests.support.event_files import tensorboard_scalars
 from tests.support.plans import BOUNDED
 from tools.compatibility import source_name
 from tools.results import record
@@ -134,14 +135,6 @@ def test_pipeline_parallel_measures_each_replica_once(launches, source):
     assert [r["iteration"] for r in rows] == list(range(1, ITERATIONS + 1)), rows
     assert [r["tokens"] for r in rows] == [r["num_tokens"] for r in run.iterations], rows
     assert all(r["replicas"] == 2 and math.isfinite(r["grad_sq"] + r["trace_sigma"]) for r in rows), rows
-
-
-def tensorboard_scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar tag in the event files under ``directory``: [(step, value)]."""
-    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
-    accumulator = event_accumulator.EventAccumulator(str(directory), size_guidance={event_accumulator.SCALARS: 0})
-    accumulator.Reload()
-    return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
 
 
 def test_a_resume_continues_the_emas(launches, source, record_property):

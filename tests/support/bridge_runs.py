@@ -8,7 +8,8 @@ two ranks. Each rank applies ``bridge_shims()``, builds :func:`tiny_config`, run
 and ``pretrain()``, and writes ``OUT/CASE.rankR.jsonl``: one row per iteration at full precision from Bridge's own
 ``training_log`` (iteration, ``lm loss``, grad norm, learning rate, consumed samples, train_iters), and a last row
 ``{"error": ..., "type": ...}`` where ``pretrain()`` raised (Bridge's ``sys.exit(0)`` at ``train.exit_interval``
-is a normal end). The parent exits 0 once every rank has finished.
+is a normal end), and ``OUT/CASE.rankR.log``: what it printed and logged. The parent exits 0 once every rank has
+finished.
 """
 
 from __future__ import annotations
@@ -77,13 +78,13 @@ def _microbatch(cfg: Any) -> Any:
     return cfg
 
 
-def _extension(cfg: Any) -> Any:
+def _extension(cfg: Any, **settings: Any) -> Any:
     """A user's launch: per-token loss off in the recipe, the extension configured from its ga section
-    (``ga_bridge.install`` turns per-token loss on)."""
+    (``settings``; ``ga_bridge.install`` turns per-token loss on)."""
     from megatron_ga_ext.integration import bridge as ga_bridge
 
     cfg.model.calculate_per_token_loss = False
-    cfg = ga_bridge.with_ga(cfg)
+    cfg = ga_bridge.with_ga(cfg, **settings)
     ga_bridge.install(cfg)
     return cfg
 
@@ -111,6 +112,31 @@ def _resuming(cfg: Any) -> Any:
     """The same run resumed from that checkpoint, to its end."""
     cfg.checkpoint.save = cfg.checkpoint.load = str(OUT / "checkpoints")
     return _schedule_extension(cfg)
+
+
+def _rampup(cfg: Any) -> Any:
+    """The schedule's run given as Bridge's deprecated rampup: GBS 16 reached from 8 in one increment after 24
+    samples (train.rampup_batch_size [8, 8, 24]), under ga.convert_rampup."""
+    cfg.train.train_iters, cfg.train.train_samples = None, 56
+    cfg.train.global_batch_size, cfg.train.rampup_batch_size = 16, [8, 8, 24]
+    return _extension(cfg, convert_rampup=True)
+
+
+def _measuring(run: str, exit_interval: int | None = None, resume: bool = False) -> Callable[[Any], Any]:
+    """The extension's run with ga.noise_scale 1, its trace and TensorBoard under OUT/<run>, saved every 3
+    iterations to OUT/<run>/checkpoints; stopped at ``exit_interval``, or resumed from there."""
+
+    def measuring(cfg: Any) -> Any:
+        directory = OUT / run
+        directory.mkdir(parents=True, exist_ok=True)
+        cfg.logger.tensorboard_dir = str(directory / "tb")
+        cfg.checkpoint.save, cfg.checkpoint.save_interval = str(directory / "checkpoints"), 3
+        cfg.checkpoint.load = cfg.checkpoint.save if resume else None
+        cfg.train.exit_interval = exit_interval
+        trace = directory / f"trace-{'load' if resume else 'save'}.jsonl"
+        return _extension(cfg, noise_scale=1, noise_scale_trace=str(trace))
+
+    return measuring
 
 
 def _drop_finalize() -> None:
@@ -144,6 +170,10 @@ CASES: dict[str, Callable[[Any], Any]] = {
     "schedule-extension": _schedule_extension,
     "resume-save": _saving,
     "resume-load": _resuming,
+    "rampup-extension": _rampup,
+    "noise-scale": _measuring("noise-scale"),
+    "noise-scale-save": _measuring("noise-scale-resume", exit_interval=3),
+    "noise-scale-load": _measuring("noise-scale-resume", resume=True),
     "dropped-finalize-bridge": _dropped(_bridge),
     "dropped-finalize-extension": _dropped(_extension),
 }
@@ -219,6 +249,9 @@ def main(argv: list[str]) -> int:
             pid = os.fork()
             if pid == 0:
                 code = 1
+                log = os.open(out / f"{case}.rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(log, 1)  # what the rank prints and logs (Bridge's iteration lines), for the test to read
+                os.dup2(log, 2)
                 try:
                     code = _rank(case, rank, port, out)
                 finally:
