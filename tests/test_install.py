@@ -398,6 +398,36 @@ def test_padding_mask_forward_masks_moe_models_and_stays_a_class_attribute():
     uninstall()
 
 
+def test_a_call_without_a_loss_mask_gets_the_one_bridges_get_batch_kept():
+    """Bridge's GPT step calls the model without loss_mask (Bridge #6103): the mask its get_batch kept is given to
+    the next call, once, where it has the labels' shape; a call that passes its own keeps it."""
+    import torch
+
+    from megatron_ga_ext.integration.aux_losses import padding_mask_forward
+
+    state = install()
+    seen = []
+
+    def forward(model, *args, **kwargs):
+        seen.append((kwargs.get("loss_mask"), kwargs.get("padding_mask")))
+
+    model = types.SimpleNamespace(config=types.SimpleNamespace(num_moe_experts=4, sequence_parallel=False,
+                                                               moe_router_load_balancing_type="aux_loss"))
+    wrapped, kept, own = padding_mask_forward(forward, state), torch.tensor([[1, 0]]), torch.tensor([[1, 1]])
+    labels = torch.zeros(1, 2)
+    state.host_loss_mask = kept
+    wrapped(model, labels=labels)
+    wrapped(model, labels=labels)  # used once
+    state.host_loss_mask = kept
+    wrapped(model, labels=labels, loss_mask=own)
+    state.host_loss_mask = kept
+    wrapped(model, labels=torch.zeros(1, 3))  # another batch's shape: not this call's
+    assert [(None if m is None else m.tolist(), None if p is None else p.tolist()) for m, p in seen] == [
+        ([[1, 0]], [[False, True]]), (None, None), ([[1, 1]], [[False, False]]), (None, None)]
+    assert state.host_loss_mask is None
+    uninstall()
+
+
 def test_uninstall_leaves_a_wrapper_other_code_put_on_top_of_ours():
     """restore() puts an original back only where our replacement is still what is bound. Where other code wrapped
     ours after install(), its wrapper stays bound; ours beneath it is inert (calls upstream straight through), so the

@@ -69,15 +69,27 @@ logger = get_logger(__name__)
 
 
 def padding_mask_forward(original: Callable, state: Installation) -> Callable:
-    """``GPTModel.forward`` that, in token mode, routes with padding_mask = (loss_mask == 0) (see above)."""
+    """``GPTModel.forward`` that, in token mode, routes with padding_mask = (loss_mask == 0) (see above). A call
+    without a loss mask gets the one Megatron-Bridge's ``get_batch`` just returned for it, where it has the
+    labels' shape: Bridge's GPT step passes none to the model (Bridge #6103), so MoE and MTP get it here."""
 
     @functools.wraps(original)
     def forward(model: GPTModel, *args: Any, **kwargs: Any) -> Any:
-        if state.active and state.contract is not None and _wants_padding_mask(model, kwargs):
-            kwargs["padding_mask"] = kwargs["loss_mask"] == 0
+        if state.active and state.contract is not None:
+            kept, state.host_loss_mask = state.host_loss_mask, None
+            if kwargs.get("loss_mask") is None and kept is not None and _matches_labels(kept, args, kwargs):
+                kwargs["loss_mask"] = kept
+            if _wants_padding_mask(model, kwargs):
+                kwargs["padding_mask"] = kwargs["loss_mask"] == 0
         return original(model, *args, **kwargs)
 
     return forward
+
+
+def _matches_labels(loss_mask: Any, args: tuple, kwargs: dict[str, Any]) -> bool:
+    """The mask is this call's: the shape of its labels (``labels``, the fifth argument)."""
+    labels = kwargs["labels"] if "labels" in kwargs else args[4] if len(args) > 4 else None
+    return labels is not None and labels.shape == loss_mask.shape
 
 
 def _wants_padding_mask(model: GPTModel, kwargs: dict[str, Any]) -> bool:

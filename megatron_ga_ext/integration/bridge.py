@@ -26,7 +26,8 @@ build this package's classes (``register_allowed_target_prefix``).
 * refuses what Bridge's loop does not give the extension yet (config/bridge_rules.py): the batch-size warmup and
   the LR scaling (a batch decided as the run goes, and rates scaled by stage, are not proven on Bridge), and a
   ``train.rampup_batch_size`` left unconverted;
-* says, as a limit, that Bridge's GPT step passes no ``loss_mask`` to the model (MoE and MTP count padding there);
+* says that Bridge's GPT step passes no ``loss_mask`` to the model (Bridge #6103), and that in token mode the
+  extension gives the model the one ``gpt_step.get_batch`` returned (bridge_loop.py), for the MoE and MTP rules;
 * then ``megatron_ga_ext.install(config)``: the schedule, finalize, calculator and optimizer hooks are megatron-core's,
   and Bridge's loop calls them (Bridge binds ``finalize_model_grads`` and its schedule by name: install() rebinds
   both); the noise scale's line, TensorBoard/W&B scalars and sidecar go through Bridge's ``train_step``,
@@ -167,12 +168,11 @@ def install(cfg: ConfigContainer) -> Installation:
         check_args(config, values)
     moe_or_mtp = [f"model.{name}" for name in ("num_moe_experts", "mtp_num_layers") if getattr(cfg.model, name, None)]
     if config.loss_reduction == "token" and moe_or_mtp:
-        logger.warning(
-            "megatron-ga-ext coverage, limited on Megatron-Bridge: %s: Bridge's gpt_step.forward_step does not pass "
-            "loss_mask to the model (Bridge #6103), so the router's auxiliary losses and the MTP loss count the "
-            "positions the loss mask drops, and the extension's padding rule for them (docs/reduction.md) cannot "
-            "hold; a forward step that calls model(..., loss_mask=loss_mask) gives it the mask.",
-            " and ".join(moe_or_mtp))
+        logger.info(
+            "megatron-ga-ext: %s in token mode: Bridge's gpt_step.forward_step does not pass loss_mask to the model "
+            "(Bridge #6103); the extension gives the model the loss mask gpt_step.get_batch returned, so the router "
+            "and the MTP loss count loss tokens only (docs/bridge.md). A forward step of your own must pass "
+            "loss_mask to the model, or call gpt_step.get_batch.", " and ".join(moe_or_mtp))
     return install_extension(config)
 
 

@@ -7,6 +7,8 @@ loads them); importing this module imports nothing of Bridge's.
   ``GlobalState`` is the run state during the step, where Megatron-LM keeps its parsed args and global writers: the
   iteration (``train_state.step`` + 1), the consumed samples and the TensorBoard/W&B writers (compat.py,
   ``bridge_step_state``);
+* ``gpt_step.get_batch`` (gpt_step.py's global): in token mode its loss mask is kept for the model call that
+  follows, which Bridge's GPT step makes without it (Bridge #6103), for the MoE and MTP rules;
 * ``training_log`` (bound by name in train.py): the noise-scale line printed after Bridge's;
 * ``save_checkpoint(state, ...)`` / ``load_checkpoint(state, ...)`` (checkpointing.py's globals, which Bridge's
   checkpoint manager calls): the sidecar beside the checkpoint Bridge saved, read from the one it loaded.
@@ -27,10 +29,11 @@ from megatron_ga_ext.integration.compat import set_bridge_step_state
 if TYPE_CHECKING:
     from megatron_ga_ext.integration.installation import Installation
 
-__all__ = ["CHECKPOINTING", "TRAIN", "loaded_directory", "loading_sidecar", "saved_directory", "saving_sidecar",
-           "stepping"]
+__all__ = ["CHECKPOINTING", "GPT_STEP", "TRAIN", "keeping_loss_mask", "loaded_directory", "loading_sidecar",
+           "saved_directory", "saving_sidecar", "stepping"]
 
 TRAIN = "megatron.bridge.training.train"
+GPT_STEP = "megatron.bridge.training.gpt_step"
 CHECKPOINTING = "megatron.bridge.training.checkpointing"
 #: Bridge's subdirectory of ``checkpoint.save`` / ``checkpoint.load`` for global non-persistent checkpoints
 #: (``_NON_PERSISTENT_CKPT_SUBDIR`` in its checkpointing.py).
@@ -50,6 +53,21 @@ def stepping(original: Callable, state: Installation) -> Callable:
             set_bridge_step_state(None)
 
     return train_step
+
+
+def keeping_loss_mask(original: Callable, state: Installation) -> Callable:
+    """``gpt_step.get_batch(...)`` -> (tokens, labels, loss_mask, ...): in token mode the loss mask is kept for the
+    model call that follows, which Bridge's GPT step makes without it (Bridge #6103: MoE routing and MTP would
+    count the positions the mask drops); aux_losses.padding_mask_forward gives it to the model."""
+
+    @functools.wraps(original)
+    def get_batch(*args: Any, **kwargs: Any) -> Any:
+        batch = original(*args, **kwargs)
+        if state.active and state.contract is not None:
+            state.host_loss_mask = batch[2]
+        return batch
+
+    return get_batch
 
 
 def saving_sidecar(original: Callable, state: Installation) -> Callable:

@@ -252,8 +252,11 @@ HOOKS: tuple[Hook, ...] = (
     # micro_batch: the loss contract, and the MoE/MTP terms with the loss mask's padding (aux_losses.py)
     Hook("micro_batch", SCHEDULES, "forward_step_calc_loss", _forward_step_calc_loss, fingerprinted=True,
          does="counts forward steps per chunk; token mode checks each loss function's return (the loss contract)"),
+    Hook("micro_batch", bridge_loop.GPT_STEP, "get_batch", bridge_loop.keeping_loss_mask, **_BRIDGE,
+         does="token mode: the loss mask kept for the model call Bridge's GPT step makes without it (#6103)"),
     Hook("micro_batch", GPT_MODEL, "GPTModel.forward", aux_losses.padding_mask_forward, fingerprinted=True,
-         does="token mode, MoE: routes with padding_mask = (loss_mask == 0)"),
+         does="token mode, MoE: routes with padding_mask = (loss_mask == 0); a call without a loss mask gets "
+         "Bridge's kept one"),
     # the router first: it binds moe_utils' functions by name, and is patched there too once it is loaded
     Hook("micro_batch", ROUTER, "TopKRouter._apply_expert_bias", aux_losses.per_token_padding_expert_bias,
          fingerprinted=True, present=lambda module: not aux_losses.broadcasts_padding_per_token(module.TopKRouter),

@@ -136,6 +136,9 @@ class Installation:
     """Training calls (not forward_only) through the guarded schedule; liveness.py compares it per optimizer step."""
     replays_expected: bool = False
     """The launch replays graphs by design (a coverage row with ``replays``): liveness does not count its iterations."""
+    host_loss_mask: Any = None
+    """The loss mask Megatron-Bridge's ``gpt_step.get_batch`` returned for the model call that follows, which
+    Bridge's GPT step does not pass to the model (Bridge #6103; bridge_loop.keeping_loss_mask); token mode only."""
     last_model_config: _ChunkConfig | None = None
     """The last schedule call's first chunk and its config, see model_config()."""
 

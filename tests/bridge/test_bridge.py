@@ -23,7 +23,8 @@ pytestmark = pytest.mark.bridge
 ROOT = Path(__file__).resolve().parents[2]
 CASES = ("bridge", "bridge-microbatch", "extension", "schedule-bridge", "schedule-extension", "resume-save",
          "resume-load", "rampup-extension", "noise-scale", "noise-scale-save", "noise-scale-load",
-         "dropped-finalize-bridge", "dropped-finalize-extension")
+         "moe-bridge", "moe-extension", "moe-extension-masked-step", "dropped-finalize-bridge",
+         "dropped-finalize-extension")
 BRIDGE_LINE = re.compile(r"\biteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \|")
 NOISE_LINE = re.compile(r"^ ?megatron-ga-ext noise scale \| iteration (\d+) \| .* \| "
                         r"loss tokens: (\d+) over 2 replicas \| consumed samples: (\d+) \|$")
@@ -153,6 +154,16 @@ def test_a_resume_continues_the_noise_scale_emas_on_bridge(runs, out):
     assert re.findall(r"saving checkpoint at iteration\s+(\d+)", log) == ["6"]
 
 
+def test_moe_on_bridges_gpt_step_routes_with_the_loss_mask(runs):
+    """MoE (4 experts top-2, aux and z-loss) with Bridge's own gpt_step, which passes no loss_mask to the model
+    (Bridge #6103): through the extension every row equals the run of a forward step that passes it (the fix a
+    user writes), and differs from Bridge's own, whose router counts the masked positions."""
+    for rank in range(2):
+        assert runs["moe-extension"][rank] == runs["moe-extension-masked-step"][rank]
+    assert all(ours["grad_norm"] != theirs["grad_norm"]
+               for ours, theirs in zip(runs["moe-extension"][0], runs["moe-bridge"][0], strict=True))
+
+
 def test_a_dropped_finalize_is_stopped_at_the_first_step(runs):
     """Bridge #4974's shape (the model config holds no finalize_model_grads_func): Bridge alone trains all six
     steps on unreduced, undivided gradients (grad norms 100x the reference's, the replicas apart); with the
@@ -265,13 +276,15 @@ def test_an_unknown_ga_setting_is_named(ga_bridge, cfg):
         ga_bridge.with_ga(cfg, noise=1)
 
 
-def test_moe_or_mtp_in_token_mode_is_said_to_count_padding_on_bridge(ga_bridge, cfg, caplog):
-    """Bridge's gpt_step passes no loss_mask to the model (Bridge #6103): the limit is logged at install."""
+def test_moe_or_mtp_in_token_mode_is_told_where_the_loss_mask_comes_from(ga_bridge, cfg, caplog):
+    """Bridge's gpt_step passes no loss_mask to the model (Bridge #6103): install says the extension gives it the
+    one gpt_step.get_batch returned, and that a forward step of the user's own must pass it."""
     cfg.model.mtp_num_layers = 1
-    with caplog.at_level("WARNING", logger="megatron_ga_ext.integration.bridge"):
+    with caplog.at_level("INFO", logger="megatron_ga_ext.integration.bridge"):
         ga_bridge.install(ga_bridge.with_ga(cfg))
-    assert ("megatron-ga-ext coverage, limited on Megatron-Bridge: model.mtp_num_layers: Bridge's "
-            "gpt_step.forward_step does not pass loss_mask to the model (Bridge #6103)") in caplog.text
+    assert ("megatron-ga-ext: model.mtp_num_layers in token mode: Bridge's gpt_step.forward_step does not pass "
+            "loss_mask to the model (Bridge #6103); the extension gives the model the loss mask gpt_step.get_batch "
+            "returned") in caplog.text
 
 
 def test_a_rampup_is_converted_at_install(ga_bridge, cfg):

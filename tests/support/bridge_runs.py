@@ -31,9 +31,16 @@ WORLD_SIZE = 2
 OUT = Path(".")
 
 
-def tiny_config(*, per_token: bool = True, train_iters: int = 6) -> Any:
+#: MoE as the Megatron-LM tier runs it (tests/e2e/test_moe_mtp.py): 4 experts top-2, aux loss and z-loss.
+MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 1e-2, "moe_z_loss_coeff": 1e-3,
+       "moe_router_load_balancing_type": "aux_loss", "moe_token_dispatcher_type": "allgather",
+       "add_bias_linear": False}
+
+
+def tiny_config(*, per_token: bool = True, train_iters: int = 6, **model_fields: Any) -> Any:
     """A 2-layer GPT (hidden 64, 4 heads, seq 64) on mock data: GBS 8, MBS 2 (2 micro-batches per rank at DP 2),
-    fp32, Adam, clip_grad 1, linear LR decay, ``model.calculate_per_token_loss`` as ``per_token``."""
+    fp32, Adam, clip_grad 1, linear LR decay, ``model.calculate_per_token_loss`` as ``per_token``; ``model_fields``
+    on top (:data:`MOE`)."""
     import torch
     from megatron.bridge.models.gpt_provider import GPTModelProvider, local_layer_spec
     from megatron.bridge.training import config as c
@@ -44,7 +51,7 @@ def tiny_config(*, per_token: bool = True, train_iters: int = 6) -> Any:
         use_cpu_initialization=True, bf16=False, fp16=False, calculate_per_token_loss=per_token,
         persist_layer_norm=False, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, hidden_dropout=0.0,
-        attention_dropout=0.0)
+        attention_dropout=0.0, **model_fields)
     model.params_dtype = torch.float32
     return c.ConfigContainer(
         model=model,
@@ -139,6 +146,32 @@ def _measuring(run: str, exit_interval: int | None = None, resume: bool = False)
     return measuring
 
 
+def _moe(setup: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def moe(cfg: Any) -> Any:
+        for field, value in MOE.items():
+            setattr(cfg.model, field, value)
+        return setup(cfg)
+
+    return moe
+
+
+def masked_forward_step(state: Any, data_iterator: Any, model: Any, return_schedule_plan: bool = False) -> Any:
+    """Bridge #6103's fix as a user writes it: Bridge's GPT step (DP only, no packing) with ``loss_mask`` passed to
+    the model."""
+    from functools import partial
+
+    from megatron.bridge.training.gpt_step import get_batch
+    from megatron.bridge.training.losses import masked_next_token_loss
+    from megatron.bridge.training.utils.pg_utils import get_pg_collection
+
+    tokens, labels, loss_mask, attention_mask, position_ids, _ = get_batch(
+        data_iterator, state.cfg, pg_collection=get_pg_collection(model))
+    output = model(input_ids=tokens, position_ids=position_ids, attention_mask=attention_mask, labels=labels,
+                   loss_mask=loss_mask)
+    return output, partial(masked_next_token_loss, loss_mask, check_for_nan_in_loss=True,
+                           check_for_spiky_loss=False)
+
+
 def _drop_finalize() -> None:
     """Bridge #4974's shape: the model config the loop trains with holds no finalize_model_grads_func."""
     import megatron.bridge.training.pretrain as pretrain_module
@@ -174,6 +207,9 @@ CASES: dict[str, Callable[[Any], Any]] = {
     "noise-scale": _measuring("noise-scale"),
     "noise-scale-save": _measuring("noise-scale-resume", exit_interval=3),
     "noise-scale-load": _measuring("noise-scale-resume", resume=True),
+    "moe-bridge": _moe(_bridge),
+    "moe-extension": _moe(_extension),
+    "moe-extension-masked-step": _moe(_extension),
     "dropped-finalize-bridge": _dropped(_bridge),
     "dropped-finalize-extension": _dropped(_extension),
 }
@@ -215,7 +251,7 @@ def _rank(case: str, rank: int, port: int, out: Path) -> int:
     rows = _record(out / f"{case}.rank{rank}.jsonl")
     with bridge_shims():
         try:
-            pretrain(CASES[case](tiny_config()), forward_step)
+            pretrain(CASES[case](tiny_config()), masked_forward_step if case.endswith("masked-step") else forward_step)
         except SystemExit as error:  # train.exit_interval: Bridge saves, then sys.exit(0)
             if error.code not in (0, None):
                 raise
