@@ -20,7 +20,7 @@ def test_the_overrides_give_the_ledger_and_the_recipes_values_are_said_to_be_unr
                                 "global_batch_size", "num_microbatches")] == [16, 2, 8, 2, 512, 32]
     assert ledger["seq_length"] == 4096
     assert data["problems"] == []
-    assert re.match(r"a Megatron-Bridge launch: read from its 7 override\(s\) of fields check reads; the recipe's "
+    assert re.match(r"a Megatron-Bridge launch: 7 field\(s\) check reads, set by its overrides; the recipe's "
                     r"own values are not on the line", data["notes"][0])
     assert "install() turns on model.calculate_per_token_loss" in data["notes"][1]
 
@@ -59,3 +59,31 @@ def test_a_converted_rampup_is_checked_as_its_schedule_under_bridges_names(cli):
     assert re.search(r"train\.step_batch_size_schedule entry 1 '0:16' \(from 0 samples, global batch size 16\) is "
                      r"smaller than train\.micro_batch_size 2 x data-parallel size 16 = 32", out.out), out.out
     assert "train.rampup_batch_size [16, 16, 1000]" not in out.out
+
+
+def test_a_yaml_config_file_is_read_under_the_overrides(cli, tmp_path):
+    """Bridge's example scripts merge --config-file's YAML, then the command line's overrides (which win), over the
+    recipe; run_recipe.py's --seq_length sets the recipe's model.seq_length. A null leaves the recipe's value."""
+    path = tmp_path / "overrides.yaml"
+    path.write_text("train:\n  micro_batch_size: 4\n  global_batch_size: 512\n  rampup_batch_size: null\n"
+                    "model:\n  tensor_model_parallel_size: 2\n  sequence_parallel: true\nga:\n"
+                    "  zero_token_policy: skip\nlogger:\n  log_interval: 10\n")
+    out = cli("check", "--bridge", "--json", "--", *RECIPE[:-3], "examples/recipes/llama/pretrain_llama3_8b.py",
+              "--config-file", str(path), "train.micro_batch_size=2", "--seq_length", "4096")
+    assert out.status == 0, out.out
+    data = json.loads(out.out)
+    assert [data["ledger"][k] for k in ("tensor_model_parallel_size", "micro_batch_size", "global_batch_size",
+                                        "seq_length")] == [2, 2, 512, 4096]
+    assert data["notes"][0].startswith(f"a Megatron-Bridge launch: 6 field(s) check reads, set by its overrides "
+                                       f"and {path};")
+
+
+def test_a_yaml_config_file_that_cannot_be_read_is_named(cli, tmp_path):
+    missing = tmp_path / "missing.yaml"
+    out = cli("check", "--bridge", "--", *RECIPE, f"--config-file={missing}")
+    assert out.status == 2 and f"--config-file {missing}: cannot read it (No such file or directory)" in out.err
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- train\n")
+    out = cli("check", "--bridge", "--", *RECIPE, "--config_file", str(listed))
+    assert out.status == 2 and (f"--config_file {listed}: the file holds list, not the sections of a config"
+                                in out.err)

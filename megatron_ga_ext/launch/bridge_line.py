@@ -1,5 +1,5 @@
 """A Megatron-Bridge launch line, ``torchrun ... SCRIPT --recipe NAME section.field=value ...``, read as the
-Megatron-LM line it configures, for ``megatron-ga check --bridge``. Pure Python.
+Megatron-LM line it configures, for ``megatron-ga check --bridge``. Pure Python (PyYAML for a YAML file).
 
 The script is Bridge's ``scripts/training/run_recipe.py``, or a copy that calls ``ga_bridge.install(cfg)`` before
 ``pretrain()``. Its overrides are Hydra's: ``section.field=value``, with ``+`` or ``++`` before a new key. A field of
@@ -8,14 +8,24 @@ Bridge's sections (config/bridge_rules.SECTIONS) has the name of Megatron-LM's a
 is true, ``--no-...`` where false and negatable; a list such as ``[2,2,64]``: its values). The other overrides
 are Bridge's alone and left out; every other word of the line is kept. The recipe's own values are not on the
 line, so what no override sets reads as Megatron-LM's default: ``check`` says so.
+
+What the scripts read besides, in their order (a later one wins, as the scripts merge them):
+
+* ``--seq_length N``, run_recipe.py's: the recipe's ``model.seq_length``;
+* ``--config-file PATH`` (or ``--config_file``), the YAML of overrides Bridge's example scripts merge before the
+  command line's (``section: {field: value}``, as ``cfg.to_yaml()`` writes it);
+* the ``section.field=value`` overrides.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from megatron_ga_ext.config.bridge_rules import SECTIONS, bridge_errors, bridge_names
 from megatron_ga_ext.config.flags import BY_DEST, GA_FLAGS
 from megatron_ga_ext.core.layout import BatchLayout
 from megatron_ga_ext.core.megatron_flags import Option
+from megatron_ga_ext.errors import UsageError
 from megatron_ga_ext.launch.line import ga_values, parse_int, parse_launch
 from megatron_ga_ext.launch.problems import launch_notes, launch_problems
 
@@ -30,7 +40,7 @@ _FIELDS = {"--calculate-per-token-loss": "model.calculate_per_token_loss",
 def bridge_check(tokens: list[str], world_size: int | None) -> tuple[BatchLayout | None, list[str], list[str]]:
     """(layout, problems, notes) of a Bridge launch line: Megatron-LM's line it configures, checked as one with the
     extension on, with Bridge's refusals (config/bridge_rules.py), every flag named as Bridge's field."""
-    line, fields = bridge_tokens(tokens)
+    line, fields, files = bridge_tokens(tokens)
     launch = parse_launch(line)
     launch.entry = True  # the script calls ga_bridge.install(cfg)
     ramp_flag, gbs_flag = BY_DEST["rampup_batch_size"].flag, BY_DEST["global_batch_size"].flag
@@ -43,7 +53,8 @@ def bridge_check(tokens: list[str], world_size: int | None) -> tuple[BatchLayout
     global_batch_size = None if gbs is None else parse_int(gbs_flag, gbs)
     problems += [str(error) for error in bridge_errors(ga_values(launch), rampup, global_batch_size)]
     names = {**_FIELDS, **fields}
-    notes = [f"a Megatron-Bridge launch: read from its {len(fields)} override(s) of fields check reads; the "
+    read = "".join(f" and {path}" for path in files)
+    notes = [f"a Megatron-Bridge launch: {len(fields)} field(s) check reads, set by its overrides{read}; the "
              "recipe's own values are not on the line, so a field no override sets reads as Megatron-LM's default "
              "(give the ones that decide the batch: train.micro_batch_size, train.global_batch_size, the parallel "
              "sizes)", *launch_notes(launch)]
@@ -53,22 +64,72 @@ _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
 
 
-def bridge_tokens(tokens: list[str]) -> tuple[list[str], dict[str, str]]:
-    """(the line with each override of a declared flag as that flag, flag -> the override's key)."""
+def bridge_tokens(tokens: list[str]) -> tuple[list[str], dict[str, str], list[str]]:
+    """(the line with each setting of a declared flag as that flag, flag -> Bridge's field that set it, the YAML
+    files read)."""
     line: list[str] = []
-    fields: dict[str, str] = {}
-    for token in tokens:
+    files: list[str] = []
+    recipe: dict[str, str] = {}  # section.field -> value, in the scripts' order of merging
+    yaml: dict[str, str] = {}
+    overrides: dict[str, str] = {}
+    words = iter(tokens)
+    for token in words:
+        flag, eq, inline = token.partition("=")
+        if flag in ("--seq_length", "--config-file", "--config_file"):
+            value = inline if eq else next(words, None)
+            if value is None:
+                raise UsageError(f"{flag} is given without a value on the Bridge launch line.")
+            if flag == "--seq_length":
+                recipe["model.seq_length"] = value
+            else:
+                files.append(value)
+                yaml.update(_yaml_overrides(flag, value))
+            continue
         key, eq, value = token.lstrip("+").partition("=")
-        section, _, name = key.partition(".")
-        if not eq or token.startswith("-"):  # the launcher, the script, --recipe NAME, --config_file PATH
+        if not eq or token.startswith("-"):  # the launcher, the script, --recipe NAME
             line.append(token)
             continue
+        overrides[key] = value
+    fields: dict[str, str] = {}
+    for key, value in {**recipe, **yaml, **overrides}.items():
+        section, _, name = key.partition(".")
         option = GA_FLAGS.get(name) if section == "ga" else BY_DEST.get(name) if section in SECTIONS else None
-        if option is None:  # an override of a field check does not read: Bridge's, not Megatron-LM's parser's
+        if option is None:  # a field check does not read: Bridge's, not Megatron-LM's parser's
             continue
         fields[option.flag] = key
         line += _flag(option, value.strip().strip("'\""))
-    return line, fields
+    return line, fields, files
+
+
+def _yaml_overrides(flag: str, path: str) -> dict[str, str]:
+    """``section.field`` -> the value as an override writes it, for each field of the sections in the YAML file at
+    ``path`` (a null: left as the recipe has it)."""
+    try:
+        import yaml
+    except ImportError:
+        raise UsageError(f"{flag} {path}: reading a YAML file needs PyYAML (pip install pyyaml).") from None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = yaml.safe_load(handle)
+    except OSError as error:
+        raise UsageError(f"{flag} {path}: cannot read it ({error.strerror or error}).") from None
+    except yaml.YAMLError as error:
+        raise UsageError(f"{flag} {path}: not YAML ({error}).") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{flag} {path}: the file holds {type(data).__name__}, not the sections of a config "
+                         "(section: {field: value}).")
+    return {f"{section}.{name}": _override_text(value)
+            for section, holder in data.items() if section in (*SECTIONS, "ga") and isinstance(holder, dict)
+            for name, value in holder.items() if value is not None and not isinstance(value, dict)}
+
+
+def _override_text(value: Any) -> str:
+    """A YAML value as the override ``section.field=...`` writes it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ",".join(map(str, value)) + "]"
+    return str(value)
 
 
 def _flag(option: Option, value: str) -> list[str]:
