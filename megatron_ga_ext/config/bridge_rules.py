@@ -22,9 +22,8 @@ SECTIONS = ("train", "model", "optimizer", "ddp", "scheduler", "dataset", "valid
 
 #: Settings Bridge's loop does not give the extension yet, by field: (their off value, why).
 NOT_YET: dict[str, tuple[Any, str]] = {
-    "batch_size_warmup": ("off", "a batch that grows needs the run length and the LR horizon in the schedule's "
-                          "steps, and Bridge computes both from one GBS"),
-    "lr_scaling": ("none", "it scales the LR of a step schedule's stages, and is not proven on Bridge yet"),
+    "batch_size_warmup": ("off", "it decides the batch as the run goes, and Bridge fixes train.train_iters (the "
+                          "loop's end) at start-up, so the run would not end at train.train_samples"),
 }
 
 

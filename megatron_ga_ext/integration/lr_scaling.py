@@ -9,8 +9,8 @@ the wrapper multiplies what ``get_lr`` returns.
 
 The rate ``step()`` writes is the one the next optimizer step trains with, so GBS is the batch of that step: the
 schedule at the samples consumed when it runs. In Megatron-LM's loop that is ``args.consumed_train_samples`` (what the
-loop has counted) plus, when ``step()`` runs inside a training step, the batch of that step, which the loop counts only
-after it returns (the live calculator's current GBS; "inside a training step": a training forward/backward call ran
+loop has counted; in a Megatron-Bridge step its ``train_state.consumed_train_samples``, compat.py) plus, when
+``step()`` runs inside a training step, the batch of that step, which the loop counts only after it returns (the live calculator's current GBS; "inside a training step": a training forward/backward call ran
 since the scheduler's count last changed). Not the scheduler's ``num_steps``: a skipped step (an fp16 overflow,
 ``--ga-zero-token-policy skip``, ``--iterations-to-skip``) holds it, while consumed samples, and with them the batch,
 advance, so every later stage's factor would come late. Without Megatron-LM's args (a megatron-core loop) the
@@ -36,7 +36,7 @@ from megatron_ga_ext.config.launch_rules import check_lr_scaling
 from megatron_ga_ext.core.lr_factor import lr_factor
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.integration.calculator import live_step_calculator
-from megatron_ga_ext.integration.compat import megatron_view
+from megatron_ga_ext.integration.compat import consumed_train_samples
 from megatron_ga_ext.logs import get_logger
 
 __all__ = ["ScaledRates", "scaled_get_lr", "stage_factors"]
@@ -105,7 +105,7 @@ class ScaledRates:
         than this step's (the live calculator's current GBS; the step before was skipped and was the last of its
         stage) write them again at their count, with this step's factor (``step(0)``, as after a load)."""
         live = live_step_calculator()
-        if live is None or not self.written or not megatron_view().has("consumed_train_samples"):
+        if live is None or not self.written or consumed_train_samples() is None:
             return
         batch = live.get_current_global_batch_size()
         for scheduler, written in list(self.written.items()):
@@ -138,10 +138,9 @@ def next_step_batch(schedule: StepSchedule, scheduler: Any, training_schedules: 
     if last is None or (last.num_steps, last.training_schedules) != (scheduler.num_steps, training_schedules):
         in_step = training_schedules > (last.training_schedules if last is not None else 0)
         last = counts[scheduler] = _Count(scheduler.num_steps, training_schedules, in_step)
-    megatron = megatron_view()
-    if not megatron.has("consumed_train_samples"):
+    consumed = consumed_train_samples()
+    if consumed is None:
         return schedule.global_batch_size_at(scheduler.num_steps)
-    consumed = megatron.consumed_train_samples
     live = live_step_calculator()
     pending = live.get_current_global_batch_size() if last.in_step and live is not None else 0
     return schedule.global_batch_size_at(consumed + pending)

@@ -22,7 +22,7 @@ from tests.support.event_files import tensorboard_scalars
 pytestmark = pytest.mark.bridge
 ROOT = Path(__file__).resolve().parents[2]
 CASES = ("bridge", "bridge-microbatch", "extension", "schedule-bridge", "schedule-extension", "resume-save",
-         "resume-load", "rampup-extension", "noise-scale", "noise-scale-save", "noise-scale-load",
+         "resume-load", "rampup-extension", "schedule-lr-sqrt", "noise-scale", "noise-scale-save", "noise-scale-load",
          "moe-bridge", "moe-extension", "moe-extension-masked-step", "dropped-finalize-bridge",
          "dropped-finalize-extension")
 BRIDGE_LINE = re.compile(r"\biteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \|")
@@ -95,6 +95,21 @@ def test_a_converted_rampup_trains_exactly_its_step_schedule(runs):
     tokens, and the run equals the explicit schedule's in every row (consumed samples, loss, LR, grad norm)."""
     for rank in range(2):
         assert runs["rampup-extension"][rank] == runs["schedule-extension"][rank]
+
+
+def test_lr_scaling_gives_each_stage_its_rate_on_bridge(runs):
+    """ga.lr_scaling sqrt under the schedule "0:8 1536:16": the rate written after each step (the next step's) is
+    Bridge's sample-based decay times sqrt(the next step's GBS / 8); the steps before the first scaled rate train
+    as without it, and the step after trains at the scaled rate (another grad norm)."""
+    plain = runs["schedule-extension"][0]
+    for rank in runs["schedule-lr-sqrt"]:
+        assert [row["consumed_samples"] for row in rank] == [8, 16, 24, 40, 56]
+        for row in rank:
+            factor = (16 / 8) ** 0.5 if row["consumed_samples"] >= 24 else 1.0
+            assert row["lr"] == pytest.approx((1e-3 - 9e-4 * row["consumed_samples"] / 56) * factor, rel=1e-12)
+        same = ("loss", "grad_norm")
+        assert [[row[k] for k in same] for row in rank[:4]] == [[row[k] for k in same] for row in plain[:4]]
+        assert rank[4]["grad_norm"] != plain[4]["grad_norm"]
 
 
 def test_the_noise_scale_line_scalars_and_sidecar_on_bridge(runs, out, cli):
@@ -220,8 +235,8 @@ def test_install_turns_on_per_token_loss_and_installs(ga_bridge, cfg):
 
 
 @pytest.mark.parametrize(("change", "settings", "error", "message"), [
-    ({}, {"lr_scaling": "sqrt"}, "OptionError", r"^ga\.lr_scaling 'sqrt' is not supported on "
-     r"Megatron-Bridge yet"),
+    ({}, {"batch_size_warmup": "auto", "batch_size_warmup_max": 64, "noise_scale": 1}, "OptionError",
+     r"^ga\.batch_size_warmup 'auto' is not supported on Megatron-Bridge yet"),
     ({}, {"batch_size_warmup": "auto", "noise_scale": 1}, "OptionError",
      r"^ga\.batch_size_warmup auto needs ga\.batch_size_warmup_max"),  # the flags' own rules first
     ({}, {"zero_token_policy": "never"}, "OptionError", r"ga\.zero_token_policy"),

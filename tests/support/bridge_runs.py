@@ -104,8 +104,8 @@ def _schedule(cfg: Any) -> Any:
     return cfg
 
 
-def _schedule_extension(cfg: Any) -> Any:
-    return _extension(_schedule(cfg))
+def _schedule_extension(cfg: Any, **settings: Any) -> Any:
+    return _extension(_schedule(cfg), **settings)
 
 
 def _saving(cfg: Any) -> Any:
@@ -204,6 +204,7 @@ CASES: dict[str, Callable[[Any], Any]] = {
     "resume-save": _saving,
     "resume-load": _resuming,
     "rampup-extension": _rampup,
+    "schedule-lr-sqrt": lambda cfg: _schedule_extension(cfg, lr_scaling="sqrt"),
     "noise-scale": _measuring("noise-scale"),
     "noise-scale-save": _measuring("noise-scale-resume", exit_interval=3),
     "noise-scale-load": _measuring("noise-scale-resume", resume=True),
