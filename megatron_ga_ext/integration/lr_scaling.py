@@ -10,10 +10,11 @@ the wrapper multiplies what ``get_lr`` returns.
 The rate ``step()`` writes is the one the next optimizer step trains with, so GBS is the batch of that step: the
 schedule at the samples consumed when it runs. In Megatron-LM's loop that is ``args.consumed_train_samples`` (what the
 loop has counted; in a Megatron-Bridge step its ``train_state.consumed_train_samples``, compat.py) plus, when
-``step()`` runs inside a training step, the batch of that step, which the loop counts only after it returns (the live calculator's current GBS; "inside a training step": a training forward/backward call ran
-since the scheduler's count last changed). Not the scheduler's ``num_steps``: a skipped step (an fp16 overflow,
+``step()`` runs inside a training step, the batch of that step, which the loop counts only after it returns (the
+live calculator's current GBS; "inside a training step": a training forward/backward call ran since the scheduler's
+count last changed). Not the scheduler's ``num_steps``: a skipped step (an fp16 overflow,
 ``--ga-zero-token-policy skip``, ``--iterations-to-skip``) holds it, while consumed samples, and with them the batch,
-advance, so every later stage's factor would come late. Without Megatron-LM's args (a megatron-core loop) the
+advance, so every later stage's factor would come late. Outside both loops' steps (a megatron-core loop) the
 schedule is read at ``num_steps``, which such a loop steps by each step's GBS. Megatron writes the rates only after
 a successful step: the step right after a skipped one would train at the rate written before it, the skipped step's
 batch's factor, which differs where that skipped step was the last of its stage; before each optimizer step in
