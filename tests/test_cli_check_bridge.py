@@ -27,15 +27,12 @@ def test_the_overrides_give_the_ledger_and_the_recipes_values_are_said_to_be_unr
 
 def test_refusals_name_bridges_fields(cli):
     out = cli("check", "--bridge", "--", *RECIPE, "train.micro_batch_size=2", "train.global_batch_size=20",
-              "model.overlap_moe_expert_parallel_comm=true", "ga.batch_size_warmup=auto",
-              "ga.batch_size_warmup_max=640", "ga.noise_scale=1",
-              "train.rampup_batch_size=[32,32,1000]")
+              "model.overlap_moe_expert_parallel_comm=true", "train.rampup_batch_size=[32,32,1000]")
     assert out.status == 1
     problems = out.out.split("problem(s):", 1)[1]
     assert "megatron-ga-ext refuses model.overlap_moe_expert_parallel_comm in token mode" in problems
     assert "train.global_batch_size 20 is not a multiple of train.micro_batch_size 2 x data-parallel size 16" \
         in problems
-    assert "ga.batch_size_warmup 'auto' is not supported on Megatron-Bridge yet" in problems
     assert ("train.rampup_batch_size [32, 32, 1000]: megatron-core 0.18 and later drop it with a warning" in problems
             and "Set ga.convert_rampup=true to run it as its exact step schedule" in problems
             and "megatron-ga schedule --from-rampup 32 32 1000 --global-batch-size=20 prints that schedule" in problems)

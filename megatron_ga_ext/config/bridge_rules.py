@@ -1,4 +1,4 @@
-"""What Megatron-Bridge's loop does not give the extension yet, and Bridge's field names for Megatron-LM's flags:
+"""What a Megatron-Bridge launch is refused beyond a Megatron-LM one, and Bridge's field names for Megatron-LM's flags:
 shared by ``integration/bridge.py`` (install(cfg)) and ``megatron-ga check --bridge``. Pure Python.
 
 A field of Bridge's ConfigContainer sections has the name of Megatron-LM's arg (``train.micro_batch_size`` is
@@ -14,27 +14,19 @@ from typing import Any
 from megatron_ga_ext.config.flags import GA_FLAGS
 from megatron_ga_ext.errors import OptionError
 
-__all__ = ["NOT_YET", "SECTIONS", "bridge_errors", "bridge_names"]
+__all__ = ["SECTIONS", "bridge_errors", "bridge_names"]
 
 #: The container's sections read as Megatron-LM's args, in order: a name two sections hold is the first's.
 SECTIONS = ("train", "model", "optimizer", "ddp", "scheduler", "dataset", "validation", "checkpoint", "logger",
             "dist", "rng", "rerun_state_machine", "tokenizer")
 
-#: Settings Bridge's loop does not give the extension yet, by field: (their off value, why).
-NOT_YET: dict[str, tuple[Any, str]] = {
-    "batch_size_warmup": ("off", "it decides the batch as the run goes, and Bridge fixes train.train_iters (the "
-                          "loop's end) at start-up, so the run would not end at train.train_samples"),
-}
-
 
 def bridge_errors(ga: Mapping[str, Any], rampup: Sequence[int] | None,
                   global_batch_size: int | None) -> list[OptionError]:
-    """The refusals of a Bridge launch: each ``ga`` setting (by field) of :data:`NOT_YET` that is on, and a
-    ``train.rampup_batch_size`` without ``ga.convert_rampup``: megatron-core 0.18 and later drop it with a warning,
-    and Bridge's validation refuses it with ``train.train_samples``."""
-    errors = [OptionError(f"ga.{field} {ga[field]!r} is not supported on Megatron-Bridge yet: {why}. Leave it at "
-                          f"{off!r}, or train with Megatron-LM's pretrain_gpt.py (docs/bridge.md).")
-              for field, (off, why) in NOT_YET.items() if field in ga and ga[field] != off]
+    """The refusals of a Bridge launch beyond a Megatron-LM launch's: a ``train.rampup_batch_size`` without
+    ``ga.convert_rampup`` (megatron-core 0.18 and later drop it with a warning, and Bridge's validation refuses it
+    with ``train.train_samples``)."""
+    errors: list[OptionError] = []
     if rampup is not None and not ga.get("convert_rampup"):
         errors.append(OptionError(
             f"train.rampup_batch_size {list(rampup)}: megatron-core 0.18 and later drop it with a warning "

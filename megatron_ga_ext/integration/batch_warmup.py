@@ -7,8 +7,9 @@ sample and C the samples consumed once the step is done:
     final decay:  the step schedule gets the stage C:2 x GBS (GBS doubles from the next step)
 
 The run starts as the constant schedule ``0:--global-batch-size`` on the extension's step-schedule calculator; a
-stage added is validated as any schedule's (MBS x DP divides it, the interleaved rule), ``args.train_iters`` becomes
-the steps the schedule now plans for ``--train-samples``, and the schedule so far is logged as the
+stage added is validated as any schedule's (MBS x DP divides it, the interleaved rule), the loop's run length
+(``args.train_iters``, Megatron-Bridge's ``train.train_iters``) becomes the steps the schedule now plans for
+``--train-samples``, and the schedule so far is logged as the
 ``--step-batch-size-schedule`` string that replays it. The stages are kept in the checkpoint's noise-scale sidecar
 (noise_scale_sidecar.py) and restored on resume, so the resumed run trains the decisions taken before the checkpoint
 and takes the later ones from the same measurements. The LR windows are core/lr_windows.py's, as for ``--suggest``.
@@ -28,7 +29,7 @@ from megatron_ga_ext.core.noise_trace import TraceRow
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.core.schedule.suggest import DoublingRule, suggest_schedule
 from megatron_ga_ext.errors import OptionError, ScheduleError
-from megatron_ga_ext.integration.compat import megatron_args
+from megatron_ga_ext.integration.compat import run_settings, set_train_iters
 from megatron_ga_ext.logs import get_logger
 
 __all__ = ["BatchSizeWarmup", "frozen_ranges"]
@@ -58,11 +59,11 @@ class BatchSizeWarmup:
         consumed, estimate = row.get("consumed_samples"), row.get("b_simple_samples")
         if consumed is None or estimate is None:
             return False
-        args = megatron_args()
+        settings = run_settings()
         batch = calculator.step_schedule.final_global_batch_size
         rule = DoublingRule(micro_batch_size=calculator.micro_batch_size,
                             data_parallel_size=calculator.data_parallel_size, max_global_batch_size=self.cap,
-                            initial_global_batch_size=batch, trust=self.trust, frozen=frozen_ranges(args))
+                            initial_global_batch_size=batch, trust=self.trust, frozen=frozen_ranges(settings))
         trace = [TraceRow(position=1, consumed_samples=consumed, b_simple_samples=estimate,
                           iteration=row.get("iteration"))]
         suggestion = suggest_schedule(trace, rule)
@@ -77,11 +78,11 @@ class BatchSizeWarmup:
             return False
         calculator.extend(consumed, 2 * batch)
         self.decisions.append((row.get("iteration"), consumed, 2 * batch))
-        _replan(calculator, args)
+        _replan(calculator, settings)
         logger.warning(
             "megatron-ga-ext batch-size warmup: iteration %s: %.4g x B_simple %.4g samples >= 2 x GBS %d: GBS %d from "
             "%d consumed samples; the run's schedule so far: --step-batch-size-schedule \"%s\"", row.get("iteration"),
-            self.trust, estimate, batch, 2 * batch, consumed, _schedule_string(calculator.step_schedule, args))
+            self.trust, estimate, batch, 2 * batch, consumed, _schedule_string(calculator.step_schedule, settings))
         return True
 
     @staticmethod
@@ -101,10 +102,10 @@ class BatchSizeWarmup:
                 f"--global-batch-size gives {first[1]}: resume with the --global-batch-size the run started with.")
         for threshold, batch in schedule.stages[1:]:
             calculator.extend(threshold, batch)
-        args = megatron_args()
-        _replan(calculator, args)
+        settings = run_settings()
+        _replan(calculator, settings)
         logger.info("megatron-ga-ext batch-size warmup: resumed with --step-batch-size-schedule \"%s\"",
-                    _schedule_string(calculator.step_schedule, args))
+                    _schedule_string(calculator.step_schedule, settings))
 
 
     def _check_cap(self, schedule: StepSchedule) -> None:
@@ -121,7 +122,7 @@ class BatchSizeWarmup:
             f"or more.")
 
 
-def frozen_ranges(args: argparse.Namespace | None) -> tuple[Frozen, ...]:
+def frozen_ranges(args: argparse.Namespace | MegatronArgs | None) -> tuple[Frozen, ...]:
     """Consumed samples where the batch must not change (core/lr_windows.py): the LR warmup
     (``--lr-warmup-samples``, or ``--lr-warmup-fraction`` of the decay), and a WSD schedule's final decay
     (``--lr-wsd-decay-samples`` before the end of ``--lr-decay-samples``, else of ``--train-samples``)."""
@@ -134,13 +135,13 @@ def frozen_ranges(args: argparse.Namespace | None) -> tuple[Frozen, ...]:
     return lr_windows(warmup=warmup, decay_end=decay_end, final_decay=view.lr_wsd_decay_samples if wsd else None)
 
 
-def _replan(calculator: Any, args: argparse.Namespace | None) -> None:
-    """``args.train_iters``: the steps the schedule now plans for ``--train-samples`` (Megatron's loop reads it at
-    every iteration)."""
-    if args is not None and MegatronArgs.of(args).train_samples:
-        args.train_iters = calculator.plan(args.train_samples)[0]
+def _replan(calculator: Any, settings: MegatronArgs) -> None:
+    """The loop's run length (``args.train_iters``, Bridge's ``train.train_iters``; read at every iteration): the
+    steps the schedule now plans for ``--train-samples``."""
+    if settings.train_samples:
+        set_train_iters(calculator.plan(settings.train_samples)[0])
 
 
-def _schedule_string(schedule: StepSchedule, args: argparse.Namespace | None) -> str:
+def _schedule_string(schedule: StepSchedule, settings: MegatronArgs) -> str:
     """As pretrain_gpt.py reads it: thresholds in tokens where ``--seq-length`` is set."""
-    return schedule.to_string(MegatronArgs.of(args).seq_length)
+    return schedule.to_string(settings.seq_length)

@@ -23,9 +23,7 @@ build this package's classes (``register_allowed_target_prefix``).
 * runs the rule pass and the coverage table of a Megatron-LM launch over the container's fields, read under
   Megatron-LM's names (``train.micro_batch_size`` is ``--micro-batch-size``). A refusal names Bridge's field
   where Megatron-LM's message names its flag;
-* refuses what Bridge's loop does not give the extension yet (config/bridge_rules.py): the batch-size warmup (a
-  batch decided as the run goes, where Bridge fixes the run length at start-up), and a ``train.rampup_batch_size``
-  left unconverted;
+* refuses a ``train.rampup_batch_size`` left unconverted (config/bridge_rules.py);
 * says that Bridge's GPT step passes no ``loss_mask`` to the model (Bridge #6103), and that in token mode the
   extension gives the model the one ``gpt_step.get_batch`` returned (bridge_loop.py), for the MoE and MTP rules;
 * then ``megatron_ga_ext.install(config)``: the schedule, finalize, calculator and optimizer hooks are megatron-core's,

@@ -11,7 +11,10 @@ loads them); importing this module imports nothing of Bridge's.
   follows, which Bridge's GPT step makes without it (Bridge #6103), for the MoE and MTP rules;
 * ``training_log`` (bound by name in train.py): the noise-scale line printed after Bridge's;
 * ``save_checkpoint(state, ...)`` / ``load_checkpoint(state, ...)`` (checkpointing.py's globals, which Bridge's
-  checkpoint manager calls): the sidecar beside the checkpoint Bridge saved, read from the one it loaded.
+  checkpoint manager calls): the sidecar beside the checkpoint Bridge saved, read from the one it loaded (with the
+  GlobalState set, so restored warmup stages replan ``train.train_iters``);
+* ``data.loaders.get_train_valid_test_num_samples(cfg)``: a training dataset that holds every sample the planned
+  steps consume.
 
 Each is only wrapped around the call.
 """
@@ -29,12 +32,13 @@ from megatron_ga_ext.integration.compat import set_bridge_step_state
 if TYPE_CHECKING:
     from megatron_ga_ext.integration.installation import Installation
 
-__all__ = ["CHECKPOINTING", "GPT_STEP", "TRAIN", "keeping_loss_mask", "loaded_directory", "loading_sidecar",
-           "saved_directory", "saving_sidecar", "stepping"]
+__all__ = ["CHECKPOINTING", "GPT_STEP", "LOADERS", "TRAIN", "keeping_loss_mask", "loaded_directory",
+           "loading_sidecar", "planned_num_samples", "saved_directory", "saving_sidecar", "stepping"]
 
 TRAIN = "megatron.bridge.training.train"
 GPT_STEP = "megatron.bridge.training.gpt_step"
 CHECKPOINTING = "megatron.bridge.training.checkpointing"
+LOADERS = "megatron.bridge.data.loaders"
 #: Bridge's subdirectory of ``checkpoint.save`` / ``checkpoint.load`` for global non-persistent checkpoints
 #: (``_NON_PERSISTENT_CKPT_SUBDIR`` in its checkpointing.py).
 NON_PERSISTENT_SUBDIR = "non_persistent"
@@ -97,9 +101,13 @@ def loading_sidecar(original: Callable, state: Installation) -> Callable:
         iteration = result[0]
         if state.active and isinstance(iteration, int) and iteration > 0:
             global_state = _argument(args, kwargs, "state", 0)
-            state.after_load(loaded_directory(global_state.cfg.checkpoint, iteration), iteration,
-                             _argument(args, kwargs, "opt_param_scheduler", 3),
-                             global_state.train_state.consumed_train_samples)
+            set_bridge_step_state(global_state)  # restored warmup stages replan Bridge's train.train_iters
+            try:
+                state.after_load(loaded_directory(global_state.cfg.checkpoint, iteration), iteration,
+                                 _argument(args, kwargs, "opt_param_scheduler", 3),
+                                 global_state.train_state.consumed_train_samples)
+            finally:
+                set_bridge_step_state(None)
         return result
 
     return load_checkpoint
@@ -108,6 +116,21 @@ def loading_sidecar(original: Callable, state: Installation) -> Callable:
 def _argument(args: tuple, kwargs: dict[str, Any], name: str, index: int, default: Any = None) -> Any:
     """A call's argument ``name``, passed by keyword (as Bridge's checkpoint manager passes them) or at ``index``."""
     return kwargs[name] if name in kwargs else args[index] if len(args) > index else default
+
+
+def planned_num_samples(original: Callable, state: Installation) -> Callable:
+    """``get_train_valid_test_num_samples(cfg)``: the training dataset holds every sample the planned steps consume
+    (Bridge sizes it at ``train.train_samples``; under --ga-batch-size-warmup auto the last step may pass it)."""
+
+    @functools.wraps(original)
+    def get_train_valid_test_num_samples(cfg: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(cfg, *args, **kwargs)
+        planned = state.planned_samples(cfg.train.train_samples)
+        if planned is None or result[0] != cfg.train.train_samples:
+            return result
+        return (max(result[0], planned), *result[1:])
+
+    return get_train_valid_test_num_samples
 
 
 def saved_directory(checkpoint: Any, non_persistent: bool) -> str | None:

@@ -34,8 +34,8 @@ from megatron_ga_ext.logs import get_logger
 __all__ = [
     "RELEASES", "TARGETS", "UPSTREAM", "Calculator", "Target", "Upstream", "bridge_step_state", "check_targets",
     "consumed_train_samples", "defines_function", "fingerprint", "known_fingerprints", "live_targets",
-    "megatron_args", "megatron_core_version", "megatron_iteration", "megatron_view", "set_bridge_step_state",
-    "tree_targets",
+    "megatron_args", "megatron_core_version", "megatron_iteration", "megatron_view", "run_settings",
+    "set_bridge_step_state", "set_train_iters", "tree_targets",
 ]
 
 logger = get_logger(__name__)
@@ -201,9 +201,38 @@ def consumed_train_samples() -> int | None:
 
 
 def bridge_step_state() -> Any:
-    """Megatron-Bridge's ``GlobalState`` while its ``train_step`` runs (bridge_loop.py sets it): the run state Bridge
-    keeps where Megatron-LM keeps its parsed args and global writers; None outside a Bridge step."""
+    """Megatron-Bridge's ``GlobalState`` while its ``train_step`` runs, or the extension reads the checkpoint its
+    ``load_checkpoint`` loaded (bridge_loop.py sets it): the run state Bridge keeps where Megatron-LM keeps its
+    parsed args and global writers; None outside those."""
     return _BRIDGE_STEP[0]
+
+
+def run_settings() -> MegatronArgs:
+    """The run's settings under Megatron-LM's names: its parsed args, or where Bridge's state is set
+    (:func:`bridge_step_state`) its container's ``train``, ``scheduler`` and ``model`` fields, which have those
+    names; empty in neither."""
+    if megatron_args() is not None:
+        return megatron_view()
+    bridge = bridge_step_state()
+    if bridge is None:
+        return MegatronArgs({})
+    import dataclasses
+
+    values: dict[str, Any] = {}
+    for section in (bridge.cfg.train, bridge.cfg.scheduler, bridge.cfg.model):
+        for f in dataclasses.fields(section):
+            values.setdefault(f.name, getattr(section, f.name))
+    return MegatronArgs(values)
+
+
+def set_train_iters(iterations: int) -> None:
+    """The loop's run length, read at every iteration: Megatron-LM's ``args.train_iters``, Bridge's
+    ``train.train_iters``."""
+    args = megatron_args()
+    if args is not None:
+        args.train_iters = iterations
+    elif bridge_step_state() is not None:
+        bridge_step_state().cfg.train.train_iters = iterations
 
 
 def set_bridge_step_state(state: Any) -> None:

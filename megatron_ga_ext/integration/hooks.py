@@ -240,6 +240,8 @@ HOOKS: tuple[Hook, ...] = (
          does="--train-samples under a step schedule: the steps the schedule plans"),
     Hook("configure", TRAINING, "get_train_valid_test_num_samples", megatron_lm.planned_num_samples,
          fingerprinted=True, **_LM, does="a training dataset that holds every sample the planned steps consume"),
+    Hook("configure", bridge_loop.LOADERS, "get_train_valid_test_num_samples", bridge_loop.planned_num_samples,
+         **_BRIDGE, does="Bridge's training dataset: every sample the planned steps consume"),
     # step: one forward/backward call, and the sequence-packing scheduler's count for it
     *(Hook("step", SCHEDULES, name, _schedule, fingerprinted=True,
            does="the start-up checks once; after the call, every chunk ran num_microbatches and finalize was reached")

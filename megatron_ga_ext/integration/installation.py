@@ -283,6 +283,16 @@ class Installation:
         if self.noise_scale is not None:
             self.noise_scale.say_held()
 
+    def planned_samples(self, train_samples: int | None) -> int | None:
+        """The samples a run of ``train_samples`` consumes under the live step schedule, which the training dataset
+        must hold: the planned steps' (the last may pass ``train_samples``), and under --ga-batch-size-warmup auto up
+        to its cap more (a schedule decided later); None without a live schedule or a run length in samples."""
+        calculator = live_step_calculator()
+        if not self.active or calculator is None or not train_samples:
+            return None
+        margin = self.batch_warmup.cap if self.batch_warmup is not None else 0
+        return calculator.plan(train_samples)[1] + margin
+
     def after_save(self, directory: str | None, iteration: int) -> None:
         """The loop saved the checkpoint of ``iteration`` under ``directory`` (its ``iter_NNNNNNN`` parent; None for
         one that has none, a local non-persistent checkpoint): the noise-scale EMAs (and warmup stages) beside it."""

@@ -123,13 +123,11 @@ def planned_num_samples(original: Callable, state: Installation) -> Callable:
     @functools.wraps(original)
     def get_train_valid_test_num_samples(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
-        calculator = live_step_calculator()
         train_samples = megatron_view().train_samples
-        if not state.active or calculator is None or not train_samples or result[0] != train_samples:
+        planned = state.planned_samples(train_samples)
+        if planned is None or result[0] != train_samples:
             return result
-        # --ga-batch-size-warmup auto: the last step of a schedule decided later may pass by up to the cap
-        margin = state.batch_warmup.cap if state.batch_warmup is not None else 0
-        return (max(result[0], calculator.plan(train_samples)[1] + margin), *result[1:])
+        return (max(result[0], planned), *result[1:])
 
     return get_train_valid_test_num_samples
 

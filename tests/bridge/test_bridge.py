@@ -22,7 +22,8 @@ from tests.support.event_files import tensorboard_scalars
 pytestmark = pytest.mark.bridge
 ROOT = Path(__file__).resolve().parents[2]
 CASES = ("bridge", "bridge-microbatch", "extension", "schedule-bridge", "schedule-extension", "resume-save",
-         "resume-load", "rampup-extension", "schedule-lr-sqrt", "noise-scale", "noise-scale-save", "noise-scale-load",
+         "resume-load", "rampup-extension", "schedule-lr-sqrt", "schedule-wsd", "warmup", "warmup-save",
+         "warmup-load", "noise-scale", "noise-scale-save", "noise-scale-load",
          "moe-bridge", "moe-extension", "moe-extension-masked-step", "dropped-finalize-bridge",
          "dropped-finalize-extension")
 BRIDGE_LINE = re.compile(r"\biteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \|")
@@ -77,6 +78,18 @@ def test_a_step_schedule_trains_the_planned_samples_with_the_lr_ending_on_the_la
         same = ("consumed_samples", "loss", "lr", "grad_norm")
         assert [[row[k] for k in same] for row in rank[:3]] == [[row[k] for k in same] for row in bare[:3]]
         assert rank[3]["grad_norm"] != bare[3]["grad_norm"]
+
+
+def test_the_lr_warmup_and_wsd_decay_end_where_their_samples_do(runs):
+    """Bridge #3438's shape under the schedule: an LR warmup over 16 samples and WSD with a linear final decay over
+    the last 24 of 56. Each rate written after a step (for the next) is megatron-core's at the consumed samples:
+    half-way up at 8, the peak at 16 and 24 (the decay starts at 32), 2/3 of the way down at 40, min_lr at 56, the
+    last step."""
+    for rank in runs["schedule-wsd"]:
+        assert [(row["consumed_samples"], row["train_iters"]) for row in rank] == [
+            (8, 5), (16, 5), (24, 5), (40, 5), (56, 5)]
+        assert [row["lr"] for row in rank] == pytest.approx([5e-4, 1e-3, 1e-3, 1e-4 + 9e-4 * 2 / 3, 1e-4],
+                                                            rel=1e-12)
 
 
 def test_a_resume_at_the_stage_switch_trains_on_as_the_uninterrupted_run(runs):
@@ -179,6 +192,28 @@ def test_moe_on_bridges_gpt_step_routes_with_the_loss_mask(runs):
                for ours, theirs in zip(runs["moe-extension"][0], runs["moe-bridge"][0], strict=True))
 
 
+def test_the_batch_size_warmup_doubles_and_the_run_ends_at_its_samples_on_bridge(runs, out):
+    """ga.batch_size_warmup auto from GBS 8 (trust 2000, cap 32) over train.train_samples 88: GBS 16 after the
+    first measured step, 32 after the second, so 4 steps where Bridge planned 11; train.train_iters follows each
+    decision (Bridge's loop ends on it), the LR decays in samples to min_lr on the last step, and the dataset
+    holds the samples. Saved at iteration 2 (the sidecar keeps the stages) and resumed: the rows are the
+    uninterrupted run's, and the loaded checkpoint is not saved again."""
+    from megatron_ga_ext.integration.noise_scale_sidecar import sidecar_path
+
+    for rank in range(2):
+        whole = runs["warmup"][rank]
+        assert [(row["consumed_samples"], row["train_iters"]) for row in whole] == [(8, 6), (24, 4), (56, 4), (88, 4)]
+        assert [row["lr"] for row in whole] == pytest.approx(
+            [1e-3 - 9e-4 * row["consumed_samples"] / 88 for row in whole], rel=1e-12)
+        assert whole[-1]["lr"] == pytest.approx(1e-4, rel=1e-12)
+        assert runs["warmup-save"][rank] + runs["warmup-load"][rank] == whole
+    checkpoints = out / "warmup-resume" / "checkpoints"
+    assert json.loads(sidecar_path(checkpoints, 2).read_text())["stages"] == [[0, 8], [8, 16], [24, 32]]
+    log = (out / "warmup-load.rank0.log").read_text()
+    assert 'batch-size warmup: resumed with --step-batch-size-schedule "0:8 512:16 1536:32"' in log, log[-2000:]
+    assert re.findall(r"saving checkpoint at iteration\s+(\d+)", log) == ["4"]
+
+
 def test_a_dropped_finalize_is_stopped_at_the_first_step(runs):
     """Bridge #4974's shape (the model config holds no finalize_model_grads_func): Bridge alone trains all six
     steps on unreduced, undivided gradients (grad norms 100x the reference's, the replicas apart); with the
@@ -235,8 +270,6 @@ def test_install_turns_on_per_token_loss_and_installs(ga_bridge, cfg):
 
 
 @pytest.mark.parametrize(("change", "settings", "error", "message"), [
-    ({}, {"batch_size_warmup": "auto", "batch_size_warmup_max": 64, "noise_scale": 1}, "OptionError",
-     r"^ga\.batch_size_warmup 'auto' is not supported on Megatron-Bridge yet"),
     ({}, {"batch_size_warmup": "auto", "noise_scale": 1}, "OptionError",
      r"^ga\.batch_size_warmup auto needs ga\.batch_size_warmup_max"),  # the flags' own rules first
     ({}, {"zero_token_policy": "never"}, "OptionError", r"ga\.zero_token_policy"),

@@ -108,6 +108,15 @@ def _schedule_extension(cfg: Any, **settings: Any) -> Any:
     return _extension(_schedule(cfg), **settings)
 
 
+def _schedule_wsd(cfg: Any) -> Any:
+    """The schedule's run with an LR warmup over 16 samples and WSD, its final linear decay over the last 24
+    (Bridge #3438: with a batch that changes, WSD's decay must still end on the last step)."""
+    cfg.scheduler.lr_decay_style, cfg.scheduler.lr_warmup_iters = "WSD", 0
+    cfg.scheduler.lr_warmup_samples, cfg.scheduler.lr_warmup_init = 16, 0.0
+    cfg.scheduler.lr_wsd_decay_samples, cfg.scheduler.lr_wsd_decay_style = 24, "linear"
+    return _schedule_extension(cfg)
+
+
 def _saving(cfg: Any) -> Any:
     """The schedule's run through the extension, saved at iteration 3 (where its batch is to double) and stopped."""
     cfg.checkpoint.save = str(OUT / "checkpoints")
@@ -129,19 +138,26 @@ def _rampup(cfg: Any) -> Any:
     return _extension(cfg, convert_rampup=True)
 
 
-def _measuring(run: str, exit_interval: int | None = None, resume: bool = False) -> Callable[[Any], Any]:
+def _measuring(run: str, exit_interval: int | None = None, resume: bool = False,
+               warmup: bool = False) -> Callable[[Any], Any]:
     """The extension's run with ga.noise_scale 1, its trace and TensorBoard under OUT/<run>, saved every 3
-    iterations to OUT/<run>/checkpoints; stopped at ``exit_interval``, or resumed from there."""
+    iterations (every 2 with ``warmup``) to OUT/<run>/checkpoints; stopped at ``exit_interval``, or resumed from
+    there. ``warmup``: ga.batch_size_warmup auto from GBS 8 (trust 2000, so that it doubles at every measurement, up
+    to 32) over train.train_samples 88."""
 
     def measuring(cfg: Any) -> Any:
         directory = OUT / run
         directory.mkdir(parents=True, exist_ok=True)
         cfg.logger.tensorboard_dir = str(directory / "tb")
-        cfg.checkpoint.save, cfg.checkpoint.save_interval = str(directory / "checkpoints"), 3
+        cfg.checkpoint.save, cfg.checkpoint.save_interval = str(directory / "checkpoints"), 2 if warmup else 3
         cfg.checkpoint.load = cfg.checkpoint.save if resume else None
         cfg.train.exit_interval = exit_interval
         trace = directory / f"trace-{'load' if resume else 'save'}.jsonl"
-        return _extension(cfg, noise_scale=1, noise_scale_trace=str(trace))
+        settings: dict[str, Any] = {"noise_scale": 1, "noise_scale_trace": str(trace)}
+        if warmup:
+            cfg.train.train_iters, cfg.train.train_samples = None, 88
+            settings.update(batch_size_warmup="auto", batch_size_warmup_trust=2000.0, batch_size_warmup_max=32)
+        return _extension(cfg, **settings)
 
     return measuring
 
@@ -205,9 +221,13 @@ CASES: dict[str, Callable[[Any], Any]] = {
     "resume-load": _resuming,
     "rampup-extension": _rampup,
     "schedule-lr-sqrt": lambda cfg: _schedule_extension(cfg, lr_scaling="sqrt"),
+    "schedule-wsd": _schedule_wsd,
     "noise-scale": _measuring("noise-scale"),
     "noise-scale-save": _measuring("noise-scale-resume", exit_interval=3),
     "noise-scale-load": _measuring("noise-scale-resume", resume=True),
+    "warmup": _measuring("warmup", warmup=True),
+    "warmup-save": _measuring("warmup-resume", exit_interval=2, warmup=True),
+    "warmup-load": _measuring("warmup-resume", resume=True, warmup=True),
     "moe-bridge": _moe(_bridge),
     "moe-extension": _moe(_extension),
     "moe-extension-masked-step": _moe(_extension),
