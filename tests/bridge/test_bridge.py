@@ -25,7 +25,7 @@ CASES = ("bridge", "bridge-microbatch", "extension", "schedule-bridge", "schedul
          "resume-load", "rampup-extension", "schedule-lr-sqrt", "schedule-wsd", "warmup", "warmup-save",
          "warmup-load", "noise-scale", "noise-scale-save", "noise-scale-load",
          "moe-bridge", "moe-extension", "moe-extension-masked-step", "dropped-finalize-bridge",
-         "dropped-finalize-extension")
+         "dropped-finalize-extension", "bypassed-schedule-extension")
 BRIDGE_LINE = re.compile(r"\biteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \|")
 NOISE_LINE = re.compile(r"^ ?megatron-ga-ext noise scale \| iteration (\d+) \| .* \| "
                         r"loss tokens: (\d+) over 2 replicas \| consumed samples: (\d+) \|$")
@@ -225,6 +225,15 @@ def test_a_dropped_finalize_is_stopped_at_the_first_step(runs):
     for rank in runs["dropped-finalize-extension"]:
         assert len(rank) == 1 and rank[0]["type"] == "GuardError"
         assert "never called megatron-ga-ext's finalize_model_grads" in rank[0]["error"]
+
+
+def test_a_schedule_bound_before_install_is_stopped_by_liveness(runs):
+    """Bridge's loop given megatron-core's forward/backward function as it was before install() (the liveness
+    case of Megatron-LM's loop): each rank stops at step 1, before its optimizer step, naming the path."""
+    for rank in runs["bypassed-schedule-extension"]:
+        assert len(rank) == 1 and rank[0]["type"] == "GuardError"
+        assert ("training iteration 1 reached the optimizer step through megatron-ga-ext's finalize_model_grads but "
+                "not through its guarded forward/backward schedule") in rank[0]["error"]
 
 
 @pytest.fixture(scope="module")

@@ -210,6 +210,18 @@ def _dropped(setup: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return dropped
 
 
+def _bypassed(cfg: Any) -> Any:
+    """A forward/backward function bound before install(): Bridge's loop is given megatron-core's schedule as it was
+    before the extension wrapped it."""
+    import megatron.bridge.training.train as train_module
+    from megatron.core.pipeline_parallel import schedules
+
+    unwrapped = schedules.forward_backward_no_pipelining
+    cfg = _extension(cfg)
+    train_module.get_forward_backward_func = lambda *args, **kwargs: unwrapped
+    return cfg
+
+
 #: case -> what it does to the tiny config before pretrain() (and returns as the config to train).
 CASES: dict[str, Callable[[Any], Any]] = {
     "bridge": _bridge,
@@ -233,6 +245,7 @@ CASES: dict[str, Callable[[Any], Any]] = {
     "moe-extension-masked-step": _moe(_extension),
     "dropped-finalize-bridge": _dropped(_bridge),
     "dropped-finalize-extension": _dropped(_extension),
+    "bypassed-schedule-extension": _bypassed,
 }
 
 
