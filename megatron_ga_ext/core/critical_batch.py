@@ -226,13 +226,17 @@ def bootstrap_b_crit(points: Sequence[RunPoint], *, resamples: int = 1000, seed:
     rng = random.Random(seed)
     logs = [(float(p.batch_size), math.log(p.steps), math.log(p.samples)) for p in points]
     values = []
+    fitted: dict[tuple[int, ...], float] = {}  # a resample is its counts: few runs draw the same counts often
     for _ in range(resamples):
         counts = [0] * len(points)
         for _ in points:
             counts[rng.randrange(len(points))] += 1
         drawn = [k for k, count in enumerate(counts) if count]
         if len({points[k].batch_size for k in drawn}) >= MIN_RUNS:
-            values.append(_fit_logs([logs[k] for k in drawn], [counts[k] for k in drawn], edges=True)[0])
+            key = tuple(counts)
+            if key not in fitted:
+                fitted[key] = _fit_logs([logs[k] for k in drawn], [counts[k] for k in drawn], edges=True)[0]
+            values.append(fitted[key])
     if not values:
         raise CriticalBatchError(f"no bootstrap resample of {len(points)} runs had {MIN_RUNS} distinct batch sizes.")
     values.sort()
