@@ -136,12 +136,14 @@ def test_ranks_exit_when_their_parent_dies(tmp_path):
 
 def test_default_layouts_cover_every_layout_users_run():
     names = [layout.name for layout in DEFAULT_LAYOUTS]
-    assert names == ["DP1 x GA8", "DP2 x GA4", "DP2 x GA4 (overlapped grad reduce, distributed optimizer)",
+    assert names == ["DP1 x GA8", "DP1 x GA2 (MoE seq_aux_loss, loss tokens 1, 0, 16, 5)", "DP2 x GA4", "DP2 x GA4 (overlapped grad reduce, distributed optimizer)",
                      "DP2 x GA4 (MoE)", "EP2 x DP2 x GA4 (MoE)", "DP2 x GA4 (MTP)", "DP2 x GA4 (MoE + MTP)",
                      "DP2 x GA4 (MoE global_aux_loss)", "DP4 x GA2", "PP2 x DP2 x GA4", "PP2 x VPP2 x DP2 x GA4",
                      "CP2 x DP2 x GA4 (position-wise)",
                      "TP2 x DP2 x GA4 (MoE, sequence parallel)", "CP2 x DP2 x GA4 (MoE, position-wise)"]
-    assert {layout.global_batch_size for layout in DEFAULT_LAYOUTS} == {len(DEFAULT_LENGTHS)}
+    assert [layout.world_size for layout in DEFAULT_LAYOUTS] == sorted(layout.world_size for layout in DEFAULT_LAYOUTS)
+    assert {len(layout.lengths or DEFAULT_LENGTHS) for layout in DEFAULT_LAYOUTS} == {len(DEFAULT_LENGTHS), 4}
+    assert all(len(layout.lengths or DEFAULT_LENGTHS) == layout.global_batch_size for layout in DEFAULT_LAYOUTS)
     assert min(DEFAULT_LENGTHS) == 1  # one micro-batch nearly all padding
 
 
@@ -222,8 +224,10 @@ def test_verify_command_end_to_end():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     skipped = {s["layout"] for s in out["skipped"]}
-    assert skipped <= {"DP2 x GA4 (MTP)", "DP2 x GA4 (MoE + MTP)"}  # MTP rows need megatron-core >= 0.17
+    # MTP rows need megatron-core >= 0.17, seq_aux_loss at MBS 2 0.19
+    assert skipped <= {"DP2 x GA4 (MTP)", "DP2 x GA4 (MoE + MTP)", DEFAULT_LAYOUTS[1].name}
     rows = out["rows"]
+    lengths = {layout.name: layout.lengths or DEFAULT_LENGTHS for layout in DEFAULT_LAYOUTS}
     assert [(r["layout"], r["mode"]) for r in rows] == [
         (layout.name, mode) for layout in DEFAULT_LAYOUTS if layout.name not in skipped
         for mode in ("token", "microbatch")]
@@ -232,7 +236,7 @@ def test_verify_command_end_to_end():
         assert row["ok"] is True
         if row["mode"] == "token":
             assert row["rel_err_token"] < 1e-5 < 0.1 < row["rel_err_mean_of_means"]
-            assert row["num_tokens"] == sum(DEFAULT_LENGTHS)
+            assert row["num_tokens"] == sum(lengths[row["layout"]])
         else:
             assert row["rel_err_mean_of_means"] < 1e-5 < 0.1 < row["rel_err_token"]
     coefficients = {(c["layout"], c["variant"]): c for c in out["aux_coefficients"]}
@@ -259,7 +263,7 @@ def test_verify_command_fails_when_token_mode_misses(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert re.search(r"DP2 x GA4 +token +3\.00e-05 +9\.00e-01 +72 +FAIL\n", out)
     assert re.search(r"DP2 x GA4 +microbatch .* ok: mean of means\n", out)
-    assert "1 row(s) FAIL (tolerance 1e-05; token rows must divide by N = 72)" in out
+    assert "1 row(s) FAIL (tolerance 1e-05; token rows must divide by N, their batch's loss tokens: 72 or 22)" in out
 
 
 def test_cpu_shims_restore_torch_and_megatron():

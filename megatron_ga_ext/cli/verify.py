@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
                                            aux_layouts=aux_layouts)
     except Exception as exc:
         raise VerifyError(f"verify launch failed: {type(exc).__name__}: {exc}") from exc
-    expected_num_tokens = sum(DEFAULT_LENGTHS)
+    expected_num_tokens = {lay.name: sum(lay.lengths or DEFAULT_LENGTHS) for lay in layouts}
     rows = rows_from_results(results, args.tolerance, expected_num_tokens)
     aux_rows = [{"layout": c.layout, "variant": c.variant, "coefficient": c.coefficient, "error": c.error}
                 for c in coefficients]
@@ -156,10 +156,14 @@ def _supported(layouts: list) -> tuple[list, list[dict[str, str]]]:
     """The layouts this megatron-core can run, and the others with the reason."""
     from megatron.core.transformer import multi_token_prediction
 
+    from megatron_ga_ext.verify.fuzz import SEQ_AUX_BEFORE_0_19, seq_aux_limited
+
     mtp_clamped = hasattr(multi_token_prediction, "process_mtp_loss")
     kept, skipped = [], []
     for layout in layouts:
-        if layout.model in ("mtp", "moe_mtp") and not mtp_clamped:
+        if seq_aux_limited(layout):
+            skipped.append({"layout": layout.name, "reason": SEQ_AUX_BEFORE_0_19})
+        elif layout.model in ("mtp", "moe_mtp") and not mtp_clamped:
             skipped.append({"layout": layout.name, "reason": (
                 "megatron-core 0.16 divides each micro-batch's MTP loss by its rolled token count without a "
                 "clamp, so a micro-batch with at most one loss token per sequence (this batch has one) gives "
@@ -207,12 +211,12 @@ def _runnable(layouts: tuple, device: str) -> list:
 
 
 def rows_from_results(results: dict[int, list[list[LayoutResult]]], tolerance: float,
-                      expected_num_tokens: int | None = None) -> list[dict[str, Any]]:
+                      expected_num_tokens: int | dict[str, int] | None = None) -> list[dict[str, Any]]:
     """One row per (layout, mode): the largest error over ranks, the token count, and the verdict.
 
     ``token`` passes when within ``tolerance`` of the token reference and, given
-    ``expected_num_tokens``, every rank's finalize divided by N = that count (the non-padding tokens of
-    the global batch); ``microbatch`` passes when within ``tolerance`` of its own (mean-of-means)
+    ``expected_num_tokens`` (one count, or one per layout name), every rank's finalize divided by N = that count
+    (the non-padding tokens of the global batch); ``microbatch`` passes when within ``tolerance`` of its own (mean-of-means)
     reference. ``num_tokens`` is N when every rank reports the same, else None.
     """
     per_row: dict[tuple[str, str], list[LayoutResult]] = defaultdict(list)
@@ -227,7 +231,9 @@ def rows_from_results(results: dict[int, list[list[LayoutResult]]], tolerance: f
         own = err_token if mode == "token" else err_mom
         counts = {res.num_tokens for res in ranks}
         num_tokens = counts.pop() if len(counts) == 1 else None
-        count_ok = mode != "token" or expected_num_tokens is None or num_tokens == expected_num_tokens
+        expected = (expected_num_tokens.get(layout) if isinstance(expected_num_tokens, dict)
+                    else expected_num_tokens)
+        count_ok = mode != "token" or expected is None or num_tokens == expected
         rows.append({"layout": layout, "mode": mode, "rel_err_token": err_token,
                      "rel_err_mean_of_means": err_mom, "num_tokens": num_tokens,
                      "ok": not math.isnan(own) and own <= tolerance and count_ok})
@@ -241,7 +247,7 @@ def _worst(errors: Iterable[float]) -> float:
 
 
 def _report(rows: list[dict[str, Any]], aux: list[dict[str, Any]], skipped: list[dict[str, str]],
-            args: argparse.Namespace, expected_num_tokens: int, seconds: float) -> None:
+            args: argparse.Namespace, expected_num_tokens: dict[str, int], seconds: float) -> None:
     if args.json:
         print(json.dumps({"rows": rows, "aux_coefficients": aux, "skipped": skipped}, indent=2))
         return
@@ -257,8 +263,9 @@ def _report(rows: list[dict[str, Any]], aux: list[dict[str, Any]], skipped: list
         print(f"skipped {skip['layout']}: {skip['reason']}")
     failed = sum(not r["ok"] for r in rows)
     summary = "all rows pass" if not failed else f"{failed} row(s) FAIL"
-    print(f"{summary} (tolerance {args.tolerance:g}; token rows must divide by N = "
-          f"{expected_num_tokens}); {seconds:.1f} s")
+    counts = " or ".join(str(n) for n in sorted(set(expected_num_tokens.values()), reverse=True))
+    print(f"{summary} (tolerance {args.tolerance:g}; token rows must divide by N, their batch's loss tokens: "
+          f"{counts}); {seconds:.1f} s")
 
 
 def _verdict(row: dict[str, Any]) -> str:

@@ -133,8 +133,10 @@ def exact_token_counts(original: Callable, state: Installation) -> Callable:
     n_u is upstream's own total where the counts are reduced over TP x CP (aux_loss, seq_aux_loss); for
     global_aux_loss (reduced over TP x DP x CP) this rank's count is summed over TP x CP (one all-reduce of one
     number, only where |TP x CP| > 1). Without a padding mask (microbatch mode, quantile balancing) upstream's
-    counts stand: it reads the routing map's shape, not the reduced counts. The total is clamped to 1: upstream
-    divides the load-balancing loss by its square, and a micro-batch without loss tokens would give NaN."""
+    counts stand: it reads the routing map's shape, not the reduced counts. A total of 0 becomes 1: upstream divides
+    the load-balancing loss by its square, and a micro-batch without loss tokens would give NaN. Any other total
+    stands, also a fractional one: seq_aux_loss counts per sequence, n_u / MBS, which is below 1 where a
+    micro-batch's samples hold fewer loss tokens than it has samples (a truncated sample with none)."""
     scales = router_scales_by_tp_cp()
 
     @functools.wraps(original)
@@ -152,7 +154,7 @@ def exact_token_counts(original: Callable, state: Installation) -> Callable:
 
                 torch.distributed.all_reduce(unit, group=group)
         # A unit without loss tokens routes none: its load-balancing loss is 0, not upstream's 0 / 0 (NaN).
-        return tokens_per_expert, unit / group.size() if scales else unit, total.clamp(min=1)
+        return tokens_per_expert, unit / group.size() if scales else unit, total.masked_fill(total == 0, 1)
 
     return counts
 

@@ -90,15 +90,24 @@ class DrawResult:
     """The exception the step raised, if any."""
 
 
+SEQ_AUX_BEFORE_0_19 = "seq_aux_loss with --micro-batch-size > 1 before 0.19: upstream's per-sequence count (1 / MBS)"
+
+
+def seq_aux_limited(layout: Layout) -> bool:
+    """seq_aux_loss at MBS > 1 on a release whose router keeps its per-sequence count (a limit docs/reduction.md
+    states)."""
+    from megatron_ga_ext.integration.aux_losses import router_scales_by_tp_cp
+
+    return layout.model == "moe_seq" and layout.micro_batch_size > 1 and not router_scales_by_tp_cp()
+
+
 def known_limit(draw: Draw) -> str | None:
     """A draw whose layout meets a limit the docs state on the installed megatron-core, or None."""
     from megatron.core.transformer import multi_token_prediction
 
-    from megatron_ga_ext.integration.aux_losses import router_scales_by_tp_cp
-
     layout = draw.layout
-    if layout.model == "moe_seq" and layout.micro_batch_size > 1 and not router_scales_by_tp_cp():
-        return "seq_aux_loss with --micro-batch-size > 1 before 0.19: upstream's per-sequence count (1 / MBS)"
+    if seq_aux_limited(layout):
+        return SEQ_AUX_BEFORE_0_19
     if "mtp" in layout.model and not hasattr(multi_token_prediction, "process_mtp_loss") and min(draw.lengths) <= 1:
         return "MTP on 0.16 with a sample of one loss token: upstream divides microbatch mode's MTP mean by 0"
     return None

@@ -88,10 +88,16 @@ def run_rank(cfg: VerifyConfig) -> list[LayoutResult]:
 
 
 def _run_all(cfg: VerifyConfig) -> list[LayoutResult]:
-    batch = make_global_batch(cfg.lengths, cfg.model.seq_length, cfg.model.vocab_size)
-    refs = reference_grads(cfg.model, cfg.layouts, batch, device=cfg.device)
+    """Every layout in every mode, in order; each global batch (the launch's, a layout's own) and its references
+    made once."""
+    batches, refs = {}, {}
+    for lengths in dict.fromkeys(layout.lengths or cfg.lengths for layout in cfg.layouts):
+        batches[lengths] = make_global_batch(lengths, cfg.model.seq_length, cfg.model.vocab_size)
+        refs.update(reference_grads(cfg.model, [lay for lay in cfg.layouts if (lay.lengths or cfg.lengths) == lengths],
+                                    batches[lengths], device=cfg.device))
     results = []
     for layout in cfg.layouts:
+        batch = batches[layout.lengths or cfg.lengths]
         for mode in cfg.modes:
             start = time.perf_counter()
             grads, num_tokens = run_layout(layout, mode, cfg, batch)

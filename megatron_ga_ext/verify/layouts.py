@@ -39,6 +39,9 @@ class Layout:
     ``moe_positionwise``: MoE layers without attention, for CP (models.KINDS)."""
     overlap_grad_reduce: bool = False
     distributed_optimizer: bool = False
+    lengths: tuple[int, ...] | None = None
+    """Loss tokens of each sample of the global batch, where the layout needs its own (a sample without any); None:
+    the launch's."""
 
     @property
     def world_size(self) -> int:
@@ -67,6 +70,7 @@ class Layout:
         notes += ["sequence parallel"] * self.sequence_parallel
         notes += ["overlapped grad reduce"] * self.overlap_grad_reduce
         notes += ["distributed optimizer"] * self.distributed_optimizer
+        notes += [f"loss tokens {', '.join(map(str, self.lengths))}"] if self.lengths else []
         return " x ".join(parts) + (f" ({', '.join(notes)})" if notes else "")
 
     def sample(self, microbatch: int, dp_rank: int, j: int) -> int:
@@ -106,9 +110,11 @@ MODEL_NOTES = {"positionwise": "position-wise", "moe": "MoE", "mtp": "MTP", "moe
                "moe_global": "MoE global_aux_loss", "moe_seq": "MoE seq_aux_loss", "moe_bias": "MoE expert bias",
                "moe_positionwise": "MoE, position-wise"}
 
-#: The layouts verify runs; GBS = 8 in each, MBS = 1.
+#: The layouts verify runs, by world size (one launch each); GBS = 8, MBS = 1, unless a layout gives its own lengths.
 DEFAULT_LAYOUTS = (
     Layout(data_parallel_size=1, num_microbatches=8),
+    # seq_aux_loss counts per sequence: a micro-batch of a truncated sample (no loss tokens) and one of a single token.
+    Layout(data_parallel_size=1, num_microbatches=2, micro_batch_size=2, model="moe_seq", lengths=(1, 0, 16, 5)),
     Layout(data_parallel_size=2, num_microbatches=4),
     Layout(data_parallel_size=2, num_microbatches=4, overlap_grad_reduce=True, distributed_optimizer=True),
     Layout(data_parallel_size=2, num_microbatches=4, model="moe"),
