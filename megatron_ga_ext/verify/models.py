@@ -185,7 +185,8 @@ def build_gpt(model: ModelConfig, config, *, pre_process: bool, post_process: bo
     mtp = bool(getattr(config, "mtp_num_layers", None))
     extra = {"vp_stage": vp_stage} if vp_stage is not None else {}
     if mtp:
-        extra["mtp_block_spec"] = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
+        mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
+        extra["mtp_block_spec"] = _sequence_parallel_mtp_norms(mtp_spec) if config.sequence_parallel else mtp_spec
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -200,6 +201,20 @@ def build_gpt(model: ModelConfig, config, *, pre_process: bool, post_process: bo
     names = global_names(gpt)
     init_by_name(gpt, names)
     return gpt, names
+
+
+def _sequence_parallel_mtp_norms(block_spec):
+    """The MTP block spec with verify's sequence-parallel norm for each MTP layer's norms (the local spec's torch
+    norm refuses sequence parallelism); a release whose layer spec has other norm fields keeps them."""
+    import dataclasses
+
+    if block_spec is None:  # a pipeline stage without MTP layers
+        return None
+    norms = ("enorm", "hnorm", "layer_norm")
+    layers = [dataclasses.replace(layer, submodules=dataclasses.replace(
+        layer.submodules, **{k: SequenceParallelLayerNorm for k in norms if hasattr(layer.submodules, k)}))
+        for layer in block_spec.layer_specs]
+    return dataclasses.replace(block_spec, layer_specs=layers)
 
 
 class SequenceParallelLayerNorm(torch.nn.LayerNorm):
