@@ -80,7 +80,7 @@ def padding_mask_forward(original: Callable, state: Installation) -> Callable:
             if kwargs.get("loss_mask") is None and kept is not None and _matches_labels(kept, args, kwargs):
                 kwargs["loss_mask"] = kept
             if _wants_padding_mask(model, kwargs):
-                kwargs["padding_mask"] = kwargs["loss_mask"] == 0
+                kwargs["padding_mask"] = _stage_padding_mask(model, kwargs["loss_mask"] == 0)
         return original(model, *args, **kwargs)
 
     return forward
@@ -93,17 +93,26 @@ def _matches_labels(loss_mask: Any, args: tuple, kwargs: dict[str, Any]) -> bool
 
 
 def _wants_padding_mask(model: GPTModel, kwargs: dict[str, Any]) -> bool:
-    """MoE layers, a loss mask and no padding mask; with sequence parallelism only where the stage
-    scatters the mask itself (the first stage). Not under quantile balancing (0.19+): it has no load-balancing
+    """MoE layers, a loss mask and no padding mask. Not under quantile balancing (0.19+): it has no load-balancing
     loss to correct, and upstream's router asserts it is given no padding mask."""
     config = model.config
     if not getattr(config, "num_moe_experts", None) or kwargs.get("padding_mask") is not None:
         return False
     if QUANTILE_BALANCING in balancing_types(config):
         return False
-    if kwargs.get("loss_mask") is None:
-        return False
-    return not getattr(config, "sequence_parallel", False) or bool(getattr(model, "pre_process", False))
+    return kwargs.get("loss_mask") is not None
+
+
+def _stage_padding_mask(model: GPTModel, padding_mask: Any) -> Any:
+    """The mask as this stage's MoE layers route: with sequence parallelism a first stage scatters it along the
+    sequence itself (GPTModel.forward, as its embedding output), a later stage is given the hidden states already
+    scattered and the whole mask, so its TP rank's part is cut here, as upstream's own scatter cuts it."""
+    if not getattr(model.config, "sequence_parallel", False) or getattr(model, "pre_process", False):
+        return padding_mask
+    from megatron.core import tensor_parallel
+
+    sequence_major = padding_mask.transpose(0, 1).contiguous()
+    return tensor_parallel.scatter_to_sequence_parallel_region(sequence_major).transpose(0, 1).contiguous()
 
 
 def _token_mode(state: Installation) -> bool:
@@ -126,13 +135,14 @@ def _tp_cp_group() -> Any:
 
 def exact_token_counts(original: Callable, state: Installation) -> Callable:
     """``moe_utils.get_tokens_per_expert_and_token_count`` whose local count makes the router's pre-multiplication
-    n_u, the loss tokens of this micro-batch of this DP rank over its TP x CP group (module docstring):
+    the target's (module docstring): n_u, the loss tokens of this micro-batch of this DP rank over its TP x CP group,
+    for aux_loss and seq_aux_loss; T(m) / DP for global_aux_loss, T(m) the loss tokens of micro-batch m over the
+    TP x DP x CP group, the same on every piece of m:
 
-        valid_token_count = n_u / |TP x CP|   (0.19+, whose router multiplies it by |TP x CP|),   n_u before
+        valid_token_count = k / |TP x CP|   (0.19+, whose router multiplies it by |TP x CP|),   k before,
+        k = total / (|reduce group| / |TP x CP|) = n_u (reduced over TP x CP) or T(m) / DP (over TP x DP x CP)
 
-    n_u is upstream's own total where the counts are reduced over TP x CP (aux_loss, seq_aux_loss); for
-    global_aux_loss (reduced over TP x DP x CP) this rank's count is summed over TP x CP (one all-reduce of one
-    number, only where |TP x CP| > 1). Without a padding mask (microbatch mode, quantile balancing) upstream's
+    where total is upstream's own reduced count: no extra all-reduce. Without a padding mask (microbatch mode, quantile balancing) upstream's
     counts stand: it reads the routing map's shape, not the reduced counts. A total of 0 becomes 1: upstream divides
     the load-balancing loss by its square, and a micro-batch without loss tokens would give NaN. Any other total
     stands, also a fractional one: seq_aux_loss counts per sequence, n_u / MBS, which is below 1 where a
@@ -145,14 +155,8 @@ def exact_token_counts(original: Callable, state: Installation) -> Callable:
             return original(routing_map, reduce_group, topk, with_padding_mask)
         tokens_per_expert, _, total = original(routing_map, reduce_group, topk, with_padding_mask)
         group = _tp_cp_group()
-        if reduce_group.size() == group.size():
-            unit = total
-        else:
-            unit = routing_map.sum() / topk  # this rank's (upstream reduced a copy of the per-expert counts)
-            if group.size() > 1:
-                import torch
-
-                torch.distributed.all_reduce(unit, group=group)
+        # total: n_u over TP x CP; for global_aux_loss T(m) over TP x DP x CP, whose pieces each take T(m) / DP.
+        unit = total / (reduce_group.size() // group.size())
         # A unit without loss tokens routes none: its load-balancing loss is 0, not upstream's 0 / 0 (NaN).
         return tokens_per_expert, unit / group.size() if scales else unit, total.masked_fill(total == 0, 1)
 

@@ -175,13 +175,13 @@ def build_gpt(model: ModelConfig, config, *, pre_process: bool, post_process: bo
         spec = dataclasses.replace(spec, submodules=dataclasses.replace(
             spec.submodules, input_layernorm=IdentityOp, self_attention=IdentityOp, self_attn_bda=IdentityFuncOp))
     if config.sequence_parallel:  # the local spec's torch norm refuses sequence parallelism
-        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
         norms = {"input_layernorm": SequenceParallelLayerNorm, "pre_mlp_layernorm": SequenceParallelLayerNorm}
         layer = dataclasses.replace(spec, submodules=dataclasses.replace(
             spec.submodules, **{k: v for k, v in norms.items() if getattr(spec.submodules, k) is not IdentityOp}))
-        spec = TransformerBlockSubmodules(layer_specs=[layer] * config.num_layers,
-                                          layer_norm=SequenceParallelLayerNorm)
+        spec = TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
+                                          layer_norm=SequenceParallelLayerNorm)  # a block spec holds its stage's
     mtp = bool(getattr(config, "mtp_num_layers", None))
     extra = {"vp_stage": vp_stage} if vp_stage is not None else {}
     if mtp:
