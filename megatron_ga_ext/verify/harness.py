@@ -154,7 +154,8 @@ def run_layout(layout: Layout, mode: str, cfg: VerifyConfig, batch: GlobalBatch,
                         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
                         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
                         context_parallel_size=layout.context_parallel_size,
-                        expert_model_parallel_size=layout.expert_model_parallel_size)
+                        expert_model_parallel_size=layout.expert_model_parallel_size,
+                        expert_tensor_parallel_size=layout.expert_tensor_parallel_size)
     state = megatron_ga_ext.install(GAConfig(
         loss_reduction=mode, pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)) if extension else None
@@ -207,6 +208,7 @@ def build_chunks(layout: Layout, cfg: VerifyConfig, *, calculate_per_token_loss:
         cfg.model, kind=layout.model, pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=vpp, context_parallel_size=layout.context_parallel_size,
         expert_model_parallel_size=layout.expert_model_parallel_size,
+        expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
         tensor_model_parallel_size=layout.tensor_model_parallel_size, sequence_parallel=layout.sequence_parallel,
         calculate_per_token_loss=calculate_per_token_loss)
     ddp_config = ddp_config or DistributedDataParallelConfig(

@@ -30,6 +30,8 @@ class Layout:
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     """Experts split over this many of the DP ranks (the alltoall dispatcher); it does not multiply the world."""
+    expert_tensor_parallel_size: int | None = None
+    """Each expert split over this many ranks; None: TP's, megatron's default."""
     micro_batch_size: int = 1
     model: Literal["gpt", "positionwise", "moe", "mtp", "moe_mtp", "moe_global", "moe_seq", "moe_bias",
                    "moe_positionwise"] = "gpt"
@@ -65,6 +67,8 @@ class Layout:
                  ("VPP", self.virtual_pipeline_model_parallel_size), ("CP", self.context_parallel_size),
                  ("EP", self.expert_model_parallel_size))
         parts = [f"{flag}{size}" for flag, size in sizes if size > 1]
+        if self.expert_tensor_parallel_size not in (None, self.tensor_model_parallel_size):
+            parts.append(f"ETP{self.expert_tensor_parallel_size}")
         parts += [f"DP{self.data_parallel_size}", f"GA{self.num_microbatches}"]
         notes = [MODEL_NOTES[self.model]] if self.model in MODEL_NOTES else []
         notes += ["sequence parallel"] * self.sequence_parallel

@@ -61,6 +61,7 @@ def init_model_parallel(**sizes: int) -> None:
 def transformer_config(model: ModelConfig, *, calculate_per_token_loss: bool, kind: str = "gpt",
                        pipeline_model_parallel_size: int = 1, virtual_pipeline_model_parallel_size: int = 1,
                        context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
+                       expert_tensor_parallel_size: int | None = None,
                        tensor_model_parallel_size: int = 1, sequence_parallel: bool = False):
     """A megatron TransformerConfig for the tiny models: fp32, no dropout, CPU initialisation; ``kind``
     adds MoE and/or MTP (:data:`KINDS`); MoE uses the alltoall dispatcher across EP ranks, else allgather."""
@@ -69,6 +70,7 @@ def transformer_config(model: ModelConfig, *, calculate_per_token_loss: bool, ki
     extra = dict(KINDS.get(kind, {}))
     if "num_moe_experts" in extra:
         extra.update(expert_model_parallel_size=expert_model_parallel_size,
+                     expert_tensor_parallel_size=expert_tensor_parallel_size,
                      moe_token_dispatcher_type="alltoall" if expert_model_parallel_size > 1 else "allgather")
     if virtual_pipeline_model_parallel_size > 1:
         extra["virtual_pipeline_model_parallel_size"] = virtual_pipeline_model_parallel_size
@@ -124,14 +126,17 @@ def global_names(module: torch.nn.Module) -> dict[str, str]:
 
 def init_by_name(module: torch.nn.Module, names: dict[str, str]) -> None:
     """Set every parameter from its global name (see the module docstring). A tensor-parallel shard is its rank's
-    contiguous chunk of the whole parameter along ``partition_dim``, as megatron splits it (stride 1), so a TP
-    layout holds the same weights as TP 1."""
+    contiguous chunk of the whole parameter along ``partition_dim``, as megatron splits it (stride 1; an expert's
+    over the expert TP group), so a TP layout holds the same weights as TP 1."""
     from megatron.core import parallel_state
 
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
     with torch.no_grad():
         for local, param in module.named_parameters():
+            expert = not getattr(param, "allreduce", True)  # split over the expert TP group, not TP
+            tp_size = (parallel_state.get_expert_tensor_parallel_world_size() if expert
+                       else parallel_state.get_tensor_model_parallel_world_size())
+            tp_rank = (parallel_state.get_expert_tensor_parallel_rank() if expert
+                       else parallel_state.get_tensor_model_parallel_rank())
             gen = torch.Generator().manual_seed(zlib.crc32(names[local].encode()))
             split = tp_size > 1 and getattr(param, "tensor_model_parallel", False)
             shape = list(param.shape)
