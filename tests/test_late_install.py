@@ -114,5 +114,5 @@ def test_a_live_calculator_that_does_not_say_its_layout_is_refused_with_the_fix(
     calculators._GLOBAL_NUM_MICROBATCHES_CALCULATOR = Opaque()
     with pytest.raises(ScheduleError, match=r"install\(\) came after Megatron built its num-microbatches "
                                             r"calculator \(Opaque\).* Call megatron_ga_ext.install\(\) before "
-                                            r"initialize_megatron"):
+                                            r"Megatron builds its calculator"):
         install(GAConfig(step_batch_size_schedule="0:4 64:8"))

@@ -55,7 +55,9 @@ class BatchSizeWarmup:
         ``calculator`` (the live StepScheduleCalculator); True where it did."""
         if calculator is None:
             raise ScheduleError("--ga-batch-size-warmup auto needs the extension's step-schedule calculator, which "
-                                "install() builds when Megatron does: install() before initialize_megatron().")
+                                "install() puts in force when Megatron builds its num-microbatches calculator (or "
+                                "adopts from the one Megatron built): none is live. A megatron-core loop builds one "
+                                "with init_num_microbatches_calculator().")
         consumed, estimate = row.get("consumed_samples"), row.get("b_simple_samples")
         if consumed is None or estimate is None:
             return False

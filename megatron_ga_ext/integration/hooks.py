@@ -134,8 +134,9 @@ def _finalize(original: Callable, state: Installation) -> Callable:
 
 
 def _configure_calculator(original: Callable, state: Installation) -> Callable:
-    """Megatron's calculator configure (init and reconfigure): the hooks of modules loaded since install() are wired
-    first (a vendored tree's first chance, and Megatron-LM's training modules are loaded by then)."""
+    """Megatron's calculator configure (init and reconfigure, whoever calls them: calculator_adoption.py): the hooks
+    of modules loaded since install() are wired first (a vendored tree's first chance, and Megatron-LM's training
+    modules are loaded by then, at parsing or in initialize_runtime_services)."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -235,7 +236,8 @@ HOOKS: tuple[Hook, ...] = (
          does="adds the --ga-* flags; token mode turns on --calculate-per-token-loss before anything is built"),
     Hook("configure", CALCULATOR, "_configure_global_num_microbatches_calculator", _configure_calculator,
          fingerprinted=True, does="the step-schedule calculator where a schedule (or a converted rampup) is given, "
-         "behind the consumed-samples guard; first, the rows of modules loaded since install()"),
+         "behind the consumed-samples guard, whoever builds it (set_global_variables; initialize_runtime_services "
+         "after #7418); first, the rows of modules loaded since install()"),
     Hook("configure", TRAINING, "update_train_iters", megatron_lm.planned_train_iters, fingerprinted=True, **_LM,
          does="--train-samples under a step schedule: the steps the schedule plans"),
     Hook("configure", TRAINING, "get_train_valid_test_num_samples", megatron_lm.planned_num_samples,

@@ -19,9 +19,6 @@ import sys
 
 from megatron_ga_ext.config.args import add_args, args_provider
 from megatron_ga_ext.config.ga_config import GAConfig
-from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
-from megatron_ga_ext.errors import ScheduleError
-from megatron_ga_ext.integration.calculator import StepScheduleCalculator
 from megatron_ga_ext.integration.compat import (
     TARGETS,
     check_targets,
@@ -29,7 +26,6 @@ from megatron_ga_ext.integration.compat import (
     matching_sources,
     megatron_args,
     megatron_core_version,
-    megatron_view,
     set_live_calculator,
 )
 from megatron_ga_ext.integration.guards import GuardedCalculator
@@ -56,7 +52,9 @@ def installed() -> Installation | None:
 def install(config: GAConfig | argparse.Namespace | None = None) -> Installation:
     """Turn the extension on. ``config``: a :class:`GAConfig`, Megatron's parsed args, or None: Megatron's
     parsed args once they exist (read at the first hook that runs), else the defaults (token mode,
-    strict). Twice is harmless; a different config replaces the installation."""
+    strict). Twice is harmless; a different config replaces the installation. Before or after Megatron builds its
+    num-microbatches calculator, at argument parsing or in initialize_runtime_services (Megatron-LM #7418): one
+    built after is built through the hook, one built before is adopted here (calculator_adoption.py)."""
     global _live
     resolved, waiting = _resolve_config(config)
     current = _live
@@ -85,8 +83,7 @@ def install(config: GAConfig | argparse.Namespace | None = None) -> Installation
     state.configure(resolved)
     try:
         wire(state)
-        _reconfigure_live_calculator(state)
-        state.guard_live_calculator()
+        state.adopt_live_calculator()  # one Megatron built before install(): calculator_adoption.py
     except BaseException:
         state.restore()
         raise
@@ -146,60 +143,3 @@ def _has_megatron_training() -> bool:
         return importlib.util.find_spec("megatron.training") is not None
     except (ImportError, ValueError):
         return False
-
-
-def _reconfigure_live_calculator(state: Installation) -> None:
-    """install() after Megatron built its calculator (after ``initialize_megatron``, or after
-    ``init_num_microbatches_calculator`` in a megatron-core loop): where the config asks for a step schedule (given,
-    backported, or a converted rampup), the live calculator becomes the extension's, with the live one's MBS and
-    DP and the GBS a rampup ends at (Megatron's ``--global-batch-size`` where its args exist), advanced to the
-    consumed samples Megatron's args hold (0 before training). Raises a ScheduleError naming the fix where the live
-    calculator does not say its MBS and DP."""
-    live = live_calculator()
-    inner = getattr(live, "inner", live)
-    if live is None or isinstance(inner, StepScheduleCalculator) or state.waiting_for_args:
-        return
-    args = megatron_view()
-    micro_batch_size = getattr(inner, "micro_batch_size", None)
-    global_batch_size = args.global_batch_size or getattr(inner, "global_batch_size", None) \
-        or getattr(inner, "current_global_batch_size", None)
-    arguments = {"micro_batch_size": micro_batch_size, "global_batch_size": global_batch_size,
-                 "rampup_batch_size": None,
-                 "data_parallel_size": _data_parallel_size(inner)}
-    inputs = ScheduleInputs.from_calculator_call(state.config, arguments)
-    schedule = resolve_schedule(inputs)
-    if schedule is None:
-        return
-    if arguments["data_parallel_size"] is None:
-        raise ScheduleError(
-            f"install() came after Megatron built its num-microbatches calculator ({type(inner).__name__}), which "
-            f"does not say its --micro-batch-size and data-parallel size, so the step schedule {schedule} cannot "
-            f"replace it. Call megatron_ga_ext.install() before initialize_megatron() (or before "
-            f"init_num_microbatches_calculator() in a megatron-core loop).")
-    from torch import distributed
-
-    rank = distributed.get_rank() if distributed.is_available() and distributed.is_initialized() else 0
-    calculator = StepScheduleCalculator.for_launch(schedule, inputs, rank=rank)
-    consumed = args.consumed_train_samples
-    if consumed:
-        calculator.update(consumed, consistency_check=False)
-    set_live_calculator(calculator)
-    logger.info("megatron-ga-ext installed after Megatron built its calculator (%s): replaced by the step schedule "
-                "%s at %d consumed samples (MBS %d, DP %d)", type(inner).__name__, schedule, consumed,
-                micro_batch_size, arguments["data_parallel_size"])
-
-
-def _data_parallel_size(calculator: object) -> int | None:
-    """DP of a built calculator: MBS x DP / MBS where it keeps that product (the schedule calculators), else the
-    running GBS / (MBS x num_microbatches) (upstream's constant one keeps only those); None where it says neither."""
-    micro_batch_size = getattr(calculator, "micro_batch_size", None)
-    if not micro_batch_size:
-        return None
-    product = getattr(calculator, "micro_batch_times_data_parallel_size", None)
-    if product:
-        return product // micro_batch_size
-    running = getattr(calculator, "current_running_global_batch_size", None)
-    microbatches = getattr(calculator, "num_micro_batches", None)
-    if running and microbatches and running % (micro_batch_size * microbatches) == 0:
-        return running // (micro_batch_size * microbatches)
-    return None

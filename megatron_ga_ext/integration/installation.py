@@ -35,9 +35,14 @@ from megatron_ga_ext.integration.agreement import StartupChecks
 from megatron_ga_ext.integration.aux_report import aux_summary, pipeline_inexact_note
 from megatron_ga_ext.integration.batch_warmup import BatchSizeWarmup
 from megatron_ga_ext.integration.calculator import StepScheduleCalculator, live_step_calculator
+from megatron_ga_ext.integration.calculator_adoption import (
+    BUILT_UNSEEN,
+    guard_live_calculator,
+    schedule_live_calculator,
+)
 from megatron_ga_ext.integration.compat import live_calculator, megatron_args, set_live_calculator
 from megatron_ga_ext.integration.finalize import FinalizeModelGrads, describe_decision
-from megatron_ga_ext.integration.guards import GuardedCalculator, MicrobatchCounter, current_pipeline_size
+from megatron_ga_ext.integration.guards import MicrobatchCounter, current_pipeline_size
 from megatron_ga_ext.integration.liveness import StepLiveness
 from megatron_ga_ext.integration.loss_contract import LossContract, mean_of_means_reports
 from megatron_ga_ext.integration.lr_scaling import ScaledRates
@@ -140,6 +145,9 @@ class Installation:
     """The loss mask Megatron-Bridge's ``gpt_step.get_batch`` returned for the model call that follows, which
     Bridge's GPT step does not pass to the model (Bridge #6103; bridge_loop.keeping_loss_mask); token mode only."""
     last_model_config: _ChunkConfig | None = None
+    calculator_in_force: Any = None
+    """The live num-microbatches calculator as this installation last put it in force (built through its hook, or
+    adopted); another one live is adopted (:meth:`adopt_live_calculator`)."""
     """The last schedule call's first chunk and its config, see model_config()."""
 
     def configure(self, config: GAConfig) -> None:
@@ -184,10 +192,22 @@ class Installation:
         self.guard_live_calculator()
 
     def guard_live_calculator(self) -> None:
-        """The live calculator behind the consumed-samples guard (guards.py), once."""
+        """The live calculator behind the consumed-samples guard (guards.py), once; it is then the one in force."""
+        self.calculator_in_force = guard_live_calculator(self.config)
+
+    def adopt_live_calculator(self, where: str | None = None) -> bool:
+        """A live calculator this installation did not put in force (built before install(), or wherever no hook saw
+        it built: calculator_adoption.py) becomes the extension's: the step schedule the config asks for, then the
+        guard. ``where``: the hook that found it after install(), said in a warning. True where one was adopted."""
         live = live_calculator()
-        if live is not None and not isinstance(live, GuardedCalculator) and self.config.guards:
-            set_live_calculator(GuardedCalculator(live, self.config.pipeline_model_parallel_size))
+        if live is None or live is self.calculator_in_force:
+            return False
+        if not self.waiting_for_args:
+            schedule_live_calculator(self.config)
+        self.guard_live_calculator()
+        if where is not None:
+            logger.warning(BUILT_UNSEEN.format(kind=type(getattr(live, "inner", live)).__name__, where=where))
+        return True
 
     def scheduled(self, count: int, requested: object) -> None:
         """The sequence-packing scheduler repacked a step into ``count`` micro-batches: the next call must run them."""
@@ -195,10 +215,11 @@ class Installation:
             self.counter.schedule(count, requested)
 
     def begin_step(self, call: dict[str, Any]) -> int:
-        """A forward/backward call starts (``call``: its keyword arguments): the start-up checks once (with a
-        megatron-core loop's --ga-noise-scale layout), the last step's async verdict, the counters reset, the model
-        config's finalize adopted. Returns finalize's call count, for :meth:`end_step`."""
+        """A forward/backward call starts (``call``: its keyword arguments): a calculator no hook saw built adopted,
+        the start-up checks once (with a megatron-core loop's --ga-noise-scale layout), the last step's async verdict,
+        the counters reset, the model config's finalize adopted. Returns finalize's call count, for :meth:`end_step`."""
         self.configure_from_megatron_args()
+        self.adopt_live_calculator("this forward/backward call")
         args = megatron_args()
         verdict = self.agreement.run_once(self.config, args)
         if verdict is not None:

@@ -101,10 +101,14 @@ def with_ga_flags(original: ParseArgs, state: Installation) -> ParseArgs:
 
 def planned_train_iters(original: Callable, state: Installation) -> Callable:
     """``--train-samples`` under a step schedule: train_iters = the steps the schedule plans,
-    while consumed < train_samples (upstream divides by a constant GBS on 0.16/0.17 and with a rampup)."""
+    while consumed < train_samples (upstream divides by a constant GBS on 0.16/0.17 and with a rampup). A calculator
+    built where no hook saw it is adopted first (calculator_adoption.py): the run length is planned from the
+    calculator that runs it."""
 
     @functools.wraps(original)
     def update_train_iters(args: argparse.Namespace) -> None:
+        if state.active:
+            state.adopt_live_calculator("Megatron-LM's update_train_iters")
         calculator = live_step_calculator()
         if not state.active or calculator is None or args.train_iters or not args.train_samples:
             return original(args)
