@@ -145,10 +145,10 @@ class Installation:
     """The loss mask Megatron-Bridge's ``gpt_step.get_batch`` returned for the model call that follows, which
     Bridge's GPT step does not pass to the model (Bridge #6103; bridge_loop.keeping_loss_mask); token mode only."""
     last_model_config: _ChunkConfig | None = None
+    """The last schedule call's first chunk and its config, see model_config()."""
     calculator_in_force: Any = None
     """The live num-microbatches calculator as this installation last put it in force (built through its hook, or
     adopted); another one live is adopted (:meth:`adopt_live_calculator`)."""
-    """The last schedule call's first chunk and its config, see model_config()."""
 
     def configure(self, config: GAConfig) -> None:
         """Apply ``config``: the reduction mode, the loss contract and the finalize wrapper's policy."""
