@@ -1,4 +1,5 @@
-"""The upstream sources we test, and fingerprints of every upstream function the extension hooks.
+"""The upstream sources we test, and fingerprints of every upstream function the extension hooks (and of those whose
+arithmetic an auxiliary-loss correction assumes without wrapping them: ``Target.assumed_by``).
 
 A fingerprint is the first 16 hex digits of sha256 over a function's source text (decorators included),
 so it does not depend on the Python version. ``install()`` compares the live functions with the table
@@ -48,6 +49,7 @@ GPT_MODEL = "megatron.core.models.gpt.gpt_model"
 MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
 MTP = "megatron.core.transformer.multi_token_prediction"
 ROUTER = "megatron.core.transformer.moe.router"
+MAPPINGS = "megatron.core.tensor_parallel.mappings"
 FINGERPRINTS = Path(__file__).with_name("fingerprints.json")
 
 
@@ -83,12 +85,15 @@ RELEASES = tuple(u.name for u in UPSTREAM if u.is_release)
 
 @dataclass(frozen=True)
 class Target:
-    """An upstream function (or ``Class.method``) the extension replaces or wraps."""
+    """An upstream function (or ``Class.method``) the extension replaces or wraps, or whose arithmetic a correction
+    assumes."""
 
     module: str
     name: str
     since: str | None = None
     """The first tested release that defines it (None: every one); hooked and fingerprinted where it is defined."""
+    assumed_by: str | None = None
+    """Not wrapped: the correction (aux_losses.py) that assumes its arithmetic, as upstream_factors.py measures it."""
 
     @property
     def qualified(self) -> str:
@@ -123,6 +128,15 @@ TARGETS = (
     Target(MOE_UTILS, "z_loss_func"),
     Target(MTP, "process_mtp_loss", since="0.17.1"),  # #7452 finding 3
     Target(ROUTER, "TopKRouter._apply_expert_bias"),
+    # not wrapped: the router's and MTP's arithmetic that the auxiliary-loss corrections assume (Megatron-LM #7481,
+    # #7498, #7570, #7213 would change it); upstream_factors.py measures the factors at the first step as well
+    *(Target(ROUTER, f"TopKRouter.{name}", assumed_by="exact_token_counts")
+      for name in ("_apply_aux_loss", "_apply_seq_aux_loss", "_apply_global_aux_loss",
+                   "attach_and_log_load_balancing_loss")),
+    Target(MOE_UTILS, "switch_load_balancing_loss_func", assumed_by="exact_token_counts"),
+    Target(MAPPINGS, "_reduce", assumed_by="exact_token_counts"),  # all-reduces the per-expert counts in place
+    Target(ROUTER, "TopKRouter.apply_z_loss", assumed_by="tp_cp_scaled_z_loss"),
+    Target(MTP, "roll_tensor", assumed_by="global_count_mtp_loss"),
     Target(TRAINING, "update_train_iters"),
     Target(TRAINING, "get_train_valid_test_num_samples"),
 )
