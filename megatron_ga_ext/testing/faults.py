@@ -14,6 +14,8 @@ every rank without ``@R``):
   wrapped (``get_forward_backward_func`` returns it unwrapped), so the extension's schedule hook never runs;
 * ``late-install``: Megatron builds its calculator without the extension, and install() runs again after
   ``initialize_megatron`` (a script that installs late);
+* ``runtime-services-order``: the start-up order of Megatron-LM #7418 on a source without it: the num-microbatches
+  calculator is built after parsing, not in ``set_global_variables`` (calculator_adoption.py);
 * ``reinstall-at:K``: after iteration K is logged, install() with another config (``--ga-checks`` flipped);
 * ``two-tuple-loss``: the loss function returns ``(loss, report)``, without the token count;
 * ``ddp-before-per-token-flag``: Megatron's DDP wrappers are built while ``calculate_per_token_loss`` is off, and
@@ -29,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["FAULTS", "apply_faults", "current_iteration", "faulty_loss", "patch_everywhere", "rank_faults",
-           "reinstall"]
+           "reinstall", "runtime_services_order"]
 
 
 def faulty_loss(loss_func: Callable, *, nan: bool) -> Callable:
@@ -113,6 +115,40 @@ def late_install() -> None:
     patch_everywhere("megatron.training.initialize", "initialize_megatron", late)
 
 
+def runtime_services_order() -> None:
+    """The fault ``runtime-services-order``: ``set_global_variables`` registers the args without building the
+    num-microbatches calculator, which is built, with the same arguments, where ``initialize_megatron`` starts (0.18
+    and later parse before it, so this is where #7418's ``initialize_runtime_services`` runs, before ``pretrain()``'s
+    setup) or, where it parses the args itself (0.16, 0.17), once it returns."""
+    import megatron.training.global_vars as global_vars
+
+    init = global_vars.init_num_microbatches_calculator
+    deferred: list[tuple[tuple, dict]] = []
+
+    def build_deferred() -> None:
+        while deferred:
+            args, kwargs = deferred.pop(0)
+            init(*args, **kwargs)
+            print("runtime-services-order: the num-microbatches calculator built after parsing", flush=True)
+
+    def later(*args: Any, **kwargs: Any) -> None:
+        deferred.append((args, kwargs))
+
+    global_vars.init_num_microbatches_calculator = later
+
+    def services_apart(initialize_megatron: Callable) -> Callable:
+        @functools.wraps(initialize_megatron)
+        def initialize(*args: Any, **kwargs: Any) -> Any:
+            build_deferred()
+            result = initialize_megatron(*args, **kwargs)
+            build_deferred()
+            return result
+
+        return initialize
+
+    patch_everywhere("megatron.training.initialize", "initialize_megatron", services_apart)
+
+
 def reinstall() -> None:
     """The fault ``reinstall-at:K``: after iteration K, install() with another config (--ga-checks flipped), while the
     model config still holds the first installation's finalize and the optimizer its step wrapper."""
@@ -182,7 +218,8 @@ def patch_everywhere(module_name: str, name: str, make: Callable[[Callable], Cal
 
 def apply_faults(faults: dict[str, int | None]) -> None:
     """Before the script runs: the faults that patch Megatron (:data:`FAULTS`, ``ddp-before-per-token-flag``,
-    ``late-install``); the others act through the :class:`~megatron_ga_ext.testing.recorder.Recorder`."""
+    ``late-install``, ``runtime-services-order``); the others act through the
+    :class:`~megatron_ga_ext.testing.recorder.Recorder`."""
     for fault in faults:
         if fault in FAULTS:
             patch_everywhere(*FAULTS[fault])
@@ -190,3 +227,5 @@ def apply_faults(faults: dict[str, int | None]) -> None:
         ddp_before_per_token_flag()
     if "late-install" in faults:
         late_install()
+    if "runtime-services-order" in faults:
+        runtime_services_order()

@@ -14,6 +14,8 @@ Per (source, layout), five launches with the extension and one of upstream alone
 * microbatch mode, ``--step-batch-size-schedule "0:16 3072:24 6144:32"`` (tokens; the backport on 0.16/0.17),
   saving at iteration 4, and a launch resuming from that checkpoint;
 * PP 2 only: the training loop made to pass num_microbatches x PP: the guard stops it at the first step;
+* on the newest release and the newest main commit of the leg, DP 2: the converted rampup with the calculator built
+  after parsing, in Megatron-LM #7418's start-up order (the fault runtime-services-order);
 * on the newest release and the newest main commit of the leg, DP 2: a global batch without a single loss
   token at iteration 3, under ``--ga-zero-token-policy error`` (the run stops there, and no checkpoint of
   that step is written) and ``skip`` (Megatron skips that optimizer step: a skipped iteration, the learning
@@ -132,6 +134,18 @@ def test_a_late_install_still_runs_the_converted_rampup(launches, source, record
     assert "megatron-ga-ext installed after Megatron built its calculator" in run.output, run.describe()
     row = check_run(run, "rampup") | {"mode": "token", "case": "rampup, install() late", "N": check_num_tokens(run)}
     record(record_property, source_name(source), "dp2", [row])
+
+
+def test_the_calculator_built_after_parsing_runs_the_converted_rampup(launches, newest_source, record_property):
+    """Megatron-LM #7418's start-up order (the fault runtime-services-order): set_global_variables no longer builds
+    the calculator; it is built after parsing, as initialize_runtime_services does. The drop-in, installed before
+    both, gets it through its hook, and the run follows the same plan as in the order of every tested source."""
+    run = launches.get(newest_source, "dp2", "rampup-runtime-services", [*TOKEN, *RAMPUP],
+                       env={"MEGATRON_GA_FAULT": "runtime-services-order"})
+    assert "the num-microbatches calculator built after parsing" in run.output, run.describe()
+    row = check_run(run, "rampup") | {"mode": "token", "case": "rampup, calculator built after parsing (#7418)",
+                                      "N": check_num_tokens(run)}
+    record(record_property, source_name(newest_source), "dp2", [row])
 
 
 def test_a_reinstall_with_another_config_trains_on(launches, source, record_property):
