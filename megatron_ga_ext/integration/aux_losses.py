@@ -38,9 +38,10 @@ The padding mask turns on two upstream defects that install() corrects (Megatron
 
 MTP (0.17+): ``process_mtp_loss`` weighs depth k's MTP loss of unit u by n_u / m_u (m_u: u's rolled MTP tokens),
 local counts that give each MTP token the weight alpha n_u / (m_u N): unequal across units whenever the ratio
-differs (#7452, finding 3). The target is every MTP token at alpha / N, the one global count every other term of
-the step is divided by: L_mtp = alpha sum_t mtp_t / N. :func:`global_count_mtp_loss` attaches each depth's loss
-as that sum (megatron-core 0.16 already does).
+differs (#7452, finding 3), and 0 on a CP shard without LM loss tokens that the roll gives an MTP token (#7498). The
+target is every MTP token at alpha / N (alpha: the scaling factor / MTP depth), the one global count every other
+term of the step is divided by: L_mtp = alpha sum_t mtp_t / N. :func:`global_count_mtp_loss` attaches each depth's
+loss as that sum, from the per-token loss and the rolled mask (megatron-core 0.16 already attaches the sum).
 
 What cannot be made exact is said once at the first step, with the size of the error (aux_report.py).
 """
@@ -142,11 +143,11 @@ def exact_token_counts(original: Callable, state: Installation) -> Callable:
         valid_token_count = k / |TP x CP|   (0.19+, whose router multiplies it by |TP x CP|),   k before,
         k = total / (|reduce group| / |TP x CP|) = n_u (reduced over TP x CP) or T(m) / DP (over TP x DP x CP)
 
-    where total is upstream's own reduced count: no extra all-reduce. Without a padding mask (microbatch mode, quantile balancing) upstream's
-    counts stand: it reads the routing map's shape, not the reduced counts. A total of 0 becomes 1: upstream divides
-    the load-balancing loss by its square, and a micro-batch without loss tokens would give NaN. Any other total
-    stands, also a fractional one: seq_aux_loss counts per sequence, n_u / MBS, which is below 1 where a
-    micro-batch's samples hold fewer loss tokens than it has samples (a truncated sample with none)."""
+    where total is upstream's own reduced count: no extra all-reduce. Without a padding mask (microbatch mode,
+    quantile balancing) upstream's counts stand: it reads the routing map's shape, not the reduced counts. A total of
+    0 becomes 1: upstream divides the load-balancing loss by its square, and a micro-batch without loss tokens would
+    give NaN. Any other total stands, also a fractional one: seq_aux_loss counts per sequence, n_u / MBS, which is
+    below 1 where a micro-batch's samples hold fewer loss tokens than it has samples (a truncated sample with none)."""
     scales = router_scales_by_tp_cp()
 
     @functools.wraps(original)
@@ -177,37 +178,43 @@ def tp_cp_scaled_z_loss(original: Callable, state: Installation) -> Callable:
 
 
 def global_count_mtp_loss(original: Callable, state: Installation) -> Callable:
-    """``process_mtp_loss`` (0.17+) that, in token mode, attaches depth k's MTP loss as alpha x sum_t mtp_t, so
-    that finalize's division by N gives every MTP token the weight alpha / N (module docstring).
+    """``process_mtp_loss`` (0.17+) that, in token mode, attaches depth k's MTP loss as alpha / depth x sum_t mtp_t
+    over its rolled loss tokens, so that finalize's division by N gives every MTP token the weight alpha / (depth N)
+    (module docstring).
 
-    Upstream attaches ``alpha * mtp_loss * (n_u / max(m_u, 1))``; during the call, the count each ``roll_tensor``
-    returns is kept (the loss mask's roll is the last before each attachment) and the attached loss multiplied by
-    ``max(m_u, 1) / max(n_u, 1)``. Where labels are not given (upstream derives them from input_ids by a roll of
-    its own, the RL path) upstream's weighting stands."""
+    Upstream attaches ``alpha / depth * mtp_loss * (n_u / max(m_u, 1))``, local counts that give a unit (a CP shard)
+    without LM loss tokens the factor 0 even where the roll brings it an MTP token from the next shard (#7498). So
+    the attachment is built here, not rescaled: during the call each depth's per-token loss (upstream's
+    ``compute_language_model_loss``) and its rolled loss mask (the last ``roll_tensor`` before the attachment) are
+    kept and attached as ``alpha / depth * rolled_mask * loss``. Where labels are not given (upstream derives them
+    from input_ids by a roll of its own, the RL path) upstream's weighting stands."""
     module = sys.modules[original.__module__]
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def process_mtp_loss(*args: Any, **kwargs: Any) -> Any:
-        given = signature.bind(*args, **kwargs).arguments
-        labels, loss_mask = given.get("labels"), given.get("loss_mask")
-        if labels is None or not _token_mode(state) or not given["config"].calculate_per_token_loss:
+        bound = signature.bind(*args, **kwargs)
+        given = bound.arguments
+        config = given["config"]
+        if given.get("labels") is None or not _token_mode(state) or not config.calculate_per_token_loss:
             return original(*args, **kwargs)
-        num_tokens = labels.new_tensor(labels.numel()) if loss_mask is None else loss_mask.sum()
-        with _SummedMTPLoss(module, num_tokens).in_module():
-            return original(*args, **kwargs)
+        summed = _SummedMTPLoss(module, config.mtp_loss_scaling_factor / config.mtp_num_layers)
+        given["compute_language_model_loss"] = summed.recording(given["compute_language_model_loss"])
+        with summed.in_module():
+            return original(*bound.args, **bound.kwargs)
 
     return process_mtp_loss
 
 
 class _SummedMTPLoss:
-    """One process_mtp_loss call: the rolled counts, and the attachment that undoes upstream's n_u / m_u."""
+    """One process_mtp_loss call: each depth's per-token loss and rolled loss mask, and their attachment."""
 
-    def __init__(self, module: Any, num_tokens: Any) -> None:
+    def __init__(self, module: Any, scale: float) -> None:
         self.module = module
         self.roll_tensor, self.autoscaler = module.roll_tensor, module.MTPLossAutoScaler
-        self.num_tokens = num_tokens
-        self.rolled_num_tokens: Any = None
+        self.scale = scale
+        self.rolled: Any = None
+        self.per_token_loss: Any = None
 
     @contextlib.contextmanager
     def in_module(self) -> Iterator[None]:
@@ -219,12 +226,19 @@ class _SummedMTPLoss:
 
     def roll(self, *args: Any, **kwargs: Any) -> Any:
         rolled, total = self.roll_tensor(*args, **kwargs)
-        self.rolled_num_tokens = total
+        self.rolled = rolled
         return rolled, total
 
-    def apply(self, hidden_states: Any, mtp_loss: Any) -> Any:
-        ratio = self.rolled_num_tokens.clamp(min=1) / self.num_tokens.clamp(min=1)
-        return self.autoscaler.apply(hidden_states, mtp_loss * ratio)
+    def recording(self, compute_language_model_loss: Callable) -> Callable:
+        def compute(*args: Any, **kwargs: Any) -> Any:
+            self.per_token_loss = compute_language_model_loss(*args, **kwargs)
+            return self.per_token_loss
+
+        return compute
+
+    def apply(self, hidden_states: Any, upstream_mtp_loss: Any) -> Any:
+        """Attach this depth's alpha / depth x rolled_mask x loss in place of upstream's product."""
+        return self.autoscaler.apply(hidden_states, self.scale * self.rolled * self.per_token_loss)
 
 
 def broadcasts_padding_per_token(router_class: type) -> bool:

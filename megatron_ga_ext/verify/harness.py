@@ -47,7 +47,7 @@ from megatron_ga_ext.verify.models import (
 from megatron_ga_ext.verify.references import reference_grads
 
 __all__ = ["LayoutResult", "VerifyConfig", "build_chunks", "build_ddp", "gradients", "init_model_parallel",
-           "microbatches", "reduction_hooks", "relative_error", "run_layout", "run_rank", "train_step"]
+           "cp_shard", "layout_config", "microbatches", "reduction_hooks", "relative_error", "run_layout", "run_rank", "train_step"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -204,13 +204,7 @@ def build_chunks(layout: Layout, cfg: VerifyConfig, *, calculate_per_token_loss:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     vpp = layout.virtual_pipeline_model_parallel_size
-    config = transformer_config(
-        cfg.model, kind=layout.model, pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=vpp, context_parallel_size=layout.context_parallel_size,
-        expert_model_parallel_size=layout.expert_model_parallel_size,
-        expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
-        tensor_model_parallel_size=layout.tensor_model_parallel_size, sequence_parallel=layout.sequence_parallel,
-        calculate_per_token_loss=calculate_per_token_loss)
+    config = layout_config(layout, cfg.model, calculate_per_token_loss=calculate_per_token_loss)
     ddp_config = ddp_config or DistributedDataParallelConfig(
         overlap_grad_reduce=layout.overlap_grad_reduce, use_distributed_optimizer=layout.distributed_optimizer)
     chunks, names = [], {}
@@ -222,6 +216,18 @@ def build_chunks(layout: Layout, cfg: VerifyConfig, *, calculate_per_token_loss:
                                               disable_bucketing=vp_stage > 0))
         names.update(chunk_names)
     return chunks, names, config
+
+
+def layout_config(layout: Layout, model: ModelConfig, *, calculate_per_token_loss: bool):
+    """The megatron TransformerConfig of ``layout``'s model (its ``__post_init__`` validates the layout)."""
+    return transformer_config(
+        model, kind=layout.model, pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
+        context_parallel_size=layout.context_parallel_size,
+        expert_model_parallel_size=layout.expert_model_parallel_size,
+        expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
+        tensor_model_parallel_size=layout.tensor_model_parallel_size, sequence_parallel=layout.sequence_parallel,
+        calculate_per_token_loss=calculate_per_token_loss)
 
 
 def _build_module(layout: Layout, cfg: VerifyConfig, config: Any, *, vp_stage: int | None = None):
@@ -321,14 +327,14 @@ def microbatches(layout: Layout, batch: GlobalBatch, device: str, *,
         rows = [layout.sample(m, dp_rank, j) for j in range(layout.micro_batch_size)]
         micro = {"tokens": batch.tokens[rows], "labels": batch.labels[rows],
                  "loss_mask": batch.loss_mask[rows], "position_ids": batch.position_ids[rows]}
-        micro = _cp_shard(micro) if layout.context_parallel_size > 1 else micro
+        micro = cp_shard(micro) if layout.context_parallel_size > 1 else micro
         if sample_ids:  # after the CP cut: it shards the sequence dimension, which sample_ids lacks
             micro["sample_ids"] = torch.tensor(rows)
         out.append({k: v.to(device) for k, v in micro.items()})
     return out
 
 
-def _cp_shard(micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def cp_shard(micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """megatron-core's own ``get_batch_on_this_cp_rank``.
 
     Its signature differs by release, and from 0.19 on a missing ``cp_group`` means the *world* group
