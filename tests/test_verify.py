@@ -136,9 +136,11 @@ def test_ranks_exit_when_their_parent_dies(tmp_path):
 
 def test_default_layouts_cover_every_layout_users_run():
     names = [layout.name for layout in DEFAULT_LAYOUTS]
-    assert names == ["DP1 x GA8", "DP1 x GA2 (MoE seq_aux_loss, loss tokens 1, 0, 16, 5)", "DP2 x GA4", "DP2 x GA4 (overlapped grad reduce, distributed optimizer)",
+    assert names == ["DP1 x GA8", "DP1 x GA2 (MoE seq_aux_loss, loss tokens 1, 0, 16, 5)", "DP2 x GA4",
+                     "DP2 x GA4 (overlapped grad reduce, distributed optimizer)",
                      "DP2 x GA4 (MoE)", "EP2 x DP2 x GA4 (MoE)", "DP2 x GA4 (MTP)", "DP2 x GA4 (MoE + MTP)",
-                     "DP2 x GA4 (MoE global_aux_loss)", "DP4 x GA2", "PP2 x DP2 x GA4", "PP2 x VPP2 x DP2 x GA4",
+                     "DP2 x GA4 (MoE global_aux_loss)", "DP2 x GA4 (MoE global_aux_loss + z-loss)", "DP4 x GA2",
+                     "PP2 x DP2 x GA4", "PP2 x VPP2 x DP2 x GA4",
                      "CP2 x DP2 x GA4 (position-wise)",
                      "TP2 x DP2 x GA4 (MoE, sequence parallel)", "CP2 x DP2 x GA4 (MoE, position-wise)"]
     assert [layout.world_size for layout in DEFAULT_LAYOUTS] == sorted(layout.world_size for layout in DEFAULT_LAYOUTS)

@@ -83,8 +83,11 @@ def test_install_meets_the_token_mode_target(per_rank):
 
 def test_upstream_router_counts_with_a_padding_mask_are_dp_times_the_target(per_rank):
     """#7452 finding 10 under global_aux_loss: with the padding mask and upstream's counts, the router pre-multiplies
-    by micro-batch m's count over both DP ranks instead of this rank's, so unit (m, r)'s piece is T_m / n_(m,r)
-    times its target: DP = 2 times at equal counts; on this batch's uneven ones the projection is 1.43."""
+    every piece of micro-batch m by T(m), m's loss tokens over both DP ranks, where the target (every token of m at
+    the same weight, the reference computed from that definition) takes T(m) / DP: exactly DP = 2 times the target on
+    every micro-batch, however uneven the batch. A rank-local weighting (n(m, r) / N per piece) would be off it by
+    T(m) / (DP n(m, r)), 1.43 on this batch."""
     _, unfixed = per_rank[0]
     (_, _, coefficient, error), = [row for row in unfixed if row[1] == "with megatron-ga-ext"]
     assert 1.3 < coefficient < 2.5 and error > 0.5, (coefficient, error)
+    assert coefficient == pytest.approx(2.0, abs=1e-5) and error == pytest.approx(1.0, abs=1e-5), (coefficient, error)

@@ -33,11 +33,12 @@ class Layout:
     expert_tensor_parallel_size: int | None = None
     """Each expert split over this many ranks; None: TP's, megatron's default."""
     micro_batch_size: int = 1
-    model: Literal["gpt", "positionwise", "moe", "mtp", "moe_mtp", "moe_global", "moe_seq", "moe_bias",
-                   "moe_positionwise"] = "gpt"
+    model: Literal["gpt", "positionwise", "moe", "mtp", "moe_mtp", "moe_global", "moe_global_z", "moe_seq",
+                   "moe_bias", "moe_positionwise"] = "gpt"
     """``positionwise`` for CP: no attention, so a shard's gradient is exact without ring attention;
     ``moe``, ``mtp``, ``moe_mtp``: the GPT with MoE layers and/or an MTP layer; ``moe_global``, ``moe_seq``: MoE
-    with global_aux_loss, seq_aux_loss; ``moe_bias``: MoE with the expert bias (sigmoid scores);
+    with global_aux_loss (without the z-loss), seq_aux_loss; ``moe_global_z``: global_aux_loss and the z-loss;
+    ``moe_bias``: MoE with the expert bias (sigmoid scores);
     ``moe_positionwise``: MoE layers without attention, for CP (models.KINDS)."""
     overlap_grad_reduce: bool = False
     distributed_optimizer: bool = False
@@ -54,7 +55,8 @@ class Layout:
     @property
     def auxiliary(self) -> bool:
         """The model has auxiliary losses (MoE load balancing and z-loss, MTP)."""
-        return self.model in ("moe", "mtp", "moe_mtp", "moe_global", "moe_seq", "moe_bias", "moe_positionwise")
+        return self.model in ("moe", "mtp", "moe_mtp", "moe_global", "moe_global_z", "moe_seq", "moe_bias",
+                              "moe_positionwise")
 
     @property
     def global_batch_size(self) -> int:
@@ -111,8 +113,8 @@ class Layout:
 
 
 MODEL_NOTES = {"positionwise": "position-wise", "moe": "MoE", "mtp": "MTP", "moe_mtp": "MoE + MTP",
-               "moe_global": "MoE global_aux_loss", "moe_seq": "MoE seq_aux_loss", "moe_bias": "MoE expert bias",
-               "moe_positionwise": "MoE, position-wise"}
+               "moe_global": "MoE global_aux_loss", "moe_global_z": "MoE global_aux_loss + z-loss",
+               "moe_seq": "MoE seq_aux_loss", "moe_bias": "MoE expert bias", "moe_positionwise": "MoE, position-wise"}
 
 #: The layouts verify runs, by world size (one launch each); GBS = 8, MBS = 1, unless a layout gives its own lengths.
 DEFAULT_LAYOUTS = (
@@ -126,6 +128,7 @@ DEFAULT_LAYOUTS = (
     Layout(data_parallel_size=2, num_microbatches=4, model="mtp"),
     Layout(data_parallel_size=2, num_microbatches=4, model="moe_mtp"),
     Layout(data_parallel_size=2, num_microbatches=4, model="moe_global"),  # #7452 finding 10 under global_aux_loss
+    Layout(data_parallel_size=2, num_microbatches=4, model="moe_global_z"),  # its z-loss per unit, the rest per m
     Layout(data_parallel_size=4, num_microbatches=2),
     Layout(pipeline_model_parallel_size=2, data_parallel_size=2, num_microbatches=4),
     Layout(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, data_parallel_size=2,

@@ -37,11 +37,13 @@ class ModelConfig:
 #: multi-token-prediction layer (which wants rotary position embeddings).
 MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 1e-2, "moe_z_loss_coeff": 1e-3,
        "moe_router_load_balancing_type": "aux_loss", "add_bias_linear": False}
-#: global_aux_loss alone: its reference weighs each DP rank's rows inside one forward per micro-batch
-#: (references.py), where a z-loss would need the unit's own mean.
+#: global_aux_loss alone (its gradient measured apart, verify/aux.py), and with the z-loss: the reference
+#: (references.py) takes the load-balancing loss per micro-batch over every DP rank's rows, the z-loss per unit.
 MOE_GLOBAL = {**MOE, "moe_router_load_balancing_type": "global_aux_loss", "moe_z_loss_coeff": None}
+MOE_GLOBAL_Z = {**MOE, "moe_router_load_balancing_type": "global_aux_loss"}
 MTP = {"mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.1}
 KINDS = {"gpt": {}, "moe": MOE, "mtp": MTP, "moe_mtp": {**MOE, **MTP}, "moe_global": MOE_GLOBAL,
+         "moe_global_z": MOE_GLOBAL_Z,
          "moe_seq": {**MOE, "moe_router_load_balancing_type": "seq_aux_loss"}, "moe_positionwise": MOE,
          "moe_bias": {**MOE, "moe_router_enable_expert_bias": True, "moe_router_score_function": "sigmoid"}}
 #: GPT kinds whose layers have no attention (an MoE MLP and its norm only), so a CP shard's gradient is exact

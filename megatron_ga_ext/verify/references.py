@@ -13,8 +13,10 @@ the router reduces its counts over TP x CP),
       token:          (n_u / N) * alpha * aux_u,   aux_u over u's loss tokens (the router given padding_mask =
                       (loss_mask == 0)): the target docs/reduction.md defines;
       mean of means:  (1 / U) * alpha * aux_u,     aux_u over all of u's positions: upstream's default path;
-      global_aux_loss: the same weights on u's piece of the loss, whose statistics (tokens per expert, averaged
-                      over the step's micro-batches, and the token count) are micro-batch m's over every DP rank;
+      global_aux_loss: aux(m), micro-batch m's loss over every DP rank's rows (its statistics, tokens per expert
+                      averaged over the step's micro-batches so far and the token count T(m), are m's), at
+                      T(m) / (DP * N) (token: every token of m weighs the same) or 1 / U (mean of means,
+                      upstream's); its z-loss per unit, as above;
     MTP (depth 1):
       token:          alpha * sum_t mtp_t / N over the whole batch: every MTP token weighs alpha / N;
       mean of means:  (1 / U) * alpha * mean of u's MTP tokens: upstream's default path.
@@ -22,8 +24,8 @@ the router reduces its counts over TP x CP),
 The auxiliary terms are megatron's own (router, MTP block), attached with megatron's autoscalers at exactly
 these weights (``set_loss_scale``), computed on a model built without the per-token flag, so that no
 per-token pre-multiplication nor finalize division takes part; global_aux_loss runs one forward per micro-batch m
-over every DP rank's rows (the statistics of m) and weighs each row's gradient at the router's logits. The
-reference gradient is the gradient of the sum of both parts.
+over every DP rank's rows (the z-loss off), then one per unit for the z-loss (load balancing off). The reference
+gradient is the gradient of the sum of both parts.
 """
 
 from __future__ import annotations
@@ -196,9 +198,15 @@ def _moe_grads(module, names, batch, layout, mode) -> Grads:
 
 
 def _global_aux_grads(module, names, batch, layout, mode) -> Grads:
-    """global_aux_loss: one forward per micro-batch m over every DP rank's rows, in order from a fresh tracker (the
-    router averages m's counts over the micro-batches so far), each row's router-logit gradient times its unit's
-    weight."""
+    """global_aux_loss from its definition: aux(m), micro-batch m's loss over all its rows (every DP rank's), one
+    unpartitioned forward each, in order from a fresh tracker (the router averages tokens per expert over the
+    micro-batches so far), at the weight
+
+        token:          c_m = T(m) / (DP x N),   T(m) = loss tokens of m: every token of m weighs the same;
+        mean of means:  1 / U = 1 / (M x DP):    upstream's default path (each DP rank's piece at 1 / U, the
+                                                 pieces summing to aux(m), over every position);
+
+    then the z-loss per unit at the unit's weight (:func:`_moe_grads`, load balancing off)."""
     device = next(module.parameters()).device
     routers = [m for m in module.modules() if hasattr(m, "reset_global_aux_loss_tracker")]
     for router in routers:
@@ -206,41 +214,59 @@ def _global_aux_grads(module, names, batch, layout, mode) -> Grads:
     units = layout.unit_samples()
     per_microbatch = len(units) // layout.num_microbatches
     out: Grads = {}
-    _set_aux_scale(1.0, mtp=0.0)
-    for m in range(layout.num_microbatches):
-        unit_rows = units[m * per_microbatch:(m + 1) * per_microbatch]
-        rows = [row for unit in unit_rows for row in unit]
-        weights = torch.tensor([_unit_weight(batch, unit, len(units), mode) for unit in unit_rows for _ in unit])
-        with _row_weighted(routers, weights.to(device)):
+    with _local_counts(routers), _config_set(routers, moe_z_loss_coeff=None):
+        for m in range(layout.num_microbatches):
+            rows = [row for unit in units[m * per_microbatch:(m + 1) * per_microbatch] for row in unit]
+            weight = _microbatch_weight(batch, rows, layout, mode)
+            if weight == 0:  # no loss tokens: install() routes none (its count clamped to 1), the tracker advances
+                for router in routers:
+                    router.ga_steps += 1
+                continue
+            _set_aux_scale(weight, mtp=0.0)
             losses = _forward(module, batch, rows, device, padding=(mode == "token"))
             out = _plus(out, _grad(module, names, (losses * 0.0).sum()))
+    if KINDS[layout.model].get("moe_z_loss_coeff"):
+        with _config_set(routers, moe_aux_loss_coeff=0.0):
+            out = _plus(out, _moe_grads(module, names, batch, layout, mode))
     return out
 
 
+def _microbatch_weight(batch: GlobalBatch, rows: list[int], layout: Layout, mode: str) -> float:
+    """T(m) / (DP x N) (token) or 1 / (M x DP) (mean of means): global_aux_loss's weight of micro-batch m."""
+    units = layout.num_microbatches * layout.data_parallel_size
+    if mode != "token":
+        return 1.0 / units
+    return float(batch.loss_mask[rows].sum() / (layout.data_parallel_size * batch.loss_mask.sum()))
+
+
 @contextlib.contextmanager
-def _row_weighted(routers: list[torch.nn.Module], weights: torch.Tensor) -> Iterator[None]:
-    """The load-balancing loss passes its gradient back through each token of row b times ``weights[b]`` (its
-    value unchanged: ``p w + (p (1 - w)).detach()`` on the router probabilities it is given, tokens [S x B] in
-    megatron's sequence-major order), and counts over this process alone: the routers' TP x DP x CP group is
-    their TP x CP one, of size 1 here (the reference runs on every rank of a launch, whose DP group spans them)."""
-    from megatron.core.transformer.moe import router as router_module
-
-    original = router_module.switch_load_balancing_loss_func
-
-    def weighted(*, probs: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        w = weights.repeat(probs.shape[0] // weights.numel())[:, None]
-        return original(probs=probs * w + (probs * (1 - w)).detach(), **kwargs)
-
+def _local_counts(routers: list[torch.nn.Module]) -> Iterator[None]:
+    """The routers count over this process alone: their TP x DP x CP group is their TP x CP one, of size 1 here (the
+    reference runs on every rank of a launch, whose DP group spans them)."""
     groups = [router.tp_dp_cp_group for router in routers]
-    router_module.switch_load_balancing_loss_func = weighted
     for router in routers:
         router.tp_dp_cp_group = router.tp_cp_group
     try:
         yield
     finally:
-        router_module.switch_load_balancing_loss_func = original
         for router, group in zip(routers, groups):
             router.tp_dp_cp_group = group
+
+
+@contextlib.contextmanager
+def _config_set(routers: list[torch.nn.Module], **fields: Any) -> Iterator[None]:
+    """The routers' TransformerConfig with ``fields`` set (an auxiliary term off), restored after."""
+    configs = list({id(router.config): router.config for router in routers}.values())
+    saved = [{name: getattr(config, name) for name in fields} for config in configs]
+    for config in configs:
+        for name, value in fields.items():
+            setattr(config, name, value)
+    try:
+        yield
+    finally:
+        for config, values in zip(configs, saved):
+            for name, value in values.items():
+                setattr(config, name, value)
 
 
 def _mtp_grads(module, names, batch, layout, mode) -> Grads:
