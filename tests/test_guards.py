@@ -8,6 +8,7 @@ from megatron_ga_ext.integration.guards import (
     MicrobatchCounter,
     check_consumed_advance,
     check_microbatch_counts,
+    check_split_step_count,
 )
 
 
@@ -37,6 +38,32 @@ def test_a_chunk_that_ran_too_many_steps_is_named():
         check_microbatch_counts(counts(4, 8), num_microbatches=4, expected=4, pipeline_model_parallel_size=2)
     with pytest.raises(GuardError, match=r"\(none\) instead of num_microbatches=4"):
         check_microbatch_counts({}, num_microbatches=4, expected=4)
+
+
+class _Calculator:
+    def get(self) -> int:
+        return 4
+
+
+def test_a_step_split_over_calls_runs_the_calculators_count_in_all():
+    counter = MicrobatchCounter()
+    counter.counts = counts(2)
+    counter.check(2, _Calculator(), earlier=2)  # 2 + 2 = 4
+    check_split_step_count(1, 3, 4)
+    counter.counts = counts(1)
+    with pytest.raises(GuardError, match=r"^this step's forward_backward_func calls ran 2 \+ 1 = 3 micro-batches "
+                       r"\(a step split over several calls, finalize on the last\), but the calculator's "
+                       r"num_microbatches = GBS / \(MBS x DP\) is 4\."):
+        counter.check(1, _Calculator(), earlier=2)
+    counter.counts = counts(3)
+    with pytest.raises(GuardError, match=r"\(chunk 0: 3\) instead of num_microbatches=2"):
+        counter.check(2, _Calculator(), earlier=2)  # each call's own count still holds per chunk
+
+
+def test_fewer_micro_batches_than_the_calculators_say_how_a_step_is_split():
+    with pytest.raises(GuardError, match=r"is 4\. Where a step is split over several forward_backward_func calls, only "
+                       r"its last call may run finalize_model_grads .* add up to 4\. Pass num_microbatches="):
+        check_microbatch_counts(counts(2), num_microbatches=2, expected=4)
 
 
 def test_consumed_samples_advance():

@@ -10,7 +10,7 @@ pytest.importorskip("megatron.core.pipeline_parallel.schedules")
 from megatron_ga_ext import GuardError
 from megatron_ga_ext.integration.hooks import optimizer_step
 from megatron_ga_ext.integration.install import GAConfig, install, uninstall
-from megatron_ga_ext.integration.liveness import bypass_message
+from megatron_ga_ext.integration.liveness import bypass_message, check_one_finalize
 
 
 @pytest.fixture(autouse=True)
@@ -111,3 +111,46 @@ def test_an_optimizer_built_before_a_reinstall_follows_the_new_installation():
     with pytest.raises(GuardError, match=r"^--ga-checks async, after the optimizer step: .* not through its guarded"):
         step()
     assert optimizer.steps == 2
+
+
+def test_a_second_finalize_before_the_optimizer_step_is_named_unless_megatron_reruns_the_iteration(monkeypatch):
+    """The real loop: tests/test_split_step.py."""
+    check_one_finalize(1, 7)
+    with pytest.raises(GuardError, match=r"^megatron-ga-ext's finalize_model_grads ran 2 times in training iteration 7 "
+                                         r"before its optimizer step: the step is split over several "
+                                         r"forward_backward_func calls"):
+        check_one_finalize(2, 7)
+    from megatron.core import rerun_state_machine as reruns
+
+    machine = type("Machine", (), {"state": reruns.RerunState.RERUNNING_IN_PLACE})()
+    monkeypatch.setattr(reruns, "_GLOBAL_RERUN_STATE_MACHINE", machine)
+    check_one_finalize(2, 7)  # train_step zeroed the gradients and runs the iteration again, finalize included
+    machine.state = reruns.RerunState.INITIAL_RUN
+    with pytest.raises(GuardError, match=r"ran 2 times"):
+        check_one_finalize(2, 7)
+
+
+def test_building_an_optimizer_arms_the_count_and_its_steps_reset_it():
+    state = install(GAConfig())
+    assert state.finalize.calls_at_step is None  # no optimizer install() hooked: steps are not seen
+    _, step = wrapped(state)
+    assert state.finalize.calls_at_step == state.finalize.calls
+    iteration(state)
+    step()
+    assert state.finalize.calls_at_step == state.finalize.calls
+
+
+@pytest.mark.parametrize("checks", ["sync", "async"])
+def test_a_split_step_still_open_at_its_optimizer_step_stops_before_it(checks):
+    """A step whose calls all returned without finalize: stopped before the optimizer step under either --ga-checks
+    (a host fact), and the next step starts afresh."""
+    state = install(GAConfig(checks=checks))
+    optimizer, step = wrapped(state)
+    state.training_schedules += 2
+    state.open_step = (4, state.finalize.calls)
+    with pytest.raises(GuardError, match=r"^this training step's forward_backward_func calls never called "
+                                         r"megatron-ga-ext's finalize_model_grads"):
+        step()
+    assert optimizer.steps == 0 and state.open_microbatches() == 0
+    iteration(state)
+    assert step() == (True, 1.0, None)

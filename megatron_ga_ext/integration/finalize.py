@@ -33,6 +33,7 @@ from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.config.launch_rules import check_loss_mode
 from megatron_ga_ext.errors import LossContractError
 from megatron_ga_ext.integration.compat import megatron_iteration, megatron_view
+from megatron_ga_ext.integration.liveness import check_one_finalize
 from megatron_ga_ext.integration.loss_contract import SLOT_TOKENS, LossContract, StepChecks
 from megatron_ga_ext.integration.noise_scale import NoiseScaleMeter
 from megatron_ga_ext.logs import get_logger
@@ -138,6 +139,8 @@ class FinalizeModelGrads:
     Attributes:
         last_num_tokens: the global token count N of the last step (mode ``token``), else None.
         calls: how many times it ran (install() checks that every training step reached it).
+        calls_at_step: ``calls`` at the last step of an optimizer install() hooked (or its building); None before
+            there is one: without its steps the loop's steps are not seen, and calls per step are not counted.
         active: False after uninstall(): a config that still holds it gets upstream's finalize unchanged.
         skip_step: True after a step with 0 tokens under ``--ga-zero-token-policy skip``: the optimizer
             wrapper install() puts on Megatron's optimizer skips that step (and clears it).
@@ -157,6 +160,7 @@ class FinalizeModelGrads:
         self.config = config
         self.last_num_tokens: int | None = None
         self.calls = 0
+        self.calls_at_step: int | None = None
         self.active = True
         self.skip_step = False
         self.pending: _Verdict | None = None
@@ -181,6 +185,8 @@ class FinalizeModelGrads:
             self.original(model, num_tokens, pg_collection=pg_collection,
                           force_all_reduce=force_all_reduce)
             return
+        if self.calls_at_step is not None:  # one finalize per optimizer step (liveness.py), before any collective
+            check_one_finalize(self.calls - self.calls_at_step, megatron_iteration())
         self.poll(wait=True)  # an earlier step's verdict not yet read (no schedule call in between)
         topology = self._topology_of(pg_collection)
         # before the grads' sync: no collective
@@ -205,6 +211,10 @@ class FinalizeModelGrads:
                 scaling = 0.0
         for chunk in model:
             chunk.scale_gradients(scaling)
+
+    def optimizer_stepped(self) -> None:
+        """An optimizer install() hooked steps, or is built: the calls from here on are the next step's."""
+        self.calls_at_step = self.calls
 
     def poll(self, *, wait: bool = False) -> None:
         """``--ga-checks async``: read the pending verdict if its copy is done (or ``wait``) and raise if the

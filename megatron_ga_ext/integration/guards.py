@@ -27,7 +27,7 @@ from megatron_ga_ext.errors import GuardError
 from megatron_ga_ext.integration.compat import Calculator
 
 __all__ = ["MicrobatchCounter", "GuardedCalculator", "check_microbatch_counts", "check_consumed_advance",
-           "check_scheduled_count"]
+           "check_scheduled_count", "check_split_step_count"]
 
 PP_RULE = "pipeline parallelism never multiplies the global batch size"
 SCHEDULER = "the sequence-packing scheduler (--sequence-packing-scheduler)"
@@ -37,6 +37,14 @@ def _pp_note(got: int, expected: int, pipeline_model_parallel_size: int) -> str:
     pp = pipeline_model_parallel_size
     if pp > 1 and expected > 0 and got == expected * pp:
         return f"{got} = {expected} x PP {pp}: {PP_RULE} (GBS = MBS x DP x num_microbatches). "
+    return ""
+
+
+def _split_note(got: int, expected: int) -> str:
+    if 0 < got < expected:
+        return (f"Where a step is split over several forward_backward_func calls, only its last call may run "
+                f"finalize_model_grads (config.finalize_model_grads_func None on the others; each finalize reduces and "
+                f"divides the gradients accumulated so far), and the calls' counts add up to {expected}. ")
     return ""
 
 
@@ -57,7 +65,7 @@ def check_microbatch_counts(
         raise GuardError(
             f"forward_backward_func was called with num_microbatches={num_microbatches}, but the calculator's "
             f"num_microbatches = GBS / (MBS x DP) is {expected}. {_pp_note(num_microbatches, expected, pp)}"
-            f"Pass num_microbatches=get_num_microbatches()."
+            f"{_split_note(num_microbatches, expected)}Pass num_microbatches=get_num_microbatches()."
         )
     wrong = {chunk: n for chunk, n in counts.items() if n != num_microbatches}
     if wrong or not counts:
@@ -82,6 +90,18 @@ def check_scheduled_count(num_microbatches: int, scheduled: int) -> None:
         f"step's samples into {scheduled} micro-batches (wrap_data_iterator returned {scheduled}), and its data "
         f"iterator holds exactly those. {_pp_note(num_microbatches, scheduled, pp)}Pass the count wrap_data_iterator "
         f"returns, as Megatron's train_step does.")
+
+
+def check_split_step_count(earlier: int, num_microbatches: int, expected: int) -> None:
+    """Raise :class:`GuardError` unless a step split over several forward_backward_func calls (``earlier``
+    micro-batches before the last call's ``num_microbatches``) ran ``expected`` = GBS / (MBS x DP) in all."""
+    total = earlier + num_microbatches
+    if total == expected:
+        return
+    raise GuardError(
+        f"this step's forward_backward_func calls ran {earlier} + {num_microbatches} = {total} micro-batches (a step "
+        f"split over several calls, finalize on the last), but the calculator's num_microbatches = GBS / (MBS x DP) "
+        f"is {expected}. The calls of one step run get_num_microbatches() micro-batches in all.")
 
 
 def check_consumed_advance(
@@ -148,12 +168,17 @@ class MicrobatchCounter:
             scheduled, self.scheduled = self.scheduled, None  # this call is refused: the count was its
             check_scheduled_count(num_microbatches, scheduled)
 
-    def check(self, num_microbatches: int, calculator: Calculator | None) -> None:
+    def check(self, num_microbatches: int, calculator: Calculator | None, earlier: int = 0) -> None:
         """After a forward/backward call: every chunk ran ``num_microbatches``, which is the scheduler's count for
-        this call where it ran (then consumed), else the calculator's GBS / (MBS x DP) (None: an evaluation call,
-        not known)."""
+        this call where it ran (then consumed), else the calculator's GBS / (MBS x DP) (None: an evaluation call, a
+        call that leaves its step open, not known). ``earlier``: the micro-batches of this step's earlier calls (a
+        step split over several, finalize on the last): the calculator's count is then the calls' sum."""
         scheduled, self.scheduled = self.scheduled, None
         expected = scheduled if scheduled is not None else None if calculator is None else calculator.get()
+        if earlier and scheduled is None and expected is not None:
+            check_microbatch_counts(self.counts, num_microbatches, None, None)
+            check_split_step_count(earlier, num_microbatches, expected)
+            return
         check_microbatch_counts(self.counts, num_microbatches, expected, None, scheduled=scheduled is not None)
 
 

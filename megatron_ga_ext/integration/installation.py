@@ -43,7 +43,7 @@ from megatron_ga_ext.integration.calculator_adoption import (
 from megatron_ga_ext.integration.compat import live_calculator, megatron_args, set_live_calculator
 from megatron_ga_ext.integration.finalize import FinalizeModelGrads, describe_decision
 from megatron_ga_ext.integration.guards import MicrobatchCounter, current_pipeline_size
-from megatron_ga_ext.integration.liveness import StepLiveness
+from megatron_ga_ext.integration.liveness import StepLiveness, unfinalized_message
 from megatron_ga_ext.integration.loss_contract import LossContract, mean_of_means_reports
 from megatron_ga_ext.integration.lr_scaling import ScaledRates
 from megatron_ga_ext.integration.noise_scale import NoiseScaleMeter, check_core_layout
@@ -139,6 +139,15 @@ class Installation:
     reported_first_step: bool = False
     training_schedules: int = 0
     """Training calls (not forward_only) through the guarded schedule; liveness.py compares it per optimizer step."""
+    open_step: tuple[int, int] = (0, 0)
+    """The micro-batches of this step's training calls that returned without finalize (token mode, where an
+    optimizer install() hooked marks the steps), and finalize's call count then: a step split over several
+    forward_backward_func calls, finalize on the last (or called once after it). See :meth:`open_microbatches`."""
+    set_aside: Any = None
+    """An open step's losses, out of the loss contract while an evaluation call (forward_only) runs."""
+    in_call: bool = False
+    """A forward/backward call began and has not returned; still so at the next call: it raised, its step is
+    abandoned."""
     replays_expected: bool = False
     """The launch replays graphs by design (a coverage row with ``replays``): liveness does not count its iterations."""
     host_loss_mask: Any = None
@@ -228,14 +237,35 @@ class Installation:
                 check_core_layout(self.config.noise_scale, call.get("model"))
         self.finalize.poll(wait=True)  # --ga-checks async: the last step's verdict, if not read after its step
         self.counter.reset()
-        if self.contract is not None:  # an evaluation call (forward_only) never reaches finalize
-            self.contract.reset()
+        if self.in_call:
+            self.open_step, self.set_aside = (0, 0), None
+        self.in_call = True
+        if self.contract is not None:
+            self._prepare_contract(training=not call.get("forward_only"))
         if self.config.guards:  # the sequence-packing scheduler's count, before its iterator is read
             self.counter.check_scheduled(call["num_microbatches"])
         if not call.get("forward_only"):
             self.training_schedules += 1
         self.adopt_finalize(self.model_config(call.get("model")))
         return self.finalize.calls
+
+    def open_microbatches(self, finalized: int | None = None) -> int:
+        """The micro-batches of the open step's calls, whose losses stay in the loss contract for the step's one
+        finalize, and whose sum with the last call's is the calculator's count; 0 where no step is open, or finalize
+        has run since (called by hand after the last call): its call count is not ``finalized`` (default: now)."""
+        microbatches, calls = self.open_step
+        if self.finalize is None:
+            return 0
+        return microbatches if calls == (self.finalize.calls if finalized is None else finalized) else 0
+
+    def _prepare_contract(self, *, training: bool) -> None:
+        """The loss contract before a call: an open step's losses kept for the training call that continues the step,
+        set aside during an evaluation call (forward_only, which never reaches finalize); else forgotten (an
+        evaluation's, or an aborted step's)."""
+        if not self.open_microbatches():
+            self.contract.reset()
+        elif not training:
+            self.set_aside = self.contract.set_aside()
 
     def micro_batch(self, model_chunk: torch.nn.Module, loss_func: LossFunction | None) -> LossFunction | None:
         """A forward step: counted for its chunk; its loss function wrapped (token mode: the contract's check;
@@ -245,19 +275,29 @@ class Installation:
         return None if loss_func is None else self.wrap_loss(loss_func)
 
     def end_step(self, call: dict[str, Any], finalized: int) -> None:
-        """The forward/backward call returned: a training call reached finalize (token mode), and every chunk ran
-        num_microbatches micro-batches; after the first, the auxiliary losses' report."""
+        """The forward/backward call returned: a training call reached finalize (token mode), or left its step open
+        for a later call's finalize where an optimizer install() hooked ends the step; every chunk ran
+        num_microbatches micro-batches (the step's calls, the calculator's count in all); after the first finalized
+        call, the auxiliary losses' report."""
+        self.in_call = False
         training = not call.get("forward_only")
-        if training and not self.reported_first_step:
+        left_open = training and self.contract is not None and self.finalize.calls == finalized
+        if training and not left_open and not self.reported_first_step:
             self._report_first_step(call)
-        if training and self.contract is not None and self.finalize.calls == finalized:
-            raise GuardError(
-                "this training step's forward_backward_func never called megatron-ga-ext's finalize_model_grads, "
-                "so the global token count N was not taken and the gradients were not divided by it (nor checked). "
-                "Set config.finalize_model_grads_func to megatron.core.distributed.finalize_model_grads after "
-                "megatron_ga_ext.install(), or leave it to Megatron's training loop.")
+        if left_open and self.finalize.calls_at_step is None:
+            raise GuardError(unfinalized_message("this training step's forward_backward_func") + (
+                " (A step split over several forward_backward_func calls, finalize on the last only, needs an "
+                "optimizer built by megatron.core.optimizer.get_megatron_optimizer after install(): its step marks "
+                "where the step ends.)"))
+        earlier = self.open_microbatches(finalized) if training else 0
         if self.config.guards:
-            self.counter.check(call["num_microbatches"], live_calculator() if training else None)
+            calculator = live_calculator() if training and not left_open else None
+            self.counter.check(call["num_microbatches"], calculator, earlier)
+        if training:
+            self.open_step = (earlier + call["num_microbatches"], self.finalize.calls) if left_open else (0, 0)
+        elif self.set_aside is not None:
+            self.contract.take_back(self.set_aside)
+            self.set_aside = None
 
     def before_optimizer_step(self, liveness: StepLiveness, optimizer: Any = None) -> bool:
         """Before the optimizer's step: the iteration ran the hooks (liveness.py), the rates of this step's batch
@@ -265,6 +305,11 @@ class Installation:
         Megatron's rerun machine (sync checks), and the zero-token policy. True: skip."""
         if liveness.state is not self:
             liveness.follow(self)
+        open_microbatches, self.open_step = self.open_microbatches(), (0, 0)
+        if self.finalize is not None:
+            self.finalize.optimizer_stepped()
+        if open_microbatches:  # a host fact: before the step under either --ga-checks
+            raise GuardError(unfinalized_message("this training step's forward_backward_func calls"))
         liveness.check(after_step=False)
         if self.config.lr_scaling != "none":
             self.scaled_rates.before_step(optimizer)

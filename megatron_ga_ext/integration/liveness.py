@@ -14,16 +14,65 @@ CUDA graph (finalize and the schedule are inside the graph), or a forward/backwa
 GuardError before that optimizer step; ``--ga-checks async`` raises it after the step, where the step's other
 verdicts are read. Launches whose iterations replay a graph by design (a coverage row with ``replays``) are exempt.
 Two integer comparisons per step; nothing per micro-batch.
+
+The same optimizer steps bound the step for finalize (token mode): once such an optimizer exists, a second call of the
+extension's finalize before the next optimizer step is stopped at that call (:func:`check_one_finalize`). A loop that
+splits its step over several forward_backward_func calls and runs finalize on each reduces and divides partial
+gradients; split with finalize on the last call only (or called once after the last), the step trains as one: the
+earlier calls leave it open, their losses stay in the loss contract, and the one finalize counts every call's tokens
+(installation.py). A step still open at its optimizer step never reached finalize, and stops there.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Protocol
 
 from megatron_ga_ext.errors import GuardError
 from megatron_ga_ext.integration.compat import megatron_iteration
 
-__all__ = ["StepLiveness", "bypass_message"]
+__all__ = ["StepLiveness", "bypass_message", "check_one_finalize", "megatron_reruns_in_place", "unfinalized_message"]
+
+#: What a step split over several forward_backward_func calls does right (the messages say it).
+SPLIT_STEP_FIX = (
+    "Run one forward_backward_func call per optimizer step with all of its micro-batches "
+    "(num_microbatches=get_num_microbatches()); or, where a step must be split, set config.finalize_model_grads_func "
+    "on its last call only (None on the others), or leave it None and call "
+    "megatron.core.distributed.finalize_model_grads once after the last call: megatron-ga-ext keeps every call's loss "
+    "tokens for that one finalize.")
+
+
+def unfinalized_message(step: str) -> str:
+    """``step`` (what ran: "this training step's forward_backward_func") never reached the extension's finalize."""
+    return (f"{step} never called megatron-ga-ext's finalize_model_grads, so the global token count N was not taken "
+            f"and the gradients were not divided by it (nor checked). Set config.finalize_model_grads_func to "
+            f"megatron.core.distributed.finalize_model_grads after megatron_ga_ext.install() (on the last "
+            f"forward_backward_func call of a step split over several), or leave it to Megatron's training loop.")
+
+
+def megatron_reruns_in_place() -> bool:
+    """Megatron's rerun state machine is re-running the iteration in place (``--rerun-mode validate_results`` after a
+    non-finite loss): train_step zeroes the gradients and runs the step's forward/backward again, finalize included,
+    before the one optimizer step. Read without creating the machine; False where megatron has none."""
+    module = sys.modules.get("megatron.core.rerun_state_machine")
+    machine = getattr(module, "_GLOBAL_RERUN_STATE_MACHINE", None)
+    return getattr(getattr(machine, "state", None), "name", None) == "RERUNNING_IN_PLACE"
+
+
+def check_one_finalize(calls: int, iteration: int | None) -> None:
+    """Raise :class:`GuardError` where finalize ran ``calls`` > 1 times since the last optimizer step, unless
+    Megatron's rerun state machine re-runs the iteration (:func:`megatron_reruns_in_place`)."""
+    if calls <= 1 or megatron_reruns_in_place():
+        return
+    step = f"training iteration {iteration}" if iteration is not None else "this training step"
+    raise GuardError(
+        f"megatron-ga-ext's finalize_model_grads ran {calls} times in {step} before its optimizer step: the step is "
+        f"split over several forward_backward_func calls, each running finalize_model_grads "
+        f"(config.finalize_model_grads_func set on every call, as an RL framework does when it calls "
+        f"forward_backward_func once per subset of a step's micro-batches). Each finalize all-reduces the partial "
+        f"gradients accumulated so far and divides them by a partial token count (that call's tokens only), so the "
+        f"step's gradient is not sum_m grad L_m / N over all its micro-batches: the earlier calls' part is reduced "
+        f"and divided again. {SPLIT_STEP_FIX}")
 
 
 def bypass_message(*, scheduled: bool, finalized: bool, token: bool, iteration: int | None) -> str | None:
@@ -45,9 +94,8 @@ def bypass_message(*, scheduled: bool, finalized: bool, token: bool, iteration: 
                 f"full-iteration CUDA graph (--cuda-graph-impl full_iteration; FullCudaGraphWrapper) ran the "
                 f"forward/backward, or a forward_backward_func that is not a megatron-core schedule. Leave "
                 f"full-iteration graphs off, or call the schedule get_forward_backward_func() returns.")
-    return (f"{step} ran megatron-ga-ext's guarded schedule but not its finalize_model_grads, so the global token "
-            f"count N was not taken and the gradients were not divided by it. Set config.finalize_model_grads_func "
-            f"to megatron.core.distributed.finalize_model_grads after megatron_ga_ext.install().")
+    return f"{step} ran megatron-ga-ext's guarded schedule but not its finalize_model_grads: " + unfinalized_message(
+        "its forward_backward_func")
 
 
 class Hooked(Protocol):
@@ -67,6 +115,8 @@ class StepLiveness:
     def __init__(self, state: Hooked) -> None:
         self.state = state
         self.schedules, self.finalized = self._counts()
+        if state.finalize is not None:  # from here the optimizer's steps bound finalize's count per step
+            state.finalize.optimizer_stepped()
 
     def follow(self, state: Hooked) -> None:
         """Count against ``state`` (the installation that replaced this one's) from now on: its counts start at

@@ -187,6 +187,16 @@ class LossContract:
         """Forget everything kept (an evaluation call, or a step that follows an aborted one)."""
         self._losses, self._counts, self._host_tokens = [], [], 0
 
+    def set_aside(self) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+        """Everything kept, taken out for :meth:`take_back` (an open step's losses while an evaluation call runs)."""
+        kept = self._losses, self._counts, self._host_tokens
+        self.reset()
+        return kept
+
+    def take_back(self, kept: tuple[list[torch.Tensor], list[torch.Tensor], int]) -> None:
+        """Keep what :meth:`set_aside` took out again, in place of what was checked since."""
+        self._losses, self._counts, self._host_tokens = kept
+
     def collect(self, device: torch.device, *, is_last_stage: bool) -> torch.Tensor:
         """This step's int64 vector on ``device``, then reset:
 
