@@ -7,7 +7,15 @@ loss tokens of u and N = sum_u n_u,
 
 where aux_u is the auxiliary term computed over u's loss tokens and alpha the coefficient upstream documents
 (--moe-aux-loss-coeff, --moe-z-loss-coeff, --mtp-loss-scaling-factor / MTP depth). Every loss token weighs the
-same, and with equal n_u this is upstream's 1/(M x DP) per micro-batch.
+same, and with equal n_u this is upstream's 1/(M x DP) per micro-batch. global_aux_loss is one loss aux(m) per
+micro-batch m over all its rows (statistics over TP x DP x CP; each rank attaches its piece, the pieces summing to
+aux(m)), and its term is
+
+    sum_m c_m * alpha * aux(m),   c_m = T(m) / (DP x N),   T(m) = loss tokens of m over every DP rank,
+
+the same factor on every piece, so every token of m weighs the same: a piece weighted by its rank's n(m, r) / N
+would weigh a token by n(m, r) / T(m), the rank-local weighting rejected for TP and CP too. With equal counts
+(n(m, r) = T(m) / DP) c_m is upstream's n(m, r) / N.
 
 How megatron-core reaches it: its router pre-multiplies aux and z by the micro-batch's token count and
 finalize divides by N, so aux_u gets n_u / N *if* the router counts loss tokens, i.e. is given a padding
@@ -27,8 +35,8 @@ The padding mask turns on two upstream defects that install() corrects (Megatron
   global_aux_loss), not this rank's: the aux gradient is TP x CP (TP x DP x CP) times its target. And even the
   local count is exact only where every TP / CP shard holds the same number of loss tokens. The exact factor for
   a shard's piece of aux_u is n_u itself, the loss tokens its TP x CP group holds for this micro-batch of this DP
-  rank; :func:`exact_token_counts` returns ``valid_token_count = n_u / |TP x CP|`` on releases whose router
-  multiplies it by |TP x CP| (0.19 and later), and n_u before them.
+  rank, and for a piece of global_aux_loss's aux(m) T(m) / DP; :func:`exact_token_counts` returns that factor
+  divided by |TP x CP| on releases whose router multiplies it by |TP x CP| (0.19 and later), the factor before.
 * Before 0.19 the router's per-token z-loss lacks that |TP x CP| factor (upstream #5047): its coefficient is
   divided by |TP x CP| and nothing multiplies it back, so the z-loss gradient is 1 / (TP x CP) of its target.
   :func:`tp_cp_scaled_z_loss` multiplies the gradient (not the logged value) by |TP x CP| there.
