@@ -43,11 +43,13 @@ MOE_ROWS: tuple[Row, ...] = (
         applies=balancing("aux_loss")),
     Row(id="router-global-aux-loss", flags=("--moe-router-load-balancing-type",),
         given="--moe-router-load-balancing-type global_aux_loss", support="supported",
-        text="token mode: each DP rank's piece of a micro-batch's global load-balancing loss (statistics over every "
-        "DP rank) weighted by its share of the loss tokens; install() corrects the router's count, which with a "
-        "padding mask is the micro-batch's over every DP rank (#7452 finding 10: about DP times the target). "
-        "Microbatch mode: as upstream.",
-        proofs=(*verify_layouts("DP2 x GA4 (MoE global_aux_loss)"),
+        text="token mode: a micro-batch's global load-balancing loss (statistics over every DP rank) weighted "
+        "T(m) / (DP x N), its loss tokens over every DP rank, on every rank's piece, so every token of the "
+        "micro-batch weighs the same; install() corrects the router's count, which with a padding mask is T(m) "
+        "itself (#7452 finding 10: DP times the target). The z-loss per micro-batch of each DP rank, as for "
+        "aux_loss. Not corrected: the router's running average of tokens per expert is normalised by the current "
+        "micro-batch's count (#7213). Microbatch mode: as upstream.",
+        proofs=(*verify_layouts("DP2 x GA4 (MoE global_aux_loss)", "DP2 x GA4 (MoE global_aux_loss + z-loss)"),
                 Proof(test="tests/test_verify_aux.py::test_install_meets_the_token_mode_target"),
                 Proof(test="tests/test_verify_fuzz.py::test_a_fixed_seed_passes")),
         applies=balancing("global_aux_loss")),
