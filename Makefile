@@ -7,6 +7,8 @@
 #   make regress MEGATRON_LM=DIR|TGZ  both, on the Megatron-LM checkout you train from, after listing its drift:
 #                                   parser flags the coverage table does not classify, hooked functions changed
 #   make fuzz                       10,000 hypothesis examples on each input surface
+#   make verify-fuzz                verify --fuzz 200 on three seeds, with each aux correction reverted too
+#                                   (tools/verify_fuzz.py, about an hour): rows for docs/reduction.md's table
 #   make test-O                     the fast suite (nothing that imports megatron-core) under python -O
 #   make lint                       ruff over the tree, mypy over core/ and config/ (pyproject.toml; CI runs it)
 #   make corpus                     the real-text corpus (benchmarks/corpus.py): .cache/corpus, built once
@@ -24,8 +26,8 @@
 #                                   --device cuda, gpu_overhead.sh; results in $OUT or .cache/gpu-check
 #
 # No test writes a tracked file. fuzz, e2e, matrix and regress record their measurements as JSON under
-# .cache/results (RESULTS; git ignores .cache/); `make docs` renders them into docs/compatibility.md,
-# reliability.md and performance.md, keeping the rows no run recorded (another leg's sources; delete
+# .cache/results (RESULTS; git ignores .cache/), and so does verify-fuzz; `make docs` renders them into
+# docs/compatibility.md, reliability.md, performance.md and reduction.md, keeping the rows no run recorded (another leg's sources; delete
 # .cache/results to drop older records). Those tables hold timings and dates, so no check compares them: after `make fuzz` or
 # `make e2e`, run `make docs` and commit the pages.
 # The parts rendered from code alone (the flags table of docs/guide.md, docs/coverage.md, the text of
@@ -50,7 +52,7 @@ MEGATRON_LM ?=
 MEGATRON_LM_SNAPSHOTS ?= ../shared/upstream
 export MEGATRON_LM MEGATRON_LM_SNAPSHOTS
 
-.PHONY: setup demo test test-O lint fuzz matrix e2e regress corpus critical-batch critical-batch-quick test-bridge docs docs-check wheel-check fingerprints clean
+.PHONY: setup demo test test-O lint fuzz verify-fuzz matrix e2e regress corpus critical-batch critical-batch-quick test-bridge docs docs-check wheel-check fingerprints clean
 
 setup: $(STAMP)
 
@@ -89,6 +91,9 @@ fuzz: $(STAMP)
 		$(PY) -m pytest -q -p no:cacheprovider -m fuzz tests/test_fuzz.py -k "$$surfaces" $(PYTEST_ARGS) & \
 		pids="$$pids $$!"; \
 	done; for pid in $$pids; do wait $$pid || status=1; done; exit $$status
+
+verify-fuzz: $(STAMP)
+	MEGATRON_GA_RESULTS=$(RESULTS) $(PY) -m tools.verify_fuzz $(VERIFY_FUZZ_ARGS)
 
 $(E2E_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[megatron,test,plot,e2e]'

@@ -2,11 +2,11 @@
 gives one MTP target from the next shard (upstream #7498; SFT whose response starts at a CP chunk boundary).
 
 Two gloo ranks form the CP group. Each calls megatron-core's own ``process_mtp_loss`` (as install() patched it) on
-its zigzag shard of one sequence, cut by megatron's ``get_batch_on_this_cp_rank`` (verify's ``cp_shard``), with megatron's real
-``roll_tensor``; the reference is the definition on the whole sequence in one process: depth 1's target at position s
-is label s + 1, counted where loss_mask[s + 1] is 1, each at alpha = scaling factor / depth (finalize's 1 / N comes
-after). Sequence 16 in 4 chunks: shard 0 holds positions 0-3 and 12-15, shard 1 positions 4-11; the response is
-4-11, so shard 0 has no LM loss token, and its position 3 predicts label 4.
+its zigzag shard of one sequence, cut by megatron's ``get_batch_on_this_cp_rank`` (verify's ``cp_shard``), with
+megatron's real ``roll_tensor``; the reference is the definition on the whole sequence in one process: depth 1's
+target at position s is label s + 1, counted where loss_mask[s + 1] is 1, each at alpha = scaling factor / depth
+(finalize's 1 / N comes after). Sequence 16 in 4 chunks: shard 0 holds positions 0-3 and 12-15, shard 1 positions
+4-11; the response is 4-11, so shard 0 has no LM loss token, and its position 3 predicts label 4.
 """
 
 from __future__ import annotations

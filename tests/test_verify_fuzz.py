@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
-from megatron_ga_ext.verify.fuzz import MAX_WORLD, SEQ_LENGTH, draw_layouts
+from megatron_ga_ext.verify.fuzz import MAX_WORLD, SEQ_LENGTH, draw_layouts, megatron_refusal
+from megatron_ga_ext.verify.layouts import Layout
 
 
 def test_draws_are_reproducible_and_each_depends_on_its_index_alone():
@@ -23,27 +25,49 @@ def test_every_draw_is_a_layout_megatron_core_runs_on_the_cpu():
     for draw in draws:
         layout = draw.layout
         assert layout.world_size <= MAX_WORLD, draw
-        assert len(draw.lengths) == layout.global_batch_size and all(1 <= n <= SEQ_LENGTH for n in draw.lengths)
+        assert len(draw.lengths) == layout.global_batch_size and all(0 <= n <= SEQ_LENGTH for n in draw.lengths)
+        assert sum(draw.lengths) > 0 and (layout.micro_batch_size > 1 or min(draw.lengths) >= 1), draw
         if layout.context_parallel_size > 1:  # attention under CP needs Transformer Engine
             assert layout.model in ("positionwise", "moe_positionwise"), draw
-        if "mtp" in layout.model:  # MTP's norms under sequence parallelism need Transformer Engine
-            assert layout.tensor_model_parallel_size == 1 and layout.pipeline_model_parallel_size == 1, draw
         if layout.pipeline_model_parallel_size > 1:  # the interleaved schedule's rule, kept for every PP draw
             assert layout.num_microbatches % layout.pipeline_model_parallel_size == 0, draw
         if layout.expert_model_parallel_size > 1:
             assert "moe" in layout.model and layout.data_parallel_size % layout.expert_model_parallel_size == 0
-    # the space is covered: every model, TP, PP with VPP, CP, EP, MBS 2, both DP-side options
-    models = {d.layout.model for d in draws}
-    assert models == {"gpt", "positionwise", "moe", "moe_seq", "moe_global", "moe_bias", "moe_positionwise", "mtp",
-                      "moe_mtp"}
-    assert any(d.layout.tensor_model_parallel_size > 1 and "moe" in d.layout.model for d in draws)
-    assert {d.layout.sequence_parallel for d in draws if d.layout.tensor_model_parallel_size > 1} == {True, False}
-    assert not any(d.layout.sequence_parallel for d in draws if d.layout.tensor_model_parallel_size == 1)
-    assert any(d.layout.virtual_pipeline_model_parallel_size > 1 for d in draws)
-    assert any(d.layout.expert_model_parallel_size > 1 for d in draws)
-    assert any(d.layout.micro_batch_size > 1 for d in draws)
-    assert any(d.layout.overlap_grad_reduce and d.layout.distributed_optimizer for d in draws)
+    # the space is covered: every model, TP with and without SP, PP with VPP, CP, EP, ETP, MBS 2, both DP-side
+    # options, zero-token samples, and the combinations an audit asked for
+    layouts = [d.layout for d in draws]
+    assert {lay.model for lay in layouts} == {"gpt", "positionwise", "moe", "moe_seq", "moe_global", "moe_global_z",
+                                              "moe_bias", "moe_positionwise", "mtp", "mtp2", "moe_mtp"}
+    assert {lay.sequence_parallel for lay in layouts if lay.tensor_model_parallel_size > 1} == {True, False}
+    assert not any(lay.sequence_parallel for lay in layouts if lay.tensor_model_parallel_size == 1)
+    assert any(lay.virtual_pipeline_model_parallel_size > 1 for lay in layouts)
+    assert any(lay.expert_model_parallel_size > 1 for lay in layouts)
+    assert {lay.expert_tensor_parallel_size for lay in layouts if "moe" in lay.model} == {None, 1, 2}
+    assert any(lay.micro_batch_size > 1 for lay in layouts)
+    assert any(lay.overlap_grad_reduce and lay.distributed_optimizer for lay in layouts)
     assert any(len(set(d.lengths)) > 1 for d in draws)
+    assert any(0 in d.lengths for d in draws)
+    assert any("mtp" in lay.model and lay.tensor_model_parallel_size > 1 and lay.sequence_parallel for lay in layouts)
+    assert any("mtp" in lay.model and lay.pipeline_model_parallel_size > 1 for lay in layouts)
+    assert any("moe" in lay.model and lay.sequence_parallel and lay.pipeline_model_parallel_size > 1
+               for lay in layouts)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2026])
+def test_megatron_core_validates_every_draw(seed):
+    """megatron-core's own checks (TransformerConfig, MoELayer's training check) accept each of 3,000 draws; the
+    check itself refuses what megatron-core refuses, such as MoE under TP without sequence parallelism (the draws
+    an earlier fuzzer made, about 1 in 17)."""
+    refused = {}
+    for layout in {draw.layout for draw in draw_layouts(3000, seed)}:
+        if (why := megatron_refusal(layout)) is not None:
+            refused[layout] = why
+    assert not refused, refused
+    moe_tp = Layout(tensor_model_parallel_size=2, data_parallel_size=1, num_microbatches=2, model="moe")
+    assert "MoELayer.forward: ValueError" in megatron_refusal(moe_tp)
+    assert megatron_refusal(replace(moe_tp, sequence_parallel=True)) is None
+    assert "TransformerConfig: ValueError: Cannot use sequence parallelism without tensor parallelism" in (
+        megatron_refusal(replace(moe_tp, tensor_model_parallel_size=1, sequence_parallel=True)))
 
 
 def _verify(*args: str, script: str | None = None) -> subprocess.CompletedProcess:
@@ -76,14 +100,14 @@ sys.exit(main(["verify", *sys.argv[1:]]))
 
 @pytest.mark.slow
 def test_the_fuzzer_finds_the_router_count_defect_without_the_correction():
-    """Draw 10 of seed 3 is DP 2 x GA 2 with MoE global_aux_loss: with upstream's counts (micro-batch m's over both DP
+    """Draw 10 of seed 3 is DP 2 x GA 4 with MoE global_aux_loss: with upstream's counts (micro-batch m's over both DP
     ranks, on every release) its token mode misses the reference, and the failing draw prints its row and how to
     rerun it; with install()'s correction it passes."""
     args = ("--fuzz", "12", "--seed", "3", "--draw", "10", "--timeout", "300")
     proc = _verify(*args, script=UNCORRECTED)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "DP2 x GA2 (MoE global_aux_loss, overlapped grad reduce)" in proc.stdout and "FAIL" in proc.stdout
-    row = "row: Layout(data_parallel_size=2, num_microbatches=2, tensor_model_parallel_size=1, sequence_parallel=False"
+    assert "DP2 x GA4 (MoE global_aux_loss, distributed optimizer)" in proc.stdout and "FAIL" in proc.stdout
+    row = "row: Layout(data_parallel_size=2, num_microbatches=4, tensor_model_parallel_size=1, sequence_parallel=False"
     assert row in proc.stdout and "model='moe_global'" in proc.stdout
     assert "rerun: megatron-ga verify --fuzz 12 --seed 3 --draw 10" in proc.stdout
     assert "0 of 1 draws pass" in proc.stdout

@@ -50,6 +50,8 @@ TABLES = {
     "e2e": Table(doc="docs/performance.md", keys=1, columns=(
         "Source", "Layout", "Iterations", "Upstream (ms)", "Extension (ms)", "Async (ms)", "Ratio (extension, async)",
         "Losses", "Run on")),
+    "verify-fuzz": Table(doc="docs/reduction.md", keys=3, columns=(
+        "megatron-core", "Seed", "Corrections", "Draws", "Verdict", "Worst relative error", "Time (s)", "Run on")),
     "noise-scale": Table(doc="docs/noise-scale.md", keys=2, columns=(
         "Source", "Layout", "Measured", "B_simple (EMA) at the last", "Resume", "Suggested (--suggest)", "Run on")),
     "noise-scale-gpt": Table(doc="docs/noise-scale.md", keys=2, columns=(

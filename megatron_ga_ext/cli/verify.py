@@ -163,7 +163,7 @@ def _supported(layouts: list) -> tuple[list, list[dict[str, str]]]:
     for layout in layouts:
         if seq_aux_limited(layout):
             skipped.append({"layout": layout.name, "reason": SEQ_AUX_BEFORE_0_19})
-        elif layout.model in ("mtp", "moe_mtp") and not mtp_clamped:
+        elif "mtp" in layout.model and not mtp_clamped:
             skipped.append({"layout": layout.name, "reason": (
                 "megatron-core 0.16 divides each micro-batch's MTP loss by its rolled token count without a "
                 "clamp, so a micro-batch with at most one loss token per sequence (this batch has one) gives "
@@ -216,7 +216,8 @@ def rows_from_results(results: dict[int, list[list[LayoutResult]]], tolerance: f
 
     ``token`` passes when within ``tolerance`` of the token reference and, given
     ``expected_num_tokens`` (one count, or one per layout name), every rank's finalize divided by N = that count
-    (the non-padding tokens of the global batch); ``microbatch`` passes when within ``tolerance`` of its own (mean-of-means)
+    (the non-padding tokens of the global batch); ``microbatch`` passes when within ``tolerance`` of its own
+    (mean-of-means)
     reference. ``num_tokens`` is N when every rank reports the same, else None.
     """
     per_row: dict[tuple[str, str], list[LayoutResult]] = defaultdict(list)

@@ -4,14 +4,18 @@ verify's default layouts are the ones we chose; the fuzzer draws the rest of the
 next bug of the router-count kind (Megatron-LM #7452) is ours to find first. Each draw picks, under the rules
 megatron-core itself enforces (and the CPU's: at most 4 ranks, no Transformer Engine):
 
-* a model: dense GPT, MoE (aux_loss, seq_aux_loss or global_aux_loss; the expert bias), MTP, MoE + MTP, and,
+* a model: dense GPT, MoE (aux_loss, seq_aux_loss or global_aux_loss, with or without the z-loss; the expert bias),
+  MTP of depth 1 or 2, MoE + MTP, and,
   under CP, the position-wise models (attention under CP needs Transformer Engine's ring attention);
-* TP (with or without sequence parallelism), PP and VPP, CP, EP, DP, with world = TP x PP x CP x DP <= 4;
-* MBS and GA, and per-sample loss-token counts drawn from 1 to the sequence length, so that units, DP ranks, CP
-  and TP shards hold uneven counts;
+* TP (with sequence parallelism, or without it for dense models: megatron-core refuses MoE under TP without it),
+  PP and VPP (MTP with PP, not VPP), CP, EP, the expert TP size, DP, with world = TP x PP x CP x DP <= 4;
+* MBS and GA, and per-sample loss-token counts drawn from 1 to the sequence length (from 0 at MBS > 1: a sample
+  without loss tokens beside others), so that units, DP ranks, CP and TP shards hold uneven counts;
 * overlapped grad reduce and the distributed optimizer.
 
-Each draw runs one step in both modes through install(), like every verify row, and checks token mode against the
+Every draw is one megatron-core trains: :func:`megatron_refusal` runs its own validation on a draw, and a test runs
+it on thousands. Each draw runs one step in both modes through install(), like every verify row, and checks token
+mode against the
 token reference with N = the batch's loss tokens, and microbatch mode against the mean-of-means reference. Draw k of
 seed S is the same on every machine (``random.Random(S)``): ``--fuzz N --seed S --draw k`` reruns it alone, and a
 failing draw prints its ``Layout(...)`` and lengths, a row to add to :data:`layouts.DEFAULT_LAYOUTS`.
@@ -28,7 +32,7 @@ __all__ = ["Draw", "draw_layouts"]
 
 SEQ_LENGTH = 16
 MAX_WORLD = 4
-MOE_KINDS = ("moe", "moe_seq", "moe_global", "moe_bias")
+MOE_KINDS = ("moe", "moe_seq", "moe_global", "moe_global_z", "moe_bias")
 
 
 @dataclass(frozen=True)
@@ -56,25 +60,90 @@ def _draw(rng: random.Random, index: int) -> Draw:
         model = rng.choice(("positionwise", "moe_positionwise"))
         tp, pp, vpp = 1, 1, 1
     else:
-        model = rng.choice(("gpt", *MOE_KINDS, "mtp", "moe_mtp"))
-        tp = rng.choice((1, 2)) if "mtp" not in model else 1  # MTP's norms under sequence parallelism need TE
-        pp = rng.choice((1, 2)) if tp == 1 and "mtp" not in model else 1
-        vpp = rng.choice((1, 2)) if pp > 1 else 1
+        model = rng.choice(("gpt", *MOE_KINDS, "mtp", "mtp2", "moe_mtp"))
+        tp = rng.choice((1, 2))
+        pp = rng.choice((1, 2))
+        vpp = rng.choice((1, 2)) if pp > 1 and "mtp" not in model else 1
+    moe = "moe" in model
+    # megatron-core refuses MoE under TP without sequence parallelism in training (MoELayer.forward)
+    sequence_parallel = tp > 1 and (moe or rng.random() < 0.7)
     dp = rng.choice([d for d in (1, 2, 4) if tp * pp * cp * d <= MAX_WORLD])
-    moe = model in MOE_KINDS or model in ("moe_mtp", "moe_positionwise")
     ep = rng.choice([e for e in (1, 2) if dp % e == 0]) if moe and tp == 1 and cp == 1 else 1
+    etp = None
+    if moe and tp > 1:
+        etp = rng.choice((None, 1))  # the expert TP group TP's, or none
+    elif moe and cp == 1 and ep == 1 and dp > 1:
+        etp = rng.choice((None, 2))  # experts split over two DP ranks
     micro_batch_size = rng.choice((1, 2))
     ga_choices = (1, 2, 4) if pp == 1 else (pp, 2 * pp)  # the interleaved schedule wants GA a multiple of PP
     num_microbatches = rng.choice(ga_choices)
     distributed_optimizer = dp > 1 and rng.random() < 0.3
     layout = Layout(
-        tensor_model_parallel_size=tp, sequence_parallel=tp > 1 and rng.random() < 0.7,
+        tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
-        context_parallel_size=cp, expert_model_parallel_size=ep, data_parallel_size=dp,
-        num_microbatches=num_microbatches, micro_batch_size=micro_batch_size, model=model,
+        context_parallel_size=cp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+        data_parallel_size=dp, num_microbatches=num_microbatches, micro_batch_size=micro_batch_size, model=model,
         overlap_grad_reduce=rng.random() < 0.3, distributed_optimizer=distributed_optimizer)
-    lengths = tuple(rng.randint(1, SEQ_LENGTH) for _ in range(layout.global_batch_size))
-    return Draw(index, layout, lengths)
+    return Draw(index, layout, _lengths(rng, layout))
+
+
+def _lengths(rng: random.Random, layout: Layout) -> tuple[int, ...]:
+    """Loss tokens per sample, 1 to the sequence length; at MBS > 1 a sample may hold none (a truncated SFT sample,
+    its micro-batch's other samples not), with at least one loss token in the batch."""
+    low = 0 if layout.micro_batch_size > 1 else 1
+    while True:
+        lengths = tuple(0 if low == 0 and rng.random() < 0.2 else rng.randint(1, SEQ_LENGTH)
+                        for _ in range(layout.global_batch_size))
+        if sum(lengths):
+            return lengths
+
+
+def megatron_refusal(layout: Layout) -> str | None:
+    """What megatron-core's own validation says of ``layout``, or None where it trains it: the TransformerConfig
+    verify builds for it (its ``__post_init__`` checks), and the MoE layer's training check (``MoELayer.forward``
+    refuses TP without sequence parallelism before it touches a tensor), run on a stand-in layer that stops at the
+    first attribute past the checks."""
+    from megatron_ga_ext.verify.harness import layout_config
+    from megatron_ga_ext.verify.models import ModelConfig
+
+    try:
+        config = layout_config(layout, ModelConfig(), calculate_per_token_loss=True)
+    except (AssertionError, ValueError, TypeError) as exc:
+        return f"TransformerConfig: {type(exc).__name__}: {exc}"
+    if not getattr(config, "num_moe_experts", None):
+        return None
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    try:
+        MoELayer.forward(_CheckedLayer(config, layout.tensor_model_parallel_size), None)
+    except _PastTheChecks:
+        return None
+    except (AssertionError, ValueError) as exc:
+        return f"MoELayer.forward: {type(exc).__name__}: {exc}"
+    return None
+
+
+class _PastTheChecks(Exception):
+    """The stand-in layer was asked for something its checks do not read: they passed."""
+
+
+class _Group:
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+class _CheckedLayer:
+    """An MoE layer in training as far as its checks read it: the config and the attention TP group."""
+
+    def __init__(self, config: object, tensor_model_parallel_size: int) -> None:
+        self.config, self.training = config, True
+        self.attn_tp_group = self.tp_group = _Group(tensor_model_parallel_size)
+
+    def __getattr__(self, name: str) -> object:
+        raise _PastTheChecks(name)
 
 
 @dataclass(frozen=True)

@@ -46,8 +46,8 @@ from megatron_ga_ext.verify.models import (
 )
 from megatron_ga_ext.verify.references import reference_grads
 
-__all__ = ["LayoutResult", "VerifyConfig", "build_chunks", "build_ddp", "gradients", "init_model_parallel",
-           "cp_shard", "layout_config", "microbatches", "reduction_hooks", "relative_error", "run_layout", "run_rank", "train_step"]
+__all__ = ["LayoutResult", "VerifyConfig", "build_chunks", "build_ddp", "cp_shard", "gradients", "init_model_parallel",
+           "layout_config", "microbatches", "reduction_hooks", "relative_error", "run_layout", "run_rank", "train_step"]
 
 
 @dataclass(kw_only=True, frozen=True)
