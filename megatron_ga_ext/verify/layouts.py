@@ -33,10 +33,11 @@ class Layout:
     expert_tensor_parallel_size: int | None = None
     """Each expert split over this many ranks; None: TP's, megatron's default."""
     micro_batch_size: int = 1
-    model: Literal["gpt", "positionwise", "moe", "mtp", "moe_mtp", "moe_global", "moe_global_z", "moe_seq",
+    model: Literal["gpt", "positionwise", "moe", "mtp", "mtp2", "moe_mtp", "moe_global", "moe_global_z", "moe_seq",
                    "moe_bias", "moe_positionwise"] = "gpt"
     """``positionwise`` for CP: no attention, so a shard's gradient is exact without ring attention;
-    ``moe``, ``mtp``, ``moe_mtp``: the GPT with MoE layers and/or an MTP layer; ``moe_global``, ``moe_seq``: MoE
+    ``moe``, ``mtp``, ``moe_mtp``: the GPT with MoE layers and/or an MTP layer (``mtp2``: two); ``moe_global``,
+    ``moe_seq``: MoE
     with global_aux_loss (without the z-loss), seq_aux_loss; ``moe_global_z``: global_aux_loss and the z-loss;
     ``moe_bias``: MoE with the expert bias (sigmoid scores);
     ``moe_positionwise``: MoE layers without attention, for CP (models.KINDS)."""
@@ -55,7 +56,7 @@ class Layout:
     @property
     def auxiliary(self) -> bool:
         """The model has auxiliary losses (MoE load balancing and z-loss, MTP)."""
-        return self.model in ("moe", "mtp", "moe_mtp", "moe_global", "moe_global_z", "moe_seq", "moe_bias",
+        return self.model in ("moe", "mtp", "mtp2", "moe_mtp", "moe_global", "moe_global_z", "moe_seq", "moe_bias",
                               "moe_positionwise")
 
     @property
@@ -112,7 +113,8 @@ class Layout:
         return ids
 
 
-MODEL_NOTES = {"positionwise": "position-wise", "moe": "MoE", "mtp": "MTP", "moe_mtp": "MoE + MTP",
+MODEL_NOTES = {"positionwise": "position-wise", "moe": "MoE", "mtp": "MTP", "mtp2": "MTP depth 2",
+               "moe_mtp": "MoE + MTP",
                "moe_global": "MoE global_aux_loss", "moe_global_z": "MoE global_aux_loss + z-loss",
                "moe_seq": "MoE seq_aux_loss", "moe_bias": "MoE expert bias", "moe_positionwise": "MoE, position-wise"}
 

@@ -11,6 +11,7 @@ reference start from bit-identical weights:
 
 from __future__ import annotations
 
+import contextlib
 import re
 import zlib
 from dataclasses import dataclass
@@ -42,7 +43,8 @@ MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 1e-2, "
 MOE_GLOBAL = {**MOE, "moe_router_load_balancing_type": "global_aux_loss", "moe_z_loss_coeff": None}
 MOE_GLOBAL_Z = {**MOE, "moe_router_load_balancing_type": "global_aux_loss"}
 MTP = {"mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.1}
-KINDS = {"gpt": {}, "moe": MOE, "mtp": MTP, "moe_mtp": {**MOE, **MTP}, "moe_global": MOE_GLOBAL,
+KINDS = {"gpt": {}, "moe": MOE, "mtp": MTP, "mtp2": {**MTP, "mtp_num_layers": 2}, "moe_mtp": {**MOE, **MTP},
+         "moe_global": MOE_GLOBAL,
          "moe_global_z": MOE_GLOBAL_Z,
          "moe_seq": {**MOE, "moe_router_load_balancing_type": "seq_aux_loss"}, "moe_positionwise": MOE,
          "moe_bias": {**MOE, "moe_router_enable_expert_bias": True, "moe_router_score_function": "sigmoid"}}
@@ -153,8 +155,12 @@ def init_by_name(module: torch.nn.Module, names: dict[str, str]) -> None:
 
 def reset_moe_logging() -> None:
     """megatron keeps one process-wide MoE loss tracker sized by the first model's layers (0.18+:
-    moe_logging's metrics tracker; 0.16/0.17: moe_utils' layer-wise dict); verify builds models of several
-    depths in one process, so each starts with a fresh one."""
+    moe_logging's metrics tracker; 0.16/0.17: moe_utils' layer-wise dict), and one MTP tracker sized by the first
+    model's MTP depth; verify builds models of several depths in one process, so each starts with fresh ones."""
+    with contextlib.suppress(ImportError):
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+        MTPLossLoggingHelper.tracker.clear()
     try:
         from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
     except ImportError:

@@ -17,9 +17,11 @@ the router reduces its counts over TP x CP),
                       averaged over the step's micro-batches so far and the token count T(m), are m's), at
                       T(m) / (DP * N) (token: every token of m weighs the same) or 1 / U (mean of means,
                       upstream's); its z-loss per unit, as above;
-    MTP (depth 1):
-      token:          alpha * sum_t mtp_t / N over the whole batch: every MTP token weighs alpha / N;
-      mean of means:  (1 / U) * alpha * mean of u's MTP tokens: upstream's default path.
+    MTP (depth D, alpha = scaling factor / D):
+      token:          alpha * sum over depths and MTP tokens t of mtp_t / N over the whole batch: every MTP token
+                      weighs alpha / N, computed from the definition (depth k's target at position s is label s + k,
+                      counted where loss_mask[s + k] is 1), on the model's own per-token losses;
+      mean of means:  (1 / U) * alpha * sum over depths of the mean of u's MTP tokens: upstream's default path.
 
 The auxiliary terms are megatron's own (router, MTP block), attached with megatron's autoscalers at exactly
 these weights (``set_loss_scale``), computed on a model built without the per-token flag, so that no
@@ -270,14 +272,11 @@ def _config_set(routers: list[torch.nn.Module], **fields: Any) -> Iterator[None]
 
 
 def _mtp_grads(module, names, batch, layout, mode) -> Grads:
-    """Token: one forward of the whole batch, MTP's mean over its M rolled tokens weighted M / N; mean of means:
-    one forward per unit at 1 / U."""
+    """Token: the definition over the whole batch (:func:`_mtp_token_objective`); mean of means: one forward per unit,
+    upstream's attachment (each depth's mean over the unit's rolled tokens) at 1 / U."""
     device = next(module.parameters()).device
     if mode == "token":
-        rolled = float(batch.loss_mask[:, 1:].sum())  # depth 1: the roll drops each sequence's first position
-        _set_aux_scale(0.0, mtp=rolled / float(batch.loss_mask.sum()))
-        losses = _forward(module, batch, slice(None), device, padding=False)
-        return _grad(module, names, (losses * 0.0).sum())
+        return _grad(module, names, _mtp_token_objective(module, batch, device))
     units = layout.unit_samples()
     out: Grads = {}
     for rows in units:
@@ -285,6 +284,38 @@ def _mtp_grads(module, names, batch, layout, mode) -> Grads:
         losses = _forward(module, batch, rows, device, padding=False)
         out = _plus(out, _grad(module, names, (losses * 0.0).sum()))
     return out
+
+
+def _mtp_token_objective(module: torch.nn.Module, batch: GlobalBatch, device: str) -> torch.Tensor:
+    """alpha / D x sum over depths k = 1..D and positions s of mask[s + k] x l_k[s], over N: depth k predicts label
+    s + k at position s (0 past the sequence's end). l_k is the model's own per-token loss of depth k, recorded from
+    its ``compute_language_model_loss`` calls (the call whose labels are the labels shifted by k); the autoscalers
+    attach nothing (weight 0)."""
+    calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+    compute = module.compute_language_model_loss
+
+    def record(labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        calls.append((labels, loss := compute(labels, logits)))
+        return loss
+
+    module.compute_language_model_loss = record
+    try:
+        _set_aux_scale(0.0)
+        _forward(module, batch, slice(None), device, padding=False)
+    finally:
+        del module.compute_language_model_loss
+    config = module.config
+    labels, mask = batch.labels.to(device), batch.loss_mask.to(device)
+    objective = torch.zeros((), device=device)
+    for k in range(1, config.mtp_num_layers + 1):
+        (loss,) = [loss for given, loss in calls if torch.equal(given, _shifted(labels, k))]
+        objective = objective + (_shifted(mask, k) * loss).sum()
+    return objective * config.mtp_loss_scaling_factor / config.mtp_num_layers / mask.sum()
+
+
+def _shifted(tensor: torch.Tensor, k: int) -> torch.Tensor:
+    """tensor[:, s + k] at position s, 0 past the end."""
+    return torch.cat([tensor[:, k:], torch.zeros_like(tensor[:, :k])], dim=1)
 
 
 def _grad(module: torch.nn.Module, names: dict[str, str], objective: torch.Tensor) -> Grads:
