@@ -63,7 +63,11 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from megatron_ga_ext.integration.aux_report import QUANTILE_BALANCING, balancing_types
+from megatron_ga_ext.integration.aux_report import (
+    QUANTILE_BALANCING,
+    balancing_types,
+    routes_unmasked,
+)
 from megatron_ga_ext.logs import get_logger
 
 if TYPE_CHECKING:
@@ -90,6 +94,8 @@ def padding_mask_forward(original: Callable, state: Installation) -> Callable:
                 kwargs["loss_mask"] = kept
             if _wants_padding_mask(model, kwargs):
                 kwargs["padding_mask"] = _stage_padding_mask(model, kwargs["loss_mask"] == 0)
+            elif routes_unmasked(model.config, kwargs):  # said at the first step (aux_report.py)
+                state.routed_without_padding_mask(model)
         return original(model, *args, **kwargs)
 
     return forward

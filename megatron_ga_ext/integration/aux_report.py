@@ -1,19 +1,24 @@
 """The auxiliary losses in words, once, after the first training step: which terms are active and how they are scaled
 (aux_losses.py has the hooks), and what cannot be made exact, with the size of the error:
 
-* MoE layers on a pipeline stage that is not given the loss mask (pretrain_gpt's get_batch gives it to the
-  last stage only): their aux and z gradients keep the (positions / loss tokens) factor; with sequence
-  parallelism the mask is only given where the stage scatters it (the first stage).
+* MoE layers that routed without a padding mask in token mode: their aux and z gradients keep the (positions / loss
+  tokens) factor. Said where it happened, not where a layout suggests it might: the hook records each model call
+  with MoE that routes without one (:func:`routes_unmasked`), typically a call without the loss mask the padding
+  mask is derived from (from 0.18 on, Megatron-LM's pretrain_gpt drops it on the first pipeline stage; verify gives
+  it to every stage), and the stages that did are gathered over the pipeline group once, at the report.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-__all__ = ["QUANTILE_BALANCING", "aux_summary", "balancing_types", "pipeline_inexact_note"]
+__all__ = ["QUANTILE_BALANCING", "aux_summary", "balancing_types", "routes_unmasked", "unmasked_moe_note",
+           "unmasked_moe_stages"]
 
 QUANTILE_BALANCING = "quantile_balancing"
 
@@ -51,13 +56,45 @@ def aux_summary(config: TransformerConfig, mode: str) -> str | None:
     return f"megatron-ga-ext {mode} mode, auxiliary losses: {', '.join(terms)}: {how}."
 
 
-def pipeline_inexact_note(config: TransformerConfig, mode: str, pipeline_model_parallel_size: int, positions: int,
-                          num_tokens: int) -> str | None:
-    """MoE with PP in token mode: stages without the loss mask keep the (positions / loss tokens) factor."""
-    if mode != "token" or pipeline_model_parallel_size <= 1 or not getattr(config, "num_moe_experts", None):
+def routes_unmasked(config: TransformerConfig, kwargs: Mapping[str, Any]) -> bool:
+    """A GPTModel call about to route MoE layers without a padding mask, in a load-balancing mode whose aux and z
+    statistics the mask would correct (under quantile balancing the summary says so already)."""
+    if not getattr(config, "num_moe_experts", None) or kwargs.get("padding_mask") is not None:
+        return False
+    return QUANTILE_BALANCING not in balancing_types(config)
+
+
+def unmasked_moe_stages(models: Iterable[torch.nn.Module]) -> list[int]:
+    """The pipeline stages (PP ranks of this rank's pipeline group) on which a model chunk with MoE layers routed
+    without a padding mask: this rank's ``models`` (those that did, recorded by the hook), all-gathered over the
+    pipeline group where it has more than one stage (once, at the first step's report)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    unmasked = any(isinstance(module, MoELayer) for model in models for module in model.modules())
+    if not parallel_state.model_parallel_is_initialized():
+        return [0] if unmasked else []
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return [stage] if unmasked else []
+    group = parallel_state.get_pipeline_model_parallel_group()
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (stage, unmasked), group=group)
+    return sorted(other for other, routed_unmasked in gathered if routed_unmasked)
+
+
+def unmasked_moe_note(config: TransformerConfig, mode: str, stages: list[int], pipeline_model_parallel_size: int,
+                      positions: int, num_tokens: int) -> str | None:
+    """Token mode, MoE layers that routed without a padding mask on ``stages``: their aux and z-loss gradients keep
+    the (positions / loss tokens) factor."""
+    if mode != "token" or not stages or not getattr(config, "num_moe_experts", None):
         return None
     ratio = positions / max(num_tokens, 1)
-    return (f"MoE with pipeline parallelism (PP {pipeline_model_parallel_size}) in token mode: Megatron-LM's "
-            f"get_batch gives the loss mask to the last stage only, so MoE layers on the other stages route "
-            f"without a padding mask and their aux and z-loss gradients are (routed positions / loss tokens) "
-            f"times their target weight: {positions} / {num_tokens} = {ratio:.3f} on the first step.")
+    where = f"pipeline stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}"
+    if pipeline_model_parallel_size > 1:
+        where += f" of PP {pipeline_model_parallel_size}"
+    return (f"MoE in token mode: the MoE layers on {where} routed without a padding mask (their model call got "
+            f"no loss mask to derive it from: from 0.18 on, Megatron-LM's pretrain_gpt drops it on the first "
+            f"pipeline stage), so their aux and z-loss gradients are (routed positions / loss tokens) times their "
+            f"target weight: {positions} / {num_tokens} = {ratio:.3f} on the first step.")

@@ -32,7 +32,12 @@ from megatron_ga_ext.config.install_check import check_args  # the rule pass ins
 from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
 from megatron_ga_ext.errors import CompatError, GuardError
 from megatron_ga_ext.integration.agreement import StartupChecks
-from megatron_ga_ext.integration.aux_report import aux_summary, pipeline_inexact_note
+from megatron_ga_ext.integration.aux_report import (
+    aux_summary,
+    routes_unmasked,
+    unmasked_moe_note,
+    unmasked_moe_stages,
+)
 from megatron_ga_ext.integration.batch_warmup import BatchSizeWarmup
 from megatron_ga_ext.integration.calculator import StepScheduleCalculator, live_step_calculator
 from megatron_ga_ext.integration.calculator_adoption import (
@@ -158,6 +163,9 @@ class Installation:
     calculator_in_force: Any = None
     """The live num-microbatches calculator as this installation last put it in force (built through its hook, or
     adopted); another one live is adopted (:meth:`adopt_live_calculator`)."""
+    unmasked_moe_models: list[torch.nn.Module] = field(default_factory=list)
+    """Token mode, until the first step's report: the model chunks with MoE whose call routed without a padding mask
+    (aux_losses.padding_mask_forward records them; aux_report.py)."""
 
     def configure(self, config: GAConfig) -> None:
         """Apply ``config``: the reduction mode, the loss contract and the finalize wrapper's policy."""
@@ -217,6 +225,11 @@ class Installation:
         if where is not None:
             logger.warning(BUILT_UNSEEN.format(kind=type(getattr(live, "inner", live)).__name__, where=where))
         return True
+
+    def routed_without_padding_mask(self, model: torch.nn.Module) -> None:
+        """A model call with MoE routed without a padding mask (token mode): kept for the first step's report."""
+        if not self.reported_first_step and all(known is not model for known in self.unmasked_moe_models):
+            self.unmasked_moe_models.append(model)
 
     def scheduled(self, count: int, requested: object) -> None:
         """The sequence-packing scheduler repacked a step into ``count`` micro-batches: the next call must run them."""
@@ -395,8 +408,8 @@ class Installation:
             scheduler.step(0)  # each group's rate and weight decay written again at its count, as its constructor does
 
     def _report_first_step(self, call: dict[str, Any]) -> None:
-        """Once, after the first training step: the auxiliary losses and their scaling, and where this release or
-        layout cannot meet the token-mode target, by how much (aux_report.py)."""
+        """Once, after the first training step: the auxiliary losses and their scaling, and where the run did not
+        meet the token-mode target (MoE layers that routed without a padding mask), by how much (aux_report.py)."""
         from megatron.core import parallel_state
 
         self.reported_first_step = True
@@ -409,8 +422,12 @@ class Installation:
         self.finalize.poll(wait=True)  # the first step's N (under --ga-checks async, once)
         positions = (call["num_microbatches"] * call.get("micro_batch_size", 1) * call.get("seq_length", 0)
                      * parallel_state.get_data_parallel_world_size())
-        note = pipeline_inexact_note(config, mode, current_pipeline_size(), positions,
-                                     self.finalize.last_num_tokens or 0)
+        if mode != "token" or not routes_unmasked(config, {}):  # no MoE statistics a padding mask corrects
+            return
+        stages = unmasked_moe_stages(self.unmasked_moe_models)  # every rank: one all-gather over its PP group
+        self.unmasked_moe_models.clear()
+        note = unmasked_moe_note(config, mode, stages, current_pipeline_size(), positions,
+                                 self.finalize.last_num_tokens or 0)
         if note is not None:
             logger.warning(note)
 

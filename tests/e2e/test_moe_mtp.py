@@ -7,6 +7,8 @@ MTP layer).
   padding_mask = (loss_mask == 0), so the router's aux and z-losses count loss tokens: verify measures that
   gradient against the unpartitioned target), N is the batch's loss tokens every iteration, and rank 0 says
   once which auxiliary losses are active and how they are scaled.
+* MoE under PP 2 x DP 2: where the first stage's model call gets no loss mask (0.18+), rank 0 says once that its
+  MoE layers routed without a padding mask; where it gets one (0.16, 0.17), nothing.
 * MoE with quantile balancing (0.19+): routed without a padding mask (upstream's router refuses one there, and
   there is no load-balancing loss to correct), every iteration's loss and grad norm equal upstream's own run.
 * MTP: every MTP token weighs alpha / N; upstream (0.17+) weighs them by local counts, so the first iteration's
@@ -93,3 +95,22 @@ def test_quantile_balancing_token_mode_equals_upstream(launches, newest_source, 
         assert (ours["loss"], ours["grad_norm"]) == (theirs["loss"], theirs["grad_norm"]), (ours, theirs)
     row["loss_vs_upstream"] = "equal (loss, grad norm)"
     record(record_property, source_name(source), "dp2", [row])
+
+
+def test_moe_under_pp_names_the_stage_that_routed_without_a_padding_mask(launches, newest_source, record_property):
+    """PP 2 x DP 2: from 0.18 on, pretrain_gpt's batch drops the loss mask on the first stage
+    (get_batch_on_this_tp_rank), so that stage's MoE layers route without a padding mask, and rank 0 says so once,
+    naming it; 0.16 and 0.17 keep the mask there (TP 1), and nothing is said. (verify, which gives every stage the
+    mask, says nothing either: tests/test_unmasked_moe_note.py.)"""
+    source = newest_source
+    run = launches.get(source, "pp2dp2", "moe", [*TOKEN, *CONSTANT, *MOE])
+    row = check_run(run, "constant") | {"mode": "token", "case": "MoE EP 1 allgather", "N": check_num_tokens(run)}
+    notes = [line for line in run.output.splitlines() if "without a padding mask" in line and "WARNING" in line]
+    if run.records[0][0]["version"].startswith(("0.16", "0.17")):
+        assert notes == [], notes
+        row["loss_vs_upstream"] = "every stage given the loss mask: nothing said"
+    else:
+        assert len(notes) == 1 and "the MoE layers on pipeline stage 0 of PP 2 routed" in notes[0], (
+            notes or run.output_tail)
+        row["loss_vs_upstream"] = "stage 0 routed without a padding mask: said once"
+    record(record_property, source_name(source), "pp2dp2", [row])
