@@ -63,6 +63,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from megatron_ga_ext.integration import upstream_factors
 from megatron_ga_ext.integration.aux_report import (
     QUANTILE_BALANCING,
     balancing_types,
@@ -163,9 +164,13 @@ def exact_token_counts(original: Callable, state: Installation) -> Callable:
     give NaN. Any other total stands, also a fractional one: seq_aux_loss counts per sequence, n_u / MBS, which is
     below 1 where a micro-batch's samples hold fewer loss tokens than it has samples (a truncated sample with none)."""
     scales = router_scales_by_tp_cp()
+    upstream = upstream_factors.RouterCountCheck()  # where upstream is fixed it steps aside
 
     @functools.wraps(original)
     def counts(routing_map: Any, reduce_group: Any, topk: int | None = None, with_padding_mask: bool = False):
+        if with_padding_mask and _token_mode(state) and upstream.steps_aside(counts, original, routing_map,
+                                                                             reduce_group, topk):
+            return upstream_factors.nonzero_total(original(routing_map, reduce_group, topk, with_padding_mask))
         if not (with_padding_mask and _token_mode(state)):
             return original(routing_map, reduce_group, topk, with_padding_mask)
         tokens_per_expert, _, total = original(routing_map, reduce_group, topk, with_padding_mask)
@@ -182,11 +187,15 @@ def tp_cp_scaled_z_loss(original: Callable, state: Installation) -> Callable:
     """``moe_utils.z_loss_func`` as the router calls it before 0.19: in token mode with |TP x CP| > 1, the same
     value with |TP x CP| times its gradient, ``z + (k - 1) (z - z.detach())``, the factor 0.19's router applies."""
 
+    upstream = upstream_factors.ZLossFactorCheck()  # where the router scales it itself it steps aside
+
     @functools.wraps(original)
     def z_loss_func(*args: Any, **kwargs: Any) -> Any:
         z_loss = original(*args, **kwargs)
         factor = _tp_cp_group().size() if _token_mode(state) else 1
-        return z_loss if factor == 1 else z_loss + (factor - 1) * (z_loss - z_loss.detach())
+        if factor == 1:
+            return z_loss
+        return upstream.z_loss(z_loss, z_loss + (factor - 1) * (z_loss - z_loss.detach()), factor, args, kwargs)
 
     return z_loss_func
 
@@ -204,6 +213,7 @@ def global_count_mtp_loss(original: Callable, state: Installation) -> Callable:
     from input_ids by a roll of its own, the RL path) upstream's weighting stands."""
     module = sys.modules[original.__module__]
     signature = inspect.signature(original)
+    upstream = upstream_factors.MTPRatioCheck()
 
     @functools.wraps(original)
     def process_mtp_loss(*args: Any, **kwargs: Any) -> Any:
@@ -211,6 +221,8 @@ def global_count_mtp_loss(original: Callable, state: Installation) -> Callable:
         given = bound.arguments
         config = given["config"]
         if given.get("labels") is None or not _token_mode(state) or not config.calculate_per_token_loss:
+            return original(*args, **kwargs)
+        if upstream.steps_aside(original, given):  # upstream no longer weighs by local counts
             return original(*args, **kwargs)
         summed = _SummedMTPLoss(module, config.mtp_loss_scaling_factor / config.mtp_num_layers)
         given["compute_language_model_loss"] = summed.recording(given["compute_language_model_loss"])
