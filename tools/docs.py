@@ -33,16 +33,16 @@ from .results import TABLES, Table, cell, recorded, results_dir
 ROOT = Path(__file__).resolve().parents[1]
 COMPATIBILITY_HEADER = """# Compatibility
 
-Rendered by `make docs` from the rows `make matrix`, `make e2e` and `make regress MEGATRON_LM=...` record: one
-row per Megatron-LM release or main-branch commit. "Hooked functions" compares the source of every upstream
-function the extension hooks with the fingerprints of the tested sources (strict mode accepts a source whose
-hooked functions are all known, whatever its version string). "Behaviour suite" is the megatron-core tier
-(install, guards, reduction, the PP 2 x DP 2 schedule through install(), and upstream's `train_step` with the
-sequence-packing scheduler where the source runs it) on that source; "End-to-end" is Megatron-LM's own
-`pretrain_gpt.py` through the drop-in entry (`python -m megatron_ga_ext`) on the CPU over gloo (DP 2 and PP 2 x
-DP 2; token and microbatch mode; constant GBS, a converted rampup, a step schedule or its backport, checkpoint
-resume, the PP guard, the sequence-packing scheduler where the source runs it), each check against
-`megatron-ga schedule`'s plan and upstream's own `--calculate-per-token-loss` run.
+Rendered by `make docs` from the rows `make matrix`, `make e2e` and `make regress MEGATRON_LM=...` record: one row
+per Megatron-LM release or main-branch commit. "Hooked functions" compares the source of every upstream function the
+extension hooks, and of those whose arithmetic its auxiliary-loss corrections assume, with the fingerprints of the
+tested sources (strict mode accepts a source whose hooked functions are all known, whatever its version string).
+"Behaviour suite" is the megatron-core tier (install, guards, reduction, the PP 2 x DP 2 schedule through install(),
+and upstream's `train_step` with the sequence-packing scheduler where the source runs it) on that source;
+"End-to-end" is Megatron-LM's own `pretrain_gpt.py` through the drop-in entry (`python -m megatron_ga_ext`) on the
+CPU over gloo (DP 2 and PP 2 x DP 2; token and microbatch mode; constant GBS, a converted rampup, a step schedule or
+its backport, checkpoint resume, the PP guard, the sequence-packing scheduler where the source runs it), each check
+against `megatron-ga schedule`'s plan and upstream's own `--calculate-per-token-loss` run.
 
 """
 
