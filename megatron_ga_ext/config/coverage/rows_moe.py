@@ -41,8 +41,18 @@ MOE_ROWS: tuple[Row, ...] = (
                 Proof(test="tests/test_verify_aux.py::test_install_meets_the_token_mode_target"),
                 Proof(test="tests/test_moe_empty_microbatch.py::test_the_step_matches_the_token_reference")),
         applies=balancing("aux_loss")),
+    Row(id="moe-pipeline-loss-mask", flags=("--pipeline-model-parallel-size", "--num-experts"),
+        given="MoE with --pipeline-model-parallel-size N (N > 1), token mode", support="limited",
+        text="MoE layers on a stage that is given no loss mask route without a padding mask, so their aux and z-loss "
+        "gradients keep the (routed positions / loss tokens) factor: the first step names those stages. Megatron-LM's "
+        "get_batch gives the mask to the last stage only (0.18 and later), and before 0.18 also to the first "
+        "stage's TP rank 0 alone, so with TP > 1 that stage's TP ranks route with different masks. A loop that "
+        "gives every stage the mask (verify's) is exact, also under TP with sequence parallelism.",
+        proofs=(Proof(test="tests/test_unmasked_moe_note.py::test_the_note_names_the_stages_that_got_no_mask"),
+                Proof(test="tests/test_verify_fuzz.py::test_a_fixed_seed_passes")),
+        applies=in_token_mode(lambda s: has_moe(s) and s.number("pipeline_model_parallel_size") > 1)),
     Row(id="router-global-aux-loss", flags=("--moe-router-load-balancing-type",),
-        given="--moe-router-load-balancing-type global_aux_loss", support="supported",
+        given="--moe-router-load-balancing-type global_aux_loss", support="limited",
         text="token mode: a micro-batch's global load-balancing loss (statistics over every DP rank) weighted "
         "T(m) / (DP x N), its loss tokens over every DP rank, on every rank's piece, so every token of the "
         "micro-batch weighs the same; install() corrects the router's count, which with a padding mask is T(m) "
@@ -55,10 +65,12 @@ MOE_ROWS: tuple[Row, ...] = (
         applies=balancing("global_aux_loss")),
     Row(id="router-seq-aux-loss", flags=("--moe-router-load-balancing-type",),
         given="--moe-router-load-balancing-type seq_aux_loss", support="limited",
-        text="token mode: computed over the loss tokens like aux_loss, with the router's count corrected (drawn by "
-        "megatron-ga verify --fuzz). Before 0.19 the router pre-multiplies it by a per-sequence count: with "
+        text="token mode: computed over the loss tokens like aux_loss, with the router's count corrected, also for a "
+        "sample without loss tokens (its per-sequence count stays fractional). Before 0.19 the router "
+        "pre-multiplies it by a per-sequence count: with "
         "--micro-batch-size above 1 its gradient is 1 / MBS of the target there (0.19 fixed it).",
-        proofs=(Proof(test="tests/test_verify_fuzz.py::test_a_fixed_seed_passes"),),
+        proofs=(*verify_layouts("DP1 x GA2 (MoE seq_aux_loss, loss tokens 1, 0, 16, 5)"),
+                Proof(test="tests/test_verify_fuzz.py::test_a_fixed_seed_passes")),
         applies=balancing("seq_aux_loss")),
     Row(id="router-sinkhorn-none", flags=("--moe-router-load-balancing-type",),
         given="--moe-router-load-balancing-type sinkhorn or none", support="limited",
