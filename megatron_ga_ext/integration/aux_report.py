@@ -50,7 +50,8 @@ def aux_summary(config: TransformerConfig, mode: str) -> str | None:
     elif mode == "token":
         how = ("MoE: each micro-batch's terms over its loss tokens (routed with padding_mask = loss_mask == 0, the "
                "router's counts over its TP x CP group) and weighted by its share n_u / N of the global batch's loss "
-               "tokens; MTP: every MTP token weighs its scaling factor / N")
+               "tokens (global_aux_loss: micro-batch m's loss over every DP rank, T(m) / (DP x N) on each rank's "
+               "piece); MTP: every MTP token weighs its scaling factor / (MTP depth x N)")
     else:
         how = "each micro-batch's term over all its positions, weighted 1 / (num_microbatches x DP), as upstream"
     return f"megatron-ga-ext {mode} mode, auxiliary losses: {', '.join(terms)}: {how}."
