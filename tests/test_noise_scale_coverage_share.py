@@ -162,7 +162,7 @@ def test_the_first_measured_step_logs_the_share_once_on_rank_0(ranks, name):
 
 @pytest.mark.parametrize("name", ["dp4", "pp2", "tp2", "tp2-qk"])
 def test_every_ranks_coverage_is_its_own_layouts(ranks, name):
-    from megatron_ga_ext.integration.noise_scale import QK_LAYERNORM, TIED_EMBEDDING, TP_DUPLICATE
+    from megatron_ga_ext.integration.noise_scale_coverage import QK_LAYERNORM, TIED_EMBEDDING, TP_DUPLICATE
 
     for run in (r[name] for r in ranks):
         expected = {}

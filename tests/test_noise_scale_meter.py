@@ -15,13 +15,13 @@ pytest.importorskip("megatron.core")
 
 from megatron_ga_ext import GAConfig
 from megatron_ga_ext.integration import noise_scale
-from megatron_ga_ext.integration.noise_scale import (
+from megatron_ga_ext.integration.noise_scale import NoiseScaleMeter
+from megatron_ga_ext.integration.noise_scale_coverage import (
     PP_SYNCED,
     QK_LAYERNORM,
     TP_AVERAGED,
     TP_DUPLICATE,
     UNNAMED,
-    NoiseScaleMeter,
 )
 
 
@@ -77,7 +77,7 @@ class _Chunk(torch.nn.Module):
 
 
 def _counted(meter: NoiseScaleMeter, chunk: _Chunk) -> int:
-    return sum(end - start for start, end in meter._plan(chunk.bucket).ranges)
+    return sum(end - start for start, end in meter.counted.plan(chunk.bucket).ranges)
 
 
 def _meter() -> NoiseScaleMeter:
@@ -128,9 +128,9 @@ def test_a_chunk_not_seen_yet_leaves_its_duplicates_out_until_its_names_are_know
     assert UNNAMED in meter.coverage([chunk]).left_out
     meter.learn_chunks([chunk])
     assert _counted(meter, chunk) == chunk.elements(chunk.self_attention.linear_qkv, chunk.input_layernorm)
-    plan = meter._plan(chunk.bucket)
+    plan = meter.counted.plan(chunk.bucket)
     meter.learn_chunks([chunk])  # known already: the plan stands
-    assert meter._plan(chunk.bucket) is plan
+    assert meter.counted.plan(chunk.bucket) is plan
 
 
 def test_the_coverage_line_gives_the_share_and_the_classes(layout):

@@ -147,7 +147,7 @@ def printing_after_training_log(original: Callable, state: Installation) -> Call
             state.after_log()
         return result
 
-    training_log.megatron_ga_ext_prints_after = True  # read by the meter (noise_scale.py); gone with the patch
+    training_log.megatron_ga_ext_prints_after = True  # read by the meter (noise_scale_report.py); gone with the patch
     return training_log
 
 

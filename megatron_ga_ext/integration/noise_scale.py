@@ -32,12 +32,13 @@ gradients hold is kept before the optimizer step (its dynamic scaler may change 
 Where it cannot measure (config/launch_rules.check_noise_scale_layout) is refused at install() from Megatron-LM's
 args; a megatron-core loop without them is refused at its first forward/backward call, from what megatron-core holds
 (:func:`check_core_layout`).
+
+What the norms count is integration/noise_scale_coverage.py; where a measurement is reported, noise_scale_report.py.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -46,20 +47,18 @@ import torch
 
 from megatron_ga_ext.config.launch_rules import check_noise_scale_layout
 from megatron_ga_ext.core.noise_scale import NoiseEstimate, NoiseScaleEMA, replica_estimate_from_sums
-from megatron_ga_ext.core.noise_trace import SCALARS, json_line, log_line, scalar_tag, trace_row
+from megatron_ga_ext.core.noise_trace import trace_row
 from megatron_ga_ext.errors import OptionError
-from megatron_ga_ext.integration.compat import (
-    bridge_step_state,
-    consumed_train_samples,
-    megatron_args,
-    megatron_iteration,
-)
+from megatron_ga_ext.integration.compat import consumed_train_samples, megatron_iteration
+from megatron_ga_ext.integration.noise_scale_coverage import CountedElements, Coverage
+from megatron_ga_ext.integration.noise_scale_report import Reporter
 from megatron_ga_ext.logs import get_logger
 
 if TYPE_CHECKING:
     from megatron_ga_ext.config.ga_config import GAConfig
 
-__all__ = ["NORM_CHUNK", "Measurement", "NoiseScaleMeter", "counting_bucket_group", "last_rank", "squared_norm"]
+__all__ = ["NORM_CHUNK", "Measurement", "NoiseScaleMeter", "check_core_layout", "counting_bucket_group",
+           "squared_norm"]
 
 logger = get_logger(__name__)
 
@@ -79,14 +78,6 @@ def squared_norm(values: torch.Tensor) -> torch.Tensor:
     return total
 
 
-@dataclass(frozen=True)
-class _BucketPlan:
-    """Which elements of a bucket's ``grad_data`` the norms read: the counted parameters' ranges, merged."""
-
-    bucket: weakref.ref
-    ranges: tuple[tuple[int, int], ...]
-
-
 @dataclass(frozen=True, kw_only=True)
 class Measurement:
     """One measured iteration, as read on the host."""
@@ -103,11 +94,12 @@ class NoiseScaleMeter:
         ema: the EMAs of tr(Sigma) and |G|^2 (kept next to Megatron's checkpoints: noise_scale_sidecar.py).
         last: the last measured iteration, or None.
         measurements: how many iterations were measured since the start (a resume continues the count).
+        counted: the gradient elements the norms count (noise_scale_coverage.py).
+        reporter: where a measurement goes: the printed line, the writers, the trace (noise_scale_report.py).
     """
 
     def __init__(self, config: GAConfig) -> None:
         self.interval = config.noise_scale
-        self.trace_path = config.noise_scale_trace
         self.ema = NoiseScaleEMA(decay=config.noise_scale_decay)
         self.last: Measurement | None = None
         self.last_row: dict[str, Any] | None = None
@@ -117,14 +109,11 @@ class NoiseScaleMeter:
         """finalize calls seen: the step count where Megatron's iteration is not known."""
         self._local: torch.Tensor | None = None
         self._pending: tuple[torch.Tensor, int | None] | None = None
-        self._plans: dict[int, _BucketPlan] = {}
-        self._chunks: list[weakref.ref] = []
-        self._names = _NO_NAMES
+        self.counted = CountedElements()
         self.coverage_logged = False
         self._loss_scale: torch.Tensor | float | None = None
         """The loss scale of the pending measurement's gradients, kept before the optimizer step."""
-        self.held_line: str | None = None
-        """The log line waiting for Megatron's ``training_log`` to return (megatron_lm.printing_after_training_log)."""
+        self.reporter = Reporter(config.noise_scale_trace)
 
     # -- which steps ------------------------------------------------------------------------------
 
@@ -146,7 +135,7 @@ class NoiseScaleMeter:
         _wait_for_graph_replays(bucket_group)
         part = self._local
         for bucket in bucket_group.buckets:
-            for start, end in self._plan(bucket).ranges:
+            for start, end in self.counted.plan(bucket).ranges:
                 norm = squared_norm(bucket.grad_data[start:end])
                 part = norm if part is None else part + norm
         if part is not None:
@@ -175,7 +164,7 @@ class NoiseScaleMeter:
         for chunk in model:
             for group in getattr(chunk, "bucket_groups", ()):
                 for bucket in group.buckets:
-                    for start, end in _owned(self._plan(bucket).ranges, bucket, group):
+                    for start, end in self.counted.owned(bucket, group):
                         reduced += squared_norm(bucket.grad_data[start:end])
         b = local_tokens.to(torch.float64)
         safe = torch.clamp(b, min=1)
@@ -241,34 +230,12 @@ class NoiseScaleMeter:
         TensorBoard and W&B through Megatron's writers, and the trace file (``--ga-noise-scale-trace``). The row
         is the trace's (what ``megatron-ga schedule --suggest`` reads)."""
         row = self.last_row = self.trace_row(measurement)
-        if last_rank():
-            self._say(log_line(row))
-            tensorboard, wandb = _writers()
-            scalars = {scalar_tag(name): row[name] for name in SCALARS if row[name] is not None}
-            if tensorboard is not None:
-                for name, value in scalars.items():
-                    tensorboard.add_scalar(name, value, row["iteration"])
-            if wandb is not None:
-                wandb.log(scalars, row["iteration"])
-            if self.trace_path:
-                with open(self.trace_path, "a") as handle:
-                    handle.write(json_line(row))
+        self.reporter.write(row)
         return row
 
-    def _say(self, line: str) -> None:
-        """Print ``line``, or hold it for :meth:`say_held` (the report runs in the optimizer step, before Megatron
-        prints the iteration's line)."""
-        self.say_held()  # a line still held (no training_log since) is printed, not lost
-        if _training_log_prints_after():
-            self.held_line = line
-        else:
-            print(line, flush=True)
-
     def say_held(self) -> None:
-        """Print the held log line, if any."""
-        line, self.held_line = self.held_line, None
-        if line is not None:
-            print(line, flush=True)
+        """Print the held log line, if any (:meth:`Reporter.say_held`)."""
+        self.reporter.say_held()
 
     def trace_row(self, measurement: Measurement) -> dict[str, Any]:
         """The row ``megatron-ga schedule --suggest`` reads (core/schedule/suggest.py), and the parts behind it:
@@ -294,194 +261,13 @@ class NoiseScaleMeter:
 
     # -- the counted elements -----------------------------------------------------------------------
 
-    def _plan(self, bucket: Any) -> _BucketPlan:
-        plan = self._plans.get(id(bucket))
-        if plan is None or plan.bucket() is not bucket:
-            ranges = _counted_ranges(bucket, _Layout.here(self._names))
-            plan = self._plans[id(bucket)] = _BucketPlan(weakref.ref(bucket), ranges)
-        return plan
-
     def learn_chunks(self, chunks: Sequence[torch.nn.Module]) -> None:
-        """Model chunks whose parameter names the counted set may need (upstream's finalize sums the q/k layernorm
-        gradients over TP by name). Called between steps only: a new chunk rebuilds the plans from the next bucket
-        read, so one step's two norms always read the same elements."""
-        alive = [ref for ref in self._chunks if ref() is not None]
-        new = [chunk for chunk in chunks if chunk is not None and all(ref() is not chunk for ref in alive)]
-        if not new and len(alive) == len(self._chunks):
-            return
-        self._chunks = alive + [weakref.ref(chunk) for chunk in new]
-        self._names = _Names.of([chunk for ref in self._chunks if (chunk := ref()) is not None])
-        self._plans.clear()
+        """Model chunks whose parameter names the counted set may need (:meth:`CountedElements.learn_chunks`)."""
+        self.counted.learn_chunks(chunks)
 
     def coverage(self, model: Sequence[torch.nn.Module]) -> Coverage:
-        """This rank's parameter elements (those that take a gradient) and which of them the norms count, by why
-        the others are left out."""
-        layout = _Layout.here(self._names)
-        buckets = {}
-        for chunk in model:
-            for group in (*getattr(chunk, "bucket_groups", ()), *getattr(chunk, "expert_parallel_bucket_groups", ())):
-                for bucket in group.buckets:
-                    buckets.update((id(param), bucket) for param in bucket.params_list)
-        left_out: dict[str, int] = {}
-        total = 0
-        for chunk in model:
-            for param in chunk.parameters():
-                if not param.requires_grad:
-                    continue
-                total += param.numel()
-                bucket = buckets.get(id(param))
-                why = NOT_BUFFERED if bucket is None else _why_left_out(param, bucket, layout)
-                if why is not None:
-                    left_out[why] = left_out.get(why, 0) + param.numel()
-        return Coverage(elements=total, left_out=left_out)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Coverage:
-    """The parameter elements of one rank, and the parts the meter leaves out of both norms, by class."""
-
-    elements: int
-    left_out: dict[str, int]
-
-    @property
-    def counted(self) -> int:
-        return self.elements - sum(self.left_out.values())
-
-    def line(self) -> str:
-        share = 100.0 * self.counted / self.elements if self.elements else 0.0
-        out = ", ".join(f"{why} ({count:,})" for why, count in sorted(self.left_out.items(), key=lambda kv: -kv[1]))
-        return (f"megatron-ga-ext: the noise scale covers {share:.1f}% of this rank's {self.elements:,} parameter "
-                f"elements ({self.counted:,}); left out: {out or 'none'}")
-
-
-EXPERTS = "experts (reduced over the expert data-parallel group)"
-TIED_EMBEDDING = "the tied embedding (summed across pipeline stages)"
-SEQUENCE_PARALLEL = "sequence-parallel (summed over TP in finalize)"
-QK_LAYERNORM = "q/k layernorm (summed over TP in finalize)"
-TP_AVERAGED = "TP-averaged (averaged over TP in finalize)"
-PP_SYNCED = "pipeline-synced (summed across pipeline stages in finalize)"
-TP_DUPLICATE = "tensor-parallel duplicates (counted on TP rank 0)"
-UNNAMED = "TP duplicates of a chunk not seen yet (counted from the next step)"
-HELD_APART = "main_grad held outside the bucket"
-NOT_BUFFERED = "not in a gradient buffer"
-
-
-@dataclass(frozen=True)
-class _Names:
-    """What the known model chunks' names and configs decide, by parameter id: the q/k layernorms upstream's finalize
-    sums over TP (``config.qk_layernorm`` and "q_layernorm" or "k_layernorm" in the name, as its
-    ``_allreduce_non_tensor_model_parallel_grads`` reads them) and the conditional embedders it sums across stages
-    (``config.has_cond_embedder`` and the parameter's ``pipeline_parallel``)."""
-
-    known: frozenset[int]
-    qk_layernorm: frozenset[int]
-    cond_embedder: frozenset[int] = frozenset()
-
-    @classmethod
-    def of(cls, chunks: Sequence[torch.nn.Module]) -> _Names:
-        from megatron.core.utils import get_model_config
-
-        known, qk, cond = set(), set(), set()
-        for chunk in chunks:
-            config = get_model_config(chunk)
-            summed = bool(getattr(config, "qk_layernorm", False))
-            conditional = bool(getattr(config, "has_cond_embedder", False))
-            for name, param in chunk.named_parameters():
-                known.add(id(param))
-                if summed and ("q_layernorm" in name or "k_layernorm" in name):
-                    qk.add(id(param))
-                if conditional and getattr(param, "pipeline_parallel", False):
-                    cond.add(id(param))
-        return cls(frozenset(known), frozenset(qk), frozenset(cond))
-
-
-_NO_NAMES = _Names(frozenset(), frozenset())
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """This rank's place in the model-parallel groups, and the names known, as the counted set needs them."""
-
-    tp_rank: int
-    tp_size: int
-    pp_size: int
-    names: _Names
-
-    @classmethod
-    def here(cls, names: _Names) -> _Layout:
-        from megatron.core import parallel_state
-
-        return cls(parallel_state.get_tensor_model_parallel_rank(),
-                   parallel_state.get_tensor_model_parallel_world_size(),
-                   parallel_state.get_pipeline_model_parallel_world_size(), names)
-
-
-def _counted_ranges(bucket: Any, layout: _Layout) -> tuple[tuple[int, int], ...]:
-    """The bucket-local ranges of the parameters a replica's gradient norm counts on this rank, merged. Each is where
-    the parameter's ``main_grad`` view lies in ``grad_data``: ``param_to_index`` leaves out the padding between
-    parameters on 0.16 and 0.17."""
-    spans = sorted(span for param in bucket.params_list
-                   if _why_left_out(param, bucket, layout) is None and (span := _span(param, bucket)) is not None)
-    merged: list[list[int]] = []
-    for start, end in spans:
-        if merged and merged[-1][1] == start:
-            merged[-1][1] = end
-        else:
-            merged.append([start, end])
-    return tuple((start, end) for start, end in merged)
-
-
-def _span(param: torch.nn.Parameter, bucket: Any) -> tuple[int, int] | None:
-    """Where the parameter's ``main_grad`` lies in the bucket's ``grad_data``; None where it is held apart (0.19's
-    extra main grads, fp32 local accumulation)."""
-    grad, data = getattr(param, "main_grad", None), bucket.grad_data
-    if grad is None:
-        return None
-    start = (grad.data_ptr() - data.data_ptr()) // data.element_size()
-    return (start, start + grad.numel()) if start >= 0 and start + grad.numel() <= data.numel() else None
-
-
-def _why_left_out(param: torch.nn.Parameter, bucket: Any, layout: _Layout) -> str | None:
-    """Why the norms leave a parameter out on this rank; None where its gradient before the reduction is this
-    replica's whole gradient of it, counted once. Left out is everything upstream's finalize reduces again after
-    the data-parallel reduction (summed over TP or across pipeline stages: the local value is a partial sum)."""
-    if not getattr(param, "allreduce", True):  # an expert's: reduced over the expert data-parallel group
-        return EXPERTS
-    if getattr(param, "shared_embedding", False):  # tied across pipeline stages: summed after the reduction
-        return TIED_EMBEDDING
-    if getattr(param, "sequence_parallel", False):  # a partial sum over TP until finalize all-reduces it
-        return SEQUENCE_PARALLEL
-    if layout.tp_size > 1 and getattr(param, "average_gradients_across_tp_domain", False):
-        return TP_AVERAGED
-    if layout.tp_size > 1 and id(param) in layout.names.qk_layernorm:
-        return QK_LAYERNORM
-    if layout.pp_size > 1 and (getattr(param, "flextron_router_pp_sync", False)
-                               or id(param) in layout.names.cond_embedder):
-        return PP_SYNCED  # routers and conditional embedders replicated per stage, summed across them in finalize
-    if _span(param, bucket) is None:
-        return HELD_APART
-    if getattr(param, "tensor_model_parallel", False):
-        return None
-    if layout.tp_rank != 0:
-        return TP_DUPLICATE
-    if layout.tp_size > 1 and id(param) not in layout.names.known:
-        return UNNAMED  # its name may make it a q/k layernorm: left out of both norms until it is known
-    return None
-
-
-def _owned(ranges: Sequence[tuple[int, int]], bucket: Any, group: Any) -> list[tuple[int, int]]:
-    """The part of ``ranges`` whose reduced values this rank holds and counts: with the distributed optimizer the
-    shard its reduce-scatter wrote, else everything on data-parallel rank 0 (every rank holds all of S)."""
-    if group.ddp_config.use_distributed_optimizer:
-        size = group.intra_distributed_optimizer_instance_size
-        shard = bucket.grad_data.numel() // size
-        low = group.intra_distributed_optimizer_instance_rank * shard
-        high = low + shard
-    elif group.data_parallel_group.rank() == 0:
-        return list(ranges)
-    else:
-        return []
-    return [(max(start, low), min(end, high)) for start, end in ranges if start < high and end > low]
+        """This rank's parameter elements and which of them the norms count (:meth:`CountedElements.coverage`)."""
+        return self.counted.coverage(model)
 
 
 def _loss_scale(optimizer: Any) -> torch.Tensor | float:
@@ -546,41 +332,3 @@ def counting_bucket_group(original: Callable, state: Any) -> Callable:
         return original(group, *args, **kwargs)
 
     return start_grad_sync
-
-
-def last_rank() -> bool:
-    """This rank is the one that reports: the last, where Megatron prints and keeps its writers."""
-    if not torch.distributed.is_initialized():
-        return True
-    return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
-
-
-def _writers() -> tuple[Any, Any]:
-    """The loop's TensorBoard and W&B writers (each made on the last rank only): Megatron-LM's global ones, where
-    its training package is loaded, else those of the Megatron-Bridge step in progress (its GlobalState's)."""
-    import sys
-
-    global_vars = sys.modules.get("megatron.training.global_vars")
-    if global_vars is not None and megatron_args() is not None:
-        return global_vars.get_tensorboard_writer(), global_vars.get_wandb_writer()
-    bridge = bridge_step_state()
-    if bridge is None:
-        return None, None
-    return bridge.tensorboard_logger, bridge.wandb_logger
-
-
-def _training_log_prints_after() -> bool:
-    """Whether the loop's ``training_log`` is wired to print a held line and runs after this step: Megatron-LM's,
-    or in a Megatron-Bridge step Bridge's (which it skips under ``logger.skip_train_metrics_log``). The meter is
-    made after the wiring, so it asks at each report; functools.wraps carries the mark through wrappers on top."""
-    import sys
-
-    bridge = bridge_step_state()
-    if bridge is not None:
-        if bridge.cfg.logger.skip_train_metrics_log:
-            return False
-        module = "megatron.bridge.training.train"
-    else:
-        module = "megatron.training.training"
-    training_log = getattr(sys.modules.get(module), "training_log", None)
-    return bool(getattr(training_log, "megatron_ga_ext_prints_after", False))

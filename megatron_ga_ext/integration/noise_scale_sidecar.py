@@ -24,7 +24,8 @@ from typing import Any
 from megatron_ga_ext.config.megatron_args import MegatronArgs
 from megatron_ga_ext.core.noise_scale import NoiseScaleEMA
 from megatron_ga_ext.errors import NoiseScaleError
-from megatron_ga_ext.integration.noise_scale import NoiseScaleMeter, last_rank
+from megatron_ga_ext.integration.noise_scale import NoiseScaleMeter
+from megatron_ga_ext.integration.noise_scale_report import last_rank
 from megatron_ga_ext.logs import get_logger
 
 __all__ = ["SIDECAR", "SIDECAR_VERSION", "load_sidecar", "loaded_directory", "save_sidecar", "saved_directory",
