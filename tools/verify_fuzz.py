@@ -34,7 +34,8 @@ REVERTED = {
 WITHOUT_HOOK = """
 import sys
 from megatron_ga_ext.integration import hooks
-hooks.HOOKS = tuple(h for h in hooks.HOOKS if h.name != sys.argv.pop(1))
+reverted = sys.argv.pop(1)
+hooks.HOOKS = tuple(h for h in hooks.HOOKS if h.name != reverted)
 from megatron_ga_ext.cli.main import main
 sys.exit(main(["verify", *sys.argv[1:]]))
 """
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     import megatron.core
     from megatron.core.transformer import multi_token_prediction
 
-    version, status = megatron.core.__version__, 0
+    version, status = megatron.core.__version__.split("+")[0], 0
     reverted = {name: variant for name, variant in REVERTED.items()  # 0.16 attaches MTP's sum: no correction
                 if variant[0] != "process_mtp_loss" or hasattr(multi_token_prediction, "process_mtp_loss")}
     for seed in args.seeds:

@@ -280,8 +280,14 @@ def gradients(model: Any, names: dict[str, str]) -> dict[str, torch.Tensor]:
         if getattr(chunk.ddp_config, "use_distributed_optimizer", False):
             _gather_shards(chunk)
         out.update({names[n]: _whole(p, p.main_grad.detach().clone()).cpu()
-                    for n, p in chunk.module.named_parameters()})
+                    for n, p in chunk.module.named_parameters() if not _unused_output_weight(chunk.module, n)})
     return out
+
+
+def _unused_output_weight(module: torch.nn.Module, name: str) -> bool:
+    """A last stage that holds the embedding too (MTP's) keeps an output layer weight it never reads: the output
+    layer is given the tied embedding weight (``shared_embedding_or_output_weight``)."""
+    return name == "output_layer.weight" and hasattr(module, "embedding") and module.share_embeddings_and_output_weights
 
 
 def _whole(param: torch.nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
