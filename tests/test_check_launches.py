@@ -11,8 +11,9 @@ import shlex
 import pytest
 
 from megatron_ga_ext.errors import UsageError
+from megatron_ga_ext.launch.check import launch_problems
 from megatron_ga_ext.launch.line import parse_launch
-from megatron_ga_ext.launch.problems import launch_problems, loss_reduction_note
+from megatron_ga_ext.launch.problems import loss_reduction_note
 
 # 16 ranks, per-token loss on (the default --ga-loss-reduction token needs it).
 BASE = ("torchrun --nproc_per_node 8 --nnodes 2 pretrain_gpt.py --calculate-per-token-loss --micro-batch-size 1 "
@@ -182,9 +183,10 @@ def test_seq_lengths_megatron_refuses():
 def test_loss_reduction_of_a_launch_without_the_extension_is_information():
     line = BASE.replace(" --calculate-per-token-loss", "") + " --global-batch-size 16"
     assert check(line)[1] == []
-    assert loss_reduction_note(parse_launch(shlex.split(line))).startswith(
-        "loss reduction: upstream's mean of means: each micro-batch's loss divided by its own token count")
-    assert "per-token (--calculate-per-token-loss)" in loss_reduction_note(parse_launch(shlex.split(BASE)))
+    note = loss_reduction_note(parse_launch(shlex.split(line)))
+    assert str(note) == ("info: upstream's mean of means: each micro-batch's loss over its own tokens, averaged. "
+                         "megatron-ga-ext is not on this line.")
+    assert "per-token loss (--calculate-per-token-loss)" in loss_reduction_note(parse_launch(shlex.split(BASE))).text
 
 
 @pytest.mark.parametrize("on", ["--ga-loss-reduction token", "--ga-checks sync", "ENTRY"])
@@ -192,8 +194,8 @@ def test_token_mode_of_the_extension_needs_no_per_token_flag(on):
     line = BASE.replace(" --calculate-per-token-loss", "") + " --global-batch-size 16"
     line = line.replace("pretrain_gpt.py", "-m megatron_ga_ext pretrain_gpt.py") if on == "ENTRY" else f"{line} {on}"
     assert check(line)[1] == []
-    assert loss_reduction_note(parse_launch(shlex.split(line))) == (
-        "loss reduction: --ga-loss-reduction token, checked every step by megatron-ga-ext; install() turns on "
+    assert str(loss_reduction_note(parse_launch(shlex.split(line)))) == (
+        "info: token-level loss (--ga-loss-reduction token), checked every step; install() turns on "
         "--calculate-per-token-loss.")
 
 
@@ -207,7 +209,8 @@ def test_microbatch_mode_must_not_have_the_per_token_flag():
 
 def test_a_loss_mode_that_is_not_a_choice_names_the_choices():
     problem = one_problem(BASE + " --global-batch-size 16 --ga-loss-reduction tokens")
-    assert problem == "--ga-loss-reduction 'tokens' is not one of token, microbatch; pick one of them."
+    assert problem == ("--ga-loss-reduction 'tokens' is not one of token, microbatch; did you mean --ga-loss-reduction "
+                       "token?")
     problem = one_problem(BASE + " --global-batch-size 16 --ga-zero-token-policy ignore")
     assert problem == "--ga-zero-token-policy 'ignore' is not one of error, skip; pick one of them."
     problem = one_problem(BASE + " --global-batch-size 16 --ga-checks async --ga-zero-token-policy skip")

@@ -20,9 +20,10 @@ def test_the_overrides_give_the_ledger_and_the_recipes_values_are_said_to_be_unr
                                 "global_batch_size", "num_microbatches")] == [16, 2, 8, 2, 512, 32]
     assert ledger["seq_length"] == 4096
     assert data["problems"] == []
-    assert re.match(r"a Megatron-Bridge launch: 7 field\(s\) check reads, set by its overrides; the recipe's "
-                    r"own values are not on the line", data["notes"][0])
-    assert "install() turns on model.calculate_per_token_loss" in data["notes"][1]
+    assert data["kind"] == "Megatron-Bridge"
+    assert re.match(r"a Megatron-Bridge launch: 7 field\(s\) set by its overrides; the recipe's own values are not "
+                    r"on the line", data["notes"][0]["text"])
+    assert "install() turns on model.calculate_per_token_loss" in data["notes"][1]["text"]
 
 
 def test_refusals_name_bridges_fields(cli):
@@ -72,8 +73,7 @@ def test_a_yaml_config_file_is_read_under_the_overrides(cli, tmp_path):
     data = json.loads(out.out)
     assert [data["ledger"][k] for k in ("tensor_model_parallel_size", "micro_batch_size", "global_batch_size",
                                         "seq_length")] == [2, 2, 512, 4096]
-    assert data["notes"][0].startswith(f"a Megatron-Bridge launch: 6 field(s) check reads, set by its overrides "
-                                       f"and {path};")
+    assert data["notes"][0]["text"].startswith(f"a Megatron-Bridge launch: 6 field(s) set by its overrides and {path};")
 
 
 def test_a_yaml_config_file_that_cannot_be_read_is_named(cli, tmp_path):

@@ -238,7 +238,8 @@ def check_launch_lines(argv):
             assert report["error"] and report["ledger"] is None
         else:
             problems = report["problems"]
-            assert all(isinstance(p, str) and p for p in problems) and (status == 1) == bool(problems)
+            assert all(isinstance(p["message"], str) and p["message"] and p["rule"] for p in problems)
+            assert (status == 1) == bool(problems)
 
 
 def test_check_launch_lines():

@@ -68,7 +68,7 @@ def test_a_zero_pipeline_size_is_a_problem_not_a_division_by_zero(cli, flags, pr
             "--calculate-per-token-loss", *flags]
     answer = cli("check", "--json", "--", *line)
     assert answer.status == 1
-    assert any(problem in text for text in answer.json()["problems"])
+    assert any(problem in text for text in (p["message"] for p in answer.json()["problems"]))
 
 
 def test_a_ramp_of_more_stages_than_len_can_count_is_read_and_checked():

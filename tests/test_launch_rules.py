@@ -16,7 +16,7 @@ from megatron_ga_ext.config.launch_rules import BETWEEN, check_launch, launch_er
 from megatron_ga_ext.config.megatron_args import MegatronArgs
 from megatron_ga_ext.errors import GAError, OptionError, ScheduleError
 from megatron_ga_ext.launch.line import parse_launch
-from megatron_ga_ext.launch.problems import launch_problems
+from megatron_ga_ext.launch.check import launch_problems
 
 LINE = ("torchrun --nproc_per_node 8 --nnodes 2 pretrain_gpt.py --calculate-per-token-loss --micro-batch-size 1 "
         "--seq-length 2048 --train-samples 100000")

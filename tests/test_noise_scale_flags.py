@@ -9,7 +9,7 @@ from megatron_ga_ext import GAConfig
 from megatron_ga_ext.config.launch_rules import check_noise_scale_layout
 from megatron_ga_ext.errors import OptionError
 from megatron_ga_ext.launch.line import parse_launch
-from megatron_ga_ext.launch.problems import launch_problems
+from megatron_ga_ext.launch.check import launch_problems
 
 LINE = ("torchrun --nproc_per_node 8 pretrain_gpt.py --calculate-per-token-loss --micro-batch-size 1 "
         "--global-batch-size 64 --seq-length 2048 --ga-noise-scale 10 ")

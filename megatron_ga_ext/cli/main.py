@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from megatron_ga_ext.cli.render import print_table
+from megatron_ga_ext.cli.stage_table import print_stages
 from megatron_ga_ext.config.flags import BY_DEST
 from megatron_ga_ext.config.megatron_args import MegatronArgs
 from megatron_ga_ext.core.layout import BatchLayout
@@ -24,8 +25,10 @@ from megatron_ga_ext.core.megatron_flags import LAUNCHER_OPTIONS, MEGATRON_OPTIO
 from megatron_ga_ext.core.numbers import read_int
 from megatron_ga_ext.errors import GAError, UsageError
 from megatron_ga_ext.launch.bridge_line import bridge_check
+from megatron_ga_ext.launch.check import check_launch
+from megatron_ga_ext.launch.ledger import LEDGER_RULES
 from megatron_ga_ext.launch.line import Launch, layout_kwargs, parse_launch
-from megatron_ga_ext.launch.problems import launch_notes, launch_problems
+from megatron_ga_ext.launch.report import SEVERITIES, Report
 
 __all__ = ["main"]
 
@@ -37,26 +40,6 @@ _DELEGATED = {
                        "B_crit = E_min / S_min from runs at several global batch sizes (McCandlish et al. 2018)"),
 }
 
-_LEDGER_LABELS = {
-    "world_size": ("world size", "--nnodes x --nproc-per-node"),
-    "tensor_model_parallel_size": ("TP", ""),
-    "pipeline_model_parallel_size": ("PP", ""),
-    "virtual_pipeline_model_parallel_size": ("VPP", "model chunks per pipeline rank"),
-    "context_parallel_size": ("CP", ""),
-    "expert_model_parallel_size": ("EP", ""),
-    "expert_data_parallel_size": ("expert DP", "world / (ETP x EP x PP)"),
-    "data_parallel_size": ("DP", "world / (TP x PP x CP)"),
-    "micro_batch_size": ("MBS", "samples per forward/backward"),
-    "global_batch_size": ("GBS", "MBS x DP x GA; TP, PP, CP, EP never multiply it"),
-    "num_microbatches": ("GA = num_microbatches", "GBS / (MBS x DP), per rank and per model chunk"),
-    "samples_per_step": ("samples per step", "= GBS"),
-    "samples_per_rank_per_step": ("samples per DP rank per step", "MBS x GA"),
-    "seq_length": ("seq length", ""),
-    "tokens_per_step": ("tokens per step", "GBS x seq_length (padding included)"),
-    "dp_syncs_per_step": ("DP gradient syncs per step", "0 if DP = 1; 1 deferred; GA if every micro-batch syncs"),
-    "pipeline_bubble_fraction": ("pipeline bubble", "(PP - 1) / (VPP x GA + PP - 1)"),
-}
-
 #: Megatron flags the ledger does not take: they decide a schedule or the loss, not one layout.
 _NOT_LEDGER = {
     "rampup_batch_size", "step_batch_size_schedule", "decrease_batch_size_if_needed", "decoder_seq_length",
@@ -66,8 +49,12 @@ _NOT_LEDGER = {
 
 
 def print_ledger(layout: BatchLayout, title: str = "megatron-ga ledger") -> None:
-    rows = [(_LEDGER_LABELS[k][0], v, _LEDGER_LABELS[k][1]) for k, v in layout.ledger().items()]
+    rows = [(LEDGER_RULES[k][0], v, LEDGER_RULES[k][1] or _GIVEN.get(k, "")) for k, v in layout.ledger().items()]
     print_table(title, ("quantity", "value", "rule"), rows)
+
+
+#: The ledger command's source of a size it reads from the line.
+_GIVEN = {"world_size": "--nnodes x --nproc-per-node"}
 
 
 # -- ledger ------------------------------------------------------------------------------------
@@ -136,29 +123,46 @@ def _run_check(args: argparse.Namespace) -> int:
     if not tokens:
         raise UsageError("give the launch line after --: megatron-ga check -- torchrun ... pretrain_gpt.py ...")
     world_size = None if args.world_size is None else read_int(BY_DEST["world_size"].flag, args.world_size)
-    if args.bridge:
-        layout, problems, notes = bridge_check(tokens, world_size)
-    else:
-        launch = parse_launch(tokens)
-        layout, problems = launch_problems(launch, world_size)
-        notes = launch_notes(launch)
+    report = bridge_check(tokens, world_size) if args.bridge else check_launch(parse_launch(tokens), world_size)
     if args.json:
-        print(json.dumps({"ledger": layout.ledger() if layout else None, "problems": problems, "notes": notes},
-                         indent=2))
-        return 1 if problems else 0
-    if layout is not None:
-        print_ledger(layout, "megatron-ga check: ledger of the launch")
+        print(json.dumps(report.json(), indent=2))
+    else:
+        print_report(report)
+    return 1 if report.problems else 0
+
+
+def print_report(report: Report) -> None:
+    """The ledger (with where each number came from), the stage table, the notes (worst first), the problems."""
+    title = "megatron-ga check: ledger of the launch"
+    if report.ledger_stage:
+        title += f", at {report.ledger_stage}"
+    rows = [(LEDGER_RULES[k][0], v, report.sources.get(k, "")) for k, v in report.ledger.items()]
+    print_table(title, ("quantity", "value", "from"), rows)
+    table = report.stages
+    if table is not None:
+        print()
+        runs = "" if table.runs else " (not run: see the problems)"
+        if table.rows is None:
+            print(f"stages of {table.source}{runs}: {table.summary}")
+        else:
+            print_stages(table.rows, title=f"stages of {table.source}{runs}, MBS {table.micro_batch_size} x DP "
+                         f"{table.data_parallel_size}", seq=table.seq_length, train_samples=table.train_samples,
+                         run_length=table.run_length,
+                         bubble=table.bubble if table.pipeline_model_parallel_size > 1 else None)
+        if table.equivalent is not None:
+            unit = "tokens" if table.seq_length else "samples"
+            print(f'as a step schedule (thresholds in {unit}): --step-batch-size-schedule "{table.equivalent}"')
+    notes = sorted(report.notes, key=lambda n: SEVERITIES.index(n.severity))
     if notes:
         print(f"\n{len(notes)} note(s):")
-        for text in notes:
-            print(f"  - {text}")
-    if problems:
-        print(f"\n{len(problems)} problem(s):")
-        for i, text in enumerate(problems, 1):
-            print(f"  {i}. {text}")
-        return 1
-    print("\nno problems found.")
-    return 0
+        for note in notes:
+            print(f"  {note}")
+    if report.problems:
+        print(f"\n{len(report.problems)} problem(s):")
+        for i, problem in enumerate(report.problems, 1):
+            print(f"  {i}. {problem.message}")
+    else:
+        print("\nno problems found.")
 
 
 # -- entry point -------------------------------------------------------------------------------

@@ -113,7 +113,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(stages_json(args, schedule, rows, mbs, dp, seq, train_samples, consumed, demoted), indent=2))
     else:
-        print_stages(args, schedule, rows, seq, train_samples, consumed, demoted, header=_header(args, schedule, seq))
+        pp, vpp = inputs.pipeline_model_parallel_size, inputs.virtual_pipeline_model_parallel_size or 1
+        print_stages(rows, title=f"stages for MBS {args.micro_batch_size} x DP {args.data_parallel_size}", seq=seq,
+                     train_samples=train_samples, consumed=consumed, demoted=demoted,
+                     header=_header(args, schedule, seq), lr=args.lr is not None,
+                     bubble=(lambda r: (pp - 1) / (vpp * r.num_microbatches + pp - 1)) if pp > 1 else None)
     if args.plot:
         plots.plot_schedule(rows, args.plot, seq_length=seq, train_samples=train_samples)
         if not args.json:

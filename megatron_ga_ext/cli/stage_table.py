@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
 from megatron_ga_ext.cli.render import print_table
@@ -30,34 +31,43 @@ _COLUMNS = [
 
 
 def print_stages(
-    args: argparse.Namespace,
-    schedule: StepSchedule,
-    rows: list[StageRow],
+    rows: Sequence[StageRow],
+    *,
+    title: str,
     seq: int | None,
     train_samples: int | None,
-    consumed: int,
-    demoted: list[str],
-    header: list[str],
+    consumed: int = 0,
+    demoted: Sequence[str] = (),
+    header: Sequence[str] = (),
+    lr: bool = False,
+    bubble: Callable[[StageRow], float] | None = None,
+    run_length: str | None = None,
 ) -> None:
     """``header``'s lines, the table of ``rows``, the run's length, notes on stages passed or skipped, and the
-    schedule's warnings (on stderr)."""
+    schedule's warnings (on stderr). ``bubble`` adds each stage's pipeline bubble (PP > 1); ``run_length`` names the
+    flag the run's length comes from (default ``--train-samples N``). ``schedule`` and ``check`` print their stage
+    tables here."""
     for line in header:
         print(line)
     columns = [c for c in _COLUMNS if seq is not None or c[1] not in ("first_token", "tokens")]
     if seq is None:
         columns.append(("samples", "samples"))
-    if args.lr is not None:
+    if lr:
         columns += [("lr linear (hint)", "lr_linear"), ("lr sqrt (hint)", "lr_sqrt")]
     table = [[getattr(row, key) for _, key in columns] for row in rows]
-    title = f"stages for MBS {args.micro_batch_size} x DP {args.data_parallel_size}"
-    print_table(title, [c[0] for c in columns], table)
+    headings = [c[0] for c in columns]
+    if bubble is not None:
+        headings.append("bubble")
+        for cells, row in zip(table, rows):
+            cells.append(bubble(row))
+    print_table(title, headings, table)
     start = f" from --consumed-samples {consumed:,} to" if consumed else " for"
     if train_samples is not None:
         steps = total_steps(rows)
         end = consumed + total_samples(rows)
         tokens = f" = {end * seq:,} tokens" if seq is not None else ""
-        print(f"{steps:,} steps{start} --train-samples {train_samples:,}; the last step ends at {end:,} "
-              f"samples{tokens}.")
+        length = run_length or f"--train-samples {train_samples:,}"
+        print(f"{steps:,} steps{start} {length}; the last step ends at {end:,} samples{tokens}.")
     passed = [r.position for r in rows if r.first_sample is None and r.threshold_samples < consumed]
     if passed and any(r.first_sample is not None for r in rows):
         print(f"note: stage(s) {', '.join(map(str, passed))} already passed at --consumed-samples {consumed:,}.")
@@ -65,13 +75,13 @@ def print_stages(
                and _before_end(r, rows)]
     if skipped:
         print(f"note: stage(s) {', '.join(map(str, skipped))} are never used: a step overshoots past them.")
-    if args.lr is not None:
+    if lr:
         print(f"note: {LR_NOTE}")
     for text in demoted:
         print(f"warning: {text}", file=sys.stderr)
 
 
-def _before_end(row: StageRow, rows: list[StageRow]) -> bool:
+def _before_end(row: StageRow, rows: Sequence[StageRow]) -> bool:
     """True if a later stage runs, so this stage was jumped over rather than left after the run's end."""
     return any(r.steps and r.position > row.position for r in rows)
 

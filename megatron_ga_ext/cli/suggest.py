@@ -65,7 +65,8 @@ def run_suggest(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2))
     else:
         header = _suggest_header(args, trace, rule, schedule, seq)
-        print_stages(args, schedule, rows, seq, train_samples, 0, [], header=header)
+        print_stages(rows, title=f"stages for MBS {args.micro_batch_size} x DP {args.data_parallel_size}", seq=seq,
+                     train_samples=train_samples, header=header, lr=args.lr is not None)
         _print_decisions(suggestion)
     if args.plot:
         plots.plot_suggestion(trace, suggestion, rule, args.plot, seq_length=seq, train_samples=train_samples)

@@ -11,6 +11,7 @@ The rules *between* flags live in config/launch_rules.py.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import typing
 from collections.abc import Callable, Mapping
@@ -67,9 +68,18 @@ class GAFlag(Option):
 
 
 def check_choice(option: Option, value: object, *, error: type[OptionError] = OptionError) -> None:
-    """Raise ``error`` naming ``option`` when ``value`` is not one of its choices."""
+    """Raise ``error`` naming ``option`` when ``value`` is not one of its choices (with the nearest one by
+    spelling, where one is near: ``did you mean 'token'?``)."""
     if option.choices and value not in option.choices:
-        raise error(f"{option.flag} {value!r} is not one of {', '.join(option.choices)}; pick one of them.")
+        near = closest_choice(option, value)
+        fix = f"did you mean {option.flag} {near}?" if near else "pick one of them."
+        raise error(f"{option.flag} {value!r} is not one of {', '.join(option.choices)}; {fix}")
+
+
+def closest_choice(option: Option, value: object) -> str | None:
+    """The choice of ``option`` nearest to ``value`` by spelling (difflib's ratio >= 0.6), or None."""
+    near = difflib.get_close_matches(str(value).lower(), option.choices, n=1, cutoff=0.6)
+    return near[0] if near else None
 
 
 def whole_number(minimum: int, fix: str, *, optional: bool = False) -> Rule:

@@ -280,13 +280,18 @@ def decrease_if_needed_error() -> ScheduleError:
     )
 
 
+#: What megatron-core 0.18 and later log for a rampup (num_microbatches_calculator.py, rank 0) before dropping it.
+RAMPUP_DEPRECATED = ("rampup_batch_size is deprecated and will be removed in a future release. Use "
+                     "step_batch_size_schedule instead.")
+
+
 def rampup_ignored_message(rampup: Sequence[int | str], global_batch_size: int | None) -> str:
-    """What megatron-core >= 0.18 does with a rampup: nothing, without a word."""
+    """What megatron-core >= 0.18 does with a rampup: logs a deprecation warning, then ignores it."""
     gbs = f" {global_batch_size}" if global_batch_size is not None else ""
     return (
-        f"--rampup-batch-size {' '.join(map(str, rampup))} is ignored without a word by megatron-core >= 0.18: the "
-        f"run trains at the constant --global-batch-size{gbs}. Pass {CONVERT_RAMPUP.flag} to run the equivalent "
-        f"step schedule."
+        f"--rampup-batch-size {' '.join(map(str, rampup))}: megatron-core >= 0.18 logs \"{RAMPUP_DEPRECATED}\" and "
+        f"then ignores the rampup: the run trains at the constant --global-batch-size{gbs} from its first step. "
+        f"Pass {CONVERT_RAMPUP.flag} to run the equivalent step schedule."
     )
 
 
@@ -302,6 +307,8 @@ class Between:
     """A rule between flags: the ``--ga-*`` fields it reads (it is skipped where one of them breaks its own rule),
     and whether it reads Megatron's settings (skipped without them: GAConfig alone)."""
 
+    name: str
+    """A stable id of the rule (``megatron-ga check --json`` reports it as a problem's ``rule``)."""
     reads: tuple[str, ...]
     check: Callable[[Values, MegatronArgs], None]
     needs_args: bool = True
@@ -362,36 +369,44 @@ def _noise_scale_layout(values: Values, settings: MegatronArgs) -> None:
 
 #: Every rule between flags, in the order their errors are reported.
 BETWEEN = (
-    Between(("checks", "zero_token_policy"), lambda v, s: check_checks(v["checks"], v["zero_token_policy"]),
+    Between("checks", ("checks", "zero_token_policy"),
+            lambda v, s: check_checks(v["checks"], v["zero_token_policy"]), needs_args=False),
+    Between("noise-scale-mode", ("noise_scale", "loss_reduction"), _noise_scale_mode, needs_args=False),
+    Between("batch-size-warmup", ("batch_size_warmup", "noise_scale", "batch_size_warmup_max"), _batch_size_warmup,
             needs_args=False),
-    Between(("noise_scale", "loss_reduction"), _noise_scale_mode, needs_args=False),
-    Between(("batch_size_warmup", "noise_scale", "batch_size_warmup_max"), _batch_size_warmup, needs_args=False),
-    Between(("loss_reduction",), _loss_mode),
-    Between(("batch_size_warmup", "batch_size_warmup_max", "convert_rampup"), _warmup_launch),
-    Between(("batch_size_warmup", "convert_rampup"), lambda v, s: check_train_length(_schedule(v, s), s.train_iters)),
-    Between(("lr_scaling", "batch_size_warmup", "convert_rampup"),
+    Between("loss-mode", ("loss_reduction",), _loss_mode),
+    Between("warmup-launch", ("batch_size_warmup", "batch_size_warmup_max", "convert_rampup"), _warmup_launch),
+    Between("train-length", ("batch_size_warmup", "convert_rampup"),
+            lambda v, s: check_train_length(_schedule(v, s), s.train_iters)),
+    Between("lr-scaling", ("lr_scaling", "batch_size_warmup", "convert_rampup"),
             lambda v, s: check_lr_scaling(v["lr_scaling"], _schedule(v, s))),
-    Between(("noise_scale",), _noise_scale_layout),
-    Between(("batch_size_warmup",),
+    Between("noise-scale-layout", ("noise_scale",), _noise_scale_layout),
+    Between("warmup-checkpoints", ("batch_size_warmup",),
             lambda v, s: check_warmup_checkpoints(v["batch_size_warmup"], s.get("non_persistent_ckpt_type"))),
-    Between(("guards",), lambda v, s: check_guards(v["guards"], hybrid_context_parallel=s.hybrid_context_parallel,
-                                                   rl_sequence_packing=s.rl_sequence_packing)),
+    Between("guards", ("guards",), lambda v, s: check_guards(
+        v["guards"], hybrid_context_parallel=s.hybrid_context_parallel, rl_sequence_packing=s.rl_sequence_packing)),
 )
 
 
 def launch_errors(values: Values, settings: MegatronArgs | None = None) -> list[GAError]:
     """The one rule pass: every error of the ``--ga-*`` settings ``values`` (by GAConfig field; absent ones read as
     their defaults) and, given Megatron's ``settings``, of the two together. Empty: nothing is refused."""
+    return [error for _, error in named_launch_errors(values, settings)]
+
+
+def named_launch_errors(values: Values, settings: MegatronArgs | None = None) -> list[tuple[str, GAError]]:
+    """:func:`launch_errors` with the rule of each: ``flag:<field>`` for a flag's own rule, else its
+    :class:`Between`'s name."""
     errors = flag_errors(values)
     full = {option.field: values.get(option.field, option.default) for option in GA_OPTIONS}
-    found: list[GAError] = list(errors.values())
+    found: list[tuple[str, GAError]] = [(f"flag:{field}", error) for field, error in errors.items()]
     for rule in BETWEEN:
         if (rule.needs_args and settings is None) or any(field in errors for field in rule.reads):
             continue
         try:
             rule.check(full, settings or MegatronArgs())
         except GAError as error:
-            found.append(error)
+            found.append((rule.name, error))
     return found
 
 

@@ -19,15 +19,16 @@ What the scripts read besides, in their order (a later one wins, as the scripts 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from megatron_ga_ext.config.bridge_rules import SECTIONS, bridge_errors, bridge_names
 from megatron_ga_ext.config.flags import BY_DEST, GA_FLAGS
-from megatron_ga_ext.core.layout import BatchLayout
 from megatron_ga_ext.core.megatron_flags import Option
 from megatron_ga_ext.errors import UsageError
+from megatron_ga_ext.launch.check import check_launch
 from megatron_ga_ext.launch.line import ga_values, parse_int, parse_launch
-from megatron_ga_ext.launch.problems import launch_notes, launch_problems
+from megatron_ga_ext.launch.report import Note, Problem, Report, problem_of
 
 __all__ = ["bridge_check", "bridge_tokens"]
 
@@ -37,9 +38,9 @@ _FIELDS = {"--calculate-per-token-loss": "model.calculate_per_token_loss",
            "--rampup-batch-size": "train.rampup_batch_size"}
 
 
-def bridge_check(tokens: list[str], world_size: int | None) -> tuple[BatchLayout | None, list[str], list[str]]:
-    """(layout, problems, notes) of a Bridge launch line: Megatron-LM's line it configures, checked as one with the
-    extension on, with Bridge's refusals (config/bridge_rules.py), every flag named as Bridge's field."""
+def bridge_check(tokens: list[str], world_size: int | None) -> Report:
+    """The report of a Bridge launch line: Megatron-LM's line it configures, checked as one with the extension on,
+    with Bridge's refusals (config/bridge_rules.py), every flag named as Bridge's field."""
     line, fields, files = bridge_tokens(tokens)
     launch = parse_launch(line)
     launch.entry = True  # the script calls ga_bridge.install(cfg)
@@ -47,18 +48,27 @@ def bridge_check(tokens: list[str], world_size: int | None) -> tuple[BatchLayout
     converted = bool(ga_values(launch).get("convert_rampup"))
     # unconverted: Bridge's own refusal below, not Megatron-LM's advice; converted: checked as Megatron-LM's
     ramp = launch.values.get(ramp_flag) if converted else launch.values.pop(ramp_flag, None)
-    layout, problems = launch_problems(launch, world_size)
+    report = check_launch(launch, world_size)
     rampup = None if ramp is None else [parse_int(ramp_flag, value) for value in ramp]
     gbs = launch.get(gbs_flag)
     global_batch_size = None if gbs is None else parse_int(gbs_flag, gbs)
-    problems += [str(error) for error in bridge_errors(ga_values(launch), rampup, global_batch_size)]
+    bridge = [problem_of(error, "bridge") for error in bridge_errors(ga_values(launch), rampup, global_batch_size)]
     names = {**_FIELDS, **fields}
     read = "".join(f" and {path}" for path in files)
-    notes = [f"a Megatron-Bridge launch: {len(fields)} field(s) check reads, set by its overrides{read}; the "
-             "recipe's own values are not on the line, so a field no override sets reads as Megatron-LM's default "
-             "(give the ones that decide the batch: train.micro_batch_size, train.global_batch_size, the parallel "
-             "sizes)", *launch_notes(launch)]
-    return layout, [bridge_names(p, names) for p in problems], [bridge_names(n, names) for n in notes]
+    first = Note(severity="info", text=f"a Megatron-Bridge launch: {len(fields)} field(s) set by its overrides{read}; "
+                 "the recipe's own values are not on the line, so a field no override sets reads as Megatron-LM's "
+                 "default.", link="docs/bridge.md")
+    notes = [first, *(replace(n, text=bridge_names(n.text, names)) for n in report.notes)]
+    return replace(report, problems=tuple(_renamed(p, names) for p in (*report.problems, *bridge)),
+                   notes=tuple(notes), kind="Megatron-Bridge")
+
+
+def _renamed(problem: Problem, names: dict[str, str]) -> Problem:
+    """``problem`` with each flag it names as Bridge's field."""
+    return replace(problem, message=bridge_names(problem.message, names),
+                   fix=None if problem.fix is None else bridge_names(problem.fix, names),
+                   flag=None if problem.flag is None else bridge_names(problem.flag, names))
+
 
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")

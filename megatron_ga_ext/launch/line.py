@@ -11,6 +11,7 @@ problems.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import shlex
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from megatron_ga_ext.core.megatron_flags import LAUNCHER_OPTIONS, NOT_MEGATRON, 
 from megatron_ga_ext.core.numbers import read_int
 from megatron_ga_ext.errors import GAError, UsageError
 from megatron_ga_ext.launch.layer_split import LayerSplit, VirtualPipeline, virtual_pipeline
+from megatron_ga_ext.launch.report import Edit, Problem
 
 __all__ = ["Launch", "LaunchLayout", "UsageError", "ga_values", "layout_kwargs", "parse_int", "parse_launch",
            "read_layout"]
@@ -64,6 +66,27 @@ class Launch:
     def name(self, flag: str) -> str:
         """``flag`` as the line spelled it."""
         return self.spelled.get(flag, flag)
+
+    def edited(self, edit: Edit) -> Launch:
+        """A copy of this line with ``edit`` applied (a flag given replaces its value; repeats and strays go)."""
+        line = copy.deepcopy(self)
+        line.entry = line.entry or edit.entry
+        for spelling, values in edit.give:
+            option = OPTIONS[spelling]
+            line._forget(option.flag)
+            if option.nargs == 0:
+                line.switches[option.flag] = not spelling.startswith("--no-")
+            else:
+                line.values[option.flag] = list(values)
+        for spelling in edit.drop:
+            if spelling in OPTIONS:
+                line._forget(OPTIONS[spelling].flag)
+            line.not_megatron.pop(spelling, None)
+        return line
+
+    def _forget(self, flag: str) -> None:
+        for held in (self.values, self.switches, self.repeated, self.spelled, self.stray):
+            held.pop(flag, None)
 
 
 def _normalize(flag: str) -> str:
@@ -171,6 +194,9 @@ class LaunchLayout:
     kwargs: dict[str, object]
     virtual_pipeline: VirtualPipeline
     seq_problems: list[str] = field(default_factory=list)
+    read_problems: list[Problem] = field(default_factory=list)
+    """What the line leaves out or contradicts: no --micro-batch-size, a check --world-size the line disagrees
+    with (``missing_ok`` reads only)."""
 
     @property
     def problems(self) -> list[GAError]:
@@ -186,14 +212,23 @@ def read_ints(launch: Launch) -> dict[str, int]:
     }
 
 
-def read_layout(launch: Launch, world_size: int | None = None) -> LaunchLayout:
-    """The layout of ``launch``; ``world_size`` overrides the launcher's. UsageError where it cannot be read."""
+MISSING_MICRO_BATCH = "--micro-batch-size is missing; Megatron needs it to split the global batch."
+
+
+def read_layout(launch: Launch, world_size: int | None = None, *, missing_ok: bool = False) -> LaunchLayout:
+    """The layout of ``launch``; ``world_size`` stands in for the launcher's where the line leaves it open.
+    UsageError where it cannot be read. With ``missing_ok`` (check), a missing --micro-batch-size and a
+    ``world_size`` the line contradicts are problems (the line's world is kept), not errors."""
     ints = read_ints(launch)
     kwargs: dict[str, object] = {name: ints.get(BY_DEST[name].dest) for name in FLAGS if name in BY_DEST}
     given: dict[str, str] = {}
-    kwargs["world_size"] = world_size if world_size is not None else _world_size(launch, ints, given)
+    read_problems: list[Problem] = []
+    kwargs["world_size"] = _checked_world(launch, ints, given, world_size, read_problems if missing_ok else None)
     if kwargs["micro_batch_size"] is None:
-        raise UsageError("--micro-batch-size is missing; Megatron needs it to split the global batch.")
+        if not missing_ok:
+            raise UsageError(MISSING_MICRO_BATCH)
+        read_problems.append(Problem(message=MISSING_MICRO_BATCH, rule="micro-batch-size-missing",
+                                     flag="--micro-batch-size", fix="Give --micro-batch-size N."))
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                  "expert_model_parallel_size"):
         if kwargs[name] is None:
@@ -208,7 +243,42 @@ def read_layout(launch: Launch, world_size: int | None = None) -> LaunchLayout:
         if flag in launch.spelled and launch.spelled[flag] != flag and name not in given:
             given[name] = launch.spelled[flag]
     kwargs["given"] = given
-    return LaunchLayout(kwargs=kwargs, virtual_pipeline=vpp, seq_problems=seq_problems)
+    return LaunchLayout(kwargs=kwargs, virtual_pipeline=vpp, seq_problems=seq_problems, read_problems=read_problems)
+
+
+def _checked_world(launch: Launch, ints: dict[str, int], given: dict[str, str], world_size: int | None,
+                   problems: list[Problem] | None) -> int:
+    """The world size: the line's, else ``world_size`` (check's --world-size). With ``problems`` (check), a
+    ``world_size`` the line contradicts (its own --world-size or --nnodes x --nproc-per-node, or one that is not a
+    multiple of --nproc-per-node where --nnodes is left open) is a problem, and the line's world is kept; without
+    ``problems``, ``world_size`` wins."""
+    if world_size is None:
+        return _world_size(launch, ints, given)
+    if problems is None:
+        return world_size
+    check = f"megatron-ga check --world-size {world_size}"
+    try:
+        line_world = _world_size(launch, ints, given)
+    except UsageError:
+        line_world = None
+    nproc = launch.get("--nproc-per-node")
+    open_nodes = "world_size" not in ints and launch.get("--nnodes") is None and line_world is not None
+    if line_world is None or (open_nodes and world_size % line_world == 0):
+        per_node = f"{launch.name('--nproc-per-node')} {nproc}"
+        nodes = "" if line_world is None else f" = {world_size // line_world} nodes x {per_node}"
+        given["world_size"] = check + nodes
+        return world_size
+    if open_nodes:
+        reason = (f"is not a multiple of the line's {launch.name('--nproc-per-node')} {nproc} (ranks per node), so no "
+                  f"number of nodes gives it")
+    else:
+        line_given = given.get("world_size", f"--world-size {line_world}")
+        reason = f"contradicts the line, whose {line_given} start {line_world:,} ranks"
+    problems.append(Problem(
+        message=f"{check} {reason}: the ledger shows the line's {line_world:,}. Drop check's --world-size, or change "
+        f"the line's launcher flags.", rule="world-size-contradiction", flag="--world-size", value=str(world_size),
+        fix="Drop check's --world-size, or change the line's launcher flags."))
+    return line_world
 
 
 def layout_kwargs(launch: Launch, world_size: int | None = None) -> dict[str, object]:

@@ -1,11 +1,11 @@
-"""Every problem of a launch line, and its ledger (``megatron-ga check``). Pure Python.
+"""Every problem of a launch line, each from the rule it breaks (``megatron-ga check``). Pure Python.
 
-The rules are the ones a run is held to: install()'s own rule pass (config/launch_rules.py: each ``--ga-*``
-flag's rule, the loss mode against ``--calculate-per-token-loss``, the guards against schedules that run another
-number of forwards, what a schedule needs of the launch, where the noise scale can measure), the one schedule of the
-launch, Megatron's parser and layer split (flags it does not define, stray words,
-the virtual pipeline), the coverage table's refusals (``config/coverage/``; its limits are
-:func:`launch_notes`), and the batch arithmetic of every stage (``core/layout.py``, ``core/schedule/checks.py``).
+The rules are the ones a run is held to: Megatron's parser (flags it does not define, stray words, repeats) and its
+train-length assertions, the one schedule of the launch (every entry of a schedule that does not parse, every stage
+against the layout), the layer split and the batch arithmetic (``core/layout.py``), install()'s own rule pass
+(config/launch_rules.py), the coverage table's refusals with the extension on the line and, without it, the
+upstream defects its rows record (``config/coverage/``). launch/check.py gathers them into one report and checks
+each fix that is an edit of the line against all of them.
 """
 
 from __future__ import annotations
@@ -13,80 +13,118 @@ from __future__ import annotations
 from dataclasses import replace
 
 from megatron_ga_ext.config.coverage import Setting, verdict
-from megatron_ga_ext.config.flags import CONVERT_RAMPUP, LOSS_REDUCTION
-from megatron_ga_ext.config.launch_rules import launch_errors, rampup_ignored_message
+from megatron_ga_ext.config.coverage.upstream import upstream_traps
+from megatron_ga_ext.config.flags import CONVERT_RAMPUP, GA_FLAGS, LOSS_REDUCTION, closest_choice
+from megatron_ga_ext.config.launch_rules import named_launch_errors, rampup_ignored_message
 from megatron_ga_ext.config.megatron_args import MegatronArgs
 from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
 from megatron_ga_ext.core.layout import BatchLayout
 from megatron_ga_ext.core.megatron_flags import COVERED_OPTIONS, MEGATRON_OPTIONS, NOT_MEGATRON
 from megatron_ga_ext.core.schedule.stages import FLAG as SCHEDULE_FLAG
+from megatron_ga_ext.core.schedule.stages import schedule_text_errors
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.errors import GAError
-from megatron_ga_ext.launch.line import Launch, LaunchLayout, ga_values, read_ints, read_layout
+from megatron_ga_ext.launch.line import Launch, LaunchLayout, ga_values, read_ints
+from megatron_ga_ext.launch.report import Edit, Note, Problem, problem_of
 
-__all__ = ["MAX_STAGE_PROBLEMS", "launch_notes", "launch_problems", "launch_setting", "loss_reduction_note"]
-
-MAX_STAGE_PROBLEMS = 5
-
-
-def launch_problems(launch: Launch, world_size: int | None) -> tuple[BatchLayout | None, list[str]]:
-    """The layout of a launch line (None if broken) and every problem found in it.
-
-    Raises UsageError where the line cannot be read at all (the world size, a value that is not a number).
-    """
-    read = read_layout(launch, world_size)
-    kwargs = dict(read.kwargs)
-    schedule, schedule_problems = _launch_schedule(launch, read)
-    if schedule is not None:
-        kwargs["global_batch_size"] = None  # the schedule's stages are checked one by one below
-    layout, errors = BatchLayout.problems(**kwargs)
-    problems = _line_problems(launch) + _rule_problems(launch, layout) + _coverage_problems(launch)
-    problems += read.seq_problems + [str(e) for e in read.problems] + [str(e) for e in errors]
-    if layout is not None and schedule is not None:
-        stage_problems = _stage_problems(schedule, layout)
-        problems += stage_problems
-        # The ledger of a schedule is the ledger of its last stage (upstream's nominal GBS), once every stage is valid.
-        final = {**kwargs, "global_batch_size": schedule.final_global_batch_size}
-        layout = None if stage_problems else BatchLayout(**final)  # type: ignore[arg-type]
-    return layout, problems + schedule_problems
+__all__ = ["coverage_problems", "launch_args", "launch_notes", "launch_schedule", "launch_setting", "line_problems",
+           "loss_reduction_note", "rule_problems", "stage_problems", "train_length_problems", "upstream_findings"]
 
 
-def _line_problems(launch: Launch) -> list[str]:
+# -- Megatron's parser ----------------------------------------------------------------------------------
+
+
+def line_problems(launch: Launch) -> list[Problem]:
     """What Megatron's parser itself refuses: flags it does not define, words it cannot place; and repeats."""
     problems = [
-        f"{launch.name(flag)} is given {len(vals)} times ({', '.join(' '.join(v) for v in vals)}); Megatron keeps "
-        f"the last ({' '.join(vals[-1])}). Give it once."
+        Problem(message=f"{launch.name(flag)} is given {len(vals)} times ({', '.join(' '.join(v) for v in vals)}); "
+                f"Megatron keeps the last ({' '.join(vals[-1])}). Give it once.",
+                rule="repeated-flag", flag=launch.name(flag), value=" ".join(vals[-1]), fix="Give it once.")
         for flag, vals in launch.repeated.items()
     ]
     for flag, values in launch.not_megatron.items():
-        problems.append(
-            f"{flag} {' '.join(values)} is not a flag of Megatron's parser (no tested release, core_v0.16.1 to main, "
-            f"defines it): Megatron stops with \"unrecognized arguments\". {NOT_MEGATRON[flag]}."
-        )
+        problems.append(Problem(
+            message=f"{flag} {' '.join(values)} is not a flag of Megatron's parser (no tested release, core_v0.16.1 "
+            f"to main, defines it): Megatron stops with \"unrecognized arguments\". {NOT_MEGATRON[flag]}.",
+            rule="unknown-flag", flag=flag, value=" ".join(values), fix=f"{NOT_MEGATRON[flag]}.",
+            edit=Edit(drop=(flag,))))
     for flag, words in launch.stray.items():
         problems.append(_stray_problem(launch, flag, words))
     return problems
 
 
-def _stray_problem(launch: Launch, flag: str, words: list[str]) -> str:
+def _stray_problem(launch: Launch, flag: str, words: list[str]) -> Problem:
     given = f"{launch.name(flag)} {' '.join(launch.values[flag])}"
     if flag == SCHEDULE_FLAG and all(":" in w for w in words):
         whole = " ".join([*launch.values[flag], *words])
-        return (
-            f"{given} is followed by {' '.join(words)}: the schedule was split into words (an unquoted shell "
+        fix = f"Quote the whole schedule: {flag} \"{whole}\""
+        return Problem(
+            message=f"{given} is followed by {' '.join(words)}: the schedule was split into words (an unquoted shell "
             f"variable or array?), so Megatron reads only {launch.values[flag][0]!r} and stops with \"unrecognized "
-            f"arguments: {' '.join(words)}\". Quote the whole schedule: {flag} \"{whole}\" (its stages are checked "
-            f"below as if quoted)."
-        )
-    return (
-        f"{given} is followed by {' '.join(words)}, which no flag takes: Megatron's parser has no positional "
-        f"arguments and stops with \"unrecognized arguments: {' '.join(words)}\". Drop them, or quote the value."
-    )
+            f"arguments: {' '.join(words)}\". {fix} (its stages are checked as if quoted).",
+            rule="split-schedule", flag=launch.name(flag), value=launch.values[flag][0], fix=fix + ".")
+    return Problem(
+        message=f"{given} is followed by {' '.join(words)}, which no flag takes: Megatron's parser has no positional "
+        f"arguments and stops with \"unrecognized arguments: {' '.join(words)}\". Drop them, or quote the value.",
+        rule="stray-words", flag=launch.name(flag), value=" ".join(launch.values[flag]),
+        fix="Drop them, or quote the value.")
 
 
-def _rule_problems(launch: Launch, layout: BatchLayout | None) -> list[str]:
-    """The rule pass install() runs (config/launch_rules.py), over the line's --ga-* flags and Megatron's."""
-    return [str(error) for error in launch_errors(ga_values(launch), launch_args(launch, layout))]
+def train_length_problems(launch: Launch) -> list[Problem]:
+    """Megatron's validate_args: a run is counted in iterations or in samples, never both, and the learning-rate
+    warmup and decay in the same unit (the same assertions on every tested source)."""
+    iters, samples = launch.get("--train-iters"), launch.get("--train-samples")
+    problems = []
+    if iters is not None and samples is not None:
+        problems.append(Problem(
+            message=f"--train-iters {iters} and --train-samples {samples} are both given; Megatron asserts \"expected "
+            f"iteration-based training\" (a run is counted in one unit). Keep one.",
+            rule="train-length-units", flag="--train-iters", value=iters, fix="Keep one of them."))
+        return problems
+    unit, other = ("samples", "iters") if samples is not None else ("iters", "samples")
+    if iters is None and samples is None:
+        return problems
+    for name in ("--lr-decay", "--lr-warmup", "--lr-wsd-decay"):
+        flag = f"{name}-{other}"
+        value = launch.get(flag)
+        if value is None or (other == "iters" and name == "--lr-warmup" and value == "0"):
+            continue
+        problems.append(Problem(
+            message=f"{flag} {value} is counted in {other}, but the run is counted in {unit} "
+            f"(--train-{unit}); Megatron asserts \"expected {'sample' if unit == 'samples' else 'iteration'}-based "
+            f"learning rate {'decay' if 'decay' in name else 'warmup'}\". Give {name}-{unit} instead.",
+            rule="train-length-units", flag=flag, value=value, fix=f"Give {name}-{unit} instead."))
+    return problems
+
+
+# -- the extension's rule pass ---------------------------------------------------------------------------
+
+
+def rule_problems(launch: Launch, layout: BatchLayout | None) -> list[Problem]:
+    """The rule pass install() runs (config/launch_rules.py), over the line's --ga-* flags and Megatron's: each
+    problem named by its rule, with the edit that fixes it where there is one."""
+    values = ga_values(launch)
+    problems = []
+    for rule, error in named_launch_errors(values, launch_args(launch, layout)):
+        problems.append(problem_of(error, rule, edit=_rule_edit(launch, rule, values)))
+    return problems
+
+
+def _rule_edit(launch: Launch, rule: str, values: dict) -> Edit | None:
+    """The edit of the line that fixes a broken rule, where one edit does."""
+    if rule.startswith("flag:"):
+        option = GA_FLAGS[rule[len("flag:"):]]
+        near = closest_choice(option, values.get(option.field)) if option.choices else None
+        return Edit(give=((option.flag, (near,)),)) if near else None
+    if rule == "loss-mode":
+        if values.get(LOSS_REDUCTION.field, LOSS_REDUCTION.default) == "token":
+            return Edit(give=(("--calculate-per-token-loss", ()),))
+        return Edit(drop=("--calculate-per-token-loss",))
+    if rule == "guards":
+        return Edit(give=(("--no-ga-guards", ()),))
+    if rule == "lr-scaling":
+        return Edit(drop=(GA_FLAGS["lr_scaling"].flag,))
+    return None
 
 
 def launch_args(launch: Launch, layout: BatchLayout | None) -> MegatronArgs:
@@ -94,12 +132,19 @@ def launch_args(launch: Launch, layout: BatchLayout | None) -> MegatronArgs:
     from the layout (None where it is broken), and --calculate-per-token-loss as install() leaves it (on in token
     mode, with the extension on the line; without it the loss mode is not ours to check)."""
     values = dict(launch_setting(launch).values)
-    values.update(read_ints(launch))
+    values.update(_ints(launch))
     values.pop("world_size", None)
     values["data_parallel_size"] = None if layout is None else layout.data_parallel_size
     mode = ga_values(launch).get(LOSS_REDUCTION.field, LOSS_REDUCTION.default)
     values["calculate_per_token_loss"] = launch.on("--calculate-per-token-loss") or mode == "token"
     return MegatronArgs(values)
+
+
+def _ints(launch: Launch) -> dict[str, int]:
+    try:
+        return read_ints(launch)
+    except GAError:
+        return {}
 
 
 def launch_setting(launch: Launch) -> Setting:
@@ -117,46 +162,102 @@ def launch_setting(launch: Launch) -> Setting:
                                                            "convert_rampup") if name in ga})
 
 
-def _coverage_problems(launch: Launch) -> list[str]:
-    return [row.message() for row in verdict(launch_setting(launch)).refused] if launch.extension else []
+# -- the coverage table -------------------------------------------------------------------------------------
 
 
-def launch_notes(launch: Launch) -> list[str]:
+def coverage_problems(launch: Launch) -> list[Problem]:
+    """With the extension on the line, each row that refuses the launch (its message names why and what instead)."""
+    if not launch.extension:
+        return []
+    return [problem_of(row.message(), f"coverage:{row.id}", flag=row.flags[0], fix=row.instead or None)
+            for row in verdict(launch_setting(launch)).refused]
+
+
+def upstream_findings(launch: Launch) -> tuple[list[Problem], list[Note]]:
+    """Without the extension on the line, each upstream defect a coverage row records that the launch meets: a
+    problem where it changes the gradients, a note where it may."""
+    if launch.extension:
+        return [], []
+    problems, notes = [], []
+    for row, trap in upstream_traps(launch_setting(launch)):
+        link = f"docs/coverage.md#{row.id}"
+        if trap.severity == "wrong":
+            edit = Edit(drop=trap.drop, entry=trap.entry) if trap.drop or trap.entry else None
+            problems.append(Problem(
+                message=f"without megatron-ga-ext, {trap.given}: {trap.effect}. {trap.fix} ({link})",
+                rule=f"upstream:{row.id}", flag=row.flags[0], fix=trap.fix, edit=edit))
+        else:
+            notes.append(Note(severity="careful", text=f"{trap.given}: {trap.effect}. {trap.fix}", link=link))
+    return problems, notes
+
+
+def launch_notes(launch: Launch) -> list[Note]:
     """What ``check`` says of a launch line beside its problems: its loss reduction, and the limits of the coverage
     table that apply to it (only where the extension is on the line)."""
     notes = [loss_reduction_note(launch)]
-    return notes + verdict(launch_setting(launch)).notes() if launch.extension else notes
+    if launch.extension:
+        for row in verdict(launch_setting(launch)).limited:
+            notes.append(Note(severity=row.severity, text=row.brief, link=f"docs/coverage.md#{row.id}"))
+    return notes
 
 
-def loss_reduction_note(launch: Launch) -> str:
-    """The launch's loss reduction: what Megatron runs without the extension, or what the extension holds it to."""
+def loss_reduction_note(launch: Launch) -> Note:
+    """The launch's loss reduction: what Megatron runs without the extension, or what the extension holds it to;
+    nothing about a mode the line does not set to one of its choices (that is a problem of its own)."""
     per_token = launch.on("--calculate-per-token-loss")
     mode = launch.get(LOSS_REDUCTION.flag) or LOSS_REDUCTION.default
     if not launch.extension:
-        what = ("per-token (--calculate-per-token-loss): every non-padding token of the global batch weighs the same, "
-                "unchecked" if per_token else
-                "upstream's mean of means: each micro-batch's loss divided by its own token count, then averaged over "
-                "micro-batches and DP x CP ranks (add --calculate-per-token-loss for a per-token loss)")
-        return (f"loss reduction: {what}. megatron-ga-ext is not on this line (no -m megatron_ga_ext, no --ga-* "
-                f"flag), so its rules are not applied.")
+        if per_token:
+            return Note(severity="info", text="per-token loss (--calculate-per-token-loss), as Megatron runs it, "
+                        "unchecked: megatron-ga-ext is not on this line.")
+        return Note(severity="info", text="upstream's mean of means: each micro-batch's loss over its own tokens, "
+                    "averaged. megatron-ga-ext is not on this line.")
+    if mode not in LOSS_REDUCTION.choices:
+        return Note(severity="info", text=f"loss reduction unknown: {LOSS_REDUCTION.flag} {mode!r} is not a choice "
+                    "(see the problems).")
     if mode == "token":
         turned = "" if per_token else "; install() turns on --calculate-per-token-loss"
-        return f"loss reduction: {LOSS_REDUCTION.flag} token, checked every step by megatron-ga-ext{turned}."
-    return f"loss reduction: {LOSS_REDUCTION.flag} microbatch, upstream's mean of means, chosen explicitly."
+        return Note(severity="info", text=f"token-level loss ({LOSS_REDUCTION.flag} token), checked every step"
+                    f"{turned}.")
+    return Note(severity="info", text=f"upstream's mean of means ({LOSS_REDUCTION.flag} microbatch).")
 
 
-def _launch_schedule(launch: Launch, read: LaunchLayout) -> tuple[StepSchedule | None, list[str]]:
-    """The step schedule the launch runs (options.resolve_schedule), or the rampup's equivalent to show; and
-    the problems of its flags."""
+# -- the schedule --------------------------------------------------------------------------------------------
+
+
+def launch_schedule(launch: Launch, read: LaunchLayout) -> tuple[StepSchedule | None, bool, list[Problem]]:
+    """(the step schedule of the launch, whether the run runs it, the problems of its flags): a given schedule, a
+    converted rampup; a rampup not converted gives the schedule --ga-convert-rampup would run (not run: megatron-core
+    >= 0.18 drops it)."""
     inputs = _schedule_inputs(launch, read)
     problems = _schedule_flag_problems(launch, inputs)
     try:
         schedule = resolve_schedule(inputs)
     except GAError as error:
-        return None, problems + [str(error)]
+        return None, False, problems + _schedule_errors(inputs, error)
     if inputs.rampup_batch_size is None or inputs.convert_rampup or inputs.step_batch_size_schedule is not None:
-        return schedule, problems
-    return _ignored_rampup(inputs)
+        return schedule, schedule is not None, problems
+    shown, ignored = _ignored_rampup(launch, inputs)
+    return shown, False, problems + ignored
+
+
+def _schedule_errors(inputs: ScheduleInputs, error: GAError) -> list[Problem]:
+    """Every entry a given schedule breaks (the parse stops at the first), else ``error``."""
+    text = inputs.step_batch_size_schedule
+    if text is not None and inputs.rampup_batch_size is None and not inputs.decrease_batch_size_if_needed:
+        errors = schedule_text_errors(text, inputs.seq_length)
+        if errors:
+            return [problem_of(e, "schedule-entry", flag=SCHEDULE_FLAG, value=_entry_of(e)) for e in errors]
+    return [problem_of(error, "schedule")]
+
+
+def _entry_of(error: GAError) -> str | None:
+    text = str(error)
+    start = text.find("entry ")
+    if start < 0:
+        return None
+    quoted = text[start:].split("'")
+    return quoted[1] if len(quoted) > 2 else None
 
 
 def _schedule_inputs(launch: Launch, read: LaunchLayout) -> ScheduleInputs:
@@ -177,46 +278,45 @@ def _schedule_inputs(launch: Launch, read: LaunchLayout) -> ScheduleInputs:
     )
 
 
-def _ignored_rampup(inputs: ScheduleInputs) -> tuple[StepSchedule | None, list[str]]:
-    """A rampup without --ga-convert-rampup: megatron-core >= 0.18 trains at constant GBS. Show the equivalent
-    schedule (and check its stages), which is what the run gets with --ga-convert-rampup."""
+def _ignored_rampup(launch: Launch, inputs: ScheduleInputs) -> tuple[StepSchedule | None, list[Problem]]:
+    """A rampup without --ga-convert-rampup: megatron-core >= 0.18 logs a deprecation warning and trains at constant
+    GBS; 0.16 and 0.17 refuse it with --train-iters. The equivalent schedule, what the run gets with
+    --ga-convert-rampup, is shown (and its stages checked)."""
     rampup = inputs.rampup_batch_size
     ignored = rampup_ignored_message(rampup, inputs.global_batch_size)  # type: ignore[arg-type]
+    iters = launch.get("--train-iters")
+    if iters is not None:
+        ignored += (f" (megatron-core 0.16 and 0.17 stop instead: with --train-iters {iters} they assert \"expected no "
+                    f"batch-size rampup for iteration-based training\".)")
+    edit = Edit(give=((CONVERT_RAMPUP.flag, ()),))
     try:
         schedule = resolve_schedule(replace(inputs, convert_rampup=True))
     except GAError as error:
-        return None, [f"{ignored} It has no equivalent step schedule either: {error}"]
-    seq_length = inputs.seq_length
-    try:
-        text = schedule.to_string(seq_length)  # type: ignore[union-attr]
-    except GAError:
-        return schedule, [f"{ignored} Its equivalent step schedule has {schedule.summary()}; too many stages to "  # type: ignore[union-attr]
-                          f"write as {SCHEDULE_FLAG}, so {CONVERT_RAMPUP.flag} is the way to run it."]
-    unit = "tokens" if seq_length else "samples (add --seq-length: pretrain_gpt reads thresholds as tokens)"
-    return schedule, [
-        f"{ignored} Or replace it with the equivalent schedule ({len(schedule.stages)} stages, thresholds in "  # type: ignore[union-attr]
-        f"{unit}), dropping --global-batch-size and --rampup-batch-size: {SCHEDULE_FLAG} \"{text}\""
-    ]
+        return None, [problem_of(f"{ignored} It has no equivalent step schedule either: {error}", "rampup-ignored",
+                                 flag="--rampup-batch-size", value=" ".join(map(str, rampup)))]  # type: ignore[arg-type]
+    fix = f"Pass {CONVERT_RAMPUP.flag} to run the equivalent step schedule."
+    problem = problem_of(ignored, "rampup-ignored", flag="--rampup-batch-size", value=" ".join(map(str, rampup)),  # type: ignore[arg-type]
+                         fix=fix, edit=edit)
+    return schedule, [problem]
 
 
-def _schedule_flag_problems(launch: Launch, inputs: ScheduleInputs) -> list[str]:
-    problems = []
+def _schedule_flag_problems(launch: Launch, inputs: ScheduleInputs) -> list[Problem]:
     if inputs.step_batch_size_schedule is not None and launch.get("--global-batch-size") is not None:
-        problems.append(
-            f"--global-batch-size is given together with {SCHEDULE_FLAG}; Megatron refuses the pair "
-            f"(the schedule sets the batch size). Drop --global-batch-size."
+        return [Problem(
+            message=f"--global-batch-size is given together with {SCHEDULE_FLAG}; Megatron refuses the pair (the "
+            f"schedule sets the batch size). Drop --global-batch-size.", rule="schedule-and-global-batch-size",
+            flag="--global-batch-size", value=launch.get("--global-batch-size"), fix="Drop --global-batch-size.",
+            edit=Edit(drop=("--global-batch-size",)))]
+    return []
+
+
+def stage_problems(schedule: StepSchedule, layout: BatchLayout) -> list[Problem]:
+    """Every rule each stage of ``schedule`` breaks against ``layout`` (a long ramp: one per rule, in closed form)."""
+    return [
+        problem_of(p.error, "schedule-stage", flag=SCHEDULE_FLAG, value=p.stage.spelling)
+        for p in schedule.problems(
+            layout.micro_batch_size, layout.data_parallel_size, layout.pipeline_model_parallel_size,
+            layout.virtual_pipeline_size, microbatch_group_size_per_vp_stage=layout.microbatch_group_size_per_vp_stage,
+            virtual_pipeline_given=layout.named("virtual_pipeline_model_parallel_size"),
         )
-    return problems
-
-
-def _stage_problems(schedule: StepSchedule, layout: BatchLayout) -> list[str]:
-    problems = [str(p.error) for p in schedule.problems(
-        layout.micro_batch_size, layout.data_parallel_size, layout.pipeline_model_parallel_size,
-        layout.virtual_pipeline_size, microbatch_group_size_per_vp_stage=layout.microbatch_group_size_per_vp_stage,
-        virtual_pipeline_given=layout.named("virtual_pipeline_model_parallel_size"),
-    )]
-    if len(problems) > MAX_STAGE_PROBLEMS:
-        hidden = len(problems) - MAX_STAGE_PROBLEMS
-        problems[MAX_STAGE_PROBLEMS:] = [
-            f"... and {hidden} more stage(s) like these; megatron-ga schedule lists every stage."]
-    return problems
+    ]

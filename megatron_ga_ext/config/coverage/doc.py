@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from megatron_ga_ext.config.coverage.rows import ROWS
+from megatron_ga_ext.config.coverage.upstream import upstream_table
 from megatron_ga_ext.config.off_path import OFF_PATH, THEMES
 
 __all__ = ["coverage_doc", "coverage_table", "off_path_table"]
@@ -11,8 +12,8 @@ DOC_HEADER = """# Coverage: Megatron's features on the loss, gradient, step and 
 
 Rendered by `make docs` from `megatron_ga_ext/config/coverage/` (`coverage_doc()`); `make docs-check` and
 tests/test_coverage.py check that this file is its rendering. *supported*: every check of every step runs, and the
-test named proves it. *limited*: it runs, with the limit stated (logged at start-up, and a note of
-`megatron-ga check`). *refused*: `install()` stops at start-up with a `CoverageError` and `megatron-ga check`
+test named proves it. *limited*: it runs, with the limit stated (logged at start-up; `megatron-ga
+check` gives it as one line, `careful:` or `info:` first, linking to its row here). *refused*: `install()` stops at start-up with a `CoverageError` and `megatron-ga check`
 reports a problem (the refusal's test:
 `tests/test_coverage.py::test_refused_rows_stop_install_and_check[<row>]`).
 """
@@ -27,7 +28,8 @@ def coverage_table() -> str:
         tests = "<br>".join(str(p) for p in row.proofs)
         if row.support == "refused":
             tests = f"`tests/test_coverage.py::test_refused_rows_stop_install_and_check[{row.id}]`"
-        lines.append(f"| `{row.id}` | {_escape(row.given)} | {row.when} | {row.support} | {_escape(text)} | {tests} |")
+        lines.append(f"| <a id=\"{row.id}\"></a>`{row.id}` | {_escape(row.given)} | {row.when} | {row.support} | "
+                     f"{_escape(text)} | {tests} |")
     return "\n".join(lines)
 
 
@@ -49,10 +51,20 @@ def off_path_table() -> str:
     return "\n".join(lines)
 
 
+UPSTREAM_HEADER = """## Without the extension: upstream's own defects
+
+Where a row records a defect of upstream Megatron itself, a launch *without* megatron-ga-ext (no `-m megatron_ga_ext`,
+no `--ga-*` flag) meets it as it is. `megatron-ga check` says so from these declarations (the `upstream` field of a
+row): a problem where the gradients change (`wrong`), a note where they may (`careful`), each with the fix; a fix that
+is an edit of the line is checked against every rule before it is printed.
+"""
+
+
 def coverage_doc() -> str:
     """docs/coverage.md."""
     off_path = OFF_PATH_HEADER.format(count=len(OFF_PATH))
-    return f"{DOC_HEADER}\n{coverage_table()}\n\n{off_path}\n{off_path_table()}\n"
+    return (f"{DOC_HEADER}\n{coverage_table()}\n\n{UPSTREAM_HEADER}\n{upstream_table()}\n\n{off_path}\n"
+            f"{off_path_table()}\n")
 
 
 def _escape(text: str) -> str:

@@ -14,9 +14,11 @@ from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.config.megatron_args import MegatronArgs
 from megatron_ga_ext.core.megatron_flags import COVERED_OPTIONS, MEGATRON_OPTIONS
 
-__all__ = ["READ", "SCOPE_DEPRECATED", "Proof", "Row", "Setting", "Support"]
+__all__ = ["READ", "SCOPE_DEPRECATED", "Proof", "Row", "Setting", "Support", "Upstream"]
 
 Support = Literal["supported", "limited", "refused"]
+#: How a note of ``megatron-ga check`` starts: ``wrong`` changes what the run trains, ``careful`` may, ``info`` not.
+Severity = Literal["wrong", "careful", "info"]
 
 #: Where 0.18 and later parse --cuda-graph-scope (validate_args moves it into cuda_graph_modules, and a
 #: full_iteration scope into --cuda-graph-impl full_iteration).
@@ -83,6 +85,27 @@ class Proof:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Upstream:
+    """A defect of upstream Megatron itself that a row records: what a launch *without* the extension gets.
+    ``megatron-ga check`` reports it (a problem where it changes the gradients, ``wrong``; a note where it may,
+    ``careful``) and docs/coverage.md lists it, both from this declaration."""
+
+    given: str
+    """The launch that meets it, e.g. ``--use-torch-fsdp2 with --calculate-per-token-loss``."""
+    effect: str
+    """What upstream does: the factor or the silent change, one clause."""
+    severity: Literal["wrong", "careful"]
+    fix: str
+    """What to do, one sentence."""
+    applies: Callable[[Setting], bool]
+    """True for a launch without the extension that meets it."""
+    drop: tuple[str, ...] = ()
+    """Flags whose removal fixes it (check verifies the edit)."""
+    entry: bool = False
+    """Running the script through ``-m megatron_ga_ext`` fixes it (check verifies the edit)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Row:
     """One row of the table; see the module docstring."""
 
@@ -104,6 +127,13 @@ class Row:
     """The launch's iterations replay a captured graph without the extension's Python hooks, by design: the
     per-iteration liveness check (integration/liveness.py) does not count them."""
     applies: Callable[[Setting], bool]
+    brief: str = ""
+    """limited and refused rows: the row in one plain line (about 25 words), ``megatron-ga check``'s note."""
+    severity: Severity = "careful"
+    """limited rows: how the note starts (``careful`` where the gradients may differ from the target, ``info``
+    where only the proof is missing)."""
+    upstream: tuple[Upstream, ...] = ()
+    """The defects of upstream itself the row records, for a launch without the extension."""
 
     @property
     def case(self) -> str:

@@ -26,6 +26,8 @@ GRAPH_ROWS: tuple[Row, ...] = (
     # CUDA graphs
     Row(id="full-iteration-graph-token", flags=("--cuda-graph-impl", "--cuda-graph-scope", "--cuda-graph-modules"),
         given=FULL_ITERATION, when="in token mode", support="refused",
+        brief="a full-iteration CUDA graph replays each step without the extension's Python, so no step would be "
+              "checked.",
         text="after capture, Megatron's FullCudaGraphWrapper replays the captured forward/backward and none of the "
         "extension's Python runs again: the loss contract, the non-finite, negative and unchecked token counts, the "
         "zero-token error or skip, the --ga-checks async verdict and the micro-batch guards would go silent (only the "
@@ -37,6 +39,8 @@ GRAPH_ROWS: tuple[Row, ...] = (
                                                    "--rampup-batch-size"),
         given=FULL_ITERATION, when="with a batch-size schedule (--step-batch-size-schedule or "
         "--rampup-batch-size)", support="refused",
+        brief="a full-iteration CUDA graph replays its captured number of micro-batches, so part of each larger "
+              "scheduled batch would go untrained.",
         text="the graph replays the micro-batches of its capture step: FullCudaGraphWrapper copies a later stage's "
         "num_microbatches batches into its static buffers, but the replay computes only the captured number, so the "
         "rest of each larger global batch is consumed without being trained on.",
@@ -47,6 +51,8 @@ GRAPH_ROWS: tuple[Row, ...] = (
                                                      "--cuda-graph-warmup-steps"),
         given=FULL_ITERATION,
         when="in microbatch mode", support="limited",
+        brief="a full-iteration CUDA graph: the micro-batch guards run until capture; replays run upstream's mean of "
+              "means.", severity="info",
         text="the micro-batch guards run in the warm-up and capture iterations only; every replay runs the captured "
         f"schedule, upstream's mean of means included (the per-iteration liveness check is off); {ON_GPU}.",
         proofs=(Proof(test=GPU_GRAPHS + "test_full_iteration_graph_in_microbatch_mode_trains_as_upstream"),),
@@ -56,6 +62,8 @@ GRAPH_ROWS: tuple[Row, ...] = (
                                   "--cuda-graph-warmup-steps"),
         given="--cuda-graph-impl local or transformer_engine (--enable-cuda-graph, --external-cuda-graph)",
         support="limited",
+        brief="CUDA graphs of layers: every check runs each step; whether a captured MoE router gets the padding mask "
+              "on replay is not verified.", severity="careful",
         text="graphs of layers replay inside the forward pass; the schedule, the loss function and finalize run in "
         "Python every step, so every check runs (whether a captured MoE router is given the padding mask on replay "
         f"is not verified); {ON_GPU}.",
@@ -63,6 +71,8 @@ GRAPH_ROWS: tuple[Row, ...] = (
         applies=layer_graphs),
     Row(id="optimizer-graph-skip", flags=("--optimizer-cuda-graph",), given="--optimizer-cuda-graph",
         when="with --ga-zero-token-policy skip", support="refused",
+        brief="--optimizer-cuda-graph replays the optimizer step, so --ga-zero-token-policy skip could not skip a "
+              "step without loss tokens.",
         text="Megatron's OptimizerCudaGraphWrapper replays the captured optimizer.step without calling it, and that "
         "call is where the skip policy skips a step: a step without a loss token would still run the optimizer on "
         "zeroed gradients (momentum and weight decay move the weights), the learning rate would advance, and the "
@@ -72,12 +82,16 @@ GRAPH_ROWS: tuple[Row, ...] = (
         applies=lambda s: s.on("optimizer_cuda_graph") and s.zero_token_policy == "skip"),
     Row(id="optimizer-graph-async", flags=("--optimizer-cuda-graph",), given="--optimizer-cuda-graph",
         when="with --ga-checks async", support="limited",
+        brief="with --optimizer-cuda-graph, --ga-checks async reports a broken step one step late, possibly after its "
+              "checkpoint is saved.", severity="careful",
         text="the replayed optimizer step does not call the extension's step hook, so a broken step's verdict is "
         "read at the next forward/backward call, after Megatron may have saved that iteration's checkpoint "
         f"(--ga-checks sync raises in finalize, before the optimizer step); {ON_GPU}.",
         proofs=(Proof(test=GPU_GRAPHS + "test_optimizer_graph_async_verdict_stops_the_next_forward_backward"),),
         applies=lambda s: s.on("optimizer_cuda_graph") and s.token and s.checks == "async"),
     Row(id="optimizer-graph", flags=("--optimizer-cuda-graph",), given="--optimizer-cuda-graph", support="limited",
+        brief="--optimizer-cuda-graph: each step is checked before the captured optimizer step; --ga-noise-scale "
+              "cannot run with it.", severity="info",
         text="each step's checks run in finalize, before the captured optimizer step (the default "
         "--ga-zero-token-policy error and --ga-checks sync); --ga-noise-scale refuses it (the replayed step takes no "
         f"measurement, so neither the meter nor --ga-batch-size-warmup auto would go on); {ON_GPU}.",
@@ -86,6 +100,8 @@ GRAPH_ROWS: tuple[Row, ...] = (
         and not (s.token and s.checks == "async")),
     Row(id="optimizer-graph-liveness", flags=("--optimizer-cuda-graph", "--cuda-graph-warmup-steps"),
         given="--optimizer-cuda-graph", support="limited",
+        brief="once --optimizer-cuda-graph has captured, a step that goes around the checked schedule is no longer "
+              "named.", severity="careful",
         text="from its capture on (core_v0.19.0 optimizer/optimizer_cuda_graph.py:31-50: at --cuda-graph-warmup-steps, "
         "then replay(); training.py:3633-3638 wraps the built optimizer's step, the extension's hook inside it) no "
         "Python of the optimizer step runs: the per-iteration liveness check stops, so an iteration that goes around "
@@ -97,6 +113,8 @@ GRAPH_ROWS: tuple[Row, ...] = (
     # combined 1F1B
     Row(id="combined-1f1b-token", flags=("--overlap-moe-expert-parallel-comm",),
         given="--overlap-moe-expert-parallel-comm", when="in token mode", support="refused",
+        brief="--overlap-moe-expert-parallel-comm skips the extension's MoE padding correction, so load-balancing "
+              "gradients would count padding.",
         text="combined 1F1B runs the model through pretrain_gpt's model.build_schedule_plan(...), not "
         "GPTModel.forward, so the extension's MoE correction (routing with padding_mask = loss_mask == 0) is "
         "skipped: the load-balancing and z-loss gradients would count padding positions while the run reports "
@@ -106,26 +124,35 @@ GRAPH_ROWS: tuple[Row, ...] = (
                                               "--ep-overlap-early-attn-memory-release",
                                               "--high-priority-a2a-comm-stream"),
         given="--overlap-moe-expert-parallel-comm", when="in microbatch mode", support="limited",
+        brief="--overlap-moe-expert-parallel-comm in microbatch mode: the guards and upstream's mean of means hold; "
+              "not run here (needs a GPU).", severity="info",
         text="the loss still goes through forward_step_calc_loss, so the micro-batch guards and upstream's mean of "
         f"means hold; {NO_GPU} (bf16 or fp16 with expert parallelism).",
         applies=in_microbatch_mode(is_on("overlap_moe_expert_parallel_comm"))),
     Row(id="delayed-wgrad-token", flags=("--delay-wgrad-compute",), given="--delay-wgrad-compute",
         when="in token mode", support="refused",
+        brief="--delay-wgrad-compute needs combined 1F1B, which skips the extension's MoE padding correction.",
         text="Megatron takes it only with --overlap-moe-expert-parallel-comm (combined 1F1B), whose MoE forward "
         "skips the extension's padding-mask correction.",
         instead=INSTEAD_OF_1F1B, applies=in_token_mode(is_on("delay_wgrad_compute"))),
     Row(id="delayed-wgrad-microbatch", flags=("--delay-wgrad-compute",), given="--delay-wgrad-compute",
         when="in microbatch mode", support="limited",
+        brief="--delay-wgrad-compute: the delayed weight gradients finish inside the step; not run here (needs a "
+              "GPU).", severity="info",
         text=f"the delayed weight gradients are computed inside the schedule, before finalize; {NO_GPU}.",
         applies=in_microbatch_mode(is_on("delay_wgrad_compute"))),
     Row(id="expert-wgrad-overlap", flags=("--overlap-dispatch-backward-with-experts-wgrad",),
         given="--overlap-dispatch-backward-with-experts-wgrad (0.18 and later)", support="limited",
+        brief="expert weight gradients finish on a side stream; the extension trusts upstream to finish them before "
+              "the reduction. Not run here.", severity="careful",
         text="the experts' weight gradients are computed on a side stream after their data gradients, overlapping the "
         "dispatch's backward; the extension relies on upstream to finish them before their gradients are reduced "
         f"and does not check it; {NO_GPU} (Transformer Engine's grouped GEMM).",
         applies=is_on("overlap_dispatch_backward_with_experts_wgrad")),
     # the rerun state machine
     Row(id="rerun-report-stats", flags=("--rerun-mode",), given="--rerun-mode report_stats", support="refused",
+        brief="Megatron itself stops at start-up: report_stats is not a --rerun-mode it knows (it spells it "
+              "report_determinism_stats).",
         text="Megatron-LM's initialize_megatron builds RerunMode(args.rerun_mode), and report_stats is not one of its "
         "modes (the enum spells it report_determinism_stats): Megatron itself stops at start-up with a ValueError on "
         "every tested source, before any step the extension could check.",
@@ -155,6 +182,8 @@ GRAPH_ROWS: tuple[Row, ...] = (
     Row(id="rerun-checks", flags=("--check-for-spiky-loss", "--check-for-large-grads", "--error-injection-rate",
                                   "--error-injection-type"),
         given="--check-for-spiky-loss, --check-for-large-grads or --error-injection-rate N", support="limited",
+        brief="Megatron's rerun checks rerun or stop a flagged step; a rerun goes through the same checks. Not run by "
+              "a test here.", severity="info",
         text="Megatron's rerun state machine judges a spiky loss (in pretrain_gpt's loss function), unexpectedly large "
         "gradients (before the data-parallel reduction) and the errors it injects as it judges a non-finite loss "
         "(rerun-machine-token): a flagged step is run again, through the same hooks, or stops the run; "

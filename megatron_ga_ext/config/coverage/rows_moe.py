@@ -14,7 +14,7 @@ from megatron_ga_ext.config.coverage.conditions import (
     quantile_unmasked_losses,
 )
 from megatron_ga_ext.config.coverage.proofs import MOE_LOOP, MOE_MTP, NO_GPU, NOT_YET, verify_layouts
-from megatron_ga_ext.config.coverage.row import Proof, Row
+from megatron_ga_ext.config.coverage.row import Proof, Row, Upstream
 
 __all__ = ["MOE_ROWS"]
 
@@ -40,9 +40,28 @@ MOE_ROWS: tuple[Row, ...] = (
                                     "TP2 x DP2 x GA4 (MoE, sequence parallel)", "CP2 x DP2 x GA4 (MoE, position-wise)"),
                 Proof(test="tests/test_verify_aux.py::test_install_meets_the_token_mode_target"),
                 Proof(test="tests/test_moe_empty_microbatch.py::test_the_step_matches_the_token_reference")),
-        applies=balancing("aux_loss")),
+        applies=balancing("aux_loss"),
+        upstream=(
+            Upstream(
+                given="MoE with --calculate-per-token-loss",
+                effect="pretrain_gpt gives the router no padding mask, so it counts every position: its load-balancing "
+                "and z-loss gradients are (positions / loss tokens) times the per-token target wherever tokens are "
+                "masked",
+                severity="careful", fix="Run the script through -m megatron_ga_ext (install() routes with the loss "
+                "mask).",
+                applies=lambda s: s.on("calculate_per_token_loss") and has_moe(s), entry=True),
+            Upstream(
+                given="MoE with --moe-z-loss-coeff, --calculate-per-token-loss and TP x CP > 1",
+                effect="on megatron-core 0.16 to 0.18 the z-loss gradient is 1 / (TP x CP) of the per-token target "
+                "(0.19 adds the missing factor)",
+                severity="careful", fix="Run the script through -m megatron_ga_ext, or use megatron-core >= 0.19.",
+                applies=lambda s: s.on("calculate_per_token_loss") and has_moe(s) and bool(s.value("moe_z_loss_coeff"))
+                and s.number("tensor_model_parallel_size") * s.number("context_parallel_size") > 1, entry=True),
+        )),
     Row(id="moe-pipeline-loss-mask", flags=("--pipeline-model-parallel-size", "--num-experts"),
         given="MoE with --pipeline-model-parallel-size N (N > 1), token mode", support="limited",
+        brief="MoE under pipeline parallelism: stages given no loss mask count padding in their load-balancing "
+              "gradients; the first step names them.", severity="careful",
         text="MoE layers on a stage that is given no loss mask route without a padding mask, so their aux and z-loss "
         "gradients keep the (routed positions / loss tokens) factor: the first step names those stages. Megatron-LM's "
         "get_batch gives the mask to the last stage only (0.18 and later), and before 0.18 also to the first "
@@ -53,6 +72,8 @@ MOE_ROWS: tuple[Row, ...] = (
         applies=in_token_mode(lambda s: has_moe(s) and s.number("pipeline_model_parallel_size") > 1)),
     Row(id="router-global-aux-loss", flags=("--moe-router-load-balancing-type",),
         given="--moe-router-load-balancing-type global_aux_loss", support="limited",
+        brief="global_aux_loss: every token weighs the same, but upstream's running expert average divides by the "
+              "current micro-batch's count (#7213).", severity="careful",
         text="token mode: a micro-batch's global load-balancing loss (statistics over every DP rank) weighted "
         "T(m) / (DP x N), its loss tokens over every DP rank, on every rank's piece, so every token of the "
         "micro-batch weighs the same; install() corrects the router's count, which with a padding mask is T(m) "
@@ -65,6 +86,8 @@ MOE_ROWS: tuple[Row, ...] = (
         applies=balancing("global_aux_loss")),
     Row(id="router-seq-aux-loss", flags=("--moe-router-load-balancing-type",),
         given="--moe-router-load-balancing-type seq_aux_loss", support="limited",
+        brief="seq_aux_loss before megatron-core 0.19 with --micro-batch-size above 1: its gradient is 1 / MBS of the "
+              "target.", severity="careful",
         text="token mode: computed over the loss tokens like aux_loss, with the router's count corrected, also for a "
         "sample without loss tokens (its per-sequence count stays fractional). Before 0.19 the router "
         "pre-multiplies it by a per-sequence count: with "
@@ -74,6 +97,8 @@ MOE_ROWS: tuple[Row, ...] = (
         applies=balancing("seq_aux_loss")),
     Row(id="router-sinkhorn-none", flags=("--moe-router-load-balancing-type",),
         given="--moe-router-load-balancing-type sinkhorn or none", support="limited",
+        brief="sinkhorn or no load balancing: no balancing loss; the z-loss and bias counts skip padding. Not run by "
+              "a test here.", severity="info",
         text="no load-balancing loss; in token mode the z-loss and the expert-bias counts exclude padding; "
         f"{NOT_YET}.",
         applies=balancing("sinkhorn", "none")),
@@ -90,12 +115,15 @@ MOE_ROWS: tuple[Row, ...] = (
         flags=("--moe-router-load-balancing-type", "--moe-z-loss-coeff"),
         given="--moe-router-load-balancing-type quantile_balancing with --moe-z-loss-coeff, or with an aux-loss type "
         "in the same list", when="in token mode", support="limited",
+        brief="quantile balancing with a z-loss or an aux loss: those terms count padding, (positions / loss tokens) "
+              "times their target.", severity="careful",
         text="the model is routed without a padding mask (upstream's router refuses one under quantile balancing), so "
         "the z-loss and any aux-loss layers count padding positions: their gradients are (routed positions / loss "
         f"tokens) times their token-mode target, as with upstream's --calculate-per-token-loss; {NOT_YET}.",
         applies=in_token_mode(lambda s: quantile_balancing(s) and quantile_unmasked_losses(s))),
     Row(id="router-quantile-balancing-microbatch", flags=("--moe-router-load-balancing-type",),
         given="--moe-router-load-balancing-type quantile_balancing", when="in microbatch mode", support="limited",
+        brief="quantile balancing in microbatch mode runs as upstream does. Not run by a test here.", severity="info",
         text=f"no padding mask is passed in microbatch mode; {NOT_YET}.",
         applies=in_microbatch_mode(balancing("quantile_balancing"))),
     Row(id="router-expert-bias", flags=("--moe-router-enable-expert-bias", "--moe-router-bias-update-rate"),
@@ -110,6 +138,8 @@ MOE_ROWS: tuple[Row, ...] = (
                 Proof(test="tests/test_moe_expert_bias.py::test_a_step_with_the_expert_bias_meets_both_references")),
         applies=lambda s: has_moe(s) and s.on("moe_router_enable_expert_bias")),
     Row(id="router-fusion", flags=("--moe-router-fusion",), given="--moe-router-fusion", support="limited",
+        brief="--moe-router-fusion: the fused kernels get the same mask and counts; not run here (needs a GPU and "
+              "Transformer Engine).", severity="info",
         text="Transformer Engine's fused kernels compute the router's top-k and its auxiliary-loss terms, given the "
         f"padding mask and the token counts as the unfused path is; {NO_GPU} (Transformer Engine 2.7 or later).",
         applies=lambda s: has_moe(s) and s.on("moe_router_fusion")),
@@ -120,7 +150,9 @@ MOE_ROWS: tuple[Row, ...] = (
         applies=lambda s: has_moe(s) and s.value("moe_token_dispatcher_type") in ("allgather", "alltoall")),
     Row(id="dispatcher-flex", flags=("--moe-token-dispatcher-type", *FLEX_DISPATCHER),
         given="--moe-token-dispatcher-type flex",
-        support="limited", text="the dispatch does not touch the loss or the token count, whatever its backend and "
+        support="limited",
+        brief="the flex dispatcher moves tokens without touching the loss or its count; not run here (needs a GPU).",
+        severity="info", text="the dispatch does not touch the loss or the token count, whatever its backend and "
         f"its options (its payload dtypes change the precision of what is sent, not its weight); {NO_GPU} (DeepEP, "
         "HybridEP, NCCL EP).",
         applies=lambda s: has_moe(s) and s.value("moe_token_dispatcher_type") == "flex"),
@@ -128,6 +160,8 @@ MOE_ROWS: tuple[Row, ...] = (
                                          "--moe-paged-stash-page-size", "--moe-paged-stash-buffer-size-factor-cuda",
                                          "--moe-paged-stash-buffer-size-factor-cpu"),
         given="--moe-expert-rank-capacity-factor (0.18 and later)", support="limited",
+        brief="an overflowing expert stash reruns the step, and each attempt is checked. Not run here (needs a GPU).",
+        severity="info",
         text="Megatron wraps the forward/backward in a PagedStashRunner that, when a static buffer overflows, resets "
         "the gradients and runs the step's forward/backward once more (synced dropless): each attempt runs the "
         "extension's schedule hook and finalize and is checked on its own (under --ga-checks sync a broken first "
@@ -137,6 +171,8 @@ MOE_ROWS: tuple[Row, ...] = (
     Row(id="dsa-indexer-loss-token", flags=("--experimental-attention-variant", "--dsa-indexer-loss-coeff",
                                             "--dsa-indexer-use-sparse-loss"),
         given="--experimental-attention-variant dsa", when="in token mode", support="limited",
+        brief="the DSA indexer loss is scaled as upstream's per-token loss scales it, not reweighted by the "
+              "extension. Not run by a test.", severity="careful",
         text="the extension does not reweight the DSA indexer loss: it is scaled as upstream's "
         "--calculate-per-token-loss scales it (its scaler is given the loss scale, and finalize divides by N); "
         f"{NOT_YET}.",
@@ -151,15 +187,26 @@ MOE_ROWS: tuple[Row, ...] = (
         proofs=(Proof(test=MOE_MTP + "test_mtp_token_mode_weighs_every_mtp_token_by_n"),
                 *verify_layouts("DP2 x GA4 (MTP)", "DP2 x GA4 (MoE + MTP)"),
                 Proof(test="tests/test_verify_aux.py::test_install_meets_the_token_mode_target")),
-        applies=lambda s: s.number("mtp_num_layers") > 0),
+        applies=lambda s: s.number("mtp_num_layers") > 0,
+        upstream=(Upstream(
+            given="--mtp-num-layers N with --calculate-per-token-loss",
+            effect="from megatron-core 0.17 each MTP token is weighed by its own rank's count ratio (#7452 finding 3), "
+            "not 1 / N: MTP gradients differ from the per-token target where ranks mask different numbers of tokens",
+            severity="careful", fix="Run the script through -m megatron_ga_ext (install() weighs every MTP token by "
+            "1 / N).",
+            applies=lambda s: s.on("calculate_per_token_loss") and s.number("mtp_num_layers") > 0, entry=True),)),
     Row(id="hybrid-moe-token", flags=("--hybrid-override-pattern", "--hybrid-layer-pattern", "--is-hybrid-model"),
         given="a hybrid (Mamba) model with MoE layers", when="in token mode", support="limited",
+        brief="a hybrid model's MoE layers route without the padding mask: their load-balancing gradients are "
+              "(positions / loss tokens) times the target.", severity="careful",
         text="the extension's MoE correction wraps GPTModel.forward only: a hybrid model's MoE layers route "
         "without a padding mask, so their load-balancing and z-loss gradients are (routed positions / loss tokens) "
         "times their target weight, as with upstream's --calculate-per-token-loss.",
         applies=in_token_mode(lambda s: is_hybrid(s) and has_moe(s))),
     Row(id="hybrid", flags=("--hybrid-override-pattern", "--hybrid-layer-pattern", "--is-hybrid-model"),
         given="a hybrid (Mamba) model", support="limited",
+        brief="a hybrid (Mamba) model's loss takes the same checked path as a GPT's. Not run by a test here.",
+        severity="info",
         text=f"its loss goes through forward_step_calc_loss and finalize as a GPT's does; {NOT_YET}.",
         applies=lambda s: is_hybrid(s) and not (s.token and has_moe(s))),
 )

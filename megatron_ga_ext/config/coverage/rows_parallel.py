@@ -24,7 +24,7 @@ from megatron_ga_ext.config.coverage.proofs import (
     TOKEN_LOOP,
     verify_layouts,
 )
-from megatron_ga_ext.config.coverage.row import Proof, Row
+from megatron_ga_ext.config.coverage.row import Proof, Row, Upstream
 
 __all__ = ["PARALLEL_ROWS"]
 
@@ -49,20 +49,35 @@ PARALLEL_ROWS: tuple[Row, ...] = (
     Row(id="torch-fsdp2-token", flags=("--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward"),
         given="--use-torch-fsdp2", when="in token mode",
         support="refused",
+        brief="--use-torch-fsdp2 never divides by the step's loss-token count: the update would be the summed loss "
+              "over DP x CP.",
         text="megatron-core's TorchFullyShardedDataParallel keeps the base class's scale_gradients, which does "
         "nothing, so the division by the global token count N never reaches the gradients, and FSDP2's "
         "reduce-scatter averages over the data-parallel ranks: the update would be the summed token loss / "
         "(DP x CP), not / N.",
         instead="Use Megatron-FSDP (--use-megatron-fsdp) or Megatron's DDP with --use-distributed-optimizer, or "
         "train with --ga-loss-reduction microbatch (without --calculate-per-token-loss).",
-        applies=in_token_mode(is_on("use_torch_fsdp2"))),
+        applies=in_token_mode(is_on("use_torch_fsdp2")),
+        upstream=(Upstream(
+            given="--use-torch-fsdp2 with --calculate-per-token-loss",
+            effect="FSDP2 averages the summed token loss over the DP x CP ranks and nothing divides it by the step's "
+            "loss tokens N, so every gradient is N / (DP x CP) times the per-token mean",
+            severity="wrong",
+            fix="Drop --calculate-per-token-loss (FSDP2 averages upstream's mean of means as it expects), or train "
+            "with --use-megatron-fsdp or Megatron's DDP.",
+            applies=lambda s: s.on("calculate_per_token_loss") and s.on("use_torch_fsdp2"),
+            drop=("--calculate-per-token-loss",)),)),
     Row(id="torch-fsdp2-microbatch", flags=("--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward"),
         given="--use-torch-fsdp2",
         when="in microbatch mode", support="limited",
+        brief="--use-torch-fsdp2 averages over the data-parallel ranks, as upstream's mean of means expects; not run "
+              "here (needs a GPU).", severity="info",
         text=f"FSDP2 averages over the data-parallel ranks as upstream's mean of means expects; {NO_GPU}.",
         applies=in_microbatch_mode(is_on("use_torch_fsdp2"))),
     Row(id="megatron-fsdp", flags=("--use-megatron-fsdp", *MEGATRON_FSDP), given="--use-megatron-fsdp",
         support="limited",
+        brief="--use-megatron-fsdp: its gradient scaling is checked at the first step; not run here (needs a GPU); "
+              "--ga-noise-scale cannot run with it.", severity="info",
         text="Megatron-FSDP builds its gradient buffers without the 1 / (DP x CP) factor under "
         "--calculate-per-token-loss and scales by 1 / N in finalize; the extension checks those factors at the "
         "first step; its sharding, buffer and precision options change how the gradient is sharded, sent and stored "
@@ -71,11 +86,22 @@ PARALLEL_ROWS: tuple[Row, ...] = (
         applies=is_on("use_megatron_fsdp")),
     Row(id="average-in-collective-token", flags=("--ddp-average-in-collective",),
         given="--ddp-average-in-collective", when="in token mode", support="refused",
+        brief="--ddp-average-in-collective would divide the gradients by DP x CP too; Megatron's DDP refuses it with "
+              "a per-token loss as well.",
         text="an averaging collective divides the summed token loss by DP x CP before finalize divides it by N "
         "(Megatron's DDP asserts it is off under --calculate-per-token-loss).",
         instead="Drop --ddp-average-in-collective (off by default).",
-        applies=in_token_mode(is_on("ddp_average_in_collective"))),
+        applies=in_token_mode(is_on("ddp_average_in_collective")),
+        upstream=(Upstream(
+            given="--ddp-average-in-collective with --calculate-per-token-loss",
+            effect="Megatron's DDP stops at start-up (\"Cannot average in collective when calculating per-token "
+            "loss!\", every tested source)",
+            severity="wrong", fix="Drop --ddp-average-in-collective.",
+            applies=lambda s: s.on("calculate_per_token_loss") and s.on("ddp_average_in_collective"),
+            drop=("--ddp-average-in-collective",)),)),
     Row(id="yaml-cfg", flags=("--yaml-cfg",), given="--yaml-cfg", support="refused",
+        brief="--yaml-cfg replaces the whole command line, so the --ga-* flags and the per-token switch would never "
+              "reach the run.",
         text="Megatron's parse_args replaces the parsed command line by the YAML file's settings, so the --ga-* flags "
         "and the per-token switch install() sets never reach the args the run is built from.",
         instead="Give the launch's settings as command-line flags (Megatron's and the --ga-* ones) instead of "
@@ -89,6 +115,8 @@ PARALLEL_ROWS: tuple[Row, ...] = (
     Row(id="overlap-param-gather", flags=("--overlap-param-gather", "--overlap-param-gather-with-optimizer-step",
                                           "--no-align-param-gather"),
         given="--overlap-param-gather", support="limited",
+        brief="--overlap-param-gather overlaps the weight gather with the next step; a skipped step changes no "
+              "weight. Not run by a test.", severity="info",
         text="the parameters' all-gather after the optimizer step overlaps the next forward (or, with "
         "--overlap-param-gather-with-optimizer-step, its first bucket the step itself; unaligned across pipeline "
         "stages with --no-align-param-gather); a step skipped under "
@@ -96,6 +124,8 @@ PARALLEL_ROWS: tuple[Row, ...] = (
         applies=is_on("overlap_param_gather")),
     Row(id="distributed-optimizer-instances", flags=("--num-distributed-optimizer-instances",),
         given="--num-distributed-optimizer-instances N (N > 1)", support="limited",
+        brief="several distributed-optimizer instances give the same gradient sum; --ga-noise-scale cannot run with "
+              "them. Not run by a test.", severity="info",
         text="the gradient is reduce-scattered within each optimizer instance and all-reduced across the instances, "
         f"then divided by N: the same sum over DP x CP; --ga-noise-scale refuses it; {NOT_YET}.",
         applies=above_one("num_distributed_optimizer_instances")),
@@ -104,6 +134,8 @@ PARALLEL_ROWS: tuple[Row, ...] = (
                                          "--disable-align-grad-reduce"),
         given="--ddp-bucket-size, --ddp-num-buckets, --ddp-pad-buckets-for-high-nccl-busbw or --no-align-grad-reduce",
         support="limited",
+        brief="gradient bucket settings change when pieces of the gradient are reduced, not the sum. Not run by a "
+              "test here.", severity="info",
         text="they change how Megatron's DDP splits the gradient's sum over DP x CP into buckets and when each "
         "bucket's collective starts (aligned across pipeline stages or not), not the sum or its 1/N; the noise-scale "
         f"meter reads each bucket group as its reduction starts; {NOT_YET}.",
@@ -111,6 +143,8 @@ PARALLEL_ROWS: tuple[Row, ...] = (
                        "align_grad_reduce")),
     Row(id="grad-reduce-bf16", flags=("--grad-reduce-in-bf16",), given="--grad-reduce-in-bf16 (with --bf16)",
         support="limited",
+        brief="--grad-reduce-in-bf16 adds and reduces gradients in bf16: every token keeps its weight, with less "
+              "precision. Not run by a test.", severity="careful",
         text="the main gradients are bf16: each micro-batch's gradient is added into them, summed over DP x CP and "
         "divided by N in bf16, so every token keeps its weight and each gradient loses precision (the parameters "
         "--ddp-param-name-patterns-for-fp32-local-accumulation names add their micro-batches in fp32); "
@@ -118,6 +152,8 @@ PARALLEL_ROWS: tuple[Row, ...] = (
         applies=is_on("grad_reduce_in_bf16")),
     Row(id="fp32-local-accumulation", flags=("--ddp-param-name-patterns-for-fp32-local-accumulation",),
         given="--ddp-param-name-patterns-for-fp32-local-accumulation (0.17 and later)", support="limited",
+        brief="the named parameters accumulate in fp32 and every token keeps its weight; --ga-noise-scale cannot run "
+              "with it. Not run by a test.", severity="info",
         text="the parameters it names add their micro-batch gradients into an fp32 main_grad apart from the bf16 "
         "buffer; upstream copies it into the buffer before the reduction and back after, and scales both by 1/N, "
         "so every token keeps its weight; --ga-noise-scale refuses it: its norms read only the parameters whose "
@@ -128,12 +164,16 @@ PARALLEL_ROWS: tuple[Row, ...] = (
     Row(id="fp32-grad-reduce", flags=("--accumulate-allreduce-grads-in-fp32",
                                       "--ddp-reduce-scatter-with-fp32-accumulation"),
         given="--accumulate-allreduce-grads-in-fp32 or --ddp-reduce-scatter-with-fp32-accumulation", support="limited",
+        brief="fp32 gradient accumulation or reduction: the same sum in another precision. Not run by a test here.",
+        severity="info",
         text="the first keeps the main gradients in fp32 (Megatron turns it on under --bf16 unless "
         "--grad-reduce-in-bf16 or a bf16 --main-grads-dtype), the second sends bf16 over the wire and adds in fp32: "
         f"the same sum over DP x CP and the same 1/N, in another precision; {NOT_YET}.",
         applies=any_given("accumulate_allreduce_grads_in_fp32", "ddp_reduce_scatter_with_fp32_accumulation")),
     Row(id="precision-aware-optimizer", flags=("--use-precision-aware-optimizer", "--main-grads-dtype"),
         given="--use-precision-aware-optimizer (with --main-grads-dtype)", support="limited",
+        brief="the precision-aware optimizer keeps gradients in --main-grads-dtype; every token keeps its weight. Not "
+              "run here (needs Transformer Engine).", severity="info",
         text="Transformer Engine's FusedAdam keeps the main gradients in --main-grads-dtype (fp32 unless given): the "
         "sum over micro-batches and over DP x CP and the 1/N run in that precision, every token's weight unchanged; "
         f"{NO_GPU} (Transformer Engine).",
@@ -146,6 +186,8 @@ PARALLEL_ROWS: tuple[Row, ...] = (
         proofs=TOKEN_LOOP,
         applies=lambda s: not s.value("gradient_accumulation_fusion")),
     Row(id="fake-process-group", flags=("--fake-process-group",), given="--fake-process-group", support="limited",
+        brief="--fake-process-group skips every collective: counts and sums cover one rank, so no step trains as the "
+              "real launch would.", severity="careful",
         text="a memory-profiling mode: every collective is skipped, so N, the gradient's sums and the noise scale "
         f"cover this rank only, and no step trains as the launch would; {NOT_YET}.",
         applies=is_on("fake_process_group")),
@@ -156,6 +198,8 @@ PARALLEL_ROWS: tuple[Row, ...] = (
         given="--tensor-parallel-num-weight-shards N above --tensor-model-parallel-size (or "
         "--expert-tensor-parallel-num-weight-shards N above the experts' tensor-parallel size): GTP weight "
         "rematerialization (0.19 and later)", support="refused",
+        brief="GTP weight rematerialization reduces gradients outside the data-parallel reduction the checks cover, "
+              "and no test has run a GTP step.",
         text="GTP shards each weight over an extra axis whose ranks take distinct data (Megatron's data-parallel size "
         "becomes the replicate degree, and the micro-batches are spread over replicate DP x GTP) and reduce-scatters "
         "the weight gradients over that axis inside the backward pass, outside the data-parallel reduction the "
@@ -169,18 +213,24 @@ PARALLEL_ROWS: tuple[Row, ...] = (
         applies=gtp_remat),
     Row(id="tensor-parallel", flags=("--tensor-model-parallel-size",), given="--tensor-model-parallel-size N (N > 1)",
         support="limited",
+        brief="tensor parallelism: every TP rank counts the same tokens; megatron-ga verify runs TP 2 only with "
+        "sequence parallelism (an MoE model).",
+        severity="info",
         text="every TP rank of a replica computes the same loss over the same tokens, so N sums the count over DP x CP "
         "only, and finalize's reductions over TP (sequence-parallel and q/k layernorm gradients) run before the "
-        "division by N; no verify row runs TP > 1 yet (tests/test_noise_scale_gpt.py measures the noise scale on "
-        "TP 2 x DP 2).",
+        "division by N; verify runs TP 2 with sequence parallelism (an MoE GPT, the row below); TP without sequence "
+        "parallelism is not run by a test (tests/test_noise_scale_gpt.py measures the noise scale on TP 2 x DP 2).",
         applies=above_one("tensor_model_parallel_size")),
-    Row(id="sequence-parallel", flags=("--sequence-parallel",), given="--sequence-parallel", support="limited",
+    Row(id="sequence-parallel", flags=("--sequence-parallel",), given="--sequence-parallel", support="supported",
         text="each TP rank holds the gradient of its sequence shard for the parameters marked sequence_parallel (the "
         "layer norms) until finalize all-reduces them over TP, before the division by N; the noise-scale meter "
-        f"leaves those parameters out of its norms; {NOT_YET}.",
+        "leaves those parameters out of its norms.",
+        proofs=verify_layouts("TP2 x DP2 x GA4 (MoE, sequence parallel)"),
         applies=is_on("sequence_parallel")),
     Row(id="qk-layernorm", flags=("--qk-layernorm",),
         given="--qk-layernorm with --tensor-model-parallel-size N (N > 1)", support="limited",
+        brief="--qk-layernorm under TP: gradients are right, but --ga-noise-scale without --sequence-parallel misses "
+              "part of their norm.", severity="careful",
         text="each TP rank's q/k layernorm gradient covers only its own attention heads until finalize sums it over TP "
         "(every tested source does, before the division by N), so every token keeps its weight; under "
         "--ga-noise-scale, where these weights carry no sequence_parallel mark (without --sequence-parallel), the "
@@ -196,6 +246,8 @@ PARALLEL_ROWS: tuple[Row, ...] = (
         applies=pipeline_tied(untied=False)),
     Row(id="untied-embeddings-pipeline", flags=("--untie-embeddings-and-output-weights",),
         given="--untie-embeddings-and-output-weights with --pipeline-model-parallel-size N (N > 1)", support="limited",
+        brief="untied embeddings under pipeline parallelism: two separate weights, nothing to sum across stages. Not "
+              "run by a test here.", severity="info",
         text="the input embedding (first stage) and the output layer (last stage) are separate weights, with no "
         f"gradient to sum across stages; {NOT_YET}.",
         applies=pipeline_tied(untied=True)),
@@ -208,6 +260,8 @@ PARALLEL_ROWS: tuple[Row, ...] = (
     Row(id="hybrid-context-parallel", flags=("--hybrid-context-parallel", "--max-seqlen-per-dp-cp-rank"),
         given="--hybrid-context-parallel",
         support="limited",
+        brief="--hybrid-context-parallel regroups sequences, so it needs --no-ga-guards; the token counts still hold. "
+              "Not run by a test here.", severity="careful",
         text="it regroups sequences into micro-batches of its own, so the micro-batch guards must be off "
         "(--no-ga-guards, checked); the token count and its checks hold; --ga-noise-scale refuses it (a sequence "
         "split over several data-parallel ranks makes their gradients dependent: core_v0.19.0 "
@@ -217,6 +271,8 @@ PARALLEL_ROWS: tuple[Row, ...] = (
                                                       "--rampup-batch-size"),
         given="--hybrid-context-parallel", when="with a batch-size schedule (--step-batch-size-schedule or "
         "--rampup-batch-size)", support="refused",
+        brief="hybrid context parallelism reads one fixed global batch per step, so a batch-size schedule would train "
+              "other batches than it counts.",
         text="its sampler reads one global batch per step, of args.global_batch_size samples, fixed when the data "
         "loader is built (core_v0.19.0 training/datasets/data_samplers.py:41 and :49-56; num_micro_batches at :197; "
         "the same on every tested source; main after d98e8a64 with --sequence-packing-scheduler packs the batches "
@@ -231,11 +287,15 @@ PARALLEL_ROWS: tuple[Row, ...] = (
     Row(id="rl-sequence-packing", flags=("--perform-rl-step", "--rl-use-sequence-packing", "--rl-sequence-packing-algo",
                                          "--rl-sequence-packing-max-sequences-per-bin"),
         given="--perform-rl-step --rl-use-sequence-packing", support="limited",
+        brief="packed RL batches need --no-ga-guards; a bin without loss tokens counts as 1 token (upstream's GRPO "
+              "loss). Not run by a test.", severity="careful",
         text="packed RL batches count bins, not samples, so the micro-batch guards must be off (--no-ga-guards, "
         "checked); the token count and its checks hold, but for a bin without loss tokens, which upstream's GRPO loss "
         f"function reports as 1 token (see rl-step); {NOT_YET}.",
         applies=lambda s: s.on("perform_rl_step") and s.on("rl_use_sequence_packing")),
     Row(id="rl-step", flags=("--perform-rl-step", *GRPO), given="--perform-rl-step (GRPO)", support="limited",
+        brief="RL (GRPO): a micro-batch without loss tokens counts as 1 token, so the token count runs slightly high. "
+              "Not run by a test here.", severity="careful",
         text="Megatron's RL loop trains on the rollouts it generates: a round's --grpo-prompts-per-step x "
         "--grpo-group-size x --grpo-iterations rollouts must be a multiple of --global-batch-size, and each training "
         "step takes one global batch of them; its GRPO loss function (train_rl.py: the clipped ratio, the KL, entropy "
@@ -245,21 +305,35 @@ PARALLEL_ROWS: tuple[Row, ...] = (
         applies=is_on("perform_rl_step")),
     Row(id="rl-context-parallel-token", flags=("--perform-rl-step", "--context-parallel-size"),
         given="--perform-rl-step with --context-parallel-size N (N > 1)", when="in token mode", support="refused",
+        brief="before Megatron-LM main dd8c825b3ad5, the GRPO loss is CP times too large under context parallelism.",
         text="Megatron-LM's GRPO loss function (train_rl.py) multiplies each micro-batch's summed loss by "
         "--context-parallel-size on every tested source before main@dd8c825b3ad5, while the token count it returns "
         "is the CP shard's: there the token-mode gradient would be CP times its target, and no test has run RL under "
         "CP on the sources without that factor.",
         instead="Train RL with --context-parallel-size 1, or with --ga-loss-reduction microbatch (without "
         "--calculate-per-token-loss).",
-        applies=in_token_mode(lambda s: s.on("perform_rl_step") and s.number("context_parallel_size") > 1)),
+        applies=in_token_mode(lambda s: s.on("perform_rl_step") and s.number("context_parallel_size") > 1),
+        upstream=(Upstream(
+            given="--perform-rl-step with --context-parallel-size N (N > 1) and --calculate-per-token-loss",
+            effect="Megatron-LM's GRPO loss multiplies each micro-batch's summed loss by CP while its token count is "
+            "the shard's, so the gradient is CP times the per-token target (every tested source before "
+            "main@dd8c825b3ad5)",
+            severity="wrong", fix="Train RL with --context-parallel-size 1, or from Megatron-LM main at or after "
+            "dd8c825b3ad5.",
+            applies=lambda s: s.on("calculate_per_token_loss") and s.on("perform_rl_step")
+            and s.number("context_parallel_size") > 1),)),
     Row(id="packed-sequences", flags=("--sft", "--dataloader-inter-document-masking"),
         given="packed sequences (THD: --sft, --dataloader-inter-document-masking)", support="limited",
+        brief="packed sequences (THD): each micro-batch still counts its own loss tokens. Not run by a test here.",
+        severity="info",
         text=f"each micro-batch's loss mask still counts its loss tokens, so N and its checks hold; {NOT_YET}.",
         applies=lambda s: s.on("sft") or s.on("dataloader_inter_document_masking")),
     # the sequence-packing scheduler in the loop (main after d98e8a64, #6742)
     Row(id="sequence-packing-scheduler", flags=("--sequence-packing-scheduler", "--use-varlen-dataset"),
         given="--sequence-packing-scheduler dp_balanced (--use-varlen-dataset selects it; main after d98e8a64)",
         support="limited",
+        brief="the packing scheduler's own micro-batch count is guarded per call; run on the CPU, not with TE "
+              "attention, MoE, VPP or CP.", severity="info",
         text="train_step repacks each step's GBS samples into THD micro-batches of the scheduler's own number "
         "(wrap_data_iterator) and calls the schedule with it: the micro-batch guard follows that count for each call "
         "(an integer >= 1, the one the scheduler returned; a call with another is stopped before it reads the packed "
@@ -276,6 +350,8 @@ PARALLEL_ROWS: tuple[Row, ...] = (
         or (s.on("use_varlen_dataset") and not s.on("varlen_sbhd_validation"))),
     Row(id="varlen-sbhd-validation", flags=("--varlen-sbhd-validation",),
         given="--use-varlen-dataset --varlen-sbhd-validation", support="limited",
+        brief="variable-length data padded to --seq-length: every check holds. Not run by a test here (it needs a "
+              "real dataset).", severity="info",
         text="no packing scheduler runs (Megatron refuses one there): samples are right-padded to --seq-length and "
         "each micro-batch's loss mask counts its loss tokens, as for any dataset, so the guards and N hold; it needs a "
         f"real dataset (Megatron refuses --mock-data there); {NOT_YET}.",

@@ -24,18 +24,24 @@ BATCH_ARITHMETIC = (
 STEP_ROWS: tuple[Row, ...] = (
     # the step and the schedule
     Row(id="iterations-to-skip", flags=("--iterations-to-skip",), given="--iterations-to-skip", support="limited",
+        brief="--iterations-to-skip consumes those steps' batches without training, as upstream does. Not run by a "
+              "test here.", severity="info",
         text="a listed iteration runs no forward/backward: its stage's global batch is consumed without training, "
         f"as upstream, with nothing to check; {NOT_YET}.",
         applies=lambda s: bool(s.names("iterations_to_skip"))),
     Row(id="fp16", flags=("--fp16", "--loss-scale", "--initial-loss-scale", "--min-loss-scale", "--loss-scale-window",
                           "--hysteresis"),
         given="--fp16", support="limited",
+        brief="--fp16: the loss scale is multiplied in and divided out, and overflow steps are skipped as upstream. "
+              "Not run here (needs a GPU).", severity="info",
         text="the loss scale (static --loss-scale, or the dynamic one's settings) multiplies the summed token loss "
         "before backward and the optimizer divides it out; an "
         "overflow step is skipped as upstream, and --ga-zero-token-policy skip skips a step the same way; "
         f"{NO_GPU}.",
         applies=is_on("fp16")),
     Row(id="bf16", flags=("--bf16",), given="--bf16", support="limited",
+        brief="--bf16: losses reach the loss function in fp32 and token counts are int64. Not run here (needs a GPU).",
+        severity="info",
         text=f"the losses reach the loss function in fp32 and the token count is int64; {NO_GPU}.",
         applies=is_on("bf16")),
     Row(id="per-token-loss", flags=("--calculate-per-token-loss",), given="--calculate-per-token-loss",
@@ -55,6 +61,8 @@ STEP_ROWS: tuple[Row, ...] = (
     Row(id="logits-distillation", flags=("--logits-load-dir", "--logits-load-kd-loss-alpha",
                                          "--logits-load-ignore-errors"),
         given="--logits-load-dir (offline distillation from cached teacher logits, 0.19 and later)", support="limited",
+        brief="offline distillation: the teacher KL and the LM loss are summed over loss tokens, so every token keeps "
+              "its weight. Not run by a test.", severity="info",
         text="pretrain_gpt's loss function returns alpha x the KL to the teacher's log-probabilities summed over the "
         "loss tokens plus (1 - alpha) x the summed LM loss (--logits-load-kd-loss-alpha), with the loss mask's token "
         "count, so every token keeps its weight; with --logits-load-ignore-errors a micro-batch whose teacher logits "
@@ -77,6 +85,8 @@ STEP_ROWS: tuple[Row, ...] = (
         applies=above_one("pipeline_model_parallel_size")),
     Row(id="deferred-embedding-wgrad", flags=("--defer-embedding-wgrad-compute", "--wgrad-deferral-limit"),
         given="--defer-embedding-wgrad-compute", support="limited",
+        brief="deferred output-layer gradients finish inside the step, before they are summed and divided. Not run by "
+              "a test here.", severity="info",
         text="the last stage computes the output layer's weight gradients of its last micro-batches during the "
         f"pipeline flush, inside the schedule and so before finalize sums and divides them; {NOT_YET}.",
         applies=is_on("defer_embedding_wgrad_compute")),
@@ -102,6 +112,8 @@ STEP_ROWS: tuple[Row, ...] = (
         applies=lambda s: bool(s.value("rampup_batch_size")) and s.convert_rampup),
     Row(id="rampup", flags=("--rampup-batch-size",), given="--rampup-batch-size without --ga-convert-rampup",
         support="limited",
+        brief="megatron-core >= 0.18 logs a deprecation warning and ignores --rampup-batch-size; --ga-convert-rampup "
+              "runs it as a step schedule.", severity="careful",
         text="megatron-core 0.18 and later ignore it and train at the constant --global-batch-size (0.16 and 0.17 "
         "run their own rampup); --ga-convert-rampup runs it as a step schedule.",
         applies=lambda s: bool(s.value("rampup_batch_size")) and not s.convert_rampup),
@@ -111,6 +123,8 @@ STEP_ROWS: tuple[Row, ...] = (
         given="the learning rate's warmup, decay and WSD lengths (--lr-warmup-samples or --lr-warmup-fraction, "
         "--lr-decay-samples, --lr-wsd-decay-samples; the --lr-*-iters)", when="with a batch-size schedule",
         support="limited",
+        brief="the learning rate's warmup and decay follow consumed samples across the stages; a test runs only "
+              "linear decay over --train-samples.", severity="careful",
         text="Megatron's scheduler counts samples, each step advancing it by that step's global batch size; with a "
         "batch-size schedule the extension requires the run's length in samples (--train-samples: --train-iters is "
         "refused, since Megatron would convert the --lr-*-iters lengths at one constant global batch), so these "
@@ -123,6 +137,8 @@ STEP_ROWS: tuple[Row, ...] = (
     Row(id="override-iteration-schedule", flags=("--override-ckpt-iteration", "--freeze-all-layers"),
         given="--override-ckpt-iteration (0.19 and later; --freeze-all-layers sets it on a resume)",
         when="with a batch-size schedule (--step-batch-size-schedule or --rampup-batch-size)", support="refused",
+        brief="--override-ckpt-iteration assumes one global batch size for every past step, so a scheduled run would "
+              "resume at the wrong stage.",
         text="Megatron sets consumed_train_samples = that iteration x args.global_batch_size, as if every step before "
         "it had one global batch size: under a batch-size schedule that is not what the run consumed by that "
         "iteration, so the resumed run would take another stage's batch from there, and its steps and samples would "
@@ -134,6 +150,8 @@ STEP_ROWS: tuple[Row, ...] = (
     Row(id="phase-transitions-schedule", flags=("--phase-transition-iterations",),
         given="--phase-transition-iterations", when="with a batch-size schedule (--step-batch-size-schedule or "
         "--rampup-batch-size)", support="refused",
+        brief="--phase-transition-iterations sizes each phase with one global batch size, so a schedule's phases "
+              "would get the wrong data.",
         text="Megatron puts each phase's boundaries at iteration x args.global_batch_size samples (its help: it "
         "requires a fixed global batch size across phases), to size each phase's dataset and to place a resumed run "
         "within its phase: under a batch-size schedule those are not the samples consumed by each transition "
@@ -154,6 +172,8 @@ STEP_ROWS: tuple[Row, ...] = (
                                                 "--non-persistent-global-ckpt-dir", "--non-persistent-local-ckpt-dir",
                                                 "--non-persistent-local-ckpt-algo"),
         given="--non-persistent-save-interval N (global or local non-persistent checkpoints)", support="limited",
+        brief="a resume from a non-persistent checkpoint restarts the noise-scale averages and the batch-size warmup. "
+              "Not run by a test here.", severity="careful",
         text="a resume from a non-persistent checkpoint restores the iteration, consumed samples and the schedule's "
         "stage as any checkpoint does, but the extension's sidecar (the --ga-noise-scale EMAs and "
         "--ga-batch-size-warmup auto's stages) is written next to persistent checkpoints only: resumed from a "
@@ -162,18 +182,24 @@ STEP_ROWS: tuple[Row, ...] = (
         applies=any_given("non_persistent_save_interval")),
     Row(id="finetune", flags=("--finetune", "--pretrained-checkpoint"),
         given="--finetune (or --pretrained-checkpoint, taken where --load holds no checkpoint)", support="limited",
+        brief="--finetune starts at iteration 0, so a batch-size schedule starts from its first stage. Not run by a "
+              "test here.", severity="info",
         text="Megatron loads the weights only and starts at iteration 0 with no consumed samples: a batch-size "
         "schedule runs from its first stage, and the noise-scale EMAs and --ga-batch-size-warmup auto start afresh "
         f"(iteration 0 reads no sidecar); {NOT_YET}.",
         applies=any_given("finetune", "pretrained_checkpoint")),
     Row(id="checkpoint-args", flags=("--use-checkpoint-args", "--use-mp-args-from-checkpoint-args"),
         given="--use-checkpoint-args or --use-mp-args-from-checkpoint-args", support="limited",
+        brief="--use-checkpoint-args may replace --seq-length and the parallel sizes, so this ledger can differ from "
+              "the run's. Not run by a test.", severity="careful",
         text="Megatron replaces the model's settings (layers, hidden size, --seq-length, ...) or its tensor- and "
         "pipeline-parallel sizes by the checkpoint's: the run's --seq-length (which turns a schedule's token "
         "thresholds into samples) and its layout (DP = world / (TP x PP x CP)) can then differ from the launch "
         f"line's, which megatron-ga check reads; install() checks the args Megatron runs with; {NOT_YET}.",
         applies=any_given("use_checkpoint_args", "use_mp_args_from_checkpoint_args")),
     Row(id="inprocess-restart", flags=("--inprocess-restart",), given="--inprocess-restart", support="limited",
+        brief="--inprocess-restart restarts training in the same process, and the extension's state carries over. Not "
+              "run by a test here.", severity="info",
         text="after a fault, nvidia-resiliency-ext restarts the wrapped training function in the same process: the "
         f"extension's installation (its patches and its state) carries over into the restarted run; {NOT_YET}.",
         applies=is_on("inprocess_restart")),

@@ -18,7 +18,7 @@ from megatron_ga_ext.core.numbers import format_count, parse_count, upstream_cou
 from megatron_ga_ext.errors import GAError, ScheduleError, ScheduleParseError
 
 __all__ = ["FLAG", "ScheduleProblem", "Stage", "StagePairs", "check_order", "number_stages", "parse_entries",
-           "stage_count"]
+           "schedule_text_errors", "stage_count"]
 
 FLAG = STEP_SCHEDULE.flag
 
@@ -122,6 +122,33 @@ def parse_entries(text: str, seq_length: int | None) -> tuple[Stage, ...]:
         raise ScheduleParseError(f"{FLAG} must be a string, got {type(text).__name__} {text!r}.")
     pieces = text.replace(",", " ").split()
     return tuple(_parse_entry(piece, i, seq_length) for i, piece in enumerate(pieces, 1))
+
+
+def schedule_text_errors(text: str, seq_length: int | None) -> list[GAError]:
+    """Every error of a schedule string, where :func:`parse_entries` and :func:`check_order` stop at the first: each
+    entry that does not parse, then (all parsed) the first entry's threshold and each pair out of order."""
+    if not isinstance(text, str):
+        return [ScheduleParseError(f"{FLAG} must be a string, got {type(text).__name__} {text!r}.")]
+    errors: list[GAError] = []
+    stages = []
+    for position, piece in enumerate(text.replace(",", " ").split(), 1):
+        try:
+            stages.append(_parse_entry(piece, position, seq_length))
+        except GAError as error:
+            errors.append(error)
+    if errors:
+        return errors
+    entries = tuple(stages)
+    try:
+        check_order(entries[:1], seq_length)
+    except GAError as error:
+        errors.append(error)
+    for previous, stage in itertools.pairwise(entries):
+        try:
+            _check_pair(previous, stage, entries, seq_length)
+        except GAError as error:
+            errors.append(error)
+    return errors
 
 
 def _parse_entry(piece: str, position: int, seq_length: int | None) -> Stage:

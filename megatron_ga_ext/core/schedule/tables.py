@@ -20,7 +20,8 @@ from megatron_ga_ext.core.schedule.stages import Stage
 from megatron_ga_ext.errors import UsageError
 
 __all__ = [
-    "TABLE_LIMIT", "StageRow", "StepInfo", "iter_steps", "run_totals", "table", "total_samples", "total_steps",
+    "TABLE_LIMIT", "StageRow", "StepInfo", "iter_steps", "run_totals", "samples_after_steps", "table", "total_samples",
+    "total_steps",
 ]
 
 #: A table lists at most this many stages (a long ramp is summarised instead: see StepSchedule.summary).
@@ -191,6 +192,24 @@ def run_totals(
         count = -(-(end - consumed) // per_step)
         consumed, steps = consumed + count * per_step, steps + count
     return steps, consumed - consumed_samples
+
+
+def samples_after_steps(schedule: Stages, micro_batch_size: int, data_parallel_size: int, steps: int) -> int:
+    """Consumed samples after ``steps`` steps from 0 (``--train-iters``): each stage it passes in closed form, so a
+    long ramp costs its used stages only."""
+    unit = require_positive_int("--micro-batch-size", micro_batch_size) * require_positive_int(
+        "--data-parallel-size", data_parallel_size)
+    entries, consumed, left = schedule.entries, 0, steps
+    while left > 0:
+        index = schedule.stage_index_at(consumed)
+        per_step = entries[index].global_batch_size // unit * unit
+        if per_step == 0:
+            raise zero_microbatch_error(entries[index], micro_batch_size, data_parallel_size)
+        taken = left
+        if index + 1 < schedule.num_stages:
+            taken = min(left, -(-(entries[index + 1].threshold_samples - consumed) // per_step))
+        consumed, left = consumed + taken * per_step, left - taken
+    return consumed
 
 
 def total_steps(rows: Sequence[StageRow]) -> int:
