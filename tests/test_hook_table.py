@@ -55,7 +55,7 @@ def test_install_wires_every_row_this_source_has_and_uninstall_puts_each_back():
     core = [hook for hook in hooks.HOOKS if hook.load == "import"]
     before = {hook.qualified: _live(hook) for hook in core}
     state = install(GAConfig())
-    replaced = {p.replacement for p in state.patches} | {p.replacement for p in state.attribute_patches}
+    replaced = {p.replacement for p in (*state.patches.globals, *state.patches.attributes)}
     for hook in core:
         present = before[hook.qualified] is not None and hook.found_in(__import__(hook.module, fromlist=["_"]))
         assert (_live(hook) in replaced) == present, hook.qualified

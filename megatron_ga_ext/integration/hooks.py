@@ -325,9 +325,9 @@ def wire(state: Installation, module_name: str | None = None) -> None:
         _check_host_targets(state, hook)
         owner, _, attribute = hook.name.rpartition(".")
         if owner:
-            state.patch_attribute(getattr(module, owner), attribute, lambda o, hook=hook: hook.wrap(o, state))
+            state.patches.patch_attribute(getattr(module, owner), attribute, lambda o, hook=hook: hook.wrap(o, state))
         else:
-            state.patch(hook.module, attribute, lambda o, hook=hook: hook.wrap(o, state))
+            state.patches.patch(hook.module, attribute, lambda o, hook=hook: hook.wrap(o, state))
 
 
 def _module_of(hook: Hook, state: Installation) -> ModuleType | bool | None:

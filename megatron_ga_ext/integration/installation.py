@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,6 +52,7 @@ from megatron_ga_ext.integration.loss_contract import LossContract, mean_of_mean
 from megatron_ga_ext.integration.lr_scaling import ScaledRates
 from megatron_ga_ext.integration.noise_scale import NoiseScaleMeter, check_core_layout
 from megatron_ga_ext.integration.noise_scale_sidecar import load_sidecar, save_sidecar
+from megatron_ga_ext.integration.patching import Patches
 from megatron_ga_ext.logs import get_logger
 
 if TYPE_CHECKING:
@@ -65,26 +65,6 @@ logger = get_logger(__name__)
 #: A loss function as Megatron's schedule calls it, and what wraps one (the contract's check or the mean report).
 LossFunction = Callable[..., Any]
 LossWrapper = Callable[[LossFunction], LossFunction]
-
-
-@dataclass
-class _GlobalPatch:
-    """A module global install() replaced, in one module's namespace."""
-
-    namespace: dict[str, Any]
-    name: str
-    original: Callable
-    replacement: Callable
-
-
-@dataclass
-class _AttributePatch:
-    """A class attribute install() replaced (a method: every instance looks it up on the class)."""
-
-    owner: type
-    name: str
-    original: Callable
-    replacement: Callable
 
 
 @dataclass(frozen=True)
@@ -117,8 +97,8 @@ class Installation:
     compat_problems: list[str] = field(default_factory=list)
     active: bool = True
     """False once uninstalled: a wrapper still referenced somewhere then calls straight through."""
-    patches: list[_GlobalPatch] = field(default_factory=list)
-    attribute_patches: list[_AttributePatch] = field(default_factory=list)
+    patches: Patches = field(default_factory=Patches)
+    """The module globals and class attributes install() replaced (patching.py)."""
     settled_hooks: set[str] = field(default_factory=set)
     """The hook table's rows wired (or absent from this source), by qualified name (hooks.wire)."""
     checked_modules: set[str] = field(default_factory=set)
@@ -431,25 +411,6 @@ class Installation:
         if note is not None:
             logger.warning(note)
 
-    # -- patching -------------------------------------------------------------------------------------------------
-
-    def patch(self, module_name: str, name: str, make: Callable[[Callable], Callable]) -> Callable:
-        """Replace ``module.name`` by ``make(original)`` there and in every module that bound it."""
-        module = sys.modules[module_name]
-        original = module.__dict__[name]
-        replacement = make(original)
-        for namespace in _namespaces_holding(original, name):
-            self.patches.append(_GlobalPatch(namespace, name, original, replacement))
-            namespace[name] = replacement
-        return replacement
-
-    def patch_attribute(self, owner: type, name: str, make: Callable[[Callable], Callable]) -> None:
-        """Replace the class attribute ``owner.name`` by ``make(original)``."""
-        original = owner.__dict__[name]
-        replacement = make(original)
-        self.attribute_patches.append(_AttributePatch(owner, name, original, replacement))
-        setattr(owner, name, replacement)
-
     def restore(self) -> None:
         """Every original back where install()'s replacement is still what is bound: in the modules patched, in
         modules imported since that bound it (``from x import y`` after install()), on classes, and in model configs
@@ -458,19 +419,11 @@ class Installation:
         self.active = False
         if self.finalize is not None:
             self.finalize.active = False
-        for a in reversed(self.attribute_patches):
-            if a.owner.__dict__.get(a.name) is a.replacement:
-                setattr(a.owner, a.name, a.original)
-        self.attribute_patches.clear()
-        for p in reversed(self.patches):
-            for namespace in [p.namespace, *_namespaces_holding(p.replacement, p.name)]:
-                if namespace.get(p.name) is p.replacement:
-                    namespace[p.name] = p.original
+        self.patches.restore()
         for adopted in self.configs:
             config = adopted.config()
             if config is not None and config.finalize_model_grads_func is adopted.replacement:
                 config.finalize_model_grads_func = adopted.original
-        self.patches.clear()
         self.configs.clear()
 
     def current(self) -> Installation | None:
@@ -514,12 +467,3 @@ class Installation:
             isinstance(function, FinalizeModelGrads) and not function.active
             and function.original is self.finalize.original)
 
-
-def _namespaces_holding(original: Callable, name: str) -> list[dict[str, Any]]:
-    """Globals of every loaded module that hold ``original`` under ``name`` (``from x import name``)."""
-    found = []
-    for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None)
-        if isinstance(namespace, dict) and namespace.get(name) is original:
-            found.append(namespace)
-    return found
