@@ -17,7 +17,6 @@ hooks share (the loss contract, the finalize wrapper, the forward-step counter, 
 
 from __future__ import annotations
 
-import functools
 import inspect
 import weakref
 from collections.abc import Callable
@@ -46,6 +45,7 @@ from megatron_ga_ext.integration.calculator_adoption import (
 )
 from megatron_ga_ext.integration.compat import live_calculator, megatron_args, set_live_calculator
 from megatron_ga_ext.integration.finalize import FinalizeModelGrads, describe_decision
+from megatron_ga_ext.integration.finalize_adoption import AdoptedFinalize, adopt_finalize
 from megatron_ga_ext.integration.guards import MicrobatchCounter, current_pipeline_size
 from megatron_ga_ext.integration.liveness import StepLiveness, unfinalized_message
 from megatron_ga_ext.integration.loss_contract import LossContract, mean_of_means_reports
@@ -65,15 +65,6 @@ logger = get_logger(__name__)
 #: A loss function as Megatron's schedule calls it, and what wraps one (the contract's check or the mean report).
 LossFunction = Callable[..., Any]
 LossWrapper = Callable[[LossFunction], LossFunction]
-
-
-@dataclass(frozen=True)
-class _AdoptedFinalize:
-    """A model config whose finalize_model_grads_func install() replaced: what it held, and what it holds since."""
-
-    config: weakref.ref[TransformerConfig]
-    original: Callable
-    replacement: Callable
 
 
 @dataclass(frozen=True)
@@ -103,7 +94,7 @@ class Installation:
     """The hook table's rows wired (or absent from this source), by qualified name (hooks.wire)."""
     checked_modules: set[str] = field(default_factory=set)
     """Host-loop modules whose fingerprinted targets were checked when they were wired."""
-    configs: list[_AdoptedFinalize] = field(default_factory=list)
+    configs: list[AdoptedFinalize] = field(default_factory=list)
     """Model configs whose finalize_model_grads_func install() set."""
     successor: Installation | None = None
     """The installation that replaced this one (install() with another config): see :meth:`current`."""
@@ -421,9 +412,7 @@ class Installation:
             self.finalize.active = False
         self.patches.restore()
         for adopted in self.configs:
-            config = adopted.config()
-            if config is not None and config.finalize_model_grads_func is adopted.replacement:
-                config.finalize_model_grads_func = adopted.original
+            adopted.restore()
         self.configs.clear()
 
     def current(self) -> Installation | None:
@@ -448,22 +437,9 @@ class Installation:
         return last.config
 
     def adopt_finalize(self, config: TransformerConfig | None) -> None:
-        """Give ``config`` the extension's finalize where it holds upstream's (set before install()) or an earlier
-        installation's (set before install() with another config), directly or in a ``functools.partial``."""
-        if self.finalize is None or config is None:
-            return
-        current = getattr(config, "finalize_model_grads_func", None)
-        partial = isinstance(current, functools.partial)
-        function = current.func if partial else current
-        if function is self.finalize or not self._is_upstream_finalize(function):
-            return
-        replacement = functools.partial(self.finalize, *current.args, **current.keywords) if partial else self.finalize
-        config.finalize_model_grads_func = replacement
-        self.configs.append(_AdoptedFinalize(weakref.ref(config), current, replacement))
-
-    def _is_upstream_finalize(self, function: object) -> bool:
-        """Upstream's finalize (the one this installation wraps), or an uninstalled installation's wrapper of it."""
-        return function is self.finalize.original or (
-            isinstance(function, FinalizeModelGrads) and not function.active
-            and function.original is self.finalize.original)
+        """Give ``config`` the extension's finalize where it holds upstream's or an earlier installation's, directly
+        or in a ``functools.partial`` (finalize_adoption.py)."""
+        adopted = None if self.finalize is None or config is None else adopt_finalize(self.finalize, config)
+        if adopted is not None:
+            self.configs.append(adopted)
 
