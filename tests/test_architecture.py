@@ -143,6 +143,26 @@ def test_testing_is_reached_only_from_verify_and_tests():
     assert reached == []
 
 
+#: The most lines a module of the package may have: a module per job (STYLE.md); split one that grows past it.
+MAX_LINES = 450
+
+
+def test_no_module_is_over_the_line_cap():
+    long = [f"{path.relative_to(PACKAGE.parent)}: {length} lines" for path in sorted(MODULES.values())
+            if (length := len(path.read_text().splitlines())) > MAX_LINES]
+    assert long == [], f"modules over {MAX_LINES} lines (split each by job): {', '.join(long)}"
+
+
+def test_the_line_cap_names_a_long_module_and_its_length(tmp_path, monkeypatch):
+    path = tmp_path / "megatron_ga_ext" / "core" / "long.py"
+    path.parent.mkdir(parents=True)
+    path.write_text("x = 1\n" * (MAX_LINES + 1))
+    monkeypatch.setattr(sys.modules[__name__], "MODULES", {"megatron_ga_ext.core.long": path})
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path / "megatron_ga_ext")
+    with pytest.raises(AssertionError, match=rf"megatron_ga_ext/core/long\.py: {MAX_LINES + 1} lines"):
+        test_no_module_is_over_the_line_cap()
+
+
 def test_the_checks_see_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
     """The rules above can fail: a planted cycle and a planted upward import are found."""
     fake = {"megatron_ga_ext.core.a": "from megatron_ga_ext.core.b import x\n",
