@@ -20,7 +20,7 @@ def test_the_overrides_give_the_ledger_and_the_recipes_values_are_said_to_be_unr
                                 "global_batch_size", "num_microbatches")] == [16, 2, 8, 2, 512, 32]
     assert ledger["seq_length"] == 4096
     assert data["problems"] == []
-    assert data["kind"] == "Megatron-Bridge"
+    assert data["kind"] == "a Megatron-Bridge launch"
     assert re.match(r"a Megatron-Bridge launch: 7 field\(s\) set by its overrides; the recipe's own values are not "
                     r"on the line", data["notes"][0]["text"])
     assert "install() turns on model.calculate_per_token_loss" in data["notes"][1]["text"]
@@ -40,10 +40,14 @@ def test_refusals_name_bridges_fields(cli):
     assert "--ga-convert-rampup" not in out.out and "Pass ga.convert_rampup" not in out.out  # Megatron-LM's advice
 
 
-def test_without_bridge_the_overrides_are_not_read(cli):
+def test_a_run_recipe_line_is_read_as_bridge_without_the_flag(cli):
+    """Issue 38: a run_recipe.py line without --bridge said "--micro-batch-size is missing"."""
     out = cli("check", "--json", "--", *RECIPE, "train.micro_batch_size=2", "train.global_batch_size=512")
-    assert not any("Megatron-Bridge" in note for note in json.loads(out.out)["notes"])
-    assert (json.loads(out.out)["ledger"] or {}).get("micro_batch_size") != 2
+    data = json.loads(out.out)
+    assert out.status == 0 and data["kind"] == "a Megatron-Bridge launch", out.out
+    assert data["ledger"]["micro_batch_size"] == 2 and data["ledger"]["global_batch_size"] == 512
+    out = cli("check", "--json", "--", " ".join([*RECIPE, "train.micro_batch_size=2"]))  # one pasted line
+    assert json.loads(out.out)["ledger"]["micro_batch_size"] == 2
 
 
 def test_a_converted_rampup_is_checked_as_its_schedule_under_bridges_names(cli):

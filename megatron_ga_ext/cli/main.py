@@ -24,7 +24,7 @@ from megatron_ga_ext.core.layout import BatchLayout
 from megatron_ga_ext.core.megatron_flags import LAUNCHER_OPTIONS, MEGATRON_OPTIONS, VIRTUAL_PIPELINE, Option
 from megatron_ga_ext.core.numbers import read_int
 from megatron_ga_ext.errors import GAError, UsageError
-from megatron_ga_ext.launch.bridge_line import bridge_check
+from megatron_ga_ext.launch.bridge_line import bridge_check, is_bridge_line
 from megatron_ga_ext.launch.check import check_launch
 from megatron_ga_ext.launch.ledger import LEDGER_RULES
 from megatron_ga_ext.launch.line import Launch, layout_kwargs, parse_launch
@@ -113,8 +113,9 @@ def _configure_check(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", metavar="N", help="the world size, where the launch line leaves it open")
     parser.add_argument("--json", action="store_true", help="print the ledger and the problems as JSON")
     parser.add_argument("--bridge", action="store_true",
-                        help="a Megatron-Bridge launch (run_recipe.py, or a script that calls ga_bridge.install): "
-                             "read its section.field=value overrides (docs/bridge.md)")
+                        help="a Megatron-Bridge launch: read its section.field=value overrides (docs/bridge.md); "
+                             "a run_recipe.py line is read so without it, another script that calls "
+                             "ga_bridge.install needs it")
     parser.add_argument("launch", nargs=argparse.REMAINDER, help="-- then the whole launch line")
 
 
@@ -123,7 +124,10 @@ def _run_check(args: argparse.Namespace) -> int:
     if not tokens:
         raise UsageError("give the launch line after --: megatron-ga check -- torchrun ... pretrain_gpt.py ...")
     world_size = None if args.world_size is None else read_int(BY_DEST["world_size"].flag, args.world_size)
-    report = bridge_check(tokens, world_size) if args.bridge else check_launch(parse_launch(tokens), world_size)
+    if args.bridge or is_bridge_line(tokens):
+        report = bridge_check(tokens, world_size)
+    else:
+        report = check_launch(parse_launch(tokens), world_size)
     if args.json:
         print(json.dumps(report.json(), indent=2))
     else:
@@ -131,8 +135,14 @@ def _run_check(args: argparse.Namespace) -> int:
     return 1 if report.problems else 0
 
 
+#: A rampup's equivalent schedule is printed up to this many stages (--json always gives it).
+_LISTED_EQUIVALENT = 12
+
+
 def print_report(report: Report) -> None:
     """The ledger (with where each number came from), the stage table, the notes (worst first), the problems."""
+    if report.kind != "a launch line":
+        print(f"read as {report.kind}")
     title = "megatron-ga check: ledger of the launch"
     if report.ledger_stage:
         title += f", at {report.ledger_stage}"
@@ -149,9 +159,12 @@ def print_report(report: Report) -> None:
                          f"{table.data_parallel_size}", seq=table.seq_length, train_samples=table.train_samples,
                          run_length=table.run_length,
                          bubble=table.bubble if table.pipeline_model_parallel_size > 1 else None)
-        if table.equivalent is not None:
+        if table.equivalent is not None and table.rows is not None and len(table.rows) <= _LISTED_EQUIVALENT:
             unit = "tokens" if table.seq_length else "samples"
             print(f'as a step schedule (thresholds in {unit}): --step-batch-size-schedule "{table.equivalent}"')
+        elif table.equivalent is not None:
+            print("as a step schedule: check --json gives it (stages.equivalent_schedule), as does megatron-ga "
+                  "schedule --from-rampup")
     notes = sorted(report.notes, key=lambda n: SEVERITIES.index(n.severity))
     if notes:
         print(f"\n{len(notes)} note(s):")

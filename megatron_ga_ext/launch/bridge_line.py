@@ -19,6 +19,7 @@ What the scripts read besides, in their order (a later one wins, as the scripts 
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import replace
 from typing import Any
 
@@ -30,7 +31,10 @@ from megatron_ga_ext.launch.check import check_launch
 from megatron_ga_ext.launch.line import ga_values, parse_int, parse_launch
 from megatron_ga_ext.launch.report import Note, Problem, Report, problem_of
 
-__all__ = ["bridge_check", "bridge_tokens"]
+__all__ = ["RECIPE_SCRIPT", "bridge_check", "bridge_tokens", "is_bridge_line"]
+
+#: Megatron-Bridge's launch script, recognised without ``--bridge``.
+RECIPE_SCRIPT = "run_recipe.py"
 
 #: Where Bridge holds what check's messages name without an override of it.
 _FIELDS = {"--calculate-per-token-loss": "model.calculate_per_token_loss",
@@ -38,9 +42,20 @@ _FIELDS = {"--calculate-per-token-loss": "model.calculate_per_token_loss",
            "--rampup-batch-size": "train.rampup_batch_size"}
 
 
+def is_bridge_line(tokens: list[str]) -> bool:
+    """The line runs Megatron-Bridge's run_recipe.py (in one word or a pasted line)."""
+    words = tokens[0].split() if len(tokens) == 1 else tokens
+    return any(word.rstrip("\\;").endswith(RECIPE_SCRIPT) for word in words)
+
+
 def bridge_check(tokens: list[str], world_size: int | None) -> Report:
     """The report of a Bridge launch line: Megatron-LM's line it configures, checked as one with the extension on,
     with Bridge's refusals (config/bridge_rules.py), every flag named as Bridge's field."""
+    if len(tokens) == 1 and " " in tokens[0].strip():
+        try:
+            tokens = shlex.split(tokens[0].replace("\\\n", " "), comments=True)
+        except ValueError as error:
+            raise UsageError(f"the launch line cannot be split like a shell line: {error}.") from None
     line, fields, files = bridge_tokens(tokens)
     launch = parse_launch(line)
     launch.entry = True  # the script calls ga_bridge.install(cfg)
@@ -60,7 +75,7 @@ def bridge_check(tokens: list[str], world_size: int | None) -> Report:
                  "default.", link="docs/bridge.md")
     notes = [first, *(replace(n, text=bridge_names(n.text, names)) for n in report.notes)]
     return replace(report, problems=tuple(_renamed(p, names) for p in (*report.problems, *bridge)),
-                   notes=tuple(notes), kind="Megatron-Bridge")
+                   notes=tuple(notes), kind="a Megatron-Bridge launch")
 
 
 def _renamed(problem: Problem, names: dict[str, str]) -> Problem:

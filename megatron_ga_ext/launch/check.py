@@ -32,6 +32,8 @@ from megatron_ga_ext.launch.problems import (
     upstream_findings,
 )
 from megatron_ga_ext.launch.report import Edit, Found, Note, Problem, Report, StageTable, problem_of
+from megatron_ga_ext.launch.yaml_cfg import FLAG as YAML_FLAG
+from megatron_ga_ext.launch.yaml_cfg import with_yaml
 
 __all__ = ["check_launch", "launch_problems"]
 
@@ -47,9 +49,12 @@ def check_launch(launch: Launch, world_size: int | None = None) -> Report:
 
     Raises UsageError where the line cannot be read at all (no world size, a value that is not a number).
     """
+    launch, yaml_problems, yaml_notes = with_yaml(launch)
     report = _gather(launch, world_size)
     problems = tuple(_checked_fix(launch, world_size, p, report.problems) for p in report.problems)
-    return replace(report, problems=problems)
+    if yaml_notes:
+        report = replace(report, kind=f"{report.kind} with its {YAML_FLAG} file", notes=(*yaml_notes, *report.notes))
+    return replace(report, problems=(*yaml_problems, *problems))
 
 
 @dataclass
@@ -64,7 +69,7 @@ def _gather(launch: Launch, world_size: int | None) -> Report:
     read = read_layout(launch, world_size, missing_ok=True)
     kwargs = dict(read.kwargs)
     found = Found()
-    found.add(*read.read_problems, *line_problems(launch), *train_length_problems(launch))
+    found.add(*launch.read_problems, *read.read_problems, *line_problems(launch), *train_length_problems(launch))
     schedule, runs, schedule_problems = launch_schedule(launch, read)
     plan = _Schedule(schedule, runs, _schedule_source(launch, runs))
     probe = {**kwargs, "global_batch_size": None} if runs else kwargs
@@ -77,7 +82,7 @@ def _gather(launch: Launch, world_size: int | None) -> Report:
     found.add(*(problem_of(e, "layer-split") for e in read.problems))
     found.add(*(_layout_problem(e) for e in layout_errors))
     found.add(*schedule_problems)
-    notes = [*launch_notes(launch), *upstream_notes]
+    notes = [*launch_notes(launch), *upstream_notes, *launch.read_notes, *read.read_notes]
     table, stage = None, None
     if layout is not None and schedule is not None:
         stages = stage_problems(schedule, layout)
@@ -94,7 +99,8 @@ def _gather(launch: Launch, world_size: int | None) -> Report:
     found.problems = [_train_length_edit(p, launch, table) for p in found.problems]
     sources = ledger_sources(kwargs, launch.spelled, _batch_source(plan, stage))
     return Report(ledger=ledger, sources=sources, ledger_stage=_stage_label(plan, table, stage, kwargs),
-                  layout=ledger_layout, stages=table, problems=tuple(found.problems), notes=tuple(notes))
+                  layout=ledger_layout, stages=table, problems=tuple(found.problems), notes=tuple(notes),
+                  kind=launch.read_as)
 
 
 def _layout_problem(error: GAError) -> Problem:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import itertools
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +24,9 @@ from megatron_ga_ext.core.megatron_flags import LAUNCHER_OPTIONS, NOT_MEGATRON, 
 from megatron_ga_ext.core.numbers import read_int
 from megatron_ga_ext.errors import GAError, UsageError
 from megatron_ga_ext.launch.layer_split import LayerSplit, VirtualPipeline, virtual_pipeline
-from megatron_ga_ext.launch.report import Edit, Problem
+from megatron_ga_ext.launch.report import Edit, Note, Problem
+from megatron_ga_ext.launch.script import is_script, read_script
+from megatron_ga_ext.launch.slurm import Slurm, read_slurm, slurm_world, torchrun_under_slurm
 
 __all__ = ["Launch", "LaunchLayout", "UsageError", "ga_values", "layout_kwargs", "parse_int", "parse_launch",
            "read_layout"]
@@ -50,6 +53,14 @@ class Launch:
     """Flags no Megatron parser defines (NOT_MEGATRON), with their values."""
     entry: bool = False
     """The line runs the drop-in entry: ``python -m megatron_ga_ext SCRIPT`` or ``torchrun ... -m megatron_ga_ext``."""
+    slurm: Slurm = field(default_factory=Slurm)
+    """srun's (sbatch's, salloc's) options and the allocation's, where Slurm starts the line."""
+    read_as: str = "a launch line"
+    """How the words were read: a launch line, a pasted script (its arrays expanded)."""
+    read_notes: list[Note] = field(default_factory=list)
+    """What reading the line found besides its flags: variables taken from the environment."""
+    read_problems: list[Problem] = field(default_factory=list)
+    """What the shell would do apart from the launch: a continuation line it runs as a command of its own."""
 
     @property
     def extension(self) -> bool:
@@ -93,14 +104,25 @@ def _normalize(flag: str) -> str:
     return "--" + flag[2:].replace("_", "-")
 
 
-def parse_launch(tokens: list[str]) -> Launch:
-    """Collect the declared flags of ``tokens``; a single token holding a whole line is split like a shell."""
-    if len(tokens) == 1 and " " in tokens[0].strip():
-        try:  # as the shell reads a pasted script: line continuations joined, comments dropped
+def parse_launch(tokens: list[str], environment: Mapping[str, str] | None = None) -> Launch:
+    """Collect the declared flags of ``tokens``; a single token holding a whole line is split like a shell, and a
+    pasted script is read as the shell reads it (launch/script.py; ``environment`` stands in for os.environ)."""
+    launch = Launch()
+    sbatch: list[str] = []
+    if len(tokens) == 1 and is_script(tokens[0]):
+        script = read_script(tokens[0], environment)
+        tokens, sbatch = script.words, script.sbatch
+        launch.read_as = "a pasted script, its arrays and variables expanded as bash expands them"
+        launch.read_notes += [Note(severity="info", text=f"${name} is {value}, from the environment check runs in.")
+                              for name, value in script.from_environment.items()]
+        launch.read_problems += [_orphan(words) for words in script.orphans]
+    elif len(tokens) == 1 and " " in tokens[0].strip():
+        try:  # as the shell reads a line: line continuations joined, comments dropped
             tokens = shlex.split(tokens[0].replace("\\\n", " "), comments=True)
         except ValueError as error:
             raise UsageError(f"the launch line cannot be split like a shell line: {error}.") from None
-    launch, i = Launch(), 0
+    launch.slurm = read_slurm(tokens, sbatch, environment)
+    i = launch.slurm.program_index or 0
     launch.entry = any(a in ("-m", "--module") and b == ENTRY for a, b in itertools.pairwise(tokens))
     while i < len(tokens):
         token, i = tokens[i], i + 1
@@ -113,6 +135,14 @@ def parse_launch(tokens: list[str]) -> Launch:
         elif flag in OPTIONS:
             i = _read(launch, OPTIONS[flag], flag, name, tokens, i, inline if eq else None)
     return launch
+
+
+def _orphan(words: str) -> Problem:
+    first = words.split()[0]
+    return Problem(
+        message=f"the script runs '{words[:80]}' as a command of its own: the line before it does not end with '\\', "
+        f"so the launch never gets {first} and what follows it. End the line before with '\\'.",
+        rule="script-continuation", flag=first, fix="End the line before with '\\'.")
 
 
 def _read(launch: Launch, option: Option, flag: str, name: str, tokens: list[str], i: int, inline: str | None) -> int:
@@ -196,7 +226,8 @@ class LaunchLayout:
     seq_problems: list[str] = field(default_factory=list)
     read_problems: list[Problem] = field(default_factory=list)
     """What the line leaves out or contradicts: no --micro-batch-size, a check --world-size the line disagrees
-    with (``missing_ok`` reads only)."""
+    with, a Slurm start that splits the world (``missing_ok`` reads only)."""
+    read_notes: list[Note] = field(default_factory=list)
 
     @property
     def problems(self) -> list[GAError]:
@@ -222,8 +253,9 @@ def read_layout(launch: Launch, world_size: int | None = None, *, missing_ok: bo
     ints = read_ints(launch)
     kwargs: dict[str, object] = {name: ints.get(BY_DEST[name].dest) for name in FLAGS if name in BY_DEST}
     given: dict[str, str] = {}
-    read_problems: list[Problem] = []
-    kwargs["world_size"] = _checked_world(launch, ints, given, world_size, read_problems if missing_ok else None)
+    found = _Found() if missing_ok else None
+    kwargs["world_size"] = _checked_world(launch, ints, given, world_size, found)
+    read_problems = found.problems if found is not None else []
     if kwargs["micro_batch_size"] is None:
         if not missing_ok:
             raise UsageError(MISSING_MICRO_BATCH)
@@ -243,22 +275,23 @@ def read_layout(launch: Launch, world_size: int | None = None, *, missing_ok: bo
         if flag in launch.spelled and launch.spelled[flag] != flag and name not in given:
             given[name] = launch.spelled[flag]
     kwargs["given"] = given
-    return LaunchLayout(kwargs=kwargs, virtual_pipeline=vpp, seq_problems=seq_problems, read_problems=read_problems)
+    return LaunchLayout(kwargs=kwargs, virtual_pipeline=vpp, seq_problems=seq_problems, read_problems=read_problems,
+                        read_notes=found.notes if found is not None else [])
 
 
 def _checked_world(launch: Launch, ints: dict[str, int], given: dict[str, str], world_size: int | None,
-                   problems: list[Problem] | None) -> int:
+                   found: _Found | None) -> int:
     """The world size: the line's, else ``world_size`` (check's --world-size). With ``problems`` (check), a
     ``world_size`` the line contradicts (its own --world-size or --nnodes x --nproc-per-node, or one that is not a
     multiple of --nproc-per-node where --nnodes is left open) is a problem, and the line's world is kept; without
     ``problems``, ``world_size`` wins."""
     if world_size is None:
-        return _world_size(launch, ints, given)
-    if problems is None:
+        return _world_size(launch, ints, given, found)
+    if found is None:
         return world_size
     check = f"megatron-ga check --world-size {world_size}"
     try:
-        line_world = _world_size(launch, ints, given)
+        line_world = _world_size(launch, ints, given, found)
     except UsageError:
         line_world = None
     nproc = launch.get("--nproc-per-node")
@@ -274,7 +307,7 @@ def _checked_world(launch: Launch, ints: dict[str, int], given: dict[str, str], 
     else:
         line_given = given.get("world_size", f"--world-size {line_world}")
         reason = f"contradicts the line, whose {line_given} start {line_world:,} ranks"
-    problems.append(Problem(
+    found.problems.append(Problem(
         message=f"{check} {reason}: the ledger shows the line's {line_world:,}. Drop check's --world-size, or change "
         f"the line's launcher flags.", rule="world-size-contradiction", flag="--world-size", value=str(world_size),
         fix="Drop check's --world-size, or change the line's launcher flags."))
@@ -322,16 +355,22 @@ def _seq_length(launch: Launch, ints: dict[str, int], kwargs: dict[str, object],
     return []
 
 
-def _world_size(launch: Launch, ints: dict[str, int], given: dict[str, str]) -> int:
-    """--world-size, else the launcher's --nnodes x --nproc-per-node; ``given`` records the flags used."""
+def _world_size(launch: Launch, ints: dict[str, int], given: dict[str, str], found: _Found | None = None) -> int:
+    """--world-size, else torchrun's --nnodes x --nproc-per-node, else Slurm's tasks; ``given`` records the flags
+    used, ``found`` (check) what Slurm's start changes."""
     if "world_size" in ints:
         return ints["world_size"]
     nproc_flag = launch.name("--nproc-per-node")
     nnodes, nproc = launch.get("--nnodes"), launch.get("--nproc-per-node")
+    if nproc is None and launch.slurm.launcher == "srun" and launch.slurm.values:
+        world, given["world_size"], notes = slurm_world(launch.slurm, careful=found is not None)
+        if found is not None:
+            found.notes += notes
+        return world
     if nproc is None:
         raise UsageError(
-            "the world size is unknown: give torchrun's --nproc-per-node (and --nnodes), or "
-            "megatron-ga check --world-size N -- <launch line>."
+            "the world size is unknown: give torchrun's --nproc-per-node (and --nnodes), srun's --nodes and "
+            "--ntasks-per-node, or megatron-ga check --world-size N -- <launch line>."
         )
     if nproc.strip() in ("gpu", "cpu", "auto", "xpu"):  # torchrun's own choices
         raise UsageError(
@@ -342,7 +381,18 @@ def _world_size(launch: Launch, ints: dict[str, int], given: dict[str, str]) -> 
     nodes = _nnodes(launch, nnodes)
     given["world_size"] = f"{launch.name('--nnodes')} {nodes} x {nproc_flag} {per_node}" if nnodes is not None \
         else f"{nproc_flag} {per_node}"
+    if found is not None:
+        found.problems += torchrun_under_slurm(launch.slurm, launch.name("--nnodes"),
+                                               nodes if nnodes is not None else None)
     return nodes * per_node
+
+
+@dataclass
+class _Found:
+    """What reading the world size finds besides the number (check only)."""
+
+    problems: list[Problem] = field(default_factory=list)
+    notes: list[Note] = field(default_factory=list)
 
 
 def _nnodes(launch: Launch, text: str | None) -> int:

@@ -186,8 +186,8 @@ class Report:
     stages: StageTable | None
     problems: tuple[Problem, ...]
     notes: tuple[Note, ...]
-    kind: str = "Megatron-LM"
-    """What the line was read as: Megatron-LM, Megatron-Bridge, a pasted script, --yaml-cfg."""
+    kind: str = "a launch line"
+    """What the words were read as: a launch line, a pasted script, a Megatron-Bridge launch, a --yaml-cfg file."""
 
     def json(self) -> dict[str, Any]:
         return {"kind": self.kind, "ledger": self.ledger, "sources": self.sources, "ledger_stage": self.ledger_stage,
