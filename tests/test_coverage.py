@@ -15,8 +15,8 @@ import pytest
 
 from megatron_ga_ext.cli.main import main
 from megatron_ga_ext.config.coverage import ROWS, Setting, coverage_doc, verdict
-from megatron_ga_ext.config.flags import OPTIONS
-from megatron_ga_ext.config.ga_config import GA_FIELDS, GAConfig
+from megatron_ga_ext.config.flags import GA_FLAGS, OPTIONS
+from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.core.megatron_flags import COVERED_OPTIONS, MEGATRON_OPTIONS, Option
 from megatron_ga_ext.errors import CoverageError
 
@@ -43,10 +43,9 @@ class Refusal:
 
     def ga_flags(self) -> list[str]:
         """The ``--ga-*`` flags of :attr:`ga` (a switch by its spelling: ``--no-ga-guards`` for guards False)."""
-        options = {name: option for option, name in GA_FIELDS.items()}
         words: list[str] = []
         for name, value in self.ga.items():
-            spellings = options[name].spellings
+            spellings = GA_FLAGS[name].spellings
             words += [spellings[0] if value else spellings[-1]] if isinstance(value, bool) else [spellings[0], value]
         return words
 

@@ -210,22 +210,17 @@ def _declared(flags: type) -> tuple[GAFlag, ...]:
 GA_OPTIONS: tuple[GAFlag, ...] = _declared(GAFlags)
 #: Each --ga-* flag by its GAConfig field.
 GA_FLAGS: dict[str, GAFlag] = {option.field: option for option in GA_OPTIONS}
-#: GAConfig field of each --ga-* flag.
-GA_FIELDS: dict[GAFlag, str] = {option: option.field for option in GA_OPTIONS}
 
 # The flags other modules name (a new flag needs no line here unless a rule between flags names it).
 LOSS_REDUCTION = GA_FLAGS["loss_reduction"]
 ZERO_TOKEN_POLICY = GA_FLAGS["zero_token_policy"]
-STRICT = GA_FLAGS["strict"]
 CONVERT_RAMPUP = GA_FLAGS["convert_rampup"]
 GUARDS = GA_FLAGS["guards"]
 CHECKS = GA_FLAGS["checks"]
 NOISE_SCALE = GA_FLAGS["noise_scale"]
-NOISE_SCALE_DECAY = GA_FLAGS["noise_scale_decay"]
 NOISE_SCALE_TRACE = GA_FLAGS["noise_scale_trace"]
 LR_SCALING = GA_FLAGS["lr_scaling"]
 BATCH_SIZE_WARMUP = GA_FLAGS["batch_size_warmup"]
-BATCH_SIZE_WARMUP_TRUST = GA_FLAGS["batch_size_warmup_trust"]
 BATCH_SIZE_WARMUP_MAX = GA_FLAGS["batch_size_warmup_max"]
 
 #: Every flag by its spelling (a negatable switch under both).

@@ -7,12 +7,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from megatron_ga_ext.config.flags import GA_FIELDS, GA_OPTIONS, GAFlags
+from megatron_ga_ext.config.flags import GA_OPTIONS, GAFlags
 from megatron_ga_ext.config.launch_rules import check_launch
 from megatron_ga_ext.config.megatron_args import MegatronArgs
 from megatron_ga_ext.core.schedule.rampup import rampup_triple
 
-__all__ = ["GA_FIELDS", "GAConfig"]
+__all__ = ["GAConfig"]
 
 
 @dataclass(kw_only=True, frozen=True)

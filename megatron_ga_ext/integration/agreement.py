@@ -23,8 +23,8 @@ from typing import Any
 
 from megatron_ga_ext.config.coverage import Verdict
 from megatron_ga_ext.config.coverage import enforce as enforce_coverage
-from megatron_ga_ext.config.flags import BY_DEST, CONVERT_RAMPUP
-from megatron_ga_ext.config.ga_config import GA_FIELDS, GAConfig
+from megatron_ga_ext.config.flags import BY_DEST, CONVERT_RAMPUP, GA_OPTIONS
+from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.config.megatron_args import MegatronArgs
 from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
 from megatron_ga_ext.errors import GAError, GuardError
@@ -39,7 +39,7 @@ logger = get_logger(__name__)
 BATCH_FLAGS = (
     "micro_batch_size", "global_batch_size", "rampup_batch_size", "step_batch_size_schedule",
     "decrease_batch_size_if_needed", "seq_length", "train_samples", "calculate_per_token_loss",
-    *(option.dest for option in GA_FIELDS),
+    *(option.dest for option in GA_OPTIONS),
 )
 DATA_PARALLEL = "data-parallel size"
 
@@ -57,8 +57,8 @@ def batch_settings(args: argparse.Namespace | None = None, config: GAConfig | No
         if view.get("data_parallel_size", None) is not None:
             settings[DATA_PARALLEL] = _shown(view.get("data_parallel_size"))
     elif config is not None:
-        for option, name in GA_FIELDS.items():
-            settings[option.flag] = _shown(getattr(config, name))
+        for option in GA_OPTIONS:
+            settings[option.flag] = _shown(getattr(config, option.field))
         for dest in ("step_batch_size_schedule", "rampup_batch_size", "seq_length"):
             settings[BY_DEST[dest].flag] = _shown(getattr(config, dest))
     if calculator is not None:
