@@ -87,12 +87,9 @@ def own_main(num_microbatches: int, model: str = "gpt", seconds: float = OWN_SEC
 def _setup(num_microbatches: int, model: str, data_parallel_size: int) -> tuple:
     """(DDP model, its config, layout, VerifyConfig, global batch, loss) of verify's harness, per-token loss."""
     from megatron_ga_ext.integration.loss_contract import masked_loss
-    from megatron_ga_ext.verify.harness import (
-        VerifyConfig,
-        build_ddp,
-        init_model_parallel,
-    )
+    from megatron_ga_ext.verify.harness import VerifyConfig, build_ddp
     from megatron_ga_ext.verify.layouts import Layout, make_global_batch
+    from megatron_ga_ext.verify.models import init_model_parallel
 
     cfg = VerifyConfig()
     layout = Layout(data_parallel_size=data_parallel_size, num_microbatches=num_microbatches, model=model)

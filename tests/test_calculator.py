@@ -5,8 +5,8 @@ import logging
 import pytest
 
 from megatron_ga_ext import StepSchedule
-from megatron_ga_ext.core.schedule.step_schedule import ScheduleWarning, Stage
-from megatron_ga_ext.errors import InterleaveError, ScheduleError, SizeError
+from megatron_ga_ext.core.schedule.stages import Stage
+from megatron_ga_ext.errors import InterleaveError, ScheduleError, ScheduleWarning, SizeError
 from megatron_ga_ext.integration.calculator import StepScheduleCalculator
 
 SCALE_UP = "0:256 200000:512 600000:1024 1500000:2048 3000000:4096 6000000:6144"

@@ -89,11 +89,11 @@ def _rank_main(args: argparse.Namespace) -> dict:
         VerifyConfig,
         build_ddp,
         gradients,
-        init_model_parallel,
         relative_error,
         train_step,
     )
     from megatron_ga_ext.verify.layouts import Layout
+    from megatron_ga_ext.verify.models import init_model_parallel
     from megatron_ga_ext.verify.references import reference_grads
 
     cfg = VerifyConfig()

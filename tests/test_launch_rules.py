@@ -9,14 +9,14 @@ import shlex
 
 import pytest
 
-from megatron_ga_ext.config import install_check, launch_rules
+from megatron_ga_ext.config import launch_rules
 from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.config.install_check import check_args
 from megatron_ga_ext.config.launch_rules import BETWEEN, check_launch, launch_errors
 from megatron_ga_ext.config.megatron_args import MegatronArgs
 from megatron_ga_ext.errors import GAError, OptionError, ScheduleError
-from megatron_ga_ext.launch.line import parse_launch
 from megatron_ga_ext.launch.check import launch_problems
+from megatron_ga_ext.launch.line import parse_launch
 
 LINE = ("torchrun --nproc_per_node 8 --nnodes 2 pretrain_gpt.py --calculate-per-token-loss --micro-batch-size 1 "
         "--seq-length 2048 --train-samples 100000")
@@ -115,10 +115,6 @@ def test_without_megatrons_args_only_the_rules_of_the_flags_run():
 
 
 def test_the_rule_pass_is_the_only_one():
-    """install()'s check_args is config/install_check.py's (integration only re-exports it), and every rule
-    between flags is one entry of launch_rules.BETWEEN."""
-    from megatron_ga_ext.integration import installation
-
-    assert installation.check_args is install_check.check_args
+    """Every rule between flags is one entry of launch_rules.BETWEEN."""
     assert all(rule.reads and callable(rule.check) for rule in BETWEEN)
     assert not hasattr(launch_rules, "check_noise_scale") and not hasattr(launch_rules, "check_batch_size_warmup")

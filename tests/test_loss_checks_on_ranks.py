@@ -164,8 +164,9 @@ def _run_scenarios():
     from megatron.core import parallel_state
 
     from megatron_ga_ext.testing.shims import cpu_shims
-    from megatron_ga_ext.verify.harness import VerifyConfig, init_model_parallel
+    from megatron_ga_ext.verify.harness import VerifyConfig
     from megatron_ga_ext.verify.layouts import DEFAULT_LAYOUTS, make_global_batch
+    from megatron_ga_ext.verify.models import init_model_parallel
     from megatron_ga_ext.verify.references import reference_grads
 
     cfg = VerifyConfig(progress=False)

@@ -8,8 +8,8 @@ import pytest
 from megatron_ga_ext import GAConfig
 from megatron_ga_ext.config.launch_rules import check_noise_scale_layout
 from megatron_ga_ext.errors import OptionError
-from megatron_ga_ext.launch.line import parse_launch
 from megatron_ga_ext.launch.check import launch_problems
+from megatron_ga_ext.launch.line import parse_launch
 
 LINE = ("torchrun --nproc_per_node 8 pretrain_gpt.py --calculate-per-token-loss --micro-batch-size 1 "
         "--global-batch-size 64 --seq-length 2048 --ga-noise-scale 10 ")
@@ -49,8 +49,7 @@ def test_layouts_it_cannot_measure_are_refused_naming_the_flag(dp, settings, mes
 
 
 def test_install_refuses_megatrons_args_with_dp_1():
-    pytest.importorskip("megatron.core")
-    from megatron_ga_ext.integration.installation import check_args
+    from megatron_ga_ext.config.install_check import check_args
 
     args = argparse.Namespace(calculate_per_token_loss=True, world_size=2, tensor_model_parallel_size=2,
                               pipeline_model_parallel_size=1, context_parallel_size=1, ga_noise_scale=5)

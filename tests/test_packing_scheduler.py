@@ -202,9 +202,9 @@ def _packed_rank_main() -> dict:
     import megatron_ga_ext
     from megatron_ga_ext.integration.install import installed
     from megatron_ga_ext.integration.loss_contract import masked_loss
-    from megatron_ga_ext.verify.harness import VerifyConfig, build_ddp, init_model_parallel
+    from megatron_ga_ext.verify.harness import VerifyConfig, build_ddp
     from megatron_ga_ext.verify.layouts import Layout
-    from megatron_ga_ext.verify.models import ModelConfig, build_positionwise
+    from megatron_ga_ext.verify.models import ModelConfig, build_positionwise, init_model_parallel
 
     saved_argv, sys.argv = sys.argv, _megatron_argv()
     try:

@@ -44,8 +44,9 @@ def _rank_main(pattern: str, calculator: bool) -> list[dict]:
 
     import megatron_ga_ext
     from megatron_ga_ext import GAConfig
-    from megatron_ga_ext.verify.harness import VerifyConfig, build_ddp, gradients, init_model_parallel, relative_error
+    from megatron_ga_ext.verify.harness import VerifyConfig, build_ddp, gradients, relative_error
     from megatron_ga_ext.verify.layouts import DEFAULT_LENGTHS, Layout, make_global_batch
+    from megatron_ga_ext.verify.models import init_model_parallel
     from megatron_ga_ext.verify.references import reference_grads
 
     cfg = VerifyConfig()

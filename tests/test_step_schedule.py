@@ -6,12 +6,14 @@ import warnings
 import pytest
 
 from megatron_ga_ext import StepSchedule
-from megatron_ga_ext.core.schedule.step_schedule import ScheduleWarning, Stage, _upstream_count, format_count
+from megatron_ga_ext.core.numbers import format_count, upstream_count
+from megatron_ga_ext.core.schedule.stages import Stage
 from megatron_ga_ext.errors import (
     GAError,
     InterleaveError,
     ScheduleError,
     ScheduleParseError,
+    ScheduleWarning,
     SizeError,
 )
 
@@ -35,7 +37,7 @@ def test_parse_reads_exact_values(text, stages):
 
 def test_decimal_suffix_is_exact_where_upstream_float_is_not():
     assert StepSchedule.parse("0:8 2.01K:16").stages[1][0] == 2010
-    assert _upstream_count("2.01K") == 2009  # what megatron-core >= 0.18 reads
+    assert upstream_count("2.01K") == 2009  # what megatron-core >= 0.18 reads
 
 
 def test_suffix_cases_and_both_sides():
@@ -144,7 +146,7 @@ def test_str_round_trips(text, seq_length):
     schedule = StepSchedule.parse(text, seq_length)
     again = StepSchedule.parse(str(schedule), seq_length)
     assert again.stages == schedule.stages
-    assert [_upstream_count(e.split(":")[0]) for e in str(schedule).split()] == [
+    assert [upstream_count(e.split(":")[0]) for e in str(schedule).split()] == [
         s.threshold_tokens if seq_length else s.threshold_samples for s in schedule.entries
     ]
 

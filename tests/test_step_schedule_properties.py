@@ -9,7 +9,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from megatron_ga_ext import StepSchedule
-from megatron_ga_ext.core.schedule.step_schedule import SUFFIXES, parse_count
+from megatron_ga_ext.core.numbers import SUFFIXES, parse_count
 from megatron_ga_ext.errors import ScheduleParseError
 from megatron_ga_ext.integration.calculator import StepScheduleCalculator
 

@@ -54,8 +54,9 @@ def _one_step(pipeline: int, data_parallel: int, masked_stages: tuple[int, ...])
 
     import megatron_ga_ext
     from megatron_ga_ext.integration.loss_contract import masked_loss
-    from megatron_ga_ext.verify.harness import VerifyConfig, build_chunks, init_model_parallel, train_step
+    from megatron_ga_ext.verify.harness import VerifyConfig, build_chunks, train_step
     from megatron_ga_ext.verify.layouts import DEFAULT_LENGTHS, Layout, make_global_batch
+    from megatron_ga_ext.verify.models import init_model_parallel
 
     cfg = VerifyConfig(progress=False)
     layout = Layout(pipeline_model_parallel_size=pipeline, data_parallel_size=data_parallel,

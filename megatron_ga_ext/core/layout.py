@@ -18,9 +18,7 @@ from dataclasses import dataclass, field
 from megatron_ga_ext.core.megatron_flags import BY_DEST, LAUNCHER_OPTIONS, VIRTUAL_PIPELINE
 from megatron_ga_ext.core.rules import (
     divisor_list,
-    divisors,
     interleave_error,
-    interleaved_microbatch_problem,
     join,
     microbatch_group_error,
     multiple_error,
@@ -29,18 +27,7 @@ from megatron_ga_ext.core.rules import (
 )
 from megatron_ga_ext.errors import GAError, LayoutError, SizeError
 
-__all__ = [
-    "FLAGS",
-    "BatchLayout",
-    "divisor_list",
-    "divisors",
-    "interleave_error",
-    "interleaved_microbatch_problem",
-    "microbatch_group_error",
-    "multiple_error",
-    "nearest_multiples",
-    "require_positive_int",
-]
+__all__ = ["FLAGS", "BatchLayout"]
 
 _LAYOUT_FIELDS = (
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",

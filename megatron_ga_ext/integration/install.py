@@ -19,6 +19,7 @@ import sys
 
 from megatron_ga_ext.config.args import add_args, args_provider
 from megatron_ga_ext.config.ga_config import GAConfig
+from megatron_ga_ext.config.install_check import check_args
 from megatron_ga_ext.integration.compat import (
     TARGETS,
     check_targets,
@@ -30,7 +31,7 @@ from megatron_ga_ext.integration.compat import (
 )
 from megatron_ga_ext.integration.guards import GuardedCalculator
 from megatron_ga_ext.integration.hooks import wire
-from megatron_ga_ext.integration.installation import Installation, check_args
+from megatron_ga_ext.integration.installation import Installation
 from megatron_ga_ext.logs import get_logger
 
 __all__ = ["GAConfig", "Installation", "add_args", "args_provider", "install", "installed", "uninstall",

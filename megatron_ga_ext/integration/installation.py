@@ -58,7 +58,7 @@ from megatron_ga_ext.logs import get_logger
 if TYPE_CHECKING:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-__all__ = ["Installation", "check_args"]
+__all__ = ["Installation"]
 
 logger = get_logger(__name__)
 

@@ -29,7 +29,7 @@ from megatron_ga_ext.errors import LossContractError
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["MODES", "LossContract", "StepChecks", "masked_loss", "mean_of_means_reports", "reduce_reports"]
+__all__ = ["LossContract", "StepChecks", "masked_loss", "mean_of_means_reports", "reduce_reports"]
 
 
 class StepChecks(NamedTuple):

@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 
+from megatron_ga_ext.config.flags import MODES
 from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.integration.finalize import make_finalize_model_grads
-from megatron_ga_ext.integration.loss_contract import MODES, LossContract, masked_loss
+from megatron_ga_ext.integration.loss_contract import LossContract, masked_loss
 from megatron_ga_ext.verify.layouts import (
     DEFAULT_LAYOUTS,
     DEFAULT_LENGTHS,
@@ -41,13 +42,13 @@ from megatron_ga_ext.verify.models import (
     ModelConfig,
     build_gpt,
     build_positionwise,
-    init_model_parallel,  # also imported from here by callers
+    init_model_parallel,
     transformer_config,
 )
 from megatron_ga_ext.verify.references import reference_grads
 
-__all__ = ["LayoutResult", "VerifyConfig", "build_chunks", "build_ddp", "cp_shard", "gradients", "init_model_parallel",
-           "layout_config", "microbatches", "reduction_hooks", "relative_error", "run_layout", "run_rank", "train_step"]
+__all__ = ["LayoutResult", "VerifyConfig", "build_chunks", "build_ddp", "cp_shard", "gradients", "layout_config",
+           "microbatches", "reduction_hooks", "relative_error", "run_layout", "run_rank", "train_step"]
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -25,8 +25,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from megatron_ga_ext.core.numbers import SUFFIXES, format_count, parse_count
-from megatron_ga_ext.core.numbers import upstream_count as _upstream_count  # noqa: F401  (tests import it here)
+from megatron_ga_ext.core.numbers import format_count, parse_count
 from megatron_ga_ext.core.rules import require_count, require_positive_int
 from megatron_ga_ext.core.schedule.checks import CheckLayout, schedule_problems, stage_error, with_count
 from megatron_ga_ext.core.schedule.rampup import (
@@ -34,7 +33,6 @@ from megatron_ga_ext.core.schedule.rampup import (
     RampStages,
     check_rampup,
     listed_rampup_stages,
-    rampup_triple,
 )
 from megatron_ga_ext.core.schedule.stages import (
     FLAG,
@@ -48,7 +46,6 @@ from megatron_ga_ext.core.schedule.stages import (
 )
 from megatron_ga_ext.core.schedule.tables import (
     StageRow,
-    StepInfo,
     iter_steps,
     run_totals,
     table,
@@ -59,16 +56,9 @@ from megatron_ga_ext.errors import GAError, ScheduleError, ScheduleParseError, S
 
 __all__ = [
     "FLAG",
-    "SUFFIXES",
-    "ScheduleWarning",
-    "ScheduleProblem",
-    "Stage",
     "StageRow",
-    "StepInfo",
     "StepSchedule",
-    "format_count",
     "parse_count",
-    "rampup_triple",
     "total_samples",
     "total_steps",
 ]
