@@ -80,3 +80,17 @@ def test_fsdp2_with_the_per_token_loss_is_a_problem_whose_fix_is_checked():
     assert problem.rule == "upstream:torch-fsdp2-token" and "N / (DP x CP) times the per-token mean" in problem.message
     assert problem.edit is not None and report(line.replace(" --calculate-per-token-loss", "")).problems == ()
     assert "every non-padding token" not in " ".join(str(n) for n in report(line).notes)
+
+
+def test_install_hints_never_name_a_registry_package_we_do_not_own():
+    """megatron-ga-ext is not on the package registry (the name is unclaimed): a hint gives a checkout or a wheel."""
+    from pathlib import Path
+
+    from megatron_ga_ext.cli.hints import install_hint
+
+    root = Path(__file__).resolve().parents[1]
+    for path in [*(root / "megatron_ga_ext").rglob("*.py"), root / "README.md", *(root / "docs").glob("*.md")]:
+        text = path.read_text()
+        for bad in ("install megatron-ga-ext", "install 'megatron-ga-ext[", 'install "megatron-ga-ext['):
+            assert bad not in text, f"{path}: {bad}"
+    assert "./megatron-ga-ext[plot]" in install_hint("plot") and "pip install matplotlib" in install_hint("plot")

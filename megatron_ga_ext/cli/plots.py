@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from megatron_ga_ext.cli.hints import install_hint
 from megatron_ga_ext.core.noise_trace import TraceRow
 from megatron_ga_ext.core.schedule.step_schedule import StageRow
 from megatron_ga_ext.core.schedule.suggest import DoublingRule, Suggestion
@@ -80,7 +81,7 @@ def pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise UsageError("--plot needs matplotlib: pip install 'megatron-ga-ext[plot]'.") from None
+        raise UsageError(f"--plot needs matplotlib: {install_hint('plot')}.") from None
     return plt
 
 

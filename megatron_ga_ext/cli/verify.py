@@ -23,6 +23,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from megatron_ga_ext.cli.hints import install_hint
 from megatron_ga_ext.cli.render import print_table
 from megatron_ga_ext.errors import VerifyError
 
@@ -190,8 +191,7 @@ def _import_upstream() -> str:
     except ImportError as exc:
         raise VerifyError(
             f"megatron-ga verify trains real megatron-core models and needs torch and megatron-core ({exc}); "
-            f"install them with pip install 'megatron-ga-ext[megatron]' (or pip install -e '.[megatron]' in a "
-            f"checkout). ledger, check and schedule need neither.") from exc
+            f"install them with {install_hint('megatron')}. ledger, check and schedule need neither.") from exc
 
     return f"megatron-core {megatron.core.__version__}, torch {torch.__version__}"
 

@@ -148,7 +148,7 @@ class GAFlags:
     convert_rampup: bool = ga_flag(
         False,
         help="run a given --rampup-batch-size as the exact equivalent step schedule (megatron-core >= 0.18 "
-        "otherwise ignores the rampup without a word).")
+        "otherwise logs a deprecation warning and then ignores the rampup).")
     guards: bool = ga_flag(
         True, negatable=True,
         help="check every step that each forward/backward call runs num_microbatches micro-batches per model chunk "

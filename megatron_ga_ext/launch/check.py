@@ -93,14 +93,18 @@ def _gather(launch: Launch, world_size: int | None) -> Report:
     ledger_kwargs = dict(kwargs)
     if runs:
         ledger_kwargs["global_batch_size"] = stage.global_batch_size if stage is not None else None
-    ledger, ledger_layout = known_ledger(ledger_kwargs)
-    if runs and stage is None:
-        ledger_layout = None
+    unknown_batch = (runs and stage is None) or (schedule is None and _batch_flags(launch))
+    ledger, ledger_layout = known_ledger(ledger_kwargs, batch_known=not unknown_batch)
     found.problems = [_train_length_edit(p, launch, table) for p in found.problems]
     sources = ledger_sources(kwargs, launch.spelled, _batch_source(plan, stage))
     return Report(ledger=ledger, sources=sources, ledger_stage=_stage_label(plan, table, stage, kwargs),
                   layout=ledger_layout, stages=table, problems=tuple(found.problems), notes=tuple(notes),
                   kind=launch.read_as)
+
+
+def _batch_flags(launch: Launch) -> bool:
+    """The line sets its batch by a schedule or a rampup (so without one that resolves the batch is unknown)."""
+    return launch.get(SCHEDULE_FLAG) is not None or launch.get("--rampup-batch-size") is not None
 
 
 def _layout_problem(error: GAError) -> Problem:

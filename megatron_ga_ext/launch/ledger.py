@@ -43,12 +43,18 @@ _SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context
           "expert_model_parallel_size")
 
 
-def known_ledger(kwargs: Mapping[str, object]) -> tuple[dict[str, int | float | None], BatchLayout | None]:
+def known_ledger(kwargs: Mapping[str, object], batch_known: bool = True
+                 ) -> tuple[dict[str, int | float | None], BatchLayout | None]:
     """(the ledger, the layout where every rule holds, else None) of BatchLayout ``kwargs``: the numbers a broken
-    rule does not decide are kept."""
+    rule does not decide are kept. ``batch_known=False``: no global batch is known (a schedule that does not
+    resolve), so none is shown, not Megatron's default MBS x DP."""
     layout, _ = BatchLayout.problems(**kwargs)
-    if layout is not None:
+    if layout is not None and batch_known:
         return layout.ledger(), layout
+    if layout is not None:
+        ledger = layout.ledger()
+        ledger.update(dict.fromkeys((*_BY_BATCH, "global_batch_size", "samples_per_step", "tokens_per_step")))
+        return ledger, None
     without_batch, _ = BatchLayout.problems(**{**kwargs, "global_batch_size": None})
     if without_batch is not None:
         ledger = without_batch.ledger()

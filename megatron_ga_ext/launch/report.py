@@ -163,8 +163,9 @@ class StageTable:
         return (pp - 1) / (self.virtual_pipeline_size * row.num_microbatches + pp - 1)
 
     def json(self) -> dict[str, Any]:
-        rows = None if self.rows is None else [{**asdict(r), "pipeline_bubble_fraction": self.bubble(r)}
-                                               for r in self.rows]
+        rows = None if self.rows is None else [
+            {**{k: v for k, v in asdict(r).items() if not k.startswith("lr_")},
+             "pipeline_bubble_fraction": self.bubble(r)} for r in self.rows]
         return {"source": self.source, "runs": self.runs, "summary": self.summary,
                 "micro_batch_size": self.micro_batch_size, "data_parallel_size": self.data_parallel_size,
                 "seq_length": self.seq_length, "train_samples": self.train_samples, "run_length": self.run_length,

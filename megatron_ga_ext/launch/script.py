@@ -52,9 +52,9 @@ class Script:
 
 
 def is_script(text: str) -> bool:
-    """A pasted script rather than one line: several lines that are not all joined by ``\\``, or an array."""
+    """Text to read as bash reads it: several lines not all joined by ``\\``, an array, or a ``$`` expansion."""
     joined = text.replace("\\\n", " ")
-    return "\n" in joined.strip() or bool(re.search(r"\b[A-Za-z_][A-Za-z0-9_]*\+?=\(", joined))
+    return "\n" in joined.strip() or "$" in joined or bool(re.search(r"\b[A-Za-z_][A-Za-z0-9_]*\+?=\(", joined))
 
 
 def read_script(text: str, environment: Mapping[str, str] | None = None) -> Script:

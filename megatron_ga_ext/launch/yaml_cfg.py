@@ -13,8 +13,6 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import yaml
-
 from megatron_ga_ext.core.megatron_flags import BY_DEST, LAUNCHER_OPTIONS
 from megatron_ga_ext.errors import UsageError
 from megatron_ga_ext.launch.line import Launch
@@ -72,6 +70,8 @@ def with_yaml(launch: Launch) -> tuple[Launch, list[Problem], list[Note]]:
 
 def _settings(path: str) -> dict[str, tuple[str, Any]]:
     """Each arg the file sets: its name -> (where in the file, the value); a section's keys under the section."""
+    import yaml  # only for a line that has the flag: every other check answers without it
+
     try:
         with open(path, encoding="utf-8") as handle:
             data = yaml.safe_load(handle)

@@ -12,9 +12,9 @@ DOC_HEADER = """# Coverage: Megatron's features on the loss, gradient, step and 
 
 Rendered by `make docs` from `megatron_ga_ext/config/coverage/` (`coverage_doc()`); `make docs-check` and
 tests/test_coverage.py check that this file is its rendering. *supported*: every check of every step runs, and the
-test named proves it. *limited*: it runs, with the limit stated (logged at start-up; `megatron-ga
-check` gives it as one line, `careful:` or `info:` first, linking to its row here). *refused*: `install()` stops at start-up with a `CoverageError` and `megatron-ga check`
-reports a problem (the refusal's test:
+test named proves it. *limited*: it runs, with the limit stated (logged at start-up; `megatron-ga check` gives it as
+one line, `careful:` or `info:` first, linking to its row here). *refused*: `install()` stops at start-up with a
+`CoverageError` and `megatron-ga check` reports a problem (the refusal's test:
 `tests/test_coverage.py::test_refused_rows_stop_install_and_check[<row>]`).
 """
 
