@@ -249,3 +249,18 @@ def test_every_rule_check_reports_is_documented(cli):
             rule = problem["rule"]
             prefix = rule.split(":")[0] + ":<" if ":" in rule else rule
             assert rule in documented or any(d.startswith(prefix) for d in documented), rule
+
+
+def test_the_readme_shows_what_check_prints(cli):
+    """The README's example is check's own output for the command it shows (regenerate it from a run)."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("<!-- check-example -->\n```\n")[1].split("```\n<!-- /check-example -->")[0]
+    lines = block.splitlines(keepends=True)
+    command_lines = []
+    while lines and (not command_lines or command_lines[-1].rstrip().endswith("\\")):
+        command_lines.append(lines.pop(0))
+    command = "".join(command_lines).replace("\\\n", " ")
+    argv = shlex.split(command)
+    assert argv[:2] == ["$", "megatron-ga"]
+    result = cli(*argv[2:])
+    assert result.status == 1 and "".join(lines) == result.out

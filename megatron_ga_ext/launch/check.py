@@ -198,7 +198,7 @@ def _unreached(row: StageRow, open_row: StageRow, table: StageTable, stage: Stag
     """A stage after the run's end: the run length that reaches it (one step into it)."""
     needed = open_row.first_sample + 1  # type: ignore[operator]
     tokens = f" = {open_row.first_token:,} tokens" if open_row.first_token is not None else ""
-    trains = f"; the run trains at GBS {stage.global_batch_size:,} at its end" if stage is not None else ""
+    trains = f"; its last step trains at GBS {stage.global_batch_size:,}" if stage is not None else ""
     return Problem(
         message=f"{SCHEDULE_FLAG} entry {row.position} {row.entry!r} (GBS {row.global_batch_size:,}) is never reached: "
         f"the run ends at {table.run_length} and this stage starts at sample {open_row.first_sample:,}{tokens}"
