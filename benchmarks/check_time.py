@@ -79,7 +79,8 @@ def main() -> None:
     print(f"{'command':48} {'median s':>9} {'over --version':>15}")
     for name, values in times.items():
         over = statistics.median(v - b for v, b in zip(values, base))
-        rows.append({"command": name, "median_s": round(statistics.median(values), 3), "over_version_s": round(over, 3)})
+        rows.append({"command": name, "median_s": round(statistics.median(values), 3),
+                     "over_version_s": round(over, 3)})
         print(f"{name:48} {statistics.median(values):9.3f} {over:15.3f}")
     torch = imports_torch()
     print(f"torch or megatron imported by check: {torch}")
