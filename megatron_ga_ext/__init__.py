@@ -51,12 +51,12 @@ __all__ = [
 
 
 if TYPE_CHECKING:
-    from megatron_ga_ext.integration.install import install, uninstall
+    from megatron_ga_ext.integration.lifecycle import install, uninstall
 
 
 def __getattr__(name: str) -> Any:
     if name in ("install", "uninstall"):
-        from megatron_ga_ext.integration import install as module
+        from megatron_ga_ext.integration import lifecycle as module
 
         return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

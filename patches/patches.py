@@ -1,6 +1,6 @@
 """Make and check the patches that wire megatron-ga-ext into a vendored megatron/core (no install()).
 
-Each patched upstream module calls ``megatron_ga_ext.integration.install.wire_vendored(__name__)`` as the last
+Each patched upstream module calls ``megatron_ga_ext.integration.lifecycle.wire_vendored(__name__)`` as the last
 thing it does on import, which wires that module exactly as install() would (same hooks, same checks).
 The pretrain_gpt.py patch is the one-line drop-in: install() adds the ``--ga-*`` flags to Megatron's parser.
 
@@ -31,7 +31,7 @@ MODULES = (
 )
 WIRING = (
     "\n\n# megatron-ga-ext: checked batch arithmetic, wired into this vendored tree (no install() needed).\n"
-    "from megatron_ga_ext.integration.install import wire_vendored as _megatron_ga_wire  # noqa: E402\n"
+    "from megatron_ga_ext.integration.lifecycle import wire_vendored as _megatron_ga_wire  # noqa: E402\n"
     "\n"
     "_megatron_ga_wire(__name__)\n"
 )

@@ -15,7 +15,7 @@ from megatron_ga_ext.errors import InterleaveError, OptionError, ScheduleError, 
 from megatron_ga_ext.integration.calculator import StepScheduleCalculator
 
 # The module: the package's ``install`` is the function.
-install_module = importlib.import_module("megatron_ga_ext.integration.install")
+install_module = importlib.import_module("megatron_ga_ext.integration.lifecycle")
 
 
 # -- GAConfig -------------------------------------------------------------------------------------

@@ -135,8 +135,8 @@ def _install_refuses(refusal: Refusal, named: str, monkeypatch: pytest.MonkeyPat
     without them, at the first forward/backward call, before the schedule runs."""
     schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
     from megatron_ga_ext.config.args import add_args
-    from megatron_ga_ext.integration import install as installing
     from megatron_ga_ext.integration import installation
+    from megatron_ga_ext.integration import lifecycle as installing
 
     parsed = add_args(megatron_parser()).parse_args([*refusal.flags, *refusal.ga_flags()])
     original = schedules.forward_step_calc_loss
@@ -214,7 +214,7 @@ def test_the_noise_scale_refuses_what_its_rows_say_in_install_and_check(row, fla
     pytest.importorskip("megatron.core.pipeline_parallel.schedules")
     from megatron_ga_ext.config.args import add_args
     from megatron_ga_ext.errors import OptionError
-    from megatron_ga_ext.integration import install as installing
+    from megatron_ga_ext.integration import lifecycle as installing
 
     named = f"--ga-noise-scale with {setting}: "
     status, report = check(capsys, [*TOKEN, *flags, "--ga-noise-scale", "10"])
@@ -384,7 +384,7 @@ def test_a_refusal_stops_at_the_first_hook_after_megatron_parses_its_args(monkey
 
     calculators = pytest.importorskip("megatron.core.num_microbatches_calculator")
     from megatron_ga_ext.config.args import add_args
-    from megatron_ga_ext.integration import install as installing
+    from megatron_ga_ext.integration import lifecycle as installing
 
     training, global_vars = types.ModuleType("megatron.training"), types.ModuleType("megatron.training.global_vars")
     global_vars._GLOBAL_ARGS = None

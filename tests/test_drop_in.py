@@ -78,7 +78,7 @@ def test_module_entry_runs_the_script_installed_with_its_arguments(tmp_path):
     script.write_text(
         "import sys\n"
         "import helper_module  # the script's directory is on the path, as `python SCRIPT` has it\n"
-        "from megatron_ga_ext.integration.install import installed\n"
+        "from megatron_ga_ext.integration.lifecycle import installed\n"
         "print(sys.argv[1:], installed() is not None, helper_module.VALUE, __name__)\n")
     result = subprocess.run([sys.executable, "-m", "megatron_ga_ext", str(script), "--micro-batch-size", "2"],
                             capture_output=True, text=True, timeout=120, cwd=tmp_path.parent)

@@ -7,9 +7,10 @@ import pytest
 
 pytest.importorskip("megatron.core.pipeline_parallel.schedules")
 
+from megatron_ga_ext import GAConfig
 from megatron_ga_ext.integration import hooks, installation
 from megatron_ga_ext.integration.compat import TARGETS
-from megatron_ga_ext.integration.install import GAConfig, install, uninstall
+from megatron_ga_ext.integration.lifecycle import install, uninstall
 
 #: Fingerprinted because install() reads them (the calculator's interface), not because it wraps them.
 READ_ONLY = {"megatron.core.num_microbatches_calculator.get_num_microbatches",

@@ -15,7 +15,7 @@ schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
 from megatron.core import num_microbatches_calculator as calculators  # noqa: E402
 
 import megatron_ga_ext  # noqa: E402
-from megatron_ga_ext import CompatError, GuardError, ScheduleError  # noqa: E402
+from megatron_ga_ext import CompatError, GAConfig, GuardError, ScheduleError, add_args  # noqa: E402
 from megatron_ga_ext.errors import OptionError  # noqa: E402
 from megatron_ga_ext.integration.compat import (  # noqa: E402
     FINALIZE,
@@ -25,7 +25,7 @@ from megatron_ga_ext.integration.compat import (  # noqa: E402
     megatron_core_version,
 )
 from megatron_ga_ext.integration.guards import GuardedCalculator  # noqa: E402
-from megatron_ga_ext.integration.install import GAConfig, add_args, install, installed, uninstall  # noqa: E402
+from megatron_ga_ext.integration.lifecycle import install, installed, uninstall  # noqa: E402
 
 finalize_module = importlib.import_module(FINALIZE)
 CORE_TARGETS = [t for t in live_targets(TARGETS) if not t.optional]  # megatron.training is not in every wheel

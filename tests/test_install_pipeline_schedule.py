@@ -83,7 +83,7 @@ def _rank_main(args: argparse.Namespace) -> dict:
     from megatron.core import num_microbatches_calculator as calculators
 
     from megatron_ga_ext.errors import GuardError
-    from megatron_ga_ext.integration.install import installed
+    from megatron_ga_ext.integration.lifecycle import installed
     from megatron_ga_ext.integration.loss_contract import masked_loss
     from megatron_ga_ext.verify.harness import (
         VerifyConfig,
@@ -138,7 +138,7 @@ def early_bound_finalize(ddp, config, cfg, step, ref, names) -> dict:
     """Item 4: configs that hold upstream's finalize, or another one, and what uninstall() leaves."""
     import megatron_ga_ext
     from megatron_ga_ext.errors import GuardError
-    from megatron_ga_ext.integration.install import installed
+    from megatron_ga_ext.integration.lifecycle import installed
     from megatron_ga_ext.integration.loss_contract import masked_loss
     from megatron_ga_ext.verify.harness import gradients, relative_error, train_step
 

@@ -12,9 +12,9 @@ import pytest
 pytest.importorskip("megatron.core.pipeline_parallel.schedules")
 from megatron.core import num_microbatches_calculator as calculators
 
-from megatron_ga_ext import ScheduleError
+from megatron_ga_ext import GAConfig, ScheduleError, add_args
 from megatron_ga_ext.integration.calculator import StepScheduleCalculator
-from megatron_ga_ext.integration.install import GAConfig, add_args, install
+from megatron_ga_ext.integration.lifecycle import install
 
 STEP_SCHEDULES = "step_batch_size_schedule" in inspect.signature(
     calculators.init_num_microbatches_calculator).parameters

@@ -7,9 +7,9 @@ import pytest
 
 pytest.importorskip("megatron.core.pipeline_parallel.schedules")
 
-from megatron_ga_ext import GuardError
+from megatron_ga_ext import GAConfig, GuardError
 from megatron_ga_ext.integration.hooks import optimizer_step
-from megatron_ga_ext.integration.install import GAConfig, install, uninstall
+from megatron_ga_ext.integration.lifecycle import install, uninstall
 from megatron_ga_ext.integration.liveness import bypass_message, check_one_finalize
 
 

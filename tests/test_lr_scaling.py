@@ -12,11 +12,12 @@ import torch
 from megatron.core import num_microbatches_calculator as calculators
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron_ga_ext import GAConfig
 from megatron_ga_ext.config.launch_rules import check_lr_scaling
 from megatron_ga_ext.core.lr_factor import lr_factor
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.errors import OptionError
-from megatron_ga_ext.integration.install import GAConfig, install, installed, uninstall
+from megatron_ga_ext.integration.lifecycle import install, installed, uninstall
 from tests.test_install import STEP_SCHEDULES, init_calculator, parsed
 
 SCHEDULE = "0:16 64:32 160:64"

@@ -186,7 +186,7 @@ def test_the_loss_scale_is_the_one_before_the_optimizer_step():
     """The gradients were scaled by S = 4; the step grows the scale to 8. Before, the meter divided by the scale
     read after the step (8^2): every norm came out 4 times too small, tr(Sigma) 5 instead of 20."""
     from megatron_ga_ext.integration.hooks import optimizer_step
-    from megatron_ga_ext.integration.install import install, uninstall
+    from megatron_ga_ext.integration.lifecycle import install, uninstall
 
     uninstall()
     state = install(GAConfig(noise_scale=1))

@@ -200,7 +200,7 @@ def _packed_rank_main() -> dict:
     from megatron.training import arguments, global_vars, training
 
     import megatron_ga_ext
-    from megatron_ga_ext.integration.install import installed
+    from megatron_ga_ext.integration.lifecycle import installed
     from megatron_ga_ext.integration.loss_contract import masked_loss
     from megatron_ga_ext.verify.harness import VerifyConfig, build_ddp
     from megatron_ga_ext.verify.layouts import Layout

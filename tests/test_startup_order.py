@@ -22,10 +22,10 @@ import pytest
 pytest.importorskip("megatron.core.pipeline_parallel.schedules")
 from megatron.core import num_microbatches_calculator as calculators
 
-from megatron_ga_ext import GuardError
+from megatron_ga_ext import GAConfig, GuardError, add_args
 from megatron_ga_ext.integration.calculator import StepScheduleCalculator
 from megatron_ga_ext.integration.guards import GuardedCalculator
-from megatron_ga_ext.integration.install import GAConfig, add_args, install
+from megatron_ga_ext.integration.lifecycle import install
 from megatron_ga_ext.integration.megatron_lm import planned_train_iters
 
 STEP_SCHEDULES = "step_batch_size_schedule" in inspect.signature(

@@ -49,8 +49,8 @@ from megatron_ga_ext.config.install_check import check_args
 from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.errors import GAError, OptionError, ScheduleError
-from megatron_ga_ext.integration.install import install as install_extension
 from megatron_ga_ext.integration.installation import Installation
+from megatron_ga_ext.integration.lifecycle import install as install_extension
 from megatron_ga_ext.logs import get_logger
 
 __all__ = ["GAContainer", "GASection", "ga_config", "install", "megatron_settings", "with_ga"]

@@ -10,7 +10,7 @@ input upstream handles correctly. The difference is when it fails: at the first 
 a stage that cannot run fails the launch, not the run days later. Errors where upstream asserted derive
 from AssertionError as well as ValueError.
 
-Pure Python: it does not import megatron, so it can be built and tested without it; ``install.py`` puts
+Pure Python: it does not import megatron, so it can be built and tested without it; ``lifecycle.py`` puts
 an instance behind megatron's ``_GLOBAL_NUM_MICROBATCHES_CALCULATOR``.
 """
 

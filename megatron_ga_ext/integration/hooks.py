@@ -305,7 +305,7 @@ HOOKS: tuple[Hook, ...] = (
          does="the checkpoint's batch settings, so a resume with others is said at start-up"),
 )
 
-#: The modules a vendored tree patches, each wiring its rows at its import (patches/, install.wire_vendored).
+#: The modules a vendored tree patches, each wiring its rows at its import (patches/, lifecycle.wire_vendored).
 CORE_MODULES = (SCHEDULES, FINALIZE, CALCULATOR)
 
 

@@ -1,4 +1,4 @@
-"""``install()`` / ``uninstall()``: wire the extension into megatron-core, and ``add_args()`` for its flags.
+"""``install()`` / ``uninstall()``: the extension on and off in this process, and the one live installation.
 
 install() checks each hooked function's source fingerprint against the tested sources (compat.py), then wires the
 hook table (hooks.py: every target, how it is wrapped, the phase it serves); the phases run in installation.py.
@@ -17,7 +17,6 @@ import argparse
 import importlib.util
 import sys
 
-from megatron_ga_ext.config.args import add_args, args_provider
 from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.config.install_check import check_args
 from megatron_ga_ext.integration.compat import (
@@ -34,8 +33,7 @@ from megatron_ga_ext.integration.hooks import wire
 from megatron_ga_ext.integration.installation import Installation
 from megatron_ga_ext.logs import get_logger
 
-__all__ = ["GAConfig", "Installation", "add_args", "args_provider", "install", "installed", "uninstall",
-           "wire_vendored"]
+__all__ = ["install", "installed", "uninstall", "wire_vendored"]
 
 logger = get_logger(__name__)
 

@@ -86,7 +86,7 @@ def late_install() -> None:
     import megatron.training.global_vars as global_vars
 
     import megatron_ga_ext
-    from megatron_ga_ext.integration.install import installed
+    from megatron_ga_ext.integration.lifecycle import installed
 
     init = global_vars.init_num_microbatches_calculator
 
@@ -155,7 +155,7 @@ def reinstall() -> None:
     import dataclasses
 
     import megatron_ga_ext
-    from megatron_ga_ext.integration.install import installed
+    from megatron_ga_ext.integration.lifecycle import installed
 
     config = installed().config
     megatron_ga_ext.install(dataclasses.replace(config, checks="async" if config.checks == "sync" else "sync"))

@@ -76,7 +76,7 @@ class Recorder:
         from megatron.core import parallel_state
         from megatron.training.global_vars import get_args
 
-        from megatron_ga_ext.integration.install import installed
+        from megatron_ga_ext.integration.lifecycle import installed
 
         state = installed()
         finalize = getattr(state, "finalize", None)

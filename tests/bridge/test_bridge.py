@@ -247,7 +247,7 @@ def ga_bridge():
 
 @pytest.fixture
 def cfg(ga_bridge):
-    from megatron_ga_ext.integration.install import uninstall
+    from megatron_ga_ext.integration.lifecycle import uninstall
     from tests.support.bridge_runs import tiny_config
 
     yield tiny_config()
@@ -289,7 +289,7 @@ def test_install_turns_on_per_token_loss_and_installs(ga_bridge, cfg):
      r"megatron-ga-ext refuses model\.overlap_moe_expert_parallel_comm in token mode"),
 ])
 def test_refusals_name_bridges_fields(ga_bridge, cfg, change, settings, error, message):
-    from megatron_ga_ext.integration.install import installed
+    from megatron_ga_ext.integration.lifecycle import installed
 
     for (section, field), value in change.items():
         object.__setattr__(getattr(cfg, section), field, value)
