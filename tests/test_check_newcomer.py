@@ -91,6 +91,10 @@ CASES = [
     Case("schedule-reached",
          line(f"{GPT} --pipeline-model-parallel-size 2 --step-batch-size-schedule '0:16 1M:32' --train-samples 1000"),
          0, ledger={"global_batch_size": 32, "num_microbatches": 8}, steps=[31, 16]),
+    Case("warmup-cap",
+         line(f"{EXT} --global-batch-size 16 --ga-batch-size-warmup auto --ga-noise-scale 10 "
+              "--ga-batch-size-warmup-max 256 --train-samples 100000"),
+         0, ledger={"global_batch_size": 16}),
     Case("rampup-and-schedule",
          line(f"{GPT} --rampup-batch-size 16 16 1000 --step-batch-size-schedule '0:16 1M:32'"),
          1, ledger={"global_batch_size": None, "num_microbatches": None}, rules=["schedule"],
@@ -184,6 +188,8 @@ def test_the_newcomers_set(case, cli):
         assert text not in said, text
     if case.steps is not None:
         assert [row["steps"] for row in report["stages"]["stages"]] == case.steps
+    if case.id == "warmup-cap":
+        assert report["stages"]["warmup_batch_sizes"] == [16, 32, 64, 128, 256]
     for problem in problems:
         assert problem["message"] and problem["rule"]
 

@@ -152,7 +152,12 @@ def print_report(report: Report) -> None:
     if table is not None:
         print()
         runs = "" if table.runs else " (not run: see the problems)"
-        if table.rows is None:
+        if table.warmup:
+            rows = [(gbs, gbs // (table.micro_batch_size * table.data_parallel_size), table.warmup_bubble(gbs),
+                     None if table.seq_length is None else gbs * table.seq_length) for gbs in table.warmup]
+            print_table(f"stages of {table.source}: {table.summary}", ("GBS", "micro-batches", "bubble",
+                                                                      "tokens per step"), rows)
+        elif table.rows is None:
             print(f"stages of {table.source}{runs}: {table.summary}")
         else:
             print_stages(table.rows, title=f"stages of {table.source}{runs}, MBS {table.micro_batch_size} x DP "

@@ -20,7 +20,7 @@ from megatron_ga_ext.core.schedule.step_schedule import StageRow, StepSchedule
 from megatron_ga_ext.core.schedule.tables import TABLE_LIMIT, samples_after_steps
 from megatron_ga_ext.errors import BatchSizeError, GAError, InterleaveError
 from megatron_ga_ext.launch.ledger import known_ledger, ledger_sources
-from megatron_ga_ext.launch.line import MISSING_MICRO_BATCH, Launch, read_layout
+from megatron_ga_ext.launch.line import MISSING_MICRO_BATCH, Launch, ga_values, read_layout
 from megatron_ga_ext.launch.problems import (
     coverage_problems,
     launch_notes,
@@ -84,6 +84,8 @@ def _gather(launch: Launch, world_size: int | None) -> Report:
     found.add(*schedule_problems)
     notes = [*launch_notes(launch), *upstream_notes, *launch.read_notes, *read.read_notes]
     table, stage = None, None
+    if layout is not None and schedule is None:
+        table = _warmup_table(launch, layout, kwargs)
     if layout is not None and schedule is not None:
         stages = stage_problems(schedule, layout)
         found.add(*stages)
@@ -184,6 +186,25 @@ def _stage_table(launch: Launch, plan: _Schedule, layout: BatchLayout, clean: bo
     return table, stage, problems, notes
 
 
+def _warmup_table(launch: Launch, layout: BatchLayout, kwargs: dict[str, object]) -> StageTable | None:
+    """--ga-batch-size-warmup auto: the batch sizes it may reach, doubling from --global-batch-size up to the cap."""
+    values = ga_values(launch)
+    cap, start = values.get("batch_size_warmup_max"), kwargs.get("global_batch_size")
+    if values.get("batch_size_warmup") != "auto" or not isinstance(cap, int) or not isinstance(start, int):
+        return None
+    sizes = [start]
+    while sizes[-1] * 2 <= cap and len(sizes) < 64:
+        sizes.append(sizes[-1] * 2)
+    flag = launch.name("--ga-batch-size-warmup-max")
+    return StageTable(
+        source=f"--ga-batch-size-warmup auto, doubling from --global-batch-size {start} up to {flag} {cap}", runs=True,
+        rows=None, summary=f"{len(sizes)} batch sizes, each reached when the measured noise scale says so",
+        micro_batch_size=layout.micro_batch_size, data_parallel_size=layout.data_parallel_size,
+        seq_length=layout.seq_length, pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        virtual_pipeline_size=layout.virtual_pipeline_size, train_samples=None, run_length=None,
+        warmup=tuple(sizes))
+
+
 def _equivalent(launch: Launch, schedule: StepSchedule, seq: int | None) -> str | None:
     """A rampup's schedule as --step-batch-size-schedule text (None for a given schedule or a ramp too long)."""
     if launch.get(SCHEDULE_FLAG) is not None:
@@ -210,6 +231,8 @@ def _unreached(row: StageRow, open_row: StageRow, table: StageTable, stage: Stag
 def _stage_label(plan: _Schedule, table: StageTable | None, stage: StageRow | None,
                  kwargs: dict[str, object]) -> str | None:
     if plan.schedule is None:
+        if table is not None and table.warmup:
+            return f"the first of {len(table.warmup)} batch sizes --ga-batch-size-warmup auto may reach"
         return None
     if not plan.runs:
         return (f"the constant --global-batch-size {kwargs['global_batch_size']}: megatron-core >= 0.18 ignores the "

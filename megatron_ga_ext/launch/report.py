@@ -156,6 +156,14 @@ class StageTable:
     equivalent: str | None = None
     """A rampup's stages as the --step-batch-size-schedule that runs them (thresholds in tokens with a seq length);
     None for a given schedule, or a ramp too long to write."""
+    warmup: tuple[int, ...] | None = None
+    """--ga-batch-size-warmup auto: the global batch sizes it may double through, up to its cap (when is decided
+    in the run); None otherwise."""
+
+    def warmup_bubble(self, batch: int) -> float:
+        """The pipeline bubble at global batch ``batch``."""
+        pp, micro = self.pipeline_model_parallel_size, batch // (self.micro_batch_size * self.data_parallel_size)
+        return (pp - 1) / (self.virtual_pipeline_size * micro + pp - 1)
 
     def bubble(self, row: StageRow) -> float:
         """(PP - 1) / (VPP x GA + PP - 1) at this stage."""
@@ -169,7 +177,8 @@ class StageTable:
         return {"source": self.source, "runs": self.runs, "summary": self.summary,
                 "micro_batch_size": self.micro_batch_size, "data_parallel_size": self.data_parallel_size,
                 "seq_length": self.seq_length, "train_samples": self.train_samples, "run_length": self.run_length,
-                "equivalent_schedule": self.equivalent, "stages": rows}
+                "equivalent_schedule": self.equivalent, "warmup_batch_sizes": list(self.warmup or []) or None,
+                "stages": rows}
 
 
 @dataclass(frozen=True, kw_only=True)
