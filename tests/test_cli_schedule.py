@@ -159,3 +159,24 @@ def test_console_script_answers_in_under_half_a_second(cli_script):
         best = min(best, time.perf_counter() - start)
         assert result.returncode == 0, result.stderr
     assert best < 0.5, f"megatron-ga schedule took {best:.3f} s"
+
+
+def test_plot_reads_as_a_person_reads_a_schedule(tmp_path, monkeypatch):
+    """Token axis in K/M/B/T, each stage labelled with its GBS and first step, whole micro-batch ticks, and MBS, DP
+    and the sequence length in the title (issue 38, item 9)."""
+    from megatron_ga_ext import StepSchedule
+    from megatron_ga_ext.cli import plots
+
+    assert [plots.count_label(v) for v in (0, 512, 2.4e9, 5e8, 1e12)] == ["0", "512", "2.4B", "500M", "1T"]
+    seen = {}
+    monkeypatch.setattr(plots, "save_figure", lambda plt, figure, path: seen.update(figure=figure))
+    schedule = StepSchedule.parse("0:64 20B:128 60B:256", seq_length=4096)
+    rows = schedule.table(1, 8, train_samples=50_000_000)
+    plots.plot_schedule(rows, str(tmp_path / "x.png"), seq_length=4096, train_samples=50_000_000,
+                        micro_batch_size=1, data_parallel_size=8)
+    top, bottom = seen["figure"].axes
+    assert top.get_title() == "step batch-size schedule (MBS 1, DP 8, seq 4,096)"
+    assert [t.get_text() for t in top.texts] == ["GBS 64\nstep 0", "GBS 128\nstep 76,294", "GBS 256\nstep 152,588"]
+    assert all(float(t).is_integer() for t in bottom.get_yticks())
+    seen["figure"].canvas.draw()
+    assert any(label.get_text().endswith("B") for label in bottom.get_xticklabels())

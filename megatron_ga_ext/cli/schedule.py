@@ -119,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
                      header=_header(args, schedule, seq), lr=args.lr is not None,
                      bubble=(lambda r: (pp - 1) / (vpp * r.num_microbatches + pp - 1)) if pp > 1 else None)
     if args.plot:
-        plots.plot_schedule(rows, args.plot, seq_length=seq, train_samples=train_samples)
+        plots.plot_schedule(rows, args.plot, seq_length=seq, train_samples=train_samples, micro_batch_size=mbs,
+                            data_parallel_size=dp)
         if not args.json:
             print(f"plot written to {args.plot}")
     return 0
