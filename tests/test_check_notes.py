@@ -94,3 +94,15 @@ def test_install_hints_never_name_a_registry_package_we_do_not_own():
         for bad in ("install megatron-ga-ext", "install 'megatron-ga-ext[", 'install "megatron-ga-ext['):
             assert bad not in text, f"{path}: {bad}"
     assert "./megatron-ga-ext[plot]" in install_hint("plot") and "pip install matplotlib" in install_hint("plot")
+
+
+def test_the_tensor_parallel_note_says_what_verify_runs():
+    """The note's claim is held to verify's own layouts: every TP > 1 layout runs sequence parallelism on MoE."""
+    from megatron_ga_ext.config.coverage.rows import ROWS
+    from megatron_ga_ext.verify.layouts import DEFAULT_LAYOUTS
+
+    brief = next(row.brief for row in ROWS if row.id == "tensor-parallel")
+    tp = [layout for layout in DEFAULT_LAYOUTS if layout.tensor_model_parallel_size > 1]
+    assert {layout.tensor_model_parallel_size for layout in tp} == {2} and "runs TP 2 only" in brief
+    assert all(layout.sequence_parallel and layout.model.startswith("moe") for layout in tp)
+    assert "with sequence parallelism (an MoE model)" in brief
