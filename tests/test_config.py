@@ -22,7 +22,8 @@ install_module = importlib.import_module("megatron_ga_ext.integration.lifecycle"
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(loss_reduction="tokens"), r"^--ga-loss-reduction 'tokens' is not one of token, microbatch; pick one"),
+    (dict(loss_reduction="tokens"), r"^--ga-loss-reduction 'tokens' is not one of token, microbatch; did you mean "
+                                    r"--ga-loss-reduction token\?"),
     (dict(zero_token_policy="ignore"), r"^--ga-zero-token-policy 'ignore' is not one of error, skip"),
     (dict(checks="later"), r"^--ga-checks 'later' is not one of sync, async; pick one"),
     (dict(checks="async", zero_token_policy="skip"), r"^--ga-checks async reads a step's token count only after its "
@@ -103,7 +104,8 @@ def test_resolve_schedule_paths(caplog):
         assert not caplog.records  # upstream runs the rampup itself (0.16, 0.17)
         assert resolve_schedule(ScheduleInputs(rampup_batch_size=(16, 8, 300000), global_batch_size=1024,
                                                rampup_ignored_upstream=True)) is None
-    assert "--rampup-batch-size 16 8 300000 is ignored without a word by megatron-core >= 0.18" in caplog.text
+    assert ("--rampup-batch-size 16 8 300000: megatron-core >= 0.18 logs \"rampup_batch_size is deprecated"
+            in caplog.text) and "then ignores the rampup" in caplog.text
     assert "Pass --ga-convert-rampup" in caplog.text
 
 
