@@ -111,7 +111,7 @@ CASES = [
          0, said=["careful: MoE with --calculate-per-token-loss", "(positions / loss tokens)",
                   "1 / (TP x CP) of the per-token target"]),
     Case("mtp-stock", line(f"{GPT} --global-batch-size 16 --calculate-per-token-loss --mtp-num-layers 1"),
-         0, said=["careful: --mtp-num-layers N with --calculate-per-token-loss"]),
+         0, said=["careful: MTP with --calculate-per-token-loss"]),
     # 3. every problem in one pass, fixes checked against the other rules
     Case("rampup-train-iters",
          line(f"{EXT} --global-batch-size 64 --rampup-batch-size 16 16 1000 --train-iters 100"),
@@ -192,6 +192,8 @@ def test_the_newcomers_set(case, cli):
         assert report["stages"]["warmup_batch_sizes"] == [16, 32, 64, 128, 256]
     for problem in problems:
         assert problem["message"] and problem["rule"]
+    for note in report["notes"]:  # read in one breath
+        assert len(note["text"].split()) <= 28 and "\n" not in note["text"], note["text"]
 
 
 def test_the_yaml_cfg_is_read_like_its_flags(cli, tmp_path):

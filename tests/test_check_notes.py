@@ -106,3 +106,10 @@ def test_the_tensor_parallel_note_says_what_verify_runs():
     assert {layout.tensor_model_parallel_size for layout in tp} == {2} and "runs TP 2 only" in brief
     assert all(layout.sequence_parallel and layout.model.startswith("moe") for layout in tp)
     assert "with sequence parallelism (an MoE model)" in brief
+
+
+def test_every_careful_upstream_defect_has_a_brief():
+    for row in ROWS:
+        for trap in row.upstream:
+            if trap.severity == "careful":
+                assert trap.brief and len(trap.brief.split()) <= 25 and not JARGON.search(trap.brief), trap.brief

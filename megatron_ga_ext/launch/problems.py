@@ -187,7 +187,8 @@ def upstream_findings(launch: Launch) -> tuple[list[Problem], list[Note]]:
                 message=f"without megatron-ga-ext, {trap.given}: {trap.effect}. {trap.fix} ({link})",
                 rule=f"upstream:{row.id}", flag=row.flags[0], fix=trap.fix, edit=edit))
         else:
-            notes.append(Note(severity="careful", text=f"{trap.given}: {trap.effect}. {trap.fix}", link=link))
+            notes.append(Note(severity="careful", text=trap.brief or f"{trap.given}: {trap.effect}. {trap.fix}",
+                              link=link))
     return problems, notes
 
 

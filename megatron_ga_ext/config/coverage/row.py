@@ -103,6 +103,8 @@ class Upstream:
     """Flags whose removal fixes it (check verifies the edit)."""
     entry: bool = False
     """Running the script through ``-m megatron_ga_ext`` fixes it (check verifies the edit)."""
+    brief: str = ""
+    """``careful`` ones: the note, one plain line (about 25 words) with the fix."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -49,12 +49,16 @@ MOE_ROWS: tuple[Row, ...] = (
                 "masked",
                 severity="careful", fix="Run the script through -m megatron_ga_ext (install() routes with the loss "
                 "mask).",
+                brief="MoE with --calculate-per-token-loss: the router counts padding too, so load-balancing gradients "
+                "are (positions / loss tokens) times the target. Fix: -m megatron_ga_ext.",
                 applies=lambda s: s.on("calculate_per_token_loss") and has_moe(s), entry=True),
             Upstream(
                 given="MoE with --moe-z-loss-coeff, --calculate-per-token-loss and TP x CP > 1",
                 effect="on megatron-core 0.16 to 0.18 the z-loss gradient is 1 / (TP x CP) of the per-token target "
                 "(0.19 adds the missing factor)",
                 severity="careful", fix="Run the script through -m megatron_ga_ext, or use megatron-core >= 0.19.",
+                brief="MoE z-loss under TP x CP > 1: on megatron-core 0.16 to 0.18 its gradient is 1 / (TP x CP) of "
+                "the per-token target. Fix: -m megatron_ga_ext.",
                 applies=lambda s: s.on("calculate_per_token_loss") and has_moe(s) and bool(s.value("moe_z_loss_coeff"))
                 and s.number("tensor_model_parallel_size") * s.number("context_parallel_size") > 1, entry=True),
         )),
@@ -194,6 +198,8 @@ MOE_ROWS: tuple[Row, ...] = (
             "not 1 / N: MTP gradients differ from the per-token target where ranks mask different numbers of tokens",
             severity="careful", fix="Run the script through -m megatron_ga_ext (install() weighs every MTP token by "
             "1 / N).",
+            brief="MTP with --calculate-per-token-loss: from megatron-core 0.17 each rank weighs its MTP tokens by its "
+            "own count, not the global one. Fix: -m megatron_ga_ext.",
             applies=lambda s: s.on("calculate_per_token_loss") and s.number("mtp_num_layers") > 0, entry=True),)),
     Row(id="hybrid-moe-token", flags=("--hybrid-override-pattern", "--hybrid-layer-pattern", "--is-hybrid-model"),
         given="a hybrid (Mamba) model with MoE layers", when="in token mode", support="limited",
