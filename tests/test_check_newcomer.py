@@ -109,7 +109,7 @@ CASES = [
          line(f"{GPT} --global-batch-size 16 --calculate-per-token-loss --num-experts 4 --moe-z-loss-coeff 1e-3 "
               "--tensor-model-parallel-size 2"),
          0, said=["careful: MoE with --calculate-per-token-loss", "(positions / loss tokens)",
-                  "1 / (TP x CP) of the per-token target"]),
+                  "1 / (TP x CP) of the target"]),
     Case("mtp-stock", line(f"{GPT} --global-batch-size 16 --calculate-per-token-loss --mtp-num-layers 1"),
          0, said=["careful: MTP with --calculate-per-token-loss"]),
     # 3. every problem in one pass, fixes checked against the other rules

@@ -57,8 +57,8 @@ MOE_ROWS: tuple[Row, ...] = (
                 effect="on megatron-core 0.16 to 0.18 the z-loss gradient is 1 / (TP x CP) of the per-token target "
                 "(0.19 adds the missing factor)",
                 severity="careful", fix="Run the script through -m megatron_ga_ext, or use megatron-core >= 0.19.",
-                brief="MoE z-loss under TP x CP > 1: on megatron-core 0.16 to 0.18 its gradient is 1 / (TP x CP) of "
-                "the per-token target. Fix: -m megatron_ga_ext.",
+                brief="MoE z-loss under tensor or context parallelism: on megatron-core 0.16-0.18 its gradient is 1 / "
+                "(TP x CP) of the target. Fix: -m megatron_ga_ext.",
                 applies=lambda s: s.on("calculate_per_token_loss") and has_moe(s) and bool(s.value("moe_z_loss_coeff"))
                 and s.number("tensor_model_parallel_size") * s.number("context_parallel_size") > 1, entry=True),
         )),
