@@ -277,9 +277,9 @@ def test_a_pasted_script_line_reads_as_the_shell_reads_it():
     line = BASE + " \\\n  --global-batch-size 64   # the batch\n  --tensor-model-parallel-size 2"
     ledger, problems = check_text(line)
     assert ledger["tensor_model_parallel_size"] == 1
-    assert problems == ["the script runs '--tensor-model-parallel-size 2' as a command of its own: the line before it "
-                        "does not end with '\\', so the launch never gets --tensor-model-parallel-size and what follows "
-                        "it. End the line before with '\\'."]
+    assert problems == ["the script runs '--tensor-model-parallel-size 2' as a command of its own: the line before "
+                        "it does not end with '\\', so the launch never gets --tensor-model-parallel-size and what "
+                        "follows it. End the line before with '\\'."]
     with pytest.raises(UsageError, match=r"^--nproc_per_node '\$GPUS' is not an integer"):
         check_text("torchrun --nproc_per_node $GPUS x.py --micro-batch-size 1")
 

@@ -66,8 +66,8 @@ def test_warmup_refuses_local_non_persistent_checkpoints_at_start_up():
 
 
 def test_check_reports_the_local_non_persistent_refusal_on_a_launch_line():
-    from megatron_ga_ext.launch.line import parse_launch
     from megatron_ga_ext.launch.check import launch_problems
+    from megatron_ga_ext.launch.line import parse_launch
 
     line = ("torchrun --nproc_per_node 8 pretrain_gpt.py --calculate-per-token-loss --micro-batch-size 1 "
             "--global-batch-size 64 --seq-length 2048 --train-samples 100000 --ga-batch-size-warmup auto "

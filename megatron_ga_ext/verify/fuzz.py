@@ -179,7 +179,14 @@ def known_limit(draw: Draw) -> str | None:
         return SEQ_AUX_BEFORE_0_19
     if "mtp" in layout.model and not hasattr(multi_token_prediction, "process_mtp_loss") and min(draw.lengths) <= 1:
         return "MTP on 0.16 with a sample of one loss token: upstream divides microbatch mode's MTP mean by 0"
+    if layout.model == "moe_mtp" and (layout.sequence_parallel or 0 in draw.lengths):
+        return MOE_IN_MTP
     return None
+
+
+MOE_IN_MTP = ("MoE inside the MTP layer, token mode, under sequence parallelism or with a sample without loss tokens: "
+              "upstream rolls that layer's padding mask within each TP shard and fills the rolled-in position as a "
+              "loss token, so its router counts positions the loss tokens do not")
 
 
 def run_draws(draws: tuple[Draw, ...], device: str = "cpu") -> list[DrawResult]:

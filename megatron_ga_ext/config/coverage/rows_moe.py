@@ -18,6 +18,8 @@ from megatron_ga_ext.config.coverage.row import Proof, Row, Upstream
 
 __all__ = ["MOE_ROWS"]
 
+MTP_CP = "tests/test_mtp_context_parallel.py::"
+
 #: The flex dispatcher's backends and their options (the dispatcher-flex row).
 FLEX_DISPATCHER = (
     "--moe-flex-dispatcher-backend", "--moe-enable-deepep", "--moe-deepep-num-sms", "--moe-hybridep-num-sms",
@@ -184,13 +186,15 @@ MOE_ROWS: tuple[Row, ...] = (
     # MTP and hybrid models
     Row(id="mtp", flags=("--mtp-num-layers", "--mtp-loss-scaling-factor"), given="--mtp-num-layers N",
         support="supported",
-        text="token mode: every MTP token weighs its scaling factor / N, the global count every term is divided by; "
-        "install() undoes process_mtp_loss's local n_u / m_u weighting (0.17+, Megatron-LM #7452 finding 3; 0.16 "
-        "attaches the sum already). Where labels are not given (the RL path) upstream's weighting stands. Microbatch "
-        "mode: as upstream.",
+        text="token mode: every MTP token weighs its scaling factor / (MTP depth x N), the global count every term is "
+        "divided by; install() attaches each depth's sum from its per-token loss and rolled mask in place of "
+        "process_mtp_loss's local n_u / m_u weighting (0.17+, Megatron-LM #7452 finding 3), which gives a CP shard "
+        "without LM tokens no MTP gradient (#7498); 0.16 attaches the sum already. Where labels are not given (the "
+        "RL path) upstream's weighting stands. Microbatch mode: as upstream.",
         proofs=(Proof(test=MOE_MTP + "test_mtp_token_mode_weighs_every_mtp_token_by_n"),
                 *verify_layouts("DP2 x GA4 (MTP)", "DP2 x GA4 (MoE + MTP)"),
-                Proof(test="tests/test_verify_aux.py::test_install_meets_the_token_mode_target")),
+                Proof(test="tests/test_verify_aux.py::test_install_meets_the_token_mode_target"),
+                Proof(test=MTP_CP + "test_a_shard_without_lm_tokens_keeps_its_rolled_mtp_token")),
         applies=lambda s: s.number("mtp_num_layers") > 0,
         upstream=(Upstream(
             given="--mtp-num-layers N with --calculate-per-token-loss",
@@ -201,6 +205,18 @@ MOE_ROWS: tuple[Row, ...] = (
             brief="MTP with --calculate-per-token-loss: from megatron-core 0.17 each rank weighs its MTP tokens by its "
             "own count, not the global one. Fix: -m megatron_ga_ext.",
             applies=lambda s: s.on("calculate_per_token_loss") and s.number("mtp_num_layers") > 0, entry=True),)),
+    Row(id="moe-in-mtp-token", flags=("--mtp-num-layers", "--num-experts", "--sequence-parallel"),
+        given="MoE with --mtp-num-layers N, token mode", support="limited",
+        brief="MoE inside MTP layers: their load-balancing gradients can count a padding position per sequence, "
+              "more under sequence parallelism.", severity="careful",
+        text="the MTP layer's own MoE routes with the padding mask upstream rolls (roll_tensor): the rolled-in last "
+        "position is filled as a loss token, and under sequence parallelism each TP rank rolls its own shard, so "
+        "that router's counts differ from the rolled loss tokens where a sample has none or under SP, and its aux "
+        "and z-loss gradients differ from the target by that count ratio (verify --fuzz marks such draws limited; "
+        "up to 45% on that router's weight). install()'s padding mask turns the roll on; it is not corrected. "
+        "Without SP and with a loss token in every sample the counts agree (verify's MoE + MTP row).",
+        proofs=(*verify_layouts("DP2 x GA4 (MoE + MTP)"),),
+        applies=in_token_mode(lambda s: has_moe(s) and s.number("mtp_num_layers") > 0)),
     Row(id="hybrid-moe-token", flags=("--hybrid-override-pattern", "--hybrid-layer-pattern", "--is-hybrid-model"),
         given="a hybrid (Mamba) model with MoE layers", when="in token mode", support="limited",
         brief="a hybrid model's MoE layers route without the padding mask: their load-balancing gradients are "
