@@ -100,16 +100,17 @@ sys.exit(main(["verify", *sys.argv[1:]]))
 
 @pytest.mark.slow
 def test_the_fuzzer_finds_the_router_count_defect_without_the_correction():
-    """Draw 10 of seed 3 is DP 2 x GA 4 with MoE global_aux_loss: with upstream's counts (micro-batch m's over both DP
+    """Draw 5 of seed 3 is EP 2 x DP 2 x GA 1 with MoE global_aux_loss: with upstream's counts (micro-batch m's over both DP
     ranks, on every release) its token mode misses the reference, and the failing draw prints its row and how to
     rerun it; with install()'s correction it passes."""
-    args = ("--fuzz", "12", "--seed", "3", "--draw", "10", "--timeout", "300")
+    args = ("--fuzz", "12", "--seed", "3", "--draw", "5", "--timeout", "300")
     proc = _verify(*args, script=UNCORRECTED)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "DP2 x GA4 (MoE global_aux_loss, distributed optimizer)" in proc.stdout and "FAIL" in proc.stdout
-    row = "row: Layout(data_parallel_size=2, num_microbatches=4, tensor_model_parallel_size=1, sequence_parallel=False"
+    assert "EP2 x DP2 x GA1 (MoE global_aux_loss, overlapped grad reduce, distributed optimizer)" in proc.stdout
+    assert "FAIL" in proc.stdout
+    row = "row: Layout(data_parallel_size=2, num_microbatches=1, tensor_model_parallel_size=1, sequence_parallel=False"
     assert row in proc.stdout and "model='moe_global'" in proc.stdout
-    assert "rerun: megatron-ga verify --fuzz 12 --seed 3 --draw 10" in proc.stdout
+    assert "rerun: megatron-ga verify --fuzz 12 --seed 3 --draw 5" in proc.stdout
     assert "0 of 1 draws pass" in proc.stdout
     fixed = _verify(*args)
     assert fixed.returncode == 0 and "1 of 1 draws pass" in fixed.stdout, fixed.stdout[-3000:] + fixed.stderr[-2000:]
