@@ -87,7 +87,12 @@ def _rank(extension: bool):
 
 @pytest.fixture(scope="module")
 def results():
+    from megatron.core.transformer import multi_token_prediction
+
     from megatron_ga_ext.testing.distributed import run_on_ranks
+
+    if not hasattr(multi_token_prediction, "process_mtp_loss"):
+        pytest.skip("megatron-core 0.16 computes MTP in GPTModel and attaches its sum: install() does not rework it")
 
     return {extension: run_on_ranks(_rank, 2, (extension,)) for extension in (True, False)}
 

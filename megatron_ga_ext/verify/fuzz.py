@@ -181,7 +181,24 @@ def known_limit(draw: Draw) -> str | None:
         return "MTP on 0.16 with a sample of one loss token: upstream divides microbatch mode's MTP mean by 0"
     if layout.model == "moe_mtp" and (layout.sequence_parallel or 0 in draw.lengths):
         return MOE_IN_MTP
+    if layout.expert_tensor_parallel_size not in (None, layout.tensor_model_parallel_size) \
+            and layout.expert_model_parallel_size == 1 and _experts_marked_by_ep_alone():
+        return EXPERTS_MARKED_BY_EP
     return None
+
+
+EXPERTS_MARKED_BY_EP = ("an expert TP size of its own with EP 1 on a release that marks expert parameters "
+                        "(allreduce=False) only where EP > 1: neither DDP nor verify can tell an expert's shard; "
+                        "not run")
+
+
+def _experts_marked_by_ep_alone() -> bool:
+    """megatron-core's linear layers mark an expert parameter as such only where EP > 1 (0.16)."""
+    import inspect
+
+    from megatron.core.tensor_parallel import layers
+
+    return "not (self.is_expert and self.expert_parallel)" in inspect.getsource(layers.ColumnParallelLinear)
 
 
 MOE_IN_MTP = ("MoE inside the MTP layer, token mode, under sequence parallelism or with a sample without loss tokens: "
