@@ -100,9 +100,9 @@ sys.exit(main(["verify", *sys.argv[1:]]))
 
 @pytest.mark.slow
 def test_the_fuzzer_finds_the_router_count_defect_without_the_correction():
-    """Draw 5 of seed 3 is EP 2 x DP 2 x GA 1 with MoE global_aux_loss: with upstream's counts (micro-batch m's over both DP
-    ranks, on every release) its token mode misses the reference, and the failing draw prints its row and how to
-    rerun it; with install()'s correction it passes."""
+    """Draw 5 of seed 3 is EP 2 x DP 2 x GA 1 with MoE global_aux_loss: with upstream's counts (micro-batch m's over
+    both DP ranks, on every release) its token mode misses the reference, and the failing draw prints its row and how
+    to rerun it; with install()'s correction it passes."""
     args = ("--fuzz", "12", "--seed", "3", "--draw", "5", "--timeout", "300")
     proc = _verify(*args, script=UNCORRECTED)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
