@@ -56,11 +56,10 @@ What cannot be made exact is said once at the first step, with the size of the e
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from megatron_ga_ext.integration import upstream_factors
@@ -69,6 +68,7 @@ from megatron_ga_ext.integration.aux_report import (
     balancing_types,
     routes_unmasked,
 )
+from megatron_ga_ext.integration.mtp_interception import MTPInterception
 from megatron_ga_ext.logs import get_logger
 
 if TYPE_CHECKING:
@@ -232,28 +232,13 @@ def global_count_mtp_loss(original: Callable, state: Installation) -> Callable:
     return process_mtp_loss
 
 
-class _SummedMTPLoss:
+class _SummedMTPLoss(MTPInterception):
     """One process_mtp_loss call: each depth's per-token loss and rolled loss mask, and their attachment."""
 
     def __init__(self, module: Any, scale: float) -> None:
-        self.module = module
-        self.roll_tensor, self.autoscaler = module.roll_tensor, module.MTPLossAutoScaler
+        super().__init__(module)
         self.scale = scale
-        self.rolled: Any = None
         self.per_token_loss: Any = None
-
-    @contextlib.contextmanager
-    def in_module(self) -> Iterator[None]:
-        self.module.roll_tensor, self.module.MTPLossAutoScaler = self.roll, self
-        try:
-            yield
-        finally:
-            self.module.roll_tensor, self.module.MTPLossAutoScaler = self.roll_tensor, self.autoscaler
-
-    def roll(self, *args: Any, **kwargs: Any) -> Any:
-        rolled, total = self.roll_tensor(*args, **kwargs)
-        self.rolled = rolled
-        return rolled, total
 
     def recording(self, compute_language_model_loss: Callable) -> Callable:
         def compute(*args: Any, **kwargs: Any) -> Any:

@@ -22,16 +22,16 @@ at most two small collectives the ranks of its group make together) at its first
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from megatron_ga_ext.integration.compat import ROUTER
+from megatron_ga_ext.integration.mtp_interception import MTPInterception
 from megatron_ga_ext.logs import get_logger
 
 __all__ = ["APPLIES", "MTPRatioCheck", "RouterCountCheck", "ZLossFactorCheck", "nonzero_total"]
@@ -364,28 +364,13 @@ def _unit_token_loss(labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor
     return torch.ones(labels.shape, device=labels.device)
 
 
-class _MTPCapture:
+class _MTPCapture(MTPInterception):
     """Stands, during the probe, for the MTP module's ``roll_tensor`` (the count each roll returns) and
     ``MTPLossAutoScaler`` (each attachment, with the count of the roll before it: the loss mask's)."""
 
     def __init__(self, module: Any) -> None:
-        self.module = module
-        self.roll_tensor, self.autoscaler = module.roll_tensor, module.MTPLossAutoScaler
-        self.rolled_num_tokens: Any = None
+        super().__init__(module)
         self.attached: list[tuple[Any, Any]] = []
-
-    @contextlib.contextmanager
-    def in_module(self) -> Iterator[None]:
-        self.module.roll_tensor, self.module.MTPLossAutoScaler = self.roll, self
-        try:
-            yield
-        finally:
-            self.module.roll_tensor, self.module.MTPLossAutoScaler = self.roll_tensor, self.autoscaler
-
-    def roll(self, *args: Any, **kwargs: Any) -> Any:
-        rolled, total = self.roll_tensor(*args, **kwargs)
-        self.rolled_num_tokens = total
-        return rolled, total
 
     def apply(self, hidden_states: torch.Tensor, mtp_loss: torch.Tensor) -> torch.Tensor:
         self.attached.append((mtp_loss.detach().sum(), self.rolled_num_tokens))
