@@ -71,7 +71,7 @@ def _draw(rng: random.Random, index: int) -> Draw:
     ep = rng.choice([e for e in (1, 2) if dp % e == 0]) if moe and tp == 1 and cp == 1 else 1
     etp = None
     if moe and tp > 1:
-        etp = rng.choice((None, 1))  # the expert TP group TP's, or none
+        etp = rng.choice((None, 1))  # experts split like TP (megatron's default), or not at all
     elif moe and cp == 1 and ep == 1 and dp > 1:
         etp = rng.choice((None, 2))  # experts split over two DP ranks
     micro_batch_size = rng.choice((1, 2))
@@ -88,8 +88,8 @@ def _draw(rng: random.Random, index: int) -> Draw:
 
 
 def _lengths(rng: random.Random, layout: Layout) -> tuple[int, ...]:
-    """Loss tokens per sample, 1 to the sequence length; at MBS > 1 a sample may hold none (a truncated SFT sample,
-    its micro-batch's other samples not), with at least one loss token in the batch."""
+    """Loss tokens per sample, 1 to the sequence length; at MBS > 1 a sample may hold none (a truncated SFT sample;
+    now and then a whole micro-batch), with at least one loss token in the batch."""
     low = 0 if layout.micro_batch_size > 1 else 1
     while True:
         lengths = tuple(0 if low == 0 and rng.random() < 0.2 else rng.randint(1, SEQ_LENGTH)
