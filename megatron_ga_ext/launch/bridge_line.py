@@ -30,6 +30,7 @@ from megatron_ga_ext.errors import UsageError
 from megatron_ga_ext.launch.check import check_launch
 from megatron_ga_ext.launch.line import ga_values, parse_int, parse_launch
 from megatron_ga_ext.launch.report import Note, Problem, Report, problem_of
+from megatron_ga_ext.launch.yaml_cfg import read_yaml_mapping
 
 __all__ = ["RECIPE_SCRIPT", "bridge_check", "bridge_tokens", "is_bridge_line"]
 
@@ -129,20 +130,7 @@ def bridge_tokens(tokens: list[str]) -> tuple[list[str], dict[str, str], list[st
 def _yaml_overrides(flag: str, path: str) -> dict[str, str]:
     """``section.field`` -> the value as an override writes it, for each field of the sections in the YAML file at
     ``path`` (a null: left as the recipe has it)."""
-    try:
-        import yaml
-    except ImportError:
-        raise UsageError(f"{flag} {path}: reading a YAML file needs PyYAML (pip install pyyaml).") from None
-    try:
-        with open(path, encoding="utf-8") as handle:
-            data = yaml.safe_load(handle)
-    except OSError as error:
-        raise UsageError(f"{flag} {path}: cannot read it ({error.strerror or error}).") from None
-    except yaml.YAMLError as error:
-        raise UsageError(f"{flag} {path}: not YAML ({error}).") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"{flag} {path}: the file holds {type(data).__name__}, not the sections of a config "
-                         "(section: {field: value}).")
+    data = read_yaml_mapping(flag, path, "the sections of a config (section: {field: value})")
     return {f"{section}.{name}": _override_text(value)
             for section, holder in data.items() if section in (*SECTIONS, "ga") and isinstance(holder, dict)
             for name, value in holder.items() if value is not None and not isinstance(value, dict)}

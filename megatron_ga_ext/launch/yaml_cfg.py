@@ -18,7 +18,7 @@ from megatron_ga_ext.errors import UsageError
 from megatron_ga_ext.launch.line import Launch
 from megatron_ga_ext.launch.report import Note, Problem
 
-__all__ = ["FLAG", "with_yaml"]
+__all__ = ["FLAG", "read_yaml_mapping", "with_yaml"]
 
 FLAG = "--yaml-cfg"
 _LAUNCHER = {option.flag for option in LAUNCHER_OPTIONS}
@@ -68,19 +68,29 @@ def with_yaml(launch: Launch) -> tuple[Launch, list[Problem], list[Note]]:
     return line, problems, [note]
 
 
-def _settings(path: str) -> dict[str, tuple[str, Any]]:
-    """Each arg the file sets: its name -> (where in the file, the value); a section's keys under the section."""
-    import yaml  # only for a line that has the flag: every other check answers without it
-
+def read_yaml_mapping(flag: str, path: str, holds: str) -> dict:
+    """The mapping the YAML file at ``path`` (given by ``flag``) holds; a UsageError naming the flag where it cannot be
+    read, is not YAML, or holds something else than ``holds``. PyYAML is imported here only: a line without a YAML
+    file is checked without it."""
+    try:
+        import yaml
+    except ImportError:
+        raise UsageError(f"{flag} {path}: reading a YAML file needs PyYAML (pip install pyyaml).") from None
     try:
         with open(path, encoding="utf-8") as handle:
             data = yaml.safe_load(handle)
     except OSError as error:
-        raise UsageError(f"{FLAG} {path}: check cannot read it ({error.strerror or error}).") from None
+        raise UsageError(f"{flag} {path}: cannot read it ({error.strerror or error}).") from None
     except yaml.YAMLError as error:
-        raise UsageError(f"{FLAG} {path}: not YAML ({error}).") from None
+        raise UsageError(f"{flag} {path}: not YAML ({error}).") from None
     if not isinstance(data, dict):
-        raise UsageError(f"{FLAG} {path}: the file holds {type(data).__name__}, not Megatron's settings by name.")
+        raise UsageError(f"{flag} {path}: the file holds {type(data).__name__}, not {holds}.")
+    return data
+
+
+def _settings(path: str) -> dict[str, tuple[str, Any]]:
+    """Each arg the file sets: its name -> (where in the file, the value); a section's keys under the section."""
+    data = read_yaml_mapping(FLAG, path, "Megatron's settings by name")
     settings: dict[str, tuple[str, Any]] = {}
     for key, value in data.items():
         if isinstance(value, dict):
