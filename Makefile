@@ -79,6 +79,7 @@ $(LINT_STAMP): $(STAMP)
 # ruff's rules and mypy's files are in pyproject.toml.
 lint: $(LINT_STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
 # tests/test_fuzz.py at FUZZ_EXAMPLES per surface, in two processes (one per core), each half of the surfaces.

@@ -37,14 +37,46 @@ COMMANDS = {
     "--version": ["--version"],
     "check, clean line": ["check", "--", *GPT, "--global-batch-size", "64"],
     "check, schedule never reached": [
-        "check", "--world-size", "128", "--", *GPT, "--tensor-model-parallel-size", "8",
-        "--pipeline-model-parallel-size", "16", "--step-batch-size-schedule", "0:16 2.4B:320 4.8B:624 12B:1536",
-        "--train-samples", "1000000"],
+        "check",
+        "--world-size",
+        "128",
+        "--",
+        *GPT,
+        "--tensor-model-parallel-size",
+        "8",
+        "--pipeline-model-parallel-size",
+        "16",
+        "--step-batch-size-schedule",
+        "0:16 2.4B:320 4.8B:624 12B:1536",
+        "--train-samples",
+        "1000000",
+    ],
     "check, pasted script with a 96-stage rampup": ["check", "--", PASTED],
-    "check, srun line": ["check", "--", "srun", "--nodes", "32", "--ntasks-per-node", "8", "python",
-                         "pretrain_gpt.py", "--micro-batch-size", "1", "--global-batch-size", "256"],
-    "check, FSDP2 trap (--json)": ["check", "--json", "--", *GPT, "--global-batch-size", "16",
-                                   "--calculate-per-token-loss", "--use-torch-fsdp2"],
+    "check, srun line": [
+        "check",
+        "--",
+        "srun",
+        "--nodes",
+        "32",
+        "--ntasks-per-node",
+        "8",
+        "python",
+        "pretrain_gpt.py",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "256",
+    ],
+    "check, FSDP2 trap (--json)": [
+        "check",
+        "--json",
+        "--",
+        *GPT,
+        "--global-batch-size",
+        "16",
+        "--calculate-per-token-loss",
+        "--use-torch-fsdp2",
+    ],
 }
 
 
@@ -58,9 +90,11 @@ def wall(argv: list[str]) -> float:
 
 
 def imports_torch() -> bool:
-    code = ("import sys; from megatron_ga_ext.cli.main import main; "
-            f"main({COMMANDS['check, schedule never reached']!r}); "
-            "print('torch' in sys.modules or 'megatron' in sys.modules, file=sys.stderr)")
+    code = (
+        "import sys; from megatron_ga_ext.cli.main import main; "
+        f"main({COMMANDS['check, schedule never reached']!r}); "
+        "print('torch' in sys.modules or 'megatron' in sys.modules, file=sys.stderr)"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     return result.stderr.strip().splitlines()[-1] == "True"
 
@@ -79,15 +113,26 @@ def main() -> None:
     print(f"{'command':48} {'median s':>9} {'over --version':>15}")
     for name, values in times.items():
         over = statistics.median(v - b for v, b in zip(values, base))
-        rows.append({"command": name, "median_s": round(statistics.median(values), 3),
-                     "over_version_s": round(over, 3)})
+        rows.append(
+            {"command": name, "median_s": round(statistics.median(values), 3), "over_version_s": round(over, 3)}
+        )
         print(f"{name:48} {statistics.median(values):9.3f} {over:15.3f}")
     torch = imports_torch()
     print(f"torch or megatron imported by check: {torch}")
     if args.out:
-        args.out.write_text(json.dumps({"date": datetime.date.today().isoformat(), "rounds": args.rounds,
-                                        "python": sys.version.split()[0], "imports_torch": torch, "rows": rows},
-                                       indent=2) + "\n")
+        args.out.write_text(
+            json.dumps(
+                {
+                    "date": datetime.date.today().isoformat(),
+                    "rounds": args.rounds,
+                    "python": sys.version.split()[0],
+                    "imports_torch": torch,
+                    "rows": rows,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -72,9 +72,16 @@ def build(out: Path = DEFAULT_OUT) -> dict:
         digest.update(ids.tobytes())
         tokens += len(ids)
     builder.finalize(str(data) + ".idx")
-    description = {"source": f"megatron-core {version}: megatron/core/**/*.py, sorted", "files": len(files),
-                   "documents": len(files), "tokens": tokens, "eod": EOD, "sha256": digest.hexdigest(),
-                   "data_path": str(data), "split": SPLIT}
+    description = {
+        "source": f"megatron-core {version}: megatron/core/**/*.py, sorted",
+        "files": len(files),
+        "documents": len(files),
+        "tokens": tokens,
+        "eod": EOD,
+        "sha256": digest.hexdigest(),
+        "data_path": str(data),
+        "split": SPLIT,
+    }
     described.write_text(json.dumps(description, indent=1) + "\n")
     return description
 

@@ -44,10 +44,33 @@ from benchmarks.critical_batch_report import geometric_mean, plot  # noqa: E402
 from tests.support.pretrain_runs import launch  # noqa: E402
 from tools.regress import sources  # noqa: E402
 
-MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
-         "--max-position-embeddings", "128", "--micro-batch-size", "4", "--hidden-dropout", "0",
-         "--attention-dropout", "0", "--calculate-per-token-loss", "--lr-decay-style", "constant",
-         "--log-interval", "1", "--weight-decay", "0.01", "--adam-beta2", "0.95"]
+MODEL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "128",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "128",
+    "--max-position-embeddings",
+    "128",
+    "--micro-batch-size",
+    "4",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--calculate-per-token-loss",
+    "--lr-decay-style",
+    "constant",
+    "--log-interval",
+    "1",
+    "--weight-decay",
+    "0.01",
+    "--adam-beta2",
+    "0.95",
+]
 LR_RULE = 2e-3
 
 
@@ -66,21 +89,54 @@ class Plan:
         return LR_RULE * math.sqrt(gbs / 16) * factor
 
 
-FULL = Plan(sweep=(8, 16, 32, 64, 128), lr_factors=(0.5, 1.0), samples=32768, eval_every=1024, eval_samples=256,
-            noise_every=256, warmup_samples=2048, num_targets=3)
-QUICK = Plan(sweep=(8, 16, 32), lr_factors=(1.0,), samples=1024, eval_every=64, eval_samples=32, noise_every=64,
-             warmup_samples=64, num_targets=2)
+FULL = Plan(
+    sweep=(8, 16, 32, 64, 128),
+    lr_factors=(0.5, 1.0),
+    samples=32768,
+    eval_every=1024,
+    eval_samples=256,
+    noise_every=256,
+    warmup_samples=2048,
+    num_targets=3,
+)
+QUICK = Plan(
+    sweep=(8, 16, 32),
+    lr_factors=(1.0,),
+    samples=1024,
+    eval_every=64,
+    eval_samples=32,
+    noise_every=64,
+    warmup_samples=64,
+    num_targets=2,
+)
 
 
 def flags(plan: Plan, gbs: int, lr: float, trace: Path, extra: tuple[str, ...] = (), eval_gbs: int = 0) -> list[str]:
     """One run's flags beyond the launcher's tiny GPT (later flags win): the model, the data, its batch and LR;
     evaluated every ``plan.eval_every`` samples at GBS ``eval_gbs`` (default: its own)."""
     every = max(1, plan.noise_every // gbs)
-    return [*MODEL, "--global-batch-size", str(gbs), "--train-samples", str(plan.samples), "--lr", str(lr),
-            "--min-lr", str(lr), "--lr-warmup-samples", str(plan.warmup_samples),
-            "--eval-interval", str(max(1, plan.eval_every // (eval_gbs or gbs))),
-            "--eval-iters", str(max(1, plan.eval_samples // gbs)),
-            "--ga-noise-scale", str(every), "--ga-noise-scale-trace", str(trace), *extra]
+    return [
+        *MODEL,
+        "--global-batch-size",
+        str(gbs),
+        "--train-samples",
+        str(plan.samples),
+        "--lr",
+        str(lr),
+        "--min-lr",
+        str(lr),
+        "--lr-warmup-samples",
+        str(plan.warmup_samples),
+        "--eval-interval",
+        str(max(1, plan.eval_every // (eval_gbs or gbs))),
+        "--eval-iters",
+        str(max(1, plan.eval_samples // gbs)),
+        "--ga-noise-scale",
+        str(every),
+        "--ga-noise-scale-trace",
+        str(trace),
+        *extra,
+    ]
 
 
 def trace_rows(path: Path) -> list[dict]:
@@ -90,8 +146,21 @@ def trace_rows(path: Path) -> list[dict]:
 def critical_batch(logs: list[Path], targets: list[float] | None, num_targets: int) -> dict:
     """``megatron-ga critical-batch --json`` on ``logs``, as a user runs it."""
     chosen = ["--targets", ",".join(map(repr, targets))] if targets else ["--num-targets", str(num_targets)]
-    done = subprocess.run([sys.executable, "-m", "megatron_ga_ext.cli.main", "critical-batch", *map(str, logs),
-                           *chosen, "--interpolate", "--json"], capture_output=True, text=True, cwd=ROOT)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_ga_ext.cli.main",
+            "critical-batch",
+            *map(str, logs),
+            *chosen,
+            "--interpolate",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     if done.returncode != 0:
         return {"error": (done.stdout + done.stderr).strip()}
     return json.loads(done.stdout)
@@ -101,10 +170,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few minutes: the pipeline, not the science")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--like", type=Path, metavar="RESULT", help="a first seed's result JSON: the sweep only (no "
-                        "warmup test), at its targets and, per GBS, at the LR its fits chose at most targets")
-    parser.add_argument("--refit", type=Path, metavar="RESULT", help="fit a result's targets again from its runs' "
-                        "logs in .cache/critical-batch (after a change to the fit); trains nothing")
+    parser.add_argument(
+        "--like",
+        type=Path,
+        metavar="RESULT",
+        help="a first seed's result JSON: the sweep only (no "
+        "warmup test), at its targets and, per GBS, at the LR its fits chose at most targets",
+    )
+    parser.add_argument(
+        "--refit",
+        type=Path,
+        metavar="RESULT",
+        help="fit a result's targets again from its runs' "
+        "logs in .cache/critical-batch (after a change to the fit); trains nothing",
+    )
     args = parser.parse_args(argv)
     if args.refit:
         return refit(args.refit)
@@ -123,16 +202,32 @@ def main(argv: list[str] | None = None) -> int:
     def train(name: str, gbs: int, lr: float, extra: tuple[str, ...] = (), eval_gbs: int = 0) -> dict:
         trace = out / f"{name}.trace.jsonl"
         trace.unlink(missing_ok=True)
-        run = launch(tree, "dp2", [*data, *flags(plan, gbs, lr, trace, extra, eval_gbs)], extension=True, name=name,
-                     workdir=out, timeout=1800)
+        run = launch(
+            tree,
+            "dp2",
+            [*data, *flags(plan, gbs, lr, trace, extra, eval_gbs)],
+            extension=True,
+            name=name,
+            workdir=out,
+            timeout=1800,
+        )
         if run.rc != 0 or run.error is not None:
             raise SystemExit(run.describe())
         log = out / f"{name}.log"
         rows = trace_rows(trace)
-        record = {"name": name, "gbs": gbs, "lr": lr, "extra": list(extra), "seconds": round(run.seconds, 1),
-                  "log": str(log), "steps": len(run.iterations), "trace": rows,
-                  "b_simple": [[r["consumed_samples"], r["b_simple_samples"]] for r in rows
-                               if r["b_simple_samples"] is not None]}
+        record = {
+            "name": name,
+            "gbs": gbs,
+            "lr": lr,
+            "extra": list(extra),
+            "seconds": round(run.seconds, 1),
+            "log": str(log),
+            "steps": len(run.iterations),
+            "trace": rows,
+            "b_simple": [
+                [r["consumed_samples"], r["b_simple_samples"]] for r in rows if r["b_simple_samples"] is not None
+            ],
+        }
         print(f"{name}: {record['steps']} steps in {record['seconds']} s", flush=True)
         return record
 
@@ -143,8 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     if first:
         targets = [fit["target"] for fit in first["fits"]]
     else:  # the command's default targets, on the runs at the last LR factor (one per GBS)
-        whole = critical_batch([Path(r["log"]) for r in runs if r["lr"] == plan.lr(r["gbs"], plan.lr_factors[-1])],
-                               None, plan.num_targets)
+        whole = critical_batch(
+            [Path(r["log"]) for r in runs if r["lr"] == plan.lr(r["gbs"], plan.lr_factors[-1])], None, plan.num_targets
+        )
         if "error" in whole and not args.quick:
             raise SystemExit(f"critical-batch on the sweep: {whole['error']}")
         targets = [fit["target"] for fit in whole.get("targets", [])]
@@ -154,17 +250,37 @@ def main(argv: list[str] | None = None) -> int:
         return _write(args, plan, tree, start, runs, fits, {})
     best_small = min((r for r in runs if r["gbs"] == small), key=lambda r: _final_loss(Path(r["log"])))
     best_large = min((r for r in runs if r["gbs"] == large), key=lambda r: _final_loss(Path(r["log"])))
-    ratios = sorted(f["fit"]["targets"][0]["b_crit"] / geometric_mean(f["b_simple"].values()) for f in fits
-                    if (f["fit"].get("targets") or [{}])[0].get("fittable") and geometric_mean(f["b_simple"].values()))
+    ratios = sorted(
+        f["fit"]["targets"][0]["b_crit"] / geometric_mean(f["b_simple"].values())
+        for f in fits
+        if (f["fit"].get("targets") or [{}])[0].get("fittable") and geometric_mean(f["b_simple"].values())
+    )
     trusts = [1.0] + ([float(f"{ratios[len(ratios) // 2]:.3g}")] if ratios else [])  # the median B_crit / B_simple
-    warmups = [train(f"warmup-auto-trust{trust:g}", small, best_small["lr"], (
-        "--ga-batch-size-warmup", "auto", "--ga-batch-size-warmup-max", str(large), "--ga-lr-scaling", "sqrt",
-        "--ga-batch-size-warmup-trust", f"{trust:g}"), eval_gbs=plan.sweep[len(plan.sweep) // 2])
-        for trust in trusts]  # its batch grows: evaluated every eval_every samples at the sweep's middle GBS
+    warmups = [
+        train(
+            f"warmup-auto-trust{trust:g}",
+            small,
+            best_small["lr"],
+            (
+                "--ga-batch-size-warmup",
+                "auto",
+                "--ga-batch-size-warmup-max",
+                str(large),
+                "--ga-lr-scaling",
+                "sqrt",
+                "--ga-batch-size-warmup-trust",
+                f"{trust:g}",
+            ),
+            eval_gbs=plan.sweep[len(plan.sweep) // 2],
+        )
+        for trust in trusts
+    ]  # its batch grows: evaluated every eval_every samples at the sweep's middle GBS
     merrill = {}
     for record in (best_small, best_large, *warmups):
-        merrill[record["name"]] = {"steps_to": {f"{t:.6g}": _steps_to(Path(record["log"]), t) for t in targets},
-                                   "final_validation_loss": _final_loss(Path(record["log"]))}
+        merrill[record["name"]] = {
+            "steps_to": {f"{t:.6g}": _steps_to(Path(record["log"]), t) for t in targets},
+            "final_validation_loss": _final_loss(Path(record["log"])),
+        }
     return _write(args, plan, tree, start, runs + warmups, fits, merrill)
 
 
@@ -180,8 +296,14 @@ def fit_targets(runs: list[dict], targets: list[float], plan: Plan) -> list[dict
                 best[record["gbs"]] = (reached, record)
         chosen = [record for _, record in best.values()]
         fit = critical_batch([Path(r["log"]) for r in chosen], [target], plan.num_targets)
-        fits.append({"target": target, "runs": [r["name"] for r in chosen], "fit": fit,
-                     "b_simple": {r["name"]: _b_simple_at(r, target) for r in chosen}})
+        fits.append(
+            {
+                "target": target,
+                "runs": [r["name"] for r in chosen],
+                "fit": fit,
+                "b_simple": {r["name"]: _b_simple_at(r, target) for r in chosen},
+            }
+        )
     return fits
 
 
@@ -190,8 +312,11 @@ def refit(path: Path, cache: Path = ROOT / ".cache" / "critical-batch") -> int:
     its runs, its warmup test and its time; the JSON records the date of the refit."""
     result = json.loads(path.read_text())
     out = cache / ("quick" if result["quick"] else f"seed{result['seed']}")
-    runs = [{**r, "log": str(out / f"{r['name']}.log"), "trace": trace_rows(out / f"{r['name']}.trace.jsonl")}
-            for r in result["runs"] if r["name"].startswith("gbs")]
+    runs = [
+        {**r, "log": str(out / f"{r['name']}.log"), "trace": trace_rows(out / f"{r['name']}.trace.jsonl")}
+        for r in result["runs"]
+        if r["name"].startswith("gbs")
+    ]
     missing = [r["log"] for r in runs if not Path(r["log"]).exists()]
     if missing:
         raise SystemExit(f"--refit needs the runs' logs in the cache; missing: {', '.join(missing)}")
@@ -201,20 +326,35 @@ def refit(path: Path, cache: Path = ROOT / ".cache" / "critical-batch") -> int:
     return 0
 
 
-def _write(args: argparse.Namespace, plan: Plan, tree: Path, start: float, runs: list[dict], fits: list[dict],
-           merrill: dict) -> int:
+def _write(
+    args: argparse.Namespace, plan: Plan, tree: Path, start: float, runs: list[dict], fits: list[dict], merrill: dict
+) -> int:
     """The result JSON (benchmarks/results/, --quick: .cache) and its plots beside it."""
-    result = {"date": datetime.date.today().isoformat(), "quick": args.quick, "seed": args.seed,
-              "like": args.like.name if args.like else None, "source": tree.name,
-              "plan": plan.__dict__, "seconds": round(time.monotonic() - start, 1),
-              "runs": [{k: v for k, v in r.items() if k not in ("trace", "log")} for r in runs],
-              "fits": fits, "merrill": merrill}
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "quick": args.quick,
+        "seed": args.seed,
+        "like": args.like.name if args.like else None,
+        "source": tree.name,
+        "plan": plan.__dict__,
+        "seconds": round(time.monotonic() - start, 1),
+        "runs": [{k: v for k, v in r.items() if k not in ("trace", "log")} for r in runs],
+        "fits": fits,
+        "merrill": merrill,
+    }
     directory = ROOT / ".cache" / "critical-batch" if args.quick else ROOT / "benchmarks" / "results"
     path = directory / f"critical-batch-{result['date']}{'' if args.seed == 1234 else f'-seed{args.seed}'}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     plot(result, path.with_suffix(""))
-    print(json.dumps({"seconds": result["seconds"], "result": str(path), "b_crit": {
-        f"{f['target']:.6g}": (f["fit"].get("targets") or [{}])[0].get("b_crit") for f in fits}}))
+    print(
+        json.dumps(
+            {
+                "seconds": result["seconds"],
+                "result": str(path),
+                "b_crit": {f"{f['target']:.6g}": (f["fit"].get("targets") or [{}])[0].get("b_crit") for f in fits},
+            }
+        )
+    )
     return 0
 
 

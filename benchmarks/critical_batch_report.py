@@ -28,14 +28,20 @@ _NAME = re.compile(r"critical-batch-(\d{4}-\d{2}-\d{2})(?:-seed(\d+))?\.json")
 def results(directory: Path = RESULTS) -> list[dict]:
     """The newest first-seed result, then the other seeds' results run ``--like`` it, by seed (empty where there is
     none)."""
-    found = {p.name: (m.group(1), int(m.group(2) or FIRST_SEED)) for p in directory.glob("critical-batch-*.json")
-             if (m := _NAME.fullmatch(p.name))}
+    found = {
+        p.name: (m.group(1), int(m.group(2) or FIRST_SEED))
+        for p in directory.glob("critical-batch-*.json")
+        if (m := _NAME.fullmatch(p.name))
+    }
     firsts = [name for name, (_, seed) in found.items() if seed == FIRST_SEED]
     if not firsts:
         return []
     first = max(firsts, key=lambda name: found[name][0])
-    others = [json.loads((directory / name).read_text()) for name in sorted(found, key=lambda n: found[n][1])
-              if found[name][1] != FIRST_SEED]
+    others = [
+        json.loads((directory / name).read_text())
+        for name in sorted(found, key=lambda n: found[n][1])
+        if found[name][1] != FIRST_SEED
+    ]
     return [json.loads((directory / first).read_text()), *(r for r in others if r.get("like") == first)]
 
 
@@ -52,27 +58,31 @@ def _b_crit(fit: dict) -> dict | None:
 
 def _ends(interval: dict) -> tuple[float, float]:
     """An interval's ends, an end the data do not bound (null: ``megatron-ga critical-batch``) as 0 or inf."""
-    return (0.0 if interval["low"] is None else interval["low"],
-            math.inf if interval["high"] is None else interval["high"])
+    return (
+        0.0 if interval["low"] is None else interval["low"],
+        math.inf if interval["high"] is None else interval["high"],
+    )
 
 
 def _span(low: float, high: float) -> str:
     """[low, high], an open end at 0 or inf written as such: (0, high] or [low, inf)."""
-    return (f"{'(0' if low == 0 else f'[{_g(low)}'}, "
-            f"{'inf)' if math.isinf(high) else f'{_g(high)}]'}")
+    return f"{'(0' if low == 0 else f'[{_g(low)}'}, {'inf)' if math.isinf(high) else f'{_g(high)}]'}"
 
 
 def _g(value: float | None, digits: int = 3) -> str:
     """``digits`` significant digits; a whole number at and above 10 ** digits."""
     if value is None or not math.isfinite(value):
         return "-"
-    return f"{value:,.0f}" if abs(value) >= 10 ** digits else f"{value:.{digits}g}"
+    return f"{value:,.0f}" if abs(value) >= 10**digits else f"{value:.{digits}g}"
 
 
 def fits_table(runs: list[dict]) -> str:
     first, others = runs[0], runs[1:]
-    lines = ["| target (validation loss) | runs | S_min | E_min (samples) | B_crit [95%] | B_simple at the target: "
-             "geometric mean [min, max] | B_simple / B_crit | other seeds' B_crit |", "|" + "---|" * 8]
+    lines = [
+        "| target (validation loss) | runs | S_min | E_min (samples) | B_crit [95%] | B_simple at the target: "
+        "geometric mean [min, max] | B_simple / B_crit | other seeds' B_crit |",
+        "|" + "---|" * 8,
+    ]
     for entry in first["fits"]:
         fit = _b_crit(entry["fit"])
         simple = [v for v in entry["b_simple"].values() if v is not None and v > 0]
@@ -80,12 +90,17 @@ def fits_table(runs: list[dict]) -> str:
         spread = f"[{_g(min(simple))}, {_g(max(simple))}]" if simple else ""
         if fit is None:
             reason = (entry["fit"].get("targets") or [{}])[0].get("reason") or entry["fit"].get("error", "")
-            lines.append(f"| {entry['target']:.4g} | {len(entry['runs'])} | not fittable: {reason} | | | "
-                         f"{_g(mean)} {spread} | | |")
+            lines.append(
+                f"| {entry['target']:.4g} | {len(entry['runs'])} | not fittable: {reason} | | | "
+                f"{_g(mean)} {spread} | | |"
+            )
             continue
         low, high = _ends(fit["b_crit_interval"])
-        ratio = "-" if mean is None else (f"{_g(mean / fit['b_crit'])} "
-                                          f"{_span(mean / high, mean / low if low else math.inf)}")
+        ratio = (
+            "-"
+            if mean is None
+            else (f"{_g(mean / fit['b_crit'])} {_span(mean / high, mean / low if low else math.inf)}")
+        )
         seeds = []
         for other in others:
             match = next((e for e in other["fits"] if abs(e["target"] - entry["target"]) < 1e-9), None)
@@ -96,20 +111,27 @@ def fits_table(runs: list[dict]) -> str:
             else:  # the reason's first clause: "every run is above the knee", "2 run(s) at 2 batch size(s) ..."
                 reason = "" if match is None else ((match["fit"].get("targets") or [{}])[0].get("reason") or "")
                 seeds.append(f"seed {other['seed']}: " + (f"not fittable ({reason.split(':')[0]})" if reason else "-"))
-        lines.append(f"| {entry['target']:.4g} | {len(entry['runs'])} | {_g(fit['s_min'])} | {_g(fit['e_min'])} | "
-                     f"{_g(fit['b_crit'])} {_span(low, high)} | {_g(mean)} {spread} | {ratio} | "
-                     f"{'; '.join(seeds) or '-'} |")
+        lines.append(
+            f"| {entry['target']:.4g} | {len(entry['runs'])} | {_g(fit['s_min'])} | {_g(fit['e_min'])} | "
+            f"{_g(fit['b_crit'])} {_span(low, high)} | {_g(mean)} {spread} | {ratio} | "
+            f"{'; '.join(seeds) or '-'} |"
+        )
     return "\n".join(lines)
 
 
 def warmup_table(result: dict) -> str:
     targets = [f"{e['target']:.4g}" for e in result["fits"]]
-    lines = ["| run | " + " | ".join(f"steps to {t}" for t in targets) + " | final validation loss |",
-             "|" + "---|" * (len(targets) + 2)]
+    lines = [
+        "| run | " + " | ".join(f"steps to {t}" for t in targets) + " | final validation loss |",
+        "|" + "---|" * (len(targets) + 2),
+    ]
     for name, row in result["merrill"].items():
         steps = [row["steps_to"].get(f"{e['target']:.6g}") for e in result["fits"]]
-        lines.append(f"| {name} | " + " | ".join("-" if s is None else str(s) for s in steps) +
-                     f" | {_g(row['final_validation_loss'], 4)} |")
+        lines.append(
+            f"| {name} | "
+            + " | ".join("-" if s is None else str(s) for s in steps)
+            + f" | {_g(row['final_validation_loss'], 4)} |"
+        )
     return "\n".join(lines)
 
 
@@ -139,8 +161,7 @@ def plot(result: dict, prefix: Path) -> list[Path]:
         line = axes.loglog([p["steps"] for p in points], [p["samples"] for p in points], "o", label=label)
         if fit is not None:
             s = [fit["s_min"] * (1 + 10 ** (k / 20 - 2)) for k in range(0, 81)]
-            axes.loglog(s, [fit["e_min"] * (1 + 1 / (x / fit["s_min"] - 1)) for x in s], "-",
-                        color=line[0].get_color())
+            axes.loglog(s, [fit["e_min"] * (1 + 1 / (x / fit["s_min"] - 1)) for x in s], "-", color=line[0].get_color())
     axes.set_xlabel("optimizer steps S")
     axes.set_ylabel("samples E")
     axes.set_title("(S / S_min - 1)(E / E_min - 1) = 1 per target")

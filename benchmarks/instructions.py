@@ -67,8 +67,9 @@ HELPER_ENV = "MEGATRON_GA_CALLGRIND_HELPER"
 NOISE_SCALE_VARIANTS = ("upstream", "extension", "extension_noise_scale")
 
 
-def rank_main(num_microbatches: int, model: str, rounds: int, steps: int, counting: bool,
-              variants: tuple[str, ...] = VARIANTS) -> dict:
+def rank_main(
+    num_microbatches: int, model: str, rounds: int, steps: int, counting: bool, variants: tuple[str, ...] = VARIANTS
+) -> dict:
     """This rank's rounds: under callgrind (``counting``) dumps labelled "<rank> <variant> <round>" around each
     installation's counted steps; outside it, their CPU times."""
     import torch
@@ -139,12 +140,19 @@ def read_dumps(directory: Path) -> dict[str, int]:
     return counts
 
 
-def summarize(num_microbatches: int, model: str, counts: dict[str, int], native: dict, steps: int,
-              variants: tuple[str, ...] = VARIANTS) -> dict:
+def summarize(
+    num_microbatches: int,
+    model: str,
+    counts: dict[str, int],
+    native: dict,
+    steps: int,
+    variants: tuple[str, ...] = VARIANTS,
+) -> dict:
     """One GA's row from the dumps ({"<rank> <variant> <round>": instructions}) and the native CPU times."""
     rounds = sorted({int(label.split()[2]) for label in counts if label.split()[1] in variants})
-    per_step = {v: [statistics.mean(counts[f"{rank} {v} {r}"] for rank in range(DP)) / steps for r in rounds]
-                for v in variants}
+    per_step = {
+        v: [statistics.mean(counts[f"{rank} {v} {r}"] for rank in range(DP)) / steps for r in rounds] for v in variants
+    }
     upstream = per_step["upstream"]
     ratios = {v: [e / u for e, u in zip(per_step[v], upstream)] for v in variants[1:]}
     added = {v: [(e - u) / num_microbatches for e, u in zip(per_step[v], upstream)] for v in variants[1:]}
@@ -174,8 +182,14 @@ def run(num_microbatches: int, model: str, rounds: int, variants: tuple[str, ...
     native = run_on_ranks(rank_main, DP, (num_microbatches, model, rounds, steps, False, variants), launch)[0]
     with tempfile.TemporaryDirectory(prefix="callgrind-") as out:
         helper = build_helper(Path(out))
-        command = [*VALGRIND, f"--callgrind-out-file={out}/callgrind.%p", sys.executable, __file__, "--inside",
-                   json.dumps([num_microbatches, model, rounds, steps, variants])]
+        command = [
+            *VALGRIND,
+            f"--callgrind-out-file={out}/callgrind.%p",
+            sys.executable,
+            __file__,
+            "--inside",
+            json.dumps([num_microbatches, model, rounds, steps, variants]),
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": "1", HELPER_ENV: str(helper)}
         done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
         if done.returncode:
@@ -187,16 +201,24 @@ def run(num_microbatches: int, model: str, rounds: int, variants: tuple[str, ...
 
 
 def table(rows: list[dict]) -> str:
-    header = ("| model | GA | upstream: instructions per step (rate, per us) | extension: ratio, median [min, max] "
-              "| instructions per micro-batch | us per micro-batch at upstream's rate | async: ratio, median "
-              "[min, max] | instructions per micro-batch | us per micro-batch | upstream's spread |")
+    header = (
+        "| model | GA | upstream: instructions per step (rate, per us) | extension: ratio, median [min, max] "
+        "| instructions per micro-batch | us per micro-batch at upstream's rate | async: ratio, median "
+        "[min, max] | instructions per micro-batch | us per micro-batch | upstream's spread |"
+    )
     lines = [header, "|" + "---|" * 10]
     for r in rows:
-        cells = [overhead.MODELS[r["model"]], str(r["num_microbatches"]),
-                 f"{r['instructions_per_step']['upstream']:,} ({r['upstream_instructions_per_us']:,.0f})"]
+        cells = [
+            overhead.MODELS[r["model"]],
+            str(r["num_microbatches"]),
+            f"{r['instructions_per_step']['upstream']:,} ({r['upstream_instructions_per_us']:,.0f})",
+        ]
         for v in VARIANTS[1:]:
-            cells += [f"{r['ratio_median'][v]:.4f} [{r['ratio_min'][v]:.4f}, {r['ratio_max'][v]:.4f}]",
-                      f"{r['added_instructions_per_microbatch'][v]:,}", f"{r['added_us_per_microbatch'][v]:.1f}"]
+            cells += [
+                f"{r['ratio_median'][v]:.4f} [{r['ratio_min'][v]:.4f}, {r['ratio_max'][v]:.4f}]",
+                f"{r['added_instructions_per_microbatch'][v]:,}",
+                f"{r['added_us_per_microbatch'][v]:.1f}",
+            ]
         cells.append(f"{r['spread']:.4f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -204,8 +226,10 @@ def table(rows: list[dict]) -> str:
 
 def write(rows: list[dict], env: dict) -> None:
     """benchmarks/results/instructions-<date>.json and the table of docs/performance.md."""
-    stamp = (f"\nRun on {env['date'][:10]}: Python {env['versions']['python']}, torch {env['versions']['torch']}, "
-             f"megatron-core {env['versions']['megatron-core']}; {env['layout']}, one intra-op thread.\n\n")
+    stamp = (
+        f"\nRun on {env['date'][:10]}: Python {env['versions']['python']}, torch {env['versions']['torch']}, "
+        f"megatron-core {env['versions']['megatron-core']}; {env['layout']}, one intra-op thread.\n\n"
+    )
     overhead.record("instructions", rows, env, stamp + table(rows) + "\n")
 
 
@@ -214,16 +238,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the position-wise model at GA 4 only")
     parser.add_argument("--write", action="store_true", help="write benchmarks/results/*.json and docs/performance.md")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per model and GA (default 3)")
-    parser.add_argument("--noise-scale", action="store_true",
-                        help="--ga-noise-scale 1 against upstream and the extension: the tiny GPT at GA 4")
+    parser.add_argument(
+        "--noise-scale",
+        action="store_true",
+        help="--ga-noise-scale 1 against upstream and the extension: the tiny GPT at GA 4",
+    )
     parser.add_argument("--inside", help=argparse.SUPPRESS)  # the process callgrind runs: its ranks count
     args = parser.parse_args(argv)
     import megatron.core.pipeline_parallel.schedules  # noqa: F401  (once here: every launch forks with it loaded)
 
     if args.inside:
         num_microbatches, model, rounds, steps, variants = json.loads(args.inside)
-        run_on_ranks(rank_main, DP, (num_microbatches, model, rounds, steps, True, tuple(variants)),
-                     LaunchConfig(timeout_s=7200))
+        run_on_ranks(
+            rank_main, DP, (num_microbatches, model, rounds, steps, True, tuple(variants)), LaunchConfig(timeout_s=7200)
+        )
         return 0
     if args.noise_scale:
         row = run(4, "gpt", args.rounds, NOISE_SCALE_VARIANTS)

@@ -64,9 +64,22 @@ STEPS_PER_INSTALL = {"gpt": 1, "positionwise": 4}
 #: OWN_CALLS calls per repeat of the per-micro-batch one.
 OWN_SECONDS, OWN_REPEATS, OWN_CALLS = 8.0, 20, 50
 HOST_READS = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__")
-COLLECTIVES = ("broadcast", "all_reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather",
-               "all_gather_into_tensor", "all_to_all", "all_to_all_single", "barrier", "send", "recv", "isend",
-               "irecv", "batch_isend_irecv")
+COLLECTIVES = (
+    "broadcast",
+    "all_reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+)
 
 
 def rank_main(rounds: int, num_microbatches: int, model: str = "gpt") -> dict:
@@ -93,8 +106,11 @@ def _setup(num_microbatches: int, model: str, data_parallel_size: int) -> tuple:
 
     cfg = VerifyConfig()
     layout = Layout(data_parallel_size=data_parallel_size, num_microbatches=num_microbatches, model=model)
-    batch = make_global_batch(tuple(1 + (7 * i) % cfg.model.seq_length for i in range(layout.global_batch_size)),
-                              cfg.model.seq_length, cfg.model.vocab_size)
+    batch = make_global_batch(
+        tuple(1 + (7 * i) % cfg.model.seq_length for i in range(layout.global_batch_size)),
+        cfg.model.seq_length,
+        cfg.model.vocab_size,
+    )
     init_model_parallel()
     ddp, _, config = build_ddp(layout, cfg, calculate_per_token_loss=True)
     return ddp, config, layout, cfg, batch, partial(masked_loss, mode="token")
@@ -119,8 +135,9 @@ def installed_step(variant: str, harness: tuple) -> Callable[[], None]:
         state = None
 
     def one_step() -> None:
-        train_step(ddp, config, layout, cfg, batch, finalize=state.finalize if state else upstream_finalize,
-                   loss_func=loss)
+        train_step(
+            ddp, config, layout, cfg, batch, finalize=state.finalize if state else upstream_finalize, loss_func=loss
+        )
         if state is not None:
             state.finalize.poll(wait=True)
             if state.noise_scale is not None:
@@ -182,13 +199,25 @@ def _own_cost(ddp, config, layout, cfg, batch, loss, seconds: float) -> dict:
     from megatron_ga_ext.verify.harness import _forward_step, microbatches, train_step
 
     # The first micro-batch's forward, as train_step runs it: its output and the loss function bound to its mask.
-    output, loss_func = _forward_step(iter(microbatches(layout, batch, cfg.device)), ddp, loss_func=loss,
-                                      with_loss_mask=layout.model != "positionwise")
+    output, loss_func = _forward_step(
+        iter(microbatches(layout, batch, cfg.device)),
+        ddp,
+        loss_func=loss,
+        with_loss_mask=layout.model != "positionwise",
+    )
     output = output.detach()
     upstream_calc = sys.modules[SCHEDULES].forward_step_calc_loss
-    available = {"model": ddp, "output_tensor": output, "loss_func": loss_func, "config": config, "vp_stage": None,
-                 "collect_non_loss_data": False, "num_microbatches": layout.num_microbatches, "cp_group_size": 1,
-                 "is_last_stage": True}
+    available = {
+        "model": ddp,
+        "output_tensor": output,
+        "loss_func": loss_func,
+        "config": config,
+        "vp_stage": None,
+        "collect_non_loss_data": False,
+        "num_microbatches": layout.num_microbatches,
+        "cp_group_size": 1,
+        "is_last_stage": True,
+    }
     names = list(inspect.signature(upstream_calc).parameters)
 
     def microbatch_calls(calc, contract) -> float:
@@ -218,8 +247,15 @@ def _own_cost(ddp, config, layout, cfg, batch, loss, seconds: float) -> dict:
         (``finalizes``: the two, upstream's first, if not these)."""
         state.active = active
         start = time.perf_counter()
-        train_step(ddp, config, layout, cfg, batch, finalize=(finalizes or (upstream_finalize, state.finalize))[active],
-                   loss_func=loss)
+        train_step(
+            ddp,
+            config,
+            layout,
+            cfg,
+            batch,
+            finalize=(finalizes or (upstream_finalize, state.finalize))[active],
+            loss_func=loss,
+        )
         elapsed = time.perf_counter() - start
         state.active = True
         return elapsed
@@ -228,10 +264,13 @@ def _own_cost(ddp, config, layout, cfg, batch, loss, seconds: float) -> dict:
     # in alternating order, so both see the same moments of a noisy machine.
     state = megatron_ga_ext.install(megatron_ga_ext.GAConfig())
     state.configure_from_megatron_args()
-    hot = {"microbatch": (partial(microbatch_calls, upstream_calc, None),
-                          partial(microbatch_calls, sys.modules[SCHEDULES].forward_step_calc_loss, state.contract)),
-           "step": (partial(one_finalize, upstream_finalize, None),
-                    partial(one_finalize, state.finalize, state.contract))}
+    hot = {
+        "microbatch": (
+            partial(microbatch_calls, upstream_calc, None),
+            partial(microbatch_calls, sys.modules[SCHEDULES].forward_step_calc_loss, state.contract),
+        ),
+        "step": (partial(one_finalize, upstream_finalize, None), partial(one_finalize, state.finalize, state.contract)),
+    }
     whole_step(True)
     own = _alternating(hot, seconds)
     own["in_step"] = _alternating({"step": (partial(whole_step, False), partial(whole_step, True))}, seconds)
@@ -258,6 +297,7 @@ def _regions(whole_step, finalizes: tuple, seconds: float) -> dict:
                 return call(*args, **kwargs)
             finally:
                 spent[key] += time.perf_counter() - start
+
         return run
 
     timed_finalizes = tuple(timed(f, "finalize") for f in finalizes)
@@ -269,7 +309,7 @@ def _regions(whole_step, finalizes: tuple, seconds: float) -> dict:
         start, repeat = time.perf_counter(), 0
         while repeat < OWN_REPEATS or time.perf_counter() - start < seconds:
             repeat += 1
-            for side in ((0, 1) if repeat % 2 else (1, 0)):
+            for side in (0, 1) if repeat % 2 else (1, 0):
                 spent.update(dict.fromkeys(spent, 0.0))
                 step = whole_step(bool(side), timed_finalizes)
                 samples[side].append({**spent, "rest": step - sum(spent.values())})
@@ -279,8 +319,10 @@ def _regions(whole_step, finalizes: tuple, seconds: float) -> dict:
     regions = {}
     for key in (*spent, "rest"):
         upstream, extension = ([row[key] for row in samples[side]] for side in (0, 1))
-        regions[key] = {"minima": round(1e6 * (min(extension) - min(upstream)), 2),
-                        "paired": round(1e6 * statistics.median(e - u for u, e in zip(upstream, extension)), 2)}
+        regions[key] = {
+            "minima": round(1e6 * (min(extension) - min(upstream)), 2),
+            "paired": round(1e6 * statistics.median(e - u for u, e in zip(upstream, extension)), 2),
+        }
     return {**regions, "repeats": repeat}
 
 
@@ -295,15 +337,20 @@ def _alternating(pairs: dict, seconds: float) -> dict:
     while repeat < OWN_REPEATS or time.perf_counter() - start < seconds:
         repeat += 1
         for key, calls in pairs.items():
-            for side in ((0, 1) if repeat % 2 else (1, 0)):
+            for side in (0, 1) if repeat % 2 else (1, 0):
                 samples[key, side].append(calls[side]())
     gc.enable()
     best = {k: min(v) for k, v in samples.items()}
     own = {key: round(1e6 * (best[key, 1] - best[key, 0]), 2) for key in pairs}
-    paired = {key: round(1e6 * statistics.median(e - u for u, e in zip(samples[key, 0], samples[key, 1])), 2)
-              for key in pairs}
-    return {**own, "paired": paired, **{f"upstream_{key}": round(1e6 * best[key, 0], 2) for key in pairs},
-            "repeats": repeat}
+    paired = {
+        key: round(1e6 * statistics.median(e - u for u, e in zip(samples[key, 0], samples[key, 1])), 2) for key in pairs
+    }
+    return {
+        **own,
+        "paired": paired,
+        **{f"upstream_{key}": round(1e6 * best[key, 0], 2) for key in pairs},
+        "repeats": repeat,
+    }
 
 
 @contextmanager
@@ -326,6 +373,7 @@ def _counting(enabled: bool = True):
                 return original(*args, **kwargs)
             finally:
                 depth[0] -= 1
+
         return counted_call
 
     if enabled:
@@ -369,20 +417,31 @@ def summarize(num_microbatches: int, model: str, measured: dict) -> dict:
         "ratio_min": {v: round(min(ratios[v]), 4) for v in VARIANTS[1:]},
         "ratio_max": {v: round(max(ratios[v]), 4) for v in VARIANTS[1:]},
         "extra_us_per_microbatch": {v: round(1e6 * statistics.median(added[v]), 1) for v in VARIANTS[1:]},
-        "control": {"ratio_median": round(statistics.median(ratios[CONTROL]), 4),
-                    "ratio_ci95": [round(x, 4) for x in median_ci95(ratios[CONTROL])]},
-        "own_us": {**own, "per_microbatch_at_this_ga": _per_microbatch(own, num_microbatches),
-                   "paired": {**own["paired"],
-                              "per_microbatch_at_this_ga": _per_microbatch(own["paired"], num_microbatches)},
-                   "in_step": {**own["in_step"], "per_microbatch_at_this_ga": {
-                       "step": round(own["in_step"]["step"] / num_microbatches, 2),
-                       "paired": round(own["in_step"]["paired"]["step"] / num_microbatches, 2)}}},
+        "control": {
+            "ratio_median": round(statistics.median(ratios[CONTROL]), 4),
+            "ratio_ci95": [round(x, 4) for x in median_ci95(ratios[CONTROL])],
+        },
+        "own_us": {
+            **own,
+            "per_microbatch_at_this_ga": _per_microbatch(own, num_microbatches),
+            "paired": {**own["paired"], "per_microbatch_at_this_ga": _per_microbatch(own["paired"], num_microbatches)},
+            "in_step": {
+                **own["in_step"],
+                "per_microbatch_at_this_ga": {
+                    "step": round(own["in_step"]["step"] / num_microbatches, 2),
+                    "paired": round(own["in_step"]["paired"]["step"] / num_microbatches, 2),
+                },
+            },
+        },
         # 1 + the extension's own work per step / upstream's median step: the ratio without the machine's noise
-        "ratio_from_own_work": round(1 + (own["microbatch"] * num_microbatches + own["step"]) * 1e-6
-                                     / statistics.median(wall["upstream"]), 4),
+        "ratio_from_own_work": round(
+            1 + (own["microbatch"] * num_microbatches + own["step"]) * 1e-6 / statistics.median(wall["upstream"]), 4
+        ),
         # whole steps on one rank, side by side: 1 + what the extension adds / upstream's fastest step
-        "ratio_in_step": {key: round(1 + value / own["in_step"]["upstream_step"], 4) for key, value in
-                          (("minima", own["in_step"]["step"]), ("paired", own["in_step"]["paired"]["step"]))},
+        "ratio_in_step": {
+            key: round(1 + value / own["in_step"]["upstream_step"], 4)
+            for key, value in (("minima", own["in_step"]["step"]), ("paired", own["in_step"]["paired"]["step"]))
+        },
         "host_reads_per_step": {v: counts[v]["host_reads"] for v in VARIANTS},
         "collectives_per_step": {v: counts[v]["collectives"] for v in VARIANTS},
     }
@@ -404,20 +463,28 @@ def run(num_microbatches: int, rounds: int, model: str = "gpt", own_seconds: flo
 def environment() -> dict:
     from importlib import metadata
 
-    return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "machine": {"platform": platform.platform(), "processor": platform.machine(), "cpus": os.cpu_count()},
-            "versions": {"python": platform.python_version(), "torch": metadata.version("torch"),
-                         "megatron-core": metadata.version("megatron-core"),
-                         "megatron-ga-ext": metadata.version("megatron-ga-ext")},
-            "layout": f"DP {DP} over gloo on the CPU, verify's tiny GPT (2 layers, hidden 32, seq 16), MBS 1"}
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "processor": platform.machine(), "cpus": os.cpu_count()},
+        "versions": {
+            "python": platform.python_version(),
+            "torch": metadata.version("torch"),
+            "megatron-core": metadata.version("megatron-core"),
+            "megatron-ga-ext": metadata.version("megatron-ga-ext"),
+        },
+        "layout": f"DP {DP} over gloo on the CPU, verify's tiny GPT (2 layers, hidden 32, seq 16), MBS 1",
+    }
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | GA | upstream step (ms) | extension: ratio, median [95% interval] | us per micro-batch "
-             "| async: ratio, median [95% interval] | us per micro-batch | upstream against itself "
-             "| own work, us per micro-batch: check + finalize / GA, hot; from paired medians; in whole steps "
-             "(minima, paired) | whole steps on one rank, ratio (minima / paired) "
-             "| host reads per step (up / ext / async) | collectives per step (up / ext / async) |", "|" + "---|" * 13]
+    lines = [
+        "| model | GA | upstream step (ms) | extension: ratio, median [95% interval] | us per micro-batch "
+        "| async: ratio, median [95% interval] | us per micro-batch | upstream against itself "
+        "| own work, us per micro-batch: check + finalize / GA, hot; from paired medians; in whole steps "
+        "(minima, paired) | whole steps on one rank, ratio (minima / paired) "
+        "| host reads per step (up / ext / async) | collectives per step (up / ext / async) |",
+        "|" + "---|" * 13,
+    ]
     for r in rows:
         cells = [MODELS[r["model"]], str(r["num_microbatches"]), f"{r['step_ms']['upstream']:.2f}"]
         for v in VARIANTS[1:]:
@@ -427,12 +494,15 @@ def table(rows: list[dict]) -> str:
         cells.append(f"{r['control']['ratio_median']:.3f} [{low:.3f}, {high:.3f}]")
         own, paired = r["own_us"], r["own_us"]["paired"]
         in_step = own["in_step"]["per_microbatch_at_this_ga"]
-        cells.append(f"{own['per_microbatch_at_this_ga']:.1f} ({own['microbatch']:.1f} + {own['step']:.0f} / "
-                     f"{r['num_microbatches']}); {paired['per_microbatch_at_this_ga']:.1f}; "
-                     f"{in_step['step']:.1f}, {in_step['paired']:.1f}")
+        cells.append(
+            f"{own['per_microbatch_at_this_ga']:.1f} ({own['microbatch']:.1f} + {own['step']:.0f} / "
+            f"{r['num_microbatches']}); {paired['per_microbatch_at_this_ga']:.1f}; "
+            f"{in_step['step']:.1f}, {in_step['paired']:.1f}"
+        )
         cells.append(" / ".join(f"{r['ratio_in_step'][key]:.3f}" for key in ("minima", "paired")))
-        cells += [" / ".join(str(r[key][v]) for v in VARIANTS)
-                  for key in ("host_reads_per_step", "collectives_per_step")]
+        cells += [
+            " / ".join(str(r[key][v]) for v in VARIANTS) for key in ("host_reads_per_step", "collectives_per_step")
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -440,9 +510,11 @@ def table(rows: list[dict]) -> str:
 def write(rows: list[dict], env: dict) -> None:
     """benchmarks/results/overhead-<date>.json, the plot, and the table of docs/performance.md."""
     _plot(rows, ROOT / "docs" / "performance-overhead.png")
-    stamp = (f"\nRun on {env['date'][:10]}: Python {env['versions']['python']}, torch {env['versions']['torch']}, "
-             f"megatron-core {env['versions']['megatron-core']}, {env['machine']['cpus']} CPUs; {env['layout']}; "
-             f"rounds per row as its JSON says ({rows[0]['rounds']} at GA {rows[0]['num_microbatches']}).\n\n")
+    stamp = (
+        f"\nRun on {env['date'][:10]}: Python {env['versions']['python']}, torch {env['versions']['torch']}, "
+        f"megatron-core {env['versions']['megatron-core']}, {env['machine']['cpus']} CPUs; {env['layout']}; "
+        f"rounds per row as its JSON says ({rows[0]['rounds']} at GA {rows[0]['num_microbatches']}).\n\n"
+    )
     record("overhead", rows, env, stamp + table(rows) + "\n")
 
 
@@ -484,13 +556,19 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="GA 16 only, 8 rounds, own work over 5 s hot and 5 s in whole steps; one JSON object on "
-                        "the last line")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="GA 16 only, 8 rounds, own work over 5 s hot and 5 s in whole steps; one JSON object on the last line",
+    )
     parser.add_argument("--write", action="store_true", help="write benchmarks/results/*.json and docs/performance.md")
-    parser.add_argument("--rounds", type=int, default=None,
-                        help="rounds per model and GA (default 8 quick; 24, 12 at GA 64); a round times 1 step of each "
-                        "variant and the control on the tiny GPT, 4 on the position-wise model")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="rounds per model and GA (default 8 quick; 24, 12 at GA 64); a round times 1 step of each "
+        "variant and the control on the tiny GPT, 4 on the position-wise model",
+    )
     parser.add_argument("--num-microbatches", type=int, nargs="+", default=None, help="GA values (default 4 16 64)")
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS), help="models (default both)")
     args = parser.parse_args(argv)

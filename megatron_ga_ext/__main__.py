@@ -8,8 +8,10 @@ import sys
 
 import megatron_ga_ext
 
-USAGE = "usage: python -m megatron_ga_ext SCRIPT [ARGS...]   (e.g. torchrun --nproc-per-node 8 -m megatron_ga_ext " \
-        "pretrain_gpt.py --micro-batch-size 2 ...)"
+USAGE = (
+    "usage: python -m megatron_ga_ext SCRIPT [ARGS...]   (e.g. torchrun --nproc-per-node 8 -m megatron_ga_ext "
+    "pretrain_gpt.py --micro-batch-size 2 ...)"
+)
 
 
 def main(argv: list[str]) -> None:

@@ -39,8 +39,7 @@ MEGATRON_LM_COMMIT = "d98e8a64ddf3"
 PRETRAIN_GPT_EDITS = (
     (
         "# Copyright",
-        "import megatron_ga_ext; megatron_ga_ext.install()  # megatron-ga-ext: the whole drop-in\n"
-        "# Copyright",
+        "import megatron_ga_ext; megatron_ga_ext.install()  # megatron-ga-ext: the whole drop-in\n# Copyright",
     ),
 )
 

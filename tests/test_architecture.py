@@ -19,8 +19,19 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_ga_ext"
-RANKS = {"errors": 0, "logs": 0, "core": 1, "config": 2, "launch": 3, "integration": 3, "": 4, "testing": 5,
-         "verify": 6, "cli": 7, "__main__": 8}
+RANKS = {
+    "errors": 0,
+    "logs": 0,
+    "core": 1,
+    "config": 2,
+    "launch": 3,
+    "integration": 3,
+    "": 4,
+    "testing": 5,
+    "verify": 6,
+    "cli": 7,
+    "__main__": 8,
+}
 PURE = ("core", "config", "launch")
 HEAVY = ("torch", "megatron")
 
@@ -62,8 +73,10 @@ def _ours(module: str) -> str | None:
 
 
 def _graph() -> dict[str, set[str]]:
-    return {name: {target for imported, _ in _imports(path) if (target := _ours(imported)) and target != name}
-            for name, path in MODULES.items()}
+    return {
+        name: {target for imported, _ in _imports(path) if (target := _ours(imported)) and target != name}
+        for name, path in MODULES.items()
+    }
 
 
 def test_every_module_is_in_a_layer():
@@ -71,10 +84,13 @@ def test_every_module_is_in_a_layer():
 
 
 def test_imports_point_down_or_within_a_layer():
-    upward = [f"{name} -> {target}" for name, targets in _graph().items() for target in targets
-              if RANKS[_layer(target)] > RANKS[_layer(name)]
-              or (RANKS[_layer(target)] == RANKS[_layer(name)] and _layer(target) != _layer(name)
-                  and RANKS[_layer(name)] > 0)]
+    upward = [
+        f"{name} -> {target}"
+        for name, targets in _graph().items()
+        for target in targets
+        if RANKS[_layer(target)] > RANKS[_layer(name)]
+        or (RANKS[_layer(target)] == RANKS[_layer(name)] and _layer(target) != _layer(name) and RANKS[_layer(name)] > 0)
+    ]
     assert upward == []
 
 
@@ -85,7 +101,7 @@ def test_no_import_cycle():
         state[node] = "open"
         for target in sorted(graph[node]):
             if state.get(target) == "open":
-                cycles.append(" -> ".join(stack[stack.index(target):] + [node, target]))
+                cycles.append(" -> ".join(stack[stack.index(target) :] + [node, target]))
             elif target not in state:
                 visit(target, stack + [node])
         state[node] = "done"
@@ -98,22 +114,32 @@ def test_no_import_cycle():
 
 @pytest.mark.parametrize("layer", PURE)
 def test_pure_layers_never_import_torch_or_megatron(layer):
-    heavy = [f"{name}: {imported}" for name, path in MODULES.items() if _layer(name) == layer
-             for imported, _ in _imports(path) if imported.split(".")[0] in HEAVY]
+    heavy = [
+        f"{name}: {imported}"
+        for name, path in MODULES.items()
+        if _layer(name) == layer
+        for imported, _ in _imports(path)
+        if imported.split(".")[0] in HEAVY
+    ]
     assert heavy == []
 
 
 #: What a user runs without a GPU stack, and what it must not load: each in a fresh interpreter.
 PURE_PYTHON_RUNS = {
     "the public API": ("import megatron_ga_ext", ("torch", "megatron")),
-    "the pure layers": ("import megatron_ga_ext.core.layout, megatron_ga_ext.config.launch_rules, "
-                        "megatron_ga_ext.launch.line",
-                        ("torch", "megatron")),
+    "the pure layers": (
+        "import megatron_ga_ext.core.layout, megatron_ga_ext.config.launch_rules, megatron_ga_ext.launch.line",
+        ("torch", "megatron"),
+    ),
     "megatron-ga ledger": ("main(['ledger', '--world-size', '8', '--micro-batch-size', '1'])", ("torch", "megatron")),
-    "megatron-ga check": ("main(['check', '--', 'torchrun --nproc-per-node 8 x.py --micro-batch-size 1 "
-                          "--calculate-per-token-loss'])", ("torch", "megatron")),
-    "megatron-ga schedule": ("main(['schedule', '0:8 100:16', '--micro-batch-size', '1', '--data-parallel-size', '8'])",
-                             ("torch", "megatron", "matplotlib")),
+    "megatron-ga check": (
+        "main(['check', '--', 'torchrun --nproc-per-node 8 x.py --micro-batch-size 1 --calculate-per-token-loss'])",
+        ("torch", "megatron"),
+    ),
+    "megatron-ga schedule": (
+        "main(['schedule', '0:8 100:16', '--micro-batch-size', '1', '--data-parallel-size', '8'])",
+        ("torch", "megatron", "matplotlib"),
+    ),
 }
 
 
@@ -121,25 +147,37 @@ PURE_PYTHON_RUNS = {
 def test_pure_python_runs_load_neither_torch_nor_megatron(run):
     """The run-time side of the rules above: what the pure-Python commands load, lazy imports included."""
     statement, heavy = PURE_PYTHON_RUNS[run]
-    code = (f"import sys\nfrom megatron_ga_ext.cli.main import main\n{statement}\n"
-            f"print('loaded:', *(m for m in {heavy!r} if m in sys.modules))")
+    code = (
+        f"import sys\nfrom megatron_ga_ext.cli.main import main\n{statement}\n"
+        f"print('loaded:', *(m for m in {heavy!r} if m in sys.modules))"
+    )
     if not statement.startswith("main("):
         code = code.replace("from megatron_ga_ext.cli.main import main\n", "")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                            cwd=PACKAGE.parent)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=PACKAGE.parent
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == "loaded:", f"{run}: {result.stdout.splitlines()[-1]}"
 
 
 def test_cli_imports_torch_and_megatron_only_inside_functions():
-    heavy = [f"{name}: {imported}" for name, path in MODULES.items() if _layer(name) == "cli"
-             for imported, top in _imports(path) if top and imported.split(".")[0] in HEAVY]
+    heavy = [
+        f"{name}: {imported}"
+        for name, path in MODULES.items()
+        if _layer(name) == "cli"
+        for imported, top in _imports(path)
+        if top and imported.split(".")[0] in HEAVY
+    ]
     assert heavy == []
 
 
 def test_testing_is_reached_only_from_verify_and_tests():
-    reached = [f"{name} -> {target}" for name, targets in _graph().items() for target in targets
-               if _layer(target) == "testing" and _layer(name) not in ("testing", "verify")]
+    reached = [
+        f"{name} -> {target}"
+        for name, targets in _graph().items()
+        for target in targets
+        if _layer(target) == "testing" and _layer(name) not in ("testing", "verify")
+    ]
     assert reached == []
 
 
@@ -148,8 +186,11 @@ MAX_LINES = 450
 
 
 def test_no_module_is_over_the_line_cap():
-    long = [f"{path.relative_to(PACKAGE.parent)}: {length} lines" for path in sorted(MODULES.values())
-            if (length := len(path.read_text().splitlines())) > MAX_LINES]
+    long = [
+        f"{path.relative_to(PACKAGE.parent)}: {length} lines"
+        for path in sorted(MODULES.values())
+        if (length := len(path.read_text().splitlines())) > MAX_LINES
+    ]
     assert long == [], f"modules over {MAX_LINES} lines (split each by job): {', '.join(long)}"
 
 
@@ -165,10 +206,12 @@ def test_the_line_cap_names_a_long_module_and_its_length(tmp_path, monkeypatch):
 
 def test_the_checks_see_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
     """The rules above can fail: a planted cycle and a planted upward import are found."""
-    fake = {"megatron_ga_ext.core.a": "from megatron_ga_ext.core.b import x\n",
-            "megatron_ga_ext.core.b": "def f():\n    from megatron_ga_ext.core.a import y\n",
-            "megatron_ga_ext.core.c": "from megatron_ga_ext.integration.d import z\n",
-            "megatron_ga_ext.integration.d": "import torch\n"}
+    fake = {
+        "megatron_ga_ext.core.a": "from megatron_ga_ext.core.b import x\n",
+        "megatron_ga_ext.core.b": "def f():\n    from megatron_ga_ext.core.a import y\n",
+        "megatron_ga_ext.core.c": "from megatron_ga_ext.integration.d import z\n",
+        "megatron_ga_ext.integration.d": "import torch\n",
+    }
     paths = {}
     for name, text in fake.items():
         path = tmp_path.joinpath(*name.split(".")).with_suffix(".py")
@@ -185,7 +228,11 @@ def test_the_checks_see_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
 def test_test_support_lives_in_tests_support():
     """Every module under tests/ is a test file, a conftest or a package marker, except under tests/support/."""
     tests = Path(__file__).resolve().parent
-    strays = [str(path.relative_to(tests)) for path in tests.rglob("*.py")
-              if path.relative_to(tests).parts[0] != "support"
-              and not path.name.startswith("test_") and path.name not in ("conftest.py", "__init__.py")]
+    strays = [
+        str(path.relative_to(tests))
+        for path in tests.rglob("*.py")
+        if path.relative_to(tests).parts[0] != "support"
+        and not path.name.startswith("test_")
+        and path.name not in ("conftest.py", "__init__.py")
+    ]
     assert strays == [], f"support modules outside tests/support/: {strays}"

@@ -50,8 +50,10 @@ def test_a_resume_restores_the_stages_from_the_same_first_batch():
     warmup, live = BatchSizeWarmup(GAConfig(**AUTO)), calculator()
     warmup.restore([[0, 8], [16, 16], [48, 32]], live)
     assert list(live.step_schedule.stages) == [(0, 8), (16, 16), (48, 32)]
-    with pytest.raises(ScheduleError, match="the checkpoint's batch-size warmup starts at 16 from sample 0, this "
-                                            "run's --global-batch-size gives 8"):
+    with pytest.raises(
+        ScheduleError,
+        match="the checkpoint's batch-size warmup starts at 16 from sample 0, this run's --global-batch-size gives 8",
+    ):
         warmup.restore([[0, 16]], calculator())
 
 
@@ -61,21 +63,31 @@ def test_no_calculator_of_the_extension_is_an_error():
 
 
 def test_the_lr_warmup_and_a_wsd_final_decay_hold_the_batch():
-    args = argparse.Namespace(lr_warmup_samples=100, lr_decay_samples=1000, lr_wsd_decay_samples=200,
-                              lr_decay_style="WSD", train_samples=1200)
+    args = argparse.Namespace(
+        lr_warmup_samples=100, lr_decay_samples=1000, lr_wsd_decay_samples=200, lr_decay_style="WSD", train_samples=1200
+    )
     assert [(f.start, f.end) for f in frozen_ranges(args)] == [(0, 100), (800, None)]
-    fraction = argparse.Namespace(lr_warmup_samples=0, lr_warmup_fraction=0.1, lr_decay_samples=None,
-                                  train_samples=1000, lr_decay_style="cosine", lr_wsd_decay_samples=None)
+    fraction = argparse.Namespace(
+        lr_warmup_samples=0,
+        lr_warmup_fraction=0.1,
+        lr_decay_samples=None,
+        train_samples=1000,
+        lr_decay_style="cosine",
+        lr_wsd_decay_samples=None,
+    )
     assert [(f.start, f.end) for f in frozen_ranges(fraction)] == [(0, 100)]
     assert frozen_ranges(None) == ()
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"batch_size_warmup": "auto", "batch_size_warmup_max": 32}, r"auto decides from the measured noise scale"),
-    ({**AUTO, "batch_size_warmup_max": None}, r"auto needs --ga-batch-size-warmup-max \(a whole number >= 1"),
-    ({**AUTO, "batch_size_warmup_trust": 0.0}, r"--ga-batch-size-warmup-trust 0.0 is not a positive finite number"),
-    ({**AUTO, "batch_size_warmup": "on"}, r"--ga-batch-size-warmup 'on' is not one of off, auto"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"batch_size_warmup": "auto", "batch_size_warmup_max": 32}, r"auto decides from the measured noise scale"),
+        ({**AUTO, "batch_size_warmup_max": None}, r"auto needs --ga-batch-size-warmup-max \(a whole number >= 1"),
+        ({**AUTO, "batch_size_warmup_trust": 0.0}, r"--ga-batch-size-warmup-trust 0.0 is not a positive finite number"),
+        ({**AUTO, "batch_size_warmup": "on"}, r"--ga-batch-size-warmup 'on' is not one of off, auto"),
+    ],
+)
 def test_config_refusals_name_the_flag(fields, message):
     with pytest.raises(OptionError, match=message):
         GAConfig(**fields)
@@ -84,8 +96,11 @@ def test_config_refusals_name_the_flag(fields, message):
 def test_launch_refusals_name_the_flag():
     with pytest.raises(OptionError, match="does not go with --step-batch-size-schedule"):
         check_batch_size_warmup_launch(16, 64, "--step-batch-size-schedule")
-    with pytest.raises(OptionError, match=r"starts at --global-batch-size \(128\) and grows up to "
-                                          r"--ga-batch-size-warmup-max 64"):
+    with pytest.raises(
+        OptionError,
+        match=r"starts at --global-batch-size \(128\) and grows up to "
+        r"--ga-batch-size-warmup-max 64",
+    ):
         check_batch_size_warmup_launch(128, 64, None)
     check_batch_size_warmup_launch(16, 64, None)
 
@@ -96,8 +111,10 @@ def test_check_reports_the_warmup_rules_on_a_launch_line():
     from megatron_ga_ext.launch.check import launch_problems
     from megatron_ga_ext.launch.line import parse_launch
 
-    line = ("torchrun --nproc_per_node 8 pretrain_gpt.py --calculate-per-token-loss --micro-batch-size 1 "
-            "--global-batch-size 64 --seq-length 2048 --train-samples 100000 --ga-batch-size-warmup auto ")
+    line = (
+        "torchrun --nproc_per_node 8 pretrain_gpt.py --calculate-per-token-loss --micro-batch-size 1 "
+        "--global-batch-size 64 --seq-length 2048 --train-samples 100000 --ga-batch-size-warmup auto "
+    )
 
     def problems(extra: str) -> list[str]:
         return launch_problems(parse_launch(shlex.split(line + extra)), None)[1]
@@ -105,8 +122,10 @@ def test_check_reports_the_warmup_rules_on_a_launch_line():
     assert problems("--ga-noise-scale 10 --ga-batch-size-warmup-max 512 --ga-lr-scaling sqrt") == []
     assert any("auto decides from the measured noise scale" in p for p in problems("--ga-batch-size-warmup-max 512"))
     assert any("auto needs --ga-batch-size-warmup-max" in p for p in problems("--ga-noise-scale 10"))
-    assert any("grows up to --ga-batch-size-warmup-max 32" in p
-               for p in problems("--ga-noise-scale 10 --ga-batch-size-warmup-max 32"))
+    assert any(
+        "grows up to --ga-batch-size-warmup-max 32" in p
+        for p in problems("--ga-noise-scale 10 --ga-batch-size-warmup-max 32")
+    )
 
 
 def test_the_warmup_starts_from_the_constant_schedule_the_one_resolver_gives():
@@ -116,5 +135,8 @@ def test_the_warmup_starts_from_the_constant_schedule_the_one_resolver_gives():
     assert list(resolve_schedule(inputs).stages) == [(0, 16)]
     assert resolve_schedule(ScheduleInputs.from_calculator_call(GAConfig(), {"global_batch_size": 16})) is None
     with pytest.raises(ScheduleError, match="--decrease-batch-size-if-needed cannot be combined"):
-        resolve_schedule(ScheduleInputs.from_calculator_call(
-            GAConfig(**AUTO), {"global_batch_size": 16, "decrease_batch_size_if_needed": True}))
+        resolve_schedule(
+            ScheduleInputs.from_calculator_call(
+                GAConfig(**AUTO), {"global_batch_size": 16, "decrease_batch_size_if_needed": True}
+            )
+        )

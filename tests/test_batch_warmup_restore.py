@@ -23,9 +23,12 @@ def calculator() -> StepScheduleCalculator:
 
 def test_a_cap_below_the_restored_batch_is_refused_at_load():
     live = calculator()
-    with pytest.raises(OptionError, match=r"^--ga-batch-size-warmup-max 16 is below the global batch size 32 the "
-                                          r"checkpoint's batch-size warmup reached \(from sample 48\); .* Resume "
-                                          r"with --ga-batch-size-warmup-max 32 or more\.$"):
+    with pytest.raises(
+        OptionError,
+        match=r"^--ga-batch-size-warmup-max 16 is below the global batch size 32 the "
+        r"checkpoint's batch-size warmup reached \(from sample 48\); .* Resume "
+        r"with --ga-batch-size-warmup-max 32 or more\.$",
+    ):
         warmup(16).restore(STAGES, live)
     assert list(live.step_schedule.stages) == [(0, 8)]  # nothing restored
 

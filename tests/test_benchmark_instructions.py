@@ -22,7 +22,8 @@ def _dump(directory: Path, name: str, trigger: str, total: int, thread: int = 1)
         f"# callgrind format\nversion: 1\ncreator: callgrind-3.19.0\npid: 42\ncmd:  python\npart: 1\n"
         f"thread: {thread}\n\n"
         f"desc: I1 cache: \ndesc: Timerange: Basic block 0 - 1000\ndesc: Trigger: {trigger}\n\n"
-        f"positions: line\nevents: Ir\nsummary: {total}\n\n\ntotals: {total}\n")
+        f"positions: line\nevents: Ir\nsummary: {total}\n\n\ntotals: {total}\n"
+    )
 
 
 def test_dumps_are_read_by_label_main_thread_only_and_the_unlabelled_ones_left_out(tmp_path):
@@ -60,19 +61,30 @@ def test_summary_pairs_each_round_with_its_upstream_and_converts_at_upstreams_ra
 
 
 def test_table_has_a_row_per_model_and_ga():
-    row = {"model": "positionwise", "num_microbatches": 4, "instructions_per_step": {"upstream": 10_050},
-           "upstream_instructions_per_us": 2010.0, "ratio_median": {"extension": 1.04, "extension_async": 1.02},
-           "ratio_min": {"extension": 1.03, "extension_async": 1.01}, "ratio_max": {"extension": 1.05,
-           "extension_async": 1.03}, "added_instructions_per_microbatch": {"extension": 100, "extension_async": 50},
-           "added_us_per_microbatch": {"extension": 21.37, "extension_async": 10.0}, "spread": 1.01}
+    row = {
+        "model": "positionwise",
+        "num_microbatches": 4,
+        "instructions_per_step": {"upstream": 10_050},
+        "upstream_instructions_per_us": 2010.0,
+        "ratio_median": {"extension": 1.04, "extension_async": 1.02},
+        "ratio_min": {"extension": 1.03, "extension_async": 1.01},
+        "ratio_max": {"extension": 1.05, "extension_async": 1.03},
+        "added_instructions_per_microbatch": {"extension": 100, "extension_async": 50},
+        "added_us_per_microbatch": {"extension": 21.37, "extension_async": 10.0},
+        "spread": 1.01,
+    }
     lines = instructions.table([row]).splitlines()
     assert len(lines) == 3
-    assert lines[2] == ("| position-wise (host-bound) | 4 | 10,050 (2,010) | 1.0400 [1.0300, 1.0500] | 100 | 21.4 | "
-                        "1.0200 [1.0100, 1.0300] | 50 | 10.0 | 1.0100 |")
+    assert lines[2] == (
+        "| position-wise (host-bound) | 4 | 10,050 (2,010) | 1.0400 [1.0300, 1.0500] | 100 | 21.4 | "
+        "1.0200 [1.0100, 1.0300] | 50 | 10.0 | 1.0100 |"
+    )
 
 
-@pytest.mark.skipif(not (shutil.which("gcc") and Path("/usr/include/valgrind/callgrind.h").exists()),
-                    reason="needs gcc and valgrind's callgrind.h")
+@pytest.mark.skipif(
+    not (shutil.which("gcc") and Path("/usr/include/valgrind/callgrind.h").exists()),
+    reason="needs gcc and valgrind's callgrind.h",
+)
 def test_the_client_request_helper_builds_and_is_a_no_op_outside_valgrind(tmp_path):
     helper = ctypes.CDLL(str(instructions.build_helper(tmp_path)))
     helper.megatron_ga_start()
@@ -84,15 +96,27 @@ def test_write_records_the_json_and_replaces_only_its_own_table(tmp_path, monkey
     monkeypatch.setattr(instructions.overhead, "ROOT", tmp_path)
     (tmp_path / "docs").mkdir()
     doc = tmp_path / "docs" / "performance.md"
-    doc.write_text("# P\n<!-- table:overhead -->\nkept\n<!-- /table:overhead -->\n"
-                   "<!-- table:instructions -->\nold\n<!-- /table:instructions -->\ntail\n")
-    env = {"date": "2026-12-01T20:00:00+00:00", "versions": {"python": "3.12.1", "torch": "2.14.1",
-           "megatron-core": "0.19.2"}, "layout": "DP 2"}
-    row = {"model": "gpt", "num_microbatches": 4, "instructions_per_step": {"upstream": 100},
-           "upstream_instructions_per_us": 2.0, "ratio_median": {"extension": 1.0, "extension_async": 1.0},
-           "ratio_min": {"extension": 1.0, "extension_async": 1.0}, "ratio_max": {"extension": 1.0,
-           "extension_async": 1.0}, "added_instructions_per_microbatch": {"extension": 0, "extension_async": 0},
-           "added_us_per_microbatch": {"extension": 0.0, "extension_async": 0.0}, "spread": 1.0}
+    doc.write_text(
+        "# P\n<!-- table:overhead -->\nkept\n<!-- /table:overhead -->\n"
+        "<!-- table:instructions -->\nold\n<!-- /table:instructions -->\ntail\n"
+    )
+    env = {
+        "date": "2026-12-01T20:00:00+00:00",
+        "versions": {"python": "3.12.1", "torch": "2.14.1", "megatron-core": "0.19.2"},
+        "layout": "DP 2",
+    }
+    row = {
+        "model": "gpt",
+        "num_microbatches": 4,
+        "instructions_per_step": {"upstream": 100},
+        "upstream_instructions_per_us": 2.0,
+        "ratio_median": {"extension": 1.0, "extension_async": 1.0},
+        "ratio_min": {"extension": 1.0, "extension_async": 1.0},
+        "ratio_max": {"extension": 1.0, "extension_async": 1.0},
+        "added_instructions_per_microbatch": {"extension": 0, "extension_async": 0},
+        "added_us_per_microbatch": {"extension": 0.0, "extension_async": 0.0},
+        "spread": 1.0,
+    }
     instructions.write([row], env)
     text = doc.read_text()
     assert "kept" in text and "old" not in text and text.endswith("<!-- /table:instructions -->\ntail\n")

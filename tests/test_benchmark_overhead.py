@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 _SPEC = importlib.util.spec_from_file_location(
-    "overhead", Path(__file__).resolve().parent.parent / "benchmarks" / "overhead.py")
+    "overhead", Path(__file__).resolve().parent.parent / "benchmarks" / "overhead.py"
+)
 overhead = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(overhead)
 
@@ -28,12 +29,21 @@ def test_summary_pairs_each_round_with_its_own_upstream():
     """Ratios and differences are per round (a slow round slows every variant of it), medians over rounds."""
     upstream = [0.100, 0.200, 0.100]  # the second round ran on a slow moment
     measured = {
-        "times": {"upstream": upstream, "extension": [0.101, 0.202, 0.101], "extension_async": [0.100, 0.200, 0.100],
-                  "upstream_control": [0.100, 0.200, 0.100]},
+        "times": {
+            "upstream": upstream,
+            "extension": [0.101, 0.202, 0.101],
+            "extension_async": [0.100, 0.200, 0.100],
+            "upstream_control": [0.100, 0.200, 0.100],
+        },
         "counts": {v: {"host_reads": 1, "collectives": 3} for v in overhead.VARIANTS},
-        "own_us": {"microbatch": 5.0, "step": 100.0, "paired": {"microbatch": 6.0, "step": 160.0},
-                   "upstream_microbatch": 30.0, "upstream_step": 400.0,
-                   "in_step": {"step": 200.0, "paired": {"step": 280.0}, "upstream_step": 20000.0}},
+        "own_us": {
+            "microbatch": 5.0,
+            "step": 100.0,
+            "paired": {"microbatch": 6.0, "step": 160.0},
+            "upstream_microbatch": 30.0,
+            "upstream_step": 400.0,
+            "in_step": {"step": 200.0, "paired": {"step": 280.0}, "upstream_step": 20000.0},
+        },
     }
     row = overhead.summarize(4, "gpt", measured)
     assert row["ratio_median"] == {"extension": 1.01, "extension_async": 1.0}
@@ -76,7 +86,10 @@ def test_regions_split_whole_steps_into_the_calls_they_time(monkeypatch):
 
     finalize = lambda extension: advance(extension, 10e-6, 13e-6)  # noqa: E731
     regions = overhead._regions(whole_step, (finalize, finalize), seconds=0)
-    assert regions == {"forward_step_calc_loss": {"minima": 8.0, "paired": 8.0},
-                       "finalize": {"minima": 3.0, "paired": 3.0}, "rest": {"minima": 0.0, "paired": 0.0},
-                       "repeats": overhead.OWN_REPEATS}
+    assert regions == {
+        "forward_step_calc_loss": {"minima": 8.0, "paired": 8.0},
+        "finalize": {"minima": 3.0, "paired": 3.0},
+        "rest": {"minima": 0.0, "paired": 0.0},
+        "repeats": overhead.OWN_REPEATS,
+    }
     assert module.forward_step_calc_loss is original

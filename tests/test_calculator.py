@@ -24,8 +24,11 @@ def test_interface_after_construction():
 def test_first_checked_update_validates_every_remaining_stage():
     calc = StepScheduleCalculator(StepSchedule.parse("0:16 100:32 10000:36"), 4, 2)
     calc.update(50, consistency_check=False)  # unchecked: floors like upstream
-    with pytest.raises(AssertionError, match=r"entry 3 '10000:36' .* not a multiple of --micro-batch-size 4 x "
-                                             r"data-parallel size 2 = 8") as caught:
+    with pytest.raises(
+        AssertionError,
+        match=r"entry 3 '10000:36' .* not a multiple of --micro-batch-size 4 x "
+        r"data-parallel size 2 = 8",
+    ) as caught:
         calc.update(50, consistency_check=True)  # the bad stage is 10000 samples away: fails at start-up
     assert type(caught.value) is ScheduleError  # caught as upstream's callers catch its assert
 
@@ -37,21 +40,26 @@ def test_past_stages_smaller_than_dp_are_allowed():
     assert (calc.get_current_global_batch_size(), calc.get()) == (512, 1)
     calc.update(6000000, consistency_check=True)
     assert calc.get() == 12
-    with pytest.raises(ScheduleError, match=r"entry 1 '0:256' .* smaller than --micro-batch-size 1 x data-parallel "
-                                            r"size 512 = 512, so it gives 0 micro-batches"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"entry 1 '0:256' .* smaller than --micro-batch-size 1 x data-parallel "
+        r"size 512 = 512, so it gives 0 micro-batches",
+    ):
         StepScheduleCalculator(StepSchedule.parse(SCALE_UP), 1, 512).update(0, consistency_check=True)
 
 
 def test_interleaved_rule_checked_at_start_up():
-    calc = StepScheduleCalculator(StepSchedule.parse("0:32 100:48"), 1, 8, pipeline_model_parallel_size=4,
-                                  virtual_pipeline_size=2)
+    calc = StepScheduleCalculator(
+        StepSchedule.parse("0:32 100:48"), 1, 8, pipeline_model_parallel_size=4, virtual_pipeline_size=2
+    )
     with pytest.raises(InterleaveError, match="entry 2 '100:48'"):
         calc.update(0, consistency_check=True)
 
 
 def test_opt_out_warns_then_fails_when_the_stage_is_reached():
-    calc = StepScheduleCalculator(StepSchedule.parse("0:16 100:24"), 4, 2, strict_future=False,
-                                  planned_data_parallel_sizes=[4])
+    calc = StepScheduleCalculator(
+        StepSchedule.parse("0:16 100:24"), 4, 2, strict_future=False, planned_data_parallel_sizes=[4]
+    )
     with pytest.warns(ScheduleWarning, match=r"entry 2 '100:24'.*planned data-parallel size 4"):
         calc.update(0, consistency_check=True)
     calc.update(100, consistency_check=True)  # DP is still 2: 24 % 8 == 0, fine
@@ -71,8 +79,16 @@ def test_build_from_megatron_arguments():
     assert (calc.schedule, calc.get()) == ([(0, 64)], 8)
     calc = StepScheduleCalculator.build(0, None, 8, 4, 2, step_batch_size_schedule="0:8 250K:16", seq_length=1000)
     assert calc.schedule == [(0, 8), (250, 16)]
-    calc = StepScheduleCalculator.build(0, None, None, 1, 8, step_batch_size_schedule="0:32 100:48",
-                                        pipeline_model_parallel_size=4, virtual_pipeline_size=2)
+    calc = StepScheduleCalculator.build(
+        0,
+        None,
+        None,
+        1,
+        8,
+        step_batch_size_schedule="0:32 100:48",
+        pipeline_model_parallel_size=4,
+        virtual_pipeline_size=2,
+    )
     with pytest.raises(InterleaveError):
         calc.update(0, True)
 
@@ -81,12 +97,18 @@ def test_build_from_megatron_arguments():
     "kwargs, error, message",
     [
         (dict(rampup_batch_size=[16, 8], global_batch_size=64), SizeError, "takes three values"),
-        (dict(rampup_batch_size=[16, 8, "1e5"], global_batch_size=64), SizeError,
-         "ramp-up samples '1e5' is not a whole"),
+        (
+            dict(rampup_batch_size=[16, 8, "1e5"], global_batch_size=64),
+            SizeError,
+            "ramp-up samples '1e5' is not a whole",
+        ),
         (dict(rampup_batch_size=[16, 8, 100]), SizeError, "--global-batch-size is required"),
         (dict(rampup_batch_size=[16, 8, 100], step_batch_size_schedule="0:8"), ScheduleError, "both given"),
-        (dict(global_batch_size=64, decrease_batch_size_if_needed=True), ScheduleError,
-         "--decrease-batch-size-if-needed cannot be combined"),
+        (
+            dict(global_batch_size=64, decrease_batch_size_if_needed=True),
+            ScheduleError,
+            "--decrease-batch-size-if-needed cannot be combined",
+        ),
     ],
 )
 def test_build_errors(kwargs, error, message):
@@ -95,11 +117,15 @@ def test_build_errors(kwargs, error, message):
 
 
 def test_from_megatron_signature_and_decrease_refused():
-    calc = StepScheduleCalculator.from_megatron(micro_batch_size=1, data_parallel_size=512,
-                                                decrease_batch_size_if_needed=False, rank=0, schedule=SCALE_UP)
+    calc = StepScheduleCalculator.from_megatron(
+        micro_batch_size=1, data_parallel_size=512, decrease_batch_size_if_needed=False, rank=0, schedule=SCALE_UP
+    )
     assert calc.current_global_batch_size == 256
-    with pytest.raises(ScheduleError, match=r"^--decrease-batch-size-if-needed cannot be combined with a step "
-                                            r"batch-size schedule \(upstream refuses it too\)"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"^--decrease-batch-size-if-needed cannot be combined with a step "
+        r"batch-size schedule \(upstream refuses it too\)",
+    ):
         StepScheduleCalculator.from_megatron(1, 512, True, 0, SCALE_UP)
 
 
@@ -130,18 +156,24 @@ def test_update_is_logarithmic_in_stages():
 
 def test_schedule_built_from_stage_objects_keys_warnings_by_stage():
     """Stage.position defaults to 0: a warned stage must still be checked when it comes into force."""
-    schedule = StepSchedule((Stage(threshold_samples=0, global_batch_size=8),
-                             Stage(threshold_samples=100, global_batch_size=12)))
+    schedule = StepSchedule(
+        (Stage(threshold_samples=0, global_batch_size=8), Stage(threshold_samples=100, global_batch_size=12))
+    )
     calc = StepScheduleCalculator(schedule, 4, 2, strict_future=False)
     with pytest.warns(ScheduleWarning, match=r"entry 2 '100:12'"):
         calc.update(0, consistency_check=True)
-    with pytest.raises(ScheduleError, match=r"entry 2 '100:12' \(from 100 samples, global batch size 12\) is not a "
-                                            r"multiple of --micro-batch-size 4 x data-parallel size 2 = 8"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"entry 2 '100:12' \(from 100 samples, global batch size 12\) is not a "
+        r"multiple of --micro-batch-size 4 x data-parallel size 2 = 8",
+    ):
         calc.update(100, consistency_check=True)  # 12 would be floored to 1 micro-batch of 8
 
 
-@pytest.mark.parametrize("mbs, dp, message", [(0, 2, "--micro-batch-size 0 must be at least 1"),
-                                              (4, -2, "--data-parallel-size -2 must be at least 1")])
+@pytest.mark.parametrize(
+    "mbs, dp, message",
+    [(0, 2, "--micro-batch-size 0 must be at least 1"), (4, -2, "--data-parallel-size -2 must be at least 1")],
+)
 def test_nonpositive_sizes_are_assertion_errors_like_upstream(mbs, dp, message):
     """Upstream: assert micro_batch_times_data_parallel_size > 0."""
     with pytest.raises(AssertionError, match=message) as caught:

@@ -72,8 +72,12 @@ def test_the_leg_has_one_of_the_two():
 
 def _upstream_step(schedule: str, mbs: int, dp: int, seq_length: int | None = None):
     return UPSTREAM.StepBatchsizeNumMicroBatchesCalculator(
-        micro_batch_size=mbs, data_parallel_size=dp, decrease_batch_size_if_needed=False, rank=1,
-        schedule=schedule, seq_length=seq_length,
+        micro_batch_size=mbs,
+        data_parallel_size=dp,
+        decrease_batch_size_if_needed=False,
+        rank=1,
+        schedule=schedule,
+        seq_length=seq_length,
     )
 
 
@@ -115,7 +119,9 @@ def test_parse_and_updates_equal_upstream(text, seq_length, mbs, dp, data):
         ours.update(consumed, consistency_check=False)
         theirs.update(consumed, consistency_check=False)
         assert (ours.get(), ours.get_current_global_batch_size(), ours.get_current_running_global_batch_size()) == (
-            theirs.get(), theirs.get_current_global_batch_size(), theirs.get_current_running_global_batch_size()
+            theirs.get(),
+            theirs.get_current_global_batch_size(),
+            theirs.get_current_running_global_batch_size(),
         )
 
 
@@ -144,7 +150,9 @@ def test_checked_updates_agree_or_fail_earlier(text, mbs, dp, data):
             ours_failed = True  # a later stage is bad (divisibility, 0 micro-batches or a decrease)
             continue
         assert (ours.get(), ours.get_current_global_batch_size()) == (
-            theirs.get(), theirs.get_current_global_batch_size())
+            theirs.get(),
+            theirs.get_current_global_batch_size(),
+        )
 
 
 @needs_step
@@ -159,7 +167,10 @@ def test_upstream_unit_tests_pass_against_our_class():
     """Upstream's tests for StepBatchsizeNumMicroBatchesCalculator (tests/unit_tests/
     test_num_microbatches_calculator.py), with the class swapped for ours."""
     calc = StepScheduleCalculator.from_megatron(
-        micro_batch_size=1, data_parallel_size=512, decrease_batch_size_if_needed=False, rank=0,
+        micro_batch_size=1,
+        data_parallel_size=512,
+        decrease_batch_size_if_needed=False,
+        rank=0,
         schedule="0:256 200000:512 600000:1024 1500000:2048 3000000:4096 6000000:6144",
     )
     assert calc.current_global_batch_size == 256
@@ -174,7 +185,10 @@ def test_upstream_unit_tests_pass_against_our_class():
     assert calc.num_micro_batches == 12
 
     calc = StepScheduleCalculator.from_megatron(
-        micro_batch_size=1, data_parallel_size=512, decrease_batch_size_if_needed=False, rank=0,
+        micro_batch_size=1,
+        data_parallel_size=512,
+        decrease_batch_size_if_needed=False,
+        rank=0,
         schedule="0:256 200000:512 600000:1024",
     )
     with pytest.raises(ScheduleError, match=r"entry 1 '0:256' .* gives 0 micro-batches per step"):
@@ -182,7 +196,10 @@ def test_upstream_unit_tests_pass_against_our_class():
 
     with pytest.raises(ScheduleError, match="--decrease-batch-size-if-needed cannot be combined"):
         StepScheduleCalculator.from_megatron(
-            micro_batch_size=1, data_parallel_size=512, decrease_batch_size_if_needed=True, rank=0,
+            micro_batch_size=1,
+            data_parallel_size=512,
+            decrease_batch_size_if_needed=True,
+            rank=0,
             schedule="0:256 200000:512 600000:1024",
         )
 
@@ -241,8 +258,16 @@ def test_rampup_equal_around_every_boundary_of_huge_ramps(ramp):
 
 
 @needs_rampup
-@pytest.mark.parametrize("ramp", [(1, 1, 10**6, 10**12), (16, 8, 300000, 10**12), (1, 1, 10**15, 10**12),
-                                  (3, 2, 10**12 + 7, 2 * 10**5 + 3), (7, 3, 2**53 + 5, 7 + 3 * 50000)])
+@pytest.mark.parametrize(
+    "ramp",
+    [
+        (1, 1, 10**6, 10**12),
+        (16, 8, 300000, 10**12),
+        (1, 1, 10**15, 10**12),
+        (3, 2, 10**12 + 7, 2 * 10**5 + 3),
+        (7, 3, 2**53 + 5, 7 + 3 * 50000),
+    ],
+)
 def test_long_ramps_described_not_listed_equal_upstream(ramp):
     """Ramps of more than 10,000 increments (RampStages): random counts and both sides of sampled boundaries."""
     import random
@@ -287,8 +312,11 @@ def test_upstream_divides_by_zero_where_we_return_the_constant():
 @needs_rampup
 def test_calculator_equals_rampup_calculator_through_training():
     """The training loop (consumed += DP x MBS x M; checked update) with both calculators, past the ramp."""
-    for start, increment, ramp_samples, gbs, mbs, dp in [(16, 8, 300000, 1024, 4, 2), (16, 16, 96, 32, 8, 2),
-                                                        (32, 32, 5000, 512, 2, 16)]:
+    for start, increment, ramp_samples, gbs, mbs, dp in [
+        (16, 8, 300000, 1024, 4, 2),
+        (16, 16, 96, 32, 8, 2),
+        (32, 32, 5000, 512, 2, 16),
+    ]:
         ours = StepScheduleCalculator.build(0, [start, increment, ramp_samples], gbs, mbs, dp)
         theirs = _upstream_rampup(start, increment, ramp_samples, gbs, mbs, dp)
         consumed = 0
@@ -296,7 +324,9 @@ def test_calculator_equals_rampup_calculator_through_training():
             ours.update(consumed, consistency_check=True)
             theirs.update(consumed, consistency_check=True)
             assert (ours.get(), ours.get_current_global_batch_size()) == (
-            theirs.get(), theirs.get_current_global_batch_size())
+                theirs.get(),
+                theirs.get_current_global_batch_size(),
+            )
             consumed += dp * mbs * ours.get()
 
 

@@ -80,83 +80,185 @@ def line(text: str, *before: str) -> list[str]:
 
 CASES = [
     # 1. the schedule: stages never reached, the ledger of the stage the run trains
-    Case("schedule-never-reached",
-         line(f"{GPT} --tensor-model-parallel-size 8 --pipeline-model-parallel-size 16 "
-              "--step-batch-size-schedule '0:16 2.4B:320 4.8B:624 12B:1536' --train-samples 1000000",
-              "--world-size", "128"),
-         1, ledger={"world_size": 128, "global_batch_size": 16, "num_microbatches": 16},
-         rules=["stage-never-reached"] * 3,
-         said=["entry 2 '2.4B:320' (GBS 320) is never reached", "Give --train-samples 1,171,889 or more"],
-         steps=[62500, 0, 0, 0]),
-    Case("schedule-reached",
-         line(f"{GPT} --pipeline-model-parallel-size 2 --step-batch-size-schedule '0:16 1M:32' --train-samples 1000"),
-         0, ledger={"global_batch_size": 32, "num_microbatches": 8}, steps=[31, 16]),
-    Case("warmup-cap",
-         line(f"{EXT} --global-batch-size 16 --ga-batch-size-warmup auto --ga-noise-scale 10 "
-              "--ga-batch-size-warmup-max 256 --train-samples 100000"),
-         0, ledger={"global_batch_size": 16}),
-    Case("rampup-and-schedule",
-         line(f"{GPT} --rampup-batch-size 16 16 1000 --step-batch-size-schedule '0:16 1M:32'"),
-         1, ledger={"global_batch_size": None, "num_microbatches": None}, rules=["schedule"],
-         said=["--rampup-batch-size 16 16 1000 and --step-batch-size-schedule are both given"]),
+    Case(
+        "schedule-never-reached",
+        line(
+            f"{GPT} --tensor-model-parallel-size 8 --pipeline-model-parallel-size 16 "
+            "--step-batch-size-schedule '0:16 2.4B:320 4.8B:624 12B:1536' --train-samples 1000000",
+            "--world-size",
+            "128",
+        ),
+        1,
+        ledger={"world_size": 128, "global_batch_size": 16, "num_microbatches": 16},
+        rules=["stage-never-reached"] * 3,
+        said=["entry 2 '2.4B:320' (GBS 320) is never reached", "Give --train-samples 1,171,889 or more"],
+        steps=[62500, 0, 0, 0],
+    ),
+    Case(
+        "schedule-reached",
+        line(f"{GPT} --pipeline-model-parallel-size 2 --step-batch-size-schedule '0:16 1M:32' --train-samples 1000"),
+        0,
+        ledger={"global_batch_size": 32, "num_microbatches": 8},
+        steps=[31, 16],
+    ),
+    Case(
+        "warmup-cap",
+        line(
+            f"{EXT} --global-batch-size 16 --ga-batch-size-warmup auto --ga-noise-scale 10 "
+            "--ga-batch-size-warmup-max 256 --train-samples 100000"
+        ),
+        0,
+        ledger={"global_batch_size": 16},
+    ),
+    Case(
+        "rampup-and-schedule",
+        line(f"{GPT} --rampup-batch-size 16 16 1000 --step-batch-size-schedule '0:16 1M:32'"),
+        1,
+        ledger={"global_batch_size": None, "num_microbatches": None},
+        rules=["schedule"],
+        said=["--rampup-batch-size 16 16 1000 and --step-batch-size-schedule are both given"],
+    ),
     # 2. upstream's traps without the extension
-    Case("fsdp2-per-token-stock", line(f"{GPT} --global-batch-size 16 --calculate-per-token-loss --use-torch-fsdp2"),
-         1, rules=["upstream:torch-fsdp2-token"], said=["N / (DP x CP) times the per-token mean"],
-         not_said=["every non-padding token of the global batch weighs the same"]),
-    Case("fsdp2-per-token-extension",
-         line(f"{EXT} --global-batch-size 16 --use-torch-fsdp2"), 1, rules=["coverage:torch-fsdp2-token"]),
-    Case("moe-router-stock",
-         line(f"{GPT} --global-batch-size 16 --calculate-per-token-loss --num-experts 4 --moe-z-loss-coeff 1e-3 "
-              "--tensor-model-parallel-size 2"),
-         0, said=["careful: MoE with --calculate-per-token-loss", "(positions / loss tokens)",
-                  "1 / (TP x CP) of the target"]),
-    Case("mtp-stock", line(f"{GPT} --global-batch-size 16 --calculate-per-token-loss --mtp-num-layers 1"),
-         0, said=["careful: MTP with --calculate-per-token-loss"]),
+    Case(
+        "fsdp2-per-token-stock",
+        line(f"{GPT} --global-batch-size 16 --calculate-per-token-loss --use-torch-fsdp2"),
+        1,
+        rules=["upstream:torch-fsdp2-token"],
+        said=["N / (DP x CP) times the per-token mean"],
+        not_said=["every non-padding token of the global batch weighs the same"],
+    ),
+    Case(
+        "fsdp2-per-token-extension",
+        line(f"{EXT} --global-batch-size 16 --use-torch-fsdp2"),
+        1,
+        rules=["coverage:torch-fsdp2-token"],
+    ),
+    Case(
+        "moe-router-stock",
+        line(
+            f"{GPT} --global-batch-size 16 --calculate-per-token-loss --num-experts 4 --moe-z-loss-coeff 1e-3 "
+            "--tensor-model-parallel-size 2"
+        ),
+        0,
+        said=[
+            "careful: MoE with --calculate-per-token-loss",
+            "(positions / loss tokens)",
+            "1 / (TP x CP) of the target",
+        ],
+    ),
+    Case(
+        "mtp-stock",
+        line(f"{GPT} --global-batch-size 16 --calculate-per-token-loss --mtp-num-layers 1"),
+        0,
+        said=["careful: MTP with --calculate-per-token-loss"],
+    ),
     # 3. every problem in one pass, fixes checked against the other rules
-    Case("rampup-train-iters",
-         line(f"{EXT} --global-batch-size 64 --rampup-batch-size 16 16 1000 --train-iters 100"),
-         1, rules=["rampup-ignored"],
-         said=["Pass --ga-convert-rampup", "Then also: Replace --train-iters 100 by --train-samples"]),
-    Case("four-bad-entries",
-         line(f"{GPT} --step-batch-size-schedule '0:16.5 1G:32 2M:x 3M:nan' --train-samples 1000"),
-         1, rules=["schedule-entry"] * 4, said=["entry 1 '0:16.5'", "entry 2 '1G:32'", "entry 3 '2M:x'",
-                                                 "entry 4 '3M:nan'"]),
+    Case(
+        "rampup-train-iters",
+        line(f"{EXT} --global-batch-size 64 --rampup-batch-size 16 16 1000 --train-iters 100"),
+        1,
+        rules=["rampup-ignored"],
+        said=["Pass --ga-convert-rampup", "Then also: Replace --train-iters 100 by --train-samples"],
+    ),
+    Case(
+        "four-bad-entries",
+        line(f"{GPT} --step-batch-size-schedule '0:16.5 1G:32 2M:x 3M:nan' --train-samples 1000"),
+        1,
+        rules=["schedule-entry"] * 4,
+        said=["entry 1 '0:16.5'", "entry 2 '1G:32'", "entry 3 '2M:x'", "entry 4 '3M:nan'"],
+    ),
     # 4. the ledger always
-    Case("ledger-beside-a-problem", line(f"{GPT} --global-batch-size 10 --tensor-model-parallel-size 2"),
-         1, ledger={"global_batch_size": 10, "data_parallel_size": 4, "num_microbatches": None},
-         rules=["global-batch-size"], said=["Nearest valid --global-batch-size: 8, 12"]),
+    Case(
+        "ledger-beside-a-problem",
+        line(f"{GPT} --global-batch-size 10 --tensor-model-parallel-size 2"),
+        1,
+        ledger={"global_batch_size": 10, "data_parallel_size": 4, "num_microbatches": None},
+        rules=["global-batch-size"],
+        said=["Nearest valid --global-batch-size: 8, 12"],
+    ),
     # 5. sources: a --world-size the line contradicts; did you mean; no note on a value the line does not set
-    Case("world-size-contradicts",
-         line("torchrun --nnodes 1 --nproc-per-node 8 pretrain_gpt.py --micro-batch-size 1 --global-batch-size 8",
-              "--world-size", "16"),
-         1, ledger={"world_size": 8}, rules=["world-size-contradiction"]),
-    Case("loss-mode-typo", line(f"{EXT} --global-batch-size 16 --ga-loss-reduction tokens"),
-         1, rules=["flag:loss_reduction"], said=["did you mean --ga-loss-reduction token?"],
-         not_said=["microbatch, chosen explicitly", "upstream's mean of means (--ga-loss-reduction microbatch)"]),
+    Case(
+        "world-size-contradicts",
+        line(
+            "torchrun --nnodes 1 --nproc-per-node 8 pretrain_gpt.py --micro-batch-size 1 --global-batch-size 8",
+            "--world-size",
+            "16",
+        ),
+        1,
+        ledger={"world_size": 8},
+        rules=["world-size-contradiction"],
+    ),
+    Case(
+        "loss-mode-typo",
+        line(f"{EXT} --global-batch-size 16 --ga-loss-reduction tokens"),
+        1,
+        rules=["flag:loss_reduction"],
+        said=["did you mean --ga-loss-reduction token?"],
+        not_said=["microbatch, chosen explicitly", "upstream's mean of means (--ga-loss-reduction microbatch)"],
+    ),
     # 6. words generated from what is tested
-    Case("tensor-parallel-note", line(f"{EXT} --global-batch-size 16 --tensor-model-parallel-size 2"),
-         0, said=["megatron-ga verify runs TP 2"], not_said=["no verify row runs TP > 1"]),
-    Case("rampup-wording", line(f"{GPT} --global-batch-size 64 --rampup-batch-size 16 16 1000"),
-         1, rules=["rampup-ignored"], said=["logs \"rampup_batch_size is deprecated"],
-         not_said=["without a word"]),
+    Case(
+        "tensor-parallel-note",
+        line(f"{EXT} --global-batch-size 16 --tensor-model-parallel-size 2"),
+        0,
+        said=["megatron-ga verify runs TP 2"],
+        not_said=["no verify row runs TP > 1"],
+    ),
+    Case(
+        "rampup-wording",
+        line(f"{GPT} --global-batch-size 64 --rampup-batch-size 16 16 1000"),
+        1,
+        rules=["rampup-ignored"],
+        said=['logs "rampup_batch_size is deprecated'],
+        not_said=["without a word"],
+    ),
     # 7. how jobs launch
-    Case("srun", line("srun --nodes 32 --ntasks-per-node 8 python pretrain_gpt.py --micro-batch-size 1 "
-                      "--global-batch-size 256 --tensor-model-parallel-size 8"),
-         0, ledger={"world_size": 256, "data_parallel_size": 32}, said=["srun starts each rank itself"]),
-    Case("srun-torchrun-without-nnodes",
-         line("srun -N 4 --ntasks-per-node 1 torchrun --nproc-per-node 8 pretrain_gpt.py --micro-batch-size 1"),
-         1, ledger={"world_size": 8}, rules=["slurm-torchrun-nodes"]),
-    Case("pasted-script", ["--", SCRIPT], 1,
-         ledger={"world_size": 128, "global_batch_size": 1536, "data_parallel_size": 1}, rules=["rampup-ignored"],
-         said=["--train-samples 743443552", "--lr-decay-samples 635923552"]),
-    Case("pasted-script-split-schedule",
-         ["--", "ARGS=( --micro-batch-size 1 --step-batch-size-schedule \"0:16 1M:32\" )\n"
-                "torchrun --nproc_per_node 8 pretrain_gpt.py ${ARGS[@]} --seq-length 2048 --train-samples 1000"],
-         1, rules=["split-schedule"], said=["Quote the whole schedule"]),
-    Case("run-recipe-without-bridge",
-         line("torchrun --nproc-per-node 8 scripts/training/run_recipe.py --recipe llama32_1b_pretrain_config "
-              "train.micro_batch_size=2 train.global_batch_size=64"),
-         0, ledger={"micro_batch_size": 2, "global_batch_size": 64}, said=["a Megatron-Bridge launch"]),
+    Case(
+        "srun",
+        line(
+            "srun --nodes 32 --ntasks-per-node 8 python pretrain_gpt.py --micro-batch-size 1 "
+            "--global-batch-size 256 --tensor-model-parallel-size 8"
+        ),
+        0,
+        ledger={"world_size": 256, "data_parallel_size": 32},
+        said=["srun starts each rank itself"],
+    ),
+    Case(
+        "srun-torchrun-without-nnodes",
+        line("srun -N 4 --ntasks-per-node 1 torchrun --nproc-per-node 8 pretrain_gpt.py --micro-batch-size 1"),
+        1,
+        ledger={"world_size": 8},
+        rules=["slurm-torchrun-nodes"],
+    ),
+    Case(
+        "pasted-script",
+        ["--", SCRIPT],
+        1,
+        ledger={"world_size": 128, "global_batch_size": 1536, "data_parallel_size": 1},
+        rules=["rampup-ignored"],
+        said=["--train-samples 743443552", "--lr-decay-samples 635923552"],
+    ),
+    Case(
+        "pasted-script-split-schedule",
+        [
+            "--",
+            'ARGS=( --micro-batch-size 1 --step-batch-size-schedule "0:16 1M:32" )\n'
+            "torchrun --nproc_per_node 8 pretrain_gpt.py ${ARGS[@]} --seq-length 2048 --train-samples 1000",
+        ],
+        1,
+        rules=["split-schedule"],
+        said=["Quote the whole schedule"],
+    ),
+    Case(
+        "run-recipe-without-bridge",
+        line(
+            "torchrun --nproc-per-node 8 scripts/training/run_recipe.py --recipe llama32_1b_pretrain_config "
+            "train.micro_batch_size=2 train.global_batch_size=64"
+        ),
+        0,
+        ledger={"micro_batch_size": 2, "global_batch_size": 64},
+        said=["a Megatron-Bridge launch"],
+    ),
 ]
 
 
@@ -199,15 +301,20 @@ def test_the_newcomers_set(case, cli):
 def test_the_yaml_cfg_is_read_like_its_flags(cli, tmp_path):
     """--yaml-cfg used to give '--micro-batch-size is missing'."""
     path = tmp_path / "gpt.yaml"
-    path.write_text("model_parallel:\n  tensor_model_parallel_size: 2\n  virtual_pipeline_model_parallel_size: null\n"
-                    "micro_batch_size: 2\nglobal_batch_size: 128\nseq_length: 4096\ntrain_samples: 100000\n")
+    path.write_text(
+        "model_parallel:\n  tensor_model_parallel_size: 2\n  virtual_pipeline_model_parallel_size: null\n"
+        "micro_batch_size: 2\nglobal_batch_size: 128\nseq_length: 4096\ntrain_samples: 100000\n"
+    )
     status, report, _ = answer(cli, line(f"torchrun --nproc-per-node 8 pretrain_gpt.py --yaml-cfg {path}"))
     assert status == 0 and errors(report, SCHEMA) == []
-    assert [report["ledger"][k] for k in ("tensor_model_parallel_size", "micro_batch_size", "global_batch_size",
-                                          "data_parallel_size")] == [2, 2, 128, 4]
+    assert [
+        report["ledger"][k]
+        for k in ("tensor_model_parallel_size", "micro_batch_size", "global_batch_size", "data_parallel_size")
+    ] == [2, 2, 128, 4]
     assert report["sources"]["tensor_model_parallel_size"] == f"{path}: model_parallel.tensor_model_parallel_size"
-    status, report, _ = answer(cli, line(f"torchrun --nproc-per-node 8 pretrain_gpt.py --yaml-cfg {path} "
-                                         "--micro-batch-size 4"))
+    status, report, _ = answer(
+        cli, line(f"torchrun --nproc-per-node 8 pretrain_gpt.py --yaml-cfg {path} --micro-batch-size 4")
+    )
     assert status == 1 and [p["rule"] for p in report["problems"]] == ["yaml-cfg-ignores-line"]
     assert report["ledger"]["micro_batch_size"] == 2
 
@@ -217,11 +324,13 @@ def test_slurm_variables_of_the_allocation_give_the_world(cli, monkeypatch):
     monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "8(x2)")
     status, report, _ = answer(cli, line("srun python pretrain_gpt.py --micro-batch-size 1"))
     assert status == 0 and report["ledger"]["world_size"] == 16
-    assert report["sources"]["world_size"] == ("SLURM_NNODES=2 from the environment x SLURM_NTASKS_PER_NODE=8(x2) "
-                                               "from the environment")
+    assert report["sources"]["world_size"] == (
+        "SLURM_NNODES=2 from the environment x SLURM_NTASKS_PER_NODE=8(x2) from the environment"
+    )
     monkeypatch.setenv("NODES", "4")
-    status, report, _ = answer(cli, ["--", "torchrun --nproc_per_node 8 --nnodes $NODES pretrain_gpt.py "
-                                           "--micro-batch-size 1\n"])
+    status, report, _ = answer(
+        cli, ["--", "torchrun --nproc_per_node 8 --nnodes $NODES pretrain_gpt.py --micro-batch-size 1\n"]
+    )
     assert report["ledger"]["world_size"] == 32
     assert any(n["text"] == "$NODES is 4, from the environment check runs in." for n in report["notes"])
 
@@ -232,8 +341,11 @@ def test_the_checked_fix_leaves_a_clean_line():
     from megatron_ga_ext.launch.check import check_launch
     from megatron_ga_ext.launch.line import parse_launch
 
-    launch = parse_launch(shlex.split(f"{EXT} --global-batch-size 64 --rampup-batch-size 16 16 1000 --train-iters 100 "
-                                      "--lr-decay-iters 80"))
+    launch = parse_launch(
+        shlex.split(
+            f"{EXT} --global-batch-size 64 --rampup-batch-size 16 16 1000 --train-iters 100 --lr-decay-iters 80"
+        )
+    )
     (problem,) = check_launch(launch).problems
     assert problem.edit is not None
     assert check_launch(launch.edited(problem.edit)).problems == ()
@@ -246,10 +358,13 @@ def test_the_error_form_is_in_the_schema(cli):
 
 def test_every_rule_check_reports_is_documented(cli):
     guide = (ROOT / "docs" / "guide.md").read_text()
-    table = guide[guide.index("| rule | the problem |"):]
-    documented = {name.strip("`") for name in
-                  (cell for line in table.splitlines()[2:] if line.startswith("| `")
-                   for cell in line.split("|")[1].split(","))}
+    table = guide[guide.index("| rule | the problem |") :]
+    documented = {
+        name.strip("`")
+        for name in (
+            cell for line in table.splitlines()[2:] if line.startswith("| `") for cell in line.split("|")[1].split(",")
+        )
+    }
     documented = {name.strip().strip("`") for name in documented}
     for case in CASES:
         _, report, _ = answer(cli, case.argv)

@@ -45,7 +45,7 @@ UPSTREAM_LINES = {
     "average-in-collective-token": "--calculate-per-token-loss --ddp-average-in-collective",
     "rl-context-parallel-token": "--calculate-per-token-loss --perform-rl-step --context-parallel-size 2",
     "router-aux-loss": "--calculate-per-token-loss --num-experts 4 --moe-z-loss-coeff 1e-3 "
-                       "--tensor-model-parallel-size 2",
+    "--tensor-model-parallel-size 2",
     "mtp": "--calculate-per-token-loss --mtp-num-layers 1",
 }
 

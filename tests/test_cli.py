@@ -5,19 +5,51 @@ import time
 
 import pytest
 
-LEDGER = ["ledger", "--nnodes", "2", "--nproc-per-node", "8", "--tensor-model-parallel-size", "2",
-          "--pipeline-model-parallel-size", "2", "--micro-batch-size", "4", "--global-batch-size", "128",
-          "--seq-length", "2048"]
+LEDGER = [
+    "ledger",
+    "--nnodes",
+    "2",
+    "--nproc-per-node",
+    "8",
+    "--tensor-model-parallel-size",
+    "2",
+    "--pipeline-model-parallel-size",
+    "2",
+    "--micro-batch-size",
+    "4",
+    "--global-batch-size",
+    "128",
+    "--seq-length",
+    "2048",
+]
 
 
 def test_ledger_json_keys_and_values(cli_script):
     result = cli_script(*LEDGER, "--json")
     assert result.returncode == 0, result.stderr
     ledger = json.loads(result.stdout)
-    assert {k: ledger[k] for k in ("world_size", "data_parallel_size", "micro_batch_size", "global_batch_size",
-                                   "num_microbatches", "samples_per_step", "tokens_per_step", "dp_syncs_per_step")} == {
-        "world_size": 16, "data_parallel_size": 4, "micro_batch_size": 4, "global_batch_size": 128,
-        "num_microbatches": 8, "samples_per_step": 128, "tokens_per_step": 262144, "dp_syncs_per_step": 1}
+    assert {
+        k: ledger[k]
+        for k in (
+            "world_size",
+            "data_parallel_size",
+            "micro_batch_size",
+            "global_batch_size",
+            "num_microbatches",
+            "samples_per_step",
+            "tokens_per_step",
+            "dp_syncs_per_step",
+        )
+    } == {
+        "world_size": 16,
+        "data_parallel_size": 4,
+        "micro_batch_size": 4,
+        "global_batch_size": 128,
+        "num_microbatches": 8,
+        "samples_per_step": 128,
+        "tokens_per_step": 262144,
+        "dp_syncs_per_step": 1,
+    }
     assert ledger["pipeline_bubble_fraction"] == pytest.approx(1 / 9)
 
 
@@ -31,9 +63,22 @@ def test_ledger_table_is_plain_text_off_a_terminal(cli_script):
 
 
 def test_ledger_vpp_from_layers_per_virtual_stage(cli_script):
-    result = cli_script("ledger", "--world-size", "8", "--pipeline-model-parallel-size", "4", "--num-layers", "16",
-                        "--num-layers-per-virtual-pipeline-stage", "2", "--micro-batch-size", "1",
-                        "--global-batch-size", "8", "--json")
+    result = cli_script(
+        "ledger",
+        "--world-size",
+        "8",
+        "--pipeline-model-parallel-size",
+        "4",
+        "--num-layers",
+        "16",
+        "--num-layers-per-virtual-pipeline-stage",
+        "2",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "8",
+        "--json",
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["virtual_pipeline_model_parallel_size"] == 2
 
@@ -41,13 +86,27 @@ def test_ledger_vpp_from_layers_per_virtual_stage(cli_script):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--world-size", "16", "--micro-batch-size", "4", "--global-batch-size", "96"],
-         "--global-batch-size 96 is not a multiple of --micro-batch-size 4 x data-parallel size 16 = 64"),
+        (
+            ["--world-size", "16", "--micro-batch-size", "4", "--global-batch-size", "96"],
+            "--global-batch-size 96 is not a multiple of --micro-batch-size 4 x data-parallel size 16 = 64",
+        ),
         (["--world-size", "16", "--micro-batch-size", "2.5"], "--micro-batch-size '2.5' is not an integer"),
         (["--world-size", "16"], "--micro-batch-size is missing"),
-        (["--world-size", "8", "--pipeline-model-parallel-size", "3", "--num-layers", "12",
-          "--num-layers-per-virtual-pipeline-stage", "3", "--micro-batch-size", "1"],
-         "--num-layers-per-virtual-pipeline-stage 3 does not divide the 4 layers"),
+        (
+            [
+                "--world-size",
+                "8",
+                "--pipeline-model-parallel-size",
+                "3",
+                "--num-layers",
+                "12",
+                "--num-layers-per-virtual-pipeline-stage",
+                "3",
+                "--micro-batch-size",
+                "1",
+            ],
+            "--num-layers-per-virtual-pipeline-stage 3 does not divide the 4 layers",
+        ),
     ],
 )
 def test_ledger_bad_input_exits_2_without_traceback(args, message, cli_script):
@@ -69,8 +128,10 @@ def _wall(cli_script, args: list[str]) -> float:
 
 
 # Without --calculate-per-token-loss, the default --ga-loss-reduction token is itself a problem.
-BARE_LAUNCH = "torchrun --nproc_per_node=8 --nnodes 2 --master-addr host0 pretrain_gpt.py --bf16 " \
-              "--tensor-model-parallel-size 2 --micro-batch-size 2 --seq-length 4096 --use-mcore-models"
+BARE_LAUNCH = (
+    "torchrun --nproc_per_node=8 --nnodes 2 --master-addr host0 pretrain_gpt.py --bf16 "
+    "--tensor-model-parallel-size 2 --micro-batch-size 2 --seq-length 4096 --use-mcore-models"
+)
 LAUNCH = BARE_LAUNCH + " --calculate-per-token-loss"
 
 
@@ -86,17 +147,31 @@ def test_check_reads_a_single_quoted_line_and_reports_every_problem(cli_script):
     assert result.returncode == 1
     problems = [p["message"] for p in json.loads(result.stdout)["problems"]]
     assert any("--micro-batch-size is given 2 times (2, 4)" in p for p in problems)
-    assert any("--global-batch-size 100 is not a multiple of --micro-batch-size 4 x data-parallel size 8 = 32" in p
-               and "Nearest valid --global-batch-size: 96, 128" in p for p in problems)
-    ignored = ("--rampup-batch-size 16 8 300000: megatron-core >= 0.18 logs \"rampup_batch_size is deprecated and "
-               "will be removed in a future release. Use step_batch_size_schedule instead.\" and then ignores the "
-               "rampup")
+    assert any(
+        "--global-batch-size 100 is not a multiple of --micro-batch-size 4 x data-parallel size 8 = 32" in p
+        and "Nearest valid --global-batch-size: 96, 128" in p
+        for p in problems
+    )
+    ignored = (
+        '--rampup-batch-size 16 8 300000: megatron-core >= 0.18 logs "rampup_batch_size is deprecated and '
+        'will be removed in a future release. Use step_batch_size_schedule instead." and then ignores the '
+        "rampup"
+    )
     assert any(ignored in p for p in problems)
 
 
 def test_check_step_schedule_with_train_iters_and_gbs(cli_script):
-    result = cli_script("check", "--", *LAUNCH.split(), "--train-iters", "1000", "--global-batch-size", "64",
-                        "--step-batch-size-schedule", "0:32 1000000:64")
+    result = cli_script(
+        "check",
+        "--",
+        *LAUNCH.split(),
+        "--train-iters",
+        "1000",
+        "--global-batch-size",
+        "64",
+        "--step-batch-size-schedule",
+        "0:32 1000000:64",
+    )
     assert result.returncode == 1
     assert "--step-batch-size-schedule with --train-iters" in result.stdout
     assert "--global-batch-size is given together with --step-batch-size-schedule" in result.stdout
@@ -105,12 +180,18 @@ def test_check_step_schedule_with_train_iters_and_gbs(cli_script):
 @pytest.mark.parametrize(
     "line, message",
     [
-        ("torchrun --nproc-per-node gpu pretrain_gpt.py --micro-batch-size 2",
-         "--nproc-per-node gpu leaves the world size"),
-        ("torchrun --nnodes 1:4 --nproc-per-node 8 pretrain_gpt.py --micro-batch-size 2",
-         "--nnodes 1:4 is an elastic range"),
-        ("torchrun --nproc-per-node 8 pretrain_gpt.py --micro-batch-size $MBS",
-         "--micro-batch-size '$MBS' is not an integer"),
+        (
+            "torchrun --nproc-per-node gpu pretrain_gpt.py --micro-batch-size 2",
+            "--nproc-per-node gpu leaves the world size",
+        ),
+        (
+            "torchrun --nnodes 1:4 --nproc-per-node 8 pretrain_gpt.py --micro-batch-size 2",
+            "--nnodes 1:4 is an elastic range",
+        ),
+        (
+            "torchrun --nproc-per-node 8 pretrain_gpt.py --micro-batch-size $MBS",
+            "--micro-batch-size '$MBS' is not an integer",
+        ),
         ("python pretrain_gpt.py --micro-batch-size 2", "the world size is unknown"),
     ],
 )
@@ -121,8 +202,14 @@ def test_check_unusable_input_exits_2(line, message, cli_script):
 
 
 def test_check_world_size_override(cli_script):
-    result = cli_script("check", "--world-size", "64", "--json", "--",
-                        "torchrun --nproc-per-node gpu x.py --micro-batch-size 2 --calculate-per-token-loss")
+    result = cli_script(
+        "check",
+        "--world-size",
+        "64",
+        "--json",
+        "--",
+        "torchrun --nproc-per-node gpu x.py --micro-batch-size 2 --calculate-per-token-loss",
+    )
     assert result.returncode == 0
     assert json.loads(result.stdout)["ledger"]["data_parallel_size"] == 64
 

@@ -25,8 +25,16 @@ def s_min(loss: float) -> float:
     return -300.0 * math.log((loss - 2.0) / 3.0)
 
 
-def megatron_log(batch: int, *, steps: int = 3500, interval: int = 5, b_crit: float = B_CRIT, noise: float = 0.0,
-                 eval_interval: int = 5, batch_from: dict | None = None) -> str:
+def megatron_log(
+    batch: int,
+    *,
+    steps: int = 3500,
+    interval: int = 5,
+    b_crit: float = B_CRIT,
+    noise: float = 0.0,
+    eval_interval: int = 5,
+    batch_from: dict | None = None,
+) -> str:
     """A Megatron-LM stdout log: an iteration line every ``interval`` steps, a validation block every
     ``eval_interval`` (the formats of training.py's training_log and evaluate_and_print_results)."""
     lines, consumed = ["using world size: 2, data-parallel size: 2", "training ..."], 0
@@ -39,10 +47,13 @@ def megatron_log(batch: int, *, steps: int = 3500, interval: int = 5, b_crit: fl
                 f" [2026-01-01 10:00:00.000000] iteration {step:8d}/{steps:8d} | consumed samples: {consumed:12d} | "
                 f"elapsed time per iteration (ms): 101.2 | learning rate: 1.000000E-03 | global batch size: "
                 f"{size:5d} | lm loss: {loss + 0.05:.6E} | loss scale: 1.0 | grad norm: 0.812 | "
-                "number of skipped iterations:   0 | number of nan iterations:   0 |")
+                "number of skipped iterations:   0 | number of nan iterations:   0 |"
+            )
         if step % eval_interval == 0:
-            text = f" validation loss at iteration {step} | lm loss value: {loss:.6E} | lm loss PPL: " \
-                   f"{math.exp(loss):.6E} | "
+            text = (
+                f" validation loss at iteration {step} | lm loss value: {loss:.6E} | lm loss PPL: "
+                f"{math.exp(loss):.6E} | "
+            )
             lines += ["-" * (len(text) + 1), text, "-" * (len(text) + 1)]
     return "\n".join(lines) + "\n"
 
@@ -108,8 +119,16 @@ def test_default_targets_lie_between_what_every_run_reaches(cli, tmp_path):
 
 
 def test_the_smoothed_training_loss(cli, tmp_path):
-    data = cli("critical-batch", *write_runs(tmp_path), "--targets", "3.0", "--train-loss-smoothing", "0.5",
-               "--interpolate", "--json").json()
+    data = cli(
+        "critical-batch",
+        *write_runs(tmp_path),
+        "--targets",
+        "3.0",
+        "--train-loss-smoothing",
+        "0.5",
+        "--interpolate",
+        "--json",
+    ).json()
     assert "EMA decay 0.5" in data["rule"]["loss"]
     target = data["targets"][0]
     assert target["fittable"]
@@ -132,19 +151,26 @@ def test_one_side_of_the_knee_and_too_few_runs_are_reported_not_fitted(cli, tmp_
     assert "s_min" not in few and "b_crit" not in few
 
 
-@pytest.mark.parametrize(("make", "argv", "message"), [
-    ("not_a_log", ["--targets", "3.0"], r"RUN \S+notes.txt is neither a Megatron-LM log .* nor a TensorBoard"),
-    ("same_gbs", ["--targets", "3.0"], r"both ran at global batch size 16; the fit takes one run per batch size"),
-    ("nobody", ["--targets", "3.0,1.5"], r"--targets 1.5: no run reached it \(the lowest loss any run logged is 2\."),
-    ("changes", ["--targets", "3.0"], r"global batch size changes \(16 from iteration 5, 32 from iteration 100\)"),
-    ("no_eval", ["--targets", "3.0"], r"no validation 'lm loss' was logged .* --train-loss-smoothing EMA_DECAY"),
-    ("two_runs", ["--targets", "3.0"], r"2 RUN\(s\) given; the fit of S_min and E_min needs runs at 3 or more"),
-    ("twice", ["--targets", "3.0"], r"RUN \S+gbs8.log is given twice; give each run once"),
-    ("ok", ["--targets", "3.0,x"], r"--targets 'x' is not a finite number"),
-    ("ok", ["--bootstrap", "0"], r"--bootstrap 0 must lie from 1 to"),
-    ("ok", ["--confidence", "95"], r"--confidence 95 must lie strictly between 0 and 1, e.g. 0.95"),
-    ("ok", ["--train-loss-smoothing", "1"], r"--train-loss-smoothing 1.0 must be an EMA decay in \[0, 1\)"),
-])
+@pytest.mark.parametrize(
+    ("make", "argv", "message"),
+    [
+        ("not_a_log", ["--targets", "3.0"], r"RUN \S+notes.txt is neither a Megatron-LM log .* nor a TensorBoard"),
+        ("same_gbs", ["--targets", "3.0"], r"both ran at global batch size 16; the fit takes one run per batch size"),
+        (
+            "nobody",
+            ["--targets", "3.0,1.5"],
+            r"--targets 1.5: no run reached it \(the lowest loss any run logged is 2\.",
+        ),
+        ("changes", ["--targets", "3.0"], r"global batch size changes \(16 from iteration 5, 32 from iteration 100\)"),
+        ("no_eval", ["--targets", "3.0"], r"no validation 'lm loss' was logged .* --train-loss-smoothing EMA_DECAY"),
+        ("two_runs", ["--targets", "3.0"], r"2 RUN\(s\) given; the fit of S_min and E_min needs runs at 3 or more"),
+        ("twice", ["--targets", "3.0"], r"RUN \S+gbs8.log is given twice; give each run once"),
+        ("ok", ["--targets", "3.0,x"], r"--targets 'x' is not a finite number"),
+        ("ok", ["--bootstrap", "0"], r"--bootstrap 0 must lie from 1 to"),
+        ("ok", ["--confidence", "95"], r"--confidence 95 must lie strictly between 0 and 1, e.g. 0.95"),
+        ("ok", ["--train-loss-smoothing", "1"], r"--train-loss-smoothing 1.0 must be an EMA decay in \[0, 1\)"),
+    ],
+)
 def test_bad_input_is_a_typed_error_on_the_one_path(cli, tmp_path, make, argv, message):
     paths = write_runs(tmp_path, sizes=(8, 16, 32), sigma=0.0, steps=1200)
     if make == "not_a_log":
@@ -222,10 +248,12 @@ def test_the_plot(cli, tmp_path):
 def test_runs_in_well_under_a_second_without_torch_megatron_or_matplotlib(tmp_path):
     """What the pure-Python commands promise (tests/test_architecture.py): nothing heavy is loaded."""
     paths = write_runs(tmp_path)
-    code = ("import sys, time\nfrom megatron_ga_ext.cli.main import main\nstart = time.perf_counter()\n"
-            f"status = main(['critical-batch', *{paths!r}, '--targets', '3.5,3.0,2.5'])\n"
-            "print('seconds:', time.perf_counter() - start)\n"
-            "print('loaded:', *(m for m in ('torch', 'megatron', 'matplotlib') if m in sys.modules))")
+    code = (
+        "import sys, time\nfrom megatron_ga_ext.cli.main import main\nstart = time.perf_counter()\n"
+        f"status = main(['critical-batch', *{paths!r}, '--targets', '3.5,3.0,2.5'])\n"
+        "print('seconds:', time.perf_counter() - start)\n"
+        "print('loaded:', *(m for m in ('torch', 'megatron', 'matplotlib') if m in sys.modules))"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     *_, seconds, loaded = result.stdout.splitlines()
@@ -256,8 +284,9 @@ def test_a_large_batch_that_needs_more_steps_is_named_and_its_end_left_open(cli,
     out = cli("critical-batch", *paths, "--targets", "3.0", "--interpolate")
     assert out.status == 0, out.err
     assert re.search(r"S rises from [\d.]+ steps at GBS 64 to [\d.]+ at GBS 128: the hyperbola has S fall", out.out)
-    assert re.search(r"\d+ of \d+ fitted resamples ran to B_crit -> 0 .*so that end of the interval is not bounded",
-                     out.out)
+    assert re.search(
+        r"\d+ of \d+ fitted resamples ran to B_crit -> 0 .*so that end of the interval is not bounded", out.out
+    )
     assert re.search(r"below [\d.]+ ", out.out)
     target = cli("critical-batch", *paths, "--targets", "3.0", "--interpolate", "--json").json()["targets"][0]
     assert target["steps_rise"] == [[64, 128]]

@@ -19,8 +19,16 @@ ROWS = [
     {"iteration": 500, "consumed_samples": 99200, "b_simple_tokens": 700 * 4096},
     {"iteration": 600, "consumed_samples": 150000, "b_simple_samples": 2000},
 ]
-LAYOUT = ["--micro-batch-size", "2", "--data-parallel-size", "16", "--max-global-batch-size", "512", "--seq-length",
-          "4096"]
+LAYOUT = [
+    "--micro-batch-size",
+    "2",
+    "--data-parallel-size",
+    "16",
+    "--max-global-batch-size",
+    "512",
+    "--seq-length",
+    "4096",
+]
 
 
 @pytest.fixture
@@ -45,13 +53,26 @@ def test_json_gives_the_schedule_and_each_doubling(cli, trace):
     assert (first["consumed_samples"], first["before"], first["after"]) == (9600, 32, 64)
     assert out["decisions"][2]["b_simple_samples"] == 700  # read from b_simple_tokens / --seq-length
     assert [(h["consumed_samples"], h["reason"]) for h in out["held"]] == [
-        (3200, "the LR warmup (--lr-warmup-samples 5,000)")]
+        (3200, "the LR warmup (--lr-warmup-samples 5,000)")
+    ]
     assert [s["global_batch_size"] for s in out["stages"]] == [32, 64, 128, 256, 512]
 
 
 def test_text_prints_the_strings_the_table_and_the_notes(cli, trace):
-    answer = cli("schedule", "--suggest", trace, *LAYOUT, "--trust", "0.5",
-                 "--lr-decay-samples", "200K", "--lr-wsd-decay-samples", "60K", "--train-samples", "200K")
+    answer = cli(
+        "schedule",
+        "--suggest",
+        trace,
+        *LAYOUT,
+        "--trust",
+        "0.5",
+        "--lr-decay-samples",
+        "200K",
+        "--lr-wsd-decay-samples",
+        "60K",
+        "--train-samples",
+        "200K",
+    )
     assert answer.status == 0, answer.err
     lines = answer.out.splitlines()
     assert lines[0].endswith("(7 rows; trust 0.5; first GBS 32; cap 512):")
@@ -61,8 +82,22 @@ def test_text_prints_the_strings_the_table_and_the_notes(cli, trace):
 
 
 def test_the_first_stage_and_the_cap(cli, trace):
-    out = cli("schedule", "--suggest", trace, "--micro-batch-size", "2", "--data-parallel-size", "16",
-              "--seq-length", "4096", "--global-batch-size", "64", "--max-global-batch-size", "256", "--json").json()
+    out = cli(
+        "schedule",
+        "--suggest",
+        trace,
+        "--micro-batch-size",
+        "2",
+        "--data-parallel-size",
+        "16",
+        "--seq-length",
+        "4096",
+        "--global-batch-size",
+        "64",
+        "--max-global-batch-size",
+        "256",
+        "--json",
+    ).json()
     assert out["schedule_samples"] == "0:64 9600:128 48K:256"
     assert out["held"][0]["reason"] == "the cap --max-global-batch-size 256"
 
@@ -70,8 +105,9 @@ def test_the_first_stage_and_the_cap(cli, trace):
 def test_plot_draws_the_trace_against_the_schedule(cli, trace, tmp_path):
     pytest.importorskip("matplotlib")
     figure = tmp_path / "suggest.png"
-    answer = cli("schedule", "--suggest", trace, *LAYOUT, "--lr-warmup-samples", "5000",
-                 "--trust", "1.5", "--plot", str(figure))
+    answer = cli(
+        "schedule", "--suggest", trace, *LAYOUT, "--lr-warmup-samples", "5000", "--trust", "1.5", "--plot", str(figure)
+    )
     assert answer.status == 0, answer.err
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"plot written to {figure}" in answer.out
 
@@ -79,24 +115,38 @@ def test_plot_draws_the_trace_against_the_schedule(cli, trace, tmp_path):
 def test_an_error_is_one_line_and_exit_2(cli, trace):
     answer = cli("schedule", "--suggest", trace, "--micro-batch-size", "2", "--data-parallel-size", "16")
     assert answer.status == 2
-    assert answer.err == ("megatron-ga schedule: error: --suggest needs --max-global-batch-size: the largest batch the "
-                          "run may reach (memory, the data, or where the loss stops improving per sample).\n")
+    assert answer.err == (
+        "megatron-ga schedule: error: --suggest needs --max-global-batch-size: the largest batch the "
+        "run may reach (memory, the data, or where the loss stops improving per sample).\n"
+    )
 
 
-@pytest.mark.parametrize("extra, error, match", [
-    (["0:32"], UsageError, r"--suggest writes the schedule itself"),
-    (["--trust", "x"], UsageError, r"--trust 'x' is not a number"),
-    (["--trust", "-1"], UsageError, r"--trust -1.0 must be a positive finite number"),
-    (["--lr-decay-samples", "100K"], UsageError, r"--lr-decay-samples and --lr-wsd-decay-samples go together"),
-    (["--lr-decay-samples", "10", "--lr-wsd-decay-samples", "20"], UsageError,
-     r"--lr-wsd-decay-samples 20 is longer than --lr-decay-samples 10"),
-    (["--lr-warmup-samples", "-5"], SizeError, r"--lr-warmup-samples -5 must be at least 0"),
-    (["--global-batch-size", "48"], ScheduleError, r"--global-batch-size 48 \(the first stage\) is not a multiple"),
-    (["--consumed-samples", "5", "--warn-future-stages"], UsageError,
-     r"--consumed-samples, --warn-future-stages do\(es\) not apply to --suggest"),
-    (["--virtual-pipeline-model-parallel-size", "2", "--pipeline-model-parallel-size", "4"], InterleaveError,
-     r"interleaved schedule needs num_microbatches >= N = 4"),
-])
+@pytest.mark.parametrize(
+    "extra, error, match",
+    [
+        (["0:32"], UsageError, r"--suggest writes the schedule itself"),
+        (["--trust", "x"], UsageError, r"--trust 'x' is not a number"),
+        (["--trust", "-1"], UsageError, r"--trust -1.0 must be a positive finite number"),
+        (["--lr-decay-samples", "100K"], UsageError, r"--lr-decay-samples and --lr-wsd-decay-samples go together"),
+        (
+            ["--lr-decay-samples", "10", "--lr-wsd-decay-samples", "20"],
+            UsageError,
+            r"--lr-wsd-decay-samples 20 is longer than --lr-decay-samples 10",
+        ),
+        (["--lr-warmup-samples", "-5"], SizeError, r"--lr-warmup-samples -5 must be at least 0"),
+        (["--global-batch-size", "48"], ScheduleError, r"--global-batch-size 48 \(the first stage\) is not a multiple"),
+        (
+            ["--consumed-samples", "5", "--warn-future-stages"],
+            UsageError,
+            r"--consumed-samples, --warn-future-stages do\(es\) not apply to --suggest",
+        ),
+        (
+            ["--virtual-pipeline-model-parallel-size", "2", "--pipeline-model-parallel-size", "4"],
+            InterleaveError,
+            r"interleaved schedule needs num_microbatches >= N = 4",
+        ),
+    ],
+)
 def test_bad_input_raises_a_typed_error(trace, extra, error, match):
     positional = [e for e in extra if e == "0:32"]
     rest = [e for e in extra if e != "0:32"]
@@ -126,17 +176,45 @@ def test_a_run_log_with_k_not_a_multiple_of_the_log_interval(cli, tmp_path):
     for iteration in range(1, 21):
         consumed = 16 * iteration
         if iteration % 10 == 0:
-            lines.append(f" [2026-12-02 08:12:50] iteration {iteration:8d}/      20 | consumed samples: {consumed:12d} "
-                         "| elapsed time per iteration (ms): 302.9 | global batch size:    16 | lm loss: 6.31E+00 |")
+            lines.append(
+                f" [2026-12-02 08:12:50] iteration {iteration:8d}/      20 | consumed samples: {consumed:12d} "
+                "| elapsed time per iteration (ms): 302.9 | global batch size:    16 | lm loss: 6.31E+00 |"
+            )
         if iteration % 5 == 0:
-            lines.append(log_line({  # the line the run prints
-                "iteration": iteration, "consumed_samples": consumed, "b_simple_tokens": 640.0 * iteration,
-                "b_simple_samples": 10.0 * iteration, "grad_sq": 6.5, "grad_sq_ema": 10.0, "trace_sigma": 50.9,
-                "trace_sigma_ema": 97.7, "tokens": 898, "replicas": 2}))
+            lines.append(
+                log_line(
+                    {  # the line the run prints
+                        "iteration": iteration,
+                        "consumed_samples": consumed,
+                        "b_simple_tokens": 640.0 * iteration,
+                        "b_simple_samples": 10.0 * iteration,
+                        "grad_sq": 6.5,
+                        "grad_sq_ema": 10.0,
+                        "trace_sigma": 50.9,
+                        "trace_sigma_ema": 97.7,
+                        "tokens": 898,
+                        "replicas": 2,
+                    }
+                )
+            )
     log = tmp_path / "run.log"
     log.write_text("\n".join(lines) + "\n")
-    answer = cli("schedule", "--suggest", str(log), "--micro-batch-size", "2", "--data-parallel-size", "2",
-                 "--global-batch-size", "16", "--max-global-batch-size", "64", "--seq-length", "64", "--json")
+    answer = cli(
+        "schedule",
+        "--suggest",
+        str(log),
+        "--micro-batch-size",
+        "2",
+        "--data-parallel-size",
+        "2",
+        "--global-batch-size",
+        "16",
+        "--max-global-batch-size",
+        "64",
+        "--seq-length",
+        "64",
+        "--json",
+    )
     assert answer.status == 0, answer.err
     out = answer.json()
     assert out["schedule_samples"] == "0:16 80:32 160:64", out  # B_simple 50 at 80 samples, 100 at 160

@@ -34,8 +34,11 @@ def test_the_corpus_reads_back_as_the_sources_one_document_each(tmp_path):
     assert (tmp_path / f"megatron-core-{version}.json").stat().st_mtime_ns == stamp
 
 
-@pytest.mark.parametrize("tree", sources([]) or [pytest.param(None, marks=pytest.mark.skip(reason=NO_SOURCE))],
-                         ids=lambda tree: getattr(tree, "name", "none"))
+@pytest.mark.parametrize(
+    "tree",
+    sources([]) or [pytest.param(None, marks=pytest.mark.skip(reason=NO_SOURCE))],
+    ids=lambda tree: getattr(tree, "name", "none"),
+)
 def test_the_tokenizer_flags_give_nulltokenizer_the_corpus_eod(tree):
     """The tree's own NullTokenizer (the module loaded from its source), built as Megatron-LM builds it from
     --vocab-size: its end-of-document id is the corpus's."""

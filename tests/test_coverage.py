@@ -23,8 +23,15 @@ from megatron_ga_ext.errors import CoverageError
 ROOT = Path(__file__).resolve().parent.parent
 BY_ID = {row.id: row for row in ROWS}
 TOKEN = ["--calculate-per-token-loss"]
-EP_MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
-          "--bf16"]
+EP_MOE = [
+    "--num-experts",
+    "4",
+    "--expert-model-parallel-size",
+    "2",
+    "--moe-token-dispatcher-type",
+    "alltoall",
+    "--bf16",
+]
 
 
 @dataclass(frozen=True)
@@ -53,16 +60,26 @@ class Refusal:
 MICROBATCH = {"loss_reduction": "microbatch"}
 SCHEDULE = ["--step-batch-size-schedule", "0:16 4096:32", "--train-samples", "8192"]
 REFUSALS = [
-    Refusal("full-iteration-graph-token", [*TOKEN, "--cuda-graph-impl", "full_iteration",
-                                           "--no-check-for-nan-in-loss-and-grad"]),
-    Refusal("full-iteration-graph-token",
-            [*TOKEN, "--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"],
-            spelling="0.16-scope"),
-    Refusal("full-iteration-graph-token", [*TOKEN, "--enable-cuda-graph", "--cuda-graph-scope", "full_iteration"],
-            spelling="enable-cuda-graph"),
+    Refusal(
+        "full-iteration-graph-token",
+        [*TOKEN, "--cuda-graph-impl", "full_iteration", "--no-check-for-nan-in-loss-and-grad"],
+    ),
+    Refusal(
+        "full-iteration-graph-token",
+        [*TOKEN, "--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"],
+        spelling="0.16-scope",
+    ),
+    Refusal(
+        "full-iteration-graph-token",
+        [*TOKEN, "--enable-cuda-graph", "--cuda-graph-scope", "full_iteration"],
+        spelling="enable-cuda-graph",
+    ),
     Refusal("full-iteration-graph-token", [*TOKEN, "--cuda-graph-modules", "full_iteration"], spelling="modules"),
-    Refusal("full-iteration-graph-schedule", ["--cuda-graph-impl", "full_iteration", "--step-batch-size-schedule",
-                                              "0:16 4096:32", "--train-samples", "160"], MICROBATCH),
+    Refusal(
+        "full-iteration-graph-schedule",
+        ["--cuda-graph-impl", "full_iteration", "--step-batch-size-schedule", "0:16 4096:32", "--train-samples", "160"],
+        MICROBATCH,
+    ),
     Refusal("optimizer-graph-skip", [*TOKEN, "--optimizer-cuda-graph"], {"zero_token_policy": "skip"}),
     Refusal("combined-1f1b-token", [*TOKEN, *EP_MOE, "--overlap-moe-expert-parallel-comm"]),
     Refusal("delayed-wgrad-token", [*TOKEN, *EP_MOE, "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]),
@@ -98,8 +115,17 @@ def _argparse_kwargs(option: Option, spelling: str) -> dict:
 
 def check(capsys, flags: list[str]) -> tuple[int, dict]:
     """``megatron-ga check --json`` of a launch line with ``flags``: (exit status, report)."""
-    line = ["torchrun", "--nproc-per-node", "8", "-m", "megatron_ga_ext", "pretrain_gpt.py", "--micro-batch-size", "1",
-            *flags]
+    line = [
+        "torchrun",
+        "--nproc-per-node",
+        "8",
+        "-m",
+        "megatron_ga_ext",
+        "pretrain_gpt.py",
+        "--micro-batch-size",
+        "1",
+        *flags,
+    ]
     if "--step-batch-size-schedule" not in flags:
         line += ["--global-batch-size", "16"]
     status = main(["check", "--json", "--", *line])
@@ -150,8 +176,14 @@ def _install_refuses(refusal: Refusal, named: str, monkeypatch: pytest.MonkeyPat
     try:
         with pytest.raises(CoverageError, match=named):
             schedules.forward_backward_no_pipelining(
-                forward_step_func=None, data_iterator=None, model=[], num_microbatches=1, seq_length=1,
-                micro_batch_size=1, forward_only=False)
+                forward_step_func=None,
+                data_iterator=None,
+                model=[],
+                num_microbatches=1,
+                seq_length=1,
+                micro_batch_size=1,
+                forward_only=False,
+            )
     finally:
         installing.uninstall()
 
@@ -163,18 +195,32 @@ def test_a_launch_with_several_refusals_names_each():
     assert "--cuda-graph-impl" in str(error) and "(2) megatron-ga-ext refuses --use-torch-fsdp2" in str(error)
 
 
-@pytest.mark.parametrize("flags, ga", [
-    (["--cuda-graph-impl", "full_iteration"], MICROBATCH),  # limited: constant GBS, microbatch mode
-    ([*TOKEN, "--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn", "mlp"], {}),
-    ([*TOKEN, "--optimizer-cuda-graph"], {"checks": "async"}),
-    ([*EP_MOE, "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"], MICROBATCH),
-    (["--num-experts", "4", "--moe-router-load-balancing-type", "quantile_balancing"], MICROBATCH),
-    ([*TOKEN, "--num-experts", "4", "--moe-router-load-balancing-type", "quantile_balancing"], {}),
-    ([*TOKEN, "--num-experts", "4", "--moe-router-load-balancing-type", "aux_loss", "quantile_balancing",
-      "--moe-z-loss-coeff", "1e-3"], {}),
-    (["--use-torch-fsdp2"], MICROBATCH),
-    ([*TOKEN, "--hybrid-context-parallel"], {"guards": False}),  # a constant global batch: the sampler's
-])
+@pytest.mark.parametrize(
+    "flags, ga",
+    [
+        (["--cuda-graph-impl", "full_iteration"], MICROBATCH),  # limited: constant GBS, microbatch mode
+        ([*TOKEN, "--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn", "mlp"], {}),
+        ([*TOKEN, "--optimizer-cuda-graph"], {"checks": "async"}),
+        ([*EP_MOE, "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"], MICROBATCH),
+        (["--num-experts", "4", "--moe-router-load-balancing-type", "quantile_balancing"], MICROBATCH),
+        ([*TOKEN, "--num-experts", "4", "--moe-router-load-balancing-type", "quantile_balancing"], {}),
+        (
+            [
+                *TOKEN,
+                "--num-experts",
+                "4",
+                "--moe-router-load-balancing-type",
+                "aux_loss",
+                "quantile_balancing",
+                "--moe-z-loss-coeff",
+                "1e-3",
+            ],
+            {},
+        ),
+        (["--use-torch-fsdp2"], MICROBATCH),
+        ([*TOKEN, "--hybrid-context-parallel"], {"guards": False}),  # a constant global batch: the sampler's
+    ],
+)
 def test_the_same_flags_elsewhere_are_not_refused(flags, ga, capsys):
     """Where the guarantee holds (another mode, another value), the flag is not refused; its limit is a note."""
     status, report = check(capsys, [*flags, *Refusal("", [], ga).ga_flags()])
@@ -188,16 +234,36 @@ def test_the_same_flags_elsewhere_are_not_refused(flags, ga, capsys):
 NOISE_SCALE_REFUSED = [
     ("context-parallel", ["--context-parallel-size", "2"], "--context-parallel-size 2"),
     ("hybrid-context-parallel", ["--hybrid-context-parallel", "--no-ga-guards"], "--hybrid-context-parallel"),
-    ("gtp", ["--tensor-model-parallel-size", "2", "--tensor-parallel-num-weight-shards", "4"],
-     "--tensor-parallel-num-weight-shards 4 (above --tensor-model-parallel-size 2)"),
-    ("distributed-optimizer-instances", ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"],
-     "--num-distributed-optimizer-instances 2"),
+    (
+        "gtp",
+        ["--tensor-model-parallel-size", "2", "--tensor-parallel-num-weight-shards", "4"],
+        "--tensor-parallel-num-weight-shards 4 (above --tensor-model-parallel-size 2)",
+    ),
+    (
+        "distributed-optimizer-instances",
+        ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"],
+        "--num-distributed-optimizer-instances 2",
+    ),
     ("megatron-fsdp", ["--use-megatron-fsdp"], "--use-megatron-fsdp"),
-    ("fp32-local-accumulation", ["--bf16", "--ddp-param-name-patterns-for-fp32-local-accumulation", "all"],
-     "--ddp-param-name-patterns-for-fp32-local-accumulation all"),
+    (
+        "fp32-local-accumulation",
+        ["--bf16", "--ddp-param-name-patterns-for-fp32-local-accumulation", "all"],
+        "--ddp-param-name-patterns-for-fp32-local-accumulation all",
+    ),
     ("optimizer-graph", ["--optimizer-cuda-graph"], "--optimizer-cuda-graph"),
-    ("optimizer-graph", ["--optimizer-cuda-graph", "--ga-batch-size-warmup", "auto", "--ga-batch-size-warmup-max",
-                         "64", "--train-samples", "1024"], "--optimizer-cuda-graph"),
+    (
+        "optimizer-graph",
+        [
+            "--optimizer-cuda-graph",
+            "--ga-batch-size-warmup",
+            "auto",
+            "--ga-batch-size-warmup-max",
+            "64",
+            "--train-samples",
+            "1024",
+        ],
+        "--optimizer-cuda-graph",
+    ),
 ]
 
 
@@ -206,8 +272,9 @@ def test_every_row_that_says_the_noise_scale_refuses_it_has_a_launch():
     assert said == {row for row, _, _ in NOISE_SCALE_REFUSED}
 
 
-@pytest.mark.parametrize("row, flags, setting", NOISE_SCALE_REFUSED, ids=[f"{c[0]}-{len(c[1])}" for c in
-                                                                          NOISE_SCALE_REFUSED])
+@pytest.mark.parametrize(
+    "row, flags, setting", NOISE_SCALE_REFUSED, ids=[f"{c[0]}-{len(c[1])}" for c in NOISE_SCALE_REFUSED]
+)
 def test_the_noise_scale_refuses_what_its_rows_say_in_install_and_check(row, flags, setting, capsys):
     """``megatron-ga check`` on the launch line and install() on Megatron's parsed args: one OptionError, naming the
     flag and its value; without --ga-noise-scale (the warmup needs it) neither refuses it."""
@@ -295,8 +362,13 @@ def test_each_rows_test_exists(proof):
 
 def _parametrize_ids(function: ast.FunctionDef, tree: ast.Module) -> set[str]:
     """The string values of the test's ``pytest.mark.parametrize`` lists (names of the module resolved)."""
-    assigned = {target.id: node.value for node in tree.body if isinstance(node, ast.Assign)
-                for target in node.targets if isinstance(target, ast.Name)}
+    assigned = {
+        target.id: node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
     values: set[str] = set()
     for decorator in function.decorator_list:
         if isinstance(decorator, ast.Call) and getattr(decorator.func, "attr", "") == "parametrize":
@@ -312,13 +384,15 @@ def _parametrize_ids(function: ast.FunctionDef, tree: ast.Module) -> set[str]:
 def test_the_committed_doc_is_the_tables_rendering():
     doc = ROOT / "docs" / "coverage.md"
     assert doc.read_text() == coverage_doc(), (
-        "docs/coverage.md is not the rendering of config/coverage/: regenerate it with make docs")
+        "docs/coverage.md is not the rendering of config/coverage/: regenerate it with make docs"
+    )
     for row in ROWS:
-        assert f"| <a id=\"{row.id}\"></a>`{row.id}` |" in doc.read_text()  # check's notes link to it
+        assert f'| <a id="{row.id}"></a>`{row.id}` |' in doc.read_text()  # check's notes link to it
 
 
 def test_megatrons_nan_check_off_is_read_from_its_negative_flag(capsys):
     """Megatron's parser has only --no-check-for-nan-in-loss-and-grad (store_false, on by default)."""
+
     def applied(flags: list[str]) -> set[str]:
         setting = Setting.of(megatron_parser().parse_args(flags), GAConfig())
         return {row.id for row in ROWS if row.applies(setting)}
@@ -329,8 +403,21 @@ def test_megatrons_nan_check_off_is_read_from_its_negative_flag(capsys):
 
 
 def test_check_prints_refusals_as_problems_and_limits_as_notes(capsys):
-    line = ["torchrun", "--nproc-per-node", "2", "-m", "megatron_ga_ext", "pretrain_gpt.py", "--micro-batch-size", "1",
-            "--global-batch-size", "4", *TOKEN, "--use-torch-fsdp2", "--fp16"]
+    line = [
+        "torchrun",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "megatron_ga_ext",
+        "pretrain_gpt.py",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "4",
+        *TOKEN,
+        "--use-torch-fsdp2",
+        "--fp16",
+    ]
     assert main(["check", "--", *line]) == 1
     out = capsys.readouterr().out
     notes, problems = out.index(" note(s)"), out.index("1 problem(s):")
@@ -345,27 +432,42 @@ def test_unclassified_lists_the_flags_neither_a_row_nor_the_off_path_list_names(
     parser = {"--lr", "--micro-batch-size", "--cuda-graph-impl", "--no-rl-use-sequence-packing", "--qk-layernorm"}
     assert unclassified(parser) == []
     assert unclassified([*parser, "--zz-new-step-path-flag", "--aa-new-flag"]) == [
-        "--aa-new-flag", "--zz-new-step-path-flag"]
+        "--aa-new-flag",
+        "--zz-new-step-path-flag",
+    ]
 
 
-@pytest.mark.parametrize("flags, row", [
-    ([*TOKEN, "--tensor-parallel-num-weight-shards", "2", "--tensor-model-parallel-size", "2"], None),  # no GTP
-    ([*TOKEN, "--qk-layernorm", "--tensor-model-parallel-size", "2"], "qk-layernorm"),
-    ([*TOKEN, "--qk-layernorm"], None),  # TP 1: each rank holds the whole q/k layernorm gradient
-    ([*TOKEN, "--grad-reduce-in-bf16", "--bf16"], "grad-reduce-bf16"),
-    ([*TOKEN, "--bf16", "--grad-reduce-in-bf16", "--ddp-param-name-patterns-for-fp32-local-accumulation", "*norm*"],
-     "fp32-local-accumulation"),
-    ([*TOKEN, "--non-persistent-save-interval", "5", "--save", "ckpt", "--save-interval", "100"],
-     "non-persistent-checkpoints"),
-    ([*TOKEN, "--sequence-parallel", "--tensor-model-parallel-size", "2"], "tensor-parallel"),  # SP: supported
-    ([*TOKEN, "--num-experts", "4", "--moe-router-enable-expert-bias"], None),  # supported: no note
-    ([*TOKEN, "--perform-rl-step"], "rl-step"),
-    ([*TOKEN, "--override-ckpt-iteration", "10"], None),  # a constant global batch: iteration x GBS is right
-    ([*SCHEDULE, "--lr-warmup-samples", "32"], "lr-schedule"),
-    ([*TOKEN, "--ddp-num-buckets", "4"], "grad-reduce-buckets"),
-    ([*TOKEN, "--optimizer-cuda-graph"], "optimizer-graph-liveness"),
-    (["--optimizer-cuda-graph", "--ga-loss-reduction", "microbatch"], "optimizer-graph-liveness"),
-])
+@pytest.mark.parametrize(
+    "flags, row",
+    [
+        ([*TOKEN, "--tensor-parallel-num-weight-shards", "2", "--tensor-model-parallel-size", "2"], None),  # no GTP
+        ([*TOKEN, "--qk-layernorm", "--tensor-model-parallel-size", "2"], "qk-layernorm"),
+        ([*TOKEN, "--qk-layernorm"], None),  # TP 1: each rank holds the whole q/k layernorm gradient
+        ([*TOKEN, "--grad-reduce-in-bf16", "--bf16"], "grad-reduce-bf16"),
+        (
+            [
+                *TOKEN,
+                "--bf16",
+                "--grad-reduce-in-bf16",
+                "--ddp-param-name-patterns-for-fp32-local-accumulation",
+                "*norm*",
+            ],
+            "fp32-local-accumulation",
+        ),
+        (
+            [*TOKEN, "--non-persistent-save-interval", "5", "--save", "ckpt", "--save-interval", "100"],
+            "non-persistent-checkpoints",
+        ),
+        ([*TOKEN, "--sequence-parallel", "--tensor-model-parallel-size", "2"], "tensor-parallel"),  # SP: supported
+        ([*TOKEN, "--num-experts", "4", "--moe-router-enable-expert-bias"], None),  # supported: no note
+        ([*TOKEN, "--perform-rl-step"], "rl-step"),
+        ([*TOKEN, "--override-ckpt-iteration", "10"], None),  # a constant global batch: iteration x GBS is right
+        ([*SCHEDULE, "--lr-warmup-samples", "32"], "lr-schedule"),
+        ([*TOKEN, "--ddp-num-buckets", "4"], "grad-reduce-buckets"),
+        ([*TOKEN, "--optimizer-cuda-graph"], "optimizer-graph-liveness"),
+        (["--optimizer-cuda-graph", "--ga-loss-reduction", "microbatch"], "optimizer-graph-liveness"),
+    ],
+)
 def test_the_new_rows_limit_or_leave_a_launch_as_their_text_says(flags, row, capsys):
     """The on-path flags a row names: refused nowhere here, a note where the row's limit applies."""
     status, report = check(capsys, flags)

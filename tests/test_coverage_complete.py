@@ -36,8 +36,13 @@ def parsers() -> dict[str, list[str]]:
     if not PRESENT:
         pytest.skip(f"no Megatron-LM snapshot of a tested source in {snapshot_dir()}")
     roots = {name: tree(path) for name, path in PRESENT.items()}
-    result = subprocess.run([sys.executable, "-m", "tests.support.megatron_parser_flags", *map(str, roots.values())],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.support.megatron_parser_flags", *map(str, roots.values())],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     found = json.loads(result.stdout.splitlines()[-1])
     return {name: found[str(root)] for name, root in roots.items()}
@@ -51,9 +56,11 @@ def unlisted(parsers: dict[str, list[str]]) -> dict[str, list[str]]:
 
 def report(missing: dict[str, list[str]]) -> str:
     lines = [f"{name}: {', '.join(flags)}" for name, flags in missing.items()]
-    return ("flags of a tested Megatron parser that neither a coverage row (config/coverage/) nor the off-path list "
-            "(config/off_path.py) names; read each flag's help and its use upstream, then give it a row or a reason:\n"
-            + "\n".join(lines))
+    return (
+        "flags of a tested Megatron parser that neither a coverage row (config/coverage/) nor the off-path list "
+        "(config/off_path.py) names; read each flag's help and its use upstream, then give it a row or a reason:\n"
+        + "\n".join(lines)
+    )
 
 
 def test_every_flag_of_every_tested_parser_is_in_a_row_or_off_the_path(parsers):

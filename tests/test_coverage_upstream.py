@@ -28,13 +28,17 @@ DIRS = sources([])
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not DIRS, reason=NO_SOURCE)]
 
 
-
 @pytest.fixture(scope="module")
 def upstream() -> dict[Path, dict]:
     cases = [[refusal.id, refusal.flags, refusal.ga] for refusal in REFUSALS]
-    result = subprocess.run([sys.executable, "-m", "tests.support.coverage_upstream_args",
-                             *map(str, DIRS)], input=json.dumps(cases), capture_output=True, text=True, timeout=300,
-                            cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.support.coverage_upstream_args", *map(str, DIRS)],
+        input=json.dumps(cases),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return {Path(root): found for root, found in json.loads(result.stdout.splitlines()[-1]).items()}
 

@@ -73,8 +73,9 @@ def test_the_bootstrap_is_seeded():
     assert bootstrap_b_crit(points, resamples=200, seed=7) != bootstrap_b_crit(points, resamples=200, seed=8)
 
 
-@pytest.mark.parametrize(("sizes", "side"), [((512, 1024, 2048, 4096), "above the knee"),
-                                              ((1, 2, 4, 8), "below the knee")])
+@pytest.mark.parametrize(
+    ("sizes", "side"), [((512, 1024, 2048, 4096), "above the knee"), ((1, 2, 4, 8), "below the knee")]
+)
 def test_points_on_one_side_of_the_knee_are_not_fitted(sizes, side):
     result = fit_target(3.0, sweep(64.0, 1000.0, sizes=sizes, sigma=0.05, seed=1))
     assert result.fit is None and result.interval is None
@@ -87,8 +88,10 @@ def test_resamples_that_run_to_the_search_edge_leave_that_end_unbounded():
     resamples count as -inf, so the lower end is None (not the search's edge, 32 / 1000); the same sweep without
     the rise bounds both ends."""
     clean = sweep(20.0, 100.0, sizes=(8, 16, 32, 64, 128))
-    rising = [*clean[:4], RunPoint(label="gbs128", batch_size=128, steps=clean[4].steps * 2,
-                                   samples=clean[4].samples * 2)]
+    rising = [
+        *clean[:4],
+        RunPoint(label="gbs128", batch_size=128, steps=clean[4].steps * 2, samples=clean[4].samples * 2),
+    ]
     result = fit_target(3.0, rising)
     assert result.fit is not None and result.interval is not None, result.reason
     interval = result.interval
@@ -140,7 +143,10 @@ def test_smoothing_is_an_ema_over_logged_points():
 
 
 def test_a_run_whose_batch_size_changes_is_refused():
-    lines = [f" [t] iteration {i:8d}/     100 | consumed samples: {16 * i:12d} | global batch size: {b:5d} | "
-             "lm loss: 3.0E+00 |" for i, b in ((10, 16), (20, 32))]
+    lines = [
+        f" [t] iteration {i:8d}/     100 | consumed samples: {16 * i:12d} | global batch size: {b:5d} | "
+        "lm loss: 3.0E+00 |"
+        for i, b in ((10, 16), (20, 32))
+    ]
     with pytest.raises(CriticalBatchError, match=r"global batch size changes \(16 from iteration 10, 32 from"):
         read_megatron_log(lines, "run.log")

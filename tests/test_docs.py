@@ -42,12 +42,27 @@ def test_a_recorded_row_replaces_its_own_and_the_rest_is_kept(pages, tmp_path):
     doc = pages / "docs" / "reliability.md"
     before = doc.read_text()
     kept = [line for line in docs.block(before, "fuzz").splitlines() if line.startswith("| number spelling |")]
-    results.record("fuzz", [
-        {"Surface": "schedule parser", "Input": "`parse`", "Examples": "7", "Slowest example": "1.0 ms",
-         "Answers": "accepted 7", "Run on": "2030-01-01"},
-        {"Surface": "a new surface", "Input": "`x | y`", "Examples": "3", "Slowest example": "2.0 ms",
-         "Answers": "accepted 3"},
-    ], tmp_path / "results")
+    results.record(
+        "fuzz",
+        [
+            {
+                "Surface": "schedule parser",
+                "Input": "`parse`",
+                "Examples": "7",
+                "Slowest example": "1.0 ms",
+                "Answers": "accepted 7",
+                "Run on": "2030-01-01",
+            },
+            {
+                "Surface": "a new surface",
+                "Input": "`x | y`",
+                "Examples": "3",
+                "Slowest example": "2.0 ms",
+                "Answers": "accepted 3",
+            },
+        ],
+        tmp_path / "results",
+    )
     assert docs.write(pages, tmp_path / "results") == ["docs/reliability.md"]
     after = doc.read_text()
     table = docs.block(after, "fuzz").splitlines()
@@ -61,8 +76,9 @@ def test_a_recorded_row_replaces_its_own_and_the_rest_is_kept(pages, tmp_path):
 def test_a_partial_row_keeps_the_cells_it_does_not_name(pages, tmp_path):
     """The behaviour suite records one cell of a compatibility row, the end-to-end tier the others."""
     directory = tmp_path / "results"
-    results.record("compatibility", [{"Source": "0.19.2", "Behaviour suite": "1 passed", "Run on": "2030-01-01"}],
-                   directory)
+    results.record(
+        "compatibility", [{"Source": "0.19.2", "Behaviour suite": "1 passed", "Run on": "2030-01-01"}], directory
+    )
     results.record("compatibility", [{"Source": "main@abc", "End-to-end": "2 of 2 tests passed"}], directory)
     results.record("compatibility", [{"Source": "main@abc", "Behaviour suite": "3 passed"}], directory)
     assert [row["Source"] for row in results.recorded("compatibility", directory)] == ["0.19.2", "main@abc"]

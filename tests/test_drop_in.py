@@ -10,7 +10,8 @@ import megatron_ga_ext
 from megatron_ga_ext.integration import megatron_lm as ga_arguments
 
 arguments = pytest.importorskip(
-    "megatron.training.arguments", reason="megatron.training ships in the megatron-core wheel from 0.19 on")
+    "megatron.training.arguments", reason="megatron.training ships in the megatron-core wheel from 0.19 on"
+)
 LINE = ["pretrain_gpt.py", "--micro-batch-size", "2", "--no-ga-strict"]
 
 
@@ -65,10 +66,13 @@ def test_uninstalled_parser_has_no_ga_flags(monkeypatch):
 
 
 def test_module_entry_needs_a_script():
-    for argv, message in (([], "usage: python -m megatron_ga_ext SCRIPT"),
-                          (["no_such_script.py"], "no_such_script.py: no such script")):
-        result = subprocess.run([sys.executable, "-m", "megatron_ga_ext", *argv], capture_output=True, text=True,
-                                timeout=60)
+    for argv, message in (
+        ([], "usage: python -m megatron_ga_ext SCRIPT"),
+        (["no_such_script.py"], "no_such_script.py: no such script"),
+    ):
+        result = subprocess.run(
+            [sys.executable, "-m", "megatron_ga_ext", *argv], capture_output=True, text=True, timeout=60
+        )
         assert result.returncode == 1 and message in result.stderr
 
 
@@ -79,8 +83,14 @@ def test_module_entry_runs_the_script_installed_with_its_arguments(tmp_path):
         "import sys\n"
         "import helper_module  # the script's directory is on the path, as `python SCRIPT` has it\n"
         "from megatron_ga_ext.integration.lifecycle import installed\n"
-        "print(sys.argv[1:], installed() is not None, helper_module.VALUE, __name__)\n")
-    result = subprocess.run([sys.executable, "-m", "megatron_ga_ext", str(script), "--micro-batch-size", "2"],
-                            capture_output=True, text=True, timeout=120, cwd=tmp_path.parent)
+        "print(sys.argv[1:], installed() is not None, helper_module.VALUE, __name__)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_ga_ext", str(script), "--micro-batch-size", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path.parent,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.splitlines()[-1] == "['--micro-batch-size', '2'] True 7 __main__"

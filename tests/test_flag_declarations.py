@@ -70,11 +70,18 @@ def test_megatron_flags_are_spelled_as_megatrons_parser_spells_them():
 
 
 def test_a_launch_line_reads_each_flag_typed_as_declared():
-    line = ("pretrain_gpt.py --ga-noise-scale 10 --ga-noise-scale-decay 0.5 --ga-checks async --no-ga-strict "
-            "--ga-convert-rampup --ga-noise-scale-trace t.jsonl")
+    line = (
+        "pretrain_gpt.py --ga-noise-scale 10 --ga-noise-scale-decay 0.5 --ga-checks async --no-ga-strict "
+        "--ga-convert-rampup --ga-noise-scale-trace t.jsonl"
+    )
     assert ga_values(parse_launch(shlex.split(line))) == {
-        "noise_scale": 10, "noise_scale_decay": 0.5, "checks": "async", "strict": False, "convert_rampup": True,
-        "noise_scale_trace": "t.jsonl"}
+        "noise_scale": 10,
+        "noise_scale_decay": 0.5,
+        "checks": "async",
+        "strict": False,
+        "convert_rampup": True,
+        "noise_scale_trace": "t.jsonl",
+    }
 
 
 def test_the_docs_table_has_every_declared_flag_and_its_help():
@@ -91,7 +98,12 @@ def test_a_new_flag_is_one_field():
 
     (option,) = flags._declared(Extra)
     assert (option.flag, option.dest, option.type, option.nargs, option.default) == (
-        "--ga-example", "ga_example", int, 1, 0)
+        "--ga-example",
+        "ga_example",
+        int,
+        1,
+        0,
+    )
     with pytest.raises(OptionError, match=r"^--ga-example -1 is not a whole number >= 0: give 0 or more\.$"):
         option.check(-1)
 
@@ -119,9 +131,18 @@ def test_each_flags_rule_refuses_a_bad_value_naming_flag_value_rule_and_fix(opti
         GAConfig.from_args(argparse.Namespace(**{option.dest: value}))
 
 
-@pytest.mark.parametrize("field, value", [("noise_scale", True), ("noise_scale", 2.5), ("noise_scale", "3"),
-                                          ("batch_size_warmup_max", 0), ("batch_size_warmup_trust", float("inf")),
-                                          ("noise_scale_decay", 1), ("noise_scale_decay", -0.1)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("noise_scale", True),
+        ("noise_scale", 2.5),
+        ("noise_scale", "3"),
+        ("batch_size_warmup_max", 0),
+        ("batch_size_warmup_trust", float("inf")),
+        ("noise_scale_decay", 1),
+        ("noise_scale_decay", -0.1),
+    ],
+)
 def test_nothing_is_rounded_or_coerced(field, value):
     with pytest.raises(OptionError, match=rf"^--ga-{field.replace('_', '-')} {value!r} is not "):
         GAConfig(**{field: value})

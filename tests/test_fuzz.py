@@ -259,8 +259,12 @@ def upstream_rampup_batch_size(start: int, increment: int, ramp_samples: int, gb
 
 
 @FUZZ
-@given(ramp_values(), st.lists(consumed_counts(), max_size=6), st.tuples(python_sizes(), python_sizes(),
-       st.sampled_from((1, 2, 4)), st.sampled_from((None, 1, 2, 3))), st.lists(sizes(), min_size=3, max_size=3))
+@given(
+    ramp_values(),
+    st.lists(consumed_counts(), max_size=6),
+    st.tuples(python_sizes(), python_sizes(), st.sampled_from((1, 2, 4)), st.sampled_from((None, 1, 2, 3))),
+    st.lists(sizes(), min_size=3, max_size=3),
+)
 def rampup_converter(ramp, consumed, layout, triple):
     with example("rampup_converter"):
         answer("rampup_converter", rampup_triple, triple)
@@ -283,27 +287,31 @@ def test_rampup_converter():
 
 #: An update: ("step",) is what Megatron's loop does (consumed += the running GBS, an unchecked then a checked
 #: update); ("jump", consumed, consistency_check) anything else.
-UPDATES = st.lists(st.one_of(st.just(("step",)), st.tuples(st.just("jump"), consumed_counts(), st.booleans())),
-                   max_size=12)
+UPDATES = st.lists(
+    st.one_of(st.just(("step",)), st.tuples(st.just("jump"), consumed_counts(), st.booleans())), max_size=12
+)
 
 
 def calculators() -> st.SearchStrategy[dict]:
     """The arguments of init_num_microbatches_calculator (any release), and a layout for the interleave rule."""
-    return st.fixed_dictionaries({
-        "rank": st.sampled_from((0, 1)),
-        "micro_batch_size": st.sampled_from((1, 2, 4)) | python_sizes(),
-        "data_parallel_size": st.sampled_from((1, 2, 8)) | python_sizes(),
-    }, optional={
-        "step_batch_size_schedule": valid_schedule_texts() | schedule_texts(),
-        "rampup_batch_size": st.lists(st.integers(1, 64) | python_sizes(), min_size=3, max_size=3) | st.lists(
-            sizes(), max_size=4),
-        "global_batch_size": st.sampled_from((8, 16, 64, 128)) | python_sizes(),
-        "decrease_batch_size_if_needed": st.booleans(),
-        "seq_length": seq_lengths(),
-        "pipeline_model_parallel_size": st.sampled_from((1, 2, 4)),
-        "virtual_pipeline_size": st.sampled_from((None, 2)),
-        "strict_future": st.booleans(),
-    })
+    return st.fixed_dictionaries(
+        {
+            "rank": st.sampled_from((0, 1)),
+            "micro_batch_size": st.sampled_from((1, 2, 4)) | python_sizes(),
+            "data_parallel_size": st.sampled_from((1, 2, 8)) | python_sizes(),
+        },
+        optional={
+            "step_batch_size_schedule": valid_schedule_texts() | schedule_texts(),
+            "rampup_batch_size": st.lists(st.integers(1, 64) | python_sizes(), min_size=3, max_size=3)
+            | st.lists(sizes(), max_size=4),
+            "global_batch_size": st.sampled_from((8, 16, 64, 128)) | python_sizes(),
+            "decrease_batch_size_if_needed": st.booleans(),
+            "seq_length": seq_lengths(),
+            "pipeline_model_parallel_size": st.sampled_from((1, 2, 4)),
+            "virtual_pipeline_size": st.sampled_from((None, 2)),
+            "strict_future": st.booleans(),
+        },
+    )
 
 
 @FUZZ
@@ -352,7 +360,13 @@ def _record_counts():
     rows = []
     for stats in (s for s in _SURFACES.values() if s.passed):  # a surface that failed has no row
         answers = ", ".join(f"{name} {count:,}" for name, count in stats.answers.most_common())
-        rows.append({"Surface": stats.name.replace("_", " "), "Input": f"`{stats.entry}`",
-                     "Examples": f"{stats.examples:,}", "Slowest example": f"{stats.slowest * 1000:.1f} ms",
-                     "Answers": answers})
+        rows.append(
+            {
+                "Surface": stats.name.replace("_", " "),
+                "Input": f"`{stats.entry}`",
+                "Examples": f"{stats.examples:,}",
+                "Slowest example": f"{stats.slowest * 1000:.1f} ms",
+                "Answers": answers,
+            }
+        )
     record("fuzz", rows)

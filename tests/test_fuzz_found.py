@@ -1,6 +1,5 @@
 """What the fuzz tests (tests/test_fuzz.py) found, each pinned by its smallest example."""
 
-
 import pytest
 
 from megatron_ga_ext import StepSchedule
@@ -10,12 +9,27 @@ from megatron_ga_ext.integration.calculator import StepScheduleCalculator
 from megatron_ga_ext.integration.guards import GuardedCalculator
 
 
-@pytest.mark.parametrize("argv, flag", [
-    (["ledger", "--world-size=8", "--micro-batch-size=--"], "--micro-batch-size"),
-    (["check", "--world-size=--", "--", "torchrun", "--nproc-per-node", "8"], "--world-size"),
-    (["schedule", "0:8", "--micro-batch-size", "1", "--data-parallel-size", "1", "--lr=--",
-      "--lr-base-batch-size", "8"], "--lr"),
-])
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["ledger", "--world-size=8", "--micro-batch-size=--"], "--micro-batch-size"),
+        (["check", "--world-size=--", "--", "torchrun", "--nproc-per-node", "8"], "--world-size"),
+        (
+            [
+                "schedule",
+                "0:8",
+                "--micro-batch-size",
+                "1",
+                "--data-parallel-size",
+                "1",
+                "--lr=--",
+                "--lr-base-batch-size",
+                "8",
+            ],
+            "--lr",
+        ),
+    ],
+)
 def test_a_flag_given_as_flag_equals_dashdash_is_a_usage_error(cli, argv, flag):
     """argparse reads ``--flag=--`` as an empty list: a usage error naming the flag, where read_int would raise
     AttributeError and math.isfinite TypeError."""
@@ -35,8 +49,11 @@ def test_a_count_above_1e30_is_refused_exactly(text):
 
 
 def test_the_bound_is_the_same_for_a_schedule_entry():
-    with pytest.raises(ScheduleParseError, match=r"entry 2 '1000000000000000001T:16': threshold '1000000000000000001T' "
-                                                 r"is larger than 1e30"):
+    with pytest.raises(
+        ScheduleParseError,
+        match=r"entry 2 '1000000000000000001T:16': threshold '1000000000000000001T' "
+        r"is larger than 1e30",
+    ):
         StepSchedule.parse("0:8 1000000000000000001T:16")
 
 
@@ -50,22 +67,49 @@ def test_the_guard_refuses_a_consumed_count_that_is_not_one(consumed):
         guarded.update(consumed, False)
 
 
-@pytest.mark.parametrize("flags, problem", [
-    (["--num-layers", "0", "--num-layers-per-virtual-pipeline-stage", "0"],
-     "--num-layers-per-virtual-pipeline-stage 0 must be at least 1: it sets how the layers of each pipeline stage "
-     "split into virtual stages. Give a whole number >= 1, or leave --num-layers-per-virtual-pipeline-stage out."),
-    (["--pipeline-model-parallel-size", "2", "--num-layers", "8", "--num-virtual-stages-per-pipeline-rank", "0"],
-     "--num-virtual-stages-per-pipeline-rank 0 must be at least 1"),
-    (["--pipeline-model-parallel-size", "0", "--num-layers", "8"],
-     "--pipeline-model-parallel-size 0 must be at least 1; give an integer >= 1."),
-    (["--pipeline-model-parallel-size", "2", "--num-layers", "-8", "--num-layers-per-virtual-pipeline-stage", "3"],
-     "--num-layers -8 must be at least 1: a model has layers to split over the pipeline stages."),
-])
+@pytest.mark.parametrize(
+    "flags, problem",
+    [
+        (
+            ["--num-layers", "0", "--num-layers-per-virtual-pipeline-stage", "0"],
+            "--num-layers-per-virtual-pipeline-stage 0 must be at least 1: it sets how the layers of each pipeline "
+            "stage split into virtual stages. Give a whole number >= 1, or leave "
+            "--num-layers-per-virtual-pipeline-stage out.",
+        ),
+        (
+            ["--pipeline-model-parallel-size", "2", "--num-layers", "8", "--num-virtual-stages-per-pipeline-rank", "0"],
+            "--num-virtual-stages-per-pipeline-rank 0 must be at least 1",
+        ),
+        (
+            ["--pipeline-model-parallel-size", "0", "--num-layers", "8"],
+            "--pipeline-model-parallel-size 0 must be at least 1; give an integer >= 1.",
+        ),
+        (
+            [
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-layers",
+                "-8",
+                "--num-layers-per-virtual-pipeline-stage",
+                "3",
+            ],
+            "--num-layers -8 must be at least 1: a model has layers to split over the pipeline stages.",
+        ),
+    ],
+)
 def test_a_zero_pipeline_size_is_a_problem_not_a_division_by_zero(cli, flags, problem):
     """The layer split divides by these sizes, so each is checked first: a problem of check, not a
     ZeroDivisionError."""
-    line = ["torchrun", "--nproc-per-node", "8", "pretrain_gpt.py", "--micro-batch-size", "1",
-            "--calculate-per-token-loss", *flags]
+    line = [
+        "torchrun",
+        "--nproc-per-node",
+        "8",
+        "pretrain_gpt.py",
+        "--micro-batch-size",
+        "1",
+        "--calculate-per-token-loss",
+        *flags,
+    ]
     answer = cli("check", "--json", "--", *line)
     assert answer.status == 1
     assert any(problem in text for text in (p["message"] for p in answer.json()["problems"]))
@@ -88,7 +132,18 @@ def test_a_ramp_of_more_stages_than_len_can_count_is_read_and_checked():
 @pytest.mark.parametrize("flag", ["--ga-noise-scale", "--ga-batch-size-warmup-max"])
 def test_a_blank_integer_of_the_noise_scale_flags_is_a_usage_error(cli, flag):
     """``check`` reads them as the layout's integers are read: a usage error naming the flag, not a ValueError."""
-    line = ["torchrun", "--nproc-per-node", "8", "pretrain_gpt.py", "--micro-batch-size", "1",
-            "--calculate-per-token-loss", "--ga-batch-size-warmup", "auto", flag, " "]
+    line = [
+        "torchrun",
+        "--nproc-per-node",
+        "8",
+        "pretrain_gpt.py",
+        "--micro-batch-size",
+        "1",
+        "--calculate-per-token-loss",
+        "--ga-batch-size-warmup",
+        "auto",
+        flag,
+        " ",
+    ]
     answer = cli("check", "--", *line)
     assert answer.status == 2 and flag in answer.err and "Traceback" not in answer.err, answer.err

@@ -29,8 +29,9 @@ NO_CUDA = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 
 
 def tool(*argv: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(TOOL), *argv], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(TOOL), *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def fake_python(path: Path, body: str) -> str:
@@ -42,6 +43,7 @@ def fake_python(path: Path, body: str) -> str:
 
 # -- the plan ---------------------------------------------------------------------------------------------------------
 
+
 def test_the_plan_runs_every_part_of_the_check_within_8_minutes(tmp_path):
     plan = {step.name: step for step in gpu_check.steps(tmp_path)}
     assert list(plan) == STEPS
@@ -49,7 +51,7 @@ def test_the_plan_runs_every_part_of_the_check_within_8_minutes(tmp_path):
     assert sum(step.timeout_s for step in plan.values()) < gpu_check.BUDGET_S == 480
     gpu_tests, graphs = plan["gpu-tests"].command, plan["cuda-graphs"].command
     assert "tests/gpu" in gpu_tests and "--ignore=tests/gpu/test_cuda_graphs.py" in gpu_tests
-    assert gpu_tests[gpu_tests.index("pytest") + 1:].count("-m") == 1  # one marker expression: every marker
+    assert gpu_tests[gpu_tests.index("pytest") + 1 :].count("-m") == 1  # one marker expression: every marker
     assert "tests/gpu/test_cuda_graphs.py" in graphs and graphs[-4:-2] == ["-m", "gpu"]
     verify = plan["verify"].command
     assert verify[1:4] == ["verify", "--device", "cuda"] and "--json" in verify
@@ -73,8 +75,16 @@ def test_every_result_lands_in_the_one_folder(tmp_path):
 
 
 def test_the_plan_prints_each_step_its_timeout_and_the_wheels_and_runs_nothing(tmp_path):
-    done = tool("plan", "--out", str(tmp_path / "out"), "--wheels", str(tmp_path / "wheels"),
-                "--venv", str(tmp_path / "venv"), env=NO_CUDA)
+    done = tool(
+        "plan",
+        "--out",
+        str(tmp_path / "out"),
+        "--wheels",
+        str(tmp_path / "wheels"),
+        "--venv",
+        str(tmp_path / "venv"),
+        env=NO_CUDA,
+    )
     assert done.returncode == 0, done.stderr
     total = sum(step.timeout_s for step in gpu_check.steps(tmp_path))
     assert f"6 steps, {total} s of timeouts in all (budget 480 s)" in done.stdout
@@ -89,15 +99,27 @@ def test_the_plan_prints_each_step_its_timeout_and_the_wheels_and_runs_nothing(t
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 def test_the_makefile_targets_call_the_tool(tmp_path):
-    plan = subprocess.run(["make", "-s", "--no-print-directory", "gpu-check", "PLAN=1", f"GPU_PYTHON={sys.executable}"],
-                          cwd=ROOT, env={**NO_CUDA, "OUT": str(tmp_path)}, capture_output=True, text=True, timeout=60)
+    plan = subprocess.run(
+        ["make", "-s", "--no-print-directory", "gpu-check", "PLAN=1", f"GPU_PYTHON={sys.executable}"],
+        cwd=ROOT,
+        env={**NO_CUDA, "OUT": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert plan.returncode == 0 and f"results  {tmp_path}" in plan.stdout, plan.stdout + plan.stderr
-    dry = subprocess.run(["make", "-n", "--no-print-directory", "gpu-wheels", "gpu-check", "GPU_PYTHON=py"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
+    dry = subprocess.run(
+        ["make", "-n", "--no-print-directory", "gpu-wheels", "gpu-check", "GPU_PYTHON=py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert dry.stdout.splitlines() == ["py tools/gpu_check.py wheels", "py tools/gpu_check.py run"]
 
 
 # -- the wheel list ---------------------------------------------------------------------------------------------------
+
 
 def test_the_wheel_list_carries_the_primary_pin_this_project_and_nothing_the_image_has():
     wheels = gpu_check.read_wheel_list()
@@ -139,6 +161,7 @@ def test_the_folder_check_finds_each_listed_file(tmp_path):
 
 # -- without CUDA -----------------------------------------------------------------------------------------------------
 
+
 def test_with_cuda_hidden_the_check_exits_2_at_once_and_runs_nothing(tmp_path):
     start = time.monotonic()
     done = tool("run", "--out", str(tmp_path / "out"), "--venv", str(tmp_path / "venv"), env=NO_CUDA)
@@ -156,8 +179,10 @@ def test_a_torch_without_cuda_exits_2_naming_it(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     done = tool("run", "--out", str(tmp_path), "--wheels", str(tmp_path / "none"), env=env)
     assert done.returncode == 2, done.stderr
-    assert any(reason in done.stderr for reason in ("torch.cuda.is_available() is False", "has no torch", "lacks",
-                                                    "did not answer within")), done.stderr  # a loaded CPU
+    assert any(
+        reason in done.stderr
+        for reason in ("torch.cuda.is_available() is False", "has no torch", "lacks", "did not answer within")
+    ), done.stderr  # a loaded CPU
 
 
 def test_a_python_without_torch_exits_2_naming_it(tmp_path):
@@ -170,14 +195,23 @@ def test_a_python_without_torch_exits_2_naming_it(tmp_path):
 def test_with_a_device_but_no_wheels_the_check_says_to_build_them(tmp_path):
     device = '{"python": "3.12.3", "torch": "2.11.0", "cuda": "13.0", "devices": 1, "name": "NVIDIA H200"}'
     python = fake_python(tmp_path / "python", f"echo '{device}'")
-    done = tool("run", "--out", str(tmp_path / "out"), "--python", python, "--wheels", str(tmp_path / "wheels"),
-                env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
+    done = tool(
+        "run",
+        "--out",
+        str(tmp_path / "out"),
+        "--python",
+        python,
+        "--wheels",
+        str(tmp_path / "wheels"),
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"},
+    )
     assert done.returncode == 2 and "run `make gpu-wheels` on a machine with registry access first" in done.stderr
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["device"]["name"] == "NVIDIA H200" and summary["steps"][0]["status"] == "passed"
 
 
 # -- the step runner --------------------------------------------------------------------------------------------------
+
 
 def _alive(pid: int) -> bool:
     try:
@@ -191,9 +225,11 @@ def _alive(pid: int) -> bool:
 def test_a_step_past_its_timeout_is_killed_with_every_process_below_it(tmp_path):
     """A launch in a session of its own (as pretrain_runs._run_alone starts a CUDA rank) is killed too."""
     pid_file = tmp_path / "child.pid"
-    code = ("import subprocess, sys, time; "
-            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True); "
-            f"open({str(pid_file)!r}, 'w').write(str(p.pid)); print('started', flush=True); time.sleep(60)")
+    code = (
+        "import subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True); "
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid)); print('started', flush=True); time.sleep(60)"
+    )
     step = gpu_check.Step("sleeper", 2, "sleeps past its timeout", [sys.executable, "-c", code])
     with open(tmp_path / "log", "wb") as handle:
         row = gpu_check.run_step(step, tmp_path, gpu_check._Log(handle), dict(os.environ))
@@ -212,24 +248,39 @@ def test_the_check_goes_on_past_a_failed_step_and_exits_1(tmp_path, monkeypatch)
     steps = [
         gpu_check.Step("cuda", 5, "probe", ["true"]),
         gpu_check.Step("fails", 10, "exits 3", [python, "-c", "import sys; print('boom'); sys.exit(3)"]),
-        gpu_check.Step("skips", 10, "a pytest step whose every test skipped",
-                       [python, "-c", f"open({str(junit)!r}, 'w').write('<testsuites><testsuite tests=\"2\" "
-                                      f"failures=\"0\" errors=\"0\" skipped=\"2\"/></testsuites>')"],
-                       junit="skipped.xml"),
-        gpu_check.Step("prints", 10, "writes its stdout to a file", [python, "-c", "print('{}')"],
-                       stdout="prints.json"),
+        gpu_check.Step(
+            "skips",
+            10,
+            "a pytest step whose every test skipped",
+            [
+                python,
+                "-c",
+                f"open({str(junit)!r}, 'w').write('<testsuites><testsuite tests=\"2\" "
+                f'failures="0" errors="0" skipped="2"/></testsuites>\')',
+            ],
+            junit="skipped.xml",
+        ),
+        gpu_check.Step(
+            "prints", 10, "writes its stdout to a file", [python, "-c", "print('{}')"], stdout="prints.json"
+        ),
         gpu_check.Step("hangs", 1, "sleeps", [python, "-c", "import time; time.sleep(30)"]),
     ]
     monkeypatch.setattr(gpu_check, "steps", lambda *args: steps)
-    monkeypatch.setattr(gpu_check, "no_cuda", lambda step: (None, {"name": "fake", "devices": 1, "torch": "t",
-                                                                     "python": "3.12"}))
+    monkeypatch.setattr(
+        gpu_check, "no_cuda", lambda step: (None, {"name": "fake", "devices": 1, "torch": "t", "python": "3.12"})
+    )
     monkeypatch.setattr(gpu_check, "missing_wheels", lambda *args: [])
     code = gpu_check.main(["run", "--out", str(tmp_path / "out"), "--wheels", str(tmp_path)])
     assert code == 1
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     rows = {row["name"]: row for row in summary["steps"]}
-    assert [(r["status"], r["rc"]) for r in rows.values()] == [("passed", 0), ("failed", 3), ("failed", 0),
-                                                                ("passed", 0), ("timed out", 124)]
+    assert [(r["status"], r["rc"]) for r in rows.values()] == [
+        ("passed", 0),
+        ("failed", 3),
+        ("failed", 0),
+        ("passed", 0),
+        ("timed out", 124),
+    ]
     assert rows["skips"]["tests"] == {"tests": 2, "passed": 0, "failed": 0, "skipped": 2}
     assert "no test passed" in rows["skips"]["note"] and "boom" in rows["fails"]["tail"]
     assert (tmp_path / "out" / "prints.json").read_text() == "{}\n" and rows["prints"]["files"] == ["prints.json"]
@@ -240,30 +291,50 @@ def test_the_check_goes_on_past_a_failed_step_and_exits_1(tmp_path, monkeypatch)
 
 # -- tests/gpu without CUDA -------------------------------------------------------------------------------------------
 
+
 def test_tests_gpu_are_marked_and_skip_cleanly_without_cuda(tmp_path):
     graphs = ROOT / "tests" / "gpu" / "test_cuda_graphs.py"
-    defined = [node.name for node in ast.parse(graphs.read_text()).body
-               if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")]
+    defined = [
+        node.name
+        for node in ast.parse(graphs.read_text()).body
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")
+    ]
     source = tmp_path / "megatron-lm-core_v0.19.0"  # a checkout's name: the newest release the tier knows
     (source / "megatron" / "core").mkdir(parents=True)
     env = {**NO_CUDA, "MEGATRON_LM": str(source)}
     pytest_ = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-    unmarked = subprocess.run([*pytest_, "--collect-only", "-m", "not gpu", str(graphs)], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=120)
+    unmarked = subprocess.run(
+        [*pytest_, "--collect-only", "-m", "not gpu", str(graphs)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert unmarked.returncode == 5, unmarked.stdout  # no test of the file lacks the marker
     junit = tmp_path / "gpu.xml"
-    ran = subprocess.run([*pytest_, "-m", "gpu", "tests/gpu", f"--junitxml={junit}"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)
+    ran = subprocess.run(
+        [*pytest_, "-m", "gpu", "tests/gpu", f"--junitxml={junit}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert ran.returncode == 0, ran.stdout + ran.stderr
     cases = list(ElementTree.parse(junit).getroot().iter("testcase"))
     assert cases and all(case.find("skipped") is not None for case in cases)  # none failed, none ran
-    graph_rows = {case.get("name").split("[")[0]: case.find("skipped").get("message") for case in cases
-                  if case.get("classname") == "tests.gpu.test_cuda_graphs"}
+    graph_rows = {
+        case.get("name").split("[")[0]: case.find("skipped").get("message")
+        for case in cases
+        if case.get("classname") == "tests.gpu.test_cuda_graphs"
+    }
     assert sorted(graph_rows) == sorted(defined)
     assert all("no CUDA device" in message for message in graph_rows.values()), graph_rows
 
 
 # -- make gpu-wheels (registry access) and the setup step -------------------------------------------------------------
+
 
 def _snapshots() -> Path:
     return Path(os.environ.get("MEGATRON_LM_SNAPSHOTS") or ROOT.parent / "shared" / "upstream")
@@ -300,51 +371,84 @@ def test_setup_installs_the_folder_offline_over_this_pythons_torch(wheel_folder,
     (tree / "megatron" / "core" / "datasets").mkdir(parents=True)
     with zipfile.ZipFile(core) as wheel:
         (tree / "megatron" / "core" / "datasets" / "helpers.cpp").write_bytes(
-            wheel.read("megatron/core/datasets/helpers.cpp"))
+            wheel.read("megatron/core/datasets/helpers.cpp")
+        )
     venv = tmp_path / "venv"
-    done = tool("setup", "--wheels", str(wheel_folder), "--venv", str(venv),
-                env={**os.environ, "MEGATRON_LM": str(tree)}, timeout=300)
+    done = tool(
+        "setup",
+        "--wheels",
+        str(wheel_folder),
+        "--venv",
+        str(venv),
+        env={**os.environ, "MEGATRON_LM": str(tree)},
+        timeout=300,
+    )
     if "the wheel is not this checkout" in done.stderr:  # a file of the package changed since the fixture's build
         rebuilt = tool("wheels", "--wheels", str(wheel_folder), "--snapshots", str(_snapshots()), timeout=600)
         assert rebuilt.returncode == 0, rebuilt.stderr
-        done = tool("setup", "--wheels", str(wheel_folder), "--venv", str(venv),
-                    env={**os.environ, "MEGATRON_LM": str(tree)}, timeout=300)
+        done = tool(
+            "setup",
+            "--wheels",
+            str(wheel_folder),
+            "--venv",
+            str(venv),
+            env={**os.environ, "MEGATRON_LM": str(tree)},
+            timeout=300,
+        )
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"megatron.core {gpu_check.primary_pin()}: {venv}" in done.stdout
     assert f"megatron_ga_ext {VERSION}: {venv}" in done.stdout and "torch " in done.stdout
     # the wheel's compiled dataset helpers, named as the Makefile pretrain_gpt.py runs names them: nothing to compile
-    suffix = subprocess.run([str(venv / "bin" / "python3-config"), "--extension-suffix"], capture_output=True,
-                            text=True, check=True).stdout.strip()
+    suffix = subprocess.run(
+        [str(venv / "bin" / "python3-config"), "--extension-suffix"], capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert (tree / "megatron" / "core" / "datasets" / f"helpers_cpp{suffix}").is_file()
 
 
 # -- the benchmark step's launches ------------------------------------------------------------------------------------
 
+
 def test_gpu_overhead_launches_upstream_and_the_extension_through_the_drop_in_entry(tmp_path):
     """benchmarks/gpu_overhead.sh under a python that records each launch (it needs CUDA to run them)."""
     record, final = tmp_path / "launches", tmp_path / "final"
-    python = fake_python(tmp_path / "python", f"""case "$1" in
+    python = fake_python(
+        tmp_path / "python",
+        f"""case "$1" in
   -c) case "$2" in *transformer_engine*) exit 1;; *) exit 0;; esac;;
   -m) echo "$PWD|$PYTHONPATH|$*" >> {record}; echo "elapsed time per iteration (ms): 100.0"; exit 0;;
   -) cat > /dev/null; echo "$*" > {final}; exit 0;;
 esac
-exit 3""")
+exit 3""",
+    )
     source = tmp_path / "megatron-lm"
     source.mkdir()
     out = tmp_path / "results" / "overhead.json"
-    done = subprocess.run(["bash", "benchmarks/gpu_overhead.sh", str(source)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60, env={**os.environ, "PYTHON": python, "OUT": str(out),
-                                                      "ITERS": "3", "WARMUP": "1", "GA_VALUES": "8 32"})
+    done = subprocess.run(
+        ["bash", "benchmarks/gpu_overhead.sh", str(source)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHON": python, "OUT": str(out), "ITERS": "3", "WARMUP": "1", "GA_VALUES": "8 32"},
+    )
     assert done.returncode == 0, done.stderr
     launches = [line.split("|") for line in record.read_text().splitlines()]
     assert {(cwd, path) for cwd, path, _ in launches} == {(str(source), f"{ROOT}:{source}")}
     script = str(source / "pretrain_gpt.py")
     runner = "-m torch.distributed.run --nproc-per-node 1"
     programs = [argv.split(" --num-layers")[0] for _, _, argv in launches]
-    assert programs == [f"{runner} {script}", f"{runner} -m megatron_ga_ext {script}",
-                        f"{runner} -m megatron_ga_ext {script}"] * 2
+    assert (
+        programs
+        == [f"{runner} {script}", f"{runner} -m megatron_ga_ext {script}", f"{runner} -m megatron_ga_ext {script}"] * 2
+    )
     assert [argv.split("--global-batch-size ")[1] for _, _, argv in launches] == [
-        "8", "8", "8 --ga-checks async", "32", "32", "32 --ga-checks async"]
+        "8",
+        "8",
+        "8 --ga-checks async",
+        "32",
+        "32",
+        "32 --ga-checks async",
+    ]
     assert all("--train-iters 3 " in argv and "--transformer-impl local " in argv for _, _, argv in launches)
     logs = final.read_text().split()[1]
     assert final.read_text().split()[2:] == [str(out), "1", "local", "8", "32"] and logs.startswith("/")

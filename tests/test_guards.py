@@ -27,9 +27,12 @@ def test_right_counts_pass():
 
 
 def test_pp_multiplied_num_microbatches_is_named():
-    with pytest.raises(GuardError, match=r"num_microbatches=32, but the calculator's num_microbatches = GBS / "
-                       r"\(MBS x DP\) is 8\. 32 = 8 x PP 4: pipeline parallelism never multiplies the global "
-                       r"batch size"):
+    with pytest.raises(
+        GuardError,
+        match=r"num_microbatches=32, but the calculator's num_microbatches = GBS / "
+        r"\(MBS x DP\) is 8\. 32 = 8 x PP 4: pipeline parallelism never multiplies the global "
+        r"batch size",
+    ):
         check_microbatch_counts(counts(32), num_microbatches=32, expected=8, pipeline_model_parallel_size=4)
 
 
@@ -51,9 +54,12 @@ def test_a_step_split_over_calls_runs_the_calculators_count_in_all():
     counter.check(2, _Calculator(), earlier=2)  # 2 + 2 = 4
     check_split_step_count(1, 3, 4)
     counter.counts = counts(1)
-    with pytest.raises(GuardError, match=r"^this step's forward_backward_func calls ran 2 \+ 1 = 3 micro-batches "
-                       r"\(a step split over several calls, finalize on the last\), but the calculator's "
-                       r"num_microbatches = GBS / \(MBS x DP\) is 4\."):
+    with pytest.raises(
+        GuardError,
+        match=r"^this step's forward_backward_func calls ran 2 \+ 1 = 3 micro-batches "
+        r"\(a step split over several calls, finalize on the last\), but the calculator's "
+        r"num_microbatches = GBS / \(MBS x DP\) is 4\.",
+    ):
         counter.check(1, _Calculator(), earlier=2)
     counter.counts = counts(3)
     with pytest.raises(GuardError, match=r"\(chunk 0: 3\) instead of num_microbatches=2"):
@@ -61,8 +67,11 @@ def test_a_step_split_over_calls_runs_the_calculators_count_in_all():
 
 
 def test_fewer_micro_batches_than_the_calculators_say_how_a_step_is_split():
-    with pytest.raises(GuardError, match=r"is 4\. Where a step is split over several forward_backward_func calls, only "
-                       r"its last call may run finalize_model_grads .* add up to 4\. Pass num_microbatches="):
+    with pytest.raises(
+        GuardError,
+        match=r"is 4\. Where a step is split over several forward_backward_func calls, only "
+        r"its last call may run finalize_model_grads .* add up to 4\. Pass num_microbatches=",
+    ):
         check_microbatch_counts(counts(2), num_microbatches=2, expected=4)
 
 
@@ -70,8 +79,11 @@ def test_consumed_samples_advance():
     check_consumed_advance(100, 100, 64)  # the checked update of the same step
     check_consumed_advance(100, 164, 64)
     check_consumed_advance(1000, 0, 64)  # train-iters simulation resets to 0
-    with pytest.raises(GuardError, match=r"from 0 to 256 \(\+256\).*running global batch size 64.*"
-                       r"256 = 64 x PP 4: pipeline parallelism never multiplies"):
+    with pytest.raises(
+        GuardError,
+        match=r"from 0 to 256 \(\+256\).*running global batch size 64.*"
+        r"256 = 64 x PP 4: pipeline parallelism never multiplies",
+    ):
         check_consumed_advance(0, 256, 64, pipeline_model_parallel_size=4)
     with pytest.raises(GuardError, match=r"\(\+65\)"):
         check_consumed_advance(0, 65, 64)

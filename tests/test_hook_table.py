@@ -13,8 +13,10 @@ from megatron_ga_ext.integration.compat import TARGETS
 from megatron_ga_ext.integration.lifecycle import install, uninstall
 
 #: Fingerprinted because install() reads them (the calculator's interface), not because it wraps them.
-READ_ONLY = {"megatron.core.num_microbatches_calculator.get_num_microbatches",
-             "megatron.core.num_microbatches_calculator.update_num_microbatches"}
+READ_ONLY = {
+    "megatron.core.num_microbatches_calculator.get_num_microbatches",
+    "megatron.core.num_microbatches_calculator.update_num_microbatches",
+}
 
 
 @pytest.fixture(autouse=True)
@@ -42,8 +44,18 @@ def test_each_row_is_one_target_in_a_known_phase():
 def test_every_phase_the_step_reads_is_an_installation_method():
     """The step's order reads in installation.py: the methods the wrappers call exist there, once each."""
     methods = {name for name, _ in inspect.getmembers(installation.Installation, inspect.isfunction)}
-    assert {"configure_calculator", "begin_step", "micro_batch", "end_step", "before_optimizer_step",
-            "after_optimizer_step", "rerun_decided", "after_log", "after_save", "after_load"} <= methods
+    assert {
+        "configure_calculator",
+        "begin_step",
+        "micro_batch",
+        "end_step",
+        "before_optimizer_step",
+        "after_optimizer_step",
+        "rerun_decided",
+        "after_log",
+        "after_save",
+        "after_load",
+    } <= methods
 
 
 def _live(hook):

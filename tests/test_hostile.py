@@ -12,8 +12,17 @@ import pytest
 
 BIG = "1" + "0" * 30  # 10**30, the largest size read
 HUGE = "9" * 5000  # past Python's own 4300-digit limit for int()
-LINE = ["torchrun", "--nproc_per_node", "8", "pretrain_gpt.py", "--calculate-per-token-loss", "--micro-batch-size", "1",
-        "--seq-length", "2048"]
+LINE = [
+    "torchrun",
+    "--nproc_per_node",
+    "8",
+    "pretrain_gpt.py",
+    "--calculate-per-token-loss",
+    "--micro-batch-size",
+    "1",
+    "--seq-length",
+    "2048",
+]
 
 
 def answer(cli, *argv: str) -> tuple[int, str, str]:
@@ -50,37 +59,98 @@ def test_gbs_of_1e30_that_does_not_divide(cli):
 
 
 def test_world_of_1e30_that_does_not_divide(cli):
-    status, _, err = answer(cli, "ledger", "--world-size", BIG, "--micro-batch-size", "1",
-                            "--tensor-model-parallel-size", "7")
+    status, _, err = answer(
+        cli, "ledger", "--world-size", BIG, "--micro-batch-size", "1", "--tensor-model-parallel-size", "7"
+    )
     assert status == 2
     assert "Nearest valid world sizes: 999999999999999999999999999999, 1000000000000000000000000000006" in err
 
 
 def test_rampup_to_a_gbs_of_1e12_is_described(cli):
-    status, out, _ = answer(cli, "schedule", "--from-rampup", "16", "8", "300000", "--global-batch-size", "1T",
-                            "--micro-batch-size", "8", "--data-parallel-size", "1")
+    status, out, _ = answer(
+        cli,
+        "schedule",
+        "--from-rampup",
+        "16",
+        "8",
+        "300000",
+        "--global-batch-size",
+        "1T",
+        "--micro-batch-size",
+        "8",
+        "--data-parallel-size",
+        "1",
+    )
     assert status == 0
-    assert "--rampup-batch-size 16 8 300000 --global-batch-size 1T is this step schedule: 124,999,999,999 stages: " \
-           "0:16 1:24 ... 300K:1000000000000" in out
-    status, out, _ = answer(cli, "schedule", "--from-rampup", "1", "1", "1000T", "--global-batch-size", "1T",
-                            "--micro-batch-size", "1", "--data-parallel-size", "1", "--json")
+    assert (
+        "--rampup-batch-size 16 8 300000 --global-batch-size 1T is this step schedule: 124,999,999,999 stages: "
+        "0:16 1:24 ... 300K:1000000000000" in out
+    )
+    status, out, _ = answer(
+        cli,
+        "schedule",
+        "--from-rampup",
+        "1",
+        "1",
+        "1000T",
+        "--global-batch-size",
+        "1T",
+        "--micro-batch-size",
+        "1",
+        "--data-parallel-size",
+        "1",
+        "--json",
+    )
     assert status == 0 and json.loads(out)["stages_count"] == 10**12
-    status, out, _ = answer(cli, "check", "--json", "--", *LINE, "--global-batch-size", "1000000000000",
-                            "--rampup-batch-size", "16", "8", "300000")
+    status, out, _ = answer(
+        cli,
+        "check",
+        "--json",
+        "--",
+        *LINE,
+        "--global-batch-size",
+        "1000000000000",
+        "--rampup-batch-size",
+        "16",
+        "8",
+        "300000",
+    )
     report = json.loads(out)
     assert status == 1 and report["problems"][0]["rule"] == "rampup-ignored"
     assert report["stages"]["summary"].startswith("124,999,999,999 stages") and report["stages"]["stages"] is None
 
 
 def test_a_bad_ramp_of_a_trillion_stages_is_checked_in_closed_form(cli):
-    status, _, err = answer(cli, "schedule", "--from-rampup", "16", "8", "300000", "--global-batch-size", "1T",
-                            "--micro-batch-size", "4", "--data-parallel-size", "6")
+    status, _, err = answer(
+        cli,
+        "schedule",
+        "--from-rampup",
+        "16",
+        "8",
+        "300000",
+        "--global-batch-size",
+        "1T",
+        "--micro-batch-size",
+        "4",
+        "--data-parallel-size",
+        "6",
+    )
     assert status == 2 and "more problems in later stages" in err
 
 
 def test_huge_num_experts(cli):
-    status, _, err = answer(cli, "ledger", "--world-size", "7", "--micro-batch-size", "1", "--num-experts", BIG,
-                            "--expert-model-parallel-size", "7")
+    status, _, err = answer(
+        cli,
+        "ledger",
+        "--world-size",
+        "7",
+        "--micro-batch-size",
+        "1",
+        "--num-experts",
+        BIG,
+        "--expert-model-parallel-size",
+        "7",
+    )
     assert status == 2
     assert f"--num-experts {BIG} is not divisible by --expert-model-parallel-size 7" in err
     assert "Valid --expert-model-parallel-size: 1, 2, 4, 5, 8, 10, 16, 20, 25, 32, 40, 50, ..." in err
@@ -88,38 +158,78 @@ def test_huge_num_experts(cli):
 
 def test_interleaved_ga_near_1e21(cli):
     gbs = str(2 * 10**21 + 2)
-    status, _, err = answer(cli, "ledger", "--world-size", "8", "--micro-batch-size", "1",
-                            "--pipeline-model-parallel-size", "4", "--num-virtual-stages-per-pipeline-rank", "2",
-                            "--global-batch-size", gbs)
+    status, _, err = answer(
+        cli,
+        "ledger",
+        "--world-size",
+        "8",
+        "--micro-batch-size",
+        "1",
+        "--pipeline-model-parallel-size",
+        "4",
+        "--num-virtual-stages-per-pipeline-rank",
+        "2",
+        "--global-batch-size",
+        gbs,
+    )
     assert status == 2
     assert "Nearest valid --global-batch-size: 2000000000000000000000, 2000000000000000000008" in err
 
 
 def test_gbs_1e8_with_interleaving(cli):
-    status, out, _ = answer(cli, "ledger", "--world-size", "8", "--micro-batch-size", "1", "--json",
-                            "--pipeline-model-parallel-size", "4", "--num-virtual-stages-per-pipeline-rank", "2",
-                            "--global-batch-size", "100000000")
+    status, out, _ = answer(
+        cli,
+        "ledger",
+        "--world-size",
+        "8",
+        "--micro-batch-size",
+        "1",
+        "--json",
+        "--pipeline-model-parallel-size",
+        "4",
+        "--num-virtual-stages-per-pipeline-rank",
+        "2",
+        "--global-batch-size",
+        "100000000",
+    )
     assert status == 0 and json.loads(out)["num_microbatches"] == 5 * 10**7
-    status, _, err = answer(cli, "ledger", "--world-size", "8", "--micro-batch-size", "1",
-                            "--pipeline-model-parallel-size", "4", "--num-virtual-stages-per-pipeline-rank", "2",
-                            "--global-batch-size", "100000002")
+    status, _, err = answer(
+        cli,
+        "ledger",
+        "--world-size",
+        "8",
+        "--micro-batch-size",
+        "1",
+        "--pipeline-model-parallel-size",
+        "4",
+        "--num-virtual-stages-per-pipeline-rank",
+        "2",
+        "--global-batch-size",
+        "100000002",
+    )
     assert status == 2 and "Nearest valid --global-batch-size: 100000000, 100000008" in err
 
 
-@pytest.mark.parametrize("argv, flag", [
-    (["ledger", "--world-size", "8", "--micro-batch-size", HUGE], "--micro-batch-size"),
-    (["check", "--", *LINE, "--global-batch-size", HUGE], "--global-batch-size"),
-    (["check", "--world-size", HUGE, "--", *LINE], "--world-size"),
-    (["check", "--", *LINE, "--rampup-batch-size", "16", "8", HUGE, "--global-batch-size", "64"],
-     "--rampup-batch-size ramp-up samples"),
-    (["schedule", "0:8", "--micro-batch-size", HUGE, "--data-parallel-size", "1"], "--micro-batch-size"),
-])
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["ledger", "--world-size", "8", "--micro-batch-size", HUGE], "--micro-batch-size"),
+        (["check", "--", *LINE, "--global-batch-size", HUGE], "--global-batch-size"),
+        (["check", "--world-size", HUGE, "--", *LINE], "--world-size"),
+        (
+            ["check", "--", *LINE, "--rampup-batch-size", "16", "8", HUGE, "--global-batch-size", "64"],
+            "--rampup-batch-size ramp-up samples",
+        ),
+        (["schedule", "0:8", "--micro-batch-size", HUGE, "--data-parallel-size", "1"], "--micro-batch-size"),
+    ],
+)
 def test_a_5000_digit_number_is_a_typed_error_naming_the_flag(cli, argv, flag):
     status, out, err = answer(cli, *argv)
     text = err + out
     assert status in (1, 2) and "Exceeds the limit" not in text and "Traceback" not in text
-    assert f"{flag} value '999999999999...9999' has 5000 characters" in text or \
-           f"{flag} is 5000 characters long" in text
+    assert (
+        f"{flag} value '999999999999...9999' has 5000 characters" in text or f"{flag} is 5000 characters long" in text
+    )
 
 
 def test_a_5000_digit_schedule_entry(cli):
@@ -129,7 +239,16 @@ def test_a_5000_digit_schedule_entry(cli):
 
 
 def test_a_pipeline_layout_that_unrolls_without_end(cli):
-    status, out, _ = answer(cli, "check", "--json", "--", *LINE, "--pipeline-model-parallel-size", "2",
-                            "--pipeline-model-parallel-layout", "E(t|)*1000000000000L")
+    status, out, _ = answer(
+        cli,
+        "check",
+        "--json",
+        "--",
+        *LINE,
+        "--pipeline-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-layout",
+        "E(t|)*1000000000000L",
+    )
     assert status == 1
     assert any("unrolls to more than 1,000,000 layers" in p for p in messages(out))

@@ -30,8 +30,9 @@ from megatron_ga_ext.integration.lifecycle import install, installed, uninstall 
 finalize_module = importlib.import_module(FINALIZE)
 CORE_TARGETS = [t for t in live_targets(TARGETS) if not t.optional]  # megatron.training is not in every wheel
 ORIGINALS = {t.qualified: t.resolve() for t in CORE_TARGETS}
-STEP_SCHEDULES = "step_batch_size_schedule" in inspect.signature(
-    calculators.init_num_microbatches_calculator).parameters
+STEP_SCHEDULES = (
+    "step_batch_size_schedule" in inspect.signature(calculators.init_num_microbatches_calculator).parameters
+)
 
 
 @pytest.fixture(autouse=True)
@@ -98,8 +99,18 @@ def test_install_twice_uninstall_twice_and_in_both_orders():
     assert patched_now() == ORIGINALS
 
 
-def _changed_forward_step_calc_loss(model, output_tensor, loss_func, config, vp_stage, collect_non_loss_data,
-                                    num_microbatches, forward_data_store, cp_group_size=None, is_last_stage=None):
+def _changed_forward_step_calc_loss(
+    model,
+    output_tensor,
+    loss_func,
+    config,
+    vp_stage,
+    collect_non_loss_data,
+    num_microbatches,
+    forward_data_store,
+    cp_group_size=None,
+    is_last_stage=None,
+):
     return output_tensor, 0  # a release we never saw
 
 
@@ -108,11 +119,14 @@ def test_unknown_fingerprint_refused_in_strict_mode_and_warned_otherwise(monkeyp
     assert this_source, "every hooked function of the megatron-core under test is a tested one"
     monkeypatch.setattr(schedules, "forward_step_calc_loss", _changed_forward_step_calc_loss)
     version = megatron_core_version()
-    with pytest.raises(CompatError, match=rf"unknown upstream source in megatron-core {version}: "
-                       r"\S+forward_step_calc_loss has fingerprint [0-9a-f]{16}, which no tested source has\. "
-                       r"The nearest tested source is "
-                       rf"({this_source}) \(\d+ of \d+ hooked functions identical\).*tested on 0\.16\.1, 0\.17\.1, "
-                       r"0\.18\.2, 0\.19\.2, main@9f3fe8c925fb.*--no-ga-strict"):
+    with pytest.raises(
+        CompatError,
+        match=rf"unknown upstream source in megatron-core {version}: "
+        r"\S+forward_step_calc_loss has fingerprint [0-9a-f]{16}, which no tested source has\. "
+        r"The nearest tested source is "
+        rf"({this_source}) \(\d+ of \d+ hooked functions identical\).*tested on 0\.16\.1, 0\.17\.1, "
+        r"0\.18\.2, 0\.19\.2, main@9f3fe8c925fb.*--no-ga-strict",
+    ):
         install(GAConfig())
     assert installed() is None and schedules.forward_step_calc_loss is _changed_forward_step_calc_loss
     with caplog.at_level(logging.WARNING, logger="megatron_ga_ext.integration.compat"):
@@ -124,18 +138,38 @@ def test_unknown_fingerprint_refused_in_strict_mode_and_warned_otherwise(monkeyp
 
 def test_add_args_flags_and_config_from_args():
     parser = add_args(argparse.ArgumentParser())
-    args = parser.parse_args(["--ga-loss-reduction", "microbatch", "--ga-zero-token-policy", "skip", "--no-ga-strict",
-                              "--ga-convert-rampup", "--step-batch-size-schedule", "0:16 100:32"])
+    args = parser.parse_args(
+        [
+            "--ga-loss-reduction",
+            "microbatch",
+            "--ga-zero-token-policy",
+            "skip",
+            "--no-ga-strict",
+            "--ga-convert-rampup",
+            "--step-batch-size-schedule",
+            "0:16 100:32",
+        ]
+    )
     config = GAConfig.from_args(args)
     assert (config.loss_reduction, config.zero_token_policy, config.strict, config.convert_rampup) == (
-        "microbatch", "skip", False, True)
+        "microbatch",
+        "skip",
+        False,
+        True,
+    )
     assert config.step_batch_size_schedule == "0:16 100:32"
     assert GAConfig.from_args(parser.parse_args([])) == GAConfig()
     with pytest.raises(SystemExit):
         parser.parse_args(["--ga-loss-reduction", "mean"])
     help_text = parser.format_help()
-    for flag in ("--ga-loss-reduction", "--ga-zero-token-policy", "--ga-strict", "--no-ga-strict",
-                 "--ga-convert-rampup", "--step-batch-size-schedule"):
+    for flag in (
+        "--ga-loss-reduction",
+        "--ga-zero-token-policy",
+        "--ga-strict",
+        "--no-ga-strict",
+        "--ga-convert-rampup",
+        "--step-batch-size-schedule",
+    ):
         assert flag in help_text
     # A release that has the schedule flag keeps its own; no argparse conflict.
     upstream = argparse.ArgumentParser()
@@ -143,13 +177,20 @@ def test_add_args_flags_and_config_from_args():
     assert add_args(upstream).parse_args([]).step_batch_size_schedule == "upstream"
 
 
-def init_calculator(global_batch_size, micro_batch_size, data_parallel_size, rampup=None, schedule=None,
-                    seq_length=None):
+def init_calculator(
+    global_batch_size, micro_batch_size, data_parallel_size, rampup=None, schedule=None, seq_length=None
+):
     """Call megatron-core's own init as its training code does for this release."""
     if STEP_SCHEDULES:
         calculators.init_num_microbatches_calculator(
-            0, rampup, global_batch_size, micro_batch_size, data_parallel_size,
-            step_batch_size_schedule=schedule, seq_length=seq_length)
+            0,
+            rampup,
+            global_batch_size,
+            micro_batch_size,
+            data_parallel_size,
+            step_batch_size_schedule=schedule,
+            seq_length=seq_length,
+        )
     else:
         calculators.init_num_microbatches_calculator(0, rampup, global_batch_size, micro_batch_size, data_parallel_size)
 
@@ -213,7 +254,8 @@ def test_install_at_import_time_reads_megatron_args_once_parsed(megatron_trainin
     state = install()  # the one line at the top of pretrain_gpt.py, before Megatron parses its args
     assert state.waiting_for_args and state.config == GAConfig() and state.contract is not None
     megatron_training._GLOBAL_ARGS = add_args(argparse.ArgumentParser()).parse_args(
-        ["--ga-loss-reduction", "microbatch", "--step-batch-size-schedule", "0:16 64:32"])
+        ["--ga-loss-reduction", "microbatch", "--step-batch-size-schedule", "0:16 64:32"]
+    )
     init_calculator(16 if not STEP_SCHEDULES else None, 2, 4)  # Megatron's first call after parsing
     assert not state.waiting_for_args
     assert state.config.loss_reduction == "microbatch" and state.contract is None
@@ -226,8 +268,9 @@ def test_strictness_waits_for_megatron_args_too(megatron_training, monkeypatch):
     state = install()  # unknown source, but --no-ga-strict may still come
     assert state.waiting_for_args
     megatron_training._GLOBAL_ARGS = add_args(argparse.ArgumentParser()).parse_args([])
-    with pytest.raises(CompatError,
-                       match=r"forward_step_calc_loss has fingerprint [0-9a-f]{16}, which no tested source has"):
+    with pytest.raises(
+        CompatError, match=r"forward_step_calc_loss has fingerprint [0-9a-f]{16}, which no tested source has"
+    ):
         init_calculator(16, 2, 4)
     uninstall()
     megatron_training._GLOBAL_ARGS = None
@@ -252,8 +295,11 @@ def test_config_refuses_unknown_choices():
 def test_uninstall_reaches_modules_imported_after_install_and_leaves_wrappers_inert():
     state = install()
     late = types.ModuleType("late_binder")
-    exec("from megatron.core.distributed.finalize_model_grads import finalize_model_grads\n"
-         "from megatron.core.pipeline_parallel.schedules import forward_step_calc_loss", late.__dict__)
+    exec(
+        "from megatron.core.distributed.finalize_model_grads import finalize_model_grads\n"
+        "from megatron.core.pipeline_parallel.schedules import forward_step_calc_loss",
+        late.__dict__,
+    )
     sys.modules[late.__name__] = late
     try:
         assert late.finalize_model_grads is state.finalize
@@ -277,13 +323,22 @@ def parsed(*flags: str) -> argparse.Namespace:
     return add_args(parser).parse_args(list(flags))
 
 
-@pytest.mark.parametrize("flags, error, message", [
-    ([], OptionError, r"--ga-loss-reduction token \(the default\) needs --calculate-per-token-loss"),
-    (["--ga-loss-reduction", "microbatch", "--calculate-per-token-loss"], OptionError,
-     r"--ga-loss-reduction microbatch is upstream's mean of means, but --calculate-per-token-loss"),
-    (["--calculate-per-token-loss", "--step-batch-size-schedule", "0:16 64:32", "--train-iters", "100"],
-     ScheduleError, r"--step-batch-size-schedule with --train-iters 100: .* Give --train-samples"),
-])
+@pytest.mark.parametrize(
+    "flags, error, message",
+    [
+        ([], OptionError, r"--ga-loss-reduction token \(the default\) needs --calculate-per-token-loss"),
+        (
+            ["--ga-loss-reduction", "microbatch", "--calculate-per-token-loss"],
+            OptionError,
+            r"--ga-loss-reduction microbatch is upstream's mean of means, but --calculate-per-token-loss",
+        ),
+        (
+            ["--calculate-per-token-loss", "--step-batch-size-schedule", "0:16 64:32", "--train-iters", "100"],
+            ScheduleError,
+            r"--step-batch-size-schedule with --train-iters 100: .* Give --train-samples",
+        ),
+    ],
+)
 def test_args_are_checked_when_megatron_has_parsed_them(megatron_training, flags, error, message):
     install()  # at the top of pretrain_gpt.py: nothing to check yet
     megatron_training._GLOBAL_ARGS = parsed(*flags)
@@ -302,9 +357,19 @@ def test_step_schedule_sizes_the_run_of_megatrons_training_loop(monkeypatch):
     training = importlib.import_module("megatron.training.training")  # a missing dependency fails, never skips
     global_vars = sys.modules["megatron.training.global_vars"]
     args = argparse.Namespace(
-        train_iters=None, train_samples=150, global_batch_size=24, rampup_batch_size=["8", "8", "64"],
-        step_batch_size_schedule=None, full_validation=False, skip_train=False, eval_interval=1000,
-        start_eval_at_iter=None, eval_iters=0, phase_transition_iterations=None, iteration=0)
+        train_iters=None,
+        train_samples=150,
+        global_batch_size=24,
+        rampup_batch_size=["8", "8", "64"],
+        step_batch_size_schedule=None,
+        full_validation=False,
+        skip_train=False,
+        eval_interval=1000,
+        start_eval_at_iter=None,
+        eval_iters=0,
+        phase_transition_iterations=None,
+        iteration=0,
+    )
     monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
     init_calculator(24, 2, 2, rampup=[8, 8, 64])
     training.update_train_iters(args)  # upstream's own count: 150 // 24 = 6 where it ignores the rampup (0.19+)
@@ -335,14 +400,24 @@ def test_installed_loss_step_by_position_and_by_keyword(mode):
 
     from megatron_ga_ext.integration.loss_contract import masked_loss
 
-    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
-                               calculate_per_token_loss=mode == "token")
+    config = TransformerConfig(
+        num_layers=1, hidden_size=8, num_attention_heads=1, calculate_per_token_loss=mode == "token"
+    )
     losses, mask = torch.tensor([1.0, 2.0, 4.0]), torch.tensor([1, 1, 0])
     state = install(GAConfig(loss_reduction=mode))
     chunk, store = torch.nn.Linear(1, 1), []
-    values = {"model": chunk, "output_tensor": losses, "loss_func": lambda out: masked_loss(out, mask),
-              "config": config, "vp_stage": None, "collect_non_loss_data": False, "num_microbatches": 2,
-              "forward_data_store": store, "cp_group_size": 1, "is_last_stage": True}
+    values = {
+        "model": chunk,
+        "output_tensor": losses,
+        "loss_func": lambda out: masked_loss(out, mask),
+        "config": config,
+        "vp_stage": None,
+        "collect_non_loss_data": False,
+        "num_microbatches": 2,
+        "forward_data_store": store,
+        "cp_group_size": 1,
+        "is_last_stage": True,
+    }
     names = list(inspect.signature(ORIGINALS[f"{schedules.__name__}.forward_step_calc_loss"]).parameters)
     schedules.forward_step_calc_loss(*[values[name] for name in names])
     schedules.forward_step_calc_loss(**values)
@@ -370,8 +445,9 @@ def test_padding_mask_forward_masks_moe_models_and_stays_a_class_attribute():
 
     class Model:
         def __init__(self, experts, balancing="aux_loss"):
-            self.config = types.SimpleNamespace(num_moe_experts=experts, sequence_parallel=False,
-                                                moe_router_load_balancing_type=balancing)
+            self.config = types.SimpleNamespace(
+                num_moe_experts=experts, sequence_parallel=False, moe_router_load_balancing_type=balancing
+            )
 
     class Subclass(Model):
         def forward(self, *args, **kwargs):
@@ -411,8 +487,11 @@ def test_a_call_without_a_loss_mask_gets_the_one_bridges_get_batch_kept():
     def forward(model, *args, **kwargs):
         seen.append((kwargs.get("loss_mask"), kwargs.get("padding_mask")))
 
-    model = types.SimpleNamespace(config=types.SimpleNamespace(num_moe_experts=4, sequence_parallel=False,
-                                                               moe_router_load_balancing_type="aux_loss"))
+    model = types.SimpleNamespace(
+        config=types.SimpleNamespace(
+            num_moe_experts=4, sequence_parallel=False, moe_router_load_balancing_type="aux_loss"
+        )
+    )
     wrapped, kept, own = padding_mask_forward(forward, state), torch.tensor([[1, 0]]), torch.tensor([[1, 1]])
     labels = torch.zeros(1, 2)
     state.host_loss_mask = kept
@@ -423,7 +502,11 @@ def test_a_call_without_a_loss_mask_gets_the_one_bridges_get_batch_kept():
     state.host_loss_mask = kept
     wrapped(model, labels=torch.zeros(1, 3))  # another batch's shape: not this call's
     assert [(None if m is None else m.tolist(), None if p is None else p.tolist()) for m, p in seen] == [
-        ([[1, 0]], [[False, True]]), (None, None), ([[1, 1]], [[False, False]]), (None, None)]
+        ([[1, 0]], [[False, True]]),
+        (None, None),
+        ([[1, 1]], [[False, False]]),
+        (None, None),
+    ]
     assert state.host_loss_mask is None
     uninstall()
 

@@ -18,16 +18,20 @@ WARMUP = {"noise_scale": 10, "batch_size_warmup": "auto", "batch_size_warmup_max
 
 def megatron(**values) -> argparse.Namespace:
     """Megatron's parsed args of a token-mode DP 2 launch that --ga-noise-scale can measure."""
-    return argparse.Namespace(calculate_per_token_loss=True, data_parallel_size=2, global_batch_size=64,
-                              train_samples=100000, **values)
+    return argparse.Namespace(
+        calculate_per_token_loss=True, data_parallel_size=2, global_batch_size=64, train_samples=100000, **values
+    )
 
 
 def test_a_trace_in_a_missing_directory_is_refused_at_start_up(tmp_path):
     trace = tmp_path / "missing" / "noise.jsonl"
-    with pytest.raises(OptionError, match=rf"^--ga-noise-scale-trace {trace}: its directory {trace.parent} does not "
-                                          rf"exist, so the last rank would fail at the first measured iteration "
-                                          rf"\(--ga-noise-scale 10\) while the other ranks wait\. Create the directory "
-                                          rf"\(mkdir -p {trace.parent}\)"):
+    with pytest.raises(
+        OptionError,
+        match=rf"^--ga-noise-scale-trace {trace}: its directory {trace.parent} does not "
+        rf"exist, so the last rank would fail at the first measured iteration "
+        rf"\(--ga-noise-scale 10\) while the other ranks wait\. Create the directory "
+        rf"\(mkdir -p {trace.parent}\)",
+    ):
         check_args(GAConfig(noise_scale=10, noise_scale_trace=str(trace)), megatron())
 
 
@@ -53,8 +57,10 @@ def test_a_writable_trace_or_none_passes(tmp_path, monkeypatch):
     launch_rules.check_trace_path(10, None)
 
 
-LOCAL = (r"^--ga-batch-size-warmup auto with --non-persistent-ckpt-type local: the warmup's stages are kept beside "
-         r"each checkpoint's iter_NNNNNNN directory, .* Use --non-persistent-ckpt-type global")
+LOCAL = (
+    r"^--ga-batch-size-warmup auto with --non-persistent-ckpt-type local: the warmup's stages are kept beside "
+    r"each checkpoint's iter_NNNNNNN directory, .* Use --non-persistent-ckpt-type global"
+)
 
 
 def test_warmup_refuses_local_non_persistent_checkpoints_at_start_up():
@@ -69,13 +75,17 @@ def test_check_reports_the_local_non_persistent_refusal_on_a_launch_line():
     from megatron_ga_ext.launch.check import launch_problems
     from megatron_ga_ext.launch.line import parse_launch
 
-    line = ("torchrun --nproc_per_node 8 pretrain_gpt.py --calculate-per-token-loss --micro-batch-size 1 "
-            "--global-batch-size 64 --seq-length 2048 --train-samples 100000 --ga-batch-size-warmup auto "
-            "--ga-noise-scale 10 --ga-batch-size-warmup-max 512 --non-persistent-save-interval 5 ")
+    line = (
+        "torchrun --nproc_per_node 8 pretrain_gpt.py --calculate-per-token-loss --micro-batch-size 1 "
+        "--global-batch-size 64 --seq-length 2048 --train-samples 100000 --ga-batch-size-warmup auto "
+        "--ga-noise-scale 10 --ga-batch-size-warmup-max 512 --non-persistent-save-interval 5 "
+    )
 
     def problems(extra: str) -> list[str]:
         return launch_problems(parse_launch(shlex.split(line + extra)), None)[1]
 
     assert problems("--non-persistent-ckpt-type global") == []
-    assert any("--ga-batch-size-warmup auto with --non-persistent-ckpt-type local" in p
-               for p in problems("--non-persistent-ckpt-type local --non-persistent-local-ckpt-dir /tmp/local"))
+    assert any(
+        "--ga-batch-size-warmup auto with --non-persistent-ckpt-type local" in p
+        for p in problems("--non-persistent-ckpt-type local --non-persistent-local-ckpt-dir /tmp/local")
+    )

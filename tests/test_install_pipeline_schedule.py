@@ -39,10 +39,21 @@ def megatron_args(extra: list[str]) -> argparse.Namespace:
     parser.add_argument("--seq-length", type=int)
     parser.add_argument("--pipeline-model-parallel-size", type=int)
     add_args(parser)
-    return parser.parse_args([
-        "--micro-batch-size", str(MBS), "--global-batch-size", str(GBS), "--rampup-batch-size", *RAMPUP,
-        "--seq-length", "16", "--pipeline-model-parallel-size", str(PP), *extra,
-    ])
+    return parser.parse_args(
+        [
+            "--micro-batch-size",
+            str(MBS),
+            "--global-batch-size",
+            str(GBS),
+            "--rampup-batch-size",
+            *RAMPUP,
+            "--seq-length",
+            "16",
+            "--pipeline-model-parallel-size",
+            str(PP),
+            *extra,
+        ]
+    )
 
 
 def init_calculator(args: argparse.Namespace) -> None:
@@ -51,8 +62,15 @@ def init_calculator(args: argparse.Namespace) -> None:
 
     init = calculators.init_num_microbatches_calculator
     if "step_batch_size_schedule" in inspect.signature(init).parameters:  # 0.18+: the rampup is not passed
-        init(0, None, args.global_batch_size, args.micro_batch_size, DP,
-             step_batch_size_schedule=getattr(args, "step_batch_size_schedule", None), seq_length=args.seq_length)
+        init(
+            0,
+            None,
+            args.global_batch_size,
+            args.micro_batch_size,
+            DP,
+            step_batch_size_schedule=getattr(args, "step_batch_size_schedule", None),
+            seq_length=args.seq_length,
+        )
     else:
         init(0, args.rampup_batch_size, args.global_batch_size, args.micro_batch_size, DP)
 
@@ -130,8 +148,14 @@ def _rank_main(args: argparse.Namespace) -> dict:
         guard = str(error)
     wiring = "vendored" if installed().vendored else "install"
     early = early_bound_finalize(ddp, config, cfg, plan[-1], refs[-1], names) if wiring == "install" else None
-    return {"seen": seen, "errors": errors, "guard": guard, "wiring": wiring, "megatron": megatron.core.__file__,
-            "early_bound": early}
+    return {
+        "seen": seen,
+        "errors": errors,
+        "guard": guard,
+        "wiring": wiring,
+        "megatron": megatron.core.__file__,
+        "early_bound": early,
+    }
 
 
 def early_bound_finalize(ddp, config, cfg, step, ref, names) -> dict:
@@ -176,8 +200,15 @@ def early_bound_finalize(ddp, config, cfg, step, ref, names) -> dict:
     megatron_ga_ext.uninstall()
     restored_partial = config.finalize_model_grads_func is held
     config.finalize_model_grads_func = upstream
-    return {"adopted": adopted, "error": error, "skipped": skipped, "restored": restored_partial,
-            "reinstalled": reinstalled, "error_reinstalled": error_reinstalled, "adopted_partial": adopted_partial}
+    return {
+        "adopted": adopted,
+        "error": error,
+        "skipped": skipped,
+        "restored": restored_partial,
+        "reinstalled": reinstalled,
+        "error_reinstalled": error_reinstalled,
+        "adopted_partial": adopted_partial,
+    }
 
 
 def evaluate(ddp, cfg, layout, batch) -> None:
@@ -191,9 +222,13 @@ def evaluate(ddp, cfg, layout, batch) -> None:
 
     get_forward_backward_func()(
         forward_step_func=partial(_forward_step, loss_func=masked_loss),
-        data_iterator=iter(microbatches(layout, batch, "cpu")), model=[ddp],
-        num_microbatches=layout.num_microbatches, seq_length=cfg.model.seq_length, micro_batch_size=MBS,
-        forward_only=True)
+        data_iterator=iter(microbatches(layout, batch, "cpu")),
+        model=[ddp],
+        num_microbatches=layout.num_microbatches,
+        seq_length=cfg.model.seq_length,
+        micro_batch_size=MBS,
+        forward_only=True,
+    )
 
 
 def step_batch(cfg, consumed: int, num_microbatches: int):

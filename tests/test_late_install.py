@@ -16,8 +16,9 @@ from megatron_ga_ext import GAConfig, ScheduleError, add_args
 from megatron_ga_ext.integration.calculator import StepScheduleCalculator
 from megatron_ga_ext.integration.lifecycle import install
 
-STEP_SCHEDULES = "step_batch_size_schedule" in inspect.signature(
-    calculators.init_num_microbatches_calculator).parameters
+STEP_SCHEDULES = (
+    "step_batch_size_schedule" in inspect.signature(calculators.init_num_microbatches_calculator).parameters
+)
 
 
 pytestmark = pytest.mark.usefixtures("clean_install")
@@ -82,8 +83,9 @@ def test_a_late_install_in_megatron_lms_flow_reads_the_schedule_from_its_args(me
     --seq-length), Megatron built its calculator from them (0.18+: its own; 0.16/0.17: constant, no schedule)."""
     args = megatron_args("--micro-batch-size", "2", "--seq-length", "4", "--step-batch-size-schedule", "0:16 256:32")
     if STEP_SCHEDULES:
-        calculators.init_num_microbatches_calculator(0, None, None, 2, 4, step_batch_size_schedule=
-                                                     args.step_batch_size_schedule, seq_length=4)
+        calculators.init_num_microbatches_calculator(
+            0, None, None, 2, 4, step_batch_size_schedule=args.step_batch_size_schedule, seq_length=4
+        )
     else:
         calculators.init_num_microbatches_calculator(0, None, 16, 2, 4)
     install()
@@ -94,8 +96,19 @@ def test_a_late_install_in_megatron_lms_flow_reads_the_schedule_from_its_args(me
 def test_a_late_install_converts_the_rampup_and_resumes_at_the_consumed_samples(megatron_args):
     """--rampup-batch-size with --ga-convert-rampup after initialize_megatron (0.18+ built a constant calculator,
     dropping the rampup; 0.16/0.17 their own rampup calculator), resumed at 32 consumed samples."""
-    megatron_args("--micro-batch-size", "2", "--global-batch-size", "24", "--rampup-batch-size", "8", "8", "64",
-                  "--ga-convert-rampup", "--consumed-train-samples", "32")
+    megatron_args(
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "24",
+        "--rampup-batch-size",
+        "8",
+        "8",
+        "64",
+        "--ga-convert-rampup",
+        "--consumed-train-samples",
+        "32",
+    )
     calculators.init_num_microbatches_calculator(0, [8, 8, 64], 24, 2, 2)
     install()
     assert isinstance(live_inner(), StepScheduleCalculator)
@@ -112,7 +125,10 @@ def test_a_live_calculator_that_does_not_say_its_layout_is_refused_with_the_fix(
             return 4
 
     calculators._GLOBAL_NUM_MICROBATCHES_CALCULATOR = Opaque()
-    with pytest.raises(ScheduleError, match=r"install\(\) came after Megatron built its num-microbatches "
-                                            r"calculator \(Opaque\).* Call megatron_ga_ext.install\(\) before "
-                                            r"Megatron builds its calculator"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"install\(\) came after Megatron built its num-microbatches "
+        r"calculator \(Opaque\).* Call megatron_ga_ext.install\(\) before "
+        r"Megatron builds its calculator",
+    ):
         install(GAConfig(step_batch_size_schedule="0:4 64:8"))

@@ -18,11 +18,20 @@ from megatron_ga_ext.errors import GAError, OptionError, ScheduleError
 from megatron_ga_ext.launch.check import launch_problems
 from megatron_ga_ext.launch.line import parse_launch
 
-LINE = ("torchrun --nproc_per_node 8 --nnodes 2 pretrain_gpt.py --calculate-per-token-loss --micro-batch-size 1 "
-        "--seq-length 2048 --train-samples 100000")
+LINE = (
+    "torchrun --nproc_per_node 8 --nnodes 2 pretrain_gpt.py --calculate-per-token-loss --micro-batch-size 1 "
+    "--seq-length 2048 --train-samples 100000"
+)
 #: Megatron's args of LINE, as its parser and validate_args leave them.
-ARGS = {"calculate_per_token_loss": True, "micro_batch_size": 1, "seq_length": 2048, "world_size": 16,
-        "data_parallel_size": 16, "train_samples": 100000, "global_batch_size": 16}
+ARGS = {
+    "calculate_per_token_loss": True,
+    "micro_batch_size": 1,
+    "seq_length": 2048,
+    "world_size": 16,
+    "data_parallel_size": 16,
+    "train_samples": 100000,
+    "global_batch_size": 16,
+}
 
 
 def problems(extra: str) -> list[str]:
@@ -35,27 +44,63 @@ def namespace(**changes: object) -> argparse.Namespace:
 
 #: (GAConfig fields, Megatron's args changed, the same on a launch line, the error type, its start).
 BETWEEN_CASES = [
-    ({}, {"hybrid_context_parallel": True}, "--global-batch-size 16 --hybrid-context-parallel", OptionError,
-     "--hybrid-context-parallel run(s) another number of forward passes"),
-    ({"lr_scaling": "sqrt"}, {}, "--global-batch-size 16 --ga-lr-scaling sqrt", OptionError,
-     "--ga-lr-scaling sqrt scales the learning rate"),
-    ({"loss_reduction": "microbatch"}, {}, "--global-batch-size 16 --ga-loss-reduction microbatch", OptionError,
-     "--ga-loss-reduction microbatch is upstream's mean of means"),
-    ({}, {"step_batch_size_schedule": "0:16 1000:32", "train_iters": 100, "global_batch_size": None},
-     "--step-batch-size-schedule '0:16 1000:32' --train-iters 100", ScheduleError,
-     "--step-batch-size-schedule with --train-iters 100"),
-    ({"batch_size_warmup": "auto", "noise_scale": 10, "batch_size_warmup_max": 64}, {"train_iters": 100},
-     "--global-batch-size 16 --ga-batch-size-warmup auto --ga-noise-scale 10 --ga-batch-size-warmup-max 64 "
-     "--train-iters 100", ScheduleError, "--ga-batch-size-warmup auto with --train-iters 100"),
-    ({"batch_size_warmup": "auto", "noise_scale": 10, "batch_size_warmup_max": 8}, {},
-     "--global-batch-size 16 --ga-batch-size-warmup auto --ga-noise-scale 10 --ga-batch-size-warmup-max 8",
-     OptionError, "--ga-batch-size-warmup auto starts at --global-batch-size (16)"),
-    ({"noise_scale": 10}, {"context_parallel_size": 2, "data_parallel_size": 8},
-     "--global-batch-size 16 --ga-noise-scale 10 --context-parallel-size 2", OptionError,
-     "--ga-noise-scale with --context-parallel-size 2"),
-    ({"noise_scale": 10}, {"tensor_model_parallel_size": 16, "data_parallel_size": 1},
-     "--global-batch-size 16 --ga-noise-scale 10 --tensor-model-parallel-size 16", OptionError,
-     "--ga-noise-scale 10 with data-parallel size 1"),
+    (
+        {},
+        {"hybrid_context_parallel": True},
+        "--global-batch-size 16 --hybrid-context-parallel",
+        OptionError,
+        "--hybrid-context-parallel run(s) another number of forward passes",
+    ),
+    (
+        {"lr_scaling": "sqrt"},
+        {},
+        "--global-batch-size 16 --ga-lr-scaling sqrt",
+        OptionError,
+        "--ga-lr-scaling sqrt scales the learning rate",
+    ),
+    (
+        {"loss_reduction": "microbatch"},
+        {},
+        "--global-batch-size 16 --ga-loss-reduction microbatch",
+        OptionError,
+        "--ga-loss-reduction microbatch is upstream's mean of means",
+    ),
+    (
+        {},
+        {"step_batch_size_schedule": "0:16 1000:32", "train_iters": 100, "global_batch_size": None},
+        "--step-batch-size-schedule '0:16 1000:32' --train-iters 100",
+        ScheduleError,
+        "--step-batch-size-schedule with --train-iters 100",
+    ),
+    (
+        {"batch_size_warmup": "auto", "noise_scale": 10, "batch_size_warmup_max": 64},
+        {"train_iters": 100},
+        "--global-batch-size 16 --ga-batch-size-warmup auto --ga-noise-scale 10 --ga-batch-size-warmup-max 64 "
+        "--train-iters 100",
+        ScheduleError,
+        "--ga-batch-size-warmup auto with --train-iters 100",
+    ),
+    (
+        {"batch_size_warmup": "auto", "noise_scale": 10, "batch_size_warmup_max": 8},
+        {},
+        "--global-batch-size 16 --ga-batch-size-warmup auto --ga-noise-scale 10 --ga-batch-size-warmup-max 8",
+        OptionError,
+        "--ga-batch-size-warmup auto starts at --global-batch-size (16)",
+    ),
+    (
+        {"noise_scale": 10},
+        {"context_parallel_size": 2, "data_parallel_size": 8},
+        "--global-batch-size 16 --ga-noise-scale 10 --context-parallel-size 2",
+        OptionError,
+        "--ga-noise-scale with --context-parallel-size 2",
+    ),
+    (
+        {"noise_scale": 10},
+        {"tensor_model_parallel_size": 16, "data_parallel_size": 1},
+        "--global-batch-size 16 --ga-noise-scale 10 --tensor-model-parallel-size 16",
+        OptionError,
+        "--ga-noise-scale 10 with data-parallel size 1",
+    ),
 ]
 
 
@@ -75,15 +120,26 @@ FLAG_CASES = [
     ({"noise_scale": -1}, "--ga-noise-scale -1", "--ga-noise-scale -1 is not a whole number >= 0"),
     ({"noise_scale_decay": 2.0}, "--ga-noise-scale-decay 2", "--ga-noise-scale-decay 2.0 is not in [0, 1)"),
     ({"noise_scale_decay": "x"}, "--ga-noise-scale-decay x", "--ga-noise-scale-decay 'x' is not in [0, 1)"),
-    ({"batch_size_warmup_trust": 0.0}, "--ga-batch-size-warmup-trust 0",
-     "--ga-batch-size-warmup-trust 0.0 is not a positive finite number"),
-    ({"checks": "async", "zero_token_policy": "skip"}, "--ga-checks async --ga-zero-token-policy skip",
-     "--ga-checks async reads a step's token count only after its optimizer step"),
-    ({"noise_scale": 10, "loss_reduction": "microbatch"}, "--ga-noise-scale 10 --ga-loss-reduction microbatch",
-     "--ga-noise-scale 10 needs --ga-loss-reduction token"),
-    ({"batch_size_warmup": "auto", "batch_size_warmup_max": 32},
-     "--ga-batch-size-warmup auto --ga-batch-size-warmup-max 32",
-     "--ga-batch-size-warmup auto decides from the measured noise scale"),
+    (
+        {"batch_size_warmup_trust": 0.0},
+        "--ga-batch-size-warmup-trust 0",
+        "--ga-batch-size-warmup-trust 0.0 is not a positive finite number",
+    ),
+    (
+        {"checks": "async", "zero_token_policy": "skip"},
+        "--ga-checks async --ga-zero-token-policy skip",
+        "--ga-checks async reads a step's token count only after its optimizer step",
+    ),
+    (
+        {"noise_scale": 10, "loss_reduction": "microbatch"},
+        "--ga-noise-scale 10 --ga-loss-reduction microbatch",
+        "--ga-noise-scale 10 needs --ga-loss-reduction token",
+    ),
+    (
+        {"batch_size_warmup": "auto", "batch_size_warmup_max": 32},
+        "--ga-batch-size-warmup auto --ga-batch-size-warmup-max 32",
+        "--ga-batch-size-warmup auto decides from the measured noise scale",
+    ),
     ({"lr_scaling": "cubic"}, "--ga-lr-scaling cubic", "--ga-lr-scaling 'cubic' is not one of none, sqrt, linear"),
 ]
 

@@ -20,16 +20,29 @@ def clean():
     uninstall()
 
 
-@pytest.mark.parametrize("scheduled, finalized, token, expected", [
-    (True, True, True, None),
-    (True, False, False, None),  # microbatch mode: a loop may finalize by itself
-    (False, True, True, r"not through its guarded forward/backward schedule: .* not taken from "
-                        r"megatron\.core\.pipeline_parallel\.get_forward_backward_func\(\)"),
-    (False, False, True, r"neither its guarded forward/backward schedule nor its finalize_model_grads .* replayed "
-                         r"full-iteration CUDA graph \(--cuda-graph-impl full_iteration"),
-    (False, False, False, r"replayed full-iteration CUDA graph"),
-    (True, False, True, r"ran megatron-ga-ext's guarded schedule but not its finalize_model_grads"),
-])
+@pytest.mark.parametrize(
+    "scheduled, finalized, token, expected",
+    [
+        (True, True, True, None),
+        (True, False, False, None),  # microbatch mode: a loop may finalize by itself
+        (
+            False,
+            True,
+            True,
+            r"not through its guarded forward/backward schedule: .* not taken from "
+            r"megatron\.core\.pipeline_parallel\.get_forward_backward_func\(\)",
+        ),
+        (
+            False,
+            False,
+            True,
+            r"neither its guarded forward/backward schedule nor its finalize_model_grads .* replayed "
+            r"full-iteration CUDA graph \(--cuda-graph-impl full_iteration",
+        ),
+        (False, False, False, r"replayed full-iteration CUDA graph"),
+        (True, False, True, r"ran megatron-ga-ext's guarded schedule but not its finalize_model_grads"),
+    ],
+)
 def test_bypass_message_names_what_most_likely_went_around_the_hooks(scheduled, finalized, token, expected):
     message = bypass_message(scheduled=scheduled, finalized=finalized, token=token, iteration=7)
     if expected is None:
@@ -73,8 +86,11 @@ def test_an_iteration_without_the_hooks_raises_at_its_optimizer_step(checks):
     assert optimizer.steps == (1 if checks == "sync" else 2)
     iteration(state, scheduled=False, finalized=False)
     prefix = "^--ga-checks async, after the optimizer step: " if checks == "async" else "^"
-    with pytest.raises(GuardError, match=prefix + r"a training iteration reached the optimizer step without running "
-                                                  r"megatron-ga-ext's hooks"):
+    with pytest.raises(
+        GuardError,
+        match=prefix + r"a training iteration reached the optimizer step without running "
+        r"megatron-ga-ext's hooks",
+    ):
         step()
     iteration(state)  # a healthy iteration after: checked afresh
     assert step() == (True, 1.0, None)
@@ -116,9 +132,12 @@ def test_an_optimizer_built_before_a_reinstall_follows_the_new_installation():
 def test_a_second_finalize_before_the_optimizer_step_is_named_unless_megatron_reruns_the_iteration(monkeypatch):
     """The real loop: tests/test_split_step.py."""
     check_one_finalize(1, 7)
-    with pytest.raises(GuardError, match=r"^megatron-ga-ext's finalize_model_grads ran 2 times in training iteration 7 "
-                                         r"before its optimizer step: the step is split over several "
-                                         r"forward_backward_func calls"):
+    with pytest.raises(
+        GuardError,
+        match=r"^megatron-ga-ext's finalize_model_grads ran 2 times in training iteration 7 "
+        r"before its optimizer step: the step is split over several "
+        r"forward_backward_func calls",
+    ):
         check_one_finalize(2, 7)
     from megatron.core import rerun_state_machine as reruns
 
@@ -148,8 +167,11 @@ def test_a_split_step_still_open_at_its_optimizer_step_stops_before_it(checks):
     optimizer, step = wrapped(state)
     state.training_schedules += 2
     state.open_step = (4, state.finalize.calls)
-    with pytest.raises(GuardError, match=r"^this training step's forward_backward_func calls never called "
-                                         r"megatron-ga-ext's finalize_model_grads"):
+    with pytest.raises(
+        GuardError,
+        match=r"^this training step's forward_backward_func calls never called "
+        r"megatron-ga-ext's finalize_model_grads",
+    ):
         step()
     assert optimizer.steps == 0 and state.open_microbatches() == 0
     iteration(state)

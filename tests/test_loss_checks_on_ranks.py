@@ -106,28 +106,43 @@ def _scenario(name, cfg, batch, refs):
     layout_kwargs, loss_func, opts = SCENARIOS[name]
     layout = Layout(**layout_kwargs)
     ddp, names, config = build_ddp(
-        layout, cfg, calculate_per_token_loss=opts.get("flag_at_build", True),
-        ddp_config=DistributedDataParallelConfig(
-            average_in_collective=opts.get("average_in_collective", False)))
+        layout,
+        cfg,
+        calculate_per_token_loss=opts.get("flag_at_build", True),
+        ddp_config=DistributedDataParallelConfig(average_in_collective=opts.get("average_in_collective", False)),
+    )
     config.calculate_per_token_loss = opts.get("flag_at_step", True)
     contract = LossContract()
     finalize = make_finalize_model_grads(
-        finalize_model_grads, contract,
-        config=GAConfig(zero_token_policy=opts.get("zero_tokens", "error"), checks=opts.get("checks", "sync")))
+        finalize_model_grads,
+        contract,
+        config=GAConfig(zero_token_policy=opts.get("zero_tokens", "error"), checks=opts.get("checks", "sync")),
+    )
     with warnings.catch_warnings(record=True) as caught, _CountHostReads() as reads:
         warnings.simplefilter("always")
-        train_step(ddp, config, layout, cfg, batch, finalize=finalize,
-                   loss_func=contract.wrap(loss_func) if opts.get("wrap", True) else loss_func)
+        train_step(
+            ddp,
+            config,
+            layout,
+            cfg,
+            batch,
+            finalize=finalize,
+            loss_func=contract.wrap(loss_func) if opts.get("wrap", True) else loss_func,
+        )
     pending = finalize.pending is not None
     finalize.poll(wait=True)  # --ga-checks async: where install() reads the verdict (after the step)
     grads = gradients(ddp, names)
     ref = next(grads for (_, kind), grads in refs.items() if kind == "token")  # the dense token target
     n = finalize.last_num_tokens
     scaled = {k: v * 72 / n for k, v in ref.items()} if n else ref
-    return {"num_tokens": n, "rel_err": relative_error(grads, scaled),
-            "max_grad": float(torch.stack([g.abs().max() for g in grads.values()]).max()),  # NaN-safe
-            "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
-            "host_reads": reads.count, "pending_after_step": pending}
+    return {
+        "num_tokens": n,
+        "rel_err": relative_error(grads, scaled),
+        "max_grad": float(torch.stack([g.abs().max() for g in grads.values()]).max()),  # NaN-safe
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
+        "host_reads": reads.count,
+        "pending_after_step": pending,
+    }
 
 
 def _fsdp_checks(cfg) -> dict:
@@ -142,11 +157,15 @@ def _fsdp_checks(cfg) -> dict:
 
     out = {}
     for per_token in (True, False):
-        config = transformer_config(cfg.model, pipeline_model_parallel_size=1, context_parallel_size=1,
-                                    calculate_per_token_loss=per_token)
+        config = transformer_config(
+            cfg.model, pipeline_model_parallel_size=1, context_parallel_size=1, calculate_per_token_loss=per_token
+        )
         model, _ = build_gpt(cfg.model, config, pre_process=True, post_process=True)
-        chunk = FullyShardedDataParallel(config, DistributedDataParallelConfig(
-            use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params"), model)
+        chunk = FullyShardedDataParallel(
+            config,
+            DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params"),
+            model,
+        )
         try:
             check_ddp_chunks([chunk])
             out[f"megatron_fsdp_{per_token}"] = ("ok", None)
@@ -175,8 +194,7 @@ def _run_scenarios():
     with cpu_shims():
         refs = reference_grads(cfg.model, DEFAULT_LAYOUTS[:1], batch)
         for name, (layout_kwargs, _, _) in SCENARIOS.items():
-            init_model_parallel(pipeline_model_parallel_size=layout_kwargs.get(
-                "pipeline_model_parallel_size", 1))
+            init_model_parallel(pipeline_model_parallel_size=layout_kwargs.get("pipeline_model_parallel_size", 1))
             try:
                 out[name] = ("ok", _scenario(name, cfg, batch, refs))
             except GAError as exc:  # LossContractError, or OptionError for the mode-versus-flag rule
@@ -208,8 +226,12 @@ def _count_groups() -> dict | None:
     try:
         pgc = ProcessGroupCollection.use_mpu_process_groups()
         ranks = torch.distributed.get_process_group_ranks
-        return {"upstream": ranks(pgc.dp_cp_gtp_remat), "replicate": ranks(pgc.dp_cp),
-                "with_pg_collection": ranks(_groups(pgc)[1]), "without": ranks(_groups(None)[1])}
+        return {
+            "upstream": ranks(pgc.dp_cp_gtp_remat),
+            "replicate": ranks(pgc.dp_cp),
+            "with_pg_collection": ranks(_groups(pgc)[1]),
+            "without": ranks(_groups(None)[1]),
+        }
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -234,29 +256,43 @@ def _raise(outcome):
     return payload
 
 
-@pytest.mark.parametrize("name, match", [
-    ("two_tuple", r"returned a 2-tuple at micro-batch 0; token mode needs \(summed loss, num_tokens"),
-    ("float_count", r"num_tokens as a tensor of dtype torch\.float32 .*must be an integer scalar"),
-    ("vector_count", r"num_tokens as a tensor of dtype torch\.int64 and shape \(2,\)"),
-    ("negative_count", r"micro-batch\(es\) returned a negative num_tokens"),
-    ("nan_loss", r"8 micro-batch\(es\) in this global batch returned a non-finite loss"),
-    ("ddp_before_flag", r"gradient_scaling_factor 0\.25 \(= 1/4\).*4 times too small"),
-    ("average_in_collective", r"average_in_collective=True"),
-    ("zero_tokens_error", r"the global batch has 0 non-padding tokens"),
-    ("unwrapped", r"4 last-stage rank\(s\) ran no micro-batch through the LossContract"),
-])
+@pytest.mark.parametrize(
+    "name, match",
+    [
+        ("two_tuple", r"returned a 2-tuple at micro-batch 0; token mode needs \(summed loss, num_tokens"),
+        ("float_count", r"num_tokens as a tensor of dtype torch\.float32 .*must be an integer scalar"),
+        ("vector_count", r"num_tokens as a tensor of dtype torch\.int64 and shape \(2,\)"),
+        ("negative_count", r"micro-batch\(es\) returned a negative num_tokens"),
+        ("nan_loss", r"8 micro-batch\(es\) in this global batch returned a non-finite loss"),
+        ("ddp_before_flag", r"gradient_scaling_factor 0\.25 \(= 1/4\).*4 times too small"),
+        ("average_in_collective", r"average_in_collective=True"),
+        ("zero_tokens_error", r"the global batch has 0 non-padding tokens"),
+        ("unwrapped", r"4 last-stage rank\(s\) ran no micro-batch through the LossContract"),
+    ],
+)
 def test_broken_check_raises(outcomes, name, match):
     with pytest.raises(LossContractError, match=match):
         _raise(outcomes[name])
 
 
-@pytest.mark.parametrize("name, match", [
-    ("async_nan", r"--ga-checks async, verdict of training step 1: 8 micro-batch\(es\) in this global batch returned a "
-                  r"non-finite loss"),
-    ("async_negative_count",
-     r"--ga-checks async, verdict of training step 1: \d+ micro-batch\(es\) returned a negative"),
-    ("async_zero_tokens", r"--ga-checks async, verdict of training step 1: the global batch has 0 non-padding tokens"),
-])
+@pytest.mark.parametrize(
+    "name, match",
+    [
+        (
+            "async_nan",
+            r"--ga-checks async, verdict of training step 1: 8 micro-batch\(es\) in this global batch returned a "
+            r"non-finite loss",
+        ),
+        (
+            "async_negative_count",
+            r"--ga-checks async, verdict of training step 1: \d+ micro-batch\(es\) returned a negative",
+        ),
+        (
+            "async_zero_tokens",
+            r"--ga-checks async, verdict of training step 1: the global batch has 0 non-padding tokens",
+        ),
+    ],
+)
 def test_async_checks_raise_when_the_verdict_is_read(outcomes, name, match):
     with pytest.raises(LossContractError, match=match):
         _raise(outcomes[name])
@@ -305,8 +341,11 @@ def test_pipeline_stages_share_the_last_stage_count(outcomes):
 def test_megatron_fsdp_chunks_are_checked_and_torch_fsdp2_refused(outcomes):
     """Megatron-FSDP keeps its factor in param_and_grad_buffer (nn.Module.buffers is a method there)."""
     assert _raise(outcomes["megatron_fsdp_True"]) is None
-    with pytest.raises(LossContractError, match=r"wrapped in FullyShardedDataParallel with gradient_scaling_factor "
-                       r"0\.25 \(= 1/4\), i\.e\. before calculate_per_token_loss was set"):
+    with pytest.raises(
+        LossContractError,
+        match=r"wrapped in FullyShardedDataParallel with gradient_scaling_factor "
+        r"0\.25 \(= 1/4\), i\.e\. before calculate_per_token_loss was set",
+    ):
         _raise(outcomes["megatron_fsdp_False"])
     with pytest.raises(LossContractError, match=r"torch FSDP2 \(--use-torch-fsdp2\), whose reduce-scatter averages"):
         _raise(outcomes["torch_fsdp2"])

@@ -38,15 +38,18 @@ def test_masked_loss_rejects_mismatched_shapes_and_modes():
         masked_loss(LOSSES[0], MASKS[0], mode="tokens")
 
 
-@pytest.mark.parametrize("outputs, match", [
-    ((torch.tensor(1.0), {}), r"returned a 2-tuple at micro-batch 0; token mode needs"),
-    (torch.tensor(1.0), r"returned Tensor at micro-batch 0"),
-    ((torch.tensor(1.0), torch.tensor(3.0), {}), r"num_tokens as a tensor of dtype torch\.float32"),
-    ((torch.tensor(1.0), torch.tensor(True), {}), r"num_tokens as a tensor of dtype torch\.bool"),
-    ((torch.tensor(1.0), torch.tensor([1, 2]), {}), r"and shape \(2,\)"),
-    ((torch.tensor(1.0), 3.0, {}), r"num_tokens of type float"),
-    ((1.0, torch.tensor(3), {}), r"a loss of type float"),
-])
+@pytest.mark.parametrize(
+    "outputs, match",
+    [
+        ((torch.tensor(1.0), {}), r"returned a 2-tuple at micro-batch 0; token mode needs"),
+        (torch.tensor(1.0), r"returned Tensor at micro-batch 0"),
+        ((torch.tensor(1.0), torch.tensor(3.0), {}), r"num_tokens as a tensor of dtype torch\.float32"),
+        ((torch.tensor(1.0), torch.tensor(True), {}), r"num_tokens as a tensor of dtype torch\.bool"),
+        ((torch.tensor(1.0), torch.tensor([1, 2]), {}), r"and shape \(2,\)"),
+        ((torch.tensor(1.0), 3.0, {}), r"num_tokens of type float"),
+        ((1.0, torch.tensor(3), {}), r"a loss of type float"),
+    ],
+)
 def test_contract_rejects_host_facts_at_once(outputs, match):
     with pytest.raises(LossContractError, match=match):
         LossContract().check(outputs)
@@ -64,10 +67,23 @@ class _NoHostReads(TorchFunctionMode):
     index, and the comparisons that answer a Python bool without ``__bool__`` (equal, allclose,
     is_nonzero)."""
 
-    READS = frozenset({torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.tolist, torch.Tensor.__int__,
-             torch.Tensor.__float__, torch.Tensor.numpy, torch.Tensor.__index__,
-             torch.equal, torch.Tensor.equal, torch.allclose, torch.Tensor.allclose,
-             torch.is_nonzero, torch.Tensor.is_nonzero})
+    READS = frozenset(
+        {
+            torch.Tensor.item,
+            torch.Tensor.__bool__,
+            torch.Tensor.tolist,
+            torch.Tensor.__int__,
+            torch.Tensor.__float__,
+            torch.Tensor.numpy,
+            torch.Tensor.__index__,
+            torch.equal,
+            torch.Tensor.equal,
+            torch.allclose,
+            torch.Tensor.allclose,
+            torch.is_nonzero,
+            torch.Tensor.is_nonzero,
+        }
+    )
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in self.READS:
@@ -75,12 +91,24 @@ class _NoHostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("read", [
-    lambda t: t.item(), lambda t: bool(t), lambda t: t.tolist(), lambda t: int(t), lambda t: float(t),
-    lambda t: t.numpy(), lambda t: [0][t], lambda t: torch.equal(t, t), lambda t: t.equal(t),
-    lambda t: torch.allclose(t, t), lambda t: t.allclose(t), lambda t: torch.is_nonzero(t),
-    lambda t: t.is_nonzero(),
-])
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda t: t.item(),
+        lambda t: bool(t),
+        lambda t: t.tolist(),
+        lambda t: int(t),
+        lambda t: float(t),
+        lambda t: t.numpy(),
+        lambda t: [0][t],
+        lambda t: torch.equal(t, t),
+        lambda t: t.equal(t),
+        lambda t: torch.allclose(t, t),
+        lambda t: t.allclose(t),
+        lambda t: torch.is_nonzero(t),
+        lambda t: t.is_nonzero(),
+    ],
+)
 def test_no_host_reads_catches_every_read(read):
     with _NoHostReads(), pytest.raises(AssertionError, match="host read"):
         read(torch.tensor(1))
@@ -142,8 +170,12 @@ def test_contract_keeps_references_only_per_microbatch():
 
 def test_collect_reads_nothing_to_the_host():
     """The step's vector is made with device ops only, for every mix of counts the contract accepts."""
-    steps = [[torch.tensor(3), torch.tensor(4)], [torch.tensor(3), torch.tensor([4], dtype=torch.int32)],
-             [torch.tensor(3, dtype=torch.uint32), torch.tensor(-4, dtype=torch.int8)], [3, torch.tensor(4)]]
+    steps = [
+        [torch.tensor(3), torch.tensor(4)],
+        [torch.tensor(3), torch.tensor([4], dtype=torch.int32)],
+        [torch.tensor(3, dtype=torch.uint32), torch.tensor(-4, dtype=torch.int8)],
+        [3, torch.tensor(4)],
+    ]
     for counts in steps:
         contract = LossContract()
         for count in counts:
@@ -160,8 +192,10 @@ def test_step_vector_is_the_host_arithmetic():
         for num_microbatches in (1, 3, 8):
             losses = list(torch.randn(num_microbatches) * 100)
             losses[num_microbatches // 2] = torch.tensor(float("nan"))
-            counts = [torch.tensor(int(v), dtype=dtype) for v in torch.randint(-3 if dtype.is_signed else 0, 100,
-                                                                            (num_microbatches,))]
+            counts = [
+                torch.tensor(int(v), dtype=dtype)
+                for v in torch.randint(-3 if dtype.is_signed else 0, 100, (num_microbatches,))
+            ]
             contract = LossContract()
             for loss, count in zip(losses, counts):
                 contract.check((loss, count, {}))
@@ -194,20 +228,27 @@ def test_wrap_passes_non_loss_data_through():
 def _chunk(factor, average_in_collective=False, expert_factor=None):
     buffers = [SimpleNamespace(gradient_scaling_factor=factor)]
     experts = [] if expert_factor is None else [SimpleNamespace(gradient_scaling_factor=expert_factor)]
-    return SimpleNamespace(ddp_config=SimpleNamespace(average_in_collective=average_in_collective),
-                           buffers=buffers, expert_parallel_buffers=experts)
+    return SimpleNamespace(
+        ddp_config=SimpleNamespace(average_in_collective=average_in_collective),
+        buffers=buffers,
+        expert_parallel_buffers=experts,
+    )
 
 
 def test_ddp_audit_accepts_per_token_chunks_and_plain_modules():
-    check_ddp_chunks([_chunk(1.0, expert_factor=1.0), torch.nn.Linear(2, 2)],
-                     SimpleNamespace(calculate_per_token_loss=True))
+    check_ddp_chunks(
+        [_chunk(1.0, expert_factor=1.0), torch.nn.Linear(2, 2)], SimpleNamespace(calculate_per_token_loss=True)
+    )
 
 
-@pytest.mark.parametrize("chunks, match", [
-    ([_chunk(1.0), _chunk(0.125)], r"model chunk 1 .* gradient_scaling_factor 0\.125 \(= 1/8\).*8 times too small"),
-    ([_chunk(1.0, expert_factor=0.5)], r"gradient_scaling_factor 0\.5 \(= 1/2\)"),
-    ([_chunk(1.0, average_in_collective=True)], r"average_in_collective=True"),
-])
+@pytest.mark.parametrize(
+    "chunks, match",
+    [
+        ([_chunk(1.0), _chunk(0.125)], r"model chunk 1 .* gradient_scaling_factor 0\.125 \(= 1/8\).*8 times too small"),
+        ([_chunk(1.0, expert_factor=0.5)], r"gradient_scaling_factor 0\.5 \(= 1/2\)"),
+        ([_chunk(1.0, average_in_collective=True)], r"average_in_collective=True"),
+    ],
+)
 def test_ddp_audit_rejects_chunks_built_without_per_token_loss(chunks, match):
     with pytest.raises(LossContractError, match=match):
         check_ddp_chunks(chunks)
@@ -226,6 +267,7 @@ def test_per_token_flag_must_match_the_mode():
 def test_microbatch_mode_reports_each_micro_batch_mean():
     """Upstream's pretrain_gpt reports [summed loss, n]; Megatron logs sum(report[0]) / sum(report[1]), the token
     mean. In microbatch mode the report becomes [mean, 1], so the logged loss is the mean of means optimised."""
+
     def upstream_loss_func(loss_mask, output_tensor):
         loss = torch.sum(output_tensor * loss_mask)
         n = loss_mask.sum().to(torch.int)
@@ -251,8 +293,11 @@ def test_token_finalize_needs_a_contract():
 def test_narrow_device_counts_add_up_in_int64():
     """int32 and uint8 counts are summed in int64: two int32 maxima and a uint8 do not wrap."""
     contract = LossContract()
-    for count in (torch.tensor(2**31 - 1, dtype=torch.int32), torch.tensor([2**31 - 1], dtype=torch.int32),
-                  torch.tensor(5, dtype=torch.uint8)):
+    for count in (
+        torch.tensor(2**31 - 1, dtype=torch.int32),
+        torch.tensor([2**31 - 1], dtype=torch.int32),
+        torch.tensor(5, dtype=torch.uint8),
+    ):
         contract.check((torch.tensor(1.0), count, {}))
     vector = contract.collect(torch.device("cpu"), is_last_stage=True)
     assert vector.dtype == torch.int64 and vector.tolist() == [2 * (2**31 - 1) + 5, 0, 0, 0]
@@ -284,9 +329,12 @@ def test_a_later_count_of_another_shape_is_summed_or_refused_at_once():
 def test_counts_of_another_shape_or_dtype_in_a_later_step():
     """One contract, steps whose counts differ in shape and dtype: each step's vector is its own."""
     contract = LossContract()
-    steps = [[torch.tensor(3), torch.tensor(4)], [torch.tensor([3]), torch.tensor([4])],
-             [torch.tensor(3, dtype=torch.int32), torch.tensor(4, dtype=torch.int32)],
-             [torch.tensor(3), torch.tensor(4)]]
+    steps = [
+        [torch.tensor(3), torch.tensor(4)],
+        [torch.tensor([3]), torch.tensor([4])],
+        [torch.tensor(3, dtype=torch.int32), torch.tensor(4, dtype=torch.int32)],
+        [torch.tensor(3), torch.tensor(4)],
+    ]
     for counts in steps:
         for count in counts:
             contract.check((torch.tensor(1.0), count, {}))
@@ -302,8 +350,7 @@ def test_the_extensions_finalize_is_named_as_upstreams_in_a_yaml_config():
     yaml_utils = pytest.importorskip("megatron.training.config.yaml_utils")
     from megatron.core.distributed import finalize_model_grads
 
-    bound = functools.partial(make_finalize_model_grads(finalize_model_grads, LossContract()),
-                              pg_collection=None)
+    bound = functools.partial(make_finalize_model_grads(finalize_model_grads, LossContract()), pg_collection=None)
     with yaml_utils.safe_yaml_representers():
         text = yaml.safe_dump({"finalize_model_grads_func": bound})
     assert "_target_: megatron.core.distributed.finalize_model_grads.finalize_model_grads" in text

@@ -36,9 +36,19 @@ def scheduler() -> OptimizerParamScheduler:
     """Megatron-LM's scheduler of a --train-samples run: warmup and cosine decay in samples, two param groups."""
     weights, embedding = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
     optimizer = torch.optim.SGD([{"params": [weights]}, {"params": [embedding], **DECOUPLED}], lr=1e-3)
-    return OptimizerParamScheduler(optimizer, init_lr=1e-5, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=48,
-                                   lr_decay_steps=TRAIN_SAMPLES, lr_decay_style="cosine", start_wd=0.01,
-                                   end_wd=0.01, wd_incr_steps=TRAIN_SAMPLES, wd_incr_style="constant")
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=1e-5,
+        max_lr=1e-3,
+        min_lr=1e-4,
+        lr_warmup_steps=48,
+        lr_decay_steps=TRAIN_SAMPLES,
+        lr_decay_style="cosine",
+        start_wd=0.01,
+        end_wd=0.01,
+        wd_incr_steps=TRAIN_SAMPLES,
+        wd_incr_style="constant",
+    )
 
 
 def run(global_batch_sizes=None) -> list[tuple[int, list[float]]]:
@@ -85,8 +95,9 @@ def test_each_step_runs_at_the_rate_times_its_stages_factor(lr_scaling, caplog):
     first_of_stage = {batch: i for i, (batch, _) in reversed(list(enumerate(scaled)))}
     for batch, i in first_of_stage.items():
         assert scaled[i][1][1] == expected[i][1][1] * lr_factor(batch, FIRST_GBS, lr_scaling)
-    factors = ", ".join(f"x {FACTORS[lr_scaling][b]:.6g} from sample {t} (GBS {b})" for t, b in ((0, 16), (64, 32),
-                                                                                                  (160, 64)))
+    factors = ", ".join(
+        f"x {FACTORS[lr_scaling][b]:.6g} from sample {t} (GBS {b})" for t, b in ((0, 16), (64, 32), (160, 64))
+    )
     assert f"--ga-lr-scaling {lr_scaling}: the learning rate {factors}" in caplog.text
 
 
@@ -110,27 +121,45 @@ def test_a_scheduler_built_before_install_is_scaled_too():
     install_schedule("linear")
     lr_scheduler.step(increment=64)  # the second stage starts at 64 samples
     assert [g["lr"] for g in lr_scheduler.optimizer.param_groups] == [
-        OptimizerParamScheduler.get_lr.__wrapped__(lr_scheduler, g) * 2.0 for g in lr_scheduler.optimizer.param_groups]
+        OptimizerParamScheduler.get_lr.__wrapped__(lr_scheduler, g) * 2.0 for g in lr_scheduler.optimizer.param_groups
+    ]
 
 
-@pytest.mark.parametrize("lr_scaling, schedule", [("none", None), ("sqrt", "--step-batch-size-schedule"),
-                                                  ("linear", "--rampup-batch-size with --ga-convert-rampup")])
+@pytest.mark.parametrize(
+    "lr_scaling, schedule",
+    [
+        ("none", None),
+        ("sqrt", "--step-batch-size-schedule"),
+        ("linear", "--rampup-batch-size with --ga-convert-rampup"),
+    ],
+)
 def test_rule_passes(lr_scaling, schedule):
     check_lr_scaling(lr_scaling, schedule)
 
 
 @pytest.mark.parametrize("lr_scaling, exponent", [("sqrt", "1/2"), ("linear", "1")])
 def test_rule_refuses_scaling_without_a_schedule(lr_scaling, exponent):
-    message = (rf"--ga-lr-scaling {lr_scaling} scales the learning rate .* \(GBS / first GBS\) \*\* {exponent}, but "
-               rf"this launch has no schedule .* Give --step-batch-size-schedule \(or --rampup-batch-size with "
-               rf"--ga-convert-rampup\), or drop --ga-lr-scaling")
+    message = (
+        rf"--ga-lr-scaling {lr_scaling} scales the learning rate .* \(GBS / first GBS\) \*\* {exponent}, but "
+        rf"this launch has no schedule .* Give --step-batch-size-schedule \(or --rampup-batch-size with "
+        rf"--ga-convert-rampup\), or drop --ga-lr-scaling"
+    )
     with pytest.raises(OptionError, match=message):
         check_lr_scaling(lr_scaling, None)
     with pytest.raises(OptionError, match=message):  # where install() reads Megatron's args
         install(parsed("--calculate-per-token-loss", "--ga-lr-scaling", lr_scaling))
     uninstall()
-    install(parsed("--calculate-per-token-loss", "--ga-lr-scaling", lr_scaling, "--step-batch-size-schedule", SCHEDULE,
-                   "--train-samples", "400"))  # with a schedule: accepted
+    install(
+        parsed(
+            "--calculate-per-token-loss",
+            "--ga-lr-scaling",
+            lr_scaling,
+            "--step-batch-size-schedule",
+            SCHEDULE,
+            "--train-samples",
+            "400",
+        )
+    )  # with a schedule: accepted
 
 
 def test_a_loop_without_the_schedule_calculator_is_refused_at_the_first_rate():
@@ -176,11 +205,14 @@ def run_skipping(monkeypatch, state, skipped: set[int]) -> list[tuple[int, list[
 
 
 @pytest.mark.parametrize("lr_scaling", ["sqrt", "linear"])
-@pytest.mark.parametrize("skipped, batches", [
-    ({1}, [16, 16, 16, 16, 32, 32]),  # the second step, at 16 samples: within the first stage
-    ({3}, [16, 16, 16, 16, 32, 32]),  # the first stage's last step (at 48 samples): the next is a new stage's first
-    ({3, 4}, [16, 16, 16, 16, 32, 32]),  # and that one skipped too
-])
+@pytest.mark.parametrize(
+    "skipped, batches",
+    [
+        ({1}, [16, 16, 16, 16, 32, 32]),  # the second step, at 16 samples: within the first stage
+        ({3}, [16, 16, 16, 16, 32, 32]),  # the first stage's last step (at 48 samples): the next is a new stage's first
+        ({3, 4}, [16, 16, 16, 16, 32, 32]),  # and that one skipped too
+    ],
+)
 def test_after_a_skipped_step_each_step_runs_at_its_own_batchs_factor(monkeypatch, lr_scaling, skipped, batches):
     """A skipped step holds the scheduler's count while the consumed samples (and the batch) advance: the factor
     follows the batch, so the next stage's first step (at 64 samples, GBS 32) already has its stage's factor, also

@@ -11,8 +11,17 @@ from megatron_ga_ext.config.megatron_args import MegatronArgs
 
 @pytest.mark.parametrize("make", [lambda d: argparse.Namespace(**d), dict, lambda d: MegatronArgs.of(dict(d))])
 def test_a_namespace_a_dict_and_a_view_read_the_same(make):
-    args = MegatronArgs.of(make({"micro_batch_size": 2, "world_size": 16, "tensor_model_parallel_size": 2,
-                                 "context_parallel_size": 2, "calculate_per_token_loss": False}))
+    args = MegatronArgs.of(
+        make(
+            {
+                "micro_batch_size": 2,
+                "world_size": 16,
+                "tensor_model_parallel_size": 2,
+                "context_parallel_size": 2,
+                "calculate_per_token_loss": False,
+            }
+        )
+    )
     assert (args.micro_batch_size, args.data_parallel_size, args.calculate_per_token_loss) == (2, 4, False)
 
 

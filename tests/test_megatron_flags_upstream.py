@@ -24,11 +24,15 @@ DIRS = sources([])
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not DIRS, reason=NO_SOURCE)]
 
 
-
 @pytest.fixture(scope="module")
 def parser_flags() -> dict[Path, set[str]]:
-    result = subprocess.run([sys.executable, "-m", "tests.support.megatron_parser_flags",
-                             *map(str, DIRS)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.support.megatron_parser_flags", *map(str, DIRS)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return {Path(root): set(flags) for root, flags in json.loads(result.stdout.splitlines()[-1]).items()}
 

@@ -22,6 +22,7 @@ def _rows(clamped: bool):
     from megatron_ga_ext.verify.layouts import Layout
 
     if not clamped:  # the correction with upstream's total: the per-expert counts' sum / topk, 0 here
+
         def unclamped(original, state):
             counts = aux_losses.exact_token_counts(original, state)
 
@@ -31,10 +32,15 @@ def _rows(clamped: bool):
 
             return call
 
-        hooks.HOOKS = tuple(replace(h, wrap=unclamped) if h.name == "get_tokens_per_expert_and_token_count" else h
-                            for h in hooks.HOOKS)
-    cfg = VerifyConfig(layouts=(Layout(data_parallel_size=2, num_microbatches=4, model="moe"),), lengths=LENGTHS,
-                       modes=("token",), progress=False)
+        hooks.HOOKS = tuple(
+            replace(h, wrap=unclamped) if h.name == "get_tokens_per_expert_and_token_count" else h for h in hooks.HOOKS
+        )
+    cfg = VerifyConfig(
+        layouts=(Layout(data_parallel_size=2, num_microbatches=4, model="moe"),),
+        lengths=LENGTHS,
+        modes=("token",),
+        progress=False,
+    )
     return run_rank(cfg)
 
 

@@ -32,22 +32,27 @@ def _counts_and_step():
         init_model_parallel()
         megatron_ga_ext.install(GAConfig(loss_reduction="token"))
         try:
-            model, _ = build_gpt(ModelConfig(), transformer_config(ModelConfig(), kind="moe_bias",
-                                                                   calculate_per_token_loss=True),
-                                 pre_process=True, post_process=True)
+            model, _ = build_gpt(
+                ModelConfig(),
+                transformer_config(ModelConfig(), kind="moe_bias", calculate_per_token_loss=True),
+                pre_process=True,
+                post_process=True,
+            )
             router = model.decoder.layers[0].mlp.router
             for tokens in (16, 4):  # 4 tokens: as many as the experts, where the flat mask broadcasts silently
                 routing_map = torch.rand(tokens, 4, generator=torch.Generator().manual_seed(tokens)) > 0.4
                 padding_mask = torch.arange(tokens) >= tokens // 2
                 router.local_tokens_per_expert.zero_()
                 router._apply_expert_bias(routing_map, padding_mask)
-                out[tokens] = (router.local_tokens_per_expert.tolist(),
-                               routing_map[~padding_mask].sum(dim=0).tolist())
+                out[tokens] = (router.local_tokens_per_expert.tolist(), routing_map[~padding_mask].sum(dim=0).tolist())
         finally:
             megatron_ga_ext.uninstall()
             parallel_state.destroy_model_parallel()
-        cfg = VerifyConfig(layouts=(Layout(data_parallel_size=2, num_microbatches=4, model="moe_bias"),),
-                           lengths=LENGTHS, progress=False)
+        cfg = VerifyConfig(
+            layouts=(Layout(data_parallel_size=2, num_microbatches=4, model="moe_bias"),),
+            lengths=LENGTHS,
+            progress=False,
+        )
         out["step"] = [(r.mode, r.rel_err_token, r.rel_err_mean_of_means, r.num_tokens) for r in run_rank(cfg)]
     return out
 

@@ -65,15 +65,24 @@ def _rank(extension: bool):
                 return states @ local_weight, None
 
             def compute_language_model_loss(labels, logits):  # [b, s] per-token losses from [s, b, v] logits
-                return torch.nn.functional.cross_entropy(logits.transpose(0, 1).transpose(1, 2), labels,
-                                                         reduction="none")
+                return torch.nn.functional.cross_entropy(
+                    logits.transpose(0, 1).transpose(1, 2), labels, reduction="none"
+                )
 
             mtp.MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
             main = torch.zeros_like(local_hidden, requires_grad=True)
             out = mtp.process_mtp_loss(
-                hidden_states=torch.cat([main, local_hidden]), labels=shard["labels"], loss_mask=shard["loss_mask"],
-                output_layer=output_layer, output_weight=None, runtime_gather_output=None, is_training=False,
-                compute_language_model_loss=compute_language_model_loss, config=config, cp_group=cp_group)
+                hidden_states=torch.cat([main, local_hidden]),
+                labels=shard["labels"],
+                loss_mask=shard["loss_mask"],
+                output_layer=output_layer,
+                output_weight=None,
+                runtime_gather_output=None,
+                is_training=False,
+                compute_language_model_loss=compute_language_model_loss,
+                config=config,
+                cp_group=cp_group,
+            )
             (out * 0).sum().backward()
             local = local_weight.grad.clone()
             total = local.clone()

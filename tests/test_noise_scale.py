@@ -26,8 +26,9 @@ TRIALS = 4000
 
 @pytest.fixture(scope="module")
 def rows():
-    return {(regime, name.split()[0], quantity): summary
-            for regime, name, quantity, summary in unbiasedness_rows(TRIALS)}
+    return {
+        (regime, name.split()[0], quantity): summary for regime, name, quantity, summary in unbiasedness_rows(TRIALS)
+    }
 
 
 @pytest.mark.parametrize("regime", COUNTS)
@@ -90,16 +91,19 @@ def test_integer_scalars_from_torch_count_as_token_counts():
     assert replica_estimate([1.0, 0.5], 0.4, counts).tokens == 16
 
 
-@pytest.mark.parametrize("local, reduced, counts, match", [
-    ([1.0], 0.5, [8], r"1 replica\(s\): the noise estimate needs at least 2"),
-    ([1.0, 2.0], 0.5, [8], r"1 token counts for 2 local squared norms"),
-    ([1.0, 2.0], 0.5, [8, 0], r"tokens\[1\] 0 is not a token count >= 1"),
-    ([1.0, 2.0], 0.5, [8, True], r"tokens\[1\] True is not a token count"),
-    ([1.0, 2.0], 0.5, [8, 2.5], r"tokens\[1\] 2.5 is not a token count"),
-    ([1.0, -2.0], 0.5, [8, 8], r"local_sq_norms\[1\] -2.0 is not a squared norm"),
-    ([1.0, 2.0], math.inf, [8, 8], r"global_sq_norm inf is not a squared norm .* skip the step"),
-    ([math.nan, 2.0], 0.5, [8, 8], r"local_sq_norms\[0\] nan"),
-])
+@pytest.mark.parametrize(
+    "local, reduced, counts, match",
+    [
+        ([1.0], 0.5, [8], r"1 replica\(s\): the noise estimate needs at least 2"),
+        ([1.0, 2.0], 0.5, [8], r"1 token counts for 2 local squared norms"),
+        ([1.0, 2.0], 0.5, [8, 0], r"tokens\[1\] 0 is not a token count >= 1"),
+        ([1.0, 2.0], 0.5, [8, True], r"tokens\[1\] True is not a token count"),
+        ([1.0, 2.0], 0.5, [8, 2.5], r"tokens\[1\] 2.5 is not a token count"),
+        ([1.0, -2.0], 0.5, [8, 8], r"local_sq_norms\[1\] -2.0 is not a squared norm"),
+        ([1.0, 2.0], math.inf, [8, 8], r"global_sq_norm inf is not a squared norm .* skip the step"),
+        ([math.nan, 2.0], 0.5, [8, 8], r"local_sq_norms\[0\] nan"),
+    ],
+)
 def test_bad_measurements_are_refused(local, reduced, counts, match):
     with pytest.raises(NoiseScaleError, match=match):
         replica_estimate(local, reduced, counts)
@@ -133,8 +137,8 @@ def test_ema_divides_the_averages_never_averages_the_ratio():
     trace = sum(w * e.trace_sigma for w, e in zip(weights, _estimates()))
     grad_sq = sum(w * e.grad_sq for w, e in zip(weights, _estimates()))
     assert ema.b_simple() == pytest.approx(trace / grad_sq)
-    assert ema.trace_sigma == pytest.approx(trace / (1 - 0.5 ** 4))  # bias-corrected parts
-    assert ema.grad_sq == pytest.approx(grad_sq / (1 - 0.5 ** 4))
+    assert ema.trace_sigma == pytest.approx(trace / (1 - 0.5**4))  # bias-corrected parts
+    assert ema.grad_sq == pytest.approx(grad_sq / (1 - 0.5**4))
     assert ema.b_simple(tokens_per_sample=4) == pytest.approx(trace / grad_sq / 4)
 
 
@@ -168,14 +172,17 @@ def test_ema_state_round_trips_and_resumes_exactly():
     assert resumed == whole
 
 
-@pytest.mark.parametrize("state, match", [
-    ({"decay": 0.9}, r"has keys \['decay'\], not"),
-    ({"version": 2, "decay": 0.9, "trace_sigma_ema": 0.0, "grad_sq_ema": 0.0, "updates": 0}, r"version 2"),
-    ({"version": 1, "decay": 1.0, "trace_sigma_ema": 0.0, "grad_sq_ema": 0.0, "updates": 0}, r"decay 1.0 must be"),
-    ({"version": 1, "decay": 0.9, "trace_sigma_ema": math.nan, "grad_sq_ema": 0.0, "updates": 0}, r"not a finite"),
-    ({"version": 1, "decay": 0.9, "trace_sigma_ema": 0.0, "grad_sq_ema": 0.0, "updates": -1}, r"updates -1"),
-    ([1, 2], r"has keys list"),
-])
+@pytest.mark.parametrize(
+    "state, match",
+    [
+        ({"decay": 0.9}, r"has keys \['decay'\], not"),
+        ({"version": 2, "decay": 0.9, "trace_sigma_ema": 0.0, "grad_sq_ema": 0.0, "updates": 0}, r"version 2"),
+        ({"version": 1, "decay": 1.0, "trace_sigma_ema": 0.0, "grad_sq_ema": 0.0, "updates": 0}, r"decay 1.0 must be"),
+        ({"version": 1, "decay": 0.9, "trace_sigma_ema": math.nan, "grad_sq_ema": 0.0, "updates": 0}, r"not a finite"),
+        ({"version": 1, "decay": 0.9, "trace_sigma_ema": 0.0, "grad_sq_ema": 0.0, "updates": -1}, r"updates -1"),
+        ([1, 2], r"has keys list"),
+    ],
+)
 def test_bad_ema_state_is_refused(state, match):
     with pytest.raises(NoiseScaleError, match=match):
         NoiseScaleEMA.from_state_dict(state)

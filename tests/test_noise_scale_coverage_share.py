@@ -30,20 +30,28 @@ def _qk_gpt(cfg, config):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     config.qk_layernorm = True
-    gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=True),
-                   vocab_size=cfg.model.vocab_size, max_sequence_length=cfg.model.seq_length, pre_process=True,
-                   post_process=True, share_embeddings_and_output_weights=True,
-                   position_embedding_type="learned_absolute")
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=True),
+        vocab_size=cfg.model.vocab_size,
+        max_sequence_length=cfg.model.seq_length,
+        pre_process=True,
+        post_process=True,
+        share_embeddings_and_output_weights=True,
+        position_embedding_type="learned_absolute",
+    )
     return gpt, {}
 
 
 def _layouts():
     from megatron_ga_ext.verify.layouts import Layout
 
-    return [("dp4", Layout(data_parallel_size=4, num_microbatches=2), False),
-            ("pp2", Layout(pipeline_model_parallel_size=2, data_parallel_size=2, num_microbatches=2), False),
-            ("tp2", Layout(tensor_model_parallel_size=2, data_parallel_size=2, num_microbatches=2), False),
-            ("tp2-qk", Layout(tensor_model_parallel_size=2, data_parallel_size=2, num_microbatches=2), True)]
+    return [
+        ("dp4", Layout(data_parallel_size=4, num_microbatches=2), False),
+        ("pp2", Layout(pipeline_model_parallel_size=2, data_parallel_size=2, num_microbatches=2), False),
+        ("tp2", Layout(tensor_model_parallel_size=2, data_parallel_size=2, num_microbatches=2), False),
+        ("tp2-qk", Layout(tensor_model_parallel_size=2, data_parallel_size=2, num_microbatches=2), True),
+    ]
 
 
 class _Lines:
@@ -86,29 +94,42 @@ def _run(layout, qk: bool):
     from megatron_ga_ext.verify.models import ModelConfig, init_model_parallel
 
     cfg = VerifyConfig(layouts=(layout,), model=ModelConfig(seq_length=SEQ))
-    init_model_parallel(tensor_model_parallel_size=layout.tensor_model_parallel_size,
-                        pipeline_model_parallel_size=layout.pipeline_model_parallel_size)
+    init_model_parallel(
+        tensor_model_parallel_size=layout.tensor_model_parallel_size,
+        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+    )
     state = megatron_ga_ext.install(
-        GAConfig(noise_scale=1, pipeline_model_parallel_size=layout.pipeline_model_parallel_size))
-    calculators.init_num_microbatches_calculator(0, None, layout.global_batch_size, layout.micro_batch_size,
-                                                 layout.data_parallel_size)
+        GAConfig(noise_scale=1, pipeline_model_parallel_size=layout.pipeline_model_parallel_size)
+    )
+    calculators.init_num_microbatches_calculator(
+        0, None, layout.global_batch_size, layout.micro_batch_size, layout.data_parallel_size
+    )
     try:
-        chunks, _, config = build_chunks(layout, cfg, calculate_per_token_loss=True,
-                                         build_module=partial(_qk_gpt, cfg) if qk else None)
+        chunks, _, config = build_chunks(
+            layout, cfg, calculate_per_token_loss=True, build_module=partial(_qk_gpt, cfg) if qk else None
+        )
         from megatron.core.distributed import finalize_model_grads  # the extension's, after install()
 
         lengths = tuple(1 + (5 * i) % SEQ for i in range(layout.global_batch_size))
         batch = make_global_batch(lengths, SEQ, cfg.model.vocab_size, seed=3)
         with _Lines() as lines:
             for _ in range(STEPS):
-                train_step(chunks, config, layout, cfg, batch, finalize=finalize_model_grads,
-                           loss_func=partial(masked_loss, mode="token"))
+                train_step(
+                    chunks,
+                    config,
+                    layout,
+                    cfg,
+                    batch,
+                    finalize=finalize_model_grads,
+                    loss_func=partial(masked_loss, mode="token"),
+                )
                 state.noise_scale.read()
         params = [(name, p) for chunk in chunks for name, p in chunk.named_parameters()]
         coverage = state.noise_scale.coverage(chunks)
         return {
             "lines": [line for line in lines if "covers" in line],
-            "left_out": coverage.left_out, "elements": coverage.elements,
+            "left_out": coverage.left_out,
+            "elements": coverage.elements,
             "total": sum(p.numel() for _, p in params),
             "tied": sum(p.numel() for _, p in params if getattr(p, "shared_embedding", False)),
             "qk": sum(p.numel() for name, p in params if "q_layernorm" in name or "k_layernorm" in name),
@@ -136,8 +157,11 @@ def ranks():
 
 
 def _share(line: str) -> tuple[float, int, int, str]:
-    match = re.fullmatch(r"megatron-ga-ext: the noise scale covers ([0-9.]+)% of this rank's ([0-9,]+) parameter "
-                         r"elements \(([0-9,]+)\); left out: (.*)", line)
+    match = re.fullmatch(
+        r"megatron-ga-ext: the noise scale covers ([0-9.]+)% of this rank's ([0-9,]+) parameter "
+        r"elements \(([0-9,]+)\); left out: (.*)",
+        line,
+    )
     assert match, line
     share, total, counted, left = match.groups()
     return float(share), int(total.replace(",", "")), int(counted.replace(",", "")), left

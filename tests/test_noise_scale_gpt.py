@@ -40,11 +40,15 @@ def _layouts(world: int):
     from megatron_ga_ext.verify.layouts import Layout
 
     if world == 2:
-        return [Layout(data_parallel_size=2, num_microbatches=2),
-                Layout(data_parallel_size=2, num_microbatches=2, overlap_grad_reduce=True, distributed_optimizer=True)]
-    return [Layout(data_parallel_size=4, num_microbatches=2),
-            Layout(pipeline_model_parallel_size=2, data_parallel_size=2, num_microbatches=2),
-            Layout(tensor_model_parallel_size=2, data_parallel_size=2, num_microbatches=2)]
+        return [
+            Layout(data_parallel_size=2, num_microbatches=2),
+            Layout(data_parallel_size=2, num_microbatches=2, overlap_grad_reduce=True, distributed_optimizer=True),
+        ]
+    return [
+        Layout(data_parallel_size=4, num_microbatches=2),
+        Layout(pipeline_model_parallel_size=2, data_parallel_size=2, num_microbatches=2),
+        Layout(tensor_model_parallel_size=2, data_parallel_size=2, num_microbatches=2),
+    ]
 
 
 def _population(lengths):
@@ -64,14 +68,20 @@ def _per_sample_sums(model, population, *, tied: bool):
 
     init_model_parallel()
     try:
-        module, names = build_gpt(model, transformer_config(model, calculate_per_token_loss=False),
-                                  pre_process=True, post_process=True)
+        module, names = build_gpt(
+            model, transformer_config(model, calculate_per_token_loss=False), pre_process=True, post_process=True
+        )
         params = [p for n, p in module.named_parameters() if tied or names[n] != "embedding.word_embeddings.weight"]
         rows = []
         for i in range(population.tokens.shape[0]):
-            losses = module(population.tokens[i:i + 1], population.position_ids[i:i + 1], None,
-                            labels=population.labels[i:i + 1], loss_mask=population.loss_mask[i:i + 1])
-            grads = torch.autograd.grad((losses * population.loss_mask[i:i + 1]).sum(), params)
+            losses = module(
+                population.tokens[i : i + 1],
+                population.position_ids[i : i + 1],
+                None,
+                labels=population.labels[i : i + 1],
+                loss_mask=population.loss_mask[i : i + 1],
+            )
+            grads = torch.autograd.grad((losses * population.loss_mask[i : i + 1]).sum(), params)
             rows.append(torch.cat([g.reshape(-1) for g in grads]).double())
         return torch.stack(rows), population.loss_mask.sum(dim=1).double()
     finally:
@@ -116,6 +126,7 @@ class _Counting:
                 return original(*args, **kwargs)
             finally:
                 self.depth -= 1
+
         return counted
 
 
@@ -136,29 +147,48 @@ def _run(layout, model, population, draws, noise_scale: int = 1, counts: list | 
     from megatron_ga_ext.verify.models import init_model_parallel
 
     cfg = VerifyConfig(layouts=(layout,), model=model)
-    init_model_parallel(tensor_model_parallel_size=layout.tensor_model_parallel_size,
-                        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
-                        context_parallel_size=layout.context_parallel_size)
-    state = megatron_ga_ext.install(GAConfig(noise_scale=noise_scale, noise_scale_decay=0.0,
-                                             pipeline_model_parallel_size=layout.pipeline_model_parallel_size))
-    calculators.init_num_microbatches_calculator(0, None, layout.global_batch_size, layout.micro_batch_size,
-                                                 layout.data_parallel_size)
+    init_model_parallel(
+        tensor_model_parallel_size=layout.tensor_model_parallel_size,
+        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        context_parallel_size=layout.context_parallel_size,
+    )
+    state = megatron_ga_ext.install(
+        GAConfig(
+            noise_scale=noise_scale,
+            noise_scale_decay=0.0,
+            pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        )
+    )
+    calculators.init_num_microbatches_calculator(
+        0, None, layout.global_batch_size, layout.micro_batch_size, layout.data_parallel_size
+    )
     try:
         chunks, _, config = build_chunks(layout, cfg, calculate_per_token_loss=True, ddp_config=ddp_config)
         from megatron.core.distributed import finalize_model_grads  # the extension's, after install()
 
         measured = []
         for rows in draws:
-            batch = GlobalBatch(*(getattr(population, f)[rows] for f in ("tokens", "labels", "loss_mask",
-                                                                         "position_ids")))
+            batch = GlobalBatch(
+                *(getattr(population, f)[rows] for f in ("tokens", "labels", "loss_mask", "position_ids"))
+            )
             with _Counting() as counted:
-                train_step(chunks, config, layout, cfg, batch, finalize=finalize_model_grads,
-                           loss_func=partial(masked_loss, mode="token"))
+                train_step(
+                    chunks,
+                    config,
+                    layout,
+                    cfg,
+                    batch,
+                    finalize=finalize_model_grads,
+                    loss_func=partial(masked_loss, mode="token"),
+                )
                 measurement = state.noise_scale.read() if state.noise_scale is not None else None
             if counts is not None:
                 counts.append(dict(counted))
-            measured.append(None if measurement is None else
-                            (measurement.estimate.trace_sigma, measurement.estimate.grad_sq, measurement.replicas))
+            measured.append(
+                None
+                if measurement is None
+                else (measurement.estimate.trace_sigma, measurement.estimate.grad_sq, measurement.replicas)
+            )
         return measured
     finally:
         megatron_ga_ext.uninstall()
@@ -180,13 +210,18 @@ def _refusals(world: int, model, population, generator) -> dict[str, str | None]
     cases = {}
     if world == 2:
         cases["tp2-dp1"] = (Layout(tensor_model_parallel_size=2, data_parallel_size=1, num_microbatches=2), None)
-        if "param_name_patterns_for_fp32_local_accumulation" in {f.name for f in dataclasses.fields(
-                DistributedDataParallelConfig)}:
-            cases["fp32-all"] = (Layout(data_parallel_size=2, num_microbatches=2), DistributedDataParallelConfig(
-                param_name_patterns_for_fp32_local_accumulation=("all",)))
+        if "param_name_patterns_for_fp32_local_accumulation" in {
+            f.name for f in dataclasses.fields(DistributedDataParallelConfig)
+        }:
+            cases["fp32-all"] = (
+                Layout(data_parallel_size=2, num_microbatches=2),
+                DistributedDataParallelConfig(param_name_patterns_for_fp32_local_accumulation=("all",)),
+            )
     else:
-        cases["cp2-dp2"] = (Layout(context_parallel_size=2, data_parallel_size=2, num_microbatches=2,
-                                   model="positionwise"), None)  # CP on the CPU: the local impl has no CP attention
+        cases["cp2-dp2"] = (
+            Layout(context_parallel_size=2, data_parallel_size=2, num_microbatches=2, model="positionwise"),
+            None,
+        )  # CP on the CPU: the local impl has no CP attention
     out = {}
     for name, (layout, ddp_config) in cases.items():
         try:
@@ -212,9 +247,11 @@ def _rank(world: int):
         generator = torch.Generator().manual_seed(11)
         for layout in _layouts(world):
             draws = [_draw(generator, layout.global_batch_size) for _ in range(EXACT_STEPS)]
-            out[layout.name] = {"draws": [d.tolist() for d in draws],
-                                "measured": _run(layout, model, population, draws),
-                                "tied": layout.pipeline_model_parallel_size == 1}
+            out[layout.name] = {
+                "draws": [d.tolist() for d in draws],
+                "measured": _run(layout, model, population, draws),
+                "tied": layout.pipeline_model_parallel_size == 1,
+            }
         out["refused"] = _refusals(world, model, population, generator)
         if world == 2:
             layout = _layouts(2)[0]
@@ -242,8 +279,9 @@ def _reference(sums, counts, rows, layout):
 
     replica_sums, replica_counts = [], []
     for r in range(layout.data_parallel_size):
-        mine = [rows[layout.sample(m, r, j)] for m in range(layout.num_microbatches)
-                for j in range(layout.micro_batch_size)]
+        mine = [
+            rows[layout.sample(m, r, j)] for m in range(layout.num_microbatches) for j in range(layout.micro_batch_size)
+        ]
         replica_sums.append(sums[mine].sum(axis=0))
         replica_counts.append(int(counts[mine].sum()))
     total = sum(replica_counts)
@@ -280,14 +318,23 @@ def test_every_measured_step_equals_its_per_example_reference(runs, world):
             assert replicas == layout.data_parallel_size
             assert measured_reduced == pytest.approx(reduced, rel=1e-5), layout.name
             assert measured_local == pytest.approx(sum(local) / len(local), rel=1e-5), layout.name
-            assert trace == pytest.approx(expected.trace_sigma, rel=1e-3, abs=1e-6 * abs(expected.trace_sigma)), \
+            assert trace == pytest.approx(expected.trace_sigma, rel=1e-3, abs=1e-6 * abs(expected.trace_sigma)), (
                 layout.name
+            )
             errors["reduced"].append(abs(measured_reduced / reduced - 1))
             errors["local"].append(abs(measured_local / (sum(local) / len(local)) - 1))
-        record("noise-scale-gpt", [{
-            "megatron-core": _version(), "Layout": layout.name, "Measured steps": f"{EXACT_STEPS}, unequal b_r",
-            "norm(g)^2: worst relative error": f"{max(errors['reduced']):.1e}",
-            "mean norm(g_r)^2: worst relative error": f"{max(errors['local']):.1e}"}])
+        record(
+            "noise-scale-gpt",
+            [
+                {
+                    "megatron-core": _version(),
+                    "Layout": layout.name,
+                    "Measured steps": f"{EXACT_STEPS}, unequal b_r",
+                    "norm(g)^2: worst relative error": f"{max(errors['reduced']):.1e}",
+                    "mean norm(g_r)^2: worst relative error": f"{max(errors['local']):.1e}",
+                }
+            ],
+        )
 
 
 def test_the_estimates_are_unbiased_against_the_truth_of_the_population(runs):
@@ -306,13 +353,23 @@ def test_the_estimates_are_unbiased_against_the_truth_of_the_population(runs):
         error = values.std(ddof=1) / np.sqrt(len(values))
         assert abs(values.mean() - truth) < 4 * error, (name, values.mean(), truth, error)
         assert error < 0.25 * abs(truth), (name, error, truth)  # the run is long enough to say something
-        shown.append(f"{name}: truth {truth:.4g}, mean estimate {values.mean():.4g} +- {error:.2g} "
-                     f"({(values.mean() - truth) / error:+.1f} SE)")
+        shown.append(
+            f"{name}: truth {truth:.4g}, mean estimate {values.mean():.4g} +- {error:.2g} "
+            f"({(values.mean() - truth) / error:+.1f} SE)"
+        )
     from tools.results import record
 
-    record("noise-scale-gpt", [{
-        "megatron-core": _version(), "Layout": f"{_layouts(2)[0].name}, full-length population",
-        "Measured steps": f"{UNBIASED_STEPS}", "Against the truth": "; ".join(shown)}])
+    record(
+        "noise-scale-gpt",
+        [
+            {
+                "megatron-core": _version(),
+                "Layout": f"{_layouts(2)[0].name}, full-length population",
+                "Measured steps": f"{UNBIASED_STEPS}",
+                "Against the truth": "; ".join(shown),
+            }
+        ],
+    )
 
 
 def test_a_measured_step_adds_one_all_reduce_and_one_host_read_the_others_nothing(runs):
@@ -322,14 +379,16 @@ def test_a_measured_step_adds_one_all_reduce_and_one_host_read_the_others_nothin
     assert len(off) == len(every_other) == 4
     for step, (without, measured) in enumerate(zip(off, every_other), 1):
         extra = 1 if step % 2 == 0 else 0
-        assert measured == {"host_reads": without["host_reads"] + extra,
-                            "all_reduces": without["all_reduces"] + extra}, (step, without, measured)
+        assert measured == {
+            "host_reads": without["host_reads"] + extra,
+            "all_reduces": without["all_reduces"] + extra,
+        }, (step, without, measured)
 
 
 REFUSED = {
     "tp2-dp1": "--ga-noise-scale 1 with data-parallel size 1: the estimate compares each replica's gradient",
     "fp32-all": "--ga-noise-scale with --ddp-param-name-patterns-for-fp32-local-accumulation all: the parameters it "
-                "names accumulate",
+    "names accumulate",
     "cp2-dp2": "--ga-noise-scale with --context-parallel-size 2: the CP shards of one sequence",
 }
 CORE_LOOP = "(A megatron-core loop: the setting as parallel_state and the model's DDP and Transformer configs hold it"

@@ -66,7 +66,7 @@ class _Chunk(torch.nn.Module):
         data = torch.zeros(sum(p.numel() for p in params))
         offset = 0
         for param in params:
-            param.main_grad = data[offset:offset + param.numel()].view_as(param)
+            param.main_grad = data[offset : offset + param.numel()].view_as(param)
             param.main_grad.fill_(1.0)
             offset += param.numel()
         self.bucket = _Bucket(params_list=params, grad_data=data)
@@ -140,8 +140,10 @@ def test_the_coverage_line_gives_the_share_and_the_classes(layout):
     line = meter.coverage([chunk]).line()
     total = chunk.elements(chunk)
     counted = total - chunk.elements(chunk.self_attention.q_layernorm, chunk.self_attention.k_layernorm, chunk.router)
-    assert line.startswith(f"megatron-ga-ext: the noise scale covers {100 * counted / total:.1f}% of this rank's "
-                           f"{total:,} parameter elements ({counted:,}); left out: ")
+    assert line.startswith(
+        f"megatron-ga-ext: the noise scale covers {100 * counted / total:.1f}% of this rank's "
+        f"{total:,} parameter elements ({counted:,}); left out: "
+    )
     assert QK_LAYERNORM in line and TP_AVERAGED in line
 
 
@@ -167,6 +169,7 @@ def test_parameters_finalize_syncs_across_pipeline_stages_are_left_out_at_pp_abo
 
 
 # -- the loss scale: read before the optimizer step ---------------------------------------------------------------
+
 
 class _Fp16Optimizer:
     """A dynamic scaler's optimizer: the step grows the loss scale (as after its growth interval)."""
@@ -215,6 +218,7 @@ def test_without_a_kept_scale_the_optimizers_is_read():
 
 
 # -- local CUDA graphs: wait for the backward replay before reading ------------------------------------------------
+
 
 def test_the_local_read_waits_for_the_graph_replay_event_first(layout, monkeypatch):
     """Upstream's start_grad_sync waits for each parameter's _cudagraph_wgrad_ready_event before it reads the

@@ -61,8 +61,13 @@ def write(tmp_path, iteration: int, state: dict):
     return path
 
 
-EMA = {"version": 1, "decay": 0.95, "trace_sigma_ema": 14.996751701984154, "grad_sq_ema": 1.427371326976292,
-       "updates": 3}
+EMA = {
+    "version": 1,
+    "decay": 0.95,
+    "trace_sigma_ema": 14.996751701984154,
+    "grad_sq_ema": 1.427371326976292,
+    "updates": 3,
+}
 
 
 def test_the_sidecar_is_version_2_with_stages(tmp_path):
@@ -83,7 +88,7 @@ def test_the_docs_example_is_read(tmp_path):
     from pathlib import Path
 
     docs = (Path(__file__).parents[1] / "docs" / "noise-scale.md").read_text()
-    example = docs[docs.index("megatron_ga_ext_noise_scale.json`"):].split("```json\n", 1)[1].split("\n```")[0]
+    example = docs[docs.index("megatron_ga_ext_noise_scale.json`") :].split("```json\n", 1)[1].split("\n```")[0]
     state = json.loads(example)
     write(tmp_path, state["iteration"], state)
     resumed = meter(decay=state["ema"]["decay"])
@@ -91,15 +96,22 @@ def test_the_docs_example_is_read(tmp_path):
     assert resumed.measurements == state["measurements"]
 
 
-@pytest.mark.parametrize("state, message", [
-    ({"version": 3, "iteration": 3, "ema": EMA, "measurements": 3, "stages": None},
-     r"has version 3; this release reads versions 1 and 2"),
-    ({"version": "2"}, r"has version '2'; this release reads versions 1 and 2"),
-    ([1, 2], r"has version None; this release reads versions 1 and 2"),
-    ({"version": 2, "iteration": 3, "ema": EMA, "measurements": 3},
-     r"is a version-2 sidecar with keys \['ema', 'iteration', 'measurements', 'version'\], not "
-     r"\['ema', 'iteration', 'measurements', 'stages', 'version'\]"),
-])
+@pytest.mark.parametrize(
+    "state, message",
+    [
+        (
+            {"version": 3, "iteration": 3, "ema": EMA, "measurements": 3, "stages": None},
+            r"has version 3; this release reads versions 1 and 2",
+        ),
+        ({"version": "2"}, r"has version '2'; this release reads versions 1 and 2"),
+        ([1, 2], r"has version None; this release reads versions 1 and 2"),
+        (
+            {"version": 2, "iteration": 3, "ema": EMA, "measurements": 3},
+            r"is a version-2 sidecar with keys \['ema', 'iteration', 'measurements', 'version'\], not "
+            r"\['ema', 'iteration', 'measurements', 'stages', 'version'\]",
+        ),
+    ],
+)
 def test_an_unknown_version_is_refused_naming_the_file(tmp_path, state, message):
     path = write(tmp_path, 3, state)
     with pytest.raises(NoiseScaleError, match=rf"^the noise-scale state {path} {message}"):
@@ -117,8 +129,9 @@ def installation(monkeypatch, tmp_path, **megatron):
     from megatron_ga_ext.integration import compat
     from megatron_ga_ext.integration.installation import Installation
 
-    args = argparse.Namespace(save=str(tmp_path / "save"), load=str(tmp_path / "save"), consumed_train_samples=0,
-                              **megatron)
+    args = argparse.Namespace(
+        save=str(tmp_path / "save"), load=str(tmp_path / "save"), consumed_train_samples=0, **megatron
+    )
     monkeypatch.setattr(compat, "megatron_args", lambda: args)
     config = GAConfig(noise_scale=1)
     state = Installation(config=config, version="test")
@@ -130,8 +143,9 @@ def save(state, iteration: int, non_persistent: bool) -> None:
     """Megatron-LM's save_checkpoint(iteration, ...) of nothing, through the extension's wrapper (the save row)."""
     from megatron_ga_ext.integration import megatron_lm
 
-    megatron_lm.saving_sidecar(lambda *args, **kwargs: None, state)(iteration, [], None, None, 0,
-                                                                  non_persistent_ckpt=non_persistent)
+    megatron_lm.saving_sidecar(lambda *args, **kwargs: None, state)(
+        iteration, [], None, None, 0, non_persistent_ckpt=non_persistent
+    )
 
 
 def load(state, iteration: int) -> None:
@@ -175,7 +189,8 @@ def test_a_persistent_checkpoint_beside_non_persistent_ones_is_read_from_load(mo
 
 
 def test_a_local_non_persistent_checkpoint_gets_none(monkeypatch, tmp_path):
-    saving = installation(monkeypatch, tmp_path, non_persistent_ckpt_type="local",
-                          non_persistent_local_ckpt_dir=str(tmp_path / "local"))
+    saving = installation(
+        monkeypatch, tmp_path, non_persistent_ckpt_type="local", non_persistent_local_ckpt_dir=str(tmp_path / "local")
+    )
     save(saving, 6, non_persistent=True)
     assert not list(tmp_path.rglob(SIDECAR))

@@ -93,8 +93,11 @@ def test_an_evaluation_call_checks_the_schedulers_count_too():
 def test_a_call_with_another_count_than_the_schedulers_is_stopped_before_it_runs(wrong):
     counter = MicrobatchCounter()
     counter.schedule(3, NUM_MICROBATCHES)
-    with pytest.raises(GuardError, match=r"num_microbatches=\d+, but the sequence-packing scheduler "
-                                         r"\(--sequence-packing-scheduler\) packed this step's samples into 3 "):
+    with pytest.raises(
+        GuardError,
+        match=r"num_microbatches=\d+, but the sequence-packing scheduler "
+        r"\(--sequence-packing-scheduler\) packed this step's samples into 3 ",
+    ):
         counter.check_scheduled(wrong)
     assert counter.scheduled is None  # the refused call took it: the next step's count is its own
 
@@ -120,14 +123,34 @@ def test_a_pp_multiplied_count_is_still_named_without_the_scheduler():
 
 # -- megatron-ga check reads both flags -----------------------------------------------------------------------
 
-PACKED_LINE = ["torchrun", "--nproc-per-node", "2", "-m", "megatron_ga_ext", "pretrain_gpt.py",
-               "--micro-batch-size", "1", "--global-batch-size", "16", "--seq-length", "4096",
-               "--max-seqlen-per-dp-cp-rank", "8192", "--calculate-per-token-loss"]
+PACKED_LINE = [
+    "torchrun",
+    "--nproc-per-node",
+    "2",
+    "-m",
+    "megatron_ga_ext",
+    "pretrain_gpt.py",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "16",
+    "--seq-length",
+    "4096",
+    "--max-seqlen-per-dp-cp-rank",
+    "8192",
+    "--calculate-per-token-loss",
+]
 
 
-@pytest.mark.parametrize("flags", [["--use-varlen-dataset"], ["--sequence-packing-scheduler", "dp_balanced"],
-                                   ["--use-varlen-dataset", "--sequence-packing-scheduler", "dp_balanced"]],
-                         ids=["varlen", "scheduler", "both"])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--use-varlen-dataset"],
+        ["--sequence-packing-scheduler", "dp_balanced"],
+        ["--use-varlen-dataset", "--sequence-packing-scheduler", "dp_balanced"],
+    ],
+    ids=["varlen", "scheduler", "both"],
+)
 def test_check_reads_the_packing_flags(flags, capsys):
     status = main(["check", "--json", "--", *PACKED_LINE, *flags])
     report = json.loads(capsys.readouterr().out)
@@ -170,12 +193,43 @@ def _samples(step: int) -> list[dict]:
 
 
 def _megatron_argv() -> list[str]:
-    return ["pretrain_gpt.py", "--micro-batch-size", str(MBS), "--global-batch-size", str(GBS),
-            "--seq-length", "16", "--max-position-embeddings", "16", "--num-layers", "1", "--hidden-size", "32",
-            "--num-attention-heads", "4", "--vocab-size", "64", "--tokenizer-type", "NullTokenizer", "--mock-data",
-            "--calculate-per-token-loss", "--use-varlen-dataset", "--max-seqlen-per-dp-cp-rank", str(MAX_SEQLEN),
-            "--train-iters", str(len(LENGTH_RANGES)), "--lr", "0.01", "--distributed-backend", "gloo",
-            "--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--clip-grad", "0"]
+    return [
+        "pretrain_gpt.py",
+        "--micro-batch-size",
+        str(MBS),
+        "--global-batch-size",
+        str(GBS),
+        "--seq-length",
+        "16",
+        "--max-position-embeddings",
+        "16",
+        "--num-layers",
+        "1",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--vocab-size",
+        "64",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--mock-data",
+        "--calculate-per-token-loss",
+        "--use-varlen-dataset",
+        "--max-seqlen-per-dp-cp-rank",
+        str(MAX_SEQLEN),
+        "--train-iters",
+        str(len(LENGTH_RANGES)),
+        "--lr",
+        "0.01",
+        "--distributed-backend",
+        "gloo",
+        "--transformer-impl",
+        "local",
+        "--no-gradient-accumulation-fusion",
+        "--clip-grad",
+        "0",
+    ]
 
 
 def packed_rank_main() -> dict:
@@ -239,12 +293,18 @@ def _packed_rank_main() -> dict:
     def rank_samples(step: int) -> list[dict]:
         """This rank's micro-batches of the step, as VarlenDataset gives them (one unpacked sample each)."""
         out = []
-        for sample in _samples(step)[dp_rank * NUM_MICROBATCHES:(dp_rank + 1) * NUM_MICROBATCHES]:
+        for sample in _samples(step)[dp_rank * NUM_MICROBATCHES : (dp_rank + 1) * NUM_MICROBATCHES]:
             length = len(sample["tokens"])
-            out.append({"tokens": torch.tensor(sample["tokens"]), "labels": torch.tensor(sample["labels"]),
-                        "loss_mask": torch.tensor(sample["loss_mask"], dtype=torch.float),
-                        "position_ids": torch.arange(length), "original_seq_len": torch.tensor([length]),
-                        "padded_seq_len": torch.tensor([length])})
+            out.append(
+                {
+                    "tokens": torch.tensor(sample["tokens"]),
+                    "labels": torch.tensor(sample["labels"]),
+                    "loss_mask": torch.tensor(sample["loss_mask"], dtype=torch.float),
+                    "position_ids": torch.arange(length),
+                    "original_seq_len": torch.tensor([length]),
+                    "padded_seq_len": torch.tensor([length]),
+                }
+            )
         return out
 
     def forward_step(data_iterator, model):
@@ -260,6 +320,7 @@ def _packed_rank_main() -> dict:
             if count is not None:
                 kwargs["num_microbatches"] = count(kwargs["num_microbatches"])
             return forward_backward_func(**kwargs)
+
         return call
 
     schedule = get_forward_backward_func()
@@ -273,29 +334,52 @@ def _packed_rank_main() -> dict:
         before = build_positionwise(ModelConfig(seq_length=16), config)[0]
         before.load_state_dict(ddp.module.state_dict())
         iterator = RerunDataIterator(iter(rank_samples(step)))
-        training.train_step(forward_step, iterator, [ddp], optimizer, LearningRate(), config, recording(schedule),
-                            iteration=step)
-        args.consumed_train_samples += (parallel_state.get_data_parallel_world_size() * args.micro_batch_size
-                                        * calculators.get_num_microbatches())
+        training.train_step(
+            forward_step, iterator, [ddp], optimizer, LearningRate(), config, recording(schedule), iteration=step
+        )
+        args.consumed_train_samples += (
+            parallel_state.get_data_parallel_world_size() * args.micro_batch_size * calculators.get_num_microbatches()
+        )
         grads = {name: param.main_grad.clone() for name, param in ddp.module.named_parameters()}
-        rows.append({"packed": called[-1], "forward_steps": sorted(state.counter.counts.values()),
-                     "num_microbatches": calculators.get_num_microbatches(),
-                     "consumed": args.consumed_train_samples, "N": state.finalize.last_num_tokens,
-                     "rel_err": _relative_error(grads, _reference_grads(before, _samples(step)))})
+        rows.append(
+            {
+                "packed": called[-1],
+                "forward_steps": sorted(state.counter.counts.values()),
+                "num_microbatches": calculators.get_num_microbatches(),
+                "consumed": args.consumed_train_samples,
+                "N": state.finalize.last_num_tokens,
+                "rel_err": _relative_error(grads, _reference_grads(before, _samples(step))),
+            }
+        )
     errors = []
-    for name, count in (("calculator's count", lambda packed: calculators.get_num_microbatches()),
-                        ("one fewer", lambda packed: packed - 1)):
+    for name, count in (
+        ("calculator's count", lambda packed: calculators.get_num_microbatches()),
+        ("one fewer", lambda packed: packed - 1),
+    ):
         iterator = RerunDataIterator(iter(rank_samples(0)))
         try:
-            training.train_step(forward_step, iterator, [ddp], optimizer, LearningRate(), config,
-                                recording(schedule, count), iteration=len(rows))
+            training.train_step(
+                forward_step,
+                iterator,
+                [ddp],
+                optimizer,
+                LearningRate(),
+                config,
+                recording(schedule, count),
+                iteration=len(rows),
+            )
         except GuardError as error:
             errors.append((name, str(error)))
             get_rerun_state_machine().state = RerunState.NOT_RUNNING_YET  # Megatron would have stopped here
         else:
             errors.append((name, None))
-    result = {"rows": rows, "increments": increments, "errors": errors, "hooked": hooked,
-              "installed": installed() is state}
+    result = {
+        "rows": rows,
+        "increments": increments,
+        "errors": errors,
+        "hooked": hooked,
+        "installed": installed() is state,
+    }
     megatron_ga_ext.uninstall()
     result["restored"] = getattr(training.wrap_data_iterator, "__wrapped__", None) is None
     return result
@@ -327,8 +411,10 @@ def _relative_error(grads: dict, reference: dict) -> float:
 @pytest.mark.slow
 def test_upstream_train_step_with_the_packing_scheduler_through_install():
     if not _has_scheduler_in_train_step():
-        pytest.skip("this source's train_step does not run the sequence-packing scheduler (Megatron-LM main after "
-                    "d98e8a64, #6742)")
+        pytest.skip(
+            "this source's train_step does not run the sequence-packing scheduler (Megatron-LM main after "
+            "d98e8a64, #6742)"
+        )
     from megatron_ga_ext.testing.distributed import LaunchConfig, run_on_ranks
 
     result = run_on_ranks(packed_rank_main, world_size=DP, config=LaunchConfig(timeout_s=240))[0]

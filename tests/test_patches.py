@@ -24,14 +24,19 @@ pytestmark = pytest.mark.slow
 
 
 def patches(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "patches" / "patches.py"), *args],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "patches" / "patches.py"), *args], capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.fixture(scope="module")
 def sources() -> Path:
-    subprocess.run(["bash", str(ROOT / "tools" / "unpack-wheels.sh"), str(SOURCES)], check=True,
-                   env={**os.environ, "PYTHON": sys.executable}, timeout=600)
+    subprocess.run(
+        ["bash", str(ROOT / "tools" / "unpack-wheels.sh"), str(SOURCES)],
+        check=True,
+        env={**os.environ, "PYTHON": sys.executable},
+        timeout=600,
+    )
     return SOURCES
 
 
@@ -45,8 +50,12 @@ def test_every_patch_is_current_and_applies_cleanly(sources):
 
 def test_pretrain_gpt_patch_checks_a_named_checkout_or_says_it_skipped():
     env = {k: v for k, v in os.environ.items() if k != "MEGATRON_LM_DIR"}
-    result = subprocess.run([sys.executable, str(ROOT / "patches" / "patches.py"), "check-megatron-lm"],
-                            capture_output=True, text=True, env=env)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "patches" / "patches.py"), "check-megatron-lm"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert result.returncode == 0 and "skipped: set MEGATRON_LM_DIR" in result.stdout
     checkout = os.environ.get("MEGATRON_LM_DIR")
     if checkout:
@@ -66,6 +75,12 @@ def test_patched_tree_behaves_without_install(sources, tmp_path, version):
     )
     # python -c puts its cwd first on sys.path, so ROOT makes `tests` importable; PYTHONPATH puts the patched
     # megatron before the installed one
-    result = subprocess.run([sys.executable, "-c", code, str(tree)], capture_output=True, text=True, timeout=300,
-                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(tree)})
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(tree)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(tree)},
+    )
     assert result.returncode == 0 and "vendored ok" in result.stdout, result.stderr[-3000:]

@@ -33,8 +33,16 @@ def test_a_ramp_past_the_listed_limit_is_described():
     assert isinstance(small.entries, tuple) and len(small.stages) == 127
 
 
-@pytest.mark.parametrize("ramp", [(1, 1, 10**6, 10**12), (16, 8, 300000, 10**12), (1, 1, 10**15, 10**12),
-                                  (3, 2, 10**12 + 7, 2 * 10**5 + 3), (5, 5, 12345, 5 * 20001)])
+@pytest.mark.parametrize(
+    "ramp",
+    [
+        (1, 1, 10**6, 10**12),
+        (16, 8, 300000, 10**12),
+        (1, 1, 10**15, 10**12),
+        (3, 2, 10**12 + 7, 2 * 10**5 + 3),
+        (5, 5, 12345, 5 * 20001),
+    ],
+)
 def test_lookups_follow_upstreams_float_arithmetic(ramp):
     samples = ramp[2]
     schedule = StepSchedule.from_rampup(*ramp)
@@ -87,8 +95,15 @@ def _brute_force(ramp: RampStages, current: int, layout: CheckLayout):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(1, 40), st.integers(1, 24), st.integers(1, 60), st.integers(1, 4), st.integers(1, 8),
-       st.sampled_from([(1, 1, None), (2, 2, None), (4, 2, None), (4, 2, 6), (3, 3, 5)]), st.data())
+@given(
+    st.integers(1, 40),
+    st.integers(1, 24),
+    st.integers(1, 60),
+    st.integers(1, 4),
+    st.integers(1, 8),
+    st.sampled_from([(1, 1, None), (2, 2, None), (4, 2, None), (4, 2, 6), (3, 3, 5)]),
+    st.data(),
+)
 def test_closed_form_problems_equal_stage_by_stage(start, increment, steps, mbs, dp, pipeline, data):
     pp, vpp, group = pipeline
     ramp = RampStages(start, increment, 997, start + steps * increment)
@@ -111,7 +126,9 @@ def test_closed_form_checks_of_a_trillion_stages_are_instant():
     n = (10**12 - 16) // 8
     multiples = (n - 1) // 3 + 1
     assert [(p.index, p.count, type(p.error)) for p in found] == [
-        (0, 1, ScheduleError), (1, multiples - multiples // 4, InterleaveError), (2, n - multiples, ScheduleError),
+        (0, 1, ScheduleError),
+        (1, multiples - multiples // 4, InterleaveError),
+        (2, n - multiples, ScheduleError),
     ]
     assert str(found[2].error).endswith(f"(So do {n - multiples - 1:,} later stages of the ramp.)")
     others = n - multiples // 4 - 1 + 1

@@ -42,12 +42,17 @@ def test_an_unchanged_tree_matches_its_tested_source_and_a_changed_function_is_n
 def test_drift_lists_the_unclassified_flags_and_the_changed_functions(tmp_path, monkeypatch, capsys):
     root = checkout(tmp_path / "checkout")
     monkeypatch.setattr(regress, "nearest_tree", lambda name: root)
-    monkeypatch.setattr(regress, "parser_flags", lambda roots: {
-        root: ["--lr", "--cuda-graph-impl", "--zz-new-loss-flag", "--zz-old-but-unlisted"]})
+    monkeypatch.setattr(
+        regress,
+        "parser_flags",
+        lambda roots: {root: ["--lr", "--cuda-graph-impl", "--zz-new-loss-flag", "--zz-old-but-unlisted"]},
+    )
     assert regress.drift([root]) == 0
     out = capsys.readouterr().out
-    assert "2 flag(s) of its parser that neither a row of the coverage table (config/coverage/) nor the off-path " \
-           "list (config/off_path.py) names" in out
+    assert (
+        "2 flag(s) of its parser that neither a row of the coverage table (config/coverage/) nor the off-path "
+        "list (config/off_path.py) names" in out
+    )
     # a row names --cuda-graph-impl, the off-path list --lr; a flag is listed whoever else has it
     assert "  --zz-new-loss-flag\n" in out and "  --zz-old-but-unlisted\n" in out
     assert "--cuda-graph-impl" not in out and "  --lr\n" not in out
@@ -83,15 +88,20 @@ def test_callers_are_the_functions_that_name_a_hooked_function_and_their_changes
     changed = SCHEDULE_CALLER.replace("return forward_backward_func(config)", "return None  # a replayed graph")
     (new / "megatron" / "training" / "loop.py").write_text(changed.replace("def finalize(", "def finalize_v2("))
     (new / "pretrain_moe.py").write_text(
-        "def train(model):\n    return model.build_schedule_plan(model.config.finalize_model_grads_func)\n")
+        "def train(model):\n    return model.build_schedule_plan(model.config.finalize_model_grads_func)\n"
+    )
     assert regress.changed_callers(new, old) == [
-        "megatron.training.loop:Loop.step", "megatron.training.loop:finalize_v2 (new)",
-        "pretrain_moe:train (new)", "megatron.training.loop:finalize (gone)"]
+        "megatron.training.loop:Loop.step",
+        "megatron.training.loop:finalize_v2 (new)",
+        "pretrain_moe:train (new)",
+        "megatron.training.loop:finalize (gone)",
+    ]
 
 
 def test_drift_report_names_both_kinds():
-    report = regress.drift_report("main@abc", [], "0.19.2", [f"{FINALIZE}.finalize_model_grads"],
-                                  ["megatron.training.training:train_step"])
+    report = regress.drift_report(
+        "main@abc", [], "0.19.2", [f"{FINALIZE}.finalize_model_grads"], ["megatron.training.training:train_step"]
+    )
     assert report.splitlines() == [
         "== drift of main@abc against the tested sources ==",
         "every flag of its parser is named by a coverage row or the off-path list",
@@ -100,6 +110,7 @@ def test_drift_report_names_both_kinds():
         f"  {FINALIZE}.finalize_model_grads",
         "1 caller(s) of hooked functions changed since 0.19.2; read each for a path that reaches the step without "
         "the hooks (a row of the coverage table, or a hook):",
-        "  megatron.training.training:train_step"]
+        "  megatron.training.training:train_step",
+    ]
     unseen = regress.drift_report("main@abc", [], "0.19.2", [], None).splitlines()[-1]
     assert unseen == f"callers not compared: no snapshot of 0.19.2 in {regress.snapshot_dir()}"

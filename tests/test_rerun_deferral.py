@@ -23,13 +23,16 @@ def finalize(monkeypatch, **args) -> finalizing.FinalizeModelGrads:
     return finalizing.FinalizeModelGrads(lambda *a, **k: None, LossContract(), GAConfig())
 
 
-@pytest.mark.parametrize("args, judged", [
-    ({"rerun_mode": "validate_results", "check_for_nan_in_loss_and_grad": True}, True),
-    ({"rerun_mode": "report_stats", "check_for_nan_in_loss_and_grad": True}, False),  # refused at start-up
-    ({"rerun_mode": "validate_results", "check_for_nan_in_loss_and_grad": False}, False),
-    ({"rerun_mode": "disabled", "check_for_nan_in_loss_and_grad": True}, False),
-    ({}, False),  # a megatron-core loop: no rerun machine judges it
-])
+@pytest.mark.parametrize(
+    "args, judged",
+    [
+        ({"rerun_mode": "validate_results", "check_for_nan_in_loss_and_grad": True}, True),
+        ({"rerun_mode": "report_stats", "check_for_nan_in_loss_and_grad": True}, False),  # refused at start-up
+        ({"rerun_mode": "validate_results", "check_for_nan_in_loss_and_grad": False}, False),
+        ({"rerun_mode": "disabled", "check_for_nan_in_loss_and_grad": True}, False),
+        ({}, False),  # a megatron-core loop: no rerun machine judges it
+    ],
+)
 def test_a_nonfinite_loss_is_megatrons_only_where_its_check_runs(monkeypatch, args, judged):
     step = finalize(monkeypatch, **args)
     assert finalizing.megatron_judges_nonfinite() is judged
@@ -47,8 +50,11 @@ def test_a_finite_rerun_clears_the_deferral_and_a_deferred_step_stops_at_the_opt
     step.check_deferred()  # nothing to stop at the optimizer step
     assert step.last_deferred.iteration == 3  # until its decision is reported
     step._judged(NAN, 1)  # the first iteration: Megatron does not validate it, the step goes on to the optimizer
-    with pytest.raises(LossContractError, match=r"^iteration 1: 1 micro-batch\(es\) returned a non-finite loss .* "
-                                                r"Megatron's rerun state machine let the step reach the optimizer"):
+    with pytest.raises(
+        LossContractError,
+        match=r"^iteration 1: 1 micro-batch\(es\) returned a non-finite loss .* "
+        r"Megatron's rerun state machine let the step reach the optimizer",
+    ):
         step.check_deferred()
     step._judged(NAN, 4)  # --ga-checks async: read late, then the next iteration's verdict comes
     with pytest.raises(LossContractError, match=r"^iteration 4: "):
@@ -61,12 +67,15 @@ def test_a_contract_violation_is_not_deferred(monkeypatch):
     assert checks.nonfinite == 1 and step.deferred is None
 
 
-@pytest.mark.parametrize("decision, words", [
-    ((False, True, 17), "exit with code 17"),
-    ((True, True, 16), "save a checkpoint and exit with code 16"),
-    ((True, False, 0), "save a checkpoint and go on"),
-    ((False, False, 0), "go on training"),
-])
+@pytest.mark.parametrize(
+    "decision, words",
+    [
+        ((False, True, 17), "exit with code 17"),
+        ((True, True, 16), "save a checkpoint and exit with code 16"),
+        ((True, False, 0), "save a checkpoint and go on"),
+        ((False, False, 0), "go on training"),
+    ],
+)
 def test_megatrons_decision_in_words(decision, words):
     assert describe_decision(*decision) == words
 

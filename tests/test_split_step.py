@@ -69,8 +69,14 @@ def _rank_main(pattern: str, calculator: bool) -> list[dict]:
             optimizer.zero_grad()
             split_step(pattern, ddp, config, layout, cfg, batch)
             error = relative_error(gradients(ddp, names), reference)
-            rows.append({"N": state.finalize.last_num_tokens, "rel_err": error, "tokens": int(batch.loss_mask.sum()),
-                         "stepped": optimizer.step()[0]})
+            rows.append(
+                {
+                    "N": state.finalize.last_num_tokens,
+                    "rel_err": error,
+                    "tokens": int(batch.loss_mask.sum()),
+                    "stepped": optimizer.step()[0],
+                }
+            )
         return rows
     finally:
         megatron_ga_ext.uninstall()
@@ -97,9 +103,14 @@ def split_step(pattern: str, ddp, config, layout, cfg, batch) -> None:
     def call(part: list, finalize, *, forward_only: bool = False) -> None:
         config.finalize_model_grads_func = finalize
         get_forward_backward_func()(
-            forward_step_func=partial(_forward_step, loss_func=masked_loss), data_iterator=iter(part), model=[ddp],
-            num_microbatches=len(part), seq_length=cfg.model.seq_length, micro_batch_size=layout.micro_batch_size,
-            forward_only=forward_only)
+            forward_step_func=partial(_forward_step, loss_func=masked_loss),
+            data_iterator=iter(part),
+            model=[ddp],
+            num_microbatches=len(part),
+            seq_length=cfg.model.seq_length,
+            micro_batch_size=layout.micro_batch_size,
+            forward_only=forward_only,
+        )
 
     last = finalize_model_grads if pattern != "finalize-after" else None
     call(data[:SPLIT], finalize_model_grads if pattern == "finalize-per-call" else None)
@@ -115,27 +126,36 @@ def launch(pattern: str, *, calculator: bool) -> list[list[dict]]:
 
 
 def test_a_finalize_on_every_call_of_a_split_step_is_stopped_at_the_second():
-    with pytest.raises(GuardError, match=(
+    with pytest.raises(
+        GuardError,
+        match=(
             r"^megatron-ga-ext's finalize_model_grads ran 2 times in this training step before its optimizer step: "
             r"the step is split over several forward_backward_func calls, each running finalize_model_grads .*"
             r"Each finalize all-reduces the partial gradients accumulated so far and divides them by a partial token "
             r"count .* Run one forward_backward_func call per optimizer step with all of its micro-batches .* set "
             r"config\.finalize_model_grads_func on its last call only \(None on the others\), or leave it None and "
-            r"call megatron\.core\.distributed\.finalize_model_grads once after the last call")):
+            r"call megatron\.core\.distributed\.finalize_model_grads once after the last call"
+        ),
+    ):
         launch("finalize-per-call", calculator=False)
 
 
 def test_with_the_calculator_the_guard_stops_the_first_finalized_call_and_says_how_to_split():
-    with pytest.raises(GuardError, match=(
+    with pytest.raises(
+        GuardError,
+        match=(
             r"^forward_backward_func was called with num_microbatches=2, but the calculator's num_microbatches = GBS / "
             r"\(MBS x DP\) is 4\. Where a step is split over several forward_backward_func calls, only its last call "
             r"may run finalize_model_grads \(config\.finalize_model_grads_func None on the others; .*\), and the "
-            r"calls' counts add up to 4\.")):
+            r"calls' counts add up to 4\."
+        ),
+    ):
         launch("finalize-per-call", calculator=True)
 
 
-@pytest.mark.parametrize("pattern, calculator", [("finalize-on-last", True), ("finalize-after", True),
-                                                 ("finalize-on-last", False)])
+@pytest.mark.parametrize(
+    "pattern, calculator", [("finalize-on-last", True), ("finalize-after", True), ("finalize-on-last", False)]
+)
 def test_a_split_step_with_one_finalize_trains_as_one_step(pattern, calculator):
     ranks = launch(pattern, calculator=calculator)
     for rows in ranks:

@@ -28,16 +28,19 @@ from megatron_ga_ext.integration.guards import GuardedCalculator
 from megatron_ga_ext.integration.lifecycle import install
 from megatron_ga_ext.integration.megatron_lm import planned_train_iters
 
-STEP_SCHEDULES = "step_batch_size_schedule" in inspect.signature(
-    calculators.init_num_microbatches_calculator).parameters
+STEP_SCHEDULES = (
+    "step_batch_size_schedule" in inspect.signature(calculators.init_num_microbatches_calculator).parameters
+)
 
 pytestmark = pytest.mark.usefixtures("clean_install")
 
 #: Each case: Megatron's flags, and the global batch size at 0, 48, 64 and 96 consumed samples.
 CASES = {
     "step schedule": (["--step-batch-size-schedule", "0:16 256:32", "--seq-length", "4"], [16, 16, 32, 32]),
-    "converted rampup": (["--rampup-batch-size", "16", "16", "64", "--global-batch-size", "32",
-                          "--ga-convert-rampup"], [16, 16, 32, 32]),
+    "converted rampup": (
+        ["--rampup-batch-size", "16", "16", "64", "--global-batch-size", "32", "--ga-convert-rampup"],
+        [16, 16, 32, 32],
+    ),
     "constant": (["--global-batch-size", "16"], [16, 16, 16, 16]),
 }
 
@@ -63,13 +66,31 @@ def global_vars(monkeypatch):
 def parse_and_validate_args(global_vars, flags: list[str]) -> argparse.Namespace:
     """#7418's parse_and_validate_args: parse, validate (the default GBS = MBS x DP) and register; no calculator."""
     parser = argparse.ArgumentParser()
-    for flag in ("--global-batch-size", "--micro-batch-size", "--data-parallel-size", "--seq-length",
-                 "--pipeline-model-parallel-size", "--consumed-train-samples", "--train-samples", "--train-iters"):
+    for flag in (
+        "--global-batch-size",
+        "--micro-batch-size",
+        "--data-parallel-size",
+        "--seq-length",
+        "--pipeline-model-parallel-size",
+        "--consumed-train-samples",
+        "--train-samples",
+        "--train-iters",
+    ):
         parser.add_argument(flag, type=int)
     parser.add_argument("--rampup-batch-size", nargs=3)
     parser.add_argument("--calculate-per-token-loss", action="store_true")
-    args = add_args(parser).parse_args(["--calculate-per-token-loss", "--micro-batch-size", "2",
-                                        "--data-parallel-size", "4", "--pipeline-model-parallel-size", "2", *flags])
+    args = add_args(parser).parse_args(
+        [
+            "--calculate-per-token-loss",
+            "--micro-batch-size",
+            "2",
+            "--data-parallel-size",
+            "4",
+            "--pipeline-model-parallel-size",
+            "2",
+            *flags,
+        ]
+    )
     if args.global_batch_size is None and (args.step_batch_size_schedule is None or not STEP_SCHEDULES):
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size  # 0.16/0.17 know no schedule
     args.rank = 0
@@ -80,12 +101,17 @@ def parse_and_validate_args(global_vars, flags: list[str]) -> argparse.Namespace
 def initialize_runtime_services(args: argparse.Namespace) -> None:
     """#7418's initialize_runtime_services, as far as the calculator goes (its first service): megatron-core's
     init_num_microbatches_calculator with the args' keywords; 0.16/0.17 take no schedule and pass the rampup."""
-    common = {"rank": args.rank, "global_batch_size": args.global_batch_size,
-              "micro_batch_size": args.micro_batch_size, "data_parallel_size": args.data_parallel_size,
-              "decrease_batch_size_if_needed": False}
+    common = {
+        "rank": args.rank,
+        "global_batch_size": args.global_batch_size,
+        "micro_batch_size": args.micro_batch_size,
+        "data_parallel_size": args.data_parallel_size,
+        "decrease_batch_size_if_needed": False,
+    }
     if STEP_SCHEDULES:
         calculators.init_num_microbatches_calculator(
-            **common, step_batch_size_schedule=args.step_batch_size_schedule, seq_length=args.seq_length)
+            **common, step_batch_size_schedule=args.step_batch_size_schedule, seq_length=args.seq_length
+        )
     else:
         calculators.init_num_microbatches_calculator(**common, rampup_batch_size=args.rampup_batch_size)
 

@@ -42,7 +42,10 @@ def test_decimal_suffix_is_exact_where_upstream_float_is_not():
 
 def test_suffix_cases_and_both_sides():
     assert StepSchedule.parse("0:1K 1.5m:2k 2B:4K 3t:8k").stages == [
-        (0, 1000), (1_500_000, 2000), (2_000_000_000, 4000), (3_000_000_000_000, 8000)
+        (0, 1000),
+        (1_500_000, 2000),
+        (2_000_000_000, 4000),
+        (3_000_000_000_000, 8000),
     ]
 
 
@@ -60,11 +63,19 @@ E = "--step-batch-size-schedule entry"
 @pytest.mark.parametrize(
     "text, seq_length, error, message",
     [
-        ("0:8 100:16.5", None, ScheduleParseError,
-         rf"{E} 2 '100:16.5': batch size '16.5' = 16.5 is not a whole number of samples \(upstream would silently "
-         r"truncate it to 16\); write 16 or 17"),
-        ("0:8 1.5:16", None, ScheduleParseError,
-         rf"{E} 2 '1.5:16': threshold '1.5' = 1.5 is not a whole number of samples; write 1 or 2"),
+        (
+            "0:8 100:16.5",
+            None,
+            ScheduleParseError,
+            rf"{E} 2 '100:16.5': batch size '16.5' = 16.5 is not a whole number of samples \(upstream would silently "
+            r"truncate it to 16\); write 16 or 17",
+        ),
+        (
+            "0:8 1.5:16",
+            None,
+            ScheduleParseError,
+            rf"{E} 2 '1.5:16': threshold '1.5' = 1.5 is not a whole number of samples; write 1 or 2",
+        ),
         ("0:8 1.5:16", 4096, ScheduleParseError, r"threshold '1.5' = 1.5 is not a whole number of tokens"),
         ("0:nan", None, ScheduleParseError, rf"{E} 1 '0:nan': batch size 'nan' is not a finite number"),
         ("0:8 NaN:16", None, ScheduleParseError, rf"{E} 2 'NaN:16': threshold 'NaN' is not a finite number"),
@@ -77,32 +88,61 @@ E = "--step-batch-size-schedule entry"
         ("0:8 nanK:16", None, ScheduleParseError, r"threshold 'nanK' is not a finite number"),
         ("0:8 -100:16", None, ScheduleError, rf"{E} 2 '-100:16': threshold '-100' is negative.*use >= 0"),
         ("0:-8", None, ScheduleError, rf"{E} 1 '0:-8': batch size '-8' is negative"),
-        ("0:8 1G:16", None, ScheduleParseError,
-         rf"{E} 2 '1G:16': threshold '1G' has an unknown suffix 'G'; the suffixes are K \(1e3\), M \(1e6\), "
-         r"B \(1e9\) and T \(1e12\)"),
+        (
+            "0:8 1G:16",
+            None,
+            ScheduleParseError,
+            rf"{E} 2 '1G:16': threshold '1G' has an unknown suffix 'G'; the suffixes are K \(1e3\), M \(1e6\), "
+            r"B \(1e9\) and T \(1e12\)",
+        ),
         ("0:8 100:abc", None, ScheduleParseError, rf"{E} 2 '100:abc': batch size 'abc' is not a number"),
         ("0:8 1e400:16", None, ScheduleParseError, r"threshold '1e400' is larger than 1e30"),
         ("", None, ScheduleError, r"--step-batch-size-schedule is empty; give at least one THRESHOLD:BATCH_SIZE entry"),
         (" , ", None, ScheduleError, r"--step-batch-size-schedule is empty"),
-        ("100:8 200:16", None, ScheduleError,
-         rf"{E} 1 '100:8' \(from 100 samples, global batch size 8\) is the first entry but its threshold is not 0.*"
-         r"Begin the schedule with '0:8'"),
-        ("100:8", 4096, ScheduleError,
-         r"^--step-batch-size-schedule entry 1 '100:8' \(from 100 tokens = 0 samples, global batch size 8\) is the "
-         r"first entry; its threshold of 100 tokens becomes 0 samples \(100 // --seq-length 4096\), the start of "
-         r"training, "
-         r"but the first threshold must be written as 0\. Write '0:8'\.$"),
-        ("8192:8", 4096, ScheduleError, r"entry 1 '8192:8' \(from 8,192 tokens = 2 samples.*threshold is not 0, so no "
-                                        r"batch size is set for the start of training"),
-        ("0:8 300:32 200:16", None, ScheduleError,
-         rf"{E} 3 '200:16' \(from 200 samples, global batch size 16\) comes after entry 2 '300:32', whose threshold "
-         r"is larger.*upstream would sort them silently.*'0:8 200:16 300:32'"),
-        ("0:8 1K:16 1000:32", None, ScheduleError,
-         rf"{E} 3 '1000:32' .* repeats the threshold of entry 2 '1K:16'.*Drop one of the two"),
+        (
+            "100:8 200:16",
+            None,
+            ScheduleError,
+            rf"{E} 1 '100:8' \(from 100 samples, global batch size 8\) is the first entry but its threshold is not 0.*"
+            r"Begin the schedule with '0:8'",
+        ),
+        (
+            "100:8",
+            4096,
+            ScheduleError,
+            r"^--step-batch-size-schedule entry 1 '100:8' \(from 100 tokens = 0 samples, global batch size 8\) is the "
+            r"first entry; its threshold of 100 tokens becomes 0 samples \(100 // --seq-length 4096\), the start of "
+            r"training, "
+            r"but the first threshold must be written as 0\. Write '0:8'\.$",
+        ),
+        (
+            "8192:8",
+            4096,
+            ScheduleError,
+            r"entry 1 '8192:8' \(from 8,192 tokens = 2 samples.*threshold is not 0, so no "
+            r"batch size is set for the start of training",
+        ),
+        (
+            "0:8 300:32 200:16",
+            None,
+            ScheduleError,
+            rf"{E} 3 '200:16' \(from 200 samples, global batch size 16\) comes after entry 2 '300:32', whose threshold "
+            r"is larger.*upstream would sort them silently.*'0:8 200:16 300:32'",
+        ),
+        (
+            "0:8 1K:16 1000:32",
+            None,
+            ScheduleError,
+            rf"{E} 3 '1000:32' .* repeats the threshold of entry 2 '1K:16'.*Drop one of the two",
+        ),
         ("0:8 0:16", None, ScheduleError, rf"{E} 2 '0:16' .* repeats the threshold of entry 1 '0:8'"),
-        ("0:8 5000:16 6000:32", 4096, ScheduleError,
-         rf"{E} 3 '6000:32' \(from 6,000 tokens = 1 samples, global batch size 32\) and entry 2 '5000:16' both become "
-         r"sample threshold 1 with --seq-length 4096 \(tokens // seq_length\).*at least 8192 tokens"),
+        (
+            "0:8 5000:16 6000:32",
+            4096,
+            ScheduleError,
+            rf"{E} 3 '6000:32' \(from 6,000 tokens = 1 samples, global batch size 32\) and entry 2 '5000:16' both "
+            r"become sample threshold 1 with --seq-length 4096 \(tokens // seq_length\).*at least 8192 tokens",
+        ),
         ("0:8 100:16", 4096, ScheduleError, rf"{E} 2 '100:16' .* and entry 1 '0:8' both become sample threshold 0"),
         ("0:8 100", None, ScheduleParseError, rf"{E} 2 '100' is not THRESHOLD:BATCH_SIZE"),
         ("0:8:16", None, ScheduleParseError, rf"{E} 1 '0:8:16' is not THRESHOLD:BATCH_SIZE"),
@@ -116,14 +156,17 @@ def test_parse_errors_name_entry_position_and_fix(text, seq_length, error, messa
     assert type(caught.value) is error  # pytest.raises also passes a subclass
 
 
-@pytest.mark.parametrize("text, match", [
-    ("", "is empty"),
-    ("10:8", "is the first entry but its threshold is not 0"),
-    ("0:8 0:16", "repeats the threshold of entry 1"),
-    ("0:0", "batch size is 0"),
-    ("-5:4 0:8", "threshold '-5' is negative"),
-    ("0:8 100:16 200:8 150:4", "comes after entry 3 '200:8', whose threshold is larger"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("", "is empty"),
+        ("10:8", "is the first entry but its threshold is not 0"),
+        ("0:8 0:16", "repeats the threshold of entry 1"),
+        ("0:0", "batch size is 0"),
+        ("-5:4 0:8", "threshold '-5' is negative"),
+        ("0:8 100:16 200:8 150:4", "comes after entry 3 '200:8', whose threshold is larger"),
+    ],
+)
 def test_semantic_errors_also_catchable_as_assertion_error_like_upstream(text, match):
     with pytest.raises(ScheduleError, match=match) as info:
         StepSchedule.parse(text)
@@ -139,8 +182,13 @@ def test_non_string_and_bad_seq_length():
 
 @pytest.mark.parametrize(
     "text, seq_length",
-    [("0:8 2.01K:16 1M:32", None), ("0:768 250B:1536 500.5B:3072", 4096), ("0:8 9007199254740992:16", None),
-     ("0:16 123456789:32 1T:64", None), ("0:8 3K:16", 7)],
+    [
+        ("0:8 2.01K:16 1M:32", None),
+        ("0:768 250B:1536 500.5B:3072", 4096),
+        ("0:8 9007199254740992:16", None),
+        ("0:16 123456789:32 1T:64", None),
+        ("0:8 3K:16", 7),
+    ],
 )
 def test_str_round_trips(text, seq_length):
     schedule = StepSchedule.parse(text, seq_length)
@@ -185,15 +233,23 @@ def test_from_stages_and_constant():
 
 
 def test_stage_positions_are_filled_in_and_checked():
-    schedule = StepSchedule((Stage(threshold_samples=0, global_batch_size=8),
-                             Stage(threshold_samples=100, global_batch_size=16)))
+    schedule = StepSchedule(
+        (Stage(threshold_samples=0, global_batch_size=8), Stage(threshold_samples=100, global_batch_size=16))
+    )
     assert [s.position for s in schedule.entries] == [1, 2]
     problems = schedule.problems(4, 4)
     assert [(p.index, p.stage.position) for p in problems] == [(0, 1)]
-    with pytest.raises(ScheduleParseError, match=r"entry 2 .* has position 3; Stage.position is the 1-based place "
-                                                 r"in the schedule \(2\), or 0 to have it filled in"):
-        StepSchedule((Stage(threshold_samples=0, global_batch_size=8, position=1),
-                      Stage(threshold_samples=100, global_batch_size=16, position=3)))
+    with pytest.raises(
+        ScheduleParseError,
+        match=r"entry 2 .* has position 3; Stage.position is the 1-based place "
+        r"in the schedule \(2\), or 0 to have it filled in",
+    ):
+        StepSchedule(
+            (
+                Stage(threshold_samples=0, global_batch_size=8, position=1),
+                Stage(threshold_samples=100, global_batch_size=16, position=3),
+            )
+        )
 
 
 # -- rampup ------------------------------------------------------------------------------------
@@ -230,14 +286,20 @@ def test_rampup_boundaries(args, stages):
     [
         ((0, 8, 100, 64), ScheduleError, r"--rampup-batch-size start batch size 0 must be at least 1; give an integer"),
         ((16, -8, 100, 64), ScheduleError, r"--rampup-batch-size batch size increment -8 must be at least 1"),
-        ((16, 8, -1, 64), ScheduleError,
-         r"--rampup-batch-size ramp-up samples -1 must be a whole number >= 0; give 0 for no ramp"),
+        (
+            (16, 8, -1, 64),
+            ScheduleError,
+            r"--rampup-batch-size ramp-up samples -1 must be a whole number >= 0; give 0 for no ramp",
+        ),
         ((16, 8, 100, 0), ScheduleError, r"--global-batch-size 0 must be at least 1"),
         ((16, 8, 1.5, 64), SizeError, r"--rampup-batch-size ramp-up samples 1.5 must be a whole number >= 0"),
         ((128, 8, 100, 64), ScheduleError, r"start batch size 128 exceeds --global-batch-size 64; a ramp only grows"),
-        ((16, 10, 100, 64), ScheduleError,
-         r"increment 10 does not divide --global-batch-size 64 - start 16 = 48.*"
-         r"Use an increment in \{1, 2, 3, 4, 6, 8"),
+        (
+            (16, 10, 100, 64),
+            ScheduleError,
+            r"increment 10 does not divide --global-batch-size 64 - start 16 = 48.*"
+            r"Use an increment in \{1, 2, 3, 4, 6, 8",
+        ),
     ],
 )
 def test_rampup_errors(args, error, message):
@@ -262,54 +324,75 @@ def test_validate_passes_and_past_stages_may_be_smaller_than_dp():
     schedule = StepSchedule.parse(SCALE_UP)
     assert schedule.validate(1, 256) == []
     assert schedule.validate(1, 512, consumed_samples=200000) == []  # 256 < 512 is already passed
-    with pytest.raises(ScheduleError, match=r"entry 1 '0:256' .* is smaller than --micro-batch-size 1 x "
-                                            r"data-parallel size 512 = 512, so it gives 0 micro-batches"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"entry 1 '0:256' .* is smaller than --micro-batch-size 1 x "
+        r"data-parallel size 512 = 512, so it gives 0 micro-batches",
+    ):
         schedule.validate(1, 512, consumed_samples=199999)
 
 
 def test_validate_divisibility_names_stage_and_nearest():
     # upstream asserted divisibility: its callers catch AssertionError
-    with pytest.raises(AssertionError, match=r"entry 2 '100:96' \(from 100 samples, global batch size 96\) is not a "
-                                            r"multiple of --micro-batch-size 4 x data-parallel size 16 = 64.*"
-                                            r"Nearest valid batch sizes: 64, 128") as caught:
+    with pytest.raises(
+        AssertionError,
+        match=r"entry 2 '100:96' \(from 100 samples, global batch size 96\) is not a "
+        r"multiple of --micro-batch-size 4 x data-parallel size 16 = 64.*"
+        r"Nearest valid batch sizes: 64, 128",
+    ) as caught:
         StepSchedule.parse("0:64 100:96").validate(4, 16)
     assert type(caught.value) is ScheduleError
 
 
 def test_validate_never_decreasing():
-    with pytest.raises(ScheduleError, match=r"entry 3 '200:64' .* is smaller than entry 2's 128; the batch size "
-                                            r"must never decrease.*should not decrease"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"entry 3 '200:64' .* is smaller than entry 2's 128; the batch size "
+        r"must never decrease.*should not decrease",
+    ):
         StepSchedule.parse("0:64 100:128 200:64").validate(8, 8)
     StepSchedule.parse("0:64 100:128 200:64").validate(8, 8, consumed_samples=200)  # the decrease is past
 
 
 def test_validate_interleaved_rule():
     schedule = StepSchedule.parse("0:32 100:48")
-    with pytest.raises(InterleaveError, match=r"entry 2 '100:48' .* gives num_microbatches = 48 / \(MBS 1 x DP 8\) = "
-                                              r"6 with --virtual-pipeline-model-parallel-size 2 and "
-                                              r"--pipeline-model-parallel-size 4.*Nearest valid batch sizes: 32, 64"):
+    with pytest.raises(
+        InterleaveError,
+        match=r"entry 2 '100:48' .* gives num_microbatches = 48 / \(MBS 1 x DP 8\) = "
+        r"6 with --virtual-pipeline-model-parallel-size 2 and "
+        r"--pipeline-model-parallel-size 4.*Nearest valid batch sizes: 32, 64",
+    ):
         schedule.validate(1, 8, pipeline_model_parallel_size=4, virtual_pipeline_size=2)
     schedule.validate(1, 8, pipeline_model_parallel_size=4)  # not interleaved: any M
     StepSchedule.parse("0:48 100:80").validate(  # M = 6, 10 with N = 6: M % N in {0} or [PP, N)
-        1, 8, pipeline_model_parallel_size=4, virtual_pipeline_size=2, microbatch_group_size_per_vp_stage=6)
+        1, 8, pipeline_model_parallel_size=4, virtual_pipeline_size=2, microbatch_group_size_per_vp_stage=6
+    )
 
 
 def test_microbatch_group_below_pp_is_one_problem_not_one_per_stage():
     schedule = StepSchedule.parse("0:32 100:64 200:128")
     layout = dict(pipeline_model_parallel_size=4, virtual_pipeline_size=2, microbatch_group_size_per_vp_stage=2)
-    with pytest.raises(InterleaveError, match=r"^--microbatch-group-size-per-virtual-pipeline-stage 2 is below "
-                                              r"--pipeline-model-parallel-size 4; the interleaved schedule needs "
-                                              r"N >= PP\. Use N >= 4\.$"):
+    with pytest.raises(
+        InterleaveError,
+        match=r"^--microbatch-group-size-per-virtual-pipeline-stage 2 is below "
+        r"--pipeline-model-parallel-size 4; the interleaved schedule needs "
+        r"N >= PP\. Use N >= 4\.$",
+    ):
         schedule.validate(1, 8, planned_data_parallel_sizes=[16], **layout)
     problems = schedule.problems(1, 8, planned_data_parallel_sizes=[16], **layout)
     assert [(p.index, p.future, type(p.error)) for p in problems] == [(0, False, InterleaveError)]
 
 
-@pytest.mark.parametrize("layout, message", [
-    (dict(virtual_pipeline_size=0), "--virtual-pipeline-model-parallel-size 0 must be at least 1"),
-    (dict(virtual_pipeline_size=2, microbatch_group_size_per_vp_stage=0),
-     "--microbatch-group-size-per-virtual-pipeline-stage 0 must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "layout, message",
+    [
+        (dict(virtual_pipeline_size=0), "--virtual-pipeline-model-parallel-size 0 must be at least 1"),
+        (
+            dict(virtual_pipeline_size=2, microbatch_group_size_per_vp_stage=0),
+            "--microbatch-group-size-per-virtual-pipeline-stage 0 must be at least 1",
+        ),
+    ],
+)
 def test_zero_virtual_pipeline_or_group_size_is_refused(layout, message):
     with pytest.raises(SizeError, match=message):
         StepSchedule.parse("0:32").validate(1, 8, pipeline_model_parallel_size=4, **layout)
@@ -337,7 +420,9 @@ def test_validate_counts_further_problems_and_checks_sizes():
 def test_problems_lists_everything():
     problems = StepSchedule.parse("0:8 100:12 200:4").problems(8, 1)
     assert [(p.stage.position, p.future, type(p.error)) for p in problems] == [
-        (2, True, ScheduleError), (3, True, ScheduleError), (3, True, ScheduleError)
+        (2, True, ScheduleError),
+        (3, True, ScheduleError),
+        (3, True, ScheduleError),
     ]
 
 
@@ -367,7 +452,8 @@ def test_table_from_consumed_samples_starts_at_the_stage_in_force():
     schedule = StepSchedule.parse("0:8 1000:64")
     rows = schedule.table(4, 16, train_samples=3000, consumed_samples=2000)
     assert [(r.first_sample, r.first_step, r.steps, r.samples) for r in rows] == [
-        (None, None, 0, 0), (2000, 0, 16, 1024)
+        (None, None, 0, 0),
+        (2000, 0, 16, 1024),
     ]
     rows = schedule.table(4, 16, consumed_samples=1000)
     assert [(r.first_sample, r.steps) for r in rows] == [(None, 0), (1000, None)]

@@ -57,8 +57,10 @@ def test_iteration_count_and_table_match_the_training_loop(run, train_samples):
         if row.steps:
             assert seen[row.first_step][0] == row.first_sample
             assert seen[row.first_step][1] == row.global_batch_size
-    assert [(s.consumed_samples, s.global_batch_size, s.num_microbatches)
-            for s in schedule.iter_steps(mbs, dp, train_samples=train_samples)] == seen
+    assert [
+        (s.consumed_samples, s.global_batch_size, s.num_microbatches)
+        for s in schedule.iter_steps(mbs, dp, train_samples=train_samples)
+    ] == seen
     assert schedule.run_totals(mbs, dp, train_samples) == (len(seen), final)
     assert StepScheduleCalculator(schedule, mbs, dp).plan(train_samples) == (len(seen), final)
 
@@ -96,8 +98,11 @@ def test_lookup_matches_a_linear_scan(run, consumed):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.decimals(min_value=0, max_value=10**9, places=6, allow_nan=False, allow_infinity=False),
-       st.sampled_from([""] + sorted(SUFFIXES)), st.booleans())
+@given(
+    st.decimals(min_value=0, max_value=10**9, places=6, allow_nan=False, allow_infinity=False),
+    st.sampled_from([""] + sorted(SUFFIXES)),
+    st.booleans(),
+)
 def test_numbers_are_exact(number, suffix, lower):
     text = f"{number}{suffix.lower() if lower else suffix}"
     expected = Fraction(Decimal(str(number))) * SUFFIXES.get(suffix, 1)
@@ -116,8 +121,9 @@ def test_rampup_schedule_is_monotone_and_ends_at_gbs(start, increment, steps, ra
     assert schedule.global_batch_size_at(0) == start
 
 
-@pytest.mark.parametrize("text, match", [("0:8 1e-1000000000:16", "decimal places"),
-                                         ("0:8 1e1000000000:16", "larger than 1e30")])
+@pytest.mark.parametrize(
+    "text, match", [("0:8 1e-1000000000:16", "decimal places"), ("0:8 1e1000000000:16", "larger than 1e30")]
+)
 def test_extreme_exponents_are_refused(text, match):
     with pytest.raises(ScheduleParseError, match=match):
         StepSchedule.parse(text)

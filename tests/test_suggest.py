@@ -27,8 +27,7 @@ def rule(**kw):
 
 def test_doubles_where_the_estimate_passes_twice_the_batch():
     s = suggest_schedule(RISING, rule())
-    assert s.schedule.stages == [(0, 32), (1000, 64), (2000, 128), (4000, 256), (5000, 512), (6000, 1024),
-                                 (7000, 2048)]
+    assert s.schedule.stages == [(0, 32), (1000, 64), (2000, 128), (4000, 256), (5000, 512), (6000, 1024), (7000, 2048)]
     assert [(d.row.consumed_samples, d.before, d.after) for d in s.decisions][:2] == [(1000, 32, 64), (2000, 64, 128)]
     # 200 at 3000 is below 2 x 128: no doubling there
     assert all(d.row.consumed_samples != 3000 for d in s.decisions)
@@ -73,17 +72,28 @@ def test_unmeasurable_rows_are_skipped():
 @given(
     estimates=st.lists(st.one_of(st.none(), st.floats(0.1, 1e6)), min_size=1, max_size=40),
     gaps=st.lists(st.integers(1, 10_000), min_size=40, max_size=40),
-    mbs=st.sampled_from([1, 2, 4]), dp=st.sampled_from([1, 3, 8]), start_units=st.integers(1, 4),
-    cap_units=st.integers(4, 4096), trust=st.floats(0.1, 10),
-    warmup=st.integers(0, 50_000), decay=st.one_of(st.none(), st.integers(0, 400_000)),
+    mbs=st.sampled_from([1, 2, 4]),
+    dp=st.sampled_from([1, 3, 8]),
+    start_units=st.integers(1, 4),
+    cap_units=st.integers(4, 4096),
+    trust=st.floats(0.1, 10),
+    warmup=st.integers(0, 50_000),
+    decay=st.one_of(st.none(), st.integers(0, 400_000)),
 )
 def test_every_suggestion_keeps_the_rules(estimates, gaps, mbs, dp, start_units, cap_units, trust, warmup, decay):
     unit = mbs * dp
     consumed = [sum(gaps[:i]) for i in range(len(estimates))]
-    frozen = (Frozen(label="w", start=0, end=warmup),) + (() if decay is None else (Frozen(label="d", start=decay,
-                                                                                             end=None),))
-    r = DoublingRule(micro_batch_size=mbs, data_parallel_size=dp, max_global_batch_size=cap_units * unit,
-                     initial_global_batch_size=start_units * unit, trust=trust, frozen=frozen)
+    frozen = (Frozen(label="w", start=0, end=warmup),) + (
+        () if decay is None else (Frozen(label="d", start=decay, end=None),)
+    )
+    r = DoublingRule(
+        micro_batch_size=mbs,
+        data_parallel_size=dp,
+        max_global_batch_size=cap_units * unit,
+        initial_global_batch_size=start_units * unit,
+        trust=trust,
+        frozen=frozen,
+    )
     s = suggest_schedule(trace(*zip(consumed, estimates)), r)
     stages = s.schedule.stages
     batches = [b for _, b in stages]
@@ -97,15 +107,23 @@ def test_every_suggestion_keeps_the_rules(estimates, gaps, mbs, dp, start_units,
         assert d.trusted >= 2 * d.before and d.trusted == trust * d.row.b_simple_samples
 
 
-@pytest.mark.parametrize("kw, error, match", [
-    ({"initial_global_batch_size": 48}, ScheduleError,
-     (r"--global-batch-size 48 \(the first stage\) is not a multiple of --micro-batch-size 2 x data-parallel size "
-      r"16 = 32.*Nearest valid batch sizes: 32, 64")),
-    ({"max_global_batch_size": 16}, ScheduleError, r"--max-global-batch-size 16 is below the first stage's"),
-    ({"trust": 0}, UsageError, r"--trust 0 must be a positive finite number"),
-    ({"trust": math.nan}, UsageError, r"--trust nan"),
-    ({"micro_batch_size": 0}, SizeError, r"--micro-batch-size 0 must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "kw, error, match",
+    [
+        (
+            {"initial_global_batch_size": 48},
+            ScheduleError,
+            (
+                r"--global-batch-size 48 \(the first stage\) is not a multiple of --micro-batch-size 2 x "
+                r"data-parallel size 16 = 32.*Nearest valid batch sizes: 32, 64"
+            ),
+        ),
+        ({"max_global_batch_size": 16}, ScheduleError, r"--max-global-batch-size 16 is below the first stage's"),
+        ({"trust": 0}, UsageError, r"--trust 0 must be a positive finite number"),
+        ({"trust": math.nan}, UsageError, r"--trust nan"),
+        ({"micro_batch_size": 0}, SizeError, r"--micro-batch-size 0 must be at least 1"),
+    ],
+)
 def test_a_bad_rule_is_refused(kw, error, match):
     with pytest.raises(error, match=match):
         rule(**kw)
@@ -120,8 +138,10 @@ def test_rows_out_of_order_are_refused():
 
 
 def test_json_list_object_and_lines_read_the_same():
-    rows = [{"iteration": 1, "consumed_samples": 32, "b_simple_samples": 10.5},
-            {"iteration": 2, "consumed_samples": 64, "b_simple_tokens": 4096, "grad_sq": 0.1}]
+    rows = [
+        {"iteration": 1, "consumed_samples": 32, "b_simple_samples": 10.5},
+        {"iteration": 2, "consumed_samples": 64, "b_simple_tokens": 4096, "grad_sq": 0.1},
+    ]
     as_list = read_trace(json.dumps(rows), tokens_per_sample=1024)
     assert read_trace(json.dumps({"rows": rows}), 1024) == as_list
     assert read_trace("\n".join(map(json.dumps, rows)) + "\n", 1024) == as_list
@@ -133,21 +153,27 @@ def test_samples_win_over_tokens_in_a_row_that_has_both():
     assert row.b_simple_samples == 3
 
 
-@pytest.mark.parametrize("data, error, match", [
-    ({"rows": []}, NoiseScaleError, r"the trace is a JSON dict; give a list of rows"),
-    ([{"consumed_samples": 0, "a": 1}], NoiseScaleError, r'has neither "b_simple_samples" nor "b_simple_tokens"'),
-    ("text", NoiseScaleError, r"the trace is a JSON str; give a list of rows"),
-    ([], NoiseScaleError, r"the trace has no rows"),
-    ([3], NoiseScaleError, r"trace row 1 is a JSON int"),
-    ([{"b_simple_samples": 3}], NoiseScaleError, r"trace row 1 has no \"consumed_samples\""),
-    ([{"consumed_samples": -1, "b_simple_samples": 3}], NoiseScaleError, r"consumed_samples -1 is not a whole"),
-    ([{"consumed_samples": 1.5, "b_simple_samples": 3}], NoiseScaleError, r"consumed_samples 1.5 is not a whole"),
-    ([{"consumed_samples": 0, "b_simple_samples": -3}], NoiseScaleError, r"b_simple_samples -3 is not a positive"),
-    ([{"consumed_samples": 0, "b_simple_samples": math.inf}], NoiseScaleError, r"write null"),
-    ([{"consumed_samples": 0, "b_simple_samples": "12"}], NoiseScaleError, r"b_simple_samples '12'"),
-    ([{"consumed_samples": 0, "b_simple_tokens": 12}], UsageError,
-     r"gives \"b_simple_tokens\" only: give --seq-length"),
-])
+@pytest.mark.parametrize(
+    "data, error, match",
+    [
+        ({"rows": []}, NoiseScaleError, r"the trace is a JSON dict; give a list of rows"),
+        ([{"consumed_samples": 0, "a": 1}], NoiseScaleError, r'has neither "b_simple_samples" nor "b_simple_tokens"'),
+        ("text", NoiseScaleError, r"the trace is a JSON str; give a list of rows"),
+        ([], NoiseScaleError, r"the trace has no rows"),
+        ([3], NoiseScaleError, r"trace row 1 is a JSON int"),
+        ([{"b_simple_samples": 3}], NoiseScaleError, r"trace row 1 has no \"consumed_samples\""),
+        ([{"consumed_samples": -1, "b_simple_samples": 3}], NoiseScaleError, r"consumed_samples -1 is not a whole"),
+        ([{"consumed_samples": 1.5, "b_simple_samples": 3}], NoiseScaleError, r"consumed_samples 1.5 is not a whole"),
+        ([{"consumed_samples": 0, "b_simple_samples": -3}], NoiseScaleError, r"b_simple_samples -3 is not a positive"),
+        ([{"consumed_samples": 0, "b_simple_samples": math.inf}], NoiseScaleError, r"write null"),
+        ([{"consumed_samples": 0, "b_simple_samples": "12"}], NoiseScaleError, r"b_simple_samples '12'"),
+        (
+            [{"consumed_samples": 0, "b_simple_tokens": 12}],
+            UsageError,
+            r"gives \"b_simple_tokens\" only: give --seq-length",
+        ),
+    ],
+)
 def test_a_malformed_trace_is_refused(data, error, match):
     with pytest.raises(error, match=match):
         parse_trace(data)
@@ -158,24 +184,30 @@ def test_text_that_is_not_json_names_its_line():
         read_trace('{"consumed_samples": 0, "b_simple_samples": 1}\n{oops\n')
 
 
-@pytest.mark.parametrize("text, match", [
-    ("[" * 100_000, r"line 1: RecursionError"),
-    ('[{"consumed_samples": ' + "1" * 5000 + ', "b_simple_samples": 1}]', r"line 1: ValueError: Exceeds the limit"),
-    ('[{"consumed_samples": 1, "b_simple_samples": 1' + "0" * 400 + "}]", r"100000000000\.\.\. \(401 digits\)"),
-    ('[{"consumed_samples": 1' + "0" * 31 + ', "b_simple_samples": 1}]', r"not a whole number from 0 to 10\*\*30"),
-    ('[{"consumed_samples": 1, "b_simple_samples": NaN}]', r"b_simple_samples nan is not a positive finite"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("[" * 100_000, r"line 1: RecursionError"),
+        ('[{"consumed_samples": ' + "1" * 5000 + ', "b_simple_samples": 1}]', r"line 1: ValueError: Exceeds the limit"),
+        ('[{"consumed_samples": 1, "b_simple_samples": 1' + "0" * 400 + "}]", r"100000000000\.\.\. \(401 digits\)"),
+        ('[{"consumed_samples": 1' + "0" * 31 + ', "b_simple_samples": 1}]', r"not a whole number from 0 to 10\*\*30"),
+        ('[{"consumed_samples": 1, "b_simple_samples": NaN}]', r"b_simple_samples nan is not a positive finite"),
+    ],
+)
 def test_hostile_text_is_refused_in_one_line(text, match):
     with pytest.raises(NoiseScaleError, match=match):
         read_trace(text)
 
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=20), inner,
-                                                                                max_size=4), max_leaves=12)
-ROW = st.fixed_dictionaries({"consumed_samples": JSON | st.integers(0, 10**6)},
-                            optional={"b_simple_samples": JSON | st.floats(0, 1e6), "b_simple_tokens": JSON,
-                                      "iteration": JSON})
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=20), inner, max_size=4),
+    max_leaves=12,
+)
+ROW = st.fixed_dictionaries(
+    {"consumed_samples": JSON | st.integers(0, 10**6)},
+    optional={"b_simple_samples": JSON | st.floats(0, 1e6), "b_simple_tokens": JSON, "iteration": JSON},
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -187,30 +219,46 @@ def test_any_json_is_read_or_refused_with_a_typed_error(data):
         rows = read_trace(text, tokens_per_sample=128.0)
     except (NoiseScaleError, UsageError):
         return
-    assert all(isinstance(r.consumed_samples, int) and (r.b_simple_samples is None or r.b_simple_samples > 0)
-               for r in rows)
+    assert all(
+        isinstance(r.consumed_samples, int) and (r.b_simple_samples is None or r.b_simple_samples > 0) for r in rows
+    )
 
 
 def megatron_line(iteration: int, consumed: int) -> str:
-    return (f" [2026-12-02 08:12:50] iteration {iteration:8d}/      10 | consumed samples: {consumed:12d} | "
-            f"elapsed time per iteration (ms): 302.9 | global batch size:    16 | lm loss: 6.31E+00 |")
+    return (
+        f" [2026-12-02 08:12:50] iteration {iteration:8d}/      10 | consumed samples: {consumed:12d} | "
+        f"elapsed time per iteration (ms): 302.9 | global batch size:    16 | lm loss: 6.31E+00 |"
+    )
 
 
 def noise_line(iteration: int, samples: str, consumed: int | str | None = None) -> str:
     """The extension's line; ``consumed`` None: as an older release printed it, without its consumed samples."""
     end = "" if consumed is None else f" loss tokens: 898 over 2 replicas | consumed samples: {consumed} |"
-    return (f" megatron-ga-ext noise scale | iteration {iteration} | B_simple (EMA): 9.7495E+00 tokens, {samples} "
-            f"samples | |G|^2: 6.5495E+00 (EMA 1.0023E+01) | tr(Sigma): 5.0895E+01 (EMA 9.7714E+01) |{end}")
+    return (
+        f" megatron-ga-ext noise scale | iteration {iteration} | B_simple (EMA): 9.7495E+00 tokens, {samples} "
+        f"samples | |G|^2: 6.5495E+00 (EMA 1.0023E+01) | tr(Sigma): 5.0895E+01 (EMA 9.7714E+01) |{end}"
+    )
 
 
 def test_a_run_log_gives_the_rows_the_later_copy_of_a_resumed_iteration_kept():
-    lines = [megatron_line(1, 16), noise_line(1, "n/a"), "some other line", megatron_line(2, 32),
-             noise_line(2, "1.5000E+01"), megatron_line(3, 48), noise_line(3, "2.0000E+01"),
-             # resumed from iteration 2: iteration 3 again
-             megatron_line(3, 48), noise_line(3, "2.5000E+01")]
+    lines = [
+        megatron_line(1, 16),
+        noise_line(1, "n/a"),
+        "some other line",
+        megatron_line(2, 32),
+        noise_line(2, "1.5000E+01"),
+        megatron_line(3, 48),
+        noise_line(3, "2.0000E+01"),
+        # resumed from iteration 2: iteration 3 again
+        megatron_line(3, 48),
+        noise_line(3, "2.5000E+01"),
+    ]
     rows = read_log(lines)
     assert [(r.iteration, r.consumed_samples, r.b_simple_samples) for r in rows] == [
-        (1, 16, None), (2, 32, 15.0), (3, 48, 25.0)]
+        (1, 16, None),
+        (2, 32, 15.0),
+        (3, 48, 25.0),
+    ]
 
 
 def test_a_log_measured_between_megatrons_lines_is_read_from_the_noise_lines():
@@ -225,7 +273,12 @@ def test_a_log_measured_between_megatrons_lines_is_read_from_the_noise_lines():
     lines.insert(0, megatron_line(1, 16))
     rows = read_log(lines)
     assert [(r.iteration, r.consumed_samples, r.b_simple_samples) for r in rows] == [
-        (1, 16, None), (5, 80, 5.0), (10, 160, 10.0), (15, 240, 15.0), (20, 320, 20.0)]
+        (1, 16, None),
+        (5, 80, 5.0),
+        (10, 160, 10.0),
+        (15, 240, 15.0),
+        (20, 320, 20.0),
+    ]
     rows = read_log([noise_line(3, "1.0E+00", 48), megatron_line(3, 48)])  # the line's own, before Megatron's
     assert [(r.iteration, r.consumed_samples) for r in rows] == [(3, 48)]
 
@@ -234,6 +287,9 @@ def test_a_log_without_noise_lines_or_out_of_order_is_refused():
     with pytest.raises(NoiseScaleError, match='no "megatron-ga-ext noise scale" line: run with --ga-noise-scale K'):
         read_log([megatron_line(1, 16)])
     # an older release's line, without its consumed samples, measured where Megatron logs no line
-    with pytest.raises(NoiseScaleError, match="log line 1: the noise scale of iteration 1 gives no consumed samples "
-                                              "and comes before Megatron's line of that iteration"):
+    with pytest.raises(
+        NoiseScaleError,
+        match="log line 1: the noise scale of iteration 1 gives no consumed samples "
+        "and comes before Megatron's line of that iteration",
+    ):
         read_log([noise_line(1, "1.0E+00"), megatron_line(1, 16)])

@@ -53,8 +53,9 @@ def test_suggest_refuses_what_the_table_refuses(trace, flags, error, message):
 def test_a_bad_number_fails_before_the_trace_is_read(tmp_path):
     """The flags are checked first: a missing trace is not what a bad --lr reports."""
     missing = str(tmp_path / "no-such-trace.json")
-    bad_lr = refusal("--suggest", missing, *LAYOUT, "--max-global-batch-size", "512", "--lr", "nan",
-                     "--lr-base-batch-size", "32")
+    bad_lr = refusal(
+        "--suggest", missing, *LAYOUT, "--max-global-batch-size", "512", "--lr", "nan", "--lr-base-batch-size", "32"
+    )
     assert isinstance(bad_lr, UsageError) and "--lr nan must be a positive finite number" in str(bad_lr)
     no_trace = refusal("--suggest", missing, *LAYOUT, "--max-global-batch-size", "512")
     assert isinstance(no_trace, UsageError) and "cannot read the trace" in str(no_trace)
@@ -68,8 +69,19 @@ def test_suggest_refuses_a_trust_that_is_not_positive_and_finite(trace, trust):
 
 def test_suggest_hints_follow_a_good_lr(cli, trace):
     """A valid --lr gives the same hint columns as the table: lr x GBS / base and lr x sqrt(GBS / base)."""
-    out = cli("schedule", "--suggest", trace, *LAYOUT, "--max-global-batch-size", "512", "--lr", "1e-3",
-              "--lr-base-batch-size", "32", "--json").json()
+    out = cli(
+        "schedule",
+        "--suggest",
+        trace,
+        *LAYOUT,
+        "--max-global-batch-size",
+        "512",
+        "--lr",
+        "1e-3",
+        "--lr-base-batch-size",
+        "32",
+        "--json",
+    ).json()
     assert [(s["global_batch_size"], s["lr_linear"]) for s in out["stages"]] == [(32, 1e-3), (64, 2e-3)]
-    assert out["stages"][1]["lr_sqrt"] == pytest.approx(1e-3 * 2 ** 0.5, rel=1e-15)
+    assert out["stages"][1]["lr_sqrt"] == pytest.approx(1e-3 * 2**0.5, rel=1e-15)
     assert out["lr_note"] is not None

@@ -14,7 +14,19 @@ def test_suggest_reads_the_runs_tensorboard_scalars(cli, tmp_path):
         writer.add_scalar(scalar_tag("consumed_samples"), consumed, step)
         writer.add_scalar(scalar_tag("b_simple_samples"), estimate, step)
     writer.close()
-    out = cli("schedule", "--suggest", str(tmp_path), "--micro-batch-size", "2", "--data-parallel-size", "2",
-              "--global-batch-size", "16", "--max-global-batch-size", "64", "--json").json()
+    out = cli(
+        "schedule",
+        "--suggest",
+        str(tmp_path),
+        "--micro-batch-size",
+        "2",
+        "--data-parallel-size",
+        "2",
+        "--global-batch-size",
+        "16",
+        "--max-global-batch-size",
+        "64",
+        "--json",
+    ).json()
     assert out["schedule_samples"] == "0:16 32:32 48:64", out
     assert [(d["iteration"], d["consumed_samples"]) for d in out["decisions"]] == [(2, 32), (3, 48)]

@@ -59,8 +59,12 @@ def _one_step(pipeline: int, data_parallel: int, masked_stages: tuple[int, ...])
     from megatron_ga_ext.verify.models import init_model_parallel
 
     cfg = VerifyConfig(progress=False)
-    layout = Layout(pipeline_model_parallel_size=pipeline, data_parallel_size=data_parallel,
-                    num_microbatches=len(DEFAULT_LENGTHS) // data_parallel, model="moe")
+    layout = Layout(
+        pipeline_model_parallel_size=pipeline,
+        data_parallel_size=data_parallel,
+        num_microbatches=len(DEFAULT_LENGTHS) // data_parallel,
+        model="moe",
+    )
     batch = make_global_batch(DEFAULT_LENGTHS, cfg.model.seq_length, cfg.model.vocab_size)
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.WARNING)
@@ -72,9 +76,16 @@ def _one_step(pipeline: int, data_parallel: int, masked_stages: tuple[int, ...])
     calculators.init_num_microbatches_calculator(0, None, layout.global_batch_size, 1, data_parallel)
     try:
         chunks, _, config = build_chunks(layout, cfg, calculate_per_token_loss=True)
-        train_step(chunks, config, layout, cfg, batch, finalize=finalize_model_grads,
-                   loss_func=partial(masked_loss, mode="token"),
-                   forward_step_func=partial(_forward_step, masked_stages))
+        train_step(
+            chunks,
+            config,
+            layout,
+            cfg,
+            batch,
+            finalize=finalize_model_grads,
+            loss_func=partial(masked_loss, mode="token"),
+            forward_step_func=partial(_forward_step, masked_stages),
+        )
     finally:
         logger.removeHandler(handler)
         megatron_ga_ext.uninstall()

@@ -38,26 +38,45 @@ MTP = "megatron.core.transformer.multi_token_prediction"
 COUNTS = "get_tokens_per_expert_and_token_count"
 #: (module, function, text upstream has, text with the fix) by fixed upstream
 FIXES = {
-    "local count (#7481)": (MOE_UTILS, COUNTS, "local_tokens_per_expert, reduce_group",
-                            "local_tokens_per_expert.clone(), reduce_group"),
+    "local count (#7481)": (
+        MOE_UTILS,
+        COUNTS,
+        "local_tokens_per_expert, reduce_group",
+        "local_tokens_per_expert.clone(), reduce_group",
+    ),
     # with TP x CP = 1, global_aux_loss's unit takes T(m) / DP: the router's count, given by upstream itself
-    "the router's count": (MOE_UTILS, COUNTS, "local_num_tokens = local_tokens_per_expert.sum() / topk",
-                           "local_num_tokens = global_tokens_per_expert.sum() / topk / reduce_group.size()"),
-    "z-loss factor (#5047)": (ROUTER, "TopKRouter.apply_z_loss", "z_loss * num_tokens)",
-                              "z_loss * num_tokens * self.tp_cp_group.size())"),
+    "the router's count": (
+        MOE_UTILS,
+        COUNTS,
+        "local_num_tokens = local_tokens_per_expert.sum() / topk",
+        "local_num_tokens = global_tokens_per_expert.sum() / topk / reduce_group.size()",
+    ),
+    "z-loss factor (#5047)": (
+        ROUTER,
+        "TopKRouter.apply_z_loss",
+        "z_loss * num_tokens)",
+        "z_loss * num_tokens * self.tp_cp_group.size())",
+    ),
     "MTP sum": (MTP, "process_mtp_loss", "(original_num_tokens / num_tokens_safe)", "1"),
-    "MTP ratio over DP": (MTP, "process_mtp_loss", "(original_num_tokens / num_tokens_safe)",
-                          "(_dp_sum(original_num_tokens) / _dp_sum(num_tokens_safe))"),
+    "MTP ratio over DP": (
+        MTP,
+        "process_mtp_loss",
+        "(original_num_tokens / num_tokens_safe)",
+        "(_dp_sum(original_num_tokens) / _dp_sum(num_tokens_safe))",
+    ),
 }
 
 
 def _layouts():
     from megatron_ga_ext.verify.layouts import Layout
 
-    return {"global": Layout(data_parallel_size=2, num_microbatches=4, model="moe_global"),
-            "tp": Layout(tensor_model_parallel_size=2, sequence_parallel=True, data_parallel_size=1,
-                         num_microbatches=8, model="moe"),
-            "mtp": Layout(data_parallel_size=2, num_microbatches=4, model="mtp")}
+    return {
+        "global": Layout(data_parallel_size=2, num_microbatches=4, model="moe_global"),
+        "tp": Layout(
+            tensor_model_parallel_size=2, sequence_parallel=True, data_parallel_size=1, num_microbatches=8, model="moe"
+        ),
+        "mtp": Layout(data_parallel_size=2, num_microbatches=4, model="mtp"),
+    }
 
 
 def _scenarios() -> list[tuple[str, str, str | None]]:
@@ -66,8 +85,11 @@ def _scenarios() -> list[tuple[str, str, str | None]]:
 
     from megatron_ga_ext.integration.aux_losses import router_scales_by_tp_cp
 
-    rows = [("count today", "global", None), ("count #7481", "global", "local count (#7481)"),
-            ("count fixed", "global", "the router's count")]
+    rows = [
+        ("count today", "global", None),
+        ("count #7481", "global", "local count (#7481)"),
+        ("count fixed", "global", "the router's count"),
+    ]
     if not router_scales_by_tp_cp():
         rows += [("z today", "tp", None), ("z fixed", "tp", "z-loss factor (#5047)")]
     if hasattr(multi_token_prediction, "process_mtp_loss"):
@@ -175,7 +197,8 @@ def _said(runs, scenario: str) -> str:
 
 def test_the_ranks_agree(runs):
     assert {name: error for name, (error, _) in runs[0].items()} == pytest.approx(
-        {name: error for name, (error, _) in runs[1].items()}, rel=1e-3, abs=1e-9)
+        {name: error for name, (error, _) in runs[1].items()}, rel=1e-3, abs=1e-9
+    )
 
 
 def test_today_each_correction_applies_and_meets_the_target(runs):

@@ -91,8 +91,11 @@ def test_launcher_fails_fast_when_a_rank_exits_zero_without_a_reply():
 
 
 def test_launcher_reports_a_reply_the_parent_cannot_unpickle():
-    with pytest.raises(WorkerError, match=r"(?s)rank 0 of 1 sent a reply \(error\) that cannot be "
-                                          r"unpickled.*_NeedsTwoArguments: broken on purpose"):
+    with pytest.raises(
+        WorkerError,
+        match=r"(?s)rank 0 of 1 sent a reply \(error\) that cannot be "
+        r"unpickled.*_NeedsTwoArguments: broken on purpose",
+    ):
         run_on_ranks(_raise_unpicklable, 1, config=LaunchConfig(timeout_s=60))
 
 
@@ -136,13 +139,24 @@ def test_ranks_exit_when_their_parent_dies(tmp_path):
 
 def test_default_layouts_cover_every_layout_users_run():
     names = [layout.name for layout in DEFAULT_LAYOUTS]
-    assert names == ["DP1 x GA8", "DP1 x GA2 (MoE seq_aux_loss, loss tokens 1, 0, 16, 5)", "DP2 x GA4",
-                     "DP2 x GA4 (overlapped grad reduce, distributed optimizer)",
-                     "DP2 x GA4 (MoE)", "EP2 x DP2 x GA4 (MoE)", "DP2 x GA4 (MTP)", "DP2 x GA4 (MoE + MTP)",
-                     "DP2 x GA4 (MoE global_aux_loss)", "DP2 x GA4 (MoE global_aux_loss + z-loss)", "DP4 x GA2",
-                     "PP2 x DP2 x GA4", "PP2 x VPP2 x DP2 x GA4",
-                     "CP2 x DP2 x GA4 (position-wise)",
-                     "TP2 x DP2 x GA4 (MoE, sequence parallel)", "CP2 x DP2 x GA4 (MoE, position-wise)"]
+    assert names == [
+        "DP1 x GA8",
+        "DP1 x GA2 (MoE seq_aux_loss, loss tokens 1, 0, 16, 5)",
+        "DP2 x GA4",
+        "DP2 x GA4 (overlapped grad reduce, distributed optimizer)",
+        "DP2 x GA4 (MoE)",
+        "EP2 x DP2 x GA4 (MoE)",
+        "DP2 x GA4 (MTP)",
+        "DP2 x GA4 (MoE + MTP)",
+        "DP2 x GA4 (MoE global_aux_loss)",
+        "DP2 x GA4 (MoE global_aux_loss + z-loss)",
+        "DP4 x GA2",
+        "PP2 x DP2 x GA4",
+        "PP2 x VPP2 x DP2 x GA4",
+        "CP2 x DP2 x GA4 (position-wise)",
+        "TP2 x DP2 x GA4 (MoE, sequence parallel)",
+        "CP2 x DP2 x GA4 (MoE, position-wise)",
+    ]
     assert [layout.world_size for layout in DEFAULT_LAYOUTS] == sorted(layout.world_size for layout in DEFAULT_LAYOUTS)
     assert {len(layout.lengths or DEFAULT_LENGTHS) for layout in DEFAULT_LAYOUTS} == {len(DEFAULT_LENGTHS), 4}
     assert all(len(layout.lengths or DEFAULT_LENGTHS) == layout.global_batch_size for layout in DEFAULT_LAYOUTS)
@@ -175,30 +189,54 @@ def _result(layout, mode, token, mom, num_tokens=None):
 
 
 def test_rows_take_the_worst_rank_and_judge_each_mode_by_its_own_reference():
-    results = {2: [[_result("DP2 x GA4", "token", 1e-7, 0.9), _result("DP2 x GA4", "microbatch", 3.0, 1e-7)],
-                   [_result("DP2 x GA4", "token", 2e-5, 0.9), _result("DP2 x GA4", "microbatch", 3.0, 2e-7)]]}
+    results = {
+        2: [
+            [_result("DP2 x GA4", "token", 1e-7, 0.9), _result("DP2 x GA4", "microbatch", 3.0, 1e-7)],
+            [_result("DP2 x GA4", "token", 2e-5, 0.9), _result("DP2 x GA4", "microbatch", 3.0, 2e-7)],
+        ]
+    }
     rows = rows_from_results(results, 1e-5)
     assert rows == [
-        {"layout": "DP2 x GA4", "mode": "token", "rel_err_token": 2e-5, "rel_err_mean_of_means": 0.9,
-         "num_tokens": None, "ok": False},
-        {"layout": "DP2 x GA4", "mode": "microbatch", "rel_err_token": 3.0,
-         "rel_err_mean_of_means": 2e-7, "num_tokens": None, "ok": True},
+        {
+            "layout": "DP2 x GA4",
+            "mode": "token",
+            "rel_err_token": 2e-5,
+            "rel_err_mean_of_means": 0.9,
+            "num_tokens": None,
+            "ok": False,
+        },
+        {
+            "layout": "DP2 x GA4",
+            "mode": "microbatch",
+            "rel_err_token": 3.0,
+            "rel_err_mean_of_means": 2e-7,
+            "num_tokens": None,
+            "ok": True,
+        },
     ]
 
 
-@pytest.mark.parametrize("counts, num_tokens, ok", [((72, 72), 72, True), ((72, 71), None, False),
-                                                     ((64, 64), 64, False)])
+@pytest.mark.parametrize(
+    "counts, num_tokens, ok", [((72, 72), 72, True), ((72, 71), None, False), ((64, 64), 64, False)]
+)
 def test_token_rows_need_every_rank_to_divide_by_the_global_count(counts, num_tokens, ok):
-    results = {2: [[_result("DP2 x GA4", "token", 1e-7, 0.9, n), _result("DP2 x GA4", "microbatch", 3.0, 1e-7)]
-                   for n in counts]}
+    results = {
+        2: [
+            [_result("DP2 x GA4", "token", 1e-7, 0.9, n), _result("DP2 x GA4", "microbatch", 3.0, 1e-7)] for n in counts
+        ]
+    }
     token, microbatch = rows_from_results(results, 1e-5, expected_num_tokens=72)
     assert (token["num_tokens"], token["ok"]) == (num_tokens, ok)
     assert (microbatch["num_tokens"], microbatch["ok"]) == (None, True)
 
 
 def test_rows_fail_on_nan_from_any_rank():
-    results = {2: [[_result("DP2 x GA4", "token", 1e-7, 0.9), _result("DP2 x GA4", "microbatch", 3.0, 1e-7)],
-                   [_result("DP2 x GA4", "token", math.nan, 0.9), _result("DP2 x GA4", "microbatch", 3.0, math.nan)]]}
+    results = {
+        2: [
+            [_result("DP2 x GA4", "token", 1e-7, 0.9), _result("DP2 x GA4", "microbatch", 3.0, 1e-7)],
+            [_result("DP2 x GA4", "token", math.nan, 0.9), _result("DP2 x GA4", "microbatch", 3.0, math.nan)],
+        ]
+    }
     rows = rows_from_results(results, 1e-5)
     assert [math.isnan(r["rel_err_token"]) for r in rows] == [True, False]
     assert [math.isnan(r["rel_err_mean_of_means"]) for r in rows] == [False, True]
@@ -221,8 +259,12 @@ def test_relative_error_propagates_nan_from_any_parameter():
 @pytest.mark.slow
 def test_verify_command_end_to_end():
     """Every layout through install(), both modes, and the auxiliary losses' gradients before and after."""
-    proc = subprocess.run([sys.executable, "-m", "megatron_ga_ext.cli", "verify", "--json", "--timeout", "150"],
-                          capture_output=True, text=True, timeout=480)  # 3 launches of at most 150 s
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_ga_ext.cli", "verify", "--json", "--timeout", "150"],
+        capture_output=True,
+        text=True,
+        timeout=480,
+    )  # 3 launches of at most 150 s
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     skipped = {s["layout"] for s in out["skipped"]}
@@ -231,8 +273,11 @@ def test_verify_command_end_to_end():
     rows = out["rows"]
     lengths = {layout.name: layout.lengths or DEFAULT_LENGTHS for layout in DEFAULT_LAYOUTS}
     assert [(r["layout"], r["mode"]) for r in rows] == [
-        (layout.name, mode) for layout in DEFAULT_LAYOUTS if layout.name not in skipped
-        for mode in ("token", "microbatch")]
+        (layout.name, mode)
+        for layout in DEFAULT_LAYOUTS
+        if layout.name not in skipped
+        for mode in ("token", "microbatch")
+    ]
     for row in rows:
         assert set(row) == {"layout", "mode", "rel_err_token", "rel_err_mean_of_means", "num_tokens", "ok"}
         assert row["ok"] is True
@@ -256,8 +301,7 @@ def test_verify_command_fails_when_token_mode_misses(capsys, monkeypatch):
     from megatron_ga_ext.integration.aux_losses import router_scales_by_tp_cp
     from megatron_ga_ext.verify import launches
 
-    results = {2: [[_result("DP2 x GA4", "token", 3e-5, 0.9, 72),
-                    _result("DP2 x GA4", "microbatch", 3.0, 1e-7)]] * 2}
+    results = {2: [[_result("DP2 x GA4", "token", 3e-5, 0.9, 72), _result("DP2 x GA4", "microbatch", 3.0, 1e-7)]] * 2}
     monkeypatch.setattr(command, "_import_upstream", lambda: "megatron-core (not imported)")
     monkeypatch.setattr(launches, "launch_all", lambda layouts, **_: (results, []))
     parser = argparse.ArgumentParser()
@@ -276,9 +320,11 @@ def test_cpu_shims_restore_torch_and_megatron():
     from megatron_ga_ext.testing.shims import FACTORIES, NEW_METHODS, cpu_shims
 
     def patched_names():
-        return ((torch.cuda.current_device, torch.cuda.synchronize, tp_random._get_cuda_rng_state),
-                [getattr(torch, name) for name in FACTORIES],
-                {name: vars(torch.Tensor).get(name) for name in (*NEW_METHODS, "to", "cuda")})
+        return (
+            (torch.cuda.current_device, torch.cuda.synchronize, tp_random._get_cuda_rng_state),
+            [getattr(torch, name) for name in FACTORIES],
+            {name: vars(torch.Tensor).get(name) for name in (*NEW_METHODS, "to", "cuda")},
+        )
 
     before = patched_names()
     assert set(before[2].values()) == {None}  # torch.Tensor inherits these from TensorBase

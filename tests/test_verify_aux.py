@@ -33,8 +33,10 @@ def _measure():
         # upstream's router counts: the table without the row that corrects them
         hooks.HOOKS = tuple(h for h in hooks.HOOKS if h.name != "get_tokens_per_expert_and_token_count")
         unfixed = measure_aux_coefficients(cfg, tuple(lay for lay in layouts if lay.model == "moe_global"))
-    return ([(c.layout, c.variant, c.coefficient, c.error) for c in measured],
-            [(c.layout, c.variant, c.coefficient, c.error) for c in unfixed])
+    return (
+        [(c.layout, c.variant, c.coefficient, c.error) for c in measured],
+        [(c.layout, c.variant, c.coefficient, c.error) for c in unfixed],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -52,16 +54,21 @@ def test_both_ranks_measure_the_same(per_rank):
 def test_the_measured_layouts(per_rank):
     measured, _ = per_rank[0]
     assert [(layout, variant) for layout, variant, *_ in measured] == [
-        (layout, variant) for layout in ("DP2 x GA4 (MoE)", "DP2 x GA4 (MoE global_aux_loss)", "DP2 x GA4 (MTP)")
-        for variant in ("upstream --calculate-per-token-loss", "with megatron-ga-ext")]
+        (layout, variant)
+        for layout in ("DP2 x GA4 (MoE)", "DP2 x GA4 (MoE global_aux_loss)", "DP2 x GA4 (MTP)")
+        for variant in ("upstream --calculate-per-token-loss", "with megatron-ga-ext")
+    ]
 
 
 def test_upstream_per_token_loss_misses_the_target(per_rank):
     from megatron.core.transformer import multi_token_prediction
 
     measured, _ = per_rank[0]
-    before = {layout: (coefficient, error) for layout, variant, coefficient, error in measured
-              if variant.startswith("upstream")}
+    before = {
+        layout: (coefficient, error)
+        for layout, variant, coefficient, error in measured
+        if variant.startswith("upstream")
+    }
     assert before["DP2 x GA4 (MoE)"][0] > 1.1  # counts and statistics over 128 positions, 72 of them loss tokens
     assert before["DP2 x GA4 (MoE global_aux_loss)"][1] > 0.3
     mtp_coefficient, mtp_error = before.pop("DP2 x GA4 (MTP)")
@@ -74,8 +81,11 @@ def test_upstream_per_token_loss_misses_the_target(per_rank):
 
 def test_install_meets_the_token_mode_target(per_rank):
     measured, _ = per_rank[0]
-    after = [(layout, coefficient, error) for layout, variant, coefficient, error in measured
-             if variant == "with megatron-ga-ext"]
+    after = [
+        (layout, coefficient, error)
+        for layout, variant, coefficient, error in measured
+        if variant == "with megatron-ga-ext"
+    ]
     assert len(after) == 3
     for layout, coefficient, error in after:
         assert coefficient == pytest.approx(1.0, abs=1e-6) and error < 1e-5, layout
@@ -88,6 +98,6 @@ def test_upstream_router_counts_with_a_padding_mask_are_dp_times_the_target(per_
     every micro-batch, however uneven the batch. A rank-local weighting (n(m, r) / N per piece) would be off it by
     T(m) / (DP n(m, r)), 1.43 on this batch."""
     _, unfixed = per_rank[0]
-    (_, _, coefficient, error), = [row for row in unfixed if row[1] == "with megatron-ga-ext"]
+    ((_, _, coefficient, error),) = [row for row in unfixed if row[1] == "with megatron-ga-ext"]
     assert 1.3 < coefficient < 2.5 and error > 0.5, (coefficient, error)
     assert coefficient == pytest.approx(2.0, abs=1e-5) and error == pytest.approx(1.0, abs=1e-5), (coefficient, error)

@@ -36,8 +36,19 @@ def test_every_draw_is_a_layout_megatron_core_runs_on_the_cpu():
     # the space is covered: every model, TP with and without SP, PP with VPP, CP, EP, ETP, MBS 2, both DP-side
     # options, zero-token samples, and the combinations an audit asked for
     layouts = [d.layout for d in draws]
-    assert {lay.model for lay in layouts} == {"gpt", "positionwise", "moe", "moe_seq", "moe_global", "moe_global_z",
-                                              "moe_bias", "moe_positionwise", "mtp", "mtp2", "moe_mtp"}
+    assert {lay.model for lay in layouts} == {
+        "gpt",
+        "positionwise",
+        "moe",
+        "moe_seq",
+        "moe_global",
+        "moe_global_z",
+        "moe_bias",
+        "moe_positionwise",
+        "mtp",
+        "mtp2",
+        "moe_mtp",
+    }
     assert {lay.sequence_parallel for lay in layouts if lay.tensor_model_parallel_size > 1} == {True, False}
     assert not any(lay.sequence_parallel for lay in layouts if lay.tensor_model_parallel_size == 1)
     assert any(lay.virtual_pipeline_model_parallel_size > 1 for lay in layouts)
@@ -49,8 +60,7 @@ def test_every_draw_is_a_layout_megatron_core_runs_on_the_cpu():
     assert any(0 in d.lengths for d in draws)
     assert any("mtp" in lay.model and lay.tensor_model_parallel_size > 1 and lay.sequence_parallel for lay in layouts)
     assert any("mtp" in lay.model and lay.pipeline_model_parallel_size > 1 for lay in layouts)
-    assert any("moe" in lay.model and lay.sequence_parallel and lay.pipeline_model_parallel_size > 1
-               for lay in layouts)
+    assert any("moe" in lay.model and lay.sequence_parallel and lay.pipeline_model_parallel_size > 1 for lay in layouts)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2026])
@@ -67,12 +77,16 @@ def test_megatron_core_validates_every_draw(seed):
     assert "MoELayer.forward: ValueError" in megatron_refusal(moe_tp)
     assert megatron_refusal(replace(moe_tp, sequence_parallel=True)) is None
     assert "TransformerConfig: ValueError: Cannot use sequence parallelism without tensor parallelism" in (
-        megatron_refusal(replace(moe_tp, tensor_model_parallel_size=1, sequence_parallel=True)))
+        megatron_refusal(replace(moe_tp, tensor_model_parallel_size=1, sequence_parallel=True))
+    )
 
 
 def _verify(*args: str, script: str | None = None) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-c", script, *args] if script else [sys.executable, "-m", "megatron_ga_ext.cli",
-                                                                      "verify", *args]
+    command = (
+        [sys.executable, "-c", script, *args]
+        if script
+        else [sys.executable, "-m", "megatron_ga_ext.cli", "verify", *args]
+    )
     return subprocess.run(command, capture_output=True, text=True, timeout=600)
 
 

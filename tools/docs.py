@@ -51,8 +51,9 @@ def replace_block(text: str, name: str, body: str, doc: str) -> str:
     """``text`` with the lines between table ``name``'s markers replaced by ``body``."""
     begin, end = f"<!-- table:{name} -->\n", f"\n<!-- /table:{name} -->"
     if begin not in text or end not in text:
-        raise ValueError(f"{doc} has no {begin.strip()} ... {end.strip()} block; add the two markers where the "
-                         f"table belongs")
+        raise ValueError(
+            f"{doc} has no {begin.strip()} ... {end.strip()} block; add the two markers where the table belongs"
+        )
     head, rest = text.split(begin, 1)
     _, tail = rest.split(end, 1)
     return f"{head}{begin}{body}{end}{tail}"
@@ -89,7 +90,7 @@ def _compatibility_header(text: str) -> str:
     marker = "<!-- table:compatibility -->"
     if marker not in text:
         raise ValueError(f"docs/compatibility.md has no {marker} block")
-    return COMPATIBILITY_HEADER + text[text.index(marker):]
+    return COMPATIBILITY_HEADER + text[text.index(marker) :]
 
 
 #: page -> the renderings of its parts that follow from code alone.
@@ -115,8 +116,9 @@ def merged_table(name: str, body: str, rows: list[dict[str, str]]) -> str:
     ordered = list(merged.values())
     if name == "compatibility":  # releases, then main commits, as compat.UPSTREAM orders them
         order = [upstream.name for upstream in UPSTREAM]
-        ordered.sort(key=lambda row: (order.index(row["Source"]) if row["Source"] in order else len(order),
-                                      row["Source"]))
+        ordered.sort(
+            key=lambda row: (order.index(row["Source"]) if row["Source"] in order else len(order), row["Source"])
+        )
     lines = ["| " + " | ".join(table.columns) + " |", "|" + "---|" * len(table.columns)]
     lines += ["| " + " | ".join(cell(row.get(column, "")) for column in table.columns) + " |" for row in ordered]
     return "\n".join(lines)
@@ -132,7 +134,7 @@ def _parse(table: Table, body: str) -> list[dict[str, str]]:
 
 
 def _key(table: Table, row: dict[str, str]) -> tuple[str, ...]:
-    return tuple(row[column] for column in table.columns[:table.keys])
+    return tuple(row[column] for column in table.columns[: table.keys])
 
 
 # -- the pages ------------------------------------------------------------------------------------
@@ -169,11 +171,17 @@ def write(root: Path = ROOT, results: Path | None = None) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.docs", description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true",
-                        help="exit 1 where a part rendered from code alone is not current; write nothing")
-    parser.add_argument("--results", type=Path, default=results_dir() or ROOT / ".cache" / "results",
-                        help="the directory the runs recorded their rows in (default: $MEGATRON_GA_RESULTS, "
-                             "else .cache/results)")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 1 where a part rendered from code alone is not current; write nothing",
+    )
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=results_dir() or ROOT / ".cache" / "results",
+        help="the directory the runs recorded their rows in (default: $MEGATRON_GA_RESULTS, else .cache/results)",
+    )
     args = parser.parse_args(argv)
     if args.check:
         pages = stale()

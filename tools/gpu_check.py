@@ -52,8 +52,13 @@ RESULTS = CACHE / "gpu-check"
 #: The primary leg, whose megatron-core pin the wheels carry; the image's python3 is CPython 3.12 too.
 PRIMARY_CONSTRAINTS = ROOT / "constraints" / "py3.12.txt"
 TARGET_PYTHON = (3, 12)
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
-             "manylinux2014_x86_64")
+PLATFORMS = (
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_24_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+)
 #: Every timeout together: the device tool's command limit is 10 minutes, its session's device time 15.
 BUDGET_S = 480
 #: The wheel folder travels with the working tree, which the device tool caps at 64 MiB in all.
@@ -63,13 +68,16 @@ NEVER_CARRIED = ("torch", "triton", "nvidia-", "transformer-engine", "apex")
 LOG, SUMMARY = "gpu-check.log", "summary.json"
 TAIL_LINES = 30
 
-PROBE = ("import json, platform, torch; ok = torch.cuda.is_available(); "
-         "print(json.dumps({'python': platform.python_version(), 'torch': torch.__version__, "
-         "'cuda': torch.version.cuda, 'devices': torch.cuda.device_count() if ok else 0, "
-         "'name': torch.cuda.get_device_name(0) if ok else None}))")
+PROBE = (
+    "import json, platform, torch; ok = torch.cuda.is_available(); "
+    "print(json.dumps({'python': platform.python_version(), 'torch': torch.__version__, "
+    "'cuda': torch.version.cuda, 'devices': torch.cuda.device_count() if ok else 0, "
+    "'name': torch.cuda.get_device_name(0) if ok else None}))"
+)
 
 
 # -- the wheel list ---------------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Wheel:
@@ -130,14 +138,22 @@ def wheel_list_problems(wheels: list[Wheel]) -> list[str]:
     names = [canonical(w.name) for w in wheels if w.kind != "source"]
     core = [w for w in wheels if canonical(w.name) == "megatron-core"]
     if [w.version for w in core] != [primary_pin()]:
-        problems.append(f"megatron-core must be pinned once at the primary leg's {primary_pin()} "
-                        f"({PRIMARY_CONSTRAINTS.relative_to(ROOT)}), not {[w.version for w in core]}")
+        problems.append(
+            f"megatron-core must be pinned once at the primary leg's {primary_pin()} "
+            f"({PRIMARY_CONSTRAINTS.relative_to(ROOT)}), not {[w.version for w in core]}"
+        )
     if [canonical(w.name) for w in wheels if w.kind == "build"] != ["megatron-ga-ext"]:
         problems.append("this project must be the one wheel built from the checkout: 'megatron-ga-ext @ .'")
-    problems += [f"{name}: the GPU image has it, or it must never be installed" for name in names
-                 if any(name == n or (n.endswith("-") and name.startswith(n)) for n in NEVER_CARRIED)]
-    problems += [f"{name} is listed twice (two versions stop pip's install)" for name in sorted(set(names))
-                 if names.count(name) > 1]
+    problems += [
+        f"{name}: the GPU image has it, or it must never be installed"
+        for name in names
+        if any(name == n or (n.endswith("-") and name.startswith(n)) for n in NEVER_CARRIED)
+    ]
+    problems += [
+        f"{name} is listed twice (two versions stop pip's install)"
+        for name in sorted(set(names))
+        if names.count(name) > 1
+    ]
     if len([w for w in wheels if w.kind == "source"]) != 1:
         problems.append("one Megatron-LM snapshot ('source megatron-lm-<ref>.tar.gz') is needed for pretrain_gpt.py")
     return problems
@@ -164,6 +180,7 @@ def megatron_lm(folder: Path, wheels: list[Wheel]) -> Path:
 
 # -- the steps --------------------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Step:
     name: str
@@ -188,27 +205,73 @@ def steps(out: Path, python: str = sys.executable, folder: Path = WHEELS, venv: 
     verify_s = 50
     return [
         Step("cuda", 45, "torch sees a CUDA device (else: exit 2 at once, nothing run)", [python, "-c", PROBE]),
-        Step("setup", 45, "venv over the image's torch; pip install --no-index the wheel folder; unpack Megatron-LM",
-             [python, str(THIS), "setup", "--wheels", str(folder), "--venv", str(venv)]),
-        Step("gpu-tests", 40, "tests/gpu but the CUDA-graph rows, every marker (the launch harness, on real CUDA)",
-             [*pytest, "-m", "gpu or not gpu", "tests/gpu", "--ignore=tests/gpu/test_cuda_graphs.py",
-              f"--junitxml={out / 'gpu-tests.xml'}"], junit="gpu-tests.xml"),
-        Step("cuda-graphs", 165, "the CUDA-graph rows in pretrain_gpt.py (marker gpu; the optimizer graph needs TE)",
-             [*pytest, "-m", "gpu", "tests/gpu/test_cuda_graphs.py", f"--junitxml={out / 'cuda-graphs.xml'}"],
-             junit="cuda-graphs.xml"),
-        Step("verify", verify_s, "megatron-ga verify --device cuda (the layouts of one GPU), against the reference",
-             [str(venv / "bin" / "megatron-ga"), "verify", "--device", "cuda", "--json",
-              "--timeout", str(verify_s - 10)], stdout="verify.json"),
-        Step("overhead", 130, "benchmarks/gpu_overhead.sh: upstream / extension / async, 350M GPT, side by side",
-             ["bash", "benchmarks/gpu_overhead.sh", str(megatron_lm(folder, read_wheel_list()))],
-             env={"PYTHON": vpy, "OUT": str(out / "overhead.json"), "ITERS": os.environ.get("ITERS", "12"),
-                  "WARMUP": os.environ.get("WARMUP", "4"), "GA_VALUES": os.environ.get("GA_VALUES", "8")}),
+        Step(
+            "setup",
+            45,
+            "venv over the image's torch; pip install --no-index the wheel folder; unpack Megatron-LM",
+            [python, str(THIS), "setup", "--wheels", str(folder), "--venv", str(venv)],
+        ),
+        Step(
+            "gpu-tests",
+            40,
+            "tests/gpu but the CUDA-graph rows, every marker (the launch harness, on real CUDA)",
+            [
+                *pytest,
+                "-m",
+                "gpu or not gpu",
+                "tests/gpu",
+                "--ignore=tests/gpu/test_cuda_graphs.py",
+                f"--junitxml={out / 'gpu-tests.xml'}",
+            ],
+            junit="gpu-tests.xml",
+        ),
+        Step(
+            "cuda-graphs",
+            165,
+            "the CUDA-graph rows in pretrain_gpt.py (marker gpu; the optimizer graph needs TE)",
+            [*pytest, "-m", "gpu", "tests/gpu/test_cuda_graphs.py", f"--junitxml={out / 'cuda-graphs.xml'}"],
+            junit="cuda-graphs.xml",
+        ),
+        Step(
+            "verify",
+            verify_s,
+            "megatron-ga verify --device cuda (the layouts of one GPU), against the reference",
+            [
+                str(venv / "bin" / "megatron-ga"),
+                "verify",
+                "--device",
+                "cuda",
+                "--json",
+                "--timeout",
+                str(verify_s - 10),
+            ],
+            stdout="verify.json",
+        ),
+        Step(
+            "overhead",
+            130,
+            "benchmarks/gpu_overhead.sh: upstream / extension / async, 350M GPT, side by side",
+            ["bash", "benchmarks/gpu_overhead.sh", str(megatron_lm(folder, read_wheel_list()))],
+            env={
+                "PYTHON": vpy,
+                "OUT": str(out / "overhead.json"),
+                "ITERS": os.environ.get("ITERS", "12"),
+                "WARMUP": os.environ.get("WARMUP", "4"),
+                "GA_VALUES": os.environ.get("GA_VALUES", "8"),
+            },
+        ),
     ]
 
 
 def step_env(step: Step, folder: Path, venv: Path) -> dict[str, str]:
-    return {**os.environ, "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}", "VIRTUAL_ENV": str(venv),
-            "PYTHONUNBUFFERED": "1", "MEGATRON_LM": str(megatron_lm(folder, read_wheel_list())), **step.env}
+    return {
+        **os.environ,
+        "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+        "VIRTUAL_ENV": str(venv),
+        "PYTHONUNBUFFERED": "1",
+        "MEGATRON_LM": str(megatron_lm(folder, read_wheel_list())),
+        **step.env,
+    }
 
 
 def results_dir(given: str | None) -> Path:
@@ -224,10 +287,14 @@ def plan_text(out: Path, python: str, folder: Path, venv: Path) -> str:
     plan = steps(out, python, folder, venv)
     wheels = read_wheel_list()
     total = sum(s.timeout_s for s in plan)
-    lines = [f"gpu-check: {len(plan)} steps, {total} s of timeouts in all (budget {BUDGET_S} s)",
-             f"  python   {python} (its torch: the venv is made with --system-site-packages)",
-             f"  venv     {_shown(venv)}", f"  results  {_shown(out)}  ({LOG}, {SUMMARY} and the files below)",
-             "", f"  {'step':<12} {'timeout':>7}  writes: what"]
+    lines = [
+        f"gpu-check: {len(plan)} steps, {total} s of timeouts in all (budget {BUDGET_S} s)",
+        f"  python   {python} (its torch: the venv is made with --system-site-packages)",
+        f"  venv     {_shown(venv)}",
+        f"  results  {_shown(out)}  ({LOG}, {SUMMARY} and the files below)",
+        "",
+        f"  {'step':<12} {'timeout':>7}  writes: what",
+    ]
     for s in plan:
         lines.append(f"  {s.name:<12} {s.timeout_s:>5} s  {', '.join(s.files) or '-'}: {s.what}")
         shown = [c if c != PROBE else "<probe: torch.cuda.is_available()>" for c in s.command]
@@ -237,8 +304,11 @@ def plan_text(out: Path, python: str, folder: Path, venv: Path) -> str:
     for w in wheels:
         found = sorted(folder.glob(w.file_pattern()))
         have = ", ".join(f"{f.name} ({f.stat().st_size / 2**20:.1f} MiB)" for f in found) or "missing"
-        what = {"build": "built from this checkout", "download": "downloaded, --no-deps",
-                "source": "Megatron-LM snapshot"}[w.kind]
+        what = {
+            "build": "built from this checkout",
+            "download": "downloaded, --no-deps",
+            "source": "Megatron-LM snapshot",
+        }[w.kind]
         lines.append(f"  {w.requirement if w.kind != 'source' else w.name:<40} {what}: {have}")
     if folder.is_dir():
         lines.append(f"  {_size(folder) / 2**20:.1f} MiB in all (cap {WHEELS_CAP_BYTES // 2**20} MiB)")
@@ -250,6 +320,7 @@ def _size(folder: Path) -> int:
 
 
 # -- running a step ---------------------------------------------------------------------------------------------------
+
 
 class _Log:
     """gpu-check.log and the terminal, written from the main thread and a step's output pump."""
@@ -319,9 +390,15 @@ def run_step(step: Step, out: Path, log: _Log, env: dict[str, str]) -> dict:
     start = time.monotonic()
     stdout = open(out / step.stdout, "wb") if step.stdout else None  # noqa: SIM115 - closed in the finally below
     try:
-        process = subprocess.Popen(step.command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-                                   stdout=stdout or subprocess.PIPE,
-                                   stderr=subprocess.PIPE if stdout else subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            step.command,
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=stdout or subprocess.PIPE,
+            stderr=subprocess.PIPE if stdout else subprocess.STDOUT,
+            start_new_session=True,
+        )
     except OSError as exc:
         log.write(f"could not start: {exc}\n")
         rc, status = 127, "failed"
@@ -351,8 +428,17 @@ def run_step(step: Step, out: Path, log: _Log, env: dict[str, str]) -> dict:
     with open(log.handle.name, "rb") as written:
         written.seek(offset)
         tail = written.read().decode(errors="replace").splitlines()[-TAIL_LINES:]
-    return {"name": step.name, "timeout_s": step.timeout_s, "status": status, "rc": rc, "seconds": seconds,
-            "tests": tests, "note": note, "files": [f for f in step.files if (out / f).is_file()], "tail": tail}
+    return {
+        "name": step.name,
+        "timeout_s": step.timeout_s,
+        "status": status,
+        "rc": rc,
+        "seconds": seconds,
+        "tests": tests,
+        "note": note,
+        "files": [f for f in step.files if (out / f).is_file()],
+        "tail": tail,
+    }
 
 
 def junit_counts(path: Path) -> dict[str, int] | None:
@@ -364,11 +450,16 @@ def junit_counts(path: Path) -> dict[str, int] | None:
     suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
     total = {key: sum(int(s.get(key, 0)) for s in suites) for key in ("tests", "failures", "errors", "skipped")}
     failed = total["failures"] + total["errors"]
-    return {"tests": total["tests"], "passed": total["tests"] - failed - total["skipped"], "failed": failed,
-            "skipped": total["skipped"]}
+    return {
+        "tests": total["tests"],
+        "passed": total["tests"] - failed - total["skipped"],
+        "failed": failed,
+        "skipped": total["skipped"],
+    }
 
 
 # -- the commands -----------------------------------------------------------------------------------------------------
+
 
 def no_cuda(step: Step) -> tuple[str | None, dict]:
     """Why the check cannot run here (None: it can), and what the probe read."""
@@ -376,18 +467,23 @@ def no_cuda(step: Step) -> tuple[str | None, dict]:
     if hidden is not None and hidden.strip() in ("", "-1"):
         return f"no CUDA device is visible: CUDA_VISIBLE_DEVICES={hidden!r} hides every one", {}
     try:
-        done = subprocess.run(step.command, capture_output=True, text=True, timeout=step.timeout_s,
-                              stdin=subprocess.DEVNULL)
+        done = subprocess.run(
+            step.command, capture_output=True, text=True, timeout=step.timeout_s, stdin=subprocess.DEVNULL
+        )
     except subprocess.TimeoutExpired:
-        return (f"no CUDA device: torch in {step.command[0]} did not answer within {step.timeout_s} s (a hung "
-                f"driver, or a cold import slower than that)"), {}
+        return (
+            f"no CUDA device: torch in {step.command[0]} did not answer within {step.timeout_s} s (a hung "
+            f"driver, or a cold import slower than that)"
+        ), {}
     except OSError as exc:
         return f"cannot run {step.command[0]}: {exc}", {}
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
         if "No module named 'torch'" in done.stderr:
-            return (f"{step.command[0]} has no torch ({last}); run with the python that holds the image's CUDA "
-                    f"torch (make gpu-check GPU_PYTHON=...)"), {}
+            return (
+                f"{step.command[0]} has no torch ({last}); run with the python that holds the image's CUDA "
+                f"torch (make gpu-check GPU_PYTHON=...)"
+            ), {}
         return f"no CUDA device: the probe failed in {step.command[0]}: {last}", {}
     try:
         found = json.loads(done.stdout.strip().splitlines()[-1])
@@ -395,8 +491,9 @@ def no_cuda(step: Step) -> tuple[str | None, dict]:
         return f"no CUDA device: the probe printed {done.stdout!r}", {}
     if not found.get("devices"):
         build = f"CUDA {found['cuda']}" if found.get("cuda") else "a CPU build"
-        return (f"no CUDA device is visible to torch {found.get('torch')} ({build}): "
-                f"torch.cuda.is_available() is False"), found
+        return (
+            f"no CUDA device is visible to torch {found.get('torch')} ({build}): torch.cuda.is_available() is False"
+        ), found
     return None, found
 
 
@@ -406,9 +503,14 @@ def command_run(args: argparse.Namespace) -> int:
     plan = steps(out, args.python, folder, venv)
     for name in {LOG, SUMMARY, *(f for s in plan for f in s.files)}:
         (out / name).unlink(missing_ok=True)
-    summary: dict = {"started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                     "budget_s": BUDGET_S, "results": str(out), "python": args.python, "device": {},
-                     "steps": [{"name": s.name, "timeout_s": s.timeout_s, "status": "not run"} for s in plan]}
+    summary: dict = {
+        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "budget_s": BUDGET_S,
+        "results": str(out),
+        "python": args.python,
+        "device": {},
+        "steps": [{"name": s.name, "timeout_s": s.timeout_s, "status": "not run"} for s in plan],
+    }
     start = time.monotonic()
 
     def finish(code: int, reason: str = "") -> int:
@@ -420,17 +522,26 @@ def command_run(args: argparse.Namespace) -> int:
 
     probe_started = time.monotonic()
     reason, summary["device"] = no_cuda(plan[0])
-    summary["steps"][0].update(status="failed" if reason else "passed", rc=2 if reason else 0,
-                               seconds=round(time.monotonic() - probe_started, 1))
+    summary["steps"][0].update(
+        status="failed" if reason else "passed",
+        rc=2 if reason else 0,
+        seconds=round(time.monotonic() - probe_started, 1),
+    )
     if reason:
         return finish(2, f"{reason}; nothing was run (a GPU machine runs this check)")
     missing = missing_wheels(folder, read_wheel_list())
     if missing:
-        return finish(2, f"{_shown(folder)} lacks {', '.join(missing)}: run `make gpu-wheels` on a machine with "
-                         f"registry access first, and bring the folder along")
+        return finish(
+            2,
+            f"{_shown(folder)} lacks {', '.join(missing)}: run `make gpu-wheels` on a machine with "
+            f"registry access first, and bring the folder along",
+        )
     device = summary["device"]
-    print(f"gpu-check on {device['name']} ({device['devices']} visible), torch {device['torch']}, "
-          f"Python {device['python']}; results in {out}", flush=True)
+    print(
+        f"gpu-check on {device['name']} ({device['devices']} visible), torch {device['torch']}, "
+        f"Python {device['python']}; results in {out}",
+        flush=True,
+    )
     previous = signal.signal(signal.SIGTERM, _interrupted)  # a killed check kills its step's processes too
     try:
         with open(out / LOG, "wb") as handle:
@@ -455,8 +566,10 @@ def summary_table(rows: list[dict]) -> str:
     for r in rows:
         t = r.get("tests")
         tests = f"{t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped" if t else ""
-        lines.append(f"{r['name']:<12} {r['status']:<10} {r.get('rc', ''):>4} {r.get('seconds', ''):>8} "
-                     f"{r['timeout_s']:>7}  {tests}{'  ' + r['note'] if r.get('note') else ''}")
+        lines.append(
+            f"{r['name']:<12} {r['status']:<10} {r.get('rc', ''):>4} {r.get('seconds', ''):>8} "
+            f"{r['timeout_s']:>7}  {tests}{'  ' + r['note'] if r.get('note') else ''}"
+        )
     return "\n".join(lines)
 
 
@@ -465,8 +578,11 @@ def command_setup(args: argparse.Namespace) -> int:
     Megatron-LM tree unpacked, then the venv checked (``check-venv``)."""
     folder, venv = Path(args.wheels).resolve(), Path(args.venv).resolve()
     if sys.version_info[:2] != TARGET_PYTHON:
-        print(f"setup: the wheels are for CPython {'.'.join(map(str, TARGET_PYTHON))}; this is "
-              f"{sys.version.split()[0]} ({sys.executable})", file=sys.stderr)
+        print(
+            f"setup: the wheels are for CPython {'.'.join(map(str, TARGET_PYTHON))}; this is "
+            f"{sys.version.split()[0]} ({sys.executable})",
+            file=sys.stderr,
+        )
         return 1
     wheels = read_wheel_list()
     # No pip of its own: the image's (through its site-packages) installs into it, and ensurepip is not needed.
@@ -477,7 +593,8 @@ def command_setup(args: argparse.Namespace) -> int:
         # own .pth files) after the new venv's own, so that a wheel installed there wins.
         site_packages = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
         (site_packages / "_gpu_check_base.pth").write_text(
-            "".join(f"import site; site.addsitedir({p!r})\n" for p in site.getsitepackages()))
+            "".join(f"import site; site.addsitedir({p!r})\n" for p in site.getsitepackages())
+        )
         print(f"setup: {sys.prefix} is a venv: its site-packages added to the new one", flush=True)
     vpy = str(venv / "bin" / "python")
     _python3_config(venv)
@@ -485,9 +602,23 @@ def command_setup(args: argparse.Namespace) -> int:
         _echo([vpy, "-m", "ensurepip", "--default-pip"], cwd=venv)
     # Every wheel into the venv, whatever the image has. Not from the checkout: pip would take its egg-info for an
     # installed megatron-ga-ext.
-    _echo([vpy, "-m", "pip", "install", "--no-index", "--find-links", str(folder), "--no-deps", "--no-compile",
-           "--ignore-installed", "--disable-pip-version-check",
-           *[w.requirement for w in wheels if w.kind != "source"]], cwd=venv)
+    _echo(
+        [
+            vpy,
+            "-m",
+            "pip",
+            "install",
+            "--no-index",
+            "--find-links",
+            str(folder),
+            "--no-deps",
+            "--no-compile",
+            "--ignore-installed",
+            "--disable-pip-version-check",
+            *[w.requirement for w in wheels if w.kind != "source"],
+        ],
+        cwd=venv,
+    )
     tree = megatron_lm(folder, wheels)
     given = os.environ.get("MEGATRON_LM") or str(folder / snapshot(wheels))
     unpack = "import sys; from pathlib import Path; from tools.regress import tree; print(tree(Path(sys.argv[1])))"
@@ -495,8 +626,11 @@ def command_setup(args: argparse.Namespace) -> int:
     if Path(unpacked) != tree:
         print(f"setup: tree() unpacked {unpacked}, the steps expect {tree}", file=sys.stderr)
         return 1
-    _echo([vpy, str(THIS), "check-venv", "--megatron-lm", str(tree)], cwd=venv,
-          env={**os.environ, "PYTHONWARNINGS": "ignore"})  # megatron-core's warnings about TE and Apex
+    _echo(
+        [vpy, str(THIS), "check-venv", "--megatron-lm", str(tree)],
+        cwd=venv,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )  # megatron-core's warnings about TE and Apex
     return 0
 
 
@@ -537,16 +671,20 @@ def command_check_venv(args: argparse.Namespace) -> int:
         return 1
     stale = _differences(installed, ROOT / "megatron_ga_ext")
     if stale:  # the tests run the checkout, verify the wheel: they must be the same code
-        print(f"check-venv: the wheel is not this checkout (rebuild it: make gpu-wheels): {', '.join(stale)}",
-              file=sys.stderr)
+        print(
+            f"check-venv: the wheel is not this checkout (rebuild it: make gpu-wheels): {', '.join(stale)}",
+            file=sys.stderr,
+        )
         return 1
     for name in ("torch", "megatron.core", "megatron_ga_ext", "pytest", "hypothesis", "einops"):
         module = importlib.import_module(name)
         distribution = {"megatron.core": "megatron-core", "megatron_ga_ext": "megatron-ga-ext"}.get(name, name)
         print(f"  {name} {importlib.metadata.version(distribution)}: {Path(module.__file__).parent}")
     if importlib.metadata.version("megatron-core") != primary_pin():
-        print(f"check-venv: megatron-core is {importlib.metadata.version('megatron-core')}, not {primary_pin()}",
-              file=sys.stderr)
+        print(
+            f"check-venv: megatron-core is {importlib.metadata.version('megatron-core')}, not {primary_pin()}",
+            file=sys.stderr,
+        )
         return 1
     datasets = Path(importlib.import_module("megatron.core.datasets").__file__).parent
     target = Path(args.megatron_lm) / "megatron" / "core" / "datasets"
@@ -561,9 +699,13 @@ def command_check_venv(args: argparse.Namespace) -> int:
 
 def _differences(installed: Path, checkout: Path) -> list[str]:
     """The package's files (sources and data) that differ between the installed wheel and the checkout."""
+
     def files(root: Path) -> dict[str, bytes]:
-        return {str(f.relative_to(root)): f.read_bytes() for f in root.rglob("*")
-                if f.is_file() and "__pycache__" not in f.parts and f.suffix in (".py", ".json")}
+        return {
+            str(f.relative_to(root)): f.read_bytes()
+            for f in root.rglob("*")
+            if f.is_file() and "__pycache__" not in f.parts and f.suffix in (".py", ".json")
+        }
 
     mine, theirs = files(installed), files(checkout)
     return sorted(name for name in mine.keys() | theirs.keys() if mine.get(name) != theirs.get(name))
@@ -587,21 +729,45 @@ def command_wheels(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:  # a copy, so that the build writes nothing into the checkout
         for name in ("pyproject.toml", "README.md"):
             shutil.copy2(ROOT / name, tmp)
-        shutil.copytree(ROOT / "megatron_ga_ext", Path(tmp) / "megatron_ga_ext",
-                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
+        shutil.copytree(
+            ROOT / "megatron_ga_ext",
+            Path(tmp) / "megatron_ga_ext",
+            ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"),
+        )
         _echo([*pip, "wheel", "--quiet", "--no-deps", "--wheel-dir", str(partial), tmp])
     python = ".".join(map(str, TARGET_PYTHON))
     abi = f"cp{python.replace('.', '')}"
-    _echo([*pip, "download", "--quiet", "--no-deps", "--only-binary=:all:", "--python-version", python,
-           "--implementation", "cp", "--abi", abi, "--abi", "abi3", "--abi", "none",
-           *[f"--platform={p}" for p in PLATFORMS], "--dest", str(partial),
-           *[w.requirement for w in wheels if w.kind == "download"]])
+    _echo(
+        [
+            *pip,
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            python,
+            "--implementation",
+            "cp",
+            "--abi",
+            abi,
+            "--abi",
+            "abi3",
+            "--abi",
+            "none",
+            *[f"--platform={p}" for p in PLATFORMS],
+            "--dest",
+            str(partial),
+            *[w.requirement for w in wheels if w.kind == "download"],
+        ]
+    )
     shutil.copy2(snapshots / snapshot(wheels), partial)
     missing = missing_wheels(partial, wheels)
     size = _size(partial)
     if missing or size > WHEELS_CAP_BYTES:
-        print(f"gpu-wheels: {partial}: missing {missing}, {size / 2**20:.1f} MiB (cap "
-              f"{WHEELS_CAP_BYTES // 2**20} MiB)", file=sys.stderr)
+        print(
+            f"gpu-wheels: {partial}: missing {missing}, {size / 2**20:.1f} MiB (cap {WHEELS_CAP_BYTES // 2**20} MiB)",
+            file=sys.stderr,
+        )
         return 1
     shutil.rmtree(folder, ignore_errors=True)
     partial.rename(folder)
@@ -615,10 +781,18 @@ def command_plan(args: argparse.Namespace) -> int:
     out, folder, venv = results_dir(args.out), Path(args.wheels).resolve(), Path(args.venv).resolve()
     if args.json:
         plan = steps(out, args.python, folder, venv)
-        print(json.dumps({"budget_s": BUDGET_S, "total_s": sum(s.timeout_s for s in plan),
-                          "steps": [asdict(s) | {"files": s.files} for s in plan],
-                          "wheels": [asdict(w) for w in read_wheel_list()],
-                          "missing": missing_wheels(folder, read_wheel_list())}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "budget_s": BUDGET_S,
+                    "total_s": sum(s.timeout_s for s in plan),
+                    "steps": [asdict(s) | {"files": s.files} for s in plan],
+                    "wheels": [asdict(w) for w in read_wheel_list()],
+                    "missing": missing_wheels(folder, read_wheel_list()),
+                },
+                indent=2,
+            )
+        )
     else:
         print(plan_text(out, args.python, folder, venv))
     return 0
@@ -627,27 +801,38 @@ def command_plan(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tools/gpu_check.py", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    for name, helps in (("wheels", "fill the wheel folder (here, with registry access)"),
-                        ("plan", "print the steps, their timeouts and the wheels; run nothing"),
-                        ("run", "run the check on a GPU machine"), ("setup", "the setup step (run runs it)"),
-                        ("check-venv", "the setup step's check, in the new venv")):
+    for name, helps in (
+        ("wheels", "fill the wheel folder (here, with registry access)"),
+        ("plan", "print the steps, their timeouts and the wheels; run nothing"),
+        ("run", "run the check on a GPU machine"),
+        ("setup", "the setup step (run runs it)"),
+        ("check-venv", "the setup step's check, in the new venv"),
+    ):
         command = commands.add_parser(name, help=helps)
         command.add_argument("--wheels", default=str(WHEELS), help=f"the wheel folder (default {_shown(WHEELS)})")
         command.add_argument("--venv", default=str(VENV), help=f"the check's venv (default {_shown(VENV)})")
         command.add_argument("--out", help=f"the results folder (default $OUT, else {_shown(RESULTS)})")
-        command.add_argument("--python", default=sys.executable,
-                             help="the python whose CUDA torch the venv reuses (default: this one)")
+        command.add_argument(
+            "--python", default=sys.executable, help="the python whose CUDA torch the venv reuses (default: this one)"
+        )
         if name == "wheels":
-            command.add_argument("--snapshots", default=os.environ.get("MEGATRON_LM_SNAPSHOTS")
-                                 or str(ROOT.parent / "shared" / "upstream"),
-                                 help="where the Megatron-LM snapshot is (MEGATRON_LM_SNAPSHOTS)")
+            command.add_argument(
+                "--snapshots",
+                default=os.environ.get("MEGATRON_LM_SNAPSHOTS") or str(ROOT.parent / "shared" / "upstream"),
+                help="where the Megatron-LM snapshot is (MEGATRON_LM_SNAPSHOTS)",
+            )
         if name == "plan":
             command.add_argument("--json", action="store_true", help="the plan as JSON")
         if name == "check-venv":
             command.add_argument("--megatron-lm", required=True, help="the unpacked Megatron-LM tree")
     args = parser.parse_args(argv)
-    handler = {"wheels": command_wheels, "plan": command_plan, "run": command_run, "setup": command_setup,
-               "check-venv": command_check_venv}[args.command]
+    handler = {
+        "wheels": command_wheels,
+        "plan": command_plan,
+        "run": command_run,
+        "setup": command_setup,
+        "check-venv": command_check_venv,
+    }[args.command]
     try:
         return handler(args)
     except subprocess.CalledProcessError as exc:

@@ -25,9 +25,26 @@ DOC = ROOT / "docs" / "noise-scale.md"
 TRACE = ROOT / "examples" / "noise-scale-trace.json"
 PLOT = ROOT / "docs" / "noise-scale-suggest.png"
 #: The example's layout and limits, as a user would pass them (paths relative to the repository root).
-SUGGEST = ["--suggest", "examples/noise-scale-trace.json", "--micro-batch-size", "2", "--data-parallel-size", "64",
-           "--seq-length", "4096", "--max-global-batch-size", "4096", "--lr-warmup-samples", "1M",
-           "--lr-decay-samples", "40M", "--lr-wsd-decay-samples", "8M", "--train-samples", "40M"]
+SUGGEST = [
+    "--suggest",
+    "examples/noise-scale-trace.json",
+    "--micro-batch-size",
+    "2",
+    "--data-parallel-size",
+    "64",
+    "--seq-length",
+    "4096",
+    "--max-global-batch-size",
+    "4096",
+    "--lr-warmup-samples",
+    "1M",
+    "--lr-decay-samples",
+    "40M",
+    "--lr-wsd-decay-samples",
+    "8M",
+    "--train-samples",
+    "40M",
+]
 
 
 def example_trace(global_batch_size: int = 256, every: int = 2000, steps: int = 156_000) -> list[dict]:
@@ -37,9 +54,14 @@ def example_trace(global_batch_size: int = 256, every: int = 2000, steps: int = 
     for k, iteration in enumerate(range(0, steps + 1, every)):
         consumed = iteration * global_batch_size
         samples = 3000 * (1 - math.exp(-consumed / 4e6)) * (1 + 0.08 * math.sin(1.7 * k))
-        rows.append({"iteration": iteration, "consumed_samples": consumed,
-                     "b_simple_samples": round(samples, 1) if samples > 0 else None,
-                     "b_simple_tokens": round(samples * 4096) if samples > 0 else None})
+        rows.append(
+            {
+                "iteration": iteration,
+                "consumed_samples": consumed,
+                "b_simple_samples": round(samples, 1) if samples > 0 else None,
+                "b_simple_tokens": round(samples * 4096) if samples > 0 else None,
+            }
+        )
     return rows
 
 
@@ -60,11 +82,11 @@ def write() -> None:
 
     TRACE.write_text(json.dumps(example_trace(), indent=1) + "\n")
     text = replace_block(DOC.read_text(), "unbiasedness", unbiasedness_table(), "docs/noise-scale.md")
-    pairs = [" ".join(SUGGEST[i:i + 2]) for i in range(0, len(SUGGEST), 2)]
-    command = " \\\n    ".join(["megatron-ga schedule " + pairs[0]] + [" ".join(pairs[i:i + 3])
-                                                                        for i in range(1, len(pairs), 3)])
-    text = replace_block(text, "suggest-example", f"```\n$ {command}\n{suggest_output()}\n```",
-                         "docs/noise-scale.md")
+    pairs = [" ".join(SUGGEST[i : i + 2]) for i in range(0, len(SUGGEST), 2)]
+    command = " \\\n    ".join(
+        ["megatron-ga schedule " + pairs[0]] + [" ".join(pairs[i : i + 3]) for i in range(1, len(pairs), 3)]
+    )
+    text = replace_block(text, "suggest-example", f"```\n$ {command}\n{suggest_output()}\n```", "docs/noise-scale.md")
     DOC.write_text(text)
     from megatron_ga_ext.cli.main import main
 

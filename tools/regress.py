@@ -38,10 +38,17 @@ else:  # python tools/regress.py: the script's own directory is first on sys.pat
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".cache"
 LEG = f"{sys.version_info.major}.{sys.version_info.minor}"
-BEHAVIOUR_TESTS = ("tests/test_install.py", "tests/test_install_pipeline_schedule.py", "tests/test_guards.py",
-                   "tests/test_loss_contract.py", "tests/test_packing_scheduler.py")
-NO_SOURCE = ("no Megatron-LM source: pass MEGATRON_LM=<checkout or .tar.gz>, or MEGATRON_LM_SNAPSHOTS=<dir of "
-             "megatron-lm-<ref>.tar.gz> (default ../shared/upstream)")
+BEHAVIOUR_TESTS = (
+    "tests/test_install.py",
+    "tests/test_install_pipeline_schedule.py",
+    "tests/test_guards.py",
+    "tests/test_loss_contract.py",
+    "tests/test_packing_scheduler.py",
+)
+NO_SOURCE = (
+    "no Megatron-LM source: pass MEGATRON_LM=<checkout or .tar.gz>, or MEGATRON_LM_SNAPSHOTS=<dir of "
+    "megatron-lm-<ref>.tar.gz> (default ../shared/upstream)"
+)
 
 
 def snapshot_dir() -> Path:
@@ -82,8 +89,11 @@ def wheel_trees() -> list[Path]:
     """This Python's released megatron-core wheels, unpacked (tools/unpack-wheels.sh)."""
     releases = [u.name for u in UPSTREAM if u.is_release and u.python == LEG]
     target = CACHE / "megatron-core-sources"
-    subprocess.run(["bash", str(ROOT / "tools" / "unpack-wheels.sh"), str(target), *releases], check=True,
-                   env={**os.environ, "PYTHON": sys.executable})
+    subprocess.run(
+        ["bash", str(ROOT / "tools" / "unpack-wheels.sh"), str(target), *releases],
+        check=True,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
     return [target / r for r in releases]
 
 
@@ -93,8 +103,13 @@ def behaviour(trees: list[Path]) -> int:
     for root in trees:
         name = source_name(root) if root.parent.name != "megatron-core-sources" else root.name
         print(f"== behaviour suite on {name} ({root}) ==", flush=True)
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *BEHAVIOUR_TESTS],
-                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True)
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *BEHAVIOUR_TESTS],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(root)},
+            capture_output=True,
+            text=True,
+        )
         print(done.stdout[-3000:], done.stderr[-3000:], sep="", flush=True)
         summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else f"exit {done.returncode}"
         record("compatibility", [{"Source": name, "Behaviour suite": summary.strip("= ")}])
@@ -154,7 +169,8 @@ def callers(root: Path) -> dict[str, str]:
                     visit(node.body, f"{prefix}{node.name}.", module, lines)
                 elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     named = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | {
-                        n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+                        n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+                    }
                     if names & named and f"{module}.{prefix}{node.name}" not in {t.qualified for t in TARGETS}:
                         source = "".join(lines[node.lineno - 1 : node.end_lineno])
                         found[f"{module}:{prefix}{node.name}"] = hashlib.sha256(source.encode()).hexdigest()[:16]
@@ -181,8 +197,13 @@ def nearest_tree(name: str) -> Path | None:
 def parser_flags(roots: list[Path]) -> dict[Path, list[str]]:
     """The option strings of Megatron-LM's own parser at each root (one subprocess:
     tests/support/megatron_parser_flags.py)."""
-    done = subprocess.run([sys.executable, "-m", "tests.support.megatron_parser_flags", *map(str, roots)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.support.megatron_parser_flags", *map(str, roots)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if done.returncode != 0:
         raise SystemExit(f"building Megatron's parsers failed:\n{done.stderr[-3000:]}")
     return {Path(root): flags for root, flags in json.loads(done.stdout.splitlines()[-1]).items()}
@@ -192,20 +213,29 @@ def drift_report(name: str, flags: list[str], nearest: str, changed: list[str], 
     """What ``make regress`` prints for a checkout: its unclassified flags, its changed hooked functions and the
     changed callers of hooked functions (``moved``; None where the nearest source's snapshot is not at hand)."""
     lines = [f"== drift of {name} against the tested sources =="]
-    lines += _listed(flags, f"{len(flags)} flag(s) of its parser that neither a row of the coverage table "
-                     f"(config/coverage/) nor the off-path list (config/off_path.py) names; read each and give it a "
-                     f"row or an off-path reason:",
-                     "every flag of its parser is named by a coverage row or the off-path list")
-    lines += _listed(changed, f"{len(changed)} hooked function(s) whose source no tested source has (nearest tested "
-                     f"source: {nearest}); read the change, then add the source to compat.UPSTREAM "
-                     f"(make fingerprints):",
-                     f"every hooked function's source is a tested one (nearest tested source: {nearest})")
+    lines += _listed(
+        flags,
+        f"{len(flags)} flag(s) of its parser that neither a row of the coverage table "
+        f"(config/coverage/) nor the off-path list (config/off_path.py) names; read each and give it a "
+        f"row or an off-path reason:",
+        "every flag of its parser is named by a coverage row or the off-path list",
+    )
+    lines += _listed(
+        changed,
+        f"{len(changed)} hooked function(s) whose source no tested source has (nearest tested "
+        f"source: {nearest}); read the change, then add the source to compat.UPSTREAM "
+        f"(make fingerprints):",
+        f"every hooked function's source is a tested one (nearest tested source: {nearest})",
+    )
     if moved is None:
         lines.append(f"callers not compared: no snapshot of {nearest} in {snapshot_dir()}")
     else:
-        lines += _listed(moved, f"{len(moved)} caller(s) of hooked functions changed since {nearest}; read each for a "
-                         f"path that reaches the step without the hooks (a row of the coverage table, or a hook):",
-                         f"every caller of a hooked function is as in {nearest}")
+        lines += _listed(
+            moved,
+            f"{len(moved)} caller(s) of hooked functions changed since {nearest}; read each for a "
+            f"path that reaches the step without the hooks (a row of the coverage table, or a hook):",
+            f"every caller of a hooked function is as in {nearest}",
+        )
     return "\n".join(lines)
 
 

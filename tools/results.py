@@ -39,25 +39,89 @@ class Table:
 
 
 TABLES = {
-    "compatibility": Table(doc="docs/compatibility.md", keys=1, columns=(
-        "Source", "megatron-core", "Python, torch", "Hooked functions", "Behaviour suite", "End-to-end", "Run on")),
-    "fuzz": Table(doc="docs/reliability.md", keys=1, columns=(
-        "Surface", "Input", "Examples", "Slowest example", "Answers", "Run on")),
-    "faults": Table(doc="docs/reliability.md", keys=2, columns=(
-        "Source", "Fault", "Injected as", "Outcome", "Checkpoints", "Run on")),
-    "resumes": Table(doc="docs/reliability.md", keys=2, columns=(
-        "Source", "Case", "Resumed at", "Checked against the uninterrupted run", "Run on")),
-    "e2e": Table(doc="docs/performance.md", keys=1, columns=(
-        "Source", "Layout", "Iterations", "Upstream (ms)", "Extension (ms)", "Async (ms)", "Ratio (extension, async)",
-        "Losses", "Run on")),
-    "verify-fuzz": Table(doc="docs/reduction.md", keys=3, columns=(
-        "megatron-core", "Seed", "Corrections", "Draws", "Verdict", "Worst relative error", "Time (s)", "Run on")),
-    "noise-scale": Table(doc="docs/noise-scale.md", keys=2, columns=(
-        "Source", "Layout", "Measured", "B_simple (EMA) at the last", "Resume", "Suggested (--suggest)", "Run on")),
-    "noise-scale-gpt": Table(doc="docs/noise-scale.md", keys=2, columns=(
-        "megatron-core", "Layout", "Measured steps", "norm(g)^2: worst relative error",
-        "mean norm(g_r)^2: worst relative error",
-        "Against the truth", "Run on")),
+    "compatibility": Table(
+        doc="docs/compatibility.md",
+        keys=1,
+        columns=(
+            "Source",
+            "megatron-core",
+            "Python, torch",
+            "Hooked functions",
+            "Behaviour suite",
+            "End-to-end",
+            "Run on",
+        ),
+    ),
+    "fuzz": Table(
+        doc="docs/reliability.md",
+        keys=1,
+        columns=("Surface", "Input", "Examples", "Slowest example", "Answers", "Run on"),
+    ),
+    "faults": Table(
+        doc="docs/reliability.md",
+        keys=2,
+        columns=("Source", "Fault", "Injected as", "Outcome", "Checkpoints", "Run on"),
+    ),
+    "resumes": Table(
+        doc="docs/reliability.md",
+        keys=2,
+        columns=("Source", "Case", "Resumed at", "Checked against the uninterrupted run", "Run on"),
+    ),
+    "e2e": Table(
+        doc="docs/performance.md",
+        keys=1,
+        columns=(
+            "Source",
+            "Layout",
+            "Iterations",
+            "Upstream (ms)",
+            "Extension (ms)",
+            "Async (ms)",
+            "Ratio (extension, async)",
+            "Losses",
+            "Run on",
+        ),
+    ),
+    "verify-fuzz": Table(
+        doc="docs/reduction.md",
+        keys=3,
+        columns=(
+            "megatron-core",
+            "Seed",
+            "Corrections",
+            "Draws",
+            "Verdict",
+            "Worst relative error",
+            "Time (s)",
+            "Run on",
+        ),
+    ),
+    "noise-scale": Table(
+        doc="docs/noise-scale.md",
+        keys=2,
+        columns=(
+            "Source",
+            "Layout",
+            "Measured",
+            "B_simple (EMA) at the last",
+            "Resume",
+            "Suggested (--suggest)",
+            "Run on",
+        ),
+    ),
+    "noise-scale-gpt": Table(
+        doc="docs/noise-scale.md",
+        keys=2,
+        columns=(
+            "megatron-core",
+            "Layout",
+            "Measured steps",
+            "norm(g)^2: worst relative error",
+            "mean norm(g_r)^2: worst relative error",
+            "Against the truth",
+            "Run on",
+        ),
+    ),
 }
 
 
@@ -78,11 +142,12 @@ def record(name: str, rows: list[dict[str, object]], directory: Path | None = No
     for row in rows:
         unknown = set(row) - set(table.columns)
         if unknown:
-            raise ValueError(f"table {name!r} has no column {', '.join(sorted(unknown))}; its columns: "
-                             f"{', '.join(table.columns)}")
+            raise ValueError(
+                f"table {name!r} has no column {', '.join(sorted(unknown))}; its columns: {', '.join(table.columns)}"
+            )
         cells = {column: cell(value) for column, value in row.items()}
         cells.setdefault("Run on", datetime.date.today().isoformat())
-        path = folder / f"{_slug([cells[c] for c in table.columns[:table.keys]])}.json"
+        path = folder / f"{_slug([cells[c] for c in table.columns[: table.keys]])}.json"
         with _locked(folder):  # make fuzz records from two processes
             old = json.loads(path.read_text()) if path.exists() else {}
             partial = path.with_suffix(".partial")

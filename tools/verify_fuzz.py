@@ -24,11 +24,20 @@ from .results import record
 
 #: install()'s hook rows each reverted variant removes, and the draws its correction concerns.
 REVERTED = {
-    "router count reverted": ("get_tokens_per_expert_and_token_count", lambda layout: "moe" in layout.model and (
-        layout.tensor_model_parallel_size * layout.context_parallel_size > 1
-        or ("global" in layout.model and layout.data_parallel_size > 1))),
-    "MTP count reverted": ("process_mtp_loss", lambda layout: "mtp" in layout.model
-                           and layout.data_parallel_size * layout.num_microbatches > 1),
+    "router count reverted": (
+        "get_tokens_per_expert_and_token_count",
+        lambda layout: (
+            "moe" in layout.model
+            and (
+                layout.tensor_model_parallel_size * layout.context_parallel_size > 1
+                or ("global" in layout.model and layout.data_parallel_size > 1)
+            )
+        ),
+    ),
+    "MTP count reverted": (
+        "process_mtp_loss",
+        lambda layout: "mtp" in layout.model and layout.data_parallel_size * layout.num_microbatches > 1,
+    ),
 }
 
 WITHOUT_HOOK = """
@@ -43,8 +52,11 @@ sys.exit(main(["verify", *sys.argv[1:]]))
 
 def run_verify(args: list[str], without: str | None = None) -> dict:
     """``megatron-ga verify --json ARGS`` in a fresh process (without install()'s hook ``without``): its JSON."""
-    command = ([sys.executable, "-c", WITHOUT_HOOK, without] if without
-               else [sys.executable, "-m", "megatron_ga_ext.cli", "verify"])
+    command = (
+        [sys.executable, "-c", WITHOUT_HOOK, without]
+        if without
+        else [sys.executable, "-m", "megatron_ga_ext.cli", "verify"]
+    )
     proc = subprocess.run([*command, *args, "--json"], capture_output=True, text=True, timeout=7200)
     if proc.returncode not in (0, 1):
         raise SystemExit(f"verify {' '.join(args)} exited {proc.returncode}: {proc.stderr[-2000:]}")
@@ -56,9 +68,15 @@ def fuzz_row(version: str, seed: int, corrections: str, rows: list[dict], second
     limited = sum(r["verdict"] == "limited" for r in rows)
     errors = [e for r in rows for e in (r["rel_err_token"], r["rel_err_mean_of_means"]) if e is not None]
     verdict = f"{passed} pass, {limited} limited, {len(rows) - passed - limited} fail"
-    return {"megatron-core": version, "Seed": seed, "Corrections": corrections, "Draws": len(rows),
-            "Verdict": verdict, "Worst relative error": f"{max(errors):.1e}" if errors else "-",
-            "Time (s)": round(seconds)}
+    return {
+        "megatron-core": version,
+        "Seed": seed,
+        "Corrections": corrections,
+        "Draws": len(rows),
+        "Verdict": verdict,
+        "Worst relative error": f"{max(errors):.1e}" if errors else "-",
+        "Time (s)": round(seconds),
+    }
 
 
 def concerned(draws: list[Draw], wants, count: int) -> list[Draw]:
@@ -76,8 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.core.transformer import multi_token_prediction
 
     version, status = megatron.core.__version__.split("+")[0], 0
-    reverted = {name: variant for name, variant in REVERTED.items()  # 0.16 attaches MTP's sum: no correction
-                if variant[0] != "process_mtp_loss" or hasattr(multi_token_prediction, "process_mtp_loss")}
+    reverted = {
+        name: variant
+        for name, variant in REVERTED.items()  # 0.16 attaches MTP's sum: no correction
+        if variant[0] != "process_mtp_loss" or hasattr(multi_token_prediction, "process_mtp_loss")
+    }
     for seed in args.seeds:
         start = time.perf_counter()
         out = run_verify(["--fuzz", str(args.draws), "--seed", str(seed), "--timeout", str(args.timeout)])
@@ -89,8 +110,19 @@ def main(argv: list[str] | None = None) -> int:
         for corrections, (hook, wants) in reverted.items():
             start, rows = time.perf_counter(), []
             for draw in concerned(draws, wants, args.reverted):
-                rows += run_verify(["--fuzz", str(args.draws), "--seed", str(seed), "--draw", str(draw.index),
-                                    "--timeout", str(args.timeout)], without=hook)["draws"]
+                rows += run_verify(
+                    [
+                        "--fuzz",
+                        str(args.draws),
+                        "--seed",
+                        str(seed),
+                        "--draw",
+                        str(draw.index),
+                        "--timeout",
+                        str(args.timeout),
+                    ],
+                    without=hook,
+                )["draws"]
             row = fuzz_row(version, seed, corrections, rows, time.perf_counter() - start)
             status |= not rows or all(r["verdict"] != "FAIL" for r in rows)  # a reverted run must fail
             record("verify-fuzz", [row])

@@ -27,15 +27,30 @@ __all__ = ["configure_parser", "run"]
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("runs", nargs="+", metavar="RUN",
-                        help="a run's Megatron-LM stdout log, or its --tensorboard-dir; one run per global batch size")
-    parser.add_argument("--targets", metavar="L1,L2,...", help="target losses, e.g. 3.2,3.0,2.8 (default: "
-                        "--num-targets losses evenly spaced between what every run reaches)")
+    parser.add_argument(
+        "runs",
+        nargs="+",
+        metavar="RUN",
+        help="a run's Megatron-LM stdout log, or its --tensorboard-dir; one run per global batch size",
+    )
+    parser.add_argument(
+        "--targets",
+        metavar="L1,L2,...",
+        help="target losses, e.g. 3.2,3.0,2.8 (default: "
+        "--num-targets losses evenly spaced between what every run reaches)",
+    )
     parser.add_argument("--num-targets", metavar="N", default="3", help="default targets (3)")
-    parser.add_argument("--train-loss-smoothing", metavar="EMA_DECAY", help="use the training loss, smoothed by an "
-                        "EMA of this decay per logged point (default: the validation loss)")
-    parser.add_argument("--interpolate", action="store_true", help="interpolate S and E linearly between the two "
-                        "logged points around the target (default: the first logged point at or below it)")
+    parser.add_argument(
+        "--train-loss-smoothing",
+        metavar="EMA_DECAY",
+        help="use the training loss, smoothed by an EMA of this decay per logged point (default: the validation loss)",
+    )
+    parser.add_argument(
+        "--interpolate",
+        action="store_true",
+        help="interpolate S and E linearly between the two "
+        "logged points around the target (default: the first logged point at or below it)",
+    )
     parser.add_argument("--loss-name", default="lm loss", help="the loss as Megatron logs it ('lm loss')")
     parser.add_argument("--bootstrap", metavar="N", default="1000", help="bootstrap resamples over runs (1000)")
     parser.add_argument("--confidence", metavar="LEVEL", default="0.95", help="the interval's level (0.95)")
@@ -81,8 +96,10 @@ def _read_run(path: str, loss_name: str) -> LossCurve:
         with open(path, encoding="utf-8", errors="replace") as handle:
             return read_megatron_log(handle, path, loss_name)
     except OSError as error:
-        raise CriticalBatchError(f"RUN {path}: cannot read it ({error.strerror or error}); give a Megatron-LM "
-                                 "log file or a --tensorboard-dir.") from None
+        raise CriticalBatchError(
+            f"RUN {path}: cannot read it ({error.strerror or error}); give a Megatron-LM "
+            "log file or a --tensorboard-dir."
+        ) from None
 
 
 def _tensorboard_curve(path: str, loss_name: str) -> LossCurve:
@@ -92,17 +109,23 @@ def _tensorboard_curve(path: str, loss_name: str) -> LossCurve:
     try:
         from tensorboard.backend.event_processing import event_accumulator
     except ImportError:
-        raise CriticalBatchError(f"RUN {path}: reading TensorBoard event files needs the tensorboard package (pip "
-                                 "install tensorboard); or give the run's stdout log.") from None
+        raise CriticalBatchError(
+            f"RUN {path}: reading TensorBoard event files needs the tensorboard package (pip "
+            "install tensorboard); or give the run's stdout log."
+        ) from None
     if os.path.isdir(path) and not any("tfevents" in name for name in os.listdir(path)):
-        raise CriticalBatchError(f"RUN {path} is a directory without TensorBoard event files (events.out.tfevents.*) "
-                                 "and not a log; give the run's --tensorboard-dir or its stdout log.")
+        raise CriticalBatchError(
+            f"RUN {path} is a directory without TensorBoard event files (events.out.tfevents.*) "
+            "and not a log; give the run's --tensorboard-dir or its stdout log."
+        )
     accumulator = event_accumulator.EventAccumulator(path, size_guidance={event_accumulator.SCALARS: 0})
     accumulator.Reload()
     tags = set(accumulator.Tags()["scalars"])
     if "batch-size" not in tags:
-        raise CriticalBatchError(f"RUN {path}: its event files have no 'batch-size' scalar (Megatron-LM writes it "
-                                 "every --tensorboard-log-interval); give the --tensorboard-dir of a Megatron-LM run.")
+        raise CriticalBatchError(
+            f"RUN {path}: its event files have no 'batch-size' scalar (Megatron-LM writes it "
+            "every --tensorboard-log-interval); give the --tensorboard-dir of a Megatron-LM run."
+        )
 
     def by_step(tag: str) -> dict[int, float]:
         return {e.step: e.value for e in accumulator.Scalars(tag)} if tag in tags else {}
@@ -114,8 +137,10 @@ def _tensorboard_curve(path: str, loss_name: str) -> LossCurve:
             consumed.update({event.step: twin.step for event, twin in pairs})
     sizes = {step: round(value) for step, value in by_step("batch-size").items()}
     if len(set(sizes.values())) > 1:
-        raise CriticalBatchError(f"RUN {path}: its global batch size changes ({sorted(set(sizes.values()))[:4]}); "
-                                 "the fit needs each run at one global batch size: give runs at a fixed batch size.")
+        raise CriticalBatchError(
+            f"RUN {path}: its global batch size changes ({sorted(set(sizes.values()))[:4]}); "
+            "the fit needs each run at one global batch size: give runs at a fixed batch size."
+        )
     batch = next(iter(sizes.values()))
     return curve(path, batch, consumed, by_step(loss_name), by_step(f"{loss_name} validation"))
 
@@ -128,11 +153,14 @@ def _check_runs(curves: Sequence[LossCurve]) -> None:
         if c.global_batch_size in seen:
             raise CriticalBatchError(
                 f"RUN {c.source} and RUN {seen[c.global_batch_size]} both ran at global batch size "
-                f"{c.global_batch_size:,}; the fit takes one run per batch size: keep one (the best learning rate's).")
+                f"{c.global_batch_size:,}; the fit takes one run per batch size: keep one (the best learning rate's)."
+            )
         seen[c.global_batch_size] = c.source
     if len(curves) < 3:
-        raise CriticalBatchError(f"{len(curves)} RUN(s) given; the fit of S_min and E_min needs runs at 3 or more "
-                                 "global batch sizes (a 16x span or more gives a knee to fit).")
+        raise CriticalBatchError(
+            f"{len(curves)} RUN(s) given; the fit of S_min and E_min needs runs at 3 or more "
+            "global batch sizes (a 16x span or more gives a knee to fit)."
+        )
 
 
 def _series(c: LossCurve, decay: float | None, loss_name: str) -> tuple[LossPoint, ...]:
@@ -143,8 +171,9 @@ def _series(c: LossCurve, decay: float | None, loss_name: str) -> tuple[LossPoin
     if not c.validation:
         raise CriticalBatchError(
             f"RUN {c.source}: no validation '{loss_name}' was logged (\"validation loss at iteration N | "
-            f"{loss_name} value: ...\"); run with --eval-interval, or use the training loss: "
-            "--train-loss-smoothing EMA_DECAY.")
+            f'{loss_name} value: ..."); run with --eval-interval, or use the training loss: '
+            "--train-loss-smoothing EMA_DECAY."
+        )
     return c.validation
 
 
@@ -169,12 +198,14 @@ def _targets(args: argparse.Namespace, series: dict[str, tuple[LossPoint, ...]])
             raise CriticalBatchError(
                 f"--targets {target:g}: no run reached it (the lowest loss any run logged is {lowest:.6g}); every "
                 f"target must be reached by at least one run, and 3 to be fitted: give targets at or above "
-                f"{max(min(p.loss for p in points) for points in series.values()):.6g} (what every run reaches).")
+                f"{max(min(p.loss for p in points) for points in series.values()):.6g} (what every run reaches)."
+            )
     return targets
 
 
-def _points(curves: Sequence[LossCurve], series: dict[str, tuple[LossPoint, ...]], target: float,
-            interpolate: bool) -> tuple[list[RunPoint], list[str]]:
+def _points(
+    curves: Sequence[LossCurve], series: dict[str, tuple[LossPoint, ...]], target: float, interpolate: bool
+) -> tuple[list[RunPoint], list[str]]:
     """Each run's (S, E) at the target, by batch size; and the runs whose first logged loss is already at or below
     it: they reached it at or before that point, at an S the log does not give, and are left out."""
     points, early = [], []
@@ -184,8 +215,9 @@ def _points(curves: Sequence[LossCurve], series: dict[str, tuple[LossPoint, ...]
             continue
         reached = first_reach(series[c.source], target, interpolate)
         if reached is not None:
-            points.append(RunPoint(label=c.source, batch_size=c.global_batch_size, steps=reached[0],
-                                   samples=reached[1]))
+            points.append(
+                RunPoint(label=c.source, batch_size=c.global_batch_size, steps=reached[0], samples=reached[1])
+            )
     return points, early
 
 
@@ -216,24 +248,49 @@ def _number(flag: str, text: str) -> float:
 
 
 def _rule(args: argparse.Namespace, decay: float | None) -> dict:
-    loss = (f"validation '{args.loss_name}'" if decay is None else
-            f"training '{args.loss_name}', EMA decay {decay:g} per logged point")
-    reach = ("linear interpolation between the last logged point above the target and the first at or below it"
-             if args.interpolate else "the first logged point at or below the target")
-    return {"loss": loss, "reach": reach, "fit": "least squares in log S, log E (1-D search over B_crit)",
-            "interpolate": args.interpolate, "train_loss_smoothing": decay}
+    loss = (
+        f"validation '{args.loss_name}'"
+        if decay is None
+        else f"training '{args.loss_name}', EMA decay {decay:g} per logged point"
+    )
+    reach = (
+        "linear interpolation between the last logged point above the target and the first at or below it"
+        if args.interpolate
+        else "the first logged point at or below the target"
+    )
+    return {
+        "loss": loss,
+        "reach": reach,
+        "fit": "least squares in log S, log E (1-D search over B_crit)",
+        "interpolate": args.interpolate,
+        "train_loss_smoothing": decay,
+    }
 
 
-def _print(rule: dict, curves: Sequence[LossCurve], series: dict[str, tuple[LossPoint, ...]],
-           fits: Sequence[TargetFit], early: dict[float, list[str]], level: float) -> None:
+def _print(
+    rule: dict,
+    curves: Sequence[LossCurve],
+    series: dict[str, tuple[LossPoint, ...]],
+    fits: Sequence[TargetFit],
+    early: dict[float, list[str]],
+    level: float,
+) -> None:
     print(f"loss: {rule['loss']}")
     print(f"reached: S and E at {rule['reach']}")
     print(f"fit: (S/S_min - 1)(E/E_min - 1) = 1 by {rule['fit']}; B_crit = E_min / S_min\n")
     runs = sorted(curves, key=lambda c: c.global_batch_size)
     header = ["run", "GBS", "points", "lowest loss", *(f"S to {f.target:.4g}" for f in fits)]
     reached = [{p.label: p.steps for p in f.points} for f in fits]
-    rows = [[c.source, c.global_batch_size, len(series[c.source]), min(p.loss for p in series[c.source]),
-             *(r.get(c.source) for r in reached)] for c in runs]
+    rows = [
+        [
+            c.source,
+            c.global_batch_size,
+            len(series[c.source]),
+            min(p.loss for p in series[c.source]),
+            *(r.get(c.source) for r in reached),
+        ]
+        for c in runs
+    ]
     print_table("runs", header, rows)
     print()
     interval_name = f"B_crit {level * 100:g}% interval"
@@ -242,58 +299,110 @@ def _print(rule: dict, curves: Sequence[LossCurve], series: dict[str, tuple[Loss
         if f.fit is None or f.interval is None:
             table.append([f.target, len(f.points), None, None, "NOT FITTABLE", None, None])
         else:
-            table.append([f.target, len(f.points), f.fit.s_min, f.fit.e_min, f.fit.b_crit,
-                          span(f.interval.low, f.interval.high), f.fit.rms_log_residual])
-    print_table("critical batch per target", ["target", "runs", "S_min", "E_min", "B_crit", interval_name,
-                                              "rms log residual"], table)
+            table.append(
+                [
+                    f.target,
+                    len(f.points),
+                    f.fit.s_min,
+                    f.fit.e_min,
+                    f.fit.b_crit,
+                    span(f.interval.low, f.interval.high),
+                    f.fit.rms_log_residual,
+                ]
+            )
+    print_table(
+        "critical batch per target",
+        ["target", "runs", "S_min", "E_min", "B_crit", interval_name, "rms log residual"],
+        table,
+    )
     for f in fits:
         if early[f.target]:
-            print(f"target {f.target:.4g}: left out {', '.join(early[f.target])}: its first logged loss is already at "
-                  "or below the target (reached at an earlier step than the log gives).")
+            print(
+                f"target {f.target:.4g}: left out {', '.join(early[f.target])}: its first logged loss is already at "
+                "or below the target (reached at an earlier step than the log gives)."
+            )
         if f.reason:
             print(f"target {f.target:.4g}: NOT FITTABLE: {f.reason}.")
             continue
         for small, large in steps_rise(f.points):
-            print(f"target {f.target:.4g}: S rises from {small.steps:.4g} steps at GBS {small.batch_size:,} to "
-                  f"{large.steps:.4g} at GBS {large.batch_size:,}: the hyperbola has S fall as B grows, so the larger "
-                  "run is limited by something it leaves out (its LR, its warmup, the run's length).")
+            print(
+                f"target {f.target:.4g}: S rises from {small.steps:.4g} steps at GBS {small.batch_size:,} to "
+                f"{large.steps:.4g} at GBS {large.batch_size:,}: the hyperbola has S fall as B grows, so the larger "
+                "run is limited by something it leaves out (its LR, its warmup, the run's length)."
+            )
         i = f.interval
         if i is None:
             continue
         if i.used < i.resamples:
-            print(f"target {f.target:.4g}: {i.resamples - i.used} of {i.resamples} bootstrap resamples had fewer "
-                  "than 3 distinct batch sizes and were left out.")
+            print(
+                f"target {f.target:.4g}: {i.resamples - i.used} of {i.resamples} bootstrap resamples had fewer "
+                "than 3 distinct batch sizes and were left out."
+            )
         for count, limit, end in ((i.below, "B_crit -> 0", i.low), (i.above, "B_crit -> inf", i.high)):
             if count:
-                print(f"target {f.target:.4g}: {count} of {i.used} fitted resamples ran to {limit} (every drawn run "
-                      "far on one side of the knee): undetermined"
-                      f"{'' if end is not None else ', so that end of the interval is not bounded'}.")
+                print(
+                    f"target {f.target:.4g}: {count} of {i.used} fitted resamples ran to {limit} (every drawn run "
+                    "far on one side of the knee): undetermined"
+                    f"{'' if end is not None else ', so that end of the interval is not bounded'}."
+                )
 
 
-def _as_json(rule: dict, curves: Sequence[LossCurve], series: dict[str, tuple[LossPoint, ...]],
-             fits: Sequence[TargetFit], early: dict[float, list[str]]) -> dict:
+def _as_json(
+    rule: dict,
+    curves: Sequence[LossCurve],
+    series: dict[str, tuple[LossPoint, ...]],
+    fits: Sequence[TargetFit],
+    early: dict[float, list[str]],
+) -> dict:
     return {
         "rule": rule,
-        "runs": [{"run": c.source, "global_batch_size": c.global_batch_size, "points": len(series[c.source]),
-                  "lowest_loss": min(p.loss for p in series[c.source]), "skipped_not_finite": c.skipped}
-                 for c in sorted(curves, key=lambda c: c.global_batch_size)],
+        "runs": [
+            {
+                "run": c.source,
+                "global_batch_size": c.global_batch_size,
+                "points": len(series[c.source]),
+                "lowest_loss": min(p.loss for p in series[c.source]),
+                "skipped_not_finite": c.skipped,
+            }
+            for c in sorted(curves, key=lambda c: c.global_batch_size)
+        ],
         "targets": [{**_fit_json(f), "reached_before_first_log": early[f.target]} for f in fits],
     }
 
 
 def _fit_json(f: TargetFit) -> dict:
-    data: dict = {"target": f.target, "runs_reaching": len(f.points), "fittable": f.fit is not None,
-                  "reason": f.reason,
-                  "steps_rise": [[small.batch_size, large.batch_size] for small, large in steps_rise(f.points)],
-                  "points": [{"run": p.label, "global_batch_size": p.batch_size, "steps": p.steps, "samples": p.samples}
-                             for p in f.points]}
+    data: dict = {
+        "target": f.target,
+        "runs_reaching": len(f.points),
+        "fittable": f.fit is not None,
+        "reason": f.reason,
+        "steps_rise": [[small.batch_size, large.batch_size] for small, large in steps_rise(f.points)],
+        "points": [
+            {"run": p.label, "global_batch_size": p.batch_size, "steps": p.steps, "samples": p.samples}
+            for p in f.points
+        ],
+    }
     if f.fit is not None and f.interval is not None:
         i = f.interval
-        data.update({"s_min": f.fit.s_min, "e_min": f.fit.e_min, "b_crit": f.fit.b_crit,
-                     "b_crit_interval": {"low": i.low, "high": i.high, "level": i.level, "resamples": i.resamples,
-                                         "used": i.used, "below": i.below, "above": i.above, "seed": i.seed},
-                     "rms_log_residual": f.fit.rms_log_residual,
-                     "log_residuals": [{"steps": s, "samples": e} for s, e in f.fit.residuals]})
+        data.update(
+            {
+                "s_min": f.fit.s_min,
+                "e_min": f.fit.e_min,
+                "b_crit": f.fit.b_crit,
+                "b_crit_interval": {
+                    "low": i.low,
+                    "high": i.high,
+                    "level": i.level,
+                    "resamples": i.resamples,
+                    "used": i.used,
+                    "below": i.below,
+                    "above": i.above,
+                    "seed": i.seed,
+                },
+                "rms_log_residual": f.fit.rms_log_residual,
+                "log_residuals": [{"steps": s, "samples": e} for s, e in f.fit.residuals],
+            }
+        )
     return data
 
 

@@ -11,6 +11,8 @@ _EXTRAS = {"plot": "matplotlib", "megatron": "torch megatron-core"}
 
 def install_hint(extra: str) -> str:
     """``pip install matplotlib``, or the extra from a checkout or a wheel built from it."""
-    return (f"pip install {_EXTRAS[extra]}, or from a checkout of megatron-ga-ext pip install "
-            f"'./megatron-ga-ext[{extra}]' (or the wheel built from it: pip install 'megatron_ga_ext-<version>-"
-            f"py3-none-any.whl[{extra}]')")
+    return (
+        f"pip install {_EXTRAS[extra]}, or from a checkout of megatron-ga-ext pip install "
+        f"'./megatron-ga-ext[{extra}]' (or the wheel built from it: pip install 'megatron_ga_ext-<version>-"
+        f"py3-none-any.whl[{extra}]')"
+    )

@@ -36,14 +36,23 @@ __all__ = ["main"]
 _DELEGATED = {
     "schedule": ("megatron_ga_ext.cli.schedule", "table of a step batch-size schedule (or a converted rampup)"),
     "verify": ("megatron_ga_ext.cli.verify", "prove the loss reduction on real megatron-core against a reference"),
-    "critical-batch": ("megatron_ga_ext.cli.critical_batch",
-                       "B_crit = E_min / S_min from runs at several global batch sizes (McCandlish et al. 2018)"),
+    "critical-batch": (
+        "megatron_ga_ext.cli.critical_batch",
+        "B_crit = E_min / S_min from runs at several global batch sizes (McCandlish et al. 2018)",
+    ),
 }
 
 #: Megatron flags the ledger does not take: they decide a schedule or the loss, not one layout.
 _NOT_LEDGER = {
-    "rampup_batch_size", "step_batch_size_schedule", "decrease_batch_size_if_needed", "decoder_seq_length",
-    "train_iters", "train_samples", "calculate_per_token_loss", "hybrid_context_parallel", "perform_rl_step",
+    "rampup_batch_size",
+    "step_batch_size_schedule",
+    "decrease_batch_size_if_needed",
+    "decoder_seq_length",
+    "train_iters",
+    "train_samples",
+    "calculate_per_token_loss",
+    "hybrid_context_parallel",
+    "perform_rl_step",
     "rl_use_sequence_packing",
 }
 
@@ -71,11 +80,14 @@ def _configure_ledger(parser: argparse.ArgumentParser) -> None:
         if option.type is bool:
             parser.add_argument(option.flag, dest=option.dest, action="store_true", default=None)
         else:
-            parser.add_argument(option.flag, dest=option.dest, metavar="N" if option.type is int else "TEXT",
-                                help=option.help or None)
+            parser.add_argument(
+                option.flag, dest=option.dest, metavar="N" if option.type is int else "TEXT", help=option.help or None
+            )
     parser.add_argument(VIRTUAL_PIPELINE.flag, dest=VIRTUAL_PIPELINE.dest, metavar="N", help=VIRTUAL_PIPELINE.help)
     parser.add_argument(
-        "--grad-sync", choices=("step", "microbatch"), default="step",
+        "--grad-sync",
+        choices=("step", "microbatch"),
+        default="step",
         help="DP gradient sync once per step (Megatron, no_sync) or after every micro-batch",
     )
     parser.add_argument("--json", action="store_true", help="print the ledger as JSON")
@@ -95,8 +107,10 @@ def _run_ledger(args: argparse.Namespace) -> int:
     vpp = args.virtual_pipeline_model_parallel_size
     if vpp is not None:
         if kwargs["virtual_pipeline_model_parallel_size"] is not None:
-            raise UsageError(f"{VIRTUAL_PIPELINE.flag} {vpp} is given with another flag that sets the virtual "
-                             f"pipeline size ({kwargs['given']['virtual_pipeline_model_parallel_size']}); keep one.")  # type: ignore[index]
+            raise UsageError(
+                f"{VIRTUAL_PIPELINE.flag} {vpp} is given with another flag that sets the virtual "
+                f"pipeline size ({kwargs['given']['virtual_pipeline_model_parallel_size']}); keep one."
+            )  # type: ignore[index]
         kwargs["virtual_pipeline_model_parallel_size"] = read_int(VIRTUAL_PIPELINE.flag, vpp)
     layout = BatchLayout(**kwargs, grad_sync=args.grad_sync)  # type: ignore[arg-type]
     if args.json:
@@ -112,10 +126,13 @@ def _run_ledger(args: argparse.Namespace) -> int:
 def _configure_check(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", metavar="N", help="the world size, where the launch line leaves it open")
     parser.add_argument("--json", action="store_true", help="print the ledger and the problems as JSON")
-    parser.add_argument("--bridge", action="store_true",
-                        help="a Megatron-Bridge launch: read its section.field=value overrides (docs/bridge.md); "
-                             "a run_recipe.py line is read so without it, another script that calls "
-                             "ga_bridge.install needs it")
+    parser.add_argument(
+        "--bridge",
+        action="store_true",
+        help="a Megatron-Bridge launch: read its section.field=value overrides (docs/bridge.md); "
+        "a run_recipe.py line is read so without it, another script that calls "
+        "ga_bridge.install needs it",
+    )
     parser.add_argument("launch", nargs=argparse.REMAINDER, help="-- then the whole launch line")
 
 
@@ -153,23 +170,39 @@ def print_report(report: Report) -> None:
         print()
         runs = "" if table.runs else " (not run: see the problems)"
         if table.warmup:
-            rows = [(gbs, gbs // (table.micro_batch_size * table.data_parallel_size), table.warmup_bubble(gbs),
-                     None if table.seq_length is None else gbs * table.seq_length) for gbs in table.warmup]
-            print_table(f"stages of {table.source}: {table.summary}", ("GBS", "micro-batches", "bubble",
-                                                                      "tokens per step"), rows)
+            rows = [
+                (
+                    gbs,
+                    gbs // (table.micro_batch_size * table.data_parallel_size),
+                    table.warmup_bubble(gbs),
+                    None if table.seq_length is None else gbs * table.seq_length,
+                )
+                for gbs in table.warmup
+            ]
+            print_table(
+                f"stages of {table.source}: {table.summary}",
+                ("GBS", "micro-batches", "bubble", "tokens per step"),
+                rows,
+            )
         elif table.rows is None:
             print(f"stages of {table.source}{runs}: {table.summary}")
         else:
-            print_stages(table.rows, title=f"stages of {table.source}{runs}, MBS {table.micro_batch_size} x DP "
-                         f"{table.data_parallel_size}", seq=table.seq_length, train_samples=table.train_samples,
-                         run_length=table.run_length,
-                         bubble=table.bubble if table.pipeline_model_parallel_size > 1 else None)
+            print_stages(
+                table.rows,
+                title=f"stages of {table.source}{runs}, MBS {table.micro_batch_size} x DP {table.data_parallel_size}",
+                seq=table.seq_length,
+                train_samples=table.train_samples,
+                run_length=table.run_length,
+                bubble=table.bubble if table.pipeline_model_parallel_size > 1 else None,
+            )
         if table.equivalent is not None and table.rows is not None and len(table.rows) <= _LISTED_EQUIVALENT:
             unit = "tokens" if table.seq_length else "samples"
             print(f'as a step schedule (thresholds in {unit}): --step-batch-size-schedule "{table.equivalent}"')
         elif table.equivalent is not None:
-            print("as a step schedule: check --json gives it (stages.equivalent_schedule), as does megatron-ga "
-                  "schedule --from-rampup")
+            print(
+                "as a step schedule: check --json gives it (stages.equivalent_schedule), as does megatron-ga "
+                "schedule --from-rampup"
+            )
     notes = sorted(report.notes, key=lambda n: SEVERITIES.index(n.severity))
     if notes:
         print(f"\n{len(notes)} note(s):")
@@ -238,8 +271,12 @@ def report_error(command: str, error: GAError, as_json: bool = False) -> int:
     """The one error path of every command: ``megatron-ga COMMAND: error: ...`` on stderr, no traceback; with
     ``--json`` also ``{"error": ..., "error_type": ...}`` on stdout. Returns the exit status, 2."""
     if as_json:
-        print(json.dumps({"error": str(error), "error_type": type(error).__name__, "ledger": None, "problems": [],
-                          "notes": []}, indent=2))
+        print(
+            json.dumps(
+                {"error": str(error), "error_type": type(error).__name__, "ledger": None, "problems": [], "notes": []},
+                indent=2,
+            )
+        )
     print(f"megatron-ga {command}: error: {error}", file=sys.stderr)
     return 2
 

@@ -14,8 +14,13 @@ __all__ = ["count_label", "plot_schedule", "plot_suggestion"]
 
 
 def plot_schedule(
-    rows: list[StageRow], path: str, seq_length: int | None = None, train_samples: int | None = None, *,
-    micro_batch_size: int | None = None, data_parallel_size: int | None = None,
+    rows: list[StageRow],
+    path: str,
+    seq_length: int | None = None,
+    train_samples: int | None = None,
+    *,
+    micro_batch_size: int | None = None,
+    data_parallel_size: int | None = None,
 ) -> None:
     """Draw GBS and num_microbatches (steps) against tokens, or samples without a seq_length, to ``path``: the
     consumed axis in K, M, B, T, each stage labelled with its GBS and first step, whole micro-batch ticks, and MBS,
@@ -34,8 +39,14 @@ def plot_schedule(
     top.set_ylabel("global batch size")
     top.margins(y=0.3)  # room for the stage labels under the title
     for x, row in zip(xs, used):
-        top.annotate(f"GBS {row.global_batch_size:,}\nstep {row.first_step or 0:,}", (x, row.global_batch_size),
-                     xytext=(3, 3), textcoords="offset points", fontsize=7, va="bottom")
+        top.annotate(
+            f"GBS {row.global_batch_size:,}\nstep {row.first_step or 0:,}",
+            (x, row.global_batch_size),
+            xytext=(3, 3),
+            textcoords="offset points",
+            fontsize=7,
+            va="bottom",
+        )
     bottom.step(xs + [end_x], [r.num_microbatches for r in used] + [last.num_microbatches], where="post", color="C1")
     bottom.set_ylabel("num_microbatches")
     bottom.yaxis.set_major_locator(MaxNLocator(integer=True))
@@ -43,9 +54,15 @@ def plot_schedule(
     bottom.set_xlabel("tokens consumed" if seq_length else "samples consumed")
     for axis in (top, bottom):
         axis.grid(True, alpha=0.3)
-    layout = ", ".join(part for part in (
-        f"MBS {micro_batch_size}" if micro_batch_size else "", f"DP {data_parallel_size}" if data_parallel_size else "",
-        f"seq {seq_length:,}" if seq_length else "") if part)
+    layout = ", ".join(
+        part
+        for part in (
+            f"MBS {micro_batch_size}" if micro_batch_size else "",
+            f"DP {data_parallel_size}" if data_parallel_size else "",
+            f"seq {seq_length:,}" if seq_length else "",
+        )
+        if part
+    )
     top.set_title("step batch-size schedule" + (f" ({layout})" if layout else ""))
     figure.tight_layout()
     save_figure(plt, figure, path)
@@ -60,7 +77,11 @@ def count_label(value: float) -> str:
 
 
 def plot_suggestion(
-    trace: list[TraceRow], suggestion: Suggestion, rule: DoublingRule, path: str, seq_length: int | None = None,
+    trace: list[TraceRow],
+    suggestion: Suggestion,
+    rule: DoublingRule,
+    path: str,
+    seq_length: int | None = None,
     train_samples: int | None = None,
 ) -> None:
     """Draw the measured B_simple (and x trust), the suggested GBS, the 2 x GBS trigger and the frozen ranges,
@@ -74,18 +95,44 @@ def plot_suggestion(
     batches = [b for _, b in suggestion.schedule.stages]
     figure, axis = plt.subplots(figsize=(8, 4.5), dpi=100)
     if measured:
-        axis.plot([x for x, _ in measured], [b for _, b in measured], "o-", color="C0", ms=3, lw=0.6,
-                  label="B_simple measured")
+        axis.plot(
+            [x for x, _ in measured],
+            [b for _, b in measured],
+            "o-",
+            color="C0",
+            ms=3,
+            lw=0.6,
+            label="B_simple measured",
+        )
         if rule.trust != 1:
-            axis.plot([x for x, _ in measured], [rule.trust * b for _, b in measured], "-", color="C0", lw=0.8,
-                      alpha=0.6, label=f"B_simple x trust {rule.trust:g}")
+            axis.plot(
+                [x for x, _ in measured],
+                [rule.trust * b for _, b in measured],
+                "-",
+                color="C0",
+                lw=0.8,
+                alpha=0.6,
+                label=f"B_simple x trust {rule.trust:g}",
+            )
     axis.step(xs, batches + batches[-1:], where="post", color="C1", lw=2, label="suggested GBS")
-    axis.step(xs, [2 * b for b in batches + batches[-1:]], where="post", color="C1", ls="--", lw=0.8,
-              label="2 x GBS (doubles when crossed)")
+    axis.step(
+        xs,
+        [2 * b for b in batches + batches[-1:]],
+        where="post",
+        color="C1",
+        ls="--",
+        lw=0.8,
+        label="2 x GBS (doubles when crossed)",
+    )
     axis.axhline(rule.max_global_batch_size, color="grey", ls=":", lw=1, label="cap")
     for frozen in rule.frozen:
-        axis.axvspan(frozen.start * scale, (frozen.end if frozen.end is not None else end / scale) * scale,
-                     color="grey", alpha=0.15, lw=0)
+        axis.axvspan(
+            frozen.start * scale,
+            (frozen.end if frozen.end is not None else end / scale) * scale,
+            color="grey",
+            alpha=0.15,
+            lw=0,
+        )
     axis.set_yscale("log")
     axis.set_xlabel("tokens consumed" if seq_length else "samples consumed")
     axis.set_ylabel("samples")

@@ -35,9 +35,13 @@ from megatron_ga_ext.errors import ScheduleWarning, UsageError
 __all__ = ["SUGGEST_ONLY", "configure_parser", "run"]
 
 #: The flags that only ``--suggest`` reads: (dest, flag).
-SUGGEST_ONLY = (("max_global_batch_size", "--max-global-batch-size"), ("trust", "--trust"),
-                ("lr_warmup_samples", "--lr-warmup-samples"), ("lr_decay_samples", "--lr-decay-samples"),
-                ("lr_wsd_decay_samples", "--lr-wsd-decay-samples"))
+SUGGEST_ONLY = (
+    ("max_global_batch_size", "--max-global-batch-size"),
+    ("trust", "--trust"),
+    ("lr_warmup_samples", "--lr-warmup-samples"),
+    ("lr_decay_samples", "--lr-decay-samples"),
+    ("lr_wsd_decay_samples", "--lr-wsd-decay-samples"),
+)
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -45,48 +49,85 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("schedule", nargs="?", help=f'the {FLAG} value, e.g. "0:768 250B:1536 500B:3072"')
     parser.add_argument("--micro-batch-size", metavar="N", required=True)
     parser.add_argument("--data-parallel-size", metavar="N", required=True, help="world / (TP x PP x CP)")
-    parser.add_argument("--seq-length", metavar="N",
-                        help="tokens per sample; thresholds are then tokens, as pretrain_gpt reads them")
-    parser.add_argument("--sample-thresholds", action="store_true",
-                        help="with --seq-length, read thresholds as samples (a direct megatron-core caller)")
+    parser.add_argument(
+        "--seq-length", metavar="N", help="tokens per sample; thresholds are then tokens, as pretrain_gpt reads them"
+    )
+    parser.add_argument(
+        "--sample-thresholds",
+        action="store_true",
+        help="with --seq-length, read thresholds as samples (a direct megatron-core caller)",
+    )
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--train-samples", metavar="N", help="run length in samples (suffixes K, M, B, T)")
     length.add_argument("--train-tokens", metavar="N", help="run length in tokens; needs --seq-length")
-    parser.add_argument("--from-rampup", nargs=3, metavar=("START", "INCR", "SAMPLES"),
-                        help="convert --rampup-batch-size START INCR SAMPLES (needs --global-batch-size)")
-    parser.add_argument("--global-batch-size", metavar="N",
-                        help="the GBS a --from-rampup ramp ends at; with --suggest, the first stage (default MBS x DP)")
+    parser.add_argument(
+        "--from-rampup",
+        nargs=3,
+        metavar=("START", "INCR", "SAMPLES"),
+        help="convert --rampup-batch-size START INCR SAMPLES (needs --global-batch-size)",
+    )
+    parser.add_argument(
+        "--global-batch-size",
+        metavar="N",
+        help="the GBS a --from-rampup ramp ends at; with --suggest, the first stage (default MBS x DP)",
+    )
     parser.add_argument("--pipeline-model-parallel-size", metavar="N", default="1")
-    parser.add_argument("--virtual-pipeline-model-parallel-size", metavar="N",
-                        help="check each stage against the interleaved schedule's rule")
+    parser.add_argument(
+        "--virtual-pipeline-model-parallel-size",
+        metavar="N",
+        help="check each stage against the interleaved schedule's rule",
+    )
     parser.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", metavar="N")
-    parser.add_argument("--consumed-samples", metavar="N", default="0",
-                        help="start from this point (a resumed run); stages already passed are neither checked "
-                             "nor run")
-    parser.add_argument("--planned-data-parallel-sizes", nargs="+", metavar="N", default=[],
-                        help="DP sizes the run will rescale to; stages not yet reached must suit them too")
-    parser.add_argument("--warn-future-stages", action="store_true",
-                        help="report problems of stages not yet reached as warnings (the run rescales first)")
+    parser.add_argument(
+        "--consumed-samples",
+        metavar="N",
+        default="0",
+        help="start from this point (a resumed run); stages already passed are neither checked nor run",
+    )
+    parser.add_argument(
+        "--planned-data-parallel-sizes",
+        nargs="+",
+        metavar="N",
+        default=[],
+        help="DP sizes the run will rescale to; stages not yet reached must suit them too",
+    )
+    parser.add_argument(
+        "--warn-future-stages",
+        action="store_true",
+        help="report problems of stages not yet reached as warnings (the run rescales first)",
+    )
     parser.add_argument("--lr", type=float, metavar="LR", help="learning rate at --lr-base-batch-size (for hints)")
     parser.add_argument("--lr-base-batch-size", metavar="N", help="the batch size --lr was tuned at")
     parser.add_argument("--json", action="store_true", help="print the schedule and its rows as JSON")
-    parser.add_argument("--plot", metavar="FILE.png", help="draw GBS and num_microbatches against tokens (with "
-                                                           "--suggest: the measured trace against the schedule)")
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="draw GBS and num_microbatches against tokens (with --suggest: the measured trace against the schedule)",
+    )
     suggest = parser.add_argument_group("--suggest: a schedule from a measured critical batch (docs/noise-scale.md)")
-    suggest.add_argument("--suggest", metavar="TRACE",
-                         help="a noise-scale trace (JSON or JSON Lines rows of consumed_samples and b_simple_samples), "
-                              "a --ga-noise-scale run's log or its --tensorboard-dir: print the schedule that doubles "
-                              "GBS where trust x B_simple passes 2 x GBS")
+    suggest.add_argument(
+        "--suggest",
+        metavar="TRACE",
+        help="a noise-scale trace (JSON or JSON Lines rows of consumed_samples and b_simple_samples), "
+        "a --ga-noise-scale run's log or its --tensorboard-dir: print the schedule that doubles "
+        "GBS where trust x B_simple passes 2 x GBS",
+    )
     suggest.add_argument("--max-global-batch-size", metavar="N", help="the cap: GBS doubles only while 2 x GBS <= N")
-    suggest.add_argument("--trust", metavar="F", help="multiply the measured B_simple by F before comparing "
-                                                      "(default 1; on real text it measured 0.24-0.54 of the "
-                                                      "critical batch, docs/noise-scale.md, as Merrill et al. 2025 "
-                                                      "found)")
+    suggest.add_argument(
+        "--trust",
+        metavar="F",
+        help="multiply the measured B_simple by F before comparing "
+        "(default 1; on real text it measured 0.24-0.54 of the "
+        "critical batch, docs/noise-scale.md, as Merrill et al. 2025 "
+        "found)",
+    )
     suggest.add_argument("--lr-warmup-samples", metavar="N", help="no change before N consumed samples")
-    suggest.add_argument("--lr-decay-samples", metavar="N", help="where the LR decay ends (with "
-                                                                 "--lr-wsd-decay-samples)")
-    suggest.add_argument("--lr-wsd-decay-samples", metavar="N",
-                         help="the final decay's length: no change from --lr-decay-samples - N on")
+    suggest.add_argument(
+        "--lr-decay-samples", metavar="N", help="where the LR decay ends (with --lr-wsd-decay-samples)"
+    )
+    suggest.add_argument(
+        "--lr-wsd-decay-samples", metavar="N", help="the final decay's length: no change from --lr-decay-samples - N on"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -108,19 +149,28 @@ def run(args: argparse.Namespace) -> int:
     demoted = _validate(args, schedule, inputs, consumed)
     if schedule.num_stages > TABLE_LIMIT:
         return _summarise(args, schedule, demoted)
-    rows = schedule.table(mbs, dp, seq_length=seq, train_samples=train_samples, lr=lr, lr_base_batch_size=base,
-                          consumed_samples=consumed)
+    rows = schedule.table(
+        mbs, dp, seq_length=seq, train_samples=train_samples, lr=lr, lr_base_batch_size=base, consumed_samples=consumed
+    )
     if args.json:
         print(json.dumps(stages_json(args, schedule, rows, mbs, dp, seq, train_samples, consumed, demoted), indent=2))
     else:
         pp, vpp = inputs.pipeline_model_parallel_size, inputs.virtual_pipeline_model_parallel_size or 1
-        print_stages(rows, title=f"stages for MBS {args.micro_batch_size} x DP {args.data_parallel_size}", seq=seq,
-                     train_samples=train_samples, consumed=consumed, demoted=demoted,
-                     header=_header(args, schedule, seq), lr=args.lr is not None,
-                     bubble=(lambda r: (pp - 1) / (vpp * r.num_microbatches + pp - 1)) if pp > 1 else None)
+        print_stages(
+            rows,
+            title=f"stages for MBS {args.micro_batch_size} x DP {args.data_parallel_size}",
+            seq=seq,
+            train_samples=train_samples,
+            consumed=consumed,
+            demoted=demoted,
+            header=_header(args, schedule, seq),
+            lr=args.lr is not None,
+            bubble=(lambda r: (pp - 1) / (vpp * r.num_microbatches + pp - 1)) if pp > 1 else None,
+        )
     if args.plot:
-        plots.plot_schedule(rows, args.plot, seq_length=seq, train_samples=train_samples, micro_batch_size=mbs,
-                            data_parallel_size=dp)
+        plots.plot_schedule(
+            rows, args.plot, seq_length=seq, train_samples=train_samples, micro_batch_size=mbs, data_parallel_size=dp
+        )
         if not args.json:
             print(f"plot written to {args.plot}")
     return 0
@@ -129,11 +179,15 @@ def run(args: argparse.Namespace) -> int:
 def _inputs(args: argparse.Namespace, mbs: int, dp: int, seq: int | None) -> ScheduleInputs:
     """The command's schedule (given, or --from-rampup converted) and layout, for options.resolve_schedule."""
     if args.sample_thresholds and args.from_rampup is not None:
-        raise UsageError("--sample-thresholds applies to a given schedule, not --from-rampup: a converted ramp prints "
-                         "both its sample and (with --seq-length) its token string. Drop --sample-thresholds.")
+        raise UsageError(
+            "--sample-thresholds applies to a given schedule, not --from-rampup: a converted ramp prints "
+            "both its sample and (with --seq-length) its token string. Drop --sample-thresholds."
+        )
     if args.sample_thresholds and seq is None:
-        raise UsageError("--sample-thresholds goes with --seq-length: without it thresholds are samples already. "
-                         "Drop --sample-thresholds, or add --seq-length.")
+        raise UsageError(
+            "--sample-thresholds goes with --seq-length: without it thresholds are samples already. "
+            "Drop --sample-thresholds, or add --seq-length."
+        )
     rampup, gbs = None, None
     if args.from_rampup is not None:
         if args.schedule is not None:
@@ -150,15 +204,22 @@ def _inputs(args: argparse.Namespace, mbs: int, dp: int, seq: int | None) -> Sch
     thresholds_in_tokens = seq is not None and not args.sample_thresholds
     group = args.microbatch_group_size_per_virtual_pipeline_stage
     return ScheduleInputs(
-        step_batch_size_schedule=args.schedule, rampup_batch_size=rampup, global_batch_size=gbs,
-        seq_length=seq if thresholds_in_tokens else None, convert_rampup=True, micro_batch_size=mbs,
+        step_batch_size_schedule=args.schedule,
+        rampup_batch_size=rampup,
+        global_batch_size=gbs,
+        seq_length=seq if thresholds_in_tokens else None,
+        convert_rampup=True,
+        micro_batch_size=mbs,
         data_parallel_size=dp,
         pipeline_model_parallel_size=count("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
-        virtual_pipeline_model_parallel_size=count("--virtual-pipeline-model-parallel-size",
-                                                    args.virtual_pipeline_model_parallel_size)
-        if args.virtual_pipeline_model_parallel_size else None,
+        virtual_pipeline_model_parallel_size=count(
+            "--virtual-pipeline-model-parallel-size", args.virtual_pipeline_model_parallel_size
+        )
+        if args.virtual_pipeline_model_parallel_size
+        else None,
         microbatch_group_size_per_vp_stage=count("--microbatch-group-size-per-virtual-pipeline-stage", group)
-        if group else None,
+        if group
+        else None,
     )
 
 
@@ -166,9 +227,11 @@ def _validate(args: argparse.Namespace, schedule: StepSchedule, inputs: Schedule
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ScheduleWarning)
         demoted = schedule.validate(
-            **inputs.layout(), consumed_samples=consumed,
-            planned_data_parallel_sizes=[count("--planned-data-parallel-sizes", d)
-                                         for d in args.planned_data_parallel_sizes],
+            **inputs.layout(),
+            consumed_samples=consumed,
+            planned_data_parallel_sizes=[
+                count("--planned-data-parallel-sizes", d) for d in args.planned_data_parallel_sizes
+            ],
             strict_future=not args.warn_future_stages,
         )
     return [str(p.error) for p in demoted]
@@ -177,13 +240,28 @@ def _validate(args: argparse.Namespace, schedule: StepSchedule, inputs: Schedule
 def _summarise(args: argparse.Namespace, schedule: StepSchedule, demoted: list[str]) -> int:
     """A schedule of more than TABLE_LIMIT stages (a long ramp): described, not listed."""
     if args.plot:
-        raise UsageError(f"--plot draws a table of stages; this schedule has {schedule.num_stages:,}, more than "
-                         f"the {TABLE_LIMIT:,} listed.")
-    note = (f"{schedule.num_stages:,} stages: too many to list or to write as {FLAG}; run the ramp with "
-            f"--ga-convert-rampup. Every stage is checked (in closed form) against the layout.")
+        raise UsageError(
+            f"--plot draws a table of stages; this schedule has {schedule.num_stages:,}, more than "
+            f"the {TABLE_LIMIT:,} listed."
+        )
+    note = (
+        f"{schedule.num_stages:,} stages: too many to list or to write as {FLAG}; run the ramp with "
+        f"--ga-convert-rampup. Every stage is checked (in closed form) against the layout."
+    )
     if args.json:
-        print(json.dumps({"schedule": None, "summary": schedule.summary(), "stages_count": schedule.num_stages,
-                          "stages": None, "note": note, "warnings": demoted}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "schedule": None,
+                    "summary": schedule.summary(),
+                    "stages_count": schedule.num_stages,
+                    "stages": None,
+                    "note": note,
+                    "warnings": demoted,
+                },
+                indent=2,
+            )
+        )
     else:
         print(f"{_source(args)} is this step schedule: {schedule.summary()}")
         print(f"  {note}")
@@ -206,8 +284,10 @@ def _header(args: argparse.Namespace, schedule: StepSchedule, seq: int | None) -
             lines.append(f'    {FLAG} "{schedule.to_string(seq_length=seq)}"')
             lines.append("  megatron-core callers passing seq_length=None (thresholds in samples):")
         else:
-            lines.append("  thresholds in samples, for megatron-core callers passing seq_length=None; pretrain_gpt "
-                         "reads thresholds as tokens: add --seq-length for its string:")
+            lines.append(
+                "  thresholds in samples, for megatron-core callers passing seq_length=None; pretrain_gpt "
+                "reads thresholds as tokens: add --seq-length for its string:"
+            )
         lines.append(f'    {FLAG} "{schedule.samples_string()}"')
     else:
         unit = f"tokens, --seq-length {schedule.seq_length}" if schedule.seq_length else "samples"

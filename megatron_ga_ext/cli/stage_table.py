@@ -24,9 +24,16 @@ LR_NOTE = (
 
 #: The table's columns: (heading, StageRow field).
 _COLUMNS = [
-    ("#", "position"), ("entry", "entry"), ("GBS", "global_batch_size"), ("micro-batches", "num_microbatches"),
-    ("from sample", "threshold_samples"), ("first sample", "first_sample"), ("first token", "first_token"),
-    ("first step", "first_step"), ("steps", "steps"), ("tokens", "tokens"),
+    ("#", "position"),
+    ("entry", "entry"),
+    ("GBS", "global_batch_size"),
+    ("micro-batches", "num_microbatches"),
+    ("from sample", "threshold_samples"),
+    ("first sample", "first_sample"),
+    ("first token", "first_token"),
+    ("first step", "first_step"),
+    ("steps", "steps"),
+    ("tokens", "tokens"),
 ]
 
 
@@ -71,8 +78,11 @@ def print_stages(
     passed = [r.position for r in rows if r.first_sample is None and r.threshold_samples < consumed]
     if passed and any(r.first_sample is not None for r in rows):
         print(f"note: stage(s) {', '.join(map(str, passed))} already passed at --consumed-samples {consumed:,}.")
-    skipped = [r.position for r in rows if r.steps == 0 and r.first_sample is None and r.threshold_samples > consumed
-               and _before_end(r, rows)]
+    skipped = [
+        r.position
+        for r in rows
+        if r.steps == 0 and r.first_sample is None and r.threshold_samples > consumed and _before_end(r, rows)
+    ]
     if skipped:
         print(f"note: stage(s) {', '.join(map(str, skipped))} are never used: a step overshoots past them.")
     if lr:

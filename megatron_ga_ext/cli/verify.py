@@ -37,19 +37,33 @@ TOLERANCE = 1e-5
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Add verify's options to ``parser``."""
-    parser.add_argument("--json", action="store_true",
-                        help="print a JSON list of rows (layout, mode, rel_err_token, "
-                             "rel_err_mean_of_means, num_tokens, ok) instead of a table")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cpu: gloo ranks with CPU shims (default); cuda: nccl, one GPU per rank")
-    parser.add_argument("--tolerance", type=float, default=TOLERANCE,
-                        help=f"largest relative gradient error that passes (default {TOLERANCE:g}, fp32)")
-    parser.add_argument("--timeout", type=float, default=300.0,
-                        help="seconds allowed for each launch (default 300)")
-    parser.add_argument("--fuzz", type=int, metavar="N",
-                        help="instead of the default layouts, N layouts drawn at random (TP, PP, VPP, CP, EP, DP, "
-                             "MBS, GA, MoE balancing types, MTP, overlap, distributed optimizer; uneven loss "
-                             "tokens), each against the unpartitioned reference (verify/fuzz.py)")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print a JSON list of rows (layout, mode, rel_err_token, "
+        "rel_err_mean_of_means, num_tokens, ok) instead of a table",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: gloo ranks with CPU shims (default); cuda: nccl, one GPU per rank",
+    )
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=TOLERANCE,
+        help=f"largest relative gradient error that passes (default {TOLERANCE:g}, fp32)",
+    )
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds allowed for each launch (default 300)")
+    parser.add_argument(
+        "--fuzz",
+        type=int,
+        metavar="N",
+        help="instead of the default layouts, N layouts drawn at random (TP, PP, VPP, CP, EP, DP, "
+        "MBS, GA, MoE balancing types, MTP, overlap, distributed optimizer; uneven loss "
+        "tokens), each against the unpartitioned reference (verify/fuzz.py)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="--fuzz: the seed of the draws (default 0)")
     parser.add_argument("--draw", type=int, metavar="K", help="--fuzz: run draw K of the seed alone")
 
@@ -75,14 +89,14 @@ def run(args: argparse.Namespace) -> int:
 
     aux_layouts = _runnable(AUX_LAYOUTS, args.device)  # token mode only: 0.16's MTP runs there
     try:
-        results, coefficients = launch_all(layouts, device=args.device, timeout_s=args.timeout,
-                                           aux_layouts=aux_layouts)
+        results, coefficients = launch_all(layouts, device=args.device, timeout_s=args.timeout, aux_layouts=aux_layouts)
     except Exception as exc:
         raise VerifyError(f"verify launch failed: {type(exc).__name__}: {exc}") from exc
     expected_num_tokens = {lay.name: sum(lay.lengths or DEFAULT_LENGTHS) for lay in layouts}
     rows = rows_from_results(results, args.tolerance, expected_num_tokens)
-    aux_rows = [{"layout": c.layout, "variant": c.variant, "coefficient": c.coefficient, "error": c.error}
-                for c in coefficients]
+    aux_rows = [
+        {"layout": c.layout, "variant": c.variant, "coefficient": c.coefficient, "error": c.error} for c in coefficients
+    ]
     aux_ok = all(r["error"] <= args.tolerance for r in aux_rows if r["variant"] == AFTER)
     _report(rows, aux_rows, skipped, args, expected_num_tokens, time.perf_counter() - start)
     return 0 if all(row["ok"] for row in rows) and aux_ok else 1
@@ -92,17 +106,23 @@ def _fuzz(args: argparse.Namespace, versions: str, start: float) -> int:
     """``--fuzz N``: the draws of ``--seed`` (or draw ``--draw`` alone), one launch per world size; 0 when every draw
     that ran passes, 1 otherwise."""
     if args.fuzz < 1 or (args.draw is not None and not 0 <= args.draw < args.fuzz):
-        raise VerifyError(f"--fuzz {args.fuzz} --draw {args.draw}: --fuzz takes N >= 1 draws, and --draw K one of "
-                          f"them (0 <= K < N).")
+        raise VerifyError(
+            f"--fuzz {args.fuzz} --draw {args.draw}: --fuzz takes N >= 1 draws, and --draw K one of them (0 <= K < N)."
+        )
     from megatron_ga_ext.verify.fuzz import draw_layouts
     from megatron_ga_ext.verify.launches import launch_draws
 
     draws = draw_layouts(args.fuzz, args.seed)
     draws = [draws[args.draw]] if args.draw is not None else draws
-    print(f"megatron-ga verify --fuzz {args.fuzz} --seed {args.seed}: {versions}, device {args.device}",
-          file=sys.stderr)
-    rows = [_draw_row(draw, verdicts, failure, args) for draw, verdicts, failure in
-            launch_draws(_runnable_draws(draws, args.device), device=args.device, timeout_s=args.timeout)]
+    print(
+        f"megatron-ga verify --fuzz {args.fuzz} --seed {args.seed}: {versions}, device {args.device}", file=sys.stderr
+    )
+    rows = [
+        _draw_row(draw, verdicts, failure, args)
+        for draw, verdicts, failure in launch_draws(
+            _runnable_draws(draws, args.device), device=args.device, timeout_s=args.timeout
+        )
+    ]
     _report_fuzz(rows, args, time.perf_counter() - start)
     return 0 if all(row["verdict"] in ("ok", "limited") for row in rows) else 1
 
@@ -114,10 +134,19 @@ def _runnable_draws(draws: list, device: str) -> list:
 
 def _draw_row(draw, verdicts, failure: str | None, args: argparse.Namespace) -> dict[str, Any]:
     """One draw's row: the worst errors over ranks of its two modes, and its verdict."""
-    row = {"draw": draw.index, "layout": draw.layout.name, "micro_batch_size": draw.layout.micro_batch_size,
-           "lengths": list(draw.lengths), "rel_err_token": None, "rel_err_mean_of_means": None, "num_tokens": None,
-           "verdict": "FAIL", "reason": failure, "row": draw.row,
-           "rerun": f"megatron-ga verify --fuzz {args.fuzz} --seed {args.seed} --draw {draw.index}"}
+    row = {
+        "draw": draw.index,
+        "layout": draw.layout.name,
+        "micro_batch_size": draw.layout.micro_batch_size,
+        "lengths": list(draw.lengths),
+        "rel_err_token": None,
+        "rel_err_mean_of_means": None,
+        "num_tokens": None,
+        "verdict": "FAIL",
+        "reason": failure,
+        "row": draw.row,
+        "rerun": f"megatron-ga verify --fuzz {args.fuzz} --seed {args.seed} --draw {draw.index}",
+    }
     if verdicts is None:
         return row
     limited = {v.limited for v in verdicts} - {None}
@@ -128,26 +157,41 @@ def _draw_row(draw, verdicts, failure: str | None, args: argparse.Namespace) -> 
         return row | {"reason": sorted(errors)[0]}
     results = {0: [list(v.results) for v in verdicts]}
     mode_rows = {r["mode"]: r for r in rows_from_results(results, args.tolerance, sum(draw.lengths))}
-    return row | {"rel_err_token": mode_rows["token"]["rel_err_token"],
-                  "rel_err_mean_of_means": mode_rows["microbatch"]["rel_err_mean_of_means"],
-                  "num_tokens": mode_rows["token"]["num_tokens"],
-                  "verdict": "ok" if all(r["ok"] for r in mode_rows.values()) else "FAIL"}
+    return row | {
+        "rel_err_token": mode_rows["token"]["rel_err_token"],
+        "rel_err_mean_of_means": mode_rows["microbatch"]["rel_err_mean_of_means"],
+        "num_tokens": mode_rows["token"]["num_tokens"],
+        "verdict": "ok" if all(r["ok"] for r in mode_rows.values()) else "FAIL",
+    }
 
 
 def _report_fuzz(rows: list[dict[str, Any]], args: argparse.Namespace, seconds: float) -> None:
     if args.json:
         print(json.dumps({"seed": args.seed, "draws": rows}, indent=2))
         return
-    table = [[str(r["draw"]), r["layout"], str(r["micro_batch_size"]), str(sum(r["lengths"])),
-              "-" if r["rel_err_token"] is None else f"{r['rel_err_token']:.2e}",
-              "-" if r["rel_err_mean_of_means"] is None else f"{r['rel_err_mean_of_means']:.2e}", r["verdict"]]
-             for r in rows]
-    print_table(f"Drawn layouts (seed {args.seed}) against unpartitioned references",
-                ["draw", "layout", "MBS", "N", "token vs token ref", "microbatch vs its ref", "verdict"], table)
+    table = [
+        [
+            str(r["draw"]),
+            r["layout"],
+            str(r["micro_batch_size"]),
+            str(sum(r["lengths"])),
+            "-" if r["rel_err_token"] is None else f"{r['rel_err_token']:.2e}",
+            "-" if r["rel_err_mean_of_means"] is None else f"{r['rel_err_mean_of_means']:.2e}",
+            r["verdict"],
+        ]
+        for r in rows
+    ]
+    print_table(
+        f"Drawn layouts (seed {args.seed}) against unpartitioned references",
+        ["draw", "layout", "MBS", "N", "token vs token ref", "microbatch vs its ref", "verdict"],
+        table,
+    )
     for r in rows:
         if r["verdict"] != "ok":
-            print(f"draw {r['draw']} {r['verdict']}: {r['reason'] or 'a mode misses its reference'}\n"
-                  f"  row: {r['row']}\n  rerun: {r['rerun']}")
+            print(
+                f"draw {r['draw']} {r['verdict']}: {r['reason'] or 'a mode misses its reference'}\n"
+                f"  row: {r['row']}\n  rerun: {r['rerun']}"
+            )
     passed = sum(r["verdict"] == "ok" for r in rows)
     limited = sum(r["verdict"] == "limited" for r in rows)
     print(f"{passed} of {len(rows)} draws pass, {limited} limited (tolerance {args.tolerance:g}); {seconds:.1f} s")
@@ -165,10 +209,16 @@ def _supported(layouts: list) -> tuple[list, list[dict[str, str]]]:
         if seq_aux_limited(layout):
             skipped.append({"layout": layout.name, "reason": SEQ_AUX_BEFORE_0_19})
         elif "mtp" in layout.model and not mtp_clamped:
-            skipped.append({"layout": layout.name, "reason": (
-                "megatron-core 0.16 divides each micro-batch's MTP loss by its rolled token count without a "
-                "clamp, so a micro-batch with at most one loss token per sequence (this batch has one) gives "
-                "NaN; the MTP rows need 0.17 or later")})
+            skipped.append(
+                {
+                    "layout": layout.name,
+                    "reason": (
+                        "megatron-core 0.16 divides each micro-batch's MTP loss by its rolled token count without a "
+                        "clamp, so a micro-batch with at most one loss token per sequence (this batch has one) gives "
+                        "NaN; the MTP rows need 0.17 or later"
+                    ),
+                }
+            )
         else:
             kept.append(layout)
     return kept, skipped
@@ -191,7 +241,8 @@ def _import_upstream() -> str:
     except ImportError as exc:
         raise VerifyError(
             f"megatron-ga verify trains real megatron-core models and needs torch and megatron-core ({exc}); "
-            f"install them with {install_hint('megatron')}. ledger, check and schedule need neither.") from exc
+            f"install them with {install_hint('megatron')}. ledger, check and schedule need neither."
+        ) from exc
 
     return f"megatron-core {megatron.core.__version__}, torch {torch.__version__}"
 
@@ -210,8 +261,11 @@ def _runnable(layouts: tuple, device: str) -> list:
     return kept
 
 
-def rows_from_results(results: dict[int, list[list[LayoutResult]]], tolerance: float,
-                      expected_num_tokens: int | dict[str, int] | None = None) -> list[dict[str, Any]]:
+def rows_from_results(
+    results: dict[int, list[list[LayoutResult]]],
+    tolerance: float,
+    expected_num_tokens: int | dict[str, int] | None = None,
+) -> list[dict[str, Any]]:
     """One row per (layout, mode): the largest error over ranks, the token count, and the verdict.
 
     ``token`` passes when within ``tolerance`` of the token reference and, given
@@ -232,12 +286,18 @@ def rows_from_results(results: dict[int, list[list[LayoutResult]]], tolerance: f
         own = err_token if mode == "token" else err_mom
         counts = {res.num_tokens for res in ranks}
         num_tokens = counts.pop() if len(counts) == 1 else None
-        expected = (expected_num_tokens.get(layout) if isinstance(expected_num_tokens, dict)
-                    else expected_num_tokens)
+        expected = expected_num_tokens.get(layout) if isinstance(expected_num_tokens, dict) else expected_num_tokens
         count_ok = mode != "token" or expected is None or num_tokens == expected
-        rows.append({"layout": layout, "mode": mode, "rel_err_token": err_token,
-                     "rel_err_mean_of_means": err_mom, "num_tokens": num_tokens,
-                     "ok": not math.isnan(own) and own <= tolerance and count_ok})
+        rows.append(
+            {
+                "layout": layout,
+                "mode": mode,
+                "rel_err_token": err_token,
+                "rel_err_mean_of_means": err_mom,
+                "num_tokens": num_tokens,
+                "ok": not math.isnan(own) and own <= tolerance and count_ok,
+            }
+        )
     return rows
 
 
@@ -247,26 +307,48 @@ def _worst(errors: Iterable[float]) -> float:
     return math.nan if any(math.isnan(e) for e in errors) else max(errors)
 
 
-def _report(rows: list[dict[str, Any]], aux: list[dict[str, Any]], skipped: list[dict[str, str]],
-            args: argparse.Namespace, expected_num_tokens: dict[str, int], seconds: float) -> None:
+def _report(
+    rows: list[dict[str, Any]],
+    aux: list[dict[str, Any]],
+    skipped: list[dict[str, str]],
+    args: argparse.Namespace,
+    expected_num_tokens: dict[str, int],
+    seconds: float,
+) -> None:
     if args.json:
         print(json.dumps({"rows": rows, "aux_coefficients": aux, "skipped": skipped}, indent=2))
         return
-    table = [[r["layout"], r["mode"], f"{r['rel_err_token']:.2e}", f"{r['rel_err_mean_of_means']:.2e}",
-              "-" if r["mode"] != "token" else str(r["num_tokens"]), _verdict(r)] for r in rows]
-    print_table("Gradients against unpartitioned references (max relative error over ranks)",
-                ["layout", "mode", "vs token ref", "vs mean-of-means ref", "N", "verdict"], table)
+    table = [
+        [
+            r["layout"],
+            r["mode"],
+            f"{r['rel_err_token']:.2e}",
+            f"{r['rel_err_mean_of_means']:.2e}",
+            "-" if r["mode"] != "token" else str(r["num_tokens"]),
+            _verdict(r),
+        ]
+        for r in rows
+    ]
+    print_table(
+        "Gradients against unpartitioned references (max relative error over ranks)",
+        ["layout", "mode", "vs token ref", "vs mean-of-means ref", "N", "verdict"],
+        table,
+    )
     if aux:
-        print_table("Auxiliary losses' gradient against the token-mode target (MoE: the router weights; MTP: all)",
-                    ["layout", "step", "coefficient", "max relative error"],
-                    [[r["layout"], r["variant"], f"{r['coefficient']:.4f}", f"{r['error']:.2e}"] for r in aux])
+        print_table(
+            "Auxiliary losses' gradient against the token-mode target (MoE: the router weights; MTP: all)",
+            ["layout", "step", "coefficient", "max relative error"],
+            [[r["layout"], r["variant"], f"{r['coefficient']:.4f}", f"{r['error']:.2e}"] for r in aux],
+        )
     for skip in skipped:
         print(f"skipped {skip['layout']}: {skip['reason']}")
     failed = sum(not r["ok"] for r in rows)
     summary = "all rows pass" if not failed else f"{failed} row(s) FAIL"
     counts = " or ".join(str(n) for n in sorted(set(expected_num_tokens.values()), reverse=True))
-    print(f"{summary} (tolerance {args.tolerance:g}; token rows must divide by N, their batch's loss tokens: "
-          f"{counts}); {seconds:.1f} s")
+    print(
+        f"{summary} (tolerance {args.tolerance:g}; token rows must divide by N, their batch's loss tokens: "
+        f"{counts}); {seconds:.1f} s"
+    )
 
 
 def _verdict(row: dict[str, Any]) -> str:

@@ -27,7 +27,11 @@ def _add(group: argparse._ActionsContainer, option: Option) -> None:
         group.add_argument(option.flag, dest=option.dest, action=action, default=option.default, help=option.help)
         return
     group.add_argument(
-        option.flag, dest=option.dest, type=option.type, default=option.default, choices=option.choices or None,
+        option.flag,
+        dest=option.dest,
+        type=option.type,
+        default=option.default,
+        choices=option.choices or None,
         help=option.help,
     )
 
@@ -42,4 +46,3 @@ def args_provider(*others: Callable | None) -> Callable[[argparse.ArgumentParser
         return add_args(parser)
 
     return provide
-

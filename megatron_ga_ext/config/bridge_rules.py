@@ -17,24 +17,41 @@ from megatron_ga_ext.errors import OptionError
 __all__ = ["SECTIONS", "bridge_errors", "bridge_names"]
 
 #: The container's sections read as Megatron-LM's args, in order: a name two sections hold is the first's.
-SECTIONS = ("train", "model", "optimizer", "ddp", "scheduler", "dataset", "validation", "checkpoint", "logger",
-            "dist", "rng", "rerun_state_machine", "tokenizer")
+SECTIONS = (
+    "train",
+    "model",
+    "optimizer",
+    "ddp",
+    "scheduler",
+    "dataset",
+    "validation",
+    "checkpoint",
+    "logger",
+    "dist",
+    "rng",
+    "rerun_state_machine",
+    "tokenizer",
+)
 
 
-def bridge_errors(ga: Mapping[str, Any], rampup: Sequence[int] | None,
-                  global_batch_size: int | None) -> list[OptionError]:
+def bridge_errors(
+    ga: Mapping[str, Any], rampup: Sequence[int] | None, global_batch_size: int | None
+) -> list[OptionError]:
     """The refusals of a Bridge launch beyond a Megatron-LM launch's: a ``train.rampup_batch_size`` without
     ``ga.convert_rampup`` (megatron-core 0.18 and later drop it with a warning, and Bridge's validation refuses it
     with ``train.train_samples``)."""
     errors: list[OptionError] = []
     if rampup is not None and not ga.get("convert_rampup"):
-        errors.append(OptionError(
-            f"train.rampup_batch_size {list(rampup)}: megatron-core 0.18 and later drop it with a warning "
-            "(init_num_microbatches_calculator passes no ramp on), so the run would train at global_batch_size "
-            f"{global_batch_size} from the first step. Set ga.convert_rampup=true to run it as its exact step "
-            "schedule (with train.train_samples), or remove it (None); megatron-ga schedule --from-rampup "
-            f"{' '.join(map(str, rampup))} --global-batch-size={global_batch_size} prints that schedule "
-            "(docs/bridge.md)."))
+        errors.append(
+            OptionError(
+                f"train.rampup_batch_size {list(rampup)}: megatron-core 0.18 and later drop it with a warning "
+                "(init_num_microbatches_calculator passes no ramp on), so the run would train at global_batch_size "
+                f"{global_batch_size} from the first step. Set ga.convert_rampup=true to run it as its exact step "
+                "schedule (with train.train_samples), or remove it (None); megatron-ga schedule --from-rampup "
+                f"{' '.join(map(str, rampup))} --global-batch-size={global_batch_size} prints that schedule "
+                "(docs/bridge.md)."
+            )
+        )
     return errors
 
 

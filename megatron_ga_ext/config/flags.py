@@ -60,8 +60,9 @@ class GAFlag(Option):
             self.rule(self, value)
         elif not (isinstance(value, self.type) or (value is None and self.default is None)):
             kind = "on or off (True or False)" if self.type is bool else f"a {self.type.__name__}"
-            raise OptionError(f"{self.flag} {value!r} is not {kind}; give {self.flag} as the help says "
-                              f"(default: {self.default!r}).")
+            raise OptionError(
+                f"{self.flag} {value!r} is not {kind}; give {self.flag} as the help says (default: {self.default!r})."
+            )
 
 
 # -- the rules of one value --------------------------------------------------------------------------
@@ -118,11 +119,13 @@ def positive(fix: str) -> Rule:
     return rule
 
 
-def ga_flag(default: Any, *, help: str, choices: tuple[str, ...] = (), negatable: bool = False,
-            rule: Rule | None = None) -> Any:
+def ga_flag(
+    default: Any, *, help: str, choices: tuple[str, ...] = (), negatable: bool = False, rule: Rule | None = None
+) -> Any:
     """A :class:`GAFlags` field: the flag's default, help, choices and rule (its type is the annotation)."""
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "negatable": negatable,
-                                                        "rule": rule})
+    return dataclasses.field(
+        default=default, metadata={"help": help, "choices": choices, "negatable": negatable, "rule": rule}
+    )
 
 
 # -- the --ga-* flags (ours) -------------------------------------------------------------------------
@@ -133,65 +136,88 @@ class GAFlags:
     """The ``--ga-*`` flags, one field each (GAConfig adds Megatron's settings the calculator needs)."""
 
     loss_reduction: str = ga_flag(
-        "token", choices=MODES,
+        "token",
+        choices=MODES,
         help="token: every non-padding token of the global batch weighs the same (install() turns on "
         "--calculate-per-token-loss; checked every step); microbatch: upstream's mean of means, chosen explicitly "
-        "(without --calculate-per-token-loss).")
+        "(without --calculate-per-token-loss).",
+    )
     zero_token_policy: str = ga_flag(
-        "error", choices=ZERO_TOKEN_POLICIES,
+        "error",
+        choices=ZERO_TOKEN_POLICIES,
         help="a global batch with 0 non-padding tokens: error (default), or skip (that optimizer step is skipped, "
-        "as after an fp16 overflow: a skipped iteration, the learning rate held, a warning).")
+        "as after an fp16 overflow: a skipped iteration, the learning rate held, a warning).",
+    )
     strict: bool = ga_flag(
-        True, negatable=True,
+        True,
+        negatable=True,
         help="refuse to patch upstream functions whose source matches no tested release or main commit, whatever "
-        "the version string says (--no-ga-strict: warn and patch).")
+        "the version string says (--no-ga-strict: warn and patch).",
+    )
     convert_rampup: bool = ga_flag(
         False,
         help="run a given --rampup-batch-size as the exact equivalent step schedule (megatron-core >= 0.18 "
-        "otherwise logs a deprecation warning and then ignores the rampup).")
+        "otherwise logs a deprecation warning and then ignores the rampup).",
+    )
     guards: bool = ga_flag(
-        True, negatable=True,
+        True,
+        negatable=True,
         help="check every step that each forward/backward call runs num_microbatches micro-batches per model chunk "
         "and that consumed samples advance by the global batch size; --no-ga-guards for schedules that "
-        "legitimately run another number of forward passes (--hybrid-context-parallel, packed RL batches).")
+        "legitimately run another number of forward passes (--hybrid-context-parallel, packed RL batches).",
+    )
     checks: str = ga_flag(
-        "sync", choices=CHECK_TIMINGS,
+        "sync",
+        choices=CHECK_TIMINGS,
         help="token mode: sync (default) reads the step's checked token count once, in finalize, and raises before "
         "the optimizer step; async reads nothing there (gradients scaled by a device 1/max(N, 1), as upstream) and "
         "raises a broken step after the optimizer step or at the next step, naming it (not with "
-        "--ga-zero-token-policy skip).")
+        "--ga-zero-token-policy skip).",
+    )
     noise_scale: int = ga_flag(
-        0, rule=whole_number(0, "give K to measure every K-th iteration, or 0 (the default) for off."),
+        0,
+        rule=whole_number(0, "give K to measure every K-th iteration, or 0 (the default) for off."),
         help="measure the gradient noise scale B_simple every K-th iteration (0: off) from each data-parallel "
         "replica's gradient before the reduction and the reduced one (token mode, DP >= 2; docs/noise-scale.md): one "
-        "all-reduce of 6 numbers per measured step, logged after Megatron's iteration line, to TensorBoard and W&B.")
+        "all-reduce of 6 numbers per measured step, logged after Megatron's iteration line, to TensorBoard and W&B.",
+    )
     noise_scale_decay: float = ga_flag(
-        0.95, rule=fraction("0 keeps the last measurement only, 0.95 (the default) averages about 20."),
+        0.95,
+        rule=fraction("0 keeps the last measurement only, 0.95 (the default) averages about 20."),
         help="EMA decay per measured step of the gradient noise tr(Sigma) and the true gradient's squared norm, "
-        "kept apart and divided (0: the last step only).")
+        "kept apart and divided (0: the last step only).",
+    )
     noise_scale_trace: str | None = ga_flag(
         None,
         help="append each measured step to this JSON Lines file (one rank writes it): the trace `megatron-ga "
-        "schedule --suggest` reads.")
+        "schedule --suggest` reads.",
+    )
     lr_scaling: str = ga_flag(
-        "none", choices=LR_SCALINGS,
+        "none",
+        choices=LR_SCALINGS,
         help="under a step batch-size schedule, scale the learning rate from the step a stage starts by (GBS / "
-        "first GBS) ** 1/2 (sqrt, Adam's rule) or ** 1 (linear); none (default): Megatron's schedule as it is.")
+        "first GBS) ** 1/2 (sqrt, Adam's rule) or ** 1 (linear); none (default): Megatron's schedule as it is.",
+    )
     batch_size_warmup: str = ga_flag(
-        "off", choices=BATCH_SIZE_WARMUPS,
+        "off",
+        choices=BATCH_SIZE_WARMUPS,
         help="auto: from --global-batch-size on, double the global batch at the step after a measurement where "
         "trust x B_simple (EMA, samples) >= 2 x GBS, up to --ga-batch-size-warmup-max, never in the LR warmup or a "
         "WSD final decay; each decision logged as the schedule so far and kept in the checkpoint (needs "
-        "--ga-noise-scale, --train-samples).")
+        "--ga-noise-scale, --train-samples).",
+    )
     batch_size_warmup_trust: float = ga_flag(
-        1.0, rule=positive("1 takes the measured B_simple as it is, 2 doubles it, 0.5 halves it."),
+        1.0,
+        rule=positive("1 takes the measured B_simple as it is, 2 doubles it, 0.5 halves it."),
         help="how far --ga-batch-size-warmup auto trusts the measured B_simple: it doubles where trust x B_simple "
         ">= 2 x GBS. On real text B_simple measured 0.24-0.54 of the critical batch (docs/noise-scale.md), as "
-        "Merrill et al. found; above 1 leans on that, 1 (the default) never grows past what was measured.")
+        "Merrill et al. found; above 1 leans on that, 1 (the default) never grows past what was measured.",
+    )
     batch_size_warmup_max: int | None = ga_flag(
-        None, rule=whole_number(1, "give the global batch size --ga-batch-size-warmup auto may grow to.",
-                                optional=True),
-        help="the cap of --ga-batch-size-warmup auto: the global batch doubles only while 2 x GBS <= this.")
+        None,
+        rule=whole_number(1, "give the global batch size --ga-batch-size-warmup auto may grow to.", optional=True),
+        help="the cap of --ga-batch-size-warmup auto: the global batch doubles only while 2 x GBS <= this.",
+    )
 
 
 def _declared(flags: type) -> tuple[GAFlag, ...]:
@@ -200,9 +226,17 @@ def _declared(flags: type) -> tuple[GAFlag, ...]:
     declared = []
     for spec in dataclasses.fields(flags):
         kind = next(t for t in (*typing.get_args(hints[spec.name]), hints[spec.name]) if t is not type(None))
-        declared.append(GAFlag(
-            flag="--ga-" + spec.name.replace("_", "-"), dest="ga_" + spec.name, field=spec.name, type=kind,
-            nargs=0 if kind is bool else 1, default=spec.default, **spec.metadata))
+        declared.append(
+            GAFlag(
+                flag="--ga-" + spec.name.replace("_", "-"),
+                dest="ga_" + spec.name,
+                field=spec.name,
+                type=kind,
+                nargs=0 if kind is bool else 1,
+                default=spec.default,
+                **spec.metadata,
+            )
+        )
     return tuple(declared)
 
 

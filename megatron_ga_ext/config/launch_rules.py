@@ -75,7 +75,8 @@ def check_checks(checks: str, zero_token_policy: str) -> None:
         raise OptionError(
             f"{CHECKS.flag} async reads a step's token count only after its optimizer step, so "
             f"{ZERO_TOKEN_POLICY.flag} skip cannot skip a step with 0 tokens. Drop one of them: {CHECKS.flag} sync "
-            f"skips it, {ZERO_TOKEN_POLICY.flag} error (the default) stops the run there.")
+            f"skips it, {ZERO_TOKEN_POLICY.flag} error (the default) stops the run there."
+        )
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,7 @@ def _not_one(dest: str) -> Callable[[MegatronArgs], str | None]:
     def given(settings: MegatronArgs) -> str | None:
         value = settings.get(dest) or 1
         return None if value == 1 else str(value)
+
     return given
 
 
@@ -113,6 +115,7 @@ def _patterns(settings: MegatronArgs) -> str | None:
 
 
 #: Where --ga-noise-scale cannot measure, beyond DP >= 2; the coverage rows of these flags say so.
+# fmt: off
 NOISE_SCALE_REFUSALS = (
     NoiseScaleRefusal(
         flag="--context-parallel-size", given=_not_one("context_parallel_size"),
@@ -148,10 +151,12 @@ NOISE_SCALE_REFUSALS = (
         "extension's step hook, where each measurement is taken and --ga-batch-size-warmup auto decides, so the "
         "meter and the warmup would stop at the capture without a word", fix="drop --optimizer-cuda-graph"),
 )
+# fmt: on
 
 
-def check_noise_scale_layout(interval: int, *, data_parallel_size: int,
-                             settings: Mapping[str, Any] | MegatronArgs) -> None:
+def check_noise_scale_layout(
+    interval: int, *, data_parallel_size: int, settings: Mapping[str, Any] | MegatronArgs
+) -> None:
     """Where ``--ga-noise-scale`` can measure: DP >= 2 (it compares replicas), and none of
     :data:`NOISE_SCALE_REFUSALS` (CP 1, one distributed-optimizer instance, Megatron's DDP ...). Raises OptionError
     naming the flag; ``settings`` holds Megatron's args by destination."""
@@ -162,13 +167,15 @@ def check_noise_scale_layout(interval: int, *, data_parallel_size: int,
         raise OptionError(
             f"{NOISE_SCALE.flag} {interval} with data-parallel size {data_parallel_size}: the estimate compares each "
             f"replica's gradient with the reduced one, so it needs DP >= 2. Drop {NOISE_SCALE.flag}, or train with "
-            f"more data-parallel replicas.")
+            f"more data-parallel replicas."
+        )
     for refusal in NOISE_SCALE_REFUSALS:
         given = refusal.given(settings)
         if given is not None:
             setting = f"{refusal.flag} {given}" if given else refusal.flag
-            raise OptionError(f"{NOISE_SCALE.flag} with {setting}: {refusal.why}. Drop {NOISE_SCALE.flag}, or "
-                              f"{refusal.fix}.")
+            raise OptionError(
+                f"{NOISE_SCALE.flag} with {setting}: {refusal.why}. Drop {NOISE_SCALE.flag}, or {refusal.fix}."
+            )
 
 
 def check_lr_scaling(lr_scaling: str, schedule: str | None) -> None:
@@ -182,7 +189,8 @@ def check_lr_scaling(lr_scaling: str, schedule: str | None) -> None:
         f"{LR_SCALING.flag} {lr_scaling} scales the learning rate of each stage of a step batch-size schedule by "
         f"(GBS / first GBS) ** {exponent}, but this launch has no schedule (no --step-batch-size-schedule, no "
         f"--rampup-batch-size with {CONVERT_RAMPUP.flag}), so it would change nothing. Give "
-        f"--step-batch-size-schedule (or --rampup-batch-size with {CONVERT_RAMPUP.flag}), or drop {LR_SCALING.flag}.")
+        f"--step-batch-size-schedule (or --rampup-batch-size with {CONVERT_RAMPUP.flag}), or drop {LR_SCALING.flag}."
+    )
 
 
 def check_batch_size_warmup_launch(global_batch_size: int | None, cap: int, schedule: str | None) -> None:
@@ -190,11 +198,15 @@ def check_batch_size_warmup_launch(global_batch_size: int | None, cap: int, sche
     the cap, without a given schedule (it writes one; its run length in samples is :func:`check_train_length`'s).
     Raises OptionError."""
     if schedule is not None:
-        raise OptionError(f"{BATCH_SIZE_WARMUP.flag} auto writes the step schedule as it measures, so it does not "
-                          f"go with {schedule}; drop one of them.")
+        raise OptionError(
+            f"{BATCH_SIZE_WARMUP.flag} auto writes the step schedule as it measures, so it does not "
+            f"go with {schedule}; drop one of them."
+        )
     if global_batch_size is None or global_batch_size > cap:
-        raise OptionError(f"{BATCH_SIZE_WARMUP.flag} auto starts at --global-batch-size ({global_batch_size}) and "
-                          f"grows up to {BATCH_SIZE_WARMUP_MAX.flag} {cap}: give a --global-batch-size <= the cap.")
+        raise OptionError(
+            f"{BATCH_SIZE_WARMUP.flag} auto starts at --global-batch-size ({global_batch_size}) and "
+            f"grows up to {BATCH_SIZE_WARMUP_MAX.flag} {cap}: give a --global-batch-size <= the cap."
+        )
 
 
 def check_warmup_checkpoints(batch_size_warmup: str, non_persistent_ckpt_type: str | None) -> None:
@@ -209,7 +221,8 @@ def check_warmup_checkpoints(batch_size_warmup: str, non_persistent_ckpt_type: s
         f"each checkpoint's iter_NNNNNNN directory, and a local non-persistent checkpoint (per-rank files of "
         f"Megatron's local checkpoint manager) has none, so a resume from it would train at --global-batch-size "
         f"again. Use --non-persistent-ckpt-type global (the stages are kept beside it), or drop "
-        f"{BATCH_SIZE_WARMUP.flag}.")
+        f"{BATCH_SIZE_WARMUP.flag}."
+    )
 
 
 def check_trace_path(interval: int, trace: str | None) -> None:
@@ -230,7 +243,8 @@ def check_trace_path(interval: int, trace: str | None) -> None:
         raise OptionError(
             f"{NOISE_SCALE_TRACE.flag} {trace}: {problem}, so the last rank would fail at the first measured "
             f"iteration ({NOISE_SCALE.flag} {interval}) while the other ranks wait. Create the directory (mkdir -p "
-            f"{directory}) or give a writable file path.")
+            f"{directory}) or give a writable file path."
+        )
 
 
 def check_guards(guards: bool, *, hybrid_context_parallel: bool = False, rl_sequence_packing: bool = False) -> None:
@@ -239,8 +253,14 @@ def check_guards(guards: bool, *, hybrid_context_parallel: bool = False, rl_sequ
     its own, and packed RL batches count bins, not samples. Raises OptionError while the guards are on."""
     if not guards:
         return
-    reasons = [flag for flag, on in (("--hybrid-context-parallel", hybrid_context_parallel),
-                                     ("--perform-rl-step --rl-use-sequence-packing", rl_sequence_packing)) if on]
+    reasons = [
+        flag
+        for flag, on in (
+            ("--hybrid-context-parallel", hybrid_context_parallel),
+            ("--perform-rl-step --rl-use-sequence-packing", rl_sequence_packing),
+        )
+        if on
+    ]
     if reasons:
         raise OptionError(
             f"{' and '.join(reasons)} run(s) another number of forward passes per step than num_microbatches = "
@@ -281,20 +301,19 @@ def decrease_if_needed_error() -> ScheduleError:
 
 
 #: What megatron-core 0.18 and later log for a rampup (num_microbatches_calculator.py, rank 0) before dropping it.
-RAMPUP_DEPRECATED = ("rampup_batch_size is deprecated and will be removed in a future release. Use "
-                     "step_batch_size_schedule instead.")
+RAMPUP_DEPRECATED = (
+    "rampup_batch_size is deprecated and will be removed in a future release. Use step_batch_size_schedule instead."
+)
 
 
 def rampup_ignored_message(rampup: Sequence[int | str], global_batch_size: int | None) -> str:
     """What megatron-core >= 0.18 does with a rampup: logs a deprecation warning, then ignores it."""
     gbs = f" {global_batch_size}" if global_batch_size is not None else ""
     return (
-        f"--rampup-batch-size {' '.join(map(str, rampup))}: megatron-core >= 0.18 logs \"{RAMPUP_DEPRECATED}\" and "
+        f'--rampup-batch-size {" ".join(map(str, rampup))}: megatron-core >= 0.18 logs "{RAMPUP_DEPRECATED}" and '
         f"then ignores the rampup: the run trains at the constant --global-batch-size{gbs} from its first step. "
         f"Pass {CONVERT_RAMPUP.flag} to run the equivalent step schedule."
     )
-
-
 
 
 # -- the one rule pass ---------------------------------------------------------------------------------
@@ -318,8 +337,9 @@ def _schedule(values: Values, settings: MegatronArgs) -> str | None:
     """What gives the launch its step schedule, in words (``--ga-batch-size-warmup auto`` writes one)."""
     if values["batch_size_warmup"] == "auto":
         return f"{BATCH_SIZE_WARMUP.flag} auto"
-    return schedule_source(bool(settings.step_batch_size_schedule), bool(settings.rampup_batch_size),
-                           values["convert_rampup"])
+    return schedule_source(
+        bool(settings.step_batch_size_schedule), bool(settings.rampup_batch_size), values["convert_rampup"]
+    )
 
 
 def _noise_scale_mode(values: Values, settings: MegatronArgs) -> None:
@@ -329,7 +349,8 @@ def _noise_scale_mode(values: Values, settings: MegatronArgs) -> None:
         raise OptionError(
             f"{NOISE_SCALE.flag} {interval} needs {LOSS_REDUCTION.flag} token: the estimator compares each replica's "
             f"token-mean gradient with the token mean over all N tokens, and upstream's mean of means is neither. "
-            f"Use {LOSS_REDUCTION.flag} token, or drop {NOISE_SCALE.flag}.")
+            f"Use {LOSS_REDUCTION.flag} token, or drop {NOISE_SCALE.flag}."
+        )
 
 
 def _batch_size_warmup(values: Values, settings: MegatronArgs) -> None:
@@ -337,11 +358,15 @@ def _batch_size_warmup(values: Values, settings: MegatronArgs) -> None:
     if values["batch_size_warmup"] != "auto":
         return
     if not values["noise_scale"]:
-        raise OptionError(f"{BATCH_SIZE_WARMUP.flag} auto decides from the measured noise scale: add "
-                          f"{NOISE_SCALE.flag} K (measure every K-th iteration), or drop {BATCH_SIZE_WARMUP.flag}.")
+        raise OptionError(
+            f"{BATCH_SIZE_WARMUP.flag} auto decides from the measured noise scale: add "
+            f"{NOISE_SCALE.flag} K (measure every K-th iteration), or drop {BATCH_SIZE_WARMUP.flag}."
+        )
     if values["batch_size_warmup_max"] is None:
-        raise OptionError(f"{BATCH_SIZE_WARMUP.flag} auto needs {BATCH_SIZE_WARMUP_MAX.flag} (a whole number >= 1, "
-                          f"the global batch size it may grow to), not None.")
+        raise OptionError(
+            f"{BATCH_SIZE_WARMUP.flag} auto needs {BATCH_SIZE_WARMUP_MAX.flag} (a whole number >= 1, "
+            f"the global batch size it may grow to), not None."
+        )
 
 
 def _loss_mode(values: Values, settings: MegatronArgs) -> None:
@@ -355,8 +380,9 @@ def _warmup_launch(values: Values, settings: MegatronArgs) -> None:
     cap = values["batch_size_warmup_max"]
     if values["batch_size_warmup"] != "auto" or cap is None:
         return
-    given = schedule_source(bool(settings.step_batch_size_schedule), bool(settings.rampup_batch_size),
-                            values["convert_rampup"])
+    given = schedule_source(
+        bool(settings.step_batch_size_schedule), bool(settings.rampup_batch_size), values["convert_rampup"]
+    )
     given = given or ("--rampup-batch-size" if settings.rampup_batch_size else None)
     check_batch_size_warmup_launch(settings.global_batch_size, cap, given)
 
@@ -368,6 +394,7 @@ def _noise_scale_layout(values: Values, settings: MegatronArgs) -> None:
 
 
 #: Every rule between flags, in the order their errors are reported.
+# fmt: off
 BETWEEN = (
     Between("checks", ("checks", "zero_token_policy"),
             lambda v, s: check_checks(v["checks"], v["zero_token_policy"]), needs_args=False),
@@ -386,6 +413,7 @@ BETWEEN = (
     Between("guards", ("guards",), lambda v, s: check_guards(
         v["guards"], hybrid_context_parallel=s.hybrid_context_parallel, rl_sequence_packing=s.rl_sequence_packing)),
 )
+# fmt: on
 
 
 def launch_errors(values: Values, settings: MegatronArgs | None = None) -> list[GAError]:

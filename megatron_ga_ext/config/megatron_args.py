@@ -134,8 +134,9 @@ class MegatronArgs:
         world = self.world_size
         if world is None:
             return None
-        return world // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
-                         * self.context_parallel_size)
+        return world // (
+            self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+        )
 
     # -- the loss and the schedules that run another number of forward passes -------------------
 

@@ -35,6 +35,7 @@ class Theme:
     """Each flag as Megatron's parser spells it, every spelling listed (``--no-<name>`` too)."""
 
 
+# fmt: off
 THEMES: tuple[Theme, ...] = (
     Theme(name="argparse", reason="argparse's help: it prints the flags and exits before anything runs.",
           flags=("-h", "--help")),
@@ -419,6 +420,7 @@ THEMES: tuple[Theme, ...] = (
           "(ENABLE_EXPERIMENTAL): what runs is decided by the flags of those features.",
           flags=("--enable-experimental",)),
 )
+# fmt: on
 
 #: Each flag off the path -> the reason of its theme.
 OFF_PATH: dict[str, str] = {flag: theme.reason for theme in THEMES for flag in theme.flags}

@@ -16,7 +16,6 @@ from megatron_ga_ext.logs import get_logger
 logger = get_logger(__name__)
 
 
-
 @dataclass(kw_only=True, frozen=True)
 class ScheduleInputs:
     """What decides the batch schedule of a launch, and the layout its stages are checked against."""

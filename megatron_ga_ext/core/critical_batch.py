@@ -43,8 +43,17 @@ from dataclasses import dataclass
 
 from megatron_ga_ext.errors import CriticalBatchError
 
-__all__ = ["Fit", "Interval", "RunPoint", "TargetFit", "bootstrap_b_crit", "default_targets", "fit_hyperbola",
-           "fit_target", "steps_rise"]
+__all__ = [
+    "Fit",
+    "Interval",
+    "RunPoint",
+    "TargetFit",
+    "bootstrap_b_crit",
+    "default_targets",
+    "fit_hyperbola",
+    "fit_target",
+    "steps_rise",
+]
 
 #: Grid points of the 1-D search over log B_crit before the golden section refines it.
 GRID = 32
@@ -131,8 +140,10 @@ def fit_hyperbola(points: Sequence[RunPoint]) -> Fit:
         raise CriticalBatchError(f"the hyperbola needs points at 2 or more batch sizes ({len(points)} given).")
     for p in points:
         if not (p.batch_size > 0 and p.steps > 0 and p.samples > 0 and math.isfinite(p.steps * p.samples)):
-            raise CriticalBatchError(f"run {p.label}: batch size {p.batch_size}, steps {p.steps!r} and samples "
-                                     f"{p.samples!r} must all be positive finite numbers.")
+            raise CriticalBatchError(
+                f"run {p.label}: batch size {p.batch_size}, steps {p.steps!r} and samples "
+                f"{p.samples!r} must all be positive finite numbers."
+            )
     logs = [(float(p.batch_size), math.log(p.steps), math.log(p.samples)) for p in points]
     b_crit, a = _fit_logs(logs, [1] * len(logs))
     residuals = tuple((s - a - math.log1p(b_crit / b), e - a - math.log(b_crit + b)) for b, s, e in logs)
@@ -140,8 +151,9 @@ def fit_hyperbola(points: Sequence[RunPoint]) -> Fit:
     return Fit(s_min=s_min, e_min=s_min * b_crit, b_crit=b_crit, residuals=residuals)
 
 
-def _fit_logs(logs: Sequence[tuple[float, float, float]], weights: Sequence[int],
-              edges: bool = False) -> tuple[float, float]:
+def _fit_logs(
+    logs: Sequence[tuple[float, float, float]], weights: Sequence[int], edges: bool = False
+) -> tuple[float, float]:
     """(B_crit, a = log S_min) minimising the weighted sum of squares over (B, log S, log E) points: a point of
     weight w counts as w copies (a bootstrap resample draws a run more than once). With ``edges``, a minimum at the
     search's edge (within a hundredth of a grid step) gives B_crit = -inf or +inf: not determined."""
@@ -189,18 +201,24 @@ def not_fittable_reason(points: Sequence[RunPoint], fit: Fit | None) -> str | No
     """Why a target's points cannot determine both S_min and E_min (module docstring), or None."""
     sizes = sorted({p.batch_size for p in points})
     if len(points) < MIN_RUNS or len(sizes) < MIN_RUNS:
-        return (f"{len(points)} run(s) at {len(sizes)} batch size(s) reached it; the fit needs at least {MIN_RUNS} "
-                "runs at distinct batch sizes")
+        return (
+            f"{len(points)} run(s) at {len(sizes)} batch size(s) reached it; the fit needs at least {MIN_RUNS} "
+            "runs at distinct batch sizes"
+        )
     if fit is None:
         return None
     if fit.b_crit < sizes[0]:
-        return (f"every run is above the knee: the fit puts B_crit at {fit.b_crit:.4g}, below the smallest batch "
-                f"size {sizes[0]:,}, where S is flat at S_min and E_min (so B_crit) is not determined; add runs at "
-                "smaller batch sizes")
+        return (
+            f"every run is above the knee: the fit puts B_crit at {fit.b_crit:.4g}, below the smallest batch "
+            f"size {sizes[0]:,}, where S is flat at S_min and E_min (so B_crit) is not determined; add runs at "
+            "smaller batch sizes"
+        )
     if fit.b_crit > sizes[-1]:
-        return (f"every run is below the knee: the fit puts B_crit at {fit.b_crit:.4g}, above the largest batch "
-                f"size {sizes[-1]:,}, where E is flat at E_min and S_min (so B_crit) is not determined; add runs at "
-                "larger batch sizes")
+        return (
+            f"every run is below the knee: the fit puts B_crit at {fit.b_crit:.4g}, above the largest batch "
+            f"size {sizes[-1]:,}, where E is flat at E_min and S_min (so B_crit) is not determined; add runs at "
+            "larger batch sizes"
+        )
     return None
 
 
@@ -216,8 +234,9 @@ def steps_rise(points: Sequence[RunPoint]) -> list[tuple[RunPoint, RunPoint]]:
     return [(small, large) for small, large in itertools.pairwise(ordered) if large.steps > small.steps]
 
 
-def bootstrap_b_crit(points: Sequence[RunPoint], *, resamples: int = 1000, seed: int = 0,
-                     level: float = 0.95) -> Interval:
+def bootstrap_b_crit(
+    points: Sequence[RunPoint], *, resamples: int = 1000, seed: int = 0, level: float = 0.95
+) -> Interval:
     """The percentile bootstrap interval of B_crit over runs (module docstring)."""
     if resamples < 1:
         raise CriticalBatchError(f"the bootstrap needs at least 1 resample ({resamples} given).")
@@ -240,9 +259,16 @@ def bootstrap_b_crit(points: Sequence[RunPoint], *, resamples: int = 1000, seed:
     if not values:
         raise CriticalBatchError(f"no bootstrap resample of {len(points)} runs had {MIN_RUNS} distinct batch sizes.")
     values.sort()
-    return Interval(low=_quantile(values, (1 - level) / 2), high=_quantile(values, (1 + level) / 2), level=level,
-                    resamples=resamples, used=len(values), below=values.count(-math.inf),
-                    above=values.count(math.inf), seed=seed)
+    return Interval(
+        low=_quantile(values, (1 - level) / 2),
+        high=_quantile(values, (1 + level) / 2),
+        level=level,
+        resamples=resamples,
+        used=len(values),
+        below=values.count(-math.inf),
+        above=values.count(math.inf),
+        seed=seed,
+    )
 
 
 def _quantile(ordered: Sequence[float], q: float) -> float | None:
@@ -257,8 +283,9 @@ def _quantile(ordered: Sequence[float], q: float) -> float | None:
     return low + (high - low) * share if share else low
 
 
-def fit_target(target: float, points: Sequence[RunPoint], *, resamples: int = 1000, seed: int = 0,
-               level: float = 0.95) -> TargetFit:
+def fit_target(
+    target: float, points: Sequence[RunPoint], *, resamples: int = 1000, seed: int = 0, level: float = 0.95
+) -> TargetFit:
     """One target: fitted with its bootstrap interval, or not fittable with the reason (module docstring)."""
     points = tuple(points)
     reason = not_fittable_reason(points, None)
@@ -280,5 +307,6 @@ def default_targets(every_run_reaches: float, every_run_starts_above: float, cou
     if not lo < hi:
         raise CriticalBatchError(
             f"the runs' losses do not overlap: some run's first logged loss ({hi:.6g}) is already at or below the "
-            f"lowest loss every run reaches ({lo:.6g}), so no target lies between; give --targets.")
+            f"lowest loss every run reaches ({lo:.6g}), so no target lies between; give --targets."
+        )
     return [lo + (hi - lo) * k / count for k in reversed(range(count))]

@@ -30,9 +30,16 @@ from megatron_ga_ext.errors import GAError, LayoutError, SizeError
 __all__ = ["FLAGS", "BatchLayout"]
 
 _LAYOUT_FIELDS = (
-    "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-    "expert_model_parallel_size", "expert_tensor_parallel_size", "microbatch_group_size_per_vp_stage",
-    "num_experts", "micro_batch_size", "global_batch_size", "seq_length",
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "microbatch_group_size_per_vp_stage",
+    "num_experts",
+    "micro_batch_size",
+    "global_batch_size",
+    "seq_length",
 )
 #: The command-line spelling of each BatchLayout field (core/megatron_flags.py declares them).
 FLAGS = {
@@ -43,6 +50,7 @@ FLAGS = {
 }
 
 GRAD_SYNC_MODES = ("step", "microbatch")
+
 
 @dataclass(kw_only=True, frozen=True)
 class BatchLayout:
@@ -225,8 +233,10 @@ class BatchLayout:
         if self.world_size % self.model_parallel_size:
             keep = ""
             if self.world_size % (tp * cp) == 0:
-                keep = f"; or keep the world and use --pipeline-model-parallel-size in " \
-                       f"{{{divisor_list(self.world_size // (tp * cp))}}}"
+                keep = (
+                    f"; or keep the world and use --pipeline-model-parallel-size in "
+                    f"{{{divisor_list(self.world_size // (tp * cp))}}}"
+                )
             yield LayoutError(
                 f"{world} is not divisible by --tensor-model-parallel-size {tp} x --pipeline-model-parallel-size "
                 f"{pp} x --context-parallel-size {cp} = {self.model_parallel_size}, so data-parallel size world / "
@@ -259,9 +269,14 @@ class BatchLayout:
         if gbs % (mbs * dp):
             fix = f"; or --micro-batch-size in {{{divisor_list(gbs // dp)}}}" if gbs % dp == 0 else ""
             yield multiple_error(
-                f"--global-batch-size {gbs}", gbs, mbs, dp, valid="--global-batch-size", fix=fix,
+                f"--global-batch-size {gbs}",
+                gbs,
+                mbs,
+                dp,
+                valid="--global-batch-size",
+                fix=fix,
                 dp_source=f" (data-parallel size = {self.named('world_size')} / (TP x PP x CP = "
-                          f"{self.model_parallel_size}))",
+                f"{self.model_parallel_size}))",
             )
             return
         if self.virtual_pipeline_size > 1:
@@ -275,8 +290,13 @@ class BatchLayout:
             yield group_error
             return
         error = interleave_error(
-            f"--global-batch-size {self.samples_per_step}", self.samples_per_step, self.micro_batch_size,
-            self.data_parallel_size, pp, self.named("virtual_pipeline_model_parallel_size"), group,
+            f"--global-batch-size {self.samples_per_step}",
+            self.samples_per_step,
+            self.micro_batch_size,
+            self.data_parallel_size,
+            pp,
+            self.named("virtual_pipeline_model_parallel_size"),
+            group,
             valid="--global-batch-size",
         )
         if error is not None:

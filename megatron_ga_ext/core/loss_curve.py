@@ -82,14 +82,16 @@ def read_megatron_log(lines: Iterable[str], source: str, loss_name: str = "lm lo
     if not sizes:
         raise CriticalBatchError(
             f"RUN {source} is neither a Megatron-LM log (it has no iteration line with a global batch size, "
-            "\"iteration N/ M | consumed samples: ... | global batch size: B |\") nor a TensorBoard directory; give "
-            "the run's stdout log or its --tensorboard-dir.")
+            '"iteration N/ M | consumed samples: ... | global batch size: B |") nor a TensorBoard directory; give '
+            "the run's stdout log or its --tensorboard-dir."
+        )
     batch = _one_batch_size(source, sizes)
     return curve(source, batch, consumed, train, validation)
 
 
-def curve(source: str, batch: int, consumed: dict[int, int], train: dict[int, float],
-          validation: dict[int, float]) -> LossCurve:
+def curve(
+    source: str, batch: int, consumed: dict[int, int], train: dict[int, float], validation: dict[int, float]
+) -> LossCurve:
     """The curve from losses by iteration and the consumed samples Megatron logged by iteration (module
     docstring: samples between logged iterations count ``batch`` per step)."""
     logged = sorted(consumed)
@@ -101,12 +103,16 @@ def curve(source: str, batch: int, consumed: dict[int, int], train: dict[int, fl
         return consumed[logged[k - 1]] + (iteration - logged[k - 1]) * batch if k else iteration * batch
 
     def points(losses: dict[int, float]) -> tuple[LossPoint, ...]:
-        return tuple(LossPoint(iteration=i, consumed_samples=samples(i), loss=losses[i]) for i in sorted(losses)
-                     if math.isfinite(losses[i]))
+        return tuple(
+            LossPoint(iteration=i, consumed_samples=samples(i), loss=losses[i])
+            for i in sorted(losses)
+            if math.isfinite(losses[i])
+        )
 
     skipped = sum(not math.isfinite(v) for v in (*train.values(), *validation.values()))
-    return LossCurve(source=source, global_batch_size=batch, train=points(train), validation=points(validation),
-                     skipped=skipped)
+    return LossCurve(
+        source=source, global_batch_size=batch, train=points(train), validation=points(validation), skipped=skipped
+    )
 
 
 def _one_batch_size(source: str, sizes: dict[int, int]) -> int:
@@ -116,7 +122,8 @@ def _one_batch_size(source: str, sizes: dict[int, int]) -> int:
         shown = ", ".join(f"{size:,} from iteration {first[size]:,}" for size in values[:4])
         raise CriticalBatchError(
             f"RUN {source}: its global batch size changes ({shown}); the fit of S and E against B needs each run at "
-            "one global batch size (no --rampup-batch-size or step schedule): give runs at a fixed batch size.")
+            "one global batch size (no --rampup-batch-size or step schedule): give runs at a fixed batch size."
+        )
     return values[0]
 
 
@@ -130,8 +137,10 @@ def _number(text: str) -> float:
 def smooth(points: tuple[LossPoint, ...], decay: float) -> tuple[LossPoint, ...]:
     """The exponential moving average of the module docstring, at each logged point."""
     if not 0 <= decay < 1:
-        raise CriticalBatchError(f"--train-loss-smoothing {decay!r} must be an EMA decay in [0, 1), e.g. 0.9 (0: "
-                                 "the logged losses as they are).")
+        raise CriticalBatchError(
+            f"--train-loss-smoothing {decay!r} must be an EMA decay in [0, 1), e.g. 0.9 (0: "
+            "the logged losses as they are)."
+        )
     out, ema = [], math.nan
     for k, point in enumerate(points):
         ema = point.loss if k == 0 else decay * ema + (1 - decay) * point.loss
@@ -147,6 +156,8 @@ def first_reach(points: tuple[LossPoint, ...], target: float, interpolate: bool 
                 return float(point.iteration), float(point.consumed_samples)
             before = points[k - 1]
             share = (before.loss - target) / (before.loss - point.loss)
-            return (before.iteration + share * (point.iteration - before.iteration),
-                    before.consumed_samples + share * (point.consumed_samples - before.consumed_samples))
+            return (
+                before.iteration + share * (point.iteration - before.iteration),
+                before.consumed_samples + share * (point.consumed_samples - before.consumed_samples),
+            )
     return None

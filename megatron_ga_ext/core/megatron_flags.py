@@ -57,13 +57,17 @@ def switch(flag: str, dest: str, help: str = "", **kwargs: Any) -> Option:
 
 
 STEP_SCHEDULE = Option(
-    flag="--step-batch-size-schedule", dest="step_batch_size_schedule", type=str, since="core_v0.18.2",
+    flag="--step-batch-size-schedule",
+    dest="step_batch_size_schedule",
+    type=str,
+    since="core_v0.18.2",
     help="'THRESHOLD:GBS ...' (thresholds in tokens when --seq-length is set), validated up front by megatron_ga_ext; "
     "add_args adds it on releases that lack it (0.16, 0.17: the backport).",
 )
 
 # -- Megatron's flags that decide the batch arithmetic, as its parser spells them ------------------
 
+# fmt: off
 MEGATRON_OPTIONS = (
     Option(flag="--micro-batch-size", dest="micro_batch_size"),
     Option(flag="--global-batch-size", dest="global_batch_size"),
@@ -98,11 +102,13 @@ MEGATRON_OPTIONS = (
     switch("--perform-rl-step", "perform_rl_step"),
     switch("--rl-use-sequence-packing", "rl_use_sequence_packing", negatable=True),
 )
+# fmt: on
 
 # -- Megatron's flags on the loss, gradient, step or schedule path, beyond the ones above --------------
 # Each is classified by the coverage table (config/coverage/). Defaults are Megatron's, so a launch line that
 # leaves a flag out reads as Megatron runs it.
 
+# fmt: off
 COVERED_OPTIONS = (
     Option(flag="--cuda-graph-impl", dest="cuda_graph_impl", type=str, default="none",
            choices=("none", "local", "transformer_engine", "full_iteration"),
@@ -325,6 +331,7 @@ COVERED_OPTIONS = (
     Option(flag="--rl-sequence-packing-max-sequences-per-bin",
            dest="rl_sequence_packing_max_sequences_per_bin", default=50),
 )
+# fmt: on
 
 #: The launcher's flags (torchrun; ``--world-size`` is megatron-ga's way to give the world outright).
 LAUNCHER_OPTIONS = (
@@ -343,7 +350,8 @@ NOT_MEGATRON = {
     ),
 }
 VIRTUAL_PIPELINE = Option(
-    flag="--virtual-pipeline-model-parallel-size", dest="virtual_pipeline_model_parallel_size",
+    flag="--virtual-pipeline-model-parallel-size",
+    dest="virtual_pipeline_model_parallel_size",
     help="model chunks per pipeline rank (VPP), as Megatron's args name it",
 )
 

@@ -81,32 +81,36 @@ def b_simple(trace_sigma: float, grad_sq: float, tokens_per_sample: float | None
     None where tr(Sigma) <= 0 or |G|^2 <= 0: noise swamped the estimate, and no batch size follows from it.
     """
     if tokens_per_sample is not None and not (_finite(tokens_per_sample) and tokens_per_sample > 0):
-        raise NoiseScaleError(f"tokens_per_sample {tokens_per_sample!r} must be a positive finite number "
-                              "(loss tokens per sample, at most --seq-length).")
+        raise NoiseScaleError(
+            f"tokens_per_sample {tokens_per_sample!r} must be a positive finite number "
+            "(loss tokens per sample, at most --seq-length)."
+        )
     if not (trace_sigma > 0 and grad_sq > 0):
         return None
     tokens = trace_sigma / grad_sq
     return tokens if tokens_per_sample is None else tokens / tokens_per_sample
 
 
-def two_batch_estimate(small_sq_norm: float, small_batch: float, big_sq_norm: float, big_batch: float
-                       ) -> tuple[float, float]:
+def two_batch_estimate(
+    small_sq_norm: float, small_batch: float, big_sq_norm: float, big_batch: float
+) -> tuple[float, float]:
     """McCandlish's pair: (tr(Sigma), |G|^2) from E|g_B|^2 = |G|^2 + tr(Sigma)/B at two batch sizes.
 
-        tr(Sigma) = (|g_small|^2 - |g_big|^2) / (1/B_small - 1/B_big)
-        |G|^2     = |g_big|^2 - tr(Sigma) / B_big   (= (B_big |g_big|^2 - B_small |g_small|^2) / (B_big - B_small))
+    tr(Sigma) = (|g_small|^2 - |g_big|^2) / (1/B_small - 1/B_big)
+    |G|^2     = |g_big|^2 - tr(Sigma) / B_big   (= (B_big |g_big|^2 - B_small |g_small|^2) / (B_big - B_small))
     """
     for name, value in (("small_sq_norm", small_sq_norm), ("big_sq_norm", big_sq_norm)):
         _require_norm(name, value)
     if not (_finite(small_batch) and _finite(big_batch) and 0 < small_batch < big_batch):
-        raise NoiseScaleError(f"the batch sizes ({small_batch!r}, {big_batch!r}) must be finite with "
-                              "0 < small < big: two equal batches say nothing about the noise.")
+        raise NoiseScaleError(
+            f"the batch sizes ({small_batch!r}, {big_batch!r}) must be finite with "
+            "0 < small < big: two equal batches say nothing about the noise."
+        )
     trace = (small_sq_norm - big_sq_norm) / (1 / small_batch - 1 / big_batch)
     return trace, big_sq_norm - trace / big_batch
 
 
-def replica_estimate(local_sq_norms: Sequence[float], global_sq_norm: float, tokens: Sequence[int]
-                     ) -> NoiseEstimate:
+def replica_estimate(local_sq_norms: Sequence[float], global_sq_norm: float, tokens: Sequence[int]) -> NoiseEstimate:
     """The estimate for K >= 2 replicas with loss-token counts ``tokens`` (b_r; see the module's derivation).
 
         N = sum b_r,  A = mean |g_r|^2,  h = mean 1/b_r
@@ -126,22 +130,26 @@ def replica_estimate(local_sq_norms: Sequence[float], global_sq_norm: float, tok
     return _estimate(mean_local, global_sq_norm, float(excess), total)
 
 
-def replica_estimate_from_sums(*, mean_local_sq_norm: float, global_sq_norm: float, mean_inverse_tokens: float,
-                               tokens: int, replicas: int) -> NoiseEstimate:
+def replica_estimate_from_sums(
+    *, mean_local_sq_norm: float, global_sq_norm: float, mean_inverse_tokens: float, tokens: int, replicas: int
+) -> NoiseEstimate:
     """:func:`replica_estimate` from what one all-reduce gives: A = mean |g_r|^2, |g|^2, h = mean 1/b_r, N and K
     (the in-run measurement, integration/noise_scale.py). h - 1/N >= (K - 1)/N keeps the float subtraction exact
     to a few ulps of h."""
     if replicas < 2:
-        raise NoiseScaleError(f"{replicas} replica(s): the noise estimate needs at least 2 (data-parallel size "
-                              ">= 2), since it compares a replica's gradient with the reduced one.")
+        raise NoiseScaleError(
+            f"{replicas} replica(s): the noise estimate needs at least 2 (data-parallel size "
+            ">= 2), since it compares a replica's gradient with the reduced one."
+        )
     if not (isinstance(tokens, int) and tokens >= replicas):
         raise NoiseScaleError(f"{tokens!r} loss tokens over {replicas} replicas: every replica needs at least one.")
     _require_norm("mean_local_sq_norm", mean_local_sq_norm)
     _require_norm("global_sq_norm", global_sq_norm)
     excess = mean_inverse_tokens - 1 / tokens
     if not (_finite(excess) and excess > 0):
-        raise NoiseScaleError(f"mean 1/b_r {mean_inverse_tokens!r} with N = {tokens}: h - 1/N must be > 0 "
-                              "(h >= K/N for K >= 2 replicas).")
+        raise NoiseScaleError(
+            f"mean 1/b_r {mean_inverse_tokens!r} with N = {tokens}: h - 1/N must be > 0 (h >= K/N for K >= 2 replicas)."
+        )
     return _estimate(mean_local_sq_norm, global_sq_norm, excess, tokens)
 
 
@@ -151,8 +159,9 @@ def _estimate(mean_local: float, global_sq_norm: float, excess: float, total: in
     return NoiseEstimate(trace_sigma=trace, grad_sq=global_sq_norm - trace / total, tokens=total)
 
 
-def equal_count_estimate(local_sq_norms: Sequence[float], global_sq_norm: float, tokens: Sequence[int]
-                         ) -> NoiseEstimate:
+def equal_count_estimate(
+    local_sq_norms: Sequence[float], global_sq_norm: float, tokens: Sequence[int]
+) -> NoiseEstimate:
     """McCandlish's equal-count formula, B_small = N/K, whatever the counts: for comparison only.
 
     Exact when every b_r is N/K; otherwise tr(Sigma) is biased up by (h - 1/N) / ((K - 1)/N) >= 1.
@@ -182,8 +191,10 @@ class NoiseScaleEMA:
 
     def __post_init__(self) -> None:
         if not (_finite(self.decay) and 0 <= self.decay < 1):
-            raise NoiseScaleError(f"the noise-scale EMA decay {self.decay!r} must be in [0, 1): 0 keeps the last "
-                                  "measurement only, 0.95 averages about 20.")
+            raise NoiseScaleError(
+                f"the noise-scale EMA decay {self.decay!r} must be in [0, 1): 0 keeps the last "
+                "measurement only, 0.95 averages about 20."
+            )
         for name in ("trace_sigma_ema", "grad_sq_ema"):
             if not _finite(getattr(self, name)):
                 raise NoiseScaleError(f"the noise-scale EMA {name} {getattr(self, name)!r} is not a finite number.")
@@ -193,8 +204,10 @@ class NoiseScaleEMA:
     def update(self, estimate: NoiseEstimate) -> None:
         """Fold one measured step in; a non-finite estimate is refused (it would poison every later value)."""
         if not (_finite(estimate.trace_sigma) and _finite(estimate.grad_sq)):
-            raise NoiseScaleError(f"a noise estimate (tr(Sigma) {estimate.trace_sigma!r}, |G|^2 "
-                                  f"{estimate.grad_sq!r}) is not finite; skip the step instead of updating.")
+            raise NoiseScaleError(
+                f"a noise estimate (tr(Sigma) {estimate.trace_sigma!r}, |G|^2 "
+                f"{estimate.grad_sq!r}) is not finite; skip the step instead of updating."
+            )
         keep = self.decay
         self.trace_sigma_ema = keep * self.trace_sigma_ema + (1 - keep) * estimate.trace_sigma
         self.grad_sq_ema = keep * self.grad_sq_ema + (1 - keep) * estimate.grad_sq
@@ -218,8 +231,13 @@ class NoiseScaleEMA:
 
     def state_dict(self) -> dict[str, float | int]:
         """Plain numbers for a checkpoint, so a resumed run continues the EMAs."""
-        return {"version": STATE_VERSION, "decay": self.decay, "trace_sigma_ema": self.trace_sigma_ema,
-                "grad_sq_ema": self.grad_sq_ema, "updates": self.updates}
+        return {
+            "version": STATE_VERSION,
+            "decay": self.decay,
+            "trace_sigma_ema": self.trace_sigma_ema,
+            "grad_sq_ema": self.grad_sq_ema,
+            "updates": self.updates,
+        }
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, object]) -> NoiseScaleEMA:
@@ -227,18 +245,25 @@ class NoiseScaleEMA:
         expected = {"version", "decay", "trace_sigma_ema", "grad_sq_ema", "updates"}
         if not isinstance(state, Mapping) or set(state) != expected:
             keys = sorted(state) if isinstance(state, Mapping) else type(state).__name__
-            raise NoiseScaleError(f"a noise-scale EMA state has keys {keys}, not {sorted(expected)}; it was not "
-                                  "written by NoiseScaleEMA.state_dict.")
+            raise NoiseScaleError(
+                f"a noise-scale EMA state has keys {keys}, not {sorted(expected)}; it was not "
+                "written by NoiseScaleEMA.state_dict."
+            )
         if state["version"] != STATE_VERSION:
-            raise NoiseScaleError(f"a noise-scale EMA state has version {state['version']!r}; this release reads "
-                                  f"version {STATE_VERSION}.")
-        return cls(decay=state["decay"], trace_sigma_ema=state["trace_sigma_ema"],  # type: ignore[arg-type]
-                   grad_sq_ema=state["grad_sq_ema"], updates=state["updates"])  # type: ignore[arg-type]
+            raise NoiseScaleError(
+                f"a noise-scale EMA state has version {state['version']!r}; this release reads version {STATE_VERSION}."
+            )
+        return cls(
+            decay=state["decay"],
+            trace_sigma_ema=state["trace_sigma_ema"],  # type: ignore[arg-type]
+            grad_sq_ema=state["grad_sq_ema"],
+            updates=state["updates"],
+        )  # type: ignore[arg-type]
 
     def _corrected(self, ema: float) -> float | None:
         if self.updates == 0:
             return None
-        return ema / (1 - self.decay ** self.updates)
+        return ema / (1 - self.decay**self.updates)
 
 
 def _finite(value: object) -> bool:
@@ -253,25 +278,32 @@ def _finite(value: object) -> bool:
 
 def _require_norm(name: str, value: object) -> None:
     if not (_finite(value) and value >= 0):  # type: ignore[operator]
-        raise NoiseScaleError(f"{name} {value!r} is not a squared norm (a finite number >= 0); a non-finite "
-                              "gradient (an overflowed fp16 step) has no noise estimate: skip the step.")
+        raise NoiseScaleError(
+            f"{name} {value!r} is not a squared norm (a finite number >= 0); a non-finite "
+            "gradient (an overflowed fp16 step) has no noise estimate: skip the step."
+        )
 
 
 def _require_counts(tokens: Sequence[int], replicas: int) -> list[int]:
     """The b_r: whole numbers >= 1, one per replica, at least two replicas."""
     counts = list(tokens)
     if len(counts) != replicas:
-        raise NoiseScaleError(f"{len(counts)} token counts for {replicas} local squared norms: give one b_r per "
-                              "data-parallel replica.")
+        raise NoiseScaleError(
+            f"{len(counts)} token counts for {replicas} local squared norms: give one b_r per data-parallel replica."
+        )
     if replicas < 2:
-        raise NoiseScaleError(f"{replicas} replica(s): the noise estimate needs at least 2 (data-parallel size "
-                              ">= 2), since it compares a replica's gradient with the reduced one.")
+        raise NoiseScaleError(
+            f"{replicas} replica(s): the noise estimate needs at least 2 (data-parallel size "
+            ">= 2), since it compares a replica's gradient with the reduced one."
+        )
     for r, b in enumerate(counts):
         try:
             counts[r] = operator.index(b)  # an int, or a numpy/torch integer scalar
         except TypeError:
             counts[r] = 0
         if isinstance(b, bool) or counts[r] < 1:
-            raise NoiseScaleError(f"tokens[{r}] {b!r} is not a token count >= 1: a replica without loss tokens "
-                                  "has no gradient of its own; leave the step out.")
+            raise NoiseScaleError(
+                f"tokens[{r}] {b!r} is not a token count >= 1: a replica without loss tokens "
+                "has no gradient of its own; leave the step out."
+            )
     return counts

@@ -30,15 +30,31 @@ from typing import Any
 from megatron_ga_ext.core.numbers import MAX_EXPONENT
 from megatron_ga_ext.errors import NoiseScaleError, UsageError
 
-__all__ = ["SCALARS", "TraceRow", "json_line", "log_line", "parse_trace", "read_log", "read_trace", "scalar_tag",
-           "trace_row"]
+__all__ = [
+    "SCALARS",
+    "TraceRow",
+    "json_line",
+    "log_line",
+    "parse_trace",
+    "read_log",
+    "read_trace",
+    "scalar_tag",
+    "trace_row",
+]
 
 #: At most this many trace rows are read (a measurement every step of a million-step run).
 MAX_ROWS = 1_000_000
 
 #: The trace row's values logged to TensorBoard and W&B (as :func:`scalar_tag` names them).
-SCALARS = ("b_simple_tokens", "b_simple_samples", "grad_sq", "trace_sigma", "grad_sq_ema", "trace_sigma_ema",
-           "consumed_samples")
+SCALARS = (
+    "b_simple_tokens",
+    "b_simple_samples",
+    "grad_sq",
+    "trace_sigma",
+    "grad_sq_ema",
+    "trace_sigma_ema",
+    "consumed_samples",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,8 +67,6 @@ class TraceRow:
     b_simple_samples: float | None
     """B_simple in samples; None where it was not measurable."""
     iteration: int | None = None
-
-
 
 
 # -- writing: the row, its JSON line, its log line, its TensorBoard tag ---------------------------
@@ -75,12 +89,17 @@ def trace_row(
 ) -> dict[str, Any]:
     """The row of one measured step, its keys in the order the trace file writes them (the module docstring)."""
     return {
-        "iteration": iteration, "consumed_samples": consumed_samples,
-        "b_simple_tokens": b_simple_tokens, "b_simple_samples": b_simple_samples,
+        "iteration": iteration,
+        "consumed_samples": consumed_samples,
+        "b_simple_tokens": b_simple_tokens,
+        "b_simple_samples": b_simple_samples,
         "tokens_per_sample": tokens_per_sample,
-        "grad_sq": grad_sq, "trace_sigma": trace_sigma,
-        "grad_sq_ema": grad_sq_ema, "trace_sigma_ema": trace_sigma_ema,
-        "step_b_simple_tokens": step_b_simple_tokens, "tokens": tokens,
+        "grad_sq": grad_sq,
+        "trace_sigma": trace_sigma,
+        "grad_sq_ema": grad_sq_ema,
+        "trace_sigma_ema": trace_sigma_ema,
+        "step_b_simple_tokens": step_b_simple_tokens,
+        "tokens": tokens,
         "replicas": replicas,
     }
 
@@ -98,15 +117,18 @@ def scalar_tag(name: str) -> str:
 def log_line(row: Mapping[str, Any]) -> str:
     """The line the run prints after Megatron's iteration line; :data:`NOISE_LINE` and :data:`NOISE_CONSUMED` read
     it back (:func:`read_log`)."""
+
     def shown(value: float | None) -> str:
         return "n/a" if value is None else f"{value:.4E}"
 
-    return (f" megatron-ga-ext noise scale | iteration {row['iteration']} | B_simple (EMA): "
-            f"{shown(row['b_simple_tokens'])} tokens, {shown(row['b_simple_samples'])} samples | "
-            f"|G|^2: {shown(row['grad_sq'])} (EMA {shown(row['grad_sq_ema'])}) | "
-            f"tr(Sigma): {shown(row['trace_sigma'])} (EMA {shown(row['trace_sigma_ema'])}) | "
-            f"loss tokens: {row['tokens']} over {row['replicas']} replicas | "
-            f"consumed samples: {'n/a' if row['consumed_samples'] is None else row['consumed_samples']} |")
+    return (
+        f" megatron-ga-ext noise scale | iteration {row['iteration']} | B_simple (EMA): "
+        f"{shown(row['b_simple_tokens'])} tokens, {shown(row['b_simple_samples'])} samples | "
+        f"|G|^2: {shown(row['grad_sq'])} (EMA {shown(row['grad_sq_ema'])}) | "
+        f"tr(Sigma): {shown(row['trace_sigma'])} (EMA {shown(row['trace_sigma_ema'])}) | "
+        f"loss tokens: {row['tokens']} over {row['replicas']} replicas | "
+        f"consumed samples: {'n/a' if row['consumed_samples'] is None else row['consumed_samples']} |"
+    )
 
 
 # -- reading ----------------------------------------------------------------------------------------
@@ -115,7 +137,8 @@ def log_line(row: Mapping[str, Any]) -> str:
 #: consumed samples after the step (a log of an older release has no such field: Megatron's line gives them).
 MEGATRON_LINE = re.compile(r"\biteration\s+(\d+)/\s*\d+ \|.*?consumed samples:\s+(\d+)")
 NOISE_LINE = re.compile(
-    r"megatron-ga-ext noise scale \| iteration (\d+) \| B_simple \(EMA\): \S+ tokens, (\S+) samples")
+    r"megatron-ga-ext noise scale \| iteration (\d+) \| B_simple \(EMA\): \S+ tokens, (\S+) samples"
+)
 NOISE_CONSUMED = re.compile(r"\| consumed samples: (\d+|n/a) \|")
 
 
@@ -139,7 +162,8 @@ def read_log(lines: Iterable[str]) -> list[TraceRow]:
                     f"log line {number}: the noise scale of iteration {iteration} gives no consumed samples and comes "
                     "before Megatron's line of that iteration, which gives them (a log of a release that did not print "
                     "them, measured at an iteration Megatron does not log: --ga-noise-scale K not a multiple of "
-                    "--log-interval); give the run's --ga-noise-scale-trace file or --tensorboard-dir instead.")
+                    "--log-interval); give the run's --ga-noise-scale-trace file or --tensorboard-dir instead."
+                )
             value = noise.group(2)
             try:
                 rows[iteration] = (consumed, None if value == "n/a" else float(value))
@@ -150,8 +174,10 @@ def read_log(lines: Iterable[str]) -> list[TraceRow]:
         if len(rows) > MAX_ROWS:
             raise NoiseScaleError(f"the log measures more than {MAX_ROWS:,} iterations; measure less often.")
     if not rows:
-        raise NoiseScaleError("the log has no \"megatron-ga-ext noise scale\" line: run with --ga-noise-scale K, "
-                              "or give the --ga-noise-scale-trace file.")
+        raise NoiseScaleError(
+            'the log has no "megatron-ga-ext noise scale" line: run with --ga-noise-scale K, '
+            "or give the --ga-noise-scale-trace file."
+        )
     data = [{"iteration": i, "consumed_samples": rows[i][0], "b_simple_samples": rows[i][1]} for i in sorted(rows)]
     return parse_trace(data)
 
@@ -177,19 +203,23 @@ def _json_lines(text: str) -> list[object]:
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError as error:
-            raise NoiseScaleError(f"the trace is neither JSON nor JSON Lines: line {number}: {error.msg} "
-                                  f"(column {error.colno}).") from None
+            raise NoiseScaleError(
+                f"the trace is neither JSON nor JSON Lines: line {number}: {error.msg} (column {error.colno})."
+            ) from None
         except (ValueError, RecursionError) as error:
-            raise NoiseScaleError(f"the trace is neither JSON nor JSON Lines: line {number}: "
-                                  f"{type(error).__name__}: {str(error)[:80]}.") from None
+            raise NoiseScaleError(
+                f"the trace is neither JSON nor JSON Lines: line {number}: {type(error).__name__}: {str(error)[:80]}."
+            ) from None
     return rows
 
 
 def parse_trace(data: object, tokens_per_sample: float | None = None) -> list[TraceRow]:
     """Typed rows from loaded JSON (the module docstring gives the format); every malformed row is refused."""
     if not isinstance(data, list):
-        raise NoiseScaleError(f"the trace is a JSON {type(data).__name__}; give a list of rows, or "
-                              '{"rows": [...]}, e.g. [{"consumed_samples": 0, "b_simple_samples": 120.5}].')
+        raise NoiseScaleError(
+            f"the trace is a JSON {type(data).__name__}; give a list of rows, or "
+            '{"rows": [...]}, e.g. [{"consumed_samples": 0, "b_simple_samples": 120.5}].'
+        )
     if not data:
         raise NoiseScaleError("the trace has no rows: give at least one measured step.")
     if len(data) > MAX_ROWS:
@@ -201,10 +231,12 @@ def parse_trace(data: object, tokens_per_sample: float | None = None) -> list[Tr
 
 def _row(position: int, item: object, tokens_per_sample: float | None) -> TraceRow:
     if not isinstance(item, Mapping):
-        raise NoiseScaleError(f"trace row {position} is a JSON {type(item).__name__}, not an object with "
-                              '"consumed_samples" and "b_simple_samples".')
+        raise NoiseScaleError(
+            f"trace row {position} is a JSON {type(item).__name__}, not an object with "
+            '"consumed_samples" and "b_simple_samples".'
+        )
     if "consumed_samples" not in item:
-        raise NoiseScaleError(f"trace row {position} has no \"consumed_samples\" (keys: {_keys(item)}).")
+        raise NoiseScaleError(f'trace row {position} has no "consumed_samples" (keys: {_keys(item)}).')
     iteration = item.get("iteration")
     return TraceRow(
         position=position,
@@ -219,14 +251,17 @@ def _estimate(position: int, item: Mapping, tokens_per_sample: float | None) -> 
     if "b_simple_samples" in item:
         return _positive(position, "b_simple_samples", item["b_simple_samples"])
     if "b_simple_tokens" not in item:
-        raise NoiseScaleError(f"trace row {position} has neither \"b_simple_samples\" nor \"b_simple_tokens\" "
-                              f"(keys: {_keys(item)}).")
+        raise NoiseScaleError(
+            f'trace row {position} has neither "b_simple_samples" nor "b_simple_tokens" (keys: {_keys(item)}).'
+        )
     tokens = _positive(position, "b_simple_tokens", item["b_simple_tokens"])
     if tokens is None:
         return None
     if tokens_per_sample is None:
-        raise UsageError(f"trace row {position} gives \"b_simple_tokens\" only: give --seq-length (tokens per "
-                         "sample) to read it in samples, or write \"b_simple_samples\" in the trace.")
+        raise UsageError(
+            f'trace row {position} gives "b_simple_tokens" only: give --seq-length (tokens per '
+            'sample) to read it in samples, or write "b_simple_samples" in the trace.'
+        )
     return tokens / tokens_per_sample
 
 
@@ -242,8 +277,9 @@ def _whole(position: int, key: str, value: object) -> int:
     except TypeError:
         number = -1
     if isinstance(value, bool) or not 0 <= number <= 10**MAX_EXPONENT:
-        raise NoiseScaleError(f"trace row {position} {key} {_shown(value)} is not a whole number from 0 to "
-                              f"10**{MAX_EXPONENT}.")
+        raise NoiseScaleError(
+            f"trace row {position} {key} {_shown(value)} is not a whole number from 0 to 10**{MAX_EXPONENT}."
+        )
     return number
 
 
@@ -256,8 +292,10 @@ def _positive(position: int, key: str, value: object) -> float | None:
     except OverflowError:  # an int past the float range
         number = math.inf
     if not (math.isfinite(number) and number > 0):
-        raise NoiseScaleError(f"trace row {position} {key} {_shown(value)} is not a positive finite number; write "
-                              "null for a step where B_simple was not measurable.")
+        raise NoiseScaleError(
+            f"trace row {position} {key} {_shown(value)} is not a positive finite number; write "
+            "null for a step where B_simple was not measurable."
+        )
     return number
 
 

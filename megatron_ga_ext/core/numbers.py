@@ -15,8 +15,16 @@ from fractions import Fraction
 
 from megatron_ga_ext.errors import GAError, ScheduleError, ScheduleParseError, UsageError
 
-__all__ = ["MAX_EXPONENT", "MAX_TEXT", "SUFFIXES", "format_count", "is_int", "parse_count", "read_int",
-           "upstream_count"]
+__all__ = [
+    "MAX_EXPONENT",
+    "MAX_TEXT",
+    "SUFFIXES",
+    "format_count",
+    "is_int",
+    "parse_count",
+    "read_int",
+    "upstream_count",
+]
 
 #: Upstream's suffixes (case-insensitive), as exact integers.
 SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}

@@ -42,8 +42,7 @@ def require_positive_int(flag: str, value: object, *, below_one: type[GAError] =
         if isinstance(value, float) and math.isfinite(value) and value > 0:
             hint = f", e.g. {max(1, math.floor(value))} or {math.ceil(value)}"
         raise SizeError(
-            f"{flag} {value!r} is not a whole number: sizes count samples or ranks; "
-            f"give an integer >= 1{hint}."
+            f"{flag} {value!r} is not a whole number: sizes count samples or ranks; give an integer >= 1{hint}."
         )
     if value < 1:
         raise below_one(f"{flag} {value} must be at least 1; give an integer >= 1.")
@@ -91,8 +90,16 @@ def join(values: list[int]) -> str:
 
 
 def multiple_error(
-    subject: str, batch: int, micro_batch_size: int, data_parallel_size: int, *, dp_name: str = "data-parallel size",
-    dp_source: str = "", valid: str = "batch sizes", fix: str = "", error: type[GAError] = BatchSizeError,
+    subject: str,
+    batch: int,
+    micro_batch_size: int,
+    data_parallel_size: int,
+    *,
+    dp_name: str = "data-parallel size",
+    dp_source: str = "",
+    valid: str = "batch sizes",
+    fix: str = "",
+    error: type[GAError] = BatchSizeError,
 ) -> GAError:
     """``subject`` (a batch of ``batch`` samples) does not split into whole micro-batches of MBS x DP.
 
@@ -108,8 +115,14 @@ def multiple_error(
 
 
 def interleave_error(
-    subject: str, batch: int, micro_batch_size: int, data_parallel_size: int, pipeline_model_parallel_size: int,
-    virtual_pipeline: str, microbatch_group_size: int | None = None, valid: str = "batch sizes",
+    subject: str,
+    batch: int,
+    micro_batch_size: int,
+    data_parallel_size: int,
+    pipeline_model_parallel_size: int,
+    virtual_pipeline: str,
+    microbatch_group_size: int | None = None,
+    valid: str = "batch sizes",
 ) -> InterleaveError | None:
     """The interleaved schedule's rule on M = ``batch`` / (MBS x DP) (see
     :func:`interleaved_microbatch_problem`), as an error about ``subject``; None if it runs.

@@ -37,15 +37,22 @@ logger = get_logger(__name__)
 
 #: Megatron's args that decide the batch of every step and the loss mode, and the --ga-* flags.
 BATCH_FLAGS = (
-    "micro_batch_size", "global_batch_size", "rampup_batch_size", "step_batch_size_schedule",
-    "decrease_batch_size_if_needed", "seq_length", "train_samples", "calculate_per_token_loss",
+    "micro_batch_size",
+    "global_batch_size",
+    "rampup_batch_size",
+    "step_batch_size_schedule",
+    "decrease_batch_size_if_needed",
+    "seq_length",
+    "train_samples",
+    "calculate_per_token_loss",
     *(option.dest for option in GA_OPTIONS),
 )
 DATA_PARALLEL = "data-parallel size"
 
 
-def batch_settings(args: argparse.Namespace | None = None, config: GAConfig | None = None,
-                   calculator: Calculator | None = None) -> dict[str, str]:
+def batch_settings(
+    args: argparse.Namespace | None = None, config: GAConfig | None = None, calculator: Calculator | None = None
+) -> dict[str, str]:
     """The batch settings of one rank, as text by the flag that sets them: from Megatron's ``args`` where there
     are any, else from the extension's ``config``; and what the live ``calculator`` computes now."""
     settings = {}
@@ -120,7 +127,8 @@ def check_ranks_agree(settings: Mapping[str, str]) -> None:
             f"the ranks were launched with different batch configurations (compared once, at the first "
             f"forward/backward call): {'; '.join(differences)}. Data-parallel ranks that run different batches "
             f"average gradients of batches of different sizes and stop at different steps. Launch every rank with "
-            f"the same batch flags.")
+            f"the same batch flags."
+        )
 
 
 class StartupChecks:
@@ -145,6 +153,7 @@ class StartupChecks:
 
     def recording(self, original: Callable) -> Callable:
         """Megatron-LM's ``check_checkpoint_args`` on load: the checkpoint's args recorded on the way."""
+
         @functools.wraps(original)
         def check_checkpoint_args(checkpoint_args: Any, *args: Any, **kwargs: Any) -> Any:
             self.checkpoint_settings = batch_settings(checkpoint_args)
@@ -155,16 +164,23 @@ class StartupChecks:
 
     def _warn_if_changed(self, args: argparse.Namespace) -> None:
         now = batch_settings(args)
-        changed = [f"{key} {was!r} when it was saved, {now[key]!r} now"
-                   for key, was in self.checkpoint_settings.items() if key in now and now[key] != was]
+        changed = [
+            f"{key} {was!r} when it was saved, {now[key]!r} now"
+            for key, was in self.checkpoint_settings.items()
+            if key in now and now[key] != was
+        ]
         if not changed:
             return
         view = MegatronArgs.of(args)
         consumed, iteration = view.consumed_train_samples, view.iteration
         calculator = live_calculator()
-        batch = "" if calculator is None else (
-            f": global batch size {calculator.get_current_global_batch_size()} "
-            f"({calculator.get()} micro-batches)")
+        batch = (
+            ""
+            if calculator is None
+            else (
+                f": global batch size {calculator.get_current_global_batch_size()} ({calculator.get()} micro-batches)"
+            )
+        )
         before = self.checkpoint_batch_size(consumed) if self.checkpoint_batch_size else None
         if batch and before is not None:
             batch += f", where the checkpoint's configuration has {before}"
@@ -172,7 +188,13 @@ class StartupChecks:
             "resuming from the checkpoint of iteration %d (consumed samples %d) with another batch configuration "
             "than it was saved with: %s. The new configuration applies from iteration %d (consumed samples %d) "
             "on%s. If that is not intended, resume with the flags the checkpoint was saved with.",
-            iteration, consumed, "; ".join(changed), iteration + 1, consumed, batch)
+            iteration,
+            consumed,
+            "; ".join(changed),
+            iteration + 1,
+            consumed,
+            batch,
+        )
 
 
 def _batch_size_at(args: argparse.Namespace, consumed: int) -> int | None:
@@ -183,9 +205,15 @@ def _batch_size_at(args: argparse.Namespace, consumed: int) -> int | None:
     if view.rampup_batch_size and not convert:
         return None
     try:
-        schedule = resolve_schedule(ScheduleInputs(
-            step_batch_size_schedule=view.step_batch_size_schedule, rampup_batch_size=view.rampup_batch_size,
-            global_batch_size=view.global_batch_size, seq_length=view.seq_length, convert_rampup=convert))
+        schedule = resolve_schedule(
+            ScheduleInputs(
+                step_batch_size_schedule=view.step_batch_size_schedule,
+                rampup_batch_size=view.rampup_batch_size,
+                global_batch_size=view.global_batch_size,
+                seq_length=view.seq_length,
+                convert_rampup=convert,
+            )
+        )
     except GAError:
         return None
     if schedule is None:

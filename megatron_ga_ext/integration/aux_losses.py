@@ -76,8 +76,15 @@ if TYPE_CHECKING:
 
     from megatron_ga_ext.integration.installation import Installation
 
-__all__ = ["broadcasts_padding_per_token", "exact_token_counts", "global_count_mtp_loss", "padding_mask_forward",
-           "per_token_padding_expert_bias", "router_scales_by_tp_cp", "tp_cp_scaled_z_loss"]
+__all__ = [
+    "broadcasts_padding_per_token",
+    "exact_token_counts",
+    "global_count_mtp_loss",
+    "padding_mask_forward",
+    "per_token_padding_expert_bias",
+    "router_scales_by_tp_cp",
+    "tp_cp_scaled_z_loss",
+]
 
 logger = get_logger(__name__)
 
@@ -168,8 +175,11 @@ def exact_token_counts(original: Callable, state: Installation) -> Callable:
 
     @functools.wraps(original)
     def counts(routing_map: Any, reduce_group: Any, topk: int | None = None, with_padding_mask: bool = False):
-        if with_padding_mask and _token_mode(state) and upstream.steps_aside(counts, original, routing_map,
-                                                                             reduce_group, topk):
+        if (
+            with_padding_mask
+            and _token_mode(state)
+            and upstream.steps_aside(counts, original, routing_map, reduce_group, topk)
+        ):
             return upstream_factors.nonzero_total(original(routing_map, reduce_group, topk, with_padding_mask))
         if not (with_padding_mask and _token_mode(state)):
             return original(routing_map, reduce_group, topk, with_padding_mask)

@@ -17,8 +17,14 @@ if TYPE_CHECKING:
     import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-__all__ = ["QUANTILE_BALANCING", "aux_summary", "balancing_types", "routes_unmasked", "unmasked_moe_note",
-           "unmasked_moe_stages"]
+__all__ = [
+    "QUANTILE_BALANCING",
+    "aux_summary",
+    "balancing_types",
+    "routes_unmasked",
+    "unmasked_moe_note",
+    "unmasked_moe_stages",
+]
 
 QUANTILE_BALANCING = "quantile_balancing"
 
@@ -45,13 +51,17 @@ def aux_summary(config: TransformerConfig, mode: str) -> str | None:
     if not terms:
         return None
     if mode == "token" and QUANTILE_BALANCING in balancing_types(config) and getattr(config, "num_moe_experts", None):
-        how = ("MoE routes without a padding mask under quantile balancing (upstream's router refuses one), so its "
-               "terms count every routed position, as upstream's --calculate-per-token-loss does")
+        how = (
+            "MoE routes without a padding mask under quantile balancing (upstream's router refuses one), so its "
+            "terms count every routed position, as upstream's --calculate-per-token-loss does"
+        )
     elif mode == "token":
-        how = ("MoE: each micro-batch's terms over its loss tokens (routed with padding_mask = loss_mask == 0, the "
-               "router's counts over its TP x CP group) and weighted by its share n_u / N of the global batch's loss "
-               "tokens (global_aux_loss: micro-batch m's loss over every DP rank, T(m) / (DP x N) on each rank's "
-               "piece); MTP: every MTP token weighs its scaling factor / (MTP depth x N)")
+        how = (
+            "MoE: each micro-batch's terms over its loss tokens (routed with padding_mask = loss_mask == 0, the "
+            "router's counts over its TP x CP group) and weighted by its share n_u / N of the global batch's loss "
+            "tokens (global_aux_loss: micro-batch m's loss over every DP rank, T(m) / (DP x N) on each rank's "
+            "piece); MTP: every MTP token weighs its scaling factor / (MTP depth x N)"
+        )
     else:
         how = "each micro-batch's term over all its positions, weighted 1 / (num_microbatches x DP), as upstream"
     return f"megatron-ga-ext {mode} mode, auxiliary losses: {', '.join(terms)}: {how}."
@@ -85,8 +95,14 @@ def unmasked_moe_stages(models: Iterable[torch.nn.Module]) -> list[int]:
     return sorted(other for other, routed_unmasked in gathered if routed_unmasked)
 
 
-def unmasked_moe_note(config: TransformerConfig, mode: str, stages: list[int], pipeline_model_parallel_size: int,
-                      positions: int, num_tokens: int) -> str | None:
+def unmasked_moe_note(
+    config: TransformerConfig,
+    mode: str,
+    stages: list[int],
+    pipeline_model_parallel_size: int,
+    positions: int,
+    num_tokens: int,
+) -> str | None:
     """Token mode, MoE layers that routed without a padding mask on ``stages``: their aux and z-loss gradients keep
     the (positions / loss tokens) factor."""
     if mode != "token" or not stages or not getattr(config, "num_moe_experts", None):
@@ -95,7 +111,9 @@ def unmasked_moe_note(config: TransformerConfig, mode: str, stages: list[int], p
     where = f"pipeline stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}"
     if pipeline_model_parallel_size > 1:
         where += f" of PP {pipeline_model_parallel_size}"
-    return (f"MoE in token mode: the MoE layers on {where} routed without a padding mask (their model call got "
-            f"no loss mask to derive it from: from 0.18 on, Megatron-LM's pretrain_gpt drops it on the first "
-            f"pipeline stage), so their aux and z-loss gradients are (routed positions / loss tokens) times their "
-            f"target weight: {positions} / {num_tokens} = {ratio:.3f} on the first step.")
+    return (
+        f"MoE in token mode: the MoE layers on {where} routed without a padding mask (their model call got "
+        f"no loss mask to derive it from: from 0.18 on, Megatron-LM's pretrain_gpt drops it on the first "
+        f"pipeline stage), so their aux and z-loss gradients are (routed positions / loss tokens) times their "
+        f"target weight: {positions} / {num_tokens} = {ratio:.3f} on the first step."
+    )

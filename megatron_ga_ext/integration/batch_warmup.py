@@ -54,27 +54,43 @@ class BatchSizeWarmup:
         """After a measured step (``row``: its trace row, core/noise_trace.py): add the stage the rule calls for to
         ``calculator`` (the live StepScheduleCalculator); True where it did."""
         if calculator is None:
-            raise ScheduleError("--ga-batch-size-warmup auto needs the extension's step-schedule calculator, which "
-                                "install() puts in force when Megatron builds its num-microbatches calculator (or "
-                                "adopts from the one Megatron built): none is live. A megatron-core loop builds one "
-                                "with init_num_microbatches_calculator().")
+            raise ScheduleError(
+                "--ga-batch-size-warmup auto needs the extension's step-schedule calculator, which "
+                "install() puts in force when Megatron builds its num-microbatches calculator (or "
+                "adopts from the one Megatron built): none is live. A megatron-core loop builds one "
+                "with init_num_microbatches_calculator()."
+            )
         consumed, estimate = row.get("consumed_samples"), row.get("b_simple_samples")
         if consumed is None or estimate is None:
             return False
         settings = run_settings()
         batch = calculator.step_schedule.final_global_batch_size
-        rule = DoublingRule(micro_batch_size=calculator.micro_batch_size,
-                            data_parallel_size=calculator.data_parallel_size, max_global_batch_size=self.cap,
-                            initial_global_batch_size=batch, trust=self.trust, frozen=frozen_ranges(settings))
-        trace = [TraceRow(position=1, consumed_samples=consumed, b_simple_samples=estimate,
-                          iteration=row.get("iteration"))]
+        rule = DoublingRule(
+            micro_batch_size=calculator.micro_batch_size,
+            data_parallel_size=calculator.data_parallel_size,
+            max_global_batch_size=self.cap,
+            initial_global_batch_size=batch,
+            trust=self.trust,
+            frozen=frozen_ranges(settings),
+        )
+        trace = [
+            TraceRow(position=1, consumed_samples=consumed, b_simple_samples=estimate, iteration=row.get("iteration"))
+        ]
         suggestion = suggest_schedule(trace, rule)
         for held in suggestion.held:
-            reason = f"the cap {BATCH_SIZE_WARMUP_MAX.flag} {self.cap}" if held.reason.startswith("the cap") \
-                else held.reason
+            reason = (
+                f"the cap {BATCH_SIZE_WARMUP_MAX.flag} {self.cap}" if held.reason.startswith("the cap") else held.reason
+            )
             if reason != self._held:  # once per reason, not at every measured step
-                logger.info("megatron-ga-ext batch-size warmup: iteration %s: %.4g x B_simple %.4g samples >= 2 x "
-                            "GBS %d, held by %s", row.get("iteration"), self.trust, estimate, batch, reason)
+                logger.info(
+                    "megatron-ga-ext batch-size warmup: iteration %s: %.4g x B_simple %.4g samples >= 2 x "
+                    "GBS %d, held by %s",
+                    row.get("iteration"),
+                    self.trust,
+                    estimate,
+                    batch,
+                    reason,
+                )
             self._held = reason
         if not suggestion.decisions:
             return False
@@ -83,8 +99,15 @@ class BatchSizeWarmup:
         _replan(calculator, settings)
         logger.warning(
             "megatron-ga-ext batch-size warmup: iteration %s: %.4g x B_simple %.4g samples >= 2 x GBS %d: GBS %d from "
-            "%d consumed samples; the run's schedule so far: --step-batch-size-schedule \"%s\"", row.get("iteration"),
-            self.trust, estimate, batch, 2 * batch, consumed, _schedule_string(calculator.step_schedule, settings))
+            '%d consumed samples; the run\'s schedule so far: --step-batch-size-schedule "%s"',
+            row.get("iteration"),
+            self.trust,
+            estimate,
+            batch,
+            2 * batch,
+            consumed,
+            _schedule_string(calculator.step_schedule, settings),
+        )
         return True
 
     @staticmethod
@@ -101,14 +124,16 @@ class BatchSizeWarmup:
         if tuple(schedule.stages[0]) != tuple(first):
             raise ScheduleError(
                 f"the checkpoint's batch-size warmup starts at {schedule.stages[0][1]} from sample 0, this run's "
-                f"--global-batch-size gives {first[1]}: resume with the --global-batch-size the run started with.")
+                f"--global-batch-size gives {first[1]}: resume with the --global-batch-size the run started with."
+            )
         for threshold, batch in schedule.stages[1:]:
             calculator.extend(threshold, batch)
         settings = run_settings()
         _replan(calculator, settings)
-        logger.info("megatron-ga-ext batch-size warmup: resumed with --step-batch-size-schedule \"%s\"",
-                    _schedule_string(calculator.step_schedule, settings))
-
+        logger.info(
+            'megatron-ga-ext batch-size warmup: resumed with --step-batch-size-schedule "%s"',
+            _schedule_string(calculator.step_schedule, settings),
+        )
 
     def _check_cap(self, schedule: StepSchedule) -> None:
         """The restored stages must fit under --ga-batch-size-warmup-max: a run cannot shrink a batch it has
@@ -121,7 +146,8 @@ class BatchSizeWarmup:
             f"{BATCH_SIZE_WARMUP_MAX.flag} {self.cap} is below the global batch size {batch} the checkpoint's "
             f"batch-size warmup reached (from sample {threshold}); the warmup never shrinks the batch, and this run's "
             f"dataset and micro-batch checks are sized for the cap. Resume with {BATCH_SIZE_WARMUP_MAX.flag} {batch} "
-            f"or more.")
+            f"or more."
+        )
 
 
 def frozen_ranges(args: argparse.Namespace | MegatronArgs | None) -> tuple[Frozen, ...]:

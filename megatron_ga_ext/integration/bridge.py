@@ -61,8 +61,11 @@ register_allowed_target_prefix("megatron_ga_ext")
 
 #: The --ga-* settings as a mutable dataclass (Bridge's overrides write each field back with setattr).
 GASection = dataclasses.make_dataclass(
-    "GASection", [(f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
-                  for f in dataclasses.fields(GAFlags)], kw_only=True, module=__name__)
+    "GASection",
+    [(f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata)) for f in dataclasses.fields(GAFlags)],
+    kw_only=True,
+    module=__name__,
+)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -89,9 +92,16 @@ class GAContainer(ConfigContainer):
                 f"train.train_samples {samples}: under train.step_batch_size_schedule {text!r} (MBS "
                 f"{self.train.micro_batch_size}, DP {self.data_parallel_size}) the last of its {iterations} steps "
                 f"ends at {planned} samples, and Bridge builds the training data and the LR decay for "
-                f"{samples}. Set train.train_samples to {planned} (megatron-ga schedule prints the steps).")
-        logger.info("megatron-ga-ext: train.step_batch_size_schedule %r: train.train_samples %d takes %d "
-                    "iterations (Bridge's %d at one GBS)", text, samples, iterations, self.train.train_iters)
+                f"{samples}. Set train.train_samples to {planned} (megatron-ga schedule prints the steps)."
+            )
+        logger.info(
+            "megatron-ga-ext: train.step_batch_size_schedule %r: train.train_samples %d takes %d "
+            "iterations (Bridge's %d at one GBS)",
+            text,
+            samples,
+            iterations,
+            self.train.train_iters,
+        )
         self.train.train_iters = iterations
 
 
@@ -100,8 +110,10 @@ def with_ga(cfg: ConfigContainer, **settings: Any) -> GAContainer:
     the others at their defaults). An unknown name is an OptionError that lists the known ones."""
     unknown = sorted(set(settings) - set(GA_FLAGS))
     if unknown:
-        raise OptionError(f"ga.{unknown[0]}: not a megatron-ga-ext setting; the ga section holds "
-                          f"{', '.join(sorted(GA_FLAGS))} (the --ga-* flags, as fields).")
+        raise OptionError(
+            f"ga.{unknown[0]}: not a megatron-ga-ext setting; the ga section holds "
+            f"{', '.join(sorted(GA_FLAGS))} (the --ga-* flags, as fields)."
+        )
     values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init and f.name != "ga"}
     return GAContainer(**values, ga=GASection(**settings))
 
@@ -133,11 +145,13 @@ def ga_config(cfg: ConfigContainer) -> GAConfig:
     settings = {} if section is None else {f.name: getattr(section, f.name) for f in dataclasses.fields(GAFlags)}
     model = cfg.model
     with _bridge_names(megatron_settings(cfg)[1]):
-        return GAConfig(**settings, seq_length=getattr(model, "seq_length", None),
-                        step_batch_size_schedule=getattr(cfg.train, "step_batch_size_schedule", None),
-                        pipeline_model_parallel_size=getattr(model, "pipeline_model_parallel_size", None),
-                        virtual_pipeline_model_parallel_size=getattr(model, "virtual_pipeline_model_parallel_size",
-                                                                     None))
+        return GAConfig(
+            **settings,
+            seq_length=getattr(model, "seq_length", None),
+            step_batch_size_schedule=getattr(cfg.train, "step_batch_size_schedule", None),
+            pipeline_model_parallel_size=getattr(model, "pipeline_model_parallel_size", None),
+            virtual_pipeline_model_parallel_size=getattr(model, "virtual_pipeline_model_parallel_size", None),
+        )
 
 
 def install(cfg: ConfigContainer) -> Installation:
@@ -145,8 +159,9 @@ def install(cfg: ConfigContainer) -> Installation:
     if getattr(getattr(cfg, "ga", None), "convert_rampup", False) and cfg.train.rampup_batch_size is not None:
         _convert_rampup(cfg)
     config = ga_config(cfg)
-    errors = bridge_errors(config.flag_values(), getattr(cfg.train, "rampup_batch_size", None),
-                           cfg.train.global_batch_size)
+    errors = bridge_errors(
+        config.flag_values(), getattr(cfg.train, "rampup_batch_size", None), cfg.train.global_batch_size
+    )
     if errors:
         raise errors[0]
     if config.step_batch_size_schedule is not None and not (isinstance(cfg, GAContainer) and cfg.train.train_samples):
@@ -156,11 +171,14 @@ def install(cfg: ConfigContainer) -> Installation:
             "Bridge passes no schedule to the calculator and turns train_iters and lr_*_iters into samples at one "
             "GBS; the extension runs the schedule, and GAContainer.validate() gives train.train_iters the "
             "schedule's steps to train.train_samples (with sample-based LR fields, the LR decay ends on the last "
-            "step).")
+            "step)."
+        )
     if config.loss_reduction == "token" and not cfg.model.calculate_per_token_loss:
         cfg.model.calculate_per_token_loss = True
-        logger.info("megatron-ga-ext: ga.loss_reduction token: model.calculate_per_token_loss set to True "
-                    "(ga.loss_reduction microbatch keeps Bridge's mean of means)")
+        logger.info(
+            "megatron-ga-ext: ga.loss_reduction token: model.calculate_per_token_loss set to True "
+            "(ga.loss_reduction microbatch keeps Bridge's mean of means)"
+        )
     values, origin = megatron_settings(cfg)
     with _bridge_names(origin):
         check_args(config, values)
@@ -170,7 +188,9 @@ def install(cfg: ConfigContainer) -> Installation:
             "megatron-ga-ext: %s in token mode: Bridge's gpt_step.forward_step does not pass loss_mask to the model "
             "(Bridge #6103); the extension gives the model the loss mask gpt_step.get_batch returned, so the router "
             "and the MTP loss count loss tokens only (docs/bridge.md). A forward step of your own must pass "
-            "loss_mask to the model, or call gpt_step.get_batch.", " and ".join(moe_or_mtp))
+            "loss_mask to the model, or call gpt_step.get_batch.",
+            " and ".join(moe_or_mtp),
+        )
     return install_extension(config)
 
 
@@ -182,9 +202,14 @@ def _convert_rampup(cfg: ConfigContainer) -> None:
     horizons at one GBS."""
     rampup, train = list(cfg.train.rampup_batch_size), cfg.train
     with _bridge_names(megatron_settings(cfg)[1]):
-        schedule = resolve_schedule(ScheduleInputs(
-            step_batch_size_schedule=getattr(train, "step_batch_size_schedule", None), rampup_batch_size=rampup,
-            global_batch_size=train.global_batch_size, convert_rampup=True))
+        schedule = resolve_schedule(
+            ScheduleInputs(
+                step_batch_size_schedule=getattr(train, "step_batch_size_schedule", None),
+                rampup_batch_size=rampup,
+                global_batch_size=train.global_batch_size,
+                convert_rampup=True,
+            )
+        )
         if not train.train_samples:
             samples = 0
             for _ in range(train.train_iters or 0):
@@ -194,12 +219,18 @@ def _convert_rampup(cfg: ConfigContainer) -> None:
                 f"train.train_iters and the lr_*_iters fields at one GBS ({train.global_batch_size}), and the ramp "
                 f"changes it. The {train.train_iters} steps of train.train_iters take {samples} samples under the "
                 f"ramp: set train.train_iters=null train.train_samples={samples}, and give the LR warmup and decay "
-                "in samples (scheduler.lr_warmup_samples, scheduler.lr_decay_samples).")
+                "in samples (scheduler.lr_warmup_samples, scheduler.lr_decay_samples)."
+            )
         text = schedule.to_string(cfg.model.seq_length)
     train.step_batch_size_schedule, train.rampup_batch_size = text, None
-    logger.info("megatron-ga-ext: ga.convert_rampup: train.rampup_batch_size %s runs as its exact step schedule, "
-                "train.step_batch_size_schedule %r (thresholds in tokens at seq_length %s); the rampup field is "
-                "cleared", rampup, text, cfg.model.seq_length)
+    logger.info(
+        "megatron-ga-ext: ga.convert_rampup: train.rampup_batch_size %s runs as its exact step schedule, "
+        "train.step_batch_size_schedule %r (thresholds in tokens at seq_length %s); the rampup field is "
+        "cleared",
+        rampup,
+        text,
+        cfg.model.seq_length,
+    )
 
 
 @contextlib.contextmanager

@@ -32,8 +32,19 @@ from megatron_ga_ext.integration.compat import set_bridge_step_state
 if TYPE_CHECKING:
     from megatron_ga_ext.integration.installation import Installation
 
-__all__ = ["CHECKPOINTING", "GPT_STEP", "LOADERS", "TRAIN", "keeping_loss_mask", "loaded_directory",
-           "loading_sidecar", "planned_num_samples", "saved_directory", "saving_sidecar", "stepping"]
+__all__ = [
+    "CHECKPOINTING",
+    "GPT_STEP",
+    "LOADERS",
+    "TRAIN",
+    "keeping_loss_mask",
+    "loaded_directory",
+    "loading_sidecar",
+    "planned_num_samples",
+    "saved_directory",
+    "saving_sidecar",
+    "stepping",
+]
 
 TRAIN = "megatron.bridge.training.train"
 GPT_STEP = "megatron.bridge.training.gpt_step"
@@ -84,8 +95,9 @@ def saving_sidecar(original: Callable, state: Installation) -> Callable:
         if state.active:
             global_state = _argument(args, kwargs, "state", 0)
             non_persistent = bool(_argument(args, kwargs, "non_persistent_ckpt", 8, False))
-            state.after_save(saved_directory(global_state.cfg.checkpoint, non_persistent),
-                             global_state.train_state.step)
+            state.after_save(
+                saved_directory(global_state.cfg.checkpoint, non_persistent), global_state.train_state.step
+            )
         return result
 
     return save_checkpoint
@@ -103,9 +115,12 @@ def loading_sidecar(original: Callable, state: Installation) -> Callable:
             global_state = _argument(args, kwargs, "state", 0)
             set_bridge_step_state(global_state)  # restored warmup stages replan Bridge's train.train_iters
             try:
-                state.after_load(loaded_directory(global_state.cfg.checkpoint, iteration), iteration,
-                                 _argument(args, kwargs, "opt_param_scheduler", 3),
-                                 global_state.train_state.consumed_train_samples)
+                state.after_load(
+                    loaded_directory(global_state.cfg.checkpoint, iteration),
+                    iteration,
+                    _argument(args, kwargs, "opt_param_scheduler", 3),
+                    global_state.train_state.consumed_train_samples,
+                )
             finally:
                 set_bridge_step_state(None)
         return result

@@ -58,8 +58,9 @@ class StepScheduleCalculator:
         self.step_schedule = schedule
         # Upstream asserts micro_batch_times_data_parallel_size > 0: ScheduleError is an AssertionError too.
         self.micro_batch_size = require_positive_int("--micro-batch-size", micro_batch_size, below_one=ScheduleError)
-        self.data_parallel_size = require_positive_int("--data-parallel-size", data_parallel_size,
-                                                       below_one=ScheduleError)
+        self.data_parallel_size = require_positive_int(
+            "--data-parallel-size", data_parallel_size, below_one=ScheduleError
+        )
         self.rank = rank
         self.pipeline_model_parallel_size = pipeline_model_parallel_size
         self.virtual_pipeline_size = virtual_pipeline_size
@@ -123,10 +124,15 @@ class StepScheduleCalculator:
         """
         if decrease_batch_size_if_needed:
             raise decrease_if_needed_error()  # this calculator runs a step schedule, even a constant one
-        schedule = resolve_schedule(ScheduleInputs(
-            step_batch_size_schedule=step_batch_size_schedule, rampup_batch_size=rampup_batch_size,
-            global_batch_size=global_batch_size, seq_length=seq_length, convert_rampup=True,
-        ))
+        schedule = resolve_schedule(
+            ScheduleInputs(
+                step_batch_size_schedule=step_batch_size_schedule,
+                rampup_batch_size=rampup_batch_size,
+                global_batch_size=global_batch_size,
+                seq_length=seq_length,
+                convert_rampup=True,
+            )
+        )
         if schedule is None:
             schedule = StepSchedule.constant(_need_gbs(global_batch_size))
         return cls(schedule, micro_batch_size, data_parallel_size, rank, **layout)  # type: ignore[arg-type]
@@ -136,9 +142,7 @@ class StepScheduleCalculator:
         """The calculator of a resolved schedule, checked against the same layout as ``megatron-ga check``
         (``inputs.layout()``: MBS, DP, PP, VPP and N)."""
         layout = inputs.layout()
-        return cls(
-            schedule, layout.pop("micro_batch_size"), layout.pop("data_parallel_size"), rank, **layout
-        )
+        return cls(schedule, layout.pop("micro_batch_size"), layout.pop("data_parallel_size"), rank, **layout)
 
     # -- Megatron's interface ------------------------------------------------------------------
 
@@ -186,8 +190,9 @@ class StepScheduleCalculator:
         """A stage added during the run (``--ga-batch-size-warmup auto``): ``global_batch_size`` from
         ``threshold_samples`` on, after every stage (StepSchedule checks the order); every stage from the one in
         force on is validated again at the next checked update."""
-        self.step_schedule = StepSchedule.from_stages([*self.step_schedule.stages,
-                                                       (threshold_samples, global_batch_size)])
+        self.step_schedule = StepSchedule.from_stages(
+            [*self.step_schedule.stages, (threshold_samples, global_batch_size)]
+        )
         self.schedule = self.step_schedule.stages
         self.global_batch_size = self.step_schedule.final_global_batch_size
         self._checked_from = None
@@ -205,8 +210,12 @@ class StepScheduleCalculator:
         if self._checked_from is not None and index >= self._checked_from:
             if self._demoted and index != self._last_checked:
                 error = self.step_schedule.stage_error(
-                    index, self.micro_batch_size, self.data_parallel_size, self.pipeline_model_parallel_size,
-                    self.virtual_pipeline_size, self.microbatch_group_size_per_vp_stage,
+                    index,
+                    self.micro_batch_size,
+                    self.data_parallel_size,
+                    self.pipeline_model_parallel_size,
+                    self.virtual_pipeline_size,
+                    self.microbatch_group_size_per_vp_stage,
                 )
                 if error is not None:
                     raise error

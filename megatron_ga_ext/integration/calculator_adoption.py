@@ -40,10 +40,12 @@ __all__ = ["BUILT_UNSEEN", "guard_live_calculator", "schedule_live_calculator"]
 logger = get_logger(__name__)
 
 #: Said where a calculator is adopted that no hook of the installation saw built.
-BUILT_UNSEEN = ("megatron-ga-ext: the num-microbatches calculator in force ({kind}) was built where install() did not "
-                "see it (not through megatron-core's init_num_microbatches_calculator or "
-                "reconfigure_num_microbatches_calculator after install(), nor before install()); adopted at {where}, "
-                "as install() adopts one built before it")
+BUILT_UNSEEN = (
+    "megatron-ga-ext: the num-microbatches calculator in force ({kind}) was built where install() did not "
+    "see it (not through megatron-core's init_num_microbatches_calculator or "
+    "reconfigure_num_microbatches_calculator after install(), nor before install()); adopted at {where}, "
+    "as install() adopts one built before it"
+)
 
 
 def schedule_live_calculator(config: GAConfig) -> None:
@@ -58,10 +60,17 @@ def schedule_live_calculator(config: GAConfig) -> None:
         return
     args = megatron_view()
     micro_batch_size = getattr(inner, "micro_batch_size", None)
-    global_batch_size = args.global_batch_size or getattr(inner, "global_batch_size", None) \
+    global_batch_size = (
+        args.global_batch_size
+        or getattr(inner, "global_batch_size", None)
         or getattr(inner, "current_global_batch_size", None)
-    arguments = {"micro_batch_size": micro_batch_size, "global_batch_size": global_batch_size,
-                 "rampup_batch_size": None, "data_parallel_size": _data_parallel_size(inner)}
+    )
+    arguments = {
+        "micro_batch_size": micro_batch_size,
+        "global_batch_size": global_batch_size,
+        "rampup_batch_size": None,
+        "data_parallel_size": _data_parallel_size(inner),
+    }
     inputs = ScheduleInputs.from_calculator_call(config, arguments)
     schedule = resolve_schedule(inputs)
     if schedule is None:
@@ -72,7 +81,8 @@ def schedule_live_calculator(config: GAConfig) -> None:
             f"does not say its --micro-batch-size and data-parallel size, so the step schedule {schedule} cannot "
             f"replace it. Call megatron_ga_ext.install() before Megatron builds its calculator: at the top of the "
             f"training script (Megatron-LM builds it in parse_and_validate_args, or in initialize_runtime_services "
-            f"after #7418), or before init_num_microbatches_calculator() in a megatron-core loop.")
+            f"after #7418), or before init_num_microbatches_calculator() in a megatron-core loop."
+        )
     from torch import distributed
 
     rank = distributed.get_rank() if distributed.is_available() and distributed.is_initialized() else 0
@@ -81,9 +91,15 @@ def schedule_live_calculator(config: GAConfig) -> None:
     if consumed:
         calculator.update(consumed, consistency_check=False)
     set_live_calculator(calculator)
-    logger.info("megatron-ga-ext installed after Megatron built its calculator (%s): replaced by the step schedule "
-                "%s at %d consumed samples (MBS %d, DP %d)", type(inner).__name__, schedule, consumed,
-                micro_batch_size, arguments["data_parallel_size"])
+    logger.info(
+        "megatron-ga-ext installed after Megatron built its calculator (%s): replaced by the step schedule "
+        "%s at %d consumed samples (MBS %d, DP %d)",
+        type(inner).__name__,
+        schedule,
+        consumed,
+        micro_batch_size,
+        arguments["data_parallel_size"],
+    )
 
 
 def guard_live_calculator(config: GAConfig) -> Calculator | None:

@@ -33,10 +33,27 @@ from megatron_ga_ext.errors import CompatError
 from megatron_ga_ext.logs import get_logger
 
 __all__ = [
-    "RELEASES", "TARGETS", "UPSTREAM", "Calculator", "Target", "Upstream", "bridge_step_state", "check_targets",
-    "consumed_train_samples", "defines_function", "fingerprint", "known_fingerprints", "live_targets",
-    "megatron_args", "megatron_core_version", "megatron_iteration", "megatron_view", "run_settings",
-    "set_bridge_step_state", "set_train_iters", "tree_targets",
+    "RELEASES",
+    "TARGETS",
+    "UPSTREAM",
+    "Calculator",
+    "Target",
+    "Upstream",
+    "bridge_step_state",
+    "check_targets",
+    "consumed_train_samples",
+    "defines_function",
+    "fingerprint",
+    "known_fingerprints",
+    "live_targets",
+    "megatron_args",
+    "megatron_core_version",
+    "megatron_iteration",
+    "megatron_view",
+    "run_settings",
+    "set_bridge_step_state",
+    "set_train_iters",
+    "tree_targets",
 ]
 
 logger = get_logger(__name__)
@@ -130,9 +147,15 @@ TARGETS = (
     Target(ROUTER, "TopKRouter._apply_expert_bias"),
     # not wrapped: the router's and MTP's arithmetic that the auxiliary-loss corrections assume (Megatron-LM #7481,
     # #7498, #7570, #7213 would change it); upstream_factors.py measures the factors at the first step as well
-    *(Target(ROUTER, f"TopKRouter.{name}", assumed_by="exact_token_counts")
-      for name in ("_apply_aux_loss", "_apply_seq_aux_loss", "_apply_global_aux_loss",
-                   "attach_and_log_load_balancing_loss")),
+    *(
+        Target(ROUTER, f"TopKRouter.{name}", assumed_by="exact_token_counts")
+        for name in (
+            "_apply_aux_loss",
+            "_apply_seq_aux_loss",
+            "_apply_global_aux_loss",
+            "attach_and_log_load_balancing_loss",
+        )
+    ),
     Target(MOE_UTILS, "switch_load_balancing_loss_func", assumed_by="exact_token_counts"),
     Target(MAPPINGS, "_reduce", assumed_by="exact_token_counts"),  # all-reduces the per-expert counts in place
     Target(ROUTER, "TopKRouter.apply_z_loss", assumed_by="tp_cp_scaled_z_loss"),
@@ -313,6 +336,7 @@ def defines_function(path: Path, name: str) -> bool:
 def tree_targets(root: Path, targets: tuple[Target, ...] = TARGETS) -> list[Target]:
     """The targets a source tree has: optional ones where their file is there, those of a later release where the
     file defines them (the others, gone, are kept: the caller names them)."""
+
     def has(target: Target) -> bool:
         path = target.path_in(root)
         if target.optional and not path.exists():
@@ -389,11 +413,20 @@ def table_from_trees(trees: dict[str, Path]) -> dict[str, dict[str, list[str]]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="regenerate fingerprints.json from the tested sources")
-    parser.add_argument("--snapshots", type=Path, default=Path(".cache/megatron-lm"),
-                        help="holds megatron-lm-<ref>/ for every ref in UPSTREAM (tools/megatron-lm.sh unpacks them)")
+    parser.add_argument(
+        "--snapshots",
+        type=Path,
+        default=Path(".cache/megatron-lm"),
+        help="holds megatron-lm-<ref>/ for every ref in UPSTREAM (tools/megatron-lm.sh unpacks them)",
+    )
     parser.add_argument("--write", action="store_true", help=f"write {FINGERPRINTS.name} (else print it)")
-    parser.add_argument("--list", metavar="PYTHON", nargs="?", const="",
-                        help="print the tested source names (those of one Python leg, if given) and exit")
+    parser.add_argument(
+        "--list",
+        metavar="PYTHON",
+        nargs="?",
+        const="",
+        help="print the tested source names (those of one Python leg, if given) and exit",
+    )
     args = parser.parse_args()
     if args.list is not None:
         print(" ".join(u.name for u in UPSTREAM if args.list in ("", u.python)))

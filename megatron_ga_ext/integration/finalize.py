@@ -46,8 +46,13 @@ if TYPE_CHECKING:
 #: Upstream's ``finalize_model_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False)``.
 FinalizeFunction = Callable[..., None]
 
-__all__ = ["FinalizeModelGrads", "check_ddp_chunks", "check_per_token_flag", "make_finalize_model_grads",
-           "megatron_judges_nonfinite"]
+__all__ = [
+    "FinalizeModelGrads",
+    "check_ddp_chunks",
+    "check_per_token_flag",
+    "make_finalize_model_grads",
+    "megatron_judges_nonfinite",
+]
 
 logger = get_logger(__name__)
 
@@ -75,7 +80,8 @@ def check_ddp_chunks(model: Sequence[torch.nn.Module], config: TransformerConfig
                 f"model chunk {index} is wrapped in torch FSDP2 (--use-torch-fsdp2), whose reduce-scatter averages "
                 f"gradients over the data-parallel ranks; per-token loss needs them summed, then divided once by "
                 f"the global token count. Use Megatron's DDP (the default) or Megatron-FSDP (--use-megatron-fsdp), "
-                f"or --ga-loss-reduction microbatch without --calculate-per-token-loss.")
+                f"or --ga-loss-reduction microbatch without --calculate-per-token-loss."
+            )
         ddp_config = getattr(chunk, "ddp_config", None)
         if ddp_config is None:  # not a Megatron data-parallel wrapper
             continue
@@ -83,27 +89,35 @@ def check_ddp_chunks(model: Sequence[torch.nn.Module], config: TransformerConfig
             raise LossContractError(
                 f"model chunk {index} was wrapped with DistributedDataParallelConfig("
                 f"average_in_collective=True); per-token loss needs a summing collective. Build DDP "
-                f"with average_in_collective=False (--no-average-in-collective is the default).")
+                f"with average_in_collective=False (--no-average-in-collective is the default)."
+            )
         for factor in _gradient_scaling_factors(chunk):
             if factor is not None and factor != 1.0:
                 raise LossContractError(
                     f"model chunk {index} was wrapped in {type(chunk).__name__} with gradient_scaling_factor "
                     f"{factor:g} (= 1/{round(1 / factor)}), i.e. before calculate_per_token_loss was set; its "
                     f"gradients would end up {round(1 / factor)} times too small. Set "
-                    f"config.calculate_per_token_loss=True before wrapping the model.")
+                    f"config.calculate_per_token_loss=True before wrapping the model."
+                )
 
 
 def _gradient_scaling_factors(chunk: torch.nn.Module) -> list[float | None]:
     """The pre-reduction factors of a wrapper's gradient buffers: Megatron DDP keeps lists of buffers
     (``buffers``, ``expert_parallel_buffers``; ``nn.Module.buffers`` is a method, not such a list),
     Megatron-FSDP one ``param_and_grad_buffer`` with a dense and an expert factor."""
-    buffers = [b for attr in ("buffers", "expert_parallel_buffers")
-               if isinstance(getattr(chunk, attr, None), (list, tuple)) for b in getattr(chunk, attr)]
+    buffers = [
+        b
+        for attr in ("buffers", "expert_parallel_buffers")
+        if isinstance(getattr(chunk, attr, None), (list, tuple))
+        for b in getattr(chunk, attr)
+    ]
     factors = [getattr(b, "gradient_scaling_factor", None) for b in buffers]
     fsdp_buffer = getattr(chunk, "param_and_grad_buffer", None)
     if fsdp_buffer is not None and not buffers:
-        factors += [getattr(fsdp_buffer, "gradient_scaling_factor", None),
-                    getattr(fsdp_buffer, "expert_gradient_scaling_factor", None)]
+        factors += [
+            getattr(fsdp_buffer, "gradient_scaling_factor", None),
+            getattr(fsdp_buffer, "expert_gradient_scaling_factor", None),
+        ]
     return factors
 
 
@@ -172,8 +186,13 @@ class FinalizeModelGrads:
         self._checked: _CheckedChunks | None = None
         self._topology: _Topology | None = None
 
-    def __call__(self, model: list[torch.nn.Module], num_tokens: torch.Tensor | None = None,
-                 pg_collection: ProcessGroupCollection | None = None, force_all_reduce: bool | None = False) -> None:
+    def __call__(
+        self,
+        model: list[torch.nn.Module],
+        num_tokens: torch.Tensor | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+        force_all_reduce: bool | None = False,
+    ) -> None:
         if not self.active:
             self.original(model, num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
             return
@@ -182,8 +201,7 @@ class FinalizeModelGrads:
         mode = self.config.loss_reduction
         check_per_token_flag(checked.model_config, mode)
         if mode == "microbatch":
-            self.original(model, num_tokens, pg_collection=pg_collection,
-                          force_all_reduce=force_all_reduce)
+            self.original(model, num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
             return
         if self.calls_at_step is not None:  # one finalize per optimizer step (liveness.py), before any collective
             check_one_finalize(self.calls - self.calls_at_step, megatron_iteration())
@@ -226,7 +244,8 @@ class FinalizeModelGrads:
         checks = self._judged(pending.checks(), pending.iteration)
         if checks.negative or checks.nonfinite or checks.unchecked or not checks.tokens:
             where = f"--ga-checks async, verdict of training step {pending.step}" + (
-                f" (iteration {pending.iteration})" if pending.iteration is not None else "")
+                f" (iteration {pending.iteration})" if pending.iteration is not None else ""
+            )
             _raise_on_violations(checks, where=where)
             self.last_num_tokens = 0
             self._zero_tokens(where)
@@ -249,7 +268,10 @@ class FinalizeModelGrads:
                 "state machine checks the loss (--rerun-mode %s, --check-for-nan-in-loss-and-grad), so the extension "
                 "defers to it (it re-runs the iteration to tell a transient fault from a reproducible one) and reports "
                 "what it decides. A non-finite step that reaches the optimizer step anyway stops there.",
-                checks.nonfinite, iteration, megatron_view().rerun_mode)
+                checks.nonfinite,
+                iteration,
+                megatron_view().rerun_mode,
+            )
         self.deferred = self.last_deferred = _Deferred(iteration, checks.nonfinite)
         return checks._replace(nonfinite=0)
 
@@ -269,7 +291,8 @@ class FinalizeModelGrads:
             f"iteration {deferred.iteration}: {deferred.nonfinite} micro-batch(es) returned a non-finite loss (inf or "
             f"nan) and Megatron's rerun state machine let the step reach the optimizer (it does not validate the first "
             f"iteration, nor a loss function that does not call its validate_result); the token-weighted gradient "
-            f"would be non-finite. Check the data, the loss function and the learning rate.")
+            f"would be non-finite. Check the data, the loss function and the learning rate."
+        )
 
     def _topology_of(self, pg_collection: ProcessGroupCollection | None) -> _Topology:
         """The step's :class:`_Topology`: the ranks looked up again only when the groups are not the last step's
@@ -279,8 +302,9 @@ class FinalizeModelGrads:
         topology = self._topology
         if topology is None or topology.pp_group is not pp_group or topology.dp_cp_group is not dp_cp_group:
             last_stage_rank = torch.distributed.get_process_group_ranks(pp_group)[-1]
-            topology = self._topology = _Topology(pp_group, dp_cp_group, last_stage_rank,
-                                                  torch.distributed.get_rank() == last_stage_rank)
+            topology = self._topology = _Topology(
+                pp_group, dp_cp_group, last_stage_rank, torch.distributed.get_rank() == last_stage_rank
+            )
         return topology
 
     def _checked_chunks(self, model: list[torch.nn.Module]) -> _CheckedChunks:
@@ -301,20 +325,28 @@ class FinalizeModelGrads:
         return self._checked
 
     def _zero_tokens(self, where: str = "") -> None:
-        message = (_prefixed(where) + "the global batch has 0 non-padding tokens (the sum of num_tokens over "
-                   "micro-batches and DP x CP ranks); there is nothing to average.")
+        message = (
+            _prefixed(where) + "the global batch has 0 non-padding tokens (the sum of num_tokens over "
+            "micro-batches and DP x CP ranks); there is nothing to average."
+        )
         if self.config.zero_token_policy == "error":
             raise LossContractError(
                 message + " Check the loss mask and the data, or choose --ga-zero-token-policy skip to skip "
-                "the optimizer step and go on.")
+                "the optimizer step and go on."
+            )
         self.skip_step = True
-        warnings.warn(message + " Skipping this optimizer step (--ga-zero-token-policy skip): the gradient is "
-                      "zeroed and Megatron's optimizer does not step, so Adam's moments and weight decay do not "
-                      "move either; Megatron counts a skipped iteration.", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            message + " Skipping this optimizer step (--ga-zero-token-policy skip): the gradient is "
+            "zeroed and Megatron's optimizer does not step, so Adam's moments and weight decay do not "
+            "move either; Megatron counts a skipped iteration.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
-def make_finalize_model_grads(original: FinalizeFunction, contract: LossContract | None = None, *,
-                              config: GAConfig | None = None) -> FinalizeModelGrads:
+def make_finalize_model_grads(
+    original: FinalizeFunction, contract: LossContract | None = None, *, config: GAConfig | None = None
+) -> FinalizeModelGrads:
     """Wrap upstream's ``finalize_model_grads`` (``original``) for the given reduction mode."""
     return FinalizeModelGrads(original, contract, config or GAConfig())
 
@@ -327,8 +359,10 @@ def _groups(pg_collection: ProcessGroupCollection | None) -> tuple[ProcessGroup,
         return pg_collection.pp, dp_cp
     from megatron.core import parallel_state
 
-    return (parallel_state.get_pipeline_model_parallel_group(),
-            parallel_state.get_data_parallel_group(with_context_parallel=True))
+    return (
+        parallel_state.get_pipeline_model_parallel_group(),
+        parallel_state.get_data_parallel_group(with_context_parallel=True),
+    )
 
 
 def _prefixed(where: str) -> str:
@@ -341,16 +375,19 @@ def _raise_on_violations(checks: StepChecks, *, where: str = "") -> None:
         raise LossContractError(
             f"{prefix}{checks.unchecked} last-stage rank(s) ran no micro-batch through the LossContract "
             f"this step, so their token counts are unchecked; wrap the loss function with "
-            f"contract.wrap(loss_func) (install() does this for you).")
+            f"contract.wrap(loss_func) (install() does this for you)."
+        )
     if checks.nonfinite:
         raise LossContractError(
             f"{prefix}{checks.nonfinite} micro-batch(es) in this global batch returned a non-finite loss "
             f"(inf or nan); the token-weighted gradient would be non-finite. Check the data, the loss function and "
-            f"the learning rate (--check-for-nan-in-loss-and-grad names the rank at the source).")
+            f"the learning rate (--check-for-nan-in-loss-and-grad names the rank at the source)."
+        )
     if checks.negative:
         raise LossContractError(
             f"{prefix}{checks.negative} micro-batch(es) returned a negative num_tokens; a token count is "
-            f">= 0. Count non-padding tokens as loss_mask.sum().to(torch.int64).")
+            f">= 0. Count non-padding tokens as loss_mask.sum().to(torch.int64)."
+        )
 
 
 def megatron_judges_nonfinite() -> bool:

@@ -54,4 +54,5 @@ def adopt_finalize(finalize: FinalizeModelGrads, config: TransformerConfig) -> A
 def _is_upstream_finalize(finalize: FinalizeModelGrads, function: object) -> bool:
     """Upstream's finalize (the one ``finalize`` wraps), or an uninstalled installation's wrapper of it."""
     return function is finalize.original or (
-        isinstance(function, FinalizeModelGrads) and not function.active and function.original is finalize.original)
+        isinstance(function, FinalizeModelGrads) and not function.active and function.original is finalize.original
+    )

@@ -26,8 +26,14 @@ from megatron_ga_ext.core.rules import require_count
 from megatron_ga_ext.errors import GuardError
 from megatron_ga_ext.integration.compat import Calculator
 
-__all__ = ["MicrobatchCounter", "GuardedCalculator", "check_microbatch_counts", "check_consumed_advance",
-           "check_scheduled_count", "check_split_step_count"]
+__all__ = [
+    "MicrobatchCounter",
+    "GuardedCalculator",
+    "check_microbatch_counts",
+    "check_consumed_advance",
+    "check_scheduled_count",
+    "check_split_step_count",
+]
 
 PP_RULE = "pipeline parallelism never multiplies the global batch size"
 SCHEDULER = "the sequence-packing scheduler (--sequence-packing-scheduler)"
@@ -42,15 +48,21 @@ def _pp_note(got: int, expected: int, pipeline_model_parallel_size: int) -> str:
 
 def _split_note(got: int, expected: int) -> str:
     if 0 < got < expected:
-        return (f"Where a step is split over several forward_backward_func calls, only its last call may run "
-                f"finalize_model_grads (config.finalize_model_grads_func None on the others; each finalize reduces and "
-                f"divides the gradients accumulated so far), and the calls' counts add up to {expected}. ")
+        return (
+            f"Where a step is split over several forward_backward_func calls, only its last call may run "
+            f"finalize_model_grads (config.finalize_model_grads_func None on the others; each finalize reduces and "
+            f"divides the gradients accumulated so far), and the calls' counts add up to {expected}. "
+        )
     return ""
 
 
 def check_microbatch_counts(
-    counts: dict[object, int], num_microbatches: int, expected: int | None,
-    pipeline_model_parallel_size: int | None = 1, *, scheduled: bool = False,
+    counts: dict[object, int],
+    num_microbatches: int,
+    expected: int | None,
+    pipeline_model_parallel_size: int | None = 1,
+    *,
+    scheduled: bool = False,
 ) -> None:
     """Raise :class:`GuardError` unless every chunk ran ``num_microbatches`` forward steps and that
     equals ``expected`` = GBS / (MBS x DP) from the calculator (None: not known, not checked), or with ``scheduled``
@@ -89,7 +101,8 @@ def check_scheduled_count(num_microbatches: int, scheduled: int) -> None:
         f"forward_backward_func was called with num_microbatches={num_microbatches}, but {SCHEDULER} packed this "
         f"step's samples into {scheduled} micro-batches (wrap_data_iterator returned {scheduled}), and its data "
         f"iterator holds exactly those. {_pp_note(num_microbatches, scheduled, pp)}Pass the count wrap_data_iterator "
-        f"returns, as Megatron's train_step does.")
+        f"returns, as Megatron's train_step does."
+    )
 
 
 def check_split_step_count(earlier: int, num_microbatches: int, expected: int) -> None:
@@ -101,7 +114,8 @@ def check_split_step_count(earlier: int, num_microbatches: int, expected: int) -
     raise GuardError(
         f"this step's forward_backward_func calls ran {earlier} + {num_microbatches} = {total} micro-batches (a step "
         f"split over several calls, finalize on the last), but the calculator's num_microbatches = GBS / (MBS x DP) "
-        f"is {expected}. The calls of one step run get_num_microbatches() micro-batches in all.")
+        f"is {expected}. The calls of one step run get_num_microbatches() micro-batches in all."
+    )
 
 
 def check_consumed_advance(
@@ -159,7 +173,8 @@ class MicrobatchCounter:
             raise GuardError(
                 f"{SCHEDULER} returned num_microbatches={num_microbatches!r} for a step{fetched}; a step runs an "
                 f"integer number >= 1 of micro-batches, so this step cannot be trained as packed. Check "
-                f"--max-seqlen-per-dp-cp-rank against the samples' lengths, and the data iterator.")
+                f"--max-seqlen-per-dp-cp-rank against the samples' lengths, and the data iterator."
+            )
         self.scheduled = num_microbatches
 
     def check_scheduled(self, num_microbatches: int) -> None:

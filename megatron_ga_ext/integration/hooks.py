@@ -230,6 +230,7 @@ _BRIDGE = {"load": "loaded", "host": "megatron-bridge"}
 
 #: Every target, by phase. A vendored tree (patches/) wires the rows of SCHEDULES, FINALIZE and CALCULATOR at each
 #: module's import; install() wires all the rows it can.
+# fmt: off
 HOOKS: tuple[Hook, ...] = (
     # configure: the flags, the calculator, the run length
     Hook("configure", megatron_lm.ARGUMENTS, "parse_args", megatron_lm.with_ga_flags, load="parser", host="megatron-lm",
@@ -304,6 +305,7 @@ HOOKS: tuple[Hook, ...] = (
     Hook("load", _CHECKPOINTING, "check_checkpoint_args", _record_checkpoint_args, **_LM,
          does="the checkpoint's batch settings, so a resume with others is said at start-up"),
 )
+# fmt: on
 
 #: The modules a vendored tree patches, each wiring its rows at its import (patches/, lifecycle.wire_vendored).
 CORE_MODULES = (SCHEDULES, FINALIZE, CALCULATOR)
@@ -358,6 +360,8 @@ def hook_table() -> str:
     wired = {"import": "at install()", "loaded": "once loaded", "parser": "at install(), with Megatron-LM"}
     for hook in sorted(HOOKS, key=lambda hook: PHASES.index(hook.phase)):
         how = "class attribute" if "." in hook.name else "module global"
-        lines.append(f"| {hook.phase} | `{hook.qualified}` | {how} | {hook.host}, {wired[hook.load]} | "
-                     f"{'yes' if hook.fingerprinted else 'no'} | {hook.does} |")
+        lines.append(
+            f"| {hook.phase} | `{hook.qualified}` | {how} | {hook.host}, {wired[hook.load]} | "
+            f"{'yes' if hook.fingerprinted else 'no'} | {hook.does} |"
+        )
     return "\n".join(lines)

@@ -269,10 +269,14 @@ class Installation:
         if training and not left_open and not self.reported_first_step:
             self._report_first_step(call)
         if left_open and self.finalize.calls_at_step is None:
-            raise GuardError(unfinalized_message("this training step's forward_backward_func") + (
-                " (A step split over several forward_backward_func calls, finalize on the last only, needs an "
-                "optimizer built by megatron.core.optimizer.get_megatron_optimizer after install(): its step marks "
-                "where the step ends.)"))
+            raise GuardError(
+                unfinalized_message("this training step's forward_backward_func")
+                + (
+                    " (A step split over several forward_backward_func calls, finalize on the last only, needs an "
+                    "optimizer built by megatron.core.optimizer.get_megatron_optimizer after install(): its step marks "
+                    "where the step ends.)"
+                )
+            )
         earlier = self.open_microbatches(finalized) if training else 0
         if self.config.guards:
             calculator = live_calculator() if training and not left_open else None
@@ -325,8 +329,11 @@ class Installation:
         deferred = None if self.finalize is None else self.finalize.last_deferred
         if deferred is not None:
             self.finalize.last_deferred = None
-            logger.warning("megatron-ga-ext: Megatron's rerun state machine decided on the non-finite loss of "
-                           "iteration %s: %s", deferred.iteration, describe_decision(*decision))
+            logger.warning(
+                "megatron-ga-ext: Megatron's rerun state machine decided on the non-finite loss of iteration %s: %s",
+                deferred.iteration,
+                describe_decision(*decision),
+            )
 
     def after_log(self) -> None:
         """Megatron-LM's training_log returned: the noise-scale line held for it follows Megatron's line."""
@@ -349,8 +356,9 @@ class Installation:
         if self.noise_scale is None or not directory:
             return
         warmup = self.batch_warmup
-        save_sidecar(self.noise_scale, directory, iteration,
-                     None if warmup is None else warmup.stages(live_step_calculator()))
+        save_sidecar(
+            self.noise_scale, directory, iteration, None if warmup is None else warmup.stages(live_step_calculator())
+        )
 
     def after_load(self, directory: str | None, iteration: int, scheduler: Any, consumed_samples: int) -> None:
         """The loop loaded the checkpoint of ``iteration`` from ``directory`` (where the loop picked it: a
@@ -367,8 +375,11 @@ class Installation:
         if self.batch_warmup is None:
             return
         if not stages:
-            logger.warning("megatron-ga-ext: the checkpoint of iteration %d keeps no batch-size warmup stages: "
-                           "--ga-batch-size-warmup auto starts again from --global-batch-size", iteration)
+            logger.warning(
+                "megatron-ga-ext: the checkpoint of iteration %d keeps no batch-size warmup stages: "
+                "--ga-batch-size-warmup auto starts again from --global-batch-size",
+                iteration,
+            )
             return
         self.batch_warmup.restore(stages, live_step_calculator())
         from megatron.core.num_microbatches_calculator import update_num_microbatches
@@ -391,14 +402,19 @@ class Installation:
             return
         logger.info(summary)
         self.finalize.poll(wait=True)  # the first step's N (under --ga-checks async, once)
-        positions = (call["num_microbatches"] * call.get("micro_batch_size", 1) * call.get("seq_length", 0)
-                     * parallel_state.get_data_parallel_world_size())
+        positions = (
+            call["num_microbatches"]
+            * call.get("micro_batch_size", 1)
+            * call.get("seq_length", 0)
+            * parallel_state.get_data_parallel_world_size()
+        )
         if mode != "token" or not routes_unmasked(config, {}):  # no MoE statistics a padding mask corrects
             return
         stages = unmasked_moe_stages(self.unmasked_moe_models)  # every rank: one all-gather over its PP group
         self.unmasked_moe_models.clear()
-        note = unmasked_moe_note(config, mode, stages, current_pipeline_size(), positions,
-                                 self.finalize.last_num_tokens or 0)
+        note = unmasked_moe_note(
+            config, mode, stages, current_pipeline_size(), positions, self.finalize.last_num_tokens or 0
+        )
         if note is not None:
             logger.warning(note)
 
@@ -442,4 +458,3 @@ class Installation:
         adopted = None if self.finalize is None or config is None else adopt_finalize(self.finalize, config)
         if adopted is not None:
             self.configs.append(adopted)
-

@@ -90,11 +90,16 @@ def install(config: GAConfig | argparse.Namespace | None = None) -> Installation
         current.successor = state  # wrappers that outlive the old installation (an optimizer's step) follow it
     _live = state
     if waiting:
-        logger.info("megatron-ga-ext installed on megatron-core %s (hooked functions as in %s); its "
-                    "configuration is read from Megatron's args once they are parsed", version, sources)
+        logger.info(
+            "megatron-ga-ext installed on megatron-core %s (hooked functions as in %s); its "
+            "configuration is read from Megatron's args once they are parsed",
+            version,
+            sources,
+        )
     else:
-        logger.info("megatron-ga-ext installed on megatron-core %s (hooked functions as in %s): %s",
-                    version, sources, resolved)
+        logger.info(
+            "megatron-ga-ext installed on megatron-core %s (hooked functions as in %s): %s", version, sources, resolved
+        )
     return state
 
 

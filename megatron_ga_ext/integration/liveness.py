@@ -39,15 +39,18 @@ SPLIT_STEP_FIX = (
     "(num_microbatches=get_num_microbatches()); or, where a step must be split, set config.finalize_model_grads_func "
     "on its last call only (None on the others), or leave it None and call "
     "megatron.core.distributed.finalize_model_grads once after the last call: megatron-ga-ext keeps every call's loss "
-    "tokens for that one finalize.")
+    "tokens for that one finalize."
+)
 
 
 def unfinalized_message(step: str) -> str:
     """``step`` (what ran: "this training step's forward_backward_func") never reached the extension's finalize."""
-    return (f"{step} never called megatron-ga-ext's finalize_model_grads, so the global token count N was not taken "
-            f"and the gradients were not divided by it (nor checked). Set config.finalize_model_grads_func to "
-            f"megatron.core.distributed.finalize_model_grads after megatron_ga_ext.install() (on the last "
-            f"forward_backward_func call of a step split over several), or leave it to Megatron's training loop.")
+    return (
+        f"{step} never called megatron-ga-ext's finalize_model_grads, so the global token count N was not taken "
+        f"and the gradients were not divided by it (nor checked). Set config.finalize_model_grads_func to "
+        f"megatron.core.distributed.finalize_model_grads after megatron_ga_ext.install() (on the last "
+        f"forward_backward_func call of a step split over several), or leave it to Megatron's training loop."
+    )
 
 
 def megatron_reruns_in_place() -> bool:
@@ -72,7 +75,8 @@ def check_one_finalize(calls: int, iteration: int | None) -> None:
         f"forward_backward_func once per subset of a step's micro-batches). Each finalize all-reduces the partial "
         f"gradients accumulated so far and divides them by a partial token count (that call's tokens only), so the "
         f"step's gradient is not sum_m grad L_m / N over all its micro-batches: the earlier calls' part is reduced "
-        f"and divided again. {SPLIT_STEP_FIX}")
+        f"and divided again. {SPLIT_STEP_FIX}"
+    )
 
 
 def bypass_message(*, scheduled: bool, finalized: bool, token: bool, iteration: int | None) -> str | None:
@@ -82,20 +86,25 @@ def bypass_message(*, scheduled: bool, finalized: bool, token: bool, iteration: 
         return None
     step = f"training iteration {iteration}" if iteration is not None else "a training iteration"
     if not scheduled and finalized:
-        return (f"{step} reached the optimizer step through megatron-ga-ext's finalize_model_grads but not through its "
-                f"guarded forward/backward schedule: the training loop called a forward_backward_func not taken from "
-                f"megatron.core.pipeline_parallel.get_forward_backward_func() after install() (a schedule function "
-                f"bound before install(), or the unwrapped original), so the micro-batch guards and the loss "
-                f"contract's per-step reset did not run. Call the function get_forward_backward_func() returns.")
+        return (
+            f"{step} reached the optimizer step through megatron-ga-ext's finalize_model_grads but not through its "
+            f"guarded forward/backward schedule: the training loop called a forward_backward_func not taken from "
+            f"megatron.core.pipeline_parallel.get_forward_backward_func() after install() (a schedule function "
+            f"bound before install(), or the unwrapped original), so the micro-batch guards and the loss "
+            f"contract's per-step reset did not run. Call the function get_forward_backward_func() returns."
+        )
     if not scheduled:
-        return (f"{step} reached the optimizer step without running megatron-ga-ext's hooks: neither its guarded "
-                f"forward/backward schedule nor its finalize_model_grads was called, so the loss contract, the token "
-                f"count N and its checks and the micro-batch guards did not run for this step. Most likely a replayed "
-                f"full-iteration CUDA graph (--cuda-graph-impl full_iteration; FullCudaGraphWrapper) ran the "
-                f"forward/backward, or a forward_backward_func that is not a megatron-core schedule. Leave "
-                f"full-iteration graphs off, or call the schedule get_forward_backward_func() returns.")
+        return (
+            f"{step} reached the optimizer step without running megatron-ga-ext's hooks: neither its guarded "
+            f"forward/backward schedule nor its finalize_model_grads was called, so the loss contract, the token "
+            f"count N and its checks and the micro-batch guards did not run for this step. Most likely a replayed "
+            f"full-iteration CUDA graph (--cuda-graph-impl full_iteration; FullCudaGraphWrapper) ran the "
+            f"forward/backward, or a forward_backward_func that is not a megatron-core schedule. Leave "
+            f"full-iteration graphs off, or call the schedule get_forward_backward_func() returns."
+        )
     return f"{step} ran megatron-ga-ext's guarded schedule but not its finalize_model_grads: " + unfinalized_message(
-        "its forward_backward_func")
+        "its forward_backward_func"
+    )
 
 
 class Hooked(Protocol):
@@ -134,8 +143,12 @@ class StepLiveness:
         self.schedules, self.finalized = schedules, finalized
         if self.state.replays_expected or self.state.finalize is None:
             return None
-        return bypass_message(scheduled=scheduled, finalized=reached, token=self.state.contract is not None,
-                              iteration=megatron_iteration())
+        return bypass_message(
+            scheduled=scheduled,
+            finalized=reached,
+            token=self.state.contract is not None,
+            iteration=megatron_iteration(),
+        )
 
     def check(self, *, after_step: bool) -> None:
         """Raise the iteration's GuardError: before the step under ``--ga-checks sync`` (``after_step`` False), after
@@ -146,4 +159,3 @@ class StepLiveness:
         message = self.problem()
         if message is not None:
             raise GuardError(("--ga-checks async, after the optimizer step: " if is_async else "") + message)
-

@@ -51,8 +51,9 @@ SLOT_TOKENS, SLOT_NEGATIVE, SLOT_NONFINITE, SLOT_UNCHECKED = range(len(StepCheck
 NUM_SLOTS = len(StepChecks._fields)
 
 
-def masked_loss(losses: torch.Tensor, loss_mask: torch.Tensor, *, mode: str = "token",
-                key: str = "lm loss") -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+def masked_loss(
+    losses: torch.Tensor, loss_mask: torch.Tensor, *, mode: str = "token", key: str = "lm loss"
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """(per-token losses, loss_mask) -> (summed loss, num_tokens, report), the 3-tuple Megatron wants.
 
         loss       = sum_i losses_i * mask_i          (a sum: the schedule or finalize divides)
@@ -67,7 +68,8 @@ def masked_loss(losses: torch.Tensor, loss_mask: torch.Tensor, *, mode: str = "t
     if losses.shape != loss_mask.shape and losses.numel() != loss_mask.numel():
         raise LossContractError(
             f"masked_loss: losses has shape {tuple(losses.shape)} but loss_mask has shape "
-            f"{tuple(loss_mask.shape)}; pass one loss per token and one mask value per token.")
+            f"{tuple(loss_mask.shape)}; pass one loss per token and one mask value per token."
+        )
     mask = loss_mask.reshape(-1)
     loss = torch.sum(losses.reshape(-1).float() * mask.float())
     num_tokens = (mask != 0).sum().to(torch.int64)
@@ -81,8 +83,9 @@ def masked_loss(losses: torch.Tensor, loss_mask: torch.Tensor, *, mode: str = "t
     return loss, num_tokens, {key: row}
 
 
-def reduce_reports(reports: list[dict[str, torch.Tensor]],
-                   group: ProcessGroup | None = None) -> dict[str, torch.Tensor]:
+def reduce_reports(
+    reports: list[dict[str, torch.Tensor]], group: ProcessGroup | None = None
+) -> dict[str, torch.Tensor]:
     """The logged loss: sum over micro-batches (and ranks of ``group``) of report[0] / of report[1].
 
     With :func:`masked_loss` reports this is the token-weighted mean in mode ``token`` and the mean of
@@ -170,14 +173,16 @@ class LossContract:
         if not isinstance(loss, torch.Tensor):
             raise LossContractError(
                 f"the loss function returned a loss of type {type(loss).__name__}; it must be a "
-                f"tensor (the summed token loss of the micro-batch).")
+                f"tensor (the summed token loss of the micro-batch)."
+            )
         _require_integer_scalar(num_tokens)
         if isinstance(num_tokens, torch.Tensor):
             self._counts.append(num_tokens)
         elif num_tokens < 0:
             raise LossContractError(
                 f"the loss function returned num_tokens = {num_tokens} at micro-batch {len(self._losses)}; a token "
-                f"count is >= 0. Count non-padding tokens as loss_mask.sum().to(torch.int64).")
+                f"count is >= 0. Count non-padding tokens as loss_mask.sum().to(torch.int64)."
+            )
         else:
             self._host_tokens += num_tokens
         self._losses.append(loss.data)
@@ -227,7 +232,8 @@ def _step_vector(losses: list[torch.Tensor], counts: list[torch.Tensor], host_to
         if loss.device != device:
             raise LossContractError(
                 f"micro-batch {index} returned its loss on {loss.device}, earlier ones on {device}; keep every "
-                f"micro-batch's loss on the model's device.")
+                f"micro-batch's loss on the model's device."
+            )
     device_counts, host_negative = [], 0
     for count in counts:
         if count.device == device:
@@ -281,14 +287,18 @@ def _require_three_tuple(outputs: Any, index: int) -> None:
         f"(summed loss, num_tokens, report). With a 2-tuple (loss, report) Megatron multiplies the "
         f"loss by the CP size and never divides by a token count, so gradients come out summed over "
         f"DP x CP instead of averaged. Return "
-        f"megatron_ga_ext.integration.loss_contract.masked_loss(losses, loss_mask).")
+        f"megatron_ga_ext.integration.loss_contract.masked_loss(losses, loss_mask)."
+    )
 
 
 #: Integer dtypes every torch op takes (sums of them are int64).
 _NATIVE_INTEGER_DTYPES = frozenset((torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64))
 #: Integer dtypes a token count may have (bool and floating or complex counts are refused).
-_INTEGER_DTYPES = frozenset(getattr(torch, name) for name in (
-    "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64") if hasattr(torch, name))
+_INTEGER_DTYPES = frozenset(
+    getattr(torch, name)
+    for name in ("uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64")
+    if hasattr(torch, name)
+)
 
 
 def _require_integer_scalar(num_tokens: Any) -> None:
@@ -300,9 +310,11 @@ def _require_integer_scalar(num_tokens: Any) -> None:
         raise LossContractError(
             f"the loss function returned num_tokens as a tensor of dtype {num_tokens.dtype} and shape "
             f"{tuple(num_tokens.shape)}; it must be an integer scalar (one count of non-padding tokens per "
-            f"micro-batch; a float count is inexact above 2^24 in float32). Use loss_mask.sum().to(torch.int64).")
+            f"micro-batch; a float count is inexact above 2^24 in float32). Use loss_mask.sum().to(torch.int64)."
+        )
     if isinstance(num_tokens, int) and not isinstance(num_tokens, bool):
         return
     raise LossContractError(
         f"the loss function returned num_tokens of type {type(num_tokens).__name__}; it must be an "
-        f"integer scalar tensor. Use loss_mask.sum().to(torch.int64).")
+        f"integer scalar tensor. Use loss_mask.sum().to(torch.int64)."
+    )

@@ -60,8 +60,10 @@ def stage_factors(schedule: StepSchedule, lr_scaling: str) -> str:
         stage = schedule.entries[index]
         if index == count - 1 and count > LISTED_STAGES:
             parts.append("...")
-        parts.append(f"x {lr_factor(stage.global_batch_size, first, lr_scaling):.6g} from sample "
-                     f"{stage.threshold_samples} (GBS {stage.global_batch_size})")
+        parts.append(
+            f"x {lr_factor(stage.global_batch_size, first, lr_scaling):.6g} from sample "
+            f"{stage.threshold_samples} (GBS {stage.global_batch_size})"
+        )
     return ", ".join(parts)
 
 
@@ -128,8 +130,9 @@ class _Count:
     in_step: bool
 
 
-def next_step_batch(schedule: StepSchedule, scheduler: Any, training_schedules: int,
-                    counts: weakref.WeakKeyDictionary[Any, _Count]) -> int:
+def next_step_batch(
+    schedule: StepSchedule, scheduler: Any, training_schedules: int, counts: weakref.WeakKeyDictionary[Any, _Count]
+) -> int:
     """The GBS of the step that trains with the rate ``scheduler`` writes now (see the module docstring): the
     schedule at Megatron's consumed samples, plus the live calculator's current GBS where a training call
     (``training_schedules``: Installation.training_schedules) ran since the scheduler's count last changed; without

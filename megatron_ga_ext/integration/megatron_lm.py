@@ -45,8 +45,16 @@ from megatron_ga_ext.logs import get_logger
 if TYPE_CHECKING:
     from megatron_ga_ext.integration.installation import Installation
 
-__all__ = ["ARGUMENTS", "loading_sidecar", "parser_module", "planned_num_samples", "planned_train_iters",
-           "printing_after_training_log", "saving_sidecar", "with_ga_flags"]
+__all__ = [
+    "ARGUMENTS",
+    "loading_sidecar",
+    "parser_module",
+    "planned_num_samples",
+    "planned_train_iters",
+    "printing_after_training_log",
+    "saving_sidecar",
+    "with_ga_flags",
+]
 
 logger = get_logger(__name__)
 
@@ -79,8 +87,9 @@ def with_ga_flags(original: ParseArgs, state: Installation) -> ParseArgs:
     announced = False
 
     @functools.wraps(original)
-    def parse_args(extra_args_provider: Callable | None = None,
-                   ignore_unknown_args: bool = False) -> argparse.Namespace:
+    def parse_args(
+        extra_args_provider: Callable | None = None, ignore_unknown_args: bool = False
+    ) -> argparse.Namespace:
         nonlocal announced
         if not state.active:
             return original(extra_args_provider, ignore_unknown_args)
@@ -93,7 +102,9 @@ def with_ga_flags(original: ParseArgs, state: Installation) -> ParseArgs:
                 logger.info(
                     "megatron-ga-ext: %s token turns on --calculate-per-token-loss: every non-padding token of the "
                     "global batch weighs the same (%s microbatch keeps upstream's mean of means)",
-                    LOSS_REDUCTION.flag, LOSS_REDUCTION.flag)
+                    LOSS_REDUCTION.flag,
+                    LOSS_REDUCTION.flag,
+                )
         return args
 
     return parse_args
@@ -114,8 +125,12 @@ def planned_train_iters(original: Callable, state: Installation) -> Callable:
             return original(args)
         iterations, samples = calculator.plan(args.train_samples)
         args.train_iters = iterations
-        logger.info("step batch-size schedule: --train-samples %d takes %d iterations (%d samples)",
-                    args.train_samples, iterations, samples)
+        logger.info(
+            "step batch-size schedule: --train-samples %d takes %d iterations (%d samples)",
+            args.train_samples,
+            iterations,
+            samples,
+        )
 
     return update_train_iters
 
@@ -158,8 +173,9 @@ def saving_sidecar(original: Callable, state: Installation) -> Callable:
     def save_checkpoint(iteration: int, *args: Any, **kwargs: Any) -> Any:
         result = original(iteration, *args, **kwargs)
         if state.active:
-            state.after_save(saved_directory(megatron_view(), bool(kwargs.get("non_persistent_ckpt", False))),
-                             iteration)
+            state.after_save(
+                saved_directory(megatron_view(), bool(kwargs.get("non_persistent_ckpt", False))), iteration
+            )
         return result
 
     return save_checkpoint
@@ -176,9 +192,12 @@ def loading_sidecar(original: Callable, state: Installation) -> Callable:
         iteration = result[0] if isinstance(result, tuple) and result else view.iteration
         if state.active and isinstance(iteration, int) and iteration > 0:
             load_arg = kwargs.get("load_arg", args[3] if len(args) > 3 else "load")
-            state.after_load(loaded_directory(view, load_arg, iteration), iteration,
-                             kwargs.get("opt_param_scheduler", args[2] if len(args) > 2 else None),
-                             view.consumed_train_samples)
+            state.after_load(
+                loaded_directory(view, load_arg, iteration),
+                iteration,
+                kwargs.get("opt_param_scheduler", args[2] if len(args) > 2 else None),
+                view.consumed_train_samples,
+            )
         return result
 
     return load_checkpoint

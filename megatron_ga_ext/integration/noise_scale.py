@@ -57,8 +57,7 @@ from megatron_ga_ext.logs import get_logger
 if TYPE_CHECKING:
     from megatron_ga_ext.config.ga_config import GAConfig
 
-__all__ = ["NORM_CHUNK", "Measurement", "NoiseScaleMeter", "check_core_layout", "counting_bucket_group",
-           "squared_norm"]
+__all__ = ["NORM_CHUNK", "Measurement", "NoiseScaleMeter", "check_core_layout", "counting_bucket_group", "squared_norm"]
 
 logger = get_logger(__name__)
 
@@ -74,7 +73,7 @@ def squared_norm(values: torch.Tensor) -> torch.Tensor:
     conversion of the whole range would take 8 bytes per element (a whole model's gradient without bucketing)."""
     total = torch.zeros((), dtype=torch.float64, device=values.device)
     for start in range(0, values.numel(), NORM_CHUNK):
-        total += torch.linalg.vector_norm(values[start:start + NORM_CHUNK], dtype=torch.float64).square()
+        total += torch.linalg.vector_norm(values[start : start + NORM_CHUNK], dtype=torch.float64).square()
     return total
 
 
@@ -143,8 +142,9 @@ class NoiseScaleMeter:
 
     # -- after the reduction: in finalize ---------------------------------------------------------
 
-    def after_reduction(self, model: Sequence[torch.nn.Module], local_tokens: torch.Tensor, is_last_stage: bool
-                        ) -> None:
+    def after_reduction(
+        self, model: Sequence[torch.nn.Module], local_tokens: torch.Tensor, is_last_stage: bool
+    ) -> None:
         """In finalize, after upstream's reduction and before the division by N: this rank's parts of the vector,
         summed over the world (the measured step's one collective). ``local_tokens`` is b_r (the replica's count,
         broadcast from its last stage); TP rank 0 of the last stage counts the replica."""
@@ -171,9 +171,16 @@ class NoiseScaleMeter:
         local = self._local if self._local is not None else torch.zeros((), dtype=torch.float64, device=device)
         self._local = None
         once = 1.0 if counts_replica else 0.0
-        vector = torch.stack([local / safe.square(), reduced, once / safe, once * b,
-                              torch.full((), once, dtype=torch.float64, device=device),
-                              once * (b == 0).to(torch.float64)])
+        vector = torch.stack(
+            [
+                local / safe.square(),
+                reduced,
+                once / safe,
+                once * b,
+                torch.full((), once, dtype=torch.float64, device=device),
+                once * (b == 0).to(torch.float64),
+            ]
+        )
         torch.distributed.all_reduce(vector)
         iteration = megatron_iteration()
         self._pending = (vector, iteration if iteration is not None else self.steps)
@@ -192,12 +199,19 @@ class NoiseScaleMeter:
         scale = float(loss_scale) ** 2
         total = round(tokens)
         if empty or replicas < 2 or not all(math.isfinite(x) for x in (local, reduced, scale)) or scale <= 0:
-            logger.info("megatron-ga-ext: noise scale not measured at iteration %s (%s)", iteration,
-                        "a replica without loss tokens" if empty else "a non-finite gradient")
+            logger.info(
+                "megatron-ga-ext: noise scale not measured at iteration %s (%s)",
+                iteration,
+                "a replica without loss tokens" if empty else "a non-finite gradient",
+            )
             return None
         estimate = replica_estimate_from_sums(
-            mean_local_sq_norm=local / scale / replicas, global_sq_norm=reduced / scale / total**2,
-            mean_inverse_tokens=inverse_counts / replicas, tokens=total, replicas=round(replicas))
+            mean_local_sq_norm=local / scale / replicas,
+            global_sq_norm=reduced / scale / total**2,
+            mean_inverse_tokens=inverse_counts / replicas,
+            tokens=total,
+            replicas=round(replicas),
+        )
         self.ema.update(estimate)
         self.measurements += 1
         self.last = Measurement(iteration=iteration, estimate=estimate, replicas=round(replicas))
@@ -249,13 +263,17 @@ class NoiseScaleMeter:
             consumed += batch  # the loop adds the step's batch after the step
             tokens_per_sample = estimate.tokens / batch
         return trace_row(
-            iteration=measurement.iteration, consumed_samples=consumed,
+            iteration=measurement.iteration,
+            consumed_samples=consumed,
             b_simple_tokens=self.ema.b_simple(),
             b_simple_samples=self.ema.b_simple(tokens_per_sample) if tokens_per_sample else None,
             tokens_per_sample=tokens_per_sample,
-            grad_sq=estimate.grad_sq, trace_sigma=estimate.trace_sigma,
-            grad_sq_ema=self.ema.grad_sq, trace_sigma_ema=self.ema.trace_sigma,
-            step_b_simple_tokens=estimate.b_simple_tokens, tokens=estimate.tokens,
+            grad_sq=estimate.grad_sq,
+            trace_sigma=estimate.trace_sigma,
+            grad_sq_ema=self.ema.grad_sq,
+            trace_sigma_ema=self.ema.trace_sigma,
+            step_b_simple_tokens=estimate.b_simple_tokens,
+            tokens=estimate.tokens,
             replicas=measurement.replicas,
         )
 
@@ -303,17 +321,22 @@ def check_core_layout(interval: int, model: Any) -> None:
         "hybrid_context_parallel": getattr(config, "hybrid_context_parallel", False),
         "tensor_parallel_num_weight_shards": getattr(config, "tensor_parallel_num_weight_shards", None),
         "num_distributed_optimizer_instances": getattr(ddp, "num_distributed_optimizer_instances", 1),
-        "use_megatron_fsdp": (getattr(ddp, "use_megatron_fsdp", False)
-                              or type(chunk).__name__ == "FullyShardedDataParallel"),
+        "use_megatron_fsdp": (
+            getattr(ddp, "use_megatron_fsdp", False) or type(chunk).__name__ == "FullyShardedDataParallel"
+        ),
         "ddp_param_name_patterns_for_fp32_local_accumulation": getattr(
-            ddp, "param_name_patterns_for_fp32_local_accumulation", ()),
+            ddp, "param_name_patterns_for_fp32_local_accumulation", ()
+        ),
     }
     try:
-        check_noise_scale_layout(interval, data_parallel_size=parallel_state.get_data_parallel_world_size(),
-                                 settings=settings)
+        check_noise_scale_layout(
+            interval, data_parallel_size=parallel_state.get_data_parallel_world_size(), settings=settings
+        )
     except OptionError as error:
-        raise OptionError(f"{error} (A megatron-core loop: the setting as parallel_state and the model's DDP and "
-                          f"Transformer configs hold it, which that Megatron-LM flag sets.)") from None
+        raise OptionError(
+            f"{error} (A megatron-core loop: the setting as parallel_state and the model's DDP and "
+            f"Transformer configs hold it, which that Megatron-LM flag sets.)"
+        ) from None
 
 
 def counting_bucket_group(original: Callable, state: Any) -> Callable:

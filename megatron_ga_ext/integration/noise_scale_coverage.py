@@ -17,8 +17,21 @@ from typing import Any
 
 import torch
 
-__all__ = ["EXPERTS", "HELD_APART", "NOT_BUFFERED", "PP_SYNCED", "QK_LAYERNORM", "SEQUENCE_PARALLEL", "TIED_EMBEDDING",
-           "TP_AVERAGED", "TP_DUPLICATE", "UNNAMED", "BucketPlan", "CountedElements", "Coverage"]
+__all__ = [
+    "EXPERTS",
+    "HELD_APART",
+    "NOT_BUFFERED",
+    "PP_SYNCED",
+    "QK_LAYERNORM",
+    "SEQUENCE_PARALLEL",
+    "TIED_EMBEDDING",
+    "TP_AVERAGED",
+    "TP_DUPLICATE",
+    "UNNAMED",
+    "BucketPlan",
+    "CountedElements",
+    "Coverage",
+]
 
 
 @dataclass(frozen=True)
@@ -99,8 +112,10 @@ class Coverage:
     def line(self) -> str:
         share = 100.0 * self.counted / self.elements if self.elements else 0.0
         out = ", ".join(f"{why} ({count:,})" for why, count in sorted(self.left_out.items(), key=lambda kv: -kv[1]))
-        return (f"megatron-ga-ext: the noise scale covers {share:.1f}% of this rank's {self.elements:,} parameter "
-                f"elements ({self.counted:,}); left out: {out or 'none'}")
+        return (
+            f"megatron-ga-ext: the noise scale covers {share:.1f}% of this rank's {self.elements:,} parameter "
+            f"elements ({self.counted:,}); left out: {out or 'none'}"
+        )
 
 
 EXPERTS = "experts (reduced over the expert data-parallel group)"
@@ -160,17 +175,23 @@ class _Layout:
     def here(cls, names: _Names) -> _Layout:
         from megatron.core import parallel_state
 
-        return cls(parallel_state.get_tensor_model_parallel_rank(),
-                   parallel_state.get_tensor_model_parallel_world_size(),
-                   parallel_state.get_pipeline_model_parallel_world_size(), names)
+        return cls(
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            names,
+        )
 
 
 def _counted_ranges(bucket: Any, layout: _Layout) -> tuple[tuple[int, int], ...]:
     """The bucket-local ranges of the parameters a replica's gradient norm counts on this rank, merged. Each is where
     the parameter's ``main_grad`` view lies in ``grad_data``: ``param_to_index`` leaves out the padding between
     parameters on 0.16 and 0.17."""
-    spans = sorted(span for param in bucket.params_list
-                   if _why_left_out(param, bucket, layout) is None and (span := _span(param, bucket)) is not None)
+    spans = sorted(
+        span
+        for param in bucket.params_list
+        if _why_left_out(param, bucket, layout) is None and (span := _span(param, bucket)) is not None
+    )
     merged: list[list[int]] = []
     for start, end in spans:
         if merged and merged[-1][1] == start:
@@ -204,8 +225,9 @@ def _why_left_out(param: torch.nn.Parameter, bucket: Any, layout: _Layout) -> st
         return TP_AVERAGED
     if layout.tp_size > 1 and id(param) in layout.names.qk_layernorm:
         return QK_LAYERNORM
-    if layout.pp_size > 1 and (getattr(param, "flextron_router_pp_sync", False)
-                               or id(param) in layout.names.cond_embedder):
+    if layout.pp_size > 1 and (
+        getattr(param, "flextron_router_pp_sync", False) or id(param) in layout.names.cond_embedder
+    ):
         return PP_SYNCED  # routers and conditional embedders replicated per stage, summed across them in finalize
     if _span(param, bucket) is None:
         return HELD_APART

@@ -28,8 +28,15 @@ from megatron_ga_ext.integration.noise_scale import NoiseScaleMeter
 from megatron_ga_ext.integration.noise_scale_report import last_rank
 from megatron_ga_ext.logs import get_logger
 
-__all__ = ["SIDECAR", "SIDECAR_VERSION", "load_sidecar", "loaded_directory", "save_sidecar", "saved_directory",
-           "sidecar_path"]
+__all__ = [
+    "SIDECAR",
+    "SIDECAR_VERSION",
+    "load_sidecar",
+    "loaded_directory",
+    "save_sidecar",
+    "saved_directory",
+    "sidecar_path",
+]
 
 logger = get_logger(__name__)
 
@@ -59,8 +66,9 @@ def saved_directory(args: MegatronArgs, non_persistent: bool) -> str | None:
         return save
     if args.get("non_persistent_ckpt_type") != "global":
         return None
-    return args.get("non_persistent_global_ckpt_dir") or (None if save is None else
-                                                          os.path.join(save, NON_PERSISTENT_SUBDIR))
+    return args.get("non_persistent_global_ckpt_dir") or (
+        None if save is None else os.path.join(save, NON_PERSISTENT_SUBDIR)
+    )
 
 
 def loaded_directory(args: MegatronArgs, load_arg: str, iteration: int) -> str | None:
@@ -90,8 +98,9 @@ def sidecar_path(directory: str | os.PathLike, iteration: int) -> Path:
     return Path(directory) / f"iter_{iteration:07d}" / SIDECAR
 
 
-def save_sidecar(meter: NoiseScaleMeter, directory: str | os.PathLike, iteration: int,
-                 stages: list[list[int]] | None = None) -> Path | None:
+def save_sidecar(
+    meter: NoiseScaleMeter, directory: str | os.PathLike, iteration: int, stages: list[list[int]] | None = None
+) -> Path | None:
     """Write the meter's EMAs and measurement count next to Megatron's checkpoint of ``iteration``, on the last rank
     (the one that reports; every rank holds the same EMAs, since they are folded from one all-reduced vector), and
     ``stages``, the step schedule --ga-batch-size-warmup auto has written so far. Returns the path written, or None
@@ -100,8 +109,13 @@ def save_sidecar(meter: NoiseScaleMeter, directory: str | os.PathLike, iteration
         return None
     path = sidecar_path(directory, iteration)
     path.parent.mkdir(parents=True, exist_ok=True)  # an async save may not have made it yet
-    state = {"version": SIDECAR_VERSION, "iteration": iteration, "ema": meter.ema.state_dict(),
-             "measurements": meter.measurements, "stages": stages}
+    state = {
+        "version": SIDECAR_VERSION,
+        "iteration": iteration,
+        "ema": meter.ema.state_dict(),
+        "measurements": meter.measurements,
+        "stages": stages,
+    }
     partial = path.with_name(path.name + ".partial")  # a crash mid-write leaves no half file under the real name
     partial.write_text(json.dumps(state) + "\n")
     partial.replace(path)
@@ -120,18 +134,26 @@ def load_sidecar(meter: NoiseScaleMeter, directory: str | os.PathLike, iteration
     try:
         state = json.loads(path.read_text())
     except (OSError, ValueError) as error:
-        raise NoiseScaleError(f"the noise-scale state {path} cannot be read ({error}); delete it to start the "
-                              "EMAs afresh.") from error
+        raise NoiseScaleError(
+            f"the noise-scale state {path} cannot be read ({error}); delete it to start the EMAs afresh."
+        ) from error
     state = _versioned(state, path)
     measurements = state["measurements"]
     if isinstance(measurements, bool) or not isinstance(measurements, int) or measurements < 0:
-        raise NoiseScaleError(f"the noise-scale state {path} has measurements {measurements!r}, not a whole "
-                              "number >= 0; delete it to start the EMAs afresh.")
+        raise NoiseScaleError(
+            f"the noise-scale state {path} has measurements {measurements!r}, not a whole "
+            "number >= 0; delete it to start the EMAs afresh."
+        )
     ema = NoiseScaleEMA.from_state_dict(state["ema"])
     if ema.decay != meter.ema.decay:
         # The bias correction 1 - decay^n holds for one decay throughout: mixing two would misweigh the saved part.
-        logger.warning("megatron-ga-ext: the noise-scale EMAs in %s were kept with --ga-noise-scale-decay %s, this "
-                       "run has %s: they start afresh", path, ema.decay, meter.ema.decay)
+        logger.warning(
+            "megatron-ga-ext: the noise-scale EMAs in %s were kept with --ga-noise-scale-decay %s, this "
+            "run has %s: they start afresh",
+            path,
+            ema.decay,
+            meter.ema.decay,
+        )
         return state
     meter.ema = ema
     meter.measurements = measurements
@@ -145,11 +167,15 @@ def _versioned(state: object, path: Path) -> dict[str, Any]:
     versions = " and ".join(str(v) for v in SIDECAR_KEYS)
     version = state.get("version") if isinstance(state, dict) else None
     if isinstance(version, bool) or not isinstance(version, int) or version not in SIDECAR_KEYS:
-        raise NoiseScaleError(f"the noise-scale state {path} has version {version!r}; this release reads versions "
-                              f"{versions}. Delete it to start the EMAs afresh, or resume with the release that "
-                              "wrote it.")
+        raise NoiseScaleError(
+            f"the noise-scale state {path} has version {version!r}; this release reads versions "
+            f"{versions}. Delete it to start the EMAs afresh, or resume with the release that "
+            "wrote it."
+        )
     allowed = SIDECAR_KEYS[version]
     if set(state) not in allowed:
-        raise NoiseScaleError(f"the noise-scale state {path} is a version-{version} sidecar with keys "
-                              f"{sorted(state)}, not {sorted(allowed[-1])}; delete it to start the EMAs afresh.")
+        raise NoiseScaleError(
+            f"the noise-scale state {path} is a version-{version} sidecar with keys "
+            f"{sorted(state)}, not {sorted(allowed[-1])}; delete it to start the EMAs afresh."
+        )
     return {"stages": None, **state}

@@ -84,8 +84,9 @@ class RouterCountCheck:
         self.verdicts: dict[int, str] = {}
         self.probing = False
 
-    def steps_aside(self, corrected_counts: Callable, original: Callable, routing_map: torch.Tensor,
-                    reduce_group: Any, topk: int) -> bool:
+    def steps_aside(
+        self, corrected_counts: Callable, original: Callable, routing_map: torch.Tensor, reduce_group: Any, topk: int
+    ) -> bool:
         """True where upstream's own counts stand for ``reduce_group``. ``corrected_counts`` is the correction (run
         again on the probe, where this returns False), ``original`` upstream's function."""
         if self.probing:
@@ -95,8 +96,9 @@ class RouterCountCheck:
             self.verdicts[key] = self._measure(corrected_counts, original, routing_map, reduce_group, topk)
         return self.verdicts[key] not in APPLIES
 
-    def _measure(self, corrected_counts: Callable, original: Callable, routing_map: torch.Tensor, reduce_group: Any,
-                 topk: int) -> str:
+    def _measure(
+        self, corrected_counts: Callable, original: Callable, routing_map: torch.Tensor, reduce_group: Any, topk: int
+    ) -> str:
         size = reduce_group.size()
         if size == 1:
             return NO_EVIDENCE
@@ -134,22 +136,37 @@ def nonzero_total(counts: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
 
 
 def _say_count(verdict: str, upstream: float, corrected: float, own: int, group_total: int, size: int) -> None:
-    probe = (f"on a probe where this rank routes {own} token(s) and its reduce group of {size} ranks {group_total}, "
-             f"upstream's get_tokens_per_expert_and_token_count returns the local count {upstream:g}")
+    probe = (
+        f"on a probe where this rank routes {own} token(s) and its reduce group of {size} ranks {group_total}, "
+        f"upstream's get_tokens_per_expert_and_token_count returns the local count {upstream:g}"
+    )
     if verdict == DEFECT:
         logger.debug("megatron-ga-ext: %s, the group's (#7452 finding 10): the router's count is corrected", probe)
     elif verdict == CHANGED:
-        logger.info("megatron-ga-ext: %s, this rank's own (Megatron-LM #7481): the router scales it by TP x CP, exact "
-                    "only where the TP and CP shards hold equal numbers of loss tokens, so install() still gives the "
-                    "router the unit's count (%g here), in place of upstream's, never on top of it", probe, corrected)
+        logger.info(
+            "megatron-ga-ext: %s, this rank's own (Megatron-LM #7481): the router scales it by TP x CP, exact "
+            "only where the TP and CP shards hold equal numbers of loss tokens, so install() still gives the "
+            "router the unit's count (%g here), in place of upstream's, never on top of it",
+            probe,
+            corrected,
+        )
     elif verdict == FIXED:
-        logger.warning("megatron-ga-ext: %s, the count install() would give the router: upstream is fixed here, and "
-                       "the router-count correction steps aside (upstream's counts stand)", probe)
+        logger.warning(
+            "megatron-ga-ext: %s, the count install() would give the router: upstream is fixed here, and "
+            "the router-count correction steps aside (upstream's counts stand)",
+            probe,
+        )
     else:
-        logger.warning("megatron-ga-ext: %s, neither the group's (the defect install() corrects, %d), this rank's "
-                       "(%d) nor the corrected count (%g): the router-count correction steps aside so as not to "
-                       "correct twice; upstream's counts stand. Check the MoE auxiliary gradients (megatron-ga "
-                       "verify)", probe, group_total, own, corrected)
+        logger.warning(
+            "megatron-ga-ext: %s, neither the group's (the defect install() corrects, %d), this rank's "
+            "(%d) nor the corrected count (%g): the router-count correction steps aside so as not to "
+            "correct twice; upstream's counts stand. Check the MoE auxiliary gradients (megatron-ga "
+            "verify)",
+            probe,
+            group_total,
+            own,
+            corrected,
+        )
 
 
 class ZLossFactorCheck:
@@ -168,8 +185,9 @@ class ZLossFactorCheck:
         self.verdict: str | None = None
         self.pending: _ZAttachment | None = None
 
-    def z_loss(self, z_loss: torch.Tensor, corrected: torch.Tensor, factor: int, args: tuple,
-               kwargs: dict[str, Any]) -> torch.Tensor:
+    def z_loss(
+        self, z_loss: torch.Tensor, corrected: torch.Tensor, factor: int, args: tuple, kwargs: dict[str, Any]
+    ) -> torch.Tensor:
         """What the correction returns to the router: ``corrected`` (|TP x CP| times the gradient of ``z_loss``, the
         same value) while the defect is measured or being measured, upstream's ``z_loss`` once it is gone."""
         if self.verdict is not None:
@@ -178,8 +196,7 @@ class ZLossFactorCheck:
             self.pending.restore()
             self.decide(float("nan"), factor, measured=False)
             return z_loss
-        self.pending = _ZAttachment(self, sys.modules[ROUTER], z_loss, corrected,
-                                    _valid_tokens(args, kwargs), factor)
+        self.pending = _ZAttachment(self, sys.modules[ROUTER], z_loss, corrected, _valid_tokens(args, kwargs), factor)
         return corrected
 
     def decide(self, phi: float, factor: int, *, measured: bool = True) -> str | None:
@@ -201,25 +218,41 @@ def _valid_tokens(args: tuple, kwargs: dict[str, Any]) -> Any:
 
 
 def _say_z(verdict: str, phi: float, factor: int, measured: bool) -> None:
-    found = (f"the router attached its z-loss at {phi:.4g} x z x its valid tokens, where TP x CP = {factor}"
-             if measured else "the router attached its z-loss without MoEAuxLossAutoScaler.apply")
+    found = (
+        f"the router attached its z-loss at {phi:.4g} x z x its valid tokens, where TP x CP = {factor}"
+        if measured
+        else "the router attached its z-loss without MoEAuxLossAutoScaler.apply"
+    )
     if verdict == DEFECT:
         logger.debug("megatron-ga-ext: %s (before 0.19, no TP x CP factor): the z-loss gradient is scaled", found)
     elif verdict == FIXED:
-        logger.warning("megatron-ga-ext: %s: the router applies the TP x CP factor itself (as 0.19 does), and the "
-                       "z-loss correction steps aside (upstream's z-loss stands)", found)
+        logger.warning(
+            "megatron-ga-ext: %s: the router applies the TP x CP factor itself (as 0.19 does), and the "
+            "z-loss correction steps aside (upstream's z-loss stands)",
+            found,
+        )
     else:
-        logger.warning("megatron-ga-ext: %s, neither 1 (the defect install() corrects) nor TP x CP: the z-loss "
-                       "correction steps aside so as not to correct twice; upstream's z-loss stands. Check the MoE "
-                       "auxiliary gradients (megatron-ga verify)", found)
+        logger.warning(
+            "megatron-ga-ext: %s, neither 1 (the defect install() corrects) nor TP x CP: the z-loss "
+            "correction steps aside so as not to correct twice; upstream's z-loss stands. Check the MoE "
+            "auxiliary gradients (megatron-ga verify)",
+            found,
+        )
 
 
 class _ZAttachment:
     """Stands once in the router module for ``MoEAuxLossAutoScaler``: the z-loss attachment that follows the first
     ``z_loss_func`` call is measured, then passed on (uncorrected where the correction steps aside)."""
 
-    def __init__(self, check: ZLossFactorCheck, module: Any, z_loss: torch.Tensor, corrected: torch.Tensor,
-                 tokens: Any, factor: int) -> None:
+    def __init__(
+        self,
+        check: ZLossFactorCheck,
+        module: Any,
+        z_loss: torch.Tensor,
+        corrected: torch.Tensor,
+        tokens: Any,
+        factor: int,
+    ) -> None:
         self.module, self.autoscaler = module, module.MoEAuxLossAutoScaler
         self.check, self.z_loss, self.corrected, self.tokens, self.factor = check, z_loss, corrected, tokens, factor
         module.MoEAuxLossAutoScaler = self
@@ -282,8 +315,7 @@ class MTPRatioCheck:
         if group is not None and group.size() > 1:
             torch.distributed.all_reduce(flags, group=group)
         unattached, not_sum, not_defect, telling, ratio, local = _host_values(*flags, ratio, local)
-        verdict = (UNKNOWN if unattached else FIXED if not not_sum and telling else
-                   DEFECT if not not_defect else CHANGED)
+        verdict = UNKNOWN if unattached else FIXED if not not_sum and telling else DEFECT if not not_defect else CHANGED
         _say_mtp(verdict, ratio, local)
         return verdict
 
@@ -307,12 +339,19 @@ def _probe_mtp(original: Callable, given: dict[str, Any], tokens: int, positions
     device = given["labels"].device
     loss_mask = torch.zeros(1, positions, device=device)
     loss_mask[:, :tokens] = 1
-    arguments = {"hidden_states": torch.zeros(1 + depth, 1, 1, device=device),
-                 "labels": torch.zeros(1, positions, dtype=torch.long, device=device), "loss_mask": loss_mask,
-                 "output_layer": _probe_output_layer, "output_weight": torch.zeros(1, device=device),
-                 "runtime_gather_output": None, "is_training": False,
-                 "compute_language_model_loss": _unit_token_loss, "config": config,
-                 "cp_group": given.get("cp_group"), "tp_group": given.get("tp_group")}
+    arguments = {
+        "hidden_states": torch.zeros(1 + depth, 1, 1, device=device),
+        "labels": torch.zeros(1, positions, dtype=torch.long, device=device),
+        "loss_mask": loss_mask,
+        "output_layer": _probe_output_layer,
+        "output_weight": torch.zeros(1, device=device),
+        "runtime_gather_output": None,
+        "is_training": False,
+        "compute_language_model_loss": _unit_token_loss,
+        "config": config,
+        "cp_group": given.get("cp_group"),
+        "tp_group": given.get("tp_group"),
+    }
     parameters = inspect.signature(original).parameters
     capture = _MTPCapture(sys.modules[original.__module__])
     with capture.in_module():
@@ -320,8 +359,9 @@ def _probe_mtp(original: Callable, given: dict[str, Any], tokens: int, positions
     return capture.attached
 
 
-def _mtp_flags(attached: list[tuple[Any, Any]], alpha: float, tokens: int, depth: int,
-               device: torch.device) -> tuple[torch.Tensor, Any, Any]:
+def _mtp_flags(
+    attached: list[tuple[Any, Any]], alpha: float, tokens: int, depth: int, device: torch.device
+) -> tuple[torch.Tensor, Any, Any]:
     """This rank's [attached otherwise than once per depth, not the sum at every depth, not the defect at every
     depth, some m_k != n] (int64, on the device), its first depth's ratio attached / (alpha m_1) and its own
     n / m_1."""
@@ -331,29 +371,44 @@ def _mtp_flags(attached: list[tuple[Any, Any]], alpha: float, tokens: int, depth
     rolled = torch.stack([torch.as_tensor(count, dtype=torch.float64) for _, count in attached]).to(totals.device)
     as_sum = alpha * rolled
     as_defect = (rolled > 0).to(totals.dtype) * (alpha * tokens)  # alpha m_k n / max(m_k, 1)
-    flags = torch.stack([torch.zeros((), dtype=torch.bool, device=totals.device),
-                         ~torch.isclose(totals, as_sum, rtol=1e-5, atol=1e-9).all(),
-                         ~torch.isclose(totals, as_defect, rtol=1e-5, atol=1e-9).all(), (rolled != tokens).any()])
+    flags = torch.stack(
+        [
+            torch.zeros((), dtype=torch.bool, device=totals.device),
+            ~torch.isclose(totals, as_sum, rtol=1e-5, atol=1e-9).all(),
+            ~torch.isclose(totals, as_defect, rtol=1e-5, atol=1e-9).all(),
+            (rolled != tokens).any(),
+        ]
+    )
     return flags.to(torch.int64), totals[0] / as_sum[0], tokens / rolled[0].clamp(min=1)
 
 
 def _say_mtp(verdict: str, ratio: float, local: float) -> None:
-    found = (f"on a probe, upstream's process_mtp_loss attached {ratio:.4g} x the summed MTP loss where this rank's "
-             f"own ratio n_u / m_u is {local:.4g}")
+    found = (
+        f"on a probe, upstream's process_mtp_loss attached {ratio:.4g} x the summed MTP loss where this rank's "
+        f"own ratio n_u / m_u is {local:.4g}"
+    )
     if verdict == DEFECT:
         logger.debug("megatron-ga-ext: %s (#7452 finding 3): every MTP token is weighed alpha / N instead", found)
     elif verdict == CHANGED:
-        logger.info("megatron-ga-ext: %s: upstream no longer weighs by this rank's own counts (a ratio of counts over "
-                    "more ranks, as Megatron-LM #7498 / #7570 would, or other), and install() still attaches alpha x "
-                    "the summed MTP loss in place of upstream's product (every MTP token alpha / N), never on top of "
-                    "it", found)
+        logger.info(
+            "megatron-ga-ext: %s: upstream no longer weighs by this rank's own counts (a ratio of counts over "
+            "more ranks, as Megatron-LM #7498 / #7570 would, or other), and install() still attaches alpha x "
+            "the summed MTP loss in place of upstream's product (every MTP token alpha / N), never on top of "
+            "it",
+            found,
+        )
     elif verdict == FIXED:
-        logger.warning("megatron-ga-ext: %s: upstream attaches the sum already (every MTP token alpha / N), and the "
-                       "MTP correction steps aside (upstream's MTP loss stands)", found)
+        logger.warning(
+            "megatron-ga-ext: %s: upstream attaches the sum already (every MTP token alpha / N), and the "
+            "MTP correction steps aside (upstream's MTP loss stands)",
+            found,
+        )
     else:
-        logger.warning("megatron-ga-ext: on a probe, upstream's process_mtp_loss did not attach one MTP loss per "
-                       "depth through MTPLossAutoScaler: the MTP correction steps aside so as not to correct twice; "
-                       "upstream's MTP weighting stands. Check the MTP gradients (megatron-ga verify)")
+        logger.warning(
+            "megatron-ga-ext: on a probe, upstream's process_mtp_loss did not attach one MTP loss per "
+            "depth through MTPLossAutoScaler: the MTP correction steps aside so as not to correct twice; "
+            "upstream's MTP weighting stands. Check the MTP gradients (megatron-ga verify)"
+        )
 
 
 def _probe_output_layer(hidden_states: torch.Tensor, **_: Any) -> tuple[torch.Tensor, None]:

@@ -38,9 +38,11 @@ __all__ = ["RECIPE_SCRIPT", "bridge_check", "bridge_tokens", "is_bridge_line"]
 RECIPE_SCRIPT = "run_recipe.py"
 
 #: Where Bridge holds what check's messages name without an override of it.
-_FIELDS = {"--calculate-per-token-loss": "model.calculate_per_token_loss",
-           "--step-batch-size-schedule": "train.step_batch_size_schedule",  # a converted rampup's, as install writes it
-           "--rampup-batch-size": "train.rampup_batch_size"}
+_FIELDS = {
+    "--calculate-per-token-loss": "model.calculate_per_token_loss",
+    "--step-batch-size-schedule": "train.step_batch_size_schedule",  # a converted rampup's, as install writes it
+    "--rampup-batch-size": "train.rampup_batch_size",
+}
 
 
 def is_bridge_line(tokens: list[str]) -> bool:
@@ -71,19 +73,30 @@ def bridge_check(tokens: list[str], world_size: int | None) -> Report:
     bridge = [problem_of(error, "bridge") for error in bridge_errors(ga_values(launch), rampup, global_batch_size)]
     names = {**_FIELDS, **fields}
     read = "".join(f" and {path}" for path in files)
-    first = Note(severity="info", text=f"a Megatron-Bridge launch: {len(fields)} field(s) set by its overrides{read}; "
-                 "the recipe's own values are not on the line, so a field no override sets reads as Megatron-LM's "
-                 "default.", link="docs/bridge.md")
+    first = Note(
+        severity="info",
+        text=f"a Megatron-Bridge launch: {len(fields)} field(s) set by its overrides{read}; "
+        "the recipe's own values are not on the line, so a field no override sets reads as Megatron-LM's "
+        "default.",
+        link="docs/bridge.md",
+    )
     notes = [first, *(replace(n, text=bridge_names(n.text, names)) for n in report.notes)]
-    return replace(report, problems=tuple(_renamed(p, names) for p in (*report.problems, *bridge)),
-                   notes=tuple(notes), kind="a Megatron-Bridge launch")
+    return replace(
+        report,
+        problems=tuple(_renamed(p, names) for p in (*report.problems, *bridge)),
+        notes=tuple(notes),
+        kind="a Megatron-Bridge launch",
+    )
 
 
 def _renamed(problem: Problem, names: dict[str, str]) -> Problem:
     """``problem`` with each flag it names as Bridge's field."""
-    return replace(problem, message=bridge_names(problem.message, names),
-                   fix=None if problem.fix is None else bridge_names(problem.fix, names),
-                   flag=None if problem.flag is None else bridge_names(problem.flag, names))
+    return replace(
+        problem,
+        message=bridge_names(problem.message, names),
+        fix=None if problem.fix is None else bridge_names(problem.fix, names),
+        flag=None if problem.flag is None else bridge_names(problem.flag, names),
+    )
 
 
 _TRUE = ("true", "1", "yes", "on")
@@ -131,9 +144,13 @@ def _yaml_overrides(flag: str, path: str) -> dict[str, str]:
     """``section.field`` -> the value as an override writes it, for each field of the sections in the YAML file at
     ``path`` (a null: left as the recipe has it)."""
     data = read_yaml_mapping(flag, path, "the sections of a config (section: {field: value})")
-    return {f"{section}.{name}": _override_text(value)
-            for section, holder in data.items() if section in (*SECTIONS, "ga") and isinstance(holder, dict)
-            for name, value in holder.items() if value is not None and not isinstance(value, dict)}
+    return {
+        f"{section}.{name}": _override_text(value)
+        for section, holder in data.items()
+        if section in (*SECTIONS, "ga") and isinstance(holder, dict)
+        for name, value in holder.items()
+        if value is not None and not isinstance(value, dict)
+    }
 
 
 def _override_text(value: Any) -> str:

@@ -40,8 +40,11 @@ __all__ = ["check_launch", "launch_problems"]
 #: How many times a fix is completed with the fixes of what it leaves (each a whole pass over the line).
 _FIX_ROUNDS = 4
 #: The iteration-counted learning-rate flags and their sample-counted twins.
-_LR_ITERS = (("--lr-decay-iters", "--lr-decay-samples"), ("--lr-warmup-iters", "--lr-warmup-samples"),
-             ("--lr-wsd-decay-iters", "--lr-wsd-decay-samples"))
+_LR_ITERS = (
+    ("--lr-decay-iters", "--lr-decay-samples"),
+    ("--lr-warmup-iters", "--lr-warmup-samples"),
+    ("--lr-wsd-decay-iters", "--lr-wsd-decay-samples"),
+)
 
 
 def check_launch(launch: Launch, world_size: int | None = None) -> Report:
@@ -99,9 +102,16 @@ def _gather(launch: Launch, world_size: int | None) -> Report:
     ledger, ledger_layout = known_ledger(ledger_kwargs, batch_known=not unknown_batch)
     found.problems = [_train_length_edit(p, launch, table) for p in found.problems]
     sources = ledger_sources(kwargs, launch.spelled, _batch_source(plan, stage))
-    return Report(ledger=ledger, sources=sources, ledger_stage=_stage_label(plan, table, stage, kwargs),
-                  layout=ledger_layout, stages=table, problems=tuple(found.problems), notes=tuple(notes),
-                  kind=launch.read_as)
+    return Report(
+        ledger=ledger,
+        sources=sources,
+        ledger_stage=_stage_label(plan, table, stage, kwargs),
+        layout=ledger_layout,
+        stages=table,
+        problems=tuple(found.problems),
+        notes=tuple(notes),
+        kind=launch.read_as,
+    )
 
 
 def _batch_flags(launch: Launch) -> bool:
@@ -151,8 +161,9 @@ def _run_length(launch: Launch, schedule: StepSchedule, mbs: int, dp: int) -> tu
     return None, None
 
 
-def _stage_table(launch: Launch, plan: _Schedule, layout: BatchLayout, clean: bool
-                 ) -> tuple[StageTable, StageRow | None, list[Problem], list[Note]]:
+def _stage_table(
+    launch: Launch, plan: _Schedule, layout: BatchLayout, clean: bool
+) -> tuple[StageTable, StageRow | None, list[Problem], list[Note]]:
     """The stage table, the stage the ledger shows (the last the run reaches), the stages never reached as problems,
     and notes on stages a step jumps over."""
     schedule = plan.schedule
@@ -162,11 +173,20 @@ def _stage_table(launch: Launch, plan: _Schedule, layout: BatchLayout, clean: bo
     rows = None
     if clean and schedule.num_stages <= TABLE_LIMIT:
         rows = tuple(schedule.table(mbs, dp, seq_length=seq, train_samples=train_samples))
-    table = StageTable(source=plan.source, runs=plan.runs, rows=rows, summary=schedule.summary(),
-                       micro_batch_size=mbs, data_parallel_size=dp, seq_length=seq,
-                       pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
-                       virtual_pipeline_size=layout.virtual_pipeline_size, train_samples=train_samples,
-                       run_length=run_length, equivalent=_equivalent(launch, schedule, seq))
+    table = StageTable(
+        source=plan.source,
+        runs=plan.runs,
+        rows=rows,
+        summary=schedule.summary(),
+        micro_batch_size=mbs,
+        data_parallel_size=dp,
+        seq_length=seq,
+        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        virtual_pipeline_size=layout.virtual_pipeline_size,
+        train_samples=train_samples,
+        run_length=run_length,
+        equivalent=_equivalent(launch, schedule, seq),
+    )
     if rows is None:
         return table, None, [], []
     reached = [r for r in rows if r.first_step is not None]
@@ -178,9 +198,14 @@ def _stage_table(launch: Launch, plan: _Schedule, layout: BatchLayout, clean: bo
             continue
         later = any(r.first_step is not None and r.position > row.position for r in rows)
         if later:
-            notes.append(Note(severity="careful", text=f"{SCHEDULE_FLAG} entry {row.position} {row.entry!r} is never "
-                              f"trained: the last step of the stage before it passes its threshold and the next "
-                              f"one's."))
+            notes.append(
+                Note(
+                    severity="careful",
+                    text=f"{SCHEDULE_FLAG} entry {row.position} {row.entry!r} is never "
+                    f"trained: the last step of the stage before it passes its threshold and the next "
+                    f"one's.",
+                )
+            )
         elif plan.runs and open_row.first_sample is not None:
             problems.append(_unreached(row, open_row, table, stage))
     return table, stage, problems, notes
@@ -197,12 +222,19 @@ def _warmup_table(launch: Launch, layout: BatchLayout, kwargs: dict[str, object]
         sizes.append(sizes[-1] * 2)
     flag = launch.name("--ga-batch-size-warmup-max")
     return StageTable(
-        source=f"--ga-batch-size-warmup auto, doubling from --global-batch-size {start} up to {flag} {cap}", runs=True,
-        rows=None, summary=f"{len(sizes)} batch sizes, each reached when the measured noise scale says so",
-        micro_batch_size=layout.micro_batch_size, data_parallel_size=layout.data_parallel_size,
-        seq_length=layout.seq_length, pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
-        virtual_pipeline_size=layout.virtual_pipeline_size, train_samples=None, run_length=None,
-        warmup=tuple(sizes))
+        source=f"--ga-batch-size-warmup auto, doubling from --global-batch-size {start} up to {flag} {cap}",
+        runs=True,
+        rows=None,
+        summary=f"{len(sizes)} batch sizes, each reached when the measured noise scale says so",
+        micro_batch_size=layout.micro_batch_size,
+        data_parallel_size=layout.data_parallel_size,
+        seq_length=layout.seq_length,
+        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        virtual_pipeline_size=layout.virtual_pipeline_size,
+        train_samples=None,
+        run_length=None,
+        warmup=tuple(sizes),
+    )
 
 
 def _equivalent(launch: Launch, schedule: StepSchedule, seq: int | None) -> str | None:
@@ -224,19 +256,24 @@ def _unreached(row: StageRow, open_row: StageRow, table: StageTable, stage: Stag
         message=f"{SCHEDULE_FLAG} entry {row.position} {row.entry!r} (GBS {row.global_batch_size:,}) is never reached: "
         f"the run ends at {table.run_length} and this stage starts at sample {open_row.first_sample:,}{tokens}"
         f"{trains}. Give --train-samples {needed:,} or more to reach it, or drop the entry.",
-        rule="stage-never-reached", flag=SCHEDULE_FLAG, value=row.entry,
-        fix=f"Give --train-samples {needed:,} or more to reach it, or drop the entry.")
+        rule="stage-never-reached",
+        flag=SCHEDULE_FLAG,
+        value=row.entry,
+        fix=f"Give --train-samples {needed:,} or more to reach it, or drop the entry.",
+    )
 
 
-def _stage_label(plan: _Schedule, table: StageTable | None, stage: StageRow | None,
-                 kwargs: dict[str, object]) -> str | None:
+def _stage_label(
+    plan: _Schedule, table: StageTable | None, stage: StageRow | None, kwargs: dict[str, object]
+) -> str | None:
     if plan.schedule is None:
         if table is not None and table.warmup:
             return f"the first of {len(table.warmup)} batch sizes --ga-batch-size-warmup auto may reach"
         return None
     if not plan.runs:
-        return (f"the constant --global-batch-size {kwargs['global_batch_size']}: megatron-core >= 0.18 ignores the "
-                f"rampup")
+        return (
+            f"the constant --global-batch-size {kwargs['global_batch_size']}: megatron-core >= 0.18 ignores the rampup"
+        )
     if stage is None or table is None or table.rows is None:
         return f"no stage: {plan.source} does not run on this layout (see the problems)"
     count = len(table.rows)
@@ -253,8 +290,11 @@ def _batch_source(plan: _Schedule, stage: StageRow | None) -> str | None:
         return None
     if stage is None:
         return "no stage runs on this layout (see the problems)"
-    return f"stage {stage.position} of {SCHEDULE_FLAG}" if plan.source.startswith(SCHEDULE_FLAG) else \
-        f"stage {stage.position} of the converted rampup"
+    return (
+        f"stage {stage.position} of {SCHEDULE_FLAG}"
+        if plan.source.startswith(SCHEDULE_FLAG)
+        else f"stage {stage.position} of the converted rampup"
+    )
 
 
 def _train_length_edit(problem: Problem, launch: Launch, table: StageTable | None) -> Problem:
@@ -269,8 +309,9 @@ def _train_length_edit(problem: Problem, launch: Launch, table: StageTable | Non
         value = launch.get(iters_flag)
         if value is None or value == "0":
             continue
-        samples = samples_after_steps(schedule, table.micro_batch_size, table.data_parallel_size,
-                                      read_int(launch.name(iters_flag), value))
+        samples = samples_after_steps(
+            schedule, table.micro_batch_size, table.data_parallel_size, read_int(launch.name(iters_flag), value)
+        )
         edit += Edit(give=((samples_flag, (str(samples),)),), drop=(iters_flag,))
         words.append(f"{iters_flag} {value} by {samples_flag} {samples}")
     fix = f"{', '.join(words)[0].upper()}{', '.join(words)[1:]} (the samples those steps of the schedule consume)."

@@ -83,29 +83,44 @@ def virtual_pipeline(split: LayerSplit) -> VirtualPipeline:
         return result  # no split to derive: the layout's own checks name --pipeline-model-parallel-size
     for flag, value in (("--num-layers", split.num_layers), ("--decoder-num-layers", split.decoder_num_layers)):
         if value is not None and value < 1:
-            result.problems.append(LayerSplitError(
-                f"{flag} {value} must be at least 1: a model has layers to split over the pipeline stages. Give a "
-                f"whole number >= 1."))
-    for flag, value in ((PER_STAGE, split.num_layers_per_virtual_pipeline_stage),
-                        (PER_RANK, split.num_virtual_stages_per_pipeline_rank)):
+            result.problems.append(
+                LayerSplitError(
+                    f"{flag} {value} must be at least 1: a model has layers to split over the pipeline stages. Give a "
+                    f"whole number >= 1."
+                )
+            )
+    for flag, value in (
+        (PER_STAGE, split.num_layers_per_virtual_pipeline_stage),
+        (PER_RANK, split.num_virtual_stages_per_pipeline_rank),
+    ):
         if value is not None and value < 1:
-            result.problems.append(LayerSplitError(
-                f"{flag} {value} must be at least 1: it sets how the layers of each pipeline stage split into "
-                f"virtual stages. Give a whole number >= 1, or leave {flag} out."
-            ))
+            result.problems.append(
+                LayerSplitError(
+                    f"{flag} {value} must be at least 1: it sets how the layers of each pipeline stage split into "
+                    f"virtual stages. Give a whole number >= 1, or leave {flag} out."
+                )
+            )
     if result.problems:
         return result
     if split.hybrid_layer_pattern is not None:
         _hybrid(split, result)
         return result
-    chosen = [f for f, v in ((PER_STAGE, split.num_layers_per_virtual_pipeline_stage),
-                             (PER_RANK, split.num_virtual_stages_per_pipeline_rank),
-                             (LAYOUT, split.pipeline_model_parallel_layout)) if v is not None]
+    chosen = [
+        f
+        for f, v in (
+            (PER_STAGE, split.num_layers_per_virtual_pipeline_stage),
+            (PER_RANK, split.num_virtual_stages_per_pipeline_rank),
+            (LAYOUT, split.pipeline_model_parallel_layout),
+        )
+        if v is not None
+    ]
     if len(chosen) > 1:
-        result.problems.append(LayerSplitError(
-            f"{' and '.join(chosen)} are both given; Megatron asserts that no more than one of "
-            f"{PER_STAGE}, {PER_RANK} and {LAYOUT} is set. Keep one."
-        ))
+        result.problems.append(
+            LayerSplitError(
+                f"{' and '.join(chosen)} are both given; Megatron asserts that no more than one of "
+                f"{PER_STAGE}, {PER_RANK} and {LAYOUT} is set. Keep one."
+            )
+        )
         return result
     if split.pipeline_model_parallel_layout is not None:
         _from_layout(split, result)
@@ -124,27 +139,37 @@ def virtual_pipeline(split: LayerSplit) -> VirtualPipeline:
 def _hybrid(split: LayerSplit, result: VirtualPipeline) -> None:
     """--hybrid-layer-pattern sets the layers and the pipeline segments itself; the other flags conflict."""
     main = split.hybrid_layer_pattern.split("/")[0]  # type: ignore[union-attr]
-    conflicts = [f for f, on in ((PER_STAGE, split.num_layers_per_virtual_pipeline_stage is not None),
-                                 (PER_RANK, split.num_virtual_stages_per_pipeline_rank is not None),
-                                 (LAYOUT, split.pipeline_model_parallel_layout is not None),
-                                 (EMBEDDING, split.account_for_embedding_in_pipeline_split),
-                                 (LOSS, split.account_for_loss_in_pipeline_split),
-                                 (FIRST, "|" in main and split.decoder_first_pipeline_num_layers is not None),
-                                 (LAST, "|" in main and split.decoder_last_pipeline_num_layers is not None)) if on]
+    conflicts = [
+        f
+        for f, on in (
+            (PER_STAGE, split.num_layers_per_virtual_pipeline_stage is not None),
+            (PER_RANK, split.num_virtual_stages_per_pipeline_rank is not None),
+            (LAYOUT, split.pipeline_model_parallel_layout is not None),
+            (EMBEDDING, split.account_for_embedding_in_pipeline_split),
+            (LOSS, split.account_for_loss_in_pipeline_split),
+            (FIRST, "|" in main and split.decoder_first_pipeline_num_layers is not None),
+            (LAST, "|" in main and split.decoder_last_pipeline_num_layers is not None),
+        )
+        if on
+    ]
     for flag in conflicts:
-        result.problems.append(LayerSplitError(
-            f"{flag} is given with {HYBRID}; Megatron asserts it should not be: the pattern's '|' segments define "
-            f"the pipeline stages (and virtual stages). Drop {flag}."
-        ))
+        result.problems.append(
+            LayerSplitError(
+                f"{flag} is given with {HYBRID}; Megatron asserts it should not be: the pattern's '|' segments define "
+                f"the pipeline stages (and virtual stages). Drop {flag}."
+            )
+        )
     segments, pp = main.count("|") + 1, split.pipeline_model_parallel_size
     if segments == 1 and pp > 1:
         return  # no pipes: Megatron splits the layers over PP itself, without interleaving
     if segments % pp:
-        result.problems.append(LayerSplitError(
-            f"{HYBRID} {split.hybrid_layer_pattern!r} has {segments} pipeline segments ('|' separated), not a "
-            f"multiple of --pipeline-model-parallel-size {pp}; Megatron asserts the segments divide evenly over the "
-            f"pipeline ranks. Use {', '.join(map(str, nearest_multiples(segments, pp)))} segments."
-        ))
+        result.problems.append(
+            LayerSplitError(
+                f"{HYBRID} {split.hybrid_layer_pattern!r} has {segments} pipeline segments ('|' separated), not a "
+                f"multiple of --pipeline-model-parallel-size {pp}; Megatron asserts the segments divide evenly over "
+                f"the pipeline ranks. Use {', '.join(map(str, nearest_multiples(segments, pp)))} segments."
+            )
+        )
         return
     if segments > pp:
         result.size = segments // pp
@@ -158,21 +183,31 @@ def _from_layout(split: LayerSplit, result: VirtualPipeline) -> None:
     except LayerSplitError as error:
         result.problems.append(error)
         return
-    conflicts = [f for f, on in ((FIRST, split.decoder_first_pipeline_num_layers is not None),
-                                 (LAST, split.decoder_last_pipeline_num_layers is not None),
-                                 (EMBEDDING, split.account_for_embedding_in_pipeline_split),
-                                 (LOSS, split.account_for_loss_in_pipeline_split)) if on]
+    conflicts = [
+        f
+        for f, on in (
+            (FIRST, split.decoder_first_pipeline_num_layers is not None),
+            (LAST, split.decoder_last_pipeline_num_layers is not None),
+            (EMBEDDING, split.account_for_embedding_in_pipeline_split),
+            (LOSS, split.account_for_loss_in_pipeline_split),
+        )
+        if on
+    ]
     for flag in conflicts:
-        result.problems.append(LayerSplitError(
-            f"{flag} is given with {LAYOUT}; Megatron refuses it (\"pipeline_model_parallel_layout cannot be set "
-            f"with other pipeline layout arguments\"): the layout places every layer itself. Drop {flag}."
-        ))
+        result.problems.append(
+            LayerSplitError(
+                f'{flag} is given with {LAYOUT}; Megatron refuses it ("pipeline_model_parallel_layout cannot be set '
+                f'with other pipeline layout arguments"): the layout places every layer itself. Drop {flag}.'
+            )
+        )
     if stages % pp:
-        result.problems.append(LayerSplitError(
-            f"{LAYOUT} {text!r} has {stages} stages, not a multiple of --pipeline-model-parallel-size {pp}; Megatron "
-            f"asserts the layout's length divides by PP. Give {', '.join(map(str, nearest_multiples(stages, pp)))} "
-            f"stages ('|' separated)."
-        ))
+        result.problems.append(
+            LayerSplitError(
+                f"{LAYOUT} {text!r} has {stages} stages, not a multiple of --pipeline-model-parallel-size {pp}; "
+                f"Megatron asserts the layout's length divides by PP. Give "
+                f"{', '.join(map(str, nearest_multiples(stages, pp)))} stages ('|' separated)."
+            )
+        )
         return
     result.size = stages // pp
     result.given = f"{LAYOUT}: {stages} stages / --pipeline-model-parallel-size {pp}"
@@ -181,30 +216,39 @@ def _from_layout(split: LayerSplit, result: VirtualPipeline) -> None:
 def _from_layers_per_stage(split: LayerSplit, result: VirtualPipeline) -> None:
     per_stage, pp = split.num_layers_per_virtual_pipeline_stage, split.pipeline_model_parallel_size
     if split.uneven:
-        result.problems.append(LayerSplitError(
-            f"{PER_STAGE} {per_stage} is given with {FIRST if split.decoder_first_pipeline_num_layers else LAST}; "
-            f"Megatron asserts: \"please use {PER_RANK} to specify virtual pipeline parallel degree when enable "
-            f"uneven pipeline parallelism\". Give {PER_RANK} N instead of {PER_STAGE}."
-        ))
+        result.problems.append(
+            LayerSplitError(
+                f"{PER_STAGE} {per_stage} is given with {FIRST if split.decoder_first_pipeline_num_layers else LAST}; "
+                f'Megatron asserts: "please use {PER_RANK} to specify virtual pipeline parallel degree when enable '
+                f'uneven pipeline parallelism". Give {PER_RANK} N instead of {PER_STAGE}.'
+            )
+        )
         return
     layers = split.num_layers if split.num_layers is not None else split.decoder_num_layers
     if layers is None:
-        result.problems.append(LayerSplitError(
-            f"{PER_STAGE} {per_stage} needs --num-layers to derive the virtual pipeline size "
-            f"(layers / PP / {PER_STAGE})."
-        ))
+        result.problems.append(
+            LayerSplitError(
+                f"{PER_STAGE} {per_stage} needs --num-layers to derive the virtual pipeline size "
+                f"(layers / PP / {PER_STAGE})."
+            )
+        )
         return
     total = layers + split.extra_layers
     if total % pp:
-        result.problems.append(_not_divisible(split, layers, "number of layers of the model must be divisible pipeline "
-                                                             "model parallel size"))
+        result.problems.append(
+            _not_divisible(
+                split, layers, "number of layers of the model must be divisible pipeline model parallel size"
+            )
+        )
         return
     if (total // pp) % per_stage:
-        result.problems.append(LayerSplitError(
-            f"{PER_STAGE} {per_stage} does not divide the {total // pp} layers of each pipeline stage "
-            f"({_layers_text(split, layers)} / --pipeline-model-parallel-size {pp}); valid values: "
-            f"{divisor_list(total // pp)}."
-        ))
+        result.problems.append(
+            LayerSplitError(
+                f"{PER_STAGE} {per_stage} does not divide the {total // pp} layers of each pipeline stage "
+                f"({_layers_text(split, layers)} / --pipeline-model-parallel-size {pp}); valid values: "
+                f"{divisor_list(total // pp)}."
+            )
+        )
         return
     result.size = total // pp // per_stage
     result.given = f"{_layers_text(split, layers)} / --pipeline-model-parallel-size {pp} / {PER_STAGE} {per_stage}"
@@ -219,57 +263,76 @@ def _split_problems(split: LayerSplit, vpp: VirtualPipeline) -> list[LayerSplitE
     layers, pp = split.num_layers, split.pipeline_model_parallel_size
     total = layers + split.extra_layers
     if total % pp:
-        return [_not_divisible(split, layers, "Number of layers should be divisible by the pipeline-model-parallel "
-                                              "size")]
+        return [
+            _not_divisible(split, layers, "Number of layers should be divisible by the pipeline-model-parallel size")
+        ]
     if vpp.size is not None and (total // pp) % vpp.size:
-        return [LayerSplitError(
-            f"the {total // pp} layers of each pipeline rank ({_layers_text(split, layers)} / "
-            f"--pipeline-model-parallel-size {pp}) do not divide by the virtual pipeline size {vpp.size} "
-            f"({vpp.given}); Megatron asserts num_layers_per_pipeline_rank % vp_size == 0. Use a virtual pipeline "
-            f"size in {{{divisor_list(total // pp)}}}."
-        )]
+        return [
+            LayerSplitError(
+                f"the {total // pp} layers of each pipeline rank ({_layers_text(split, layers)} / "
+                f"--pipeline-model-parallel-size {pp}) do not divide by the virtual pipeline size {vpp.size} "
+                f"({vpp.given}); Megatron asserts num_layers_per_pipeline_rank % vp_size == 0. Use a virtual pipeline "
+                f"size in {{{divisor_list(total // pp)}}}."
+            )
+        ]
     return []
 
 
 def _uneven_problems(split: LayerSplit, vpp: VirtualPipeline) -> list[LayerSplitError]:
     """An uneven first/last stage: TransformerConfig's and get_num_layers_to_build's rules."""
     if split.extra_layers:
-        return [LayerSplitError(
-            f"{FIRST}/{LAST} cannot be combined with {EMBEDDING} or {LOSS}; Megatron refuses the pair "
-            f"(\"num_layers_in_first_pipeline_stage and num_layers_in_last_pipeline_stage cannot be set at the same "
-            f"time with account_for_embedding_in_pipeline_split\"). Keep one way of balancing the stages."
-        )]
+        return [
+            LayerSplitError(
+                f"{FIRST}/{LAST} cannot be combined with {EMBEDDING} or {LOSS}; Megatron refuses the pair "
+                f'("num_layers_in_first_pipeline_stage and num_layers_in_last_pipeline_stage cannot be set at the same '
+                f'time with account_for_embedding_in_pipeline_split"). Keep one way of balancing the stages.'
+            )
+        ]
     problems, middle, stages = [], split.num_layers, split.pipeline_model_parallel_size
     ends = ((FIRST, split.decoder_first_pipeline_num_layers), (LAST, split.decoder_last_pipeline_num_layers))
     for flag, given in ends:
         if given is None:
             continue
         if given < 1 or (vpp.size is not None and given % vpp.size):
-            problems.append(LayerSplitError(
-                f"{flag} {given} must be at least 1"
-                f"{' and a multiple of the virtual pipeline size ' if vpp.size else ''}"
-                f"{f'{vpp.size} ({vpp.given})' if vpp.size else ''}; Megatron refuses it otherwise."
-            ))
+            problems.append(
+                LayerSplitError(
+                    f"{flag} {given} must be at least 1"
+                    f"{' and a multiple of the virtual pipeline size ' if vpp.size else ''}"
+                    f"{f'{vpp.size} ({vpp.given})' if vpp.size else ''}; Megatron refuses it otherwise."
+                )
+            )
         middle, stages = middle - given, stages - 1  # type: ignore[operator]
     if problems:
         return problems
     if bool(middle) != bool(stages) or (stages and middle % stages):  # type: ignore[operator]
-        problems.append(LayerSplitError(
-            f"--num-layers {split.num_layers} leaves {middle} layers for the {stages} middle pipeline stage(s) after "
-            f"{FIRST}/{LAST}, which do not split evenly; Megatron refuses it (\"number of layers at middle stage must "
-            f"be divisible by the middle pipeline model parallel size\"). Change --num-layers or the first/last counts."
-        ))
+        problems.append(
+            LayerSplitError(
+                f"--num-layers {split.num_layers} leaves {middle} layers for the {stages} middle pipeline stage(s) "
+                f'after {FIRST}/{LAST}, which do not split evenly; Megatron refuses it ("number of layers at middle '
+                f'stage must be divisible by the middle pipeline model parallel size"). Change --num-layers or the '
+                "first/last counts."
+            )
+        )
     elif stages and vpp.size is not None and (middle // stages) % vpp.size:  # type: ignore[operator]
-        problems.append(LayerSplitError(
-            f"the {middle // stages} layers on each middle pipeline rank do not divide by the virtual pipeline size "  # type: ignore[operator]
-            f"{vpp.size} ({vpp.given}); Megatron refuses it. Change --num-layers or the first/last counts."
-        ))
+        problems.append(
+            LayerSplitError(
+                f"the {middle // stages} layers on each middle pipeline rank "  # type: ignore[operator]
+                f"do not divide by the virtual pipeline size {vpp.size} ({vpp.given}); Megatron refuses it. "
+                "Change --num-layers or the first/last counts."
+            )
+        )
     return problems
 
 
 def _layers_text(split: LayerSplit, layers: int) -> str:
-    extra = [f for f, on in ((EMBEDDING, split.account_for_embedding_in_pipeline_split),
-                             (LOSS, split.account_for_loss_in_pipeline_split)) if on]
+    extra = [
+        f
+        for f, on in (
+            (EMBEDDING, split.account_for_embedding_in_pipeline_split),
+            (LOSS, split.account_for_loss_in_pipeline_split),
+        )
+        if on
+    ]
     if not extra:
         return f"--num-layers {layers}"
     return f"--num-layers {layers} + 1 for each of {' and '.join(extra)} = {layers + len(extra)}"
@@ -280,7 +343,7 @@ def _not_divisible(split: LayerSplit, layers: int, reason: str) -> LayerSplitErr
     nearest = [n - split.extra_layers for n in nearest_multiples(total, pp) if n > split.extra_layers]
     return LayerSplitError(
         f"{_layers_text(split, layers)} is not a multiple of --pipeline-model-parallel-size {pp}, so the layers do "
-        f"not split evenly over the pipeline stages; Megatron asserts \"{reason}\". Nearest valid --num-layers: "
+        f'not split evenly over the pipeline stages; Megatron asserts "{reason}". Nearest valid --num-layers: '
         f"{', '.join(map(str, nearest))}; or an uneven first/last stage ({FIRST}, {LAST})."
     )
 

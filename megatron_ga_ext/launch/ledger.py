@@ -39,12 +39,17 @@ LEDGER_KEYS = tuple(LEDGER_RULES)
 #: The quantities the global batch decides (None while it breaks a rule).
 _BY_BATCH = ("num_microbatches", "samples_per_rank_per_step", "pipeline_bubble_fraction")
 #: Sizes a line gives; Megatron's default where it does not.
-_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-          "expert_model_parallel_size")
+_SIZES = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+)
 
 
-def known_ledger(kwargs: Mapping[str, object], batch_known: bool = True
-                 ) -> tuple[dict[str, int | float | None], BatchLayout | None]:
+def known_ledger(
+    kwargs: Mapping[str, object], batch_known: bool = True
+) -> tuple[dict[str, int | float | None], BatchLayout | None]:
     """(the ledger, the layout where every rule holds, else None) of BatchLayout ``kwargs``: the numbers a broken
     rule does not decide are kept. ``batch_known=False``: no global batch is known (a schedule that does not
     resolve), so none is shown, not Megatron's default MBS x DP."""
@@ -82,15 +87,22 @@ def _raw(kwargs: Mapping[str, object]) -> dict[str, int | float | None]:
     return ledger
 
 
-def ledger_sources(kwargs: Mapping[str, object], spelled: Mapping[str, str],
-                   batch_source: str | None) -> dict[str, str]:
+def ledger_sources(
+    kwargs: Mapping[str, object], spelled: Mapping[str, str], batch_source: str | None
+) -> dict[str, str]:
     """Where each quantity came from: the flag as the line spelled it (``given`` of ``kwargs`` for a size from
     several flags), Megatron's default where the line leaves it, else its formula. ``spelled`` maps a declared flag
     to its spelling on the line; ``batch_source`` says where the global batch came from (None: the flag)."""
     given: Mapping[str, str] = kwargs.get("given") or {}  # type: ignore[assignment]
     sources = {key: rule for key, (_, rule) in LEDGER_RULES.items()}
-    for key in ("world_size", *_SIZES, "virtual_pipeline_model_parallel_size", "micro_batch_size",
-                "global_batch_size", "seq_length"):
+    for key in (
+        "world_size",
+        *_SIZES,
+        "virtual_pipeline_model_parallel_size",
+        "micro_batch_size",
+        "global_batch_size",
+        "seq_length",
+    ):
         flag = FLAGS.get(key)
         if key in given and " " in given[key]:
             sources[key] = given[key]

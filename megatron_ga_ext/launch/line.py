@@ -28,8 +28,16 @@ from megatron_ga_ext.launch.report import Edit, Note, Problem
 from megatron_ga_ext.launch.script import is_script, read_script
 from megatron_ga_ext.launch.slurm import Slurm, read_slurm, slurm_world, torchrun_under_slurm
 
-__all__ = ["Launch", "LaunchLayout", "UsageError", "ga_values", "layout_kwargs", "parse_int", "parse_launch",
-           "read_layout"]
+__all__ = [
+    "Launch",
+    "LaunchLayout",
+    "UsageError",
+    "ga_values",
+    "layout_kwargs",
+    "parse_int",
+    "parse_launch",
+    "read_layout",
+]
 
 _LAUNCHER = {option.flag for option in LAUNCHER_OPTIONS}
 #: The module of the drop-in entry (megatron_ga_ext/__main__.py).
@@ -113,8 +121,10 @@ def parse_launch(tokens: list[str], environment: Mapping[str, str] | None = None
         script = read_script(tokens[0], environment)
         tokens, sbatch = script.words, script.sbatch
         launch.read_as = "a pasted script, its arrays and variables expanded as bash expands them"
-        launch.read_notes += [Note(severity="info", text=f"${name} is {value}, from the environment check runs in.")
-                              for name, value in script.from_environment.items()]
+        launch.read_notes += [
+            Note(severity="info", text=f"${name} is {value}, from the environment check runs in.")
+            for name, value in script.from_environment.items()
+        ]
         launch.read_problems += [_orphan(words) for words in script.orphans]
     elif len(tokens) == 1 and " " in tokens[0].strip():
         try:  # as the shell reads a line: line continuations joined, comments dropped
@@ -142,7 +152,10 @@ def _orphan(words: str) -> Problem:
     return Problem(
         message=f"the script runs '{words[:80]}' as a command of its own: the line before it does not end with '\\', "
         f"so the launch never gets {first} and what follows it. End the line before with '\\'.",
-        rule="script-continuation", flag=first, fix="End the line before with '\\'.")
+        rule="script-continuation",
+        flag=first,
+        fix="End the line before with '\\'.",
+    )
 
 
 def _read(launch: Launch, option: Option, flag: str, name: str, tokens: list[str], i: int, inline: str | None) -> int:
@@ -259,10 +272,20 @@ def read_layout(launch: Launch, world_size: int | None = None, *, missing_ok: bo
     if kwargs["micro_batch_size"] is None:
         if not missing_ok:
             raise UsageError(MISSING_MICRO_BATCH)
-        read_problems.append(Problem(message=MISSING_MICRO_BATCH, rule="micro-batch-size-missing",
-                                     flag="--micro-batch-size", fix="Give --micro-batch-size N."))
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                 "expert_model_parallel_size"):
+        read_problems.append(
+            Problem(
+                message=MISSING_MICRO_BATCH,
+                rule="micro-batch-size-missing",
+                flag="--micro-batch-size",
+                fix="Give --micro-batch-size N.",
+            )
+        )
+    for name in (
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "context_parallel_size",
+        "expert_model_parallel_size",
+    ):
         if kwargs[name] is None:
             kwargs[name] = 1
     seq_problems = _seq_length(launch, ints, kwargs, given)
@@ -275,12 +298,18 @@ def read_layout(launch: Launch, world_size: int | None = None, *, missing_ok: bo
         if flag in launch.spelled and launch.spelled[flag] != flag and name not in given:
             given[name] = launch.spelled[flag]
     kwargs["given"] = given
-    return LaunchLayout(kwargs=kwargs, virtual_pipeline=vpp, seq_problems=seq_problems, read_problems=read_problems,
-                        read_notes=found.notes if found is not None else [])
+    return LaunchLayout(
+        kwargs=kwargs,
+        virtual_pipeline=vpp,
+        seq_problems=seq_problems,
+        read_problems=read_problems,
+        read_notes=found.notes if found is not None else [],
+    )
 
 
-def _checked_world(launch: Launch, ints: dict[str, int], given: dict[str, str], world_size: int | None,
-                   found: _Found | None) -> int:
+def _checked_world(
+    launch: Launch, ints: dict[str, int], given: dict[str, str], world_size: int | None, found: _Found | None
+) -> int:
     """The world size: the line's, else ``world_size`` (check's --world-size). With ``problems`` (check), a
     ``world_size`` the line contradicts (its own --world-size or --nnodes x --nproc-per-node, or one that is not a
     multiple of --nproc-per-node where --nnodes is left open) is a problem, and the line's world is kept; without
@@ -302,15 +331,23 @@ def _checked_world(launch: Launch, ints: dict[str, int], given: dict[str, str], 
         given["world_size"] = check + nodes
         return world_size
     if open_nodes:
-        reason = (f"is not a multiple of the line's {launch.name('--nproc-per-node')} {nproc} (ranks per node), so no "
-                  f"number of nodes gives it")
+        reason = (
+            f"is not a multiple of the line's {launch.name('--nproc-per-node')} {nproc} (ranks per node), so no "
+            f"number of nodes gives it"
+        )
     else:
         line_given = given.get("world_size", f"--world-size {line_world}")
         reason = f"contradicts the line, whose {line_given} start {line_world:,} ranks"
-    found.problems.append(Problem(
-        message=f"{check} {reason}: the ledger shows the line's {line_world:,}. Drop check's --world-size, or change "
-        f"the line's launcher flags.", rule="world-size-contradiction", flag="--world-size", value=str(world_size),
-        fix="Drop check's --world-size, or change the line's launcher flags."))
+    found.problems.append(
+        Problem(
+            message=f"{check} {reason}: the ledger shows the line's {line_world:,}. Drop check's --world-size, or "
+            f"change the line's launcher flags.",
+            rule="world-size-contradiction",
+            flag="--world-size",
+            value=str(world_size),
+            fix="Drop check's --world-size, or change the line's launcher flags.",
+        )
+    )
     return line_world
 
 
@@ -343,15 +380,19 @@ def _seq_length(launch: Launch, ints: dict[str, int], kwargs: dict[str, object],
     """Megatron's seq_length: --seq-length, else --encoder-seq-length (arguments.py maps it so); the problems."""
     seq, encoder, decoder = (ints.get(k) for k in ("seq_length", "encoder_seq_length", "decoder_seq_length"))
     if seq is not None and encoder is not None:
-        return [f"--seq-length {seq} and --encoder-seq-length {encoder} are both given; Megatron asserts "
-                f"encoder_seq_length is None when --seq-length is set (it copies one into the other). Keep one."]
+        return [
+            f"--seq-length {seq} and --encoder-seq-length {encoder} are both given; Megatron asserts "
+            f"encoder_seq_length is None when --seq-length is set (it copies one into the other). Keep one."
+        ]
     if seq is None and encoder is not None:
         kwargs["seq_length"] = encoder
         given["seq_length"] = launch.name("--encoder-seq-length")
     if seq is None and encoder is None and decoder is not None:
-        return [f"--decoder-seq-length {decoder} is given without --seq-length or --encoder-seq-length; Megatron "
-                f"asserts encoder_seq_length is not None: the decoder length does not set the sequence length "
-                f"that schedules and tokens per step use. Add --seq-length."]
+        return [
+            f"--decoder-seq-length {decoder} is given without --seq-length or --encoder-seq-length; Megatron "
+            f"asserts encoder_seq_length is not None: the decoder length does not set the sequence length "
+            f"that schedules and tokens per step use. Add --seq-length."
+        ]
     return []
 
 
@@ -379,11 +420,15 @@ def _world_size(launch: Launch, ints: dict[str, int], given: dict[str, str], fou
         )
     per_node = read_int(nproc_flag, nproc)
     nodes = _nnodes(launch, nnodes)
-    given["world_size"] = f"{launch.name('--nnodes')} {nodes} x {nproc_flag} {per_node}" if nnodes is not None \
+    given["world_size"] = (
+        f"{launch.name('--nnodes')} {nodes} x {nproc_flag} {per_node}"
+        if nnodes is not None
         else f"{nproc_flag} {per_node}"
+    )
     if found is not None:
-        found.problems += torchrun_under_slurm(launch.slurm, launch.name("--nnodes"),
-                                               nodes if nnodes is not None else None)
+        found.problems += torchrun_under_slurm(
+            launch.slurm, launch.name("--nnodes"), nodes if nnodes is not None else None
+        )
     return nodes * per_node
 
 

@@ -27,8 +27,19 @@ from megatron_ga_ext.errors import GAError
 from megatron_ga_ext.launch.line import Launch, LaunchLayout, ga_values, read_ints
 from megatron_ga_ext.launch.report import Edit, Note, Problem, problem_of
 
-__all__ = ["coverage_problems", "launch_args", "launch_notes", "launch_schedule", "launch_setting", "line_problems",
-           "loss_reduction_note", "rule_problems", "stage_problems", "train_length_problems", "upstream_findings"]
+__all__ = [
+    "coverage_problems",
+    "launch_args",
+    "launch_notes",
+    "launch_schedule",
+    "launch_setting",
+    "line_problems",
+    "loss_reduction_note",
+    "rule_problems",
+    "stage_problems",
+    "train_length_problems",
+    "upstream_findings",
+]
 
 
 # -- Megatron's parser ----------------------------------------------------------------------------------
@@ -37,17 +48,29 @@ __all__ = ["coverage_problems", "launch_args", "launch_notes", "launch_schedule"
 def line_problems(launch: Launch) -> list[Problem]:
     """What Megatron's parser itself refuses: flags it does not define, words it cannot place; and repeats."""
     problems = [
-        Problem(message=f"{launch.name(flag)} is given {len(vals)} times ({', '.join(' '.join(v) for v in vals)}); "
-                f"Megatron keeps the last ({' '.join(vals[-1])}). Give it once.",
-                rule="repeated-flag", flag=launch.name(flag), value=" ".join(vals[-1]), fix="Give it once.")
+        Problem(
+            message=f"{launch.name(flag)} is given {len(vals)} times ({', '.join(' '.join(v) for v in vals)}); "
+            f"Megatron keeps the last ({' '.join(vals[-1])}). Give it once.",
+            rule="repeated-flag",
+            flag=launch.name(flag),
+            value=" ".join(vals[-1]),
+            fix="Give it once.",
+        )
         for flag, vals in launch.repeated.items()
     ]
     for flag, values in launch.not_megatron.items():
-        problems.append(Problem(
-            message=f"{flag} {' '.join(values)} is not a flag of Megatron's parser (no tested release, core_v0.16.1 "
-            f"to main, defines it): Megatron stops with \"unrecognized arguments\". {NOT_MEGATRON[flag]}.",
-            rule="unknown-flag", flag=flag, value=" ".join(values), fix=f"{NOT_MEGATRON[flag]}.",
-            edit=Edit(drop=(flag,))))
+        problems.append(
+            Problem(
+                message=f"{flag} {' '.join(values)} is not a flag of Megatron's parser (no tested release, "
+                f'core_v0.16.1 to main, defines it): Megatron stops with "unrecognized arguments". '
+                f"{NOT_MEGATRON[flag]}.",
+                rule="unknown-flag",
+                flag=flag,
+                value=" ".join(values),
+                fix=f"{NOT_MEGATRON[flag]}.",
+                edit=Edit(drop=(flag,)),
+            )
+        )
     for flag, words in launch.stray.items():
         problems.append(_stray_problem(launch, flag, words))
     return problems
@@ -57,17 +80,24 @@ def _stray_problem(launch: Launch, flag: str, words: list[str]) -> Problem:
     given = f"{launch.name(flag)} {' '.join(launch.values[flag])}"
     if flag == SCHEDULE_FLAG and all(":" in w for w in words):
         whole = " ".join([*launch.values[flag], *words])
-        fix = f"Quote the whole schedule: {flag} \"{whole}\""
+        fix = f'Quote the whole schedule: {flag} "{whole}"'
         return Problem(
             message=f"{given} is followed by {' '.join(words)}: the schedule was split into words (an unquoted shell "
-            f"variable or array?), so Megatron reads only {launch.values[flag][0]!r} and stops with \"unrecognized "
-            f"arguments: {' '.join(words)}\". {fix} (its stages are checked as if quoted).",
-            rule="split-schedule", flag=launch.name(flag), value=launch.values[flag][0], fix=fix + ".")
+            f'variable or array?), so Megatron reads only {launch.values[flag][0]!r} and stops with "unrecognized '
+            f'arguments: {" ".join(words)}". {fix} (its stages are checked as if quoted).',
+            rule="split-schedule",
+            flag=launch.name(flag),
+            value=launch.values[flag][0],
+            fix=fix + ".",
+        )
     return Problem(
         message=f"{given} is followed by {' '.join(words)}, which no flag takes: Megatron's parser has no positional "
-        f"arguments and stops with \"unrecognized arguments: {' '.join(words)}\". Drop them, or quote the value.",
-        rule="stray-words", flag=launch.name(flag), value=" ".join(launch.values[flag]),
-        fix="Drop them, or quote the value.")
+        f'arguments and stops with "unrecognized arguments: {" ".join(words)}". Drop them, or quote the value.',
+        rule="stray-words",
+        flag=launch.name(flag),
+        value=" ".join(launch.values[flag]),
+        fix="Drop them, or quote the value.",
+    )
 
 
 def train_length_problems(launch: Launch) -> list[Problem]:
@@ -76,10 +106,16 @@ def train_length_problems(launch: Launch) -> list[Problem]:
     iters, samples = launch.get("--train-iters"), launch.get("--train-samples")
     problems = []
     if iters is not None and samples is not None:
-        problems.append(Problem(
-            message=f"--train-iters {iters} and --train-samples {samples} are both given; Megatron asserts \"expected "
-            f"iteration-based training\" (a run is counted in one unit). Keep one.",
-            rule="train-length-units", flag="--train-iters", value=iters, fix="Keep one of them."))
+        problems.append(
+            Problem(
+                message=f"--train-iters {iters} and --train-samples {samples} are both given; Megatron asserts "
+                f'"expected iteration-based training" (a run is counted in one unit). Keep one.',
+                rule="train-length-units",
+                flag="--train-iters",
+                value=iters,
+                fix="Keep one of them.",
+            )
+        )
         return problems
     unit, other = ("samples", "iters") if samples is not None else ("iters", "samples")
     if iters is None and samples is None:
@@ -89,11 +125,17 @@ def train_length_problems(launch: Launch) -> list[Problem]:
         value = launch.get(flag)
         if value is None or (other == "iters" and name == "--lr-warmup" and value == "0"):
             continue
-        problems.append(Problem(
-            message=f"{flag} {value} is counted in {other}, but the run is counted in {unit} "
-            f"(--train-{unit}); Megatron asserts \"expected {'sample' if unit == 'samples' else 'iteration'}-based "
-            f"learning rate {'decay' if 'decay' in name else 'warmup'}\". Give {name}-{unit} instead.",
-            rule="train-length-units", flag=flag, value=value, fix=f"Give {name}-{unit} instead."))
+        problems.append(
+            Problem(
+                message=f"{flag} {value} is counted in {other}, but the run is counted in {unit} "
+                f'(--train-{unit}); Megatron asserts "expected {"sample" if unit == "samples" else "iteration"}-based '
+                f'learning rate {"decay" if "decay" in name else "warmup"}". Give {name}-{unit} instead.',
+                rule="train-length-units",
+                flag=flag,
+                value=value,
+                fix=f"Give {name}-{unit} instead.",
+            )
+        )
     return problems
 
 
@@ -113,7 +155,7 @@ def rule_problems(launch: Launch, layout: BatchLayout | None) -> list[Problem]:
 def _rule_edit(launch: Launch, rule: str, values: dict) -> Edit | None:
     """The edit of the line that fixes a broken rule, where one edit does."""
     if rule.startswith("flag:"):
-        option = GA_FLAGS[rule[len("flag:"):]]
+        option = GA_FLAGS[rule[len("flag:") :]]
         near = closest_choice(option, values.get(option.field)) if option.choices else None
         return Edit(give=((option.flag, (near,)),)) if near else None
     if rule == "loss-mode":
@@ -158,8 +200,12 @@ def launch_setting(launch: Launch) -> Setting:
             given = launch.values[option.flag]
             values[option.dest] = given[0] if option.nargs == 1 else given
     ga = ga_values(launch)
-    return Setting(values, **{name: ga[name] for name in ("loss_reduction", "zero_token_policy", "checks",
-                                                           "convert_rampup") if name in ga})
+    return Setting(
+        values,
+        **{
+            name: ga[name] for name in ("loss_reduction", "zero_token_policy", "checks", "convert_rampup") if name in ga
+        },
+    )
 
 
 # -- the coverage table -------------------------------------------------------------------------------------
@@ -169,8 +215,10 @@ def coverage_problems(launch: Launch) -> list[Problem]:
     """With the extension on the line, each row that refuses the launch (its message names why and what instead)."""
     if not launch.extension:
         return []
-    return [problem_of(row.message(), f"coverage:{row.id}", flag=row.flags[0], fix=row.instead or None)
-            for row in verdict(launch_setting(launch)).refused]
+    return [
+        problem_of(row.message(), f"coverage:{row.id}", flag=row.flags[0], fix=row.instead or None)
+        for row in verdict(launch_setting(launch)).refused
+    ]
 
 
 def upstream_findings(launch: Launch) -> tuple[list[Problem], list[Note]]:
@@ -183,12 +231,19 @@ def upstream_findings(launch: Launch) -> tuple[list[Problem], list[Note]]:
         link = f"docs/coverage.md#{row.id}"
         if trap.severity == "wrong":
             edit = Edit(drop=trap.drop, entry=trap.entry) if trap.drop or trap.entry else None
-            problems.append(Problem(
-                message=f"without megatron-ga-ext, {trap.given}: {trap.effect}. {trap.fix} ({link})",
-                rule=f"upstream:{row.id}", flag=row.flags[0], fix=trap.fix, edit=edit))
+            problems.append(
+                Problem(
+                    message=f"without megatron-ga-ext, {trap.given}: {trap.effect}. {trap.fix} ({link})",
+                    rule=f"upstream:{row.id}",
+                    flag=row.flags[0],
+                    fix=trap.fix,
+                    edit=edit,
+                )
+            )
         else:
-            notes.append(Note(severity="careful", text=trap.brief or f"{trap.given}: {trap.effect}. {trap.fix}",
-                              link=link))
+            notes.append(
+                Note(severity="careful", text=trap.brief or f"{trap.given}: {trap.effect}. {trap.fix}", link=link)
+            )
     return problems, notes
 
 
@@ -209,17 +264,26 @@ def loss_reduction_note(launch: Launch) -> Note:
     mode = launch.get(LOSS_REDUCTION.flag) or LOSS_REDUCTION.default
     if not launch.extension:
         if per_token:
-            return Note(severity="info", text="per-token loss (--calculate-per-token-loss), as Megatron runs it, "
-                        "unchecked: megatron-ga-ext is not on this line.")
-        return Note(severity="info", text="upstream's mean of means: each micro-batch's loss over its own tokens, "
-                    "averaged. megatron-ga-ext is not on this line.")
+            return Note(
+                severity="info",
+                text="per-token loss (--calculate-per-token-loss), as Megatron runs it, "
+                "unchecked: megatron-ga-ext is not on this line.",
+            )
+        return Note(
+            severity="info",
+            text="upstream's mean of means: each micro-batch's loss over its own tokens, "
+            "averaged. megatron-ga-ext is not on this line.",
+        )
     if mode not in LOSS_REDUCTION.choices:
-        return Note(severity="info", text=f"loss reduction unknown: {LOSS_REDUCTION.flag} {mode!r} is not a choice "
-                    "(see the problems).")
+        return Note(
+            severity="info",
+            text=f"loss reduction unknown: {LOSS_REDUCTION.flag} {mode!r} is not a choice (see the problems).",
+        )
     if mode == "token":
         turned = "" if per_token else "; install() turns on --calculate-per-token-loss"
-        return Note(severity="info", text=f"token-level loss ({LOSS_REDUCTION.flag} token), checked every step"
-                    f"{turned}.")
+        return Note(
+            severity="info", text=f"token-level loss ({LOSS_REDUCTION.flag} token), checked every step{turned}."
+        )
     return Note(severity="info", text=f"upstream's mean of means ({LOSS_REDUCTION.flag} microbatch).")
 
 
@@ -287,27 +351,47 @@ def _ignored_rampup(launch: Launch, inputs: ScheduleInputs) -> tuple[StepSchedul
     ignored = rampup_ignored_message(rampup, inputs.global_batch_size)  # type: ignore[arg-type]
     iters = launch.get("--train-iters")
     if iters is not None:
-        ignored += (f" (megatron-core 0.16 and 0.17 stop instead: with --train-iters {iters} they assert \"expected no "
-                    f"batch-size rampup for iteration-based training\".)")
+        ignored += (
+            f' (megatron-core 0.16 and 0.17 stop instead: with --train-iters {iters} they assert "expected no '
+            f'batch-size rampup for iteration-based training".)'
+        )
     edit = Edit(give=((CONVERT_RAMPUP.flag, ()),))
     try:
         schedule = resolve_schedule(replace(inputs, convert_rampup=True))
     except GAError as error:
-        return None, [problem_of(f"{ignored} It has no equivalent step schedule either: {error}", "rampup-ignored",
-                                 flag="--rampup-batch-size", value=" ".join(map(str, rampup)))]  # type: ignore[arg-type]
+        return None, [
+            problem_of(
+                f"{ignored} It has no equivalent step schedule either: {error}",
+                "rampup-ignored",
+                flag="--rampup-batch-size",
+                value=" ".join(map(str, rampup)),
+            )
+        ]  # type: ignore[arg-type]
     fix = f"Pass {CONVERT_RAMPUP.flag} to run the equivalent step schedule."
-    problem = problem_of(ignored, "rampup-ignored", flag="--rampup-batch-size", value=" ".join(map(str, rampup)),  # type: ignore[arg-type]
-                         fix=fix, edit=edit)
+    problem = problem_of(
+        ignored,
+        "rampup-ignored",
+        flag="--rampup-batch-size",
+        value=" ".join(map(str, rampup)),  # type: ignore[arg-type]
+        fix=fix,
+        edit=edit,
+    )
     return schedule, [problem]
 
 
 def _schedule_flag_problems(launch: Launch, inputs: ScheduleInputs) -> list[Problem]:
     if inputs.step_batch_size_schedule is not None and launch.get("--global-batch-size") is not None:
-        return [Problem(
-            message=f"--global-batch-size is given together with {SCHEDULE_FLAG}; Megatron refuses the pair (the "
-            f"schedule sets the batch size). Drop --global-batch-size.", rule="schedule-and-global-batch-size",
-            flag="--global-batch-size", value=launch.get("--global-batch-size"), fix="Drop --global-batch-size.",
-            edit=Edit(drop=("--global-batch-size",)))]
+        return [
+            Problem(
+                message=f"--global-batch-size is given together with {SCHEDULE_FLAG}; Megatron refuses the pair (the "
+                f"schedule sets the batch size). Drop --global-batch-size.",
+                rule="schedule-and-global-batch-size",
+                flag="--global-batch-size",
+                value=launch.get("--global-batch-size"),
+                fix="Drop --global-batch-size.",
+                edit=Edit(drop=("--global-batch-size",)),
+            )
+        ]
     return []
 
 
@@ -316,8 +400,11 @@ def stage_problems(schedule: StepSchedule, layout: BatchLayout) -> list[Problem]
     return [
         problem_of(p.error, "schedule-stage", flag=SCHEDULE_FLAG, value=p.stage.spelling)
         for p in schedule.problems(
-            layout.micro_batch_size, layout.data_parallel_size, layout.pipeline_model_parallel_size,
-            layout.virtual_pipeline_size, microbatch_group_size_per_vp_stage=layout.microbatch_group_size_per_vp_stage,
+            layout.micro_batch_size,
+            layout.data_parallel_size,
+            layout.pipeline_model_parallel_size,
+            layout.virtual_pipeline_size,
+            microbatch_group_size_per_vp_stage=layout.microbatch_group_size_per_vp_stage,
             virtual_pipeline_given=layout.named("virtual_pipeline_model_parallel_size"),
         )
     ]

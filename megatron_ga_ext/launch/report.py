@@ -67,8 +67,14 @@ class Problem:
     edit: Edit | None = None
 
     def json(self) -> dict[str, Any]:
-        return {"flag": self.flag, "value": self.value, "rule": self.rule, "message": self.message,
-                "nearest": list(self.nearest), "fix": self.fix}
+        return {
+            "flag": self.flag,
+            "value": self.value,
+            "rule": self.rule,
+            "message": self.message,
+            "nearest": list(self.nearest),
+            "fix": self.fix,
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,12 +109,41 @@ class Found:
 _LEADING = re.compile(r"^(?P<flag>--[a-z0-9][a-z0-9_-]*)(?: (?P<value>'[^']*'|[^\s:;,]+))?")
 _NEAREST = re.compile(r"Nearest valid [^:]*: (?P<values>\d+(?:, \d+)*)")
 #: The verbs a fix sentence of the house style starts with.
-_FIX_VERBS = ("Use", "Give", "Drop", "Add", "Pass", "Keep", "Quote", "Change", "Train", "Write", "Move", "Begin",
-              "Set", "Make", "Choose", "Run", "Replace", "Remove", "Create", "Reduce", "Raise", "Or")
+_FIX_VERBS = (
+    "Use",
+    "Give",
+    "Drop",
+    "Add",
+    "Pass",
+    "Keep",
+    "Quote",
+    "Change",
+    "Train",
+    "Write",
+    "Move",
+    "Begin",
+    "Set",
+    "Make",
+    "Choose",
+    "Run",
+    "Replace",
+    "Remove",
+    "Create",
+    "Reduce",
+    "Raise",
+    "Or",
+)
 
 
-def problem_of(source: GAError | str, rule: str, *, flag: str | None = None, value: str | None = None,
-               fix: str | None = None, edit: Edit | None = None) -> Problem:
+def problem_of(
+    source: GAError | str,
+    rule: str,
+    *,
+    flag: str | None = None,
+    value: str | None = None,
+    fix: str | None = None,
+    edit: Edit | None = None,
+) -> Problem:
     """A :class:`Problem` from an error (or a message) in the house style: the flag and value it starts with, its
     nearest valid values and its fix sentences, where not given."""
     message = str(source)
@@ -118,8 +153,14 @@ def problem_of(source: GAError | str, rule: str, *, flag: str | None = None, val
         value = value.strip("'") if value is not None and value not in ("is", "and", "with", "needs") else None
     nearest = _NEAREST.search(message)
     return Problem(
-        message=message, rule=rule, flag=flag, value=value, fix=fix if fix is not None else fix_sentences(message),
-        nearest=tuple(int(v) for v in nearest.group("values").split(", ")) if nearest else (), edit=edit)
+        message=message,
+        rule=rule,
+        flag=flag,
+        value=value,
+        fix=fix if fix is not None else fix_sentences(message),
+        nearest=tuple(int(v) for v in nearest.group("values").split(", ")) if nearest else (),
+        edit=edit,
+    )
 
 
 def fix_sentences(message: str) -> str | None:
@@ -171,14 +212,30 @@ class StageTable:
         return (pp - 1) / (self.virtual_pipeline_size * row.num_microbatches + pp - 1)
 
     def json(self) -> dict[str, Any]:
-        rows = None if self.rows is None else [
-            {**{k: v for k, v in asdict(r).items() if not k.startswith("lr_")},
-             "pipeline_bubble_fraction": self.bubble(r)} for r in self.rows]
-        return {"source": self.source, "runs": self.runs, "summary": self.summary,
-                "micro_batch_size": self.micro_batch_size, "data_parallel_size": self.data_parallel_size,
-                "seq_length": self.seq_length, "train_samples": self.train_samples, "run_length": self.run_length,
-                "equivalent_schedule": self.equivalent, "warmup_batch_sizes": list(self.warmup or []) or None,
-                "stages": rows}
+        rows = (
+            None
+            if self.rows is None
+            else [
+                {
+                    **{k: v for k, v in asdict(r).items() if not k.startswith("lr_")},
+                    "pipeline_bubble_fraction": self.bubble(r),
+                }
+                for r in self.rows
+            ]
+        )
+        return {
+            "source": self.source,
+            "runs": self.runs,
+            "summary": self.summary,
+            "micro_batch_size": self.micro_batch_size,
+            "data_parallel_size": self.data_parallel_size,
+            "seq_length": self.seq_length,
+            "train_samples": self.train_samples,
+            "run_length": self.run_length,
+            "equivalent_schedule": self.equivalent,
+            "warmup_batch_sizes": list(self.warmup or []) or None,
+            "stages": rows,
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,6 +257,12 @@ class Report:
     """What the words were read as: a launch line, a pasted script, a Megatron-Bridge launch, a --yaml-cfg file."""
 
     def json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "ledger": self.ledger, "sources": self.sources, "ledger_stage": self.ledger_stage,
-                "stages": None if self.stages is None else self.stages.json(),
-                "problems": [p.json() for p in self.problems], "notes": [n.json() for n in self.notes]}
+        return {
+            "kind": self.kind,
+            "ledger": self.ledger,
+            "sources": self.sources,
+            "ledger_stage": self.ledger_stage,
+            "stages": None if self.stages is None else self.stages.json(),
+            "problems": [p.json() for p in self.problems],
+            "notes": [n.json() for n in self.notes],
+        }

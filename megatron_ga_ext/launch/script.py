@@ -35,8 +35,10 @@ _ARITH = re.compile(r"^[\d\s+\-*/%()]*$")
 #: Words that name a launch command (its program, by basename).
 _PROGRAMS = ("torchrun", "python", "python3", "srun", "deepspeed", "accelerate")
 #: The working pattern, shown where a script cannot be read.
-PATTERN = ('in the script, check the line the shell expands: LAUNCH=(torchrun ... pretrain_gpt.py ...); '
-           'megatron-ga check -- "${LAUNCH[@]}" && exec "${LAUNCH[@]}" (examples/launch.sh)')
+PATTERN = (
+    "in the script, check the line the shell expands: LAUNCH=(torchrun ... pretrain_gpt.py ...); "
+    'megatron-ga check -- "${LAUNCH[@]}" && exec "${LAUNCH[@]}" (examples/launch.sh)'
+)
 
 
 @dataclass
@@ -61,7 +63,9 @@ def read_script(text: str, environment: Mapping[str, str] | None = None) -> Scri
     """The launch of a pasted script (see the module docstring). UsageError where there is none."""
     env = os.environ if environment is None else environment
     reader = _Reader(env)
-    sbatch = [line.strip()[len("#SBATCH"):].strip() for line in text.splitlines() if line.strip().startswith("#SBATCH")]
+    sbatch = [
+        line.strip()[len("#SBATCH") :].strip() for line in text.splitlines() if line.strip().startswith("#SBATCH")
+    ]
     launch: list[str] | None = None
     orphans: list[str] = []
     for command in _commands(_tokens(text)):
@@ -73,8 +77,9 @@ def read_script(text: str, environment: Mapping[str, str] | None = None) -> Scri
         elif _is_launch(words):
             launch, orphans = words, []
     if launch is None:
-        raise UsageError(f"the pasted script has no launch command check can find (torchrun, python ... .py, srun); "
-                         f"{PATTERN}.")
+        raise UsageError(
+            f"the pasted script has no launch command check can find (torchrun, python ... .py, srun); {PATTERN}."
+        )
     sbatch_words = [w for line in sbatch for w in _split_plain(line)]
     return Script(words=launch, sbatch=sbatch_words, from_environment=reader.from_environment, orphans=orphans)
 
@@ -117,8 +122,8 @@ def _tokens(text: str) -> list[Token]:
         elif c == "'":
             j = text.find("'", i + 1)
             if j < 0:
-                raise UsageError(f"the pasted script has an unmatched ' (from {text[i:i + 40]!r}); {PATTERN}.")
-            word.append((text[i + 1:j], True, False))
+                raise UsageError(f"the pasted script has an unmatched ' (from {text[i : i + 40]!r}); {PATTERN}.")
+            word.append((text[i + 1 : j], True, False))
             word.append(("", True, False))  # '' is an empty word, not none
             i = j + 1
         elif c == '"':
@@ -134,7 +139,7 @@ def _tokens(text: str) -> list[Token]:
         elif c in "\n;|&":
             end_word()
             tokens.append("\n")
-            i += 2 if text[i:i + 2] in ("&&", "||") else 1
+            i += 2 if text[i : i + 2] in ("&&", "||") else 1
         elif c in "()":
             end_word()
             tokens.append(c)
@@ -166,7 +171,7 @@ def _double_quoted(text: str, i: int, word: Word) -> int:
 
 def _dollar(text: str, i: int, word: Word, quoted: bool) -> int:
     """``$...`` at ``text[i]``: its source text, to expand (a part with expand=True)."""
-    rest = text[i + 1:]
+    rest = text[i + 1 :]
     if rest.startswith("(("):
         end = _closing(text, i + 3, "((", "))")
     elif rest.startswith("("):
@@ -242,7 +247,7 @@ class _Reader:
                 end = tokens.index(")", 1) if ")" in tokens[1:] else len(tokens)
                 elements = [w for t in tokens[2:end] if not isinstance(t, str) for w in self.expand(t)]
                 self.variables[name] = (self.variables.get(name, []) if append else []) + elements
-                tokens = tokens[end + 1:]
+                tokens = tokens[end + 1 :]
             else:
                 value = self._assigned(tokens[0], len(name) + len(append) + 1)
                 held = self.variables.get(name, [""])
@@ -321,8 +326,9 @@ class _Reader:
 
     def _arithmetic(self, expression: str) -> str:
         """``$((...))`` over whole numbers with + - * / %: the variables substituted first; as written otherwise."""
-        text = re.sub(r"\$?\{?([A-Za-z_][A-Za-z0-9_]*)\}?",
-                      lambda m: (self._variable(m.group(1)) or [m.group(0)])[0], expression)
+        text = re.sub(
+            r"\$?\{?([A-Za-z_][A-Za-z0-9_]*)\}?", lambda m: (self._variable(m.group(1)) or [m.group(0)])[0], expression
+        )
         if not _ARITH.match(text) or len(text) > 200:
             return f"$(({expression}))"
         try:

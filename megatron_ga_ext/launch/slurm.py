@@ -25,21 +25,92 @@ __all__ = ["LAUNCHERS", "Slurm", "read_slurm", "slurm_world", "torchrun_under_sl
 #: The Slurm commands that start or allocate a job.
 LAUNCHERS = ("srun", "sbatch", "salloc")
 #: The options check reads: every spelling -> the quantity.
-_READ = {"--nodes": "nodes", "-N": "nodes", "--ntasks": "ntasks", "-n": "ntasks",
-         "--ntasks-per-node": "ntasks_per_node", "--gpus-per-node": "gpus_per_node"}
+_READ = {
+    "--nodes": "nodes",
+    "-N": "nodes",
+    "--ntasks": "ntasks",
+    "-n": "ntasks",
+    "--ntasks-per-node": "ntasks_per_node",
+    "--gpus-per-node": "gpus_per_node",
+}
 #: srun/sbatch options that take a value (besides _READ), so their value is not taken for the program.
-_VALUED = {"--partition", "-p", "--account", "-A", "--time", "-t", "--job-name", "-J", "--output", "-o", "--error",
-           "-e", "--container-image", "--container-mounts", "--container-workdir", "--container-name", "--mpi",
-           "--cpus-per-task", "-c", "--mem", "--mem-per-gpu", "--mem-per-cpu", "--export", "--gres", "--constraint",
-           "-C", "--qos", "-q", "--reservation", "--nodelist", "-w", "--exclude", "-x", "--distribution", "-m",
-           "--cpu-bind", "--gpus", "-G", "--gpus-per-task", "--gpu-bind", "--chdir", "-D", "--dependency", "-d",
-           "--signal", "--wrap", "--comment", "--network", "--switches", "--begin", "--deadline", "--licenses", "-L",
-           "--open-mode", "--input", "-i", "--ntasks-per-socket", "--sockets-per-node", "--cores-per-socket",
-           "--threads-per-core", "--nice", "--priority", "--wckey", "--cluster", "-M", "--clusters"}
+_VALUED = {
+    "--partition",
+    "-p",
+    "--account",
+    "-A",
+    "--time",
+    "-t",
+    "--job-name",
+    "-J",
+    "--output",
+    "-o",
+    "--error",
+    "-e",
+    "--container-image",
+    "--container-mounts",
+    "--container-workdir",
+    "--container-name",
+    "--mpi",
+    "--cpus-per-task",
+    "-c",
+    "--mem",
+    "--mem-per-gpu",
+    "--mem-per-cpu",
+    "--export",
+    "--gres",
+    "--constraint",
+    "-C",
+    "--qos",
+    "-q",
+    "--reservation",
+    "--nodelist",
+    "-w",
+    "--exclude",
+    "-x",
+    "--distribution",
+    "-m",
+    "--cpu-bind",
+    "--gpus",
+    "-G",
+    "--gpus-per-task",
+    "--gpu-bind",
+    "--chdir",
+    "-D",
+    "--dependency",
+    "-d",
+    "--signal",
+    "--wrap",
+    "--comment",
+    "--network",
+    "--switches",
+    "--begin",
+    "--deadline",
+    "--licenses",
+    "-L",
+    "--open-mode",
+    "--input",
+    "-i",
+    "--ntasks-per-socket",
+    "--sockets-per-node",
+    "--cores-per-socket",
+    "--threads-per-core",
+    "--nice",
+    "--priority",
+    "--wckey",
+    "--cluster",
+    "-M",
+    "--clusters",
+}
 #: The allocation's variables: the quantity each gives.
-_ENVIRONMENT = (("SLURM_NNODES", "nodes"), ("SLURM_JOB_NUM_NODES", "nodes"), ("SLURM_NTASKS", "ntasks"),
-                ("SLURM_NPROCS", "ntasks"), ("SLURM_NTASKS_PER_NODE", "ntasks_per_node"),
-                ("SLURM_GPUS_PER_NODE", "gpus_per_node"))
+_ENVIRONMENT = (
+    ("SLURM_NNODES", "nodes"),
+    ("SLURM_JOB_NUM_NODES", "nodes"),
+    ("SLURM_NTASKS", "ntasks"),
+    ("SLURM_NPROCS", "ntasks"),
+    ("SLURM_NTASKS_PER_NODE", "ntasks_per_node"),
+    ("SLURM_GPUS_PER_NODE", "gpus_per_node"),
+)
 
 
 @dataclass
@@ -77,7 +148,7 @@ def read_slurm(words: list[str], sbatch: list[str] = (), environment: Mapping[st
             if value and key not in slurm.values:
                 slurm.values[key], slurm.given[key] = _first_count(value), f"{name}={value} from the environment"
         _options(list(sbatch), slurm, "#SBATCH")
-    slurm.program_index = _options(words[start + 1:], slurm, slurm.launcher) + start + 1
+    slurm.program_index = _options(words[start + 1 :], slurm, slurm.launcher) + start + 1
     return slurm
 
 
@@ -105,9 +176,11 @@ def _takes_value(words: list[str], i: int) -> bool:
     if following is None or following.startswith("-"):
         return False
     program = os.path.basename(following)
-    return not (program.startswith("python") or program in ("torchrun", "bash", "sh", "env", "apptainer",
-                                                             "singularity", "numactl", "nsys")
-                or following.endswith((".py", ".sh")))
+    return not (
+        program.startswith("python")
+        or program in ("torchrun", "bash", "sh", "env", "apptainer", "singularity", "numactl", "nsys")
+        or following.endswith((".py", ".sh"))
+    )
 
 
 def _first_count(value: str) -> str:
@@ -125,17 +198,26 @@ def slurm_world(slurm: Slurm, careful: bool = True) -> tuple[int, str, list[Note
     else:
         node_count = read_int("srun --nodes", nodes) if nodes is not None else 1
         tasks = read_int("srun --ntasks-per-node", per_node) if per_node is not None else 1
-        given = " x ".join([slurm.given.get("nodes", "1 node"),
-                            slurm.given.get("ntasks_per_node", "1 task per node (srun's default)")])
+        given = " x ".join(
+            [slurm.given.get("nodes", "1 node"), slurm.given.get("ntasks_per_node", "1 task per node (srun's default)")]
+        )
         world = node_count * tasks
         if per_node is None and gpus is not None and gpus.isdigit() and int(gpus) > 1:
-            notes.append(Note(
-                severity="careful", text=f"srun starts one task per node without --ntasks-per-node: "
-                f"--gpus-per-node {gpus} gives each task {gpus} GPUs, not {gpus} ranks. Add --ntasks-per-node {gpus} "
-                f"for a rank per GPU."))
-    notes.append(Note(
-        severity="careful", text="srun starts each rank itself: Megatron reads WORLD_SIZE, RANK and LOCAL_RANK from "
-        "the environment, which srun does not set; export them from SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID."))
+            notes.append(
+                Note(
+                    severity="careful",
+                    text=f"srun starts one task per node without --ntasks-per-node: "
+                    f"--gpus-per-node {gpus} gives each task {gpus} GPUs, not {gpus} ranks. Add --ntasks-per-node "
+                    f"{gpus} for a rank per GPU.",
+                )
+            )
+    notes.append(
+        Note(
+            severity="careful",
+            text="srun starts each rank itself: Megatron reads WORLD_SIZE, RANK and LOCAL_RANK from "
+            "the environment, which srun does not set; export them from SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID.",
+        )
+    )
     return world, given, notes if careful else []
 
 
@@ -146,15 +228,26 @@ def torchrun_under_slurm(slurm: Slurm, nnodes_flag: str, nnodes: int | None) -> 
     if slurm.launcher != "srun" or nodes is None or not nodes.isdigit() or int(nodes) < 2:
         return []
     if nnodes is None:
-        return [Problem(
-            message=f"{slurm.given['nodes']} starts torchrun on {nodes} nodes, but torchrun has no {nnodes_flag}: each "
-            f"node's torchrun starts a world of its own (--nnodes defaults to 1), so {nodes} runs train apart. Give "
-            f"torchrun {nnodes_flag} {nodes} and one rendezvous endpoint (--rdzv-endpoint).",
-            rule="slurm-torchrun-nodes", flag=nnodes_flag, fix=f"Give torchrun {nnodes_flag} {nodes}.",
-            edit=Edit(give=(("--nnodes", (nodes,)),)))]
+        return [
+            Problem(
+                message=f"{slurm.given['nodes']} starts torchrun on {nodes} nodes, but torchrun has no {nnodes_flag}: "
+                f"each node's torchrun starts a world of its own (--nnodes defaults to 1), so {nodes} runs train "
+                f"apart. Give torchrun {nnodes_flag} {nodes} and one rendezvous endpoint (--rdzv-endpoint).",
+                rule="slurm-torchrun-nodes",
+                flag=nnodes_flag,
+                fix=f"Give torchrun {nnodes_flag} {nodes}.",
+                edit=Edit(give=(("--nnodes", (nodes,)),)),
+            )
+        ]
     if nnodes != int(nodes):
-        return [Problem(
-            message=f"{slurm.given['nodes']} starts torchrun on {nodes} nodes, but torchrun's {nnodes_flag} is "
-            f"{nnodes}: the rendezvous waits for {nnodes} nodes. Make them agree.", rule="slurm-torchrun-nodes",
-            flag=nnodes_flag, value=str(nnodes), fix="Make them agree.")]
+        return [
+            Problem(
+                message=f"{slurm.given['nodes']} starts torchrun on {nodes} nodes, but torchrun's {nnodes_flag} is "
+                f"{nnodes}: the rendezvous waits for {nnodes} nodes. Make them agree.",
+                rule="slurm-torchrun-nodes",
+                flag=nnodes_flag,
+                value=str(nnodes),
+                fix="Make them agree.",
+            )
+        ]
     return []

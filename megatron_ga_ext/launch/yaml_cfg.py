@@ -35,12 +35,26 @@ def with_yaml(launch: Launch) -> tuple[Launch, list[Problem], list[Note]]:
     try:
         settings = _settings(path)
     except UsageError as error:
-        return launch, [Problem(
-            message=f"{error} Megatron runs with the file's settings, not the line's: the ledger below is the line's.",
-            rule="yaml-cfg-unread", flag=FLAG, value=path, fix="Run check where the file is.")], []
+        return (
+            launch,
+            [
+                Problem(
+                    message=f"{error} Megatron runs with the file's settings, not the line's: "
+                    "the ledger below is the line's.",
+                    rule="yaml-cfg-unread",
+                    flag=FLAG,
+                    value=path,
+                    fix="Run check where the file is.",
+                )
+            ],
+            [],
+        )
     line = copy.deepcopy(launch)
-    ignored = [launch.name(f) for f in (*launch.values, *launch.switches)
-               if f not in _LAUNCHER and f != FLAG and not f.startswith("--ga-")]
+    ignored = [
+        launch.name(f)
+        for f in (*launch.values, *launch.switches)
+        if f not in _LAUNCHER and f != FLAG and not f.startswith("--ga-")
+    ]
     for held in (line.values, line.switches, line.repeated, line.stray):
         for flag in [f for f in held if f not in _LAUNCHER and f != FLAG and not f.startswith("--ga-")]:
             del held[flag]
@@ -57,14 +71,22 @@ def with_yaml(launch: Launch) -> tuple[Launch, list[Problem], list[Note]]:
             line.values[option.flag] = [_text(value)]
     problems = []
     if ignored:
-        problems.append(Problem(
-            message=f"{FLAG} {path} replaces Megatron's whole command line (load_yaml: \"argparse arguments will be "
-            f"ignored\"), so {', '.join(ignored)} on the line do(es) nothing; the YAML's values are used. Set them in "
-            f"the YAML, or drop them from the line.", rule="yaml-cfg-ignores-line", flag=ignored[0],
-            fix="Set them in the YAML, or drop them from the line."))
+        problems.append(
+            Problem(
+                message=f"{FLAG} {path} replaces Megatron's whole command line (load_yaml: \"argparse arguments will "
+                f"be ignored\"), so {', '.join(ignored)} on the line do(es) nothing; the YAML's values are used. Set "
+                f"them in the YAML, or drop them from the line.",
+                rule="yaml-cfg-ignores-line",
+                flag=ignored[0],
+                fix="Set them in the YAML, or drop them from the line.",
+            )
+        )
     read = sum(1 for key in settings if BY_DEST.get(_ALIASES.get(key, key)) is not None)
-    note = Note(severity="info", text=f"read {FLAG} {path}: {read} setting(s) check knows, in place of the line's "
-                "Megatron flags (Megatron's YAML arguments are experimental).")
+    note = Note(
+        severity="info",
+        text=f"read {FLAG} {path}: {read} setting(s) check knows, in place of the line's "
+        "Megatron flags (Megatron's YAML arguments are experimental).",
+    )
     return line, problems, [note]
 
 

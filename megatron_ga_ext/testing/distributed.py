@@ -52,18 +52,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, cfg: LaunchConfig, fn: Callable, args: Sequence,
-            queue: Any, parent_pid: int) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, cfg: LaunchConfig, fn: Callable, args: Sequence, queue: Any, parent_pid: int
+) -> None:
     _exit_with_parent(parent_pid)
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(cfg.threads_per_rank)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
     try:
-        dist.init_process_group(cfg.backend, rank=rank, world_size=world_size,
-                                init_method=f"tcp://127.0.0.1:{port}")
+        dist.init_process_group(cfg.backend, rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}")
         reply = _reply(rank, "ok", fn(*args), "")
     except BaseException as exc:
         reply = _reply(rank, "error", exc, traceback.format_exc())
@@ -92,8 +93,10 @@ def _reply(rank: int, status: str, payload: Any, tb: str) -> tuple[int, str, str
         return rank, status, tb, pickle.dumps(payload)
     except Exception as exc:
         what = "result" if status == "ok" else f"exception ({type(payload).__name__}: {payload})"
-        message = (f"rank {rank} {'returned' if status == 'ok' else 'raised'} a {what} that cannot be "
-                   f"pickled ({type(exc).__name__}: {exc}); rank functions must return plain data")
+        message = (
+            f"rank {rank} {'returned' if status == 'ok' else 'raised'} a {what} that cannot be "
+            f"pickled ({type(exc).__name__}: {exc}); rank functions must return plain data"
+        )
         return rank, "error", tb, pickle.dumps(WorkerError(f"{message}\n{tb}" if tb else message))
 
 
@@ -103,8 +106,7 @@ def _start_method(cfg: LaunchConfig) -> str:
     return "fork" if "fork" in mp.get_all_start_methods() else "spawn"
 
 
-def run_on_ranks(fn: Callable, world_size: int, args: Sequence = (),
-                 config: LaunchConfig | None = None) -> list[Any]:
+def run_on_ranks(fn: Callable, world_size: int, args: Sequence = (), config: LaunchConfig | None = None) -> list[Any]:
     """Run ``fn(*args)`` on ranks 0..world_size-1 of a fresh process group; return each rank's result.
 
     Raises the exception of the first rank whose failure reaches the parent (the other ranks may wait
@@ -116,9 +118,10 @@ def run_on_ranks(fn: Callable, world_size: int, args: Sequence = (),
     ctx = mp.get_context(_start_method(cfg))
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, cfg, fn, args, queue, os.getpid()),
-                         daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, cfg, fn, args, queue, os.getpid()), daemon=True)
+        for r in range(world_size)
+    ]
     for proc in procs:
         proc.start()
     try:
@@ -135,8 +138,9 @@ def _collect(queue: Any, procs: list, timeout_s: float) -> dict[int, tuple[str, 
     while len(replies) < len(procs):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise WorkerError(f"ranks {_missing(replies, procs)} did not finish within the launch "
-                              f"timeout of {timeout_s:.0f} s")
+            raise WorkerError(
+                f"ranks {_missing(replies, procs)} did not finish within the launch timeout of {timeout_s:.0f} s"
+            )
         try:
             rank, status, tb, blob = queue.get(timeout=min(remaining, 1.0))
         except queue_module.Empty:
@@ -166,8 +170,10 @@ def _raise_if_dead(replies: dict[int, tuple[str, str, bytes]], procs: list) -> N
         if rank not in replies and proc.exitcode is not None:
             code = proc.exitcode
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-            raise WorkerError(f"rank {rank} of {len(procs)} {how} without sending a reply (killed, out "
-                              f"of memory, or os._exit/sys.exit in the rank function)")
+            raise WorkerError(
+                f"rank {rank} of {len(procs)} {how} without sending a reply (killed, out "
+                f"of memory, or os._exit/sys.exit in the rank function)"
+            )
 
 
 def _missing(replies: dict, procs: list) -> list[int]:
@@ -191,9 +197,10 @@ def _unpack(replies: dict[int, tuple[str, str, bytes]], world_size: int) -> list
         try:
             payload = pickle.loads(blob)
         except Exception as exc:
-            raise WorkerError(f"rank {rank} of {world_size} sent a reply ({status}) that cannot be "
-                              f"unpickled in the parent ({type(exc).__name__}: {exc})"
-                              + (f"; its traceback:\n{tb}" if tb else "")) from exc
+            raise WorkerError(
+                f"rank {rank} of {world_size} sent a reply ({status}) that cannot be "
+                f"unpickled in the parent ({type(exc).__name__}: {exc})" + (f"; its traceback:\n{tb}" if tb else "")
+            ) from exc
         if status == "error":
             if isinstance(payload, BaseException):
                 payload.add_note(f"(raised on rank {rank} of {world_size})\n{tb}")

@@ -30,8 +30,16 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["FAULTS", "apply_faults", "current_iteration", "faulty_loss", "patch_everywhere", "rank_faults",
-           "reinstall", "runtime_services_order"]
+__all__ = [
+    "FAULTS",
+    "apply_faults",
+    "current_iteration",
+    "faulty_loss",
+    "patch_everywhere",
+    "rank_faults",
+    "reinstall",
+    "runtime_services_order",
+]
 
 
 def faulty_loss(loss_func: Callable, *, nan: bool) -> Callable:

@@ -45,15 +45,16 @@ class Problem:
 
     @property
     def trace_sigma(self) -> float:
-        return float((self.factor ** 2).sum())
+        return float((self.factor**2).sum())
 
     @property
     def grad_sq(self) -> float:
         return float(self.mean @ self.mean)
 
 
-def simulate(problem: Problem, counts: Sequence[int], trials: int, seed: int = 1
-             ) -> tuple[list[list[float]], list[float]]:
+def simulate(
+    problem: Problem, counts: Sequence[int], trials: int, seed: int = 1
+) -> tuple[list[list[float]], list[float]]:
     """(per-trial |g_r|^2 for each replica, per-trial |g|^2) for ``trials`` independent steps."""
     generator = torch.Generator().manual_seed(seed)
     total, dim = sum(counts), problem.mean.numel()
@@ -61,7 +62,7 @@ def simulate(problem: Problem, counts: Sequence[int], trials: int, seed: int = 1
     tokens = problem.mean + noise @ problem.factor.T  # x_i = G + L z_i
     local = torch.stack([part.mean(dim=1) for part in torch.split(tokens, list(counts), dim=1)], dim=1)
     reduced = tokens.mean(dim=1)
-    return (local ** 2).sum(dim=2).tolist(), (reduced ** 2).sum(dim=1).tolist()
+    return (local**2).sum(dim=2).tolist(), (reduced**2).sum(dim=1).tolist()
 
 
 @dataclass(frozen=True)
@@ -94,20 +95,22 @@ def unbiasedness_rows(trials: int = 4000, seed: int = 1) -> list[tuple[str, str,
         local, reduced = simulate(problem, counts, trials, seed)
         for name, estimator in ESTIMATORS.items():
             estimates = [estimator(norms, g, counts) for norms, g in zip(local, reduced)]
-            rows.append((regime, name, "tr(Sigma)",
-                         summarise([e.trace_sigma for e in estimates], problem.trace_sigma)))
+            rows.append((regime, name, "tr(Sigma)", summarise([e.trace_sigma for e in estimates], problem.trace_sigma)))
             rows.append((regime, name, "|G|^2", summarise([e.grad_sq for e in estimates], problem.grad_sq)))
     return rows
 
 
 def unbiasedness_table(trials: int = 4000, seed: int = 1) -> str:
     """The rows as a Markdown table (deterministic for a seed and a torch build)."""
-    header = ("| token counts b_r | estimator | quantity | truth | mean estimate | standard error | "
-              "(mean - truth) / SE |")
+    header = (
+        "| token counts b_r | estimator | quantity | truth | mean estimate | standard error | (mean - truth) / SE |"
+    )
     lines = [header, "|---|---|---|---|---|---|---|"]
     for regime, name, quantity, s in unbiasedness_rows(trials, seed):
         counts = " ".join(map(str, COUNTS[regime]))
         quantity = quantity.replace("|", "\\|")  # a bare pipe would split the Markdown cell
-        lines.append(f"| {regime}: {counts} | {name} | {quantity} | {s.truth:.4f} | {s.mean:.4f} | "
-                     f"{s.standard_error:.4f} | {s.bias_in_errors:+.1f} |")
+        lines.append(
+            f"| {regime}: {counts} | {name} | {quantity} | {s.truth:.4f} | {s.mean:.4f} | "
+            f"{s.standard_error:.4f} | {s.bias_in_errors:+.1f} |"
+        )
     return "\n".join(lines)

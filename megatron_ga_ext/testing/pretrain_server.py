@@ -126,8 +126,13 @@ def fork_ranks(program: Program, nproc: int) -> int:
 
     from megatron_ga_ext.testing.distributed import free_port
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()),
-                      WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()),
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        GROUP_RANK="0",
+    )
     ranks = {}
     for rank in range(nproc):
         pid = os.fork()
@@ -188,8 +193,13 @@ def run_rank(program: Program) -> int:
     sys.argv += shlex.split(os.environ.get(f"MEGATRON_GA_EXTRA_ARGS_RANK{rank}", ""))
     recorder = Recorder(prefix, faults) if prefix else None
     if recorder is not None:
-        recorder.write({"event": "start", "megatron": os.path.dirname(os.path.dirname(megatron.core.__file__)),
-                        "version": megatron_core_version()})
+        recorder.write(
+            {
+                "event": "start",
+                "megatron": os.path.dirname(os.path.dirname(megatron.core.__file__)),
+                "version": megatron_core_version(),
+            }
+        )
         patch_everywhere("megatron.training.training", "training_log", recorder.training_log)
         patch_everywhere("megatron.training.training", "pretrain", recorder.pretrain)
         recorder.watch_optimizer_steps()

@@ -59,19 +59,39 @@ class Recorder:
 
     def training_log(self, original: Callable) -> Callable:
         @functools.wraps(original)
-        def training_log(loss_dict: dict, total_loss_dict: dict, learning_rate: Any, iteration: int,
-                         loss_scale: Any, report_memory_flag: Any, skipped_iter: Any, grad_norm: Any,
-                         *args: Any, **kwargs: Any) -> Any:
+        def training_log(
+            loss_dict: dict,
+            total_loss_dict: dict,
+            learning_rate: Any,
+            iteration: int,
+            loss_scale: Any,
+            report_memory_flag: Any,
+            skipped_iter: Any,
+            grad_norm: Any,
+            *args: Any,
+            **kwargs: Any,
+        ) -> Any:
             self.write(self._iteration_row(loss_dict, learning_rate, iteration, skipped_iter, grad_norm))
             if self._at("reinstall-at", int(iteration)):
                 reinstall()
-            return original(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
-                            report_memory_flag, skipped_iter, grad_norm, *args, **kwargs)
+            return original(
+                loss_dict,
+                total_loss_dict,
+                learning_rate,
+                iteration,
+                loss_scale,
+                report_memory_flag,
+                skipped_iter,
+                grad_norm,
+                *args,
+                **kwargs,
+            )
 
         return training_log
 
-    def _iteration_row(self, loss_dict: dict, learning_rate: Any, iteration: int, skipped_iter: Any,
-                       grad_norm: Any) -> dict:
+    def _iteration_row(
+        self, loss_dict: dict, learning_rate: Any, iteration: int, skipped_iter: Any, grad_norm: Any
+    ) -> dict:
         from megatron.core import num_microbatches_calculator as calculators
         from megatron.core import parallel_state
         from megatron.training.global_vars import get_args

@@ -101,9 +101,29 @@ def _is_cuda(device: Any) -> bool:
 
 
 #: The torch factories that take ``device=``, wrapped by shim 2.
-FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "as_tensor", "arange", "rand", "randn", "randint",
-             "randperm", "linspace", "eye", "empty_strided", "empty_like", "zeros_like", "ones_like", "full_like",
-             "rand_like", "randn_like", "randint_like")
+FACTORIES = (
+    "empty",
+    "zeros",
+    "ones",
+    "full",
+    "tensor",
+    "as_tensor",
+    "arange",
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "linspace",
+    "eye",
+    "empty_strided",
+    "empty_like",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+    "rand_like",
+    "randn_like",
+    "randint_like",
+)
 #: The tensor methods that take ``device=``, wrapped by shim 2 (besides ``to`` and ``cuda``).
 NEW_METHODS = ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor")
 
@@ -228,9 +248,15 @@ def cpu_shims(*, device_count: int = 0) -> Iterator[None]:
     gemm = {} if hasattr(moe_utils, "te_general_gemm") else {"te_general_gemm": None}
     mtp, inference_linear = _mtp_without_te()
     factories, methods = _device_replacements()
-    with (_patched(torch.cuda, _replacements(device_count)), _patched(tp_random, _rng_replacements()),
-          _patched(token_dispatcher, moe), _patched(moe_utils, gemm), _patched(mtp, inference_linear),
-          _patched(torch, factories), _patched(torch.Tensor, methods)):
+    with (
+        _patched(torch.cuda, _replacements(device_count)),
+        _patched(tp_random, _rng_replacements()),
+        _patched(token_dispatcher, moe),
+        _patched(moe_utils, gemm),
+        _patched(mtp, inference_linear),
+        _patched(torch, factories),
+        _patched(torch.Tensor, methods),
+    ):
         yield
 
 
@@ -247,8 +273,13 @@ def _mtp_without_te() -> tuple[Any, dict[str, Any]]:
 
 def _memory_replacements() -> dict[str, Any]:
     zero = lambda *a, **k: 0  # noqa: E731
-    return {"memory_allocated": zero, "max_memory_allocated": zero, "memory_reserved": zero,
-            "max_memory_reserved": zero, "memory_stats": lambda *a, **k: {}}
+    return {
+        "memory_allocated": zero,
+        "max_memory_allocated": zero,
+        "memory_reserved": zero,
+        "max_memory_reserved": zero,
+        "memory_stats": lambda *a, **k: {},
+    }
 
 
 def _allow_no_cuda(initialize_megatron: Any) -> Any:
@@ -299,8 +330,11 @@ def training_shims() -> Iterator[None]:
 
     import megatron.training.initialize as initialize
 
-    holders = [m for m in list(sys.modules.values())
-               if getattr(m, "initialize_megatron", None) is initialize.initialize_megatron]
+    holders = [
+        m
+        for m in list(sys.modules.values())
+        if getattr(m, "initialize_megatron", None) is initialize.initialize_megatron
+    ]
     patches = [dataset_shims()]
     patches += [_patched(m, {"initialize_megatron": _allow_no_cuda(initialize.initialize_megatron)}) for m in holders]
     patches.append(_patched(torch.cuda, _memory_replacements()))
@@ -316,8 +350,11 @@ def training_shims() -> Iterator[None]:
 
 #: Shim 13: the module with the unguarded TE import, and what it imports after it (imported before the stand-in).
 _LORA_LAYERS = "megatron.bridge.peft.lora_layers"
-_LORA_IMPORTS = ("megatron.core.transformer.moe.moe_utils", "megatron.bridge.peft.adapter_wrapper",
-                 "megatron.bridge.peft.lora_merge")
+_LORA_IMPORTS = (
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.bridge.peft.adapter_wrapper",
+    "megatron.bridge.peft.lora_merge",
+)
 
 
 class _NoTransformerEngine(types.ModuleType):
@@ -347,8 +384,10 @@ class _LoraLayersLoader(importlib.abc.Loader):
     def exec_module(self, module: types.ModuleType) -> None:
         for name in _LORA_IMPORTS:
             importlib.import_module(name)
-        te, pytorch, ops = (_NoTransformerEngine(n) for n in (
-            "transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.ops"))
+        te, pytorch, ops = (
+            _NoTransformerEngine(n)
+            for n in ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.ops")
+        )
         te.__path__, pytorch.__path__ = [], []
         te.pytorch, pytorch.ops = pytorch, ops
         stand_ins = {m.__name__: m for m in (te, pytorch, ops)}
@@ -386,8 +425,9 @@ def bridge_import_shim() -> Iterator[None]:
         sys.meta_path.remove(finder)
 
 
-def _clip_without_cuda_assert(parameters: Any, max_norm: float, total_norm: float,
-                              use_decoupled_grad: bool = False) -> None:
+def _clip_without_cuda_assert(
+    parameters: Any, max_norm: float, total_norm: float, use_decoupled_grad: bool = False
+) -> None:
     """Shim 15: megatron-core's clip_grad_by_total_norm_fp32 without its CUDA type assert."""
     from megatron.core.optimizer.clip_grads import to_local_if_dtensor
 

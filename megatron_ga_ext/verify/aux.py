@@ -31,8 +31,7 @@ AUX_LAYOUTS = (
     Layout(data_parallel_size=2, num_microbatches=4, model="moe"),
     Layout(data_parallel_size=2, num_microbatches=4, model="moe_global"),
     Layout(data_parallel_size=2, num_microbatches=4, model="mtp"),
-    Layout(tensor_model_parallel_size=2, sequence_parallel=True, data_parallel_size=2, num_microbatches=4,
-           model="moe"),
+    Layout(tensor_model_parallel_size=2, sequence_parallel=True, data_parallel_size=2, num_microbatches=4, model="moe"),
     Layout(context_parallel_size=2, data_parallel_size=2, num_microbatches=4, model="moe_positionwise"),
 )
 
@@ -75,4 +74,3 @@ def _measured(layout: Layout, grads: dict[str, torch.Tensor]) -> dict[str, torch
     if layout.model == "mtp":
         return grads
     return {name: grad for name, grad in grads.items() if "router" in name}
-

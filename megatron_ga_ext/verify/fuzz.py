@@ -79,11 +79,20 @@ def _draw(rng: random.Random, index: int) -> Draw:
     num_microbatches = rng.choice(ga_choices)
     distributed_optimizer = dp > 1 and rng.random() < 0.3
     layout = Layout(
-        tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
-        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
-        context_parallel_size=cp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
-        data_parallel_size=dp, num_microbatches=num_microbatches, micro_batch_size=micro_batch_size, model=model,
-        overlap_grad_reduce=rng.random() < 0.3, distributed_optimizer=distributed_optimizer)
+        tensor_model_parallel_size=tp,
+        sequence_parallel=sequence_parallel,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        data_parallel_size=dp,
+        num_microbatches=num_microbatches,
+        micro_batch_size=micro_batch_size,
+        model=model,
+        overlap_grad_reduce=rng.random() < 0.3,
+        distributed_optimizer=distributed_optimizer,
+    )
     return Draw(index, layout, _lengths(rng, layout))
 
 
@@ -92,8 +101,10 @@ def _lengths(rng: random.Random, layout: Layout) -> tuple[int, ...]:
     now and then a whole micro-batch), with at least one loss token in the batch."""
     low = 0 if layout.micro_batch_size > 1 else 1
     while True:
-        lengths = tuple(0 if low == 0 and rng.random() < 0.2 else rng.randint(1, SEQ_LENGTH)
-                        for _ in range(layout.global_batch_size))
+        lengths = tuple(
+            0 if low == 0 and rng.random() < 0.2 else rng.randint(1, SEQ_LENGTH)
+            for _ in range(layout.global_batch_size)
+        )
         if sum(lengths):
             return lengths
 
@@ -181,15 +192,20 @@ def known_limit(draw: Draw) -> str | None:
         return "MTP on 0.16 with a sample of one loss token: upstream divides microbatch mode's MTP mean by 0"
     if layout.model == "moe_mtp" and (layout.sequence_parallel or 0 in draw.lengths):
         return MOE_IN_MTP
-    if layout.expert_tensor_parallel_size not in (None, layout.tensor_model_parallel_size) \
-            and layout.expert_model_parallel_size == 1 and _experts_marked_by_ep_alone():
+    if (
+        layout.expert_tensor_parallel_size not in (None, layout.tensor_model_parallel_size)
+        and layout.expert_model_parallel_size == 1
+        and _experts_marked_by_ep_alone()
+    ):
         return EXPERTS_MARKED_BY_EP
     return None
 
 
-EXPERTS_MARKED_BY_EP = ("an expert TP size of its own with EP 1 on a release that marks expert parameters "
-                        "(allreduce=False) only where EP > 1: neither DDP nor verify can tell an expert's shard; "
-                        "not run")
+EXPERTS_MARKED_BY_EP = (
+    "an expert TP size of its own with EP 1 on a release that marks expert parameters "
+    "(allreduce=False) only where EP > 1: neither DDP nor verify can tell an expert's shard; "
+    "not run"
+)
 
 
 def _experts_marked_by_ep_alone() -> bool:
@@ -201,9 +217,11 @@ def _experts_marked_by_ep_alone() -> bool:
     return "not (self.is_expert and self.expert_parallel)" in inspect.getsource(layers.ColumnParallelLinear)
 
 
-MOE_IN_MTP = ("MoE inside the MTP layer, token mode, under sequence parallelism or with a sample without loss tokens: "
-              "upstream rolls that layer's padding mask within each TP shard and fills the rolled-in position as a "
-              "loss token, so its router counts positions the loss tokens do not")
+MOE_IN_MTP = (
+    "MoE inside the MTP layer, token mode, under sequence parallelism or with a sample without loss tokens: "
+    "upstream rolls that layer's padding mask within each TP shard and fills the rolled-in position as a "
+    "loss token, so its router counts positions the loss tokens do not"
+)
 
 
 def run_draws(draws: tuple[Draw, ...], device: str = "cpu") -> list[DrawResult]:

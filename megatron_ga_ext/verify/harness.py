@@ -47,8 +47,21 @@ from megatron_ga_ext.verify.models import (
 )
 from megatron_ga_ext.verify.references import reference_grads
 
-__all__ = ["LayoutResult", "VerifyConfig", "build_chunks", "build_ddp", "cp_shard", "gradients", "layout_config",
-           "microbatches", "reduction_hooks", "relative_error", "run_layout", "run_rank", "train_step"]
+__all__ = [
+    "LayoutResult",
+    "VerifyConfig",
+    "build_chunks",
+    "build_ddp",
+    "cp_shard",
+    "gradients",
+    "layout_config",
+    "microbatches",
+    "reduction_hooks",
+    "relative_error",
+    "run_layout",
+    "run_rank",
+    "train_step",
+]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -94,8 +107,14 @@ def _run_all(cfg: VerifyConfig) -> list[LayoutResult]:
     batches, refs = {}, {}
     for lengths in dict.fromkeys(layout.lengths or cfg.lengths for layout in cfg.layouts):
         batches[lengths] = make_global_batch(lengths, cfg.model.seq_length, cfg.model.vocab_size)
-        refs.update(reference_grads(cfg.model, [lay for lay in cfg.layouts if (lay.lengths or cfg.lengths) == lengths],
-                                    batches[lengths], device=cfg.device))
+        refs.update(
+            reference_grads(
+                cfg.model,
+                [lay for lay in cfg.layouts if (lay.lengths or cfg.lengths) == lengths],
+                batches[lengths],
+                device=cfg.device,
+            )
+        )
     results = []
     for layout in cfg.layouts:
         batch = batches[layout.lengths or cfg.lengths]
@@ -103,10 +122,13 @@ def _run_all(cfg: VerifyConfig) -> list[LayoutResult]:
             start = time.perf_counter()
             grads, num_tokens = run_layout(layout, mode, cfg, batch)
             result = LayoutResult(
-                layout.name, mode,
+                layout.name,
+                mode,
                 relative_error(grads, refs[(layout.name, "token")]),
                 relative_error(grads, refs[(layout.name, "mean_of_means")]),
-                num_tokens, time.perf_counter() - start)
+                num_tokens,
+                time.perf_counter() - start,
+            )
             _progress(cfg, result)
             results.append(result)
     return results
@@ -114,8 +136,7 @@ def _run_all(cfg: VerifyConfig) -> list[LayoutResult]:
 
 def _progress(cfg: VerifyConfig, result: LayoutResult) -> None:
     if cfg.progress and torch.distributed.get_rank() == 0:
-        print(f"  {result.layout:<32} {result.mode:<10} done in {result.seconds:5.2f} s",
-              file=sys.stderr, flush=True)
+        print(f"  {result.layout:<32} {result.mode:<10} done in {result.seconds:5.2f} s", file=sys.stderr, flush=True)
 
 
 def relative_error(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
@@ -135,8 +156,15 @@ def relative_error(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor])
     return float(torch.stack(errors).max())
 
 
-def run_layout(layout: Layout, mode: str, cfg: VerifyConfig, batch: GlobalBatch, *,
-               loss_func: Callable = masked_loss, extension: bool = True) -> tuple[dict[str, torch.Tensor], int | None]:
+def run_layout(
+    layout: Layout,
+    mode: str,
+    cfg: VerifyConfig,
+    batch: GlobalBatch,
+    *,
+    loss_func: Callable = masked_loss,
+    extension: bool = True,
+) -> tuple[dict[str, torch.Tensor], int | None]:
     """One step of ``layout`` in ``mode`` through ``install()``, as a user runs it; this rank's gradients by
     global name, and the N its finalize divided by (token mode).
 
@@ -151,23 +179,35 @@ def run_layout(layout: Layout, mode: str, cfg: VerifyConfig, batch: GlobalBatch,
     import megatron_ga_ext
 
     vpp = layout.virtual_pipeline_model_parallel_size
-    init_model_parallel(tensor_model_parallel_size=layout.tensor_model_parallel_size,
-                        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
-                        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
-                        context_parallel_size=layout.context_parallel_size,
-                        expert_model_parallel_size=layout.expert_model_parallel_size,
-                        expert_tensor_parallel_size=layout.expert_tensor_parallel_size)
-    state = megatron_ga_ext.install(GAConfig(
-        loss_reduction=mode, pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)) if extension else None
+    init_model_parallel(
+        tensor_model_parallel_size=layout.tensor_model_parallel_size,
+        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        context_parallel_size=layout.context_parallel_size,
+        expert_model_parallel_size=layout.expert_model_parallel_size,
+        expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
+    )
+    state = (
+        megatron_ga_ext.install(
+            GAConfig(
+                loss_reduction=mode,
+                pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+                virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+            )
+        )
+        if extension
+        else None
+    )
     calculators.init_num_microbatches_calculator(
-        0, None, layout.global_batch_size, layout.micro_batch_size, layout.data_parallel_size)
+        0, None, layout.global_batch_size, layout.micro_batch_size, layout.data_parallel_size
+    )
     try:
         chunks, names, config = build_chunks(layout, cfg, calculate_per_token_loss=(mode == "token"))
         from megatron.core.distributed import finalize_model_grads  # the extension's, after install()
 
-        train_step(chunks, config, layout, cfg, batch, finalize=finalize_model_grads,
-                   loss_func=partial(loss_func, mode=mode))
+        train_step(
+            chunks, config, layout, cfg, batch, finalize=finalize_model_grads, loss_func=partial(loss_func, mode=mode)
+        )
         return gradients(chunks, names), state.finalize.last_num_tokens if state else None
     finally:
         megatron_ga_ext.uninstall()
@@ -181,25 +221,37 @@ def reduction_hooks(mode: str, loss_func: Callable) -> tuple[Any, Callable]:
     from megatron.core.distributed import finalize_model_grads
 
     contract = LossContract()
-    finalize = make_finalize_model_grads(finalize_model_grads, contract,
-                                         config=GAConfig(loss_reduction=mode))
+    finalize = make_finalize_model_grads(finalize_model_grads, contract, config=GAConfig(loss_reduction=mode))
     return finalize, contract.wrap(loss_func) if mode == "token" else loss_func
 
 
-def build_ddp(layout: Layout, cfg: VerifyConfig, *, calculate_per_token_loss: bool,
-              ddp_config: Any = None, build_module: Callable | None = None):
+def build_ddp(
+    layout: Layout,
+    cfg: VerifyConfig,
+    *,
+    calculate_per_token_loss: bool,
+    ddp_config: Any = None,
+    build_module: Callable | None = None,
+):
     """This rank's (single) chunk of the layout's model, wrapped in megatron's DDP: (ddp, names, config).
 
     ``names`` maps each local parameter name to its global one. ``build_module(config)`` returning
     ``(module, names)`` replaces the layout's model (it may set fields of the config first).
     """
-    chunks, names, config = build_chunks(layout, cfg, calculate_per_token_loss=calculate_per_token_loss,
-                                         ddp_config=ddp_config, build_module=build_module)
+    chunks, names, config = build_chunks(
+        layout, cfg, calculate_per_token_loss=calculate_per_token_loss, ddp_config=ddp_config, build_module=build_module
+    )
     return chunks[0], names, config
 
 
-def build_chunks(layout: Layout, cfg: VerifyConfig, *, calculate_per_token_loss: bool,
-                 ddp_config: Any = None, build_module: Callable | None = None):
+def build_chunks(
+    layout: Layout,
+    cfg: VerifyConfig,
+    *,
+    calculate_per_token_loss: bool,
+    ddp_config: Any = None,
+    build_module: Callable | None = None,
+):
     """This rank's model chunks (one per virtual pipeline stage), each wrapped in megatron's DDP as its
     training does (bucketing only on the first chunk): (chunks, names of all chunks, config)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -207,14 +259,16 @@ def build_chunks(layout: Layout, cfg: VerifyConfig, *, calculate_per_token_loss:
     vpp = layout.virtual_pipeline_model_parallel_size
     config = layout_config(layout, cfg.model, calculate_per_token_loss=calculate_per_token_loss)
     ddp_config = ddp_config or DistributedDataParallelConfig(
-        overlap_grad_reduce=layout.overlap_grad_reduce, use_distributed_optimizer=layout.distributed_optimizer)
+        overlap_grad_reduce=layout.overlap_grad_reduce, use_distributed_optimizer=layout.distributed_optimizer
+    )
     chunks, names = [], {}
     for vp_stage in range(vpp):
         stage = vp_stage if vpp > 1 else None
         module, chunk_names = (build_module or partial(_build_module, layout, cfg, vp_stage=stage))(config)
         module.to(cfg.device)
-        chunks.append(DistributedDataParallel(config=config, module=module, ddp_config=ddp_config,
-                                              disable_bucketing=vp_stage > 0))
+        chunks.append(
+            DistributedDataParallel(config=config, module=module, ddp_config=ddp_config, disable_bucketing=vp_stage > 0)
+        )
         names.update(chunk_names)
     return chunks, names, config
 
@@ -222,13 +276,17 @@ def build_chunks(layout: Layout, cfg: VerifyConfig, *, calculate_per_token_loss:
 def layout_config(layout: Layout, model: ModelConfig, *, calculate_per_token_loss: bool):
     """The megatron TransformerConfig of ``layout``'s model (its ``__post_init__`` validates the layout)."""
     return transformer_config(
-        model, kind=layout.model, pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        model,
+        kind=layout.model,
+        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
         context_parallel_size=layout.context_parallel_size,
         expert_model_parallel_size=layout.expert_model_parallel_size,
         expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
-        tensor_model_parallel_size=layout.tensor_model_parallel_size, sequence_parallel=layout.sequence_parallel,
-        calculate_per_token_loss=calculate_per_token_loss)
+        tensor_model_parallel_size=layout.tensor_model_parallel_size,
+        sequence_parallel=layout.sequence_parallel,
+        calculate_per_token_loss=calculate_per_token_loss,
+    )
 
 
 def _build_module(layout: Layout, cfg: VerifyConfig, config: Any, *, vp_stage: int | None = None):
@@ -237,14 +295,27 @@ def _build_module(layout: Layout, cfg: VerifyConfig, config: Any, *, vp_stage: i
     if layout.model == "positionwise":
         return build_positionwise(cfg.model, config)
     return build_gpt(
-        cfg.model, config, vp_stage=vp_stage, positionwise=layout.model in POSITIONWISE_GPT,
+        cfg.model,
+        config,
+        vp_stage=vp_stage,
+        positionwise=layout.model in POSITIONWISE_GPT,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
-        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage))
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+    )
 
 
-def train_step(model: Any, config: Any, layout: Layout, cfg: VerifyConfig, batch: GlobalBatch, *,
-               finalize: Any, loss_func: Any, forward_step_func: Callable | None = None,
-               sample_ids: bool = False) -> None:
+def train_step(
+    model: Any,
+    config: Any,
+    layout: Layout,
+    cfg: VerifyConfig,
+    batch: GlobalBatch,
+    *,
+    finalize: Any,
+    loss_func: Any,
+    forward_step_func: Callable | None = None,
+    sample_ids: bool = False,
+) -> None:
     """One forward/backward over this rank's micro-batches with megatron's own schedule.
 
     ``model`` is a DDP chunk or the list of a rank's chunks (interleaved PP: each chunk reads the same
@@ -265,9 +336,12 @@ def train_step(model: Any, config: Any, layout: Layout, cfg: VerifyConfig, batch
     get_forward_backward_func()(
         forward_step_func=partial(step, loss_func=loss_func),
         data_iterator=[iter(data) for _ in chunks] if len(chunks) > 1 else iter(data),
-        model=chunks, num_microbatches=layout.num_microbatches,
+        model=chunks,
+        num_microbatches=layout.num_microbatches,
         seq_length=cfg.model.seq_length // layout.context_parallel_size,
-        micro_batch_size=layout.micro_batch_size, forward_only=False)
+        micro_batch_size=layout.micro_batch_size,
+        forward_only=False,
+    )
 
 
 def gradients(model: Any, names: dict[str, str]) -> dict[str, torch.Tensor]:
@@ -280,8 +354,13 @@ def gradients(model: Any, names: dict[str, str]) -> dict[str, torch.Tensor]:
     for chunk in chunks:
         if getattr(chunk.ddp_config, "use_distributed_optimizer", False):
             _gather_shards(chunk)
-        out.update({names[n]: _whole(p, p.main_grad.detach().clone()).cpu()
-                    for n, p in chunk.module.named_parameters() if not _unused_output_weight(chunk.module, n)})
+        out.update(
+            {
+                names[n]: _whole(p, p.main_grad.detach().clone()).cpu()
+                for n, p in chunk.module.named_parameters()
+                if not _unused_output_weight(chunk.module, n)
+            }
+        )
     return out
 
 
@@ -299,8 +378,11 @@ def _whole(param: torch.nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
     if not getattr(param, "tensor_model_parallel", False):
         return grad
     expert = not getattr(param, "allreduce", True)
-    group = (parallel_state.get_expert_tensor_parallel_group() if expert
-             else parallel_state.get_tensor_model_parallel_group())
+    group = (
+        parallel_state.get_expert_tensor_parallel_group()
+        if expert
+        else parallel_state.get_tensor_model_parallel_group()
+    )
     size = torch.distributed.get_world_size(group)
     if size == 1:
         return grad
@@ -320,8 +402,9 @@ def _gather_shards(chunk: Any) -> None:
             torch.distributed.all_gather(shards, shards[rank].clone(), group=group)
 
 
-def microbatches(layout: Layout, batch: GlobalBatch, device: str, *,
-                 sample_ids: bool = False) -> list[dict[str, torch.Tensor]]:
+def microbatches(
+    layout: Layout, batch: GlobalBatch, device: str, *, sample_ids: bool = False
+) -> list[dict[str, torch.Tensor]]:
     """This rank's micro-batches, in order, already cut to its CP shard.
 
     With ``sample_ids``, each also holds ``sample_ids`` [MBS]: the samples' indices in the global batch.
@@ -332,8 +415,12 @@ def microbatches(layout: Layout, batch: GlobalBatch, device: str, *,
     out = []
     for m in range(layout.num_microbatches):
         rows = [layout.sample(m, dp_rank, j) for j in range(layout.micro_batch_size)]
-        micro = {"tokens": batch.tokens[rows], "labels": batch.labels[rows],
-                 "loss_mask": batch.loss_mask[rows], "position_ids": batch.position_ids[rows]}
+        micro = {
+            "tokens": batch.tokens[rows],
+            "labels": batch.labels[rows],
+            "loss_mask": batch.loss_mask[rows],
+            "position_ids": batch.position_ids[rows],
+        }
         micro = cp_shard(micro) if layout.context_parallel_size > 1 else micro
         if sample_ids:  # after the CP cut: it shards the sequence dimension, which sample_ids lacks
             micro["sample_ids"] = torch.tensor(rows)

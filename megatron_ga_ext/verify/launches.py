@@ -16,9 +16,13 @@ from megatron_ga_ext.verify.harness import LayoutResult, VerifyConfig, run_rank
 from megatron_ga_ext.verify.layouts import DEFAULT_LENGTHS, Layout
 
 
-def launch_all(layouts: Sequence[Layout], *, device: str, timeout_s: float,
-               aux_layouts: Sequence[Layout] = AUX_LAYOUTS,
-               ) -> tuple[dict[int, list[list[LayoutResult]]], list[AuxCoefficient]]:
+def launch_all(
+    layouts: Sequence[Layout],
+    *,
+    device: str,
+    timeout_s: float,
+    aux_layouts: Sequence[Layout] = AUX_LAYOUTS,
+) -> tuple[dict[int, list[list[LayoutResult]]], list[AuxCoefficient]]:
     """({world size: per-rank lists of LayoutResult}, rank 0's auxiliary coefficients), one launch per world
     size; each of ``aux_layouts`` rides on the launch of its world size (one is made for it if no layout has it)."""
     by_world, aux_by_world = _by_world(layouts), _by_world(aux_layouts)
@@ -59,17 +63,24 @@ def _rank_work(cfg: VerifyConfig, aux_layouts: tuple[Layout, ...]) -> tuple[list
 DRAWS_PER_LAUNCH = 4
 
 
-def launch_draws(draws: Sequence[Draw], *, device: str, timeout_s: float,
-                 ) -> list[tuple[Draw, tuple[DrawResult, ...] | None, str | None]]:
+def launch_draws(
+    draws: Sequence[Draw],
+    *,
+    device: str,
+    timeout_s: float,
+) -> list[tuple[Draw, tuple[DrawResult, ...] | None, str | None]]:
     """(draw, every rank's verdict, None) for each draw, or (draw, None, why) where its launch failed; the draws of
     one world size at most :data:`DRAWS_PER_LAUNCH` to a launch."""
     launch = LaunchConfig(backend="gloo" if device == "cpu" else "nccl", timeout_s=timeout_s)
     out = []
     for world_size, of_world in sorted(_by_world(draws, lambda draw: draw.layout).items()):
         for i in range(0, len(of_world), DRAWS_PER_LAUNCH):
-            batch = tuple(of_world[i:i + DRAWS_PER_LAUNCH])
-            print(f"launching {world_size} rank(s): draw(s) {', '.join(str(d.index) for d in batch)}",
-                  file=sys.stderr, flush=True)
+            batch = tuple(of_world[i : i + DRAWS_PER_LAUNCH])
+            print(
+                f"launching {world_size} rank(s): draw(s) {', '.join(str(d.index) for d in batch)}",
+                file=sys.stderr,
+                flush=True,
+            )
             try:
                 per_rank = run_on_ranks(run_draws, world_size, (batch, device), launch)
             except Exception as exc:

@@ -33,8 +33,19 @@ class Layout:
     expert_tensor_parallel_size: int | None = None
     """Each expert split over this many ranks; None: TP's, megatron's default."""
     micro_batch_size: int = 1
-    model: Literal["gpt", "positionwise", "moe", "mtp", "mtp2", "moe_mtp", "moe_global", "moe_global_z", "moe_seq",
-                   "moe_bias", "moe_positionwise"] = "gpt"
+    model: Literal[
+        "gpt",
+        "positionwise",
+        "moe",
+        "mtp",
+        "mtp2",
+        "moe_mtp",
+        "moe_global",
+        "moe_global_z",
+        "moe_seq",
+        "moe_bias",
+        "moe_positionwise",
+    ] = "gpt"
     """``positionwise`` for CP: no attention, so a shard's gradient is exact without ring attention;
     ``moe``, ``mtp``, ``moe_mtp``: the GPT with MoE layers and/or an MTP layer (``mtp2``: two); ``moe_global``,
     ``moe_seq``: MoE
@@ -50,14 +61,27 @@ class Layout:
     @property
     def world_size(self) -> int:
         """TP x PP x CP x DP."""
-        return (self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
-                * self.data_parallel_size)
+        return (
+            self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.context_parallel_size
+            * self.data_parallel_size
+        )
 
     @property
     def auxiliary(self) -> bool:
         """The model has auxiliary losses (MoE load balancing and z-loss, MTP)."""
-        return self.model in ("moe", "mtp", "mtp2", "moe_mtp", "moe_global", "moe_global_z", "moe_seq", "moe_bias",
-                              "moe_positionwise")
+        return self.model in (
+            "moe",
+            "mtp",
+            "mtp2",
+            "moe_mtp",
+            "moe_global",
+            "moe_global_z",
+            "moe_seq",
+            "moe_bias",
+            "moe_positionwise",
+        )
 
     @property
     def global_batch_size(self) -> int:
@@ -66,9 +90,13 @@ class Layout:
 
     @property
     def name(self) -> str:
-        sizes = (("TP", self.tensor_model_parallel_size), ("PP", self.pipeline_model_parallel_size),
-                 ("VPP", self.virtual_pipeline_model_parallel_size), ("CP", self.context_parallel_size),
-                 ("EP", self.expert_model_parallel_size))
+        sizes = (
+            ("TP", self.tensor_model_parallel_size),
+            ("PP", self.pipeline_model_parallel_size),
+            ("VPP", self.virtual_pipeline_model_parallel_size),
+            ("CP", self.context_parallel_size),
+            ("EP", self.expert_model_parallel_size),
+        )
         parts = [f"{flag}{size}" for flag, size in sizes if size > 1]
         if self.expert_tensor_parallel_size not in (None, self.tensor_model_parallel_size):
             parts.append(f"ETP{self.expert_tensor_parallel_size}")
@@ -97,8 +125,11 @@ class Layout:
     def unit_samples(self) -> list[list[int]]:
         """The samples of each unit (m, r), in unit order. The auxiliary losses' units span CP (and TP): the
         router reduces its counts over TP x CP, and MTP rolls across CP shards."""
-        return [[self.sample(m, r, j) for j in range(self.micro_batch_size)]
-                for m in range(self.num_microbatches) for r in range(self.data_parallel_size)]
+        return [
+            [self.sample(m, r, j) for j in range(self.micro_batch_size)]
+            for m in range(self.num_microbatches)
+            for r in range(self.data_parallel_size)
+        ]
 
     def unit_ids(self, seq_length: int) -> torch.Tensor:
         """[GBS, S] int64: the unit (m, r, c) -> (m * DP + r) * CP + c each token belongs to."""
@@ -109,14 +140,23 @@ class Layout:
                 for j in range(self.micro_batch_size):
                     for c in range(cp):
                         ids[self.sample(m, r, j), self.cp_positions(c, seq_length)] = (
-                            (m * self.data_parallel_size + r) * cp + c)
+                            m * self.data_parallel_size + r
+                        ) * cp + c
         return ids
 
 
-MODEL_NOTES = {"positionwise": "position-wise", "moe": "MoE", "mtp": "MTP", "mtp2": "MTP depth 2",
-               "moe_mtp": "MoE + MTP",
-               "moe_global": "MoE global_aux_loss", "moe_global_z": "MoE global_aux_loss + z-loss",
-               "moe_seq": "MoE seq_aux_loss", "moe_bias": "MoE expert bias", "moe_positionwise": "MoE, position-wise"}
+MODEL_NOTES = {
+    "positionwise": "position-wise",
+    "moe": "MoE",
+    "mtp": "MTP",
+    "mtp2": "MTP depth 2",
+    "moe_mtp": "MoE + MTP",
+    "moe_global": "MoE global_aux_loss",
+    "moe_global_z": "MoE global_aux_loss + z-loss",
+    "moe_seq": "MoE seq_aux_loss",
+    "moe_bias": "MoE expert bias",
+    "moe_positionwise": "MoE, position-wise",
+}
 
 #: The layouts verify runs, by world size (one launch each); GBS = 8, MBS = 1, unless a layout gives its own lengths.
 DEFAULT_LAYOUTS = (
@@ -133,12 +173,12 @@ DEFAULT_LAYOUTS = (
     Layout(data_parallel_size=2, num_microbatches=4, model="moe_global_z"),  # its z-loss per unit, the rest per m
     Layout(data_parallel_size=4, num_microbatches=2),
     Layout(pipeline_model_parallel_size=2, data_parallel_size=2, num_microbatches=4),
-    Layout(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, data_parallel_size=2,
-           num_microbatches=4),
+    Layout(
+        pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, data_parallel_size=2, num_microbatches=4
+    ),
     Layout(context_parallel_size=2, data_parallel_size=2, num_microbatches=4, model="positionwise"),
     # The MoE router's counts under TP and CP (Megatron-LM #7452, finding 10).
-    Layout(tensor_model_parallel_size=2, sequence_parallel=True, data_parallel_size=2, num_microbatches=4,
-           model="moe"),
+    Layout(tensor_model_parallel_size=2, sequence_parallel=True, data_parallel_size=2, num_microbatches=4, model="moe"),
     Layout(context_parallel_size=2, data_parallel_size=2, num_microbatches=4, model="moe_positionwise"),
 )
 
@@ -156,8 +196,7 @@ class GlobalBatch:
     position_ids: torch.Tensor
 
 
-def make_global_batch(lengths: tuple[int, ...], seq_length: int, vocab_size: int,
-                      seed: int = 1234) -> GlobalBatch:
+def make_global_batch(lengths: tuple[int, ...], seq_length: int, vocab_size: int, seed: int = 1234) -> GlobalBatch:
     """Random tokens and labels; loss_mask[b, s] = 1 for s < lengths[b], 0 on the padding after."""
     gen = torch.Generator().manual_seed(seed)
     shape = (len(lengths), seq_length)

@@ -18,8 +18,17 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["KINDS", "POSITIONWISE_GPT", "ModelConfig", "build_gpt", "build_positionwise", "global_names",
-           "init_by_name", "init_model_parallel", "transformer_config"]
+__all__ = [
+    "KINDS",
+    "POSITIONWISE_GPT",
+    "ModelConfig",
+    "build_gpt",
+    "build_positionwise",
+    "global_names",
+    "init_by_name",
+    "init_model_parallel",
+    "transformer_config",
+]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -36,18 +45,31 @@ class ModelConfig:
 #: What each model kind adds to the dense GPT's TransformerConfig: top-2 of 4 experts with the
 #: load-balancing aux loss and the z-loss (the local implementation wants no linear biases), and one
 #: multi-token-prediction layer (which wants rotary position embeddings).
-MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 1e-2, "moe_z_loss_coeff": 1e-3,
-       "moe_router_load_balancing_type": "aux_loss", "add_bias_linear": False}
+MOE = {
+    "num_moe_experts": 4,
+    "moe_router_topk": 2,
+    "moe_aux_loss_coeff": 1e-2,
+    "moe_z_loss_coeff": 1e-3,
+    "moe_router_load_balancing_type": "aux_loss",
+    "add_bias_linear": False,
+}
 #: global_aux_loss alone (its gradient measured apart, verify/aux.py), and with the z-loss: the reference
 #: (references.py) takes the load-balancing loss per micro-batch over every DP rank's rows, the z-loss per unit.
 MOE_GLOBAL = {**MOE, "moe_router_load_balancing_type": "global_aux_loss", "moe_z_loss_coeff": None}
 MOE_GLOBAL_Z = {**MOE, "moe_router_load_balancing_type": "global_aux_loss"}
 MTP = {"mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.1}
-KINDS = {"gpt": {}, "moe": MOE, "mtp": MTP, "mtp2": {**MTP, "mtp_num_layers": 2}, "moe_mtp": {**MOE, **MTP},
-         "moe_global": MOE_GLOBAL,
-         "moe_global_z": MOE_GLOBAL_Z,
-         "moe_seq": {**MOE, "moe_router_load_balancing_type": "seq_aux_loss"}, "moe_positionwise": MOE,
-         "moe_bias": {**MOE, "moe_router_enable_expert_bias": True, "moe_router_score_function": "sigmoid"}}
+KINDS = {
+    "gpt": {},
+    "moe": MOE,
+    "mtp": MTP,
+    "mtp2": {**MTP, "mtp_num_layers": 2},
+    "moe_mtp": {**MOE, **MTP},
+    "moe_global": MOE_GLOBAL,
+    "moe_global_z": MOE_GLOBAL_Z,
+    "moe_seq": {**MOE, "moe_router_load_balancing_type": "seq_aux_loss"},
+    "moe_positionwise": MOE,
+    "moe_bias": {**MOE, "moe_router_enable_expert_bias": True, "moe_router_score_function": "sigmoid"},
+}
 #: GPT kinds whose layers have no attention (an MoE MLP and its norm only), so a CP shard's gradient is exact
 #: without ring attention (which needs Transformer Engine).
 POSITIONWISE_GPT = ("moe_positionwise",)
@@ -62,20 +84,30 @@ def init_model_parallel(**sizes: int) -> None:
     model_parallel_cuda_manual_seed(1234)
 
 
-def transformer_config(model: ModelConfig, *, calculate_per_token_loss: bool, kind: str = "gpt",
-                       pipeline_model_parallel_size: int = 1, virtual_pipeline_model_parallel_size: int = 1,
-                       context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
-                       expert_tensor_parallel_size: int | None = None,
-                       tensor_model_parallel_size: int = 1, sequence_parallel: bool = False):
+def transformer_config(
+    model: ModelConfig,
+    *,
+    calculate_per_token_loss: bool,
+    kind: str = "gpt",
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
+    tensor_model_parallel_size: int = 1,
+    sequence_parallel: bool = False,
+):
     """A megatron TransformerConfig for the tiny models: fp32, no dropout, CPU initialisation; ``kind``
     adds MoE and/or MTP (:data:`KINDS`); MoE uses the alltoall dispatcher across EP ranks, else allgather."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     extra = dict(KINDS.get(kind, {}))
     if "num_moe_experts" in extra:
-        extra.update(expert_model_parallel_size=expert_model_parallel_size,
-                     expert_tensor_parallel_size=expert_tensor_parallel_size,
-                     moe_token_dispatcher_type="alltoall" if expert_model_parallel_size > 1 else "allgather")
+        extra.update(
+            expert_model_parallel_size=expert_model_parallel_size,
+            expert_tensor_parallel_size=expert_tensor_parallel_size,
+            moe_token_dispatcher_type="alltoall" if expert_model_parallel_size > 1 else "allgather",
+        )
     if virtual_pipeline_model_parallel_size > 1:
         extra["virtual_pipeline_model_parallel_size"] = virtual_pipeline_model_parallel_size
     return TransformerConfig(
@@ -137,10 +169,16 @@ def init_by_name(module: torch.nn.Module, names: dict[str, str]) -> None:
     with torch.no_grad():
         for local, param in module.named_parameters():
             expert = not getattr(param, "allreduce", True)  # split over the expert TP group, not TP
-            tp_size = (parallel_state.get_expert_tensor_parallel_world_size() if expert
-                       else parallel_state.get_tensor_model_parallel_world_size())
-            tp_rank = (parallel_state.get_expert_tensor_parallel_rank() if expert
-                       else parallel_state.get_tensor_model_parallel_rank())
+            tp_size = (
+                parallel_state.get_expert_tensor_parallel_world_size()
+                if expert
+                else parallel_state.get_tensor_model_parallel_world_size()
+            )
+            tp_rank = (
+                parallel_state.get_expert_tensor_parallel_rank()
+                if expert
+                else parallel_state.get_tensor_model_parallel_rank()
+            )
             gen = torch.Generator().manual_seed(zlib.crc32(names[local].encode()))
             split = tp_size > 1 and getattr(param, "tensor_model_parallel", False)
             shape = list(param.shape)
@@ -171,8 +209,15 @@ def reset_moe_logging() -> None:
     destroy_moe_metrics_tracker()
 
 
-def build_gpt(model: ModelConfig, config, *, pre_process: bool, post_process: bool, vp_stage: int | None = None,
-              positionwise: bool = False):
+def build_gpt(
+    model: ModelConfig,
+    config,
+    *,
+    pre_process: bool,
+    post_process: bool,
+    vp_stage: int | None = None,
+    positionwise: bool = False,
+):
     """A GPTModel with the local (no Transformer Engine) layer spec and tied embeddings; MoE layers and an
     MTP block where ``config`` asks for them (rotary position embeddings with MTP). ``positionwise``: the layers
     keep their MLP (MoE) and its norm and drop attention (megatron's identity ops, as its attention-free layers)."""
@@ -185,16 +230,26 @@ def build_gpt(model: ModelConfig, config, *, pre_process: bool, post_process: bo
     reset_moe_logging()
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
     if positionwise:
-        spec = dataclasses.replace(spec, submodules=dataclasses.replace(
-            spec.submodules, input_layernorm=IdentityOp, self_attention=IdentityOp, self_attn_bda=IdentityFuncOp))
+        spec = dataclasses.replace(
+            spec,
+            submodules=dataclasses.replace(
+                spec.submodules, input_layernorm=IdentityOp, self_attention=IdentityOp, self_attn_bda=IdentityFuncOp
+            ),
+        )
     if config.sequence_parallel:  # the local spec's torch norm refuses sequence parallelism
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
         norms = {"input_layernorm": SequenceParallelLayerNorm, "pre_mlp_layernorm": SequenceParallelLayerNorm}
-        layer = dataclasses.replace(spec, submodules=dataclasses.replace(
-            spec.submodules, **{k: v for k, v in norms.items() if getattr(spec.submodules, k) is not IdentityOp}))
-        spec = TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
-                                          layer_norm=SequenceParallelLayerNorm)  # a block spec holds its stage's
+        layer = dataclasses.replace(
+            spec,
+            submodules=dataclasses.replace(
+                spec.submodules, **{k: v for k, v in norms.items() if getattr(spec.submodules, k) is not IdentityOp}
+            ),
+        )
+        spec = TransformerBlockSubmodules(
+            layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
+            layer_norm=SequenceParallelLayerNorm,
+        )  # a block spec holds its stage's
     mtp = bool(getattr(config, "mtp_num_layers", None))
     extra = {"vp_stage": vp_stage} if vp_stage is not None else {}
     if mtp:
@@ -224,9 +279,15 @@ def _sequence_parallel_mtp_norms(block_spec):
     if block_spec is None:  # a pipeline stage without MTP layers
         return None
     norms = ("enorm", "hnorm", "layer_norm")
-    layers = [dataclasses.replace(layer, submodules=dataclasses.replace(
-        layer.submodules, **{k: SequenceParallelLayerNorm for k in norms if hasattr(layer.submodules, k)}))
-        for layer in block_spec.layer_specs]
+    layers = [
+        dataclasses.replace(
+            layer,
+            submodules=dataclasses.replace(
+                layer.submodules, **{k: SequenceParallelLayerNorm for k in norms if hasattr(layer.submodules, k)}
+            ),
+        )
+        for layer in block_spec.layer_specs
+    ]
     return dataclasses.replace(block_spec, layer_specs=layers)
 
 
@@ -264,8 +325,7 @@ def build_positionwise(model: ModelConfig, config):
             h = self.word(input_ids) + self.position(position_ids)
             h = h + self.fc2(torch.tanh(self.fc1(h)))
             logits = self.output(h).float()
-            return torch.nn.functional.cross_entropy(
-                logits.transpose(1, 2), labels, reduction="none")
+            return torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
 
     lm = PositionwiseLM()
     names = {n: n for n, _ in lm.named_parameters()}

@@ -66,8 +66,9 @@ def mean_of_means_weights(loss_mask: torch.Tensor, unit_ids: torch.Tensor) -> to
     return loss_mask / (num_units * counts.clamp(min=1)[unit_ids])
 
 
-def reference_grads(model: ModelConfig, layouts: Iterable[Layout], batch: GlobalBatch,
-                    device: str = "cpu") -> dict[tuple[str, str], Grads]:
+def reference_grads(
+    model: ModelConfig, layouts: Iterable[Layout], batch: GlobalBatch, device: str = "cpu"
+) -> dict[tuple[str, str], Grads]:
     """{(layout name, "token" or "mean_of_means"): {global name: gradient}} for every layout.
 
     Needs megatron's parallel state for building the model; it initialises TP = PP = CP = 1 and tears
@@ -83,22 +84,25 @@ def reference_grads(model: ModelConfig, layouts: Iterable[Layout], batch: Global
             module, names = _build(model, kind, device)
             token = _lm_grads(module, names, batch, token_weights(batch.loss_mask))
             for layout in (lay for lay in layouts if lay.model == kind):
-                mean_of_means = _lm_grads(module, names, batch,
-                                          mean_of_means_weights(batch.loss_mask, layout.unit_ids(model.seq_length)))
+                mean_of_means = _lm_grads(
+                    module, names, batch, mean_of_means_weights(batch.loss_mask, layout.unit_ids(model.seq_length))
+                )
                 refs[(layout.name, "token")] = token
                 refs[(layout.name, "mean_of_means")] = mean_of_means
                 if layout.auxiliary:
                     refs[(layout.name, "token")] = _plus(token, _aux_grads(module, names, batch, layout, "token"))
                     refs[(layout.name, "mean_of_means")] = _plus(
-                        mean_of_means, _aux_grads(module, names, batch, layout, "microbatch"))
+                        mean_of_means, _aux_grads(module, names, batch, layout, "microbatch")
+                    )
         return refs
     finally:
         _set_aux_scale(None)
         parallel_state.destroy_model_parallel()
 
 
-def aux_reference_grads(model: ModelConfig, layout: Layout, batch: GlobalBatch, mode: str,
-                        device: str = "cpu") -> Grads:
+def aux_reference_grads(
+    model: ModelConfig, layout: Layout, batch: GlobalBatch, mode: str, device: str = "cpu"
+) -> Grads:
     """The auxiliary-loss part alone of ``layout``'s reference in ``mode`` (the LM loss at weight 0)."""
     from megatron.core import parallel_state
 
@@ -112,13 +116,13 @@ def aux_reference_grads(model: ModelConfig, layout: Layout, batch: GlobalBatch, 
 
 
 def _build(model: ModelConfig, kind: str, device: str):
-    config = transformer_config(model, kind=kind if kind != "positionwise" else "gpt",
-                                calculate_per_token_loss=False)
+    config = transformer_config(model, kind=kind if kind != "positionwise" else "gpt", calculate_per_token_loss=False)
     if kind == "positionwise":
         module, names = build_positionwise(model, config)
     else:
-        module, names = build_gpt(model, config, pre_process=True, post_process=True,
-                                  positionwise=kind in POSITIONWISE_GPT)
+        module, names = build_gpt(
+            model, config, pre_process=True, post_process=True, positionwise=kind in POSITIONWISE_GPT
+        )
     for router in module.modules():  # the expert bias starts at 0 and moves in finalize: one step never reads it
         if getattr(router, "enable_expert_bias", False):
             router.enable_expert_bias = False
@@ -145,15 +149,21 @@ def _set_aux_scale(scale: float | None, mtp: float | None = None) -> None:
             scaler.set_loss_scale(torch.tensor([value]))
 
 
-def _forward(module: torch.nn.Module, batch: GlobalBatch, rows: list[int] | slice, device: str,
-             padding: bool) -> torch.Tensor:
+def _forward(
+    module: torch.nn.Module, batch: GlobalBatch, rows: list[int] | slice, device: str, padding: bool
+) -> torch.Tensor:
     """Per-token losses of ``rows``; GPT kinds also get the loss mask (MTP), and padding_mask if asked."""
     mask = batch.loss_mask[rows].to(device)
     kwargs = {} if not hasattr(module, "decoder") else {"loss_mask": mask}
     if padding:
         kwargs["padding_mask"] = mask == 0
-    return module(batch.tokens[rows].to(device), batch.position_ids[rows].to(device), None,
-                  labels=batch.labels[rows].to(device), **kwargs)
+    return module(
+        batch.tokens[rows].to(device),
+        batch.position_ids[rows].to(device),
+        None,
+        labels=batch.labels[rows].to(device),
+        **kwargs,
+    )
 
 
 def _lm_grads(module: torch.nn.Module, names: dict[str, str], batch: GlobalBatch, weights: torch.Tensor) -> Grads:
@@ -165,8 +175,7 @@ def _lm_grads(module: torch.nn.Module, names: dict[str, str], batch: GlobalBatch
     return _grad(module, names, (losses * weights.to(device)).sum())
 
 
-def _aux_grads(module: torch.nn.Module, names: dict[str, str], batch: GlobalBatch, layout: Layout,
-               mode: str) -> Grads:
+def _aux_grads(module: torch.nn.Module, names: dict[str, str], batch: GlobalBatch, layout: Layout, mode: str) -> Grads:
     """grad of the auxiliary part of the reference (module docstring), the LM loss at weight 0: MoE's terms
     (MTP's at weight 0), then MTP's (MoE's at weight 0)."""
     extra = KINDS[layout.model]
@@ -218,7 +227,7 @@ def _global_aux_grads(module, names, batch, layout, mode) -> Grads:
     out: Grads = {}
     with _local_counts(routers), _config_set(routers, moe_z_loss_coeff=None):
         for m in range(layout.num_microbatches):
-            rows = [row for unit in units[m * per_microbatch:(m + 1) * per_microbatch] for row in unit]
+            rows = [row for unit in units[m * per_microbatch : (m + 1) * per_microbatch] for row in unit]
             weight = _microbatch_weight(batch, rows, layout, mode)
             if weight == 0:  # no loss tokens: install() routes none (its count clamped to 1), the tracker advances
                 for router in routers:
@@ -321,8 +330,10 @@ def _shifted(tensor: torch.Tensor, k: int) -> torch.Tensor:
 def _grad(module: torch.nn.Module, names: dict[str, str], objective: torch.Tensor) -> Grads:
     params = [p for _, p in module.named_parameters()]
     grads = torch.autograd.grad(objective, params, allow_unused=True)
-    return {names[n]: (torch.zeros_like(p) if g is None else g).detach().cpu()
-            for (n, p), g in zip(module.named_parameters(), grads)}
+    return {
+        names[n]: (torch.zeros_like(p) if g is None else g).detach().cpu()
+        for (n, p), g in zip(module.named_parameters(), grads)
+    }
 
 
 def _plus(a: Grads, b: Grads) -> Grads:

@@ -21,14 +21,35 @@ from tests.support.event_files import tensorboard_scalars
 
 pytestmark = pytest.mark.bridge
 ROOT = Path(__file__).resolve().parents[2]
-CASES = ("bridge", "bridge-microbatch", "extension", "schedule-bridge", "schedule-extension", "resume-save",
-         "resume-load", "rampup-extension", "schedule-lr-sqrt", "schedule-wsd", "warmup", "warmup-save",
-         "warmup-load", "noise-scale", "noise-scale-save", "noise-scale-load",
-         "moe-bridge", "moe-extension", "moe-extension-masked-step", "dropped-finalize-bridge",
-         "dropped-finalize-extension", "bypassed-schedule-extension")
+CASES = (
+    "bridge",
+    "bridge-microbatch",
+    "extension",
+    "schedule-bridge",
+    "schedule-extension",
+    "resume-save",
+    "resume-load",
+    "rampup-extension",
+    "schedule-lr-sqrt",
+    "schedule-wsd",
+    "warmup",
+    "warmup-save",
+    "warmup-load",
+    "noise-scale",
+    "noise-scale-save",
+    "noise-scale-load",
+    "moe-bridge",
+    "moe-extension",
+    "moe-extension-masked-step",
+    "dropped-finalize-bridge",
+    "dropped-finalize-extension",
+    "bypassed-schedule-extension",
+)
 BRIDGE_LINE = re.compile(r"\biteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \|")
-NOISE_LINE = re.compile(r"^ ?megatron-ga-ext noise scale \| iteration (\d+) \| .* \| "
-                        r"loss tokens: (\d+) over 2 replicas \| consumed samples: (\d+) \|$")
+NOISE_LINE = re.compile(
+    r"^ ?megatron-ga-ext noise scale \| iteration (\d+) \| .* \| "
+    r"loss tokens: (\d+) over 2 replicas \| consumed samples: (\d+) \|$"
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +58,14 @@ def out(tmp_path_factory) -> Path:
     directories."""
     out = tmp_path_factory.mktemp("bridge-runs")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "bridge_runs.py"), str(out), *CASES],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "support" / "bridge_runs.py"), str(out), *CASES],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=ROOT,
+    )
     logs = "".join(f"{path.name}: ...{path.read_text()[-1500:]}\n" for path in sorted(out.glob("*.log")))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + logs[-6000:]
     return out
@@ -47,8 +74,13 @@ def out(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def runs(out) -> dict[str, list[list[dict]]]:
     """Each case's rows, per rank."""
-    return {case: [[json.loads(line) for line in (out / f"{case}.rank{rank}.jsonl").read_text().splitlines()]
-                   for rank in range(2)] for case in CASES}
+    return {
+        case: [
+            [json.loads(line) for line in (out / f"{case}.rank{rank}.jsonl").read_text().splitlines()]
+            for rank in range(2)
+        ]
+        for case in CASES
+    }
 
 
 def test_the_extension_trains_exactly_bridges_own_per_token_run(runs):
@@ -87,9 +119,13 @@ def test_the_lr_warmup_and_wsd_decay_end_where_their_samples_do(runs):
     last step."""
     for rank in runs["schedule-wsd"]:
         assert [(row["consumed_samples"], row["train_iters"]) for row in rank] == [
-            (8, 5), (16, 5), (24, 5), (40, 5), (56, 5)]
-        assert [row["lr"] for row in rank] == pytest.approx([5e-4, 1e-3, 1e-3, 1e-4 + 9e-4 * 2 / 3, 1e-4],
-                                                            rel=1e-12)
+            (8, 5),
+            (16, 5),
+            (24, 5),
+            (40, 5),
+            (56, 5),
+        ]
+        assert [row["lr"] for row in rank] == pytest.approx([5e-4, 1e-3, 1e-3, 1e-4 + 9e-4 * 2 / 3, 1e-4], rel=1e-12)
 
 
 def test_a_resume_at_the_stage_switch_trains_on_as_the_uninterrupted_run(runs):
@@ -134,17 +170,23 @@ def test_the_noise_scale_line_scalars_and_sidecar_on_bridge(runs, out, cli):
     same = ("iteration", "consumed_samples", "loss", "lr", "grad_norm")
     for rank in range(2):
         assert [[r[k] for k in same] for r in runs["noise-scale"][rank]] == [
-            [r[k] for k in same] for r in runs["extension"][rank]]
+            [r[k] for k in same] for r in runs["extension"][rank]
+        ]
     run = out / "noise-scale"
     trace = [json.loads(line) for line in (run / "trace-save.jsonl").read_text().splitlines()]
     assert [(r["iteration"], r["consumed_samples"], r["replicas"]) for r in trace] == [
-        (i, 8 * i, 2) for i in range(1, 7)]
+        (i, 8 * i, 2) for i in range(1, 7)
+    ]
     lines = (out / "noise-scale.rank1.log").read_text().splitlines()
-    pairs = [(BRIDGE_LINE.search(line), NOISE_LINE.match(lines[n + 1]))
-             for n, line in enumerate(lines[:-1]) if BRIDGE_LINE.search(line)]
+    pairs = [
+        (BRIDGE_LINE.search(line), NOISE_LINE.match(lines[n + 1]))
+        for n, line in enumerate(lines[:-1])
+        if BRIDGE_LINE.search(line)
+    ]
     assert [(int(b[1]), int(b[2])) for b, _ in pairs] == [(i, 8 * i) for i in range(1, 7)]
     assert [tuple(map(int, m.groups())) for _, m in pairs] == [
-        (r["iteration"], r["tokens"], r["consumed_samples"]) for r in trace]
+        (r["iteration"], r["tokens"], r["consumed_samples"]) for r in trace
+    ]
     assert "megatron-ga-ext noise scale" not in (out / "noise-scale.rank0.log").read_text()
     scalars = tensorboard_scalars(run / "tb")
     for name in ("grad_sq", "trace_sigma", "grad_sq_ema", "trace_sigma_ema", "b_simple_tokens"):
@@ -154,10 +196,23 @@ def test_the_noise_scale_line_scalars_and_sidecar_on_bridge(runs, out, cli):
     for iteration in (3, 6):
         sidecar = json.loads(sidecar_path(run / "checkpoints", iteration).read_text())
         assert (sidecar["iteration"], sidecar["measurements"], sidecar["ema"]["updates"]) == (iteration,) * 3
-    layout = ("--micro-batch-size", "2", "--data-parallel-size", "2", "--global-batch-size", "8",
-              "--max-global-batch-size", "32", "--seq-length", "64", "--train-samples", "512")
-    from_trace, from_tensorboard = (cli("schedule", "--suggest", str(path), *layout)
-                                    for path in (run / "trace-save.jsonl", run / "tb"))
+    layout = (
+        "--micro-batch-size",
+        "2",
+        "--data-parallel-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--max-global-batch-size",
+        "32",
+        "--seq-length",
+        "64",
+        "--train-samples",
+        "512",
+    )
+    from_trace, from_tensorboard = (
+        cli("schedule", "--suggest", str(path), *layout) for path in (run / "trace-save.jsonl", run / "tb")
+    )
     assert from_trace.status == from_tensorboard.status == 0, from_trace.err + from_tensorboard.err
     schedule = from_trace.out.split("\n", 1)[1]  # after the line naming what it read
     assert "--step-batch-size-schedule" in schedule and from_tensorboard.out.split("\n", 1)[1] == schedule
@@ -177,8 +232,10 @@ def test_a_resume_continues_the_noise_scale_emas_on_bridge(runs, out):
         for name in ("grad_sq_ema", "trace_sigma_ema", "grad_sq", "trace_sigma", "consumed_samples"):
             assert ours[name] == pytest.approx(theirs[name], rel=1e-9), (name, ours, theirs)
     log = (out / "noise-scale-load.rank0.log").read_text()  # where Bridge prints and logs at INFO
-    assert (f"noise-scale EMAs continued from {resumed / 'checkpoints' / 'iter_0000003'}" in log
-            and "(3 measurements)" in log), log[-2000:]
+    assert (
+        f"noise-scale EMAs continued from {resumed / 'checkpoints' / 'iter_0000003'}" in log
+        and "(3 measurements)" in log
+    ), log[-2000:]
     assert re.findall(r"saving checkpoint at iteration\s+(\d+)", log) == ["6"]
 
 
@@ -188,8 +245,10 @@ def test_moe_on_bridges_gpt_step_routes_with_the_loss_mask(runs):
     user writes), and differs from Bridge's own, whose router counts the masked positions."""
     for rank in range(2):
         assert runs["moe-extension"][rank] == runs["moe-extension-masked-step"][rank]
-    assert all(ours["grad_norm"] != theirs["grad_norm"]
-               for ours, theirs in zip(runs["moe-extension"][0], runs["moe-bridge"][0], strict=True))
+    assert all(
+        ours["grad_norm"] != theirs["grad_norm"]
+        for ours, theirs in zip(runs["moe-extension"][0], runs["moe-bridge"][0], strict=True)
+    )
 
 
 def test_the_batch_size_warmup_doubles_and_the_run_ends_at_its_samples_on_bridge(runs, out):
@@ -204,7 +263,8 @@ def test_the_batch_size_warmup_doubles_and_the_run_ends_at_its_samples_on_bridge
         whole = runs["warmup"][rank]
         assert [(row["consumed_samples"], row["train_iters"]) for row in whole] == [(8, 6), (24, 4), (56, 4), (88, 4)]
         assert [row["lr"] for row in whole] == pytest.approx(
-            [1e-3 - 9e-4 * row["consumed_samples"] / 88 for row in whole], rel=1e-12)
+            [1e-3 - 9e-4 * row["consumed_samples"] / 88 for row in whole], rel=1e-12
+        )
         assert whole[-1]["lr"] == pytest.approx(1e-4, rel=1e-12)
         assert runs["warmup-save"][rank] + runs["warmup-load"][rank] == whole
     checkpoints = out / "warmup-resume" / "checkpoints"
@@ -219,8 +279,9 @@ def test_a_dropped_finalize_is_stopped_at_the_first_step(runs):
     steps on unreduced, undivided gradients (grad norms 100x the reference's, the replicas apart); with the
     extension each rank stops at step 1, before any optimizer step, naming the hook."""
     bare = runs["dropped-finalize-bridge"]
-    assert len(bare[0]) == 6 and all(row["grad_norm"] > 100 * ref["grad_norm"]
-                                     for row, ref in zip(bare[0], runs["bridge"][0]))
+    assert len(bare[0]) == 6 and all(
+        row["grad_norm"] > 100 * ref["grad_norm"] for row, ref in zip(bare[0], runs["bridge"][0])
+    )
     assert bare[0][-1]["grad_norm"] != bare[1][-1]["grad_norm"]
     for rank in runs["dropped-finalize-extension"]:
         assert len(rank) == 1 and rank[0]["type"] == "GuardError"
@@ -232,8 +293,10 @@ def test_a_schedule_bound_before_install_is_stopped_by_liveness(runs):
     case of Megatron-LM's loop): each rank stops at step 1, before its optimizer step, naming the path."""
     for rank in runs["bypassed-schedule-extension"]:
         assert len(rank) == 1 and rank[0]["type"] == "GuardError"
-        assert ("training iteration 1 reached the optimizer step through megatron-ga-ext's finalize_model_grads but "
-                "not through its guarded forward/backward schedule") in rank[0]["error"]
+        assert (
+            "training iteration 1 reached the optimizer step through megatron-ga-ext's finalize_model_grads but "
+            "not through its guarded forward/backward schedule"
+        ) in rank[0]["error"]
 
 
 @pytest.fixture(scope="module")
@@ -261,7 +324,11 @@ def test_the_ga_section_takes_bridges_overrides_and_yaml(ga_bridge, cfg, tmp_pat
     process_config_with_overrides(container, cli_overrides=["ga.zero_token_policy=skip", "train.train_iters=9"])
     config = ga_bridge.ga_config(container)
     assert (config.zero_token_policy, config.guards, config.seq_length, container.train.train_iters) == (
-        "skip", False, 64, 9)
+        "skip",
+        False,
+        64,
+        9,
+    )
     path = tmp_path / "run.yaml"
     container.to_yaml(str(path))
     again = ga_bridge.GAContainer.from_yaml(str(path))
@@ -278,16 +345,31 @@ def test_install_turns_on_per_token_loss_and_installs(ga_bridge, cfg):
     assert cfg.model.calculate_per_token_loss is False
 
 
-@pytest.mark.parametrize(("change", "settings", "error", "message"), [
-    ({}, {"batch_size_warmup": "auto", "noise_scale": 1}, "OptionError",
-     r"^ga\.batch_size_warmup auto needs ga\.batch_size_warmup_max"),  # the flags' own rules first
-    ({}, {"zero_token_policy": "never"}, "OptionError", r"ga\.zero_token_policy"),
-    ({("train", "rampup_batch_size"): [2, 2, 64]}, {}, "OptionError",
-     r"^train\.rampup_batch_size \[2, 2, 64\]: megatron-core 0\.18 and later drop it .* Set "
-     r"ga\.convert_rampup=true to run it as its exact step schedule"),
-    ({("model", "overlap_moe_expert_parallel_comm"): True}, {}, "CoverageError",
-     r"megatron-ga-ext refuses model\.overlap_moe_expert_parallel_comm in token mode"),
-])
+@pytest.mark.parametrize(
+    ("change", "settings", "error", "message"),
+    [
+        (
+            {},
+            {"batch_size_warmup": "auto", "noise_scale": 1},
+            "OptionError",
+            r"^ga\.batch_size_warmup auto needs ga\.batch_size_warmup_max",
+        ),  # the flags' own rules first
+        ({}, {"zero_token_policy": "never"}, "OptionError", r"ga\.zero_token_policy"),
+        (
+            {("train", "rampup_batch_size"): [2, 2, 64]},
+            {},
+            "OptionError",
+            r"^train\.rampup_batch_size \[2, 2, 64\]: megatron-core 0\.18 and later drop it .* Set "
+            r"ga\.convert_rampup=true to run it as its exact step schedule",
+        ),
+        (
+            {("model", "overlap_moe_expert_parallel_comm"): True},
+            {},
+            "CoverageError",
+            r"megatron-ga-ext refuses model\.overlap_moe_expert_parallel_comm in token mode",
+        ),
+    ],
+)
 def test_refusals_name_bridges_fields(ga_bridge, cfg, change, settings, error, message):
     from megatron_ga_ext.integration.lifecycle import installed
 
@@ -304,14 +386,20 @@ def test_a_step_schedule_needs_its_samples_and_a_ga_container(ga_bridge, cfg):
 
     cfg.train.train_iters, cfg.train.train_samples = None, 50
     cfg.train.step_batch_size_schedule = "0:8 1536:16"
-    with pytest.raises(ScheduleError, match=r"needs a GAContainer \(ga_bridge\.with_ga\(cfg\)\): Bridge passes no "
-                                            "schedule to the calculator"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"needs a GAContainer \(ga_bridge\.with_ga\(cfg\)\): Bridge passes no "
+        "schedule to the calculator",
+    ):
         ga_bridge.install(cfg)
     container = ga_bridge.with_ga(cfg)
     ga_bridge.install(container)
     container.data_parallel_size = 2  # what Bridge's validation sets, and GAContainer.validate() reads after it
-    with pytest.raises(ScheduleError, match=r"^train\.train_samples 50: .* the last of its 5 steps ends at 56 "
-                                            r"samples, .* Set train\.train_samples to 56"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"^train\.train_samples 50: .* the last of its 5 steps ends at 56 "
+        r"samples, .* Set train\.train_samples to 56",
+    ):
         _plan_only(ga_bridge, container)
 
 
@@ -328,8 +416,11 @@ def _plan_only(ga_bridge, container):
 def test_an_unknown_ga_setting_is_named(ga_bridge, cfg):
     from megatron_ga_ext.errors import OptionError
 
-    with pytest.raises(OptionError, match=r"^ga\.noise: not a megatron-ga-ext setting; the ga section holds .*"
-                                          r"noise_scale"):
+    with pytest.raises(
+        OptionError,
+        match=r"^ga\.noise: not a megatron-ga-ext setting; the ga section holds .*"
+        r"noise_scale",
+    ):
         ga_bridge.with_ga(cfg, noise=1)
 
 
@@ -339,9 +430,11 @@ def test_moe_or_mtp_in_token_mode_is_told_where_the_loss_mask_comes_from(ga_brid
     cfg.model.mtp_num_layers = 1
     with caplog.at_level("INFO", logger="megatron_ga_ext.integration.bridge"):
         ga_bridge.install(ga_bridge.with_ga(cfg))
-    assert ("megatron-ga-ext: model.mtp_num_layers in token mode: Bridge's gpt_step.forward_step does not pass "
-            "loss_mask to the model (Bridge #6103); the extension gives the model the loss mask gpt_step.get_batch "
-            "returned") in caplog.text
+    assert (
+        "megatron-ga-ext: model.mtp_num_layers in token mode: Bridge's gpt_step.forward_step does not pass "
+        "loss_mask to the model (Bridge #6103); the extension gives the model the loss mask gpt_step.get_batch "
+        "returned"
+    ) in caplog.text
 
 
 def test_a_rampup_is_converted_at_install(ga_bridge, cfg):
@@ -351,10 +444,13 @@ def test_a_rampup_is_converted_at_install(ga_bridge, cfg):
     from megatron_ga_ext.errors import ScheduleError
 
     cfg.train.global_batch_size, cfg.train.rampup_batch_size = 16, [8, 8, 24]
-    with pytest.raises(ScheduleError, match=r"^train\.rampup_batch_size \[8, 8, 24\] with ga\.convert_rampup needs "
-                                            r"train\.train_samples: .* The 6 steps of train\.train_iters take 72 "
-                                            r"samples under the ramp: set train\.train_iters=null "
-                                            r"train\.train_samples=72"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"^train\.rampup_batch_size \[8, 8, 24\] with ga\.convert_rampup needs "
+        r"train\.train_samples: .* The 6 steps of train\.train_iters take 72 "
+        r"samples under the ramp: set train\.train_iters=null "
+        r"train\.train_samples=72",
+    ):
         ga_bridge.install(ga_bridge.with_ga(cfg, convert_rampup=True))
     cfg.train.train_iters, cfg.train.train_samples = None, 56
     container = ga_bridge.with_ga(cfg, convert_rampup=True)
@@ -372,8 +468,11 @@ def test_the_layout_checks_read_the_world_size_bridge_reads(ga_bridge, cfg, monk
     monkeypatch.setenv("WORLD_SIZE", world_size)
     container = ga_bridge.with_ga(cfg, noise_scale=1)
     if refused:
-        with pytest.raises(OptionError, match=r"^ga\.noise_scale 1 with data-parallel size 1: .* Drop "
-                                              r"ga\.noise_scale"):
+        with pytest.raises(
+            OptionError,
+            match=r"^ga\.noise_scale 1 with data-parallel size 1: .* Drop "
+            r"ga\.noise_scale",
+        ):
             ga_bridge.install(container)
     else:
         assert ga_bridge.install(container).noise_scale is not None

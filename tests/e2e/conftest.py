@@ -31,11 +31,15 @@ SOURCES = sources([os.environ["MEGATRON_LM"]] if os.environ.get("MEGATRON_LM") e
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """``source``: every source; ``newest_source``: the newest release and main commit among them (faults);
     ``newest_release``: the first of those (the timing comparison)."""
-    for fixture, trees in (("source", SOURCES), ("newest_source", _newest(SOURCES)),
-                           ("newest_release", _newest(SOURCES)[:1])):
+    for fixture, trees in (
+        ("source", SOURCES),
+        ("newest_source", _newest(SOURCES)),
+        ("newest_release", _newest(SOURCES)[:1]),
+    ):
         if fixture in metafunc.fixturenames:
             params = [pytest.param(s, id=source_name(s)) for s in trees] or [
-                pytest.param(None, marks=pytest.mark.skip(reason=NO_SOURCE), id="no-source")]
+                pytest.param(None, marks=pytest.mark.skip(reason=NO_SOURCE), id="no-source")
+            ]
             metafunc.parametrize(fixture, params, scope="session")
 
 
@@ -56,12 +60,31 @@ class Launches:
         self.workdir = workdir
         self.done: dict[tuple, Run] = {}
 
-    def get(self, source: Path, layout: str, name: str, flags: list[str], *, extension: bool = True,
-            drop_in: str = "entry", env: dict[str, str] | None = None, device: str = "cpu") -> Run:
+    def get(
+        self,
+        source: Path,
+        layout: str,
+        name: str,
+        flags: list[str],
+        *,
+        extension: bool = True,
+        drop_in: str = "entry",
+        env: dict[str, str] | None = None,
+        device: str = "cpu",
+    ) -> Run:
         key = (source, layout, name)
         if key not in self.done:
-            self.done[key] = launch(source, layout, flags, extension=extension, name=name, drop_in=drop_in,
-                                    workdir=self.workdir / source.name / layout, env=env, device=device)
+            self.done[key] = launch(
+                source,
+                layout,
+                flags,
+                extension=extension,
+                name=name,
+                drop_in=drop_in,
+                workdir=self.workdir / source.name / layout,
+                env=env,
+                device=device,
+            )
         return self.done[key]
 
 
@@ -100,8 +123,18 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_terminal_summary(terminalreporter) -> None:
     if not _ROWS:
         return
-    columns = ("source", "layout", "mode", "case", "iterations", "samples", "lr_end", "loss_vs_upstream", "N",
-               "outcome")
+    columns = (
+        "source",
+        "layout",
+        "mode",
+        "case",
+        "iterations",
+        "samples",
+        "lr_end",
+        "loss_vs_upstream",
+        "N",
+        "outcome",
+    )
     terminalreporter.section("end-to-end: Megatron-LM pretrain_gpt.py through install()")
     widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in _ROWS)) for c in columns}
     terminalreporter.write_line("  ".join(c.ljust(widths[c]) for c in columns))
@@ -126,9 +159,17 @@ def _record_compatibility() -> None:
         layouts = sorted({layout for _, layout, _ in runs})
         passed = sum(o == "passed" for o in outcomes)
         cases = sorted({r["case"].split(" at ")[0] for r in _ROWS if r["source"] == name})
-        summary = (f"{passed} of {len(outcomes)} tests passed, {len(runs)} launches of pretrain_gpt.py "
-                   f"({', '.join(layouts)}; {', '.join(cases)})")
-        rows.append({"Source": name, "megatron-core": core_version(source),
-                     "Python, torch": f"Python {platform.python_version()}, torch {sys.modules['torch'].__version__}",
-                     "Hooked functions": hooked_functions(source), "End-to-end": summary})
+        summary = (
+            f"{passed} of {len(outcomes)} tests passed, {len(runs)} launches of pretrain_gpt.py "
+            f"({', '.join(layouts)}; {', '.join(cases)})"
+        )
+        rows.append(
+            {
+                "Source": name,
+                "megatron-core": core_version(source),
+                "Python, torch": f"Python {platform.python_version()}, torch {sys.modules['torch'].__version__}",
+                "Hooked functions": hooked_functions(source),
+                "End-to-end": summary,
+            }
+        )
     record("compatibility", rows)

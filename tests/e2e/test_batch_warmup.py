@@ -30,18 +30,38 @@ pytestmark = pytest.mark.e2e
 SAVE_AT = 2
 GBS = [16, 32, 64, 128, 128]
 SAMPLES = sum(GBS)
-FLAGS = ["--calculate-per-token-loss", "--global-batch-size", "16", "--train-samples", str(SAMPLES),
-         "--hidden-dropout", "0", "--attention-dropout", "0", "--ga-noise-scale", "1",
-         "--ga-batch-size-warmup", "auto", "--ga-batch-size-warmup-trust", "2000",
-         "--ga-batch-size-warmup-max", "128", *BOUNDED]
+FLAGS = [
+    "--calculate-per-token-loss",
+    "--global-batch-size",
+    "16",
+    "--train-samples",
+    str(SAMPLES),
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--ga-noise-scale",
+    "1",
+    "--ga-batch-size-warmup",
+    "auto",
+    "--ga-batch-size-warmup-trust",
+    "2000",
+    "--ga-batch-size-warmup-max",
+    "128",
+    *BOUNDED,
+]
 #: The schedule after each decision, as logged (thresholds in tokens: --seq-length 64).
 LOGGED = ['"0:16 1024:32"', '"0:16 1024:32 3072:64"', '"0:16 1024:32 3072:64 7168:128"']
 
 
 def warmup_run(launches, source):
     checkpoints = launches.workdir / source.name / "dp2" / "batch-warmup-checkpoints"
-    return launches.get(source, "dp2", "batch-warmup", [
-        *FLAGS, "--save", str(checkpoints), "--save-interval", str(SAVE_AT), "--ckpt-format", "torch"]), checkpoints
+    return launches.get(
+        source,
+        "dp2",
+        "batch-warmup",
+        [*FLAGS, "--save", str(checkpoints), "--save-interval", str(SAVE_AT), "--ckpt-format", "torch"],
+    ), checkpoints
 
 
 def test_the_batch_doubles_as_measured_and_the_run_ends_at_its_samples(launches, source):
@@ -49,14 +69,15 @@ def test_the_batch_doubles_as_measured_and_the_run_ends_at_its_samples(launches,
     assert run.rc == 0 and run.error is None, run.describe()
     rows = run.iterations
     assert [r["global_batch_size"] for r in rows] == GBS, rows
-    assert [r["consumed_samples"] for r in rows] == [sum(GBS[:i + 1]) for i in range(len(GBS))], rows
+    assert [r["consumed_samples"] for r in rows] == [sum(GBS[: i + 1]) for i in range(len(GBS))], rows
     assert [r["num_microbatches"] for r in rows] == [g // 4 for g in GBS], rows  # MBS 2 x DP 2
     decisions = [line for line in run.output.splitlines() if "megatron-ga-ext batch-size warmup: iteration" in line]
     assert len(decisions) >= len(LOGGED), run.describe()
     for line, schedule in zip(decisions, LOGGED):
         assert line.endswith(f"--step-batch-size-schedule {schedule}"), line
-    assert any("held by the cap --ga-batch-size-warmup-max 128" in line for line in run.output.splitlines()), \
-        run.describe()  # iteration 4: 2 x 128 passes the cap
+    assert any("held by the cap --ga-batch-size-warmup-max 128" in line for line in run.output.splitlines()), (
+        run.describe()
+    )  # iteration 4: 2 x 128 passes the cap
 
 
 def test_a_resume_replays_the_decisions(launches, source):
@@ -69,11 +90,26 @@ def test_a_resume_replays_the_decisions(launches, source):
     shutil.copytree(checkpoints, directory)
     loaded = directory / f"iter_{SAVE_AT:07d}"
     before = _mtimes(loaded)
-    resumed = launches.get(source, "dp2", "batch-warmup-resumed", [
-        *FLAGS, "--load", str(directory), "--ckpt-step", str(SAVE_AT), "--ckpt-format", "torch",
-        "--save", str(directory), "--save-interval", str(SAVE_AT)])
+    resumed = launches.get(
+        source,
+        "dp2",
+        "batch-warmup-resumed",
+        [
+            *FLAGS,
+            "--load",
+            str(directory),
+            "--ckpt-step",
+            str(SAVE_AT),
+            "--ckpt-format",
+            "torch",
+            "--save",
+            str(directory),
+            "--save-interval",
+            str(SAVE_AT),
+        ],
+    )
     assert resumed.rc == 0 and resumed.error is None, resumed.describe()
-    assert f'resumed with --step-batch-size-schedule {LOGGED[1]}' in resumed.output, resumed.describe()
+    assert f"resumed with --step-batch-size-schedule {LOGGED[1]}" in resumed.output, resumed.describe()
     resaved = f"saving checkpoint at iteration {SAVE_AT:7d}"
     assert not [line for line in resumed.output.splitlines() if resaved in line], resumed.describe()
     assert _mtimes(loaded) == before, resumed.describe()
@@ -82,26 +118,40 @@ def test_a_resume_replays_the_decisions(launches, source):
     assert [r["iteration"] for r in again] == [r["iteration"] for r in whole] == list(range(SAVE_AT + 1, len(GBS) + 1))
     for ours, theirs in zip(again, whole, strict=True):
         assert (ours["global_batch_size"], ours["consumed_samples"], ours["num_microbatches"]) == (
-            theirs["global_batch_size"], theirs["consumed_samples"], theirs["num_microbatches"]), (ours, theirs)
+            theirs["global_batch_size"],
+            theirs["consumed_samples"],
+            theirs["num_microbatches"],
+        ), (ours, theirs)
         assert (ours["learning_rate"], ours["loss"], ours["grad_norm"]) == (
-            theirs["learning_rate"], theirs["loss"], theirs["grad_norm"]), (ours, theirs)
+            theirs["learning_rate"],
+            theirs["loss"],
+            theirs["grad_norm"],
+        ), (ours, theirs)
 
 
 def _mtimes(directory: Path) -> dict[str, int]:
     """Every file under ``directory``, by relative path: its modification time in ns."""
-    files = {str(path.relative_to(directory)): path.stat().st_mtime_ns
-             for path in directory.rglob("*") if path.is_file()}
+    files = {
+        str(path.relative_to(directory)): path.stat().st_mtime_ns for path in directory.rglob("*") if path.is_file()
+    }
     assert files, f"no checkpoint files under {directory}"
     return files
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--ga-noise-scale", "0"], "--ga-batch-size-warmup auto decides from the measured noise scale: add "
-                                "--ga-noise-scale K"),
-    (["--rampup-batch-size", "8", "8", "64", "--ga-convert-rampup"],
-     "--ga-batch-size-warmup auto writes the step schedule as it measures, so it does not go with "
-     "--rampup-batch-size with --ga-convert-rampup"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            ["--ga-noise-scale", "0"],
+            "--ga-batch-size-warmup auto decides from the measured noise scale: add --ga-noise-scale K",
+        ),
+        (
+            ["--rampup-batch-size", "8", "8", "64", "--ga-convert-rampup"],
+            "--ga-batch-size-warmup auto writes the step schedule as it measures, so it does not go with "
+            "--rampup-batch-size with --ga-convert-rampup",
+        ),
+    ],
+)
 def test_launch_mistakes_are_refused_at_start_up(launches, source, extra, message):
     run = launches.get(source, "dp2", f"batch-warmup-refused-{extra[0]}", [*FLAGS, *extra])
     assert run.rc != 0 and run.iterations == [], run.describe()

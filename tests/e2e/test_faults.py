@@ -65,14 +65,21 @@ def nothing_saved(checkpoints: Path) -> None:
 
 def row(source: Path, fault: str, injected: str, outcome: str, checkpoints: str) -> None:
     _ROWS.setdefault(source_name(source), []).append(
-        {"Source": source_name(source), "Fault": fault, "Injected as": injected, "Outcome": outcome,
-         "Checkpoints": checkpoints})
+        {
+            "Source": source_name(source),
+            "Fault": fault,
+            "Injected as": injected,
+            "Outcome": outcome,
+            "Checkpoints": checkpoints,
+        }
+    )
 
 
 def nan_run(launches, source: Path):
     """Megatron's own NaN check off: the extension's is the one that stops the step."""
-    return faulty(launches, source, "nan-loss", [*SCHEDULE, *NO_MEGATRON_NAN_CHECK],
-                  MEGATRON_GA_FAULT=f"nan-loss-at:{NAN_AT}@1")
+    return faulty(
+        launches, source, "nan-loss", [*SCHEDULE, *NO_MEGATRON_NAN_CHECK], MEGATRON_GA_FAULT=f"nan-loss-at:{NAN_AT}@1"
+    )
 
 
 def test_a_nan_loss_is_left_to_megatrons_rerun_state_machine_which_decides(launches, newest_source):
@@ -81,21 +88,27 @@ def test_a_nan_loss_is_left_to_megatrons_rerun_state_machine_which_decides(launc
     Megatron judges a transient fault and exits with its code (0.16: after saving a checkpoint of the last iteration
     it completed) before the optimizer step. The
     extension says it deferred and reports that decision; the checkpoints of iterations 1-2 are there."""
-    run, checkpoints = faulty(launches, newest_source, "nan-loss-rerun", SCHEDULE,
-                              MEGATRON_GA_FAULT=f"nan-loss-at:{NAN_AT}@1")
+    run, checkpoints = faulty(
+        launches, newest_source, "nan-loss-rerun", SCHEDULE, MEGATRON_GA_FAULT=f"nan-loss-at:{NAN_AT}@1"
+    )
     assert run.rc != 0 and run.error is not None and run.error.startswith("SystemExit: "), run.describe()
     code = int(run.error.split(": ")[1])
     deferred = f"micro-batch(es) of iteration {NAN_AT} returned a non-finite loss; Megatron's rerun state machine"
     decided = f"Megatron's rerun state machine decided on the non-finite loss of iteration {NAN_AT}: "
-    decision = run.output[run.output.index(decided) + len(decided):].splitlines()[0] if decided in run.output else ""
+    decision = run.output[run.output.index(decided) + len(decided) :].splitlines()[0] if decided in run.output else ""
     assert decision.endswith(f"exit with code {code}"), run.output[-3000:]  # 0.16 saves a checkpoint first
     assert deferred in run.output and decided in run.output, run.output[-3000:]
     assert "Possible transient error" in run.output
     assert [r["iteration"] for r in run.iterations] == list(range(1, NAN_AT))
     assert saved(checkpoints) == (NAN_AT - 1, list(range(1, NAN_AT)))
-    row(newest_source, "NaN loss on rank 1, Megatron's NaN check on (its defaults)", f"`nan-loss-at:{NAN_AT}@1`",
+    row(
+        newest_source,
+        "NaN loss on rank 1, Megatron's NaN check on (its defaults)",
+        f"`nan-loss-at:{NAN_AT}@1`",
         f"deferred to Megatron's rerun state machine: it re-ran iteration {NAN_AT} (finite: a transient fault) and "
-        f"decided: {decision}, reported", f"iterations 1-{NAN_AT - 1}, none of {NAN_AT}")
+        f"decided: {decision}, reported",
+        f"iterations 1-{NAN_AT - 1}, none of {NAN_AT}",
+    )
 
 
 def test_a_nan_loss_on_one_rank_stops_that_step(launches, newest_source):
@@ -104,40 +117,60 @@ def test_a_nan_loss_on_one_rank_stops_that_step(launches, newest_source):
     failed_with(run, "LossContractError", "1 micro-batch(es) in this global batch returned a non-finite loss")
     assert [r["iteration"] for r in run.iterations] == list(range(1, NAN_AT))
     assert saved(checkpoints) == (NAN_AT - 1, list(range(1, NAN_AT)))
-    row(newest_source, "NaN loss on rank 1, --no-check-for-nan-in-loss-and-grad", f"`nan-loss-at:{NAN_AT}@1`",
+    row(
+        newest_source,
+        "NaN loss on rank 1, --no-check-for-nan-in-loss-and-grad",
+        f"`nan-loss-at:{NAN_AT}@1`",
         f"LossContractError at iteration {NAN_AT}: {run.error.split(': ', 1)[1].split(';')[0]}",
-        f"iterations 1-{NAN_AT - 1}, none of {NAN_AT}")
+        f"iterations 1-{NAN_AT - 1}, none of {NAN_AT}",
+    )
 
 
 def test_async_checks_stop_a_nan_step_after_its_optimizer_step_before_its_checkpoint(launches, newest_source):
     """--ga-checks async: finalize reads nothing; the verdict of iteration 3 is read after its optimizer step (whose
     own grad-norm read has synchronized by then) and stops the run there, naming it, before Megatron saves it."""
-    run, checkpoints = faulty(launches, newest_source, "nan-loss-async",
-                              [*SCHEDULE, *NO_MEGATRON_NAN_CHECK, "--ga-checks", "async"],
-                              MEGATRON_GA_FAULT=f"nan-loss-at:{NAN_AT}@1")
-    failed_with(run, "LossContractError", f"--ga-checks async, verdict of training step {NAN_AT} (iteration {NAN_AT}): "
-                "1 micro-batch(es) in this global batch returned a non-finite loss")
+    run, checkpoints = faulty(
+        launches,
+        newest_source,
+        "nan-loss-async",
+        [*SCHEDULE, *NO_MEGATRON_NAN_CHECK, "--ga-checks", "async"],
+        MEGATRON_GA_FAULT=f"nan-loss-at:{NAN_AT}@1",
+    )
+    failed_with(
+        run,
+        "LossContractError",
+        f"--ga-checks async, verdict of training step {NAN_AT} (iteration {NAN_AT}): "
+        "1 micro-batch(es) in this global batch returned a non-finite loss",
+    )
     assert [r["iteration"] for r in run.iterations] == list(range(1, NAN_AT))
     assert saved(checkpoints) == (NAN_AT - 1, list(range(1, NAN_AT)))
-    row(newest_source, "NaN loss on rank 1, --no-check-for-nan-in-loss-and-grad, --ga-checks async",
+    row(
+        newest_source,
+        "NaN loss on rank 1, --no-check-for-nan-in-loss-and-grad, --ga-checks async",
         f"`nan-loss-at:{NAN_AT}@1`",
-        f"LossContractError after the optimizer step of iteration {NAN_AT}, naming it", f"iterations 1-{NAN_AT - 1}, "
-        f"none of {NAN_AT}")
+        f"LossContractError after the optimizer step of iteration {NAN_AT}, naming it",
+        f"iterations 1-{NAN_AT - 1}, none of {NAN_AT}",
+    )
 
 
-def test_a_resume_with_another_schedule_says_what_changed_and_an_empty_microbatch_is_left_out(
-        launches, newest_source):
+def test_a_resume_with_another_schedule_says_what_changed_and_an_empty_microbatch_is_left_out(launches, newest_source):
     _, checkpoints = nan_run(launches, newest_source)
-    resumed = launches.get(newest_source, "dp2", "resume-changed",
-                           [*TOKEN, *CHANGED, *BOUNDED, "--load", str(checkpoints), "--ckpt-format", "torch"],
-                           env={"MEGATRON_GA_FAULT": f"empty-microbatch-at:{EMPTY_AT}@1"})
+    resumed = launches.get(
+        newest_source,
+        "dp2",
+        "resume-changed",
+        [*TOKEN, *CHANGED, *BOUNDED, "--load", str(checkpoints), "--ckpt-format", "torch"],
+        env={"MEGATRON_GA_FAULT": f"empty-microbatch-at:{EMPTY_AT}@1"},
+    )
     assert resumed.rc == 0 and resumed.error is None, resumed.describe()
     start, consumed = NAN_AT - 1, 32
-    warning = (f"resuming from the checkpoint of iteration {start} (consumed samples {consumed}) with another batch "
-               f"configuration than it was saved with: --step-batch-size-schedule '{SCHEDULE_TEXT}' when it was "
-               f"saved, '{CHANGED_TEXT}' now. The new configuration applies from iteration {start + 1} (consumed "
-               f"samples {consumed}) on: global batch size 32 (8 micro-batches), where the checkpoint's configuration "
-               f"has 16.")
+    warning = (
+        f"resuming from the checkpoint of iteration {start} (consumed samples {consumed}) with another batch "
+        f"configuration than it was saved with: --step-batch-size-schedule '{SCHEDULE_TEXT}' when it was "
+        f"saved, '{CHANGED_TEXT}' now. The new configuration applies from iteration {start + 1} (consumed "
+        f"samples {consumed}) on: global batch size 32 (8 micro-batches), where the checkpoint's configuration "
+        f"has 16."
+    )
     assert resumed.output.count(warning) == 1, resumed.output[-3000:]  # on rank 0 only
     plan = planned_steps(seq_length_schedule(CHANGED_TEXT), TRAIN_SAMPLES, consumed, start)
     assert ran_steps(resumed) == plan
@@ -146,13 +179,22 @@ def test_a_resume_with_another_schedule_says_what_changed_and_an_empty_microbatc
     assert [i for i, r in rank1.items() if r["zeroed_tokens"]] == [EMPTY_AT], rank1
     num_tokens = [r["num_tokens"] for r in resumed.iterations]
     assert num_tokens == resumed.mask_tokens() and all(n > 0 for n in num_tokens)
-    row(newest_source, "resumed with another schedule", f"`--load` the NaN run's iteration {start}, "
-        f"`--step-batch-size-schedule \"{CHANGED_TEXT}\"`",
+    row(
+        newest_source,
+        "resumed with another schedule",
+        f'`--load` the NaN run\'s iteration {start}, `--step-batch-size-schedule "{CHANGED_TEXT}"`',
         f"rank 0 warns with both schedules, from iteration {start + 1} (consumed {consumed}): GBS 32, was 16; "
-        f"iterations {start + 1}-{plan[-1][0]} = plan", "-")
-    row(newest_source, "micro-batch without loss tokens on rank 1", f"`empty-microbatch-at:{EMPTY_AT}@1` (resumed run)",
+        f"iterations {start + 1}-{plan[-1][0]} = plan",
+        "-",
+    )
+    row(
+        newest_source,
+        "micro-batch without loss tokens on rank 1",
+        f"`empty-microbatch-at:{EMPTY_AT}@1` (resumed run)",
         f"training goes on; N at iteration {EMPTY_AT} = {num_tokens[EMPTY_AT - start - 1]}, the other "
-        f"micro-batches' tokens ({rank1[EMPTY_AT]['zeroed_tokens']} left out)", "-")
+        f"micro-batches' tokens ({rank1[EMPTY_AT]['zeroed_tokens']} left out)",
+        "-",
+    )
 
 
 def test_a_two_tuple_loss_function_stops_at_the_first_microbatch(launches, newest_source):
@@ -160,38 +202,76 @@ def test_a_two_tuple_loss_function_stops_at_the_first_microbatch(launches, newes
     failed_with(run, "LossContractError", "the loss function returned a 2-tuple at micro-batch 0")
     assert run.iterations == []
     nothing_saved(checkpoints)
-    row(newest_source, "loss function returns (loss, report)", "`two-tuple-loss`",
-        "LossContractError at micro-batch 0 of iteration 1", "none")
+    row(
+        newest_source,
+        "loss function returns (loss, report)",
+        "`two-tuple-loss`",
+        "LossContractError at micro-batch 0 of iteration 1",
+        "none",
+    )
 
 
 def test_a_model_wrapped_before_the_per_token_flag_is_named_with_its_factor(launches, newest_source):
-    run, checkpoints = faulty(launches, newest_source, "ddp-before-flag", CONSTANT,
-                              MEGATRON_GA_FAULT="ddp-before-per-token-flag")
-    failed_with(run, "LossContractError", "model chunk 0 was wrapped in DistributedDataParallel with "
-                "gradient_scaling_factor 0.5 (= 1/2), i.e. before calculate_per_token_loss was set; its gradients "
-                "would end up 2 times too small")
+    run, checkpoints = faulty(
+        launches, newest_source, "ddp-before-flag", CONSTANT, MEGATRON_GA_FAULT="ddp-before-per-token-flag"
+    )
+    failed_with(
+        run,
+        "LossContractError",
+        "model chunk 0 was wrapped in DistributedDataParallel with "
+        "gradient_scaling_factor 0.5 (= 1/2), i.e. before calculate_per_token_loss was set; its gradients "
+        "would end up 2 times too small",
+    )
     assert run.iterations == []
     nothing_saved(checkpoints)
-    row(newest_source, "DDP built before --calculate-per-token-loss", "`ddp-before-per-token-flag`",
-        "LossContractError at iteration 1 naming gradient_scaling_factor 0.5 (= 1/2)", "none")
+    row(
+        newest_source,
+        "DDP built before --calculate-per-token-loss",
+        "`ddp-before-per-token-flag`",
+        "LossContractError at iteration 1 naming gradient_scaling_factor 0.5 (= 1/2)",
+        "none",
+    )
 
 
-@pytest.mark.parametrize("case, flags, extra, difference", [
-    ("global batch size", CONSTANT, "--global-batch-size 32",
-     "--global-batch-size is '16' on rank 0 and '32' on rank 1"),
-    ("schedule", SCHEDULE, f"--step-batch-size-schedule '{CHANGED_TEXT}'",
-     f"--step-batch-size-schedule is '{SCHEDULE_TEXT}' on rank 0 and '{CHANGED_TEXT}' on rank 1"),
-])
-def test_ranks_launched_with_another_batch_configuration_fail_at_start(launches, newest_source, case, flags, extra,
-                                                                       difference):
-    run, checkpoints = faulty(launches, newest_source, f"ranks-{case.replace(' ', '-')}", flags,
-                              MEGATRON_GA_EXTRA_ARGS_RANK1=extra)
-    failed_with(run, "GuardError", "the ranks were launched with different batch configurations (compared once, at "
-                "the first forward/backward call)", difference)
+@pytest.mark.parametrize(
+    "case, flags, extra, difference",
+    [
+        (
+            "global batch size",
+            CONSTANT,
+            "--global-batch-size 32",
+            "--global-batch-size is '16' on rank 0 and '32' on rank 1",
+        ),
+        (
+            "schedule",
+            SCHEDULE,
+            f"--step-batch-size-schedule '{CHANGED_TEXT}'",
+            f"--step-batch-size-schedule is '{SCHEDULE_TEXT}' on rank 0 and '{CHANGED_TEXT}' on rank 1",
+        ),
+    ],
+)
+def test_ranks_launched_with_another_batch_configuration_fail_at_start(
+    launches, newest_source, case, flags, extra, difference
+):
+    run, checkpoints = faulty(
+        launches, newest_source, f"ranks-{case.replace(' ', '-')}", flags, MEGATRON_GA_EXTRA_ARGS_RANK1=extra
+    )
+    failed_with(
+        run,
+        "GuardError",
+        "the ranks were launched with different batch configurations (compared once, at "
+        "the first forward/backward call)",
+        difference,
+    )
     assert run.iterations == []
     nothing_saved(checkpoints)
-    row(newest_source, f"rank 1 launched with another {case}", f"`MEGATRON_GA_EXTRA_ARGS_RANK1=\"{extra}\"`",
-        f"GuardError at the first forward/backward call: {difference}", "none")
+    row(
+        newest_source,
+        f"rank 1 launched with another {case}",
+        f'`MEGATRON_GA_EXTRA_ARGS_RANK1="{extra}"`',
+        f"GuardError at the first forward/backward call: {difference}",
+        "none",
+    )
 
 
 @pytest.mark.parametrize("checks", ["sync", "async"])
@@ -199,17 +279,31 @@ def test_an_iteration_that_bypassed_the_hooks_is_caught_and_named(launches, newe
     """The training loop gets upstream's schedule instead of the one install() wrapped: finalize (bound by name in
     training.py) still runs, the guarded schedule does not. The optimizer step's liveness check names the bypass,
     before that step (sync) or after it (async); either way before Megatron logs or saves iteration 1."""
-    run, checkpoints = faulty(launches, newest_source, f"bypass-hooks-{checks}", [*CONSTANT, "--ga-checks", checks],
-                              MEGATRON_GA_FAULT="bypass-hooks")
+    run, checkpoints = faulty(
+        launches,
+        newest_source,
+        f"bypass-hooks-{checks}",
+        [*CONSTANT, "--ga-checks", checks],
+        MEGATRON_GA_FAULT="bypass-hooks",
+    )
     prefix = "--ga-checks async, after the optimizer step: " if checks == "async" else ""
-    failed_with(run, "GuardError", f"{prefix}training iteration 1 reached the optimizer step through megatron-ga-ext's "
-                "finalize_model_grads but not through its guarded forward/backward schedule",
-                "not taken from megatron.core.pipeline_parallel.get_forward_backward_func()")
+    failed_with(
+        run,
+        "GuardError",
+        f"{prefix}training iteration 1 reached the optimizer step through megatron-ga-ext's "
+        "finalize_model_grads but not through its guarded forward/backward schedule",
+        "not taken from megatron.core.pipeline_parallel.get_forward_backward_func()",
+    )
     assert run.iterations == []
     nothing_saved(checkpoints)
-    row(newest_source, f"forward/backward bypassing the schedule hook, --ga-checks {checks}", "`bypass-hooks`",
+    row(
+        newest_source,
+        f"forward/backward bypassing the schedule hook, --ga-checks {checks}",
+        "`bypass-hooks`",
         f"GuardError at the optimizer step of iteration 1 ({'after' if checks == 'async' else 'before'} it), naming "
-        "a forward_backward_func not taken from get_forward_backward_func", "none")
+        "a forward_backward_func not taken from get_forward_backward_func",
+        "none",
+    )
 
 
 def _zero_token_rows(launches, source: Path) -> None:
@@ -224,8 +318,13 @@ def _zero_token_rows(launches, source: Path) -> None:
             skipped = ", ".join(str(r["iteration"]) for r in run.iterations if r["skipped"])
             outcome = f"iteration {skipped} skipped (N = 0, LR held); the run goes on to its end"
         latest, _ = saved(launches.workdir / source.name / "dp2" / f"{name}-checkpoints")
-        row(source, f"global batch without loss tokens, --ga-zero-token-policy {policy}", "`zero-tokens-at:3`",
-            outcome, f"iterations 1-{latest}, none of 3" if latest else "-")
+        row(
+            source,
+            f"global batch without loss tokens, --ga-zero-token-policy {policy}",
+            "`zero-tokens-at:3`",
+            outcome,
+            f"iterations 1-{latest}, none of 3" if latest else "-",
+        )
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -29,8 +29,12 @@ def test_a_hung_launch_is_stopped_and_the_next_launch_runs(newest_release, tmp_p
 
     def report(mark: str) -> None:
         log = tmp_path / f"{mark}.log"
-        rc = server.run(["--nproc-per-node", "2", str(tmp_path / "report.py"), "--flag", mark],
-                        {**environment, "MARK": mark}, log, timeout=60)
+        rc = server.run(
+            ["--nproc-per-node", "2", str(tmp_path / "report.py"), "--flag", mark],
+            {**environment, "MARK": mark},
+            log,
+            timeout=60,
+        )
         text = log.read_text()
         assert rc == 0, text
         lines = sorted(line for line in text.splitlines() if line.startswith("rank "))
@@ -38,8 +42,10 @@ def test_a_hung_launch_is_stopped_and_the_next_launch_runs(newest_release, tmp_p
 
     report("first")
     start = time.monotonic()
-    assert server.run(["--nproc-per-node", "2", str(tmp_path / "hang.py")], environment, tmp_path / "hang.log",
-                      timeout=5) == 124
+    assert (
+        server.run(["--nproc-per-node", "2", str(tmp_path / "hang.py")], environment, tmp_path / "hang.log", timeout=5)
+        == 124
+    )
     assert time.monotonic() - start < 30  # stopped at 5 s, not after the script's 600
     report("second")
     assert "MARK" not in os.environ

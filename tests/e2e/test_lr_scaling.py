@@ -39,8 +39,10 @@ def test_sqrt_scaling_follows_the_plan(launches, source, record_property):
     assert unscaled.rc == 0 and unscaled.error is None, unscaled.describe()
     plan = planned_steps(*PLANS["schedule"])
     assert ran_steps(run) == plan == ran_steps(unscaled), (ran_steps(run), plan)
-    assert "--ga-lr-scaling sqrt: the learning rate x 1 from sample 0 (GBS 16), x 1.22474 from sample 48 (GBS 24), " \
-           "x 1.41421 from sample 96 (GBS 32)" in run.output, run.describe()
+    assert (
+        "--ga-lr-scaling sqrt: the learning rate x 1 from sample 0 (GBS 16), x 1.22474 from sample 48 (GBS 24), "
+        "x 1.41421 from sample 96 (GBS 32)" in run.output
+    ), run.describe()
 
     schedule = StepSchedule.parse(SCHEDULE_TEXT, SEQ_LENGTH)
     first = schedule.entries[0].global_batch_size
@@ -50,10 +52,20 @@ def test_sqrt_scaling_follows_the_plan(launches, source, record_property):
         assert ours["learning_rate"] == pytest.approx(theirs["learning_rate"] * factor, rel=1e-9, abs=0), (ours, theirs)
         factors.append(factor)
     assert sorted(set(factors)) == [1.0, math.sqrt(1.5), math.sqrt(2.0)]  # every stage's factor was checked
-    record(record_property, source_name(source), "dp2", [{
-        "mode": "microbatch", "case": "schedule, --ga-lr-scaling sqrt",
-        "iterations": f"{len(plan)} = plan", "samples": f"{plan[-1][1]} = plan",
-        "lr_end": "unscaled x sqrt(GBS / 16), rel 1e-9"}])
+    record(
+        record_property,
+        source_name(source),
+        "dp2",
+        [
+            {
+                "mode": "microbatch",
+                "case": "schedule, --ga-lr-scaling sqrt",
+                "iterations": f"{len(plan)} = plan",
+                "samples": f"{plan[-1][1]} = plan",
+                "lr_end": "unscaled x sqrt(GBS / 16), rel 1e-9",
+            }
+        ],
+    )
 
 
 def test_sqrt_scaling_across_a_batch_warmup_resume(launches, source):
@@ -62,26 +74,40 @@ def test_sqrt_scaling_across_a_batch_warmup_resume(launches, source):
     restored), so iterations 3-5 equal the uninterrupted run's in GBS, LR, loss and grad norm."""
     checkpoints = launches.workdir / source.name / "dp2" / "warmup-lr-sqrt-checkpoints"
     flags = [*WARMUP_FLAGS, "--ga-lr-scaling", "sqrt", "--ckpt-format", "torch"]
-    run = launches.get(source, "dp2", "warmup-lr-sqrt", [
-        *flags, "--save", str(checkpoints), "--save-interval", str(WARMUP_SAVE_AT)])
+    run = launches.get(
+        source, "dp2", "warmup-lr-sqrt", [*flags, "--save", str(checkpoints), "--save-interval", str(WARMUP_SAVE_AT)]
+    )
     assert run.rc == 0 and run.error is None, run.describe()
-    resumed = launches.get(source, "dp2", "warmup-lr-sqrt-resumed", [
-        *flags, "--load", str(checkpoints), "--ckpt-step", str(WARMUP_SAVE_AT)])
+    resumed = launches.get(
+        source,
+        "dp2",
+        "warmup-lr-sqrt-resumed",
+        [*flags, "--load", str(checkpoints), "--ckpt-step", str(WARMUP_SAVE_AT)],
+    )
     assert resumed.rc == 0 and resumed.error is None, resumed.describe()
     assert [r["global_batch_size"] for r in run.iterations] == WARMUP_GBS, run.iterations
     whole, again = run.iterations[WARMUP_SAVE_AT:], resumed.iterations
     assert [r["iteration"] for r in again] == [r["iteration"] for r in whole], (again, whole)
     for ours, theirs in zip(again, whole, strict=True):
         assert (ours["global_batch_size"], ours["learning_rate"], ours["loss"], ours["grad_norm"]) == (
-            theirs["global_batch_size"], theirs["learning_rate"], theirs["loss"], theirs["grad_norm"]), (ours, theirs)
+            theirs["global_batch_size"],
+            theirs["learning_rate"],
+            theirs["loss"],
+            theirs["grad_norm"],
+        ), (ours, theirs)
 
 
 def test_after_a_skipped_last_step_of_a_stage_the_next_trains_at_its_factor(launches, newest_source):
     skip = ["--ga-zero-token-policy", "skip"]
     fault = {"MEGATRON_GA_FAULT": "zero-tokens-at:3"}  # 3 x GBS 16 = 48 samples: the first stage's last step
     unscaled = launches.get(newest_source, "dp2", "schedule-skip-3", [*TOKEN, *SCHEDULE, *skip], env=fault)
-    run = launches.get(newest_source, "dp2", "schedule-skip-3-lr-sqrt", [*TOKEN, *SCHEDULE, *skip,
-                                                                          "--ga-lr-scaling", "sqrt"], env=fault)
+    run = launches.get(
+        newest_source,
+        "dp2",
+        "schedule-skip-3-lr-sqrt",
+        [*TOKEN, *SCHEDULE, *skip, "--ga-lr-scaling", "sqrt"],
+        env=fault,
+    )
     for launched in (unscaled, run):
         assert launched.rc == 0 and launched.error is None, launched.describe()
     rows = {r["iteration"]: r for r in run.iterations}

@@ -25,8 +25,19 @@ from tools.compatibility import source_name
 
 pytestmark = pytest.mark.e2e
 
-MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3",
-       "--disable-bias-linear", "--moe-token-dispatcher-type", "allgather"]
+MOE = [
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--moe-aux-loss-coeff",
+    "1e-2",
+    "--moe-z-loss-coeff",
+    "1e-3",
+    "--disable-bias-linear",
+    "--moe-token-dispatcher-type",
+    "allgather",
+]
 MOE_EP2 = [*MOE[:-1], "alltoall", "--expert-model-parallel-size", "2"]
 MTP = ["--mtp-num-layers", "1", "--position-embedding-type", "rope", "--no-rope-fusion"]
 SUMMARY = "megatron-ga-ext token mode, auxiliary losses: "
@@ -45,9 +56,12 @@ def test_moe_token_mode_counts_loss_tokens(launches, newest_source, dispatch, re
     assert abs(ours["grad_norm"] - theirs["grad_norm"]) > 1e-6 * theirs["grad_norm"], (ours, theirs)
     summary = [line for line in run.output.splitlines() if SUMMARY in line]
     assert len(summary) == 1 and "MoE aux_loss (coefficient 0.01), MoE z-loss (coefficient 0.001)" in summary[0], (
-        summary or run.output_tail)
-    row["loss_vs_upstream"] = (f"step 1 loss equal; grad norm {ours['grad_norm']:.6f} vs upstream "
-                               f"{theirs['grad_norm']:.6f} (aux over loss tokens)")
+        summary or run.output_tail
+    )
+    row["loss_vs_upstream"] = (
+        f"step 1 loss equal; grad norm {ours['grad_norm']:.6f} vs upstream "
+        f"{theirs['grad_norm']:.6f} (aux over loss tokens)"
+    )
     record(record_property, source_name(source), "dp2", [row])
 
 
@@ -71,13 +85,26 @@ def test_mtp_token_mode_weighs_every_mtp_token_by_n(launches, newest_source, rec
             assert (ours["loss"], ours["grad_norm"]) == (theirs["loss"], theirs["grad_norm"]), (ours, theirs)
     summary = [line for line in run.output.splitlines() if SUMMARY in line]
     assert len(summary) == 1 and "MTP (1 layer(s), scaling factor 0.1)" in summary[0], summary or run.output_tail
-    row["loss_vs_upstream"] = ("step 1 loss equal; grad norm differs (MTP tokens alpha / N)" if local_counts
-                               else "equal (loss, grad norm): 0.16 attaches the MTP sum")
+    row["loss_vs_upstream"] = (
+        "step 1 loss equal; grad norm differs (MTP tokens alpha / N)"
+        if local_counts
+        else "equal (loss, grad norm): 0.16 attaches the MTP sum"
+    )
     record(record_property, source_name(source), "dp2", [row])
 
 
-QUANTILE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-router-load-balancing-type", "quantile_balancing",
-            "--swiglu", "--disable-bias-linear", "--moe-token-dispatcher-type", "allgather"]
+QUANTILE = [
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--moe-router-load-balancing-type",
+    "quantile_balancing",
+    "--swiglu",
+    "--disable-bias-linear",
+    "--moe-token-dispatcher-type",
+    "allgather",
+]
 
 
 def test_quantile_balancing_token_mode_equals_upstream(launches, newest_source, record_property):
@@ -111,6 +138,7 @@ def test_moe_under_pp_names_the_stage_that_routed_without_a_padding_mask(launche
         row["loss_vs_upstream"] = "every stage given the loss mask: nothing said"
     else:
         assert len(notes) == 1 and "the MoE layers on pipeline stage 0 of PP 2 routed" in notes[0], (
-            notes or run.output_tail)
+            notes or run.output_tail
+        )
         row["loss_vs_upstream"] = "stage 0 routed without a padding mask: said once"
     record(record_property, source_name(source), "pp2dp2", [row])

@@ -40,13 +40,37 @@ pytestmark = pytest.mark.e2e
 ITERATIONS, SAVE_AT = 8, 3
 # Dropout off: a step's gradients are then a function of the weights and the samples alone, so the resumed run's
 # measurements can equal the uninterrupted run's.
-FLAGS = ["--calculate-per-token-loss", "--global-batch-size", "16", "--train-samples", str(16 * ITERATIONS),
-         "--hidden-dropout", "0", "--attention-dropout", "0", *BOUNDED]
-SUGGEST = ["--micro-batch-size", "2", "--data-parallel-size", "2", "--global-batch-size", "16",
-           "--max-global-batch-size", "64", "--seq-length", "64", "--train-samples", "1024"]
+FLAGS = [
+    "--calculate-per-token-loss",
+    "--global-batch-size",
+    "16",
+    "--train-samples",
+    str(16 * ITERATIONS),
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    *BOUNDED,
+]
+SUGGEST = [
+    "--micro-batch-size",
+    "2",
+    "--data-parallel-size",
+    "2",
+    "--global-batch-size",
+    "16",
+    "--max-global-batch-size",
+    "64",
+    "--seq-length",
+    "64",
+    "--train-samples",
+    "1024",
+]
 MEGATRON_LINE = re.compile(r"\biteration\s+(\d+)/\s*\d+ \|")
-NOISE_LINE = re.compile(r"megatron-ga-ext noise scale \| iteration (\d+) \| .*?\|G\|\^2: (\S+) \(EMA (\S+)\) \| "
-                        r"tr\(Sigma\): (\S+) \(EMA (\S+)\)")
+NOISE_LINE = re.compile(
+    r"megatron-ga-ext noise scale \| iteration (\d+) \| .*?\|G\|\^2: (\S+) \(EMA (\S+)\) \| "
+    r"tr\(Sigma\): (\S+) \(EMA (\S+)\)"
+)
 #: The trace's values logged as TensorBoard scalars (noise-scale/<name with dashes>); the B_simple ones are left
 #: out where the EMAs give none.
 ALWAYS_LOGGED = ("grad_sq", "trace_sigma", "grad_sq_ema", "trace_sigma_ema")
@@ -56,9 +80,26 @@ def measured(launches, source: Path, layout: str = "dp2"):
     """The measuring run (saving at SAVE_AT), its trace, TensorBoard directory and checkpoints."""
     workdir = launches.workdir / source.name / layout
     trace, tensorboard, checkpoints = (workdir / f"noise-scale-{part}" for part in ("trace.jsonl", "tb", "checkpoints"))
-    run = launches.get(source, layout, "noise-scale", [
-        *FLAGS, "--ga-noise-scale", "1", "--ga-noise-scale-trace", str(trace), "--tensorboard-dir", str(tensorboard),
-        "--save", str(checkpoints), "--save-interval", str(SAVE_AT), "--ckpt-format", "torch"])
+    run = launches.get(
+        source,
+        layout,
+        "noise-scale",
+        [
+            *FLAGS,
+            "--ga-noise-scale",
+            "1",
+            "--ga-noise-scale-trace",
+            str(trace),
+            "--tensorboard-dir",
+            str(tensorboard),
+            "--save",
+            str(checkpoints),
+            "--save-interval",
+            str(SAVE_AT),
+            "--ckpt-format",
+            "torch",
+        ],
+    )
     return run, trace, tensorboard, checkpoints
 
 
@@ -104,8 +145,12 @@ def test_the_run_logs_the_noise_scale_and_trains_as_without_it(launches, source,
     assert [r["tokens"] for r in rows] == [r["num_tokens"] for r in run.iterations], rows
     assert all(r["replicas"] == 2 for r in rows), rows
     for row, (_, grad_sq, grad_sq_ema, trace_sigma, trace_sigma_ema) in zip(rows, lines):
-        for name, shown in (("grad_sq", grad_sq), ("grad_sq_ema", grad_sq_ema), ("trace_sigma", trace_sigma),
-                            ("trace_sigma_ema", trace_sigma_ema)):
+        for name, shown in (
+            ("grad_sq", grad_sq),
+            ("grad_sq_ema", grad_sq_ema),
+            ("trace_sigma", trace_sigma),
+            ("trace_sigma_ema", trace_sigma_ema),
+        ):
             assert f"{row[name]:.4E}" == shown, (name, row, shown)
 
     scalars = tensorboard_scalars(tensorboard)
@@ -116,11 +161,21 @@ def test_the_run_logs_the_noise_scale_and_trains_as_without_it(launches, source,
         assert [value for _, value in events] == pytest.approx([r[name] for r in rows], rel=1e-6), (name, events)
 
     last = rows[-1]
-    record_property("rows", [{
-        "source": source_name(source), "layout": "dp2", "mode": "token", "case": "--ga-noise-scale 1",
-        "iterations": f"{len(rows)} measured", "samples": f"{consumed[-1]}",
-        "loss_vs_upstream": "equal to the run without it (loss, grad norm)",
-        "N": f"B_simple {_shown(last['b_simple_tokens'])} tokens (EMA)"}])
+    record_property(
+        "rows",
+        [
+            {
+                "source": source_name(source),
+                "layout": "dp2",
+                "mode": "token",
+                "case": "--ga-noise-scale 1",
+                "iterations": f"{len(rows)} measured",
+                "samples": f"{consumed[-1]}",
+                "loss_vs_upstream": "equal to the run without it (loss, grad norm)",
+                "N": f"B_simple {_shown(last['b_simple_tokens'])} tokens (EMA)",
+            }
+        ],
+    )
 
 
 def test_pipeline_parallel_measures_each_replica_once(launches, source):
@@ -144,30 +199,65 @@ def test_a_resume_continues_the_emas(launches, source, record_property):
     assert sidecar["iteration"] == SAVE_AT and sidecar["measurements"] == SAVE_AT, sidecar
     assert sidecar["ema"]["updates"] == SAVE_AT, sidecar
     assert sorted(p.parent.name for p in checkpoints.glob(f"iter_*/{SIDECAR}")) == sorted(
-        p.name for p in checkpoints.glob("iter_*")), list(checkpoints.iterdir())
+        p.name for p in checkpoints.glob("iter_*")
+    ), list(checkpoints.iterdir())
 
     workdir = launches.workdir / source.name / "dp2"
     resumed_trace = workdir / "noise-scale-resumed-trace.jsonl"
-    resumed = launches.get(source, "dp2", "noise-scale-resumed", [
-        *FLAGS, "--ga-noise-scale", "1", "--ga-noise-scale-trace", str(resumed_trace), "--load", str(checkpoints),
-        "--ckpt-step", str(SAVE_AT), "--ckpt-format", "torch"])
+    resumed = launches.get(
+        source,
+        "dp2",
+        "noise-scale-resumed",
+        [
+            *FLAGS,
+            "--ga-noise-scale",
+            "1",
+            "--ga-noise-scale-trace",
+            str(resumed_trace),
+            "--load",
+            str(checkpoints),
+            "--ckpt-step",
+            str(SAVE_AT),
+            "--ckpt-format",
+            "torch",
+        ],
+    )
     assert resumed.rc == 0 and resumed.error is None, resumed.describe()
     assert "noise-scale EMAs continued from" in resumed.output, resumed.describe()
     whole = trace_rows(trace)[SAVE_AT:]
     again = trace_rows(resumed_trace)
-    assert [r["iteration"] for r in again] == [r["iteration"] for r in whole] == list(range(SAVE_AT + 1,
-                                                                                            ITERATIONS + 1))
+    assert (
+        [r["iteration"] for r in again] == [r["iteration"] for r in whole] == list(range(SAVE_AT + 1, ITERATIONS + 1))
+    )
     for ours, theirs in zip(again, whole):
         for name in ("grad_sq_ema", "trace_sigma_ema", "grad_sq", "trace_sigma"):
             assert ours[name] == pytest.approx(theirs[name], rel=1e-9), (name, ours, theirs)
-    record_property("rows", [{
-        "source": source_name(source), "layout": "dp2", "mode": "token",
-        "case": f"--ga-noise-scale resume at {SAVE_AT}",
-        "iterations": f"{SAVE_AT + 1}-{ITERATIONS} = uninterrupted",
-        "N": "EMAs of |G|^2, tr(Sigma) equal to 1e-9"}])
-    record("noise-scale", [{"Source": source_name(source), "Layout": "dp2", "Resume": (
-        f"saved at {SAVE_AT}, resumed to {ITERATIONS}: grad_sq_ema and trace_sigma_ema equal to the uninterrupted "
-        "run's (1e-9 relative)")}])
+    record_property(
+        "rows",
+        [
+            {
+                "source": source_name(source),
+                "layout": "dp2",
+                "mode": "token",
+                "case": f"--ga-noise-scale resume at {SAVE_AT}",
+                "iterations": f"{SAVE_AT + 1}-{ITERATIONS} = uninterrupted",
+                "N": "EMAs of |G|^2, tr(Sigma) equal to 1e-9",
+            }
+        ],
+    )
+    record(
+        "noise-scale",
+        [
+            {
+                "Source": source_name(source),
+                "Layout": "dp2",
+                "Resume": (
+                    f"saved at {SAVE_AT}, resumed to {ITERATIONS}: grad_sq_ema and trace_sigma_ema equal to the "
+                    "uninterrupted run's (1e-9 relative)"
+                ),
+            }
+        ],
+    )
 
 
 NON_PERSISTENT_AT = 3
@@ -179,30 +269,66 @@ def test_a_resume_from_a_non_persistent_checkpoint_continues_the_emas(launches, 
     holds no persistent one) continues the EMAs there: iterations 7-8 equal the run's own."""
     workdir = launches.workdir / source.name / "dp2"
     trace, non_persistent = workdir / "noise-scale-np-trace.jsonl", workdir / "noise-scale-np-checkpoints"
-    psutil = pytest.importorskip("psutil", reason="Megatron's torch_dist checkpoints (non-persistent global ones "
-                                 "need that format) import psutil")
+    psutil = pytest.importorskip(
+        "psutil", reason="Megatron's torch_dist checkpoints (non-persistent global ones need that format) import psutil"
+    )
     env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), str(Path(psutil.__file__).parents[1])])}
-    checkpoints = ["--ckpt-format", "torch_dist", "--non-persistent-ckpt-type", "global",
-                   "--non-persistent-global-ckpt-dir", str(non_persistent)]
-    run = launches.get(source, "dp2", "noise-scale-np", [
-        *FLAGS, "--ga-noise-scale", "1", "--ga-noise-scale-trace", str(trace), "--save",
-        str(workdir / "noise-scale-np-persistent"), "--save-interval", "1000", "--non-persistent-save-interval",
-        str(NON_PERSISTENT_AT), *checkpoints], env=env)
+    checkpoints = [
+        "--ckpt-format",
+        "torch_dist",
+        "--non-persistent-ckpt-type",
+        "global",
+        "--non-persistent-global-ckpt-dir",
+        str(non_persistent),
+    ]
+    run = launches.get(
+        source,
+        "dp2",
+        "noise-scale-np",
+        [
+            *FLAGS,
+            "--ga-noise-scale",
+            "1",
+            "--ga-noise-scale-trace",
+            str(trace),
+            "--save",
+            str(workdir / "noise-scale-np-persistent"),
+            "--save-interval",
+            "1000",
+            "--non-persistent-save-interval",
+            str(NON_PERSISTENT_AT),
+            *checkpoints,
+        ],
+        env=env,
+    )
     assert run.rc == 0 and run.error is None, run.describe()
     latest = 2 * NON_PERSISTENT_AT
     sidecar = json.loads(sidecar_path(non_persistent, latest).read_text())
     assert (sidecar["version"], sidecar["iteration"], sidecar["measurements"]) == (2, latest, latest), sidecar
 
     resumed_trace = workdir / "noise-scale-np-resumed-trace.jsonl"
-    resumed = launches.get(source, "dp2", "noise-scale-np-resumed", [
-        *FLAGS, "--ga-noise-scale", "1", "--ga-noise-scale-trace", str(resumed_trace), "--load",
-        str(workdir / "noise-scale-np-no-persistent"), *checkpoints], env=env)
+    resumed = launches.get(
+        source,
+        "dp2",
+        "noise-scale-np-resumed",
+        [
+            *FLAGS,
+            "--ga-noise-scale",
+            "1",
+            "--ga-noise-scale-trace",
+            str(resumed_trace),
+            "--load",
+            str(workdir / "noise-scale-np-no-persistent"),
+            *checkpoints,
+        ],
+        env=env,
+    )
     assert resumed.rc == 0 and resumed.error is None, resumed.describe()
-    assert f"noise-scale EMAs continued from {sidecar_path(non_persistent, latest)}" in resumed.output, \
+    assert f"noise-scale EMAs continued from {sidecar_path(non_persistent, latest)}" in resumed.output, (
         resumed.describe()
+    )
     whole, again = trace_rows(trace)[latest:], trace_rows(resumed_trace)
-    assert [r["iteration"] for r in again] == [r["iteration"] for r in whole] == list(range(latest + 1,
-                                                                                            ITERATIONS + 1))
+    assert [r["iteration"] for r in again] == [r["iteration"] for r in whole] == list(range(latest + 1, ITERATIONS + 1))
     for ours, theirs in zip(again, whole):
         for name in ("grad_sq_ema", "trace_sigma_ema", "grad_sq", "trace_sigma", "consumed_samples"):
             assert ours[name] == pytest.approx(theirs[name], rel=1e-9), (name, ours, theirs)
@@ -212,8 +338,13 @@ def test_suggest_reads_the_runs_trace(launches, source):
     run, trace, tensorboard, _ = measured(launches, source)
     assert run.rc == 0 and run.error is None, run.describe()
     exe = Path(sys.executable).with_name("megatron-ga")
-    done = subprocess.run([str(exe), "schedule", "--suggest", str(trace), *SUGGEST], capture_output=True, text=True,
-                          timeout=120, check=False)
+    done = subprocess.run(
+        [str(exe), "schedule", "--suggest", str(trace), *SUGGEST],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     schedule = re.search(r'--step-batch-size-schedule "([^"]+)"', done.stdout)
     assert schedule is not None, done.stdout
@@ -222,20 +353,37 @@ def test_suggest_reads_the_runs_trace(launches, source):
     log = trace.with_name("noise-scale-run.log")
     log.write_text(run.output)
     for other in (log, tensorboard):  # the run's log and its TensorBoard directory give the same rows
-        again = subprocess.run([str(exe), "schedule", "--suggest", str(other), *SUGGEST, "--trust", "400", "--json"],
-                               capture_output=True, text=True, timeout=120, check=False)
+        again = subprocess.run(
+            [str(exe), "schedule", "--suggest", str(other), *SUGGEST, "--trust", "400", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         assert again.returncode == 0, again.stderr
-        reference = subprocess.run([str(exe), "schedule", "--suggest", str(trace), *SUGGEST, "--trust", "400",
-                                    "--json"], capture_output=True, text=True, timeout=120, check=False)
+        reference = subprocess.run(
+            [str(exe), "schedule", "--suggest", str(trace), *SUGGEST, "--trust", "400", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         ours, theirs = json.loads(again.stdout), json.loads(reference.stdout)
         decisions = [[(d["consumed_samples"], d["after"]) for d in x["decisions"]] for x in (ours, theirs)]
         assert ours["schedule"] == theirs["schedule"] and decisions[0] == decisions[1] != [], (other, ours, theirs)
-    record("noise-scale", [{
-        "Source": source_name(source), "Layout": "dp2",
-        "Measured": f"{len(rows)} iterations of GBS 16, {rows[-1]['tokens']} loss tokens at the last",
-        "B_simple (EMA) at the last": f"{_shown(rows[-1]['b_simple_tokens'])} tokens, "
-                                      f"{_shown(rows[-1]['b_simple_samples'])} samples",
-        "Suggested (--suggest)": f"`{' '.join(SUGGEST)}`: `--step-batch-size-schedule \"{schedule.group(1)}\"`"}])
+    record(
+        "noise-scale",
+        [
+            {
+                "Source": source_name(source),
+                "Layout": "dp2",
+                "Measured": f"{len(rows)} iterations of GBS 16, {rows[-1]['tokens']} loss tokens at the last",
+                "B_simple (EMA) at the last": f"{_shown(rows[-1]['b_simple_tokens'])} tokens, "
+                f"{_shown(rows[-1]['b_simple_samples'])} samples",
+                "Suggested (--suggest)": f'`{" ".join(SUGGEST)}`: `--step-batch-size-schedule "{schedule.group(1)}"`',
+            }
+        ],
+    )
 
 
 def _shown(value: float | None) -> str:

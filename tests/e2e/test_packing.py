@@ -37,12 +37,27 @@ PACKED_GPT = Path(__file__).resolve().parents[1] / "support" / "packed_gpt.py"
 GBS, DP, ITERATIONS = 16, 2, 4
 NUM_MICROBATCHES = GBS // (MICRO_BATCH_SIZE * DP)
 #: Samples of 8 to 64 tokens (lognormal around 32), packed up to 128 tokens per micro-batch.
-MOCK_LENGTHS = {"mode": "distribution", "type": "lognormal", "min_seq_len": 8, "max_seq_len": 64,
-                "mean_seq_len": 32, "lognormal_sigma": 1.1}
-PACKED = ["--use-varlen-dataset", "--max-seqlen-per-dp-cp-rank", "128",
-          "--varlen-mock-dataset-config-json", json.dumps(MOCK_LENGTHS),
-          "--moe-token-dispatcher-type", "alltoall",  # TransformerConfig asks it of the scheduler, MoE or not
-          "--global-batch-size", str(GBS), "--train-iters", str(ITERATIONS)]
+MOCK_LENGTHS = {
+    "mode": "distribution",
+    "type": "lognormal",
+    "min_seq_len": 8,
+    "max_seq_len": 64,
+    "mean_seq_len": 32,
+    "lognormal_sigma": 1.1,
+}
+PACKED = [
+    "--use-varlen-dataset",
+    "--max-seqlen-per-dp-cp-rank",
+    "128",
+    "--varlen-mock-dataset-config-json",
+    json.dumps(MOCK_LENGTHS),
+    "--moe-token-dispatcher-type",
+    "alltoall",  # TransformerConfig asks it of the scheduler, MoE or not
+    "--global-batch-size",
+    str(GBS),
+    "--train-iters",
+    str(ITERATIONS),
+]
 
 
 def runs_the_scheduler(source: Path) -> bool:
@@ -77,10 +92,21 @@ def test_pretrain_gpt_trains_the_schedulers_packed_steps(launches, source, layou
     assert "the micro-batch guard follows that count" in run.output, run.output_tail  # the coverage row, logged
     for ours, theirs in zip(rows, upstream.iterations, strict=True):
         assert (ours["loss"], ours["grad_norm"]) == (theirs["loss"], theirs["grad_norm"]), (ours, theirs)
-    record(record_property, source_name(source), layout, [{
-        "mode": "token", "case": f"packing scheduler (packed {'/'.join(map(str, packed))} of GA {NUM_MICROBATCHES})",
-        "iterations": f"{len(rows)}", "samples": f"{rows[-1]['consumed_samples']} = {GBS} x {len(rows)}",
-        "loss_vs_upstream": "equal (loss, grad norm)", "N": check_num_tokens(run)}])
+    record(
+        record_property,
+        source_name(source),
+        layout,
+        [
+            {
+                "mode": "token",
+                "case": f"packing scheduler (packed {'/'.join(map(str, packed))} of GA {NUM_MICROBATCHES})",
+                "iterations": f"{len(rows)}",
+                "samples": f"{rows[-1]['consumed_samples']} = {GBS} x {len(rows)}",
+                "loss_vs_upstream": "equal (loss, grad norm)",
+                "N": check_num_tokens(run),
+            }
+        ],
+    )
 
 
 def test_a_pp_multiplied_packed_count_is_stopped(launches, source, monkeypatch, record_property):
@@ -89,11 +115,22 @@ def test_a_pp_multiplied_packed_count_is_stopped(launches, source, monkeypatch, 
     if not runs_the_scheduler(source):
         pytest.skip("this source's train_step does not run the sequence-packing scheduler (main after d98e8a64)")
     monkeypatch.setattr(pretrain_runs, "_program", _packed_program)
-    run = launches.get(source, "pp2dp2", "packed-pp-fault", [*TOKEN, *PACKED],
-                       env={"MEGATRON_GA_FAULT": "pp-multiplied-microbatches"})
+    run = launches.get(
+        source, "pp2dp2", "packed-pp-fault", [*TOKEN, *PACKED], env={"MEGATRON_GA_FAULT": "pp-multiplied-microbatches"}
+    )
     assert run.rc != 0 and run.iterations == [], run.describe()
     assert run.error is not None and run.error.startswith("GuardError"), run.describe()
     assert "packed this step's samples into" in run.error and PP_RULE in run.error, run.error
-    record(record_property, source_name(source), "pp2dp2", [{
-        "mode": "token", "case": "packed count x PP", "iterations": "0 (stopped at step 1)",
-        "N": "GuardError: the scheduler's count"}])
+    record(
+        record_property,
+        source_name(source),
+        "pp2dp2",
+        [
+            {
+                "mode": "token",
+                "case": "packed count x PP",
+                "iterations": "0 (stopped at step 1)",
+                "N": "GuardError: the scheduler's count",
+            }
+        ],
+    )

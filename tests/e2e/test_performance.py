@@ -37,9 +37,12 @@ def iteration_seconds(run) -> list[float]:
 
 def test_twenty_iterations_with_and_without_install(launches, newest_release):
     order = [*VARIANTS, *reversed(VARIANTS)]
-    runs = {(name, index): launches.get(newest_release, "dp2", f"perf-{name}-{index}", [*FLAGS, *VARIANTS[name][0]],
-                                        extension=VARIANTS[name][1])
-            for index, name in enumerate(order)}
+    runs = {
+        (name, index): launches.get(
+            newest_release, "dp2", f"perf-{name}-{index}", [*FLAGS, *VARIANTS[name][0]], extension=VARIANTS[name][1]
+        )
+        for index, name in enumerate(order)
+    }
     for (name, _), run in runs.items():
         assert run.rc == 0, run.describe()
         assert [row["iteration"] for row in run.iterations] == list(range(1, ITERATIONS + 1)), name
@@ -49,8 +52,9 @@ def test_twenty_iterations_with_and_without_install(launches, newest_release):
             assert (ours["loss"], ours["grad_norm"]) == (theirs["loss"], theirs["grad_norm"]), (name, ours, theirs)
         if name == "extension_async":  # each step's verdict is read after its optimizer step, before the log
             assert [row["num_tokens"] for row in run.iterations] == run.mask_tokens()
-    intervals = {name: [t for (n, _), run in runs.items() if n == name for t in iteration_seconds(run)]
-                 for name in VARIANTS}
+    intervals = {
+        name: [t for (n, _), run in runs.items() if n == name for t in iteration_seconds(run)] for name in VARIANTS
+    }
     median = {name: statistics.median(values) for name, values in intervals.items()}
     fastest = {name: min(values) for name, values in intervals.items()}
 
@@ -60,10 +64,18 @@ def test_twenty_iterations_with_and_without_install(launches, newest_release):
     def ratios(seconds: dict[str, float]) -> str:
         return ", ".join(f"{seconds[name] / seconds['upstream']:.3f}" for name in ("extension", "extension_async"))
 
-    record("e2e", [{
-        "Source": source_name(newest_release), "Layout": "DP 2, GA 8 (GBS 32, MBS 2), tiny GPT",
-        "Iterations": f"2 x {ITERATIONS}",
-        "Upstream (ms)": cell("upstream"), "Extension (ms)": cell("extension"),
-        "Async (ms)": cell("extension_async"),
-        "Ratio (extension, async)": f"{ratios(median)} ({ratios(fastest)})",
-        "Losses": "equal to upstream at every iteration"}])
+    record(
+        "e2e",
+        [
+            {
+                "Source": source_name(newest_release),
+                "Layout": "DP 2, GA 8 (GBS 32, MBS 2), tiny GPT",
+                "Iterations": f"2 x {ITERATIONS}",
+                "Upstream (ms)": cell("upstream"),
+                "Extension (ms)": cell("extension"),
+                "Async (ms)": cell("extension_async"),
+                "Ratio (extension, async)": f"{ratios(median)} ({ratios(fastest)})",
+                "Losses": "equal to upstream at every iteration",
+            }
+        ],
+    )

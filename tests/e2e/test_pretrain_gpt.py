@@ -44,8 +44,17 @@ MIN_LR = 1e-4
 TOKEN = ["--calculate-per-token-loss"]
 MICROBATCH = ["--ga-loss-reduction", "microbatch"]
 CONSTANT = ["--global-batch-size", "16", "--train-samples", "128"]
-RAMPUP = ["--rampup-batch-size", "8", "8", "64", "--global-batch-size", "24", "--ga-convert-rampup",
-          "--train-samples", "160"]
+RAMPUP = [
+    "--rampup-batch-size",
+    "8",
+    "8",
+    "64",
+    "--global-batch-size",
+    "24",
+    "--ga-convert-rampup",
+    "--train-samples",
+    "160",
+]
 SCHEDULE_TEXT = "0:16 3072:24 6144:32"
 SCHEDULE = ["--step-batch-size-schedule", SCHEDULE_TEXT, "--train-samples", "160"]
 SAVE_AT = 4
@@ -97,8 +106,12 @@ def test_token_mode_equals_upstream_per_token_loss(launches, source, layout, rec
     assert ran_steps(upstream) == ran_steps(token)
     for ours, theirs in zip(token.iterations, upstream.iterations):
         assert (ours["loss"], ours["grad_norm"]) == (theirs["loss"], theirs["grad_norm"]), (ours, theirs)
-    row |= {"mode": "token", "case": "constant", "loss_vs_upstream": "equal (loss, grad norm)",
-            "N": check_num_tokens(token)}
+    row |= {
+        "mode": "token",
+        "case": "constant",
+        "loss_vs_upstream": "equal (loss, grad norm)",
+        "N": check_num_tokens(token),
+    }
     record(record_property, source_name(source), layout, [row])
 
 
@@ -106,15 +119,20 @@ def test_token_mode_equals_upstream_per_token_loss(launches, source, layout, rec
 def test_drop_in_alone_runs_the_token_mode(launches, source, drop_in, record_property):
     """No --calculate-per-token-loss on the line: install() turns it on, and the run equals upstream's own."""
     upstream, _ = constant_runs(launches, source, "dp2")
-    run = launches.get(source, "dp2", f"drop-in-{drop_in}", ["--ga-loss-reduction", "token", *CONSTANT],
-                       drop_in=drop_in)
+    run = launches.get(
+        source, "dp2", f"drop-in-{drop_in}", ["--ga-loss-reduction", "token", *CONSTANT], drop_in=drop_in
+    )
     row = check_run(run, "constant")
     assert ran_steps(upstream) == ran_steps(run)
     for ours, theirs in zip(run.iterations, upstream.iterations):
         assert (ours["loss"], ours["grad_norm"]) == (theirs["loss"], theirs["grad_norm"]), (ours, theirs)
     assert "turns on --calculate-per-token-loss" in run.output, run.describe()
-    row |= {"mode": "token", "case": f"{drop_in}, no --calculate-per-token-loss",
-            "loss_vs_upstream": "equal (loss, grad norm)", "N": check_num_tokens(run)}
+    row |= {
+        "mode": "token",
+        "case": f"{drop_in}, no --calculate-per-token-loss",
+        "loss_vs_upstream": "equal (loss, grad norm)",
+        "N": check_num_tokens(run),
+    }
     record(record_property, source_name(source), "dp2", [row])
 
 
@@ -129,8 +147,9 @@ def test_a_late_install_still_runs_the_converted_rampup(launches, source, record
     """install() after initialize_megatron (the fault late-install): Megatron built its own calculator (0.18+: a
     constant 24, the rampup dropped; 0.16/0.17: its rampup calculator); install() replaces it by the converted
     rampup's, and the run follows the same plan as an early install."""
-    run = launches.get(source, "dp2", "rampup-late-install", [*TOKEN, *RAMPUP],
-                       env={"MEGATRON_GA_FAULT": "late-install"})
+    run = launches.get(
+        source, "dp2", "rampup-late-install", [*TOKEN, *RAMPUP], env={"MEGATRON_GA_FAULT": "late-install"}
+    )
     assert "megatron-ga-ext installed after Megatron built its calculator" in run.output, run.describe()
     row = check_run(run, "rampup") | {"mode": "token", "case": "rampup, install() late", "N": check_num_tokens(run)}
     record(record_property, source_name(source), "dp2", [row])
@@ -140,11 +159,19 @@ def test_the_calculator_built_after_parsing_runs_the_converted_rampup(launches, 
     """Megatron-LM #7418's start-up order (the fault runtime-services-order): set_global_variables no longer builds
     the calculator; it is built after parsing, as initialize_runtime_services does. The drop-in, installed before
     both, gets it through its hook, and the run follows the same plan as in the order of every tested source."""
-    run = launches.get(newest_source, "dp2", "rampup-runtime-services", [*TOKEN, *RAMPUP],
-                       env={"MEGATRON_GA_FAULT": "runtime-services-order"})
+    run = launches.get(
+        newest_source,
+        "dp2",
+        "rampup-runtime-services",
+        [*TOKEN, *RAMPUP],
+        env={"MEGATRON_GA_FAULT": "runtime-services-order"},
+    )
     assert "the num-microbatches calculator built after parsing" in run.output, run.describe()
-    row = check_run(run, "rampup") | {"mode": "token", "case": "rampup, calculator built after parsing (#7418)",
-                                      "N": check_num_tokens(run)}
+    row = check_run(run, "rampup") | {
+        "mode": "token",
+        "case": "rampup, calculator built after parsing (#7418)",
+        "N": check_num_tokens(run),
+    }
     record(record_property, source_name(newest_source), "dp2", [row])
 
 
@@ -154,8 +181,11 @@ def test_a_reinstall_with_another_config_trains_on(launches, source, record_prop
     optimizer follows the new installation, and the run trains to its plan with N checked every iteration."""
     run = launches.get(source, "dp2", "reinstall", [*TOKEN, *CONSTANT], env={"MEGATRON_GA_FAULT": "reinstall-at:2"})
     assert "checks='async'" in run.output, run.describe()  # the second installation's config, logged
-    row = check_run(run, "constant") | {"mode": "token", "case": "install() again after iteration 2",
-                                        "N": check_num_tokens(run)}
+    row = check_run(run, "constant") | {
+        "mode": "token",
+        "case": "install() again after iteration 2",
+        "N": check_num_tokens(run),
+    }
     record(record_property, source_name(source), "dp2", [row])
 
 
@@ -163,8 +193,12 @@ def schedule_run(launches, source: Path, layout: str) -> tuple[Run, Path]:
     """The microbatch-mode launch of SCHEDULE, saving at SAVE_AT, and its checkpoint directory (test_lr_scaling.py
     compares its learning rates with a scaled launch's)."""
     checkpoints = launches.workdir / source.name / layout / "checkpoints"
-    run = launches.get(source, layout, "schedule", [*MICROBATCH, *SCHEDULE, "--save", str(checkpoints),
-                                                    "--save-interval", str(SAVE_AT), "--ckpt-format", "torch"])
+    run = launches.get(
+        source,
+        layout,
+        "schedule",
+        [*MICROBATCH, *SCHEDULE, "--save", str(checkpoints), "--save-interval", str(SAVE_AT), "--ckpt-format", "torch"],
+    )
     return run, checkpoints
 
 
@@ -180,27 +214,40 @@ def test_step_schedule_and_resume_mid_schedule(launches, source, layout, record_
     assert abs(first_micro - first_token) > 1e-5 * first_token, (first_micro, first_token)
     loss_token, loss_micro = token.iterations[0]["loss"]["lm loss"], run.iterations[0]["loss"]["lm loss"]
     assert abs(loss_micro - loss_token) > 1e-6 * loss_token, (loss_micro, loss_token)
-    row["loss_vs_upstream"] = (f"step 1: loss {loss_micro:.5f} vs token {loss_token:.5f}, grad norm "
-                               f"{first_micro:.5f} vs {first_token:.5f}")
+    row["loss_vs_upstream"] = (
+        f"step 1: loss {loss_micro:.5f} vs token {loss_token:.5f}, grad norm {first_micro:.5f} vs {first_token:.5f}"
+    )
 
-    resumed = launches.get(source, layout, "resume", [*MICROBATCH, *SCHEDULE, "--load", str(checkpoints),
-                                                      "--ckpt-step", str(SAVE_AT), "--ckpt-format", "torch"])
+    resumed = launches.get(
+        source,
+        layout,
+        "resume",
+        [*MICROBATCH, *SCHEDULE, "--load", str(checkpoints), "--ckpt-step", str(SAVE_AT), "--ckpt-format", "torch"],
+    )
     assert resumed.rc == 0 and resumed.error is None, resumed.describe()
     assert ran_steps(resumed) == ran_steps(run)[SAVE_AT:], (ran_steps(resumed), ran_steps(run))
-    resume_row = {"mode": "microbatch", "case": f"resume at {SAVE_AT}",
-                  "iterations": f"{SAVE_AT + 1}-{len(run.iterations)} = uninterrupted",
-                  "samples": f"{ran_steps(resumed)[-1][1]} = uninterrupted"}
+    resume_row = {
+        "mode": "microbatch",
+        "case": f"resume at {SAVE_AT}",
+        "iterations": f"{SAVE_AT + 1}-{len(run.iterations)} = uninterrupted",
+        "samples": f"{ran_steps(resumed)[-1][1]} = uninterrupted",
+    }
     record(record_property, source_name(source), layout, [row, resume_row])
 
 
 def test_pp_guard_stops_a_pp_multiplied_step(launches, source, record_property):
-    run = launches.get(source, "pp2dp2", "pp-fault", [*TOKEN, *CONSTANT],
-                       env={"MEGATRON_GA_FAULT": "pp-multiplied-microbatches"})
+    run = launches.get(
+        source, "pp2dp2", "pp-fault", [*TOKEN, *CONSTANT], env={"MEGATRON_GA_FAULT": "pp-multiplied-microbatches"}
+    )
     assert run.rc != 0 and run.iterations == [], run.describe()
     assert run.error is not None and run.error.startswith("GuardError") and PP_RULE in run.error, run.describe()
     assert "8 = 4 x PP 2" in run.error, run.error
-    row = {"mode": "token", "case": "num_microbatches x PP", "iterations": "0 (stopped at step 1)",
-           "N": "GuardError: " + PP_RULE}
+    row = {
+        "mode": "token",
+        "case": "num_microbatches x PP",
+        "iterations": "0 (stopped at step 1)",
+        "N": "GuardError: " + PP_RULE,
+    }
     record(record_property, source_name(source), "pp2dp2", [row])
 
 
@@ -210,23 +257,42 @@ ZERO_AT = 3
 def test_zero_token_batch_stops_the_run_without_saving_it(launches, newest_source, record_property):
     source = newest_source
     checkpoints = launches.workdir / source.name / "dp2" / "zero-error-checkpoints"
-    run = launches.get(source, "dp2", "zero-error", [*TOKEN, *CONSTANT, "--save", str(checkpoints),
-                                                     "--save-interval", "1", "--ckpt-format", "torch"],
-                       env={"MEGATRON_GA_FAULT": f"zero-tokens-at:{ZERO_AT}"})
+    run = launches.get(
+        source,
+        "dp2",
+        "zero-error",
+        [*TOKEN, *CONSTANT, "--save", str(checkpoints), "--save-interval", "1", "--ckpt-format", "torch"],
+        env={"MEGATRON_GA_FAULT": f"zero-tokens-at:{ZERO_AT}"},
+    )
     assert run.rc != 0 and run.error is not None, run.describe()
     assert run.error.startswith("LossContractError") and "0 non-padding tokens" in run.error, run.error
     assert [r["iteration"] for r in run.iterations] == list(range(1, ZERO_AT))
     assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == str(ZERO_AT - 1)
     assert not (checkpoints / f"iter_{ZERO_AT:07d}").exists()
-    record(record_property, source_name(source), "dp2", [{
-        "mode": "token", "case": f"0 tokens at step {ZERO_AT}, policy error",
-        "iterations": f"{ZERO_AT - 1}, then LossContractError", "samples": "last checkpoint: step 2"}])
+    record(
+        record_property,
+        source_name(source),
+        "dp2",
+        [
+            {
+                "mode": "token",
+                "case": f"0 tokens at step {ZERO_AT}, policy error",
+                "iterations": f"{ZERO_AT - 1}, then LossContractError",
+                "samples": "last checkpoint: step 2",
+            }
+        ],
+    )
 
 
 def test_zero_token_batch_skips_the_optimizer_step(launches, newest_source, record_property):
     source = newest_source
-    run = launches.get(source, "dp2", "zero-skip", [*TOKEN, *CONSTANT, "--ga-zero-token-policy", "skip"],
-                       env={"MEGATRON_GA_FAULT": f"zero-tokens-at:{ZERO_AT}"})
+    run = launches.get(
+        source,
+        "dp2",
+        "zero-skip",
+        [*TOKEN, *CONSTANT, "--ga-zero-token-policy", "skip"],
+        env={"MEGATRON_GA_FAULT": f"zero-tokens-at:{ZERO_AT}"},
+    )
     assert run.rc == 0 and run.error is None, run.describe()
     assert ran_steps(run) == planned_steps(*PLANS["constant"])  # the data is consumed: consumed samples still advance
     rows = {r["iteration"]: r for r in run.iterations}
@@ -235,7 +301,18 @@ def test_zero_token_batch_skips_the_optimizer_step(launches, newest_source, reco
     assert skipped["learning_rate"] == rows[ZERO_AT - 1]["learning_rate"]  # the scheduler did not advance
     assert all(r["skipped"] == 0 for i, r in rows.items() if i != ZERO_AT)
     assert run.iterations[-1]["learning_rate"] > MIN_LR  # one step of decay fewer than the plan
-    record(record_property, source_name(source), "dp2", [{
-        "mode": "token", "case": f"0 tokens at step {ZERO_AT}, policy skip",
-        "iterations": f"8, step {ZERO_AT} skipped", "samples": "128 = plan", "lr_end": "held at the skipped step",
-        "N": "0 at the skipped step"}])
+    record(
+        record_property,
+        source_name(source),
+        "dp2",
+        [
+            {
+                "mode": "token",
+                "case": f"0 tokens at step {ZERO_AT}, policy skip",
+                "iterations": f"8, step {ZERO_AT} skipped",
+                "samples": "128 = plan",
+                "lr_end": "held at the skipped step",
+                "N": "0 at the skipped step",
+            }
+        ],
+    )

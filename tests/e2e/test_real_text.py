@@ -25,9 +25,25 @@ EVAL_INTERVAL = 3
 
 def test_pretrain_gpt_trains_and_validates_on_the_corpus(launches, newest_source):
     cache = launches.workdir / newest_source.name / "dp2" / "corpus-index-cache"
-    run = launches.get(newest_source, "dp2", "real-text", [
-        *TOKEN, "--global-batch-size", "16", "--train-iters", str(ITERATIONS), "--eval-interval", str(EVAL_INTERVAL),
-        "--eval-iters", "2", "--data-cache-path", str(cache), *corpus.data_flags(newest_source)])
+    run = launches.get(
+        newest_source,
+        "dp2",
+        "real-text",
+        [
+            *TOKEN,
+            "--global-batch-size",
+            "16",
+            "--train-iters",
+            str(ITERATIONS),
+            "--eval-interval",
+            str(EVAL_INTERVAL),
+            "--eval-iters",
+            "2",
+            "--data-cache-path",
+            str(cache),
+            *corpus.data_flags(newest_source),
+        ],
+    )
     assert run.rc == 0 and run.error is None, run.describe()
     rows = run.iterations
     assert [r["iteration"] for r in rows] == list(range(1, ITERATIONS + 1)), rows

@@ -31,13 +31,23 @@ TRAIN_SAMPLES = 56
 SCHEDULE_TEXT = "0:8 1024:16 2048:24"
 CASES = {
     "schedule": (["--step-batch-size-schedule", SCHEDULE_TEXT], seq_length_schedule(SCHEDULE_TEXT)),
-    "rampup": (["--rampup-batch-size", "8", "8", "32", "--global-batch-size", "24", "--ga-convert-rampup"],
-               ["--from-rampup", "8", "8", "32", "--global-batch-size", "24"]),
+    "rampup": (
+        ["--rampup-batch-size", "8", "8", "32", "--global-batch-size", "24", "--ga-convert-rampup"],
+        ["--from-rampup", "8", "8", "32", "--global-batch-size", "24"],
+    ),
 }
 # Dropout off: a step's loss is then a function of the weights and the samples alone, so equal losses show that a
 # resumed run trains on the same samples from the same weights.
-FLAGS = ["--calculate-per-token-loss", "--train-samples", str(TRAIN_SAMPLES), "--hidden-dropout", "0",
-         "--attention-dropout", "0", *BOUNDED]
+FLAGS = [
+    "--calculate-per-token-loss",
+    "--train-samples",
+    str(TRAIN_SAMPLES),
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    *BOUNDED,
+]
 STEPS = 4
 
 _CHECKED: dict[tuple[str, str], list[int]] = {}
@@ -56,8 +66,10 @@ def is_main_commit(source: Path) -> bool:
 def backported(source: Path) -> bool:
     """A release older than Megatron's own --step-batch-size-schedule: the extension adds the flag."""
     refs = [u.ref for u in UPSTREAM]
-    return any(u.name == source_name(source) and u.is_release and refs.index(u.ref) < refs.index(STEP_SCHEDULE.since)
-               for u in UPSTREAM)
+    return any(
+        u.name == source_name(source) and u.is_release and refs.index(u.ref) < refs.index(STEP_SCHEDULE.since)
+        for u in UPSTREAM
+    )
 
 
 @pytest.mark.parametrize("boundary", range(1, STEPS))
@@ -70,9 +82,12 @@ def test_a_resume_at_every_step_boundary_runs_the_uninterrupted_steps(launches, 
     assert [gbs for _, _, gbs, _ in steps] == [8, 8, 16, 24]  # three stages
     assert saved(checkpoints) == (STEPS, list(range(1, STEPS + 1)))
 
-    resumed = launches.get(newest_source, "dp2", f"resume-{case}-at-{boundary}",
-                           [*CASES[case][0], *FLAGS, "--load", str(checkpoints), "--ckpt-step", str(boundary),
-                            "--ckpt-format", "torch"])
+    resumed = launches.get(
+        newest_source,
+        "dp2",
+        f"resume-{case}-at-{boundary}",
+        [*CASES[case][0], *FLAGS, "--load", str(checkpoints), "--ckpt-step", str(boundary), "--ckpt-format", "torch"],
+    )
     assert resumed.rc == 0 and resumed.error is None, resumed.describe()
     assert ran_steps(resumed) == steps[boundary:]
     assert ran_steps(resumed) == planned_steps(CASES[case][1], TRAIN_SAMPLES, steps[boundary - 1][1], boundary)
@@ -92,12 +107,22 @@ def _train_iters(run) -> set[int]:
 @pytest.fixture(scope="module", autouse=True)
 def _record_resumes():
     yield
-    what = {"schedule": f"`--step-batch-size-schedule \"{SCHEDULE_TEXT}\"`",
-            "schedule (backported)": f"`--step-batch-size-schedule \"{SCHEDULE_TEXT}\"` (the backport)",
-            "rampup": "`--rampup-batch-size 8 8 32 --global-batch-size 24 --ga-convert-rampup`"}
-    record("resumes", [
-        {"Source": source, "Case": f"{what[case]}, {STEPS} steps of 8, 8, 16, 24 samples",
-         "Resumed at": "after step " + ", ".join(map(str, sorted(boundaries))),
-         "Checked against the uninterrupted run": "every step's (iteration, consumed samples, GBS, num_microbatches), "
-         "learning rate and loss equal; train_iters and the final consumed samples equal; no warning"}
-        for (source, case), boundaries in _CHECKED.items()])
+    what = {
+        "schedule": f'`--step-batch-size-schedule "{SCHEDULE_TEXT}"`',
+        "schedule (backported)": f'`--step-batch-size-schedule "{SCHEDULE_TEXT}"` (the backport)',
+        "rampup": "`--rampup-batch-size 8 8 32 --global-batch-size 24 --ga-convert-rampup`",
+    }
+    record(
+        "resumes",
+        [
+            {
+                "Source": source,
+                "Case": f"{what[case]}, {STEPS} steps of 8, 8, 16, 24 samples",
+                "Resumed at": "after step " + ", ".join(map(str, sorted(boundaries))),
+                "Checked against the uninterrupted run": "every step's (iteration, consumed samples, GBS, "
+                "num_microbatches), learning rate and loss equal; train_iters and the final consumed samples equal; "
+                "no warning",
+            }
+            for (source, case), boundaries in _CHECKED.items()
+        ],
+    )

@@ -127,8 +127,9 @@ def optimizer_graph_upstream(launches, source: Path) -> Run:
     return run
 
 
-def test_optimizer_graph_checks_each_step_in_finalize_before_the_replayed_step(launches, graph_source,
-                                                                              optimizer_graph_kernels):
+def test_optimizer_graph_checks_each_step_in_finalize_before_the_replayed_step(
+    launches, graph_source, optimizer_graph_kernels
+):
     upstream = optimizer_graph_upstream(launches, graph_source)
     run = get(launches, graph_source, "optimizer-graph-nan", [*TOKEN, *OPTIMIZER_GRAPH], env=NAN_FAULT)
     assert "Optimizer CUDA graph capture done" in run.output, run.describe()
@@ -138,16 +139,23 @@ def test_optimizer_graph_checks_each_step_in_finalize_before_the_replayed_step(l
     counted_every_token(run)
 
 
-def test_optimizer_graph_async_verdict_stops_the_next_forward_backward(launches, graph_source,
-                                                                       optimizer_graph_kernels):
+def test_optimizer_graph_async_verdict_stops_the_next_forward_backward(launches, graph_source, optimizer_graph_kernels):
     """The replayed optimizer step of iteration 5 does not call the extension's step hook, where the CPU run reads
     the verdict (test_faults.py): Megatron logs iteration 5, and its verdict stops iteration 6's forward/backward."""
     upstream = optimizer_graph_upstream(launches, graph_source)
-    run = get(launches, graph_source, "optimizer-graph-async-nan", [*TOKEN, *OPTIMIZER_GRAPH, "--ga-checks", "async"],
-              env=NAN_FAULT)
+    run = get(
+        launches,
+        graph_source,
+        "optimizer-graph-async-nan",
+        [*TOKEN, *OPTIMIZER_GRAPH, "--ga-checks", "async"],
+        env=NAN_FAULT,
+    )
     assert "Optimizer CUDA graph capture done" in run.output, run.describe()
-    failed_with(run, "LossContractError",
-                f"--ga-checks async, verdict of training step {NAN_AT} (iteration {NAN_AT}): {NONFINITE}")
+    failed_with(
+        run,
+        "LossContractError",
+        f"--ga-checks async, verdict of training step {NAN_AT} (iteration {NAN_AT}): {NONFINITE}",
+    )
     assert [r["iteration"] for r in run.iterations] == list(range(1, NAN_AT + 1))
     same_steps(run, upstream, NAN_AT - 1)
 

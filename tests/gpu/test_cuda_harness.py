@@ -20,8 +20,13 @@ def _backend(command: list[str]) -> str:
 def test_a_cuda_launch_is_one_rank_over_nccl_in_its_own_interpreter(tmp_path):
     command, env = launch_command(ROOT, "dp1", FLAGS, extension=True, name="run", workdir=tmp_path, device="cuda")
     # the launcher runs the rank itself (no --nproc-per-node, so no fork), the drop-in entry, then the flags
-    assert command[1:6] == ["-m", "megatron_ga_ext.testing.pretrain_server", "-m", "megatron_ga_ext",
-                            str(ROOT / "pretrain_gpt.py")]
+    assert command[1:6] == [
+        "-m",
+        "megatron_ga_ext.testing.pretrain_server",
+        "-m",
+        "megatron_ga_ext",
+        str(ROOT / "pretrain_gpt.py"),
+    ]
     assert _backend(command) == "nccl" and "gloo" not in command and command[-2:] == FLAGS
     assert env["MEGATRON_GA_DEVICE"] == "cuda" and env["MEGATRON_GA_RECORD"] == str(tmp_path / "run")
     assert [env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")] == ["0", "0", "1", "127.0.0.1"]

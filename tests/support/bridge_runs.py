@@ -32,9 +32,15 @@ OUT = Path(".")
 
 
 #: MoE as the Megatron-LM tier runs it (tests/e2e/test_moe_mtp.py): 4 experts top-2, aux loss and z-loss.
-MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 1e-2, "moe_z_loss_coeff": 1e-3,
-       "moe_router_load_balancing_type": "aux_loss", "moe_token_dispatcher_type": "allgather",
-       "add_bias_linear": False}
+MOE = {
+    "num_moe_experts": 4,
+    "moe_router_topk": 2,
+    "moe_aux_loss_coeff": 1e-2,
+    "moe_z_loss_coeff": 1e-3,
+    "moe_router_load_balancing_type": "aux_loss",
+    "moe_token_dispatcher_type": "allgather",
+    "add_bias_linear": False,
+}
 
 
 def tiny_config(*, per_token: bool = True, train_iters: int = 6, **model_fields: Any) -> Any:
@@ -46,32 +52,73 @@ def tiny_config(*, per_token: bool = True, train_iters: int = 6, **model_fields:
     from megatron.bridge.training import config as c
 
     model = GPTModelProvider(
-        transformer_layer_spec=local_layer_spec, num_layers=2, hidden_size=64, ffn_hidden_size=256,
-        num_attention_heads=4, seq_length=SEQ_LENGTH, vocab_size=1024, make_vocab_size_divisible_by=128,
-        use_cpu_initialization=True, bf16=False, fp16=False, calculate_per_token_loss=per_token,
-        persist_layer_norm=False, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
-        bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, hidden_dropout=0.0,
-        attention_dropout=0.0, **model_fields)
+        transformer_layer_spec=local_layer_spec,
+        num_layers=2,
+        hidden_size=64,
+        ffn_hidden_size=256,
+        num_attention_heads=4,
+        seq_length=SEQ_LENGTH,
+        vocab_size=1024,
+        make_vocab_size_divisible_by=128,
+        use_cpu_initialization=True,
+        bf16=False,
+        fp16=False,
+        calculate_per_token_loss=per_token,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        **model_fields,
+    )
     model.params_dtype = torch.float32
     return c.ConfigContainer(
         model=model,
         train=c.TrainingConfig(train_iters=train_iters, global_batch_size=8, micro_batch_size=2),
         validation=c.ValidationConfig(eval_interval=1000, eval_iters=0),
-        optimizer=c.OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, weight_decay=0.01, bf16=False,
-                                    fp16=False, use_distributed_optimizer=False, clip_grad=1.0),
-        scheduler=c.SchedulerConfig(lr_decay_style="linear", lr_warmup_iters=0, start_weight_decay=0.01,
-                                    end_weight_decay=0.01, weight_decay_incr_style="constant"),
-        ddp=c.DistributedDataParallelConfig(use_distributed_optimizer=False, overlap_grad_reduce=False,
-                                            overlap_param_gather=False, grad_reduce_in_fp32=False),
-        dataset=c.MockGPTDatasetConfig(seq_length=SEQ_LENGTH, random_seed=1234, reset_position_ids=False,
-                                       reset_attention_mask=False, eod_mask_loss=True, num_workers=0,
-                                       dataloader_type="single", split="99,1,0"),
+        optimizer=c.OptimizerConfig(
+            optimizer="adam",
+            lr=1e-3,
+            min_lr=1e-4,
+            weight_decay=0.01,
+            bf16=False,
+            fp16=False,
+            use_distributed_optimizer=False,
+            clip_grad=1.0,
+        ),
+        scheduler=c.SchedulerConfig(
+            lr_decay_style="linear",
+            lr_warmup_iters=0,
+            start_weight_decay=0.01,
+            end_weight_decay=0.01,
+            weight_decay_incr_style="constant",
+        ),
+        ddp=c.DistributedDataParallelConfig(
+            use_distributed_optimizer=False,
+            overlap_grad_reduce=False,
+            overlap_param_gather=False,
+            grad_reduce_in_fp32=False,
+        ),
+        dataset=c.MockGPTDatasetConfig(
+            seq_length=SEQ_LENGTH,
+            random_seed=1234,
+            reset_position_ids=False,
+            reset_attention_mask=False,
+            eod_mask_loss=True,
+            num_workers=0,
+            dataloader_type="single",
+            split="99,1,0",
+        ),
         logger=c.LoggerConfig(log_interval=1, tensorboard_dir=None),
         tokenizer=c.TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=1024),
         checkpoint=c.CheckpointConfig(save=None, save_interval=None, load=None),
         rng=c.RNGConfig(seed=1234),
         dist=c.DistributedInitConfig(distributed_backend="gloo"),
-        mixed_precision=None)
+        mixed_precision=None,
+    )
 
 
 def _bridge(cfg: Any) -> Any:
@@ -138,8 +185,9 @@ def _rampup(cfg: Any) -> Any:
     return _extension(cfg, convert_rampup=True)
 
 
-def _measuring(run: str, exit_interval: int | None = None, resume: bool = False,
-               warmup: bool = False) -> Callable[[Any], Any]:
+def _measuring(
+    run: str, exit_interval: int | None = None, resume: bool = False, warmup: bool = False
+) -> Callable[[Any], Any]:
     """The extension's run with ga.noise_scale 1, its trace and TensorBoard under OUT/<run>, saved every 3
     iterations (every 2 with ``warmup``) to OUT/<run>/checkpoints; stopped at ``exit_interval``, or resumed from
     there. ``warmup``: ga.batch_size_warmup auto from GBS 8 (trust 2000, so that it doubles at every measurement, up
@@ -181,11 +229,12 @@ def masked_forward_step(state: Any, data_iterator: Any, model: Any, return_sched
     from megatron.bridge.training.utils.pg_utils import get_pg_collection
 
     tokens, labels, loss_mask, attention_mask, position_ids, _ = get_batch(
-        data_iterator, state.cfg, pg_collection=get_pg_collection(model))
-    output = model(input_ids=tokens, position_ids=position_ids, attention_mask=attention_mask, labels=labels,
-                   loss_mask=loss_mask)
-    return output, partial(masked_next_token_loss, loss_mask, check_for_nan_in_loss=True,
-                           check_for_spiky_loss=False)
+        data_iterator, state.cfg, pg_collection=get_pg_collection(model)
+    )
+    output = model(
+        input_ids=tokens, position_ids=position_ids, attention_mask=attention_mask, labels=labels, loss_mask=loss_mask
+    )
+    return output, partial(masked_next_token_loss, loss_mask, check_for_nan_in_loss=True, check_for_spiky_loss=False)
 
 
 def _drop_finalize() -> None:
@@ -256,19 +305,47 @@ def _record(path: Path) -> Any:
     original = train.training_log
     out = path.open("w")
 
-    def training_log(loss_dict: dict, total_loss_dict: dict, learning_rate: Any, decoupled_learning_rate: Any,
-                     loss_scale: Any, report_memory_flag: Any, skipped_iter: Any, grad_norm: Any, *args: Any,
-                     **kwargs: Any) -> Any:
+    def training_log(
+        loss_dict: dict,
+        total_loss_dict: dict,
+        learning_rate: Any,
+        decoupled_learning_rate: Any,
+        loss_scale: Any,
+        report_memory_flag: Any,
+        skipped_iter: Any,
+        grad_norm: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
         state = kwargs.get("global_state", args[3] if len(args) > 3 else None)
         loss = loss_dict.get("lm loss")
-        out.write(json.dumps({
-            "iteration": state.train_state.step, "consumed_samples": state.train_state.consumed_train_samples,
-            "train_iters": state.cfg.train.train_iters,
-            "loss": None if loss is None else float(loss), "lr": learning_rate,
-            "grad_norm": None if grad_norm is None else float(grad_norm), "skipped": int(skipped_iter)}) + "\n")
+        out.write(
+            json.dumps(
+                {
+                    "iteration": state.train_state.step,
+                    "consumed_samples": state.train_state.consumed_train_samples,
+                    "train_iters": state.cfg.train.train_iters,
+                    "loss": None if loss is None else float(loss),
+                    "lr": learning_rate,
+                    "grad_norm": None if grad_norm is None else float(grad_norm),
+                    "skipped": int(skipped_iter),
+                }
+            )
+            + "\n"
+        )
         out.flush()
-        return original(loss_dict, total_loss_dict, learning_rate, decoupled_learning_rate, loss_scale,
-                        report_memory_flag, skipped_iter, grad_norm, *args, **kwargs)
+        return original(
+            loss_dict,
+            total_loss_dict,
+            learning_rate,
+            decoupled_learning_rate,
+            loss_scale,
+            report_memory_flag,
+            skipped_iter,
+            grad_norm,
+            *args,
+            **kwargs,
+        )
 
     train.training_log = training_log
     return out
@@ -280,8 +357,16 @@ def _rank(case: str, rank: int, port: int, out: Path) -> int:
 
     from megatron_ga_ext.testing.shims import bridge_shims
 
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD_SIZE),
-                       "LOCAL_WORLD_SIZE": str(WORLD_SIZE), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(WORLD_SIZE),
+            "LOCAL_WORLD_SIZE": str(WORLD_SIZE),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     rows = _record(out / f"{case}.rank{rank}.jsonl")
     with bridge_shims():
         try:

@@ -6,6 +6,7 @@ Run by tests/test_coverage_upstream.py in a subprocess (``python -m tests.suppor
 cases as JSON on stdin ([[case, flags, GAConfig kwargs], ...]), the snapshot roots as arguments. Each snapshot's
 parser is built by tests/support/snapshot_parser.py.
 """
+
 import argparse
 import contextlib
 import io
@@ -35,8 +36,10 @@ def main() -> None:
     out = {}
     for root in sys.argv[1:]:
         parser = parser_of(root)
-        out[root] = {"flags": option_strings(parser),
-                     "refused": {case: refused(parser, flags, ga) for case, flags, ga in cases}}
+        out[root] = {
+            "flags": option_strings(parser),
+            "refused": {case: refused(parser, flags, ga) for case, flags, ga in cases},
+        }
     print(json.dumps(out))
 
 

@@ -16,11 +16,77 @@ from megatron_ga_ext.core.megatron_flags import NOT_MEGATRON, VIRTUAL_PIPELINE
 
 #: Number spellings that have broken parsers somewhere (Python's int/float/Decimal, upstream's float()).
 SPECIAL_NUMBERS = (
-    "", " ", "0", "00", "-0", "+0", "1", "-1", "+4", "0.0", "1.", ".5", "1..2", "1e", "e3", "1e3", "1E-5", "1e400",
-    "1e-400", "1e30", "1e31", "2.01K", "16.9", "1_000", "0x10", "0b1", "nan", "NaN", "-nan", "snan", "sNaN123", "inf",
-    "-inf", "Infinity", "-Infinity", "\u0661\u0662", "\uff11\uff12", "1" + "0" * 30, "1" + "0" * 31, "9" * 64,
-    "9" * 65, "$WORLD", "${NPROC}", "gpu", "auto", "cpu", "1:4", "2:2", ":", "None", "true", "-", "+", ".", "--",
-    "1k", "1K", "1m", "1M", "1b", "1B", "1t", "1T", "1G", "1kk", "k", "1.5k", "-5k", " 8 ", "8\n", "\t",
+    "",
+    " ",
+    "0",
+    "00",
+    "-0",
+    "+0",
+    "1",
+    "-1",
+    "+4",
+    "0.0",
+    "1.",
+    ".5",
+    "1..2",
+    "1e",
+    "e3",
+    "1e3",
+    "1E-5",
+    "1e400",
+    "1e-400",
+    "1e30",
+    "1e31",
+    "2.01K",
+    "16.9",
+    "1_000",
+    "0x10",
+    "0b1",
+    "nan",
+    "NaN",
+    "-nan",
+    "snan",
+    "sNaN123",
+    "inf",
+    "-inf",
+    "Infinity",
+    "-Infinity",
+    "\u0661\u0662",
+    "\uff11\uff12",
+    "1" + "0" * 30,
+    "1" + "0" * 31,
+    "9" * 64,
+    "9" * 65,
+    "$WORLD",
+    "${NPROC}",
+    "gpu",
+    "auto",
+    "cpu",
+    "1:4",
+    "2:2",
+    ":",
+    "None",
+    "true",
+    "-",
+    "+",
+    ".",
+    "--",
+    "1k",
+    "1K",
+    "1m",
+    "1M",
+    "1b",
+    "1B",
+    "1t",
+    "1T",
+    "1G",
+    "1kk",
+    "k",
+    "1.5k",
+    "-5k",
+    " 8 ",
+    "8\n",
+    "\t",
 )
 
 #: Suffixes: upstream's four in both cases, and some it does not know.
@@ -39,7 +105,9 @@ def numbers() -> st.SearchStrategy[str]:
     plain = st.one_of(st.integers(0, 10**4), st.integers(-(10**40), 10**40)).map(str)
     suffixed = st.builds(
         lambda whole, fraction, suffix: f"{whole}{fraction}{suffix}",
-        st.integers(-20, 10**6), st.sampled_from(("", "", ".5", ".25", ".001", ".0")), st.sampled_from(SUFFIXES),
+        st.integers(-20, 10**6),
+        st.sampled_from(("", "", ".5", ".25", ".001", ".0")),
+        st.sampled_from(SUFFIXES),
     )
     return st.one_of(
         plain,
@@ -89,8 +157,11 @@ def _increasing_schedule(stages: list[tuple[int, int, bool]]) -> str:
 
 def valid_schedule_texts() -> st.SearchStrategy[str]:
     """Schedules whose thresholds increase from 0 (stage checks may still refuse them for a layout)."""
-    stage = st.tuples(st.sampled_from((1, 16, 64, 1000, 4096, 10**6)) | st.integers(1, 10**5),
-                      st.sampled_from((8, 16, 32, 64, 128)) | st.integers(1, 2048), st.booleans())
+    stage = st.tuples(
+        st.sampled_from((1, 16, 64, 1000, 4096, 10**6)) | st.integers(1, 10**5),
+        st.sampled_from((8, 16, 32, 64, 128)) | st.integers(1, 2048),
+        st.booleans(),
+    )
     return st.lists(stage, min_size=1, max_size=6).map(_increasing_schedule)
 
 
@@ -102,9 +173,9 @@ def schedule_texts() -> st.SearchStrategy[object]:
         st.text(alphabet="0123456789:kKmMbB.-+eE, ", max_size=12),
     )
     joined = st.tuples(st.lists(entry, max_size=8), st.sampled_from((" ", ",", ", ", "\t", "\n", "  ", ";"))).map(
-        lambda pair: pair[1].join(pair[0]))
-    return st.one_of(valid_schedule_texts(), joined, st.text(max_size=40),
-                     st.sampled_from((None, 0, b"0:8", ["0:8"])))
+        lambda pair: pair[1].join(pair[0])
+    )
+    return st.one_of(valid_schedule_texts(), joined, st.text(max_size=40), st.sampled_from((None, 0, b"0:8", ["0:8"])))
 
 
 def seq_lengths() -> st.SearchStrategy[object]:
@@ -135,7 +206,9 @@ def ledger_argv() -> st.SearchStrategy[list[str]]:
     pair = st.tuples(st.sampled_from(valued), sizes()).map(lambda p: f"{p[0]}={p[1]}")
     must = st.tuples(sizes(), sizes()).map(lambda p: [f"--world-size={p[0]}", f"--micro-batch-size={p[1]}"])
     return st.tuples(
-        must, st.lists(pair, max_size=6), st.lists(st.sampled_from(switches), max_size=2),
+        must,
+        st.lists(pair, max_size=6),
+        st.lists(st.sampled_from(switches), max_size=2),
         st.sampled_from(([], ["--json"], ["--grad-sync=microbatch"])),
     ).map(lambda parts: [*parts[0], *parts[1], *parts[2], *parts[3]])
 
@@ -143,7 +216,8 @@ def ledger_argv() -> st.SearchStrategy[list[str]]:
 def _options(flags: dict[str, st.SearchStrategy[str]]) -> st.SearchStrategy[list[str]]:
     """Some of ``flags``, each as ``--flag=value`` (a value None: the flag alone)."""
     return st.fixed_dictionaries({}, optional=flags).map(
-        lambda chosen: [flag if value is None else f"{flag}={value}" for flag, value in chosen.items()])
+        lambda chosen: [flag if value is None else f"{flag}={value}" for flag, value in chosen.items()]
+    )
 
 
 def schedule_options() -> st.SearchStrategy[list[str]]:
@@ -153,16 +227,25 @@ def schedule_options() -> st.SearchStrategy[list[str]]:
     length = _options({"--train-samples": sizes()}) | _options({"--train-tokens": sizes()})
     planned = mostly(small_sizes(), st.sampled_from(("0", "-1", "1.5", "1K", "x", "1e3", "$DP")))
     return st.tuples(
-        mostly(st.just(["--micro-batch-size=1", "--data-parallel-size=1"]), st.tuples(sizes(), sizes()).map(
-            lambda p: [f"--micro-batch-size={p[0]}", f"--data-parallel-size={p[1]}"]), odds=1),
-        _options({
-            "--seq-length": sizes(), "--consumed-samples": st.sampled_from(("0", "100", "1M")) | sizes(),
-            "--sample-thresholds": st.none(), "--pipeline-model-parallel-size": sizes(),
-            "--virtual-pipeline-model-parallel-size": sizes(),
-            "--microbatch-group-size-per-virtual-pipeline-stage": sizes(), "--warn-future-stages": st.none(),
-            "--lr": st.sampled_from(("3e-4", "nan", "-1", "inf", "0")), "--lr-base-batch-size": sizes(),
-            "--json": st.none(),
-        }),
+        mostly(
+            st.just(["--micro-batch-size=1", "--data-parallel-size=1"]),
+            st.tuples(sizes(), sizes()).map(lambda p: [f"--micro-batch-size={p[0]}", f"--data-parallel-size={p[1]}"]),
+            odds=1,
+        ),
+        _options(
+            {
+                "--seq-length": sizes(),
+                "--consumed-samples": st.sampled_from(("0", "100", "1M")) | sizes(),
+                "--sample-thresholds": st.none(),
+                "--pipeline-model-parallel-size": sizes(),
+                "--virtual-pipeline-model-parallel-size": sizes(),
+                "--microbatch-group-size-per-virtual-pipeline-stage": sizes(),
+                "--warn-future-stages": st.none(),
+                "--lr": st.sampled_from(("3e-4", "nan", "-1", "inf", "0")),
+                "--lr-base-batch-size": sizes(),
+                "--json": st.none(),
+            }
+        ),
         length,
         st.lists(planned, max_size=3).map(lambda d: ["--planned-data-parallel-sizes", *d] if d else []),
     ).map(lambda parts: [*parts[0], *parts[1], *parts[2], *parts[3]])
@@ -172,11 +255,30 @@ def schedule_options() -> st.SearchStrategy[list[str]]:
 
 #: Every flag check reads (each spelling), the ones no Megatron parser has, and some it passes over.
 CHECK_FLAGS = sorted(OPTIONS) + sorted(NOT_MEGATRON) + ["--lr", "--save", "--unknown-flag"]
-LAYER_PATTERNS = ("E|(t|)*3L", "(tt|)*2", "t*4|t*4", "E(t|)*1000000000000L", "((t)*2)*3", "|", "", "M*M|M*M",
-                  "M-M-|M-M-", "*-1", "(|)*99999999", "t*" + "9" * 70, "M|M|M|M/MTP", "Et|tL", "E|t*2|t*2|L")
-TEXT_VALUES = {"--pipeline-model-parallel-layout": LAYER_PATTERNS, "--hybrid-layer-pattern": LAYER_PATTERNS,
-               "--hybrid-override-pattern": LAYER_PATTERNS, "--nnodes": ("1", "2", "1:2", "2:2", "1:1:1", ":"),
-               "--nproc-per-node": ("1", "2", "8", "gpu", "auto", "$NPROC", "4.0")}
+LAYER_PATTERNS = (
+    "E|(t|)*3L",
+    "(tt|)*2",
+    "t*4|t*4",
+    "E(t|)*1000000000000L",
+    "((t)*2)*3",
+    "|",
+    "",
+    "M*M|M*M",
+    "M-M-|M-M-",
+    "*-1",
+    "(|)*99999999",
+    "t*" + "9" * 70,
+    "M|M|M|M/MTP",
+    "Et|tL",
+    "E|t*2|t*2|L",
+)
+TEXT_VALUES = {
+    "--pipeline-model-parallel-layout": LAYER_PATTERNS,
+    "--hybrid-layer-pattern": LAYER_PATTERNS,
+    "--hybrid-override-pattern": LAYER_PATTERNS,
+    "--nnodes": ("1", "2", "1:2", "2:2", "1:1:1", ":"),
+    "--nproc-per-node": ("1", "2", "8", "gpu", "auto", "$NPROC", "4.0"),
+}
 
 
 def _spelled(flag: str) -> st.SearchStrategy[str]:
@@ -196,8 +298,9 @@ def _values_of(flag: str, hostile: bool) -> st.SearchStrategy[list[str]]:
     elif option is not None and option.choices:
         right = st.sampled_from(option.choices).map(lambda value: [value])
     elif flag == "--step-batch-size-schedule":
-        right = (schedule_texts().filter(lambda value: isinstance(value, str)) if hostile
-                 else valid_schedule_texts()).map(lambda value: [value])
+        right = (
+            schedule_texts().filter(lambda value: isinstance(value, str)) if hostile else valid_schedule_texts()
+        ).map(lambda value: [value])
     elif flag in TEXT_VALUES:
         right = st.sampled_from(TEXT_VALUES[flag][: None if hostile else 3]).map(lambda value: [value])
     else:
@@ -224,15 +327,23 @@ def launch_tokens(hostile: bool) -> st.SearchStrategy[list[str]]:
     names = CHECK_FLAGS if hostile else [name for name in CHECK_FLAGS if name in OPTIONS]
     flag = st.one_of([_flag_words(name, hostile) for name in names])  # built once: a flatmap rebuilds per draw
     stray = st.sampled_from(("torchrun", "pretrain_gpt.py", "python", "-m", "-x", "\\", "#", "'", '"', "--")).map(
-        lambda word: [word])
+        lambda word: [word]
+    )
     # Hypothesis favours the first alternatives: the lines that lack the world size or MBS come last.
-    prefix = st.sampled_from((["torchrun", "--nproc-per-node", "8", "pretrain_gpt.py"], ["--nproc_per_node=2"],
-                              ["torchrun", "--nnodes", "2", "--nproc_per_node", "4", "pretrain_gpt.py"],
-                              ["torchrun", "--nproc-per-node=16", "pretrain_gpt.py", "--calculate-per-token-loss"], []))
+    prefix = st.sampled_from(
+        (
+            ["torchrun", "--nproc-per-node", "8", "pretrain_gpt.py"],
+            ["--nproc_per_node=2"],
+            ["torchrun", "--nnodes", "2", "--nproc_per_node", "4", "pretrain_gpt.py"],
+            ["torchrun", "--nproc-per-node=16", "pretrain_gpt.py", "--calculate-per-token-loss"],
+            [],
+        )
+    )
     micro = mostly(_flag_words("--micro-batch-size", hostile), st.just([]))
     words = mostly(flag, stray, odds=3) if hostile else flag
     return st.tuples(prefix, micro, st.lists(words, max_size=10)).map(
-        lambda parts: parts[0] + parts[1] + [word for group in parts[2] for word in group])
+        lambda parts: parts[0] + parts[1] + [word for group in parts[2] for word in group]
+    )
 
 
 def check_argv() -> st.SearchStrategy[list[str]]:
@@ -242,7 +353,8 @@ def check_argv() -> st.SearchStrategy[list[str]]:
     line = st.one_of(
         tokens,
         st.tuples(tokens, st.sampled_from((" ", " \\\n  ", "\n", " # comment\n "))).map(
-            lambda pair: [pair[1].join(pair[0])]),
+            lambda pair: [pair[1].join(pair[0])]
+        ),
     )
     world = mostly(st.just([]), sizes().map(lambda size: [f"--world-size={size}"]))
     return st.tuples(world, line).map(lambda parts: ["check", "--json", *parts[0], "--", *parts[1]])
@@ -255,17 +367,22 @@ def ramp_values() -> st.SearchStrategy[tuple]:
     """(start, increment, ramp samples, GBS): small ramps, long ones (described, not listed), and hostile ones."""
     small = st.tuples(st.integers(1, 64), st.integers(1, 32), st.integers(0, 5000), st.integers(1, 1024))
     landing = st.tuples(st.integers(1, 64), st.integers(1, 16), st.integers(0, 10**6), st.integers(0, 300)).map(
-        lambda r: (r[0], r[1], r[2], r[0] + r[1] * r[3]))  # the ramp lands on GBS
-    long = st.tuples(st.integers(1, 10**3), st.integers(1, 10**3), st.integers(0, 10**15),
-                     st.integers(10**4, 10**12)).map(
-        lambda r: (r[0], r[1], r[2], r[0] + r[1] * r[3]))
+        lambda r: (r[0], r[1], r[2], r[0] + r[1] * r[3])
+    )  # the ramp lands on GBS
+    long = st.tuples(
+        st.integers(1, 10**3), st.integers(1, 10**3), st.integers(0, 10**15), st.integers(10**4, 10**12)
+    ).map(lambda r: (r[0], r[1], r[2], r[0] + r[1] * r[3]))
     hostile = st.tuples(python_sizes(), python_sizes(), python_sizes(), python_sizes())
     return st.one_of(small, landing, long, hostile)
 
 
 def consumed_counts() -> st.SearchStrategy[object]:
-    return st.one_of(st.integers(0, 10**4), st.integers(0, 10**16), st.integers(-5, 10**40),
-                     st.sampled_from((True, 1.5, -1, "8", None)))
+    return st.one_of(
+        st.integers(0, 10**4),
+        st.integers(0, 10**16),
+        st.integers(-5, 10**40),
+        st.sampled_from((True, 1.5, -1, "8", None)),
+    )
 
 
 @st.composite
@@ -287,7 +404,8 @@ def runnable_calculators(draw) -> dict:
         seq_length = draw(st.sampled_from((None, None, 1, 64)))
         scale = seq_length or 1
         arguments["step_batch_size_schedule"] = " ".join(
-            f"{t * scale}:{m * unit + draw(off)}" for t, m in zip(thresholds, multiples))
+            f"{t * scale}:{m * unit + draw(off)}" for t, m in zip(thresholds, multiples)
+        )
         arguments["seq_length"] = seq_length
     elif kind == "global_batch_size":
         arguments["global_batch_size"] = draw(st.integers(1, 16)) * unit + draw(off)

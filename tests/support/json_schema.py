@@ -15,7 +15,7 @@ def errors(instance: Any, schema: dict, root: dict | None = None, path: str = "$
     if "$ref" in schema:
         ref = schema["$ref"]
         assert ref.startswith("#/$defs/"), ref
-        found = errors(instance, root["$defs"][ref[len("#/$defs/"):]], root, path)
+        found = errors(instance, root["$defs"][ref[len("#/$defs/") :]], root, path)
         rest = {k: v for k, v in schema.items() if k not in ("$ref", "description")}
         return found + (errors(instance, rest, root, path) if rest else [])
     if "anyOf" in schema:
@@ -27,8 +27,12 @@ def errors(instance: Any, schema: dict, root: dict | None = None, path: str = "$
         return [f"{path}: {type(instance).__name__} is not {schema['type']}"]
     if "enum" in schema and instance not in schema["enum"]:
         found.append(f"{path}: {instance!r} is not one of {schema['enum']}")
-    if isinstance(instance, (int, float)) and not isinstance(instance, bool) and "minimum" in schema \
-            and instance < schema["minimum"]:
+    if (
+        isinstance(instance, (int, float))
+        and not isinstance(instance, bool)
+        and "minimum" in schema
+        and instance < schema["minimum"]
+    ):
         found.append(f"{path}: {instance} < {schema['minimum']}")
     if isinstance(instance, str) and len(instance) < schema.get("minLength", 0):
         found.append(f"{path}: shorter than {schema['minLength']}")

@@ -4,6 +4,7 @@ Run by tests/test_megatron_flags_upstream.py and tools/regress.py in a subproces
 tests.support.megatron_parser_flags ROOT...``): each snapshot's parser is built one after another in one process
 (tests/support/snapshot_parser.py).
 """
+
 import json
 import sys
 import warnings

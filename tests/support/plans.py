@@ -23,9 +23,25 @@ def planned_steps(schedule: list[str], train_samples: int, consumed_samples: int
     (a schedule with --seq-length, or --from-rampup ... --global-batch-size)."""
     exe = Path(sys.executable).with_name("megatron-ga")
     out = subprocess.run(
-        [str(exe), "schedule", *schedule, "--micro-batch-size", str(MICRO_BATCH_SIZE), "--data-parallel-size",
-         str(DATA_PARALLEL_SIZE), "--train-samples", str(train_samples), "--consumed-samples", str(consumed_samples),
-         "--json"], capture_output=True, text=True, check=True, timeout=60).stdout
+        [
+            str(exe),
+            "schedule",
+            *schedule,
+            "--micro-batch-size",
+            str(MICRO_BATCH_SIZE),
+            "--data-parallel-size",
+            str(DATA_PARALLEL_SIZE),
+            "--train-samples",
+            str(train_samples),
+            "--consumed-samples",
+            str(consumed_samples),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
     steps, consumed = [], consumed_samples
     for stage in json.loads(out)["stages"]:
         for _ in range(stage["steps"]):
@@ -35,15 +51,16 @@ def planned_steps(schedule: list[str], train_samples: int, consumed_samples: int
 
 
 def ran_steps(run: Run) -> list[Step]:
-    return [(r["iteration"], r["consumed_samples"], r["global_batch_size"], r["num_microbatches"])
-            for r in run.iterations]
+    return [
+        (r["iteration"], r["consumed_samples"], r["global_batch_size"], r["num_microbatches"]) for r in run.iterations
+    ]
 
 
 def saved(checkpoints: Path) -> tuple[int | None, list[int]]:
     """(the iteration Megatron's tracker file names, or None; every iteration saved), of a --save directory."""
     tracker = checkpoints / "latest_checkpointed_iteration.txt"
     latest = int(tracker.read_text().strip()) if tracker.exists() else None
-    return latest, sorted(int(path.name[len("iter_"):]) for path in checkpoints.glob("iter_*"))
+    return latest, sorted(int(path.name[len("iter_") :]) for path in checkpoints.glob("iter_*"))
 
 
 def save_every_step(checkpoints: Path) -> list[str]:

@@ -51,13 +51,48 @@ MICRO_BATCH_SIZE = 2
 #: The device a launch trains on -> Megatron's --distributed-backend there.
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 TINY_GPT = [
-    "--distributed-backend", "gloo", "--transformer-impl", "local", "--no-persist-layer-norm",
-    "--no-gradient-accumulation-fusion", "--clip-grad", "0", "--mock-data", "--tokenizer-type", "NullTokenizer",
-    "--vocab-size", "1024", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", str(SEQ_LENGTH), "--max-position-embeddings", str(SEQ_LENGTH),
-    "--micro-batch-size", str(MICRO_BATCH_SIZE), "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "linear",
-    "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "100000", "--num-workers", "0",
-    "--eod-mask-loss", "--seed", "1234",
+    "--distributed-backend",
+    "gloo",
+    "--transformer-impl",
+    "local",
+    "--no-persist-layer-norm",
+    "--no-gradient-accumulation-fusion",
+    "--clip-grad",
+    "0",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "1024",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    str(SEQ_LENGTH),
+    "--max-position-embeddings",
+    str(SEQ_LENGTH),
+    "--micro-batch-size",
+    str(MICRO_BATCH_SIZE),
+    "--lr",
+    "1e-3",
+    "--min-lr",
+    "1e-4",
+    "--lr-decay-style",
+    "linear",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--eval-interval",
+    "100000",
+    "--num-workers",
+    "0",
+    "--eod-mask-loss",
+    "--seed",
+    "1234",
 ]
 #: Mock documents of 1-15 tokens: with --eod-mask-loss every micro-batch masks a different share.
 DOCUMENT_LENGTH = "16"
@@ -93,8 +128,12 @@ class Run:
 
     @property
     def error(self) -> str | None:
-        errors = [row["error"] for rows in self.records.values() for row in rows
-                  if row.get("event") == "end" and row.get("error")]
+        errors = [
+            row["error"]
+            for rows in self.records.values()
+            for row in rows
+            if row.get("event") == "end" and row.get("error")
+        ]
         return errors[0] if errors else None
 
     def mask_tokens(self) -> list[int]:
@@ -110,13 +149,34 @@ def _iterations(rows: list[dict]) -> list[dict]:
     return [row for row in rows if row.get("event") == "iteration"]
 
 
-def launch(root: Path, layout: str, flags: list[str], *, extension: bool, name: str, workdir: Path,
-           drop_in: str = "entry", python: str = sys.executable, env: dict[str, str] | None = None,
-           device: str = "cpu", timeout: float = TIMEOUT_S) -> Run:
+def launch(
+    root: Path,
+    layout: str,
+    flags: list[str],
+    *,
+    extension: bool,
+    name: str,
+    workdir: Path,
+    drop_in: str = "entry",
+    python: str = sys.executable,
+    env: dict[str, str] | None = None,
+    device: str = "cpu",
+    timeout: float = TIMEOUT_S,
+) -> Run:
     """Run pretrain_gpt.py from the Megatron-LM checkout ``root`` as a user would, and collect the records
     (``timeout``: seconds the training may take, on the CPU)."""
-    command, environment = launch_command(root, layout, flags, extension=extension, name=name, workdir=workdir,
-                                          drop_in=drop_in, python=python, env=env, device=device)
+    command, environment = launch_command(
+        root,
+        layout,
+        flags,
+        extension=extension,
+        name=name,
+        workdir=workdir,
+        drop_in=drop_in,
+        python=python,
+        env=env,
+        device=device,
+    )
     for old in workdir.glob(f"{name}.rank*.jsonl"):
         old.unlink()
     start = time.monotonic()
@@ -140,9 +200,19 @@ def launch(root: Path, layout: str, flags: list[str], *, extension: bool, name: 
     return Run(name, command, rc, seconds, records, output)
 
 
-def launch_command(root: Path, layout: str, flags: list[str], *, extension: bool, name: str, workdir: Path,
-                   drop_in: str = "entry", python: str = sys.executable, env: dict[str, str] | None = None,
-                   device: str = "cpu") -> tuple[list[str], dict[str, str]]:
+def launch_command(
+    root: Path,
+    layout: str,
+    flags: list[str],
+    *,
+    extension: bool,
+    name: str,
+    workdir: Path,
+    drop_in: str = "entry",
+    python: str = sys.executable,
+    env: dict[str, str] | None = None,
+    device: str = "cpu",
+) -> tuple[list[str], dict[str, str]]:
     """The launcher's command line and environment for :func:`launch` (run from ``root``); creates ``workdir``."""
     if device not in BACKENDS:
         raise ValueError(f"device {device!r} is not one of {tuple(BACKENDS)}")
@@ -154,26 +224,54 @@ def launch_command(root: Path, layout: str, flags: list[str], *, extension: bool
         tiny_gpt.remove("--mock-data")
     # On the CPU the launcher forks the ranks; on a CUDA device this process is the one rank (see the docstring).
     ranks = ["--nproc-per-node", str(processes)] if device == "cpu" else []
-    command = [python, "-m", "megatron_ga_ext.testing.pretrain_server", *ranks,
-               *_program(root, workdir, extension, drop_in), *tiny_gpt, *layout_flags, *flags]
+    command = [
+        python,
+        "-m",
+        "megatron_ga_ext.testing.pretrain_server",
+        *ranks,
+        *_program(root, workdir, extension, drop_in),
+        *tiny_gpt,
+        *layout_flags,
+        *flags,
+    ]
     environment = {
-        **os.environ, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-        "MEGATRON_GA_RECORD": str(workdir / name), "MEGATRON_GA_MOCK_DOCUMENT_LENGTH": DOCUMENT_LENGTH,
-        "PYTHONPATH": str(ROOT), "MEGATRON_GA_DEVICE": device, **(env or {}),
+        **os.environ,
+        "TORCHDYNAMO_DISABLE": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+        "MEGATRON_GA_RECORD": str(workdir / name),
+        "MEGATRON_GA_MOCK_DOCUMENT_LENGTH": DOCUMENT_LENGTH,
+        "PYTHONPATH": str(ROOT),
+        "MEGATRON_GA_DEVICE": device,
+        **(env or {}),
     }
     if device == "cuda":
         if processes != 1:
             raise ValueError(f"layout {layout!r} has {processes} ranks; a CUDA launch runs one (layout 'dp1')")
-        environment.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
-                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        environment.update(
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_WORLD_SIZE="1",
+            GROUP_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
+        )
     return command, environment
 
 
 def _run_alone(command: list[str], root: Path, environment: dict[str, str], log: Path, timeout: float) -> int:
     """One launch in an interpreter of its own; its exit status, 124 (its session killed) past ``timeout`` s."""
     with open(log, "w") as output:
-        process = subprocess.Popen(command, cwd=root, env=environment, stdin=subprocess.DEVNULL, stdout=output,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            command,
+            cwd=root,
+            env=environment,
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             return process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -210,10 +308,15 @@ class _Server:
         self.key = (root, python)
         self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"megatron-ga-serve-{os.getpid()}-{root.name}.log"
         with open(self.log, "w") as log:
-            self.process = subprocess.Popen([python, "-m", "megatron_ga_ext.testing.pretrain_server", "--serve"],
-                                            cwd=root,
-                                            env=environment, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                            stderr=log, start_new_session=True)
+            self.process = subprocess.Popen(
+                [python, "-m", "megatron_ga_ext.testing.pretrain_server", "--serve"],
+                cwd=root,
+                env=environment,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                start_new_session=True,
+            )
         self._buffer = b""
 
     def run(self, argv: list[str], environment: dict[str, str], log: Path, timeout: float) -> int:

@@ -4,6 +4,7 @@ subprocesses).
 
 Optional packages the training code imports but the parser never uses are stubbed when they are not installed.
 """
+
 import argparse
 import contextlib
 import importlib
@@ -24,8 +25,11 @@ class _Stub(types.ModuleType):
         if name.startswith("__"):
             raise AttributeError(name)
         if name[:1].isupper():
-            return type(name, (), {"__init_subclass__": classmethod(lambda cls, **kw: None),
-                                   "__init__": lambda self, *a, **k: None})
+            return type(
+                name,
+                (),
+                {"__init_subclass__": classmethod(lambda cls, **kw: None), "__init__": lambda self, *a, **k: None},
+            )
         return _Stub(f"{self.__name__}.{name}")
 
     def __call__(self, *args, **kwargs):
@@ -36,6 +40,7 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Optional packages Megatron-LM's training code imports but the parser does not need. Without triton
     (the e2e extra), the one Megatron module that imports it is stubbed instead: a stub triton would make
     torch believe triton is installed."""
+
     names: ClassVar[set[str]] = {"modelopt", "six", "yaml", "regex", "pydantic"}
     needs_triton = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
 

@@ -32,6 +32,16 @@ from megatron_ga_ext.config.coverage.rows import ROWS
 from megatron_ga_ext.config.coverage.verdict import Verdict, enforce, named_by_rows, unclassified, verdict
 
 __all__ = [
-    "ROWS", "Proof", "Row", "Setting", "Verdict", "coverage_doc", "coverage_table", "enforce", "named_by_rows",
-    "off_path_table", "unclassified", "verdict",
+    "ROWS",
+    "Proof",
+    "Row",
+    "Setting",
+    "Verdict",
+    "coverage_doc",
+    "coverage_table",
+    "enforce",
+    "named_by_rows",
+    "off_path_table",
+    "unclassified",
+    "verdict",
 ]

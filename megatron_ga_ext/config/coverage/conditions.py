@@ -10,9 +10,22 @@ from megatron_ga_ext.config.coverage.row import SCOPE_DEPRECATED, Setting
 from megatron_ga_ext.config.flags import BY_DEST
 
 __all__ = [
-    "above_one", "any_given", "balancing", "batch_schedule", "full_iteration_graph", "gtp_remat", "has_moe",
-    "in_microbatch_mode", "in_token_mode", "is_hybrid", "is_on", "layer_graphs", "nan_check_by_megatron",
-    "pipeline_tied", "quantile_balancing", "quantile_unmasked_losses",
+    "above_one",
+    "any_given",
+    "balancing",
+    "batch_schedule",
+    "full_iteration_graph",
+    "gtp_remat",
+    "has_moe",
+    "in_microbatch_mode",
+    "in_token_mode",
+    "is_hybrid",
+    "is_on",
+    "layer_graphs",
+    "nan_check_by_megatron",
+    "pipeline_tied",
+    "quantile_balancing",
+    "quantile_unmasked_losses",
 ]
 
 
@@ -35,8 +48,11 @@ def full_iteration_graph(s: Setting) -> bool:
 
 
 def layer_graphs(s: Setting) -> bool:
-    graphs = s.value("cuda_graph_impl") in ("local", "transformer_engine") or s.on("enable_cuda_graph") \
+    graphs = (
+        s.value("cuda_graph_impl") in ("local", "transformer_engine")
+        or s.on("enable_cuda_graph")
         or s.on("external_cuda_graph")
+    )
     return graphs and not full_iteration_graph(s)
 
 
@@ -91,10 +107,13 @@ def gtp_remat(s: Setting) -> bool:
     = shards / TP > 1), for the dense layers or the experts."""
     tp = max(s.number("tensor_model_parallel_size"), 1)
     expert_tp = s.number("expert_tensor_parallel_size") or tp
-    return (s.number("tensor_parallel_num_weight_shards") > tp
-            or s.number("expert_tensor_parallel_num_weight_shards") > expert_tp)
+    return (
+        s.number("tensor_parallel_num_weight_shards") > tp
+        or s.number("expert_tensor_parallel_num_weight_shards") > expert_tp
+    )
 
 
 def pipeline_tied(untied: bool) -> Callable[[Setting], bool]:
-    return lambda s: (s.number("pipeline_model_parallel_size") > 1
-                      and s.on("untie_embeddings_and_output_weights") == untied)
+    return lambda s: (
+        s.number("pipeline_model_parallel_size") > 1 and s.on("untie_embeddings_and_output_weights") == untied
+    )

@@ -21,15 +21,19 @@ one line, `careful:` or `info:` first, linking to its row here). *refused*: `ins
 
 def coverage_table() -> str:
     """The table of :data:`ROWS` in Markdown."""
-    lines = ["| row | flags | when | behaviour | what holds, the limit, or why refused | test |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| row | flags | when | behaviour | what holds, the limit, or why refused | test |",
+        "|---|---|---|---|---|---|",
+    ]
     for row in ROWS:
         text = row.text + (f" {row.instead}" if row.instead else "")
         tests = "<br>".join(str(p) for p in row.proofs)
         if row.support == "refused":
             tests = f"`tests/test_coverage.py::test_refused_rows_stop_install_and_check[{row.id}]`"
-        lines.append(f"| <a id=\"{row.id}\"></a>`{row.id}` | {_escape(row.given)} | {row.when} | {row.support} | "
-                     f"{_escape(text)} | {tests} |")
+        lines.append(
+            f'| <a id="{row.id}"></a>`{row.id}` | {_escape(row.given)} | {row.when} | {row.support} | '
+            f"{_escape(text)} | {tests} |"
+        )
     return "\n".join(lines)
 
 
@@ -63,8 +67,9 @@ is an edit of the line is checked against every rule before it is printed.
 def coverage_doc() -> str:
     """docs/coverage.md."""
     off_path = OFF_PATH_HEADER.format(count=len(OFF_PATH))
-    return (f"{DOC_HEADER}\n{coverage_table()}\n\n{UPSTREAM_HEADER}\n{upstream_table()}\n\n{off_path}\n"
-            f"{off_path_table()}\n")
+    return (
+        f"{DOC_HEADER}\n{coverage_table()}\n\n{UPSTREAM_HEADER}\n{upstream_table()}\n\n{off_path}\n{off_path_table()}\n"
+    )
 
 
 def _escape(text: str) -> str:

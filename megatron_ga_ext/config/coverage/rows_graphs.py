@@ -22,6 +22,7 @@ __all__ = ["GRAPH_ROWS"]
 
 FULL_ITERATION = "a full-iteration CUDA graph (--cuda-graph-impl full_iteration, or --cuda-graph-scope full_iteration)"
 
+# fmt: off
 GRAPH_ROWS: tuple[Row, ...] = (
     # CUDA graphs
     Row(id="full-iteration-graph-token", flags=("--cuda-graph-impl", "--cuda-graph-scope", "--cuda-graph-modules"),
@@ -190,3 +191,4 @@ GRAPH_ROWS: tuple[Row, ...] = (
         f"{NOT_YET}.",
         applies=any_given("check_for_spiky_loss", "check_for_large_grads", "error_injection_rate")),
 )
+# fmt: on

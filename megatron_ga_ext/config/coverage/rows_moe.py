@@ -22,12 +22,22 @@ MTP_CP = "tests/test_mtp_context_parallel.py::"
 
 #: The flex dispatcher's backends and their options (the dispatcher-flex row).
 FLEX_DISPATCHER = (
-    "--moe-flex-dispatcher-backend", "--moe-enable-deepep", "--moe-deepep-num-sms", "--moe-hybridep-num-sms",
-    "--moe-flex-dispatcher-num-sms", "--moe-hybridep-num-blocks-permute", "--moe-hybridep-num-blocks-unpermute",
-    "--moe-hybridep-num-sms-preprocessing", "--moe-hybridep-pad-uneven-dispatch-inputs",
-    "--moe-permute-fusion-into-hybridep", "--moe-ncclep-zero-copy", "--moe-dispatch-fwd-dtype",
-    "--moe-combine-bwd-dtype")
+    "--moe-flex-dispatcher-backend",
+    "--moe-enable-deepep",
+    "--moe-deepep-num-sms",
+    "--moe-hybridep-num-sms",
+    "--moe-flex-dispatcher-num-sms",
+    "--moe-hybridep-num-blocks-permute",
+    "--moe-hybridep-num-blocks-unpermute",
+    "--moe-hybridep-num-sms-preprocessing",
+    "--moe-hybridep-pad-uneven-dispatch-inputs",
+    "--moe-permute-fusion-into-hybridep",
+    "--moe-ncclep-zero-copy",
+    "--moe-dispatch-fwd-dtype",
+    "--moe-combine-bwd-dtype",
+)
 
+# fmt: off
 MOE_ROWS: tuple[Row, ...] = (
     # MoE
     Row(id="router-aux-loss", flags=("--moe-router-load-balancing-type", "--moe-aux-loss-coeff"),
@@ -232,3 +242,4 @@ MOE_ROWS: tuple[Row, ...] = (
         text=f"its loss goes through forward_step_calc_loss and finalize as a GPT's does; {NOT_YET}.",
         applies=lambda s: is_hybrid(s) and not (s.token and has_moe(s))),
 )
+# fmt: on

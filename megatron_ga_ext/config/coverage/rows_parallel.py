@@ -30,20 +30,44 @@ __all__ = ["PARALLEL_ROWS"]
 
 #: The GRPO loop's loss and batch flags (the rl-step row).
 GRPO = (
-    "--grpo-prompts-per-step", "--grpo-group-size", "--grpo-iterations", "--grpo-clamp-eps-lower",
-    "--grpo-clamp-eps-upper", "--grpo-kl-beta", "--grpo-entropy-term-weight", "--grpo-filter-groups-with-same-reward",
-    "--rl-importance-sampling-truncation-coef", "--rl-inference-logprobs-is-correction", "--rl-skip-bos-token",
-    "--rl-partial-rollouts", "--rl-generation-lag", "--rl-consumption-granularity", "--rl-submission-granularity",
-    "--rl-max-inflight-requests")
+    "--grpo-prompts-per-step",
+    "--grpo-group-size",
+    "--grpo-iterations",
+    "--grpo-clamp-eps-lower",
+    "--grpo-clamp-eps-upper",
+    "--grpo-kl-beta",
+    "--grpo-entropy-term-weight",
+    "--grpo-filter-groups-with-same-reward",
+    "--rl-importance-sampling-truncation-coef",
+    "--rl-inference-logprobs-is-correction",
+    "--rl-skip-bos-token",
+    "--rl-partial-rollouts",
+    "--rl-generation-lag",
+    "--rl-consumption-granularity",
+    "--rl-submission-granularity",
+    "--rl-max-inflight-requests",
+)
 #: Megatron-FSDP's sharding, buffer and precision options (the megatron-fsdp row).
 MEGATRON_FSDP = (
-    "--data-parallel-sharding-strategy", "--outer-dp-sharding-strategy", "--enable-full-sharding-in-hsdp",
-    "--megatron-fsdp-grad-comm-dtype", "--megatron-fsdp-main-grads-dtype", "--megatron-fsdp-main-params-dtype",
-    "--fsdp-double-buffer", "--fsdp-manual-registration", "--suggested-communication-unit-size",
-    "--keep-fp8-transpose-cache", "--init-model-with-meta-device", "--megatron-fsdp-version",
-    "--megatron-fsdp-enable-fine-grained-param-gather", "--fsdp-db-use-persist-buf-on-alloc-fail",
-    "--megatron-fsdp-max-pool-double-buffer", "--no-gradient-reduce-div-fusion")
+    "--data-parallel-sharding-strategy",
+    "--outer-dp-sharding-strategy",
+    "--enable-full-sharding-in-hsdp",
+    "--megatron-fsdp-grad-comm-dtype",
+    "--megatron-fsdp-main-grads-dtype",
+    "--megatron-fsdp-main-params-dtype",
+    "--fsdp-double-buffer",
+    "--fsdp-manual-registration",
+    "--suggested-communication-unit-size",
+    "--keep-fp8-transpose-cache",
+    "--init-model-with-meta-device",
+    "--megatron-fsdp-version",
+    "--megatron-fsdp-enable-fine-grained-param-gather",
+    "--fsdp-db-use-persist-buf-on-alloc-fail",
+    "--megatron-fsdp-max-pool-double-buffer",
+    "--no-gradient-reduce-div-fusion",
+)
 
+# fmt: off
 PARALLEL_ROWS: tuple[Row, ...] = (
     # data parallelism
     Row(id="torch-fsdp2-token", flags=("--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward"),
@@ -357,3 +381,4 @@ PARALLEL_ROWS: tuple[Row, ...] = (
         f"real dataset (Megatron refuses --mock-data there); {NOT_YET}.",
         applies=lambda s: s.on("use_varlen_dataset") and s.on("varlen_sbhd_validation")),
 )
+# fmt: on

@@ -13,14 +13,27 @@ __all__ = ["STEP_ROWS"]
 
 #: Megatron's batch and layout flags the extension reads itself (core/megatron_flags.py), beyond those other rows name.
 BATCH_ARITHMETIC = (
-    "--micro-batch-size", "--global-batch-size", "--decrease-batch-size-if-needed", "--seq-length",
-    "--encoder-seq-length", "--decoder-seq-length", "--expert-tensor-parallel-size", "--num-experts", "--num-layers",
+    "--micro-batch-size",
+    "--global-batch-size",
+    "--decrease-batch-size-if-needed",
+    "--seq-length",
+    "--encoder-seq-length",
+    "--decoder-seq-length",
+    "--expert-tensor-parallel-size",
+    "--num-experts",
+    "--num-layers",
     "--decoder-num-layers",
-    "--microbatch-group-size-per-virtual-pipeline-stage", "--pipeline-model-parallel-layout",
-    "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
-    "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split", "--train-iters",
-    "--train-samples")
+    "--microbatch-group-size-per-virtual-pipeline-stage",
+    "--pipeline-model-parallel-layout",
+    "--decoder-first-pipeline-num-layers",
+    "--decoder-last-pipeline-num-layers",
+    "--account-for-embedding-in-pipeline-split",
+    "--account-for-loss-in-pipeline-split",
+    "--train-iters",
+    "--train-samples",
+)
 
+# fmt: off
 STEP_ROWS: tuple[Row, ...] = (
     # the step and the schedule
     Row(id="iterations-to-skip", flags=("--iterations-to-skip",), given="--iterations-to-skip", support="limited",
@@ -204,3 +217,4 @@ STEP_ROWS: tuple[Row, ...] = (
         f"extension's installation (its patches and its state) carries over into the restarted run; {NOT_YET}.",
         applies=is_on("inprocess_restart")),
 )
+# fmt: on

@@ -45,8 +45,9 @@ class Verdict:
 def verdict(setting: Setting) -> Verdict:
     """The rows of :data:`ROWS` that refuse ``setting``, and the limited ones that apply to it."""
     applied = [row for row in ROWS if row.applies(setting)]
-    return Verdict(tuple(r for r in applied if r.support == "refused"),
-                   tuple(r for r in applied if r.support == "limited"))
+    return Verdict(
+        tuple(r for r in applied if r.support == "refused"), tuple(r for r in applied if r.support == "limited")
+    )
 
 
 def enforce(args: Any, config: GAConfig) -> Verdict:

@@ -24,8 +24,14 @@ from megatron_ga_ext.core.schedule.rampup import RampStages
 from megatron_ga_ext.core.schedule.stages import ScheduleProblem, Stage
 from megatron_ga_ext.errors import GAError, ScheduleError
 
-__all__ = ["CheckLayout", "decreasing_stage_error", "schedule_problems", "stage_error", "with_count",
-           "zero_microbatch_error"]
+__all__ = [
+    "CheckLayout",
+    "decreasing_stage_error",
+    "schedule_problems",
+    "stage_error",
+    "with_count",
+    "zero_microbatch_error",
+]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -44,9 +50,14 @@ class CheckLayout:
 
     @classmethod
     def checked(
-        cls, micro_batch_size: int, data_parallel_size: int, pipeline_model_parallel_size: int = 1,
-        virtual_pipeline_size: int | None = None, planned_data_parallel_sizes: Sequence[int] = (),
-        microbatch_group_size_per_vp_stage: int | None = None, virtual_pipeline_given: str | None = None,
+        cls,
+        micro_batch_size: int,
+        data_parallel_size: int,
+        pipeline_model_parallel_size: int = 1,
+        virtual_pipeline_size: int | None = None,
+        planned_data_parallel_sizes: Sequence[int] = (),
+        microbatch_group_size_per_vp_stage: int | None = None,
+        virtual_pipeline_given: str | None = None,
     ) -> CheckLayout:
         """Each size refused unless it is an int >= 1 (SizeError naming its flag)."""
         pp = require_positive_int("--pipeline-model-parallel-size", pipeline_model_parallel_size)
@@ -54,12 +65,17 @@ class CheckLayout:
             micro_batch_size=require_positive_int("--micro-batch-size", micro_batch_size),
             data_parallel_size=require_positive_int("--data-parallel-size", data_parallel_size),
             pipeline_model_parallel_size=pp,
-            virtual_pipeline_size=1 if virtual_pipeline_size is None else require_positive_int(
-                "--virtual-pipeline-model-parallel-size", virtual_pipeline_size),
-            microbatch_group_size=pp if microbatch_group_size_per_vp_stage is None else require_positive_int(
-                "--microbatch-group-size-per-virtual-pipeline-stage", microbatch_group_size_per_vp_stage),
+            virtual_pipeline_size=1
+            if virtual_pipeline_size is None
+            else require_positive_int("--virtual-pipeline-model-parallel-size", virtual_pipeline_size),
+            microbatch_group_size=pp
+            if microbatch_group_size_per_vp_stage is None
+            else require_positive_int(
+                "--microbatch-group-size-per-virtual-pipeline-stage", microbatch_group_size_per_vp_stage
+            ),
             planned_data_parallel_sizes=tuple(
-                require_positive_int("planned data-parallel size", d) for d in planned_data_parallel_sizes),
+                require_positive_int("planned data-parallel size", d) for d in planned_data_parallel_sizes
+            ),
             virtual_pipeline_given=virtual_pipeline_given,
         )
 
@@ -75,8 +91,11 @@ def schedule_problems(entries: Sequence[Stage], current: int, layout: CheckLayou
     checked for whole micro-batches only.
     """
     found = []
-    group_error = microbatch_group_error(layout.microbatch_group_size, layout.pipeline_model_parallel_size) \
-        if layout.interleaved else None
+    group_error = (
+        microbatch_group_error(layout.microbatch_group_size, layout.pipeline_model_parallel_size)
+        if layout.interleaved
+        else None
+    )
     if group_error is not None:
         found.append(ScheduleProblem(stage=entries[current], index=current, future=False, error=group_error))
         layout = replace(layout, virtual_pipeline_size=1)  # the rule on M presumes N >= PP
@@ -112,13 +131,18 @@ def stage_error(stage: Stage, layout: CheckLayout, data_parallel_size: int | Non
         return zero_microbatch_error(stage, mbs, dp, planned)
     if batch % unit:
         return multiple_error(
-            stage.describe(), batch, mbs, dp, dp_name=f"{'planned ' if planned else ''}data-parallel size",
+            stage.describe(),
+            batch,
+            mbs,
+            dp,
+            dp_name=f"{'planned ' if planned else ''}data-parallel size",
             dp_source=f" (upstream floors it to {batch // unit} micro-batches and asserts when training reaches it)",
             error=ScheduleError,
         )
     if layout.interleaved:
-        given = (layout.virtual_pipeline_given
-                 or f"--virtual-pipeline-model-parallel-size {layout.virtual_pipeline_size}")
+        given = (
+            layout.virtual_pipeline_given or f"--virtual-pipeline-model-parallel-size {layout.virtual_pipeline_size}"
+        )
         return interleave_error(
             stage.describe(), batch, mbs, dp, layout.pipeline_model_parallel_size, given, layout.microbatch_group_size
         )
@@ -138,7 +162,7 @@ def decreasing_stage_error(previous: Stage, stage: Stage) -> ScheduleError:
     return ScheduleError(
         f"{stage.describe()} is smaller than entry {previous.position}'s {previous.global_batch_size}; the batch "
         f"size must never decrease (Megatron's training loop asserts the number of micro-batches \"should not "
-        f"decrease\" when it reaches this stage). Use a batch size >= {previous.global_batch_size}."
+        f'decrease" when it reaches this stage). Use a batch size >= {previous.global_batch_size}.'
     )
 
 
@@ -166,8 +190,9 @@ def _ramp_problems(ramp: RampStages, current: int, layout: CheckLayout) -> list[
                     raise AssertionError(f"closed form disagrees with stage_error at stage {first}")
                 if count > 1:
                     error = type(error)(f"{error} (So do {count - 1:,} later stages of the ramp.)")
-                found.append(ScheduleProblem(stage=stage, index=first, future=first > current, error=error,
-                                             count=count))
+                found.append(
+                    ScheduleProblem(stage=stage, index=first, future=first > current, error=error, count=count)
+                )
     return found
 
 

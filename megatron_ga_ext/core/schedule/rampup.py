@@ -102,8 +102,9 @@ class _Ramp:
         return _least(reached, 0, high, guess)
 
 
-def listed_rampup_stages(start: int, increment: int, ramp_samples: int,
-                         global_batch_size: int) -> list[tuple[int, int]]:
+def listed_rampup_stages(
+    start: int, increment: int, ramp_samples: int, global_batch_size: int
+) -> list[tuple[int, int]]:
     """Every distinct stage of a ramp of at most :data:`LISTED_RAMP` increments, as (threshold, GBS)."""
     ramp = _Ramp(start, increment, ramp_samples, global_batch_size)
     stages: list[tuple[int, int]] = [(0, start)]
@@ -230,5 +231,3 @@ def rampup_triple(values: Sequence[int | str]) -> tuple[int, int, int]:
             raise SizeError(f"--rampup-batch-size {name} {value!r} is not a whole number.")
         triple.append(value)
     return triple[0], triple[1], triple[2]
-
-

@@ -17,8 +17,17 @@ from megatron_ga_ext.core.megatron_flags import STEP_SCHEDULE
 from megatron_ga_ext.core.numbers import format_count, parse_count, upstream_count
 from megatron_ga_ext.errors import GAError, ScheduleError, ScheduleParseError
 
-__all__ = ["FLAG", "ScheduleProblem", "Stage", "StagePairs", "check_order", "number_stages", "parse_entries",
-           "schedule_text_errors", "stage_count"]
+__all__ = [
+    "FLAG",
+    "ScheduleProblem",
+    "Stage",
+    "StagePairs",
+    "check_order",
+    "number_stages",
+    "parse_entries",
+    "schedule_text_errors",
+    "stage_count",
+]
 
 FLAG = STEP_SCHEDULE.flag
 
@@ -108,7 +117,8 @@ class StagePairs(Sequence[tuple[int, int]]):
         if not isinstance(other, Sequence) or isinstance(other, str):
             return NotImplemented
         return stage_count(self._entries) == stage_count(other) and all(
-            tuple(a) == tuple(b) for a, b in zip(self, other))
+            tuple(a) == tuple(b) for a, b in zip(self, other)
+        )
 
     def __repr__(self) -> str:
         shown = ", ".join(map(str, self[:3]))

@@ -182,15 +182,18 @@ class StepSchedule:
 
     def samples_string(self) -> str:
         """Upstream's format with thresholds in samples (for callers that pass ``seq_length=None``)."""
-        return " ".join(f"{format_count(s.threshold_samples)}:{s.global_batch_size}"
-                        for s in self._listed("written as --step-batch-size-schedule"))
+        return " ".join(
+            f"{format_count(s.threshold_samples)}:{s.global_batch_size}"
+            for s in self._listed("written as --step-batch-size-schedule")
+        )
 
     def summary(self) -> str:
         """One line: the number of stages, the first two and the last."""
         if isinstance(self.entries, RampStages):
             return self.entries.describe()
-        shown = [s.spelling for s in self.entries[:2]] + (["...", self.entries[-1].spelling] if len(self.entries) > 3
-                                                          else [s.spelling for s in self.entries[2:]])
+        shown = [s.spelling for s in self.entries[:2]] + (
+            ["...", self.entries[-1].spelling] if len(self.entries) > 3 else [s.spelling for s in self.entries[2:]]
+        )
         return f"{len(self.entries):,} stage{'s' if len(self.entries) > 1 else ''}: {' '.join(shown)}"
 
     def _listed(self, purpose: str) -> Sequence[Stage]:
@@ -229,8 +232,13 @@ class StepSchedule:
         ``virtual_pipeline_given`` names the flags VPP came from in messages.
         """
         layout = CheckLayout.checked(
-            micro_batch_size, data_parallel_size, pipeline_model_parallel_size, virtual_pipeline_size,
-            planned_data_parallel_sizes, microbatch_group_size_per_vp_stage, virtual_pipeline_given,
+            micro_batch_size,
+            data_parallel_size,
+            pipeline_model_parallel_size,
+            virtual_pipeline_size,
+            planned_data_parallel_sizes,
+            microbatch_group_size_per_vp_stage,
+            virtual_pipeline_given,
         )
         return schedule_problems(self.entries, self.stage_index_at(consumed_samples), layout)
 
@@ -253,8 +261,13 @@ class StepSchedule:
         The stage in force is always held to today's layout.
         """
         found = self.problems(
-            micro_batch_size, data_parallel_size, pipeline_model_parallel_size, virtual_pipeline_size,
-            consumed_samples, planned_data_parallel_sizes, microbatch_group_size_per_vp_stage,
+            micro_batch_size,
+            data_parallel_size,
+            pipeline_model_parallel_size,
+            virtual_pipeline_size,
+            consumed_samples,
+            planned_data_parallel_sizes,
+            microbatch_group_size_per_vp_stage,
         )
         fatal = [p for p in found if strict_future or not p.future]
         if fatal:
@@ -264,12 +277,20 @@ class StepSchedule:
         return found
 
     def stage_error(
-        self, index: int, micro_batch_size: int, data_parallel_size: int, pipeline_model_parallel_size: int = 1,
-        virtual_pipeline_size: int | None = None, microbatch_group_size_per_vp_stage: int | None = None,
+        self,
+        index: int,
+        micro_batch_size: int,
+        data_parallel_size: int,
+        pipeline_model_parallel_size: int = 1,
+        virtual_pipeline_size: int | None = None,
+        microbatch_group_size_per_vp_stage: int | None = None,
     ) -> GAError | None:
         """The first rule the stage ``entries[index]`` breaks for today's layout, or None: O(1)."""
         layout = CheckLayout.checked(
-            micro_batch_size, data_parallel_size, pipeline_model_parallel_size, virtual_pipeline_size,
+            micro_batch_size,
+            data_parallel_size,
+            pipeline_model_parallel_size,
+            virtual_pipeline_size,
             microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
         )
         return stage_error(self.entries[index], layout)

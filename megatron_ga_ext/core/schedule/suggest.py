@@ -51,20 +51,33 @@ class DoublingRule:
         require_positive_int("--micro-batch-size", self.micro_batch_size)
         require_positive_int("--data-parallel-size", self.data_parallel_size)
         require_positive_int("--max-global-batch-size", self.max_global_batch_size)
-        if not (isinstance(self.trust, (int, float)) and not isinstance(self.trust, bool)
-                and math.isfinite(self.trust) and self.trust > 0):
-            raise UsageError(f"--trust {self.trust!r} must be a positive finite number: 1 takes the measured "
-                             "B_simple as it is, 2 doubles it, 0.5 halves it.")
+        if not (
+            isinstance(self.trust, (int, float))
+            and not isinstance(self.trust, bool)
+            and math.isfinite(self.trust)
+            and self.trust > 0
+        ):
+            raise UsageError(
+                f"--trust {self.trust!r} must be a positive finite number: 1 takes the measured "
+                "B_simple as it is, 2 doubles it, 0.5 halves it."
+            )
         start = self.first_global_batch_size
         unit = self.micro_batch_size * self.data_parallel_size
         if start % unit:
-            raise multiple_error(f"--global-batch-size {start} (the first stage)", start, self.micro_batch_size,
-                                 self.data_parallel_size, error=ScheduleError,
-                                 fix="; doubling a multiple keeps every stage one")
+            raise multiple_error(
+                f"--global-batch-size {start} (the first stage)",
+                start,
+                self.micro_batch_size,
+                self.data_parallel_size,
+                error=ScheduleError,
+                fix="; doubling a multiple keeps every stage one",
+            )
         if start > self.max_global_batch_size:
-            raise ScheduleError(f"--max-global-batch-size {self.max_global_batch_size} is below the first stage's "
-                                f"global batch size {start}; give a cap >= {start}, or a smaller "
-                                "--global-batch-size.")
+            raise ScheduleError(
+                f"--max-global-batch-size {self.max_global_batch_size} is below the first stage's "
+                f"global batch size {start}; give a cap >= {start}, or a smaller "
+                "--global-batch-size."
+            )
 
     @property
     def first_global_batch_size(self) -> int:

@@ -20,7 +20,14 @@ from megatron_ga_ext.core.schedule.stages import Stage
 from megatron_ga_ext.errors import UsageError
 
 __all__ = [
-    "TABLE_LIMIT", "StageRow", "StepInfo", "iter_steps", "run_totals", "samples_after_steps", "table", "total_samples",
+    "TABLE_LIMIT",
+    "StageRow",
+    "StepInfo",
+    "iter_steps",
+    "run_totals",
+    "samples_after_steps",
+    "table",
+    "total_samples",
     "total_steps",
 ]
 
@@ -162,15 +169,21 @@ def iter_steps(
             stage = schedule.entries[schedule.stage_index_at(consumed)]
             raise zero_microbatch_error(stage, micro_batch_size, data_parallel_size)
         yield StepInfo(
-            iteration=iteration, consumed_samples=consumed, global_batch_size=batch,
-            num_microbatches=batch // unit, samples=samples,
+            iteration=iteration,
+            consumed_samples=consumed,
+            global_batch_size=batch,
+            num_microbatches=batch // unit,
+            samples=samples,
         )
         consumed += samples
         iteration += 1
 
 
 def run_totals(
-    schedule: Stages, micro_batch_size: int, data_parallel_size: int, train_samples: int,
+    schedule: Stages,
+    micro_batch_size: int,
+    data_parallel_size: int,
+    train_samples: int,
     consumed_samples: int = 0,
 ) -> tuple[int, int]:
     """(steps, samples) of a run from ``consumed_samples`` to ``--train-samples``: one more step while
@@ -198,7 +211,8 @@ def samples_after_steps(schedule: Stages, micro_batch_size: int, data_parallel_s
     """Consumed samples after ``steps`` steps from 0 (``--train-iters``): each stage it passes in closed form, so a
     long ramp costs its used stages only."""
     unit = require_positive_int("--micro-batch-size", micro_batch_size) * require_positive_int(
-        "--data-parallel-size", data_parallel_size)
+        "--data-parallel-size", data_parallel_size
+    )
     entries, consumed, left = schedule.entries, 0, steps
     while left > 0:
         index = schedule.stage_index_at(consumed)
@@ -242,9 +256,9 @@ def _row(
         position=stage.position,
         entry=stage.spelling,
         threshold_samples=stage.threshold_samples,
-        threshold_tokens=stage.threshold_tokens if stage.threshold_tokens is not None else (
-            None if seq is None else stage.threshold_samples * seq
-        ),
+        threshold_tokens=stage.threshold_tokens
+        if stage.threshold_tokens is not None
+        else (None if seq is None else stage.threshold_samples * seq),
         global_batch_size=stage.global_batch_size,
         num_microbatches=stage.global_batch_size // unit,
         first_sample=first,
