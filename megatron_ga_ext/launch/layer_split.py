@@ -124,8 +124,8 @@ def virtual_pipeline(split: LayerSplit) -> VirtualPipeline:
         return result
     if split.pipeline_model_parallel_layout is not None:
         _from_layout(split, result)
-    elif split.num_layers_per_virtual_pipeline_stage is not None:
-        _from_layers_per_stage(split, result)
+    elif (per_stage := split.num_layers_per_virtual_pipeline_stage) is not None:
+        _from_layers_per_stage(split, per_stage, result)
     elif split.num_virtual_stages_per_pipeline_rank is not None:
         result.size = split.num_virtual_stages_per_pipeline_rank
         result.given = f"{PER_RANK} {result.size}"
@@ -213,8 +213,9 @@ def _from_layout(split: LayerSplit, result: VirtualPipeline) -> None:
     result.given = f"{LAYOUT}: {stages} stages / --pipeline-model-parallel-size {pp}"
 
 
-def _from_layers_per_stage(split: LayerSplit, result: VirtualPipeline) -> None:
-    per_stage, pp = split.num_layers_per_virtual_pipeline_stage, split.pipeline_model_parallel_size
+def _from_layers_per_stage(split: LayerSplit, per_stage: int, result: VirtualPipeline) -> None:
+    """VPP = (layers + E + S) / PP / ``per_stage`` (--num-layers-per-virtual-pipeline-stage), where each divides."""
+    pp = split.pipeline_model_parallel_size
     if split.uneven:
         result.problems.append(
             LayerSplitError(

@@ -10,6 +10,7 @@ each fix that is an edit of the line against all of them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 from megatron_ga_ext.config.coverage import Setting, verdict
@@ -302,7 +303,7 @@ def launch_schedule(launch: Launch, read: LaunchLayout) -> tuple[StepSchedule | 
         return None, False, problems + _schedule_errors(inputs, error)
     if inputs.rampup_batch_size is None or inputs.convert_rampup or inputs.step_batch_size_schedule is not None:
         return schedule, schedule is not None, problems
-    shown, ignored = _ignored_rampup(launch, inputs)
+    shown, ignored = _ignored_rampup(launch, inputs, inputs.rampup_batch_size)
     return shown, False, problems + ignored
 
 
@@ -343,12 +344,13 @@ def _schedule_inputs(launch: Launch, read: LaunchLayout) -> ScheduleInputs:
     )
 
 
-def _ignored_rampup(launch: Launch, inputs: ScheduleInputs) -> tuple[StepSchedule | None, list[Problem]]:
-    """A rampup without --ga-convert-rampup: megatron-core >= 0.18 logs a deprecation warning and trains at constant
-    GBS; 0.16 and 0.17 refuse it with --train-iters. The equivalent schedule, what the run gets with
-    --ga-convert-rampup, is shown (and its stages checked)."""
-    rampup = inputs.rampup_batch_size
-    ignored = rampup_ignored_message(rampup, inputs.global_batch_size)  # type: ignore[arg-type]
+def _ignored_rampup(
+    launch: Launch, inputs: ScheduleInputs, rampup: Sequence[int | str]
+) -> tuple[StepSchedule | None, list[Problem]]:
+    """A rampup (``rampup``, the --rampup-batch-size of ``inputs``) without --ga-convert-rampup: megatron-core >= 0.18
+    logs a deprecation warning and trains at constant GBS; 0.16 and 0.17 refuse it with --train-iters. The equivalent
+    schedule, what the run gets with --ga-convert-rampup, is shown (and its stages checked)."""
+    ignored = rampup_ignored_message(rampup, inputs.global_batch_size)
     iters = launch.get("--train-iters")
     if iters is not None:
         ignored += (
@@ -366,13 +368,13 @@ def _ignored_rampup(launch: Launch, inputs: ScheduleInputs) -> tuple[StepSchedul
                 flag="--rampup-batch-size",
                 value=" ".join(map(str, rampup)),
             )
-        ]  # type: ignore[arg-type]
+        ]
     fix = f"Pass {CONVERT_RAMPUP.flag} to run the equivalent step schedule."
     problem = problem_of(
         ignored,
         "rampup-ignored",
         flag="--rampup-batch-size",
-        value=" ".join(map(str, rampup)),  # type: ignore[arg-type]
+        value=" ".join(map(str, rampup)),
         fix=fix,
         edit=edit,
     )

@@ -238,8 +238,8 @@ class _Reader:
         tokens = list(command)
         if tokens and tokens[0] != "(" and self._literal(tokens[0]) in ("export", "local", "declare", "readonly"):
             tokens = tokens[1:]
-        while tokens and not isinstance(tokens[0], str):
-            assignment = _ASSIGN.match(self._literal(tokens[0]))
+        while tokens and not isinstance(first := tokens[0], str):
+            assignment = _ASSIGN.match(self._literal(first))
             if assignment is None:
                 break
             name, append, _ = assignment.groups()
@@ -249,7 +249,7 @@ class _Reader:
                 self.variables[name] = (self.variables.get(name, []) if append else []) + elements
                 tokens = tokens[end + 1 :]
             else:
-                value = self._assigned(tokens[0], len(name) + len(append) + 1)
+                value = self._assigned(first, len(name) + len(append) + 1)
                 held = self.variables.get(name, [""])
                 self.variables[name] = [held[0] + value, *held[1:]] if append else [value]
                 tokens = tokens[1:]
@@ -339,7 +339,7 @@ class _Reader:
 
 def _evaluate(text: str) -> int:
     """Whole-number arithmetic as bash does it (``/`` truncates), by recursive descent: + - * / % ( )."""
-    tokens = re.findall(r"\d+|[-+*/%()]", text)
+    tokens: list[str] = re.findall(r"\d+|[-+*/%()]", text)
     position = 0
 
     def peek() -> str | None:
