@@ -41,6 +41,7 @@ import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
 from megatron_ga_ext.errors import NoiseScaleError
 
@@ -253,12 +254,9 @@ class NoiseScaleEMA:
             raise NoiseScaleError(
                 f"a noise-scale EMA state has version {state['version']!r}; this release reads version {STATE_VERSION}."
             )
-        return cls(
-            decay=state["decay"],
-            trace_sigma_ema=state["trace_sigma_ema"],  # type: ignore[arg-type]
-            grad_sq_ema=state["grad_sq_ema"],
-            updates=state["updates"],
-        )  # type: ignore[arg-type]
+        # Any, not object: __post_init__ checks each value's type and range, and refuses a wrong one.
+        fields: dict[str, Any] = {name: state[name] for name in expected - {"version"}}
+        return cls(**fields)
 
     def _corrected(self, ema: float) -> float | None:
         if self.updates == 0:
