@@ -21,10 +21,10 @@ module lives on the CPU. Every replacement below stands in for one of those (UPS
    async checkpoint and inference code).
 5. Streams: ``torch.cuda.current_stream`` / ``default_stream`` answer a :class:`_Stream`, and
    ``torch.cuda.Stream`` / ``Event`` construct one, whose ``wait_event`` / ``wait_stream`` / ``record`` /
-   ``synchronize`` do nothing, ``record_event`` answers another stand-in and ``query`` answers True;
+   ``synchronize`` / ``wait`` do nothing, ``record_event`` answers another stand-in and ``query`` answers True;
    ``torch.cuda.stream(...)`` is an empty context (grad sync: ``param_and_grad_buffer.py``, 0.16 with
    ``default_stream``, 0.19 with ``current_stream``; the communication stream under
-   ``overlap_grad_reduce``).
+   ``overlap_grad_reduce``; Megatron-FSDP waits on its reduce-scatter's event).
 6. ``torch.cuda.is_available`` answers ``False`` and ``device_count`` ``0``, also on a machine with a
    GPU, so megatron takes its CPU paths where it asks.
 7. MoE alltoall: the token dispatcher's ``maybe_move_tensor_to_cpu`` turns only CUDA tensors into host
@@ -51,20 +51,12 @@ Megatron-LM's own training loop (``pretrain()``, :func:`training_shims`) needs t
    ``memory_reserved``, ``max_memory_reserved``) answer 0 and ``memory_stats`` an empty dict, for the
    first iteration's memory report.
 
-Megatron-Bridge's ``pretrain()`` (:func:`bridge_import_shim`, then :func:`bridge_shims`: shims 1-10 and 12 with
-``device_count`` 1, docs/bridge.md) needs these on top:
+Megatron's FSDP paths (``--use-torch-fsdp2``, ``--use-megatron-fsdp``) need one more, part of :func:`cpu_shims`
+(13-15 are Megatron-Bridge's, bridge_shims.py):
 
-13. ``import megatron.bridge`` reaches ``peft/lora_layers.py:20``, an unguarded ``import transformer_engine.pytorch``.
-   While that one module's body runs (and only then), ``transformer_engine``, ``.pytorch`` and ``.pytorch.ops`` are
-   inert stand-ins whose classes raise when built; the modules it imports after TE are imported first, so every
-   other ``try: import transformer_engine`` (megatron-core's ``HAVE_TE``, Bridge's models) still finds none. With a
-   real Transformer Engine installed it does nothing.
-14. Bridge's ``initialize_megatron`` (its own, ``bridge/training/initialize.py:91`` asserts CUDA) is called with
-   ``allow_no_cuda=True``, which ``setup.py:253`` never passes; and its ``compile_helpers`` (bound by name from
-   megatron-core) does nothing, as shim 10 (the 0.19.2 wheel ships no Makefile: ``make`` fails on a GPU too).
-15. ``clip_grad_by_total_norm_fp32`` (``optimizer/clip_grads.py``, bound by name in ``optimizer.py``) asserts each
-   gradient is a ``torch.cuda.FloatTensor``: the stand-in scales by the same coefficient, min(1, max_norm /
-   (total_norm + 1e-6)), without the assert (with ``clip_grad`` 0 Megatron computes no grad norm to compare).
+16. FSDP meshes: megatron's torch FSDP2 wrapper (``DeviceMesh.from_group(group, "cuda")``) and Megatron-FSDP
+   (``mcore_fsdp_adapter.py``, ``device_type="cuda"``) build their device meshes on CUDA; ``DeviceMesh.from_group``
+   builds them on the CPU instead (``fully_shard`` and Megatron-FSDP run on CPU tensors over gloo).
 
 Every factory that takes ``device=`` is wrapped, not only those megatron-core is known to call, so a path that
 starts to call another one keeps running; a call none of them covers fails loudly (no CUDA). A shim costs
@@ -76,18 +68,14 @@ Nothing here is imported by ``install()``: the shims exist to prove the extensio
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import sys
-import types
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["bridge_import_shim", "bridge_shims", "cpu_shims", "dataset_shims", "training_shims"]
+__all__ = ["allow_no_cuda", "cpu_shims", "dataset_shims", "memory_replacements", "patched", "training_shims"]
 
 
 def _is_cuda(device: Any) -> bool:
@@ -181,6 +169,9 @@ class _Stream:
     def synchronize(self) -> None:
         pass
 
+    def wait(self, *args: Any) -> None:
+        pass
+
     def query(self) -> bool:
         return True
 
@@ -217,7 +208,7 @@ def _rng_replacements() -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _patched(target: Any, replacements: dict[str, Any]) -> Iterator[None]:
+def patched(target: Any, replacements: dict[str, Any]) -> Iterator[None]:
     saved = {name: vars(target)[name] for name in replacements if name in vars(target)}  # a class's own only
     for name, value in replacements.items():
         setattr(target, name, value)
@@ -240,7 +231,7 @@ def _host_splits(tensor: Any, as_numpy: bool = False, record_stream: bool = Fals
 
 @contextlib.contextmanager
 def cpu_shims(*, device_count: int = 0) -> Iterator[None]:
-    """Install shims 1-7 for the duration of the block, then restore torch and megatron."""
+    """Install shims 1-7 and 16 for the duration of the block, then restore torch and megatron."""
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
@@ -249,15 +240,25 @@ def cpu_shims(*, device_count: int = 0) -> Iterator[None]:
     mtp, inference_linear = _mtp_without_te()
     factories, methods = _device_replacements()
     with (
-        _patched(torch.cuda, _replacements(device_count)),
-        _patched(tp_random, _rng_replacements()),
-        _patched(token_dispatcher, moe),
-        _patched(moe_utils, gemm),
-        _patched(mtp, inference_linear),
-        _patched(torch, factories),
-        _patched(torch.Tensor, methods),
+        patched(torch.cuda, _replacements(device_count)),
+        patched(tp_random, _rng_replacements()),
+        patched(token_dispatcher, moe),
+        patched(moe_utils, gemm),
+        patched(mtp, inference_linear),
+        patched(torch, factories),
+        patched(torch.Tensor, methods),
+        patched(DeviceMesh, {"from_group": staticmethod(_mesh_on_cpu(DeviceMesh.from_group))}),
     ):
         yield
+
+
+def _mesh_on_cpu(from_group: Any) -> Any:
+    """``DeviceMesh.from_group`` with a CUDA ``device_type`` built on the CPU (shim 16)."""
+
+    def on_cpu(group: Any, device_type: str, *args: Any, **kwargs: Any) -> Any:
+        return from_group(group, "cpu" if _is_cuda(device_type) else device_type, *args, **kwargs)
+
+    return on_cpu
 
 
 def _mtp_without_te() -> tuple[Any, dict[str, Any]]:
@@ -271,7 +272,7 @@ def _mtp_without_te() -> tuple[Any, dict[str, Any]]:
     return multi_token_prediction, {}
 
 
-def _memory_replacements() -> dict[str, Any]:
+def memory_replacements() -> dict[str, Any]:
     zero = lambda *a, **k: 0  # noqa: E731
     return {
         "memory_allocated": zero,
@@ -282,7 +283,7 @@ def _memory_replacements() -> dict[str, Any]:
     }
 
 
-def _allow_no_cuda(initialize_megatron: Any) -> Any:
+def allow_no_cuda(initialize_megatron: Any) -> Any:
     def initialize(*args: Any, **kwargs: Any) -> Any:
         kwargs["allow_no_cuda"] = True
         return initialize_megatron(*args, **kwargs)
@@ -292,7 +293,6 @@ def _allow_no_cuda(initialize_megatron: Any) -> Any:
 
 def _load_wheel_helpers() -> None:
     """Import the installed wheel's compiled ``helpers_cpp`` under the name a source tree expects (shim 10)."""
-    import importlib.machinery
     import importlib.metadata
     import importlib.util
     import sys
@@ -319,7 +319,7 @@ def dataset_shims() -> Iterator[None]:
     from megatron.core.datasets import utils as dataset_utils
 
     _load_wheel_helpers()
-    with _patched(dataset_utils, {"compile_helpers": lambda *a, **k: None}):
+    with patched(dataset_utils, {"compile_helpers": lambda *a, **k: None}):
         yield
 
 
@@ -336,126 +336,13 @@ def training_shims() -> Iterator[None]:
         if getattr(m, "initialize_megatron", None) is initialize.initialize_megatron
     ]
     patches = [dataset_shims()]
-    patches += [_patched(m, {"initialize_megatron": _allow_no_cuda(initialize.initialize_megatron)}) for m in holders]
-    patches.append(_patched(torch.cuda, _memory_replacements()))
+    patches += [patched(m, {"initialize_megatron": allow_no_cuda(initialize.initialize_megatron)}) for m in holders]
+    patches.append(patched(torch.cuda, memory_replacements()))
     fused_kernels = sys.modules.get("megatron.legacy.fused_kernels")
     if fused_kernels is not None:
-        patches.append(_patched(fused_kernels, {"load": lambda *a, **k: None}))
+        patches.append(patched(fused_kernels, {"load": lambda *a, **k: None}))
     with contextlib.ExitStack() as stack:
         for patch in patches:
             stack.enter_context(patch)
-        stack.enter_context(cpu_shims(device_count=1))
-        yield
-
-
-#: Shim 13: the module with the unguarded TE import, and what it imports after it (imported before the stand-in).
-_LORA_LAYERS = "megatron.bridge.peft.lora_layers"
-_LORA_IMPORTS = (
-    "megatron.core.transformer.moe.moe_utils",
-    "megatron.bridge.peft.adapter_wrapper",
-    "megatron.bridge.peft.lora_merge",
-)
-
-
-class _NoTransformerEngine(types.ModuleType):
-    """An inert ``transformer_engine`` module: any attribute is a class that raises when built."""
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-
-        def refuse(instance: Any, *args: Any, **kwargs: Any) -> None:
-            raise RuntimeError(f"transformer_engine.{name} is a stand-in (megatron_ga_ext.testing.shims, shim 13)")
-
-        stand_in = type(name, (), {"__init__": refuse})
-        setattr(self, name, stand_in)
-        return stand_in
-
-
-class _LoraLayersLoader(importlib.abc.Loader):
-    """Runs lora_layers' body with the TE stand-ins in sys.modules, and removes them after."""
-
-    def __init__(self, inner: importlib.abc.Loader) -> None:
-        self.inner = inner
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        for name in _LORA_IMPORTS:
-            importlib.import_module(name)
-        te, pytorch, ops = (
-            _NoTransformerEngine(n)
-            for n in ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.ops")
-        )
-        te.__path__, pytorch.__path__ = [], []
-        te.pytorch, pytorch.ops = pytorch, ops
-        stand_ins = {m.__name__: m for m in (te, pytorch, ops)}
-        sys.modules.update(stand_ins)
-        try:
-            self.inner.exec_module(module)
-        finally:
-            for name in stand_ins:
-                sys.modules.pop(name, None)
-
-
-class _LoraLayersFinder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if name != _LORA_LAYERS:
-            return None
-        for finder in sys.meta_path:
-            spec = None if finder is self else finder.find_spec(name, path, target)
-            if spec is not None and spec.loader is not None:
-                spec.loader = _LoraLayersLoader(spec.loader)
-                return spec
-        return None
-
-
-@contextlib.contextmanager
-def bridge_import_shim() -> Iterator[None]:
-    """Shim 13, for the block: import megatron.bridge inside it."""
-    if importlib.util.find_spec("transformer_engine") is not None:
-        yield
-        return
-    finder = _LoraLayersFinder()
-    sys.meta_path.insert(0, finder)
-    try:
-        yield
-    finally:
-        sys.meta_path.remove(finder)
-
-
-def _clip_without_cuda_assert(
-    parameters: Any, max_norm: float, total_norm: float, use_decoupled_grad: bool = False
-) -> None:
-    """Shim 15: megatron-core's clip_grad_by_total_norm_fp32 without its CUDA type assert."""
-    from megatron.core.optimizer.clip_grads import to_local_if_dtensor
-
-    params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
-    grads = [getattr(p, "decoupled_grad", None) if use_decoupled_grad else p.grad for p in params]
-    clip_coeff = max_norm / (total_norm + 1.0e-6)
-    if clip_coeff < 1.0:
-        for grad in grads:
-            if grad is not None:
-                to_local_if_dtensor(grad).detach().mul_(clip_coeff)
-
-
-@contextlib.contextmanager
-def bridge_shims() -> Iterator[None]:
-    """Shims 1-10, 12, 14 and 15, for Megatron-Bridge's ``pretrain()`` on the CPU over gloo (import
-    megatron.bridge.training.pretrain first, under :func:`bridge_import_shim`)."""
-    import megatron.bridge.training.initialize as initialize
-    import megatron.bridge.training.setup as setup
-    import megatron.core.optimizer.clip_grads as clip_grads
-    import megatron.core.optimizer.optimizer as optimizer
-
-    clip = {"clip_grad_by_total_norm_fp32": _clip_without_cuda_assert}
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(dataset_shims())
-        stack.enter_context(_patched(initialize, {"compile_helpers": lambda *a, **k: None}))
-        stack.enter_context(_patched(setup, {"initialize_megatron": _allow_no_cuda(setup.initialize_megatron)}))
-        stack.enter_context(_patched(clip_grads, clip))
-        stack.enter_context(_patched(optimizer, clip))
-        stack.enter_context(_patched(torch.cuda, _memory_replacements()))
         stack.enter_context(cpu_shims(device_count=1))
         yield

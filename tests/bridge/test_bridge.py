@@ -301,7 +301,7 @@ def test_a_schedule_bound_before_install_is_stopped_by_liveness(runs):
 
 @pytest.fixture(scope="module")
 def ga_bridge():
-    from megatron_ga_ext.testing.shims import bridge_import_shim
+    from megatron_ga_ext.testing.bridge_shims import bridge_import_shim
 
     with bridge_import_shim():
         from megatron_ga_ext.integration import bridge

@@ -3,7 +3,7 @@ data, with Bridge's GPT step (tests/bridge; make test-bridge).
 
     python tests/support/bridge_runs.py OUT CASE [CASE ...]
 
-imports Bridge once (under the TE import stand-in, shim 13 of megatron_ga_ext/testing/shims.py), then per case forks
+imports Bridge once (under the TE import stand-in, shim 13 of testing/bridge_shims.py), then per case forks
 two ranks. Each rank applies ``bridge_shims()``, builds :func:`tiny_config`, runs the case's :data:`CASES` set-up
 and ``pretrain()``, and writes ``OUT/CASE.rankR.jsonl``: one row per iteration at full precision from Bridge's own
 ``training_log`` (iteration, ``lm loss``, grad norm, learning rate, consumed samples, train_iters), and a last row
@@ -355,7 +355,7 @@ def _rank(case: str, rank: int, port: int, out: Path) -> int:
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.pretrain import pretrain
 
-    from megatron_ga_ext.testing.shims import bridge_shims
+    from megatron_ga_ext.testing.bridge_shims import bridge_shims
 
     os.environ.update(
         {
@@ -392,8 +392,8 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"unknown case {unknown[0]!r}; the cases: {', '.join(CASES)}")
     out.mkdir(parents=True, exist_ok=True)
     warnings.filterwarnings("ignore")
+    from megatron_ga_ext.testing.bridge_shims import bridge_import_shim
     from megatron_ga_ext.testing.distributed import free_port
-    from megatron_ga_ext.testing.shims import bridge_import_shim
 
     with bridge_import_shim():
         import megatron.bridge.training.gpt_step
