@@ -27,7 +27,8 @@ from megatron_ga_ext.errors import GAError, UsageError
 from megatron_ga_ext.launch.bridge_line import bridge_check, is_bridge_line
 from megatron_ga_ext.launch.check import check_launch
 from megatron_ga_ext.launch.ledger import LEDGER_RULES
-from megatron_ga_ext.launch.line import Launch, layout_kwargs, parse_launch
+from megatron_ga_ext.launch.line import Launch, parse_launch
+from megatron_ga_ext.launch.line_layout import layout_kwargs
 from megatron_ga_ext.launch.report import SEVERITIES, Report
 
 __all__ = ["main"]

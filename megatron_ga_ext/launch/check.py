@@ -20,7 +20,8 @@ from megatron_ga_ext.core.schedule.step_schedule import StageRow, StepSchedule
 from megatron_ga_ext.core.schedule.tables import TABLE_LIMIT, samples_after_steps
 from megatron_ga_ext.errors import BatchSizeError, GAError, InterleaveError
 from megatron_ga_ext.launch.ledger import known_ledger, ledger_sources
-from megatron_ga_ext.launch.line import MISSING_MICRO_BATCH, Launch, ga_values, read_layout
+from megatron_ga_ext.launch.line import Launch, ga_values
+from megatron_ga_ext.launch.line_layout import MISSING_MICRO_BATCH, read_layout
 from megatron_ga_ext.launch.problems import (
     coverage_problems,
     launch_notes,

@@ -5,8 +5,8 @@ arithmetic, the launcher's, the ``--ga-*`` flags, typed as declared); every othe
 values. ``--flag=value`` and ``--flag value`` both work, and ``_`` in a flag counts as ``-`` (torchrun accepts
 both spellings); messages name a flag as the line spelled it. Megatron's parser takes no positional arguments,
 so words left after a Megatron flag's values (a schedule split by an unquoted shell array) are kept to be
-reported: Megatron stops with "unrecognized arguments" there. ``problems.py`` turns a :class:`Launch` into its
-problems.
+reported: Megatron stops with "unrecognized arguments" there. ``line_layout.py`` reads the batch layout a
+:class:`Launch` gives (``world.py`` its world size), ``problems.py`` turns it into its problems.
 """
 
 from __future__ import annotations
@@ -18,25 +18,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_ga_ext.config.flags import BY_DEST, GA_OPTIONS, OPTIONS, GAFlag
-from megatron_ga_ext.core.layout import FLAGS
+from megatron_ga_ext.config.flags import GA_OPTIONS, OPTIONS, GAFlag
 from megatron_ga_ext.core.megatron_flags import LAUNCHER_OPTIONS, NOT_MEGATRON, Option
 from megatron_ga_ext.core.numbers import read_int
-from megatron_ga_ext.errors import GAError, UsageError
-from megatron_ga_ext.launch.layer_split import LayerSplit, VirtualPipeline, virtual_pipeline
+from megatron_ga_ext.errors import UsageError
 from megatron_ga_ext.launch.report import Edit, Note, Problem
 from megatron_ga_ext.launch.script import is_script, read_script
-from megatron_ga_ext.launch.slurm import Slurm, read_slurm, slurm_world, torchrun_under_slurm
+from megatron_ga_ext.launch.slurm import Slurm, read_slurm
 
 __all__ = [
     "Launch",
-    "LaunchLayout",
     "UsageError",
     "ga_values",
-    "layout_kwargs",
     "parse_int",
     "parse_launch",
-    "read_layout",
 ]
 
 _LAUNCHER = {option.flag for option in LAUNCHER_OPTIONS}
@@ -225,232 +220,3 @@ def _typed(launch: Launch, option: GAFlag, text: str) -> object:
         except ValueError:
             return text
     return text
-
-
-# -- the layout of a launch ----------------------------------------------------------------------
-
-
-@dataclass
-class LaunchLayout:
-    """BatchLayout arguments of a launch line, and the rules its layer split breaks."""
-
-    kwargs: dict[str, object]
-    virtual_pipeline: VirtualPipeline
-    seq_problems: list[str] = field(default_factory=list)
-    read_problems: list[Problem] = field(default_factory=list)
-    """What the line leaves out or contradicts: no --micro-batch-size, a check --world-size the line disagrees
-    with, a Slurm start that splits the world (``missing_ok`` reads only)."""
-    read_notes: list[Note] = field(default_factory=list)
-
-    @property
-    def problems(self) -> list[GAError]:
-        return list(self.virtual_pipeline.problems)
-
-
-def read_ints(launch: Launch) -> dict[str, int]:
-    """Every integer flag given, by its argparse destination (UsageError naming the flag as spelled)."""
-    return {
-        OPTIONS[flag].dest: read_int(launch.name(flag), values[0])
-        for flag, values in launch.values.items()
-        if OPTIONS[flag].type is int and OPTIONS[flag].nargs == 1
-    }
-
-
-MISSING_MICRO_BATCH = "--micro-batch-size is missing; Megatron needs it to split the global batch."
-
-
-def read_layout(launch: Launch, world_size: int | None = None, *, missing_ok: bool = False) -> LaunchLayout:
-    """The layout of ``launch``; ``world_size`` stands in for the launcher's where the line leaves it open.
-    UsageError where it cannot be read. With ``missing_ok`` (check), a missing --micro-batch-size and a
-    ``world_size`` the line contradicts are problems (the line's world is kept), not errors."""
-    ints = read_ints(launch)
-    kwargs: dict[str, object] = {name: ints.get(BY_DEST[name].dest) for name in FLAGS if name in BY_DEST}
-    given: dict[str, str] = {}
-    found = _Found() if missing_ok else None
-    kwargs["world_size"] = _checked_world(launch, ints, given, world_size, found)
-    read_problems = found.problems if found is not None else []
-    if kwargs["micro_batch_size"] is None:
-        if not missing_ok:
-            raise UsageError(MISSING_MICRO_BATCH)
-        read_problems.append(
-            Problem(
-                message=MISSING_MICRO_BATCH,
-                rule="micro-batch-size-missing",
-                flag="--micro-batch-size",
-                fix="Give --micro-batch-size N.",
-            )
-        )
-    for name in (
-        "tensor_model_parallel_size",
-        "pipeline_model_parallel_size",
-        "context_parallel_size",
-        "expert_model_parallel_size",
-    ):
-        if kwargs[name] is None:
-            kwargs[name] = 1
-    seq_problems = _seq_length(launch, ints, kwargs, given)
-    vpp = virtual_pipeline(_layer_split(launch, ints, kwargs["pipeline_model_parallel_size"]))  # type: ignore[arg-type]
-    kwargs["virtual_pipeline_model_parallel_size"] = vpp.size
-    if vpp.given:
-        given["virtual_pipeline_model_parallel_size"] = vpp.given
-    for name in FLAGS:
-        flag = BY_DEST[name].flag if name in BY_DEST else None
-        if flag in launch.spelled and launch.spelled[flag] != flag and name not in given:
-            given[name] = launch.spelled[flag]
-    kwargs["given"] = given
-    return LaunchLayout(
-        kwargs=kwargs,
-        virtual_pipeline=vpp,
-        seq_problems=seq_problems,
-        read_problems=read_problems,
-        read_notes=found.notes if found is not None else [],
-    )
-
-
-def _checked_world(
-    launch: Launch, ints: dict[str, int], given: dict[str, str], world_size: int | None, found: _Found | None
-) -> int:
-    """The world size: the line's, else ``world_size`` (check's --world-size). With ``problems`` (check), a
-    ``world_size`` the line contradicts (its own --world-size or --nnodes x --nproc-per-node, or one that is not a
-    multiple of --nproc-per-node where --nnodes is left open) is a problem, and the line's world is kept; without
-    ``problems``, ``world_size`` wins."""
-    if world_size is None:
-        return _world_size(launch, ints, given, found)
-    if found is None:
-        return world_size
-    check = f"megatron-ga check --world-size {world_size}"
-    try:
-        line_world = _world_size(launch, ints, given, found)
-    except UsageError:
-        line_world = None
-    nproc = launch.get("--nproc-per-node")
-    open_nodes = "world_size" not in ints and launch.get("--nnodes") is None and line_world is not None
-    if line_world is None or (open_nodes and world_size % line_world == 0):
-        per_node = f"{launch.name('--nproc-per-node')} {nproc}"
-        nodes = "" if line_world is None else f" = {world_size // line_world} nodes x {per_node}"
-        given["world_size"] = check + nodes
-        return world_size
-    if open_nodes:
-        reason = (
-            f"is not a multiple of the line's {launch.name('--nproc-per-node')} {nproc} (ranks per node), so no "
-            f"number of nodes gives it"
-        )
-    else:
-        line_given = given.get("world_size", f"--world-size {line_world}")
-        reason = f"contradicts the line, whose {line_given} start {line_world:,} ranks"
-    found.problems.append(
-        Problem(
-            message=f"{check} {reason}: the ledger shows the line's {line_world:,}. Drop check's --world-size, or "
-            f"change the line's launcher flags.",
-            rule="world-size-contradiction",
-            flag="--world-size",
-            value=str(world_size),
-            fix="Drop check's --world-size, or change the line's launcher flags.",
-        )
-    )
-    return line_world
-
-
-def layout_kwargs(launch: Launch, world_size: int | None = None) -> dict[str, object]:
-    """BatchLayout arguments from a launch line, raising its first layer-split problem (the ledger's way)."""
-    layout = read_layout(launch, world_size)
-    if layout.problems:
-        raise layout.problems[0]
-    return layout.kwargs
-
-
-def _layer_split(launch: Launch, ints: dict[str, int], pipeline_model_parallel_size: int) -> LayerSplit:
-    pattern = launch.get("--hybrid-layer-pattern") or launch.get("--hybrid-override-pattern")
-    return LayerSplit(
-        pipeline_model_parallel_size=pipeline_model_parallel_size,
-        num_layers=ints.get("num_layers"),
-        decoder_num_layers=ints.get("decoder_num_layers"),
-        num_layers_per_virtual_pipeline_stage=ints.get("num_layers_per_virtual_pipeline_stage"),
-        num_virtual_stages_per_pipeline_rank=ints.get("num_virtual_stages_per_pipeline_rank"),
-        pipeline_model_parallel_layout=launch.get("--pipeline-model-parallel-layout"),
-        hybrid_layer_pattern=pattern,
-        decoder_first_pipeline_num_layers=ints.get("decoder_first_pipeline_num_layers"),
-        decoder_last_pipeline_num_layers=ints.get("decoder_last_pipeline_num_layers"),
-        account_for_embedding_in_pipeline_split=launch.on("--account-for-embedding-in-pipeline-split"),
-        account_for_loss_in_pipeline_split=launch.on("--account-for-loss-in-pipeline-split"),
-    )
-
-
-def _seq_length(launch: Launch, ints: dict[str, int], kwargs: dict[str, object], given: dict[str, str]) -> list[str]:
-    """Megatron's seq_length: --seq-length, else --encoder-seq-length (arguments.py maps it so); the problems."""
-    seq, encoder, decoder = (ints.get(k) for k in ("seq_length", "encoder_seq_length", "decoder_seq_length"))
-    if seq is not None and encoder is not None:
-        return [
-            f"--seq-length {seq} and --encoder-seq-length {encoder} are both given; Megatron asserts "
-            f"encoder_seq_length is None when --seq-length is set (it copies one into the other). Keep one."
-        ]
-    if seq is None and encoder is not None:
-        kwargs["seq_length"] = encoder
-        given["seq_length"] = launch.name("--encoder-seq-length")
-    if seq is None and encoder is None and decoder is not None:
-        return [
-            f"--decoder-seq-length {decoder} is given without --seq-length or --encoder-seq-length; Megatron "
-            f"asserts encoder_seq_length is not None: the decoder length does not set the sequence length "
-            f"that schedules and tokens per step use. Add --seq-length."
-        ]
-    return []
-
-
-def _world_size(launch: Launch, ints: dict[str, int], given: dict[str, str], found: _Found | None = None) -> int:
-    """--world-size, else torchrun's --nnodes x --nproc-per-node, else Slurm's tasks; ``given`` records the flags
-    used, ``found`` (check) what Slurm's start changes."""
-    if "world_size" in ints:
-        return ints["world_size"]
-    nproc_flag = launch.name("--nproc-per-node")
-    nnodes, nproc = launch.get("--nnodes"), launch.get("--nproc-per-node")
-    if nproc is None and launch.slurm.launcher == "srun" and launch.slurm.values:
-        world, given["world_size"], notes = slurm_world(launch.slurm, careful=found is not None)
-        if found is not None:
-            found.notes += notes
-        return world
-    if nproc is None:
-        raise UsageError(
-            "the world size is unknown: give torchrun's --nproc-per-node (and --nnodes), srun's --nodes and "
-            "--ntasks-per-node, or megatron-ga check --world-size N -- <launch line>."
-        )
-    if nproc.strip() in ("gpu", "cpu", "auto", "xpu"):  # torchrun's own choices
-        raise UsageError(
-            f"{nproc_flag} {nproc} leaves the world size to the machine; pass it with "
-            f"megatron-ga check --world-size N -- <launch line>."
-        )
-    per_node = read_int(nproc_flag, nproc)
-    nodes = _nnodes(launch, nnodes)
-    given["world_size"] = (
-        f"{launch.name('--nnodes')} {nodes} x {nproc_flag} {per_node}"
-        if nnodes is not None
-        else f"{nproc_flag} {per_node}"
-    )
-    if found is not None:
-        found.problems += torchrun_under_slurm(
-            launch.slurm, launch.name("--nnodes"), nodes if nnodes is not None else None
-        )
-    return nodes * per_node
-
-
-@dataclass
-class _Found:
-    """What reading the world size finds besides the number (check only)."""
-
-    problems: list[Problem] = field(default_factory=list)
-    notes: list[Note] = field(default_factory=list)
-
-
-def _nnodes(launch: Launch, text: str | None) -> int:
-    """torchrun's --nnodes: N, MIN:MAX with MIN == MAX (a fixed world), or an elastic range."""
-    if text is None:
-        return 1
-    flag = launch.name("--nnodes")
-    if ":" in text:
-        low, _, high = text.partition(":")
-        if low.strip() != high.strip():
-            raise UsageError(
-                f"{flag} {text} is an elastic range, so the world size is not fixed; pass the size to check "
-                f"with megatron-ga check --world-size N -- <launch line>."
-            )
-        text = low
-    return read_int(flag, text)

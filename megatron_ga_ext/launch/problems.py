@@ -25,7 +25,8 @@ from megatron_ga_ext.core.schedule.stages import FLAG as SCHEDULE_FLAG
 from megatron_ga_ext.core.schedule.stages import schedule_text_errors
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.errors import GAError
-from megatron_ga_ext.launch.line import Launch, LaunchLayout, ga_values, read_ints
+from megatron_ga_ext.launch.line import Launch, ga_values
+from megatron_ga_ext.launch.line_layout import LaunchLayout, read_ints
 from megatron_ga_ext.launch.report import Edit, Note, Problem, problem_of
 
 __all__ = [
