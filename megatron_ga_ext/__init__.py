@@ -30,6 +30,7 @@ __all__ = [
     "BatchLayout",
     "BatchSizeError",
     "CompatError",
+    "CoreLoop",
     "GAConfig",
     "GAError",
     "GuardError",
@@ -51,6 +52,7 @@ __all__ = [
 
 
 if TYPE_CHECKING:
+    from megatron_ga_ext.integration.core_loop import CoreLoop
     from megatron_ga_ext.integration.lifecycle import install, uninstall
 
 
@@ -59,4 +61,8 @@ def __getattr__(name: str) -> Any:
         from megatron_ga_ext.integration import lifecycle as module
 
         return getattr(module, name)
+    if name == "CoreLoop":
+        from megatron_ga_ext.integration.core_loop import CoreLoop
+
+        return CoreLoop
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

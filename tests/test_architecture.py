@@ -236,3 +236,51 @@ def test_test_support_lives_in_tests_support():
         and path.name not in ("conftest.py", "__init__.py")
     ]
     assert strays == [], f"support modules outside tests/support/: {strays}"
+
+
+#: The host port (integration/host.py) and its adapters: the only modules that read a host loop's run state.
+HOST_ADAPTERS = {f"megatron_ga_ext.integration.{name}" for name in ("host", "megatron_lm", "bridge_loop", "core_loop")}
+#: How a module reaches a host's state: Megatron-LM's global args and writers, Bridge's GlobalState.
+HOST_STATE = {"_GLOBAL_ARGS", "get_args", "get_tensorboard_writer", "get_wandb_writer", "global_vars"}
+HOST_STATE |= {"train_state", "tensorboard_logger", "wandb_logger", "GlobalState"}
+
+
+def _host_state_reads(path: Path) -> list[str]:
+    """The names of HOST_STATE that ``path`` reads: as an attribute, a name, an imported name or module, or a
+    module path in a string (``sys.modules.get("megatron.training.global_vars")``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute):
+            words = [node.attr] if node.attr != "get_args" else []  # typing.get_args; megatron's is imported by name
+        elif isinstance(node, ast.Name):
+            words = [node.id]
+        elif isinstance(node, ast.alias):
+            words = node.name.split(".")
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            words = node.module.split(".")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and " " not in node.value:
+            words = node.value.split(".")
+        else:
+            continue
+        found += [word for word in words if word in HOST_STATE]
+    return found
+
+
+def test_only_the_host_adapters_read_a_hosts_state():
+    """Features ask the host port (current_host()); a host's own state is read in its adapter only. testing/ drives
+    the hosts in tests and is exempt."""
+    readers = {
+        name: reads
+        for name, path in sorted(MODULES.items())
+        if name not in HOST_ADAPTERS and _layer(name) != "testing" and (reads := _host_state_reads(path))
+    }
+    assert readers == {}
+
+
+def test_the_host_check_sees_a_read_of_megatrons_args(tmp_path, monkeypatch):
+    path = tmp_path / "feature.py"
+    path.write_text('import sys\nargs = sys.modules["megatron.training.global_vars"]._GLOBAL_ARGS\n')
+    assert sorted(_host_state_reads(path)) == ["_GLOBAL_ARGS", "global_vars"]
+    monkeypatch.setattr(sys.modules[__name__], "MODULES", {"megatron_ga_ext.integration.feature": path})
+    with pytest.raises(AssertionError, match="_GLOBAL_ARGS"):
+        test_only_the_host_adapters_read_a_hosts_state()

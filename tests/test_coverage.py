@@ -161,8 +161,8 @@ def _install_refuses(refusal: Refusal, named: str, monkeypatch: pytest.MonkeyPat
     without them, at the first forward/backward call, before the schedule runs."""
     schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
     from megatron_ga_ext.config.args import add_args
-    from megatron_ga_ext.integration import installation
     from megatron_ga_ext.integration import lifecycle as installing
+    from megatron_ga_ext.integration import megatron_lm
 
     parsed = add_args(megatron_parser()).parse_args([*refusal.flags, *refusal.ga_flags()])
     original = schedules.forward_step_calc_loss
@@ -172,7 +172,7 @@ def _install_refuses(refusal: Refusal, named: str, monkeypatch: pytest.MonkeyPat
 
     args = megatron_parser().parse_args(refusal.flags)
     installing.install(GAConfig(**refusal.ga))
-    monkeypatch.setattr(installation, "megatron_args", lambda: args)  # where the first step reads get_args()
+    monkeypatch.setattr(megatron_lm.MEGATRON_LM, "parsed_args", lambda: args)  # where the first step reads get_args()
     try:
         with pytest.raises(CoverageError, match=named):
             schedules.forward_backward_no_pipelining(

@@ -176,11 +176,11 @@ def run_skipping(monkeypatch, state, skipped: set[int]) -> list[tuple[int, list[
     scheduler's count),
     ``scheduler.step(GBS)`` only where the step was not skipped (an fp16 overflow, a zero-token skip), and the
     consumed samples counted after it either way."""
-    from megatron_ga_ext.integration import compat
+    from megatron_ga_ext.integration import megatron_lm
     from megatron_ga_ext.integration.hooks import optimizer_step
 
     args = argparse.Namespace(consumed_train_samples=0)
-    monkeypatch.setattr(compat, "megatron_args", lambda: args)
+    monkeypatch.setattr(megatron_lm.MEGATRON_LM, "parsed_args", lambda: args)
     lr_scheduler, steps, iteration = scheduler(), [], 0
     unscaled = OptimizerParamScheduler.get_lr.__wrapped__
     groups = lr_scheduler.optimizer.param_groups

@@ -126,13 +126,13 @@ def installation(monkeypatch, tmp_path, **megatron):
     import argparse
 
     from megatron_ga_ext import GAConfig
-    from megatron_ga_ext.integration import compat
+    from megatron_ga_ext.integration import megatron_lm
     from megatron_ga_ext.integration.installation import Installation
 
     args = argparse.Namespace(
         save=str(tmp_path / "save"), load=str(tmp_path / "save"), consumed_train_samples=0, **megatron
     )
-    monkeypatch.setattr(compat, "megatron_args", lambda: args)
+    monkeypatch.setattr(megatron_lm.MEGATRON_LM, "parsed_args", lambda: args)
     config = GAConfig(noise_scale=1)
     state = Installation(config=config, version="test")
     state.configure(config)

@@ -9,8 +9,8 @@ import pytest
 pytest.importorskip("megatron.core")
 
 from megatron_ga_ext import GAConfig, LossContractError
-from megatron_ga_ext.integration import compat
 from megatron_ga_ext.integration import finalize as finalizing
+from megatron_ga_ext.integration import megatron_lm
 from megatron_ga_ext.integration.finalize import describe_decision
 from megatron_ga_ext.integration.loss_contract import LossContract, StepChecks
 
@@ -19,7 +19,7 @@ FINITE = StepChecks(tokens=100, negative=0, nonfinite=0, unchecked=0)
 
 
 def finalize(monkeypatch, **args) -> finalizing.FinalizeModelGrads:
-    monkeypatch.setattr(compat, "megatron_args", lambda: argparse.Namespace(**args) if args else None)
+    monkeypatch.setattr(megatron_lm.MEGATRON_LM, "parsed_args", lambda: argparse.Namespace(**args) if args else None)
     return finalizing.FinalizeModelGrads(lambda *a, **k: None, LossContract(), GAConfig())
 
 

@@ -29,7 +29,7 @@ from megatron_ga_ext.core.noise_trace import TraceRow
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.core.schedule.suggest import DoublingRule, suggest_schedule
 from megatron_ga_ext.errors import OptionError, ScheduleError
-from megatron_ga_ext.integration.compat import run_settings, set_train_iters
+from megatron_ga_ext.integration.host import current_host
 from megatron_ga_ext.logs import get_logger
 
 __all__ = ["BatchSizeWarmup", "frozen_ranges"]
@@ -63,7 +63,7 @@ class BatchSizeWarmup:
         consumed, estimate = row.get("consumed_samples"), row.get("b_simple_samples")
         if consumed is None or estimate is None:
             return False
-        settings = run_settings()
+        settings = current_host().settings()
         batch = calculator.step_schedule.final_global_batch_size
         rule = DoublingRule(
             micro_batch_size=calculator.micro_batch_size,
@@ -128,7 +128,7 @@ class BatchSizeWarmup:
             )
         for threshold, batch in schedule.stages[1:]:
             calculator.extend(threshold, batch)
-        settings = run_settings()
+        settings = current_host().settings()
         _replan(calculator, settings)
         logger.info(
             'megatron-ga-ext batch-size warmup: resumed with --step-batch-size-schedule "%s"',
@@ -167,7 +167,7 @@ def _replan(calculator: Any, settings: MegatronArgs) -> None:
     """The loop's run length (``args.train_iters``, Bridge's ``train.train_iters``; read at every iteration): the
     steps the schedule now plans for ``--train-samples``."""
     if settings.train_samples:
-        set_train_iters(calculator.plan(settings.train_samples)[0])
+        current_host().set_train_iters(calculator.plan(settings.train_samples)[0])
 
 
 def _schedule_string(schedule: StepSchedule, settings: MegatronArgs) -> str:

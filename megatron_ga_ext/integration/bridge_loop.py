@@ -4,9 +4,9 @@ Megatron-LM's. Wired once Bridge's modules are loaded (``from megatron.bridge.tr
 loads them); importing this module imports nothing of Bridge's.
 
 * ``train_step(..., global_state, ...)`` (train.py's global, which ``train()`` reads at its start): Bridge's
-  ``GlobalState`` is the run state during the step, where Megatron-LM keeps its parsed args and global writers: the
-  iteration (``train_state.step`` + 1), the consumed samples and the TensorBoard/W&B writers (compat.py,
-  ``bridge_step_state``);
+  ``GlobalState`` is the run state during the step, where Megatron-LM keeps its parsed args and global writers:
+  :class:`Bridge`, the host (host.py) of the step, reads the iteration (``train_state.step`` + 1), the consumed
+  samples, the settings and the TensorBoard/W&B writers there;
 * ``gpt_step.get_batch`` (gpt_step.py's global): in token mode its loss mask is kept for the model call that
   follows, which Bridge's GPT step makes without it (Bridge #6103), for the MoE and MTP rules;
 * ``training_log`` (bound by name in train.py): the noise-scale line printed after Bridge's;
@@ -21,19 +21,23 @@ Each is only wrapped around the call.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from megatron_ga_ext.integration.compat import set_bridge_step_state
+from megatron_ga_ext.config.megatron_args import MegatronArgs
+from megatron_ga_ext.integration.host import NON_PERSISTENT_SUBDIR, Host, hosting
 
 if TYPE_CHECKING:
     from megatron_ga_ext.integration.installation import Installation
 
 __all__ = [
     "CHECKPOINTING",
+    "Bridge",
     "GPT_STEP",
     "LOADERS",
     "TRAIN",
@@ -50,9 +54,44 @@ TRAIN = "megatron.bridge.training.train"
 GPT_STEP = "megatron.bridge.training.gpt_step"
 CHECKPOINTING = "megatron.bridge.training.checkpointing"
 LOADERS = "megatron.bridge.data.loaders"
-#: Bridge's subdirectory of ``checkpoint.save`` / ``checkpoint.load`` for global non-persistent checkpoints
-#: (``_NON_PERSISTENT_CKPT_SUBDIR`` in its checkpointing.py).
-NON_PERSISTENT_SUBDIR = "non_persistent"
+
+
+class Bridge(Host):
+    """Megatron-Bridge's loop during one call that hands it its ``GlobalState`` (a training step, a checkpoint load):
+    the run state Bridge keeps where Megatron-LM keeps its parsed args and global writers."""
+
+    name = "Megatron-Bridge"
+
+    def __init__(self, global_state: Any) -> None:
+        self.state = global_state
+
+    def settings(self) -> MegatronArgs:
+        """The container's ``train``, ``scheduler`` and ``model`` fields, which have Megatron-LM's names."""
+        values: dict[str, Any] = {}
+        for section in (self.state.cfg.train, self.state.cfg.scheduler, self.state.cfg.model):
+            for field in dataclasses.fields(section):
+                values.setdefault(field.name, getattr(section, field.name))
+        return MegatronArgs(values)
+
+    def iteration(self) -> int | None:
+        return self.state.train_state.step + 1
+
+    def consumed_samples(self) -> int | None:
+        return self.state.train_state.consumed_train_samples
+
+    def set_train_iters(self, iterations: int) -> None:
+        self.state.cfg.train.train_iters = iterations
+
+    def writers(self) -> tuple[Any, Any]:
+        return self.state.tensorboard_logger, self.state.wandb_logger
+
+    def prints_after_log(self) -> bool:
+        """Bridge's ``training_log`` is wired to print after its own, and runs (``logger.skip_train_metrics_log``
+        skips it)."""
+        if self.state.cfg.logger.skip_train_metrics_log:
+            return False
+        training_log = getattr(sys.modules.get(TRAIN), "training_log", None)
+        return bool(getattr(training_log, "megatron_ga_ext_prints_after", False))
 
 
 def stepping(original: Callable, state: Installation) -> Callable:
@@ -61,11 +100,8 @@ def stepping(original: Callable, state: Installation) -> Callable:
 
     @functools.wraps(original)
     def train_step(*args: Any, **kwargs: Any) -> Any:
-        set_bridge_step_state(_argument(args, kwargs, "global_state", 5))
-        try:
+        with hosting(Bridge(_argument(args, kwargs, "global_state", 5))):
             return original(*args, **kwargs)
-        finally:
-            set_bridge_step_state(None)
 
     return train_step
 
@@ -113,16 +149,13 @@ def loading_sidecar(original: Callable, state: Installation) -> Callable:
         iteration = result[0]
         if state.active and isinstance(iteration, int) and iteration > 0:
             global_state = _argument(args, kwargs, "state", 0)
-            set_bridge_step_state(global_state)  # restored warmup stages replan Bridge's train.train_iters
-            try:
+            with hosting(Bridge(global_state)):  # restored warmup stages replan Bridge's train.train_iters
                 state.after_load(
                     loaded_directory(global_state.cfg.checkpoint, iteration),
                     iteration,
                     _argument(args, kwargs, "opt_param_scheduler", 3),
                     global_state.train_state.consumed_train_samples,
                 )
-            finally:
-                set_bridge_step_state(None)
         return result
 
     return load_checkpoint

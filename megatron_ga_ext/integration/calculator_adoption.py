@@ -31,8 +31,9 @@ from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
 from megatron_ga_ext.errors import ScheduleError
 from megatron_ga_ext.integration.calculator import StepScheduleCalculator
-from megatron_ga_ext.integration.compat import Calculator, live_calculator, megatron_view, set_live_calculator
+from megatron_ga_ext.integration.compat import Calculator, live_calculator, set_live_calculator
 from megatron_ga_ext.integration.guards import GuardedCalculator
+from megatron_ga_ext.integration.host import current_host
 from megatron_ga_ext.logs import get_logger
 
 __all__ = ["BUILT_UNSEEN", "guard_live_calculator", "schedule_live_calculator"]
@@ -58,7 +59,7 @@ def schedule_live_calculator(config: GAConfig) -> None:
     inner = getattr(live, "inner", live)
     if live is None or isinstance(inner, StepScheduleCalculator):
         return
-    args = megatron_view()
+    args = current_host().settings()
     micro_batch_size = getattr(inner, "micro_batch_size", None)
     global_batch_size = (
         args.global_batch_size

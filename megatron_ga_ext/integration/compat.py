@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from megatron_ga_ext.config.megatron_args import MegatronArgs
 from megatron_ga_ext.errors import CompatError
 from megatron_ga_ext.logs import get_logger
 
@@ -39,20 +38,12 @@ __all__ = [
     "Calculator",
     "Target",
     "Upstream",
-    "bridge_step_state",
     "check_targets",
-    "consumed_train_samples",
     "defines_function",
     "fingerprint",
     "known_fingerprints",
     "live_targets",
-    "megatron_args",
     "megatron_core_version",
-    "megatron_iteration",
-    "megatron_view",
-    "run_settings",
-    "set_bridge_step_state",
-    "set_train_iters",
     "tree_targets",
 ]
 
@@ -194,89 +185,6 @@ def live_calculator() -> Calculator | None:
 def set_live_calculator(calculator: Calculator) -> None:
     """Make ``calculator`` the one ``get_num_microbatches()`` and the training loop read."""
     sys.modules[CALCULATOR]._GLOBAL_NUM_MICROBATCHES_CALCULATOR = calculator
-
-
-def megatron_args() -> argparse.Namespace | None:
-    """Megatron-LM's parsed args (``get_args()``), or None before parsing or without Megatron-LM (megatron.training
-    is not imported for this)."""
-    global_vars = sys.modules.get("megatron.training.global_vars")
-    return getattr(global_vars, "_GLOBAL_ARGS", None)
-
-
-def megatron_view() -> MegatronArgs:
-    """Megatron-LM's parsed args through the typed view (config/megatron_args.py); empty without them. The view of
-    the same Namespace is kept (it reads the Namespace's values as they change): the step's hooks read it often."""
-    global _VIEW
-    args = megatron_args()
-    if _VIEW[0] is not args:
-        _VIEW = (args, MegatronArgs.of(args))
-    return _VIEW[1]
-
-
-#: The last args megatron_view() was asked for, and their view.
-_VIEW: tuple[argparse.Namespace | None, MegatronArgs] = (None, MegatronArgs({}))
-
-
-def megatron_iteration() -> int | None:
-    """The Megatron iteration being trained, as its log numbers it: ``args.curr_iteration`` + 1 in Megatron-LM's
-    loop, ``train_state.step`` + 1 in a Megatron-Bridge step (:func:`bridge_step_state`); None in neither."""
-    current = megatron_view().curr_iteration
-    if current is not None:
-        return current + 1
-    bridge = bridge_step_state()
-    return None if bridge is None else bridge.train_state.step + 1
-
-
-def consumed_train_samples() -> int | None:
-    """The samples consumed before the step in progress (Megatron-LM's ``args.consumed_train_samples``, Bridge's
-    ``train_state.consumed_train_samples``; both add the step's batch after it); None in neither loop."""
-    view = megatron_view()
-    if view.has("consumed_train_samples"):
-        return view.consumed_train_samples
-    bridge = bridge_step_state()
-    return None if bridge is None else bridge.train_state.consumed_train_samples
-
-
-def bridge_step_state() -> Any:
-    """Megatron-Bridge's ``GlobalState`` while its ``train_step`` runs, or the extension reads the checkpoint its
-    ``load_checkpoint`` loaded (bridge_loop.py sets it): the run state Bridge keeps where Megatron-LM keeps its
-    parsed args and global writers; None outside those."""
-    return _BRIDGE_STEP[0]
-
-
-def run_settings() -> MegatronArgs:
-    """The run's settings under Megatron-LM's names: its parsed args, or where Bridge's state is set
-    (:func:`bridge_step_state`) its container's ``train``, ``scheduler`` and ``model`` fields, which have those
-    names; empty in neither."""
-    if megatron_args() is not None:
-        return megatron_view()
-    bridge = bridge_step_state()
-    if bridge is None:
-        return MegatronArgs({})
-    import dataclasses
-
-    values: dict[str, Any] = {}
-    for section in (bridge.cfg.train, bridge.cfg.scheduler, bridge.cfg.model):
-        for f in dataclasses.fields(section):
-            values.setdefault(f.name, getattr(section, f.name))
-    return MegatronArgs(values)
-
-
-def set_train_iters(iterations: int) -> None:
-    """The loop's run length, read at every iteration: Megatron-LM's ``args.train_iters``, Bridge's
-    ``train.train_iters``."""
-    args = megatron_args()
-    if args is not None:
-        args.train_iters = iterations
-    elif bridge_step_state() is not None:
-        bridge_step_state().cfg.train.train_iters = iterations
-
-
-def set_bridge_step_state(state: Any) -> None:
-    _BRIDGE_STEP[0] = state
-
-
-_BRIDGE_STEP: list[Any] = [None]
 
 
 def megatron_core_version() -> str:

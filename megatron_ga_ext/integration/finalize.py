@@ -32,7 +32,7 @@ import torch
 from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.config.launch_rules import check_loss_mode
 from megatron_ga_ext.errors import LossContractError
-from megatron_ga_ext.integration.compat import megatron_iteration, megatron_view
+from megatron_ga_ext.integration.host import current_host
 from megatron_ga_ext.integration.liveness import check_one_finalize
 from megatron_ga_ext.integration.loss_contract import SLOT_TOKENS, LossContract, StepChecks
 from megatron_ga_ext.integration.noise_scale import NoiseScaleMeter
@@ -204,7 +204,7 @@ class FinalizeModelGrads:
             self.original(model, num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
             return
         if self.calls_at_step is not None:  # one finalize per optimizer step (liveness.py), before any collective
-            check_one_finalize(self.calls - self.calls_at_step, megatron_iteration())
+            check_one_finalize(self.calls - self.calls_at_step, current_host().iteration())
         self.poll(wait=True)  # an earlier step's verdict not yet read (no schedule call in between)
         topology = self._topology_of(pg_collection)
         # before the grads' sync: no collective
@@ -218,10 +218,10 @@ class FinalizeModelGrads:
         # a device scalar, upstream's 1.0 / clamp(N, min=1) to the bit (torch computes x / t as t.reciprocal() * x)
         scaling = torch.clamp(vector[SLOT_TOKENS], min=1).reciprocal()
         if self.config.checks == "async":
-            self.pending = _Verdict.of(vector, self.calls, megatron_iteration())
+            self.pending = _Verdict.of(vector, self.calls, current_host().iteration())
         else:
             # the step's one device-to-host read
-            checks = self._judged(StepChecks(*vector.tolist()), megatron_iteration())
+            checks = self._judged(StepChecks(*vector.tolist()), current_host().iteration())
             _raise_on_violations(checks)
             self.last_num_tokens = checks.tokens
             if not checks.tokens:  # --ga-zero-token-policy skip: a zero gradient for the skipped step
@@ -270,7 +270,7 @@ class FinalizeModelGrads:
                 "what it decides. A non-finite step that reaches the optimizer step anyway stops there.",
                 checks.nonfinite,
                 iteration,
-                megatron_view().rerun_mode,
+                current_host().settings().rerun_mode,
             )
         self.deferred = self.last_deferred = _Deferred(iteration, checks.nonfinite)
         return checks._replace(nonfinite=0)
@@ -395,7 +395,7 @@ def megatron_judges_nonfinite() -> bool:
     default) with ``--rerun-mode validate_results`` (the default; ``report_stats`` stops Megatron at start-up, and the
     coverage table refuses it). (With ``--rerun-mode disabled``
     its check raises in the loss function, before finalize.) Without Megatron's args: no."""
-    args = megatron_view()
+    args = current_host().settings()
     return args.check_for_nan_in_loss_and_grad and args.rerun_mode == "validate_results"
 
 

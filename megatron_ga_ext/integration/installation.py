@@ -43,10 +43,11 @@ from megatron_ga_ext.integration.calculator_adoption import (
     guard_live_calculator,
     schedule_live_calculator,
 )
-from megatron_ga_ext.integration.compat import live_calculator, megatron_args, set_live_calculator
+from megatron_ga_ext.integration.compat import live_calculator, set_live_calculator
 from megatron_ga_ext.integration.finalize import FinalizeModelGrads, describe_decision
 from megatron_ga_ext.integration.finalize_adoption import AdoptedFinalize, adopt_finalize
 from megatron_ga_ext.integration.guards import MicrobatchCounter, current_pipeline_size
+from megatron_ga_ext.integration.host import current_host
 from megatron_ga_ext.integration.liveness import StepLiveness, unfinalized_message
 from megatron_ga_ext.integration.loss_contract import LossContract, mean_of_means_reports
 from megatron_ga_ext.integration.lr_scaling import ScaledRates
@@ -156,7 +157,7 @@ class Installation:
         if not self.waiting_for_args:
             return
         self.waiting_for_args = False
-        args = megatron_args()
+        args = current_host().parsed_args()
         config = self.config if args is None else GAConfig.from_args(args)
         if self.compat_problems and config.strict:
             raise CompatError(" ".join(self.compat_problems))
@@ -211,9 +212,9 @@ class Installation:
         """A forward/backward call starts (``call``: its keyword arguments): a calculator no hook saw built adopted,
         the start-up checks once (with a megatron-core loop's --ga-noise-scale layout), the last step's async verdict,
         the counters reset, the model config's finalize adopted. Returns finalize's call count, for :meth:`end_step`."""
-        self.configure_from_megatron_args()
+        self.configure_from_current_host().parsed_args()
         self.adopt_live_calculator("this forward/backward call")
-        args = megatron_args()
+        args = current_host().parsed_args()
         verdict = self.agreement.run_once(self.config, args)
         if verdict is not None:
             self.replays_expected = any(row.replays for row in verdict.limited)
@@ -254,7 +255,7 @@ class Installation:
     def micro_batch(self, model_chunk: torch.nn.Module, loss_func: LossFunction | None) -> LossFunction | None:
         """A forward step: counted for its chunk; its loss function wrapped (token mode: the contract's check;
         microbatch mode: the micro-batch's mean reported to Megatron's logged loss)."""
-        self.configure_from_megatron_args()
+        self.configure_from_current_host().parsed_args()
         self.counter.count(model_chunk)
         return None if loss_func is None else self.wrap_loss(loss_func)
 

@@ -24,12 +24,12 @@ from megatron_ga_ext.integration.compat import (
     check_targets,
     live_calculator,
     matching_sources,
-    megatron_args,
     megatron_core_version,
     set_live_calculator,
 )
 from megatron_ga_ext.integration.guards import GuardedCalculator
 from megatron_ga_ext.integration.hooks import wire
+from megatron_ga_ext.integration.host import Host, current_host, use_core_loop
 from megatron_ga_ext.integration.installation import Installation
 from megatron_ga_ext.logs import get_logger
 
@@ -48,13 +48,15 @@ def installed() -> Installation | None:
     return _live
 
 
-def install(config: GAConfig | argparse.Namespace | None = None) -> Installation:
+def install(config: GAConfig | argparse.Namespace | None = None, *, host: Host | None = None) -> Installation:
     """Turn the extension on. ``config``: a :class:`GAConfig`, Megatron's parsed args, or None: Megatron's
     parsed args once they exist (read at the first hook that runs), else the defaults (token mode,
     strict). Twice is harmless; a different config replaces the installation. Before or after Megatron builds its
     num-microbatches calculator, at argument parsing or in initialize_runtime_services (Megatron-LM #7418): one
-    built after is built through the hook, one built before is adopted here (calculator_adoption.py)."""
+    built after is built through the hook, one built before is adopted here (calculator_adoption.py). ``host``: a
+    megatron-core loop of the caller's own (core_loop.CoreLoop), where neither Megatron-LM's nor Bridge's runs."""
     global _live
+    use_core_loop(host if host is not None else Host())
     resolved, waiting = _resolve_config(config)
     current = _live
     if current is not None:
@@ -74,7 +76,7 @@ def install(config: GAConfig | argparse.Namespace | None = None) -> Installation
     problems = check_targets(version, resolved.strict and not waiting, TARGETS)
     args = config if config is not None and not isinstance(config, GAConfig) else None
     if config is None and not waiting:
-        args = megatron_args()
+        args = current_host().parsed_args()
     if args is not None:
         check_args(resolved, args)
     sources = ", ".join(matching_sources()) or "no single tested source"
@@ -117,6 +119,7 @@ def uninstall() -> None:
     """Restore every original install() replaced; harmless when nothing is installed."""
     global _live
     state, _live = _live, None
+    use_core_loop(Host())
     if state is None:
         return
     state.restore()
@@ -133,7 +136,7 @@ def _resolve_config(config: GAConfig | argparse.Namespace | None) -> tuple[GACon
         return config, False
     if config is not None:
         return GAConfig.from_args(config), False
-    args = megatron_args()
+    args = current_host().parsed_args()
     if args is not None:
         return GAConfig.from_args(args), False
     return GAConfig(), _has_megatron_training()

@@ -29,7 +29,7 @@ import sys
 from typing import Any, Protocol
 
 from megatron_ga_ext.errors import GuardError
-from megatron_ga_ext.integration.compat import megatron_iteration
+from megatron_ga_ext.integration.host import current_host
 
 __all__ = ["StepLiveness", "bypass_message", "check_one_finalize", "megatron_reruns_in_place", "unfinalized_message"]
 
@@ -147,7 +147,7 @@ class StepLiveness:
             scheduled=scheduled,
             finalized=reached,
             token=self.state.contract is not None,
-            iteration=megatron_iteration(),
+            iteration=current_host().iteration(),
         )
 
     def check(self, *, after_step: bool) -> None:

@@ -8,8 +8,8 @@ that group's ``max_lr`` / ``min_lr``, so decoupled-LR groups too), and ``step(in
 the wrapper multiplies what ``get_lr`` returns.
 
 The rate ``step()`` writes is the one the next optimizer step trains with, so GBS is the batch of that step: the
-schedule at the samples consumed when it runs. In Megatron-LM's loop that is ``args.consumed_train_samples`` (what the
-loop has counted; in a Megatron-Bridge step its ``train_state.consumed_train_samples``, compat.py) plus, when
+schedule at the samples consumed when it runs: the samples the host loop has counted (``Host.consumed_samples``,
+host.py) plus, when
 ``step()`` runs inside a training step, the batch of that step, which the loop counts only after it returns (the
 live calculator's current GBS; "inside a training step": a training forward/backward call ran since the scheduler's
 count last changed). Not the scheduler's ``num_steps``: a skipped step (an fp16 overflow,
@@ -37,7 +37,7 @@ from megatron_ga_ext.config.launch_rules import check_lr_scaling
 from megatron_ga_ext.core.lr_factor import lr_factor
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.integration.calculator import live_step_calculator
-from megatron_ga_ext.integration.compat import consumed_train_samples
+from megatron_ga_ext.integration.host import current_host
 from megatron_ga_ext.logs import get_logger
 
 __all__ = ["ScaledRates", "scaled_get_lr", "stage_factors"]
@@ -108,7 +108,7 @@ class ScaledRates:
         than this step's (the live calculator's current GBS; the step before was skipped and was the last of its
         stage) write them again at their count, with this step's factor (``step(0)``, as after a load)."""
         live = live_step_calculator()
-        if live is None or not self.written or consumed_train_samples() is None:
+        if live is None or not self.written or current_host().consumed_samples() is None:
             return
         batch = live.get_current_global_batch_size()
         for scheduler, written in list(self.written.items()):
@@ -142,7 +142,7 @@ def next_step_batch(
     if last is None or (last.num_steps, last.training_schedules) != (scheduler.num_steps, training_schedules):
         in_step = training_schedules > (last.training_schedules if last is not None else 0)
         last = counts[scheduler] = _Count(scheduler.num_steps, training_schedules, in_step)
-    consumed = consumed_train_samples()
+    consumed = current_host().consumed_samples()
     if consumed is None:
         return schedule.global_batch_size_at(scheduler.num_steps)
     live = live_step_calculator()

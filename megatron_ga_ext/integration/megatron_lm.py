@@ -7,6 +7,9 @@ an Installation phase (hooks.py's rows with ``host="megatron-lm"``; another host
 * ``save_checkpoint`` / ``load_checkpoint``: the ``--ga-noise-scale`` EMAs kept next to the checkpoint (the sidecar),
   and warmup stages restored before the loop reads them.
 
+Its run state (the parsed args, the global writers) is read here only: :class:`MegatronLM` is its host
+(host.py), current wherever the args are parsed.
+
 Each is only wrapped around the call (the bodies of the last three are not fingerprinted targets).
 
 The parser makes the whole drop-in ``megatron_ga_ext.install()`` at the top of an unmodified training script.
@@ -29,8 +32,10 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -38,8 +43,7 @@ from megatron_ga_ext.config.args import args_provider
 from megatron_ga_ext.config.flags import LOSS_REDUCTION
 from megatron_ga_ext.config.megatron_args import MegatronArgs
 from megatron_ga_ext.integration.calculator import live_step_calculator
-from megatron_ga_ext.integration.compat import megatron_view
-from megatron_ga_ext.integration.noise_scale_sidecar import loaded_directory, saved_directory
+from megatron_ga_ext.integration.host import NON_PERSISTENT_SUBDIR, Host, register
 from megatron_ga_ext.logs import get_logger
 
 if TYPE_CHECKING:
@@ -47,11 +51,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ARGUMENTS",
+    "MegatronLM",
+    "loaded_directory",
     "loading_sidecar",
     "parser_module",
     "planned_num_samples",
     "planned_train_iters",
     "printing_after_training_log",
+    "saved_directory",
     "saving_sidecar",
     "with_ga_flags",
 ]
@@ -59,8 +66,63 @@ __all__ = [
 logger = get_logger(__name__)
 
 ARGUMENTS = "megatron.training.arguments"
+TRAINING = "megatron.training.training"
 
 ParseArgs = Callable[..., argparse.Namespace]
+GLOBAL_VARS = "megatron.training.global_vars"
+#: Megatron-LM's tracker file in a checkpoint directory: the last iteration saved there.
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+class MegatronLM(Host):
+    """Megatron-LM's ``pretrain()``: its parsed args (``get_args()``) and global writers."""
+
+    name = "Megatron-LM"
+
+    def __init__(self) -> None:
+        self._view: tuple[argparse.Namespace | None, MegatronArgs] = (None, MegatronArgs({}))
+        """The last args :meth:`settings` was asked for and their view (the step's hooks read it often; the view
+        reads the Namespace's values as they change)."""
+
+    def parsed_args(self) -> argparse.Namespace | None:
+        """The parsed args, or None before parsing (megatron.training is not imported for this)."""
+        return getattr(sys.modules.get(GLOBAL_VARS), "_GLOBAL_ARGS", None)
+
+    def settings(self) -> MegatronArgs:
+        args = self.parsed_args()
+        if self._view[0] is not args:
+            self._view = (args, MegatronArgs.of(args))
+        return self._view[1]
+
+    def iteration(self) -> int | None:
+        current = self.settings().curr_iteration
+        return None if current is None else current + 1
+
+    def consumed_samples(self) -> int | None:
+        settings = self.settings()
+        return settings.consumed_train_samples if settings.has("consumed_train_samples") else None
+
+    def set_train_iters(self, iterations: int) -> None:
+        args = self.parsed_args()
+        if args is not None:
+            args.train_iters = iterations
+
+    def writers(self) -> tuple[Any, Any]:
+        global_vars = sys.modules[GLOBAL_VARS]
+        return global_vars.get_tensorboard_writer(), global_vars.get_wandb_writer()
+
+    def prints_after_log(self) -> bool:
+        return _prints_after(getattr(sys.modules.get(TRAINING), "training_log", None))
+
+
+MEGATRON_LM = MegatronLM()
+register(lambda: MEGATRON_LM if MEGATRON_LM.parsed_args() is not None else None)
+
+
+def _prints_after(training_log: Callable | None) -> bool:
+    """``training_log`` is wired to print a held line after its own (functools.wraps carries the mark through
+    wrappers on top)."""
+    return bool(getattr(training_log, "megatron_ga_ext_prints_after", False))
 
 
 def parser_module(state: Installation) -> ModuleType | bool:
@@ -142,7 +204,7 @@ def planned_num_samples(original: Callable, state: Installation) -> Callable:
     @functools.wraps(original)
     def get_train_valid_test_num_samples(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
-        train_samples = megatron_view().train_samples
+        train_samples = MEGATRON_LM.settings().train_samples
         planned = state.planned_samples(train_samples)
         if planned is None or result[0] != train_samples:
             return result
@@ -174,7 +236,7 @@ def saving_sidecar(original: Callable, state: Installation) -> Callable:
         result = original(iteration, *args, **kwargs)
         if state.active:
             state.after_save(
-                saved_directory(megatron_view(), bool(kwargs.get("non_persistent_ckpt", False))), iteration
+                saved_directory(MEGATRON_LM.settings(), bool(kwargs.get("non_persistent_ckpt", False))), iteration
             )
         return result
 
@@ -188,7 +250,7 @@ def loading_sidecar(original: Callable, state: Installation) -> Callable:
     @functools.wraps(original)
     def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
-        view = megatron_view()
+        view = MEGATRON_LM.settings()
         iteration = result[0] if isinstance(result, tuple) and result else view.iteration
         if state.active and isinstance(iteration, int) and iteration > 0:
             load_arg = kwargs.get("load_arg", args[3] if len(args) > 3 else "load")
@@ -201,3 +263,40 @@ def loading_sidecar(original: Callable, state: Installation) -> Callable:
         return result
 
     return load_checkpoint
+
+
+def saved_directory(args: MegatronArgs, non_persistent: bool) -> str | None:
+    """Where ``save_checkpoint`` put its checkpoint: ``--save``, or for a non-persistent global one
+    ``--non-persistent-global-ckpt-dir`` (default ``<--save>/non_persistent``). None where there is no such
+    directory: no ``--save``, or a local non-persistent checkpoint (per-rank files in Megatron's local checkpoint
+    manager, no ``iter_NNNNNNN`` directory; --ga-batch-size-warmup auto refuses it at start-up)."""
+    save = args.directory("save")
+    if not non_persistent:
+        return save
+    if args.get("non_persistent_ckpt_type") != "global":
+        return None
+    return args.get("non_persistent_global_ckpt_dir") or (
+        None if save is None else os.path.join(save, NON_PERSISTENT_SUBDIR)
+    )
+
+
+def loaded_directory(args: MegatronArgs, load_arg: str, iteration: int) -> str | None:
+    """Where ``load_checkpoint`` read ``iteration`` from: its non-persistent global directory
+    (``--non-persistent-global-ckpt-dir``, or ``<args.load_arg>/non_persistent``) where that directory's tracker
+    names ``iteration`` (upstream's ``_load_base_checkpoint`` prefers it when it is not older than the persistent
+    one), else ``args.<load_arg>``."""
+    load = args.directory(load_arg)
+    if args.get("non_persistent_ckpt_type") == "global":
+        explicit = args.get("non_persistent_global_ckpt_dir")
+        candidate = explicit if explicit or load is None else os.path.join(load, NON_PERSISTENT_SUBDIR)
+        if candidate and _tracked_iteration(Path(candidate) / TRACKER) == iteration:
+            return candidate
+    return load
+
+
+def _tracked_iteration(tracker: Path) -> int | None:
+    """The iteration a Megatron tracker file names; None where there is none (or it says ``release``)."""
+    try:
+        return int(tracker.read_text().strip())
+    except (OSError, ValueError):
+        return None

@@ -49,7 +49,7 @@ from megatron_ga_ext.config.launch_rules import check_noise_scale_layout
 from megatron_ga_ext.core.noise_scale import NoiseEstimate, NoiseScaleEMA, replica_estimate_from_sums
 from megatron_ga_ext.core.noise_trace import trace_row
 from megatron_ga_ext.errors import OptionError
-from megatron_ga_ext.integration.compat import consumed_train_samples, megatron_iteration
+from megatron_ga_ext.integration.host import current_host
 from megatron_ga_ext.integration.noise_scale_coverage import CountedElements, Coverage
 from megatron_ga_ext.integration.noise_scale_report import Reporter
 from megatron_ga_ext.logs import get_logger
@@ -119,7 +119,7 @@ class NoiseScaleMeter:
     def measuring(self) -> bool:
         """Whether the step in progress is measured: Megatron's iteration (as its log numbers it) is a multiple of K;
         without Megatron's args, the finalize count."""
-        iteration = megatron_iteration()
+        iteration = current_host().iteration()
         step = iteration if iteration is not None else self.steps + 1
         return step % self.interval == 0
 
@@ -182,7 +182,7 @@ class NoiseScaleMeter:
             ]
         )
         torch.distributed.all_reduce(vector)
-        iteration = megatron_iteration()
+        iteration = current_host().iteration()
         self._pending = (vector, iteration if iteration is not None else self.steps)
         self.learn_chunks(model)  # the next step's plans know every chunk's names
 
@@ -255,7 +255,7 @@ class NoiseScaleMeter:
         """The row ``megatron-ga schedule --suggest`` reads (core/schedule/suggest.py), and the parts behind it:
         B_simple from the EMAs, in tokens and in samples (at this step's loss tokens per sample, N / GBS)."""
         estimate = measurement.estimate
-        consumed, tokens_per_sample = consumed_train_samples(), None
+        consumed, tokens_per_sample = current_host().consumed_samples(), None
         if consumed is not None:
             from megatron.core.num_microbatches_calculator import get_current_global_batch_size
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from megatron_ga_ext.core.noise_trace import SCALARS, json_line, log_line, scalar_tag
-from megatron_ga_ext.integration.compat import bridge_step_state, megatron_args
+from megatron_ga_ext.integration.host import Host, current_host
 
 __all__ = ["Reporter", "last_rank"]
 
@@ -32,32 +32,28 @@ class Reporter:
         trace file."""
         if not last_rank():
             return
-        self._say(log_line(row))
-        tensorboard, wandb = _writers()
+        host = current_host()
+        self._say(log_line(row), host)
         scalars = {scalar_tag(name): row[name] for name in SCALARS if row[name] is not None}
-        if tensorboard is not None:
-            for name, value in scalars.items():
-                tensorboard.add_scalar(name, value, row["iteration"])
-        if wandb is not None:
-            wandb.log(scalars, row["iteration"])
+        host.record_metrics(scalars, row["iteration"])
         if self.trace_path:
             with open(self.trace_path, "a") as handle:
                 handle.write(json_line(row))
 
-    def _say(self, line: str) -> None:
-        """Print ``line``, or hold it for :meth:`say_held` (the report runs in the optimizer step, before Megatron
-        prints the iteration's line)."""
+    def _say(self, line: str, host: Host) -> None:
+        """Print ``line``, or hold it for :meth:`say_held` where the host's ``training_log`` prints it after its own
+        (the report runs in the optimizer step, before the loop prints the iteration's line)."""
         self.say_held()  # a line still held (no training_log since) is printed, not lost
-        if _training_log_prints_after():
+        if host.prints_after_log():
             self.held_line = line
         else:
-            print(line, flush=True)
+            host.print_line(line)
 
     def say_held(self) -> None:
         """Print the held log line, if any."""
         line, self.held_line = self.held_line, None
         if line is not None:
-            print(line, flush=True)
+            current_host().print_line(line)
 
 
 def last_rank() -> bool:
@@ -65,34 +61,3 @@ def last_rank() -> bool:
     if not torch.distributed.is_initialized():
         return True
     return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
-
-
-def _writers() -> tuple[Any, Any]:
-    """The loop's TensorBoard and W&B writers (each made on the last rank only): Megatron-LM's global ones, where
-    its training package is loaded, else those of the Megatron-Bridge step in progress (its GlobalState's)."""
-    import sys
-
-    global_vars = sys.modules.get("megatron.training.global_vars")
-    if global_vars is not None and megatron_args() is not None:
-        return global_vars.get_tensorboard_writer(), global_vars.get_wandb_writer()
-    bridge = bridge_step_state()
-    if bridge is None:
-        return None, None
-    return bridge.tensorboard_logger, bridge.wandb_logger
-
-
-def _training_log_prints_after() -> bool:
-    """Whether the loop's ``training_log`` is wired to print a held line and runs after this step: Megatron-LM's,
-    or in a Megatron-Bridge step Bridge's (which it skips under ``logger.skip_train_metrics_log``). The meter is
-    made after the wiring, so it asks at each report; functools.wraps carries the mark through wrappers on top."""
-    import sys
-
-    bridge = bridge_step_state()
-    if bridge is not None:
-        if bridge.cfg.logger.skip_train_metrics_log:
-            return False
-        module = "megatron.bridge.training.train"
-    else:
-        module = "megatron.training.training"
-    training_log = getattr(sys.modules.get(module), "training_log", None)
-    return bool(getattr(training_log, "megatron_ga_ext_prints_after", False))

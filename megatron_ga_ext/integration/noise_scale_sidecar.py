@@ -6,8 +6,7 @@ stages.
          "stages": [[threshold_samples, GBS], ...] or null}
 
 Version 1 had no ``stages`` (the EMAs only); it is read as a sidecar without stages. The checkpoint directory is
-where Megatron put that checkpoint (:func:`checkpoint_directory`): ``--save`` / ``--load``, or for a non-persistent
-global checkpoint ``--non-persistent-global-ckpt-dir`` (default ``<--save>/non_persistent``).
+where the host loop put that checkpoint (its adapter says: megatron_lm.saved_directory, bridge_loop.saved_directory).
 
 Written after Megatron's ``save_checkpoint`` on the last rank, by ``Installation.after_save`` (every rank folds the
 same all-reduced vector, so every rank holds the same EMAs), read by every rank after ``load_checkpoint``. The EMAs
@@ -21,7 +20,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from megatron_ga_ext.config.megatron_args import MegatronArgs
 from megatron_ga_ext.core.noise_scale import NoiseScaleEMA
 from megatron_ga_ext.errors import NoiseScaleError
 from megatron_ga_ext.integration.noise_scale import NoiseScaleMeter
@@ -32,9 +30,7 @@ __all__ = [
     "SIDECAR",
     "SIDECAR_VERSION",
     "load_sidecar",
-    "loaded_directory",
     "save_sidecar",
-    "saved_directory",
     "sidecar_path",
 ]
 
@@ -48,49 +44,6 @@ _BASE_KEYS = frozenset({"version", "iteration", "ema", "measurements"})
 #: The key sets each version it reads may have: 1 kept the EMAs only (and, written by releases that added
 #: ``stages`` before the version said so, the stages too), 2 the EMAs and the warmup's ``stages``.
 SIDECAR_KEYS = {1: (_BASE_KEYS, _BASE_KEYS | {"stages"}), 2: (_BASE_KEYS | {"stages"},)}
-
-
-#: Megatron-LM's subdirectory of ``--save`` / ``--load`` for non-persistent global checkpoints
-#: (``_NON_PERSISTENT_CKPT_SUBDIR`` in megatron/training/checkpointing.py), and its tracker file's name.
-NON_PERSISTENT_SUBDIR = "non_persistent"
-TRACKER = "latest_checkpointed_iteration.txt"
-
-
-def saved_directory(args: MegatronArgs, non_persistent: bool) -> str | None:
-    """Where Megatron-LM's ``save_checkpoint`` put its checkpoint: ``--save``, or for a non-persistent global one
-    ``--non-persistent-global-ckpt-dir`` (default ``<--save>/non_persistent``). None where there is no such
-    directory: no ``--save``, or a local non-persistent checkpoint (per-rank files in Megatron's local checkpoint
-    manager, no ``iter_NNNNNNN`` directory; --ga-batch-size-warmup auto refuses it at start-up)."""
-    save = args.directory("save")
-    if not non_persistent:
-        return save
-    if args.get("non_persistent_ckpt_type") != "global":
-        return None
-    return args.get("non_persistent_global_ckpt_dir") or (
-        None if save is None else os.path.join(save, NON_PERSISTENT_SUBDIR)
-    )
-
-
-def loaded_directory(args: MegatronArgs, load_arg: str, iteration: int) -> str | None:
-    """Where Megatron-LM's ``load_checkpoint`` read ``iteration`` from: its non-persistent global directory
-    (``--non-persistent-global-ckpt-dir``, or ``<args.load_arg>/non_persistent``) where that directory's tracker
-    names ``iteration`` (upstream's ``_load_base_checkpoint`` prefers it when it is not older than the persistent
-    one), else ``args.<load_arg>``."""
-    load = args.directory(load_arg)
-    if args.get("non_persistent_ckpt_type") == "global":
-        explicit = args.get("non_persistent_global_ckpt_dir")
-        candidate = explicit if explicit or load is None else os.path.join(load, NON_PERSISTENT_SUBDIR)
-        if candidate and _tracked_iteration(Path(candidate) / TRACKER) == iteration:
-            return candidate
-    return load
-
-
-def _tracked_iteration(tracker: Path) -> int | None:
-    """The iteration a Megatron tracker file names; None where there is none (or it says ``release``)."""
-    try:
-        return int(tracker.read_text().strip())
-    except (OSError, ValueError):
-        return None
 
 
 def sidecar_path(directory: str | os.PathLike, iteration: int) -> Path:
