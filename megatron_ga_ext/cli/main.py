@@ -111,9 +111,9 @@ def _run_ledger(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"{VIRTUAL_PIPELINE.flag} {vpp} is given with another flag that sets the virtual "
                 f"pipeline size ({kwargs['given']['virtual_pipeline_model_parallel_size']}); keep one."
-            )  # type: ignore[index]
+            )
         kwargs["virtual_pipeline_model_parallel_size"] = read_int(VIRTUAL_PIPELINE.flag, vpp)
-    layout = BatchLayout(**kwargs, grad_sync=args.grad_sync)  # type: ignore[arg-type]
+    layout = BatchLayout(**kwargs, grad_sync=args.grad_sync)
     if args.json:
         print(json.dumps(layout.ledger(), indent=2))
     else:
@@ -171,7 +171,7 @@ def print_report(report: Report) -> None:
         print()
         runs = "" if table.runs else " (not run: see the problems)"
         if table.warmup:
-            rows = [
+            warmup = [
                 (
                     gbs,
                     gbs // (table.micro_batch_size * table.data_parallel_size),
@@ -183,7 +183,7 @@ def print_report(report: Report) -> None:
             print_table(
                 f"stages of {table.source}: {table.summary}",
                 ("GBS", "micro-batches", "bubble", "tokens per step"),
-                rows,
+                warmup,
             )
         elif table.rows is None:
             print(f"stages of {table.source}{runs}: {table.summary}")

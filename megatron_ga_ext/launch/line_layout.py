@@ -4,6 +4,7 @@ pipeline its layer split derives, its sequence length, and what it leaves out or
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from megatron_ga_ext.config.flags import BY_DEST, OPTIONS
 from megatron_ga_ext.core.layout import FLAGS
@@ -21,7 +22,9 @@ __all__ = ["MISSING_MICRO_BATCH", "LaunchLayout", "layout_kwargs", "read_ints", 
 class LaunchLayout:
     """BatchLayout arguments of a launch line, and the rules its layer split breaks."""
 
-    kwargs: dict[str, object]
+    kwargs: dict[str, Any]
+    """BatchLayout's keyword arguments (None where the line leaves a size out), and ``given``: how the line gave each
+    size it spelled otherwise; BatchLayout checks each value when it is built."""
     virtual_pipeline: VirtualPipeline
     seq_problems: list[str] = field(default_factory=list)
     read_problems: list[Problem] = field(default_factory=list)
@@ -51,7 +54,7 @@ def read_layout(launch: Launch, world_size: int | None = None, *, missing_ok: bo
     UsageError where it cannot be read. With ``missing_ok`` (check), a missing --micro-batch-size and a
     ``world_size`` the line contradicts are problems (the line's world is kept), not errors."""
     ints = read_ints(launch)
-    kwargs: dict[str, object] = {name: ints.get(BY_DEST[name].dest) for name in FLAGS if name in BY_DEST}
+    kwargs: dict[str, Any] = {name: ints.get(BY_DEST[name].dest) for name in FLAGS if name in BY_DEST}
     given: dict[str, str] = {}
     found = Found() if missing_ok else None
     kwargs["world_size"] = checked_world(launch, ints, given, world_size, found)
@@ -76,7 +79,7 @@ def read_layout(launch: Launch, world_size: int | None = None, *, missing_ok: bo
         if kwargs[name] is None:
             kwargs[name] = 1
     seq_problems = _seq_length(launch, ints, kwargs, given)
-    vpp = virtual_pipeline(_layer_split(launch, ints, kwargs["pipeline_model_parallel_size"]))  # type: ignore[arg-type]
+    vpp = virtual_pipeline(_layer_split(launch, ints, kwargs["pipeline_model_parallel_size"]))
     kwargs["virtual_pipeline_model_parallel_size"] = vpp.size
     if vpp.given:
         given["virtual_pipeline_model_parallel_size"] = vpp.given
@@ -94,7 +97,7 @@ def read_layout(launch: Launch, world_size: int | None = None, *, missing_ok: bo
     )
 
 
-def layout_kwargs(launch: Launch, world_size: int | None = None) -> dict[str, object]:
+def layout_kwargs(launch: Launch, world_size: int | None = None) -> dict[str, Any]:
     """BatchLayout arguments from a launch line, raising its first layer-split problem (the ledger's way)."""
     layout = read_layout(launch, world_size)
     if layout.problems:
@@ -119,7 +122,7 @@ def _layer_split(launch: Launch, ints: dict[str, int], pipeline_model_parallel_s
     )
 
 
-def _seq_length(launch: Launch, ints: dict[str, int], kwargs: dict[str, object], given: dict[str, str]) -> list[str]:
+def _seq_length(launch: Launch, ints: dict[str, int], kwargs: dict[str, Any], given: dict[str, str]) -> list[str]:
     """Megatron's seq_length: --seq-length, else --encoder-seq-length (arguments.py maps it so); the problems."""
     seq, encoder, decoder = (ints.get(k) for k in ("seq_length", "encoder_seq_length", "decoder_seq_length"))
     if seq is not None and encoder is not None:

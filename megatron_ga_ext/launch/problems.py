@@ -335,12 +335,12 @@ def _schedule_inputs(launch: Launch, read: LaunchLayout) -> ScheduleInputs:
     return ScheduleInputs(
         step_batch_size_schedule=text,
         rampup_batch_size=launch.values.get("--rampup-batch-size"),
-        global_batch_size=kwargs["global_batch_size"],  # type: ignore[arg-type]
-        seq_length=kwargs["seq_length"],  # type: ignore[arg-type]
+        global_batch_size=kwargs["global_batch_size"],
+        seq_length=kwargs["seq_length"],
         convert_rampup=launch.on(CONVERT_RAMPUP.flag),
-        pipeline_model_parallel_size=kwargs["pipeline_model_parallel_size"],  # type: ignore[arg-type]
-        virtual_pipeline_model_parallel_size=kwargs["virtual_pipeline_model_parallel_size"],  # type: ignore[arg-type]
-        microbatch_group_size_per_vp_stage=kwargs["microbatch_group_size_per_vp_stage"],  # type: ignore[arg-type]
+        pipeline_model_parallel_size=kwargs["pipeline_model_parallel_size"],
+        virtual_pipeline_model_parallel_size=kwargs["virtual_pipeline_model_parallel_size"],
+        microbatch_group_size_per_vp_stage=kwargs["microbatch_group_size_per_vp_stage"],
         decrease_batch_size_if_needed=launch.on("--decrease-batch-size-if-needed"),
     )
 
