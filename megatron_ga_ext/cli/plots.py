@@ -4,11 +4,17 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+from typing import TYPE_CHECKING
+
 from megatron_ga_ext.cli.hints import install_hint
 from megatron_ga_ext.core.noise_trace import TraceRow
 from megatron_ga_ext.core.schedule.step_schedule import StageRow
 from megatron_ga_ext.core.schedule.suggest import DoublingRule, Suggestion
 from megatron_ga_ext.errors import UsageError
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["count_label", "plot_schedule", "plot_suggestion"]
 
@@ -143,7 +149,8 @@ def plot_suggestion(
     save_figure(plt, figure, path)
 
 
-def pyplot():
+def pyplot() -> ModuleType:
+    """matplotlib.pyplot on the Agg backend (files only, no display); a UsageError naming the extra without it."""
     try:
         import matplotlib
 
@@ -154,7 +161,8 @@ def pyplot():
     return plt
 
 
-def save_figure(plt, figure, path: str) -> None:
+def save_figure(plt: ModuleType, figure: Figure, path: str) -> None:
+    """Write ``figure`` to ``path`` and close it; a UsageError where the file cannot be written."""
     try:
         figure.savefig(path)
     except OSError as error:

@@ -224,10 +224,18 @@ def _inputs(args: argparse.Namespace, mbs: int, dp: int, seq: int | None) -> Sch
 
 
 def _validate(args: argparse.Namespace, schedule: StepSchedule, inputs: ScheduleInputs, consumed: int) -> list[str]:
+    """Raise the schedule's first broken rule on the command's layout; the problems demoted to warnings
+    (--warn-future-stages), as text."""
+    mbs, dp = inputs.micro_batch_size, inputs.data_parallel_size
+    assert mbs is not None and dp is not None, "_inputs counts both from the command's flags"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ScheduleWarning)
         demoted = schedule.validate(
-            **inputs.layout(),
+            micro_batch_size=mbs,
+            data_parallel_size=dp,
+            pipeline_model_parallel_size=inputs.pipeline_model_parallel_size,
+            virtual_pipeline_size=inputs.virtual_pipeline_model_parallel_size,
+            microbatch_group_size_per_vp_stage=inputs.microbatch_group_size_per_vp_stage,
             consumed_samples=consumed,
             planned_data_parallel_sizes=[
                 count("--planned-data-parallel-sizes", d) for d in args.planned_data_parallel_sizes

@@ -20,7 +20,7 @@ import sys
 import time
 import warnings
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from megatron_ga_ext.cli.hints import install_hint
@@ -28,7 +28,9 @@ from megatron_ga_ext.cli.render import print_table
 from megatron_ga_ext.errors import VerifyError
 
 if TYPE_CHECKING:
+    from megatron_ga_ext.verify.fuzz import Draw, DrawResult
     from megatron_ga_ext.verify.harness import LayoutResult
+    from megatron_ga_ext.verify.layouts import Layout
 
 __all__ = ["configure_parser", "run", "rows_from_results"]
 
@@ -127,12 +129,15 @@ def _fuzz(args: argparse.Namespace, versions: str, start: float) -> int:
     return 0 if all(row["verdict"] in ("ok", "limited") for row in rows) else 1
 
 
-def _runnable_draws(draws: list, device: str) -> list:
+def _runnable_draws(draws: list[Draw], device: str) -> list[Draw]:
+    """The draws whose layout ``device`` can run (``_runnable``)."""
     kept = _runnable(tuple(draw.layout for draw in draws), device)
     return [draw for draw in draws if draw.layout in kept]
 
 
-def _draw_row(draw, verdicts, failure: str | None, args: argparse.Namespace) -> dict[str, Any]:
+def _draw_row(
+    draw: Draw, verdicts: Sequence[DrawResult] | None, failure: str | None, args: argparse.Namespace
+) -> dict[str, Any]:
     """One draw's row: the worst errors over ranks of its two modes, and its verdict."""
     row = {
         "draw": draw.index,
@@ -149,8 +154,8 @@ def _draw_row(draw, verdicts, failure: str | None, args: argparse.Namespace) -> 
     }
     if verdicts is None:
         return row
-    limited = {v.limited for v in verdicts} - {None}
-    errors = {v.error for v in verdicts} - {None}
+    limited = {v.limited for v in verdicts if v.limited is not None}
+    errors = {v.error for v in verdicts if v.error is not None}
     if limited:
         return row | {"verdict": "limited", "reason": limited.pop()}
     if errors:
@@ -247,7 +252,7 @@ def _import_upstream() -> str:
     return f"megatron-core {megatron.core.__version__}, torch {torch.__version__}"
 
 
-def _runnable(layouts: tuple, device: str) -> list:
+def _runnable(layouts: tuple[Layout, ...], device: str) -> list[Layout]:
     """All layouts on the CPU; on CUDA those with no more ranks than GPUs (nccl needs one each)."""
     if device == "cpu":
         return list(layouts)
