@@ -64,7 +64,10 @@ def measure_aux_coefficients(cfg: VerifyConfig, layouts: tuple[Layout, ...]) -> 
     return out
 
 
-def _no_lm_loss(output: torch.Tensor, loss_mask: torch.Tensor, *, mode: str):
+def _no_lm_loss(
+    output: torch.Tensor, loss_mask: torch.Tensor, *, mode: str
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss function with the LM loss zeroed: only the auxiliary losses reach the gradient."""
     loss, num_tokens, report = masked_loss(output, loss_mask, mode=mode)
     return loss * 0.0, num_tokens, report  # N is still the batch's loss tokens
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Literal
 
 from megatron_ga_ext.verify.layouts import Layout
 
@@ -32,7 +33,21 @@ __all__ = ["Draw", "draw_layouts"]
 
 SEQ_LENGTH = 16
 MAX_WORLD = 4
-MOE_KINDS = ("moe", "moe_seq", "moe_global", "moe_global_z", "moe_bias")
+#: The models a draw picks from (a part of Layout.model's).
+DrawnModel = Literal[
+    "gpt",
+    "positionwise",
+    "moe",
+    "mtp",
+    "mtp2",
+    "moe_mtp",
+    "moe_global",
+    "moe_global_z",
+    "moe_seq",
+    "moe_bias",
+    "moe_positionwise",
+]
+MOE_KINDS: tuple[DrawnModel, ...] = ("moe", "moe_seq", "moe_global", "moe_global_z", "moe_bias")
 
 
 @dataclass(frozen=True)
@@ -56,6 +71,7 @@ def draw_layouts(count: int, seed: int) -> list[Draw]:
 
 def _draw(rng: random.Random, index: int) -> Draw:
     cp = rng.choice((1, 1, 2))
+    model: DrawnModel
     if cp > 1:
         model = rng.choice(("positionwise", "moe_positionwise"))
         tp, pp, vpp = 1, 1, 1

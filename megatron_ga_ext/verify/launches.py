@@ -72,7 +72,7 @@ def launch_draws(
     """(draw, every rank's verdict, None) for each draw, or (draw, None, why) where its launch failed; the draws of
     one world size at most :data:`DRAWS_PER_LAUNCH` to a launch."""
     launch = LaunchConfig(backend="gloo" if device == "cpu" else "nccl", timeout_s=timeout_s)
-    out = []
+    out: list[tuple[Draw, tuple[DrawResult, ...] | None, str | None]] = []
     for world_size, of_world in sorted(_by_world(draws, lambda draw: draw.layout).items()):
         for i in range(0, len(of_world), DRAWS_PER_LAUNCH):
             batch = tuple(of_world[i : i + DRAWS_PER_LAUNCH])
