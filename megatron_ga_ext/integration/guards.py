@@ -144,7 +144,7 @@ def current_pipeline_size() -> int:
 
     if not parallel_state.model_parallel_is_initialized():
         return 1
-    return parallel_state.get_pipeline_model_parallel_world_size()
+    return int(parallel_state.get_pipeline_model_parallel_world_size())
 
 
 class MicrobatchCounter:

@@ -108,7 +108,7 @@ def mean_of_means_reports(loss_func: Callable) -> Callable:
     sum(report[1]) over micro-batches and DP x CP ranks, is the mean of the micro-batch means that this mode
     optimises, not the token mean. Reports of another shape pass unchanged."""
 
-    def reported(*args: Any, **kwargs: Any):
+    def reported(*args: Any, **kwargs: Any) -> Any:
         outputs = loss_func(*args, **kwargs)
         if kwargs.get("non_loss_data") or not isinstance(outputs, tuple) or not isinstance(outputs[-1], dict):
             return outputs
@@ -159,8 +159,9 @@ class LossContract:
         outputs = loss_func(*args, **kwargs)
         return outputs if kwargs.get("non_loss_data") else self.check(outputs)
 
-    def check(self, outputs: Any) -> tuple:
-        """Validate one micro-batch's ``(loss, num_tokens, report)``; return it unchanged.
+    def check(self, outputs: Any) -> Any:
+        """Validate one micro-batch's ``(loss, num_tokens, report)`` (a tuple, or a list of three); return it
+        unchanged.
 
         The loss is kept as ``loss.data``, an alias of its values without autograd: Megatron's 1F1B schedule
         may free a last stage's output storage (``deallocate_pipeline_outputs``) before finalize, and the alias

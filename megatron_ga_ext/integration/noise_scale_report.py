@@ -60,4 +60,4 @@ def last_rank() -> bool:
     """This rank is the one that reports: the last, where Megatron prints and keeps its writers."""
     if not torch.distributed.is_initialized():
         return True
-    return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+    return bool(torch.distributed.get_rank() == torch.distributed.get_world_size() - 1)

@@ -58,7 +58,8 @@ def _host_values(*values: Any) -> list[float]:
     """The values as floats, in one device-to-host read."""
     tensors = [torch.as_tensor(v, dtype=torch.float64) for v in values]
     device = next((t.device for t in tensors if t.device.type != "cpu"), torch.device("cpu"))
-    return torch.stack([t.to(device) for t in tensors]).tolist()
+    floats: list[float] = torch.stack([t.to(device) for t in tensors]).tolist()
+    return floats
 
 
 def _close(a: float, b: float) -> bool:
