@@ -148,7 +148,7 @@ class StartupChecks:
         self.done = True
         check_ranks_agree(batch_settings(args, config, live_calculator()))
         if self.checkpoint_settings is not None and args is not None:
-            self._warn_if_changed(args)
+            self._warn_if_changed(args, self.checkpoint_settings)
         return verdict
 
     def recording(self, original: Callable) -> Callable:
@@ -162,11 +162,12 @@ class StartupChecks:
 
         return check_checkpoint_args
 
-    def _warn_if_changed(self, args: argparse.Namespace) -> None:
+    def _warn_if_changed(self, args: argparse.Namespace, saved: Mapping[str, str]) -> None:
+        """A warning where the run resumes with batch settings other than ``saved`` (the checkpoint's)."""
         now = batch_settings(args)
         changed = [
             f"{key} {was!r} when it was saved, {now[key]!r} now"
-            for key, was in self.checkpoint_settings.items()
+            for key, was in saved.items()
             if key in now and now[key] != was
         ]
         if not changed:

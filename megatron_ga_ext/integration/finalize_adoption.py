@@ -42,11 +42,11 @@ def adopt_finalize(finalize: FinalizeModelGrads, config: TransformerConfig) -> A
     installation's (set before install() with another config), directly or in a ``functools.partial``; None where it
     holds neither."""
     current = getattr(config, "finalize_model_grads_func", None)
-    partial = isinstance(current, functools.partial)
-    function = current.func if partial else current
-    if function is finalize or not _is_upstream_finalize(finalize, function):
+    partial = current if isinstance(current, functools.partial) else None
+    function = partial.func if partial is not None else current
+    if current is None or function is finalize or not _is_upstream_finalize(finalize, function):
         return None
-    replacement = functools.partial(finalize, *current.args, **current.keywords) if partial else finalize
+    replacement = functools.partial(finalize, *partial.args, **partial.keywords) if partial is not None else finalize
     config.finalize_model_grads_func = replacement
     return AdoptedFinalize(weakref.ref(config), current, replacement)
 
