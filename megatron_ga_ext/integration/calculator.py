@@ -37,8 +37,8 @@ class StepScheduleCalculator:
     def __init__(
         self,
         schedule: StepSchedule,
-        micro_batch_size: int,
-        data_parallel_size: int,
+        micro_batch_size: int | None,
+        data_parallel_size: int | None,
         rank: int = 0,
         pipeline_model_parallel_size: int = 1,
         virtual_pipeline_size: int | None = None,
@@ -49,7 +49,8 @@ class StepScheduleCalculator:
     ) -> None:
         """Args:
         schedule: the step schedule (see :meth:`StepSchedule.parse`, :meth:`StepSchedule.from_rampup`).
-        micro_batch_size, data_parallel_size: MBS and DP; one step consumes MBS x DP x num_microbatches.
+        micro_batch_size, data_parallel_size: MBS and DP; one step consumes MBS x DP x num_microbatches. Each
+            is checked here: a size Megatron's call leaves out (None) is refused with a SizeError.
         rank: only rank 0 logs.
         pipeline_model_parallel_size, virtual_pipeline_size, microbatch_group_size_per_vp_stage: checked
             against the interleaved schedule's rule for every stage at the first checked update.
@@ -140,9 +141,16 @@ class StepScheduleCalculator:
     @classmethod
     def for_launch(cls, schedule: StepSchedule, inputs: ScheduleInputs, rank: int = 0) -> StepScheduleCalculator:
         """The calculator of a resolved schedule, checked against the same layout as ``megatron-ga check``
-        (``inputs.layout()``: MBS, DP, PP, VPP and N)."""
-        layout = inputs.layout()
-        return cls(schedule, layout.pop("micro_batch_size"), layout.pop("data_parallel_size"), rank, **layout)
+        (MBS, DP, PP, VPP and N of ``inputs``, as ``inputs.layout()`` gives them to ``check``)."""
+        return cls(
+            schedule,
+            inputs.micro_batch_size,
+            inputs.data_parallel_size,
+            rank,
+            pipeline_model_parallel_size=inputs.pipeline_model_parallel_size,
+            virtual_pipeline_size=inputs.virtual_pipeline_model_parallel_size,
+            microbatch_group_size_per_vp_stage=inputs.microbatch_group_size_per_vp_stage,
+        )
 
     # -- Megatron's interface ------------------------------------------------------------------
 
