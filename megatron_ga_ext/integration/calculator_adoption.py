@@ -116,14 +116,14 @@ def guard_live_calculator(config: GAConfig) -> Calculator | None:
 def _data_parallel_size(calculator: object) -> int | None:
     """DP of a built calculator: MBS x DP / MBS where it keeps that product (the schedule calculators), else the
     running GBS / (MBS x num_microbatches) (upstream's constant one keeps only those); None where it says neither."""
-    micro_batch_size = getattr(calculator, "micro_batch_size", None)
+    micro_batch_size: int | None = getattr(calculator, "micro_batch_size", None)
     if not micro_batch_size:
         return None
-    product = getattr(calculator, "micro_batch_times_data_parallel_size", None)
+    product: int | None = getattr(calculator, "micro_batch_times_data_parallel_size", None)
     if product:
         return product // micro_batch_size
-    running = getattr(calculator, "current_running_global_batch_size", None)
-    microbatches = getattr(calculator, "num_micro_batches", None)
+    running: int | None = getattr(calculator, "current_running_global_batch_size", None)
+    microbatches: int | None = getattr(calculator, "num_micro_batches", None)
     if running and microbatches and running % (micro_batch_size * microbatches) == 0:
         return running // (micro_batch_size * microbatches)
     return None
