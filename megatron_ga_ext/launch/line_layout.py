@@ -34,6 +34,7 @@ class LaunchLayout:
 
     @property
     def problems(self) -> list[GAError]:
+        """The rules the line's layer split breaks (the virtual pipeline's problems)."""
         return list(self.virtual_pipeline.problems)
 
 
@@ -106,6 +107,7 @@ def layout_kwargs(launch: Launch, world_size: int | None = None) -> dict[str, An
 
 
 def _layer_split(launch: Launch, ints: dict[str, int], pipeline_model_parallel_size: int) -> LayerSplit:
+    """The flags of ``launch`` that split the layers over the pipeline stages (``ints``: its integer flags)."""
     pattern = launch.get("--hybrid-layer-pattern") or launch.get("--hybrid-override-pattern")
     return LayerSplit(
         pipeline_model_parallel_size=pipeline_model_parallel_size,
