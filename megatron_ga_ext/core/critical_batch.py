@@ -11,26 +11,37 @@ which this module fits in the parametrisation
 
 so that log S(B) = a + log(1 + B_crit / B) and log E(B) = a + log(B_crit + B), with a = log S_min.
 
-**The fit** is least squares in log space over every run's two coordinates, log S and log E (the residuals are
-multiplicative errors, and a run at a small B weighs as much as one at a large B):
+**The fit** is least squares in log space (the residuals are multiplicative errors, and a run at a small B weighs
+as much as one at a large B):
 
-    minimise over (a, B_crit):  sum_i (log S_i - a - log(1 + B_crit / B_i))^2 + (log E_i - a - log(B_crit + B_i))^2.
+    minimise over (a, B_crit):  sum_i (log S_i - a - log(1 + B_crit / B_i))^2.
 
-For a fixed B_crit the best a is closed-form (the mean of the 2n residuals without it), so the fit is a 1-D search
-over u = log B_crit: a grid of :data:`GRID` points over [log min B - log 1000, log max B + log 1000], then a golden
-section search between the best grid point's neighbours. S_min = exp(a), E_min = S_min x B_crit.
+It is a fit of log S alone: E_i = B_i x S_i and E(B) = B x S(B), so a run's log E residual equals its log S residual
+exactly, and a sum over both coordinates is twice this one (the same minimum). For a fixed B_crit the best a is
+closed-form (the mean residual without it), so the fit is a 1-D search over u = log B_crit: a grid of :data:`GRID`
+points over [log min B - log 1000, log max B + log 1000], then a golden section search between the best grid
+point's neighbours. S_min = exp(a), E_min = S_min x B_crit. Several runs at one batch size (seeds) are points of
+their own.
+
+**Dominated runs** are left out first (:func:`pareto_split`): the trade-off curve has S fall and E rise as B grows,
+so a batch size whose runs need at least as many steps *and* samples as another batch size's (geometric means over
+its runs, one of the two strictly more) is not on it (its LR, its warmup or the run's length limits it); the caller
+reports which.
 
 **Fittable** only when at least 3 runs with 3 distinct batch sizes reached the target, and the fitted B_crit lies
 within the span of their batch sizes [min B, max B] (a run on each side of the knee). Where every run is far above
 the knee (B >> B_crit) S is flat at S_min and E_min is not determined; where every run is far below it
 (B << B_crit) E is flat at E_min and S_min is not: such a target is reported with its reason, never fitted.
 
-**The uncertainty** is a percentile bootstrap over runs: draw n runs with replacement (seeded), refit, and take
-the (1 - level) / 2 and (1 + level) / 2 quantiles of the refitted B_crit (linear between order statistics). A
-resample with fewer than 3 distinct batch sizes cannot be fitted: it is counted and left out. A resample whose fit
-runs to the search's edge (its sum of squares still falls toward B_crit -> 0 or -> inf: every drawn run far on one
-side of the knee) does not determine B_crit: it counts as -inf or +inf, and where a quantile falls on such a
-resample, that end of the interval is not bounded (None), never the search's edge.
+**The uncertainty** (default, :func:`profile_b_crit`) is the profile-likelihood interval on the 1-D search, with n
+runs: every B_crit whose profile RSS is within 1 + t^2 / (n - 2) of the least (core/profile_interval.py; t the
+Student quantile at n - 2 degrees of freedom); an end the search's range does not close is not bounded (None). Its
+coverage on synthetic sweeps is measured by tests/test_critical_batch_fit.py and stated in docs/critical-batch.md.
+The percentile bootstrap over runs (:func:`bootstrap_b_crit`) is kept as an option: with 5 to 6 runs it has few
+distinct resamples and covers less than its level. It draws n runs with replacement (seeded), refits, and takes
+the (1 - level) / 2 and (1 + level) / 2 quantiles of the refitted B_crit; a resample with fewer than 3 distinct
+batch sizes is counted and left out; one whose fit runs to the search's edge counts as -inf or +inf, and where a
+quantile falls on such a resample, that end of the interval is not bounded (None), never the search's edge.
 """
 
 from __future__ import annotations
@@ -41,6 +52,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from megatron_ga_ext.core.profile_interval import profile_bounds, t_quantile
 from megatron_ga_ext.errors import CriticalBatchError
 
 __all__ = [
@@ -52,6 +64,8 @@ __all__ = [
     "default_targets",
     "fit_hyperbola",
     "fit_target",
+    "pareto_split",
+    "profile_b_crit",
     "steps_rise",
 ]
 
@@ -105,20 +119,23 @@ class Fit:
 
 @dataclass(frozen=True, kw_only=True)
 class Interval:
-    """A percentile bootstrap interval of B_crit; an end is None where the data do not bound it (module docstring)."""
+    """An interval of B_crit, profile likelihood or percentile bootstrap; an end is None where the data do not bound
+    it (module docstring). The resample counts are the bootstrap's (0 for the profile)."""
 
     low: float | None
     high: float | None
     level: float
-    resamples: int
+    method: str = "bootstrap"
+    """``profile`` or ``bootstrap``."""
+    resamples: int = 0
     """Resamples drawn."""
-    used: int
+    used: int = 0
     """Resamples fitted (the others had fewer than 3 distinct batch sizes)."""
-    below: int
+    below: int = 0
     """Fitted resamples whose fit ran to the search's lower edge (B_crit -> 0: every drawn run above the knee)."""
-    above: int
+    above: int = 0
     """Fitted resamples whose fit ran to the search's upper edge (B_crit -> inf: every drawn run below the knee)."""
-    seed: int
+    seed: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,6 +148,8 @@ class TargetFit:
     interval: Interval | None
     reason: str | None
     """Why the target is not fittable; None when it is fitted."""
+    dominated: tuple[RunPoint, ...] = ()
+    """Runs left out of the fit as Pareto-dominated (:func:`pareto_split`); not in ``points``."""
 
 
 def fit_hyperbola(points: Sequence[RunPoint]) -> Fit:
@@ -157,22 +176,22 @@ def _fit_logs(
     """(B_crit, a = log S_min) minimising the weighted sum of squares over (B, log S, log E) points: a point of
     weight w counts as w copies (a bootstrap resample draws a run more than once). With ``edges``, a minimum at the
     search's edge (within a hundredth of a grid step) gives B_crit = -inf or +inf: not determined."""
-    total = 2 * sum(weights)
-
-    def profile(u: float) -> tuple[float, float]:
-        """(sum of squares, a) at B_crit = exp(u), a at its closed-form best (the weighted mean residual)."""
-        c = math.exp(u)
-        r = [(s - math.log1p(c / b), e - math.log(c + b), w) for (b, s, e), w in zip(logs, weights)]
-        a = sum(w * (x + y) for x, y, w in r) / total
-        return sum(w * ((x - a) ** 2 + (y - a) ** 2) for x, y, w in r), a
-
     sizes = [b for b, _, _ in logs]
     low, high = math.log(min(sizes) / REACH), math.log(max(sizes) * REACH)
-    u = _minimise(lambda x: profile(x)[0], low, high)
+    u = _minimise(lambda x: _rss(logs, weights, x)[0], low, high)
     margin = (high - low) / (GRID - 1) / 100
     if edges and not low + margin < u < high - margin:
         return (-math.inf if u - low < high - u else math.inf), math.nan
-    return math.exp(u), profile(u)[1]
+    return math.exp(u), _rss(logs, weights, u)[1]
+
+
+def _rss(logs: Sequence[tuple[float, float, float]], weights: Sequence[int], u: float) -> tuple[float, float]:
+    """(residual sum of squares in log S, a) at B_crit = exp(u), a at its closed-form best (the weighted mean
+    residual). log E is not summed: its residual equals log S's (module docstring)."""
+    c = math.exp(u)
+    r = [(s - math.log1p(c / b), w) for (b, s, _), w in zip(logs, weights)]
+    a = sum(w * x for x, w in r) / sum(weights)
+    return sum(w * (x - a) ** 2 for x, w in r), a
 
 
 def _minimise(f: Callable[[float], float], low: float, high: float) -> float:
@@ -234,6 +253,53 @@ def steps_rise(points: Sequence[RunPoint]) -> list[tuple[RunPoint, RunPoint]]:
     return [(small, large) for small, large in itertools.pairwise(ordered) if large.steps > small.steps]
 
 
+def pareto_split(points: Sequence[RunPoint]) -> tuple[tuple[RunPoint, ...], tuple[RunPoint, ...]]:
+    """(kept, dominated): the runs at a batch size whose geometric-mean steps and samples are both at least another
+    batch size's, one strictly more, are dominated (module docstring); the others are kept, in the order given."""
+    by_size: dict[int, list[RunPoint]] = {}
+    for p in points:
+        by_size.setdefault(p.batch_size, []).append(p)
+    means = {
+        b: (sum(math.log(p.steps) for p in ps) / len(ps), sum(math.log(p.samples) for p in ps) / len(ps))
+        for b, ps in by_size.items()
+    }
+    dominated = {
+        b
+        for b, (s, e) in means.items()
+        if any(s2 <= s and e2 <= e and (s2, e2) != (s, e) for b2, (s2, e2) in means.items() if b2 != b)
+    }
+    return (
+        tuple(p for p in points if p.batch_size not in dominated),
+        tuple(p for p in points if p.batch_size in dominated),
+    )
+
+
+def profile_b_crit(points: Sequence[RunPoint], *, level: float = 0.95) -> Interval:
+    """The profile-likelihood interval of B_crit (module docstring; core/profile_interval.py)."""
+    if len(points) < MIN_RUNS:
+        raise CriticalBatchError(f"the profile interval needs at least {MIN_RUNS} runs ({len(points)} given).")
+    logs = [(float(p.batch_size), math.log(p.steps), math.log(p.samples)) for p in points]
+    weights = [1] * len(logs)
+    b_crit, _ = _fit_logs(logs, weights)
+    best = math.log(b_crit)
+    least = _rss(logs, weights, best)[0]
+    threshold = least * (1 + t_quantile(level, len(points) - 2) ** 2 / (len(points) - 2))
+    sizes = [b for b, _, _ in logs]
+    low, high = profile_bounds(
+        lambda u: _rss(logs, weights, u)[0],
+        best,
+        math.log(min(sizes) / REACH),
+        math.log(max(sizes) * REACH),
+        threshold,
+    )
+    return Interval(
+        low=None if low is None else math.exp(low),
+        high=None if high is None else math.exp(high),
+        level=level,
+        method="profile",
+    )
+
+
 def bootstrap_b_crit(
     points: Sequence[RunPoint], *, resamples: int = 1000, seed: int = 0, level: float = 0.95
 ) -> Interval:
@@ -284,17 +350,31 @@ def _quantile(ordered: Sequence[float], q: float) -> float | None:
 
 
 def fit_target(
-    target: float, points: Sequence[RunPoint], *, resamples: int = 1000, seed: int = 0, level: float = 0.95
+    target: float,
+    points: Sequence[RunPoint],
+    *,
+    resamples: int = 1000,
+    seed: int = 0,
+    level: float = 0.95,
+    interval: str = "profile",
+    keep_dominated: bool = False,
 ) -> TargetFit:
-    """One target: fitted with its bootstrap interval, or not fittable with the reason (module docstring)."""
-    points = tuple(points)
+    """One target: its dominated runs left out (unless ``keep_dominated``), then fitted with its interval (``profile``
+    or ``bootstrap``), or not fittable with the reason (module docstring)."""
+    if interval not in ("profile", "bootstrap"):
+        raise CriticalBatchError(f"the interval {interval!r} is not one of 'profile', 'bootstrap'.")
+    points, dominated = (tuple(points), ()) if keep_dominated else pareto_split(points)
     reason = not_fittable_reason(points, None)
     fit = None if reason else fit_hyperbola(points)
     reason = reason or not_fittable_reason(points, fit)
     if reason is not None:
-        return TargetFit(target=target, points=points, fit=None, interval=None, reason=reason)
-    interval = bootstrap_b_crit(points, resamples=resamples, seed=seed, level=level)
-    return TargetFit(target=target, points=points, fit=fit, interval=interval, reason=None)
+        return TargetFit(target=target, points=points, fit=None, interval=None, reason=reason, dominated=dominated)
+    found = (
+        profile_b_crit(points, level=level)
+        if interval == "profile"
+        else bootstrap_b_crit(points, resamples=resamples, seed=seed, level=level)
+    )
+    return TargetFit(target=target, points=points, fit=fit, interval=found, reason=None, dominated=dominated)
 
 
 def default_targets(every_run_reaches: float, every_run_starts_above: float, count: int) -> list[float]:
