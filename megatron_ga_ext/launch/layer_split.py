@@ -103,7 +103,7 @@ def virtual_pipeline(split: LayerSplit) -> VirtualPipeline:
     if result.problems:
         return result
     if split.hybrid_layer_pattern is not None:
-        _hybrid(split, result)
+        _hybrid(split, split.hybrid_layer_pattern, result)
         return result
     chosen = [
         f
@@ -123,7 +123,7 @@ def virtual_pipeline(split: LayerSplit) -> VirtualPipeline:
         )
         return result
     if split.pipeline_model_parallel_layout is not None:
-        _from_layout(split, result)
+        _from_layout(split, split.pipeline_model_parallel_layout, result)
     elif (per_stage := split.num_layers_per_virtual_pipeline_stage) is not None:
         _from_layers_per_stage(split, per_stage, result)
     elif split.num_virtual_stages_per_pipeline_rank is not None:
@@ -136,9 +136,10 @@ def virtual_pipeline(split: LayerSplit) -> VirtualPipeline:
     return result
 
 
-def _hybrid(split: LayerSplit, result: VirtualPipeline) -> None:
-    """--hybrid-layer-pattern sets the layers and the pipeline segments itself; the other flags conflict."""
-    main = split.hybrid_layer_pattern.split("/")[0]  # type: ignore[union-attr]
+def _hybrid(split: LayerSplit, pattern: str, result: VirtualPipeline) -> None:
+    """--hybrid-layer-pattern (``pattern``) sets the layers and the pipeline segments itself; the other flags
+    conflict. VPP = '|' segments / PP where there are more segments than pipeline ranks."""
+    main = pattern.split("/")[0]
     conflicts = [
         f
         for f, on in (
@@ -165,7 +166,7 @@ def _hybrid(split: LayerSplit, result: VirtualPipeline) -> None:
     if segments % pp:
         result.problems.append(
             LayerSplitError(
-                f"{HYBRID} {split.hybrid_layer_pattern!r} has {segments} pipeline segments ('|' separated), not a "
+                f"{HYBRID} {pattern!r} has {segments} pipeline segments ('|' separated), not a "
                 f"multiple of --pipeline-model-parallel-size {pp}; Megatron asserts the segments divide evenly over "
                 f"the pipeline ranks. Use {', '.join(map(str, nearest_multiples(segments, pp)))} segments."
             )
@@ -176,10 +177,11 @@ def _hybrid(split: LayerSplit, result: VirtualPipeline) -> None:
         result.given = f"{HYBRID}: {segments} segments / --pipeline-model-parallel-size {pp}"
 
 
-def _from_layout(split: LayerSplit, result: VirtualPipeline) -> None:
-    text, pp = split.pipeline_model_parallel_layout, split.pipeline_model_parallel_size
+def _from_layout(split: LayerSplit, text: str, result: VirtualPipeline) -> None:
+    """VPP = stages of --pipeline-model-parallel-layout (``text``) / PP; the flags that place layers conflict."""
+    pp = split.pipeline_model_parallel_size
     try:
-        stages = layout_stage_count(text)  # type: ignore[arg-type]
+        stages = layout_stage_count(text)
     except LayerSplitError as error:
         result.problems.append(error)
         return
@@ -257,11 +259,11 @@ def _from_layers_per_stage(split: LayerSplit, per_stage: int, result: VirtualPip
 
 def _split_problems(split: LayerSplit, vpp: VirtualPipeline) -> list[LayerSplitError]:
     """The layers over the pipeline ranks (and their virtual stages), when --num-layers is given."""
-    if split.num_layers is None or (split.pipeline_model_parallel_size == 1 and vpp.size is None):
+    layers, pp = split.num_layers, split.pipeline_model_parallel_size
+    if layers is None or (pp == 1 and vpp.size is None):
         return []
     if split.uneven:
-        return _uneven_problems(split, vpp)
-    layers, pp = split.num_layers, split.pipeline_model_parallel_size
+        return _uneven_problems(split, layers, vpp)
     total = layers + split.extra_layers
     if total % pp:
         return [
@@ -279,8 +281,9 @@ def _split_problems(split: LayerSplit, vpp: VirtualPipeline) -> list[LayerSplitE
     return []
 
 
-def _uneven_problems(split: LayerSplit, vpp: VirtualPipeline) -> list[LayerSplitError]:
-    """An uneven first/last stage: TransformerConfig's and get_num_layers_to_build's rules."""
+def _uneven_problems(split: LayerSplit, layers: int, vpp: VirtualPipeline) -> list[LayerSplitError]:
+    """An uneven first/last stage of ``layers`` (--num-layers): TransformerConfig's and get_num_layers_to_build's
+    rules; the layers the first/last counts leave split evenly over the stages they leave (and over VPP)."""
     if split.extra_layers:
         return [
             LayerSplitError(
@@ -289,7 +292,8 @@ def _uneven_problems(split: LayerSplit, vpp: VirtualPipeline) -> list[LayerSplit
                 f'time with account_for_embedding_in_pipeline_split"). Keep one way of balancing the stages.'
             )
         ]
-    problems, middle, stages = [], split.num_layers, split.pipeline_model_parallel_size
+    problems: list[LayerSplitError] = []
+    middle, stages = layers, split.pipeline_model_parallel_size
     ends = ((FIRST, split.decoder_first_pipeline_num_layers), (LAST, split.decoder_last_pipeline_num_layers))
     for flag, given in ends:
         if given is None:
@@ -302,10 +306,10 @@ def _uneven_problems(split: LayerSplit, vpp: VirtualPipeline) -> list[LayerSplit
                     f"{f'{vpp.size} ({vpp.given})' if vpp.size else ''}; Megatron refuses it otherwise."
                 )
             )
-        middle, stages = middle - given, stages - 1  # type: ignore[operator]
+        middle, stages = middle - given, stages - 1
     if problems:
         return problems
-    if bool(middle) != bool(stages) or (stages and middle % stages):  # type: ignore[operator]
+    if bool(middle) != bool(stages) or (stages and middle % stages):
         problems.append(
             LayerSplitError(
                 f"--num-layers {split.num_layers} leaves {middle} layers for the {stages} middle pipeline stage(s) "
@@ -314,10 +318,10 @@ def _uneven_problems(split: LayerSplit, vpp: VirtualPipeline) -> list[LayerSplit
                 "first/last counts."
             )
         )
-    elif stages and vpp.size is not None and (middle // stages) % vpp.size:  # type: ignore[operator]
+    elif stages and vpp.size is not None and (middle // stages) % vpp.size:
         problems.append(
             LayerSplitError(
-                f"the {middle // stages} layers on each middle pipeline rank "  # type: ignore[operator]
+                f"the {middle // stages} layers on each middle pipeline rank "
                 f"do not divide by the virtual pipeline size {vpp.size} ({vpp.given}); Megatron refuses it. "
                 "Change --num-layers or the first/last counts."
             )
