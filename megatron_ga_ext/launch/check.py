@@ -208,7 +208,7 @@ def _stage_table(
                 )
             )
         elif plan.runs and open_row.first_sample is not None:
-            problems.append(_unreached(row, open_row, table, stage))
+            problems.append(_unreached(row, open_row.first_sample, open_row.first_token, table, stage))
     return table, stage, problems, notes
 
 
@@ -248,14 +248,17 @@ def _equivalent(launch: Launch, schedule: StepSchedule, seq: int | None) -> str 
         return None
 
 
-def _unreached(row: StageRow, open_row: StageRow, table: StageTable, stage: StageRow | None) -> Problem:
-    """A stage after the run's end: the run length that reaches it (one step into it)."""
-    needed = open_row.first_sample + 1  # type: ignore[operator]
-    tokens = f" = {open_row.first_token:,} tokens" if open_row.first_token is not None else ""
+def _unreached(
+    row: StageRow, first_sample: int, first_token: int | None, table: StageTable, stage: StageRow | None
+) -> Problem:
+    """A stage after the run's end, opening at ``first_sample`` (``first_token``): the run length that reaches it
+    (one step into it)."""
+    needed = first_sample + 1
+    tokens = f" = {first_token:,} tokens" if first_token is not None else ""
     trains = f"; its last step trains at GBS {stage.global_batch_size:,}" if stage is not None else ""
     return Problem(
         message=f"{SCHEDULE_FLAG} entry {row.position} {row.entry!r} (GBS {row.global_batch_size:,}) is never reached: "
-        f"the run ends at {table.run_length} and this stage starts at sample {open_row.first_sample:,}{tokens}"
+        f"the run ends at {table.run_length} and this stage starts at sample {first_sample:,}{tokens}"
         f"{trains}. Give --train-samples {needed:,} or more to reach it, or drop the entry.",
         rule="stage-never-reached",
         flag=SCHEDULE_FLAG,
@@ -346,10 +349,11 @@ def _checked_fix(launch: Launch, world_size: int | None, problem: Problem, befor
             break
         follow += new
         seen |= {(p.rule, p.flag) for p in new}
-        if any(p.edit is None for p in new):
+        edits = [p.edit for p in new if p.edit is not None]
+        if len(edits) < len(new):
             break
-        for p in new:
-            edit += p.edit  # type: ignore[operator]
+        for more in edits:
+            edit += more
     return _completed(problem, edit, follow)
 
 

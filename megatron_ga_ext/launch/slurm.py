@@ -14,7 +14,7 @@ variables of the allocation check runs in). Without ``--ntasks-per-node`` srun s
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from megatron_ga_ext.core.numbers import read_int
@@ -132,7 +132,7 @@ class Slurm:
         return self.launcher is not None
 
 
-def read_slurm(words: list[str], sbatch: list[str] = (), environment: Mapping[str, str] | None = None) -> Slurm:  # type: ignore[assignment]
+def read_slurm(words: list[str], sbatch: Sequence[str] = (), environment: Mapping[str, str] | None = None) -> Slurm:
     """The Slurm quantities of a launch: srun's (or sbatch's, salloc's) options in ``words``, over the allocation's
     ``sbatch`` options (``#SBATCH`` lines), over the allocation's ``SLURM_*`` variables (read only where the line
     runs through srun)."""
