@@ -101,11 +101,12 @@ def test_first_point_rule_and_the_table(cli, tmp_path):
 def test_a_run_already_below_the_target_at_its_first_log_is_left_out(cli, tmp_path):
     """At its first evaluation (step 5) the run at B 64 logs 4.967, at B 32 4.975: a target of 4.97 was reached by
     the runs at 64, 128 and 256 at some step the log does not give."""
-    data = cli("critical-batch", *write_runs(tmp_path, sigma=0.0), "--targets", "4.97", "--json").json()
+    args = ("--targets", "4.97", "--keep-dominated")  # steps logged every 5: 8 and 16 both at step 5, 16 dominated
+    data = cli("critical-batch", *write_runs(tmp_path, sigma=0.0), *args, "--json").json()
     (target,) = data["targets"]
     assert [Path(p).name for p in target["reached_before_first_log"]] == ["gbs64.log", "gbs128.log", "gbs256.log"]
     assert [p["global_batch_size"] for p in target["points"]] == [8, 16, 32]
-    out = cli("critical-batch", *write_runs(tmp_path, sigma=0.0), "--targets", "4.97")
+    out = cli("critical-batch", *write_runs(tmp_path, sigma=0.0), *args)
     assert "its first logged loss is already at or below the target" in out.out
 
 
@@ -138,7 +139,7 @@ def test_the_smoothed_training_loss(cli, tmp_path):
 def test_one_side_of_the_knee_and_too_few_runs_are_reported_not_fitted(cli, tmp_path):
     """Runs at 256..2048 with B_crit 8: all above the knee. Runs that stop early reach the lowest target two by two."""
     above = write_runs(tmp_path, sizes=(256, 512, 1024, 2048), b_crit=8.0, sigma=0.0)
-    out = cli("critical-batch", *above, "--targets", "3.0")
+    out = cli("critical-batch", *above, "--targets", "3.0", "--keep-dominated")  # S flat: equal at the logged steps
     assert out.status == 0, out.err
     assert "NOT FITTABLE: every run is above the knee" in out.out
     short = tmp_path / "short"
@@ -155,7 +156,7 @@ def test_one_side_of_the_knee_and_too_few_runs_are_reported_not_fitted(cli, tmp_
     ("make", "argv", "message"),
     [
         ("not_a_log", ["--targets", "3.0"], r"RUN \S+notes.txt is neither a Megatron-LM log .* nor a TensorBoard"),
-        ("same_gbs", ["--targets", "3.0"], r"both ran at global batch size 16; the fit takes one run per batch size"),
+        ("same_gbs", ["--targets", "3.0"], r"3 RUN\(s\) at 2 global batch size\(s\) given; the fit .* needs runs at 3"),
         (
             "nobody",
             ["--targets", "3.0,1.5"],
@@ -163,7 +164,7 @@ def test_one_side_of_the_knee_and_too_few_runs_are_reported_not_fitted(cli, tmp_
         ),
         ("changes", ["--targets", "3.0"], r"global batch size changes \(16 from iteration 5, 32 from iteration 100\)"),
         ("no_eval", ["--targets", "3.0"], r"no validation 'lm loss' was logged .* --train-loss-smoothing EMA_DECAY"),
-        ("two_runs", ["--targets", "3.0"], r"2 RUN\(s\) given; the fit of S_min and E_min needs runs at 3 or more"),
+        ("two_runs", ["--targets", "3.0"], r"2 RUN\(s\) at 2 global batch size\(s\) given; the fit of S_min and E_min"),
         ("twice", ["--targets", "3.0"], r"RUN \S+gbs8.log is given twice; give each run once"),
         ("ok", ["--targets", "3.0,x"], r"--targets 'x' is not a finite number"),
         ("ok", ["--bootstrap", "0"], r"--bootstrap 0 must lie from 1 to"),
@@ -178,7 +179,7 @@ def test_bad_input_is_a_typed_error_on_the_one_path(cli, tmp_path, make, argv, m
         paths.append(str(tmp_path / "notes.txt"))
     elif make == "same_gbs":
         (tmp_path / "again.log").write_text(megatron_log(16, steps=500))
-        paths.append(str(tmp_path / "again.log"))
+        paths = [paths[0], paths[1], str(tmp_path / "again.log")]
     elif make == "changes":
         (tmp_path / "ramp.log").write_text(megatron_log(16, steps=200, batch_from={s: 32 for s in range(100, 201)}))
         paths.append(str(tmp_path / "ramp.log"))
@@ -274,13 +275,16 @@ def test_the_docs_example_is_what_the_command_prints(cli, tmp_path, monkeypatch)
 
 
 def test_a_large_batch_that_needs_more_steps_is_named_and_its_end_left_open(cli, tmp_path):
-    """GBS 128 takes twice its hyperbola's steps (as an LR-limited large batch does): the command names the rise,
-    and the resamples that keep only the large batches run to B_crit -> 0, so the interval has no lower end."""
+    """GBS 128 takes twice its hyperbola's steps (as an LR-limited large batch does): by default it is left out as
+    dominated; kept, with the bootstrap, the command names the rise, and the resamples that keep only the large
+    batches run to B_crit -> 0, so the interval has no lower end."""
     paths = []
     for batch in (8, 16, 32, 64, 128):
         path = tmp_path / f"gbs{batch}.log"
         path.write_text(megatron_log(batch, b_crit=20.0, noise=math.log(2.0) if batch == 128 else 0.0))
         paths.append(str(path))
+    assert "gbs128.log (GBS 128" in cli("critical-batch", *paths, "--targets", "3.0", "--interpolate").out
+    paths = [*paths, "--interval", "bootstrap", "--keep-dominated"]
     out = cli("critical-batch", *paths, "--targets", "3.0", "--interpolate")
     assert out.status == 0, out.err
     assert re.search(r"S rises from [\d.]+ steps at GBS 64 to [\d.]+ at GBS 128: the hyperbola has S fall", out.out)
@@ -292,3 +296,29 @@ def test_a_large_batch_that_needs_more_steps_is_named_and_its_end_left_open(cli,
     assert target["steps_rise"] == [[64, 128]]
     assert target["b_crit_interval"]["low"] is None and target["b_crit_interval"]["below"] > 0
     assert target["b_crit"] < target["b_crit_interval"]["high"]
+
+
+def test_a_dominated_largest_run_is_left_out_named_and_b_crit_recovered(cli, tmp_path):
+    """Three seeds at each of 8 ... 128 on the known hyperbola, and a GBS 256 run that takes three times its
+    hyperbola's steps (an LR-limited large batch): by default it is left out, named, and the stated choice printed;
+    the true B_crit lies within the profile interval; --keep-dominated fits it and says so."""
+    rng, paths = random.Random(5), []
+    for batch in (8, 16, 32, 64, 128):
+        for seed in range(3):
+            path = tmp_path / f"gbs{batch}-seed{seed}.log"
+            path.write_text(megatron_log(batch, b_crit=20.0, noise=rng.gauss(0, 0.05)))
+            paths.append(str(path))
+    (tmp_path / "gbs256.log").write_text(megatron_log(256, b_crit=20.0, noise=math.log(3.0)))
+    paths.append(str(tmp_path / "gbs256.log"))
+    out = cli("critical-batch", *paths, "--targets", "3.0", "--interpolate")
+    assert out.status == 0, out.err
+    assert "dominated runs: left out: a batch size needing at least as many steps and samples" in out.out
+    assert re.search(r"left out as dominated .*: \S+gbs256.log \(GBS 256: S [\d.]+, E \S+\)", out.out)
+    assert "interval: profile likelihood" in out.out
+    target = cli("critical-batch", *paths, "--targets", "3.0", "--interpolate", "--json").json()["targets"][0]
+    interval = target["b_crit_interval"]
+    assert [d["global_batch_size"] for d in target["dominated"]] == [256] and target["runs_reaching"] == 15
+    assert interval["method"] == "profile" and interval["low"] <= 20.0 <= interval["high"], target
+    kept = cli("critical-batch", *paths, "--targets", "3.0", "--interpolate", "--keep-dominated", "--json").json()
+    assert kept["rule"]["dominated_runs"] == "kept (--keep-dominated)"
+    assert kept["targets"][0]["dominated"] == [] and kept["targets"][0]["b_crit"] < target["b_crit"]

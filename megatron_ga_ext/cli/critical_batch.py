@@ -2,11 +2,15 @@
 several global batch sizes (McCandlish et al. 2018; docs/critical-batch.md).
 
     megatron-ga critical-batch run-gbs16.log run-gbs32.log tb/run-gbs64 ... [--targets 3.2,3.0,2.8]
-        [--train-loss-smoothing 0.9] [--interpolate] [--bootstrap 1000] [--seed 0] [--json] [--plot fit.png]
+        [--train-loss-smoothing 0.9] [--interpolate] [--interval profile|bootstrap] [--keep-dominated] [--json]
+        [--plot fit.png]
 
 Each RUN is a Megatron-LM run's stdout log (core/loss_curve.py reads it) or its ``--tensorboard-dir`` (the
 ``batch-size`` and loss scalars Megatron's training_log and evaluate_and_print_results write). The steps and samples
-at which each run first reaches each target go to core/critical_batch.py's fit.
+at which each run first reaches each target go to core/critical_batch.py's fit: by default the runs of a batch size
+that needs at least as many steps and samples as another's are left out as dominated (and named), and B_crit's
+interval is the profile likelihood's. Several runs at one batch size (seeds) are points of their own. The output
+lives in cli/critical_batch_output.py.
 """
 
 from __future__ import annotations
@@ -17,9 +21,8 @@ import math
 import os
 from collections.abc import Sequence
 
-from megatron_ga_ext.cli import plots
-from megatron_ga_ext.cli.render import print_table
-from megatron_ga_ext.core.critical_batch import RunPoint, TargetFit, default_targets, fit_target, steps_rise
+from megatron_ga_ext.cli.critical_batch_output import as_json, plot_fits, print_fits, rule_of
+from megatron_ga_ext.core.critical_batch import RunPoint, default_targets, fit_target
 from megatron_ga_ext.core.loss_curve import LossCurve, LossPoint, curve, first_reach, read_megatron_log, smooth
 from megatron_ga_ext.errors import CriticalBatchError
 
@@ -52,6 +55,19 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "logged points around the target (default: the first logged point at or below it)",
     )
     parser.add_argument("--loss-name", default="lm loss", help="the loss as Megatron logs it ('lm loss')")
+    parser.add_argument(
+        "--interval",
+        choices=("profile", "bootstrap"),
+        default="profile",
+        help="B_crit's interval: the profile likelihood (default; its coverage is measured in docs/critical-batch.md) "
+        "or the percentile bootstrap over runs (covers less than its level with few runs)",
+    )
+    parser.add_argument(
+        "--keep-dominated",
+        action="store_true",
+        help="fit every run (default: a batch size that needs at least as many steps and samples as another is left "
+        "out as dominated, and named)",
+    )
     parser.add_argument("--bootstrap", metavar="N", default="1000", help="bootstrap resamples over runs (1000)")
     parser.add_argument("--confidence", metavar="LEVEL", default="0.95", help="the interval's level (0.95)")
     parser.add_argument("--seed", metavar="N", default="0", help="the bootstrap's seed (0)")
@@ -72,12 +88,22 @@ def run(args: argparse.Namespace) -> int:
     fits, early = [], {}
     for target in targets:
         points, early[target] = _points(curves, series, target, args.interpolate)
-        fits.append(fit_target(target, points, resamples=resamples, seed=seed, level=level))
-    rule = _rule(args, decay)
+        fits.append(
+            fit_target(
+                target,
+                points,
+                resamples=resamples,
+                seed=seed,
+                level=level,
+                interval=args.interval,
+                keep_dominated=args.keep_dominated,
+            )
+        )
+    rule = rule_of(args, decay)
     if args.json:
-        print(json.dumps(_as_json(rule, curves, series, fits, early), indent=2))
+        print(json.dumps(as_json(rule, curves, series, fits, early), indent=2))
     else:
-        _print(rule, curves, series, fits, early, level)
+        print_fits(rule, curves, series, fits, early, level)
     if args.plot:
         plot_fits(fits, args.plot)
         if not args.json:
@@ -146,20 +172,17 @@ def _tensorboard_curve(path: str, loss_name: str) -> LossCurve:
 
 
 def _check_runs(curves: Sequence[LossCurve]) -> None:
-    seen: dict[int, str] = {}
+    """Each run once; runs at 3 or more batch sizes (several at one size are seeds, each a point of the fit)."""
+    seen: set[str] = set()
     for c in curves:
-        if c.source in seen.values():
+        if c.source in seen:
             raise CriticalBatchError(f"RUN {c.source} is given twice; give each run once.")
-        if c.global_batch_size in seen:
-            raise CriticalBatchError(
-                f"RUN {c.source} and RUN {seen[c.global_batch_size]} both ran at global batch size "
-                f"{c.global_batch_size:,}; the fit takes one run per batch size: keep one (the best learning rate's)."
-            )
-        seen[c.global_batch_size] = c.source
-    if len(curves) < 3:
+        seen.add(c.source)
+    sizes = {c.global_batch_size for c in curves}
+    if len(sizes) < 3:
         raise CriticalBatchError(
-            f"{len(curves)} RUN(s) given; the fit of S_min and E_min needs runs at 3 or more "
-            "global batch sizes (a 16x span or more gives a knee to fit)."
+            f"{len(curves)} RUN(s) at {len(sizes)} global batch size(s) given; the fit of S_min and E_min needs runs "
+            "at 3 or more global batch sizes (a 16x span or more gives a knee to fit)."
         )
 
 
@@ -242,200 +265,3 @@ def _number(flag: str, text: str) -> float:
     if not math.isfinite(value):
         raise CriticalBatchError(f"{flag} {text!r} is not a finite number.")
     return value
-
-
-# -- output ------------------------------------------------------------------------------------------
-
-
-def _rule(args: argparse.Namespace, decay: float | None) -> dict:
-    loss = (
-        f"validation '{args.loss_name}'"
-        if decay is None
-        else f"training '{args.loss_name}', EMA decay {decay:g} per logged point"
-    )
-    reach = (
-        "linear interpolation between the last logged point above the target and the first at or below it"
-        if args.interpolate
-        else "the first logged point at or below the target"
-    )
-    return {
-        "loss": loss,
-        "reach": reach,
-        "fit": "least squares in log S, log E (1-D search over B_crit)",
-        "interpolate": args.interpolate,
-        "train_loss_smoothing": decay,
-    }
-
-
-def _print(
-    rule: dict,
-    curves: Sequence[LossCurve],
-    series: dict[str, tuple[LossPoint, ...]],
-    fits: Sequence[TargetFit],
-    early: dict[float, list[str]],
-    level: float,
-) -> None:
-    print(f"loss: {rule['loss']}")
-    print(f"reached: S and E at {rule['reach']}")
-    print(f"fit: (S/S_min - 1)(E/E_min - 1) = 1 by {rule['fit']}; B_crit = E_min / S_min\n")
-    runs = sorted(curves, key=lambda c: c.global_batch_size)
-    header = ["run", "GBS", "points", "lowest loss", *(f"S to {f.target:.4g}" for f in fits)]
-    reached = [{p.label: p.steps for p in f.points} for f in fits]
-    rows = [
-        [
-            c.source,
-            c.global_batch_size,
-            len(series[c.source]),
-            min(p.loss for p in series[c.source]),
-            *(r.get(c.source) for r in reached),
-        ]
-        for c in runs
-    ]
-    print_table("runs", header, rows)
-    print()
-    interval_name = f"B_crit {level * 100:g}% interval"
-    table = []
-    for f in fits:
-        if f.fit is None or f.interval is None:
-            table.append([f.target, len(f.points), None, None, "NOT FITTABLE", None, None])
-        else:
-            table.append(
-                [
-                    f.target,
-                    len(f.points),
-                    f.fit.s_min,
-                    f.fit.e_min,
-                    f.fit.b_crit,
-                    span(f.interval.low, f.interval.high),
-                    f.fit.rms_log_residual,
-                ]
-            )
-    print_table(
-        "critical batch per target",
-        ["target", "runs", "S_min", "E_min", "B_crit", interval_name, "rms log residual"],
-        table,
-    )
-    for f in fits:
-        if early[f.target]:
-            print(
-                f"target {f.target:.4g}: left out {', '.join(early[f.target])}: its first logged loss is already at "
-                "or below the target (reached at an earlier step than the log gives)."
-            )
-        if f.reason:
-            print(f"target {f.target:.4g}: NOT FITTABLE: {f.reason}.")
-            continue
-        for small, large in steps_rise(f.points):
-            print(
-                f"target {f.target:.4g}: S rises from {small.steps:.4g} steps at GBS {small.batch_size:,} to "
-                f"{large.steps:.4g} at GBS {large.batch_size:,}: the hyperbola has S fall as B grows, so the larger "
-                "run is limited by something it leaves out (its LR, its warmup, the run's length)."
-            )
-        i = f.interval
-        if i is None:
-            continue
-        if i.used < i.resamples:
-            print(
-                f"target {f.target:.4g}: {i.resamples - i.used} of {i.resamples} bootstrap resamples had fewer "
-                "than 3 distinct batch sizes and were left out."
-            )
-        for count, limit, end in ((i.below, "B_crit -> 0", i.low), (i.above, "B_crit -> inf", i.high)):
-            if count:
-                print(
-                    f"target {f.target:.4g}: {count} of {i.used} fitted resamples ran to {limit} (every drawn run "
-                    "far on one side of the knee): undetermined"
-                    f"{'' if end is not None else ', so that end of the interval is not bounded'}."
-                )
-
-
-def _as_json(
-    rule: dict,
-    curves: Sequence[LossCurve],
-    series: dict[str, tuple[LossPoint, ...]],
-    fits: Sequence[TargetFit],
-    early: dict[float, list[str]],
-) -> dict:
-    return {
-        "rule": rule,
-        "runs": [
-            {
-                "run": c.source,
-                "global_batch_size": c.global_batch_size,
-                "points": len(series[c.source]),
-                "lowest_loss": min(p.loss for p in series[c.source]),
-                "skipped_not_finite": c.skipped,
-            }
-            for c in sorted(curves, key=lambda c: c.global_batch_size)
-        ],
-        "targets": [{**_fit_json(f), "reached_before_first_log": early[f.target]} for f in fits],
-    }
-
-
-def _fit_json(f: TargetFit) -> dict:
-    data: dict = {
-        "target": f.target,
-        "runs_reaching": len(f.points),
-        "fittable": f.fit is not None,
-        "reason": f.reason,
-        "steps_rise": [[small.batch_size, large.batch_size] for small, large in steps_rise(f.points)],
-        "points": [
-            {"run": p.label, "global_batch_size": p.batch_size, "steps": p.steps, "samples": p.samples}
-            for p in f.points
-        ],
-    }
-    if f.fit is not None and f.interval is not None:
-        i = f.interval
-        data.update(
-            {
-                "s_min": f.fit.s_min,
-                "e_min": f.fit.e_min,
-                "b_crit": f.fit.b_crit,
-                "b_crit_interval": {
-                    "low": i.low,
-                    "high": i.high,
-                    "level": i.level,
-                    "resamples": i.resamples,
-                    "used": i.used,
-                    "below": i.below,
-                    "above": i.above,
-                    "seed": i.seed,
-                },
-                "rms_log_residual": f.fit.rms_log_residual,
-                "log_residuals": [{"steps": s, "samples": e} for s, e in f.fit.residuals],
-            }
-        )
-    return data
-
-
-def span(low: float | None, high: float | None) -> str:
-    """An interval as text; an end the data do not bound (None) is said so."""
-    if low is None and high is None:
-        return "not bounded"
-    if low is None:
-        return f"below {high:.4g}"
-    return f"above {low:.4g}" if high is None else f"{low:.4g} - {high:.4g}"
-
-
-def plot_fits(fits: Sequence[TargetFit], path: str) -> None:
-    """E against S on log-log axes: each target's points, and where fitted its hyperbola and B_crit's point."""
-    plt = plots.pyplot()
-    figure, axis = plt.subplots(figsize=(7, 5), dpi=100)
-    for k, f in enumerate(fits):
-        color = f"C{k % 10}"
-        label = f"loss {f.target:.4g}" + ("" if f.fit else " (not fittable)")
-        axis.plot([p.steps for p in f.points], [p.samples for p in f.points], "o", color=color, label=label)
-        if f.fit is None:
-            continue
-        sizes = [p.batch_size for p in f.points]
-        low, high = math.log(min(sizes) / 4), math.log(max(sizes) * 4)
-        grid = [math.exp(low + (high - low) * i / 199) for i in range(200)]
-        axis.plot([f.fit.steps(b) for b in grid], [f.fit.samples(b) for b in grid], "-", color=color, lw=1)
-        axis.plot([2 * f.fit.s_min], [2 * f.fit.e_min], "x", color=color, ms=9)  # at B = B_crit
-    axis.set_xscale("log")
-    axis.set_yscale("log")
-    axis.set_xlabel("optimizer steps S to the target")
-    axis.set_ylabel("samples E to the target")
-    axis.set_title("(S/S_min - 1)(E/E_min - 1) = 1 per target; x: B = B_crit (2 S_min, 2 E_min)")
-    axis.grid(True, which="both", alpha=0.3)
-    axis.legend(fontsize=8)
-    figure.tight_layout()
-    plots.save_figure(plt, figure, path)

@@ -10,8 +10,9 @@ Megatron-LM's ``training_log`` prints, every ``--log-interval`` iterations,
 
     validation loss at iteration 200 | lm loss value: 3.301234E+00 | lm loss PPL: 2.714586E+01 |
 
-(``... at iteration N on validation set`` after training; a ``validation-NAME`` line of a second validation set and
-the test set's line are not read). A run's samples at an iteration are the consumed samples of Megatron's line of
+(``... at iteration N on validation set`` after training; ``validation-0 loss at iteration N`` where the run has
+``--multiple-validation-sets``, which 0.19's ``--full-validation`` needs: its first set; a second set's
+``validation-1`` line and the test set's line are not read). A run's samples at an iteration are the consumed samples of Megatron's line of
 that iteration, else of the last one before it plus the global batch size per step since.
 
 **Reaching a target** (:func:`first_reach`): the first logged point whose loss is at or below it, at that point's
@@ -35,7 +36,7 @@ from megatron_ga_ext.errors import CriticalBatchError
 __all__ = ["LossCurve", "LossPoint", "first_reach", "read_megatron_log", "smooth"]
 
 GLOBAL_BATCH = re.compile(r"\| global batch size:\s+(\d+) \|")
-VALIDATION_LINE = re.compile(r"\bvalidation loss at iteration (\d+)(?: on validation set)?(?= \|)")
+VALIDATION_LINE = re.compile(r"\bvalidation(?:-0)? loss at iteration (\d+)(?: on validation set)?(?= \|)")
 
 
 @dataclass(frozen=True, kw_only=True)
