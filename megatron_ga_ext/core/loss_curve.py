@@ -12,8 +12,9 @@ Megatron-LM's ``training_log`` prints, every ``--log-interval`` iterations,
 
 (``... at iteration N on validation set`` after training; ``validation-0 loss at iteration N`` where the run has
 ``--multiple-validation-sets``, which 0.19's ``--full-validation`` needs: its first set; a second set's
-``validation-1`` line and the test set's line are not read). A run's samples at an iteration are the consumed samples of Megatron's line of
-that iteration, else of the last one before it plus the global batch size per step since.
+``validation-1`` line and the test set's line are not read). A run's samples at an iteration are the consumed
+samples of Megatron's line of that iteration, else of the last one before it plus the global batch size per step
+since.
 
 **Reaching a target** (:func:`first_reach`): the first logged point whose loss is at or below it, at that point's
 step and samples; with ``interpolate``, the step and samples linearly interpolated in the loss between that point
