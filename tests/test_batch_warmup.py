@@ -140,3 +140,38 @@ def test_the_warmup_starts_from_the_constant_schedule_the_one_resolver_gives():
                 GAConfig(**AUTO), {"global_batch_size": 16, "decrease_batch_size_if_needed": True}
             )
         )
+
+
+def measured(consumed: int, b_simple: float, ema: float) -> dict:
+    """A trace row with its step's parts: |G|^2 = 1 and tr(Sigma) per sample = ``b_simple`` (one loss token per
+    sample), and the EMA's B_simple ``ema``."""
+    return {
+        "iteration": consumed // 8,
+        "consumed_samples": consumed,
+        "b_simple_samples": ema,
+        "grad_sq": 1.0,
+        "trace_sigma": b_simple,
+        "tokens_per_sample": 1.0,
+    }
+
+
+def test_one_spike_never_doubles_the_batch():
+    """B_simple 4 samples at every step but one, whose tr(Sigma) is 1,000x: the EMA jumps past 2 x GBS 8 and stays
+    there for many measurements; the rule's statistic (at most the median ratio of the last 8 steps) does not."""
+    warmup, live = BatchSizeWarmup(GAConfig(**AUTO)), calculator()
+    ema = 4.0
+    for k in range(1, 30):
+        spike = 4000.0 if k == 10 else 4.0
+        ema = 0.9 * ema + 0.1 * spike
+        assert not warmup.decide(measured(8 * k, spike, ema), live), (k, ema)
+    assert ema > 16.0  # the EMA alone would have doubled
+    assert list(live.step_schedule.stages) == [(0, 8)]
+
+
+def test_a_sustained_rise_doubles_once_the_median_passes():
+    """B_simple 4, then 40 from the 5th step on: the median of the last 8 passes 2 x 8 at the 4th such step (4 of 8
+    at 40: the median is (4 + 40) / 2 = 22)."""
+    warmup, live = BatchSizeWarmup(GAConfig(**AUTO)), calculator()
+    decided = [warmup.decide(measured(8 * k, 4.0 if k < 5 else 40.0, 100.0), live) for k in range(1, 13)]
+    assert decided.index(True) == 7  # k = 8
+    assert list(live.step_schedule.stages)[1] == (64, 16)

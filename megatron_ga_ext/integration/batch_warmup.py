@@ -1,7 +1,9 @@
 """``--ga-batch-size-warmup auto``: the doubling rule (core/schedule/suggest.py) applied in the run.
 
-After each measured step (``--ga-noise-scale K``), with the EMA's B_simple in samples at that step's loss tokens per
-sample and C the samples consumed once the step is done:
+After each measured step (``--ga-noise-scale K``), with B_simple in samples the lesser of the EMA's and the ratio of
+medians over the last ROBUST_WINDOW measurements (core/noise_window.py: one outlying step moves each median by one
+order statistic, so a spike alone never doubles the batch; the window is not checkpointed and refills after a resume)
+and C the samples consumed once the step is done:
 
     if trust x B_simple >= 2 x GBS, 2 x GBS <= --ga-batch-size-warmup-max, and C is outside the LR warmup and a WSD
     final decay:  the step schedule gets the stage C:2 x GBS (GBS doubles from the next step)
@@ -18,6 +20,7 @@ and takes the later ones from the same measurements. The LR windows are core/lr_
 from __future__ import annotations
 
 import argparse
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,6 +29,7 @@ from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.config.megatron_args import MegatronArgs
 from megatron_ga_ext.core.lr_windows import Frozen, lr_windows, warmup_samples
 from megatron_ga_ext.core.noise_trace import TraceRow
+from megatron_ga_ext.core.noise_window import median_b_simple, step_parts
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.core.schedule.suggest import DoublingRule, suggest_schedule
 from megatron_ga_ext.errors import OptionError, ScheduleError
@@ -35,6 +39,9 @@ from megatron_ga_ext.logs import get_logger
 __all__ = ["BatchSizeWarmup", "frozen_ranges"]
 
 logger = get_logger(__name__)
+
+#: The measurements the doubling statistic's medians span (module docstring).
+ROBUST_WINDOW = 8
 
 
 class BatchSizeWarmup:
@@ -49,6 +56,7 @@ class BatchSizeWarmup:
         self.cap = config.batch_size_warmup_max
         self.decisions: list[tuple[int | None, int, int]] = []
         self._held: str | None = None
+        self._recent: deque[Mapping[str, Any]] = deque(maxlen=ROBUST_WINDOW)
 
     def decide(self, row: Mapping[str, Any], calculator: Any) -> bool:
         """After a measured step (``row``: its trace row, core/noise_trace.py): add the stage the rule calls for to
@@ -60,7 +68,7 @@ class BatchSizeWarmup:
                 "adopts from the one Megatron built): none is live. A megatron-core loop builds one "
                 "with init_num_microbatches_calculator()."
             )
-        consumed, estimate = row.get("consumed_samples"), row.get("b_simple_samples")
+        consumed, estimate = row.get("consumed_samples"), self._estimate(row)
         if consumed is None or estimate is None:
             return False
         settings = current_host().settings()
@@ -109,6 +117,16 @@ class BatchSizeWarmup:
             _schedule_string(calculator.step_schedule, settings),
         )
         return True
+
+    def _estimate(self, row: Mapping[str, Any]) -> float | None:
+        """B_simple (samples) the rule doubles on: the EMA's, at most the median ratio of the recent steps (module
+        docstring); the EMA's alone for a row without its step's parts."""
+        ema = row.get("b_simple_samples")
+        if step_parts(row) is None:
+            return ema
+        self._recent.append(row)
+        robust = median_b_simple(list(self._recent))
+        return None if ema is None or robust is None else min(ema, robust)
 
     @staticmethod
     def stages(calculator: Any) -> list[list[int]]:
