@@ -87,9 +87,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"megatron-ga verify: {versions}, device {args.device}", file=sys.stderr)
     if not layouts:
         raise VerifyError("--device cuda: no CUDA device is visible; run on a GPU machine or use --device cpu.")
-    from megatron_ga_ext.verify.aux import AFTER, AUX_LAYOUTS
+    from megatron_ga_ext.verify.aux import AFTER, AUX_LAYOUTS, DATA_PARALLEL_LAYOUTS
 
-    aux_layouts = _runnable(AUX_LAYOUTS, args.device)  # token mode only: 0.16's MTP runs there
+    # token mode only: 0.16's MTP runs there
+    aux_layouts = _runnable((*AUX_LAYOUTS, *DATA_PARALLEL_LAYOUTS), args.device)
     try:
         results, coefficients = launch_all(layouts, device=args.device, timeout_s=args.timeout, aux_layouts=aux_layouts)
     except Exception as exc:
@@ -341,7 +342,8 @@ def _report(
     )
     if aux:
         print_table(
-            "Auxiliary losses' gradient against the token-mode target (MoE: the router weights; MTP: all)",
+            "Gradient against the token-mode target, upstream beside the extension (MoE: the router weights and the "
+            "auxiliary losses alone; MTP: all, the auxiliary losses alone; torch FSDP2: all, the whole loss)",
             ["layout", "step", "coefficient", "max relative error"],
             [[r["layout"], r["variant"], f"{r['coefficient']:.4f}", f"{r['error']:.2e}"] for r in aux],
         )

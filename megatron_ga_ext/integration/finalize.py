@@ -32,6 +32,7 @@ import torch
 from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.config.launch_rules import check_loss_mode
 from megatron_ga_ext.errors import LossContractError
+from megatron_ga_ext.integration.fsdp import check_units, scale_gradients
 from megatron_ga_ext.integration.host import current_host
 from megatron_ga_ext.integration.liveness import check_one_finalize
 from megatron_ga_ext.integration.loss_contract import SLOT_TOKENS, LossContract, StepChecks
@@ -68,20 +69,13 @@ def check_ddp_chunks(model: Sequence[torch.nn.Module], config: TransformerConfig
     Megatron's DDP and Megatron-FSDP fix their pre-reduction gradient factor in ``__init__``: 1 (or none)
     with per-token loss, 1/(DP x CP) without. A chunk built before ``calculate_per_token_loss`` was set
     keeps 1/(DP x CP) and the finalize divides by the token count as well: gradients DP x CP times too
-    small, silently. torch FSDP2 (``--use-torch-fsdp2``) always averages in its reduce-scatter, so it is
-    refused. Plain modules (no wrapper) have no factor and pass. With ``config`` (the model's
+    small, silently. torch FSDP2 (``--use-torch-fsdp2``) has no such factor: its units are set to sum each
+    step (fsdp.py). Plain modules (no wrapper) have no factor and pass. With ``config`` (the model's
     TransformerConfig) the per-token flag is checked as well.
     """
     if config is not None:
         check_per_token_flag(config, "token")
     for index, chunk in enumerate(model):
-        if type(chunk).__name__ == "TorchFullyShardedDataParallel":
-            raise LossContractError(
-                f"model chunk {index} is wrapped in torch FSDP2 (--use-torch-fsdp2), whose reduce-scatter averages "
-                f"gradients over the data-parallel ranks; per-token loss needs them summed, then divided once by "
-                f"the global token count. Use Megatron's DDP (the default) or Megatron-FSDP (--use-megatron-fsdp), "
-                f"or --ga-loss-reduction microbatch without --calculate-per-token-loss."
-            )
         ddp_config = getattr(chunk, "ddp_config", None)
         if ddp_config is None:  # not a Megatron data-parallel wrapper
             continue
@@ -200,6 +194,7 @@ class FinalizeModelGrads:
         checked = self._checked_chunks(model)
         mode = self.config.loss_reduction
         check_per_token_flag(checked.model_config, mode)
+        check_units(model, mode)  # torch FSDP2: each unit sums (token) or averages (microbatch), fsdp.py
         if mode == "microbatch":
             self.original(model, num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
             return
@@ -228,7 +223,7 @@ class FinalizeModelGrads:
                 self._zero_tokens()
                 scaling = 0.0
         for chunk in model:
-            chunk.scale_gradients(scaling)
+            scale_gradients(chunk, scaling)  # torch FSDP2: the local shards, while upstream's is a no-op
 
     def optimizer_stepped(self) -> None:
         """An optimizer install() hooked steps, or is built: the calls from here on are the next step's."""

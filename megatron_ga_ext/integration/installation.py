@@ -46,6 +46,7 @@ from megatron_ga_ext.integration.calculator_adoption import (
 from megatron_ga_ext.integration.compat import live_calculator, set_live_calculator
 from megatron_ga_ext.integration.finalize import FinalizeModelGrads, describe_decision
 from megatron_ga_ext.integration.finalize_adoption import AdoptedFinalize, adopt_finalize
+from megatron_ga_ext.integration.fsdp import prepare_units
 from megatron_ga_ext.integration.guards import MicrobatchCounter, current_pipeline_size
 from megatron_ga_ext.integration.host import current_host
 from megatron_ga_ext.integration.liveness import StepLiveness, unfinalized_message
@@ -231,6 +232,7 @@ class Installation:
             self.counter.check_scheduled(call["num_microbatches"])
         if not call.get("forward_only"):
             self.training_schedules += 1
+            prepare_units(call.get("model"), self.config.loss_reduction)  # torch FSDP2 sums, before its reduce-scatter
         self.adopt_finalize(self.model_config(call.get("model")))
         return self.finalize.calls
 

@@ -30,6 +30,8 @@ from megatron_ga_ext.config.flags import MODES
 from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.integration.finalize import make_finalize_model_grads
 from megatron_ga_ext.integration.loss_contract import LossContract, masked_loss
+from megatron_ga_ext.verify.data_parallel import ddp_config_of, wire_sync, wrap_chunk
+from megatron_ga_ext.verify.grads import gradients
 from megatron_ga_ext.verify.layouts import (
     DEFAULT_LAYOUTS,
     DEFAULT_LENGTHS,
@@ -39,6 +41,7 @@ from megatron_ga_ext.verify.layouts import (
 )
 from megatron_ga_ext.verify.models import (
     POSITIONWISE_GPT,
+    UNTIED_GPT,
     ModelConfig,
     build_gpt,
     build_positionwise,
@@ -252,30 +255,26 @@ def build_chunks(
     ddp_config: Any = None,
     build_module: Callable | None = None,
 ):
-    """This rank's model chunks (one per virtual pipeline stage), each wrapped in megatron's DDP as its
-    training does (bucketing only on the first chunk): (chunks, names of all chunks, config)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
+    """This rank's model chunks (one per virtual pipeline stage), each wrapped in the layout's data-parallel wrapper
+    as its training does (bucketing only on the first chunk; data_parallel.py): (chunks, names of all chunks,
+    config)."""
     vpp = layout.virtual_pipeline_model_parallel_size
     config = layout_config(layout, cfg.model, calculate_per_token_loss=calculate_per_token_loss)
-    ddp_config = ddp_config or DistributedDataParallelConfig(
-        overlap_grad_reduce=layout.overlap_grad_reduce, use_distributed_optimizer=layout.distributed_optimizer
-    )
+    ddp_config = ddp_config or ddp_config_of(layout)
     chunks, names = [], {}
     for vp_stage in range(vpp):
         stage = vp_stage if vpp > 1 else None
         module, chunk_names = (build_module or partial(_build_module, layout, cfg, vp_stage=stage))(config)
         module.to(cfg.device)
-        chunks.append(
-            DistributedDataParallel(config=config, module=module, ddp_config=ddp_config, disable_bucketing=vp_stage > 0)
-        )
+        chunks.append(wrap_chunk(layout, config, module, ddp_config, disable_bucketing=vp_stage > 0, device=cfg.device))
         names.update(chunk_names)
     return chunks, names, config
 
 
 def layout_config(layout: Layout, model: ModelConfig, *, calculate_per_token_loss: bool):
-    """The megatron TransformerConfig of ``layout``'s model (its ``__post_init__`` validates the layout)."""
-    return transformer_config(
+    """The megatron TransformerConfig of ``layout``'s model (its ``__post_init__`` validates the layout); on an FSDP
+    path with the local transformer implementation, as its launch needs (torch FSDP2 wraps TE's output layer)."""
+    config = transformer_config(
         model,
         kind=layout.model,
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
@@ -287,6 +286,9 @@ def layout_config(layout: Layout, model: ModelConfig, *, calculate_per_token_los
         sequence_parallel=layout.sequence_parallel,
         calculate_per_token_loss=calculate_per_token_loss,
     )
+    if layout.data_parallel != "ddp":
+        config.transformer_impl = "local"
+    return config
 
 
 def _build_module(layout: Layout, cfg: VerifyConfig, config: Any, *, vp_stage: int | None = None):
@@ -299,6 +301,7 @@ def _build_module(layout: Layout, cfg: VerifyConfig, config: Any, *, vp_stage: i
         config,
         vp_stage=vp_stage,
         positionwise=layout.model in POSITIONWISE_GPT,
+        untied=layout.model in UNTIED_GPT,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
     )
@@ -328,7 +331,7 @@ def train_step(
 
     chunks = model if isinstance(model, list) else [model]
     config.finalize_model_grads_func = finalize
-    config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+    wire_sync(config, chunks)
     for chunk in chunks:
         chunk.zero_grad_buffer()
     data = microbatches(layout, batch, cfg.device, sample_ids=sample_ids)
@@ -342,64 +345,6 @@ def train_step(
         micro_batch_size=layout.micro_batch_size,
         forward_only=False,
     )
-
-
-def gradients(model: Any, names: dict[str, str]) -> dict[str, torch.Tensor]:
-    """This rank's ``main_grad`` of every parameter of its chunk(s), by global name, on the CPU; with the
-    distributed optimizer each rank holds the reduced gradient of its shard only, so the shards are
-    all-gathered first (:func:`_gather_shards`), and a tensor-parallel parameter's gradient is gathered over its
-    TP group into the whole parameter's (:func:`_whole`)."""
-    chunks = model if isinstance(model, list) else [model]
-    out = {}
-    for chunk in chunks:
-        if getattr(chunk.ddp_config, "use_distributed_optimizer", False):
-            _gather_shards(chunk)
-        out.update(
-            {
-                names[n]: _whole(p, p.main_grad.detach().clone()).cpu()
-                for n, p in chunk.module.named_parameters()
-                if not _unused_output_weight(chunk.module, n)
-            }
-        )
-    return out
-
-
-def _unused_output_weight(module: torch.nn.Module, name: str) -> bool:
-    """A last stage that holds the embedding too (MTP's) keeps an output layer weight it never reads: the output
-    layer is given the tied embedding weight (``shared_embedding_or_output_weight``)."""
-    return name == "output_layer.weight" and hasattr(module, "embedding") and module.share_embeddings_and_output_weights
-
-
-def _whole(param: torch.nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
-    """The gradient of the whole parameter: a TP shard's gathered along its ``partition_dim`` over the TP group
-    (the expert TP group for an expert's), in rank order, as init_by_name split it."""
-    from megatron.core import parallel_state
-
-    if not getattr(param, "tensor_model_parallel", False):
-        return grad
-    expert = not getattr(param, "allreduce", True)
-    group = (
-        parallel_state.get_expert_tensor_parallel_group()
-        if expert
-        else parallel_state.get_tensor_model_parallel_group()
-    )
-    size = torch.distributed.get_world_size(group)
-    if size == 1:
-        return grad
-    parts = [torch.empty_like(grad) for _ in range(size)]
-    torch.distributed.all_gather(parts, grad.contiguous(), group=group)
-    return torch.cat(parts, dim=param.partition_dim)
-
-
-def _gather_shards(chunk: Any) -> None:
-    """The distributed optimizer reduce-scatters each bucket: rank r holds chunk r of ``bucket.grad_data``
-    (equal chunks, the buffer padded to DP). All-gather the chunks so every ``main_grad`` view is whole."""
-    for buffer in [*chunk.buffers, *getattr(chunk, "expert_parallel_buffers", [])]:
-        group = buffer.data_parallel_group
-        size, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
-        for bucket in buffer.buckets:
-            shards = list(bucket.grad_data.chunk(size))
-            torch.distributed.all_gather(shards, shards[rank].clone(), group=group)
 
 
 def microbatches(

@@ -45,15 +45,22 @@ class Layout:
         "moe_seq",
         "moe_bias",
         "moe_positionwise",
+        "gpt_untied",
     ] = "gpt"
     """``positionwise`` for CP: no attention, so a shard's gradient is exact without ring attention;
     ``moe``, ``mtp``, ``moe_mtp``: the GPT with MoE layers and/or an MTP layer (``mtp2``: two); ``moe_global``,
     ``moe_seq``: MoE
     with global_aux_loss (without the z-loss), seq_aux_loss; ``moe_global_z``: global_aux_loss and the z-loss;
-    ``moe_bias``: MoE with the expert bias (sigmoid scores);
+    ``moe_bias``: MoE with the expert bias (sigmoid scores); ``gpt_untied``: the GPT with an output layer of its own
+    (torch FSDP2);
     ``moe_positionwise``: MoE layers without attention, for CP (models.KINDS)."""
     overlap_grad_reduce: bool = False
     distributed_optimizer: bool = False
+    data_parallel: Literal["ddp", "torch_fsdp2", "megatron_fsdp"] = "ddp"
+    """The data-parallel wrapper: Megatron's DDP, torch FSDP2 (``--use-torch-fsdp2``; ``gpt_untied``, PP 1, EP 1) or
+    Megatron-FSDP (``--use-megatron-fsdp``, with the distributed optimizer it implies); data_parallel.py."""
+    sharding_strategy: Literal["no_shard", "optim", "optim_grads", "optim_grads_params"] = "no_shard"
+    """Megatron-FSDP's ``--data-parallel-sharding-strategy``."""
     lengths: tuple[int, ...] | None = None
     """Loss tokens of each sample of the global batch, where the layout needs its own (a sample without any); None:
     the launch's."""
@@ -102,6 +109,8 @@ class Layout:
             parts.append(f"ETP{self.expert_tensor_parallel_size}")
         parts += [f"DP{self.data_parallel_size}", f"GA{self.num_microbatches}"]
         notes = [MODEL_NOTES[self.model]] if self.model in MODEL_NOTES else []
+        if self.data_parallel != "ddp":
+            notes.append(DATA_PARALLEL_NOTES[self.data_parallel].format(self.sharding_strategy))
         notes += ["sequence parallel"] * self.sequence_parallel
         notes += ["overlapped grad reduce"] * self.overlap_grad_reduce
         notes += ["distributed optimizer"] * self.distributed_optimizer
@@ -156,7 +165,9 @@ MODEL_NOTES = {
     "moe_seq": "MoE seq_aux_loss",
     "moe_bias": "MoE expert bias",
     "moe_positionwise": "MoE, position-wise",
+    "gpt_untied": "untied",
 }
+DATA_PARALLEL_NOTES = {"torch_fsdp2": "torch FSDP2", "megatron_fsdp": "Megatron-FSDP {}"}
 
 #: The layouts verify runs, by world size (one launch each); GBS = 8, MBS = 1, unless a layout gives its own lengths.
 DEFAULT_LAYOUTS = (
@@ -180,6 +191,26 @@ DEFAULT_LAYOUTS = (
     # The MoE router's counts under TP and CP (Megatron-LM #7452, finding 10).
     Layout(tensor_model_parallel_size=2, sequence_parallel=True, data_parallel_size=2, num_microbatches=4, model="moe"),
     Layout(context_parallel_size=2, data_parallel_size=2, num_microbatches=4, model="moe_positionwise"),
+    # Megatron's FSDP paths (data_parallel.py): torch FSDP2 (upstream's factor beside ours: aux.py), Megatron-FSDP's
+    # four sharding strategies, with and without the overlapped reduce.
+    Layout(data_parallel_size=2, num_microbatches=4, model="gpt_untied", data_parallel="torch_fsdp2"),
+    Layout(data_parallel_size=4, num_microbatches=2, model="gpt_untied", data_parallel="torch_fsdp2"),
+    Layout(data_parallel_size=2, num_microbatches=4, data_parallel="megatron_fsdp", sharding_strategy="no_shard"),
+    Layout(data_parallel_size=2, num_microbatches=4, data_parallel="megatron_fsdp", sharding_strategy="optim"),
+    Layout(
+        data_parallel_size=2,
+        num_microbatches=4,
+        data_parallel="megatron_fsdp",
+        sharding_strategy="optim_grads",
+        overlap_grad_reduce=True,
+    ),
+    Layout(
+        data_parallel_size=4,
+        num_microbatches=2,
+        data_parallel="megatron_fsdp",
+        sharding_strategy="optim_grads_params",
+        overlap_grad_reduce=True,
+    ),
 )
 
 #: Non-padding tokens per sample: very uneven, sample 1 is nearly all padding.

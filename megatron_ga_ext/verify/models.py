@@ -21,6 +21,7 @@ import torch
 __all__ = [
     "KINDS",
     "POSITIONWISE_GPT",
+    "UNTIED_GPT",
     "ModelConfig",
     "build_gpt",
     "build_positionwise",
@@ -69,10 +70,13 @@ KINDS = {
     "moe_seq": {**MOE, "moe_router_load_balancing_type": "seq_aux_loss"},
     "moe_positionwise": MOE,
     "moe_bias": {**MOE, "moe_router_enable_expert_bias": True, "moe_router_score_function": "sigmoid"},
+    "gpt_untied": {},
 }
 #: GPT kinds whose layers have no attention (an MoE MLP and its norm only), so a CP shard's gradient is exact
 #: without ring attention (which needs Transformer Engine).
 POSITIONWISE_GPT = ("moe_positionwise",)
+#: GPT kinds with an output layer of their own (torch FSDP2 cannot shard a weight two of its units share).
+UNTIED_GPT = ("gpt_untied",)
 
 
 def init_model_parallel(**sizes: int) -> None:
@@ -151,8 +155,10 @@ def global_names(module: torch.nn.Module) -> dict[str, str]:
     local = experts // max(parallel_state.get_expert_model_parallel_world_size(), 1) if experts else 0
     first_expert = parallel_state.get_expert_model_parallel_rank() * local if experts else 0
 
+    tied = getattr(module, "share_embeddings_and_output_weights", True)
+
     def rename(name: str) -> str:
-        if name == "output_layer.weight":
+        if name == "output_layer.weight" and tied:
             return "embedding.word_embeddings.weight"
         name = re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{numbers[m.group(1)]}.", name)
         return re.sub(r"local_experts\.(\d+)\.", lambda m: f"local_experts.{int(m.group(1)) + first_expert}.", name)
@@ -217,10 +223,12 @@ def build_gpt(
     post_process: bool,
     vp_stage: int | None = None,
     positionwise: bool = False,
+    untied: bool = False,
 ):
-    """A GPTModel with the local (no Transformer Engine) layer spec and tied embeddings; MoE layers and an
-    MTP block where ``config`` asks for them (rotary position embeddings with MTP). ``positionwise``: the layers
-    keep their MLP (MoE) and its norm and drop attention (megatron's identity ops, as its attention-free layers)."""
+    """A GPTModel with the local (no Transformer Engine) layer spec and tied embeddings (``untied``: an output
+    layer of its own, as torch FSDP2 asks); MoE layers and an MTP block where ``config`` asks for them (rotary
+    position embeddings with MTP). ``positionwise``: the layers keep their MLP (MoE) and its norm and drop attention
+    (megatron's identity ops, as its attention-free layers)."""
     import dataclasses
 
     from megatron.core.models.gpt import GPTModel
@@ -262,7 +270,7 @@ def build_gpt(
         max_sequence_length=model.seq_length,
         pre_process=pre_process,
         post_process=post_process,
-        share_embeddings_and_output_weights=True,
+        share_embeddings_and_output_weights=not untied,
         position_embedding_type="rope" if mtp else "learned_absolute",
         **extra,
     )

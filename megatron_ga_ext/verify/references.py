@@ -42,6 +42,7 @@ from megatron_ga_ext.verify.layouts import GlobalBatch, Layout
 from megatron_ga_ext.verify.models import (
     KINDS,
     POSITIONWISE_GPT,
+    UNTIED_GPT,
     ModelConfig,
     build_gpt,
     build_positionwise,
@@ -121,7 +122,12 @@ def _build(model: ModelConfig, kind: str, device: str):
         module, names = build_positionwise(model, config)
     else:
         module, names = build_gpt(
-            model, config, pre_process=True, post_process=True, positionwise=kind in POSITIONWISE_GPT
+            model,
+            config,
+            pre_process=True,
+            post_process=True,
+            positionwise=kind in POSITIONWISE_GPT,
+            untied=kind in UNTIED_GPT,
         )
     for router in module.modules():  # the expert bias starts at 0 and moves in finalize: one step never reads it
         if getattr(router, "enable_expert_bias", False):

@@ -1,0 +1,123 @@
+"""torch FSDP2 (``--use-torch-fsdp2``) under the token-level loss: sum over DP x CP, then divide once by N.
+
+megatron-core's ``TorchFullyShardedDataParallel`` keeps the base class's ``scale_gradients``, which does nothing
+(``data_parallel_base.py``, every release from 0.16 on), and FSDP2's reduce-scatter averages over its mesh (the
+DP x CP group). Upstream's ``--calculate-per-token-loss`` on FSDP2 therefore ends with
+
+    grad = sum over (m, r, c) of grad L_m,r,c / (DP x CP)         N / (DP x CP) times the per-token mean
+
+(17x at DP 2 with N = 34). The extension makes every FSDP2 unit of a model sum instead, and divides by N itself:
+
+    before a step's first reduce-scatter  unit.set_gradient_divide_factor(1.0)        (:func:`prepare_units`)
+                                          unit.set_force_sum_reduction_for_comms(True)  (gloo has no PREMUL_SUM)
+    in finalize, after the reduction      local grad shard * 1 / N                    (:func:`scale_gradients`)
+
+Summing keeps the reduction exact to the last bit of an fp32 sum (as Megatron's DDP does with per-token loss) where
+averaging then multiplying by DP x CP / N rounds twice. The division is ours only while upstream's
+``scale_gradients`` is still the base class's no-op: an upstream that implements it scales, and we do not scale
+again. Each step (:func:`check_units`) a unit whose factor or reduction is not what the mode needs stops the step,
+naming the unit: token mode needs (1.0, sum) on every unit, microbatch mode FSDP2's own average (no factor), which
+is upstream's mean of means.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+from megatron_ga_ext.errors import CompatError, LossContractError
+
+__all__ = ["check_units", "is_torch_fsdp2", "prepare_units", "scale_gradients", "upstream_scales"]
+
+#: What each mode needs of every FSDP2 unit: (gradient divide factor, sum-only reduction).
+UNIT_STATE = {"token": (1.0, True), "microbatch": (None, False)}
+
+
+def is_torch_fsdp2(chunk: torch.nn.Module) -> bool:
+    """megatron-core's torch FSDP2 wrapper (matched by name: its module imports FSDP2 where torch has it)."""
+    return type(chunk).__name__ == "TorchFullyShardedDataParallel"
+
+
+def prepare_units(model: Any, mode: str) -> None:
+    """Token mode: every FSDP2 unit of ``model`` (a chunk or a list of chunks) sums over DP x CP, set before the
+    step's first reduce-scatter. A unit still in FSDP2's default is set; one set otherwise is left for
+    :func:`check_units` to name. Microbatch mode, or a model without FSDP2: nothing."""
+    if mode != "token":
+        return
+    for _, unit, group in _units(model):
+        if (group.gradient_divide_factor, group.force_sum_reduction_for_comms) != UNIT_STATE["microbatch"]:
+            continue
+        for method in ("set_gradient_divide_factor", "set_force_sum_reduction_for_comms"):
+            if not hasattr(unit, method):
+                raise CompatError(
+                    f"torch {torch.__version__}'s FSDP2 has no {method}, which per-token loss on --use-torch-fsdp2 "
+                    f"needs to sum gradients over the data-parallel ranks. Use a torch whose FSDPModule has it, or "
+                    f"--use-megatron-fsdp, or --ga-loss-reduction microbatch without --calculate-per-token-loss."
+                )
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+
+
+def check_units(model: Any, mode: str) -> None:
+    """Every FSDP2 unit of ``model`` reduces as ``mode`` needs (:data:`UNIT_STATE`), else the step stops here,
+    before its gradients are scaled, naming the unit, what it was set to and what to do."""
+    factor, force_sum = UNIT_STATE[mode]
+    for name, _, group in _units(model):
+        found = (group.gradient_divide_factor, group.force_sum_reduction_for_comms)
+        if found == (factor, force_sum):
+            continue
+        raise LossContractError(
+            f"torch FSDP2 unit {name!r} reduces its gradients with gradient divide factor {found[0]} and "
+            f"force-sum reduction {found[1]}; --ga-loss-reduction {mode} needs factor {factor} and force-sum "
+            f"{force_sum} ({_why(mode)}). Something changed the unit after install() set it up "
+            f"(set_gradient_divide_factor or set_force_sum_reduction_for_comms): leave FSDP2's reduction to the "
+            f"extension."
+        )
+
+
+def upstream_scales(chunk: torch.nn.Module) -> bool:
+    """The wrapper's own ``scale_gradients`` does something: it is not the base class's no-op."""
+    from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+
+    return getattr(type(chunk), "scale_gradients", None) is not _BaseDataParallel.scale_gradients
+
+
+def scale_gradients(chunk: torch.nn.Module, scaling: torch.Tensor | float) -> None:
+    """``chunk.scale_gradients(scaling)``; on torch FSDP2 whose ``scale_gradients`` is still upstream's no-op, each
+    parameter's local gradient shard times ``scaling`` instead (the reduced, summed gradient is held there)."""
+    if not is_torch_fsdp2(chunk) or upstream_scales(chunk):
+        chunk.scale_gradients(scaling)
+        return
+    with torch.no_grad():
+        for param in chunk.module.parameters():
+            if param.grad is not None:
+                _local(param.grad).mul_(scaling)
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the tensor FSDP2 reduced into), or the tensor itself."""
+    to_local = getattr(grad, "to_local", None)
+    return to_local() if to_local is not None else grad
+
+
+def _units(model: Any) -> Iterator[tuple[str, Any, Any]]:
+    """(qualified name, FSDP2 unit, its parameter group) for every unit with parameters of every torch FSDP2 chunk
+    of ``model`` (a chunk or a list of chunks; None: none)."""
+    chunks = model if isinstance(model, (list, tuple)) else [] if model is None else [model]
+    for index, chunk in enumerate(chunks):
+        if not is_torch_fsdp2(chunk):
+            continue
+        for name, module in chunk.module.named_modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                yield f"chunk {index} {name or '(root)'}", module, group
+
+
+def _why(mode: str) -> str:
+    if mode == "token":
+        return "summed over DP x CP, then divided once by the global token count N"
+    return "FSDP2's average over DP x CP, upstream's mean of means"

@@ -1,0 +1,284 @@
+"""Megatron's FSDP paths on real megatron-core over gloo, against the unpartitioned references (one 2-rank launch).
+
+torch FSDP2 (``--use-torch-fsdp2``): upstream's per-token step is N / (DP x CP) times the target; install() makes it
+exact (integration/fsdp.py), and reverting the fix (units left averaging, no division) brings upstream's factor back.
+Megatron-FSDP: exact in all four sharding strategies, with and without the overlapped reduce, in both modes. The
+harness wires ``no_sync_func`` as Megatron-LM's training does; wired always, Megatron-FSDP reduces twice.
+"""
+
+from __future__ import annotations
+
+import warnings
+from functools import partial
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+LENGTHS = (16, 1, 13, 4)  # N = 34 at DP 2, GA 2: upstream's FSDP2 factor is 34 / 2 = 17
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def _layouts():
+    from megatron_ga_ext.verify.layouts import Layout
+
+    fsdp2 = Layout(data_parallel_size=2, num_microbatches=2, model="gpt_untied", data_parallel="torch_fsdp2")
+    megatron = [
+        Layout(
+            data_parallel_size=2,
+            num_microbatches=2,
+            data_parallel="megatron_fsdp",
+            sharding_strategy=strategy,
+            overlap_grad_reduce=overlap,
+        )
+        for strategy in STRATEGIES
+        for overlap in (False, True)
+    ]
+    return fsdp2, megatron
+
+
+def _errors(grads, refs, layout) -> dict:
+    from megatron_ga_ext.verify.harness import relative_error
+
+    token, mom = refs[(layout.name, "token")], refs[(layout.name, "mean_of_means")]
+    name = "decoder.final_layernorm.weight"
+    return {
+        "token": relative_error(grads, token),
+        "mean_of_means": relative_error(grads, mom),
+        "factor": float((grads[name] / token[name]).median()),
+        "complete": sorted(grads) == sorted(token),
+    }
+
+
+def _reverted():
+    """The FSDP2 fix taken out where install() and finalize call it: units keep FSDP2's average, no one scales."""
+    from megatron_ga_ext.integration import finalize, installation
+    from megatron_ga_ext.testing.shims import patched
+
+    noop = lambda *args, **kwargs: None  # noqa: E731
+    return (
+        patched(installation, {"prepare_units": noop}),
+        patched(
+            finalize, {"check_units": noop, "scale_gradients": lambda chunk, scaling: chunk.scale_gradients(scaling)}
+        ),
+    )
+
+
+def _unit_checks(cfg, layout) -> dict:
+    """prepare_units / check_units / scale_gradients on a freshly wrapped FSDP2 chunk (no step)."""
+    import torch
+
+    from megatron_ga_ext.errors import LossContractError
+    from megatron_ga_ext.integration.fsdp import check_units, prepare_units, scale_gradients, upstream_scales
+    from megatron_ga_ext.testing.shims import patched
+    from megatron_ga_ext.verify.harness import build_ddp
+    from megatron_ga_ext.verify.models import init_model_parallel
+
+    out = {}
+    init_model_parallel()
+    chunk, _, _ = build_ddp(layout, cfg, calculate_per_token_loss=True)
+    out["upstream_scales"] = upstream_scales(chunk)
+    prepare_units(chunk, "token")
+    check_units(chunk, "token")  # passes
+    try:
+        check_units(chunk, "microbatch")
+        out["microbatch_on_summing"] = None
+    except LossContractError as exc:
+        out["microbatch_on_summing"] = str(exc)
+    chunk.module.decoder.layers[0].set_gradient_divide_factor(2.0)
+    prepare_units(chunk, "token")  # leaves a unit a user set for check_units to name
+    try:
+        check_units([chunk], "token")
+        out["user_factor"] = None
+    except LossContractError as exc:
+        out["user_factor"] = str(exc)
+    # an upstream that implements scale_gradients for FSDP2 scales, and the extension does not scale again
+    for param in chunk.module.parameters():
+        param.grad = torch.distributed.tensor.DTensor.from_local(
+            torch.ones_like(param.to_local()), param.device_mesh, param.placements
+        )
+    calls = []
+    with patched(type(chunk), {"scale_gradients": lambda self, factor: calls.append(factor)}):
+        out["fixed_upstream_scales"] = upstream_scales(chunk)
+        scale_gradients(chunk, 0.5)
+    out["fixed_upstream_calls"] = calls
+    out["grad_after_fixed_upstream"] = float(next(chunk.module.parameters()).grad.to_local().max())
+    scale_gradients(chunk, 0.5)
+    out["grad_after_noop_upstream"] = float(next(chunk.module.parameters()).grad.to_local().max())
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def _no_sync_always(layout, cfg, batch, mode) -> dict:
+    """The step with ``no_sync_func`` wired whatever the overlap (the harness's old wiring), through install()."""
+    from megatron.core import num_microbatches_calculator as calculators
+    from megatron.core import parallel_state
+
+    import megatron_ga_ext
+    from megatron_ga_ext.config.ga_config import GAConfig
+    from megatron_ga_ext.integration.loss_contract import masked_loss
+    from megatron_ga_ext.testing.shims import patched
+    from megatron_ga_ext.verify import harness
+    from megatron_ga_ext.verify.models import init_model_parallel
+
+    init_model_parallel()
+    megatron_ga_ext.install(GAConfig(loss_reduction=mode))
+    calculators.init_num_microbatches_calculator(0, None, layout.global_batch_size, 1, 2)
+    try:
+        chunks, names, config = harness.build_chunks(layout, cfg, calculate_per_token_loss=mode == "token")
+        from megatron.core.distributed import finalize_model_grads
+
+        with patched(harness, {"wire_sync": partial(_wire_always, chunks)}):
+            harness.train_step(
+                chunks,
+                config,
+                layout,
+                cfg,
+                batch,
+                finalize=finalize_model_grads,
+                loss_func=partial(masked_loss, mode=mode),
+            )
+        return harness.gradients(chunks, names)
+    finally:
+        megatron_ga_ext.uninstall()
+        calculators.unset_num_microbatches_calculator()
+        parallel_state.destroy_model_parallel()
+
+
+def _wire_always(chunks, config, _chunks) -> None:
+    """The harness's old wiring: no_sync whatever the overlap."""
+    config.no_sync_func = chunks[0].no_sync
+
+
+def _run():
+    from megatron_ga_ext.testing.shims import cpu_shims
+    from megatron_ga_ext.verify.harness import VerifyConfig, run_layout
+    from megatron_ga_ext.verify.layouts import make_global_batch
+    from megatron_ga_ext.verify.references import reference_grads
+
+    cfg = VerifyConfig(lengths=LENGTHS, progress=False)
+    fsdp2, megatron = _layouts()
+    out = {}
+    with cpu_shims():
+        batch = make_global_batch(cfg.lengths, cfg.model.seq_length, cfg.model.vocab_size)
+        refs = reference_grads(cfg.model, [fsdp2, *megatron], batch)
+        for mode in ("token", "microbatch"):
+            grads, n = run_layout(fsdp2, mode, cfg, batch)
+            out[("fsdp2", mode, "ours")] = {**_errors(grads, refs, fsdp2), "num_tokens": n}
+        grads, _ = run_layout(fsdp2, "token", cfg, batch, extension=False)
+        out[("fsdp2", "token", "upstream")] = _errors(grads, refs, fsdp2)
+        reverted = _reverted()
+        with reverted[0], reverted[1]:
+            grads, _ = run_layout(fsdp2, "token", cfg, batch)
+        out[("fsdp2", "token", "reverted")] = _errors(grads, refs, fsdp2)
+        for layout in megatron:
+            for mode in ("token", "microbatch"):
+                grads, n = run_layout(layout, mode, cfg, batch)
+                out[(layout.name, mode, "ours")] = {**_errors(grads, refs, layout), "num_tokens": n}
+        for layout in megatron[:4:2]:  # no_shard and optim without the overlap: the hazard
+            out[(layout.name, "token", "no_sync always")] = _errors(
+                _no_sync_always(layout, cfg, batch, "token"), refs, layout
+            )
+        out["units"] = _unit_checks(cfg, fsdp2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    from megatron_ga_ext.testing.distributed import LaunchConfig, run_on_ranks
+
+    warnings.filterwarnings("ignore", category=UserWarning)
+    return run_on_ranks(_run, 2, (), LaunchConfig(timeout_s=400))
+
+
+def test_torch_fsdp2_token_mode_is_exact_where_upstream_is_n_over_dp_off(outcomes):
+    for rank in outcomes:
+        ours, upstream = rank[("fsdp2", "token", "ours")], rank[("fsdp2", "token", "upstream")]
+        assert ours["complete"] and ours["num_tokens"] == 34
+        assert ours["token"] < 1e-5
+        assert upstream["factor"] == pytest.approx(17.0, rel=1e-5)  # N / (DP x CP) = 34 / 2
+        assert upstream["token"] == pytest.approx(16.0, rel=1e-4)
+
+
+def test_torch_fsdp2_fails_with_the_fix_reverted(outcomes):
+    for rank in outcomes:
+        reverted = rank[("fsdp2", "token", "reverted")]
+        assert reverted["factor"] == pytest.approx(17.0, rel=1e-5) and reverted["token"] > 1
+
+
+def test_torch_fsdp2_microbatch_mode_is_upstream_mean_of_means(outcomes):
+    for rank in outcomes:
+        ours = rank[("fsdp2", "microbatch", "ours")]
+        assert ours["complete"] and ours["mean_of_means"] < 1e-5 and ours["token"] > 1e-2
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_megatron_fsdp_is_exact_in_every_strategy_and_mode(outcomes, strategy, overlap):
+    from megatron_ga_ext.verify.layouts import Layout
+
+    name = Layout(
+        data_parallel_size=2,
+        num_microbatches=2,
+        data_parallel="megatron_fsdp",
+        sharding_strategy=strategy,
+        overlap_grad_reduce=overlap,
+    ).name
+    for rank in outcomes:
+        token, microbatch = rank[(name, "token", "ours")], rank[(name, "microbatch", "ours")]
+        assert token["complete"] and token["num_tokens"] == 34 and token["token"] < 1e-5
+        assert microbatch["complete"] and microbatch["mean_of_means"] < 1e-5
+        assert token["mean_of_means"] > 1e-2 and microbatch["token"] > 1e-2  # the two targets differ on this batch
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim"])
+def test_no_sync_wired_as_megatron_lm_does(outcomes, strategy):
+    """Megatron-LM sets no_sync_func only with --overlap-grad-reduce (training.py); wired always, Megatron-FSDP
+    no_shard and optim reduce twice in token mode (no_shard: every gradient 2x; optim: part of them)."""
+    from megatron_ga_ext.verify.layouts import Layout
+
+    name = Layout(
+        data_parallel_size=2, num_microbatches=2, data_parallel="megatron_fsdp", sharding_strategy=strategy
+    ).name
+    for rank in outcomes:
+        hazard = rank[(name, "token", "no_sync always")]
+        assert hazard["token"] > 0.5  # the same layouts are exact with Megatron-LM's wiring (test above)
+        if strategy == "no_shard":
+            assert hazard["factor"] == pytest.approx(2.0, rel=1e-5)
+
+
+def test_wire_sync_follows_the_overlap():
+    """The harness's wiring itself, on stand-in chunks of the wrapper types it recognises by name."""
+    from types import SimpleNamespace
+
+    from megatron_ga_ext.verify.data_parallel import wire_sync
+
+    def chunk(kind, overlap):
+        return type(kind, (), {"ddp_config": SimpleNamespace(overlap_grad_reduce=overlap), "no_sync": object()})()
+
+    for kind in ("DistributedDataParallel", "FullyShardedDataParallel", "TorchFullyShardedDataParallel"):
+        config = SimpleNamespace(no_sync_func="unset")
+        wire_sync(config, [chunk(kind, False)])
+        assert config.no_sync_func is None
+        one = chunk(kind, True)
+        wire_sync(config, [one])
+        assert config.no_sync_func is (None if kind.startswith("Torch") else one.no_sync)
+    two = [chunk("DistributedDataParallel", True), chunk("DistributedDataParallel", True)]
+    wire_sync(config, two)
+    assert config.no_sync_func == [c.no_sync for c in two]
+
+
+def test_fsdp2_units_checked_each_step_and_upstream_never_scaled_twice(outcomes):
+    for rank in outcomes:
+        units = rank["units"]
+        assert units["upstream_scales"] is False
+        assert "--ga-loss-reduction microbatch needs factor None" in units["microbatch_on_summing"]
+        assert (
+            "torch FSDP2 unit 'chunk 0 decoder.layers.0' reduces its gradients with gradient divide factor 2.0"
+            in (units["user_factor"])
+        )
+        assert units["fixed_upstream_scales"] is True and units["fixed_upstream_calls"] == [0.5]
+        assert units["grad_after_fixed_upstream"] == 1.0  # upstream's own scale_gradients did it (here: recorded)
+        assert units["grad_after_noop_upstream"] == 0.5
