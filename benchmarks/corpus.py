@@ -86,6 +86,74 @@ def build(out: Path = DEFAULT_OUT) -> dict:
     return description
 
 
+#: The held-out validation set of :func:`heldout_flags`: of every HELDOUT_STRIDE-th file (sorted order), those of at
+#: most HELDOUT_TOKENS / 2 bytes, until it holds at least HELDOUT_TOKENS tokens; the training set is every other file.
+HELDOUT_STRIDE = 37
+HELDOUT_TOKENS = 8192
+
+
+def heldout(out: Path = DEFAULT_OUT) -> dict:
+    """Write the corpus split by files into a training and a held-out validation dataset, unless they are there:
+    ``<name>-train_text_document`` and ``<name>-valid_text_document``; their description (the JSON beside them).
+    Every run of the critical-batch sweep evaluates on all of the validation set (``--full-validation``): the same
+    samples at every evaluation of every run."""
+    import numpy
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    version, files = sources()
+    name = f"megatron-core-{version}-heldout"
+    described = out / f"{name}.json"
+    if described.is_file():
+        return json.loads(described.read_text())
+    valid, tokens = [], 0
+    for path in files[::HELDOUT_STRIDE]:
+        if tokens >= HELDOUT_TOKENS:
+            break
+        if path.stat().st_size > HELDOUT_TOKENS // 2:
+            continue
+        valid.append(path)
+        tokens += path.stat().st_size + 1
+    out.mkdir(parents=True, exist_ok=True)
+    description = {"source": f"megatron-core {version}: megatron/core/**/*.py, sorted", "eod": EOD}
+    for split, chosen in (("train", [p for p in files if p not in valid]), ("valid", valid)):
+        data = out / f"{name}-{split}_text_document"
+        builder = IndexedDatasetBuilder(str(data) + ".bin", dtype=numpy.uint16)
+        digest, count = hashlib.sha256(), 0
+        for path in chosen:
+            ids = numpy.append(numpy.frombuffer(path.read_bytes(), dtype=numpy.uint8).astype(numpy.uint16), EOD)
+            builder.add_item(torch.from_numpy(ids.astype(numpy.int64)))
+            builder.end_document()
+            digest.update(ids.astype(numpy.uint16).tobytes())
+            count += len(ids)
+        builder.finalize(str(data) + ".idx")
+        description[split] = {
+            "documents": len(chosen),
+            "tokens": count,
+            "sha256": digest.hexdigest(),
+            "data_path": str(data),
+        }
+    description["valid"]["files"] = [p.name for p in valid]
+    described.write_text(json.dumps(description, indent=1) + "\n")
+    return description
+
+
+def heldout_flags(megatron_lm: Path, out: Path = DEFAULT_OUT) -> list[str]:
+    """pretrain_gpt.py's data flags for :func:`heldout`'s split (built if it is not there): train on the training
+    files, evaluate on all of the held-out ones at every evaluation."""
+    description = heldout(out)
+    return [
+        "--train-data-path",
+        description["train"]["data_path"],
+        "--valid-data-path",
+        description["valid"]["data_path"],
+        "--full-validation",
+        "--multiple-validation-sets",  # 0.19's --full-validation indexes eval_iters as a list, which only this makes
+        *tokenizer_flags(megatron_lm),
+        "--eod-mask-loss",
+    ]
+
+
 def tokenizer_flags(megatron_lm: Path) -> list[str]:
     """NullTokenizer with end-of-document id EOD on the Megatron-LM tree ``megatron_lm`` (read from its source:
     0.18 and later take ``eod_id``, defaulting it to vocab_size - 1; earlier ones use vocab_size itself)."""

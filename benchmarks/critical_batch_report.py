@@ -1,15 +1,17 @@
-"""The critical-batch benchmark's tables and plots, from its JSON under benchmarks/results (benchmarks/critical_batch.py
-writes it). Pure Python but the plots (matplotlib, the ``plot`` extra).
+"""The critical-batch benchmark's tables, from its newest result JSON under benchmarks/results
+(benchmarks/critical_batch.py --collect writes it; benchmarks/critical_batch_analysis.py reads it). Pure Python.
 
-``make docs`` renders the tables into docs/noise-scale.md (tools/docs.py: from the committed JSON alone, so
-``make docs-check`` holds them); the benchmark draws the plots beside its JSON.
+``make docs`` renders them into docs/noise-scale.md (tools/docs.py: from the committed JSON alone, so
+``make docs-check`` holds them):
 
-* ``critical-batch``: per target (validation loss), the runs that reached it, S_min, E_min, B_crit with its bootstrap
-  interval (an end the data do not bound written open: (0, high] or [low, inf)), B_simple where those runs reached
-  it (geometric mean over the batch sizes, and its range), the ratio
-  B_simple / B_crit (its range from B_crit's interval), and B_crit of each other seed, with whether it lies inside
-  the first seed's interval;
-* ``warmup-test``: Merrill's runs at the same sample budget: steps to each target and the final validation loss.
+* ``critical-batch``: per target, B_crit with its 95 % profile interval, each seed's own B_crit and whether it lies
+  inside, the runs used and those left out as dominated, the fit's rms log residual, and the interpolation error
+  against the seed noise (log S);
+* ``b-simple``: per target, B_simple from the centred window and from the EMA where the fit's runs cross it, the
+  EMA's reading over the window's, its lag, and B_simple (window) / B_crit with the interval;
+* ``lr-grid``: per batch size, the mean validation loss after the LR warmup at each LR, the best, and per target the
+  LR with the fewest steps;
+* ``warmup-test``: the adaptive warmup and its baselines: steps and samples to each target, the final loss.
 """
 
 from __future__ import annotations
@@ -19,164 +21,142 @@ import math
 import re
 from pathlib import Path
 
+from benchmarks.critical_batch_analysis import analyse, geometric, mean_sd
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-FIRST_SEED = 1234
-_NAME = re.compile(r"critical-batch-(\d{4}-\d{2}-\d{2})(?:-seed(\d+))?\.json")
+_NAME = re.compile(r"critical-batch-(\d{4}-\d{2}-\d{2})\.json")
+BLOCKS = ("critical-batch", "b-simple", "lr-grid", "warmup-test")
 
 
-def results(directory: Path = RESULTS) -> list[dict]:
-    """The newest first-seed result, then the other seeds' results run ``--like`` it, by seed (empty where there is
-    none)."""
-    found = {
-        p.name: (m.group(1), int(m.group(2) or FIRST_SEED))
-        for p in directory.glob("critical-batch-*.json")
-        if (m := _NAME.fullmatch(p.name))
-    }
-    firsts = [name for name, (_, seed) in found.items() if seed == FIRST_SEED]
-    if not firsts:
-        return []
-    first = max(firsts, key=lambda name: found[name][0])
-    others = [
-        json.loads((directory / name).read_text())
-        for name in sorted(found, key=lambda n: found[n][1])
-        if found[name][1] != FIRST_SEED
-    ]
-    return [json.loads((directory / first).read_text()), *(r for r in others if r.get("like") == first)]
-
-
-def geometric_mean(values) -> float | None:
-    """Of the positive values (None and 0 left out); None where there is none."""
-    positive = [v for v in values if v is not None and v > 0]
-    return math.exp(sum(map(math.log, positive)) / len(positive)) if positive else None
-
-
-def _b_crit(fit: dict) -> dict | None:
-    targets = fit.get("targets") or []
-    return targets[0] if targets and targets[0].get("fittable") else None
-
-
-def _ends(interval: dict) -> tuple[float, float]:
-    """An interval's ends, an end the data do not bound (null: ``megatron-ga critical-batch``) as 0 or inf."""
-    return (
-        0.0 if interval["low"] is None else interval["low"],
-        math.inf if interval["high"] is None else interval["high"],
-    )
-
-
-def _span(low: float, high: float) -> str:
-    """[low, high], an open end at 0 or inf written as such: (0, high] or [low, inf)."""
-    return f"{'(0' if low == 0 else f'[{_g(low)}'}, {'inf)' if math.isinf(high) else f'{_g(high)}]'}"
+def newest(directory: Path = RESULTS) -> dict | None:
+    found = sorted((m.group(1), p) for p in directory.glob("critical-batch-*.json") if (m := _NAME.fullmatch(p.name)))
+    return json.loads(found[-1][1].read_text()) if found else None
 
 
 def _g(value: float | None, digits: int = 3) -> str:
-    """``digits`` significant digits; a whole number at and above 10 ** digits."""
+    """``digits`` significant digits; a whole number at and above 10 ** digits; '-' for None."""
     if value is None or not math.isfinite(value):
         return "-"
     return f"{value:,.0f}" if abs(value) >= 10**digits else f"{value:.{digits}g}"
 
 
-def fits_table(runs: list[dict]) -> str:
-    first, others = runs[0], runs[1:]
+def _span(low: float | None, high: float | None) -> str:
+    """[low, high], an end the data do not bound written open: (0, high] or [low, inf)."""
+    return f"{'(0' if low is None else f'[{_g(low)}'}, {'inf)' if high is None else f'{_g(high)}]'}"
+
+
+def critical_table(result: dict, analysis: dict) -> str:
     lines = [
-        "| target (validation loss) | runs | S_min | E_min (samples) | B_crit [95%] | B_simple at the target: "
-        "geometric mean [min, max] | B_simple / B_crit | other seeds' B_crit |",
-        "|" + "---|" * 8,
+        "| target (validation loss) | B_crit | 95% profile interval | per seed | seeds inside | runs used | "
+        "left out as dominated | rms log residual | interpolation error / seed sd (log S) |",
+        "|" + "---|" * 9,
     ]
-    for entry in first["fits"]:
-        fit = _b_crit(entry["fit"])
-        simple = [v for v in entry["b_simple"].values() if v is not None and v > 0]
-        mean = geometric_mean(simple)
-        spread = f"[{_g(min(simple))}, {_g(max(simple))}]" if simple else ""
-        if fit is None:
-            reason = (entry["fit"].get("targets") or [{}])[0].get("reason") or entry["fit"].get("error", "")
+    for t in analysis["targets"]:
+        seeds = {s: b for s, b in t["per_seed"].items()}
+        inside = [b is not None and (t.get("low") or 0) <= b <= (t.get("high") or math.inf) for b in seeds.values()]
+        noise = t["interpolation"]
+        error = f"{_g(noise['interpolation_log_s'], 2)} / {_g(noise['seed_sd_log_s'], 2)}"
+        dominated = ", ".join(t["dominated"]) or "none"
+        if t.get("b_crit") is None:
             lines.append(
-                f"| {entry['target']:.4g} | {len(entry['runs'])} | not fittable: {reason} | | | "
-                f"{_g(mean)} {spread} | | |"
+                f"| {t['target']:.4g} | not fittable: {t['reason']} | | | | {len(t['runs_used'])} | {dominated} | | "
+                f"{error} |"
             )
             continue
-        low, high = _ends(fit["b_crit_interval"])
-        ratio = (
-            "-"
-            if mean is None
-            else (f"{_g(mean / fit['b_crit'])} {_span(mean / high, mean / low if low else math.inf)}")
-        )
-        seeds = []
-        for other in others:
-            match = next((e for e in other["fits"] if abs(e["target"] - entry["target"]) < 1e-9), None)
-            theirs = None if match is None else _b_crit(match["fit"])
-            if theirs is not None:
-                inside = "inside" if low <= theirs["b_crit"] <= high else "outside"
-                seeds.append(f"seed {other['seed']}: {_g(theirs['b_crit'])} ({inside})")
-            else:  # the reason's first clause: "every run is above the knee", "2 run(s) at 2 batch size(s) ..."
-                reason = "" if match is None else ((match["fit"].get("targets") or [{}])[0].get("reason") or "")
-                seeds.append(f"seed {other['seed']}: " + (f"not fittable ({reason.split(':')[0]})" if reason else "-"))
+        per_seed = ", ".join(f"{s}: {_g(b)}" for s, b in seeds.items())
         lines.append(
-            f"| {entry['target']:.4g} | {len(entry['runs'])} | {_g(fit['s_min'])} | {_g(fit['e_min'])} | "
-            f"{_g(fit['b_crit'])} {_span(low, high)} | {_g(mean)} {spread} | {ratio} | "
-            f"{'; '.join(seeds) or '-'} |"
+            f"| {t['target']:.4g} | {_g(t['b_crit'])} | {_span(t.get('low'), t.get('high'))} | {per_seed} | "
+            f"{sum(inside)} of {len(inside)} | {len(t['runs_used'])} | {dominated} | "
+            f"{_g(t['rms_log_residual'], 2)} | {error} |"
         )
     return "\n".join(lines)
 
 
-def warmup_table(result: dict) -> str:
-    targets = [f"{e['target']:.4g}" for e in result["fits"]]
+def b_simple_table(analysis: dict) -> str:
     lines = [
-        "| run | " + " | ".join(f"steps to {t}" for t in targets) + " | final validation loss |",
-        "|" + "---|" * (len(targets) + 2),
+        "| target | B_simple, centred window: geometric mean [min, max] | B_simple, EMA: geometric mean | EMA / window "
+        "(median over runs) | EMA lag (median, samples) | B_simple (window) / B_crit [interval] |",
+        "|" + "---|" * 6,
     ]
-    for name, row in result["merrill"].items():
-        steps = [row["steps_to"].get(f"{e['target']:.6g}") for e in result["fits"]]
+    for t in analysis["targets"]:
+        rows = [v for v in t["b_simple"].values() if v is not None]
+        window = [v["window"] for v in rows if v["window"] is not None and v["window"] > 0]
+        ema = [v["ema"] for v in rows]
+        ratios = sorted(v["ema"] / v["window"] for v in rows if v["window"] and v["ema"] and v["window"] > 0)
+        lags = sorted(v["lag_samples"] for v in rows if v["lag_samples"] is not None)
+        mean = geometric(window)
+        spread = f"[{_g(min(window))}, {_g(max(window))}]" if window else ""
+        ratio = "-"
+        if mean is not None and t.get("b_crit"):
+            high = None if not t.get("low") else mean / t["low"]
+            low = None if t.get("high") is None else mean / t["high"]
+            ratio = f"{_g(mean / t['b_crit'])} {_span(low, high)}"
         lines.append(
-            f"| {name} | "
-            + " | ".join("-" if s is None else str(s) for s in steps)
-            + f" | {_g(row['final_validation_loss'], 4)} |"
+            f"| {t['target']:.4g} | {_g(mean)} {spread} | {_g(geometric(ema))} | "
+            f"{_g(ratios[len(ratios) // 2] if ratios else None)} | {_g(lags[len(lags) // 2] if lags else None)} | "
+            f"{ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def lr_table(analysis: dict) -> str:
+    lines = [
+        "| GBS | LR: mean validation loss after the LR warmup (seed 1) | best LR | interior | fewest-steps LR per "
+        "target |",
+        "|" + "---|" * 5,
+    ]
+    for gbs, v in analysis["lr"].items():
+        scores = ", ".join(f"{_g(v['lr'][k])}: {_g(v['scores'][k], 4)}" for k in sorted(v["scores"], key=int))
+        fewest = [t["fewest_steps_k"].get(gbs) for t in analysis["targets"]]
+        fewest_lr = ", ".join("-" if k is None else _g(v["lr"][k]) for k in fewest)
+        lines.append(
+            f"| {gbs} | {scores} | {_g(v['lr'][v['best']])} | {'yes' if v['interior'] else 'no'} | {fewest_lr} |"
+        )
+    return "\n".join(lines)
+
+
+def _stat(values: list[float | None], digits: int = 3) -> str:
+    mean, sd, count = mean_sd(values)
+    if mean is None:
+        return "-"
+    missing = len(values) - count
+    return f"{_g(mean, digits)} ± {_g(sd, 2)}" + (f" ({missing} not)" if missing else "")
+
+
+def warmup_table(analysis: dict) -> str:
+    targets = [t["target"] for t in analysis["targets"]]
+    lines = [
+        "| run | seeds | "
+        + " | ".join(f"steps to {t:.4g}" for t in targets)
+        + f" | samples to {targets[-1]:.4g} | final validation loss | steps run |"
+        if targets
+        else "| run | seeds | final validation loss | steps run |",
+        "|" + "---|" * (len(targets) + (5 if targets else 4)),
+    ]
+    for name, row in analysis["warmup"].items():
+        steps = [_stat([s[i] for s in row["steps"]]) for i in range(len(targets))]
+        samples = [_stat([s[-1] for s in row["samples"]])] if targets else []
+        lines.append(
+            f"| {name} | {len(row['seeds'])} | "
+            + " | ".join([*steps, *samples])
+            + f"{' | ' if targets else ''}{_stat(row['final'], 4)} | {_stat(row['steps_run'])} |"
         )
     return "\n".join(lines)
 
 
 def tables(directory: Path = RESULTS) -> dict[str, str]:
-    """The two tables by block name; a one-line placeholder each where no result is committed."""
-    runs = results(directory)
-    if not runs:
+    """The tables by block name; a one-line placeholder each where no result is committed."""
+    result = newest(directory)
+    if result is None:
         none = "No result committed yet: run `make critical-batch`, then `make docs`."
-        return {"critical-batch": none, "warmup-test": none}
-    head = f"{runs[0]['date']}, {runs[0]['source']}, {runs[0]['seconds']:.0f} s for seed {runs[0]['seed']}.\n\n"
-    return {"critical-batch": head + fits_table(runs), "warmup-test": warmup_table(runs[0])}
-
-
-def plot(result: dict, prefix: Path) -> list[Path]:
-    """``<prefix>-fit.png`` (per target the S-E points and the fitted hyperbola) and ``<prefix>-b-simple.png``
-    (each sweep run's B_simple EMA against its consumed samples)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(6, 4.5))
-    for entry in result["fits"]:
-        fit = _b_crit(entry["fit"])
-        points = (entry["fit"].get("targets") or [{}])[0].get("points", [])
-        label = f"loss {entry['target']:.3g}" + ("" if fit is None else f": B_crit {fit['b_crit']:.3g}")
-        line = axes.loglog([p["steps"] for p in points], [p["samples"] for p in points], "o", label=label)
-        if fit is not None:
-            s = [fit["s_min"] * (1 + 10 ** (k / 20 - 2)) for k in range(0, 81)]
-            axes.loglog(s, [fit["e_min"] * (1 + 1 / (x / fit["s_min"] - 1)) for x in s], "-", color=line[0].get_color())
-    axes.set_xlabel("optimizer steps S")
-    axes.set_ylabel("samples E")
-    axes.set_title("(S / S_min - 1)(E / E_min - 1) = 1 per target")
-    axes.legend(fontsize=8)
-    written = [prefix.with_name(prefix.name + "-fit.png"), prefix.with_name(prefix.name + "-b-simple.png")]
-    figure.savefig(written[0], dpi=100, bbox_inches="tight")
-    plt.close(figure)
-    figure, axes = plt.subplots(figsize=(6, 4.5))
-    for run in result["runs"]:
-        series = run.get("b_simple", [])
-        if series:
-            axes.semilogy([s for s, _ in series], [b for _, b in series], label=run["name"], linewidth=1)
-    axes.set_xlabel("consumed samples")
-    axes.set_ylabel("B_simple EMA (samples)")
-    axes.legend(fontsize=7)
-    figure.savefig(written[1], dpi=100, bbox_inches="tight")
-    plt.close(figure)
-    return written
+        return dict.fromkeys(BLOCKS, none)
+    analysis = analyse(result)
+    seconds = sum(r["seconds"] for r in result["runs"])
+    head = f"{result['date']}, {result['source']}, {len(result['runs'])} runs, {seconds:,.0f} s of training.\n\n"
+    return {
+        "critical-batch": head + critical_table(result, analysis),
+        "b-simple": b_simple_table(analysis),
+        "lr-grid": lr_table(analysis),
+        "warmup-test": warmup_table(analysis),
+    }

@@ -220,7 +220,7 @@ def launch_command(
     workdir.mkdir(parents=True, exist_ok=True)
     tiny_gpt = list(TINY_GPT)
     tiny_gpt[tiny_gpt.index("--distributed-backend") + 1] = BACKENDS[device]
-    if "--data-path" in flags:  # a real dataset (benchmarks/corpus.py): its flags, given later, set the tokenizer
+    if {"--data-path", "--train-data-path"} & set(flags):  # a real dataset (benchmarks/corpus.py): its tokenizer
         tiny_gpt.remove("--mock-data")
     # On the CPU the launcher forks the ranks; on a CUDA device this process is the one rank (see the docstring).
     ranks = ["--nproc-per-node", str(processes)] if device == "cpu" else []

@@ -1,0 +1,255 @@
+"""The critical-batch benchmark's analysis, from its result JSON (benchmarks/critical_batch.py --collect). Pure Python
+(megatron_ga_ext.core only): ``make docs`` renders its tables from the committed JSON (critical_batch_report.py).
+
+* **The LR per batch size**: the k of the grid with the lowest mean validation loss after the LR warmup (seed 1);
+  interior where a lower and a higher k ran. Per target the k with the fewest steps is shown beside it.
+* **Targets**: TARGETS losses evenly spaced from just below the highest loss any fit run has at the end of its LR
+  warmup (so every run crosses every target after its warmup) down to the lowest loss that runs at MIN_SIZES batch
+  sizes all reach (every seed).
+* **The fit** per target: the best k's runs at every batch size and seed, ``fit_target`` (dominated batch sizes left
+  out, the profile interval); per seed the same on that seed's runs (the seed spread).
+* **Interpolation error** at a crossing: the step from linear interpolation between the two evaluations around it
+  against a quadratic through three (log S); **seed noise**: the sd of log S over the seeds of one batch size.
+* **B_simple at matched progress**: per fit run and target, core/noise_window.py's centred window of WINDOW_SAMPLES
+  on each side of the crossing (ratio of sums), and the EMA at the first row at or after it; the EMA's **lag**: how
+  many samples before the crossing the window's value last equalled the EMA's reading at it.
+* **The warmup against its baselines**: steps and samples to each target and the final validation loss, mean and sd
+  over seeds.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from collections.abc import Sequence
+
+from megatron_ga_ext.core.critical_batch import RunPoint, fit_target
+from megatron_ga_ext.core.noise_window import window_b_simple
+
+TARGETS = 4
+MIN_SIZES = 4
+WINDOW_SAMPLES = 256
+_GRID = re.compile(r"gbs(\d+)-k([+-]\d+)-seed(\d+)")
+
+
+def lr_of(plan: dict, gbs: int, k: int) -> float:
+    """benchmarks/critical_batch.py's Plan.lr."""
+    return float(f"{plan['lr16'] * (gbs / 16) ** plan['lr_power'] * 2.0**k:.4g}")
+
+
+def grid_runs(result: dict) -> list[dict]:
+    return [r for r in result["runs"] if _GRID.fullmatch(r["name"])]
+
+
+def k_of(run: dict) -> int:
+    match = _GRID.fullmatch(run["name"])
+    return int(match.group(2)) if match else 0
+
+
+def score(run: dict, warmup_samples: int) -> float:
+    """The mean validation loss over the evaluations after the LR warmup (inf where one is not finite)."""
+    losses = [loss for _, samples, loss in run["curve"] if samples >= warmup_samples]
+    return sum(losses) / len(losses) if losses and all(map(math.isfinite, losses)) else math.inf
+
+
+def best_k(result: dict) -> dict[int, dict]:
+    """Per batch size: the grid's scores by k (seed 1), the best k, and whether it is interior."""
+    warmup = result["plan"]["warmup_samples"]
+    out = {}
+    for gbs in result["plan"]["sizes"]:
+        scores = {k_of(r): score(r, warmup) for r in grid_runs(result) if r["gbs"] == gbs and r["seed"] == 1}
+        if not scores:
+            continue
+        k = min(scores, key=scores.__getitem__)
+        out[gbs] = {"scores": scores, "best": k, "interior": min(scores) < k < max(scores)}
+    return out
+
+
+def fit_runs(result: dict, best: dict[int, dict]) -> list[dict]:
+    return [r for r in grid_runs(result) if r["gbs"] in best and k_of(r) == best[r["gbs"]]["best"]]
+
+
+def reached(curve: Sequence[Sequence[float]], target: float) -> tuple[float, float, int] | None:
+    """(steps, samples, index of the first evaluation at or below) where the curve first reaches ``target``, linear
+    in the loss between that evaluation and the one before it; None where it never does or starts below."""
+    for i, (step, samples, loss) in enumerate(curve):
+        if loss <= target:
+            if i == 0:
+                return None
+            s0, e0, l0 = curve[i - 1]
+            share = (l0 - target) / (l0 - loss)
+            return s0 + share * (step - s0), e0 + share * (samples - e0), i
+    return None
+
+
+def quadratic_steps(curve: Sequence[Sequence[float]], target: float, i: int) -> float | None:
+    """The step where the quadratic through the evaluations i-1, i and its outer neighbour (i+1, or i-2 at the end)
+    in (step, loss) reaches ``target`` between evaluations i-1 and i; None where it does not."""
+    j = i + 1 if i + 1 < len(curve) else i - 2
+    if j < 0:
+        return None
+    xs, ys = zip(*[(curve[m][0], curve[m][2]) for m in (i - 1, i, j)])
+
+    def value(x: float) -> float:
+        return sum(ys[a] * math.prod((x - xs[b]) / (xs[a] - xs[b]) for b in range(3) if b != a) for a in range(3))
+
+    low, high = xs[0], xs[1]
+    if (value(low) - target) * (value(high) - target) > 0:
+        return None
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if value(middle) > target else (low, middle)
+    return (low + high) / 2
+
+
+def choose_targets(runs: list[dict], warmup_samples: int) -> list[float]:
+    """Module docstring: below every run's loss at the end of its LR warmup, above what MIN_SIZES sizes reach."""
+    after = [next(loss for _, samples, loss in r["curve"] if samples >= warmup_samples) for r in runs]
+    lowest: dict[int, float] = {}
+    for r in runs:
+        low = min(loss for _, _, loss in r["curve"])
+        lowest[r["gbs"]] = max(lowest.get(r["gbs"], -math.inf), low)  # every seed of the size reaches it
+    if len(lowest) < MIN_SIZES:
+        return []
+    high, low = min(after) * 0.995, sorted(lowest.values())[MIN_SIZES - 1]
+    if not low < high:
+        return []
+    return [high - (high - low) * k / (TARGETS - 1) for k in range(TARGETS)]
+
+
+def fit(target: float, runs: list[dict]) -> dict:
+    """``fit_target`` on the runs that reach ``target`` (dominated batch sizes out, profile interval)."""
+    points = []
+    for r in runs:
+        hit = reached(r["curve"], target)
+        if hit is not None:
+            points.append(RunPoint(label=r["name"], batch_size=r["gbs"], steps=hit[0], samples=hit[1]))
+    found = fit_target(target, points)
+    out = {
+        "runs_used": [p.label for p in found.points],
+        "dominated": [p.label for p in found.dominated],
+        "reason": found.reason,
+    }
+    if found.fit is not None and found.interval is not None:
+        out.update(
+            b_crit=found.fit.b_crit,
+            s_min=found.fit.s_min,
+            e_min=found.fit.e_min,
+            low=found.interval.low,
+            high=found.interval.high,
+            rms_log_residual=found.fit.rms_log_residual,
+        )
+    return out
+
+
+def b_simple(run: dict, target: float, gbs: int) -> dict | None:
+    """The window's and the EMA's B_simple where ``run`` crosses ``target``, and the EMA's lag (module docstring)."""
+    hit = reached(run["curve"], target)
+    rows = run["trace"]
+    if hit is None or not rows:
+        return None
+    every = max(1, (rows[1]["consumed_samples"] - rows[0]["consumed_samples"]) if len(rows) > 1 else gbs)
+    half = max(1, WINDOW_SAMPLES // every)
+    window, count = window_b_simple(rows, hit[1], half)
+    after = [r for r in rows if r["consumed_samples"] >= hit[1]]
+    ema = after[0]["b_simple_samples"] if after else None
+    lag = None
+    if ema is not None:
+        for r in reversed([r for r in rows if r["consumed_samples"] < hit[1]]):
+            value, _ = window_b_simple(rows, r["consumed_samples"], half)
+            if value is not None and value <= ema:
+                lag = hit[1] - r["consumed_samples"]
+                break
+    return {"window": window, "rows": count, "ema": ema, "lag_samples": lag}
+
+
+def distinct(curve: Sequence[Sequence[float]]) -> list[Sequence[float]]:
+    """The curve without the evaluation after training where it repeats the last one's iteration."""
+    out: list[Sequence[float]] = []
+    for point in curve:
+        if not out or point[0] > out[-1][0]:
+            out.append(point)
+    return out
+
+
+def geometric(values: Sequence[float | None]) -> float | None:
+    positive = [v for v in values if v is not None and v > 0]
+    return math.exp(sum(map(math.log, positive)) / len(positive)) if positive else None
+
+
+def analyse(result: dict) -> dict:
+    """Every table of the module docstring, as numbers."""
+    result = {**result, "runs": [{**r, "curve": distinct(r["curve"])} for r in result["runs"]]}
+    plan = result["plan"]
+    best = best_k(result)
+    runs = fit_runs(result, best)
+    targets = choose_targets(runs, plan["warmup_samples"])
+    seeds = sorted({r["seed"] for r in runs})
+    table = []
+    for target in targets:
+        entry = {"target": target, **fit(target, runs)}
+        entry["per_seed"] = {s: fit(target, [r for r in runs if r["seed"] == s]).get("b_crit") for s in seeds}
+        entry["fewest_steps_k"] = _fewest_steps_k(result, target)
+        entry["b_simple"] = {r["name"]: b_simple(r, target, r["gbs"]) for r in runs}
+        entry["interpolation"] = _interpolation(runs, target)
+        table.append(entry)
+    return {
+        "lr": {gbs: {**v, "lr": {k: lr_of(plan, gbs, k) for k in v["scores"]}} for gbs, v in best.items()},
+        "targets": table,
+        "warmup": _warmup(result, targets),
+    }
+
+
+def _fewest_steps_k(result: dict, target: float) -> dict[int, int | None]:
+    out: dict[int, int | None] = {}
+    for gbs in result["plan"]["sizes"]:
+        steps = {}
+        for r in grid_runs(result):
+            if r["gbs"] == gbs and r["seed"] == 1 and (hit := reached(r["curve"], target)) is not None:
+                steps[k_of(r)] = hit[0]
+        out[gbs] = min(steps, key=steps.__getitem__) if steps else None
+    return out
+
+
+def _interpolation(runs: list[dict], target: float) -> dict:
+    """Median |log S| error of the linear interpolation (against the quadratic) and median seed sd of log S."""
+    errors, by_size = [], {}
+    for r in runs:
+        hit = reached(r["curve"], target)
+        if hit is None:
+            continue
+        by_size.setdefault(r["gbs"], []).append(math.log(hit[0]))
+        other = quadratic_steps(r["curve"], target, hit[2])
+        if other is not None and other > 0:
+            errors.append(abs(math.log(hit[0]) - math.log(other)))
+    sds = [statistics.stdev(v) for v in by_size.values() if len(v) > 1]
+    return {
+        "interpolation_log_s": statistics.median(errors) if errors else None,
+        "seed_sd_log_s": statistics.median(sds) if sds else None,
+    }
+
+
+def _warmup(result: dict, targets: list[float]) -> dict:
+    """Per configuration (the name without its seed): steps and samples to each target and the final loss, by seed."""
+    out: dict[str, dict] = {}
+    for r in result["runs"]:
+        if r.get("phase") != "warmup":
+            continue
+        config = re.sub(r"-seed\d+$", "", r["name"])
+        row = out.setdefault(config, {"seeds": [], "steps": [], "samples": [], "final": [], "steps_run": []})
+        hits = [reached(r["curve"], t) for t in targets]
+        row["seeds"].append(r["seed"])
+        row["steps"].append([None if h is None else h[0] for h in hits])
+        row["samples"].append([None if h is None else h[1] for h in hits])
+        row["final"].append(r["curve"][-1][2] if r["curve"] else None)
+        row["steps_run"].append(r["steps"])
+    return out
+
+
+def mean_sd(values: Sequence[float | None]) -> tuple[float | None, float | None, int]:
+    """(mean, sd, count) of the values that are not None; sd None below two."""
+    given = [v for v in values if v is not None]
+    if not given:
+        return None, None, 0
+    return statistics.fmean(given), (statistics.stdev(given) if len(given) > 1 else None), len(given)
