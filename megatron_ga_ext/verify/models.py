@@ -15,8 +15,15 @@ import contextlib
 import re
 import zlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
 __all__ = [
     "KINDS",
@@ -46,7 +53,7 @@ class ModelConfig:
 #: What each model kind adds to the dense GPT's TransformerConfig: top-2 of 4 experts with the
 #: load-balancing aux loss and the z-loss (the local implementation wants no linear biases), and one
 #: multi-token-prediction layer (which wants rotary position embeddings).
-MOE = {
+MOE: dict[str, Any] = {
     "num_moe_experts": 4,
     "moe_router_topk": 2,
     "moe_aux_loss_coeff": 1e-2,
@@ -59,7 +66,7 @@ MOE = {
 MOE_GLOBAL = {**MOE, "moe_router_load_balancing_type": "global_aux_loss", "moe_z_loss_coeff": None}
 MOE_GLOBAL_Z = {**MOE, "moe_router_load_balancing_type": "global_aux_loss"}
 MTP = {"mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.1}
-KINDS = {
+KINDS: dict[str, dict[str, Any]] = {
     "gpt": {},
     "moe": MOE,
     "mtp": MTP,
@@ -100,7 +107,7 @@ def transformer_config(
     expert_tensor_parallel_size: int | None = None,
     tensor_model_parallel_size: int = 1,
     sequence_parallel: bool = False,
-):
+) -> TransformerConfig:
     """A megatron TransformerConfig for the tiny models: fp32, no dropout, CPU initialisation; ``kind``
     adds MoE and/or MTP (:data:`KINDS`); MoE uses the alltoall dispatcher across EP ranks, else allgather."""
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -217,14 +224,14 @@ def reset_moe_logging() -> None:
 
 def build_gpt(
     model: ModelConfig,
-    config,
+    config: TransformerConfig,
     *,
     pre_process: bool,
     post_process: bool,
     vp_stage: int | None = None,
     positionwise: bool = False,
     untied: bool = False,
-):
+) -> tuple[GPTModel, dict[str, str]]:
     """A GPTModel with the local (no Transformer Engine) layer spec and tied embeddings (``untied``: an output
     layer of its own, as torch FSDP2 asks); MoE layers and an MTP block where ``config`` asks for them (rotary
     position embeddings with MTP). ``positionwise``: the layers keep their MLP (MoE) and its norm and drop attention
@@ -259,7 +266,7 @@ def build_gpt(
             layer_norm=SequenceParallelLayerNorm,
         )  # a block spec holds its stage's
     mtp = bool(getattr(config, "mtp_num_layers", None))
-    extra = {"vp_stage": vp_stage} if vp_stage is not None else {}
+    extra: dict[str, Any] = {"vp_stage": vp_stage} if vp_stage is not None else {}
     if mtp:
         mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
         extra["mtp_block_spec"] = _sequence_parallel_mtp_norms(mtp_spec) if config.sequence_parallel else mtp_spec
@@ -279,7 +286,7 @@ def build_gpt(
     return gpt, names
 
 
-def _sequence_parallel_mtp_norms(block_spec):
+def _sequence_parallel_mtp_norms(block_spec: TransformerBlockSubmodules | None) -> TransformerBlockSubmodules | None:
     """The MTP block spec with verify's sequence-parallel norm for each MTP layer's norms (the local spec's torch
     norm refuses sequence parallelism); a release whose layer spec has other norm fields keeps them."""
     import dataclasses
@@ -303,13 +310,13 @@ class SequenceParallelLayerNorm(torch.nn.LayerNorm):
     """torch's LayerNorm whose weights megatron's finalize sums over TP under sequence parallelism (each TP rank
     normalises its shard of the sequence), as its fused norms mark theirs."""
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_: object) -> None:
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object) -> None:
         super().__init__(hidden_size, eps=eps)
         for param in self.parameters():
             param.sequence_parallel = config.sequence_parallel
 
 
-def build_positionwise(model: ModelConfig, config):
+def build_positionwise(model: ModelConfig, config: TransformerConfig) -> tuple[MegatronModule, dict[str, str]]:
     """A model without attention, so a CP shard's gradient needs no other shard (exact under CP)."""
     from megatron.core.enums import ModelType
     from megatron.core.transformer.module import MegatronModule
@@ -326,10 +333,17 @@ def build_positionwise(model: ModelConfig, config):
             self.fc2 = torch.nn.Linear(2 * model.hidden_size, model.hidden_size)
             self.output = torch.nn.Linear(model.hidden_size, model.vocab_size, bias=False)
 
-        def set_input_tensor(self, input_tensor) -> None:
-            pass
+        def set_input_tensor(self, input_tensor: object) -> None:
+            """Nothing to take: the model runs on one pipeline stage."""
 
-        def forward(self, input_ids, position_ids, attention_mask=None, labels=None):
+        def forward(
+            self,
+            input_ids: torch.Tensor,
+            position_ids: torch.Tensor,
+            attention_mask: torch.Tensor | None = None,
+            labels: torch.Tensor | None = None,
+        ) -> torch.Tensor:
+            """Per-token cross entropy of ``labels`` (the attention mask is unused: nothing attends)."""
             h = self.word(input_ids) + self.position(position_ids)
             h = h + self.fc2(torch.tanh(self.fc1(h)))
             logits = self.output(h).float()

@@ -116,7 +116,8 @@ def aux_reference_grads(
         parallel_state.destroy_model_parallel()
 
 
-def _build(model: ModelConfig, kind: str, device: str):
+def _build(model: ModelConfig, kind: str, device: str) -> tuple[torch.nn.Module, dict[str, str]]:
+    """The unpartitioned model of ``kind`` on ``device``, and its parameters' global names."""
     config = transformer_config(model, kind=kind if kind != "positionwise" else "gpt", calculate_per_token_loss=False)
     if kind == "positionwise":
         module, names = build_positionwise(model, config)
@@ -199,7 +200,7 @@ def _unit_weight(batch: GlobalBatch, rows: list[int], num_units: int, mode: str)
     return float(batch.loss_mask[rows].sum() / batch.loss_mask.sum()) if mode == "token" else 1.0 / num_units
 
 
-def _moe_grads(module, names, batch, layout, mode) -> Grads:
+def _moe_grads(module: torch.nn.Module, names: dict[str, str], batch: GlobalBatch, layout: Layout, mode: str) -> Grads:
     """One forward per unit, its MoE terms at the unit's weight."""
     device = next(module.parameters()).device
     units = layout.unit_samples()
@@ -214,7 +215,9 @@ def _moe_grads(module, names, batch, layout, mode) -> Grads:
     return out
 
 
-def _global_aux_grads(module, names, batch, layout, mode) -> Grads:
+def _global_aux_grads(
+    module: torch.nn.Module, names: dict[str, str], batch: GlobalBatch, layout: Layout, mode: str
+) -> Grads:
     """global_aux_loss from its definition: aux(m), micro-batch m's loss over all its rows (every DP rank's), one
     unpartitioned forward each, in order from a fresh tracker (the router averages tokens per expert over the
     micro-batches so far), at the weight
@@ -286,7 +289,7 @@ def _config_set(routers: list[torch.nn.Module], **fields: Any) -> Iterator[None]
                 setattr(config, name, value)
 
 
-def _mtp_grads(module, names, batch, layout, mode) -> Grads:
+def _mtp_grads(module: torch.nn.Module, names: dict[str, str], batch: GlobalBatch, layout: Layout, mode: str) -> Grads:
     """Token: the definition over the whole batch (:func:`_mtp_token_objective`); mean of means: one forward per unit,
     upstream's attachment (each depth's mean over the unit's rolled tokens) at 1 / U."""
     device = next(module.parameters()).device
