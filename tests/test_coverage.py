@@ -83,7 +83,6 @@ REFUSALS = [
     Refusal("optimizer-graph-skip", [*TOKEN, "--optimizer-cuda-graph"], {"zero_token_policy": "skip"}),
     Refusal("combined-1f1b-token", [*TOKEN, *EP_MOE, "--overlap-moe-expert-parallel-comm"]),
     Refusal("delayed-wgrad-token", [*TOKEN, *EP_MOE, "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]),
-    Refusal("torch-fsdp2-token", [*TOKEN, "--use-torch-fsdp2"]),
     Refusal("average-in-collective-token", [*TOKEN, "--ddp-average-in-collective"]),
     Refusal("yaml-cfg", [*TOKEN, "--yaml-cfg", "config.yaml"]),
     Refusal("rerun-report-stats", [*TOKEN, "--rerun-mode", "report_stats"]),
@@ -189,10 +188,10 @@ def _install_refuses(refusal: Refusal, named: str, monkeypatch: pytest.MonkeyPat
 
 
 def test_a_launch_with_several_refusals_names_each():
-    flags = [*TOKEN, "--cuda-graph-impl", "full_iteration", "--use-torch-fsdp2"]
+    flags = [*TOKEN, "--cuda-graph-impl", "full_iteration", "--ddp-average-in-collective"]
     error = verdict(Setting.of(megatron_parser().parse_args(flags), GAConfig())).error()
     assert isinstance(error, CoverageError) and str(error).startswith("2 settings of this launch are refused: (1) ")
-    assert "--cuda-graph-impl" in str(error) and "(2) megatron-ga-ext refuses --use-torch-fsdp2" in str(error)
+    assert "--cuda-graph-impl" in str(error) and "(2) megatron-ga-ext refuses --ddp-average-in-collective" in str(error)
 
 
 @pytest.mark.parametrize(
@@ -218,6 +217,7 @@ def test_a_launch_with_several_refusals_names_each():
             {},
         ),
         (["--use-torch-fsdp2"], MICROBATCH),
+        ([*TOKEN, "--use-torch-fsdp2"], {}),  # supported: install() makes its units sum (integration/fsdp.py)
         ([*TOKEN, "--hybrid-context-parallel"], {"guards": False}),  # a constant global batch: the sampler's
     ],
 )
@@ -244,7 +244,15 @@ NOISE_SCALE_REFUSED = [
         ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"],
         "--num-distributed-optimizer-instances 2",
     ),
-    ("megatron-fsdp", ["--use-megatron-fsdp"], "--use-megatron-fsdp"),
+    *(
+        (
+            f"megatron-fsdp-{strategy.replace('_', '-')}",
+            ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy],
+            "--use-megatron-fsdp",
+        )
+        for strategy in ("no_shard", "optim", "optim_grads", "optim_grads_params")
+    ),
+    ("torch-fsdp2-token", ["--use-torch-fsdp2"], "--use-torch-fsdp2"),
     (
         "fp32-local-accumulation",
         ["--bf16", "--ddp-param-name-patterns-for-fp32-local-accumulation", "all"],
@@ -305,10 +313,10 @@ def test_the_noise_scale_refuses_what_its_rows_say_in_install_and_check(row, fla
 def test_limits_are_notes_of_check_and_logged_at_start_up(caplog, capsys):
     from megatron_ga_ext.config.coverage import enforce
 
-    flags = [*TOKEN, "--use-megatron-fsdp", "--iterations-to-skip", "3", "7"]
+    flags = [*TOKEN, "--ddp-bucket-size", "1000", "--iterations-to-skip", "3", "7"]
     status, report = check(capsys, flags)
     rows = report["note_rows"]
-    assert status == 0 and {"megatron-fsdp", "iterations-to-skip"} <= set(rows), report["notes"]
+    assert status == 0 and {"grad-reduce-buckets", "iterations-to-skip"} <= set(rows), report["notes"]
     with caplog.at_level("INFO", logger="megatron_ga_ext.config.coverage"):
         result = enforce(megatron_parser().parse_args(flags), GAConfig())
     assert {row.id for row in result.limited} <= set(rows) and all(note in caplog.text for note in result.notes())
@@ -415,14 +423,14 @@ def test_check_prints_refusals_as_problems_and_limits_as_notes(capsys):
         "--global-batch-size",
         "4",
         *TOKEN,
-        "--use-torch-fsdp2",
+        "--ddp-average-in-collective",
         "--fp16",
     ]
     assert main(["check", "--", *line]) == 1
     out = capsys.readouterr().out
     notes, problems = out.index(" note(s)"), out.index("1 problem(s):")
     assert notes < problems and "  info: --fp16: " in out[notes:problems]
-    assert "  1. megatron-ga-ext refuses --use-torch-fsdp2 in token mode: " in out[problems:]
+    assert "  1. megatron-ga-ext refuses --ddp-average-in-collective in token mode: " in out[problems:]
 
 
 def test_unclassified_lists_the_flags_neither_a_row_nor_the_off_path_list_names():
@@ -495,8 +503,8 @@ def test_a_refusal_stops_at_the_first_hook_after_megatron_parses_its_args(monkey
     state = installing.install()
     try:
         assert state.waiting_for_args
-        global_vars._GLOBAL_ARGS = add_args(megatron_parser()).parse_args([*TOKEN, "--use-torch-fsdp2"])
-        with pytest.raises(CoverageError, match=r"megatron-ga-ext refuses --use-torch-fsdp2 in token mode"):
+        global_vars._GLOBAL_ARGS = add_args(megatron_parser()).parse_args([*TOKEN, "--ddp-average-in-collective"])
+        with pytest.raises(CoverageError, match=r"megatron-ga-ext refuses --ddp-average-in-collective in token mode"):
             calculators.init_num_microbatches_calculator(0, None, 16, 2, 4)
     finally:
         installing.uninstall()

@@ -51,7 +51,8 @@ def test_off_by_default_and_decay_zero_is_the_last_measurement_only():
             {"num_distributed_optimizer_instances": 2},
             r"--ga-noise-scale with --num-distributed-optimizer-instances 2",
         ),
-        (4, {"use_megatron_fsdp": True}, r"--ga-noise-scale with --use-megatron-fsdp: Megatron-FSDP shards"),
+        (4, {"use_megatron_fsdp": True}, r"--ga-noise-scale with --use-megatron-fsdp: Megatron-FSDP keeps the"),
+        (4, {"use_torch_fsdp2": True}, r"--ga-noise-scale with --use-torch-fsdp2: torch FSDP2 reduce-scatters each"),
     ],
 )
 def test_layouts_it_cannot_measure_are_refused_naming_the_flag(dp, settings, message):

@@ -47,7 +47,25 @@ GRPO = (
     "--rl-submission-granularity",
     "--rl-max-inflight-requests",
 )
-#: Megatron-FSDP's sharding, buffer and precision options (the megatron-fsdp row).
+FSDP = "tests/test_fsdp.py::"
+#: Megatron-FSDP's sharding strategies: what a rank holds, why --ga-noise-scale refuses it, the verify layouts.
+_WHOLE = (
+    "a rank holds its replica's gradient before the reduction, but in Megatron-FSDP's buffer, not the DDP buckets the "
+    "meter reads"
+)
+_SHARDED = "the gradient is reduce-scattered into shards, so no rank holds its replica's gradient"
+#: --data-parallel-sharding-strategy's default from 0.18 on (0.16's and 0.17's is no_shard), for a launch line without
+#: it.
+DEFAULT_STRATEGY = "optim_grads_params"
+MEGATRON_FSDP_STRATEGIES = (
+    ("no_shard", "nothing sharded", _WHOLE, ("DP2 x GA4 (Megatron-FSDP no_shard)",)),
+    ("optim", "the optimizer state sharded", _WHOLE, ("DP2 x GA4 (Megatron-FSDP optim)",)),
+    ("optim_grads", "optimizer state and gradients sharded", _SHARDED,
+     ("DP2 x GA4 (Megatron-FSDP optim_grads, overlapped grad reduce)",)),
+    ("optim_grads_params", "optimizer state, gradients and parameters sharded", _SHARDED,
+     ("DP4 x GA2 (Megatron-FSDP optim_grads_params, overlapped grad reduce)",)),
+)
+#: Megatron-FSDP's sharding, buffer and precision options (the megatron-fsdp rows).
 MEGATRON_FSDP = (
     "--data-parallel-sharding-strategy",
     "--outer-dp-sharding-strategy",
@@ -71,43 +89,48 @@ MEGATRON_FSDP = (
 PARALLEL_ROWS: tuple[Row, ...] = (
     # data parallelism
     Row(id="torch-fsdp2-token", flags=("--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward"),
-        given="--use-torch-fsdp2", when="in token mode",
-        support="refused",
-        brief="--use-torch-fsdp2 never divides by the step's loss-token count: the update would be the summed loss "
-              "over DP x CP.",
-        text="megatron-core's TorchFullyShardedDataParallel keeps the base class's scale_gradients, which does "
-        "nothing, so the division by the global token count N never reaches the gradients, and FSDP2's "
-        "reduce-scatter averages over the data-parallel ranks: the update would be the summed token loss / "
-        "(DP x CP), not / N.",
-        instead="Use Megatron-FSDP (--use-megatron-fsdp) or Megatron's DDP with --use-distributed-optimizer, or "
-        "train with --ga-loss-reduction microbatch (without --calculate-per-token-loss).",
+        given="--use-torch-fsdp2", when="in token mode", support="supported",
+        text="install() sets every FSDP2 unit megatron builds to sum over DP x CP (gradient divide factor 1, sum-only "
+        "reduction) before the step's first reduce-scatter, and divides the local gradient shards by N in finalize "
+        "while megatron-core's scale_gradients for FSDP2 is the base class's no-op (an upstream that implements it "
+        "scales instead, never both); a unit whose factor or reduction is changed after that stops the step, naming "
+        "it; --ga-noise-scale refuses it (FSDP2 reduce-scatters each micro-batch's gradient as its backward ends, so "
+        "no rank holds its replica's gradient).",
+        proofs=(*verify_layouts("DP2 x GA4 (untied, torch FSDP2)", "DP4 x GA2 (untied, torch FSDP2)"),
+                Proof(test=FSDP + "test_torch_fsdp2_token_mode_is_exact_where_upstream_is_n_over_dp_off"),
+                Proof(test=FSDP + "test_torch_fsdp2_fails_with_the_fix_reverted"),
+                Proof(test=FSDP + "test_fsdp2_units_checked_each_step_and_upstream_never_scaled_twice")),
         applies=in_token_mode(is_on("use_torch_fsdp2")),
         upstream=(Upstream(
             given="--use-torch-fsdp2 with --calculate-per-token-loss",
-            effect="FSDP2 averages the summed token loss over the DP x CP ranks and nothing divides it by the step's "
-            "loss tokens N, so every gradient is N / (DP x CP) times the per-token mean",
+            effect="megatron-core's FSDP2 wrapper keeps the base class's scale_gradients, which does nothing, and "
+            "FSDP2 averages the summed token loss over the DP x CP ranks, so every gradient is N / (DP x CP) times "
+            "the per-token mean (17x at DP 2 with N = 34 loss tokens)",
             severity="wrong",
-            fix="Drop --calculate-per-token-loss (FSDP2 averages upstream's mean of means as it expects), or train "
-            "with --use-megatron-fsdp or Megatron's DDP.",
+            fix="Run the script through the extension (python -m megatron_ga_ext pretrain_gpt.py ...), which makes "
+            "FSDP2 sum and divides by N; or train with --use-megatron-fsdp, whose per-token path is exact; or drop "
+            "--calculate-per-token-loss for the mean of means FSDP2 averages as upstream expects.",
             applies=lambda s: s.on("calculate_per_token_loss") and s.on("use_torch_fsdp2"),
-            drop=("--calculate-per-token-loss",)),)),
+            drop=("--calculate-per-token-loss",), entry=True),)),
     Row(id="torch-fsdp2-microbatch", flags=("--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward"),
-        given="--use-torch-fsdp2",
-        when="in microbatch mode", support="limited",
-        brief="--use-torch-fsdp2 averages over the data-parallel ranks, as upstream's mean of means expects; not run "
-              "here (needs a GPU).", severity="info",
-        text=f"FSDP2 averages over the data-parallel ranks as upstream's mean of means expects; {NO_GPU}.",
+        given="--use-torch-fsdp2", when="in microbatch mode", support="supported",
+        text="FSDP2 averages each micro-batch's gradient over DP x CP in its reduce-scatter, which is upstream's mean "
+        "of means; the extension checks each step that no unit's divide factor or reduction was changed.",
+        proofs=(*verify_layouts("DP2 x GA4 (untied, torch FSDP2)", "DP4 x GA2 (untied, torch FSDP2)"),
+                Proof(test=FSDP + "test_torch_fsdp2_microbatch_mode_is_upstream_mean_of_means")),
         applies=in_microbatch_mode(is_on("use_torch_fsdp2"))),
-    Row(id="megatron-fsdp", flags=("--use-megatron-fsdp", *MEGATRON_FSDP), given="--use-megatron-fsdp",
-        support="limited",
-        brief="--use-megatron-fsdp: its gradient scaling is checked at the first step; not run here (needs a GPU); "
-              "--ga-noise-scale cannot run with it.", severity="info",
-        text="Megatron-FSDP builds its gradient buffers without the 1 / (DP x CP) factor under "
-        "--calculate-per-token-loss and scales by 1 / N in finalize; the extension checks those factors at the "
-        "first step; its sharding, buffer and precision options change how the gradient is sharded, sent and stored "
-        "(in the dtypes they name), not that factor; --ga-noise-scale refuses it (no rank holds its replica's "
-        f"gradient before the reduction); {NO_GPU}.",
-        applies=is_on("use_megatron_fsdp")),
+    *(Row(id=f"megatron-fsdp-{strategy.replace('_', '-')}", flags=("--use-megatron-fsdp", *MEGATRON_FSDP),
+          given=f"--use-megatron-fsdp --data-parallel-sharding-strategy {strategy}", support="supported",
+          text=f"Megatron-FSDP ({strategy}: {held}) builds its gradient buffers without the 1 / (DP x CP) factor "
+          "under --calculate-per-token-loss (checked at the first step) and its finalize scales them by 1 / N: exact "
+          "in both modes, with and without --overlap-grad-reduce, and with the distributed optimizer it implies; its "
+          "buffer and precision options change how the gradient is sharded, sent and stored (in the dtypes they "
+          f"name), not that factor; --ga-noise-scale refuses it ({noise}).",
+          proofs=(*verify_layouts(*layouts),
+                  Proof(test=FSDP + f"test_megatron_fsdp_is_exact_in_every_strategy_and_mode[{strategy}]")),
+          applies=lambda s, strategy=strategy: s.on("use_megatron_fsdp")
+          and (s.value("data_parallel_sharding_strategy") or DEFAULT_STRATEGY) == strategy)
+      for strategy, held, noise, layouts in MEGATRON_FSDP_STRATEGIES),
     Row(id="average-in-collective-token", flags=("--ddp-average-in-collective",),
         given="--ddp-average-in-collective", when="in token mode", support="refused",
         brief="--ddp-average-in-collective would divide the gradients by DP x CP too; Megatron's DDP refuses it with "
