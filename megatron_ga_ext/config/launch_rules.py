@@ -137,8 +137,14 @@ NOISE_SCALE_REFUSALS = (
         fix="--num-distributed-optimizer-instances 1"),
     NoiseScaleRefusal(
         flag="--use-megatron-fsdp", given=_on("use_megatron_fsdp"),
-        why="Megatron-FSDP shards gradients across the data-parallel ranks before the reduction, so no rank holds its "
-        "replica's gradient", fix="use Megatron's DDP (with --use-distributed-optimizer if you like)"),
+        why="Megatron-FSDP keeps the gradients in its own buffer, not the DDP buckets the meter reads; with "
+        "optim_grads and optim_grads_params it reduce-scatters them into shards, so no rank holds its replica's "
+        "gradient", fix="use Megatron's DDP (with --use-distributed-optimizer if you like)"),
+    NoiseScaleRefusal(
+        flag="--use-torch-fsdp2", given=_on("use_torch_fsdp2"),
+        why="torch FSDP2 reduce-scatters each unit's gradient as each micro-batch's backward ends (Megatron-LM sets "
+        "no no_sync for it), so no rank ever holds its replica's gradient of the step",
+        fix="use Megatron's DDP (with --use-distributed-optimizer if you like)"),
     NoiseScaleRefusal(
         flag="--ddp-param-name-patterns-for-fp32-local-accumulation", given=_patterns,
         why="the parameters it names accumulate into an fp32 main_grad outside the gradient buffer the meter reads "
