@@ -9,6 +9,7 @@ spelled them), Megatron's default, or the formula it is derived by.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from megatron_ga_ext.core.layout import FLAGS, BatchLayout
 
@@ -48,7 +49,7 @@ _SIZES = (
 
 
 def known_ledger(
-    kwargs: Mapping[str, object], batch_known: bool = True
+    kwargs: Mapping[str, Any], batch_known: bool = True
 ) -> tuple[dict[str, int | float | None], BatchLayout | None]:
     """(the ledger, the layout where every rule holds, else None) of BatchLayout ``kwargs``: the numbers a broken
     rule does not decide are kept. ``batch_known=False``: no global batch is known (a schedule that does not
@@ -65,35 +66,34 @@ def known_ledger(
         ledger = without_batch.ledger()
         batch = kwargs.get("global_batch_size")
         ledger.update(dict.fromkeys(_BY_BATCH))
-        ledger["global_batch_size"] = ledger["samples_per_step"] = batch  # type: ignore[assignment]
+        ledger["global_batch_size"] = ledger["samples_per_step"] = batch
         seq = ledger["seq_length"]
         ledger["tokens_per_step"] = batch * seq if isinstance(batch, int) and isinstance(seq, int) else None
         return ledger, None
     return _raw(kwargs), None
 
 
-def _raw(kwargs: Mapping[str, object]) -> dict[str, int | float | None]:
+def _raw(kwargs: Mapping[str, Any]) -> dict[str, int | float | None]:
     """The sizes as given, DP where world / (TP x PP x CP) is whole, nothing derived from a broken rule."""
     ledger: dict[str, int | float | None] = dict.fromkeys(LEDGER_KEYS)
     for key in ("world_size", *_SIZES, "micro_batch_size", "global_batch_size", "seq_length"):
         value = kwargs.get(key)
         ledger[key] = value if isinstance(value, int) and not isinstance(value, bool) else None
-    ledger["virtual_pipeline_model_parallel_size"] = kwargs.get("virtual_pipeline_model_parallel_size") or 1  # type: ignore[assignment]
+    ledger["virtual_pipeline_model_parallel_size"] = kwargs.get("virtual_pipeline_model_parallel_size") or 1
     ledger["samples_per_step"] = ledger["global_batch_size"]
-    world, sizes = ledger["world_size"], [ledger[k] for k in _SIZES[:3]]
-    if isinstance(world, int) and all(isinstance(s, int) and s >= 1 for s in sizes):
-        model = sizes[0] * sizes[1] * sizes[2]  # type: ignore[operator]
+    world = ledger["world_size"]
+    sizes = [size for k in _SIZES[:3] if isinstance(size := ledger[k], int) and size >= 1]
+    if isinstance(world, int) and len(sizes) == 3:
+        model = sizes[0] * sizes[1] * sizes[2]
         ledger["data_parallel_size"] = world // model if world >= 1 and world % model == 0 else None
     return ledger
 
 
-def ledger_sources(
-    kwargs: Mapping[str, object], spelled: Mapping[str, str], batch_source: str | None
-) -> dict[str, str]:
+def ledger_sources(kwargs: Mapping[str, Any], spelled: Mapping[str, str], batch_source: str | None) -> dict[str, str]:
     """Where each quantity came from: the flag as the line spelled it (``given`` of ``kwargs`` for a size from
     several flags), Megatron's default where the line leaves it, else its formula. ``spelled`` maps a declared flag
     to its spelling on the line; ``batch_source`` says where the global batch came from (None: the flag)."""
-    given: Mapping[str, str] = kwargs.get("given") or {}  # type: ignore[assignment]
+    given: Mapping[str, str] = kwargs.get("given") or {}
     sources = {key: rule for key, (_, rule) in LEDGER_RULES.items()}
     for key in (
         "world_size",
@@ -106,8 +106,8 @@ def ledger_sources(
         flag = FLAGS.get(key)
         if key in given and " " in given[key]:
             sources[key] = given[key]
-        elif flag in spelled:
-            sources[key] = spelled[flag]  # type: ignore[index]
+        elif flag is not None and flag in spelled:
+            sources[key] = spelled[flag]
         elif key in _SIZES:
             sources[key] = "Megatron's default"
         elif key == "virtual_pipeline_model_parallel_size":
