@@ -12,9 +12,10 @@ NOISE_EVERY samples into a trace. The phases, in the order they run (the B_crit 
    seed 1; where the best k (lowest mean validation loss after the LR warmup) is at an edge of what ran, the next k
    beyond it runs, up to EXTEND more per GBS, so the best is interior;
 2. ``seeds``: the best k of each GBS again at each further seed of SEEDS;
-3. ``warmup`` (``--warmup-trust T``, from the analysis of 1 and 2): ``--ga-batch-size-warmup auto`` from the start
-   size at trust 1 and at T, against constant batches at the start and end sizes and a hand schedule that doubles
-   at fixed samples, at equal samples, evaluated every WARMUP_EVAL_STEPS steps, at each seed.
+3. ``warmup``: ``--ga-batch-size-warmup auto`` from the start size at trust 1 and at T (``--warmup-trust T``; by
+   default the trust benchmarks/critical_batch_analysis.py measures from 1 and 2), against constant batches at the
+   start and end sizes and a hand schedule that doubles at fixed samples, at equal samples, evaluated every
+   WARMUP_EVAL_STEPS steps, at each seed.
 
 Each run is cached as ``.cache/critical-batch/<plan>/<name>.json`` (its validation curve and its trace rows) once it
 finished: the sweep can be stopped and run again, and a run again skips what finished. ``--collect`` writes every
@@ -43,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import corpus  # noqa: E402
+from benchmarks.critical_batch_analysis import analyse, measured_trust  # noqa: E402
 from tests.support.pretrain_runs import launch  # noqa: E402
 from tools.regress import sources  # noqa: E402
 
@@ -276,9 +278,14 @@ class Sweep:
             for name, gbs, run_lr, extra in configs:
                 self.train(f"{name}-seed{seed}", gbs, run_lr, seed, "warmup", extra)
 
+    def measured_trust(self) -> float | None:
+        """benchmarks/critical_batch_analysis.py's trust from the cached grid and seed runs."""
+        runs = [json.loads(p.read_text()) for p in sorted(self.out.glob("*.json")) if "critical-batch-" not in p.name]
+        return measured_trust(analyse({"plan": asdict(self.plan), "runs": runs}))
+
     def collect(self) -> Path:
         """The result JSON: the plan and every cached run."""
-        runs = [json.loads(p.read_text()) for p in sorted(self.out.glob("*.json"))]
+        runs = [json.loads(p.read_text()) for p in sorted(self.out.glob("*.json")) if "critical-batch-" not in p.name]
         result = {
             "date": datetime.date.today().isoformat(),
             "source": self.tree.name,
@@ -324,7 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="about a minute: the pipeline, not the science")
     parser.add_argument("--phase", choices=("grid", "seeds", "warmup", "all"), default="all")
-    parser.add_argument("--warmup-trust", type=float, default=None, help="the measured trust for the warmup phase")
+    parser.add_argument(
+        "--warmup-trust", type=float, default=None, help="the warmup's second trust (default: measured)"
+    )
     parser.add_argument("--collect", action="store_true", help="write the result JSON from the cached runs")
     args = parser.parse_args(argv)
     sweep = Sweep(QUICK if args.quick else FULL)
@@ -336,8 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"best_k": best}), flush=True)
     if args.phase in ("seeds", "all"):
         sweep.seeds(best)
-    if args.phase in ("warmup", "all") and (args.warmup_trust is not None or args.quick):
-        sweep.warmup(best, args.warmup_trust or 1.0)
+    if args.phase in ("warmup", "all"):
+        trust = args.warmup_trust or sweep.measured_trust()
+        print(json.dumps({"warmup_trust": trust}), flush=True)
+        sweep.warmup(best, trust or 1.0)
     print(f"done in {time.monotonic() - start:.0f} s; collect: {sweep.collect()}", flush=True)
     return 0
 

@@ -247,6 +247,18 @@ def _warmup(result: dict, targets: list[float]) -> dict:
     return out
 
 
+def measured_trust(analysis: dict) -> float | None:
+    """The trust the measurement supports: the geometric mean over the fitted targets of B_crit / B_simple (the
+    window's geometric mean over the fit's runs), to 3 digits; None where no target gives both."""
+    ratios = []
+    for t in analysis["targets"]:
+        window = geometric([v["window"] for v in t["b_simple"].values() if v is not None])
+        if t.get("b_crit") and window:
+            ratios.append(t["b_crit"] / window)
+    mean = geometric(ratios)
+    return None if mean is None else float(f"{mean:.3g}")
+
+
 def mean_sd(values: Sequence[float | None]) -> tuple[float | None, float | None, int]:
     """(mean, sd, count) of the values that are not None; sd None below two."""
     given = [v for v in values if v is not None]
