@@ -17,6 +17,7 @@ from megatron.core import num_microbatches_calculator as calculators  # noqa: E4
 import megatron_ga_ext  # noqa: E402
 from megatron_ga_ext import CompatError, GAConfig, GuardError, ScheduleError, add_args  # noqa: E402
 from megatron_ga_ext.errors import OptionError  # noqa: E402
+from megatron_ga_ext.integration.aux_report import AuxLosses  # noqa: E402
 from megatron_ga_ext.integration.compat import (  # noqa: E402
     FINALIZE,
     TARGETS,
@@ -26,6 +27,7 @@ from megatron_ga_ext.integration.compat import (  # noqa: E402
 )
 from megatron_ga_ext.integration.guards import GuardedCalculator  # noqa: E402
 from megatron_ga_ext.integration.lifecycle import install, installed, uninstall  # noqa: E402
+from megatron_ga_ext.integration.step_guards import Guards  # noqa: E402
 
 finalize_module = importlib.import_module(FINALIZE)
 CORE_TARGETS = [t for t in live_targets(TARGETS) if not t.optional]  # megatron.training is not in every wheel
@@ -421,7 +423,7 @@ def test_installed_loss_step_by_position_and_by_keyword(mode):
     names = list(inspect.signature(ORIGINALS[f"{schedules.__name__}.forward_step_calc_loss"]).parameters)
     schedules.forward_step_calc_loss(*[values[name] for name in names])
     schedules.forward_step_calc_loss(**values)
-    assert state.counter.counts == {chunk: 2}
+    assert state.feature(Guards).counter.counts == {chunk: 2}
     if mode == "token":
         assert state.contract.microbatches == 2
         assert state.contract.collect(torch.device("cpu"), is_last_stage=True).tolist() == [4, 0, 0, 0]
@@ -494,12 +496,13 @@ def test_a_call_without_a_loss_mask_gets_the_one_bridges_get_batch_kept():
     )
     wrapped, kept, own = padding_mask_forward(forward, state), torch.tensor([[1, 0]]), torch.tensor([[1, 1]])
     labels = torch.zeros(1, 2)
-    state.host_loss_mask = kept
+    aux = state.feature(AuxLosses)
+    aux.host_loss_mask = kept
     wrapped(model, labels=labels)
     wrapped(model, labels=labels)  # used once
-    state.host_loss_mask = kept
+    aux.host_loss_mask = kept
     wrapped(model, labels=labels, loss_mask=own)
-    state.host_loss_mask = kept
+    aux.host_loss_mask = kept
     wrapped(model, labels=torch.zeros(1, 3))  # another batch's shape: not this call's
     assert [(None if m is None else m.tolist(), None if p is None else p.tolist()) for m, p in seen] == [
         ([[1, 0]], [[False, True]]),
@@ -507,7 +510,7 @@ def test_a_call_without_a_loss_mask_gets_the_one_bridges_get_batch_kept():
         ([[1, 1]], [[False, False]]),
         (None, None),
     ]
-    assert state.host_loss_mask is None
+    assert aux.host_loss_mask is None
     uninstall()
 
 

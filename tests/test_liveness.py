@@ -11,6 +11,8 @@ from megatron_ga_ext import GAConfig, GuardError
 from megatron_ga_ext.integration.hooks import optimizer_step
 from megatron_ga_ext.integration.lifecycle import install, uninstall
 from megatron_ga_ext.integration.liveness import bypass_message, check_one_finalize
+from megatron_ga_ext.integration.loss_reduction import LossReduction
+from megatron_ga_ext.integration.step_guards import Guards
 
 
 @pytest.fixture(autouse=True)
@@ -102,7 +104,7 @@ def test_each_optimizer_keeps_its_own_count_and_replays_by_design_are_exempt():
     iteration(state)
     first()
     second()  # two optimizers stepping in one iteration: each saw the iteration's hooks
-    state.replays_expected = True  # a full-iteration graph in microbatch mode (coverage row `replays`)
+    state.feature(Guards).replays_expected = True  # a full-iteration graph in microbatch mode (coverage row `replays`)
     iteration(state, scheduled=False, finalized=False)
     first()
 
@@ -166,13 +168,14 @@ def test_a_split_step_still_open_at_its_optimizer_step_stops_before_it(checks):
     state = install(GAConfig(checks=checks))
     optimizer, step = wrapped(state)
     state.training_schedules += 2
-    state.open_step = (4, state.finalize.calls)
+    reduction = state.feature(LossReduction)
+    reduction.open_step = (4, state.finalize.calls)
     with pytest.raises(
         GuardError,
         match=r"^this training step's forward_backward_func calls never called "
         r"megatron-ga-ext's finalize_model_grads",
     ):
         step()
-    assert optimizer.steps == 0 and state.open_microbatches() == 0
+    assert optimizer.steps == 0 and reduction.open_microbatches() == 0
     iteration(state)
     assert step() == (True, 1.0, None)

@@ -256,6 +256,7 @@ def _packed_rank_main() -> dict:
     import megatron_ga_ext
     from megatron_ga_ext.integration.lifecycle import installed
     from megatron_ga_ext.integration.loss_contract import masked_loss
+    from megatron_ga_ext.integration.step_guards import Guards
     from megatron_ga_ext.verify.harness import VerifyConfig, build_ddp
     from megatron_ga_ext.verify.layouts import Layout
     from megatron_ga_ext.verify.models import ModelConfig, build_positionwise, init_model_parallel
@@ -344,7 +345,7 @@ def _packed_rank_main() -> dict:
         rows.append(
             {
                 "packed": called[-1],
-                "forward_steps": sorted(state.counter.counts.values()),
+                "forward_steps": sorted(state.feature(Guards).counter.counts.values()),
                 "num_microbatches": calculators.get_num_microbatches(),
                 "consumed": args.consumed_train_samples,
                 "N": state.finalize.last_num_tokens,

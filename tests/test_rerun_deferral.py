@@ -11,8 +11,8 @@ pytest.importorskip("megatron.core")
 from megatron_ga_ext import GAConfig, LossContractError
 from megatron_ga_ext.integration import finalize as finalizing
 from megatron_ga_ext.integration import megatron_lm
-from megatron_ga_ext.integration.finalize import describe_decision
 from megatron_ga_ext.integration.loss_contract import LossContract, StepChecks
+from megatron_ga_ext.integration.step_verdict import describe_decision, megatron_judges_nonfinite
 
 NAN = StepChecks(tokens=100, negative=0, nonfinite=1, unchecked=0)
 FINITE = StepChecks(tokens=100, negative=0, nonfinite=0, unchecked=0)
@@ -35,7 +35,7 @@ def finalize(monkeypatch, **args) -> finalizing.FinalizeModelGrads:
 )
 def test_a_nonfinite_loss_is_megatrons_only_where_its_check_runs(monkeypatch, args, judged):
     step = finalize(monkeypatch, **args)
-    assert finalizing.megatron_judges_nonfinite() is judged
+    assert megatron_judges_nonfinite() is judged
     checks = step._judged(NAN, 3)
     assert checks.nonfinite == (0 if judged else 1)  # not judged: _raise_on_violations raises on it
     assert (step.deferred is not None) is judged
@@ -95,9 +95,12 @@ class Copy:
 
 
 def async_finalize(monkeypatch) -> finalizing.FinalizeModelGrads:
-    step = finalize(monkeypatch, rerun_mode="validate_results", check_for_nan_in_loss_and_grad=True)
-    step.config = GAConfig(checks="async")
-    return step
+    monkeypatch.setattr(
+        megatron_lm.MEGATRON_LM,
+        "parsed_args",
+        lambda: argparse.Namespace(rerun_mode="validate_results", check_for_nan_in_loss_and_grad=True),
+    )
+    return finalizing.FinalizeModelGrads(lambda *a, **k: None, LossContract(), GAConfig(checks="async"))
 
 
 def rerun(monkeypatch, second: StepChecks) -> finalizing.FinalizeModelGrads:

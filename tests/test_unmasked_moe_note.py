@@ -69,7 +69,7 @@ def _one_step(pipeline: int, data_parallel: int, masked_stages: tuple[int, ...])
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = records.append  # type: ignore[method-assign]
-    logger = logging.getLogger("megatron_ga_ext.integration.installation")
+    logger = logging.getLogger("megatron_ga_ext.integration.aux_report")
     logger.addHandler(handler)
     init_model_parallel(pipeline_model_parallel_size=pipeline)
     megatron_ga_ext.install(megatron_ga_ext.GAConfig(loss_reduction="token", pipeline_model_parallel_size=pipeline))

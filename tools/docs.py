@@ -6,8 +6,8 @@
 A generated part sits between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->``; the prose around it is kept.
 
 * Rendered from code declarations alone, so the same on every run (docs-check compares them): the flags table
-  of docs/guide.md (``megatron_ga_ext.config.flags.flags_table()``), the hook table of docs/design.md
-  (``megatron_ga_ext.integration.hooks.hook_table()``), the whole of docs/coverage.md
+  of docs/guide.md (``megatron_ga_ext.config.flags.flags_table()``), the hook table and the step's features of
+  docs/design.md (``hooks.hook_table()``, ``installation.step_table()``), the whole of docs/coverage.md
   (``megatron_ga_ext.config.coverage.coverage_doc()``), the text of docs/compatibility.md above its table
   (:data:`COMPATIBILITY_HEADER`) and the critical-batch tables of docs/noise-scale.md (from the committed
   benchmarks/results JSON: benchmarks/critical_batch_report.py).
@@ -78,6 +78,12 @@ def _hooks(text: str) -> str:
     return replace_block(text, "hooks", hook_table(), "docs/design.md")
 
 
+def _step(text: str) -> str:
+    from megatron_ga_ext.integration.installation import step_table  # torch: the features' modules
+
+    return replace_block(text, "step", step_table(), "docs/design.md")
+
+
 def _critical_batch(text: str) -> str:
     from benchmarks.critical_batch_report import tables
 
@@ -97,7 +103,7 @@ def _compatibility_header(text: str) -> str:
 FIXED: dict[str, tuple[Callable[[str], str], ...]] = {
     "docs/guide.md": (_flags,),
     "docs/coverage.md": (lambda text: coverage_doc(),),
-    "docs/design.md": (_hooks,),
+    "docs/design.md": (_hooks, _step),
     "docs/compatibility.md": (_compatibility_header,),
     "docs/noise-scale.md": (_critical_batch,),
 }

@@ -217,7 +217,7 @@ def check_batch_size_warmup_launch(global_batch_size: int | None, cap: int, sche
 
 def check_warmup_checkpoints(batch_size_warmup: str, non_persistent_ckpt_type: str | None) -> None:
     """``--ga-batch-size-warmup auto`` keeps its stages in a sidecar beside each checkpoint's ``iter_NNNNNNN``
-    directory (integration/noise_scale_sidecar.py). A local non-persistent checkpoint
+    directory (integration/sidecar.py). A local non-persistent checkpoint
     (``--non-persistent-ckpt-type local``) is per-rank files in Megatron's local checkpoint manager, with no such
     directory: a resume from one would fall back to ``--global-batch-size`` mid-run. Raises OptionError."""
     if batch_size_warmup != "auto" or non_persistent_ckpt_type != "local":

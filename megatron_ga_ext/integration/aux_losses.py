@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Any
 from megatron_ga_ext.integration import upstream_factors
 from megatron_ga_ext.integration.aux_report import (
     QUANTILE_BALANCING,
+    AuxLosses,
     balancing_types,
     routes_unmasked,
 )
@@ -97,13 +98,14 @@ def padding_mask_forward(original: Callable, state: Installation) -> Callable:
     @functools.wraps(original)
     def forward(model: GPTModel, *args: Any, **kwargs: Any) -> Any:
         if state.active and state.contract is not None:
-            kept, state.host_loss_mask = state.host_loss_mask, None
+            aux = state.feature(AuxLosses)
+            kept, aux.host_loss_mask = aux.host_loss_mask, None
             if kwargs.get("loss_mask") is None and kept is not None and _matches_labels(kept, args, kwargs):
                 kwargs["loss_mask"] = kept
             if _wants_padding_mask(model, kwargs):
                 kwargs["padding_mask"] = _stage_padding_mask(model, kwargs["loss_mask"] == 0)
             elif routes_unmasked(model.config, kwargs):  # said at the first step (aux_report.py)
-                state.routed_without_padding_mask(model)
+                aux.routed_without_padding_mask(model)
         return original(model, *args, **kwargs)
 
     return forward

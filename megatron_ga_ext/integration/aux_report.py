@@ -13,18 +13,25 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from megatron_ga_ext.integration.features import Feature, Step
+from megatron_ga_ext.integration.guards import current_pipeline_size
+from megatron_ga_ext.logs import get_logger
+
 if TYPE_CHECKING:
     import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
 
 __all__ = [
     "QUANTILE_BALANCING",
+    "AuxLosses",
     "aux_summary",
     "balancing_types",
     "routes_unmasked",
     "unmasked_moe_note",
     "unmasked_moe_stages",
 ]
+
+logger = get_logger(__name__)
 
 QUANTILE_BALANCING = "quantile_balancing"
 
@@ -117,3 +124,59 @@ def unmasked_moe_note(
         f"pipeline stage), so their aux and z-loss gradients are (routed positions / loss tokens) times their "
         f"target weight: {positions} / {num_tokens} = {ratio:.3f} on the first step."
     )
+
+
+class AuxLosses(Feature):
+    """The auxiliary losses' part of the step beyond their hooks (aux_losses.py): the loss mask Megatron-Bridge's GPT
+    step keeps from the model, the model calls with MoE that routed without a padding mask, and the report after
+    the first training step."""
+
+    def __init__(self, state: Any) -> None:
+        super().__init__(state)
+        self.host_loss_mask: Any = None
+        """The loss mask Megatron-Bridge's ``gpt_step.get_batch`` returned for the model call that follows, which
+        Bridge's GPT step does not pass to the model (Bridge #6103; bridge_loop.keeping_loss_mask); token mode only."""
+        self.unmasked_moe_models: list[torch.nn.Module] = []
+        """Token mode, until the first step's report: the model chunks with MoE whose call routed without a padding
+        mask (aux_losses.padding_mask_forward records them)."""
+        self.reported = False
+
+    def routed_without_padding_mask(self, model: torch.nn.Module) -> None:
+        """A model call with MoE routed without a padding mask (token mode): kept for the first step's report."""
+        if not self.reported and all(known is not model for known in self.unmasked_moe_models):
+            self.unmasked_moe_models.append(model)
+
+    def end_step(self, step: Step) -> None:
+        """Once, after the first training step: the aux losses' report, and where MoE routed without a mask.
+
+        The auxiliary losses and their scaling, and where the run did not meet the token-mode target (MoE layers that
+        routed without a padding mask), by how much."""
+        if self.reported or not step.training or step.left_open:
+            return
+        from megatron.core import parallel_state
+
+        self.reported = True
+        config = self.state.model_config(step.call.get("model"))
+        mode = self.state.config.loss_reduction
+        summary = aux_summary(config, mode)
+        if summary is None:
+            return
+        logger.info(summary)
+        finalize = self.state.finalize
+        finalize.poll(wait=True)  # the first step's N (under --ga-checks async, once)
+        call = step.call
+        positions = (
+            call["num_microbatches"]
+            * call.get("micro_batch_size", 1)
+            * call.get("seq_length", 0)
+            * parallel_state.get_data_parallel_world_size()
+        )
+        if mode != "token" or not routes_unmasked(config, {}):  # no MoE statistics a padding mask corrects
+            return
+        stages = unmasked_moe_stages(self.unmasked_moe_models)  # every rank: one all-gather over its PP group
+        self.unmasked_moe_models.clear()
+        note = unmasked_moe_note(
+            config, mode, stages, current_pipeline_size(), positions, finalize.last_num_tokens or 0
+        )
+        if note is not None:
+            logger.warning(note)

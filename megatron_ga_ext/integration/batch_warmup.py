@@ -12,8 +12,8 @@ The run starts as the constant schedule ``0:--global-batch-size`` on the extensi
 stage added is validated as any schedule's (MBS x DP divides it, the interleaved rule), the loop's run length
 (``args.train_iters``, Megatron-Bridge's ``train.train_iters``) becomes the steps the schedule now plans for
 ``--train-samples``, and the schedule so far is logged as the
-``--step-batch-size-schedule`` string that replays it. The stages are kept in the checkpoint's noise-scale sidecar
-(noise_scale_sidecar.py) and restored on resume, so the resumed run trains the decisions taken before the checkpoint
+``--step-batch-size-schedule`` string that replays it. The stages are kept in the checkpoint's sidecar (sidecar.py,
+through batch_schedule.py) and restored on resume, so the resumed run trains the decisions taken before the checkpoint
 and takes the later ones from the same measurements. The LR windows are core/lr_windows.py's, as for ``--suggest``.
 """
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megatron_ga_ext.config.megatron_args import MegatronArgs
+from megatron_ga_ext.integration.aux_report import AuxLosses
 from megatron_ga_ext.integration.host import NON_PERSISTENT_SUBDIR, Host, hosting
 
 if TYPE_CHECKING:
@@ -115,7 +116,7 @@ def keeping_loss_mask(original: Callable, state: Installation) -> Callable:
     def get_batch(*args: Any, **kwargs: Any) -> Any:
         batch = original(*args, **kwargs)
         if state.active and state.contract is not None:
-            state.host_loss_mask = batch[2]
+            state.feature(AuxLosses).host_loss_mask = batch[2]
         return batch
 
     return get_batch

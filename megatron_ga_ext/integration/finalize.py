@@ -25,7 +25,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
@@ -37,6 +37,13 @@ from megatron_ga_ext.integration.host import current_host
 from megatron_ga_ext.integration.liveness import check_one_finalize
 from megatron_ga_ext.integration.loss_contract import SLOT_TOKENS, LossContract, StepChecks
 from megatron_ga_ext.integration.noise_scale import NoiseScaleMeter
+from megatron_ga_ext.integration.step_verdict import (
+    Deferred,
+    Verdict,
+    megatron_judges_nonfinite,
+    prefixed,
+    raise_on_violations,
+)
 from megatron_ga_ext.logs import get_logger
 
 if TYPE_CHECKING:
@@ -52,7 +59,6 @@ __all__ = [
     "check_ddp_chunks",
     "check_per_token_flag",
     "make_finalize_model_grads",
-    "megatron_judges_nonfinite",
 ]
 
 logger = get_logger(__name__)
@@ -157,26 +163,32 @@ class FinalizeModelGrads:
             or the optimizer step (:meth:`check_deferred`).
     """
 
-    def __init__(self, original: FinalizeFunction, contract: LossContract | None, config: GAConfig) -> None:
-        if config.loss_reduction == "token" and contract is None:
+    def __init__(
+        self,
+        original: FinalizeFunction,
+        contract: LossContract | None = None,
+        config: GAConfig | None = None,
+        *,
+        reads: Reads | None = None,
+    ) -> None:
+        self.reads: Reads = reads if reads is not None else _Given(config or GAConfig(), contract)
+        """Where the config, the loss contract and the noise-scale meter are read, by reference: the installation
+        (whose features change with its config), or those given."""
+        if reads is None and self.config.loss_reduction == "token" and contract is None:
             raise LossContractError("reduction mode 'token' needs a LossContract to read counts from.")
         # upstream's __module__, __name__ and __qualname__: Bridge writes its config (holding a partial of this) as
         # YAML beside each checkpoint, and names a function's target by them
         functools.update_wrapper(self, original, updated=())
         self.original = original
-        self.contract = contract
-        self.config = config
         self.last_num_tokens: int | None = None
         self.calls = 0
         self.calls_at_step: int | None = None
         self.active = True
         self.skip_step = False
-        self.pending: _Verdict | None = None
-        self.deferred: _Deferred | None = None
-        self.last_deferred: _Deferred | None = None
-        """The last deferral, until Megatron's decision on it is reported (Installation.rerun_decided)."""
-        self.noise_scale: NoiseScaleMeter | None = None
-        """--ga-noise-scale: the meter that reads the reduced gradient here (integration/noise_scale.py)."""
+        self.pending: Verdict | None = None
+        self.deferred: Deferred | None = None
+        self.last_deferred: Deferred | None = None
+        """The last deferral, until Megatron's decision on it is reported (:meth:`take_deferral`)."""
         self._checked: _CheckedChunks | None = None
         self._topology: _Topology | None = None
 
@@ -213,17 +225,40 @@ class FinalizeModelGrads:
         # a device scalar, upstream's 1.0 / clamp(N, min=1) to the bit (torch computes x / t as t.reciprocal() * x)
         scaling = torch.clamp(vector[SLOT_TOKENS], min=1).reciprocal()
         if self.config.checks == "async":
-            self.pending = _Verdict.of(vector, self.calls, current_host().iteration())
+            self.pending = Verdict.of(vector, self.calls, current_host().iteration())
         else:
             # the step's one device-to-host read
             checks = self._judged(StepChecks(*vector.tolist()), current_host().iteration())
-            _raise_on_violations(checks)
+            raise_on_violations(checks)
             self.last_num_tokens = checks.tokens
             if not checks.tokens:  # --ga-zero-token-policy skip: a zero gradient for the skipped step
                 self._zero_tokens()
                 scaling = 0.0
         for chunk in model:
             scale_gradients(chunk, scaling)  # torch FSDP2: the local shards, while upstream's is a no-op
+
+    @property
+    def config(self) -> GAConfig:
+        return self.reads.config
+
+    @property
+    def contract(self) -> LossContract | None:
+        return self.reads.contract
+
+    @property
+    def noise_scale(self) -> NoiseScaleMeter | None:
+        """--ga-noise-scale: the meter that reads the reduced gradient here (integration/noise_scale.py)."""
+        return self.reads.noise_scale
+
+    def take_skip(self) -> bool:
+        """The step's skip verdict (--ga-zero-token-policy skip), handed once to the optimizer step it skips."""
+        skip, self.skip_step = self.skip_step, False
+        return skip
+
+    def take_deferral(self) -> Deferred | None:
+        """The last non-finite loss left to Megatron's rerun machine, handed once to the report of its decision."""
+        deferred, self.last_deferred = self.last_deferred, None
+        return deferred
 
     def optimizer_stepped(self) -> None:
         """An optimizer install() hooked steps, or is built: the calls from here on are the next step's."""
@@ -241,7 +276,7 @@ class FinalizeModelGrads:
             where = f"--ga-checks async, verdict of training step {pending.step}" + (
                 f" (iteration {pending.iteration})" if pending.iteration is not None else ""
             )
-            _raise_on_violations(checks, where=where)
+            raise_on_violations(checks, where=where)
             self.last_num_tokens = 0
             self._zero_tokens(where)
             return
@@ -267,7 +302,7 @@ class FinalizeModelGrads:
                 iteration,
                 current_host().settings().rerun_mode,
             )
-        self.deferred = self.last_deferred = _Deferred(iteration, checks.nonfinite)
+        self.deferred = self.last_deferred = Deferred(iteration, checks.nonfinite)
         return checks._replace(nonfinite=0)
 
     def check_deferred(self) -> None:
@@ -321,7 +356,7 @@ class FinalizeModelGrads:
 
     def _zero_tokens(self, where: str = "") -> None:
         message = (
-            _prefixed(where) + "the global batch has 0 non-padding tokens (the sum of num_tokens over "
+            prefixed(where) + "the global batch has 0 non-padding tokens (the sum of num_tokens over "
             "micro-batches and DP x CP ranks); there is nothing to average."
         )
         if self.config.zero_token_policy == "error":
@@ -337,6 +372,28 @@ class FinalizeModelGrads:
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+class Reads(Protocol):
+    """What finalize reads, by reference (installation.Installation)."""
+
+    @property
+    def config(self) -> GAConfig: ...
+
+    @property
+    def contract(self) -> LossContract | None: ...
+
+    @property
+    def noise_scale(self) -> NoiseScaleMeter | None: ...
+
+
+@dataclass(frozen=True)
+class _Given:
+    """A config and a contract given outright (verify's harness, the tests): no meter."""
+
+    config: GAConfig
+    contract: LossContract | None
+    noise_scale: None = None
 
 
 def make_finalize_model_grads(
@@ -358,82 +415,3 @@ def _groups(pg_collection: ProcessGroupCollection | None) -> tuple[ProcessGroup,
         parallel_state.get_pipeline_model_parallel_group(),
         parallel_state.get_data_parallel_group(with_context_parallel=True),
     )
-
-
-def _prefixed(where: str) -> str:
-    return f"{where}: " if where else ""
-
-
-def _raise_on_violations(checks: StepChecks, *, where: str = "") -> None:
-    prefix = _prefixed(where)
-    if checks.unchecked:
-        raise LossContractError(
-            f"{prefix}{checks.unchecked} last-stage rank(s) ran no micro-batch through the LossContract "
-            f"this step, so their token counts are unchecked; wrap the loss function with "
-            f"contract.wrap(loss_func) (install() does this for you)."
-        )
-    if checks.nonfinite:
-        raise LossContractError(
-            f"{prefix}{checks.nonfinite} micro-batch(es) in this global batch returned a non-finite loss "
-            f"(inf or nan); the token-weighted gradient would be non-finite. Check the data, the loss function and "
-            f"the learning rate (--check-for-nan-in-loss-and-grad names the rank at the source)."
-        )
-    if checks.negative:
-        raise LossContractError(
-            f"{prefix}{checks.negative} micro-batch(es) returned a negative num_tokens; a token count is "
-            f">= 0. Count non-padding tokens as loss_mask.sum().to(torch.int64)."
-        )
-
-
-def megatron_judges_nonfinite() -> bool:
-    """Megatron-LM's rerun state machine checks each loss for NaN and Inf: ``--check-for-nan-in-loss-and-grad`` (the
-    default) with ``--rerun-mode validate_results`` (the default; ``report_stats`` stops Megatron at start-up, and the
-    coverage table refuses it). (With ``--rerun-mode disabled``
-    its check raises in the loss function, before finalize.) Without Megatron's args: no."""
-    args = current_host().settings()
-    return args.check_for_nan_in_loss_and_grad and args.rerun_mode == "validate_results"
-
-
-@dataclass(frozen=True)
-class _Deferred:
-    """A non-finite loss left to Megatron's rerun state machine."""
-
-    iteration: int | None
-    nonfinite: int
-
-
-@dataclass
-class _Verdict:
-    """A step's reduced vector on its way to the host (``--ga-checks async``)."""
-
-    host: torch.Tensor
-    """Pinned host copy (CUDA: filled without blocking, done once ``event`` is)."""
-    event: torch.cuda.Event | None
-    step: int
-    """The finalize call it belongs to (FinalizeModelGrads.calls)."""
-    iteration: int | None
-
-    @classmethod
-    def of(cls, vector: torch.Tensor, step: int, iteration: int | None) -> _Verdict:
-        if vector.device.type != "cuda":  # the CPU, or a device without events: the vector itself, or a copy
-            return cls(vector.to("cpu"), None, step, iteration)
-        host = torch.empty(vector.shape, dtype=vector.dtype, pin_memory=True)
-        host.copy_(vector, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return cls(host, event, step, iteration)
-
-    def ready(self) -> bool:
-        return self.event is None or self.event.query()
-
-    def checks(self) -> StepChecks:
-        if self.event is not None:
-            self.event.synchronize()  # done already when ready(); else waits for this one copy
-        return StepChecks(*self.host.numpy().tolist())  # host memory: reading it cannot synchronize the device
-
-
-def describe_decision(checkpoint: bool, exit: bool, exit_code: int) -> str:
-    """Megatron's ``RerunStateMachine.should_checkpoint_and_exit()`` in words."""
-    if exit:
-        return f"{'save a checkpoint and ' if checkpoint else ''}exit with code {exit_code}"
-    return "save a checkpoint and go on" if checkpoint else "go on training"

@@ -10,9 +10,12 @@ or a ``Class.method`` (replaced on the class, so instances built before install(
   install() tries, and the calculator hook tries again (Megatron-LM's training modules are loaded by then);
 * a row whose function this source does not define (``present`` false) is settled, never wired.
 
-The wrappers here are thin: each calls the Installation's method for its phase (installation.py), where the order of
-one training step reads in one file. The table's rows for a host loop are its adapter: Megatron-LM's
-(megatron_lm.py) and Megatron-Bridge's (bridge_loop.py).
+The wrappers of the step's phases are thin: each calls the Installation's method for its phase (installation.py),
+where the order of one training step reads in one file as loops over the features. The others serve one feature or
+the finalize wrapper directly: the auxiliary-loss corrections (aux_losses.py) read the loss contract and the kept
+loss mask, the noise scale's bucket-group read its meter, the scaled ``get_lr`` the batch schedule's rates, finalize's
+row makes the wrapper. The table's rows for a host loop are its adapter: Megatron-LM's (megatron_lm.py) and
+Megatron-Bridge's (bridge_loop.py).
 ``fingerprinted`` rows replace behaviour and are compared with the tested sources (compat.TARGETS) before patching;
 the others only wrap around a call and are not.
 """
@@ -41,11 +44,12 @@ from megatron_ga_ext.integration.compat import (
     TRAINING,
     check_targets,
 )
-from megatron_ga_ext.integration.finalize import make_finalize_model_grads
+from megatron_ga_ext.integration.finalize import FinalizeModelGrads
 from megatron_ga_ext.integration.installation import Installation
 from megatron_ga_ext.integration.liveness import StepLiveness
 from megatron_ga_ext.integration.lr_scaling import scaled_get_lr
 from megatron_ga_ext.integration.noise_scale import counting_bucket_group
+from megatron_ga_ext.integration.step_guards import Guards
 
 __all__ = ["HOOKS", "PHASES", "Hook", "hook_table", "optimizer_step", "stream_capturing", "wire"]
 
@@ -96,9 +100,9 @@ def _schedule(original: Callable, installed_as: Installation) -> Callable:
         state = installed_as.current()
         if state is None:
             return original(*args, **kwargs)
-        finalized = state.begin_step(kwargs)
+        step = state.begin_step(kwargs)
         result = original(*args, **kwargs)
-        state.end_step(kwargs, finalized)
+        state.end_step(step)
         return result
 
     return schedule
@@ -128,8 +132,8 @@ def _forward_step_calc_loss(original: Callable, state: Installation) -> Callable
 
 
 def _finalize(original: Callable, state: Installation) -> Callable:
-    state.finalize = make_finalize_model_grads(original, state.contract, config=state.config)
-    state.finalize.noise_scale = state.noise_scale
+    """Upstream's finalize, wrapped: it reads the installation's config, contract and meter by reference."""
+    state.finalize = FinalizeModelGrads(original, reads=state)
     return state.finalize
 
 
@@ -212,7 +216,8 @@ def _scheduled_count(original: Callable, state: Installation) -> Callable:
         result = original(*args, **kwargs)
         live = state.current()
         if live is not None:
-            live.scheduled(result[1], args[2] if len(args) > 2 else kwargs.get("num_microbatches"))
+            guards = live.feature(Guards)
+            guards.scheduled(result[1], args[2] if len(args) > 2 else kwargs.get("num_microbatches"))
         return result
 
     return wrap_data_iterator

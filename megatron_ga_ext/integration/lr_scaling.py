@@ -69,13 +69,14 @@ def stage_factors(schedule: StepSchedule, lr_scaling: str) -> str:
 
 def scaled_get_lr(original: Callable, state: Any) -> Callable:
     """``OptimizerParamScheduler.get_lr``, returning the scaled rate (a class attribute: every scheduler, also one
-    built before install(), looks it up there); ``state``: the Installation, whose ``scaled_rates`` it keeps."""
-    rates = state.scaled_rates
+    built before install(), looks it up there); ``state``: the Installation, whose batch schedule keeps the rates
+    (batch_schedule.py)."""
 
     @functools.wraps(original)
     def get_lr(scheduler: Any, param_group: dict) -> float:
         if not state.active or state.config.lr_scaling == "none":
             return original(scheduler, param_group)
+        rates = state.scaled_rates
         scaling = state.config.lr_scaling
         schedule = _live_schedule(scaling)
         if rates.logged is not schedule:

@@ -90,7 +90,7 @@ class NoiseScaleMeter:
     """The in-run measurement; see the module docstring. Made by install() where ``--ga-noise-scale`` > 0.
 
     Attributes:
-        ema: the EMAs of tr(Sigma) and |G|^2 (kept next to Megatron's checkpoints: noise_scale_sidecar.py).
+        ema: the EMAs of tr(Sigma) and |G|^2 (kept next to the loop's checkpoints: sidecar.py).
         last: the last measured iteration, or None.
         measurements: how many iterations were measured since the start (a resume continues the count).
         counted: the gradient elements the norms count (noise_scale_coverage.py).

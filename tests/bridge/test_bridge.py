@@ -165,7 +165,7 @@ def test_the_noise_scale_line_scalars_and_sidecar_on_bridge(runs, out, cli):
     """ga.noise_scale 1 on Bridge's loop: it trains as without it; on the last rank each iteration's line follows
     Bridge's iteration line, with the loss tokens and consumed samples of the trace row; the noise-scale/* scalars
     in Bridge's TensorBoard equal the trace; each checkpoint Bridge saved holds its sidecar."""
-    from megatron_ga_ext.integration.noise_scale_sidecar import sidecar_path
+    from megatron_ga_ext.integration.sidecar import sidecar_path
 
     same = ("iteration", "consumed_samples", "loss", "lr", "grad_norm")
     for rank in range(2):
@@ -195,7 +195,8 @@ def test_the_noise_scale_line_scalars_and_sidecar_on_bridge(runs, out, cli):
         assert values == pytest.approx([r[name] for r in trace], rel=1e-6), name
     for iteration in (3, 6):
         sidecar = json.loads(sidecar_path(run / "checkpoints", iteration).read_text())
-        assert (sidecar["iteration"], sidecar["measurements"], sidecar["ema"]["updates"]) == (iteration,) * 3
+        kept = sidecar["features"]["noise_scale"]["state"]
+        assert (sidecar["iteration"], kept["measurements"], kept["ema"]["updates"]) == (iteration,) * 3
     layout = (
         "--micro-batch-size",
         "2",
@@ -257,7 +258,7 @@ def test_the_batch_size_warmup_doubles_and_the_run_ends_at_its_samples_on_bridge
     decision (Bridge's loop ends on it), the LR decays in samples to min_lr on the last step, and the dataset
     holds the samples. Saved at iteration 2 (the sidecar keeps the stages) and resumed: the rows are the
     uninterrupted run's, and the loaded checkpoint is not saved again."""
-    from megatron_ga_ext.integration.noise_scale_sidecar import sidecar_path
+    from megatron_ga_ext.integration.sidecar import sidecar_path
 
     for rank in range(2):
         whole = runs["warmup"][rank]
@@ -268,7 +269,8 @@ def test_the_batch_size_warmup_doubles_and_the_run_ends_at_its_samples_on_bridge
         assert whole[-1]["lr"] == pytest.approx(1e-4, rel=1e-12)
         assert runs["warmup-save"][rank] + runs["warmup-load"][rank] == whole
     checkpoints = out / "warmup-resume" / "checkpoints"
-    assert json.loads(sidecar_path(checkpoints, 2).read_text())["stages"] == [[0, 8], [8, 16], [24, 32]]
+    saved = json.loads(sidecar_path(checkpoints, 2).read_text())["features"]["batch_schedule"]
+    assert saved == {"version": 1, "state": {"stages": [[0, 8], [8, 16], [24, 32]]}}
     log = (out / "warmup-load.rank0.log").read_text()
     assert 'batch-size warmup: resumed with --step-batch-size-schedule "0:8 512:16 1536:32"' in log, log[-2000:]
     assert re.findall(r"saving checkpoint at iteration\s+(\d+)", log) == ["4"]

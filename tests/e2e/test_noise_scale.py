@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ga_ext.integration.noise_scale_sidecar import SIDECAR, sidecar_path
+from megatron_ga_ext.integration.sidecar import SIDECAR, sidecar_path
 from tests.support.event_files import tensorboard_scalars
 from tests.support.plans import BOUNDED
 from tools.compatibility import source_name
@@ -196,8 +196,9 @@ def test_a_resume_continues_the_emas(launches, source, record_property):
     run, trace, _, checkpoints = measured(launches, source)
     assert run.rc == 0 and run.error is None, run.describe()
     sidecar = json.loads(sidecar_path(checkpoints, SAVE_AT).read_text())
-    assert sidecar["iteration"] == SAVE_AT and sidecar["measurements"] == SAVE_AT, sidecar
-    assert sidecar["ema"]["updates"] == SAVE_AT, sidecar
+    kept = sidecar["features"]["noise_scale"]["state"]
+    assert sidecar["iteration"] == SAVE_AT and kept["measurements"] == SAVE_AT, sidecar
+    assert kept["ema"]["updates"] == SAVE_AT, sidecar
     assert sorted(p.parent.name for p in checkpoints.glob(f"iter_*/{SIDECAR}")) == sorted(
         p.name for p in checkpoints.glob("iter_*")
     ), list(checkpoints.iterdir())
@@ -304,7 +305,8 @@ def test_a_resume_from_a_non_persistent_checkpoint_continues_the_emas(launches, 
     assert run.rc == 0 and run.error is None, run.describe()
     latest = 2 * NON_PERSISTENT_AT
     sidecar = json.loads(sidecar_path(non_persistent, latest).read_text())
-    assert (sidecar["version"], sidecar["iteration"], sidecar["measurements"]) == (2, latest, latest), sidecar
+    measurements = sidecar["features"]["noise_scale"]["state"]["measurements"]
+    assert (sidecar["version"], sidecar["iteration"], measurements) == (3, latest, latest), sidecar
 
     resumed_trace = workdir / "noise-scale-np-resumed-trace.jsonl"
     resumed = launches.get(
