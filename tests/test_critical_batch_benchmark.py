@@ -140,7 +140,7 @@ def test_the_grid_extends_past_an_edge_best_until_it_is_interior():
     from benchmarks import critical_batch
 
     sweep = object.__new__(critical_batch.Sweep)
-    sweep.plan = critical_batch.Plan(**{**critical_batch.FULL.__dict__, "sizes": (4, 8)})
+    sweep.plan = critical_batch.Plan(**{**critical_batch.FULL.__dict__, "sizes": (4, 8), "grid": (-1, 0, 1)})
     ran = []
 
     def grid_run(gbs: int, k: int, seed: int, phase: str) -> dict:
