@@ -97,8 +97,8 @@ def padding_mask_forward(original: Callable, state: Installation) -> Callable:
 
     @functools.wraps(original)
     def forward(model: GPTModel, *args: Any, **kwargs: Any) -> Any:
-        if state.active and state.contract is not None:
-            aux = state.feature(AuxLosses)
+        aux = state.feature(AuxLosses) if state.active and state.contract is not None else None
+        if aux is not None:  # token mode
             kept, aux.host_loss_mask = aux.host_loss_mask, None
             if kwargs.get("loss_mask") is None and kept is not None and _matches_labels(kept, args, kwargs):
                 kwargs["loss_mask"] = kept

@@ -58,7 +58,7 @@ class BatchSchedule(Feature):
 
     def extra_samples(self) -> int:
         """Under the warmup, up to its cap more than the planned steps (a schedule decided later)."""
-        return self.warmup.cap if self.warmup is not None else 0
+        return (self.warmup.cap or 0) if self.warmup is not None else 0
 
     def state_dict(self) -> dict[str, Any] | None:
         return None if self.warmup is None else {"stages": self.warmup.stages(live_step_calculator())}

@@ -64,7 +64,7 @@ GASection = dataclasses.make_dataclass(
     "GASection",
     [(f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata)) for f in dataclasses.fields(GAFlags)],
     kw_only=True,
-    module=__name__,
+    module=__name__,  # type: ignore[call-arg]  # Python 3.12's parameter (Bridge needs 3.12); mypy reads 3.11's
 )
 
 
@@ -210,6 +210,8 @@ def _convert_rampup(cfg: ConfigContainer) -> None:
                 convert_rampup=True,
             )
         )
+        if schedule is None:  # never: a rampup with convert_rampup resolves to its schedule
+            raise ScheduleError(f"train.rampup_batch_size {rampup} did not convert to a step schedule")
         if not train.train_samples:
             samples = 0
             for _ in range(train.train_iters or 0):

@@ -75,10 +75,10 @@ class Bridge(Host):
         return MegatronArgs(values)
 
     def iteration(self) -> int | None:
-        return self.state.train_state.step + 1
+        return int(self.state.train_state.step) + 1
 
     def consumed_samples(self) -> int | None:
-        return self.state.train_state.consumed_train_samples
+        return int(self.state.train_state.consumed_train_samples)
 
     def set_train_iters(self, iterations: int) -> None:
         self.state.cfg.train.train_iters = iterations
@@ -116,7 +116,9 @@ def keeping_loss_mask(original: Callable, state: Installation) -> Callable:
     def get_batch(*args: Any, **kwargs: Any) -> Any:
         batch = original(*args, **kwargs)
         if state.active and state.contract is not None:
-            state.feature(AuxLosses).host_loss_mask = batch[2]
+            aux = state.feature(AuxLosses)
+            if aux is not None:
+                aux.host_loss_mask = batch[2]
         return batch
 
     return get_batch
@@ -186,11 +188,13 @@ def saved_directory(checkpoint: Any, non_persistent: bool) -> str | None:
     """Where Bridge's ``save_checkpoint`` put its ``iter_NNNNNNN`` directory: ``checkpoint.save``, or for a global
     non-persistent checkpoint ``checkpoint.non_persistent_global_ckpt_dir`` (default ``<save>/non_persistent``);
     None for a local non-persistent one (per-rank files, no such directory)."""
+    save: str | None = checkpoint.save
     if not non_persistent:
-        return checkpoint.save
+        return save
     if checkpoint.non_persistent_ckpt_type != "global":
         return None
-    return checkpoint.non_persistent_global_ckpt_dir or os.path.join(checkpoint.save, NON_PERSISTENT_SUBDIR)
+    explicit: str | None = checkpoint.non_persistent_global_ckpt_dir
+    return explicit or os.path.join(checkpoint.save, NON_PERSISTENT_SUBDIR)
 
 
 def loaded_directory(checkpoint: Any, iteration: int) -> str | None:

@@ -113,10 +113,11 @@ class Target:
         return self.module.startswith("megatron.training")
 
     def resolve(self) -> Callable:
-        found = importlib.import_module(self.module)
+        found: Any = importlib.import_module(self.module)
         for part in self.name.split("."):
             found = getattr(found, part)
-        return found
+        function: Callable = found
+        return function
 
     def path_in(self, root: Path) -> Path:
         return root / (self.module.replace(".", "/") + ".py")
@@ -158,7 +159,8 @@ TARGETS = (
 
 def known_fingerprints() -> dict[str, dict[str, list[str]]]:
     """{qualified function name: {fingerprint: [tested sources that have it]}} from fingerprints.json."""
-    return json.loads(FINGERPRINTS.read_text())
+    known: dict[str, dict[str, list[str]]] = json.loads(FINGERPRINTS.read_text())
+    return known
 
 
 class Calculator(Protocol):
@@ -184,7 +186,7 @@ def live_calculator() -> Calculator | None:
 
 def set_live_calculator(calculator: Calculator) -> None:
     """Make ``calculator`` the one ``get_num_microbatches()`` and the training loop read."""
-    sys.modules[CALCULATOR]._GLOBAL_NUM_MICROBATCHES_CALCULATOR = calculator
+    setattr(sys.modules[CALCULATOR], "_GLOBAL_NUM_MICROBATCHES_CALCULATOR", calculator)  # noqa: B010 (a module)
 
 
 def megatron_core_version() -> str:
@@ -193,7 +195,7 @@ def megatron_core_version() -> str:
     try:
         from megatron.core import package_info
 
-        return package_info.__version__.split("+")[0]  # a source tree in a git checkout adds "+<hash>"
+        return str(package_info.__version__).split("+")[0]  # a source tree in a git checkout adds "+<hash>"
     except ImportError:
         import importlib.metadata  # only where megatron.core lacks package_info
 

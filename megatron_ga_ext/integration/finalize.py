@@ -214,8 +214,11 @@ class FinalizeModelGrads:
             check_one_finalize(self.calls - self.calls_at_step, current_host().iteration())
         self.poll(wait=True)  # an earlier step's verdict not yet read (no schedule call in between)
         topology = self._topology_of(pg_collection)
+        contract = self.contract
+        if contract is None:  # token mode has one: the constructor and the installation's configure keep it so
+            raise LossContractError("reduction mode 'token' needs a LossContract to read counts from.")
         # before the grads' sync: no collective
-        vector = self.contract.collect(checked.device, is_last_stage=topology.is_last_stage)
+        vector = contract.collect(checked.device, is_last_stage=topology.is_last_stage)
         self.original(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
         # where upstream reduces its count: after the grads, on every stage
         torch.distributed.broadcast(vector, src=topology.last_stage_rank, group=topology.pp_group)

@@ -146,7 +146,8 @@ def _configure_calculator(original: Callable, state: Installation) -> Callable:
     @functools.wraps(original)
     def configure(*args: Any, **kwargs: Any) -> None:
         if not state.active:
-            return original(*args, **kwargs)
+            original(*args, **kwargs)
+            return
         state.configure_from_megatron_args()
         wire(state)
         bound = signature.bind(*args, **kwargs)
@@ -193,7 +194,7 @@ def stream_capturing() -> bool:
     """The current CUDA stream is capturing a graph (``--optimizer-cuda-graph`` captures the optimizer's step)."""
     import torch
 
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def _rerun_decision(original: Callable, state: Installation) -> Callable:
@@ -217,7 +218,8 @@ def _scheduled_count(original: Callable, state: Installation) -> Callable:
         live = state.current()
         if live is not None:
             guards = live.feature(Guards)
-            guards.scheduled(result[1], args[2] if len(args) > 2 else kwargs.get("num_microbatches"))
+            if guards is not None:
+                guards.scheduled(result[1], args[2] if len(args) > 2 else kwargs.get("num_microbatches"))
         return result
 
     return wrap_data_iterator
@@ -230,8 +232,8 @@ def _record_checkpoint_args(original: Callable, state: Installation) -> Callable
 _OPTIMIZER = "megatron.core.optimizer"
 _DATA_SCHEDULE = "megatron.core.datasets.data_schedule"
 _CHECKPOINTING = "megatron.training.checkpointing"
-_LM = {"load": "loaded", "host": "megatron-lm"}
-_BRIDGE = {"load": "loaded", "host": "megatron-bridge"}
+_LM: dict[str, Any] = {"load": "loaded", "host": "megatron-lm"}
+_BRIDGE: dict[str, Any] = {"load": "loaded", "host": "megatron-bridge"}
 
 #: Every target, by phase. A vendored tree (patches/) wires the rows of SCHEDULES, FINALIZE and CALCULATOR at each
 #: module's import; install() wires all the rows it can.
@@ -327,14 +329,19 @@ def wire(state: Installation, module_name: str | None = None) -> None:
         if module is None or hook.qualified in state.settled_hooks:  # importing it may have wired it (vendored)
             continue
         state.settled_hooks.add(hook.qualified)
-        if module is False or not hook.found_in(module):
+        if not isinstance(module, ModuleType) or not hook.found_in(module):
             continue
         _check_host_targets(state, hook)
         owner, _, attribute = hook.name.rpartition(".")
+        wrap: Callable[[Callable], Callable] = functools.partial(_wrapped, hook, state)
         if owner:
-            state.patches.patch_attribute(getattr(module, owner), attribute, lambda o, hook=hook: hook.wrap(o, state))
+            state.patches.patch_attribute(getattr(module, owner), attribute, wrap)
         else:
-            state.patches.patch(hook.module, attribute, lambda o, hook=hook: hook.wrap(o, state))
+            state.patches.patch(hook.module, attribute, wrap)
+
+
+def _wrapped(hook: Hook, state: Installation, original: Callable) -> Callable:
+    return hook.wrap(original, state)
 
 
 def _module_of(hook: Hook, state: Installation) -> ModuleType | bool | None:

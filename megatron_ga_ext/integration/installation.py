@@ -153,8 +153,11 @@ class Installation:
 
     @property
     def scaled_rates(self) -> ScaledRates:
-        """--ga-lr-scaling: what each scheduler's rates were written for (lr_scaling.py)."""
-        return self.feature(BatchSchedule).rates
+        """--ga-lr-scaling: what each scheduler's rates were written for (lr_scaling.py; asked under it only)."""
+        schedule = self.feature(BatchSchedule)
+        if schedule is None:
+            raise RuntimeError("no batch schedule: --ga-lr-scaling none and --ga-batch-size-warmup off")
+        return schedule.rates
 
     @property
     def replays_expected(self) -> bool:
@@ -217,6 +220,8 @@ class Installation:
         self.configure_from_megatron_args()
         self.adopt_live_calculator("this forward/backward call")
         step = Step(call, startup=self.agreement.run_once(self.config, current_host().parsed_args()))
+        if self.finalize is None:  # its hook is wired at install(): a vendored tree without finalize's patch
+            raise CompatError("megatron-ga-ext: finalize_model_grads is not wired; patch it (patches/) or install()")
         self.finalize.poll(wait=True)  # --ga-checks async: the last step's verdict, if not read after its step
         step.finalized, step.abandoned, self.in_call = self.finalize.calls, self.in_call, True
         if step.training:

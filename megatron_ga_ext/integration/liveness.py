@@ -110,11 +110,20 @@ def bypass_message(*, scheduled: bool, finalized: bool, token: bool, iteration: 
 class Hooked(Protocol):
     """What liveness reads of an installation (installation.Installation)."""
 
-    config: Any
-    finalize: Any
-    contract: Any
-    training_schedules: int
-    replays_expected: bool
+    @property
+    def config(self) -> Any: ...
+
+    @property
+    def finalize(self) -> Any: ...
+
+    @property
+    def contract(self) -> Any: ...
+
+    @property
+    def training_schedules(self) -> int: ...
+
+    @property
+    def replays_expected(self) -> bool: ...
 
 
 class StepLiveness:

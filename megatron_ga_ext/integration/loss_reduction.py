@@ -87,7 +87,7 @@ class LossReduction(Feature):
             self.open_step = (
                 (step.earlier + step.call["num_microbatches"], finalize.calls) if step.left_open else (0, 0)
             )
-        elif self.set_aside is not None:
+        elif self.set_aside is not None and self.contract is not None:
             self.contract.take_back(self.set_aside)
             self.set_aside = None
 

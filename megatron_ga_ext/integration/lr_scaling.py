@@ -74,8 +74,9 @@ def scaled_get_lr(original: Callable, state: Any) -> Callable:
 
     @functools.wraps(original)
     def get_lr(scheduler: Any, param_group: dict) -> float:
+        unscaled: float = original(scheduler, param_group)
         if not state.active or state.config.lr_scaling == "none":
-            return original(scheduler, param_group)
+            return unscaled
         rates = state.scaled_rates
         scaling = state.config.lr_scaling
         schedule = _live_schedule(scaling)
@@ -87,7 +88,7 @@ def scaled_get_lr(original: Callable, state: Any) -> Callable:
         if batch is None:
             batch = next_step_batch(schedule, scheduler, state.training_schedules, rates.counts)
         rates.written[scheduler] = batch
-        return original(scheduler, param_group) * lr_factor(batch, first, scaling)
+        return unscaled * lr_factor(batch, first, scaling)
 
     return get_lr
 
@@ -156,4 +157,4 @@ def _live_schedule(lr_scaling: str) -> StepSchedule:
     live = live_step_calculator()
     if live is None:
         check_lr_scaling(lr_scaling, None)  # raises: sqrt / linear without a schedule
-    return live.step_schedule
+    return live.step_schedule  # type: ignore[union-attr]  # not None: check_lr_scaling raised

@@ -184,7 +184,8 @@ def planned_train_iters(original: Callable, state: Installation) -> Callable:
             state.adopt_live_calculator("Megatron-LM's update_train_iters")
         calculator = live_step_calculator()
         if not state.active or calculator is None or args.train_iters or not args.train_samples:
-            return original(args)
+            original(args)
+            return
         iterations, samples = calculator.plan(args.train_samples)
         args.train_iters = iterations
         logger.info(
@@ -224,7 +225,8 @@ def printing_after_training_log(original: Callable, state: Installation) -> Call
             state.after_log()
         return result
 
-    training_log.megatron_ga_ext_prints_after = True  # read by the meter (noise_scale_report.py); gone with the patch
+    # read by the host (MegatronLM.prints_after_log); gone with the patch
+    training_log.megatron_ga_ext_prints_after = True  # type: ignore[attr-defined]
     return training_log
 
 
