@@ -176,7 +176,7 @@ def exact_token_counts(original: Callable, state: Installation) -> Callable:
     upstream = upstream_factors.RouterCountCheck()  # where upstream is fixed it steps aside
 
     @functools.wraps(original)
-    def counts(routing_map: Any, reduce_group: Any, topk: int | None = None, with_padding_mask: bool = False):
+    def counts(routing_map: Any, reduce_group: Any, topk: int | None = None, with_padding_mask: bool = False) -> Any:
         if (
             with_padding_mask
             and _token_mode(state)
@@ -264,7 +264,7 @@ class _SummedMTPLoss(MTPInterception):
         return self.autoscaler.apply(hidden_states, self.scale * self.rolled * self.per_token_loss)
 
 
-def broadcasts_padding_per_token(router_class: type) -> bool:
+def broadcasts_padding_per_token(router_class: type[Any]) -> bool:
     """Upstream's expert-bias update masks its [tokens, experts] routing map with the padding mask unsqueezed to
     [tokens, 1] (main from d98e8a64); before, with the flat [tokens] mask, which broadcasts against the experts."""
     return ".unsqueeze(-1)" in inspect.getsource(router_class._apply_expert_bias)

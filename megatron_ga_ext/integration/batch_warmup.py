@@ -53,7 +53,9 @@ class BatchSizeWarmup:
 
     def __init__(self, config: GAConfig) -> None:
         self.trust = config.batch_size_warmup_trust
-        self.cap = config.batch_size_warmup_max
+        cap = config.batch_size_warmup_max
+        assert cap is not None, "the rule pass refuses --ga-batch-size-warmup auto without a cap"
+        self.cap: int = cap
         self.decisions: list[tuple[int | None, int, int]] = []
         self._held: str | None = None
         self._recent: deque[Mapping[str, Any]] = deque(maxlen=ROBUST_WINDOW)

@@ -86,7 +86,12 @@ class RouterCountCheck:
         self.probing = False
 
     def steps_aside(
-        self, corrected_counts: Callable, original: Callable, routing_map: torch.Tensor, reduce_group: Any, topk: int
+        self,
+        corrected_counts: Callable,
+        original: Callable,
+        routing_map: torch.Tensor,
+        reduce_group: Any,
+        topk: int | None,
     ) -> bool:
         """True where upstream's own counts stand for ``reduce_group``. ``corrected_counts`` is the correction (run
         again on the probe, where this returns False), ``original`` upstream's function."""
@@ -98,7 +103,12 @@ class RouterCountCheck:
         return self.verdicts[key] not in APPLIES
 
     def _measure(
-        self, corrected_counts: Callable, original: Callable, routing_map: torch.Tensor, reduce_group: Any, topk: int
+        self,
+        corrected_counts: Callable,
+        original: Callable,
+        routing_map: torch.Tensor,
+        reduce_group: Any,
+        topk: int | None,
     ) -> str:
         size = reduce_group.size()
         if size == 1:
