@@ -1,7 +1,8 @@
 """The doubling rule: a step batch-size schedule that follows a measured critical batch size. Pure Python.
 
-Merrill et al. 2025 ("Critical batch size revisited") warm the batch up by doubling it whenever the measured
-critical batch passes twice the current one. From a measured trace (rows of consumed samples and B_simple, the
+Merrill et al. 2025 ("Critical batch size revisited") motivate batch-size warmup: "start the batch size small and
+increase it as the CBS grows". This rule doubles the batch whenever trust x the measured noise scale passes twice the
+current one. From a measured trace (rows of consumed samples and B_simple, the
 gradient noise scale in samples; docs/noise-scale.md), in order of consumed samples:
 
     trusted(row) = trust x B_simple(row)
@@ -11,8 +12,8 @@ gradient noise scale in samples; docs/noise-scale.md), in order of consumed samp
 At most one doubling per row, so a jump in the estimate becomes doublings at successive measurements. Doubling
 keeps GBS a multiple of MBS x DP when the first stage is one, the schedule only grows, no stage starts inside a
 frozen range (the LR warmup, the final decay), and GBS never passes the cap. ``trust`` says how far to believe
-the estimate: Merrill et al. found B_simple below the critical batch they measured directly, so trust > 1 leans
-on that finding and trust < 1 is cautious.
+the estimate: above 1 grows the batch past what was measured, below 1 is cautious; how B_simple relates to the
+critical batch on a real sweep is measured in docs/noise-scale.md.
 
 The trace's rows and their format: core/noise_trace.py; the frozen ranges: core/lr_windows.py.
 """
