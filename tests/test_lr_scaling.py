@@ -18,7 +18,7 @@ from megatron_ga_ext.core.lr_factor import lr_factor
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.errors import OptionError
 from megatron_ga_ext.integration.lifecycle import install, installed, uninstall
-from tests.test_install import STEP_SCHEDULES, init_calculator, parsed
+from tests.test_lifecycle import STEP_SCHEDULES, init_calculator, parsed
 
 SCHEDULE = "0:16 64:32 160:64"
 FIRST_GBS = 16

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".cache"
 LEG = f"{sys.version_info.major}.{sys.version_info.minor}"
 BEHAVIOUR_TESTS = (
-    "tests/test_install.py",
+    "tests/test_lifecycle.py",
     "tests/test_install_pipeline_schedule.py",
     "tests/test_guards.py",
     "tests/test_loss_contract.py",
