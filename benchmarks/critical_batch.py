@@ -77,6 +77,8 @@ MODEL = [
     "--eval-global-batch-size",
     "2",
 ]
+#: --seq-length of MODEL: a step schedule's thresholds are tokens.
+SEQ_LENGTH = 64
 #: The trace keys a run's record keeps (core/noise_trace.py): the per-step estimates and the EMA's B_simple.
 TRACE_KEYS = ("iteration", "consumed_samples", "grad_sq", "trace_sigma", "tokens_per_sample", "b_simple_samples")
 
@@ -312,12 +314,12 @@ def auto_flags(end: int, trust: float) -> tuple[str, ...]:
     )
 
 
-def hand_schedule(start: int, end: int, samples: int) -> str:
-    """Doubling from ``start`` to ``end`` at equal shares of the first half of the samples (``THRESHOLD:BS``, the
-    threshold in samples)."""
+def hand_schedule(start: int, end: int, samples: int, seq_length: int = SEQ_LENGTH) -> str:
+    """Doubling from ``start`` to ``end`` at equal shares of the first half of the samples, as pretrain_gpt.py reads
+    ``--step-batch-size-schedule`` (``THRESHOLD:BS``, the threshold in tokens: samples x ``--seq-length``)."""
     sizes = [start * 2**i for i in range(int(math.log2(end // start)) + 1)]
     share = samples // 2 // len(sizes)
-    return " ".join(f"{i * share}:{gbs}" for i, gbs in enumerate(sizes))
+    return " ".join(f"{i * share * seq_length}:{gbs}" for i, gbs in enumerate(sizes))
 
 
 def score(record: dict, plan: Plan) -> float:

@@ -130,7 +130,8 @@ def test_a_run_is_read_from_its_log_also_where_the_validation_set_is_named():
  validation loss at iteration 3 on validation set | lm loss value: 3.100000E+00 | lm loss PPL: 2.2E+01 |
 """
     assert critical_batch.validation_curve(log) == [[2, 16, 4.0], [3, 32, 3.1]]
-    assert critical_batch.hand_schedule(8, 64, 8192) == "0:8 1024:16 2048:32 3072:64"
+    # thresholds in tokens (x --seq-length 64): 8 -> 64 at 0, 1,024, 2,048 and 3,072 samples
+    assert critical_batch.hand_schedule(8, 64, 8192) == "0:8 65536:16 131072:32 196608:64"
 
 
 def test_the_grid_extends_past_an_edge_best_until_it_is_interior():
