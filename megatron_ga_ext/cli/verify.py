@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_ga_ext.verify.aux import AFTER, AUX_LAYOUTS, DATA_PARALLEL_LAYOUTS
 
     # token mode only: 0.16's MTP runs there
-    aux_layouts = _runnable((*AUX_LAYOUTS, *DATA_PARALLEL_LAYOUTS), args.device)
+    aux_layouts = _runnable((*AUX_LAYOUTS, *_supported(list(DATA_PARALLEL_LAYOUTS))[0]), args.device)
     try:
         results, coefficients = launch_all(layouts, device=args.device, timeout_s=args.timeout, aux_layouts=aux_layouts)
     except Exception as exc:
@@ -207,13 +207,19 @@ def _supported(layouts: list) -> tuple[list, list[dict[str, str]]]:
     """The layouts this megatron-core can run, and the others with the reason."""
     from megatron.core.transformer import multi_token_prediction
 
+    from megatron_ga_ext.verify.data_parallel import TORCH_FSDP2_BEFORE_0_19, megatron_fsdp_limited, torch_fsdp2_runs
     from megatron_ga_ext.verify.fuzz import SEQ_AUX_BEFORE_0_19, seq_aux_limited
 
     mtp_clamped = hasattr(multi_token_prediction, "process_mtp_loss")
+    fsdp2_runs = torch_fsdp2_runs()
     kept, skipped = [], []
     for layout in layouts:
         if seq_aux_limited(layout):
             skipped.append({"layout": layout.name, "reason": SEQ_AUX_BEFORE_0_19})
+        elif layout.data_parallel == "torch_fsdp2" and not fsdp2_runs:
+            skipped.append({"layout": layout.name, "reason": TORCH_FSDP2_BEFORE_0_19})
+        elif megatron_fsdp_limited(layout):
+            skipped.append({"layout": layout.name, "reason": megatron_fsdp_limited(layout)})
         elif "mtp" in layout.model and not mtp_clamped:
             skipped.append(
                 {
