@@ -11,7 +11,8 @@ NOISE_EVERY samples into a trace. The phases, in the order they run (the B_crit 
 1. ``grid``: each GBS of SIZES at the LRs ``lr(gbs, k) = LR16 x (gbs / 16) ** LR_POWER x 2 ** k`` for k in GRID,
    seed 1; where the best k (lowest mean validation loss after the LR warmup) is at an edge of what ran, the next k
    beyond it runs, up to EXTEND more per GBS, so the best is interior;
-2. ``seeds``: the best k of each GBS again at each further seed of SEEDS;
+2. ``seeds``: the best k of each GBS again at each further seed of SEEDS; at LONG_SIZES, whose runs reach no target
+   within SAMPLES, the best k at every seed for LONG_SAMPLES instead (evaluated every LONG_EVAL_EVERY samples);
 3. ``warmup``: ``--ga-batch-size-warmup auto`` from the start size at trust 1 and at T (``--warmup-trust T``; by
    default the trust benchmarks/critical_batch_analysis.py measures from 1 and 2), against constant batches at the
    start and end sizes and a hand schedule that doubles at fixed samples, at equal samples, evaluated every
@@ -99,6 +100,9 @@ class Plan:
     warmup_start: int
     warmup_end: int
     warmup_eval_steps: int
+    long_sizes: tuple[int, ...] = ()
+    long_samples: int = 0
+    long_eval_every: int = 0
 
     def lr(self, gbs: int, k: int) -> float:
         return float(f"{self.lr16 * (gbs / 16) ** self.lr_power * 2.0**k:.4g}")
@@ -119,6 +123,9 @@ FULL = Plan(
     warmup_start=8,
     warmup_end=64,
     warmup_eval_steps=8,
+    long_sizes=(64, 128),
+    long_samples=24576,
+    long_eval_every=256,
 )
 QUICK = Plan(
     name="quick",
@@ -138,9 +145,9 @@ QUICK = Plan(
 )
 
 
-def flags(plan: Plan, gbs: int, lr: float, seed: int, trace: Path, eval_interval: int) -> list[str]:
-    """One run's flags beyond the launcher's tiny GPT (later flags win): the model, its batch, LR, seed, evaluation
-    and noise-scale measurement."""
+def flags(plan: Plan, gbs: int, lr: float, seed: int, trace: Path, eval_interval: int, samples: int) -> list[str]:
+    """One run's flags beyond the launcher's tiny GPT (later flags win): the model, its batch, LR, seed, samples,
+    evaluation and noise-scale measurement."""
     return [
         *MODEL,
         "--micro-batch-size",
@@ -148,7 +155,7 @@ def flags(plan: Plan, gbs: int, lr: float, seed: int, trace: Path, eval_interval
         "--global-batch-size",
         str(gbs),
         "--train-samples",
-        str(plan.samples),
+        str(samples),
         "--lr",
         str(lr),
         "--min-lr",
@@ -202,14 +209,18 @@ class Sweep:
         path = self.out / f"{name}.json"
         return json.loads(path.read_text()) if path.exists() else None
 
-    def train(self, name: str, gbs: int, lr: float, seed: int, phase: str, extra: tuple[str, ...] = ()) -> dict:
-        """One run: from the cache where it finished, else trained and cached."""
+    def train(
+        self, name: str, gbs: int, lr: float, seed: int, phase: str, extra: tuple[str, ...] = (), long: bool = False
+    ) -> dict:
+        """One run (``long``: of ``plan.long_samples``): from the cache where it finished, else trained and cached."""
         if (record := self.cached(name)) is not None:
             return record
         trace = self.out / f"{name}.trace.jsonl"
         trace.unlink(missing_ok=True)
-        interval = self.plan.warmup_eval_steps if phase == "warmup" else max(1, self.plan.eval_every // gbs)
-        given = flags(self.plan, gbs, lr, seed, trace, interval)
+        every = self.plan.long_eval_every if long else self.plan.eval_every
+        interval = self.plan.warmup_eval_steps if phase == "warmup" else max(1, every // gbs)
+        samples = self.plan.long_samples if long else self.plan.samples
+        given = flags(self.plan, gbs, lr, seed, trace, interval, samples)
         if "--step-batch-size-schedule" in extra:  # the schedule gives the batch; Megatron refuses both
             at = given.index("--global-batch-size")
             del given[at : at + 2]
@@ -259,10 +270,17 @@ class Sweep:
         return best
 
     def seeds(self, best: dict[int, int]) -> None:
-        """Phase 2: each GBS's best k at the further seeds."""
+        """Phase 2: each GBS's best k at the further seeds; at the sizes of ``plan.long_sizes`` (which reach no target
+        after every run's LR warmup within ``plan.samples``), its best k at every seed, of ``plan.long_samples``."""
         for gbs in self.plan.sizes:
+            if gbs in self.plan.long_sizes:
+                continue
             for seed in self.plan.seeds[1:]:
                 self.grid_run(gbs, best[gbs], seed, "seeds")
+        for gbs in self.plan.long_sizes:
+            for seed in self.plan.seeds:
+                name = f"gbs{gbs}-k{best[gbs]:+d}-seed{seed}-long"
+                self.train(name, gbs, self.plan.lr(gbs, best[gbs]), seed, "long", long=True)
 
     def warmup(self, best: dict[int, int], trust: float) -> None:
         """Phase 3: the adaptive warmup at trust 1 and ``trust`` against constant batches at its start and end sizes

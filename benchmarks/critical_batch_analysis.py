@@ -6,7 +6,8 @@
 * **Targets**: TARGETS losses evenly spaced from just below the highest loss any fit run has at the end of its LR
   warmup (so every run crosses every target after its warmup) down to the lowest loss that runs at MIN_SIZES batch
   sizes all reach (every seed).
-* **The fit** per target: the best k's runs at every batch size and seed, ``fit_target`` (dominated batch sizes left
+* **The fit** per target: the best k's runs at every batch size and seed (at the sizes that ran long, their long
+  runs), ``fit_target`` (dominated batch sizes left
   out, the profile interval); per seed the same on that seed's runs (the seed spread).
 * **Interpolation error** at a crossing: the step from linear interpolation between the two evaluations around it
   against a quadratic through three (log S); **seed noise**: the sd of log S over the seeds of one batch size.
@@ -67,7 +68,12 @@ def best_k(result: dict) -> dict[int, dict]:
 
 
 def fit_runs(result: dict, best: dict[int, dict]) -> list[dict]:
-    return [r for r in grid_runs(result) if r["gbs"] in best and k_of(r) == best[r["gbs"]]["best"]]
+    """Per batch size, its best k's runs: the long ones (phase ``long``) where it has them, else the grid's and
+    seeds'."""
+    long = [r for r in result["runs"] if r.get("phase") == "long"]
+    sizes = {r["gbs"] for r in long}
+    short = [r for r in grid_runs(result) if r["gbs"] not in sizes and k_of(r) == best.get(r["gbs"], {}).get("best")]
+    return short + long
 
 
 def reached(curve: Sequence[Sequence[float]], target: float) -> tuple[float, float, int] | None:

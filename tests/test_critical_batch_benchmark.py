@@ -90,6 +90,16 @@ def test_the_analysis_recovers_the_known_b_crit_lr_and_b_simple():
     assert warmup["seeds"] == [1, 2] and len(warmup["steps"][0]) == len(targets)
 
 
+def test_a_size_that_ran_long_enters_the_fit_by_its_long_runs_only():
+    data = result()
+    data["runs"] += [
+        {**run(128, 0, seed, 0.0), "name": f"gbs128-k+0-seed{seed}-long", "phase": "long"} for seed in (1, 2)
+    ]
+    chosen = analysis.fit_runs(data, analysis.best_k(data))
+    assert sorted(r["name"] for r in chosen if r["gbs"] == 128) == ["gbs128-k+0-seed1-long", "gbs128-k+0-seed2-long"]
+    assert len([r for r in chosen if r["gbs"] == 64]) == 3
+
+
 def test_the_tables_render_from_the_newest_result(tmp_path):
     (tmp_path / "critical-batch-2026-12-03.json").write_text(json.dumps(result()))
     (tmp_path / "critical-batch-2026-12-01.json").write_text("{}")  # older: not read
