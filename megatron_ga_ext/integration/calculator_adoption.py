@@ -1,4 +1,6 @@
-"""The live num-microbatches calculator made the extension's, wherever and whenever Megatron builds it.
+"""The live num-microbatches calculator made the extension's, wherever and whenever Megatron builds it: the one
+module that replaces it (:func:`build_calculator`, :func:`schedule_live_calculator`, :func:`guard_live_calculator`,
+and :func:`unguard_live_calculator` at uninstall()).
 
 Where Megatron-LM builds it:
 
@@ -26,6 +28,9 @@ between parsing and ``initialize_runtime_services`` (it reads the registered arg
 """
 
 from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
 
 from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
@@ -101,6 +106,24 @@ def schedule_live_calculator(config: GAConfig) -> None:
         micro_batch_size,
         arguments["data_parallel_size"],
     )
+
+
+def build_calculator(config: GAConfig, configure: Callable, bound: inspect.BoundArguments) -> None:
+    """Megatron builds its calculator (``configure``, called as ``bound``): upstream's, or the step-schedule
+    calculator where ``config`` gives a schedule (or a converted rampup)."""
+    inputs = ScheduleInputs.from_calculator_call(config, bound.arguments)
+    schedule = resolve_schedule(inputs)
+    if schedule is None:
+        configure(*bound.args, **bound.kwargs)
+    else:
+        set_live_calculator(StepScheduleCalculator.for_launch(schedule, inputs, rank=bound.arguments["rank"]))
+
+
+def unguard_live_calculator() -> None:
+    """uninstall(): the live calculator out from behind the guard."""
+    live = live_calculator()
+    if isinstance(live, GuardedCalculator):
+        set_live_calculator(live.inner)
 
 
 def guard_live_calculator(config: GAConfig) -> Calculator | None:

@@ -27,18 +27,18 @@ import torch
 
 from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.config.install_check import check_args  # the rule pass install() runs on Megatron's args
-from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
 from megatron_ga_ext.errors import CompatError
 from megatron_ga_ext.integration.agreement import StartupChecks
 from megatron_ga_ext.integration.aux_report import AuxLosses
 from megatron_ga_ext.integration.batch_schedule import BatchSchedule
-from megatron_ga_ext.integration.calculator import StepScheduleCalculator, live_step_calculator
+from megatron_ga_ext.integration.calculator import live_step_calculator
 from megatron_ga_ext.integration.calculator_adoption import (
     BUILT_UNSEEN,
+    build_calculator,
     guard_live_calculator,
     schedule_live_calculator,
 )
-from megatron_ga_ext.integration.compat import live_calculator, set_live_calculator
+from megatron_ga_ext.integration.compat import live_calculator
 from megatron_ga_ext.integration.features import Feature, Loaded, OptimizerStep, Step
 from megatron_ga_ext.integration.finalize import FinalizeModelGrads
 from megatron_ga_ext.integration.finalize_adoption import AdoptedFinalize, adopt_finalize
@@ -187,12 +187,7 @@ class Installation:
     def configure_calculator(self, configure: Callable, bound: inspect.BoundArguments) -> None:
         """Megatron builds its calculator: upstream's ``configure``, or the step-schedule calculator where a
         schedule (or a converted rampup) is given; then the consumed-samples guard around whichever is live."""
-        inputs = ScheduleInputs.from_calculator_call(self.config, bound.arguments)
-        schedule = resolve_schedule(inputs)
-        if schedule is None:
-            configure(*bound.args, **bound.kwargs)
-        else:
-            set_live_calculator(StepScheduleCalculator.for_launch(schedule, inputs, rank=bound.arguments["rank"]))
+        build_calculator(self.config, configure, bound)
         self.guard_live_calculator()
 
     def guard_live_calculator(self) -> None:

@@ -19,15 +19,13 @@ import sys
 
 from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.config.install_check import check_args
+from megatron_ga_ext.integration.calculator_adoption import unguard_live_calculator
 from megatron_ga_ext.integration.compat import (
     TARGETS,
     check_targets,
-    live_calculator,
     matching_sources,
     megatron_core_version,
-    set_live_calculator,
 )
-from megatron_ga_ext.integration.guards import GuardedCalculator
 from megatron_ga_ext.integration.hooks import wire
 from megatron_ga_ext.integration.host import Host, current_host, use_core_loop
 from megatron_ga_ext.integration.installation import Installation
@@ -123,9 +121,7 @@ def uninstall() -> None:
     if state is None:
         return
     state.restore()
-    live = live_calculator()
-    if isinstance(live, GuardedCalculator):
-        set_live_calculator(live.inner)
+    unguard_live_calculator()
     if state.finalize is not None:
         state.finalize.poll(wait=True)  # --ga-checks async: the last step's verdict, everything restored first
 
