@@ -143,8 +143,7 @@ NOISE_SCALE_REFUSALS = (
     NoiseScaleRefusal(
         flag="--use-torch-fsdp2", given=_on("use_torch_fsdp2"),
         why="torch FSDP2 reduce-scatters each unit's gradient as each micro-batch's backward ends (Megatron-LM sets "
-        "no no_sync for it), so no rank ever holds its replica's gradient of the step",
-        fix="use Megatron's DDP (with --use-distributed-optimizer if you like)"),
+        "no no_sync for it), so no rank ever holds its replica's gradient of the step", fix="use Megatron's DDP"),
     NoiseScaleRefusal(
         flag="--ddp-param-name-patterns-for-fp32-local-accumulation", given=_patterns,
         why="the parameters it names accumulate into an fp32 main_grad outside the gradient buffer the meter reads "
