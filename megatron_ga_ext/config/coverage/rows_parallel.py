@@ -5,6 +5,8 @@ table is :data:`megatron_ga_ext.config.coverage.rows.ROWS`, in this order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from megatron_ga_ext.config.coverage.conditions import (
     above_one,
     any_given,
@@ -24,7 +26,7 @@ from megatron_ga_ext.config.coverage.proofs import (
     TOKEN_LOOP,
     verify_layouts,
 )
-from megatron_ga_ext.config.coverage.row import Proof, Row, Upstream
+from megatron_ga_ext.config.coverage.row import Proof, Row, Setting, Upstream
 
 __all__ = ["PARALLEL_ROWS"]
 
@@ -99,6 +101,17 @@ MEGATRON_FSDP = (
     "--no-gradient-reduce-div-fusion",
 )
 
+
+def _megatron_fsdp_with(strategy: str) -> Callable[[Setting], bool]:
+    """Megatron-FSDP with ``strategy`` (--data-parallel-sharding-strategy; its default where not given)."""
+
+    def applies(s: Setting) -> bool:
+        given = s.value("data_parallel_sharding_strategy") or DEFAULT_STRATEGY
+        return s.on("use_megatron_fsdp") and given == strategy
+
+    return applies
+
+
 # fmt: off
 PARALLEL_ROWS: tuple[Row, ...] = (
     # data parallelism
@@ -144,8 +157,7 @@ PARALLEL_ROWS: tuple[Row, ...] = (
           f"name), not that factor; --ga-noise-scale refuses it ({noise}).{limit}",
           proofs=(*verify_layouts(*layouts),
                   Proof(test=FSDP + f"test_megatron_fsdp_is_exact_in_every_strategy_and_mode[{strategy}]")),
-          applies=lambda s, strategy=strategy: s.on("use_megatron_fsdp")
-          and (s.value("data_parallel_sharding_strategy") or DEFAULT_STRATEGY) == strategy)
+          applies=_megatron_fsdp_with(strategy))
       for strategy, held, noise, layouts, limit in MEGATRON_FSDP_STRATEGIES),
     Row(id="average-in-collective-token", flags=("--ddp-average-in-collective",),
         given="--ddp-average-in-collective", when="in token mode", support="refused",
