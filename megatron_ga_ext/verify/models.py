@@ -86,8 +86,9 @@ POSITIONWISE_GPT = ("moe_positionwise",)
 UNTIED_GPT = ("gpt_untied",)
 
 
-def init_model_parallel(**sizes: int) -> None:
-    """megatron's parallel state and its RNG tracker, as training sets them up."""
+def init_model_parallel(**sizes: int | None) -> None:
+    """megatron's parallel state and its RNG tracker, as training sets them up (``sizes``: initialize_model_parallel's
+    keywords; None where megatron takes its default, as for the virtual pipeline and the expert TP size)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
