@@ -52,12 +52,12 @@ def _errors(grads, refs, layout) -> dict:
 
 def _reverted():
     """The FSDP2 fix taken out where install() and finalize call it: units keep FSDP2's average, no one scales."""
-    from megatron_ga_ext.integration import finalize, installation
+    from megatron_ga_ext.integration import finalize, fsdp
     from megatron_ga_ext.testing.shims import patched
 
     noop = lambda *args, **kwargs: None  # noqa: E731
     return (
-        patched(installation, {"prepare_units": noop}),
+        patched(fsdp, {"prepare_units": noop}),
         patched(
             finalize, {"check_units": noop, "scale_gradients": lambda chunk, scaling: chunk.scale_gradients(scaling)}
         ),

@@ -28,9 +28,12 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.errors import CompatError, LossContractError
+from megatron_ga_ext.integration.compat import megatron_core_version
+from megatron_ga_ext.integration.features import Feature, Step
 
-__all__ = ["check_units", "is_torch_fsdp2", "prepare_units", "scale_gradients", "upstream_scales"]
+__all__ = ["TorchFSDP2", "check_units", "is_torch_fsdp2", "prepare_units", "scale_gradients", "upstream_scales"]
 
 #: What each mode needs of every FSDP2 unit: (gradient divide factor, sum-only reduction).
 UNIT_STATE = {"token": (1.0, True), "microbatch": (None, False)}
@@ -61,9 +64,26 @@ def prepare_units(model: Any, mode: str) -> None:
         unit.set_force_sum_reduction_for_comms(True)
 
 
+class TorchFSDP2(Feature):
+    """Token mode on --use-torch-fsdp2: the units sum (finalize checks them and divides by N, finalize.py)."""
+
+    flags = ()
+
+    @classmethod
+    def wanted(cls, config: GAConfig) -> bool:
+        return config.loss_reduction == "token"
+
+    def begin_step(self, step: Step) -> None:
+        """Every torch FSDP2 unit set to sum over DP x CP, before the step's first reduce-scatter."""
+        if step.training:
+            prepare_units(step.call.get("model"), "token")
+
+
 def check_units(model: Any, mode: str) -> None:
-    """Every FSDP2 unit of ``model`` reduces as ``mode`` needs (:data:`UNIT_STATE`), else the step stops here,
-    before its gradients are scaled, naming the unit, what it was set to and what to do."""
+    """Every FSDP2 unit of ``model`` reduces as ``mode`` needs (:data:`UNIT_STATE`), and no Megatron-FSDP chunk meets
+    upstream #6660 (:func:`check_megatron_fsdp`); else the step stops here, before its gradients are scaled, naming
+    the unit, what it was set to and what to do."""
+    check_megatron_fsdp(model)
     factor, force_sum = UNIT_STATE[mode]
     for name, _, group in _units(model):
         found = (group.gradient_divide_factor, group.force_sum_reduction_for_comms)
@@ -76,6 +96,32 @@ def check_units(model: Any, mode: str) -> None:
             f"(set_gradient_divide_factor or set_force_sum_reduction_for_comms): leave FSDP2's reduction to the "
             f"extension."
         )
+
+
+def check_megatron_fsdp(model: Any) -> None:
+    """Megatron-LM #6660 on megatron-core 0.16: with sharded gradients (optim_grads, optim_grads_params), a gradient
+    buffer whose data-parallel group has one rank (DP 1, or the experts' group when EP takes every DP rank) adds its
+    accumulated gradient to itself at each micro-batch's reduction: measured 2x at GA 1, about 2^GA after GA
+    micro-batches, in either mode (absent on 0.17.1, 0.18.2 and 0.19.2). The step stops, naming the buffer."""
+    if not megatron_core_version().startswith("0.16."):
+        return
+    for index, chunk in enumerate(model if isinstance(model, (list, tuple)) else [model]):
+        buffer = getattr(chunk, "param_and_grad_buffer", None)
+        strategy = getattr(getattr(chunk, "ddp_config", None), "data_parallel_sharding_strategy", "no_shard")
+        if buffer is None or strategy not in ("optim_grads", "optim_grads_params"):
+            continue
+        for group in buffer.parameter_groups:
+            grads = group.main_grad_buffer
+            if grads is None or torch.distributed.get_world_size(grads.data_parallel_group) != 1:
+                continue
+            kind = "expert" if group.is_expert_param else "dense"
+            raise LossContractError(
+                f"model chunk {index}: Megatron-FSDP --data-parallel-sharding-strategy {strategy} with a {kind} "
+                f"gradient buffer whose data-parallel group has one rank: megatron-core {megatron_core_version()} adds "
+                f"the accumulated gradient to itself at every micro-batch's reduction (Megatron-LM #6660; 2x at one "
+                f"micro-batch, about 2^GA after GA). Use --data-parallel-sharding-strategy optim or no_shard, a "
+                f"data-parallel size (for experts: DP / EP) above 1, or megatron-core 0.17 or later."
+            )
 
 
 def upstream_scales(chunk: torch.nn.Module) -> bool:

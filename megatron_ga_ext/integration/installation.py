@@ -42,7 +42,7 @@ from megatron_ga_ext.integration.compat import live_calculator
 from megatron_ga_ext.integration.features import Feature, Loaded, OptimizerStep, Step
 from megatron_ga_ext.integration.finalize import FinalizeModelGrads
 from megatron_ga_ext.integration.finalize_adoption import AdoptedFinalize, adopt_finalize
-from megatron_ga_ext.integration.fsdp import prepare_units
+from megatron_ga_ext.integration.fsdp import TorchFSDP2
 from megatron_ga_ext.integration.host import current_host
 from megatron_ga_ext.integration.liveness import StepLiveness
 from megatron_ga_ext.integration.loss_contract import LossContract
@@ -63,9 +63,10 @@ __all__ = ["CORE_FLAGS", "FEATURES", "PHASES", "Installation", "step_table"]
 
 logger = get_logger(__name__)
 
-#: The features, in the order each phase runs them (features.py): the loss reduction first (it tells the guards the
-#: micro-batches an open step holds), the noise scale before the batch schedule (whose warmup decides on its row).
-FEATURES: tuple[type[Feature], ...] = (LossReduction, Guards, NoiseScale, BatchSchedule, AuxLosses)
+#: The features, in the order each phase runs them (features.py): torch FSDP2's units set before anything of the step,
+#: the loss reduction before the guards (it tells them the micro-batches an open step holds), the noise scale before
+#: the batch schedule (whose warmup decides on its row).
+FEATURES: tuple[type[Feature], ...] = (TorchFSDP2, LossReduction, Guards, NoiseScale, BatchSchedule, AuxLosses)
 
 F = TypeVar("F", bound=Feature)
 
@@ -221,7 +222,6 @@ class Installation:
         step.finalized, step.abandoned, self.in_call = self.finalize.calls, self.in_call, True
         if step.training:
             self.training_schedules += 1
-            prepare_units(call.get("model"), self.config.loss_reduction)  # torch FSDP2 sums, before its reduce-scatter
         for feature in self.features:
             feature.begin_step(step)
         self.adopt_finalize(self.model_config(call.get("model")))
