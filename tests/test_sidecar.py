@@ -228,3 +228,22 @@ def test_a_local_non_persistent_checkpoint_gets_none(monkeypatch, tmp_path):
     )
     save(saving, 6, non_persistent=True)
     assert not list(tmp_path.rglob(SIDECAR))
+
+
+def test_a_resumed_warmup_reads_todays_sidecar(tmp_path, monkeypatch):
+    """--ga-batch-size-warmup auto resumed from a version-2 sidecar (the format every release before the features
+    loop wrote): its stages are live, at the loaded consumed samples, before the loop reads the batch."""
+    from megatron.core import num_microbatches_calculator as calculators
+
+    from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
+    from megatron_ga_ext.integration.calculator import StepScheduleCalculator
+
+    live = StepScheduleCalculator(StepSchedule.constant(16), 1, 2)  # MBS 1 x DP 2, --global-batch-size 16
+    monkeypatch.setattr(calculators, "_GLOBAL_NUM_MICROBATCHES_CALCULATOR", live)
+    config = GAConfig(noise_scale=1, noise_scale_decay=0.95, batch_size_warmup="auto", batch_size_warmup_max=64)
+    state = Installation(config=config, version="test")
+    state.configure(config)
+    write(tmp_path, 3, {**TODAYS, "stages": [[0, 16], [48, 32]]})
+    state.after_load(str(tmp_path), 3, None, 64)
+    assert list(live.step_schedule.stages) == [(0, 16), (48, 32)] and live.get_current_global_batch_size() == 32
+    assert state.noise_scale.measurements == 3 and state.noise_scale.ema.state_dict() == EMA
