@@ -310,7 +310,7 @@ class Sweep:
             "date": datetime.date.today().isoformat(),
             "source": self.tree.name,
             "plan": asdict(self.plan),
-            "validation": corpus.heldout()["valid"],
+            "validation": {k: v for k, v in corpus.heldout()["valid"].items() if k != "data_path"},
             "runs": runs,
         }
         directory = self.out if self.plan.name == "quick" else ROOT / "benchmarks" / "results"
