@@ -183,6 +183,37 @@ def _run():
             )
         if out["fsdp2_runs"]:
             out["units"] = _unit_checks(cfg, fsdp2)
+        out.update(_expert_dp_one(cfg, batch))
+    return out
+
+
+def _expert_dp_one(cfg, batch) -> dict:
+    """MoE with EP 2 at DP 2 (the experts' data-parallel group has one rank) on Megatron-FSDP optim_grads_params, in
+    both modes: (error against the mode's reference, worst error of a non-expert parameter), or the refusal."""
+    from megatron_ga_ext.errors import LossContractError
+    from megatron_ga_ext.verify.harness import relative_error, run_layout
+    from megatron_ga_ext.verify.layouts import Layout
+    from megatron_ga_ext.verify.references import reference_grads
+
+    layout = Layout(
+        data_parallel_size=2,
+        num_microbatches=2,
+        model="moe",
+        expert_model_parallel_size=2,
+        data_parallel="megatron_fsdp",
+        sharding_strategy="optim_grads_params",
+    )
+    refs = reference_grads(cfg.model, [layout], batch)
+    out = {}
+    for mode, target in (("token", "token"), ("microbatch", "mean_of_means")):
+        try:
+            grads, _ = run_layout(layout, mode, cfg, batch)
+        except LossContractError as exc:  # megatron-core 0.16: #6660, refused
+            out[("expert_dp_one", mode)] = str(exc)
+            continue
+        ref = refs[(layout.name, target)]
+        dense = {n: g for n, g in grads.items() if "local_experts" not in n}
+        out[("expert_dp_one", mode)] = (relative_error(grads, ref), relative_error(dense, ref))
     return out
 
 
@@ -301,6 +332,28 @@ def test_no_sync_wired_as_megatron_lm_does(outcomes, strategy):
         assert hazard["token"] > 0.5  # the same layouts are exact with Megatron-LM's wiring (test above)
         if strategy == "no_shard":
             assert hazard["factor"] == pytest.approx(2.0, rel=1e-5)
+
+
+def test_expert_data_parallel_group_of_one_rank(outcomes):
+    """Upstream #6660's setting (a gradient buffer whose data-parallel group has one rank, optim_grads_params).
+
+    On megatron-core 0.16 it doubles, and integration/fsdp.check_megatron_fsdp refuses it. From 0.17 no doubling:
+    token mode (no pre-reduction factor) is exact; in microbatch mode, where Megatron-FSDP scales the experts'
+    gradients by 1 / DP before each micro-batch's reduction on the unfused path (gloo's, and bf16 gradients'), the
+    expert gradients miss the mean of means (upstream's own arithmetic, which microbatch mode leaves alone), and
+    every other parameter meets it."""
+    for rank in outcomes:
+        if isinstance(rank[("expert_dp_one", "token")], str):  # megatron-core 0.16 doubles: refused at finalize
+            for mode in ("token", "microbatch"):
+                assert "Megatron-LM #6660" in rank[("expert_dp_one", mode)]
+                assert (
+                    "an expert gradient buffer whose data-parallel group has one rank" in rank[("expert_dp_one", mode)]
+                )
+            continue
+        token, _ = rank[("expert_dp_one", "token")]
+        microbatch, microbatch_dense = rank[("expert_dp_one", "microbatch")]
+        assert token < 1e-5
+        assert microbatch > 1e-1 and microbatch_dense < 1e-5
 
 
 def test_wire_sync_follows_the_overlap():

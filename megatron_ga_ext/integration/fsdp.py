@@ -114,9 +114,9 @@ def check_megatron_fsdp(model: Any) -> None:
             grads = group.main_grad_buffer
             if grads is None or torch.distributed.get_world_size(grads.data_parallel_group) != 1:
                 continue
-            kind = "expert" if group.is_expert_param else "dense"
+            kind = "an expert" if group.is_expert_param else "a dense"
             raise LossContractError(
-                f"model chunk {index}: Megatron-FSDP --data-parallel-sharding-strategy {strategy} with a {kind} "
+                f"model chunk {index}: Megatron-FSDP --data-parallel-sharding-strategy {strategy} with {kind} "
                 f"gradient buffer whose data-parallel group has one rank: megatron-core {megatron_core_version()} adds "
                 f"the accumulated gradient to itself at every micro-batch's reduction (Megatron-LM #6660; 2x at one "
                 f"micro-batch, about 2^GA after GA). Use --data-parallel-sharding-strategy optim or no_shard, a "
