@@ -179,6 +179,30 @@ def distinct(curve: Sequence[Sequence[float]]) -> list[Sequence[float]]:
     return out
 
 
+def ratio(target: dict) -> dict | None:
+    """B_simple (the window's, geometric mean over the runs the fit used) / B_crit, with an approximate 95 % interval:
+    B_crit's profile interval and the normal interval of the mean log B_simple (1.96 standard errors) combined in
+    quadrature in log space, each side apart. None where the target is not fitted or fewer than 2 runs measure."""
+    logs = [
+        math.log(v["window"])
+        for name, v in target["b_simple"].items()
+        if name in target["runs_used"] and v is not None and v["window"] is not None and v["window"] > 0
+    ]
+    if not target.get("b_crit") or len(logs) < 2:
+        return None
+    mean, error = statistics.fmean(logs), 1.96 * statistics.stdev(logs) / math.sqrt(len(logs))
+    centre = mean - math.log(target["b_crit"])
+    low = None if target.get("high") is None else math.hypot(error, math.log(target["high"] / target["b_crit"]))
+    high = None if not target.get("low") else math.hypot(error, math.log(target["b_crit"] / target["low"]))
+    return {
+        "b_simple": math.exp(mean),
+        "runs": len(logs),
+        "ratio": math.exp(centre),
+        "low": None if low is None else math.exp(centre - low),
+        "high": None if high is None else math.exp(centre + high),
+    }
+
+
 def geometric(values: Sequence[float | None]) -> float | None:
     positive = [v for v in values if v is not None and v > 0]
     return math.exp(sum(map(math.log, positive)) / len(positive)) if positive else None

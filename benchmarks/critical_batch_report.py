@@ -8,7 +8,8 @@
   inside, the runs used and those left out as dominated, the fit's rms log residual, and the interpolation error
   against the seed noise (log S);
 * ``b-simple``: per target, B_simple from the centred window and from the EMA where the fit's runs cross it, the
-  EMA's reading over the window's, its lag, and B_simple (window) / B_crit with the interval;
+  EMA's reading over the window's, its lag, and B_simple (window, over the runs the fit used) / B_crit with an
+  interval that carries both uncertainties (critical_batch_analysis.ratio);
 * ``lr-grid``: per batch size, the mean validation loss after the LR warmup at each LR, the best, and per target the
   LR with the fewest steps;
 * ``warmup-test``: the adaptive warmup and its baselines: steps and samples to each target, the final loss.
@@ -22,6 +23,7 @@ import re
 from pathlib import Path
 
 from benchmarks.critical_batch_analysis import analyse, geometric, mean_sd
+from benchmarks.critical_batch_analysis import ratio as ratio_of
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -76,7 +78,7 @@ def critical_table(result: dict, analysis: dict) -> str:
 def b_simple_table(analysis: dict) -> str:
     lines = [
         "| target | B_simple, centred window: geometric mean [min, max] | B_simple, EMA: geometric mean | EMA / window "
-        "(median over runs) | EMA lag (median, samples) | B_simple (window) / B_crit [interval] |",
+        "(median over runs) | EMA lag (median, samples) | B_simple (window, the fit's runs) / B_crit [~95%] |",
         "|" + "---|" * 6,
     ]
     for t in analysis["targets"]:
@@ -87,11 +89,12 @@ def b_simple_table(analysis: dict) -> str:
         lags = sorted(v["lag_samples"] for v in rows if v["lag_samples"] is not None)
         mean = geometric(window)
         spread = f"[{_g(min(window))}, {_g(max(window))}]" if window else ""
-        ratio = "-"
-        if mean is not None and t.get("b_crit"):
-            high = None if not t.get("low") else mean / t["low"]
-            low = None if t.get("high") is None else mean / t["high"]
-            ratio = f"{_g(mean / t['b_crit'])} {_span(low, high)}"
+        found = ratio_of(t)
+        ratio = (
+            "-"
+            if found is None
+            else f"{_g(found['ratio'])} {_span(found['low'], found['high'])} ({found['runs']} runs)"
+        )
         lines.append(
             f"| {t['target']:.4g} | {_g(mean)} {spread} | {_g(geometric(ema))} | "
             f"{_g(ratios[len(ratios) // 2] if ratios else None)} | {_g(lags[len(lags) // 2] if lags else None)} | "
