@@ -211,7 +211,8 @@ def run_layout(
         train_step(
             chunks, config, layout, cfg, batch, finalize=finalize_model_grads, loss_func=partial(loss_func, mode=mode)
         )
-        return gradients(chunks, names), state.finalize.last_num_tokens if state else None
+        tokens = state.finalize.last_num_tokens if state is not None and state.finalize is not None else None
+        return gradients(chunks, names), tokens
     finally:
         megatron_ga_ext.uninstall()
         calculators.unset_num_microbatches_calculator()
@@ -235,7 +236,7 @@ def build_ddp(
     calculate_per_token_loss: bool,
     ddp_config: Any = None,
     build_module: Callable | None = None,
-):
+) -> tuple[Any, dict[str, str], Any]:
     """This rank's (single) chunk of the layout's model, wrapped in megatron's DDP: (ddp, names, config).
 
     ``names`` maps each local parameter name to its global one. ``build_module(config)`` returning
@@ -254,7 +255,7 @@ def build_chunks(
     calculate_per_token_loss: bool,
     ddp_config: Any = None,
     build_module: Callable | None = None,
-):
+) -> tuple[list[Any], dict[str, str], Any]:
     """This rank's model chunks (one per virtual pipeline stage), each wrapped in the layout's data-parallel wrapper
     as its training does (bucketing only on the first chunk; data_parallel.py): (chunks, names of all chunks,
     config)."""
@@ -271,7 +272,7 @@ def build_chunks(
     return chunks, names, config
 
 
-def layout_config(layout: Layout, model: ModelConfig, *, calculate_per_token_loss: bool):
+def layout_config(layout: Layout, model: ModelConfig, *, calculate_per_token_loss: bool) -> Any:
     """The megatron TransformerConfig of ``layout``'s model (its ``__post_init__`` validates the layout); on an FSDP
     path with the local transformer implementation, as its launch needs (torch FSDP2 wraps TE's output layer)."""
     config = transformer_config(
@@ -291,7 +292,7 @@ def layout_config(layout: Layout, model: ModelConfig, *, calculate_per_token_los
     return config
 
 
-def _build_module(layout: Layout, cfg: VerifyConfig, config: Any, *, vp_stage: int | None = None):
+def _build_module(layout: Layout, cfg: VerifyConfig, config: Any, *, vp_stage: int | None = None) -> Any:
     from megatron.core import parallel_state
 
     if layout.model == "positionwise":
@@ -384,11 +385,15 @@ def cp_shard(micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
     cp_group = parallel_state.get_context_parallel_group()
     if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
-        return get_batch_on_this_cp_rank(dict(micro), is_hybrid_cp=False, cp_group=cp_group)
-    return get_batch_on_this_cp_rank(dict(micro), cp_group=cp_group)
+        shard: dict[str, Any] = get_batch_on_this_cp_rank(dict(micro), is_hybrid_cp=False, cp_group=cp_group)
+    else:
+        shard = get_batch_on_this_cp_rank(dict(micro), cp_group=cp_group)
+    return shard
 
 
-def _forward_step(data_iterator: Any, model: torch.nn.Module, *, loss_func: Any, with_loss_mask: bool = True):
+def _forward_step(
+    data_iterator: Any, model: torch.nn.Module, *, loss_func: Any, with_loss_mask: bool = True
+) -> tuple[Any, Any]:
     """As pretrain_gpt's: the GPT gets the loss mask too (its MTP block uses it; install() derives MoE's
     padding mask from it in token mode)."""
     micro = next(data_iterator)
@@ -397,5 +402,5 @@ def _forward_step(data_iterator: Any, model: torch.nn.Module, *, loss_func: Any,
     return losses, partial(_call_loss, loss_func, micro["loss_mask"])
 
 
-def _call_loss(loss_func: Any, loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+def _call_loss(loss_func: Any, loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> Any:
     return loss_func(output_tensor, loss_mask)
