@@ -57,6 +57,9 @@ Megatron's FSDP paths (``--use-torch-fsdp2``, ``--use-megatron-fsdp``) need one 
 16. FSDP meshes: megatron's torch FSDP2 wrapper (``DeviceMesh.from_group(group, "cuda")``) and Megatron-FSDP
    (``mcore_fsdp_adapter.py``, ``device_type="cuda"``) build their device meshes on CUDA; ``DeviceMesh.from_group``
    builds them on the CPU instead (``fully_shard`` and Megatron-FSDP run on CPU tensors over gloo).
+17. ``torch.cuda.get_device_properties`` answers a stand-in of compute capability 0.0 (in :func:`training_shims`):
+   Megatron-LM's ``validate_args`` asks the device's architecture under ``--use-megatron-fsdp``
+   (``arguments.py``, ``get_device_arch_version``).
 
 Every factory that takes ``device=`` is wrapped, not only those megatron-core is known to call, so a path that
 starts to call another one keeps running; a call none of them covers fails loudly (no CUDA). A shim costs
@@ -69,6 +72,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -283,6 +287,11 @@ def memory_replacements() -> dict[str, Any]:
     }
 
 
+def _no_device_properties(*args: Any, **kwargs: Any) -> types.SimpleNamespace:
+    """Shim 17: a device of compute capability 0.0, no memory, one multiprocessor."""
+    return types.SimpleNamespace(major=0, minor=0, name="cpu", total_memory=0, multi_processor_count=1)
+
+
 def allow_no_cuda(initialize_megatron: Any) -> Any:
     def initialize(*args: Any, **kwargs: Any) -> Any:
         kwargs["allow_no_cuda"] = True
@@ -337,7 +346,7 @@ def training_shims() -> Iterator[None]:
     ]
     patches = [dataset_shims()]
     patches += [patched(m, {"initialize_megatron": allow_no_cuda(initialize.initialize_megatron)}) for m in holders]
-    patches.append(patched(torch.cuda, memory_replacements()))
+    patches.append(patched(torch.cuda, {**memory_replacements(), "get_device_properties": _no_device_properties}))
     fused_kernels = sys.modules.get("megatron.legacy.fused_kernels")
     if fused_kernels is not None:
         patches.append(patched(fused_kernels, {"load": lambda *a, **k: None}))
