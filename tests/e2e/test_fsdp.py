@@ -8,10 +8,10 @@ if the gradients are.
 * ``--use-torch-fsdp2``: every iteration's loss and grad norm equal DDP's; upstream's own launch without the
   extension logs a grad norm N / DP times DDP's at the first iteration (N its loss tokens), and diverges.
 * ``--use-megatron-fsdp`` in no_shard and optim_grads_params: every iteration's loss equals DDP's. Its logged grad
-  norm is 0.0 on the CPU with and without the extension (Megatron-LM turns on the precision-aware optimizer for it,
-  whose norm reads each parameter's ``decoupled_grad``; not traced further), so it is not compared. A resume is not run: saving a
-  ``--ckpt-format fsdp_dtensor`` checkpoint does not finish on the CPU over gloo ("Storing distributed optimizer
-  sharded state").
+  norm is 0.0 on the CPU (the launch's coverage note shows Megatron-LM's precision-aware optimizer on, whose norm
+  reads each parameter's ``decoupled_grad``; not traced further), so it is not compared. A resume is not run:
+  saving a ``--ckpt-format fsdp_dtensor`` checkpoint does not finish on the CPU over gloo ("Storing distributed
+  optimizer sharded state").
 """
 
 from __future__ import annotations
