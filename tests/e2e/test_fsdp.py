@@ -11,7 +11,10 @@ if the gradients are.
   norm is 0.0 on the CPU (the launch's coverage note shows Megatron-LM's precision-aware optimizer on, whose norm
   reads each parameter's ``decoupled_grad``; not traced further), so it is not compared. A resume is not run:
   saving a ``--ckpt-format fsdp_dtensor`` checkpoint does not finish on the CPU over gloo ("Storing distributed
-  optimizer sharded state").
+  optimizer sharded state"). On megatron-core 0.16.1 upstream's own Megatron-FSDP launch (optim_grads_params)
+  barely trains on the CPU (lm loss 7.0017, 7.0047, 6.9985, 6.9922 against DDP's 7.0017, 6.5309, 5.3517, 4.3812),
+  with or without the extension, while its gradients are exact (tests/test_fsdp.py): there the extension's launch is
+  held to upstream's own, iteration by iteration.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_ga_ext.verify.data_parallel import TORCH_FSDP2_BEFORE_0_19
+from tools.compatibility import core_version
 
 pytestmark = pytest.mark.e2e
 
@@ -81,7 +85,15 @@ def test_torch_fsdp2_equals_ddp_where_upstream_is_n_over_dp_off(launches, newest
 
 @pytest.mark.parametrize("strategy", sorted(MEGATRON_FSDP))
 def test_megatron_fsdp_equals_ddp(launches, newest_source, strategy):
+    if strategy == "no_shard" and core_version(newest_source).startswith("0.16."):
+        pytest.skip("megatron-core 0.16's Megatron-FSDP no_shard without --overlap-grad-reduce (data_parallel.py)")
+    flags = [*BASE, *MEGATRON_FSDP[strategy]]
     ddp = _ddp(launches, newest_source)
-    ours = _ok(launches.get(newest_source, "dp2", f"megatron-fsdp-{strategy}", [*BASE, *MEGATRON_FSDP[strategy]]))
-    assert _losses(ours) == pytest.approx(_losses(ddp), rel=1e-6)
+    ours = _ok(launches.get(newest_source, "dp2", f"megatron-fsdp-{strategy}", flags))
+    if core_version(newest_source).startswith("0.16."):  # upstream's own run trains apart from DDP: ours is it
+        upstream = _ok(launches.get(newest_source, "dp2", f"megatron-fsdp-{strategy}-upstream", flags, extension=False))
+        assert _losses(ours) == pytest.approx(_losses(upstream), rel=1e-6)
+        assert _losses(upstream)[-1] > _losses(ddp)[-1] * 1.2
+    else:
+        assert _losses(ours) == pytest.approx(_losses(ddp), rel=1e-6)
     assert [r["num_tokens"] for r in ours.iterations] == [r["num_tokens"] for r in ddp.iterations]
