@@ -83,7 +83,7 @@ def test_torch_fsdp2_equals_ddp_where_upstream_is_n_over_dp_off(launches, newest
     assert _losses(upstream)[-1] > 2 * _losses(ddp)[-1]  # its updates N / DP times too large
 
 
-@pytest.mark.parametrize("strategy", sorted(MEGATRON_FSDP))
+@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
 def test_megatron_fsdp_equals_ddp(launches, newest_source, strategy):
     if strategy == "no_shard" and core_version(newest_source).startswith("0.16."):
         pytest.skip("megatron-core 0.16's Megatron-FSDP no_shard without --overlap-grad-reduce (data_parallel.py)")

@@ -50,6 +50,7 @@ GRPO = (
     "--rl-max-inflight-requests",
 )
 FSDP = "tests/test_fsdp.py::"
+FSDP_E2E = "tests/e2e/test_fsdp.py::"
 #: Megatron-FSDP's sharding strategies: what a rank holds, why --ga-noise-scale refuses it, the verify layouts.
 _WHOLE = (
     "a rank holds its replica's gradient before the reduction, but in Megatron-FSDP's buffer, not the DDP buckets the "
@@ -134,7 +135,8 @@ PARALLEL_ROWS: tuple[Row, ...] = (
         proofs=(*verify_layouts("DP2 x GA4 (untied, torch FSDP2)", "DP4 x GA2 (untied, torch FSDP2)"),
                 Proof(test=FSDP + "test_torch_fsdp2_token_mode_is_exact_where_upstream_is_n_over_dp_off"),
                 Proof(test=FSDP + "test_torch_fsdp2_fails_with_the_fix_reverted"),
-                Proof(test=FSDP + "test_fsdp2_units_checked_each_step_and_upstream_never_scaled_twice")),
+                Proof(test=FSDP + "test_fsdp2_units_checked_each_step_and_upstream_never_scaled_twice"),
+                Proof(test=FSDP_E2E + "test_torch_fsdp2_equals_ddp_where_upstream_is_n_over_dp_off")),
         applies=in_token_mode(is_on("use_torch_fsdp2")),
         upstream=(Upstream(
             given="--use-torch-fsdp2 with --calculate-per-token-loss",
@@ -164,7 +166,9 @@ PARALLEL_ROWS: tuple[Row, ...] = (
           f"name), not that factor; --ga-noise-scale refuses it ({noise}).{limit}",
           proofs=(*verify_layouts(*layouts),
                   Proof(test=FSDP + f"test_megatron_fsdp_is_exact_in_every_strategy_and_mode[{strategy}]"),
-                  *((Proof(test=FSDP + "test_expert_data_parallel_group_of_one_rank"),) if limit == _ONE_RANK else ())),
+                  *((Proof(test=FSDP + "test_expert_data_parallel_group_of_one_rank"),) if limit == _ONE_RANK else ()),
+                  *((Proof(test=FSDP_E2E + f"test_megatron_fsdp_equals_ddp[{strategy}]"),)
+                    if strategy in ("no_shard", "optim_grads_params") else ())),
           applies=_megatron_fsdp_with(strategy))
       for strategy, held, noise, layouts, limit in MEGATRON_FSDP_STRATEGIES),
     Row(id="average-in-collective-token", flags=("--ddp-average-in-collective",),
