@@ -12,8 +12,8 @@
 #   make test-O                     the fast suite (nothing that imports megatron-core) under python -O
 #   make lint                       ruff over the tree, mypy over core/ and config/ (pyproject.toml; CI runs it)
 #   make corpus                     the real-text corpus (benchmarks/corpus.py): .cache/corpus, built once
-#   make critical-batch             the critical-batch benchmark (benchmarks/critical_batch.py, about an hour):
-#                                   JSON and plots in benchmarks/results; then make docs
+#   make critical-batch             the critical-batch benchmark (benchmarks/critical_batch.py, 1.5-2 h, resumable):
+#                                   the JSON in benchmarks/results; then make docs
 #   make critical-batch-quick       its pipeline in about a minute, measuring nothing (CI runs it)
 #   make test-bridge                Megatron-Bridge 0.6.2's own pretrain() end to end (tests/bridge; CI runs it):
 #                                   .venv-bridge holds Bridge's pins over the primary leg's venv (docs/bridge.md)
