@@ -182,19 +182,9 @@ DEFAULT_LAYOUTS = (
     Layout(data_parallel_size=2, num_microbatches=4, model="moe_mtp"),
     Layout(data_parallel_size=2, num_microbatches=4, model="moe_global"),  # #7452 finding 10 under global_aux_loss
     Layout(data_parallel_size=2, num_microbatches=4, model="moe_global_z"),  # its z-loss per unit, the rest per m
-    Layout(data_parallel_size=4, num_microbatches=2),
-    Layout(pipeline_model_parallel_size=2, data_parallel_size=2, num_microbatches=4),
-    Layout(
-        pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, data_parallel_size=2, num_microbatches=4
-    ),
-    Layout(context_parallel_size=2, data_parallel_size=2, num_microbatches=4, model="positionwise"),
-    # The MoE router's counts under TP and CP (Megatron-LM #7452, finding 10).
-    Layout(tensor_model_parallel_size=2, sequence_parallel=True, data_parallel_size=2, num_microbatches=4, model="moe"),
-    Layout(context_parallel_size=2, data_parallel_size=2, num_microbatches=4, model="moe_positionwise"),
     # Megatron's FSDP paths (data_parallel.py): torch FSDP2 (upstream's factor beside ours: aux.py), Megatron-FSDP's
-    # four sharding strategies, with and without the overlapped reduce.
+    # four sharding strategies, with and without the overlapped reduce; the DP 4 ones close the table.
     Layout(data_parallel_size=2, num_microbatches=4, model="gpt_untied", data_parallel="torch_fsdp2"),
-    Layout(data_parallel_size=4, num_microbatches=2, model="gpt_untied", data_parallel="torch_fsdp2"),
     Layout(data_parallel_size=2, num_microbatches=4, data_parallel="megatron_fsdp", sharding_strategy="no_shard"),
     Layout(data_parallel_size=2, num_microbatches=4, data_parallel="megatron_fsdp", sharding_strategy="optim"),
     Layout(
@@ -204,6 +194,16 @@ DEFAULT_LAYOUTS = (
         sharding_strategy="optim_grads",
         overlap_grad_reduce=True,
     ),
+    Layout(data_parallel_size=4, num_microbatches=2),
+    Layout(pipeline_model_parallel_size=2, data_parallel_size=2, num_microbatches=4),
+    Layout(
+        pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, data_parallel_size=2, num_microbatches=4
+    ),
+    Layout(context_parallel_size=2, data_parallel_size=2, num_microbatches=4, model="positionwise"),
+    # The MoE router's counts under TP and CP (Megatron-LM #7452, finding 10).
+    Layout(tensor_model_parallel_size=2, sequence_parallel=True, data_parallel_size=2, num_microbatches=4, model="moe"),
+    Layout(context_parallel_size=2, data_parallel_size=2, num_microbatches=4, model="moe_positionwise"),
+    Layout(data_parallel_size=4, num_microbatches=2, model="gpt_untied", data_parallel="torch_fsdp2"),
     Layout(
         data_parallel_size=4,
         num_microbatches=2,
