@@ -3,9 +3,10 @@
 For each layout of the launch (all of one world size) and each mode, a rank initialises megatron's
 parallel state and num-microbatches calculator, calls ``megatron_ga_ext.install()`` with that mode (the path
 a user takes), builds the tiny model (dense, MoE, MTP; one chunk per virtual pipeline stage), wraps it in
-megatron's DDP (overlapped grad reduce and the distributed optimizer where the layout says so), runs
+the layout's data-parallel wrapper (Megatron's DDP with overlapped grad reduce and the distributed optimizer where the
+layout says so, torch FSDP2 or Megatron-FSDP: data_parallel.py, which wires ``no_sync`` as Megatron-LM does), runs
 megatron's own schedule (``get_forward_backward_func``) over its micro-batches with megatron's
-``finalize_model_grads`` (install()'s) as the finalize hook, and compares its ``main_grad`` with the
+``finalize_model_grads`` (install()'s) as the finalize hook, and compares its reduced gradients (grads.py) with the
 unpartitioned references (references.py):
 
     rel_err(g, ref) = max over the parameters p this rank holds of  max |g_p - ref_p| / max |ref_p|
