@@ -10,7 +10,7 @@
 #   make verify-fuzz                verify --fuzz 200 on three seeds, with each aux correction reverted too
 #                                   (tools/verify_fuzz.py, about an hour): rows for docs/reduction.md's table
 #   make test-O                     the fast suite (nothing that imports megatron-core) under python -O
-#   make lint                       ruff over the tree, mypy over core/ and config/ (pyproject.toml; CI runs it)
+#   make lint                       ruff over the tree, mypy over every layer but testing/ (pyproject.toml; CI)
 #   make corpus                     the real-text corpus (benchmarks/corpus.py): .cache/corpus, built once
 #   make critical-batch             the critical-batch benchmark (benchmarks/critical_batch.py, 1.5-2 h, resumable):
 #                                   the JSON in benchmarks/results; then make docs
