@@ -297,8 +297,10 @@ def test_verify_command_end_to_end():
             assert c["coefficient"] == pytest.approx(1.0, abs=1e-5) and c["error"] < 1e-5, c
         elif layout != "DP2 x GA4 (MTP)" or megatron_core_version() != "0.16.1":  # 0.16 attaches MTP's sum
             assert variant == "upstream --calculate-per-token-loss" and c["error"] > 0.1, c
-        if "torch FSDP2" in layout and variant != "with megatron-ga-ext":  # upstream: N / DP, N = 72
-            assert c["coefficient"] == pytest.approx(72 / int(layout[2]), rel=1e-5), c
+        fsdp2 = {lay.name: lay for lay in DATA_PARALLEL_LAYOUTS}
+        if layout in fsdp2 and variant != "with megatron-ga-ext":  # upstream: N / (DP x CP), N = 72
+            sizes = fsdp2[layout].data_parallel_size * fsdp2[layout].context_parallel_size
+            assert c["coefficient"] == pytest.approx(72 / sizes, rel=1e-5), c
     assert "launching 4 rank(s)" in proc.stderr and "PP2 x VPP2 x DP2 x GA4" in proc.stderr
 
 

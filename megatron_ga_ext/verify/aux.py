@@ -13,9 +13,10 @@ router weights for MoE, every parameter for MTP) is compared with the target g* 
 "before" is upstream's own ``--calculate-per-token-loss`` step (no extension: the router counts every position,
 and with it MTP's local counts); "after" is the same step through install().
 
-:data:`DATA_PARALLEL_LAYOUTS` (torch FSDP2 at DP 2 and 4) are measured the same way on the whole loss and every
-parameter, against the token reference: upstream's coefficient there is N / (DP x CP) (its ``scale_gradients`` on
-FSDP2 does nothing and FSDP2 averages): 36 at DP 2 and 18 at DP 4 on the verify batch (N = 72).
+:data:`DATA_PARALLEL_LAYOUTS` (torch FSDP2 at DP 2, DP 4 and CP 2 x DP 2) are measured the same way on the whole
+loss and every parameter, against the token reference: upstream's coefficient there is N / (DP x CP) (its
+``scale_gradients`` on FSDP2 does nothing and FSDP2 averages): 36 at DP 2, 18 at DP 4 and at CP 2 x DP 2 on the
+verify batch (N = 72).
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ AUX_LAYOUTS = (
 DATA_PARALLEL_LAYOUTS = (
     Layout(data_parallel_size=2, num_microbatches=4, model="gpt_untied", data_parallel="torch_fsdp2"),
     Layout(data_parallel_size=4, num_microbatches=2, model="gpt_untied", data_parallel="torch_fsdp2"),
+    Layout(
+        context_parallel_size=2,
+        data_parallel_size=2,
+        num_microbatches=4,
+        model="positionwise",
+        data_parallel="torch_fsdp2",
+    ),
 )
 
 BEFORE, AFTER = "upstream --calculate-per-token-loss", "with megatron-ga-ext"

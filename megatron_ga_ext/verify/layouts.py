@@ -205,6 +205,13 @@ DEFAULT_LAYOUTS = (
     Layout(context_parallel_size=2, data_parallel_size=2, num_microbatches=4, model="moe_positionwise"),
     Layout(data_parallel_size=4, num_microbatches=2, model="gpt_untied", data_parallel="torch_fsdp2"),
     Layout(
+        context_parallel_size=2,
+        data_parallel_size=2,
+        num_microbatches=4,
+        model="positionwise",
+        data_parallel="torch_fsdp2",
+    ),
+    Layout(
         data_parallel_size=4,
         num_microbatches=2,
         data_parallel="megatron_fsdp",

@@ -132,7 +132,8 @@ PARALLEL_ROWS: tuple[Row, ...] = (
         "it; --ga-noise-scale refuses it (FSDP2 reduce-scatters each micro-batch's gradient as its backward ends, so "
         "no rank holds its replica's gradient). Before megatron-core 0.19 upstream's FSDP2 stops at the first step "
         "in either mode (finalize passes finish_grad_sync a force_all_reduce its wrapper does not take).",
-        proofs=(*verify_layouts("DP2 x GA4 (untied, torch FSDP2)", "DP4 x GA2 (untied, torch FSDP2)"),
+        proofs=(*verify_layouts("DP2 x GA4 (untied, torch FSDP2)", "DP4 x GA2 (untied, torch FSDP2)",
+                                "CP2 x DP2 x GA4 (position-wise, torch FSDP2)"),
                 Proof(test=FSDP + "test_torch_fsdp2_token_mode_is_exact_where_upstream_is_n_over_dp_off"),
                 Proof(test=FSDP + "test_torch_fsdp2_fails_with_the_fix_reverted"),
                 Proof(test=FSDP + "test_fsdp2_units_checked_each_step_and_upstream_never_scaled_twice"),
@@ -154,7 +155,8 @@ PARALLEL_ROWS: tuple[Row, ...] = (
         text="FSDP2 averages each micro-batch's gradient over DP x CP in its reduce-scatter, which is upstream's mean "
         "of means; the extension checks each step that no unit's divide factor or reduction was changed (megatron-core "
         "0.19 and later, as the token row).",
-        proofs=(*verify_layouts("DP2 x GA4 (untied, torch FSDP2)", "DP4 x GA2 (untied, torch FSDP2)"),
+        proofs=(*verify_layouts("DP2 x GA4 (untied, torch FSDP2)", "DP4 x GA2 (untied, torch FSDP2)",
+                                "CP2 x DP2 x GA4 (position-wise, torch FSDP2)"),
                 Proof(test=FSDP + "test_torch_fsdp2_microbatch_mode_is_upstream_mean_of_means")),
         applies=in_microbatch_mode(is_on("use_torch_fsdp2"))),
     *(Row(id=f"megatron-fsdp-{strategy.replace('_', '-')}", flags=("--use-megatron-fsdp", *MEGATRON_FSDP),
