@@ -61,8 +61,8 @@ _SHARDED = "the gradient is reduce-scattered into shards, so no rank holds its r
 #: it.
 DEFAULT_STRATEGY = "optim_grads_params"
 _ON_0_16 = (
-    " On megatron-core 0.16.1 upstream's own step {} --overlap-grad-reduce misses both targets, with or without the "
-    "extension (verify skips the row there)."
+    " On megatron-core {} upstream's own step {} --overlap-grad-reduce misses both targets, with or without the "
+    "extension (verify skips the row there; exact from 0.18.2)."
 )
 _ONE_RANK = (
     " A gradient buffer whose data-parallel group has one rank (DP 1, or the experts' when EP takes every DP rank): "
@@ -72,8 +72,20 @@ _ONE_RANK = (
     "unfused path (bf16 gradients, --no-gradient-reduce-div-fusion, gloo), miss the mean of means."
 )
 MEGATRON_FSDP_STRATEGIES = (
-    ("no_shard", "nothing sharded", _WHOLE, ("DP2 x GA4 (Megatron-FSDP no_shard)",), _ON_0_16.format("without")),
-    ("optim", "the optimizer state sharded", _WHOLE, ("DP2 x GA4 (Megatron-FSDP optim)",), _ON_0_16.format("with")),
+    (
+        "no_shard",
+        "nothing sharded",
+        _WHOLE,
+        ("DP2 x GA4 (Megatron-FSDP no_shard)",),
+        _ON_0_16.format("0.16.1 and 0.17.1", "without"),
+    ),
+    (
+        "optim",
+        "the optimizer state sharded",
+        _WHOLE,
+        ("DP2 x GA4 (Megatron-FSDP optim)",),
+        _ON_0_16.format("0.16.1", "with"),
+    ),
     (
         "optim_grads",
         "optimizer state and gradients sharded",
