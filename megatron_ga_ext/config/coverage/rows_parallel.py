@@ -62,7 +62,7 @@ _SHARDED = "the gradient is reduce-scattered into shards, so no rank holds its r
 DEFAULT_STRATEGY = "optim_grads_params"
 _ON_0_16 = (
     " On megatron-core {} upstream's own step {} --overlap-grad-reduce misses both targets, with or without the "
-    "extension (verify skips the row there; exact from 0.18.2)."
+    "extension (verify skips the row there; exact from {})."
 )
 _ONE_RANK = (
     " A gradient buffer whose data-parallel group has one rank (DP 1, or the experts' when EP takes every DP rank): "
@@ -77,14 +77,14 @@ MEGATRON_FSDP_STRATEGIES = (
         "nothing sharded",
         _WHOLE,
         ("DP2 x GA4 (Megatron-FSDP no_shard)",),
-        _ON_0_16.format("0.16.1 and 0.17.1", "without"),
+        _ON_0_16.format("0.16.1 and 0.17.1", "without", "0.18.2"),
     ),
     (
         "optim",
         "the optimizer state sharded",
         _WHOLE,
         ("DP2 x GA4 (Megatron-FSDP optim)",),
-        _ON_0_16.format("0.16.1", "with"),
+        _ON_0_16.format("0.16.1", "with", "0.17.1"),
     ),
     (
         "optim_grads",
