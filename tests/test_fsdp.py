@@ -68,8 +68,9 @@ def _unit_checks(cfg, layout) -> dict:
     """prepare_units / check_units / scale_gradients on a freshly wrapped FSDP2 chunk (no step)."""
     import torch
 
-    from megatron_ga_ext.errors import LossContractError
+    from megatron_ga_ext.errors import LossContractError, OptionError
     from megatron_ga_ext.integration.fsdp import check_units, prepare_units, scale_gradients, upstream_scales
+    from megatron_ga_ext.integration.noise_scale import check_core_layout
     from megatron_ga_ext.testing.shims import patched
     from megatron_ga_ext.verify.harness import build_ddp
     from megatron_ga_ext.verify.models import init_model_parallel
@@ -78,6 +79,11 @@ def _unit_checks(cfg, layout) -> dict:
     init_model_parallel()
     chunk, _, _ = build_ddp(layout, cfg, calculate_per_token_loss=True)
     out["upstream_scales"] = upstream_scales(chunk)
+    try:  # a megatron-core loop's --ga-noise-scale layout check (no Megatron args) sees the wrapper
+        check_core_layout(8, [chunk])
+        out["noise_scale"] = None
+    except OptionError as exc:
+        out["noise_scale"] = str(exc)
     prepare_units(chunk, "token")
     check_units(chunk, "token")  # passes
     try:
@@ -382,6 +388,7 @@ def test_fsdp2_units_checked_each_step_and_upstream_never_scaled_twice(outcomes)
     for rank in outcomes:
         units = rank["units"]
         assert units["upstream_scales"] is False
+        assert "--ga-noise-scale with --use-torch-fsdp2: torch FSDP2 reduce-scatters each" in units["noise_scale"]
         assert "--ga-loss-reduction microbatch needs factor None" in units["microbatch_on_summing"]
         assert (
             "torch FSDP2 unit 'chunk 0 decoder.layers.0' reduces its gradients with gradient divide factor 2.0"

@@ -324,6 +324,7 @@ def check_core_layout(interval: int, model: Any) -> None:
         "use_megatron_fsdp": (
             getattr(ddp, "use_megatron_fsdp", False) or type(chunk).__name__ == "FullyShardedDataParallel"
         ),
+        "use_torch_fsdp2": type(chunk).__name__ == "TorchFullyShardedDataParallel",
         "ddp_param_name_patterns_for_fp32_local_accumulation": getattr(
             ddp, "param_name_patterns_for_fp32_local_accumulation", ()
         ),
