@@ -51,7 +51,7 @@ def prepare_units(model: Any, mode: str) -> None:
     if mode != "token":
         return
     for _, unit, group in _units(model):
-        if (group.gradient_divide_factor, group.force_sum_reduction_for_comms) != UNIT_STATE["microbatch"]:
+        if _state(group) != UNIT_STATE["microbatch"]:
             continue
         for method in ("set_gradient_divide_factor", "set_force_sum_reduction_for_comms"):
             if not hasattr(unit, method):
@@ -86,7 +86,7 @@ def check_units(model: Any, mode: str) -> None:
     check_megatron_fsdp(model)
     factor, force_sum = UNIT_STATE[mode]
     for name, _, group in _units(model):
-        found = (group.gradient_divide_factor, group.force_sum_reduction_for_comms)
+        found = _state(group)
         if found == (factor, force_sum):
             continue
         raise LossContractError(
@@ -161,6 +161,12 @@ def _units(model: Any) -> Iterator[tuple[str, Any, Any]]:
                 continue
             for group in module._get_fsdp_state()._fsdp_param_groups:
                 yield f"chunk {index} {name or '(root)'}", module, group
+
+
+def _state(group: Any) -> tuple[float | None, bool]:
+    """A unit's parameter group: (gradient divide factor, sum-only reduction); FSDP2's defaults where a torch has
+    no such field."""
+    return getattr(group, "gradient_divide_factor", None), getattr(group, "force_sum_reduction_for_comms", False)
 
 
 def _why(mode: str) -> str:
