@@ -151,12 +151,19 @@ def test_default_layouts_cover_every_layout_users_run():
         "DP2 x GA4 (MoE + MTP)",
         "DP2 x GA4 (MoE global_aux_loss)",
         "DP2 x GA4 (MoE global_aux_loss + z-loss)",
+        "DP2 x GA4 (untied, torch FSDP2)",
+        "DP2 x GA4 (Megatron-FSDP no_shard)",
+        "DP2 x GA4 (Megatron-FSDP optim)",
+        "DP2 x GA4 (Megatron-FSDP optim_grads, overlapped grad reduce)",
         "DP4 x GA2",
         "PP2 x DP2 x GA4",
         "PP2 x VPP2 x DP2 x GA4",
         "CP2 x DP2 x GA4 (position-wise)",
         "TP2 x DP2 x GA4 (MoE, sequence parallel)",
         "CP2 x DP2 x GA4 (MoE, position-wise)",
+        "DP4 x GA2 (untied, torch FSDP2)",
+        "CP2 x DP2 x GA4 (position-wise, torch FSDP2)",
+        "DP4 x GA2 (Megatron-FSDP optim_grads_params, overlapped grad reduce)",
     ]
     assert [layout.world_size for layout in DEFAULT_LAYOUTS] == sorted(layout.world_size for layout in DEFAULT_LAYOUTS)
     assert {len(layout.lengths or DEFAULT_LENGTHS) for layout in DEFAULT_LAYOUTS} == {len(DEFAULT_LENGTHS), 4}
