@@ -22,6 +22,7 @@ __all__ = [
     "is_hybrid",
     "is_on",
     "layer_graphs",
+    "megatron_fsdp_with",
     "nan_check_by_megatron",
     "pipeline_tied",
     "quantile_balancing",
@@ -60,6 +61,21 @@ def batch_schedule(s: Setting) -> bool:
     """The global batch size changes during the run: a step schedule, or a rampup (0.16 and 0.17 run their own;
     --ga-convert-rampup runs it on every release)."""
     return bool(s.value("step_batch_size_schedule") or s.value("rampup_batch_size"))
+
+
+#: --data-parallel-sharding-strategy's default from 0.18 on (0.16's and 0.17's is no_shard), for a launch line without
+#: it.
+MEGATRON_FSDP_DEFAULT_STRATEGY = "optim_grads_params"
+
+
+def megatron_fsdp_with(strategy: str) -> Callable[[Setting], bool]:
+    """Megatron-FSDP with ``strategy`` (--data-parallel-sharding-strategy; its default where not given)."""
+
+    def applies(s: Setting) -> bool:
+        given = s.value("data_parallel_sharding_strategy") or MEGATRON_FSDP_DEFAULT_STRATEGY
+        return s.on("use_megatron_fsdp") and given == strategy
+
+    return applies
 
 
 def balancing(*kinds: str) -> Callable[[Setting], bool]:

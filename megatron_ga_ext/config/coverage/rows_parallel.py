@@ -5,8 +5,6 @@ table is :data:`megatron_ga_ext.config.coverage.rows.ROWS`, in this order.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from megatron_ga_ext.config.coverage.conditions import (
     above_one,
     any_given,
@@ -15,6 +13,7 @@ from megatron_ga_ext.config.coverage.conditions import (
     in_microbatch_mode,
     in_token_mode,
     is_on,
+    megatron_fsdp_with,
     pipeline_tied,
 )
 from megatron_ga_ext.config.coverage.proofs import (
@@ -26,7 +25,7 @@ from megatron_ga_ext.config.coverage.proofs import (
     TOKEN_LOOP,
     verify_layouts,
 )
-from megatron_ga_ext.config.coverage.row import Proof, Row, Setting, Upstream
+from megatron_ga_ext.config.coverage.row import Proof, Row, Upstream
 
 __all__ = ["PARALLEL_ROWS"]
 
@@ -57,9 +56,6 @@ _WHOLE = (
     "meter reads"
 )
 _SHARDED = "the gradient is reduce-scattered into shards, so no rank holds its replica's gradient"
-#: --data-parallel-sharding-strategy's default from 0.18 on (0.16's and 0.17's is no_shard), for a launch line without
-#: it.
-DEFAULT_STRATEGY = "optim_grads_params"
 _ON_0_16 = (
     " On megatron-core {} upstream's own step {} --overlap-grad-reduce misses both targets, with or without the "
     "extension (verify skips the row there; exact from {})."
@@ -122,16 +118,6 @@ MEGATRON_FSDP = (
 )
 
 
-def _megatron_fsdp_with(strategy: str) -> Callable[[Setting], bool]:
-    """Megatron-FSDP with ``strategy`` (--data-parallel-sharding-strategy; its default where not given)."""
-
-    def applies(s: Setting) -> bool:
-        given = s.value("data_parallel_sharding_strategy") or DEFAULT_STRATEGY
-        return s.on("use_megatron_fsdp") and given == strategy
-
-    return applies
-
-
 # fmt: off
 PARALLEL_ROWS: tuple[Row, ...] = (
     # data parallelism
@@ -183,7 +169,7 @@ PARALLEL_ROWS: tuple[Row, ...] = (
                   *((Proof(test=FSDP + "test_expert_data_parallel_group_of_one_rank"),) if limit == _ONE_RANK else ()),
                   *((Proof(test=FSDP_E2E + f"test_megatron_fsdp_equals_ddp[{strategy}]"),)
                     if strategy in ("no_shard", "optim_grads_params") else ())),
-          applies=_megatron_fsdp_with(strategy))
+          applies=megatron_fsdp_with(strategy))
       for strategy, held, noise, layouts, limit in MEGATRON_FSDP_STRATEGIES),
     Row(id="average-in-collective-token", flags=("--ddp-average-in-collective",),
         given="--ddp-average-in-collective", when="in token mode", support="refused",
