@@ -141,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
     seq = count("--seq-length", args.seq_length) if args.seq_length is not None else None
     inputs = _inputs(args, mbs, dp, seq)
     schedule = resolve_schedule(inputs)
-    assert schedule is not None, "a schedule or a converted ramp is always given"  # _inputs refuses neither
+    if schedule is None:  # _inputs refuses a command without a schedule or a ramp first
+        raise UsageError("give --step-batch-size-schedule, or --rampup-batch-size with --global-batch-size.")
     train_samples = run_length(args, seq)
     lr, base = lr_hints(args)
     consumed = count("--consumed-samples", args.consumed_samples, minimum=0)
@@ -226,7 +227,8 @@ def _validate(args: argparse.Namespace, schedule: StepSchedule, inputs: Schedule
     """Raise the schedule's first broken rule on the command's layout; the problems demoted to warnings
     (--warn-future-stages), as text."""
     mbs, dp = inputs.micro_batch_size, inputs.data_parallel_size
-    assert mbs is not None and dp is not None, "_inputs counts both from the command's flags"
+    if mbs is None or dp is None:  # _inputs counts both from the command's flags
+        raise UsageError("give --micro-batch-size and --data-parallel-size.")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ScheduleWarning)
         demoted = schedule.validate(

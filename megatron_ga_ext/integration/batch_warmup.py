@@ -54,7 +54,11 @@ class BatchSizeWarmup:
     def __init__(self, config: GAConfig) -> None:
         self.trust = config.batch_size_warmup_trust
         cap = config.batch_size_warmup_max
-        assert cap is not None, "the rule pass refuses --ga-batch-size-warmup auto without a cap"
+        if cap is None:  # the rule pass refuses it first, naming the launch
+            raise OptionError(
+                f"--ga-batch-size-warmup auto needs {BATCH_SIZE_WARMUP_MAX.flag}: give the largest global batch size "
+                "the warmup may reach."
+            )
         self.cap: int = cap
         self.decisions: list[tuple[int | None, int, int]] = []
         self._held: str | None = None

@@ -93,7 +93,7 @@ def _gather(launch: Launch, world_size: int | None) -> Report:
     if layout is not None and schedule is not None:
         stages = stage_problems(schedule, layout)
         found.add(*stages)
-        table, stage, found_more, more_notes = _stage_table(launch, plan, layout, clean=not stages)
+        table, stage, found_more, more_notes = _stage_table(launch, plan, schedule, layout, clean=not stages)
         found.add(*found_more)
         notes += more_notes
     ledger_kwargs = dict(kwargs)
@@ -163,12 +163,10 @@ def _run_length(launch: Launch, schedule: StepSchedule, mbs: int, dp: int) -> tu
 
 
 def _stage_table(
-    launch: Launch, plan: _Schedule, layout: BatchLayout, clean: bool
+    launch: Launch, plan: _Schedule, schedule: StepSchedule, layout: BatchLayout, clean: bool
 ) -> tuple[StageTable, StageRow | None, list[Problem], list[Note]]:
     """The stage table, the stage the ledger shows (the last the run reaches), the stages never reached as problems,
     and notes on stages a step jumps over."""
-    schedule = plan.schedule
-    assert schedule is not None  # the caller has one
     mbs, dp, seq = layout.micro_batch_size, layout.data_parallel_size, layout.seq_length
     train_samples, run_length = _run_length(launch, schedule, mbs, dp) if clean else (None, None)
     rows = None
