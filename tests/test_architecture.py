@@ -284,3 +284,14 @@ def test_the_host_check_sees_a_read_of_megatrons_args(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "MODULES", {"megatron_ga_ext.integration.feature": path})
     with pytest.raises(AssertionError, match="_GLOBAL_ARGS"):
         test_only_the_host_adapters_read_a_hosts_state()
+
+
+def test_no_module_checks_with_assert():
+    """Validation never uses assert (python -O strips it): every check in the package raises a typed error."""
+    asserting = [
+        f"{name}:{node.lineno}"
+        for name, path in sorted(MODULES.items())
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.Assert)
+    ]
+    assert asserting == []
