@@ -10,11 +10,13 @@ if the gradients are.
 * ``--use-megatron-fsdp`` in no_shard and optim_grads_params: every iteration's loss equals DDP's. Its logged grad
   norm is 0.0 on the CPU (the launch's coverage note shows Megatron-LM's precision-aware optimizer on, whose norm
   reads each parameter's ``decoupled_grad``; not traced further), so it is not compared. A resume is not run:
-  saving a ``--ckpt-format fsdp_dtensor`` checkpoint does not finish on the CPU over gloo ("Storing distributed
-  optimizer sharded state"). On megatron-core 0.16.1 upstream's own Megatron-FSDP launch (optim_grads_params)
-  barely trains on the CPU (lm loss 7.0017, 7.0047, 6.9985, 6.9922 against DDP's 7.0017, 6.5309, 5.3517, 4.3812),
-  with or without the extension, while its gradients are exact (tests/test_fsdp.py): there the extension's launch is
-  held to upstream's own, iteration by iteration.
+  saving a ``--ckpt-format fsdp_dtensor`` checkpoint does not finish on the CPU over gloo: at iteration 2 (DP 2,
+  optim_grads_params) rank 1 waits in ``preprocess_state_dict_for_uneven_dtensor``'s ``all_gather_object`` while
+  rank 0 is already in torch.distributed.checkpoint's ``save`` (``gather_object``); not traced further.
+* On megatron-core 0.16.1 upstream's own Megatron-FSDP launch (optim_grads_params) barely trains on the CPU (lm
+  loss 7.0017, 7.0047, 6.9985, 6.9922 against DDP's 7.0017, 6.5309, 5.3517, 4.3812), with or without the extension,
+  while its gradients are exact (tests/test_fsdp.py): there the extension's launch is held to upstream's own,
+  iteration by iteration.
 """
 
 from __future__ import annotations
