@@ -97,10 +97,12 @@ class Recorder:
         from megatron.training.global_vars import get_args
 
         from megatron_ga_ext.integration.lifecycle import installed
+        from megatron_ga_ext.integration.step_guards import Guards
 
         state = installed()
-        finalize = getattr(state, "finalize", None)
-        counter = getattr(state, "counter", None)
+        finalize = None if state is None else state.finalize
+        guards = None if state is None else state.feature(Guards)
+        counter = None if guards is None else guards.counter
         row = {
             "event": "iteration",
             "iteration": int(iteration),
