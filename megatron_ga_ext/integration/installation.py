@@ -59,7 +59,7 @@ from megatron_ga_ext.logs import get_logger
 if TYPE_CHECKING:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-__all__ = ["CORE_FLAGS", "FEATURES", "PHASES", "Installation", "step_table"]
+__all__ = ["CORE_FLAGS", "FEATURES", "FEATURE_PHASES", "Installation", "step_table"]
 
 logger = get_logger(__name__)
 
@@ -78,8 +78,8 @@ CORE_FLAGS = {
     "--ga-zero-token-policy": "finalize (finalize.py): a step of 0 loss tokens stops, or its optimizer step is skipped",
 }
 
-#: The phases a feature takes part in, in the order of a training step.
-PHASES = ("begin_step", "micro_batch", "end_step", "before_optimizer_step", "after_optimizer_step", "after_log")
+#: The phases a feature takes part in, in the order of a training step (hooks.PHASES: the hook table's).
+FEATURE_PHASES = ("begin_step", "micro_batch", "end_step", "before_optimizer_step", "after_optimizer_step", "after_log")
 
 
 @dataclass(frozen=True)
@@ -358,11 +358,11 @@ def step_table() -> str:
     """The step as markdown (docs/design.md): each feature in the order it runs, the ``--ga-*`` flags that act in it,
     and its part in each phase (the first line of its method's docstring; "yes" without one); then the flags that act
     outside the features."""
-    header = ["feature", "flags", *PHASES, "checkpoint state"]
+    header = ["feature", "flags", *FEATURE_PHASES, "checkpoint state"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for feature in FEATURES:
         parts = []
-        for phase in PHASES:
+        for phase in FEATURE_PHASES:
             method = getattr(feature, phase)
             own = method is not getattr(Feature, phase)
             parts.append((method.__doc__ or "yes").strip().split("\n")[0] if own else "")

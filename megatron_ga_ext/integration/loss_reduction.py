@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.errors import GuardError
 from megatron_ga_ext.integration.features import Feature, OptimizerStep, Step
 from megatron_ga_ext.integration.liveness import unfinalized_message
@@ -41,10 +40,6 @@ class LossReduction(Feature):
         optimizer install() hooked marks the steps), and finalize's call count then. See :meth:`open_microbatches`."""
         self.set_aside: Any = None
         """An open step's losses, out of the loss contract while an evaluation call (forward_only) runs."""
-
-    @classmethod
-    def wanted(cls, config: GAConfig) -> bool:
-        return True
 
     def open_microbatches(self, finalized: int | None = None) -> int:
         """The micro-batches of the open step's calls, whose losses stay in the loss contract for the step's one
