@@ -195,7 +195,8 @@ def _run():
 
 def _expert_dp_one(cfg, batch) -> dict:
     """MoE with EP 2 at DP 2 (the experts' data-parallel group has one rank) on Megatron-FSDP optim_grads_params, in
-    both modes: (error against the mode's reference, worst error of a non-expert parameter), or the refusal."""
+    both modes through install(), and upstream's own microbatch step: (error against the mode's reference, worst
+    error of a non-expert parameter), or the refusal."""
     from megatron_ga_ext.errors import LossContractError
     from megatron_ga_ext.verify.harness import relative_error, run_layout
     from megatron_ga_ext.verify.layouts import Layout
@@ -211,15 +212,20 @@ def _expert_dp_one(cfg, batch) -> dict:
     )
     refs = reference_grads(cfg.model, [layout], batch)
     out = {}
-    for mode, target in (("token", "token"), ("microbatch", "mean_of_means")):
+    for mode, target, extension in (
+        ("token", "token", True),
+        ("microbatch", "mean_of_means", True),
+        ("microbatch", "mean_of_means", False),
+    ):
+        key = ("expert_dp_one", mode, "ours" if extension else "upstream")
         try:
-            grads, _ = run_layout(layout, mode, cfg, batch)
-        except LossContractError as exc:  # megatron-core 0.16: #6660, refused
-            out[("expert_dp_one", mode)] = str(exc)
+            grads, _ = run_layout(layout, mode, cfg, batch, extension=extension)
+        except LossContractError as exc:
+            out[key] = str(exc)
             continue
         ref = refs[(layout.name, target)]
         dense = {n: g for n, g in grads.items() if "local_experts" not in n}
-        out[("expert_dp_one", mode)] = (relative_error(grads, ref), relative_error(dense, ref))
+        out[key] = (relative_error(grads, ref), relative_error(dense, ref))
     return out
 
 
@@ -343,23 +349,27 @@ def test_no_sync_wired_as_megatron_lm_does(outcomes, strategy):
 def test_expert_data_parallel_group_of_one_rank(outcomes):
     """Upstream #6660's setting (a gradient buffer whose data-parallel group has one rank, optim_grads_params).
 
-    On megatron-core 0.16 it doubles, and integration/fsdp.check_megatron_fsdp refuses it. From 0.17 no doubling:
-    token mode (no pre-reduction factor) is exact; in microbatch mode, where Megatron-FSDP scales the experts'
-    gradients by 1 / DP before each micro-batch's reduction on the unfused path (gloo's, and bf16 gradients'), the
-    expert gradients miss the mean of means (upstream's own arithmetic, which microbatch mode leaves alone), and
-    every other parameter meets it."""
+    On megatron-core 0.16 it doubles, and integration/fsdp.check_megatron_fsdp refuses it in both modes. From 0.17
+    no doubling: token mode (scaling factor 1) is exact; in microbatch mode Megatron-FSDP multiplies the experts'
+    accumulated gradient by 1 / DP before each micro-batch's reduction on the unfused path (gloo's, and bf16
+    gradients'), so upstream's own step misses the mean of means in the expert gradients alone, and install()
+    refuses the step, naming token mode as the fix."""
     for rank in outcomes:
-        if isinstance(rank[("expert_dp_one", "token")], str):  # megatron-core 0.16 doubles: refused at finalize
-            for mode in ("token", "microbatch"):
-                assert "Megatron-LM #6660" in rank[("expert_dp_one", mode)]
-                assert (
-                    "an expert gradient buffer whose data-parallel group has one rank" in rank[("expert_dp_one", mode)]
-                )
+        ours = {mode: rank[("expert_dp_one", mode, "ours")] for mode in ("token", "microbatch")}
+        if isinstance(ours["token"], str):  # megatron-core 0.16 doubles: refused at finalize
+            for refusal in ours.values():
+                assert "Megatron-LM #6660" in refusal
+                assert "an expert gradient buffer whose data-parallel group has one rank" in refusal
             continue
-        token, _ = rank[("expert_dp_one", "token")]
-        microbatch, microbatch_dense = rank[("expert_dp_one", "microbatch")]
+        token, _ = ours["token"]
         assert token < 1e-5
-        assert microbatch > 1e-1 and microbatch_dense < 1e-5
+        refusal = ours["microbatch"]
+        assert isinstance(refusal, str), refusal
+        assert "an expert gradient buffer whose data-parallel group has one rank" in refusal
+        assert "scaling factor 0.5 (1 / DP) before every micro-batch's reduction" in refusal
+        assert "at 2 micro-batches" in refusal and "Use --ga-loss-reduction token (exact here)" in refusal
+        upstream, upstream_dense = rank[("expert_dp_one", "microbatch", "upstream")]
+        assert upstream > 1e-1 and upstream_dense < 1e-5
 
 
 def test_wire_sync_follows_the_overlap():

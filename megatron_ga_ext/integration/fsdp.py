@@ -81,9 +81,9 @@ class TorchFSDP2(Feature):
 
 def check_units(model: Any, mode: str) -> None:
     """Every FSDP2 unit of ``model`` reduces as ``mode`` needs (:data:`UNIT_STATE`), and no Megatron-FSDP chunk meets
-    upstream #6660 (:func:`check_megatron_fsdp`); else the step stops here, before its gradients are scaled, naming
-    the unit, what it was set to and what to do."""
-    check_megatron_fsdp(model)
+    upstream's miscount of a one-rank gradient buffer (:func:`check_megatron_fsdp`); else the step stops here, before
+    its gradients are scaled, naming the unit, what it was set to and what to do."""
+    check_megatron_fsdp(model, mode)
     factor, force_sum = UNIT_STATE[mode]
     for name, _, group in _units(model):
         found = _state(group)
@@ -98,13 +98,18 @@ def check_units(model: Any, mode: str) -> None:
         )
 
 
-def check_megatron_fsdp(model: Any) -> None:
-    """Megatron-LM #6660 on megatron-core 0.16: with sharded gradients (optim_grads, optim_grads_params), a gradient
-    buffer whose data-parallel group has one rank (DP 1, or the experts' group when EP takes every DP rank) adds its
-    accumulated gradient to itself at each micro-batch's reduction: measured 2x at GA 1, about 2^GA after GA
-    micro-batches, in either mode (absent on 0.17.1, 0.18.2 and 0.19.2). The step stops, naming the buffer."""
-    if not megatron_core_version().startswith("0.16."):
-        return
+def check_megatron_fsdp(model: Any, mode: str) -> None:
+    """A Megatron-FSDP chunk with sharded gradients (optim_grads, optim_grads_params) and a gradient buffer whose
+    data-parallel group has one rank (DP 1, or the experts' group when EP takes every DP rank) keeps its accumulated
+    gradient in the bucket it reduces, and upstream miscounts it; the step stops, naming the buffer and the fix:
+
+    * megatron-core 0.16 adds the accumulated gradient to itself at each micro-batch's reduction (Megatron-LM #6660:
+      measured 2x at GA 1, about 2^GA after GA), in either mode;
+    * 0.17 on, microbatch mode at GA > 1, where the buffer's scaling factor is not 1 (the experts' 1 / DP) and is
+      applied in place (``gradient_reduce_preprocessing``: bf16 gradients, --no-gradient-reduce-div-fusion, gloo):
+      the whole accumulated gradient is multiplied by it before every micro-batch's reduction, so micro-batch m of GA
+      is scaled GA - m + 1 times. Token mode's factor is 1: exact."""
+    release = megatron_core_version()
     for index, chunk in enumerate(model if isinstance(model, (list, tuple)) else [model]):
         buffer = getattr(chunk, "param_and_grad_buffer", None)
         strategy = getattr(getattr(chunk, "ddp_config", None), "data_parallel_sharding_strategy", "no_shard")
@@ -114,14 +119,41 @@ def check_megatron_fsdp(model: Any) -> None:
             grads = group.main_grad_buffer
             if grads is None or torch.distributed.get_world_size(grads.data_parallel_group) != 1:
                 continue
-            kind = "an expert" if group.is_expert_param else "a dense"
-            raise LossContractError(
-                f"model chunk {index}: Megatron-FSDP --data-parallel-sharding-strategy {strategy} with {kind} "
-                f"gradient buffer whose data-parallel group has one rank: megatron-core {megatron_core_version()} adds "
-                f"the accumulated gradient to itself at every micro-batch's reduction (Megatron-LM #6660; 2x at one "
-                f"micro-batch, about 2^GA after GA). Use --data-parallel-sharding-strategy optim or no_shard, a "
-                f"data-parallel size (for experts: DP / EP) above 1, or megatron-core 0.17 or later."
+            where = (
+                f"model chunk {index}: Megatron-FSDP --data-parallel-sharding-strategy {strategy} with "
+                f"{'an expert' if group.is_expert_param else 'a dense'} gradient buffer whose data-parallel group has "
+                f"one rank: megatron-core {release}"
             )
+            if release.startswith("0.16."):
+                raise LossContractError(
+                    f"{where} adds the accumulated gradient to itself at every micro-batch's reduction (Megatron-LM "
+                    f"#6660; 2x at one micro-batch, about 2^GA after GA). Use --data-parallel-sharding-strategy optim "
+                    f"or no_shard, a data-parallel size (for experts: DP / EP) above 1, or megatron-core 0.17 or later."
+                )
+            if mode == "microbatch" and _scales_in_place(grads, chunk.ddp_config) and _num_microbatches() > 1:
+                raise LossContractError(
+                    f"{where} multiplies the whole accumulated gradient by its scaling factor "
+                    f"{grads.gradient_scaling_factor:g} (1 / DP) before every micro-batch's reduction (unfused: bf16 "
+                    f"gradients, --no-gradient-reduce-div-fusion or gloo), so at {_num_microbatches()} micro-batches "
+                    f"the earlier ones are scaled again at each later one and the step misses the mean of means. Use "
+                    f"--ga-loss-reduction token (exact here), --data-parallel-sharding-strategy optim or no_shard, or "
+                    f"an expert data-parallel size (DP / EP) above 1."
+                )
+
+
+def _scales_in_place(grads: Any, ddp_config: Any) -> bool:
+    """Megatron-FSDP's ``gradient_reduce_preprocessing`` multiplies the bucket itself by the buffer's scaling factor
+    (not an AVG or a fused PREMUL_SUM reduction), and the factor is not 1."""
+    factor = grads.gradient_scaling_factor
+    if factor is None or factor == 1.0 or ddp_config.average_in_collective:
+        return False
+    return not ddp_config.gradient_reduce_div_fusion or grads.dtype == torch.bfloat16
+
+
+def _num_microbatches() -> int:
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+    return int(get_num_microbatches())
 
 
 def upstream_scales(chunk: torch.nn.Module) -> bool:
