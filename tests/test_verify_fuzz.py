@@ -48,6 +48,7 @@ def test_every_draw_is_a_layout_megatron_core_runs_on_the_cpu():
         "mtp",
         "mtp2",
         "moe_mtp",
+        "gpt_untied",
     }
     assert {lay.sequence_parallel for lay in layouts if lay.tensor_model_parallel_size > 1} == {True, False}
     assert not any(lay.sequence_parallel for lay in layouts if lay.tensor_model_parallel_size == 1)
@@ -61,6 +62,43 @@ def test_every_draw_is_a_layout_megatron_core_runs_on_the_cpu():
     assert any("mtp" in lay.model and lay.tensor_model_parallel_size > 1 and lay.sequence_parallel for lay in layouts)
     assert any("mtp" in lay.model and lay.pipeline_model_parallel_size > 1 for lay in layouts)
     assert any("moe" in lay.model and lay.sequence_parallel and lay.pipeline_model_parallel_size > 1 for lay in layouts)
+
+
+def test_fsdp_draws_keep_megatron_lms_rules_and_cover_each_path():
+    """torch FSDP2 as Megatron-LM's arguments.py takes it (PP 1, EP 1, no distributed optimizer, an untied output
+    layer: the untied GPT, or the position-wise model under CP); Megatron-FSDP with PP 1 (its device mesh) in every
+    strategy, with and without the overlap, on every model the DDP draws take; DP 2 and 4, TP, CP, EP, MBS 2 and
+    uneven loss tokens on each path. The DDP draws are the ones drawn before FSDP was (index for index)."""
+    draws = draw_layouts(400, seed=0)
+    fsdp2 = [d.layout for d in draws if d.layout.data_parallel == "torch_fsdp2"]
+    megatron = [d.layout for d in draws if d.layout.data_parallel == "megatron_fsdp"]
+    assert 0.05 < len(fsdp2) / len(draws) < 0.2 and 0.1 < len(megatron) / len(draws) < 0.3
+    for lay in fsdp2 + megatron:
+        assert lay.pipeline_model_parallel_size == 1 and not lay.distributed_optimizer, lay
+        assert lay.data_parallel_size in (2, 4), lay
+    for lay in fsdp2:
+        assert lay.expert_model_parallel_size == 1 and not lay.overlap_grad_reduce, lay
+        assert lay.model == ("positionwise" if lay.context_parallel_size > 1 else "gpt_untied"), lay
+    assert {lay.model for lay in megatron} == {
+        "gpt", "positionwise", "moe", "moe_seq", "moe_global", "moe_global_z", "moe_bias", "moe_positionwise",
+        "mtp", "mtp2", "moe_mtp",
+    }  # fmt: skip
+    assert {(lay.sharding_strategy, lay.overlap_grad_reduce) for lay in megatron} == {
+        (strategy, overlap) for strategy in ("no_shard", "optim", "optim_grads", "optim_grads_params")
+        for overlap in (False, True)
+    }  # fmt: skip
+    for path in (fsdp2, megatron):
+        assert {lay.data_parallel_size for lay in path} == {2, 4}
+        assert {lay.sequence_parallel for lay in path if lay.tensor_model_parallel_size > 1} == {True, False}
+        assert any(lay.context_parallel_size > 1 for lay in path)
+        assert {lay.micro_batch_size for lay in path} == {1, 2} and {lay.num_microbatches for lay in path} == {1, 2, 4}
+    assert any(lay.expert_model_parallel_size > 1 for lay in megatron)
+    assert any(0 in d.lengths for d in draws if d.layout.data_parallel != "ddp")
+    # draw 5 of seed 3, the router-count test's, is the DDP layout it was before FSDP was drawn
+    assert draw_layouts(6, seed=3)[5].layout == Layout(
+        data_parallel_size=2, num_microbatches=1, micro_batch_size=2, expert_model_parallel_size=2, model="moe_global",
+        overlap_grad_reduce=True, distributed_optimizer=True,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2026])
@@ -79,6 +117,9 @@ def test_megatron_core_validates_every_draw(seed):
     assert "TransformerConfig: ValueError: Cannot use sequence parallelism without tensor parallelism" in (
         megatron_refusal(replace(moe_tp, tensor_model_parallel_size=1, sequence_parallel=True))
     )
+    fsdp = Layout(data_parallel_size=2, num_microbatches=2, data_parallel="megatron_fsdp", sharding_strategy="optim")
+    assert megatron_refusal(fsdp) is None
+    assert "Megatron-FSDP's device mesh: EinopsError" in megatron_refusal(replace(fsdp, pipeline_model_parallel_size=2))
 
 
 def _verify(*args: str, script: str | None = None) -> subprocess.CompletedProcess:

@@ -46,7 +46,11 @@ TORCH_FSDP2_BEFORE_0_19 = (
 
 def ddp_config_of(layout: Layout) -> Any:
     """The DistributedDataParallelConfig ``pretrain()`` builds for the layout's flags (on gloo, Megatron-FSDP
-    divides by DP after its reduce-scatter, ``--no-gradient-reduce-div-fusion``: gloo has no PREMUL_SUM)."""
+    divides by DP after its reduce-scatter, ``--no-gradient-reduce-div-fusion``: gloo has no PREMUL_SUM).
+
+    The position-wise models have no transformer layer, Megatron-FSDP's unit: optim_grads_params sizes its
+    communication by the mean unit (``total_param_elements // total_fsdp_module``, a division by zero there), so they
+    pass ``--suggested-communication-unit-size`` as a launch would: 1e9 elements, the least upstream's sizing gives."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
     if layout.data_parallel == "megatron_fsdp":
@@ -56,6 +60,7 @@ def ddp_config_of(layout: Layout) -> Any:
             use_megatron_fsdp=True,
             data_parallel_sharding_strategy=layout.sharding_strategy,
             gradient_reduce_div_fusion=torch.distributed.get_backend() != "gloo",  # PREMUL_SUM is NCCL's alone
+            suggested_communication_unit_size=1_000_000_000 if "positionwise" in layout.model else None,
         )
     return DistributedDataParallelConfig(
         overlap_grad_reduce=layout.overlap_grad_reduce, use_distributed_optimizer=layout.distributed_optimizer
