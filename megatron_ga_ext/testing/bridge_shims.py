@@ -11,9 +11,8 @@ Megatron-Bridge's ``pretrain()`` (:func:`bridge_import_shim`, then :func:`bridge
 14. Bridge's ``initialize_megatron`` (its own, ``bridge/training/initialize.py:91`` asserts CUDA) is called with
    ``allow_no_cuda=True``, which ``setup.py:253`` never passes; and its ``compile_helpers`` (bound by name from
    megatron-core) does nothing, as shim 10 (the 0.19.2 wheel ships no Makefile: ``make`` fails on a GPU too).
-15. ``clip_grad_by_total_norm_fp32`` (``optimizer/clip_grads.py``, bound by name in ``optimizer.py``) asserts each
-   gradient is a ``torch.cuda.FloatTensor``: the stand-in scales by the same coefficient, min(1, max_norm /
-   (total_norm + 1e-6)), without the assert (with ``clip_grad`` 0 Megatron computes no grad norm to compare).
+15. ``clip_grad_by_total_norm_fp32`` asserts each gradient is a ``torch.cuda.FloatTensor``: shims.py's stand-in
+   (Megatron-LM's loop takes it too).
 
 Nothing here is imported by ``install()``.
 """
@@ -32,7 +31,14 @@ from typing import Any
 
 import torch
 
-from megatron_ga_ext.testing.shims import allow_no_cuda, cpu_shims, dataset_shims, memory_replacements, patched
+from megatron_ga_ext.testing.shims import (
+    allow_no_cuda,
+    clip_shims,
+    cpu_shims,
+    dataset_shims,
+    memory_replacements,
+    patched,
+)
 
 __all__ = ["bridge_import_shim", "bridge_shims"]
 
@@ -114,37 +120,19 @@ def bridge_import_shim() -> Iterator[None]:
         sys.meta_path.remove(finder)
 
 
-def _clip_without_cuda_assert(
-    parameters: Any, max_norm: float, total_norm: float, use_decoupled_grad: bool = False
-) -> None:
-    """Shim 15: megatron-core's clip_grad_by_total_norm_fp32 without its CUDA type assert."""
-    from megatron.core.optimizer.clip_grads import to_local_if_dtensor
-
-    params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
-    grads = [getattr(p, "decoupled_grad", None) if use_decoupled_grad else p.grad for p in params]
-    clip_coeff = max_norm / (total_norm + 1.0e-6)
-    if clip_coeff < 1.0:
-        for grad in grads:
-            if grad is not None:
-                to_local_if_dtensor(grad).detach().mul_(clip_coeff)
-
-
 @contextlib.contextmanager
 def bridge_shims() -> Iterator[None]:
     """Shims 1-10, 12, 14 and 15, for Megatron-Bridge's ``pretrain()`` on the CPU over gloo (import
     megatron.bridge.training.pretrain first, under :func:`bridge_import_shim`)."""
     import megatron.bridge.training.initialize as initialize
     import megatron.bridge.training.setup as setup
-    import megatron.core.optimizer.clip_grads as clip_grads
-    import megatron.core.optimizer.optimizer as optimizer
 
-    clip = {"clip_grad_by_total_norm_fp32": _clip_without_cuda_assert}
     with contextlib.ExitStack() as stack:
         stack.enter_context(dataset_shims())
         stack.enter_context(patched(initialize, {"compile_helpers": lambda *a, **k: None}))
         stack.enter_context(patched(setup, {"initialize_megatron": allow_no_cuda(setup.initialize_megatron)}))
-        stack.enter_context(patched(clip_grads, clip))
-        stack.enter_context(patched(optimizer, clip))
+        for clip in clip_shims():
+            stack.enter_context(clip)
         stack.enter_context(patched(torch.cuda, memory_replacements()))
         stack.enter_context(cpu_shims(device_count=1))
         yield

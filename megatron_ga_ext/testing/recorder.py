@@ -4,7 +4,9 @@
 * per logged iteration (``training_log``): iteration, consumed samples, the calculator's GBS and
   num_microbatches, learning rate (Megatron's: what its scheduler wrote after the step), ``trained_lr`` (the first
   param group's rate when torch's optimizer stepped in this iteration, read by a global step pre-hook; None where no
-  step ran: a skipped step), losses, grad norm, skipped, whether this rank is a last pipeline stage,
+  step ran: a skipped step), ``optimizer_state`` ([parameters holding state, parameters] of that torch optimizer on
+  this rank after the step: torch's Adam keeps no state for a parameter whose gradient was None), losses, grad norm,
+  skipped, whether this rank is a last pipeline stage,
   ``mask_tokens`` (the sum of the loss masks this rank's loss functions saw since the last iteration, read
   from pretrain_gpt's ``loss_func`` partial; not read while a CUDA graph is being captured, where a host read
   would end the capture, nor run where a captured graph replays), and from megatron-ga-ext when installed:
@@ -42,16 +44,24 @@ class Recorder:
         self.microbatches: Counter = Counter()
         """Forward steps per iteration, so a fault can pick the first micro-batch of one."""
         self.trained_lr: float | None = None
+        self.optimizer_state: list[int] | None = None
 
     def watch_optimizer_steps(self) -> None:
-        """Keep the rate each of torch's optimizer steps trains with (the first one since the last logged row)."""
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        """Keep the rate each of torch's optimizer steps trains with, and how many of its parameters hold state after
+        it (the first step since the last logged row)."""
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         def before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
             if self.trained_lr is None:
                 self.trained_lr = float(optimizer.param_groups[0]["lr"])
 
+        def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+            if self.optimizer_state is None:
+                params = [p for group in optimizer.param_groups for p in group["params"]]
+                self.optimizer_state = [sum(1 for p in params if optimizer.state.get(p)), len(params)]
+
         register_optimizer_step_pre_hook(before_step)
+        register_optimizer_step_post_hook(after_step)
 
     def write(self, row: dict) -> None:
         with open(self.path, "a") as handle:
@@ -111,6 +121,7 @@ class Recorder:
             "num_microbatches": int(calculators.get_num_microbatches()),
             "learning_rate": None if learning_rate is None else float(learning_rate),
             "trained_lr": self.trained_lr,
+            "optimizer_state": self.optimizer_state,
             "loss": {key: float(value) for key, value in loss_dict.items()},
             "grad_norm": None if grad_norm is None else float(grad_norm),
             "skipped": int(skipped_iter),
@@ -122,7 +133,7 @@ class Recorder:
             "time": time.perf_counter(),  # when Megatron logged the iteration (its log interval is 1 here)
         }
         self.mask_tokens = self.zeroed_tokens = 0
-        self.trained_lr = None
+        self.trained_lr = self.optimizer_state = None
         return row
 
     def pretrain(self, original: Callable) -> Callable:

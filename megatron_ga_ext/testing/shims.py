@@ -52,7 +52,12 @@ Megatron-LM's own training loop (``pretrain()``, :func:`training_shims`) needs t
    first iteration's memory report.
 
 Megatron's FSDP paths (``--use-torch-fsdp2``, ``--use-megatron-fsdp``) need one more, part of :func:`cpu_shims`
-(13-15 are Megatron-Bridge's, bridge_shims.py):
+(13 and 14 are Megatron-Bridge's, bridge_shims.py; 15 is here, for both loops):
+
+15. ``clip_grad_by_total_norm_fp32`` (``optimizer/clip_grads.py``, bound by name in ``optimizer.py``) asserts each
+   gradient is a ``torch.cuda.FloatTensor`` (in :func:`training_shims`, and Bridge's): the stand-in scales by the
+   same coefficient, min(1, max_norm / (total_norm + 1e-6)), as megatron-core's local ``multi_tensor_scale`` does,
+   without the assert. Megatron computes the norm it clips by itself; with ``--clip-grad 0`` it clips nothing.
 
 16. FSDP meshes: megatron's torch FSDP2 wrapper (``DeviceMesh.from_group(group, "cuda")``) and Megatron-FSDP
    (``mcore_fsdp_adapter.py``, ``device_type="cuda"``) build their device meshes on CUDA; ``DeviceMesh.from_group``
@@ -292,6 +297,30 @@ def _no_device_properties(*args: Any, **kwargs: Any) -> types.SimpleNamespace:
     return types.SimpleNamespace(major=0, minor=0, name="cpu", total_memory=0, multi_processor_count=1)
 
 
+def clip_without_cuda_assert(
+    parameters: Any, max_norm: float, total_norm: float, use_decoupled_grad: bool = False
+) -> None:
+    """Shim 15: megatron-core's clip_grad_by_total_norm_fp32 without its CUDA type assert."""
+    from megatron.core.optimizer.clip_grads import to_local_if_dtensor
+
+    params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
+    grads = [getattr(p, "decoupled_grad", None) if use_decoupled_grad else p.grad for p in params]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        for grad in grads:
+            if grad is not None:
+                to_local_if_dtensor(grad).detach().mul_(clip_coeff)
+
+
+def clip_shims() -> list[contextlib.AbstractContextManager]:
+    """Shim 15 where megatron-core binds the function: its module and the optimizers' (import megatron first)."""
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.optimizer as optimizer
+
+    clip = {"clip_grad_by_total_norm_fp32": clip_without_cuda_assert}
+    return [patched(clip_grads, clip), patched(optimizer, clip)]
+
+
 def allow_no_cuda(initialize_megatron: Any) -> Any:
     def initialize(*args: Any, **kwargs: Any) -> Any:
         kwargs["allow_no_cuda"] = True
@@ -334,7 +363,7 @@ def dataset_shims() -> Iterator[None]:
 
 @contextlib.contextmanager
 def training_shims() -> Iterator[None]:
-    """Shims 1-12, for Megatron-LM's ``pretrain()`` on the CPU over gloo (import megatron first)."""
+    """Shims 1-12, 15 and 17, for Megatron-LM's ``pretrain()`` on the CPU over gloo (import megatron first)."""
     import sys
 
     import megatron.training.initialize as initialize
@@ -347,6 +376,7 @@ def training_shims() -> Iterator[None]:
     patches = [dataset_shims()]
     patches += [patched(m, {"initialize_megatron": allow_no_cuda(initialize.initialize_megatron)}) for m in holders]
     patches.append(patched(torch.cuda, {**memory_replacements(), "get_device_properties": _no_device_properties}))
+    patches += clip_shims()
     fused_kernels = sys.modules.get("megatron.legacy.fused_kernels")
     if fused_kernels is not None:
         patches.append(patched(fused_kernels, {"load": lambda *a, **k: None}))
