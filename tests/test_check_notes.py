@@ -47,6 +47,7 @@ UPSTREAM_LINES = {
     "router-aux-loss": "--calculate-per-token-loss --num-experts 4 --moe-z-loss-coeff 1e-3 "
     "--tensor-model-parallel-size 2",
     "mtp": "--calculate-per-token-loss --mtp-num-layers 1",
+    "megatron-fsdp-checkpoint": "--use-megatron-fsdp --save ckpt --save-interval 100",
 }
 
 

@@ -472,6 +472,11 @@ def test_unclassified_lists_the_flags_neither_a_row_nor_the_off_path_list_names(
         ([*TOKEN, "--override-ckpt-iteration", "10"], None),  # a constant global batch: iteration x GBS is right
         ([*SCHEDULE, "--lr-warmup-samples", "32"], "lr-schedule"),
         ([*TOKEN, "--ddp-num-buckets", "4"], "grad-reduce-buckets"),
+        ([*TOKEN, "--use-megatron-fsdp", "--save", "ckpt", "--save-interval", "100"], "megatron-fsdp-checkpoint"),
+        (
+            [*TOKEN, "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim", "--save", "ckpt"],
+            "megatron-fsdp-checkpoint",
+        ),
         ([*TOKEN, "--optimizer-cuda-graph"], "optimizer-graph-liveness"),
         (["--optimizer-cuda-graph", "--ga-loss-reduction", "microbatch"], "optimizer-graph-liveness"),
     ],
@@ -509,3 +514,16 @@ def test_a_refusal_stops_at_the_first_hook_after_megatron_parses_its_args(monkey
     finally:
         installing.uninstall()
         calculators.unset_num_microbatches_calculator()
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "no_shard", "--save", "ckpt"],  # saves
+        ["--use-megatron-fsdp"],  # no checkpoint saved
+        ["--save", "ckpt"],  # Megatron's DDP
+    ],
+)
+def test_the_megatron_fsdp_checkpoint_note_only_where_the_optimizer_state_is_sharded(flags, capsys):
+    status, report = check(capsys, [*TOKEN, *flags])
+    assert status == 0 and "megatron-fsdp-checkpoint" not in report["note_rows"], report["notes"]

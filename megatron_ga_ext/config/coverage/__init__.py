@@ -20,8 +20,8 @@ lists the flags of a parser that neither names (tests/test_coverage_complete.py 
 ``make regress`` lists them for a checkout).
 
 The package, by job: ``row`` (Setting, Row, Proof), ``conditions`` (what the rows look at), ``proofs`` (the tests
-that prove rows), ``rows_graphs``, ``rows_moe``, ``rows_parallel``, ``rows_step`` (the rows by theme), ``rows``
-(the table), ``verdict`` (applying it), ``doc`` (docs/coverage.md).
+that prove rows), ``rows_graphs``, ``rows_moe``, ``rows_fsdp``, ``rows_parallel``, ``rows_step`` (the rows by theme),
+``rows`` (the table), ``verdict`` (applying it), ``doc`` (docs/coverage.md).
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from megatron_ga_ext.config.coverage.row import Row
+from megatron_ga_ext.config.coverage.rows_fsdp import FSDP_ROWS
 from megatron_ga_ext.config.coverage.rows_graphs import GRAPH_ROWS
 from megatron_ga_ext.config.coverage.rows_moe import MOE_ROWS
 from megatron_ga_ext.config.coverage.rows_parallel import PARALLEL_ROWS
@@ -10,4 +11,4 @@ from megatron_ga_ext.config.coverage.rows_step import STEP_ROWS
 
 __all__ = ["ROWS"]
 
-ROWS: tuple[Row, ...] = (*GRAPH_ROWS, *MOE_ROWS, *PARALLEL_ROWS, *STEP_ROWS)
+ROWS: tuple[Row, ...] = (*GRAPH_ROWS, *MOE_ROWS, *FSDP_ROWS, *PARALLEL_ROWS, *STEP_ROWS)
