@@ -6,8 +6,9 @@ reverted, recorded for docs/reduction.md's fuzz table (tools/results.py, then `m
 With every correction, each seed's N draws run as a user runs them. Reverted (install() without the hook that
 applies the correction, as an audit would revert it), only the draws the correction concerns run, the first
 ``--reverted`` of each seed: MoE under TP or CP, or global_aux_loss over DP (the router's count, Megatron-LM #7452
-finding 10), and MTP over more than one unit (MTP's local count, finding 3). A row says how many of them fail: a
-correction that no draw needs is a correction no run checks.
+finding 10), MTP over more than one unit (MTP's local count, finding 3), and torch FSDP2 (its units left averaging
+over DP x CP and no one dividing by N, upstream's per-token step: integration/fsdp.py). A row says how many of them
+fail: a correction that no draw needs is a correction no run checks.
 """
 
 from __future__ import annotations
@@ -22,10 +23,21 @@ from megatron_ga_ext.verify.fuzz import Draw, draw_layouts
 
 from .results import record
 
-#: install()'s hook rows each reverted variant removes, and the draws its correction concerns.
+
+def _without_hook(name: str) -> str:
+    return f"hooks.HOOKS = tuple(h for h in hooks.HOOKS if h.name != {name!r})"
+
+
+#: The FSDP2 fix taken out where install() and finalize call it (tests/test_fsdp.py reverts it the same way).
+FSDP2_AVERAGING = (
+    "fsdp.prepare_units = lambda *a, **k: None; finalize.check_units = lambda *a, **k: None; "
+    "finalize.scale_gradients = lambda chunk, scaling: chunk.scale_gradients(scaling)"
+)
+
+#: Each reverted variant: the statement that takes its correction out of install(), and the draws it concerns.
 REVERTED = {
     "router count reverted": (
-        "get_tokens_per_expert_and_token_count",
+        _without_hook("get_tokens_per_expert_and_token_count"),
         lambda layout: (
             "moe" in layout.model
             and (
@@ -35,27 +47,25 @@ REVERTED = {
         ),
     ),
     "MTP count reverted": (
-        "process_mtp_loss",
+        _without_hook("process_mtp_loss"),
         lambda layout: "mtp" in layout.model and layout.data_parallel_size * layout.num_microbatches > 1,
     ),
+    "FSDP2 sum reverted": (FSDP2_AVERAGING, lambda layout: layout.data_parallel == "torch_fsdp2"),
 }
 
-WITHOUT_HOOK = """
+REVERTING = """
 import sys
-from megatron_ga_ext.integration import hooks
-reverted = sys.argv.pop(1)
-hooks.HOOKS = tuple(h for h in hooks.HOOKS if h.name != reverted)
+from megatron_ga_ext.integration import finalize, fsdp, hooks
+exec(sys.argv.pop(1))
 from megatron_ga_ext.cli.main import main
 sys.exit(main(["verify", *sys.argv[1:]]))
 """
 
 
-def run_verify(args: list[str], without: str | None = None) -> dict:
-    """``megatron-ga verify --json ARGS`` in a fresh process (without install()'s hook ``without``): its JSON."""
+def run_verify(args: list[str], revert: str | None = None) -> dict:
+    """``megatron-ga verify --json ARGS`` in a fresh process (after the statement ``revert``): its JSON."""
     command = (
-        [sys.executable, "-c", WITHOUT_HOOK, without]
-        if without
-        else [sys.executable, "-m", "megatron_ga_ext.cli", "verify"]
+        [sys.executable, "-c", REVERTING, revert] if revert else [sys.executable, "-m", "megatron_ga_ext.cli", "verify"]
     )
     proc = subprocess.run([*command, *args, "--json"], capture_output=True, text=True, timeout=7200)
     if proc.returncode not in (0, 1):
@@ -93,12 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     import megatron.core
     from megatron.core.transformer import multi_token_prediction
 
+    from megatron_ga_ext.verify.data_parallel import torch_fsdp2_runs
+
     version, status = megatron.core.__version__.split("+")[0], 0
-    reverted = {
-        name: variant
-        for name, variant in REVERTED.items()  # 0.16 attaches MTP's sum: no correction
-        if variant[0] != "process_mtp_loss" or hasattr(multi_token_prediction, "process_mtp_loss")
+    skipped = {
+        "MTP count reverted": not hasattr(multi_token_prediction, "process_mtp_loss"),  # 0.16 attaches MTP's sum
+        "FSDP2 sum reverted": not torch_fsdp2_runs(),  # upstream's FSDP2 stops before 0.19
     }
+    reverted = {name: variant for name, variant in REVERTED.items() if not skipped.get(name)}
     for seed in args.seeds:
         start = time.perf_counter()
         out = run_verify(["--fuzz", str(args.draws), "--seed", str(seed), "--timeout", str(args.timeout)])
@@ -107,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         record("verify-fuzz", [row])
         print(row, flush=True)
         draws = draw_layouts(args.draws, seed)
-        for corrections, (hook, wants) in reverted.items():
+        for corrections, (revert, wants) in reverted.items():
             start, rows = time.perf_counter(), []
             for draw in concerned(draws, wants, args.reverted):
                 rows += run_verify(
@@ -121,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                         "--timeout",
                         str(args.timeout),
                     ],
-                    without=hook,
+                    revert=revert,
                 )["draws"]
             row = fuzz_row(version, seed, corrections, rows, time.perf_counter() - start)
             status |= not rows or all(r["verdict"] != "FAIL" for r in rows)  # a reverted run must fail

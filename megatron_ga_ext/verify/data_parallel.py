@@ -68,10 +68,17 @@ def ddp_config_of(layout: Layout) -> Any:
 
 
 def megatron_fsdp_limited(layout: Layout) -> str | None:
-    """Why this megatron-core's Megatron-FSDP cannot prove ``layout`` (:data:`MEGATRON_FSDP_OFF`), or None."""
+    """Why this megatron-core's Megatron-FSDP cannot prove ``layout`` (:data:`MEGATRON_FSDP_OFF`; TP where the
+    wrapper needs Transformer Engine), or None."""
     from megatron_ga_ext.integration.compat import megatron_core_version
 
     release = ".".join(megatron_core_version().split(".")[:2])
+    if layout.data_parallel == "megatron_fsdp" and layout.tensor_model_parallel_size > 1 and _tp_needs_te():
+        return (
+            f"megatron-core {release}'s Megatron-FSDP under TP tells a TP-split weight by isinstance(module, TELinear) "
+            f"(mcore_fsdp_adapter._fix_tensor_parallel_attributes), a TypeError without Transformer Engine: "
+            f"the TP draws need Transformer Engine or 0.18"
+        )
     off = MEGATRON_FSDP_OFF.get(release, set())
     if layout.data_parallel != "megatron_fsdp" or (layout.sharding_strategy, layout.overlap_grad_reduce) not in off:
         return None
@@ -80,6 +87,15 @@ def megatron_fsdp_limited(layout: Layout) -> str | None:
         f"megatron-core {release}'s Megatron-FSDP {layout.sharding_strategy} {overlap} --overlap-grad-reduce: "
         f"upstream's own step misses both references here too (without the extension); the row needs 0.18"
     )
+
+
+def _tp_needs_te() -> bool:
+    """megatron-core's Megatron-FSDP wrapper checks TP weights against TELinear (0.16, 0.17; 0.18 on compare the
+    module's type name), which without Transformer Engine is a stand-in, not a class."""
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter
+
+    checks_the_class = "isinstance(direct_module, (TELinear,))" in inspect.getsource(mcore_fsdp_adapter)
+    return checks_the_class and not isinstance(mcore_fsdp_adapter.TELinear, type)
 
 
 def torch_fsdp2_runs() -> bool:
