@@ -48,6 +48,11 @@ UPSTREAM_LINES = {
     "--tensor-model-parallel-size 2",
     "mtp": "--calculate-per-token-loss --mtp-num-layers 1",
     "megatron-fsdp-checkpoint": "--use-megatron-fsdp --save ckpt --save-interval 100",
+    **{
+        f"megatron-fsdp-{strategy.replace('_', '-')}": "--use-megatron-fsdp --data-parallel-sharding-strategy "
+        f"{strategy} --num-experts 8 --expert-model-parallel-size 8"
+        for strategy in ("optim_grads", "optim_grads_params")
+    },
 }
 
 

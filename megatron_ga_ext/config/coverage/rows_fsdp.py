@@ -4,7 +4,13 @@ checkpoint). Pure Python; the table is :data:`megatron_ga_ext.config.coverage.ro
 
 from __future__ import annotations
 
-from megatron_ga_ext.config.coverage.conditions import in_microbatch_mode, in_token_mode, is_on, megatron_fsdp_with
+from megatron_ga_ext.config.coverage.conditions import (
+    has_moe,
+    in_microbatch_mode,
+    in_token_mode,
+    is_on,
+    megatron_fsdp_with,
+)
 from megatron_ga_ext.config.coverage.proofs import verify_layouts
 from megatron_ga_ext.config.coverage.row import Proof, Row, Setting, Upstream
 
@@ -25,10 +31,36 @@ _ON_0_16 = (
 _ONE_RANK = (
     " A gradient buffer whose data-parallel group has one rank (DP 1, or the experts' when EP takes every DP rank): "
     "megatron-core 0.16 adds its accumulated gradient to itself at every micro-batch's reduction (Megatron-LM #6660, "
-    "2x at GA 1, about 2^GA after GA), and the first step stops naming it; absent from 0.17.1 on, where token mode is "
-    "exact and microbatch mode's expert gradients, scaled by 1 / DP before each micro-batch's reduction on the "
-    "unfused path (bf16 gradients, --no-gradient-reduce-div-fusion, gloo), miss the mean of means."
+    "2x at GA 1, about 2^GA after GA), and the first step stops naming it. From 0.17.1 on token mode is exact there; "
+    "in microbatch mode at GA > 1 megatron-core multiplies that buffer, which holds the accumulated gradient, by "
+    "1 / DP before every micro-batch's reduction where the reduction is not fused (bf16 gradients, "
+    "--no-gradient-reduce-div-fusion, gloo), so the expert gradients miss the mean of means (relative error 0.53 to "
+    "1.03 measured at GA 2 and 4), and the first step stops, naming --ga-loss-reduction token as the fix."
 )
+
+
+def _experts_may_share_one_rank(s: Setting) -> bool:
+    """Microbatch mode with experts split over EP > 1 ranks: EP may take every DP rank (the launch's DP decides)."""
+    return not s.on("calculate_per_token_loss") and has_moe(s) and s.number("expert_model_parallel_size") > 1
+
+
+def _one_rank_upstream(strategy: str) -> Upstream:
+    sharded = megatron_fsdp_with(strategy)
+    return Upstream(
+        given=f"--use-megatron-fsdp --data-parallel-sharding-strategy {strategy} with --expert-model-parallel-size "
+        "equal to the data-parallel size, without --calculate-per-token-loss",
+        effect="the experts' gradient buffer, whose data-parallel group has one rank, is multiplied by 1 / DP before "
+        "every micro-batch's reduction where it is not fused (bf16 gradients, --no-gradient-reduce-div-fusion), "
+        "so earlier micro-batches are scaled again at each later one (0.16: doubled, Megatron-LM #6660)",
+        severity="careful",
+        fix="Use --calculate-per-token-loss (exact there), --data-parallel-sharding-strategy optim or no_shard, or "
+        "an expert data-parallel size (DP / EP) above 1.",
+        brief="If EP takes every DP rank, Megatron-FSDP rescales the experts' accumulated gradient at each "
+        "micro-batch (unfused reduction). Use --calculate-per-token-loss, or optim or no_shard.",
+        applies=lambda s: sharded(s) and _experts_may_share_one_rank(s),
+    )
+
+
 MEGATRON_FSDP_STRATEGIES = (
     (
         "no_shard",
@@ -149,7 +181,8 @@ FSDP_ROWS: tuple[Row, ...] = (
                   *((Proof(test=FSDP + "test_expert_data_parallel_group_of_one_rank"),) if limit == _ONE_RANK else ()),
                   *((Proof(test=FSDP_E2E + f"test_megatron_fsdp_equals_ddp[{strategy}]"),)
                     if strategy in ("no_shard", "optim_grads_params") else ())),
-          applies=megatron_fsdp_with(strategy))
+          applies=megatron_fsdp_with(strategy),
+          upstream=(_one_rank_upstream(strategy),) if limit == _ONE_RANK else ())
       for strategy, held, noise, layouts, limit in MEGATRON_FSDP_STRATEGIES),
     Row(id="megatron-fsdp-checkpoint", flags=("--use-megatron-fsdp", "--save", "--data-parallel-sharding-strategy"),
         given="--use-megatron-fsdp with --save, the optimizer state sharded (--data-parallel-sharding-strategy optim, "
