@@ -63,8 +63,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         type=int,
         metavar="N",
         help="instead of the default layouts, N layouts drawn at random (TP, PP, VPP, CP, EP, DP, "
-        "MBS, GA, MoE balancing types, MTP, overlap, distributed optimizer; uneven loss "
-        "tokens), each against the unpartitioned reference (verify/fuzz.py)",
+        "MBS, GA, MoE balancing types, MTP, overlap, distributed optimizer, torch FSDP2, Megatron-FSDP; "
+        "uneven loss tokens), each against the unpartitioned reference (verify/fuzz.py)",
     )
     parser.add_argument("--seed", type=int, default=0, help="--fuzz: the seed of the draws (default 0)")
     parser.add_argument("--draw", type=int, metavar="K", help="--fuzz: run draw K of the seed alone")
