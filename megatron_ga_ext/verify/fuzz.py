@@ -72,7 +72,8 @@ class Draw:
 
 #: Each data-parallel wrapper's share of the draws.
 WRAPPERS = {"ddp": 0.7, "torch_fsdp2": 0.1, "megatron_fsdp": 0.2}
-SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+ShardingStrategy = Literal["no_shard", "optim", "optim_grads", "optim_grads_params"]
+SHARDING_STRATEGIES: tuple[ShardingStrategy, ...] = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 def draw_layouts(count: int, seed: int) -> list[Draw]:
