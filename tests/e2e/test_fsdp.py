@@ -13,7 +13,8 @@ if the gradients are.
   (megatron/core/optimizer/optimizer.py:829-831 in core_v0.19.0), where DDP's is wrapped in a ChainedOptimizer whose
   step computes it always (:1866; __init__.py:1133-1134 returns the lone Megatron-FSDP optimizer unwrapped). With
   ``--clip-grad 1`` (optim_grads_params) every iteration's grad norm and loss equal DDP's clipped launch, whose losses
-  after the first step differ from the unclipped one's: the clip acts. On the CPU the scaling is shims.py's stand-in
+  after the first step differ from the unclipped one's: the clip acts (on 0.16 with --use-distributed-optimizer given,
+  below). On the CPU the scaling is shims.py's stand-in
   for clip_grad_by_total_norm_fp32 (shim 15; upstream's asserts CUDA tensors); the norm is Megatron's own.
 * Checkpoints (``--ckpt-format fsdp_dtensor``, the format Megatron-FSDP saves): no_shard saves after iteration 2 and
   a resumed launch takes iterations 3 and 4 exactly as the uninterrupted one (dropout off, clipping on, so the grad
@@ -26,7 +27,10 @@ if the gradients are.
 * On megatron-core 0.16.1 upstream's own Megatron-FSDP launch (optim_grads_params) barely trains on the CPU (lm
   loss 7.0017, 7.0047, 6.9985, 6.9922 against DDP's 7.0017, 6.5309, 5.3517, 4.3812), with or without the extension,
   while its gradients are exact (tests/test_fsdp.py): there the extension's launch is held to upstream's own,
-  iteration by iteration.
+  iteration by iteration. The cause is Megatron-LM's, not megatron-core's: 0.16.1's and 0.17.1's arguments.py do not
+  turn on --use-distributed-optimizer for --use-megatron-fsdp (0.18.2's does, arguments.py:1113-1119), so the
+  launch steps an FP32Optimizer (whose step with --clip-grad 0 logs no norm, None); with the flag given, the same
+  launch's losses equal DDP's at every iteration.
 """
 
 from __future__ import annotations
@@ -63,7 +67,6 @@ CLIP = ["--clip-grad", "1.0"]
 #: Dropout off: a resumed run's losses are then a function of the weights and the samples alone (test_resume.py).
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
 NO_SHARD_ON_0_16 = "megatron-core 0.16's Megatron-FSDP no_shard without --overlap-grad-reduce (data_parallel.py)"
-FSDP_ON_0_16 = "megatron-core 0.16's Megatron-FSDP launch trains apart from DDP on the CPU (the module docstring)"
 
 
 def _ok(run):
@@ -82,6 +85,11 @@ def _ddp(launches, source):
 
 def _on_0_16(source) -> bool:
     return core_version(source).startswith("0.16.")
+
+
+def _distributed_on_0_16(source) -> list[str]:
+    """The distributed optimizer Megatron-FSDP needs, which 0.16's Megatron-LM does not imply (the docstring)."""
+    return ["--use-distributed-optimizer"] if _on_0_16(source) else []
 
 
 def _optimizer_state(run) -> dict[int, list[int]]:
@@ -121,15 +129,21 @@ def test_megatron_fsdp_equals_ddp(launches, newest_source, strategy):
     flags = [*BASE, *MEGATRON_FSDP[strategy]]
     ddp = _ddp(launches, newest_source)
     ours = _ok(launches.get(newest_source, "dp2", f"megatron-fsdp-{strategy}", flags))
-    if core_version(newest_source).startswith("0.16."):  # upstream's own run trains apart from DDP: ours is it
+    if _on_0_16(newest_source):  # upstream's own run trains apart from DDP: ours is it
         upstream = _ok(launches.get(newest_source, "dp2", f"megatron-fsdp-{strategy}-upstream", flags, extension=False))
         assert _losses(ours) == pytest.approx(_losses(upstream), rel=1e-6)
         assert _losses(upstream)[-1] > _losses(ddp)[-1] * 1.2
+        # 0.16's Megatron-LM does not imply the distributed optimizer Megatron-FSDP needs (0.18.2 does): given, the
+        # launch trains as DDP.
+        given = [*flags, *_distributed_on_0_16(newest_source)]
+        distributed = _ok(launches.get(newest_source, "dp2", f"megatron-fsdp-{strategy}-distopt", given))
+        assert _losses(distributed) == pytest.approx(_losses(ddp), rel=1e-6)
+        assert [r["grad_norm"] for r in distributed.iterations] == [0.0] * 4
     else:
         assert _losses(ours) == pytest.approx(_losses(ddp), rel=1e-6)
     assert [r["num_tokens"] for r in ours.iterations] == [r["num_tokens"] for r in ddp.iterations]
     # --clip-grad 0 (the tiny GPT's): Megatron-FSDP's optimizer is the DistributedOptimizer itself, whose step computes
-    # no norm (0.0 logged; None on 0.16); DDP's is wrapped in a ChainedOptimizer, whose step computes it always.
+    # no norm (0.0 logged; on 0.16 an FP32Optimizer, None); DDP's is wrapped in a ChainedOptimizer, which computes it.
     assert [r["grad_norm"] for r in ours.iterations] == [None if _on_0_16(newest_source) else 0.0] * 4
     assert all(r["grad_norm"] > 1.0 for r in ddp.iterations)
 
@@ -137,11 +151,9 @@ def test_megatron_fsdp_equals_ddp(launches, newest_source, strategy):
 def test_megatron_fsdp_clips_as_ddp(launches, newest_source):
     """--clip-grad 1: Megatron-FSDP (optim_grads_params) computes DDP's grad norm and its clipped steps are DDP's; the
     clip acts (the first norm is the unclipped run's, the later losses are not)."""
-    if _on_0_16(newest_source):
-        pytest.skip(FSDP_ON_0_16)
     ddp = _ddp(launches, newest_source)
     clipped = _ok(launches.get(newest_source, "dp2", "fsdp-ddp-clip", [*BASE, *CLIP]))
-    flags = [*BASE, *MEGATRON_FSDP["optim_grads_params"], *CLIP]
+    flags = [*BASE, *MEGATRON_FSDP["optim_grads_params"], *CLIP, *_distributed_on_0_16(newest_source)]
     ours = _ok(launches.get(newest_source, "dp2", "megatron-fsdp-optim_grads_params-clip", flags))
     norms = [r["grad_norm"] for r in clipped.iterations]
     assert [r["grad_norm"] for r in ours.iterations] == pytest.approx(norms, rel=1e-5)
