@@ -47,7 +47,8 @@ UPSTREAM_LINES = {
     "router-aux-loss": "--calculate-per-token-loss --num-experts 4 --moe-z-loss-coeff 1e-3 "
     "--tensor-model-parallel-size 2",
     "mtp": "--calculate-per-token-loss --mtp-num-layers 1",
-    "megatron-fsdp-checkpoint": "--use-megatron-fsdp --save ckpt --save-interval 100",
+    "megatron-fsdp-checkpoint": "--use-megatron-fsdp --use-distributed-optimizer --save ckpt --save-interval 100",
+    "megatron-fsdp-optimizer": "--use-megatron-fsdp",
     **{
         f"megatron-fsdp-{strategy.replace('_', '-')}": "--use-megatron-fsdp --data-parallel-sharding-strategy "
         f"{strategy} --num-experts 8 --expert-model-parallel-size 8"

@@ -105,6 +105,10 @@ _SHARDED_SAVE_WHY = (
 _SHARDED_SAVE = f"Megatron-FSDP's own checkpoint save: {_SHARDED_SAVE_WHY}."
 
 
+def _without_distributed_optimizer(s: Setting) -> bool:
+    return s.on("use_megatron_fsdp") and not s.on("use_distributed_optimizer")
+
+
 def _sharded_save(s: Setting) -> bool:
     """Megatron-FSDP saving a checkpoint with its optimizer state sharded (every strategy but no_shard)."""
     return s.on("use_megatron_fsdp") and s.value("save") is not None and not megatron_fsdp_with("no_shard")(s)
@@ -173,9 +177,11 @@ FSDP_ROWS: tuple[Row, ...] = (
           given=f"--use-megatron-fsdp --data-parallel-sharding-strategy {strategy}", support="supported",
           text=f"Megatron-FSDP ({strategy}: {held}) builds its gradient buffers without the 1 / (DP x CP) factor "
           "under --calculate-per-token-loss (checked at the first step) and its finalize scales them by 1 / N: exact "
-          "in both modes, with and without --overlap-grad-reduce, and with the distributed optimizer it implies; its "
-          "buffer and precision options change how the gradient is sharded, sent and stored (in the dtypes they "
-          f"name), not that factor; --ga-noise-scale refuses it ({noise}).{limit}",
+          "in both modes, with and without --overlap-grad-reduce, with the distributed optimizer (see "
+          "megatron-fsdp-optimizer); its buffer and precision options change how the gradient is sharded, sent and "
+          f"stored (in the dtypes they name), not that factor; --ga-noise-scale refuses it ({noise}). With --clip-grad "
+          "0 Megatron-LM logs its grad norm as 0.0: Megatron-FSDP's optimizer computes the norm only to clip (DDP's "
+          f"chained optimizer always does); with a clip the norm and the clipped step equal DDP's.{limit}",
           proofs=(*verify_layouts(*layouts),
                   Proof(test=FSDP + f"test_megatron_fsdp_is_exact_in_every_strategy_and_mode[{strategy}]"),
                   *((Proof(test=FSDP + "test_expert_data_parallel_group_of_one_rank"),) if limit == _ONE_RANK else ()),
@@ -184,6 +190,25 @@ FSDP_ROWS: tuple[Row, ...] = (
           applies=megatron_fsdp_with(strategy),
           upstream=(_one_rank_upstream(strategy),) if limit == _ONE_RANK else ())
       for strategy, held, noise, layouts, limit in MEGATRON_FSDP_STRATEGIES),
+    Row(id="megatron-fsdp-optimizer", flags=("--use-megatron-fsdp", "--use-distributed-optimizer"),
+        given="--use-megatron-fsdp without --use-distributed-optimizer", support="limited",
+        brief="Megatron-LM 0.16 and 0.17 do not turn on the distributed optimizer for Megatron-FSDP, and such a run "
+              "barely trains. Add --use-distributed-optimizer.",
+        text="Megatron-FSDP needs the distributed optimizer: Megatron-LM turns it on for --use-megatron-fsdp from "
+        "0.18 (arguments.py:1113-1119 in core_v0.18.2), 0.16 and 0.17 leave it off, and the launch steps an "
+        "FP32Optimizer that barely trains, with or without the extension, while the gradients are exact (DP 2, lm "
+        "loss 7.0017, 7.0047, 6.9985, 6.9922 on 0.16.1 against DDP's 7.0017, 6.5309, 5.3517, 4.3812); given "
+        "--use-distributed-optimizer, the same launch's losses equal DDP's.",
+        proofs=(Proof(test=FSDP_E2E + "test_megatron_fsdp_equals_ddp[optim_grads_params]"),),
+        applies=_without_distributed_optimizer,
+        upstream=(Upstream(
+            given="--use-megatron-fsdp without --use-distributed-optimizer (Megatron-LM 0.16, 0.17)",
+            effect="Megatron-LM leaves the distributed optimizer off and steps an FP32Optimizer, which barely trains",
+            severity="careful",
+            fix="Add --use-distributed-optimizer (Megatron-LM 0.18 and later add it themselves).",
+            brief="Megatron-LM 0.16 and 0.17 do not turn on the distributed optimizer for Megatron-FSDP, and such a "
+                  "run barely trains. Add --use-distributed-optimizer.",
+            applies=_without_distributed_optimizer),)),
     Row(id="megatron-fsdp-checkpoint", flags=("--use-megatron-fsdp", "--save", "--data-parallel-sharding-strategy"),
         given="--use-megatron-fsdp with --save, the optimizer state sharded (--data-parallel-sharding-strategy optim, "
         "optim_grads or optim_grads_params)", support="limited", severity="info",
