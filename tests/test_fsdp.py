@@ -50,20 +50,6 @@ def _errors(grads, refs, layout) -> dict:
     }
 
 
-def _reverted():
-    """The FSDP2 fix taken out where install() and finalize call it: units keep FSDP2's average, no one scales."""
-    from megatron_ga_ext.integration import finalize, fsdp
-    from megatron_ga_ext.testing.shims import patched
-
-    noop = lambda *args, **kwargs: None  # noqa: E731
-    return (
-        patched(fsdp, {"prepare_units": noop}),
-        patched(
-            finalize, {"check_units": noop, "scale_gradients": lambda chunk, scaling: chunk.scale_gradients(scaling)}
-        ),
-    )
-
-
 def _unit_checks(cfg, layout) -> dict:
     """prepare_units / check_units / scale_gradients on a freshly wrapped FSDP2 chunk (no step)."""
     import torch
@@ -231,6 +217,7 @@ def _expert_dp_one(cfg, batch) -> dict:
 
 def _fsdp2(cfg, batch, refs, fsdp2) -> dict:
     """torch FSDP2 through install() in both modes, upstream's own per-token step, and ours with the fix reverted."""
+    from megatron_ga_ext.testing.faults import fsdp2_sum_reverted
     from megatron_ga_ext.verify.harness import run_layout
 
     out = {}
@@ -239,8 +226,7 @@ def _fsdp2(cfg, batch, refs, fsdp2) -> dict:
         out[("fsdp2", mode, "ours")] = {**_errors(grads, refs, fsdp2), "num_tokens": n}
     grads, _ = run_layout(fsdp2, "token", cfg, batch, extension=False)
     out[("fsdp2", "token", "upstream")] = _errors(grads, refs, fsdp2)
-    reverted = _reverted()
-    with reverted[0], reverted[1]:
+    with fsdp2_sum_reverted():
         grads, _ = run_layout(fsdp2, "token", cfg, batch)
     out[("fsdp2", "token", "reverted")] = _errors(grads, refs, fsdp2)
     return out

@@ -176,3 +176,23 @@ def test_fuzz_arguments_are_checked(capsys):
 
     assert main(["verify", "--fuzz", "3", "--draw", "5"]) == 2
     assert "--fuzz takes N >= 1 draws, and --draw K one of them (0 <= K < N)" in capsys.readouterr().err
+
+
+def test_the_fsdp2_revert_of_make_verify_fuzz_holds_for_the_rest_of_the_process():
+    """tools/verify_fuzz.py's FSDP2 revert, run as its verify process runs it: after a garbage collection install()'s
+    fix is still out (a context manager no one holds would have put it back), and its exit puts it back."""
+    import gc
+
+    from megatron_ga_ext.integration import finalize, fsdp
+    from tools.verify_fuzz import FSDP2_AVERAGING
+
+    fix = (fsdp.prepare_units, finalize.check_units, finalize.scale_gradients)
+    namespace: dict = {}
+    exec(FSDP2_AVERAGING, namespace)
+    try:
+        gc.collect()
+        assert fsdp.prepare_units is not fix[0] and finalize.check_units is not fix[1]
+        assert finalize.scale_gradients is not fix[2]
+    finally:
+        namespace["reverted"].__exit__(None, None, None)
+    assert (fsdp.prepare_units, finalize.check_units, finalize.scale_gradients) == fix

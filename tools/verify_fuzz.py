@@ -28,10 +28,11 @@ def _without_hook(name: str) -> str:
     return f"hooks.HOOKS = tuple(h for h in hooks.HOOKS if h.name != {name!r})"
 
 
-#: The FSDP2 fix taken out where install() and finalize call it (tests/test_fsdp.py reverts it the same way).
+#: The FSDP2 fix taken out for the rest of the process, as tests/test_fsdp.py takes it out (the context kept in a
+#: global: a context manager no one holds is collected, and its exit puts the fix back).
 FSDP2_AVERAGING = (
-    "fsdp.prepare_units = lambda *a, **k: None; finalize.check_units = lambda *a, **k: None; "
-    "finalize.scale_gradients = lambda chunk, scaling: chunk.scale_gradients(scaling)"
+    "from megatron_ga_ext.testing.faults import fsdp2_sum_reverted; reverted = fsdp2_sum_reverted(); "
+    "reverted.__enter__()"
 )
 
 #: Each reverted variant: the statement that takes its correction out of install(), and the draws it concerns.
@@ -55,7 +56,7 @@ REVERTED = {
 
 REVERTING = """
 import sys
-from megatron_ga_ext.integration import finalize, fsdp, hooks
+from megatron_ga_ext.integration import hooks
 exec(sys.argv.pop(1))
 from megatron_ga_ext.cli.main import main
 sys.exit(main(["verify", *sys.argv[1:]]))

@@ -20,10 +20,14 @@ every rank without ``@R``):
 * ``two-tuple-loss``: the loss function returns ``(loss, report)``, without the token count;
 * ``ddp-before-per-token-flag``: Megatron's DDP wrappers are built while ``calculate_per_token_loss`` is off, and
   the flag is set again after (a model wrapped before the flag).
+
+:func:`fsdp2_sum_reverted` takes install()'s torch FSDP2 fix out, as an audit would (tests/test_fsdp.py and
+``make verify-fuzz``'s reverted row).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
@@ -35,6 +39,7 @@ __all__ = [
     "apply_faults",
     "current_iteration",
     "faulty_loss",
+    "fsdp2_sum_reverted",
     "patch_everywhere",
     "rank_faults",
     "reinstall",
@@ -55,6 +60,19 @@ def faulty_loss(loss_func: Callable, *, nan: bool) -> Callable:
         return outputs[0], outputs[-1]
 
     return faulty
+
+
+@contextlib.contextmanager
+def fsdp2_sum_reverted() -> Any:
+    """install()'s torch FSDP2 fix taken out where install() and finalize call it: the units keep FSDP2's average
+    over DP x CP and no one divides by N (upstream's own per-token step, integration/fsdp.py)."""
+    from megatron_ga_ext.integration import finalize, fsdp
+    from megatron_ga_ext.testing.shims import patched
+
+    noop = lambda *args, **kwargs: None  # noqa: E731
+    upstreams = {"check_units": noop, "scale_gradients": lambda chunk, scaling: chunk.scale_gradients(scaling)}
+    with patched(fsdp, {"prepare_units": noop}), patched(finalize, upstreams):
+        yield
 
 
 def rank_faults(text: str, rank: int) -> dict[str, int | None]:
