@@ -130,11 +130,11 @@ def check_megatron_fsdp(model: Any, mode: str) -> None:
                     f"#6660; 2x at one micro-batch, about 2^GA after GA). Use --data-parallel-sharding-strategy optim "
                     f"or no_shard, a data-parallel size (for experts: DP / EP) above 1, or megatron-core 0.17 or later."
                 )
-            if mode == "microbatch" and _scales_in_place(grads, chunk.ddp_config) and _num_microbatches() > 1:
+            if mode == "microbatch" and _scales_in_place(grads, chunk.ddp_config) and (ga := _num_microbatches()) > 1:
                 raise LossContractError(
                     f"{where} multiplies the whole accumulated gradient by its scaling factor "
                     f"{grads.gradient_scaling_factor:g} (1 / DP) before every micro-batch's reduction (unfused: bf16 "
-                    f"gradients, --no-gradient-reduce-div-fusion or gloo), so at {_num_microbatches()} micro-batches "
+                    f"gradients, --no-gradient-reduce-div-fusion or gloo), so at {ga} micro-batches "
                     f"the earlier ones are scaled again at each later one and the step misses the mean of means. Use "
                     f"--ga-loss-reduction token (exact here), --data-parallel-sharding-strategy optim or no_shard, or "
                     f"an expert data-parallel size (DP / EP) above 1."

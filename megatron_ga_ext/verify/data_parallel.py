@@ -15,6 +15,7 @@ verify proves is the one a run takes (Megatron-FSDP no_shard with a ``no_sync`` 
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -89,6 +90,7 @@ def megatron_fsdp_limited(layout: Layout) -> str | None:
     )
 
 
+@functools.cache
 def _tp_needs_te() -> bool:
     """megatron-core's Megatron-FSDP wrapper checks TP weights against TELinear (0.16, 0.17; 0.18 on compare the
     module's type name), which without Transformer Engine is a stand-in, not a class."""
