@@ -4,6 +4,7 @@
 #   make e2e [MEGATRON_LM=DIR|TGZ]  Megatron-LM's own pretrain_gpt.py end to end (default: the snapshots in
 #                                   ../shared/upstream that run on this Python)
 #   make matrix                     the behaviour suite on every tested source of this Python
+#   make patches-check              patches/upstream (fixes to megatron-core): apply, tests fail before, pass after
 #   make regress MEGATRON_LM=DIR|TGZ  both, on the Megatron-LM checkout you train from, after listing its drift:
 #                                   parser flags the coverage table does not classify, hooked functions changed
 #   make fuzz                       10,000 hypothesis examples on each input surface
@@ -52,7 +53,7 @@ MEGATRON_LM ?=
 MEGATRON_LM_SNAPSHOTS ?= ../shared/upstream
 export MEGATRON_LM MEGATRON_LM_SNAPSHOTS
 
-.PHONY: setup demo test test-O lint fuzz verify-fuzz matrix e2e regress corpus critical-batch critical-batch-quick test-bridge docs docs-check wheel-check fingerprints clean
+.PHONY: setup demo test test-O lint fuzz verify-fuzz matrix patches-check e2e regress corpus critical-batch critical-batch-quick test-bridge docs docs-check wheel-check fingerprints clean
 
 setup: $(STAMP)
 
@@ -106,9 +107,24 @@ $(E2E_STAMP): $(STAMP)
 matrix: $(E2E_STAMP)
 	MEGATRON_GA_RESULTS=$(RESULTS) $(PY) tools/regress.py behaviour $(MEGATRON_LM)
 
+# The fixes to megatron-core itself (patches/upstream, docs/upstream.md): each applies to its pristine source, alone
+# and in series, and the upstream-style tests (tests/upstream_style, two gloo ranks) fail before and pass after, on
+# 0.19.2 and main d98e8a64 (MEGATRON_LM_SNAPSHOTS); about 4 minutes. PATCHES_SOURCE=megatron-core-0.19.2 checks one
+# source (CI: about 2.5 minutes).
+PATCHES_SOURCE ?=
+patches-check: $(STAMP)
+	$(PY) patches/upstream.py check $(if $(PATCHES_SOURCE),--source $(PATCHES_SOURCE))
+
 e2e: $(E2E_STAMP)
 	@$(PY) tools/regress.py sources $(MEGATRON_LM) >/dev/null
 	MEGATRON_GA_RESULTS=$(RESULTS) $(PY) -m pytest -q -p no:cacheprovider -m e2e tests/e2e $(PYTEST_ARGS)
+
+# check's verdicts and numbers held to Megatron-LM's own parse_args/validate_args/calculator/TransformerConfig on
+# tests/oracle/corpus.jsonl, from the snapshots of core_v0.19.0 and main d98e8a64 (MEGATRON_LM_SNAPSHOTS); each
+# disagreement is written to /tmp/oracle/disagreements.txt (MEGATRON_GA_ORACLE_REPORT).
+.PHONY: oracle
+oracle: $(E2E_STAMP)
+	$(PY) -m pytest -q -s -p no:cacheprovider -m oracle tests/oracle $(PYTEST_ARGS)
 
 corpus: $(STAMP)
 	$(PY) -m benchmarks.corpus
@@ -158,7 +174,13 @@ wheel-check:
 # After adding a source to compat.UPSTREAM: fingerprints of its hooked functions, from the snapshots.
 fingerprints: $(STAMP)
 	$(PY) -c 'from tools import regress; [regress.tree(regress.snapshot_dir() / f"megatron-lm-{u.ref}.tar.gz") for u in regress.UPSTREAM]'
+	for source in megatron-core-0.19.2 megatron-lm-d98e8a64; do $(PY) patches/upstream.py tree --source $$source; done
 	$(PY) -m megatron_ga_ext.integration.compat --snapshots .cache/megatron-lm --write
+
+# The memory ledger against upstream's theoretical_memory_usage.py and FLOPs, from the snapshots (a few seconds).
+.PHONY: oracle-memory
+oracle-memory: $(STAMP)
+	MEGATRON_GA_RESULTS=$(RESULTS) $(PY) -m pytest -q -s -p no:cacheprovider -m oracle tests/test_memory_upstream.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf .venv .venv-* *.egg-info .pytest_cache .hypothesis

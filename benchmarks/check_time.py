@@ -1,11 +1,12 @@
-"""How long ``megatron-ga check`` takes to answer, side by side with ``megatron-ga --version`` (the console script's
-start: Python and the CLI's imports), on lines of the newcomer's set.
+"""How long ``megatron-ga check`` takes to answer, side by side with ``megatron-ga --version`` (the
+console script's start: Python and the CLI's imports), on lines of the newcomer's set.
 
     python benchmarks/check_time.py [--rounds 15] [--out benchmarks/results/check-time-DATE.json]
 
-Each round runs every command once, interleaved, as a user runs it (a subprocess of the installed console script),
-so a load that comes and goes touches all of them alike; the table gives each command's median wall time and the
-median of its per-round difference from ``--version``. Whether torch or megatron is imported is checked in-process.
+Each round runs every command once, interleaved, as a user runs it (a subprocess of the installed
+console script), so a load that comes and goes touches all of them alike; the table gives each
+command's median wall time and the median of its per-round difference from ``--version``. Whether
+torch or megatron is imported is checked in-process.
 """
 
 from __future__ import annotations
@@ -21,7 +22,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(sys.executable).parent / "megatron-ga"
-GPT = ["torchrun", "--nproc_per_node", "8", "pretrain_gpt.py", "--micro-batch-size", "1", "--seq-length", "2048"]
+GPT = [
+    "torchrun",
+    "--nproc_per_node",
+    "8",
+    "pretrain_gpt.py",
+    "--micro-batch-size",
+    "1",
+    "--seq-length",
+    "2048",
+]
 PASTED = """GPUS_PER_NODE=8
 NUM_NODES=16
 DISTRIBUTED_ARGS=( --nproc_per_node $GPUS_PER_NODE --nnodes $NUM_NODES )
@@ -85,7 +95,9 @@ def wall(argv: list[str]) -> float:
     result = subprocess.run([str(SCRIPT), *argv], capture_output=True, text=True)
     seconds = time.perf_counter() - start
     if result.returncode not in (0, 1):
-        raise SystemExit(f"megatron-ga {' '.join(argv)[:60]} exited {result.returncode}: {result.stderr}")
+        raise SystemExit(
+            f"megatron-ga {' '.join(argv)[:60]} exited {result.returncode}: {result.stderr}"
+        )
     return seconds
 
 
@@ -114,7 +126,11 @@ def main() -> None:
     for name, values in times.items():
         over = statistics.median(v - b for v, b in zip(values, base))
         rows.append(
-            {"command": name, "median_s": round(statistics.median(values), 3), "over_version_s": round(over, 3)}
+            {
+                "command": name,
+                "median_s": round(statistics.median(values), 3),
+                "over_version_s": round(over, 3),
+            }
         )
         print(f"{name:48} {statistics.median(values):9.3f} {over:15.3f}")
     torch = imports_torch()

@@ -1,32 +1,39 @@
-"""The critical batch size of a small GPT on real text, by its definition (McCandlish et al. 2018's sweep) and by the
-in-run noise scale, and whether ``--ga-batch-size-warmup auto`` saves steps against the right baselines (issue 39).
+"""The critical batch size of a small GPT on real text, by its definition (McCandlish et al. 2018's
+sweep) and by the in-run noise scale, and whether ``--ga-batch-size-warmup auto`` saves steps
+against the right baselines (issue 39).
 
-Every run is Megatron-LM's pretrain_gpt.py (the newest release snapshot of this Python) through the drop-in entry,
-DP 2 on the CPU over gloo (tests/support/pretrain_runs.py's launcher), token mode, on benchmarks/corpus.py's held-out
-split (``--train-data-path`` / ``--valid-data-path`` with ``--full-validation``: every evaluation of every run is on
-the same validation samples), Adam at a constant LR after a warmup of WARMUP_SAMPLES, every run the same SAMPLES,
-evaluated every EVAL_EVERY samples (every step at and above that GBS), ``--ga-noise-scale`` measuring every
+Every run is Megatron-LM's pretrain_gpt.py (the newest release snapshot of this Python) through the
+drop-in entry, DP 2 on the CPU over gloo (tests/support/pretrain_runs.py's launcher), token mode, on
+benchmarks/corpus.py's held-out split (``--train-data-path`` / ``--valid-data-path`` with
+``--full-validation``: every evaluation of every run is on the same validation set; its iterator
+cycles across the DP ranks, so evaluating the same weights twice differs by a median 0.0028 nats),
+Adam at a constant LR after a warmup of WARMUP_SAMPLES, every run the same SAMPLES, evaluated every
+EVAL_EVERY samples (every step at and above that GBS), ``--ga-noise-scale`` measuring every
 NOISE_EVERY samples into a trace. The phases, in the order they run (the B_crit table first):
 
-1. ``grid``: each GBS of SIZES at the LRs ``lr(gbs, k) = LR16 x (gbs / 16) ** LR_POWER x 2 ** k`` for k in GRID,
-   seed 1; where the best k (lowest mean validation loss after the LR warmup) is at an edge of what ran, the next k
-   beyond it runs, up to EXTEND more per GBS, so the best is interior;
-2. ``seeds``: the best k of each GBS again at each further seed of SEEDS; at LONG_SIZES, whose runs reach no target
-   within SAMPLES, the best k at every seed for LONG_SAMPLES instead (evaluated every LONG_EVAL_EVERY samples);
-3. ``warmup``: ``--ga-batch-size-warmup auto`` from the start size at trust 1 and at T (``--warmup-trust T``; by
-   default the trust benchmarks/critical_batch_analysis.py measures from 1 and 2), against constant batches at the
-   start and end sizes and a hand schedule that doubles at fixed samples, at equal samples, evaluated every
-   WARMUP_EVAL_STEPS steps, at each seed.
+1. ``grid``: each GBS of SIZES at the LRs ``lr(gbs, k) = LR16 x (gbs / 16) ** LR_POWER x 2 ** k``
+   for k in GRID, seed 1; where the best k (lowest mean validation loss after the LR warmup) is at
+   an edge of what ran, the next k beyond it runs, up to EXTEND more per GBS, so the best is
+   interior;
+2. ``seeds``: the best k of each GBS again at each further seed of SEEDS; at LONG_SIZES, whose runs
+   reach no target within SAMPLES, the best k at every seed for LONG_SAMPLES instead (evaluated
+   every LONG_EVAL_EVERY samples);
+3. ``warmup``: ``--ga-batch-size-warmup auto`` from the start size at trust 1 and at T
+   (``--warmup-trust T``; by default the trust benchmarks/critical_batch_analysis.py measures from 1
+   and 2), against constant batches at the start and end sizes and a hand schedule that doubles at
+   fixed samples, at equal samples, evaluated every WARMUP_EVAL_STEPS steps, at each seed.
 
-Each run is cached as ``.cache/critical-batch/<plan>/<name>.json`` (its validation curve and its trace rows) once it
-finished: the sweep can be stopped and run again, and a run again skips what finished. ``--collect`` writes every
-cached run into the result JSON (benchmarks/results/critical-batch-DATE.json) and benchmarks/critical_batch_analysis.py
-fits it.
+Each run is cached as ``.cache/critical-batch/<plan>/<name>.json`` (its validation curve and its
+trace rows) once it finished: the sweep can be stopped and run again, and a run again skips what
+finished. ``--collect`` writes every cached run into the result JSON
+(benchmarks/results/critical-batch-DATE.json) and benchmarks/critical_batch_analysis.py fits it.
 
-    nice -n 19 python benchmarks/critical_batch.py [--phase grid|seeds|warmup|all] [--warmup-trust T] [--quick]
-    python benchmarks/critical_batch.py --collect [--quick]
+    nice -n 19 python benchmarks/critical_batch.py [--phase grid|seeds|warmup|all] [--warmup-trust
+    T] [--quick] python benchmarks/critical_batch.py --collect [--quick]
+    python benchmarks/critical_batch.py --plan      # issue 51's runs still to make, costed; trains nothing
 
-``--quick`` (about a minute: three batch sizes, one LR, few samples) keeps the pipeline working; it measures nothing.
+``--quick`` (about a minute: three batch sizes, one LR, few samples) keeps the pipeline working; it
+measures nothing.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import corpus  # noqa: E402
 from benchmarks.critical_batch_analysis import analyse, measured_trust  # noqa: E402
+from benchmarks.critical_batch_plan import render as render_plan  # noqa: E402
 from tests.support.pretrain_runs import launch  # noqa: E402
 from tools.regress import sources  # noqa: E402
 
@@ -78,10 +86,20 @@ MODEL = [
     "--eval-global-batch-size",
     "2",
 ]
+#: The sweep ``--plan`` plans from (benchmarks/critical_batch_plan.py).
+PLAN_FROM = ROOT / "benchmarks" / "results" / "critical-batch-2026-12-03.json"
 #: --seq-length of MODEL: a step schedule's thresholds are tokens.
 SEQ_LENGTH = 64
-#: The trace keys a run's record keeps (core/noise_trace.py): the per-step estimates and the EMA's B_simple.
-TRACE_KEYS = ("iteration", "consumed_samples", "grad_sq", "trace_sigma", "tokens_per_sample", "b_simple_samples")
+#: The trace keys a run's record keeps (science/core/noise_trace.py): the per-step estimates and the
+#: EMA's B_simple.
+TRACE_KEYS = (
+    "iteration",
+    "consumed_samples",
+    "grad_sq",
+    "trace_sigma",
+    "tokens_per_sample",
+    "b_simple_samples",
+)
 
 
 @dataclass(frozen=True)
@@ -145,9 +163,11 @@ QUICK = Plan(
 )
 
 
-def flags(plan: Plan, gbs: int, lr: float, seed: int, trace: Path, eval_interval: int, samples: int) -> list[str]:
-    """One run's flags beyond the launcher's tiny GPT (later flags win): the model, its batch, LR, seed, samples,
-    evaluation and noise-scale measurement."""
+def flags(
+    plan: Plan, gbs: int, lr: float, seed: int, trace: Path, eval_interval: int, samples: int
+) -> list[str]:
+    """One run's flags beyond the launcher's tiny GPT (later flags win): the model, its batch, LR,
+    seed, samples, evaluation and noise-scale measurement."""
     return [
         *MODEL,
         "--micro-batch-size",
@@ -176,12 +196,14 @@ def flags(plan: Plan, gbs: int, lr: float, seed: int, trace: Path, eval_interval
 
 
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+)")
-_VALIDATION = re.compile(r"validation(?:-0)? loss at iteration\s+(\d+)(?: on validation set)? \| lm loss value: (\S+)")
+_VALIDATION = re.compile(
+    r"validation(?:-0)? loss at iteration\s+(\d+)(?: on validation set)? \| lm loss value: (\S+)"
+)
 
 
 def validation_curve(text: str) -> list[list[float]]:
-    """[iteration, consumed samples, validation loss] of Megatron's validation lines, in order (the one after training
-    last), read also where the batch changes."""
+    """[iteration, consumed samples, validation loss] of Megatron's validation lines, in order (the
+    one after training last), read also where the batch changes."""
     consumed, points = {0: 0}, []
     for line in text.splitlines():
         if (match := _ITERATION.search(line)) is not None:
@@ -203,16 +225,28 @@ class Sweep:
         self.tree = next(t for t in reversed(trees) if "core_v" in t.name)  # the newest release
         self.out = ROOT / ".cache" / "critical-batch" / plan.name
         self.out.mkdir(parents=True, exist_ok=True)
-        self.data = [*corpus.heldout_flags(self.tree), "--data-cache-path", str(self.out / "index-cache")]
+        self.data = [
+            *corpus.heldout_flags(self.tree),
+            "--data-cache-path",
+            str(self.out / "index-cache"),
+        ]
 
     def cached(self, name: str) -> dict | None:
         path = self.out / f"{name}.json"
         return json.loads(path.read_text()) if path.exists() else None
 
     def train(
-        self, name: str, gbs: int, lr: float, seed: int, phase: str, extra: tuple[str, ...] = (), long: bool = False
+        self,
+        name: str,
+        gbs: int,
+        lr: float,
+        seed: int,
+        phase: str,
+        extra: tuple[str, ...] = (),
+        long: bool = False,
     ) -> dict:
-        """One run (``long``: of ``plan.long_samples``): from the cache where it finished, else trained and cached."""
+        """One run (``long``: of ``plan.long_samples``): from the cache where it finished, else
+        trained and cached."""
         if (record := self.cached(name)) is not None:
             return record
         trace = self.out / f"{name}.trace.jsonl"
@@ -221,7 +255,9 @@ class Sweep:
         interval = self.plan.warmup_eval_steps if phase == "warmup" else max(1, every // gbs)
         samples = self.plan.long_samples if long else self.plan.samples
         given = flags(self.plan, gbs, lr, seed, trace, interval, samples)
-        if "--step-batch-size-schedule" in extra:  # the schedule gives the batch; Megatron refuses both
+        if (
+            "--step-batch-size-schedule" in extra
+        ):  # the schedule gives the batch; Megatron refuses both
             at = given.index("--global-batch-size")
             del given[at : at + 2]
         run = launch(
@@ -235,7 +271,11 @@ class Sweep:
         )
         if run.rc != 0 or run.error is not None:
             raise SystemExit(run.describe())
-        rows = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()] if trace.exists() else []
+        rows = (
+            [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
+            if trace.exists()
+            else []
+        )
         record = {
             "name": name,
             "phase": phase,
@@ -270,8 +310,9 @@ class Sweep:
         return best
 
     def seeds(self, best: dict[int, int]) -> None:
-        """Phase 2: each GBS's best k at the further seeds; at the sizes of ``plan.long_sizes`` (which reach no target
-        after every run's LR warmup within ``plan.samples``), its best k at every seed, of ``plan.long_samples``."""
+        """Phase 2: each GBS's best k at the further seeds; at the sizes of ``plan.long_sizes``
+        (which reach no target after every run's LR warmup within ``plan.samples``), its best k at
+        every seed, of ``plan.long_samples``."""
         for gbs in self.plan.sizes:
             if gbs in self.plan.long_sizes:
                 continue
@@ -283,16 +324,25 @@ class Sweep:
                 self.train(name, gbs, self.plan.lr(gbs, best[gbs]), seed, "long", long=True)
 
     def warmup(self, best: dict[int, int], trust: float) -> None:
-        """Phase 3: the adaptive warmup at trust 1 and ``trust`` against constant batches at its start and end sizes
-        and a hand schedule, at the start size's best LR (scaled by sqrt(GBS / start) where the batch grows)."""
+        """Phase 3: the adaptive warmup at trust 1 and ``trust`` against constant batches at its
+        start and end sizes and a hand schedule, at the start size's best LR (scaled by sqrt(GBS /
+        start) where the batch grows)."""
         start, end = self.plan.warmup_start, self.plan.warmup_end
         lr = self.plan.lr(start, best[start])
         hand = hand_schedule(start, end, self.plan.samples)
-        configs = [(f"warmup-auto-trust{t:g}", start, lr, auto_flags(end, t)) for t in dict.fromkeys((1.0, trust))]
+        configs = [
+            (f"warmup-auto-trust{t:g}", start, lr, auto_flags(end, t))
+            for t in dict.fromkeys((1.0, trust))
+        ]
         configs += [
             (f"constant-gbs{start}", start, lr, ()),
             (f"constant-gbs{end}", end, self.plan.lr(end, best[end]), ()),
-            ("hand-schedule", start, lr, ("--step-batch-size-schedule", hand, "--ga-lr-scaling", "sqrt")),
+            (
+                "hand-schedule",
+                start,
+                lr,
+                ("--step-batch-size-schedule", hand, "--ga-lr-scaling", "sqrt"),
+            ),
         ]
         for seed in self.plan.seeds:
             for name, gbs, run_lr, extra in configs:
@@ -300,12 +350,20 @@ class Sweep:
 
     def measured_trust(self) -> float | None:
         """benchmarks/critical_batch_analysis.py's trust from the cached grid and seed runs."""
-        runs = [json.loads(p.read_text()) for p in sorted(self.out.glob("*.json")) if "critical-batch-" not in p.name]
+        runs = [
+            json.loads(p.read_text())
+            for p in sorted(self.out.glob("*.json"))
+            if "critical-batch-" not in p.name
+        ]
         return measured_trust(analyse({"plan": asdict(self.plan), "runs": runs}))
 
     def collect(self) -> Path:
         """The result JSON: the plan and every cached run."""
-        runs = [json.loads(p.read_text()) for p in sorted(self.out.glob("*.json")) if "critical-batch-" not in p.name]
+        runs = [
+            json.loads(p.read_text())
+            for p in sorted(self.out.glob("*.json"))
+            if "critical-batch-" not in p.name
+        ]
         result = {
             "date": datetime.date.today().isoformat(),
             "source": self.tree.name,
@@ -333,29 +391,45 @@ def auto_flags(end: int, trust: float) -> tuple[str, ...]:
 
 
 def hand_schedule(start: int, end: int, samples: int, seq_length: int = SEQ_LENGTH) -> str:
-    """Doubling from ``start`` to ``end`` at equal shares of the first half of the samples, as pretrain_gpt.py reads
-    ``--step-batch-size-schedule`` (``THRESHOLD:BS``, the threshold in tokens: samples x ``--seq-length``)."""
+    """Doubling from ``start`` to ``end`` at equal shares of the first half of the samples, as
+    pretrain_gpt.py reads ``--step-batch-size-schedule`` (``THRESHOLD:BS``, the threshold in tokens:
+    samples x ``--seq-length``)."""
     sizes = [start * 2**i for i in range(int(math.log2(end // start)) + 1)]
     share = samples // 2 // len(sizes)
     return " ".join(f"{i * share * seq_length}:{gbs}" for i, gbs in enumerate(sizes))
 
 
 def score(record: dict, plan: Plan) -> float:
-    """The LR grid's criterion: the mean validation loss over the evaluations after the LR warmup (inf where a loss is
-    not finite)."""
+    """The LR grid's criterion: the mean validation loss over the evaluations after the LR warmup
+    (inf where a loss is not finite)."""
     losses = [loss for _, samples, loss in record["curve"] if samples >= plan.warmup_samples]
     return sum(losses) / len(losses) if losses and all(map(math.isfinite, losses)) else math.inf
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="about a minute: the pipeline, not the science")
+    parser.add_argument(
+        "--quick", action="store_true", help="about a minute: the pipeline, not the science"
+    )
     parser.add_argument("--phase", choices=("grid", "seeds", "warmup", "all"), default="all")
     parser.add_argument(
-        "--warmup-trust", type=float, default=None, help="the warmup's second trust (default: measured)"
+        "--warmup-trust",
+        type=float,
+        default=None,
+        help="the warmup's second trust (default: measured)",
     )
-    parser.add_argument("--collect", action="store_true", help="write the result JSON from the cached runs")
+    parser.add_argument(
+        "--collect", action="store_true", help="write the result JSON from the cached runs"
+    )
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="print issue 51's runs still to make and their cost; train nothing",
+    )
     args = parser.parse_args(argv)
+    if args.plan:
+        print(render_plan(json.loads(PLAN_FROM.read_text())))
+        return 0
     sweep = Sweep(QUICK if args.quick else FULL)
     start = time.monotonic()
     if args.collect:

@@ -1,21 +1,26 @@
-"""The critical-batch benchmark's analysis, from its result JSON (benchmarks/critical_batch.py --collect). Pure Python
-(megatron_ga_ext.core only): ``make docs`` renders its tables from the committed JSON (critical_batch_report.py).
+"""The critical-batch benchmark's analysis, from its result JSON (benchmarks/critical_batch.py
+--collect). Pure Python (megatron_ga_ext.core only): ``make docs`` renders its tables from the
+committed JSON (critical_batch_report.py).
 
-* **The LR per batch size**: the k of the grid with the lowest mean validation loss after the LR warmup (seed 1);
-  interior where a lower and a higher k ran. Per target the k with the fewest steps is shown beside it.
-* **Targets**: TARGETS losses evenly spaced from just below the highest loss any fit run has at the end of its LR
-  warmup (so every run crosses every target after its warmup) down to the lowest loss that runs at MIN_SIZES batch
-  sizes all reach (every seed).
-* **The fit** per target: the best k's runs at every batch size and seed (at the sizes that ran long, their long
-  runs), ``fit_target`` (dominated batch sizes left
-  out, the profile interval); per seed the same on that seed's runs (the seed spread).
-* **Interpolation error** at a crossing: the step from linear interpolation between the two evaluations around it
-  against a quadratic through three (log S); **seed noise**: the sd of log S over the seeds of one batch size.
-* **B_simple at matched progress**: per fit run and target, core/noise_window.py's centred window of WINDOW_SAMPLES
-  on each side of the crossing (ratio of sums), and the EMA at the first row at or after it; the EMA's **lag**: how
-  many samples before the crossing the window's value last equalled the EMA's reading at it.
-* **The warmup against its baselines**: steps and samples to each target and the final validation loss, mean and sd
-  over seeds.
+* **The LR per batch size**: the k of the grid with the lowest mean validation loss after the LR
+  warmup (seed 1); interior where a lower and a higher k ran. Per target the k with the fewest steps
+  is shown beside it.
+* **Targets**: TARGETS losses evenly spaced from just below the highest loss any fit run has at the
+  end of its LR warmup (so every run crosses every target after its warmup) down to the lowest loss
+  that runs at MIN_SIZES batch sizes all reach (every seed).
+* **The fit** per target: the best k's runs at every batch size and seed (at the sizes that ran
+  long, their long runs), ``fit_target`` (dominated batch sizes left out, the profile interval); per
+  seed the same on that seed's runs (the seed spread).
+* **Interpolation error** at a crossing: the step from linear interpolation between the two
+  evaluations around it against a quadratic through three (log S); **seed noise**: the sd of log S
+  over the seeds of one batch size.
+* **B_simple at matched progress**: per fit run and target, science/core/noise_window.py's centred
+  window of
+WINDOW_SAMPLES on each side of the crossing (ratio of sums), and the EMA at the first row at or
+  after it; the EMA's **lag**: how many samples before the crossing the window's value last equalled
+  the EMA's reading at it.
+* **The warmup against its baselines**: steps and samples to each target and the final validation
+  loss, mean and sd over seeds.
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ import re
 import statistics
 from collections.abc import Sequence
 
-from megatron_ga_ext.core.critical_batch import RunPoint, fit_target
-from megatron_ga_ext.core.noise_window import window_b_simple
+from megatron_ga_ext.science.core.critical_batch import RunPoint
+from megatron_ga_ext.science.core.critical_batch_targets import fit_target
+from megatron_ga_ext.science.core.noise_window import window_b_simple
 
 TARGETS = 4
 MIN_SIZES = 4
@@ -49,7 +55,8 @@ def k_of(run: dict) -> int:
 
 
 def score(run: dict, warmup_samples: int) -> float:
-    """The mean validation loss over the evaluations after the LR warmup (inf where one is not finite)."""
+    """The mean validation loss over the evaluations after the LR warmup (inf where one is not
+    finite)."""
     losses = [loss for _, samples, loss in run["curve"] if samples >= warmup_samples]
     return sum(losses) / len(losses) if losses and all(map(math.isfinite, losses)) else math.inf
 
@@ -59,7 +66,11 @@ def best_k(result: dict) -> dict[int, dict]:
     warmup = result["plan"]["warmup_samples"]
     out = {}
     for gbs in result["plan"]["sizes"]:
-        scores = {k_of(r): score(r, warmup) for r in grid_runs(result) if r["gbs"] == gbs and r["seed"] == 1}
+        scores = {
+            k_of(r): score(r, warmup)
+            for r in grid_runs(result)
+            if r["gbs"] == gbs and r["seed"] == 1
+        }
         if not scores:
             continue
         k = min(scores, key=scores.__getitem__)
@@ -68,17 +79,22 @@ def best_k(result: dict) -> dict[int, dict]:
 
 
 def fit_runs(result: dict, best: dict[int, dict]) -> list[dict]:
-    """Per batch size, its best k's runs: the long ones (phase ``long``) where it has them, else the grid's and
-    seeds'."""
+    """Per batch size, its best k's runs: the long ones (phase ``long``) where it has them, else the
+    grid's and seeds'."""
     long = [r for r in result["runs"] if r.get("phase") == "long"]
     sizes = {r["gbs"] for r in long}
-    short = [r for r in grid_runs(result) if r["gbs"] not in sizes and k_of(r) == best.get(r["gbs"], {}).get("best")]
+    short = [
+        r
+        for r in grid_runs(result)
+        if r["gbs"] not in sizes and k_of(r) == best.get(r["gbs"], {}).get("best")
+    ]
     return short + long
 
 
 def reached(curve: Sequence[Sequence[float]], target: float) -> tuple[float, float, int] | None:
-    """(steps, samples, index of the first evaluation at or below) where the curve first reaches ``target``, linear
-    in the loss between that evaluation and the one before it; None where it never does or starts below."""
+    """(steps, samples, index of the first evaluation at or below) where the curve first reaches
+    ``target``, linear in the loss between that evaluation and the one before it; None where it
+    never does or starts below."""
     for i, (step, samples, loss) in enumerate(curve):
         if loss <= target:
             if i == 0:
@@ -90,15 +106,19 @@ def reached(curve: Sequence[Sequence[float]], target: float) -> tuple[float, flo
 
 
 def quadratic_steps(curve: Sequence[Sequence[float]], target: float, i: int) -> float | None:
-    """The step where the quadratic through the evaluations i-1, i and its outer neighbour (i+1, or i-2 at the end)
-    in (step, loss) reaches ``target`` between evaluations i-1 and i; None where it does not."""
+    """The step where the quadratic through the evaluations i-1, i and its outer neighbour (i+1, or
+    i-2 at the end) in (step, loss) reaches ``target`` between evaluations i-1 and i; None where it
+    does not."""
     j = i + 1 if i + 1 < len(curve) else i - 2
     if j < 0:
         return None
     xs, ys = zip(*[(curve[m][0], curve[m][2]) for m in (i - 1, i, j)])
 
     def value(x: float) -> float:
-        return sum(ys[a] * math.prod((x - xs[b]) / (xs[a] - xs[b]) for b in range(3) if b != a) for a in range(3))
+        return sum(
+            ys[a] * math.prod((x - xs[b]) / (xs[a] - xs[b]) for b in range(3) if b != a)
+            for a in range(3)
+        )
 
     low, high = xs[0], xs[1]
     if (value(low) - target) * (value(high) - target) > 0:
@@ -110,12 +130,17 @@ def quadratic_steps(curve: Sequence[Sequence[float]], target: float, i: int) -> 
 
 
 def choose_targets(runs: list[dict], warmup_samples: int) -> list[float]:
-    """Module docstring: below every run's loss at the end of its LR warmup, above what MIN_SIZES sizes reach."""
-    after = [next(loss for _, samples, loss in r["curve"] if samples >= warmup_samples) for r in runs]
+    """Module docstring: below every run's loss at the end of its LR warmup, above what MIN_SIZES
+    sizes reach."""
+    after = [
+        next(loss for _, samples, loss in r["curve"] if samples >= warmup_samples) for r in runs
+    ]
     lowest: dict[int, float] = {}
     for r in runs:
         low = min(loss for _, _, loss in r["curve"])
-        lowest[r["gbs"]] = max(lowest.get(r["gbs"], -math.inf), low)  # every seed of the size reaches it
+        lowest[r["gbs"]] = max(
+            lowest.get(r["gbs"], -math.inf), low
+        )  # every seed of the size reaches it
     if len(lowest) < MIN_SIZES:
         return []
     high, low = min(after) * 0.995, sorted(lowest.values())[MIN_SIZES - 1]
@@ -125,12 +150,15 @@ def choose_targets(runs: list[dict], warmup_samples: int) -> list[float]:
 
 
 def fit(target: float, runs: list[dict]) -> dict:
-    """``fit_target`` on the runs that reach ``target`` (dominated batch sizes out, profile interval)."""
+    """``fit_target`` on the runs that reach ``target`` (dominated batch sizes out, profile
+    interval)."""
     points = []
     for r in runs:
         hit = reached(r["curve"], target)
         if hit is not None:
-            points.append(RunPoint(label=r["name"], batch_size=r["gbs"], steps=hit[0], samples=hit[1]))
+            points.append(
+                RunPoint(label=r["name"], batch_size=r["gbs"], steps=hit[0], samples=hit[1])
+            )
     found = fit_target(target, points)
     out = {
         "runs_used": [p.label for p in found.points],
@@ -150,12 +178,15 @@ def fit(target: float, runs: list[dict]) -> dict:
 
 
 def b_simple(run: dict, target: float, gbs: int) -> dict | None:
-    """The window's and the EMA's B_simple where ``run`` crosses ``target``, and the EMA's lag (module docstring)."""
+    """The window's and the EMA's B_simple where ``run`` crosses ``target``, and the EMA's lag
+    (module docstring)."""
     hit = reached(run["curve"], target)
     rows = run["trace"]
     if hit is None or not rows:
         return None
-    every = max(1, (rows[1]["consumed_samples"] - rows[0]["consumed_samples"]) if len(rows) > 1 else gbs)
+    every = max(
+        1, (rows[1]["consumed_samples"] - rows[0]["consumed_samples"]) if len(rows) > 1 else gbs
+    )
     half = max(1, WINDOW_SAMPLES // every)
     window, count = window_b_simple(rows, hit[1], half)
     after = [r for r in rows if r["consumed_samples"] >= hit[1]]
@@ -180,20 +211,32 @@ def distinct(curve: Sequence[Sequence[float]]) -> list[Sequence[float]]:
 
 
 def ratio(target: dict) -> dict | None:
-    """B_simple (the window's, geometric mean over the runs the fit used) / B_crit, with an approximate 95 % interval:
-    B_crit's profile interval and the normal interval of the mean log B_simple (1.96 standard errors) combined in
-    quadrature in log space, each side apart. None where the target is not fitted or fewer than 2 runs measure."""
+    """B_simple (the window's, geometric mean over the runs the fit used) / B_crit, with an
+    approximate 95 % interval: B_crit's profile interval and the normal interval of the mean log
+    B_simple (1.96 standard errors) combined in quadrature in log space, each side apart. None where
+    the target is not fitted or fewer than 2 runs measure."""
     logs = [
         math.log(v["window"])
         for name, v in target["b_simple"].items()
-        if name in target["runs_used"] and v is not None and v["window"] is not None and v["window"] > 0
+        if name in target["runs_used"]
+        and v is not None
+        and v["window"] is not None
+        and v["window"] > 0
     ]
     if not target.get("b_crit") or len(logs) < 2:
         return None
     mean, error = statistics.fmean(logs), 1.96 * statistics.stdev(logs) / math.sqrt(len(logs))
     centre = mean - math.log(target["b_crit"])
-    low = None if target.get("high") is None else math.hypot(error, math.log(target["high"] / target["b_crit"]))
-    high = None if not target.get("low") else math.hypot(error, math.log(target["b_crit"] / target["low"]))
+    low = (
+        None
+        if target.get("high") is None
+        else math.hypot(error, math.log(target["high"] / target["b_crit"]))
+    )
+    high = (
+        None
+        if not target.get("low")
+        else math.hypot(error, math.log(target["b_crit"] / target["low"]))
+    )
     return {
         "b_simple": math.exp(mean),
         "runs": len(logs),
@@ -219,13 +262,18 @@ def analyse(result: dict) -> dict:
     table = []
     for target in targets:
         entry = {"target": target, **fit(target, runs)}
-        entry["per_seed"] = {s: fit(target, [r for r in runs if r["seed"] == s]).get("b_crit") for s in seeds}
+        entry["per_seed"] = {
+            s: fit(target, [r for r in runs if r["seed"] == s]).get("b_crit") for s in seeds
+        }
         entry["fewest_steps_k"] = _fewest_steps_k(result, target)
         entry["b_simple"] = {r["name"]: b_simple(r, target, r["gbs"]) for r in runs}
         entry["interpolation"] = _interpolation(runs, target)
         table.append(entry)
     return {
-        "lr": {gbs: {**v, "lr": {k: lr_of(plan, gbs, k) for k in v["scores"]}} for gbs, v in best.items()},
+        "lr": {
+            gbs: {**v, "lr": {k: lr_of(plan, gbs, k) for k in v["scores"]}}
+            for gbs, v in best.items()
+        },
         "targets": table,
         "warmup": _warmup(result, targets),
     }
@@ -236,14 +284,19 @@ def _fewest_steps_k(result: dict, target: float) -> dict[int, int | None]:
     for gbs in result["plan"]["sizes"]:
         steps = {}
         for r in grid_runs(result):
-            if r["gbs"] == gbs and r["seed"] == 1 and (hit := reached(r["curve"], target)) is not None:
+            if (
+                r["gbs"] == gbs
+                and r["seed"] == 1
+                and (hit := reached(r["curve"], target)) is not None
+            ):
                 steps[k_of(r)] = hit[0]
         out[gbs] = min(steps, key=steps.__getitem__) if steps else None
     return out
 
 
 def _interpolation(runs: list[dict], target: float) -> dict:
-    """Median |log S| error of the linear interpolation (against the quadratic) and median seed sd of log S."""
+    """Median |log S| error of the linear interpolation (against the quadratic) and median seed sd
+    of log S."""
     errors, by_size = [], {}
     for r in runs:
         hit = reached(r["curve"], target)
@@ -261,13 +314,16 @@ def _interpolation(runs: list[dict], target: float) -> dict:
 
 
 def _warmup(result: dict, targets: list[float]) -> dict:
-    """Per configuration (the name without its seed): steps and samples to each target and the final loss, by seed."""
+    """Per configuration (the name without its seed): steps and samples to each target and the final
+    loss, by seed."""
     out: dict[str, dict] = {}
     for r in result["runs"]:
         if r.get("phase") != "warmup":
             continue
         config = re.sub(r"-seed\d+$", "", r["name"])
-        row = out.setdefault(config, {"seeds": [], "steps": [], "samples": [], "final": [], "steps_run": []})
+        row = out.setdefault(
+            config, {"seeds": [], "steps": [], "samples": [], "final": [], "steps_run": []}
+        )
         hits = [reached(r["curve"], t) for t in targets]
         row["seeds"].append(r["seed"])
         row["steps"].append([None if h is None else h[0] for h in hits])
@@ -278,11 +334,16 @@ def _warmup(result: dict, targets: list[float]) -> dict:
 
 
 def measured_trust(analysis: dict) -> float | None:
-    """The trust the measurement supports: the geometric mean over the fitted targets of B_crit / B_simple (the
-    window's geometric mean over the fit's runs), to 3 digits; None where no target gives both."""
+    """The trust the measurement supports: the geometric mean over the fitted targets of B_crit /
+    B_simple (the window's geometric mean over the runs the fit used, dominated ones out: the scope
+    of :func:`ratio` and of the ratio the help texts quote), to 3 digits; None where no target gives
+    both."""
     ratios = []
     for t in analysis["targets"]:
-        window = geometric([v["window"] for v in t["b_simple"].values() if v is not None])
+        used = set(t["runs_used"])
+        window = geometric(
+            [v["window"] for n, v in t["b_simple"].items() if v is not None and n in used]
+        )
         if t.get("b_crit") and window:
             ratios.append(t["b_crit"] / window)
     mean = geometric(ratios)
@@ -294,4 +355,8 @@ def mean_sd(values: Sequence[float | None]) -> tuple[float | None, float | None,
     given = [v for v in values if v is not None]
     if not given:
         return None, None, 0
-    return statistics.fmean(given), (statistics.stdev(given) if len(given) > 1 else None), len(given)
+    return (
+        statistics.fmean(given),
+        (statistics.stdev(given) if len(given) > 1 else None),
+        len(given),
+    )

@@ -1,18 +1,21 @@
 """The critical-batch benchmark's tables, from its newest result JSON under benchmarks/results
-(benchmarks/critical_batch.py --collect writes it; benchmarks/critical_batch_analysis.py reads it). Pure Python.
+(benchmarks/critical_batch.py --collect writes it; benchmarks/critical_batch_analysis.py reads it).
+Pure Python.
 
-``make docs`` renders them into docs/noise-scale.md (tools/docs.py: from the committed JSON alone, so
-``make docs-check`` holds them):
+``make docs`` renders them into docs/noise-scale.md (tools/docs.py: from the committed JSON alone,
+so ``make docs-check`` holds them):
 
-* ``critical-batch``: per target, B_crit with its 95 % profile interval, each seed's own B_crit and whether it lies
-  inside, the runs used and those left out as dominated, the fit's rms log residual, and the interpolation error
-  against the seed noise (log S);
-* ``b-simple``: per target, B_simple from the centred window and from the EMA where the fit's runs cross it, the
-  EMA's reading over the window's, its lag, and B_simple (window, over the runs the fit used) / B_crit with an
-  interval that carries both uncertainties (critical_batch_analysis.ratio);
-* ``lr-grid``: per batch size, the mean validation loss after the LR warmup at each LR, the best, and per target the
-  LR with the fewest steps;
-* ``warmup-test``: the adaptive warmup and its baselines: steps and samples to each target, the final loss.
+* ``critical-batch``: per target, B_crit with its 95 % profile interval, each seed's own B_crit and
+  whether it lies inside, the runs used and those left out as dominated, the fit's rms log residual,
+  and the interpolation error against the seed noise (log S);
+* ``b-simple``: per target, B_simple from the centred window and from the EMA where the fit's runs
+  cross it, the EMA's reading over the window's, its lag, and B_simple (window, over the runs the
+  fit used) / B_crit with an interval that carries both uncertainties
+  (critical_batch_analysis.ratio);
+* ``lr-grid``: per batch size, the mean validation loss after the LR warmup at each LR, the best,
+  and per target the LR with the fewest steps;
+* ``warmup-test``: the adaptive warmup and its baselines: steps and samples to each target, the
+  final loss.
 """
 
 from __future__ import annotations
@@ -32,7 +35,11 @@ BLOCKS = ("critical-batch", "b-simple", "lr-grid", "warmup-test")
 
 
 def newest(directory: Path = RESULTS) -> dict | None:
-    found = sorted((m.group(1), p) for p in directory.glob("critical-batch-*.json") if (m := _NAME.fullmatch(p.name)))
+    found = sorted(
+        (m.group(1), p)
+        for p in directory.glob("critical-batch-*.json")
+        if (m := _NAME.fullmatch(p.name))
+    )
     return json.loads(found[-1][1].read_text()) if found else None
 
 
@@ -50,42 +57,49 @@ def _span(low: float | None, high: float | None) -> str:
 
 def critical_table(result: dict, analysis: dict) -> str:
     lines = [
-        "| target (validation loss) | B_crit | 95% profile interval | per seed | seeds inside | runs used | "
-        "left out as dominated | rms log residual | interpolation error / seed sd (log S) |",
+        "| target (validation loss) | B_crit | 95% profile interval | per seed | seeds inside | "
+        "runs used | left out as dominated | rms log residual | interpolation error / "
+        "seed sd (log S) |",
         "|" + "---|" * 9,
     ]
     for t in analysis["targets"]:
         seeds = {s: b for s, b in t["per_seed"].items()}
-        inside = [b is not None and (t.get("low") or 0) <= b <= (t.get("high") or math.inf) for b in seeds.values()]
+        inside = [
+            b is not None and (t.get("low") or 0) <= b <= (t.get("high") or math.inf)
+            for b in seeds.values()
+        ]
         noise = t["interpolation"]
         error = f"{_g(noise['interpolation_log_s'], 2)} / {_g(noise['seed_sd_log_s'], 2)}"
         dominated = ", ".join(t["dominated"]) or "none"
         if t.get("b_crit") is None:
             lines.append(
-                f"| {t['target']:.4g} | not fittable: {t['reason']} | | | | {len(t['runs_used'])} | {dominated} | | "
-                f"{error} |"
+                f"| {t['target']:.4g} | not fittable: {t['reason']} | | | | "
+                f"{len(t['runs_used'])} | {dominated} | | {error} |"
             )
             continue
         per_seed = ", ".join(f"{s}: {_g(b)}" for s, b in seeds.items())
         lines.append(
-            f"| {t['target']:.4g} | {_g(t['b_crit'])} | {_span(t.get('low'), t.get('high'))} | {per_seed} | "
-            f"{sum(inside)} of {len(inside)} | {len(t['runs_used'])} | {dominated} | "
-            f"{_g(t['rms_log_residual'], 2)} | {error} |"
+            f"| {t['target']:.4g} | {_g(t['b_crit'])} | {_span(t.get('low'), t.get('high'))} | "
+            f"{per_seed} | {sum(inside)} of {len(inside)} | {len(t['runs_used'])} | "
+            f"{dominated} | {_g(t['rms_log_residual'], 2)} | {error} |"
         )
     return "\n".join(lines)
 
 
 def b_simple_table(analysis: dict) -> str:
     lines = [
-        "| target | B_simple, centred window: geometric mean [min, max] | B_simple, EMA: geometric mean | EMA / window "
-        "(median over runs) | EMA lag (median, samples) | B_simple (window, the fit's runs) / B_crit [~95%] |",
+        "| target | B_simple, centred window: geometric mean [min, max] | B_simple, EMA: "
+        "geometric mean | EMA / window (median over runs) | EMA lag (median, samples) | "
+        "B_simple (window, the fit's runs) / B_crit [~95%] |",
         "|" + "---|" * 6,
     ]
     for t in analysis["targets"]:
         rows = [v for v in t["b_simple"].values() if v is not None]
         window = [v["window"] for v in rows if v["window"] is not None and v["window"] > 0]
         ema = [v["ema"] for v in rows]
-        ratios = sorted(v["ema"] / v["window"] for v in rows if v["window"] and v["ema"] and v["window"] > 0)
+        ratios = sorted(
+            v["ema"] / v["window"] for v in rows if v["window"] and v["ema"] and v["window"] > 0
+        )
         lags = sorted(v["lag_samples"] for v in rows if v["lag_samples"] is not None)
         mean = geometric(window)
         spread = f"[{_g(min(window))}, {_g(max(window))}]" if window else ""
@@ -97,24 +111,27 @@ def b_simple_table(analysis: dict) -> str:
         )
         lines.append(
             f"| {t['target']:.4g} | {_g(mean)} {spread} | {_g(geometric(ema))} | "
-            f"{_g(ratios[len(ratios) // 2] if ratios else None)} | {_g(lags[len(lags) // 2] if lags else None)} | "
-            f"{ratio} |"
+            f"{_g(ratios[len(ratios) // 2] if ratios else None)} | "
+            f"{_g(lags[len(lags) // 2] if lags else None)} | {ratio} |"
         )
     return "\n".join(lines)
 
 
 def lr_table(analysis: dict) -> str:
     lines = [
-        "| GBS | LR: mean validation loss after the LR warmup (seed 1) | best LR | interior | fewest-steps LR per "
-        "target |",
+        "| GBS | LR: mean validation loss after the LR warmup (seed 1) | best LR | interior | "
+        "fewest-steps LR per target |",
         "|" + "---|" * 5,
     ]
     for gbs, v in analysis["lr"].items():
-        scores = ", ".join(f"{_g(v['lr'][k])}: {_g(v['scores'][k], 4)}" for k in sorted(v["scores"], key=int))
+        scores = ", ".join(
+            f"{_g(v['lr'][k])}: {_g(v['scores'][k], 4)}" for k in sorted(v["scores"], key=int)
+        )
         fewest = [t["fewest_steps_k"].get(gbs) for t in analysis["targets"]]
         fewest_lr = ", ".join("-" if k is None else _g(v["lr"][k]) for k in fewest)
         lines.append(
-            f"| {gbs} | {scores} | {_g(v['lr'][v['best']])} | {'yes' if v['interior'] else 'no'} | {fewest_lr} |"
+            f"| {gbs} | {scores} | {_g(v['lr'][v['best']])} | {'yes' if v['interior'] else 'no'} "
+            f"| {fewest_lr} |"
         )
     return "\n".join(lines)
 
@@ -156,7 +173,10 @@ def tables(directory: Path = RESULTS) -> dict[str, str]:
         return dict.fromkeys(BLOCKS, none)
     analysis = analyse(result)
     seconds = sum(r["seconds"] for r in result["runs"])
-    head = f"{result['date']}, {result['source']}, {len(result['runs'])} runs, {seconds:,.0f} s of training.\n\n"
+    head = (
+        f"{result['date']}, {result['source']}, {len(result['runs'])} runs, {seconds:,.0f} s "
+        "of training.\n\n"
+    )
     return {
         "critical-batch": head + critical_table(result, analysis),
         "b-simple": b_simple_table(analysis),

@@ -1,7 +1,8 @@
 """megatron-ga-ext: exact batch arithmetic for Megatron-LM. The public API, nothing else.
 
-``install`` and ``uninstall`` load the Megatron integration (torch) on first use, so the pure-Python commands
-(``megatron-ga ledger | check | schedule``), which import this package first, never load torch.
+``install`` and ``uninstall`` load the Megatron integration (torch) on first use, so the pure-Python
+commands (``megatron-ga ledger | check | schedule``), which import this package first, never load
+torch.
 """
 
 from typing import TYPE_CHECKING, Any

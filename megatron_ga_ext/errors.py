@@ -16,6 +16,7 @@ __all__ = [
     "InterleaveError",
     "ScheduleParseError",
     "ScheduleError",
+    "ScheduleStateError",
     "OptionError",
     "CoverageError",
     "UsageError",
@@ -34,7 +35,8 @@ class GAError(ValueError):
 
 
 class SizeError(GAError):
-    """A size is not a positive integer (zero, negative, fractional, not a number, too many digits)."""
+    """A size is not a positive integer (zero, negative, fractional, not a number, too many
+    digits)."""
 
 
 class LayoutError(GAError):
@@ -58,16 +60,23 @@ class ScheduleParseError(GAError):
 
 
 class ScheduleError(GAError, AssertionError):
-    """A step batch-size schedule breaks a rule upstream asserted (order, zero, growth, divisibility)."""
+    """A step batch-size schedule breaks a rule upstream asserted (order, zero, growth,
+    divisibility)."""
+
+
+class ScheduleStateError(ScheduleError):
+    """A batch schedule a run kept cannot be restored: the ``--ga-batch-size-warmup auto`` stages of
+    a checkpoint in a layout this release does not read."""
 
 
 class OptionError(GAError):
-    """A ``--ga-*`` setting is not one of its choices, or does not go with the Megatron flags beside it."""
+    """A ``--ga-*`` setting is not one of its choices, or does not go with the Megatron flags beside
+    it."""
 
 
 class CoverageError(OptionError):
-    """A Megatron feature under which the extension cannot keep its guarantee, refused at start-up (the coverage
-    table, ``config/coverage/``)."""
+    """A Megatron feature under which the extension cannot keep its guarantee, refused at start-up
+    (the coverage table, ``config/coverage/``)."""
 
 
 class UsageError(GAError):
@@ -91,15 +100,16 @@ class VerifyError(GAError, RuntimeError):
 
 
 class NoiseScaleError(GAError):
-    """A gradient-noise measurement or a measured trace cannot be used: too few replicas, a count or norm that is
-    not a finite number, a malformed trace or EMA state."""
+    """A gradient-noise measurement or a measured trace cannot be used: too few replicas, a count or
+    norm that is not a finite number, a malformed trace or EMA state."""
 
 
 class CriticalBatchError(GAError):
-    """``megatron-ga critical-batch`` cannot read its runs or targets: a file that is neither a Megatron log nor a
-    TensorBoard directory, two runs at one global batch size, a run whose batch size changes, a target no run
-    reached."""
+    """``megatron-ga critical-batch`` cannot read its runs or targets: a file that is neither a
+    Megatron log nor a TensorBoard directory, two runs at one global batch size, a run whose batch
+    size changes, a target no run reached."""
 
 
 class ScheduleWarning(UserWarning):
-    """A stage not yet reached breaks a rule, and the caller opted to be warned instead of stopped."""
+    """A stage not yet reached breaks a rule, and the caller opted to be warned instead of
+    stopped."""

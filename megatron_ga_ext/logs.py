@@ -1,4 +1,5 @@
-"""Logging: the package's records come from rank 0 only. Every module takes its logger from :func:`get_logger`.
+"""Logging: the package's records come from rank 0 only. Every module takes its logger from
+:func:`get_logger`.
 
 A filter on a logger does not apply to its children's records, so each module logger gets it."""
 
@@ -12,7 +13,8 @@ __all__ = ["RankZeroFilter", "get_logger"]
 
 
 class RankZeroFilter(logging.Filter):
-    """Passes records on global rank 0 (torch.distributed's rank once initialized, else $RANK, else 0)."""
+    """Passes records on global rank 0 (torch.distributed's rank once initialized, else $RANK, else
+    0)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return _rank() == 0

@@ -1,14 +1,19 @@
-"""Make and check the patches that wire megatron-ga-ext into a vendored megatron/core (no install()).
+"""Make and check the patches that wire megatron-ga-ext into a vendored megatron/core (no
+install()).
 
-Each patched upstream module calls ``megatron_ga_ext.integration.lifecycle.wire_vendored(__name__)`` as the last
-thing it does on import, which wires that module exactly as install() would (same hooks, same checks).
-The pretrain_gpt.py patch is the one-line drop-in: install() adds the ``--ga-*`` flags to Megatron's parser.
+Each patched upstream module calls ``megatron_ga_ext.integration.lifecycle.wire_vendored(__name__)``
+as the last thing it does on import, which wires that module exactly as install() would (same hooks,
+same checks). The pretrain_gpt.py patch is the one-line drop-in: install() adds the ``--ga-*`` flags
+to Megatron's parser.
 
     python patches/patches.py generate --sources DIR        # DIR/<version>/megatron/core (tools/unpack-wheels.sh)
     python patches/patches.py check --sources DIR           # committed == regenerated, and each applies
     python patches/patches.py apply --sources DIR --version V --into DEST   # a patched copy of V
     python patches/patches.py generate-megatron-lm --megatron-lm CHECKOUT   # pretrain_gpt.py at d98e8a64ddf3
     python patches/patches.py check-megatron-lm              # uses $MEGATRON_LM_DIR; skips without it
+
+These wire the plugin in. The fixes to megatron-core itself (one patch per defect, no plugin) are
+patches/upstream/, checked and applied by patches/upstream.py (docs/upstream.md).
 """
 
 from __future__ import annotations
@@ -30,16 +35,16 @@ MODULES = (
     "megatron/core/num_microbatches_calculator.py",
 )
 WIRING = (
-    "\n\n# megatron-ga-ext: checked batch arithmetic, wired into this vendored tree (no install() needed).\n"
-    "from megatron_ga_ext.integration.lifecycle import wire_vendored as _megatron_ga_wire  # noqa: E402\n"
-    "\n"
-    "_megatron_ga_wire(__name__)\n"
+    "\n\n# megatron-ga-ext: checked batch arithmetic, wired into this vendored tree (no "
+    "install() needed).\nfrom megatron_ga_ext.integration.lifecycle import wire_vendored "
+    "as _megatron_ga_wire  # noqa: E402\n\n_megatron_ga_wire(__name__)\n"
 )
 MEGATRON_LM_COMMIT = "d98e8a64ddf3"
 PRETRAIN_GPT_EDITS = (
     (
         "# Copyright",
-        "import megatron_ga_ext; megatron_ga_ext.install()  # megatron-ga-ext: the whole drop-in\n# Copyright",
+        "import megatron_ga_ext; megatron_ga_ext.install()  # megatron-ga-ext: the whole "
+        "drop-in\n# Copyright",
     ),
 )
 
@@ -55,13 +60,17 @@ def megatron_lm_patch_path() -> Path:
 def _diff(path: str, before: str, after: str) -> str:
     return "".join(
         difflib.unified_diff(
-            before.splitlines(keepends=True), after.splitlines(keepends=True), f"a/{path}", f"b/{path}"
+            before.splitlines(keepends=True),
+            after.splitlines(keepends=True),
+            f"a/{path}",
+            f"b/{path}",
         )
     )
 
 
 def core_patch(root: Path) -> str:
-    """The patch for one release's ``megatron/core`` under ``root``: the wiring appended to each module."""
+    """The patch for one release's ``megatron/core`` under ``root``: the wiring appended to each
+    module."""
     texts = {m: (root / m).read_text() for m in MODULES}
     return "".join(_diff(m, texts[m], texts[m].rstrip("\n") + "\n" + WIRING) for m in MODULES)
 
@@ -71,13 +80,17 @@ def pretrain_gpt_patch(checkout: Path) -> str:
     edited = text
     for anchor, replacement in PRETRAIN_GPT_EDITS:
         if edited.count(anchor) != 1:
-            raise SystemExit(f"pretrain_gpt.py in {checkout}: the anchor {anchor.strip()!r} is not there exactly once")
+            raise SystemExit(
+                f"pretrain_gpt.py in {checkout}: the anchor {anchor.strip()!r} is not there "
+                "exactly once"
+            )
         edited = edited.replace(anchor, replacement)
     return _diff("pretrain_gpt.py", text, edited)
 
 
 def git_apply(patch: Path, directory: Path, check_only: bool) -> None:
-    """``git apply`` (works outside a repository too); raise with its message when it does not apply."""
+    """``git apply`` (works outside a repository too); raise with its message when it does not
+    apply."""
     cmd = ["git", "apply", "--whitespace=nowarn", *(["--check"] if check_only else []), str(patch)]
     result = subprocess.run(cmd, cwd=directory, capture_output=True, text=True)
     if result.returncode:
@@ -105,7 +118,9 @@ def check(sources: Path) -> None:
     for version in VERSIONS:
         path = patch_path(version)
         if path.read_text() != core_patch(sources / version):
-            raise SystemExit(f"{path} is stale: run patches/patches.py generate --sources {sources}")
+            raise SystemExit(
+                f"{path} is stale: run patches/patches.py generate --sources {sources}"
+            )
         git_apply(path, sources / version, check_only=True)
         print(f"ok: {path.relative_to(HERE.parent)} applies cleanly to megatron-core {version}")
 
@@ -113,7 +128,10 @@ def check(sources: Path) -> None:
 def check_megatron_lm(checkout: str | None) -> None:
     path = megatron_lm_patch_path()
     if not checkout:
-        print(f"skipped: set MEGATRON_LM_DIR to a Megatron-LM checkout at {MEGATRON_LM_COMMIT} to check {path.name}")
+        print(
+            f"skipped: set MEGATRON_LM_DIR to a Megatron-LM checkout at {MEGATRON_LM_COMMIT} to "
+            f"check {path.name}"
+        )
         return
     git_apply(path, Path(checkout), check_only=True)
     print(f"ok: {path.relative_to(HERE.parent)} applies cleanly to {checkout}")
@@ -124,7 +142,9 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("generate", "check", "apply"):
         p = sub.add_parser(name)
-        p.add_argument("--sources", type=Path, required=True, help="holds <version>/megatron/core per release")
+        p.add_argument(
+            "--sources", type=Path, required=True, help="holds <version>/megatron/core per release"
+        )
         if name == "apply":
             p.add_argument("--version", choices=VERSIONS, required=True)
             p.add_argument("--into", type=Path, required=True)

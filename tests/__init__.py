@@ -1,2 +1,2 @@
-"""The test suite, a package so that its helpers import as ``tests.<module>`` (and ``tools.<module>``) without
-editing sys.path."""
+"""The test suite, a package so that its helpers import as ``tests.<module>`` (and
+``tools.<module>``) without editing sys.path."""

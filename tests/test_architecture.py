@@ -1,12 +1,13 @@
 """The package's layers, read from its source: imports run one way and nothing cycles.
 
     errors, logs  <-  core  <-  config  <-  {launch, integration}  <-  the package root (the public API)
-        <-  testing  <-  verify  <-  cli  <-  __main__ (python -m megatron_ga_ext SCRIPT)
+        <-  testing  <-  {verify, oracle}  <-  cli  <-  __main__ (python -m megatron_ga_ext SCRIPT)
 
-Every import counts, at module level or inside a function (an import moved into a function to dodge a cycle
-is still a cycle). core, config and launch never import torch or megatron; cli imports them only inside the
-function that runs ``verify``. testing (CPU shims, the gloo launcher, the e2e server) is reached only from
-verify, from testing itself, and from the tests.
+Every import counts, at module level or inside a function (an import moved into a function to dodge
+a cycle is still a cycle). core, config and launch never import torch or megatron; cli imports them
+only inside the function that runs ``verify``; oracle only in the worker process it starts. testing
+(the CPU shims and the gloo launcher verify needs) is reached only from verify, from testing itself,
+and from the tests; the test-only support (tests/support/) from nothing installed.
 """
 
 from __future__ import annotations
@@ -23,16 +24,18 @@ RANKS = {
     "errors": 0,
     "logs": 0,
     "core": 1,
+    "science": 1.5,
     "config": 2,
     "launch": 3,
     "integration": 3,
     "": 4,
     "testing": 5,
     "verify": 6,
+    "oracle": 6,
     "cli": 7,
     "__main__": 8,
 }
-PURE = ("core", "config", "launch")
+PURE = ("core", "science", "config", "launch")
 HEAVY = ("torch", "megatron")
 
 
@@ -42,8 +45,8 @@ def _module_name(path: Path) -> str:
 
 
 def _imports(path: Path) -> list[tuple[str, bool]]:
-    """(imported module, at module level) for every import in ``path``; ``from x import y`` gives x.y where x.y
-    is a module of ours, else x."""
+    """(imported module, at module level) for every import in ``path``; ``from x import y`` gives
+    x.y where x.y is a module of ours, else x."""
     tree = ast.parse(path.read_text(), str(path))
     top_level = {id(node) for node in tree.body}
     found = []
@@ -61,12 +64,18 @@ MODULES = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
 
 
 def _layer(module: str) -> str:
+    """The package's first name under the root; the batch-size science (science/) is a layer of its
+    own above core, except its commands and its features, in cli's and integration's layers (each
+    loads them on demand)."""
     parts = module.split(".")
+    if parts[1:2] == ["science"]:
+        return parts[2] if parts[2:3] in (["cli"], ["integration"]) else "science"
     return parts[1] if len(parts) > 1 else ""
 
 
 def _ours(module: str) -> str | None:
-    """The module of ours that an import of ``module`` loads (a name imported from a module: that module)."""
+    """The module of ours that an import of ``module`` loads (a name imported from a module: that
+    module)."""
     while module and module not in MODULES:
         module = module.rpartition(".")[0]
     return module or None
@@ -74,7 +83,11 @@ def _ours(module: str) -> str | None:
 
 def _graph() -> dict[str, set[str]]:
     return {
-        name: {target for imported, _ in _imports(path) if (target := _ours(imported)) and target != name}
+        name: {
+            target
+            for imported, _ in _imports(path)
+            if (target := _ours(imported)) and target != name
+        }
         for name, path in MODULES.items()
     }
 
@@ -89,7 +102,11 @@ def test_imports_point_down_or_within_a_layer():
         for name, targets in _graph().items()
         for target in targets
         if RANKS[_layer(target)] > RANKS[_layer(name)]
-        or (RANKS[_layer(target)] == RANKS[_layer(name)] and _layer(target) != _layer(name) and RANKS[_layer(name)] > 0)
+        or (
+            RANKS[_layer(target)] == RANKS[_layer(name)]
+            and _layer(target) != _layer(name)
+            and RANKS[_layer(name)] > 0
+        )
     ]
     assert upward == []
 
@@ -128,12 +145,17 @@ def test_pure_layers_never_import_torch_or_megatron(layer):
 PURE_PYTHON_RUNS = {
     "the public API": ("import megatron_ga_ext", ("torch", "megatron")),
     "the pure layers": (
-        "import megatron_ga_ext.core.layout, megatron_ga_ext.config.launch_rules, megatron_ga_ext.launch.line",
+        "import megatron_ga_ext.core.layout, megatron_ga_ext.config.launch_rules, "
+        "megatron_ga_ext.launch.line",
         ("torch", "megatron"),
     ),
-    "megatron-ga ledger": ("main(['ledger', '--world-size', '8', '--micro-batch-size', '1'])", ("torch", "megatron")),
+    "megatron-ga ledger": (
+        "main(['ledger', '--world-size', '8', '--micro-batch-size', '1'])",
+        ("torch", "megatron"),
+    ),
     "megatron-ga check": (
-        "main(['check', '--', 'torchrun --nproc-per-node 8 x.py --micro-batch-size 1 --calculate-per-token-loss'])",
+        "main(['check', '--', 'torchrun --nproc-per-node 8 x.py --micro-batch-size 1 "
+        "--calculate-per-token-loss'])",
         ("torch", "megatron"),
     ),
     "megatron-ga schedule": (
@@ -145,11 +167,12 @@ PURE_PYTHON_RUNS = {
 
 @pytest.mark.parametrize("run", PURE_PYTHON_RUNS, ids=str)
 def test_pure_python_runs_load_neither_torch_nor_megatron(run):
-    """The run-time side of the rules above: what the pure-Python commands load, lazy imports included."""
+    """The run-time side of the rules above: what the pure-Python commands load, lazy imports
+    included."""
     statement, heavy = PURE_PYTHON_RUNS[run]
     code = (
-        f"import sys\nfrom megatron_ga_ext.cli.main import main\n{statement}\n"
-        f"print('loaded:', *(m for m in {heavy!r} if m in sys.modules))"
+        f"import sys\nfrom megatron_ga_ext.cli.main import main\n{statement}\nprint('loaded:', "
+        f"*(m for m in {heavy!r} if m in sys.modules))"
     )
     if not statement.startswith("main("):
         code = code.replace("from megatron_ga_ext.cli.main import main\n", "")
@@ -181,7 +204,21 @@ def test_testing_is_reached_only_from_verify_and_tests():
     assert reached == []
 
 
-#: The most lines a module of the package may have: a module per job (STYLE.md); split one that grows past it.
+def test_the_package_never_imports_the_test_support():
+    """Fault injection, the e2e fork server and its recorder are tests/support/, not in the wheel:
+    nothing installed may import them (verify's CPU shims and gloo launcher are testing/, in the
+    package)."""
+    reaching = [
+        f"{name}: {imported}"
+        for name, path in MODULES.items()
+        for imported, _ in _imports(path)
+        if imported.split(".")[0] == "tests"
+    ]
+    assert reaching == []
+
+
+#: The most lines a module of the package may have: a module per job (STYLE.md); split one that
+#: grows past it.
 MAX_LINES = 450
 
 
@@ -200,7 +237,9 @@ def test_the_line_cap_names_a_long_module_and_its_length(tmp_path, monkeypatch):
     path.write_text("x = 1\n" * (MAX_LINES + 1))
     monkeypatch.setattr(sys.modules[__name__], "MODULES", {"megatron_ga_ext.core.long": path})
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path / "megatron_ga_ext")
-    with pytest.raises(AssertionError, match=rf"megatron_ga_ext/core/long\.py: {MAX_LINES + 1} lines"):
+    with pytest.raises(
+        AssertionError, match=rf"megatron_ga_ext/core/long\.py: {MAX_LINES + 1} lines"
+    ):
         test_no_module_is_over_the_line_cap()
 
 
@@ -219,14 +258,17 @@ def test_the_checks_see_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
         path.write_text(text)
         paths[name] = path
     monkeypatch.setattr(sys.modules[__name__], "MODULES", paths)
-    with pytest.raises(AssertionError, match=r"core\.a -> megatron_ga_ext\.core\.b -> megatron_ga_ext\.core\.a"):
+    with pytest.raises(
+        AssertionError, match=r"core\.a -> megatron_ga_ext\.core\.b -> megatron_ga_ext\.core\.a"
+    ):
         test_no_import_cycle()
     with pytest.raises(AssertionError, match=r"core\.c -> megatron_ga_ext\.integration\.d"):
         test_imports_point_down_or_within_a_layer()
 
 
 def test_test_support_lives_in_tests_support():
-    """Every module under tests/ is a test file, a conftest or a package marker, except under tests/support/."""
+    """Every module under tests/ is a test file, a conftest or a package marker, except under
+    tests/support/."""
     tests = Path(__file__).resolve().parent
     strays = [
         str(path.relative_to(tests))
@@ -238,27 +280,41 @@ def test_test_support_lives_in_tests_support():
     assert strays == [], f"support modules outside tests/support/: {strays}"
 
 
-#: The host port (integration/host.py) and its adapters: the only modules that read a host loop's run state.
-HOST_ADAPTERS = {f"megatron_ga_ext.integration.{name}" for name in ("host", "megatron_lm", "bridge_loop", "core_loop")}
+#: The host port (integration/host.py) and its adapters: the only modules that read a host loop's
+#: run state.
+HOST_ADAPTERS = {
+    f"megatron_ga_ext.integration.{name}"
+    for name in ("host", "megatron_lm", "bridge_loop", "core_loop")
+}
 #: How a module reaches a host's state: Megatron-LM's global args and writers, Bridge's GlobalState.
-HOST_STATE = {"_GLOBAL_ARGS", "get_args", "get_tensorboard_writer", "get_wandb_writer", "global_vars"}
+HOST_STATE = {
+    "_GLOBAL_ARGS",
+    "get_args",
+    "get_tensorboard_writer",
+    "get_wandb_writer",
+    "global_vars",
+}
 HOST_STATE |= {"train_state", "tensorboard_logger", "wandb_logger", "GlobalState"}
 
 
 def _host_state_reads(path: Path) -> list[str]:
-    """The names of HOST_STATE that ``path`` reads: as an attribute, a name, an imported name or module, or a
-    module path in a string (``sys.modules.get("megatron.training.global_vars")``)."""
+    """The names of HOST_STATE that ``path`` reads: as an attribute, a name, an imported name or
+    module, or a module path in a string (``sys.modules.get("megatron.training.global_vars")``)."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Attribute):
-            words = [node.attr] if node.attr != "get_args" else []  # typing.get_args; megatron's is imported by name
+            words = (
+                [node.attr] if node.attr != "get_args" else []
+            )  # typing.get_args; megatron's is imported by name
         elif isinstance(node, ast.Name):
             words = [node.id]
         elif isinstance(node, ast.alias):
             words = node.name.split(".")
         elif isinstance(node, ast.ImportFrom) and node.module:
             words = node.module.split(".")
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and " " not in node.value:
+        elif (
+            isinstance(node, ast.Constant) and isinstance(node.value, str) and " " not in node.value
+        ):
             words = node.value.split(".")
         else:
             continue
@@ -267,27 +323,34 @@ def _host_state_reads(path: Path) -> list[str]:
 
 
 def test_only_the_host_adapters_read_a_hosts_state():
-    """Features ask the host port (current_host()); a host's own state is read in its adapter only. testing/ drives
-    the hosts in tests and is exempt."""
+    """Features ask the host port (current_host()); a host's own state is read in its adapter only.
+    testing/ drives the hosts in tests and is exempt."""
     readers = {
         name: reads
         for name, path in sorted(MODULES.items())
-        if name not in HOST_ADAPTERS and _layer(name) != "testing" and (reads := _host_state_reads(path))
+        if name not in HOST_ADAPTERS
+        and _layer(name) != "testing"
+        and (reads := _host_state_reads(path))
     }
     assert readers == {}
 
 
 def test_the_host_check_sees_a_read_of_megatrons_args(tmp_path, monkeypatch):
     path = tmp_path / "feature.py"
-    path.write_text('import sys\nargs = sys.modules["megatron.training.global_vars"]._GLOBAL_ARGS\n')
+    path.write_text(
+        'import sys\nargs = sys.modules["megatron.training.global_vars"]._GLOBAL_ARGS\n'
+    )
     assert sorted(_host_state_reads(path)) == ["_GLOBAL_ARGS", "global_vars"]
-    monkeypatch.setattr(sys.modules[__name__], "MODULES", {"megatron_ga_ext.integration.feature": path})
+    monkeypatch.setattr(
+        sys.modules[__name__], "MODULES", {"megatron_ga_ext.integration.feature": path}
+    )
     with pytest.raises(AssertionError, match="_GLOBAL_ARGS"):
         test_only_the_host_adapters_read_a_hosts_state()
 
 
 def test_no_module_checks_with_assert():
-    """Validation never uses assert (python -O strips it): every check in the package raises a typed error."""
+    """Validation never uses assert (python -O strips it): every check in the package raises a typed
+    error."""
     asserting = [
         f"{name}:{node.lineno}"
         for name, path in sorted(MODULES.items())

@@ -1,5 +1,5 @@
-"""``--ga-batch-size-warmup auto``'s decisions on the extension's real calculator, its restore and its refusals (the
-run itself: tests/e2e/test_batch_warmup.py)."""
+"""``--ga-batch-size-warmup auto``'s decisions on the extension's real calculator, its restore and
+its refusals (the run itself: tests/e2e/test_batch_warmup.py)."""
 
 import argparse
 import logging
@@ -10,8 +10,8 @@ from megatron_ga_ext import GAConfig
 from megatron_ga_ext.config.launch_rules import check_batch_size_warmup_launch
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.errors import OptionError, ScheduleError
-from megatron_ga_ext.integration.batch_warmup import BatchSizeWarmup, frozen_ranges
 from megatron_ga_ext.integration.calculator import StepScheduleCalculator
+from megatron_ga_ext.science.integration.batch_warmup import BatchSizeWarmup, frozen_ranges
 
 AUTO = {"noise_scale": 1, "batch_size_warmup": "auto", "batch_size_warmup_max": 32}
 
@@ -30,7 +30,9 @@ def test_it_doubles_where_trust_times_b_simple_reaches_twice_the_batch_up_to_the
     assert not warmup.decide(row(8, 15.9), live)  # 15.9 < 2 x 8
     assert warmup.decide(row(16, 16.0), live)  # 16 >= 2 x 8: GBS 16 from 16 samples
     assert not warmup.decide(row(32, 31.0), live)
-    assert warmup.decide(row(48, 400.0), live)  # one doubling per measurement, however large the estimate
+    assert warmup.decide(
+        row(48, 400.0), live
+    )  # one doubling per measurement, however large the estimate
     assert not warmup.decide(row(80, 400.0), live)  # 2 x 32 passes the cap
     assert not warmup.decide(row(112, None), live)  # not measurable
     assert list(live.step_schedule.stages) == [(0, 8), (16, 16), (48, 32)]
@@ -52,7 +54,8 @@ def test_a_resume_restores_the_stages_from_the_same_first_batch():
     assert list(live.step_schedule.stages) == [(0, 8), (16, 16), (48, 32)]
     with pytest.raises(
         ScheduleError,
-        match="the checkpoint's batch-size warmup starts at 16 from sample 0, this run's --global-batch-size gives 8",
+        match="the checkpoint's batch-size warmup starts at 16 from sample 0, this run's "
+        "--global-batch-size gives 8",
     ):
         warmup.restore([[0, 16]], calculator())
 
@@ -64,7 +67,11 @@ def test_no_calculator_of_the_extension_is_an_error():
 
 def test_the_lr_warmup_and_a_wsd_final_decay_hold_the_batch():
     args = argparse.Namespace(
-        lr_warmup_samples=100, lr_decay_samples=1000, lr_wsd_decay_samples=200, lr_decay_style="WSD", train_samples=1200
+        lr_warmup_samples=100,
+        lr_decay_samples=1000,
+        lr_wsd_decay_samples=200,
+        lr_decay_style="WSD",
+        train_samples=1200,
     )
     assert [(f.start, f.end) for f in frozen_ranges(args)] == [(0, 100), (800, None)]
     fraction = argparse.Namespace(
@@ -82,10 +89,22 @@ def test_the_lr_warmup_and_a_wsd_final_decay_hold_the_batch():
 @pytest.mark.parametrize(
     "fields, message",
     [
-        ({"batch_size_warmup": "auto", "batch_size_warmup_max": 32}, r"auto decides from the measured noise scale"),
-        ({**AUTO, "batch_size_warmup_max": None}, r"auto needs --ga-batch-size-warmup-max \(a whole number >= 1"),
-        ({**AUTO, "batch_size_warmup_trust": 0.0}, r"--ga-batch-size-warmup-trust 0.0 is not a positive finite number"),
-        ({**AUTO, "batch_size_warmup": "on"}, r"--ga-batch-size-warmup 'on' is not one of off, auto"),
+        (
+            {"batch_size_warmup": "auto", "batch_size_warmup_max": 32},
+            r"auto decides from the measured noise scale",
+        ),
+        (
+            {**AUTO, "batch_size_warmup_max": None},
+            r"auto needs --ga-batch-size-warmup-max \(a whole number >= 1",
+        ),
+        (
+            {**AUTO, "batch_size_warmup_trust": 0.0},
+            r"--ga-batch-size-warmup-trust 0.0 is not a positive finite number",
+        ),
+        (
+            {**AUTO, "batch_size_warmup": "on"},
+            r"--ga-batch-size-warmup 'on' is not one of off, auto",
+        ),
     ],
 )
 def test_config_refusals_name_the_flag(fields, message):
@@ -112,16 +131,22 @@ def test_check_reports_the_warmup_rules_on_a_launch_line():
     from megatron_ga_ext.launch.line import parse_launch
 
     line = (
-        "torchrun --nproc_per_node 8 pretrain_gpt.py --calculate-per-token-loss --micro-batch-size 1 "
-        "--global-batch-size 64 --seq-length 2048 --train-samples 100000 --ga-batch-size-warmup auto "
+        "torchrun --nproc_per_node 8 pretrain_gpt.py --calculate-per-token-loss "
+        "--micro-batch-size 1 --global-batch-size 64 --seq-length 2048 --train-samples "
+        "100000 --ga-batch-size-warmup auto "
     )
 
     def problems(extra: str) -> list[str]:
         return launch_problems(parse_launch(shlex.split(line + extra)), None)[1]
 
     assert problems("--ga-noise-scale 10 --ga-batch-size-warmup-max 512 --ga-lr-scaling sqrt") == []
-    assert any("auto decides from the measured noise scale" in p for p in problems("--ga-batch-size-warmup-max 512"))
-    assert any("auto needs --ga-batch-size-warmup-max" in p for p in problems("--ga-noise-scale 10"))
+    assert any(
+        "auto decides from the measured noise scale" in p
+        for p in problems("--ga-batch-size-warmup-max 512")
+    )
+    assert any(
+        "auto needs --ga-batch-size-warmup-max" in p for p in problems("--ga-noise-scale 10")
+    )
     assert any(
         "grows up to --ga-batch-size-warmup-max 32" in p
         for p in problems("--ga-noise-scale 10 --ga-batch-size-warmup-max 32")
@@ -131,9 +156,14 @@ def test_check_reports_the_warmup_rules_on_a_launch_line():
 def test_the_warmup_starts_from_the_constant_schedule_the_one_resolver_gives():
     from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
 
-    inputs = ScheduleInputs.from_calculator_call(GAConfig(**AUTO), {"global_batch_size": 16, "micro_batch_size": 1})
+    inputs = ScheduleInputs.from_calculator_call(
+        GAConfig(**AUTO), {"global_batch_size": 16, "micro_batch_size": 1}
+    )
     assert list(resolve_schedule(inputs).stages) == [(0, 16)]
-    assert resolve_schedule(ScheduleInputs.from_calculator_call(GAConfig(), {"global_batch_size": 16})) is None
+    assert (
+        resolve_schedule(ScheduleInputs.from_calculator_call(GAConfig(), {"global_batch_size": 16}))
+        is None
+    )
     with pytest.raises(ScheduleError, match="--decrease-batch-size-if-needed cannot be combined"):
         resolve_schedule(
             ScheduleInputs.from_calculator_call(
@@ -143,8 +173,8 @@ def test_the_warmup_starts_from_the_constant_schedule_the_one_resolver_gives():
 
 
 def measured(consumed: int, b_simple: float, ema: float) -> dict:
-    """A trace row with its step's parts: |G|^2 = 1 and tr(Sigma) per sample = ``b_simple`` (one loss token per
-    sample), and the EMA's B_simple ``ema``."""
+    """A trace row with its step's parts: |G|^2 = 1 and tr(Sigma) per sample = ``b_simple`` (one
+    loss token per sample), and the EMA's B_simple ``ema``."""
     return {
         "iteration": consumed // 8,
         "consumed_samples": consumed,
@@ -156,8 +186,9 @@ def measured(consumed: int, b_simple: float, ema: float) -> dict:
 
 
 def test_one_spike_never_doubles_the_batch():
-    """B_simple 4 samples at every step but one, whose tr(Sigma) is 1,000x: the EMA jumps past 2 x GBS 8 and stays
-    there for many measurements; the rule's statistic (at most the median ratio of the last 8 steps) does not."""
+    """B_simple 4 samples at every step but one, whose tr(Sigma) is 1,000x: the EMA jumps past 2 x
+    GBS 8 and stays there for many measurements; the rule's statistic (at most the median ratio of
+    the last 8 steps) does not."""
     warmup, live = BatchSizeWarmup(GAConfig(**AUTO)), calculator()
     ema = 4.0
     for k in range(1, 30):
@@ -169,9 +200,11 @@ def test_one_spike_never_doubles_the_batch():
 
 
 def test_a_sustained_rise_doubles_once_the_median_passes():
-    """B_simple 4, then 40 from the 5th step on: the median of the last 8 passes 2 x 8 at the 4th such step (4 of 8
-    at 40: the median is (4 + 40) / 2 = 22)."""
+    """B_simple 4, then 40 from the 5th step on: the median of the last 8 passes 2 x 8 at the 4th
+    such step (4 of 8 at 40: the median is (4 + 40) / 2 = 22)."""
     warmup, live = BatchSizeWarmup(GAConfig(**AUTO)), calculator()
-    decided = [warmup.decide(measured(8 * k, 4.0 if k < 5 else 40.0, 100.0), live) for k in range(1, 13)]
+    decided = [
+        warmup.decide(measured(8 * k, 4.0 if k < 5 else 40.0, 100.0), live) for k in range(1, 13)
+    ]
     assert decided.index(True) == 7  # k = 8
     assert list(live.step_schedule.stages)[1] == (64, 16)

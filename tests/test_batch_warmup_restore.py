@@ -1,20 +1,23 @@
-"""``BatchSizeWarmup.restore`` (integration/batch_warmup.py): a resume whose --ga-batch-size-warmup-max is below the
-batch the checkpoint's warmup reached is refused at load, naming the flag, the restored batch and the fix (not in the
-optimizer step, naming the CLI's --max-global-batch-size)."""
+"""``BatchSizeWarmup.restore`` (science/integration/batch_warmup.py): a resume whose
+--ga-batch-size-warmup-max is below the batch the checkpoint's warmup reached is refused at load,
+naming the flag, the restored batch and the fix (not in the optimizer step, naming the CLI's
+--max-global-batch-size)."""
 
 import pytest
 
 from megatron_ga_ext import GAConfig
 from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.errors import OptionError
-from megatron_ga_ext.integration.batch_warmup import BatchSizeWarmup
 from megatron_ga_ext.integration.calculator import StepScheduleCalculator
+from megatron_ga_ext.science.integration.batch_warmup import BatchSizeWarmup
 
 STAGES = [[0, 8], [16, 16], [48, 32]]
 
 
 def warmup(cap: int) -> BatchSizeWarmup:
-    return BatchSizeWarmup(GAConfig(noise_scale=1, batch_size_warmup="auto", batch_size_warmup_max=cap))
+    return BatchSizeWarmup(
+        GAConfig(noise_scale=1, batch_size_warmup="auto", batch_size_warmup_max=cap)
+    )
 
 
 def calculator() -> StepScheduleCalculator:

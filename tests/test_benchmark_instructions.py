@@ -1,5 +1,5 @@
-"""benchmarks/instructions.py's reading of callgrind's dumps and its arithmetic, on dumps whose answer is known (the
-counting itself runs under valgrind in the benchmark, not here)."""
+"""benchmarks/instructions.py's reading of callgrind's dumps and its arithmetic, on dumps whose
+answer is known (the counting itself runs under valgrind in the benchmark, not here)."""
 
 import ctypes
 import importlib.util
@@ -16,30 +16,36 @@ _SPEC.loader.exec_module(instructions)
 
 
 def _dump(directory: Path, name: str, trigger: str, total: int, thread: int = 1) -> None:
-    """A dump file as callgrind 3.19 writes it with --separate-threads=yes (header, then costs; the total on its
-    ``summary:`` line)."""
+    """A dump file as callgrind 3.19 writes it with --separate-threads=yes (header, then costs; the
+    total on its ``summary:`` line)."""
     (directory / name).write_text(
-        f"# callgrind format\nversion: 1\ncreator: callgrind-3.19.0\npid: 42\ncmd:  python\npart: 1\n"
-        f"thread: {thread}\n\n"
-        f"desc: I1 cache: \ndesc: Timerange: Basic block 0 - 1000\ndesc: Trigger: {trigger}\n\n"
-        f"positions: line\nevents: Ir\nsummary: {total}\n\n\ntotals: {total}\n"
+        "# callgrind format\nversion: 1\ncreator: callgrind-3.19.0\npid: 42\ncmd:  python\npart: "
+        "1\n"
+        f"thread: {thread}\n\ndesc: I1 cache: \ndesc: Timerange: Basic block 0 - 1000\ndesc: "
+        f"Trigger: {trigger}\n\npositions: line\nevents: Ir\nsummary: "
+        f"{total}\n\n\ntotals: {total}\n"
     )
 
 
 def test_dumps_are_read_by_label_main_thread_only_and_the_unlabelled_ones_left_out(tmp_path):
     _dump(tmp_path, "callgrind.42.1-01", "Client Request: 0 upstream 0", 1000)
-    _dump(tmp_path, "callgrind.42.1-02", "Client Request: 0 upstream 0", 900, thread=2)  # a gloo thread's share
+    _dump(
+        tmp_path, "callgrind.42.1-02", "Client Request: 0 upstream 0", 900, thread=2
+    )  # a gloo thread's share
     _dump(tmp_path, "callgrind.42.2-01", "Client Request: 0 extension 0", 1100)
     _dump(tmp_path, "callgrind.42-01", "Program termination", 5)
     (tmp_path / "callgrind.43").write_text("")  # a process that never dumped
-    (tmp_path / "callgrind_requests.c").write_text("desc: Trigger: Client Request: not a dump\nsummary: 7\n")
+    (tmp_path / "callgrind_requests.c").write_text(
+        "desc: Trigger: Client Request: not a dump\nsummary: 7\n"
+    )
     assert instructions.read_dumps(tmp_path) == {"0 upstream 0": 1000, "0 extension 0": 1100}
 
 
 def test_summary_pairs_each_round_with_its_upstream_and_converts_at_upstreams_rate():
-    """Two rounds of 4 steps at GA 4; ranks averaged. Upstream: 10,000 instructions a step in round 0, 10,100 in round
-    1 (spread 1.01); the extension adds 400 a step (100 per micro-batch), async 200. Upstream's CPU time per step is
-    5 us, so its rate is 10,050 / 5 = 2,010 instructions per us and 100 instructions are 0.05 us."""
+    """Two rounds of 4 steps at GA 4; ranks averaged. Upstream: 10,000 instructions a step in round
+    0, 10,100 in round 1 (spread 1.01); the extension adds 400 a step (100 per micro-batch), async
+    200. Upstream's CPU time per step is 5 us, so its rate is 10,050 / 5 = 2,010 instructions per us
+    and 100 instructions are 0.05 us."""
     steps, ga = 4, 4
     upstream = [10_000, 10_100]
     counts = {}
@@ -48,16 +54,27 @@ def test_summary_pairs_each_round_with_its_upstream_and_converts_at_upstreams_ra
             for variant, extra in (("upstream", 0), ("extension", 400), ("extension_async", 200)):
                 counts[f"{rank} {variant} {index}"] = (base + extra + skew) * steps
         counts["0 skip"] = 123  # start-up steps, never counted
-    native = {"times": {"upstream": [4e-6, 5e-6, 6e-6], "extension": [1.0], "extension_async": [1.0]}}
+    native = {
+        "times": {"upstream": [4e-6, 5e-6, 6e-6], "extension": [1.0], "extension_async": [1.0]}
+    }
     row = instructions.summarize(ga, "positionwise", counts, native, steps)
     assert row["rounds"] == 2 and row["steps"] == 8
-    assert row["instructions_per_step"] == {"upstream": 10_050, "extension": 10_450, "extension_async": 10_250}
+    assert row["instructions_per_step"] == {
+        "upstream": 10_050,
+        "extension": 10_450,
+        "extension_async": 10_250,
+    }
     assert row["spread"] == pytest.approx(1.01)
-    assert row["ratio_median"]["extension"] == pytest.approx(round((10_400 / 10_000 + 10_500 / 10_100) / 2, 5))
+    assert row["ratio_median"]["extension"] == pytest.approx(
+        round((10_400 / 10_000 + 10_500 / 10_100) / 2, 5)
+    )
     assert row["ratio_min"]["extension"] == pytest.approx(10_500 / 10_100, abs=1e-5)
     assert row["added_instructions_per_microbatch"] == {"extension": 100, "extension_async": 50}
     assert row["upstream_instructions_per_us"] == pytest.approx(2010.0)
-    assert row["added_us_per_microbatch"] == {"extension": pytest.approx(0.05), "extension_async": pytest.approx(0.02)}
+    assert row["added_us_per_microbatch"] == {
+        "extension": pytest.approx(0.05),
+        "extension_async": pytest.approx(0.02),
+    }
 
 
 def test_table_has_a_row_per_model_and_ga():
@@ -76,8 +93,8 @@ def test_table_has_a_row_per_model_and_ga():
     lines = instructions.table([row]).splitlines()
     assert len(lines) == 3
     assert lines[2] == (
-        "| position-wise (host-bound) | 4 | 10,050 (2,010) | 1.0400 [1.0300, 1.0500] | 100 | 21.4 | "
-        "1.0200 [1.0100, 1.0300] | 50 | 10.0 | 1.0100 |"
+        "| position-wise (host-bound) | 4 | 10,050 (2,010) | 1.0400 [1.0300, 1.0500] | 100 | "
+        "21.4 | 1.0200 [1.0100, 1.0300] | 50 | 10.0 | 1.0100 |"
     )
 
 
@@ -97,8 +114,8 @@ def test_write_records_the_json_and_replaces_only_its_own_table(tmp_path, monkey
     (tmp_path / "docs").mkdir()
     doc = tmp_path / "docs" / "performance.md"
     doc.write_text(
-        "# P\n<!-- table:overhead -->\nkept\n<!-- /table:overhead -->\n"
-        "<!-- table:instructions -->\nold\n<!-- /table:instructions -->\ntail\n"
+        "# P\n<!-- table:overhead -->\nkept\n<!-- /table:overhead -->\n<!-- table:instructions "
+        "-->\nold\n<!-- /table:instructions -->\ntail\n"
     )
     env = {
         "date": "2026-12-01T20:00:00+00:00",
@@ -119,8 +136,17 @@ def test_write_records_the_json_and_replaces_only_its_own_table(tmp_path, monkey
     }
     instructions.write([row], env)
     text = doc.read_text()
-    assert "kept" in text and "old" not in text and text.endswith("<!-- /table:instructions -->\ntail\n")
-    assert "Run on 2026-12-01: Python 3.12.1, torch 2.14.1, megatron-core 0.19.2; DP 2, one intra-op thread." in text
+    assert (
+        "kept" in text
+        and "old" not in text
+        and text.endswith("<!-- /table:instructions -->\ntail\n")
+    )
+    assert (
+        "Run on 2026-12-01: Python 3.12.1, torch 2.14.1, megatron-core 0.19.2; DP 2, one "
+        "intra-op thread." in text
+    )
     assert "| tiny GPT | 4 | 100 (2) |" in text
-    recorded = json.loads((tmp_path / "benchmarks" / "results" / "instructions-2026-12-01.json").read_text())
+    recorded = json.loads(
+        (tmp_path / "benchmarks" / "results" / "instructions-2026-12-01.json").read_text()
+    )
     assert recorded["rows"] == [row] and recorded["layout"] == "DP 2"

@@ -1,5 +1,5 @@
-"""benchmarks/overhead.py's statistics, on numbers whose answer is known (the timings themselves run in the
-benchmark, not here)."""
+"""benchmarks/overhead.py's statistics, on numbers whose answer is known (the timings themselves run
+in the benchmark, not here)."""
 
 import importlib.util
 import math
@@ -16,7 +16,8 @@ _SPEC.loader.exec_module(overhead)
 
 @pytest.mark.parametrize(("n", "ranks"), [(24, (7, 18)), (10, (2, 9)), (12, (3, 10)), (5, (1, 5))])
 def test_median_interval_is_the_binomial_order_statistics(n, ranks):
-    """k is the largest rank with P(Binomial(n, 1/2) < k) <= 2.5%; n = 5 is too small for one (the whole range)."""
+    """k is the largest rank with P(Binomial(n, 1/2) < k) <= 2.5%; n = 5 is too small for one (the
+    whole range)."""
     values = [float(v) for v in range(n, 0, -1)]  # any order: the interval is of the sorted values
     assert overhead.median_ci95(values) == (float(ranks[0]), float(ranks[1]))
     if n > 5:
@@ -26,7 +27,8 @@ def test_median_interval_is_the_binomial_order_statistics(n, ranks):
 
 
 def test_summary_pairs_each_round_with_its_own_upstream():
-    """Ratios and differences are per round (a slow round slows every variant of it), medians over rounds."""
+    """Ratios and differences are per round (a slow round slows every variant of it), medians over
+    rounds."""
     upstream = [0.100, 0.200, 0.100]  # the second round ran on a slow moment
     measured = {
         "times": {
@@ -47,19 +49,24 @@ def test_summary_pairs_each_round_with_its_own_upstream():
     }
     row = overhead.summarize(4, "gpt", measured)
     assert row["ratio_median"] == {"extension": 1.01, "extension_async": 1.0}
-    assert row["extra_us_per_microbatch"]["extension"] == 250.0  # median of 250, 500, 250 us over GA 4
+    assert (
+        row["extra_us_per_microbatch"]["extension"] == 250.0
+    )  # median of 250, 500, 250 us over GA 4
     assert row["control"]["ratio_median"] == 1.0
     assert row["own_us"]["per_microbatch_at_this_ga"] == 30.0  # 5 + 100 / 4
     assert row["own_us"]["paired"]["per_microbatch_at_this_ga"] == 46.0  # 6 + 160 / 4
     assert row["ratio_from_own_work"] == 1.0012  # 120 us / 0.1 s
     assert "| tiny GPT | 4 | 100.00 | 1.010 [1.010, 1.010] | 250.0 |" in overhead.table([row])
-    assert row["own_us"]["in_step"]["per_microbatch_at_this_ga"] == {"step": 50.0, "paired": 70.0}  # 200, 280 / 4
+    assert row["own_us"]["in_step"]["per_microbatch_at_this_ga"] == {
+        "step": 50.0,
+        "paired": 70.0,
+    }  # 200, 280 / 4
     assert row["ratio_in_step"] == {"minima": 1.01, "paired": 1.014}  # 200 us, 280 us / 20 ms
 
 
 def test_regions_split_whole_steps_into_the_calls_they_time(monkeypatch):
-    """On a clock that moves only where the step says: four micro-batch calls 2 us dearer each, a finalize 3 us
-    dearer, the rest equal. The schedule module's function is put back afterwards."""
+    """On a clock that moves only where the step says: four micro-batch calls 2 us dearer each, a
+    finalize 3 us dearer, the rest equal. The schedule module's function is put back afterwards."""
     import sys
     import types
 

@@ -1,4 +1,5 @@
-"""StepScheduleCalculator on its own: Megatron's interface, start-up validation, O(log stages) updates."""
+"""StepScheduleCalculator on its own: Megatron's interface, start-up validation, O(log stages)
+updates."""
 
 import logging
 
@@ -14,7 +15,11 @@ SCALE_UP = "0:256 200000:512 600000:1024 1500000:2048 3000000:4096 6000000:6144"
 
 def test_interface_after_construction():
     calc = StepScheduleCalculator(StepSchedule.parse("0:16 100:32"), 4, 2)
-    assert (calc.get(), calc.get_current_global_batch_size(), calc.get_micro_batch_size()) == (2, 16, 4)
+    assert (calc.get(), calc.get_current_global_batch_size(), calc.get_micro_batch_size()) == (
+        2,
+        16,
+        4,
+    )
     assert calc.get_current_running_global_batch_size() == 16
     assert calc.global_batch_size == 32 and calc.schedule == [(0, 16), (100, 32)]
     calc.update(100, consistency_check=True)
@@ -29,13 +34,17 @@ def test_first_checked_update_validates_every_remaining_stage():
         match=r"entry 3 '10000:36' .* not a multiple of --micro-batch-size 4 x "
         r"data-parallel size 2 = 8",
     ) as caught:
-        calc.update(50, consistency_check=True)  # the bad stage is 10000 samples away: fails at start-up
+        calc.update(
+            50, consistency_check=True
+        )  # the bad stage is 10000 samples away: fails at start-up
     assert type(caught.value) is ScheduleError  # caught as upstream's callers catch its assert
 
 
 def test_past_stages_smaller_than_dp_are_allowed():
     calc = StepScheduleCalculator(StepSchedule.parse(SCALE_UP), 1, 512)
-    assert calc.get_current_global_batch_size() == 256 and calc.get() == 0  # unchecked init, as upstream
+    assert (
+        calc.get_current_global_batch_size() == 256 and calc.get() == 0
+    )  # unchecked init, as upstream
     calc.update(200000, consistency_check=True)
     assert (calc.get_current_global_batch_size(), calc.get()) == (512, 1)
     calc.update(6000000, consistency_check=True)
@@ -45,12 +54,18 @@ def test_past_stages_smaller_than_dp_are_allowed():
         match=r"entry 1 '0:256' .* smaller than --micro-batch-size 1 x data-parallel "
         r"size 512 = 512, so it gives 0 micro-batches",
     ):
-        StepScheduleCalculator(StepSchedule.parse(SCALE_UP), 1, 512).update(0, consistency_check=True)
+        StepScheduleCalculator(StepSchedule.parse(SCALE_UP), 1, 512).update(
+            0, consistency_check=True
+        )
 
 
 def test_interleaved_rule_checked_at_start_up():
     calc = StepScheduleCalculator(
-        StepSchedule.parse("0:32 100:48"), 1, 8, pipeline_model_parallel_size=4, virtual_pipeline_size=2
+        StepSchedule.parse("0:32 100:48"),
+        1,
+        8,
+        pipeline_model_parallel_size=4,
+        virtual_pipeline_size=2,
     )
     with pytest.raises(InterleaveError, match="entry 2 '100:48'"):
         calc.update(0, consistency_check=True)
@@ -58,7 +73,11 @@ def test_interleaved_rule_checked_at_start_up():
 
 def test_opt_out_warns_then_fails_when_the_stage_is_reached():
     calc = StepScheduleCalculator(
-        StepSchedule.parse("0:16 100:24"), 4, 2, strict_future=False, planned_data_parallel_sizes=[4]
+        StepSchedule.parse("0:16 100:24"),
+        4,
+        2,
+        strict_future=False,
+        planned_data_parallel_sizes=[4],
     )
     with pytest.warns(ScheduleWarning, match=r"entry 2 '100:24'.*planned data-parallel size 4"):
         calc.update(0, consistency_check=True)
@@ -77,7 +96,9 @@ def test_build_from_megatron_arguments():
     assert calc.schedule == [(0, 16), (48, 32)]
     calc = StepScheduleCalculator.build(0, None, 64, 4, 2)
     assert (calc.schedule, calc.get()) == ([(0, 64)], 8)
-    calc = StepScheduleCalculator.build(0, None, 8, 4, 2, step_batch_size_schedule="0:8 250K:16", seq_length=1000)
+    calc = StepScheduleCalculator.build(
+        0, None, 8, 4, 2, step_batch_size_schedule="0:8 250K:16", seq_length=1000
+    )
     assert calc.schedule == [(0, 8), (250, 16)]
     calc = StepScheduleCalculator.build(
         0,
@@ -103,7 +124,11 @@ def test_build_from_megatron_arguments():
             "ramp-up samples '1e5' is not a whole",
         ),
         (dict(rampup_batch_size=[16, 8, 100]), SizeError, "--global-batch-size is required"),
-        (dict(rampup_batch_size=[16, 8, 100], step_batch_size_schedule="0:8"), ScheduleError, "both given"),
+        (
+            dict(rampup_batch_size=[16, 8, 100], step_batch_size_schedule="0:8"),
+            ScheduleError,
+            "both given",
+        ),
         (
             dict(global_batch_size=64, decrease_batch_size_if_needed=True),
             ScheduleError,
@@ -118,7 +143,11 @@ def test_build_errors(kwargs, error, message):
 
 def test_from_megatron_signature_and_decrease_refused():
     calc = StepScheduleCalculator.from_megatron(
-        micro_batch_size=1, data_parallel_size=512, decrease_batch_size_if_needed=False, rank=0, schedule=SCALE_UP
+        micro_batch_size=1,
+        data_parallel_size=512,
+        decrease_batch_size_if_needed=False,
+        rank=0,
+        schedule=SCALE_UP,
     )
     assert calc.current_global_batch_size == 256
     with pytest.raises(
@@ -155,9 +184,13 @@ def test_update_is_logarithmic_in_stages():
 
 
 def test_schedule_built_from_stage_objects_keys_warnings_by_stage():
-    """Stage.position defaults to 0: a warned stage must still be checked when it comes into force."""
+    """Stage.position defaults to 0: a warned stage must still be checked when it comes into
+    force."""
     schedule = StepSchedule(
-        (Stage(threshold_samples=0, global_batch_size=8), Stage(threshold_samples=100, global_batch_size=12))
+        (
+            Stage(threshold_samples=0, global_batch_size=8),
+            Stage(threshold_samples=100, global_batch_size=12),
+        )
     )
     calc = StepScheduleCalculator(schedule, 4, 2, strict_future=False)
     with pytest.warns(ScheduleWarning, match=r"entry 2 '100:12'"):
@@ -172,7 +205,10 @@ def test_schedule_built_from_stage_objects_keys_warnings_by_stage():
 
 @pytest.mark.parametrize(
     "mbs, dp, message",
-    [(0, 2, "--micro-batch-size 0 must be at least 1"), (4, -2, "--data-parallel-size -2 must be at least 1")],
+    [
+        (0, 2, "--micro-batch-size 0 must be at least 1"),
+        (4, -2, "--data-parallel-size -2 must be at least 1"),
+    ],
 )
 def test_nonpositive_sizes_are_assertion_errors_like_upstream(mbs, dp, message):
     """Upstream: assert micro_batch_times_data_parallel_size > 0."""

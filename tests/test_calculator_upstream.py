@@ -1,13 +1,13 @@
 """Equality with upstream's calculators, each on the leg whose megatron-core has it.
 
 * Python 3.12 leg (megatron-core 0.19.2): ``StepBatchsizeNumMicroBatchesCalculator`` (0.18+) against
-  StepSchedule / StepScheduleCalculator: parsing, (GBS, num_microbatches) at every update, and upstream's
-  own unit tests run against our class.
+  StepSchedule / StepScheduleCalculator: parsing, (GBS, num_microbatches) at every update, and
+  upstream's own unit tests run against our class.
 * Python 3.11 leg (megatron-core 0.16.1): ``RampupBatchsizeNumMicroBatchesCalculator`` against
   ``StepSchedule.from_rampup`` at every consumed-sample count of several ramps, past their end.
 
-The upstream module is loaded from the installed wheel's file on its own: it imports only logging, abc and
-typing, and ``import megatron.core`` would cost 5-12 s of torch import per test process.
+The upstream module is loaded from the installed wheel's file on its own: it imports only logging,
+abc and typing, and ``import megatron.core`` would cost 5-12 s of torch import per test process.
 """
 
 import contextlib
@@ -32,7 +32,9 @@ def _load_upstream() -> ModuleType | None:
     for root in spec.submodule_search_locations:
         path = Path(root, "core", "num_microbatches_calculator.py")
         if path.exists():
-            module_spec = importlib.util.spec_from_file_location("_upstream_num_microbatches_calculator", path)
+            module_spec = importlib.util.spec_from_file_location(
+                "_upstream_num_microbatches_calculator", path
+            )
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
             return module
@@ -44,20 +46,26 @@ logging.getLogger("_upstream_num_microbatches_calculator").setLevel(logging.WARN
 
 needs_step = pytest.mark.skipif(
     not hasattr(UPSTREAM, "StepBatchsizeNumMicroBatchesCalculator"),
-    reason="StepBatchsizeNumMicroBatchesCalculator exists from megatron-core 0.18 (the Python 3.12 leg)",
+    reason="StepBatchsizeNumMicroBatchesCalculator exists from megatron-core 0.18 (the Python "
+    "3.12 leg)",
 )
 needs_rampup = pytest.mark.skipif(
     not hasattr(UPSTREAM, "RampupBatchsizeNumMicroBatchesCalculator"),
-    reason="RampupBatchsizeNumMicroBatchesCalculator exists up to megatron-core 0.17 (the Python 3.11 leg)",
+    reason="RampupBatchsizeNumMicroBatchesCalculator exists up to megatron-core 0.17 (the Python "
+    "3.11 leg)",
 )
 
 
 def upstream_refuses(text: str):
-    """Upstream validates a schedule with assert, which python -O strips: there it accepts what it refuses
-    otherwise (an empty schedule fails as an IndexError), while ours still raises."""
+    """Upstream validates a schedule with assert, which python -O strips: there it accepts what it
+    refuses otherwise (an empty schedule fails as an IndexError), while ours still raises."""
     if __debug__:
         return pytest.raises(AssertionError)
-    return pytest.raises(IndexError) if not text.replace(",", " ").split() else contextlib.nullcontext()
+    return (
+        pytest.raises(IndexError)
+        if not text.replace(",", " ").split()
+        else contextlib.nullcontext()
+    )
 
 
 def test_the_leg_has_one_of_the_two():
@@ -83,7 +91,8 @@ def _upstream_step(schedule: str, mbs: int, dp: int, seq_length: int | None = No
 
 @st.composite
 def schedules(draw):
-    """A schedule upstream handles correctly: thresholds increasing from 0, batch sizes >= 1, plain or suffixed."""
+    """A schedule upstream handles correctly: thresholds increasing from 0, batch sizes >= 1, plain
+    or suffixed."""
     count = draw(st.integers(1, 6))
     gaps = draw(st.lists(st.integers(1, 5000), min_size=count - 1, max_size=count - 1))
     thresholds = [0]
@@ -100,7 +109,9 @@ def schedules(draw):
 
 @needs_step
 @settings(max_examples=150, deadline=None)
-@given(schedules(), st.sampled_from([None, 1, 7, 100]), st.integers(1, 8), st.integers(1, 8), st.data())
+@given(
+    schedules(), st.sampled_from([None, 1, 7, 100]), st.integers(1, 8), st.integers(1, 8), st.data()
+)
 def test_parse_and_updates_equal_upstream(text, seq_length, mbs, dp, data):
     try:
         ours = StepScheduleCalculator(StepSchedule.parse(text, seq_length), mbs, dp, rank=1)
@@ -115,10 +126,18 @@ def test_parse_and_updates_equal_upstream(text, seq_length, mbs, dp, data):
     assert StepSchedule.parse(str(ours.step_schedule), seq_length).stages == theirs.schedule
     assert theirs._parse_schedule(str(ours.step_schedule), seq_length) == theirs.schedule
     last = theirs.schedule[-1][0]
-    for consumed in sorted(data.draw(st.lists(st.integers(0, last + 100), max_size=30))) + [0, last, last + 1]:
+    for consumed in sorted(data.draw(st.lists(st.integers(0, last + 100), max_size=30))) + [
+        0,
+        last,
+        last + 1,
+    ]:
         ours.update(consumed, consistency_check=False)
         theirs.update(consumed, consistency_check=False)
-        assert (ours.get(), ours.get_current_global_batch_size(), ours.get_current_running_global_batch_size()) == (
+        assert (
+            ours.get(),
+            ours.get_current_global_batch_size(),
+            ours.get_current_running_global_batch_size(),
+        ) == (
             theirs.get(),
             theirs.get_current_global_batch_size(),
             theirs.get_current_running_global_batch_size(),
@@ -129,17 +148,22 @@ def test_parse_and_updates_equal_upstream(text, seq_length, mbs, dp, data):
 @settings(max_examples=100, deadline=None)
 @given(schedules(), st.integers(1, 4), st.integers(1, 4), st.data())
 def test_checked_updates_agree_or_fail_earlier(text, mbs, dp, data):
-    """Where upstream's checked update passes on a valid run, ours gives the same numbers; where upstream would
-    assert at some stage, ours has raised an AssertionError no later (at the first checked update)."""
+    """Where upstream's checked update passes on a valid run, ours gives the same numbers; where
+    upstream would assert at some stage, ours has raised an AssertionError no later (at the first
+    checked update)."""
     ours = StepScheduleCalculator(StepSchedule.parse(text), mbs, dp, rank=1)
     theirs = _upstream_step(text, mbs, dp)
     ours_failed = False
-    for consumed in sorted(data.draw(st.lists(st.integers(0, theirs.schedule[-1][0] + 10), min_size=1, max_size=20))):
+    for consumed in sorted(
+        data.draw(st.lists(st.integers(0, theirs.schedule[-1][0] + 10), min_size=1, max_size=20))
+    ):
         try:
             theirs.update(consumed, consistency_check=True)
         except AssertionError:
             if not ours_failed:
-                with pytest.raises((ScheduleError, BatchSizeError), match="--step-batch-size-schedule entry"):
+                with pytest.raises(
+                    (ScheduleError, BatchSizeError), match="--step-batch-size-schedule entry"
+                ):
                     ours.update(consumed, consistency_check=True)
             return
         if ours_failed:
@@ -231,7 +255,9 @@ RAMPS = [
 
 
 def _upstream_rampup(start, increment, ramp, gbs, mbs=1, dp=1):
-    return UPSTREAM.RampupBatchsizeNumMicroBatchesCalculator(gbs, mbs, dp, False, 1, start, increment, ramp)
+    return UPSTREAM.RampupBatchsizeNumMicroBatchesCalculator(
+        gbs, mbs, dp, False, 1, start, increment, ramp
+    )
 
 
 @needs_rampup
@@ -242,19 +268,27 @@ def test_rampup_equal_at_every_consumed_count(ramp):
     theirs = _upstream_rampup(*ramp)
     for consumed in range(0, ramp_samples + 2 * gbs + 2):
         theirs.update(consumed, consistency_check=False)
-        assert ours.global_batch_size_at(consumed) == theirs.get_current_global_batch_size(), consumed
+        assert ours.global_batch_size_at(consumed) == theirs.get_current_global_batch_size(), (
+            consumed
+        )
 
 
 @needs_rampup
-@pytest.mark.parametrize("ramp", [(16, 8, 10**15 + 7, 1024), (1, 1, 3 * 10**12 + 1, 4097), (32, 32, 2**53 + 3, 2048)])
+@pytest.mark.parametrize(
+    "ramp", [(16, 8, 10**15 + 7, 1024), (1, 1, 3 * 10**12 + 1, 4097), (32, 32, 2**53 + 3, 2048)]
+)
 def test_rampup_equal_around_every_boundary_of_huge_ramps(ramp):
     """Where float rounding matters most: at and next to every stage boundary, and past the end."""
     ours = StepSchedule.from_rampup(*ramp)
     theirs = _upstream_rampup(*ramp)
-    probes = {c + d for c, _ in ours.stages for d in (-2, -1, 0, 1, 2)} | {ramp[2] + d for d in range(-3, 5)}
+    probes = {c + d for c, _ in ours.stages for d in (-2, -1, 0, 1, 2)} | {
+        ramp[2] + d for d in range(-3, 5)
+    }
     for consumed in sorted(p for p in probes if p >= 0):
         theirs.update(consumed, consistency_check=False)
-        assert ours.global_batch_size_at(consumed) == theirs.get_current_global_batch_size(), consumed
+        assert ours.global_batch_size_at(consumed) == theirs.get_current_global_batch_size(), (
+            consumed
+        )
 
 
 @needs_rampup
@@ -269,7 +303,8 @@ def test_rampup_equal_around_every_boundary_of_huge_ramps(ramp):
     ],
 )
 def test_long_ramps_described_not_listed_equal_upstream(ramp):
-    """Ramps of more than 10,000 increments (RampStages): random counts and both sides of sampled boundaries."""
+    """Ramps of more than 10,000 increments (RampStages): random counts and both sides of sampled
+    boundaries."""
     import random
 
     ours = StepSchedule.from_rampup(*ramp)
@@ -282,7 +317,9 @@ def test_long_ramps_described_not_listed_equal_upstream(ramp):
         probes |= {threshold - 1, threshold, threshold + 1}
     for consumed in sorted(p for p in probes if p >= 0):
         theirs.update(consumed, consistency_check=False)
-        assert ours.global_batch_size_at(consumed) == theirs.get_current_global_batch_size(), consumed
+        assert ours.global_batch_size_at(consumed) == theirs.get_current_global_batch_size(), (
+            consumed
+        )
 
 
 @needs_rampup
@@ -291,7 +328,9 @@ def test_long_ramps_described_not_listed_equal_upstream(ramp):
 def test_rampup_equal_random(start, increment, steps, ramp_samples):
     gbs = start + steps * increment
     if steps == 0:
-        with pytest.raises(ZeroDivisionError):  # upstream cannot build an empty ramp; ours is the constant
+        with pytest.raises(
+            ZeroDivisionError
+        ):  # upstream cannot build an empty ramp; ours is the constant
             _upstream_rampup(start, increment, ramp_samples, gbs)
         assert StepSchedule.from_rampup(start, increment, ramp_samples, gbs).stages == [(0, gbs)]
         return
@@ -299,7 +338,9 @@ def test_rampup_equal_random(start, increment, steps, ramp_samples):
     theirs = _upstream_rampup(start, increment, ramp_samples, gbs)
     for consumed in range(0, ramp_samples + 3):
         theirs.update(consumed, consistency_check=False)
-        assert ours.global_batch_size_at(consumed) == theirs.get_current_global_batch_size(), consumed
+        assert ours.global_batch_size_at(consumed) == theirs.get_current_global_batch_size(), (
+            consumed
+        )
 
 
 @needs_rampup
@@ -311,7 +352,8 @@ def test_upstream_divides_by_zero_where_we_return_the_constant():
 
 @needs_rampup
 def test_calculator_equals_rampup_calculator_through_training():
-    """The training loop (consumed += DP x MBS x M; checked update) with both calculators, past the ramp."""
+    """The training loop (consumed += DP x MBS x M; checked update) with both calculators, past the
+    ramp."""
     for start, increment, ramp_samples, gbs, mbs, dp in [
         (16, 8, 300000, 1024, 4, 2),
         (16, 16, 96, 32, 8, 2),

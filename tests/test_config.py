@@ -1,5 +1,5 @@
-"""config/: GAConfig's validation, the rules between flags, and how the batch schedule is resolved (the flag
-declarations themselves: tests/test_flag_declarations.py)."""
+"""config/: GAConfig's validation, the rules between flags, and how the batch schedule is resolved
+(the flag declarations themselves: tests/test_flag_declarations.py)."""
 
 import argparse
 import importlib
@@ -11,7 +11,13 @@ from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.config.launch_rules import check_guards, check_loss_mode, check_train_length
 from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
 from megatron_ga_ext.core.schedule.rampup import rampup_triple
-from megatron_ga_ext.errors import InterleaveError, OptionError, ScheduleError, ScheduleParseError, SizeError
+from megatron_ga_ext.errors import (
+    InterleaveError,
+    OptionError,
+    ScheduleError,
+    ScheduleParseError,
+    SizeError,
+)
 from megatron_ga_ext.integration.calculator import StepScheduleCalculator
 
 # The module: the package's ``install`` is the function.
@@ -29,12 +35,16 @@ install_module = importlib.import_module("megatron_ga_ext.integration.lifecycle"
             r"^--ga-loss-reduction 'tokens' is not one of token, microbatch; did you mean "
             r"--ga-loss-reduction token\?",
         ),
-        (dict(zero_token_policy="ignore"), r"^--ga-zero-token-policy 'ignore' is not one of error, skip"),
+        (
+            dict(zero_token_policy="ignore"),
+            r"^--ga-zero-token-policy 'ignore' is not one of error, skip",
+        ),
         (dict(checks="later"), r"^--ga-checks 'later' is not one of sync, async; pick one"),
         (
             dict(checks="async", zero_token_policy="skip"),
-            r"^--ga-checks async reads a step's token count only after its "
-            r"optimizer step, so --ga-zero-token-policy skip cannot skip a step with 0 tokens\. Drop one of them",
+            r"^--ga-checks async reads a step's token count only after its optimizer step, so "
+            r"--ga-zero-token-policy skip cannot skip a step with 0 tokens\. Drop one of "
+            r"them",
         ),
     ],
 )
@@ -52,18 +62,25 @@ def test_gaconfig_from_args_reads_megatrons_names():
         seq_length=4096,
     )
     config = GAConfig.from_args(args)
-    assert config.rampup_batch_size == (16, 8, 300000) and config.microbatch_group_size_per_vp_stage == 6
+    assert (
+        config.rampup_batch_size == (16, 8, 300000)
+        and config.microbatch_group_size_per_vp_stage == 6
+    )
     assert (config.loss_reduction, config.guards, config.strict) == ("token", True, True)
 
 
 @pytest.mark.parametrize(
     "values, message",
     [
-        ([16, 8], r"takes three values, START INCREMENT SAMPLES \(e\.g\. 16 8 300000\); got 2: 16 8"),
+        (
+            [16, 8],
+            r"takes three values, START INCREMENT SAMPLES \(e\.g\. 16 8 300000\); got 2: 16 8",
+        ),
         (["16", "8", "1e5"], r"--rampup-batch-size ramp-up samples '1e5' is not a whole number"),
         (
             ["16", "8", "9" * 5000],
-            r"--rampup-batch-size ramp-up samples value '999999999999\.\.\.9999' has 5000 characters",
+            r"--rampup-batch-size ramp-up samples value '999999999999\.\.\.9999' has 5000 "
+            r"characters",
         ),
         ("16 8 100", r"takes three values.*got 1: 16 8 100"),
     ],
@@ -125,26 +142,40 @@ def test_train_length_rule():
 
 def test_resolve_schedule_paths(caplog):
     assert resolve_schedule(ScheduleInputs(global_batch_size=64)) is None
-    assert resolve_schedule(ScheduleInputs(step_batch_size_schedule="0:8 250K:16", seq_length=1000)).stages == [
+    assert resolve_schedule(
+        ScheduleInputs(step_batch_size_schedule="0:8 250K:16", seq_length=1000)
+    ).stages == [
         (0, 8),
         (250, 16),
     ]
     converted = resolve_schedule(
-        ScheduleInputs(rampup_batch_size=("16", "8", "300000"), global_batch_size=1024, convert_rampup=True)
+        ScheduleInputs(
+            rampup_batch_size=("16", "8", "300000"), global_batch_size=1024, convert_rampup=True
+        )
     )
     assert len(converted.stages) == 127
     with caplog.at_level(logging.WARNING, logger="megatron_ga_ext.config.resolve"):
-        assert resolve_schedule(ScheduleInputs(rampup_batch_size=(16, 8, 300000), global_batch_size=1024)) is None
+        assert (
+            resolve_schedule(
+                ScheduleInputs(rampup_batch_size=(16, 8, 300000), global_batch_size=1024)
+            )
+            is None
+        )
         assert not caplog.records  # upstream runs the rampup itself (0.16, 0.17)
         assert (
             resolve_schedule(
-                ScheduleInputs(rampup_batch_size=(16, 8, 300000), global_batch_size=1024, rampup_ignored_upstream=True)
+                ScheduleInputs(
+                    rampup_batch_size=(16, 8, 300000),
+                    global_batch_size=1024,
+                    rampup_ignored_upstream=True,
+                )
             )
             is None
         )
     assert (
-        '--rampup-batch-size 16 8 300000: megatron-core >= 0.18 logs "rampup_batch_size is deprecated' in caplog.text
-    ) and "then ignores the rampup" in caplog.text
+        "--rampup-batch-size 16 8 300000: megatron-core >= 0.18 ignores the rampup on the "
+        "training path" in caplog.text
+    ) and "logs nothing" in caplog.text
     assert "Pass --ga-convert-rampup" in caplog.text
 
 
@@ -162,7 +193,9 @@ def test_resolve_schedule_paths(caplog):
             r"^--decrease-batch-size-if-needed cannot be combined with a step batch-size schedule",
         ),
         (
-            ScheduleInputs(rampup_batch_size=(16, 8, "x"), global_batch_size=64, convert_rampup=True),
+            ScheduleInputs(
+                rampup_batch_size=(16, 8, "x"), global_batch_size=64, convert_rampup=True
+            ),
             SizeError,
             r"ramp-up samples 'x' is not a whole number",
         ),
@@ -172,11 +205,17 @@ def test_resolve_schedule_paths(caplog):
             r"--global-batch-size is required with --rampup-batch-size",
         ),
         (
-            ScheduleInputs(rampup_batch_size=(16, 10, 100), global_batch_size=64, convert_rampup=True),
+            ScheduleInputs(
+                rampup_batch_size=(16, 10, 100), global_batch_size=64, convert_rampup=True
+            ),
             ScheduleError,
             r"increment 10 does not divide",
         ),
-        (ScheduleInputs(step_batch_size_schedule="0:8 1G:16"), ScheduleParseError, r"unknown suffix 'G'"),
+        (
+            ScheduleInputs(step_batch_size_schedule="0:8 1G:16"),
+            ScheduleParseError,
+            r"unknown suffix 'G'",
+        ),
     ],
 )
 def test_resolve_schedule_refusals(inputs, error, message):
@@ -185,8 +224,8 @@ def test_resolve_schedule_refusals(inputs, error, message):
 
 
 def test_install_check_and_calculator_see_the_same_schedule_and_layout():
-    """'0:48 100:80' with PP 4, VPP 2 and N = 6 runs (M = 6, 10) only if install() passes N on to the
-    calculator as check does: without N, the default N = PP refuses M = 6."""
+    """'0:48 100:80' with PP 4, VPP 2 and N = 6 runs (M = 6, 10) only if install() passes N on to
+    the calculator as check does: without N, the default N = PP refuses M = 6."""
     config = GAConfig(
         step_batch_size_schedule="0:48 100:80",
         pipeline_model_parallel_size=4,
@@ -209,15 +248,22 @@ def test_install_check_and_calculator_see_the_same_schedule_and_layout():
     calculator.update(0, consistency_check=True)
     calculator.update(100, consistency_check=True)
     assert calculator.get() == 10
-    with pytest.raises(InterleaveError, match=r"entry 1 '0:48'"):  # without N the default N = PP refuses M = 6
+    with pytest.raises(
+        InterleaveError, match=r"entry 1 '0:48'"
+    ):  # without N the default N = PP refuses M = 6
         StepScheduleCalculator(schedule, 1, 8, 0, 4, 2).update(0, consistency_check=True)
 
 
 def test_install_refuses_a_rampup_with_a_schedule_and_reads_rampups_typed():
-    """Through install() and megatron-core's own init, as Megatron's set_global_variables calls it."""
+    """Through install() and megatron-core's own init, as Megatron's set_global_variables calls
+    it."""
     calculators = pytest.importorskip("megatron.core.num_microbatches_calculator")
     for config, error, message in (
-        (GAConfig(step_batch_size_schedule="0:16", rampup_batch_size=(16, 8, 100)), ScheduleError, "are both given"),
+        (
+            GAConfig(step_batch_size_schedule="0:16", rampup_batch_size=(16, 8, 100)),
+            ScheduleError,
+            "are both given",
+        ),
     ):
         install_module.install(config)
         try:
@@ -229,6 +275,7 @@ def test_install_refuses_a_rampup_with_a_schedule_and_reads_rampups_typed():
     with pytest.raises(SizeError, match=r"ramp-up samples 'many' is not a whole number"):
         resolve_schedule(
             ScheduleInputs.from_calculator_call(
-                GAConfig(convert_rampup=True), {"global_batch_size": 64, "rampup_batch_size": [16, 8, "many"]}
+                GAConfig(convert_rampup=True),
+                {"global_batch_size": 64, "rampup_batch_size": [16, 8, "many"]},
             )
         )

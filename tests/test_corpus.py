@@ -1,6 +1,7 @@
-"""benchmarks/corpus.py: the real-text corpus written by megatron-core's own builder reads back, through
-megatron-core's own reader, as the package's source files byte for byte, one document each ending in EOD; and the
-tokenizer flags give NullTokenizer that end-of-document id on every tested Megatron-LM tree of this Python."""
+"""benchmarks/corpus.py: the real-text corpus written by megatron-core's own builder reads back,
+through megatron-core's own reader, as the package's source files byte for byte, one document each
+ending in EOD; and the tokenizer flags give NullTokenizer that end-of-document id on every tested
+Megatron-LM tree of this Python."""
 
 from __future__ import annotations
 
@@ -22,10 +23,15 @@ def test_the_corpus_reads_back_as_the_sources_one_document_each(tmp_path):
     version, files = corpus.sources()
     dataset = IndexedDataset(str(corpus.prefix(tmp_path)))
     assert len(files) > 100 and len(dataset) == described["documents"] == len(files)
-    assert list(dataset.document_indices) == list(range(len(files) + 1))  # one sequence per document
+    assert list(dataset.document_indices) == list(
+        range(len(files) + 1)
+    )  # one sequence per document
     for index in (0, len(files) // 2, len(files) - 1):
         ids = dataset[index]
-        assert ids[-1] == corpus.EOD and bytes(ids[:-1].astype(numpy.uint8)) == files[index].read_bytes(), files[index]
+        assert (
+            ids[-1] == corpus.EOD
+            and bytes(ids[:-1].astype(numpy.uint8)) == files[index].read_bytes()
+        ), files[index]
     assert sum(len(dataset[i]) for i in range(len(dataset))) == described["tokens"]
     assert int(max(dataset[i].max() for i in range(len(dataset)))) == corpus.EOD  # bytes below it
     assert described["source"].startswith(f"megatron-core {version}")
@@ -40,12 +46,14 @@ def test_the_corpus_reads_back_as_the_sources_one_document_each(tmp_path):
     ids=lambda tree: getattr(tree, "name", "none"),
 )
 def test_the_tokenizer_flags_give_nulltokenizer_the_corpus_eod(tree):
-    """The tree's own NullTokenizer (the module loaded from its source), built as Megatron-LM builds it from
-    --vocab-size: its end-of-document id is the corpus's."""
+    """The tree's own NullTokenizer (the module loaded from its source), built as Megatron-LM builds
+    it from --vocab-size: its end-of-document id is the corpus's."""
     flags = corpus.tokenizer_flags(tree)
     assert flags[:2] == ["--tokenizer-type", "NullTokenizer"]
     path = tree / "megatron/core/tokenizers/text/libraries/null_tokenizer.py"
-    spec = importlib.util.spec_from_file_location(f"null_tokenizer_{tree.name.replace('-', '_')}", path)
+    spec = importlib.util.spec_from_file_location(
+        f"null_tokenizer_{tree.name.replace('-', '_')}", path
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     tokenizer = module.NullTokenizer(int(flags[flags.index("--vocab-size") + 1]))

@@ -1,6 +1,7 @@
-"""The coverage table (config/coverage/): every refused row stops install() at start-up and is a problem of
-``megatron-ga check``, both naming the flag; every row's test exists; every row's flags are declared; the limits
-that apply are notes of ``check``; docs/coverage.md is the table's rendering."""
+"""The coverage table (config/coverage/): every refused row stops install() at start-up and is a
+problem of ``megatron-ga check``, both naming the flag; every row's test exists; every row's flags
+are declared; the limits that apply are notes of ``check``; docs/coverage.md is the table's
+rendering."""
 
 from __future__ import annotations
 
@@ -14,15 +15,19 @@ from pathlib import Path
 import pytest
 
 from megatron_ga_ext.cli.main import main
-from megatron_ga_ext.config.coverage import ROWS, Setting, coverage_doc, verdict
+from megatron_ga_ext.config.coverage import ROWS, Setting, verdict
 from megatron_ga_ext.config.flags import GA_FLAGS, OPTIONS
 from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.core.megatron_flags import COVERED_OPTIONS, MEGATRON_OPTIONS, Option
 from megatron_ga_ext.errors import CoverageError
+from tools.doc_tables import coverage_doc
 
 ROOT = Path(__file__).resolve().parent.parent
 BY_ID = {row.id: row for row in ROWS}
 TOKEN = ["--calculate-per-token-loss"]
+#: What Megatron's validate_args needs of every FSDP2 and Megatron-FSDP line (launch/rules_fsdp.py).
+FSDP2_OK = ["--no-gradient-accumulation-fusion", "--untie-embeddings-and-output-weights"]
+MFSDP = ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]
 EP_MOE = [
     "--num-experts",
     "4",
@@ -49,11 +54,16 @@ class Refusal:
         return self.row + (f"-{self.spelling}" if self.spelling else "")
 
     def ga_flags(self) -> list[str]:
-        """The ``--ga-*`` flags of :attr:`ga` (a switch by its spelling: ``--no-ga-guards`` for guards False)."""
+        """The ``--ga-*`` flags of :attr:`ga` (a switch by its spelling: ``--no-ga-guards`` for
+        guards False)."""
         words: list[str] = []
         for name, value in self.ga.items():
             spellings = GA_FLAGS[name].spellings
-            words += [spellings[0] if value else spellings[-1]] if isinstance(value, bool) else [spellings[0], value]
+            words += (
+                [spellings[0] if value else spellings[-1]]
+                if isinstance(value, bool)
+                else [spellings[0], value]
+            )
         return words
 
 
@@ -74,30 +84,61 @@ REFUSALS = [
         [*TOKEN, "--enable-cuda-graph", "--cuda-graph-scope", "full_iteration"],
         spelling="enable-cuda-graph",
     ),
-    Refusal("full-iteration-graph-token", [*TOKEN, "--cuda-graph-modules", "full_iteration"], spelling="modules"),
+    Refusal(
+        "full-iteration-graph-token",
+        [*TOKEN, "--cuda-graph-modules", "full_iteration"],
+        spelling="modules",
+    ),
     Refusal(
         "full-iteration-graph-schedule",
-        ["--cuda-graph-impl", "full_iteration", "--step-batch-size-schedule", "0:16 4096:32", "--train-samples", "160"],
+        [
+            "--cuda-graph-impl",
+            "full_iteration",
+            "--step-batch-size-schedule",
+            "0:16 4096:32",
+            "--train-samples",
+            "160",
+        ],
         MICROBATCH,
     ),
-    Refusal("optimizer-graph-skip", [*TOKEN, "--optimizer-cuda-graph"], {"zero_token_policy": "skip"}),
-    Refusal("combined-1f1b-token", [*TOKEN, *EP_MOE, "--overlap-moe-expert-parallel-comm"]),
-    Refusal("delayed-wgrad-token", [*TOKEN, *EP_MOE, "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]),
+    Refusal(
+        "optimizer-graph-skip", [*TOKEN, "--optimizer-cuda-graph"], {"zero_token_policy": "skip"}
+    ),
     Refusal("average-in-collective-token", [*TOKEN, "--ddp-average-in-collective"]),
     Refusal("yaml-cfg", [*TOKEN, "--yaml-cfg", "config.yaml"]),
     Refusal("rerun-report-stats", [*TOKEN, "--rerun-mode", "report_stats"]),
     Refusal("gtp", [*TOKEN, "--tensor-parallel-num-weight-shards", "2"]),
-    Refusal("gtp", [*TOKEN, "--expert-tensor-parallel-num-weight-shards", "2", *EP_MOE], spelling="experts"),
-    Refusal("rl-context-parallel-token", [*TOKEN, "--perform-rl-step", "--context-parallel-size", "2"]),
-    Refusal("override-iteration-schedule", ["--override-ckpt-iteration", "10", *SCHEDULE], MICROBATCH),
-    Refusal("override-iteration-schedule", ["--freeze-all-layers", *SCHEDULE], MICROBATCH, spelling="freeze"),
-    Refusal("phase-transitions-schedule", ["--phase-transition-iterations", "10", *SCHEDULE], MICROBATCH),
-    Refusal("hybrid-context-parallel-schedule", [*TOKEN, "--hybrid-context-parallel", *SCHEDULE], {"guards": False}),
+    Refusal(
+        "gtp",
+        [*TOKEN, "--expert-tensor-parallel-num-weight-shards", "2", *EP_MOE],
+        spelling="experts",
+    ),
+    Refusal(
+        "rl-context-parallel-token", [*TOKEN, "--perform-rl-step", "--context-parallel-size", "2"]
+    ),
+    Refusal(
+        "override-iteration-schedule", ["--override-ckpt-iteration", "10", *SCHEDULE], MICROBATCH
+    ),
+    Refusal(
+        "override-iteration-schedule",
+        ["--freeze-all-layers", *SCHEDULE],
+        MICROBATCH,
+        spelling="freeze",
+    ),
+    Refusal(
+        "phase-transitions-schedule", ["--phase-transition-iterations", "10", *SCHEDULE], MICROBATCH
+    ),
+    Refusal(
+        "hybrid-context-parallel-schedule",
+        [*TOKEN, "--hybrid-context-parallel", *SCHEDULE],
+        {"guards": False},
+    ),
 ]
 
 
 def megatron_parser() -> argparse.ArgumentParser:
-    """Megatron's flags as our declarations give them (the slow test below holds them to Megatron's parsers)."""
+    """Megatron's flags as our declarations give them (the slow test below holds them to Megatron's
+    parsers)."""
     parser = argparse.ArgumentParser()
     for option in (*MEGATRON_OPTIONS, *COVERED_OPTIONS):
         for spelling in option.spellings:
@@ -109,7 +150,11 @@ def _argparse_kwargs(option: Option, spelling: str) -> dict:
     if option.type is bool:
         store_false = spelling.startswith("--no-")
         return {"action": "store_false" if store_false else "store_true", "default": option.default}
-    return {"nargs": None if option.nargs == 1 else option.nargs, "type": option.type, "default": option.default}
+    return {
+        "nargs": None if option.nargs == 1 else option.nargs,
+        "type": option.type,
+        "default": option.default,
+    }
 
 
 def check(capsys, flags: list[str]) -> tuple[int, dict]:
@@ -130,7 +175,9 @@ def check(capsys, flags: list[str]) -> tuple[int, dict]:
     status = main(["check", "--json", "--", *line])
     report = json.loads(capsys.readouterr().out)
     report["problems"] = [problem["message"] for problem in report["problems"]]
-    report["note_rows"] = [note["link"].partition("#")[2] for note in report["notes"] if note["link"]]
+    report["note_rows"] = [
+        note["link"].partition("#")[2] for note in report["notes"] if note["link"]
+    ]
     return status, report
 
 
@@ -141,7 +188,8 @@ def test_every_refused_row_has_a_refusal_launch():
     refused = {row.id for row in ROWS if row.support == "refused"}
     assert {refusal.row for refusal in REFUSALS} == refused
     assert all(BY_ID[r.row].support == "refused" for r in REFUSALS)
-    # the doc names each refusal's test by the row id: the first launch of each row has no other spelling
+    # the doc names each refusal's test by the row id: the first launch of each row has no other
+    # spelling
     assert {r.row for r in REFUSALS if not r.spelling} == refused
 
 
@@ -156,8 +204,8 @@ def test_refused_rows_stop_install_and_check(refusal, monkeypatch, capsys):
 
 
 def _install_refuses(refusal: Refusal, named: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """install() given Megatron's parsed args refuses at once, before anything is patched or built; install()
-    without them, at the first forward/backward call, before the schedule runs."""
+    """install() given Megatron's parsed args refuses at once, before anything is patched or built;
+    install() without them, at the first forward/backward call, before the schedule runs."""
     schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
     from megatron_ga_ext.config.args import add_args
     from megatron_ga_ext.integration import lifecycle as installing
@@ -171,7 +219,9 @@ def _install_refuses(refusal: Refusal, named: str, monkeypatch: pytest.MonkeyPat
 
     args = megatron_parser().parse_args(refusal.flags)
     installing.install(GAConfig(**refusal.ga))
-    monkeypatch.setattr(megatron_lm.MEGATRON_LM, "parsed_args", lambda: args)  # where the first step reads get_args()
+    monkeypatch.setattr(
+        megatron_lm.MEGATRON_LM, "parsed_args", lambda: args
+    )  # where the first step reads get_args()
     try:
         with pytest.raises(CoverageError, match=named):
             schedules.forward_backward_no_pipelining(
@@ -190,19 +240,49 @@ def _install_refuses(refusal: Refusal, named: str, monkeypatch: pytest.MonkeyPat
 def test_a_launch_with_several_refusals_names_each():
     flags = [*TOKEN, "--cuda-graph-impl", "full_iteration", "--ddp-average-in-collective"]
     error = verdict(Setting.of(megatron_parser().parse_args(flags), GAConfig())).error()
-    assert isinstance(error, CoverageError) and str(error).startswith("2 settings of this launch are refused: (1) ")
-    assert "--cuda-graph-impl" in str(error) and "(2) megatron-ga-ext refuses --ddp-average-in-collective" in str(error)
+    assert isinstance(error, CoverageError) and str(error).startswith(
+        "2 settings of this launch are refused: (1) "
+    )
+    assert "--cuda-graph-impl" in str(
+        error
+    ) and "(2) megatron-ga-ext refuses --ddp-average-in-collective" in str(error)
 
 
 @pytest.mark.parametrize(
     "flags, ga",
     [
-        (["--cuda-graph-impl", "full_iteration"], MICROBATCH),  # limited: constant GBS, microbatch mode
-        ([*TOKEN, "--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn", "mlp"], {}),
+        (
+            ["--cuda-graph-impl", "full_iteration"],
+            MICROBATCH,
+        ),  # limited: constant GBS, microbatch mode
+        (
+            [
+                *TOKEN,
+                "--cuda-graph-impl",
+                "transformer_engine",
+                "--cuda-graph-scope",
+                "attn",
+                "mlp",
+            ],
+            {},
+        ),
         ([*TOKEN, "--optimizer-cuda-graph"], {"checks": "async"}),
         ([*EP_MOE, "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"], MICROBATCH),
-        (["--num-experts", "4", "--moe-router-load-balancing-type", "quantile_balancing"], MICROBATCH),
-        ([*TOKEN, "--num-experts", "4", "--moe-router-load-balancing-type", "quantile_balancing"], {}),
+        ([*TOKEN, *EP_MOE, "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"], {}),
+        (
+            ["--num-experts", "4", "--moe-router-load-balancing-type", "quantile_balancing"],
+            MICROBATCH,
+        ),
+        (
+            [
+                *TOKEN,
+                "--num-experts",
+                "4",
+                "--moe-router-load-balancing-type",
+                "quantile_balancing",
+            ],
+            {},
+        ),
         (
             [
                 *TOKEN,
@@ -216,24 +296,35 @@ def test_a_launch_with_several_refusals_names_each():
             ],
             {},
         ),
-        (["--use-torch-fsdp2"], MICROBATCH),
-        ([*TOKEN, "--use-torch-fsdp2"], {}),  # supported: install() makes its units sum (integration/fsdp.py)
-        ([*TOKEN, "--hybrid-context-parallel"], {"guards": False}),  # a constant global batch: the sampler's
+        (["--use-torch-fsdp2", *FSDP2_OK], MICROBATCH),
+        # supported: install() makes its units sum (features/torch_fsdp2.py)
+        ([*TOKEN, "--use-torch-fsdp2", *FSDP2_OK], {}),
+        (
+            [*TOKEN, "--hybrid-context-parallel"],
+            {"guards": False},
+        ),  # a constant global batch: the sampler's
     ],
 )
 def test_the_same_flags_elsewhere_are_not_refused(flags, ga, capsys):
-    """Where the guarantee holds (another mode, another value), the flag is not refused; its limit is a note."""
+    """Where the guarantee holds (another mode, another value), the flag is not refused; its limit
+    is a note."""
     status, report = check(capsys, [*flags, *Refusal("", [], ga).ga_flags()])
     assert status == 0 and report["problems"] == [], report["problems"]
     assert report["notes"]
 
 
-# -- the noise scale's refusals: one rule (config/launch_rules.py), named by the rows ----------------
+# -- the noise scale's refusals: one rule (config/launch_rules.py), named by the rows
+# ----------------
 
-#: (the row that says --ga-noise-scale refuses its flag, the launch's flags, the refusal's setting as named).
+#: (the row that says --ga-noise-scale refuses its flag, the launch's flags, the refusal's setting
+#: as named).
 NOISE_SCALE_REFUSED = [
     ("context-parallel", ["--context-parallel-size", "2"], "--context-parallel-size 2"),
-    ("hybrid-context-parallel", ["--hybrid-context-parallel", "--no-ga-guards"], "--hybrid-context-parallel"),
+    (
+        "hybrid-context-parallel",
+        ["--hybrid-context-parallel", "--no-ga-guards"],
+        "--hybrid-context-parallel",
+    ),
     (
         "gtp",
         ["--tensor-model-parallel-size", "2", "--tensor-parallel-num-weight-shards", "4"],
@@ -281,11 +372,16 @@ def test_every_row_that_says_the_noise_scale_refuses_it_has_a_launch():
 
 
 @pytest.mark.parametrize(
-    "row, flags, setting", NOISE_SCALE_REFUSED, ids=[f"{c[0]}-{len(c[1])}" for c in NOISE_SCALE_REFUSED]
+    "row, flags, setting",
+    NOISE_SCALE_REFUSED,
+    ids=[f"{c[0]}-{len(c[1])}" for c in NOISE_SCALE_REFUSED],
 )
-def test_the_noise_scale_refuses_what_its_rows_say_in_install_and_check(row, flags, setting, capsys):
-    """``megatron-ga check`` on the launch line and install() on Megatron's parsed args: one OptionError, naming the
-    flag and its value; without --ga-noise-scale (the warmup needs it) neither refuses it."""
+def test_the_noise_scale_refuses_what_its_rows_say_in_install_and_check(
+    row, flags, setting, capsys
+):
+    """``megatron-ga check`` on the launch line and install() on Megatron's parsed args: one
+    OptionError, naming the flag and its value; without --ga-noise-scale (the warmup needs it)
+    neither refuses it."""
     pytest.importorskip("megatron.core.pipeline_parallel.schedules")
     from megatron_ga_ext.config.args import add_args
     from megatron_ga_ext.errors import OptionError
@@ -298,10 +394,17 @@ def test_the_noise_scale_refuses_what_its_rows_say_in_install_and_check(row, fla
     assert found[0].split(": ", 1)[1].count(". Drop --ga-noise-scale, or ") == 1
     if "--ga-batch-size-warmup" not in flags:
         _, report = check(capsys, [*TOKEN, *flags])
-        assert not [p for p in report["problems"] if p.startswith("--ga-noise-scale")], report["problems"]
+        assert not [p for p in report["problems"] if p.startswith("--ga-noise-scale")], report[
+            "problems"
+        ]
     parsed = add_args(megatron_parser()).parse_args([*TOKEN, *flags, "--ga-noise-scale", "10"])
-    parsed.world_size, parsed.global_batch_size = 8, 16  # as check's line, and Megatron's validate_args leaves them
-    parsed.data_parallel_size = 8 // (parsed.tensor_model_parallel_size * parsed.context_parallel_size)
+    parsed.world_size, parsed.global_batch_size = (
+        8,
+        16,
+    )  # as check's line, and Megatron's validate_args leaves them
+    parsed.data_parallel_size = 8 // (
+        parsed.tensor_model_parallel_size * parsed.context_parallel_size
+    )
     with pytest.raises(OptionError) as refused:
         installing.install(parsed)
     assert str(refused.value) == found[0] and installing.installed() is None
@@ -316,10 +419,14 @@ def test_limits_are_notes_of_check_and_logged_at_start_up(caplog, capsys):
     flags = [*TOKEN, "--ddp-bucket-size", "1000", "--iterations-to-skip", "3", "7"]
     status, report = check(capsys, flags)
     rows = report["note_rows"]
-    assert status == 0 and {"grad-reduce-buckets", "iterations-to-skip"} <= set(rows), report["notes"]
+    assert status == 0 and {"grad-reduce-buckets", "iterations-to-skip"} <= set(rows), report[
+        "notes"
+    ]
     with caplog.at_level("INFO", logger="megatron_ga_ext.config.coverage"):
         result = enforce(megatron_parser().parse_args(flags), GAConfig())
-    assert {row.id for row in result.limited} <= set(rows) and all(note in caplog.text for note in result.notes())
+    assert {row.id for row in result.limited} <= set(rows) and all(
+        note in caplog.text for note in result.notes()
+    )
 
 
 def test_a_launch_without_covered_flags_gets_megatrons_defaults():
@@ -330,7 +437,9 @@ def test_a_launch_without_covered_flags_gets_megatrons_defaults():
 
 
 def test_check_reads_multi_value_flags_up_to_the_next_flag(capsys):
-    status, report = check(capsys, [*TOKEN, "--cuda-graph-scope", "attn", "full_iteration", "--bf16"])
+    status, report = check(
+        capsys, [*TOKEN, "--cuda-graph-scope", "attn", "full_iteration", "--bf16"]
+    )
     assert status == 1 and any("--cuda-graph-scope full_iteration" in p for p in report["problems"])
     assert not any("unrecognized arguments" in p for p in report["problems"])
 
@@ -342,7 +451,10 @@ def test_rows_are_unique_and_complete():
     assert len(BY_ID) == len(ROWS)
     for row in ROWS:
         assert row.flags and row.text.endswith("."), row.id
-        assert all(flag in OPTIONS for flag in row.flags), (row.id, row.flags)  # declared, so check reads them
+        assert all(flag in OPTIONS for flag in row.flags), (
+            row.id,
+            row.flags,
+        )  # declared, so check reads them
         if row.support == "supported":
             assert row.proofs, f"{row.id}: a supported row names the test that proves it"
         if row.support == "refused":
@@ -365,11 +477,14 @@ def test_each_rows_test_exists(proof):
     if proof.case:
         from megatron_ga_ext.verify.layouts import DEFAULT_LAYOUTS
 
-        assert proof.case in {layout.name for layout in DEFAULT_LAYOUTS}, f"{proof}: not a verify layout"
+        assert proof.case in {layout.name for layout in DEFAULT_LAYOUTS}, (
+            f"{proof}: not a verify layout"
+        )
 
 
 def _parametrize_ids(function: ast.FunctionDef, tree: ast.Module) -> set[str]:
-    """The string values of the test's ``pytest.mark.parametrize`` lists (names of the module resolved)."""
+    """The string values of the test's ``pytest.mark.parametrize`` lists (names of the module
+    resolved)."""
     assigned = {
         target.id: node.value
         for node in tree.body
@@ -382,11 +497,16 @@ def _parametrize_ids(function: ast.FunctionDef, tree: ast.Module) -> set[str]:
         if isinstance(decorator, ast.Call) and getattr(decorator.func, "attr", "") == "parametrize":
             argvalues = decorator.args[1]
             argvalues = assigned.get(getattr(argvalues, "id", ""), argvalues)
-            values |= {n.value for n in ast.walk(argvalues) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+            values |= {
+                n.value
+                for n in ast.walk(argvalues)
+                if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            }
     return values
 
 
-# -- docs/coverage.md --------------------------------------------------------------------------------
+# -- docs/coverage.md
+# --------------------------------------------------------------------------------
 
 
 def test_the_committed_doc_is_the_tables_rendering():
@@ -399,13 +519,16 @@ def test_the_committed_doc_is_the_tables_rendering():
 
 
 def test_megatrons_nan_check_off_is_read_from_its_negative_flag(capsys):
-    """Megatron's parser has only --no-check-for-nan-in-loss-and-grad (store_false, on by default)."""
+    """Megatron's parser has only --no-check-for-nan-in-loss-and-grad (store_false, on by
+    default)."""
 
     def applied(flags: list[str]) -> set[str]:
         setting = Setting.of(megatron_parser().parse_args(flags), GAConfig())
         return {row.id for row in ROWS if row.applies(setting)}
 
-    assert "rerun-machine-token" in applied(TOKEN) and "no-megatron-nan-check-token" not in applied(TOKEN)
+    assert "rerun-machine-token" in applied(TOKEN) and "no-megatron-nan-check-token" not in applied(
+        TOKEN
+    )
     off = applied([*TOKEN, "--no-check-for-nan-in-loss-and-grad"])
     assert "no-megatron-nan-check-token" in off and "rerun-machine-token" not in off
 
@@ -430,14 +553,23 @@ def test_check_prints_refusals_as_problems_and_limits_as_notes(capsys):
     out = capsys.readouterr().out
     notes, problems = out.index(" note(s)"), out.index("1 problem(s):")
     assert notes < problems and "  info: --fp16: " in out[notes:problems]
-    assert "  1. megatron-ga-ext refuses --ddp-average-in-collective in token mode: " in out[problems:]
+    assert (
+        "  1. megatron-ga-ext refuses --ddp-average-in-collective in token mode: " in out[problems:]
+    )
 
 
 def test_unclassified_lists_the_flags_neither_a_row_nor_the_off_path_list_names():
-    """Whether or not a tested parser has it: a flag is classified by a row (any spelling of it) or by a reason."""
+    """Whether or not a tested parser has it: a flag is classified by a row (any spelling of it) or
+    by a reason."""
     from megatron_ga_ext.config.coverage import unclassified
 
-    parser = {"--lr", "--micro-batch-size", "--cuda-graph-impl", "--no-rl-use-sequence-packing", "--qk-layernorm"}
+    parser = {
+        "--lr",
+        "--micro-batch-size",
+        "--cuda-graph-impl",
+        "--no-rl-use-sequence-packing",
+        "--qk-layernorm",
+    }
     assert unclassified(parser) == []
     assert unclassified([*parser, "--zz-new-step-path-flag", "--aa-new-flag"]) == [
         "--aa-new-flag",
@@ -448,9 +580,21 @@ def test_unclassified_lists_the_flags_neither_a_row_nor_the_off_path_list_names(
 @pytest.mark.parametrize(
     "flags, row",
     [
-        ([*TOKEN, "--tensor-parallel-num-weight-shards", "2", "--tensor-model-parallel-size", "2"], None),  # no GTP
+        (
+            [
+                *TOKEN,
+                "--tensor-parallel-num-weight-shards",
+                "2",
+                "--tensor-model-parallel-size",
+                "2",
+            ],
+            None,
+        ),  # no GTP
         ([*TOKEN, "--qk-layernorm", "--tensor-model-parallel-size", "2"], "qk-layernorm"),
-        ([*TOKEN, "--qk-layernorm"], None),  # TP 1: each rank holds the whole q/k layernorm gradient
+        (
+            [*TOKEN, "--qk-layernorm"],
+            None,
+        ),  # TP 1: each rank holds the whole q/k layernorm gradient
         ([*TOKEN, "--grad-reduce-in-bf16", "--bf16"], "grad-reduce-bf16"),
         (
             [
@@ -463,22 +607,42 @@ def test_unclassified_lists_the_flags_neither_a_row_nor_the_off_path_list_names(
             "fp32-local-accumulation",
         ),
         (
-            [*TOKEN, "--non-persistent-save-interval", "5", "--save", "ckpt", "--save-interval", "100"],
+            [
+                *TOKEN,
+                "--non-persistent-save-interval",
+                "5",
+                "--save",
+                "ckpt",
+                "--save-interval",
+                "100",
+            ],
             "non-persistent-checkpoints",
         ),
-        ([*TOKEN, "--sequence-parallel", "--tensor-model-parallel-size", "2"], "tensor-parallel"),  # SP: supported
-        ([*TOKEN, "--num-experts", "4", "--moe-router-enable-expert-bias"], None),  # supported: no note
+        (
+            [*TOKEN, "--sequence-parallel", "--tensor-model-parallel-size", "2"],
+            "tensor-parallel",
+        ),  # SP: supported
+        (
+            [*TOKEN, "--num-experts", "4", "--moe-router-enable-expert-bias"],
+            None,
+        ),  # supported: no note
         ([*TOKEN, "--perform-rl-step"], "rl-step"),
-        ([*TOKEN, "--override-ckpt-iteration", "10"], None),  # a constant global batch: iteration x GBS is right
+        (
+            [*TOKEN, "--override-ckpt-iteration", "10"],
+            None,
+        ),  # a constant global batch: iteration x GBS is right
         ([*SCHEDULE, "--lr-warmup-samples", "32"], "lr-schedule"),
         ([*TOKEN, "--ddp-num-buckets", "4"], "grad-reduce-buckets"),
-        ([*TOKEN, "--use-megatron-fsdp", "--save", "ckpt", "--save-interval", "100"], "megatron-fsdp-checkpoint"),
+        ([*TOKEN, *MFSDP, "--save", "ckpt", "--save-interval", "100"], "megatron-fsdp-checkpoint"),
         (
-            [*TOKEN, "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim", "--save", "ckpt"],
+            [*TOKEN, *MFSDP, "--data-parallel-sharding-strategy", "optim", "--save", "ckpt"],
             "megatron-fsdp-checkpoint",
         ),
         ([*TOKEN, "--optimizer-cuda-graph"], "optimizer-graph-liveness"),
-        (["--optimizer-cuda-graph", "--ga-loss-reduction", "microbatch"], "optimizer-graph-liveness"),
+        (
+            ["--optimizer-cuda-graph", "--ga-loss-reduction", "microbatch"],
+            "optimizer-graph-liveness",
+        ),
     ],
 )
 def test_the_new_rows_limit_or_leave_a_launch_as_their_text_says(flags, row, capsys):
@@ -488,12 +652,15 @@ def test_the_new_rows_limit_or_leave_a_launch_as_their_text_says(flags, row, cap
     if row is not None:
         assert row in report["note_rows"], report["notes"]
     else:
-        assert not [n for n in report["note_rows"] if n in ("gtp", "qk-layernorm") or "override" in n]
+        assert not [
+            n for n in report["note_rows"] if n in ("gtp", "qk-layernorm") or "override" in n
+        ]
 
 
 def test_a_refusal_stops_at_the_first_hook_after_megatron_parses_its_args(monkeypatch):
-    """install() at the top of pretrain_gpt.py, before Megatron parses its args: the refusal comes at the first hook
-    that reads them (Megatron's calculator init in initialize_megatron), before any model is built."""
+    """install() at the top of pretrain_gpt.py, before Megatron parses its args: the refusal comes
+    at the first hook that reads them (Megatron's calculator init in initialize_megatron), before
+    any model is built."""
     import sys
     import types
 
@@ -501,15 +668,23 @@ def test_a_refusal_stops_at_the_first_hook_after_megatron_parses_its_args(monkey
     from megatron_ga_ext.config.args import add_args
     from megatron_ga_ext.integration import lifecycle as installing
 
-    training, global_vars = types.ModuleType("megatron.training"), types.ModuleType("megatron.training.global_vars")
+    training, global_vars = (
+        types.ModuleType("megatron.training"),
+        types.ModuleType("megatron.training.global_vars"),
+    )
     global_vars._GLOBAL_ARGS = None
     monkeypatch.setitem(sys.modules, "megatron.training", training)
     monkeypatch.setitem(sys.modules, "megatron.training.global_vars", global_vars)
     state = installing.install()
     try:
         assert state.waiting_for_args
-        global_vars._GLOBAL_ARGS = add_args(megatron_parser()).parse_args([*TOKEN, "--ddp-average-in-collective"])
-        with pytest.raises(CoverageError, match=r"megatron-ga-ext refuses --ddp-average-in-collective in token mode"):
+        global_vars._GLOBAL_ARGS = add_args(megatron_parser()).parse_args(
+            [*TOKEN, "--ddp-average-in-collective"]
+        )
+        with pytest.raises(
+            CoverageError,
+            match=r"megatron-ga-ext refuses --ddp-average-in-collective in token mode",
+        ):
             calculators.init_num_microbatches_calculator(0, None, 16, 2, 4)
     finally:
         installing.uninstall()
@@ -519,8 +694,8 @@ def test_a_refusal_stops_at_the_first_hook_after_megatron_parses_its_args(monkey
 @pytest.mark.parametrize(
     "flags",
     [
-        ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "no_shard", "--save", "ckpt"],  # saves
-        ["--use-megatron-fsdp"],  # no checkpoint saved
+        [*MFSDP, "--data-parallel-sharding-strategy", "no_shard", "--save", "ckpt"],  # saves
+        MFSDP,  # no checkpoint saved
         ["--save", "ckpt"],  # Megatron's DDP
     ],
 )

@@ -1,11 +1,12 @@
-"""Every flag of every tested Megatron-LM parser is named by a row of the coverage table (config/coverage/) or
-listed off the path with its reason (config/off_path.py): a flag in neither, one a new source in compat.UPSTREAM adds
-too, fails here, named. Every tested source whose code runs on this Python is read (the 3.12 leg reads them all, the
-3.11 leg core_v0.16.1: later sources use Python 3.12's typing).
+"""Every flag of every tested Megatron-LM parser is named by a row of the coverage table
+(config/coverage/) or listed off the path with its reason (config/off_path.py): a flag in neither,
+one a new source in compat.UPSTREAM adds too, fails here, named. Every tested source whose code runs
+on this Python is read (the 3.12 leg reads them all, the 3.11 leg core_v0.16.1: later sources use
+Python 3.12's typing).
 
-Needs the Megatron-LM source snapshots (tools/regress.py: ../shared/upstream or $MEGATRON_LM_SNAPSHOTS, unpacked once
-to .cache/megatron-lm); skipped without them. One subprocess builds every snapshot's parser
-(tests/support/megatron_parser_flags.py).
+Needs the Megatron-LM source snapshots (tools/regress.py: ../shared/upstream or
+$MEGATRON_LM_SNAPSHOTS, unpacked once to .cache/megatron-lm); skipped without them. One subprocess
+builds every snapshot's parser (tests/support/megatron_parser_flags.py).
 """
 
 import json
@@ -31,8 +32,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def parsers() -> dict[str, list[str]]:
-    """{tested source: the option strings of its Megatron-LM parser}, each tested source that runs on this Python
-    and whose snapshot is here."""
+    """{tested source: the option strings of its Megatron-LM parser}, each tested source that runs
+    on this Python and whose snapshot is here."""
     if not PRESENT:
         pytest.skip(f"no Megatron-LM snapshot of a tested source in {snapshot_dir()}")
     roots = {name: tree(path) for name, path in PRESENT.items()}
@@ -50,16 +51,19 @@ def parsers() -> dict[str, list[str]]:
 
 def unlisted(parsers: dict[str, list[str]]) -> dict[str, list[str]]:
     """{source: its flags in neither list}, the pending ones aside; sources without any left out."""
-    missing = {name: [flag for flag in unclassified(flags) if flag not in PENDING] for name, flags in parsers.items()}
+    missing = {
+        name: [flag for flag in unclassified(flags) if flag not in PENDING]
+        for name, flags in parsers.items()
+    }
     return {name: flags for name, flags in missing.items() if flags}
 
 
 def report(missing: dict[str, list[str]]) -> str:
     lines = [f"{name}: {', '.join(flags)}" for name, flags in missing.items()]
     return (
-        "flags of a tested Megatron parser that neither a coverage row (config/coverage/) nor the off-path list "
-        "(config/off_path.py) names; read each flag's help and its use upstream, then give it a row or a reason:\n"
-        + "\n".join(lines)
+        "flags of a tested Megatron parser that neither a coverage row (config/coverage/) nor "
+        "the off-path list (config/off_path.py) names; read each flag's help and its use "
+        "upstream, then give it a row or a reason:\n" + "\n".join(lines)
     )
 
 
@@ -69,7 +73,8 @@ def test_every_flag_of_every_tested_parser_is_in_a_row_or_off_the_path(parsers):
 
 
 def test_a_planted_flag_fails_the_check_and_is_named(parsers):
-    """A flag no list names, added to a real parser's flags, makes the test above fail with its name."""
+    """A flag no list names, added to a real parser's flags, makes the test above fail with its
+    name."""
     name, flags = next(iter(parsers.items()))
     planted = {name: [*flags, PLANTED]}
     assert unclassified(planted[name]) == [PLANTED]
@@ -79,7 +84,8 @@ def test_a_planted_flag_fails_the_check_and_is_named(parsers):
 
 
 def test_a_planted_flag_of_a_new_source_fails_too(parsers):
-    """A source not yet tested brings its own flags: they are checked the same way, not against the old sources'."""
+    """A source not yet tested brings its own flags: they are checked the same way, not against the
+    old sources'."""
     newest = parsers[list(parsers)[-1]]
     missing = unlisted({**parsers, "main@0123456789ab": [*newest, PLANTED]})
     assert missing == {"main@0123456789ab": [PLANTED]}
@@ -88,19 +94,26 @@ def test_a_planted_flag_of_a_new_source_fails_too(parsers):
 def test_every_tested_source_has_its_snapshot():
     if not PRESENT:
         pytest.skip(f"no Megatron-LM snapshot of a tested source in {snapshot_dir()}")
-    assert PRESENT == TARBALLS, f"tested sources without a snapshot: {sorted(set(TARBALLS) - set(PRESENT))}"
+    assert PRESENT == TARBALLS, (
+        f"tested sources without a snapshot: {sorted(set(TARBALLS) - set(PRESENT))}"
+    )
 
 
 def test_pending_flags_are_in_a_tested_parser_and_in_neither_list(parsers):
     everywhere = {flag for flags in parsers.values() for flag in flags}
     for flag, change in PENDING.items():
-        assert flag in everywhere, f"{flag} (pending: {change}) is no flag of a tested parser: drop it from PENDING"
-        assert flag not in named_by_rows() and flag not in OFF_PATH, f"{flag} is classified now: drop it from PENDING"
+        assert flag in everywhere, (
+            f"{flag} (pending: {change}) is no flag of a tested parser: drop it from PENDING"
+        )
+        assert flag not in named_by_rows() and flag not in OFF_PATH, (
+            f"{flag} is classified now: drop it from PENDING"
+        )
 
 
 def test_every_listed_flag_is_a_flag_of_a_tested_parser(parsers):
-    """Both lists name real flags: a typo would leave the real flag unclassified and the test above would say so,
-    but a name no parser has is dead weight (a flag upstream removed stays while an older tested source has it)."""
+    """Both lists name real flags: a typo would leave the real flag unclassified and the test above
+    would say so, but a name no parser has is dead weight (a flag upstream removed stays while an
+    older tested source has it)."""
     if len(parsers) < len(UPSTREAM):
         pytest.skip("not every tested source runs on this Python")
     everywhere = {flag for flags in parsers.values() for flag in flags}

@@ -1,10 +1,10 @@
-"""The coverage table against Megatron-LM's own parser at each tested release and commit: every flag a row names
-is a flag of that parser (from its declared release on), and each refusal launch of tests/test_coverage.py, read
-by that parser, is refused by the same row.
+"""The coverage table against Megatron-LM's own parser at each tested release and commit: every flag
+a row names is a flag of that parser (from its declared release on), and each refusal launch of
+tests/test_coverage.py, read by that parser, is refused by the same row.
 
-Needs the Megatron-LM source snapshots of this Python's tested sources (tools/regress.py: ../shared/upstream or
-$MEGATRON_LM_SNAPSHOTS, unpacked once to .cache/megatron-lm); skipped without them. One subprocess builds every
-snapshot's parser.
+Needs the Megatron-LM source snapshots of this Python's tested sources (tools/regress.py:
+../shared/upstream or $MEGATRON_LM_SNAPSHOTS, unpacked once to .cache/megatron-lm); skipped without
+them. One subprocess builds every snapshot's parser.
 """
 
 import json
@@ -47,7 +47,9 @@ def test_every_rows_flag_is_megatrons_from_its_release_on(upstream):
     assert len(upstream) == len(DIRS)
     for directory, found in upstream.items():
         flags = set(found["flags"])
-        for flag in {flag for row in ROWS for flag in row.flags} | {o.flag for o in COVERED_OPTIONS}:
+        for flag in {flag for row in ROWS for flag in row.flags} | {
+            o.flag for o in COVERED_OPTIONS
+        }:
             since = OPTIONS[flag].since
             if since is not None and release(directory.name) < release(since):
                 assert flag not in flags, f"{flag} in {directory.name}: its since= is too late"
@@ -56,12 +58,15 @@ def test_every_rows_flag_is_megatrons_from_its_release_on(upstream):
 
 
 def test_refusal_launches_read_by_megatrons_parser_are_refused(upstream):
-    """Parsed (not yet validated) args: every launch its parser reads is refused by its row; the lines of releases
-    that lack a flag (--cuda-graph-modules before 0.18, full_iteration as an impl before 0.18) do not parse."""
+    """Parsed (not yet validated) args: every launch its parser reads is refused by its row; the
+    lines of releases that lack a flag (--cuda-graph-modules before 0.18, full_iteration as an impl
+    before 0.18) do not parse."""
     for directory, found in upstream.items():
         for refusal in REFUSALS:
             rows = found["refused"][refusal.id]
             if rows is None:
-                assert release(directory.name) < (0, 19, 0), f"{directory.name} cannot read {refusal.id}"
+                assert release(directory.name) < (0, 19, 0), (
+                    f"{directory.name} cannot read {refusal.id}"
+                )
                 continue
             assert refusal.row in rows, (directory.name, refusal.id, rows)

@@ -1,6 +1,7 @@
-"""benchmarks/critical_batch.py's reading of its runs and its LR grid, benchmarks/critical_batch_analysis.py and
-critical_batch_report.py on a made-up result whose runs follow a known hyperbola (the benchmark itself: make
-critical-batch; its pipeline in CI: make critical-batch-quick)."""
+"""benchmarks/critical_batch.py's reading of its runs and its LR grid,
+benchmarks/critical_batch_analysis.py and critical_batch_report.py on a made-up result whose runs
+follow a known hyperbola (the benchmark itself: make critical-batch; its pipeline in CI: make
+critical-batch-quick)."""
 
 from __future__ import annotations
 
@@ -20,14 +21,18 @@ PLAN = {"sizes": list(SIZES), "warmup_samples": 512, "lr16": 2e-3, "lr_power": 0
 
 def loss_at(step: float, gbs: int, k: int, noise: float) -> float:
     """2 + 3 exp(-x), x = step / (20 (1 + B_crit / B) slow(k) exp(noise)): the best LR is k = 0."""
-    return 2.0 + 3.0 * math.exp(-step / (20.0 * (1 + B_CRIT / gbs) * (1 + 0.3 * k * k) * math.exp(noise)))
+    return 2.0 + 3.0 * math.exp(
+        -step / (20.0 * (1 + B_CRIT / gbs) * (1 + 0.3 * k * k) * math.exp(noise))
+    )
 
 
 def b_true(samples: float) -> float:
     return 2.0 + samples / 100.0
 
 
-def run(gbs: int, k: int, seed: int, noise: float, name: str | None = None, phase: str = "grid") -> dict:
+def run(
+    gbs: int, k: int, seed: int, noise: float, name: str | None = None, phase: str = "grid"
+) -> dict:
     steps = 8192 // gbs
     every = max(1, 128 // gbs)
     curve = [[s, s * gbs, loss_at(s, gbs, k, noise)] for s in range(every, steps + 1, every)]
@@ -71,21 +76,29 @@ def test_the_analysis_recovers_the_known_b_crit_lr_and_b_simple():
     assert all(v["best"] == 0 and v["interior"] for v in out["lr"].values())
     targets = out["targets"]
     assert len(targets) == analysis.TARGETS
-    after_warmup = max(loss_at(512 / 4, 4, 0, 0.2), 0)  # the smallest batch is lowest at the end of its warmup
+    after_warmup = max(
+        loss_at(512 / 4, 4, 0, 0.2), 0
+    )  # the smallest batch is lowest at the end of its warmup
     assert all(t["target"] < after_warmup for t in targets)
     for t in targets:
         assert t["b_crit"] is not None, t["reason"]
         assert t["low"] <= B_CRIT <= t["high"], t
-        assert set(t["per_seed"]) == {1, 2, 3} and all(b is not None for b in t["per_seed"].values())
+        assert set(t["per_seed"]) == {1, 2, 3} and all(
+            b is not None for b in t["per_seed"].values()
+        )
         assert len(t["runs_used"]) + len(t["dominated"]) >= 12
         noise = t["interpolation"]
         assert noise["interpolation_log_s"] < noise["seed_sd_log_s"]
         for name, value in t["b_simple"].items():
             if value is None or value["window"] is None:
                 continue
-            crossing = analysis.reached(next(r for r in data["runs"] if r["name"] == name)["curve"], t["target"])
+            crossing = analysis.reached(
+                next(r for r in data["runs"] if r["name"] == name)["curve"], t["target"]
+            )
             assert value["window"] == pytest.approx(b_true(crossing[1]), rel=0.1)
-            assert value["ema"] < value["window"] and value["lag_samples"] > 0  # the EMA lags a rising B_simple
+            assert (
+                value["ema"] < value["window"] and value["lag_samples"] > 0
+            )  # the EMA lags a rising B_simple
     warmup = out["warmup"]["constant-gbs8"]
     assert warmup["seeds"] == [1, 2] and len(warmup["steps"][0]) == len(targets)
 
@@ -93,10 +106,14 @@ def test_the_analysis_recovers_the_known_b_crit_lr_and_b_simple():
 def test_a_size_that_ran_long_enters_the_fit_by_its_long_runs_only():
     data = result()
     data["runs"] += [
-        {**run(128, 0, seed, 0.0), "name": f"gbs128-k+0-seed{seed}-long", "phase": "long"} for seed in (1, 2)
+        {**run(128, 0, seed, 0.0), "name": f"gbs128-k+0-seed{seed}-long", "phase": "long"}
+        for seed in (1, 2)
     ]
     chosen = analysis.fit_runs(data, analysis.best_k(data))
-    assert sorted(r["name"] for r in chosen if r["gbs"] == 128) == ["gbs128-k+0-seed1-long", "gbs128-k+0-seed2-long"]
+    assert sorted(r["name"] for r in chosen if r["gbs"] == 128) == [
+        "gbs128-k+0-seed1-long",
+        "gbs128-k+0-seed2-long",
+    ]
     assert len([r for r in chosen if r["gbs"] == 64]) == 3
 
 
@@ -121,7 +138,9 @@ def test_without_a_result_the_tables_say_how_to_make_one(tmp_path):
 
 
 def test_the_quadratic_check_of_the_interpolation():
-    curve = [[s, 16 * s, 5.0 - 0.01 * s * s] for s in (10, 20, 30)]  # a parabola: the quadratic is exact
+    curve = [
+        [s, 16 * s, 5.0 - 0.01 * s * s] for s in (10, 20, 30)
+    ]  # a parabola: the quadratic is exact
     hit = analysis.reached(curve, 2.0)  # linear between 10 (4.0) and 20 (1.0)
     assert hit is not None and hit[0] == pytest.approx(10.0 + 10.0 * 2.0 / 3.0)
     assert analysis.quadratic_steps(curve, 2.0, hit[2]) == pytest.approx(math.sqrt(300.0))
@@ -145,13 +164,16 @@ def test_a_run_is_read_from_its_log_also_where_the_validation_set_is_named():
 
 
 def test_the_grid_extends_past_an_edge_best_until_it_is_interior():
-    """Scores falling toward k = +2 at GBS 4: the grid (-1, 0, 1) extends to +2 and then +3 (where the score rises
-    again), never past the plan's two extensions; GBS 8's best is interior at once."""
+    """Scores falling toward k = +2 at GBS 4: the grid (-1, 0, 1) extends to +2 and then +3 (where
+    the score rises again), never past the plan's two extensions; GBS 8's best is interior at
+    once."""
     pytest.importorskip("megatron.core")
     from benchmarks import critical_batch
 
     sweep = object.__new__(critical_batch.Sweep)
-    sweep.plan = critical_batch.Plan(**{**critical_batch.FULL.__dict__, "sizes": (4, 8), "grid": (-1, 0, 1)})
+    sweep.plan = critical_batch.Plan(
+        **{**critical_batch.FULL.__dict__, "sizes": (4, 8), "grid": (-1, 0, 1)}
+    )
     ran = []
 
     def grid_run(gbs: int, k: int, seed: int, phase: str) -> dict:

@@ -1,5 +1,6 @@
-"""The one-line drop-in against Megatron-LM's own argument parser: install() adds the --ga-* flags to it and, in
-token mode, turns on --calculate-per-token-loss; ``python -m megatron_ga_ext SCRIPT`` runs a script that way."""
+"""The one-line drop-in against Megatron-LM's own argument parser: install() adds the --ga-* flags
+to it and, in token mode, turns on --calculate-per-token-loss; ``python -m megatron_ga_ext SCRIPT``
+runs a script that way."""
 
 import subprocess
 import sys
@@ -10,7 +11,8 @@ import megatron_ga_ext
 from megatron_ga_ext.integration import megatron_lm as ga_arguments
 
 arguments = pytest.importorskip(
-    "megatron.training.arguments", reason="megatron.training ships in the megatron-core wheel from 0.19 on"
+    "megatron.training.arguments",
+    reason="megatron.training ships in the megatron-core wheel from 0.19 on",
 )
 LINE = ["pretrain_gpt.py", "--micro-batch-size", "2", "--no-ga-strict"]
 
@@ -31,7 +33,11 @@ def parse(monkeypatch, *flags: str, provider=None):
 
 def test_install_adds_the_ga_flags_to_megatrons_parser(installed, monkeypatch):
     args = parse(monkeypatch, "--ga-convert-rampup", "--step-batch-size-schedule", "0:16 1M:32")
-    assert (args.ga_loss_reduction, args.ga_strict, args.ga_convert_rampup) == ("token", False, True)
+    assert (args.ga_loss_reduction, args.ga_strict, args.ga_convert_rampup) == (
+        "token",
+        False,
+        True,
+    )
     assert args.step_batch_size_schedule == "0:16 1M:32"  # Megatron's own flag, not a second copy
     assert args.micro_batch_size == 2
 
@@ -40,8 +46,15 @@ def test_token_mode_turns_on_per_token_loss_and_says_so_once(installed, monkeypa
     caplog.set_level("INFO", logger=ga_arguments.__name__)
     assert parse(monkeypatch).calculate_per_token_loss is True
     assert parse(monkeypatch, "--ga-loss-reduction", "token").calculate_per_token_loss is True
-    said = [r.getMessage() for r in caplog.records if "turns on --calculate-per-token-loss" in r.getMessage()]
-    assert len(said) == 1 and "--ga-loss-reduction microbatch keeps upstream's mean of means" in said[0]
+    said = [
+        r.getMessage()
+        for r in caplog.records
+        if "turns on --calculate-per-token-loss" in r.getMessage()
+    ]
+    assert (
+        len(said) == 1
+        and "--ga-loss-reduction microbatch keeps upstream's mean of means" in said[0]
+    )
 
 
 def test_microbatch_mode_keeps_upstreams_mean_of_means(installed, monkeypatch):
@@ -71,7 +84,10 @@ def test_module_entry_needs_a_script():
         (["no_such_script.py"], "no_such_script.py: no such script"),
     ):
         result = subprocess.run(
-            [sys.executable, "-m", "megatron_ga_ext", *argv], capture_output=True, text=True, timeout=60
+            [sys.executable, "-m", "megatron_ga_ext", *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert result.returncode == 1 and message in result.stderr
 
@@ -80,10 +96,10 @@ def test_module_entry_runs_the_script_installed_with_its_arguments(tmp_path):
     script = tmp_path / "train.py"
     (tmp_path / "helper_module.py").write_text("VALUE = 7\n")
     script.write_text(
-        "import sys\n"
-        "import helper_module  # the script's directory is on the path, as `python SCRIPT` has it\n"
-        "from megatron_ga_ext.integration.lifecycle import installed\n"
-        "print(sys.argv[1:], installed() is not None, helper_module.VALUE, __name__)\n"
+        "import sys\nimport helper_module  # the script's directory is on the path, as `python "
+        "SCRIPT` has it\nfrom megatron_ga_ext.integration.lifecycle import "
+        "installed\nprint(sys.argv[1:], installed() is not None, helper_module.VALUE, "
+        "__name__)\n"
     )
     result = subprocess.run(
         [sys.executable, "-m", "megatron_ga_ext", str(script), "--micro-batch-size", "2"],

@@ -1,9 +1,11 @@
-"""Megatron's FSDP paths on real megatron-core over gloo, against the unpartitioned references (one 2-rank launch).
+"""Megatron's FSDP paths on real megatron-core over gloo, against the unpartitioned references (one
+2-rank launch).
 
-torch FSDP2 (``--use-torch-fsdp2``): upstream's per-token step is N / (DP x CP) times the target; install() makes it
-exact (integration/fsdp.py), and reverting the fix (units left averaging, no division) brings upstream's factor back.
-Megatron-FSDP: exact in all four sharding strategies, with and without the overlapped reduce, in both modes. The
-harness wires ``no_sync_func`` as Megatron-LM's training does; wired always, Megatron-FSDP reduces twice.
+torch FSDP2 (``--use-torch-fsdp2``): upstream's per-token step is N / (DP x CP) times the target;
+install() makes it exact (integration/features/torch_fsdp2.py), and reverting the fix (units left
+averaging, no division) brings upstream's factor back. Megatron-FSDP: exact in all four sharding
+strategies, with and without the overlapped reduce, in both modes. The harness wires
+``no_sync_func`` as Megatron-LM's training does; wired always, Megatron-FSDP reduces twice.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 def _layouts():
     from megatron_ga_ext.verify.layouts import Layout
 
-    fsdp2 = Layout(data_parallel_size=2, num_microbatches=2, model="gpt_untied", data_parallel="torch_fsdp2")
+    fsdp2 = Layout(
+        data_parallel_size=2, num_microbatches=2, model="gpt_untied", data_parallel="torch_fsdp2"
+    )
     megatron = [
         Layout(
             data_parallel_size=2,
@@ -55,8 +59,13 @@ def _unit_checks(cfg, layout) -> dict:
     import torch
 
     from megatron_ga_ext.errors import LossContractError, OptionError
-    from megatron_ga_ext.integration.fsdp import check_units, prepare_units, scale_gradients, upstream_scales
-    from megatron_ga_ext.integration.noise_scale import check_core_layout
+    from megatron_ga_ext.integration.features.torch_fsdp2 import (
+        check_units,
+        prepare_units,
+        scale_gradients,
+        upstream_scales,
+    )
+    from megatron_ga_ext.science.integration.noise_scale import check_core_layout
     from megatron_ga_ext.testing.shims import patched
     from megatron_ga_ext.verify.harness import build_ddp
     from megatron_ga_ext.verify.models import init_model_parallel
@@ -84,7 +93,8 @@ def _unit_checks(cfg, layout) -> dict:
         out["user_factor"] = None
     except LossContractError as exc:
         out["user_factor"] = str(exc)
-    # an upstream that implements scale_gradients for FSDP2 scales, and the extension does not scale again
+    # an upstream that implements scale_gradients for FSDP2 scales, and the extension does not scale
+    # again
     for param in chunk.module.parameters():
         param.grad = torch.distributed.tensor.DTensor.from_local(
             torch.ones_like(param.to_local()), param.device_mesh, param.placements
@@ -104,7 +114,8 @@ def _unit_checks(cfg, layout) -> dict:
 
 
 def _no_sync_always(layout, cfg, batch, mode) -> dict:
-    """The step with ``no_sync_func`` wired whatever the overlap (the harness's old wiring), through install()."""
+    """The step with ``no_sync_func`` wired whatever the overlap (the harness's old wiring), through
+    install()."""
     from megatron.core import num_microbatches_calculator as calculators
     from megatron.core import parallel_state
 
@@ -112,18 +123,20 @@ def _no_sync_always(layout, cfg, batch, mode) -> dict:
     from megatron_ga_ext.config.ga_config import GAConfig
     from megatron_ga_ext.integration.loss_contract import masked_loss
     from megatron_ga_ext.testing.shims import patched
-    from megatron_ga_ext.verify import harness
+    from megatron_ga_ext.verify import harness, step
     from megatron_ga_ext.verify.models import init_model_parallel
 
     init_model_parallel()
     megatron_ga_ext.install(GAConfig(loss_reduction=mode))
     calculators.init_num_microbatches_calculator(0, None, layout.global_batch_size, 1, 2)
     try:
-        chunks, names, config = harness.build_chunks(layout, cfg, calculate_per_token_loss=mode == "token")
+        chunks, names, config = harness.build_chunks(
+            layout, cfg, calculate_per_token_loss=mode == "token"
+        )
         from megatron.core.distributed import finalize_model_grads
 
-        with patched(harness, {"wire_sync": partial(_wire_always, chunks)}):
-            harness.train_step(
+        with patched(step, {"wire_sync": partial(_wire_always, chunks)}):
+            step.train_step(
                 chunks,
                 config,
                 layout,
@@ -147,9 +160,10 @@ def _wire_always(chunks, config, _chunks) -> None:
 def _run():
     from megatron_ga_ext.testing.shims import cpu_shims
     from megatron_ga_ext.verify.data_parallel import megatron_fsdp_limited, torch_fsdp2_runs
-    from megatron_ga_ext.verify.harness import VerifyConfig, run_layout
+    from megatron_ga_ext.verify.harness import run_layout
     from megatron_ga_ext.verify.layouts import make_global_batch
     from megatron_ga_ext.verify.references import reference_grads
+    from megatron_ga_ext.verify.run_config import VerifyConfig
 
     cfg = VerifyConfig(lengths=LENGTHS, progress=False)
     fsdp2, megatron = _layouts()
@@ -180,9 +194,9 @@ def _run():
 
 
 def _expert_dp_one(cfg, batch) -> dict:
-    """MoE with EP 2 at DP 2 (the experts' data-parallel group has one rank) on Megatron-FSDP optim_grads_params, in
-    both modes through install(), and upstream's own microbatch step: (error against the mode's reference, worst
-    error of a non-expert parameter), or the refusal."""
+    """MoE with EP 2 at DP 2 (the experts' data-parallel group has one rank) on Megatron-FSDP
+    optim_grads_params, in both modes through install(), and upstream's own microbatch step: (error
+    against the mode's reference, worst error of a non-expert parameter), or the refusal."""
     from megatron_ga_ext.errors import LossContractError
     from megatron_ga_ext.verify.harness import relative_error, run_layout
     from megatron_ga_ext.verify.layouts import Layout
@@ -216,9 +230,10 @@ def _expert_dp_one(cfg, batch) -> dict:
 
 
 def _fsdp2(cfg, batch, refs, fsdp2) -> dict:
-    """torch FSDP2 through install() in both modes, upstream's own per-token step, and ours with the fix reverted."""
-    from megatron_ga_ext.testing.faults import fsdp2_sum_reverted
+    """torch FSDP2 through install() in both modes, upstream's own per-token step, and ours with the
+    fix reverted."""
     from megatron_ga_ext.verify.harness import run_layout
+    from tests.support.faults import fsdp2_sum_reverted
 
     out = {}
     for mode in ("token", "microbatch"):
@@ -233,7 +248,8 @@ def _fsdp2(cfg, batch, refs, fsdp2) -> dict:
 
 
 def _upstream_stops(cfg, batch, fsdp2) -> str:
-    """Before 0.19: upstream's own FSDP2 step (mean of means, no extension) and the error it stops with."""
+    """Before 0.19: upstream's own FSDP2 step (mean of means, no extension) and the error it stops
+    with."""
     from megatron_ga_ext.verify.harness import run_layout
 
     try:
@@ -259,7 +275,8 @@ def _needs_fsdp2(outcomes) -> None:
 
 
 def test_upstream_torch_fsdp2_stops_before_0_19(outcomes):
-    """0.16-0.18: finalize passes finish_grad_sync a force_all_reduce the FSDP2 wrapper does not take."""
+    """0.16-0.18: finalize passes finish_grad_sync a force_all_reduce the FSDP2 wrapper does not
+    take."""
     if outcomes[0]["fsdp2_runs"]:
         pytest.skip("this megatron-core's torch FSDP2 wrapper takes force_all_reduce")
     assert all("force_all_reduce" in rank["fsdp2_upstream_stops"] for rank in outcomes)
@@ -291,8 +308,8 @@ def test_torch_fsdp2_microbatch_mode_is_upstream_mean_of_means(outcomes):
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
 def test_megatron_fsdp_is_exact_in_every_strategy_and_mode(outcomes, strategy):
-    """With and without --overlap-grad-reduce, in both modes; where megatron-core 0.16's or 0.17's own step is off
-    (data_parallel.MEGATRON_FSDP_OFF), the extension's step equals upstream's."""
+    """With and without --overlap-grad-reduce, in both modes; where megatron-core 0.16's or 0.17's
+    own step is off (data_parallel.MEGATRON_FSDP_OFF), the extension's step equals upstream's."""
     from megatron_ga_ext.verify.layouts import Layout
 
     for overlap, rank in ((overlap, rank) for overlap in (False, True) for rank in outcomes):
@@ -304,42 +321,62 @@ def test_megatron_fsdp_is_exact_in_every_strategy_and_mode(outcomes, strategy):
             overlap_grad_reduce=overlap,
         ).name
         token, microbatch = rank[(name, "token", "ours")], rank[(name, "microbatch", "ours")]
-        if (name, "token", "upstream") in rank:  # megatron_fsdp_limited: upstream's own step is off as well
+        if (
+            name,
+            "token",
+            "upstream",
+        ) in rank:  # megatron_fsdp_limited: upstream's own step is off as well
             for mode, ours in (("token", token), ("microbatch", microbatch)):
                 upstream = rank[(name, mode, "upstream")]
-                assert ours["token"] == pytest.approx(upstream["token"], rel=1e-5) and upstream["token"] > 1e-2
+                assert (
+                    ours["token"] == pytest.approx(upstream["token"], rel=1e-5)
+                    and upstream["token"] > 1e-2
+                )
             continue
         assert token["complete"] and token["num_tokens"] == 34 and token["token"] < 1e-5
         assert microbatch["complete"] and microbatch["mean_of_means"] < 1e-5
-        assert token["mean_of_means"] > 1e-2 and microbatch["token"] > 1e-2  # the two targets differ on this batch
+        assert (
+            token["mean_of_means"] > 1e-2 and microbatch["token"] > 1e-2
+        )  # the two targets differ on this batch
 
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim"])
 def test_no_sync_wired_as_megatron_lm_does(outcomes, strategy):
-    """Megatron-LM sets no_sync_func only with --overlap-grad-reduce (training.py); wired always, Megatron-FSDP
-    no_shard and optim reduce twice in token mode (no_shard: every gradient 2x; optim: part of them)."""
+    """Megatron-LM sets no_sync_func only with --overlap-grad-reduce (training.py); wired always,
+    Megatron-FSDP no_shard and optim reduce twice in token mode (no_shard: every gradient 2x; optim:
+    part of them)."""
     from megatron_ga_ext.verify.layouts import Layout
 
     name = Layout(
-        data_parallel_size=2, num_microbatches=2, data_parallel="megatron_fsdp", sharding_strategy=strategy
+        data_parallel_size=2,
+        num_microbatches=2,
+        data_parallel="megatron_fsdp",
+        sharding_strategy=strategy,
     ).name
     if (name, "token", "upstream") in outcomes[0]:
-        pytest.skip("megatron-core 0.16-0.17: upstream's own step with Megatron-LM's wiring is off (MEGATRON_FSDP_OFF)")
+        pytest.skip(
+            "megatron-core 0.16-0.17: upstream's own step with Megatron-LM's wiring is off "
+            "(MEGATRON_FSDP_OFF)"
+        )
     for rank in outcomes:
         hazard = rank[(name, "token", "no_sync always")]
-        assert hazard["token"] > 0.5  # the same layouts are exact with Megatron-LM's wiring (test above)
+        assert (
+            hazard["token"] > 0.5
+        )  # the same layouts are exact with Megatron-LM's wiring (test above)
         if strategy == "no_shard":
             assert hazard["factor"] == pytest.approx(2.0, rel=1e-5)
 
 
 def test_expert_data_parallel_group_of_one_rank(outcomes):
-    """Upstream #6660's setting (a gradient buffer whose data-parallel group has one rank, optim_grads_params).
+    """Upstream #6660's setting (a gradient buffer whose data-parallel group has one rank,
+    optim_grads_params).
 
-    On megatron-core 0.16 it doubles, and integration/fsdp.check_megatron_fsdp refuses it in both modes. From 0.17
-    no doubling: token mode (scaling factor 1) is exact; in microbatch mode Megatron-FSDP multiplies the experts'
-    accumulated gradient by 1 / DP before each micro-batch's reduction on the unfused path (gloo's, and bf16
-    gradients'), so upstream's own step misses the mean of means in the expert gradients alone, and install()
-    refuses the step, naming token mode as the fix."""
+    On megatron-core 0.16 it doubles, and integration/fsdp.check_megatron_fsdp refuses it in both
+    modes. From 0.17 no doubling: token mode (scaling factor 1) is exact; in microbatch mode
+    Megatron-FSDP multiplies the experts' accumulated gradient by 1 / DP before each micro-batch's
+    reduction on the unfused path (gloo's, and bf16 gradients'), so upstream's own step misses the
+    mean of means in the expert gradients alone, and install() refuses the step, naming token mode
+    as the fix."""
     for rank in outcomes:
         ours = {mode: rank[("expert_dp_one", mode, "ours")] for mode in ("token", "microbatch")}
         if isinstance(ours["token"], str):  # megatron-core 0.16 doubles: refused at finalize
@@ -353,21 +390,33 @@ def test_expert_data_parallel_group_of_one_rank(outcomes):
         assert isinstance(refusal, str), refusal
         assert "an expert gradient buffer whose data-parallel group has one rank" in refusal
         assert "scaling factor 0.5 (1 / DP) before every micro-batch's reduction" in refusal
-        assert "at 2 micro-batches" in refusal and "Use --ga-loss-reduction token (exact here)" in refusal
+        assert (
+            "at 2 micro-batches" in refusal
+            and "Use --ga-loss-reduction token (exact here)" in refusal
+        )
         upstream, upstream_dense = rank[("expert_dp_one", "microbatch", "upstream")]
         assert upstream > 1e-1 and upstream_dense < 1e-5
 
 
 def test_wire_sync_follows_the_overlap():
-    """The harness's wiring itself, on stand-in chunks of the wrapper types it recognises by name."""
+    """The harness's wiring itself, on stand-in chunks of the wrapper types it recognises by
+    name."""
     from types import SimpleNamespace
 
     from megatron_ga_ext.verify.data_parallel import wire_sync
 
     def chunk(kind, overlap):
-        return type(kind, (), {"ddp_config": SimpleNamespace(overlap_grad_reduce=overlap), "no_sync": object()})()
+        return type(
+            kind,
+            (),
+            {"ddp_config": SimpleNamespace(overlap_grad_reduce=overlap), "no_sync": object()},
+        )()
 
-    for kind in ("DistributedDataParallel", "FullyShardedDataParallel", "TorchFullyShardedDataParallel"):
+    for kind in (
+        "DistributedDataParallel",
+        "FullyShardedDataParallel",
+        "TorchFullyShardedDataParallel",
+    ):
         config = SimpleNamespace(no_sync_func="unset")
         wire_sync(config, [chunk(kind, False)])
         assert config.no_sync_func is None
@@ -384,12 +433,17 @@ def test_fsdp2_units_checked_each_step_and_upstream_never_scaled_twice(outcomes)
     for rank in outcomes:
         units = rank["units"]
         assert units["upstream_scales"] is False
-        assert "--ga-noise-scale with --use-torch-fsdp2: torch FSDP2 reduce-scatters each" in units["noise_scale"]
+        assert (
+            "--ga-noise-scale with --use-torch-fsdp2: torch FSDP2 reduce-scatters each"
+            in units["noise_scale"]
+        )
         assert "--ga-loss-reduction microbatch needs factor None" in units["microbatch_on_summing"]
         assert (
-            "torch FSDP2 unit 'chunk 0 decoder.layers.0' reduces its gradients with gradient divide factor 2.0"
-            in (units["user_factor"])
+            "torch FSDP2 unit 'chunk 0 decoder.layers.0' reduces its gradients with gradient "
+            "divide factor 2.0" in (units["user_factor"])
         )
         assert units["fixed_upstream_scales"] is True and units["fixed_upstream_calls"] == [0.5]
-        assert units["grad_after_fixed_upstream"] == 1.0  # upstream's own scale_gradients did it (here: recorded)
+        assert (
+            units["grad_after_fixed_upstream"] == 1.0
+        )  # upstream's own scale_gradients did it (here: recorded)
         assert units["grad_after_noop_upstream"] == 0.5

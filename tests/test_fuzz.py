@@ -1,17 +1,19 @@
-"""Fuzzing every input surface: only the project's typed errors (GAError) escape, and every example answers
-within 1 s of CPU time, less garbage collection (example(): an example that takes longer fails the test).
+"""Fuzzing every input surface: only the project's typed errors (GAError) escape, and every example
+answers within 1 s of CPU time, less garbage collection (example(): an example that takes longer
+fails the test).
 
-Surfaces: the schedule parser (and ``megatron-ga schedule``), the number spelling, the ledger's arguments
-(BatchLayout and ``megatron-ga ledger``), ``megatron-ga check`` on launch lines built from Megatron's own flag
-names, the rampup converter, and the calculator's ``update`` over consumed-sample sequences. Inputs:
-tests/support/fuzz_inputs.py. Where an input is accepted, the answer is checked too (round trips, GBS = MBS x DP x GA,
-upstream's rampup arithmetic, the calculator against its schedule, JSON output), and a command answers with
-exit status 0, 1 or 2, never a traceback.
+Surfaces: the schedule parser (and ``megatron-ga schedule``), the number spelling, the ledger's
+arguments (BatchLayout and ``megatron-ga ledger``), ``megatron-ga check`` on launch lines built from
+Megatron's own flag names, the rampup converter, and the calculator's ``update`` over
+consumed-sample sequences. Inputs: tests/support/fuzz_inputs.py. Where an input is accepted, the
+answer is checked too (round trips, GBS = MBS x DP x GA, upstream's rampup arithmetic, the
+calculator against its schedule, JSON output), and a command answers with exit status 0, 1 or 2,
+never a traceback.
 
-The default suite runs 200 examples per surface; ``make fuzz`` runs 10,000 (``MEGATRON_GA_FUZZ_EXAMPLES``)
-and records the counts (tools/results.py, ``MEGATRON_GA_RESULTS``) for ``make docs`` to render into
-docs/reliability.md. Each surface fails unless it ran at least that many examples. What fuzzing found is pinned in
-tests/test_fuzz_found.py.
+The default suite runs 200 examples per surface; ``make fuzz`` runs 10,000
+(``MEGATRON_GA_FUZZ_EXAMPLES``) and records the counts (tools/results.py, ``MEGATRON_GA_RESULTS``)
+for ``make docs`` to render into docs/reliability.md. Each surface fails unless it ran at least that
+many examples. What fuzzing found is pinned in tests/test_fuzz_found.py.
 """
 
 from __future__ import annotations
@@ -35,7 +37,13 @@ from hypothesis import strategies as st
 
 from megatron_ga_ext import BatchLayout, StepSchedule
 from megatron_ga_ext.cli.main import main
-from megatron_ga_ext.core.numbers import MAX_EXPONENT, format_count, parse_count, read_int, upstream_count
+from megatron_ga_ext.core.numbers import (
+    MAX_EXPONENT,
+    format_count,
+    parse_count,
+    read_int,
+    upstream_count,
+)
 from megatron_ga_ext.core.schedule.rampup import rampup_triple
 from megatron_ga_ext.errors import GAError, GuardError, ScheduleWarning
 from megatron_ga_ext.integration.calculator import StepScheduleCalculator
@@ -62,8 +70,8 @@ pytestmark = pytest.mark.fuzz
 
 EXAMPLES = int(os.environ.get("MEGATRON_GA_FUZZ_EXAMPLES", "200"))
 LIMIT_S = 1.0
-#: The limit is example()'s CPU-time timer: hypothesis' deadline is wall-clock time, which other processes on a
-#: 2-core machine stretch several-fold.
+#: The limit is example()'s CPU-time timer: hypothesis' deadline is wall-clock time, which other
+#: processes on a 2-core machine stretch several-fold.
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -83,8 +91,9 @@ _SURFACES: dict[str, Surface] = {}
 
 
 class _GarbageCollection:
-    """Seconds spent in the garbage collector: a full collection of the heap hypothesis builds over 10,000
-    examples takes about a second, whichever example it falls in (hypothesis' own deadline leaves it out too)."""
+    """Seconds spent in the garbage collector: a full collection of the heap hypothesis builds over
+    10,000 examples takes about a second, whichever example it falls in (hypothesis' own deadline
+    leaves it out too)."""
 
     seconds = 0.0
     _started = 0.0
@@ -102,9 +111,9 @@ gc.callbacks.append(_GarbageCollection.callback)
 
 @contextlib.contextmanager
 def example(surface: str):
-    """Count one example of ``surface`` and hold it to LIMIT_S of CPU time, less garbage collection (the
-    process's time, so a loaded machine does not fail it, nor hide a slow answer); ScheduleWarnings are kept
-    out."""
+    """Count one example of ``surface`` and hold it to LIMIT_S of CPU time, less garbage collection
+    (the process's time, so a loaded machine does not fail it, nor hide a slow answer);
+    ScheduleWarnings are kept out."""
     start, collecting = time.process_time(), _GarbageCollection.seconds
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ScheduleWarning)
@@ -113,11 +122,14 @@ def example(surface: str):
     stats = _SURFACES[surface]
     stats.examples += 1
     stats.slowest = max(stats.slowest, seconds)
-    assert seconds < LIMIT_S, f"{surface}: this example took {seconds:.2f} s of CPU time (limit {LIMIT_S} s)"
+    assert seconds < LIMIT_S, (
+        f"{surface}: this example took {seconds:.2f} s of CPU time (limit {LIMIT_S} s)"
+    )
 
 
 def answer(surface: str, call: Callable, *args: Any, **kwargs: Any) -> Any:
-    """``call(*args, **kwargs)``, or the GAError it raised; any other exception escapes (and fails the test)."""
+    """``call(*args, **kwargs)``, or the GAError it raised; any other exception escapes (and fails
+    the test)."""
     try:
         result = call(*args, **kwargs)
     except GAError as error:
@@ -132,7 +144,9 @@ def run_surface(fuzzed: Callable, entry: str) -> None:
     _SURFACES[fuzzed.__name__] = Surface(fuzzed.__name__, entry)
     fuzzed()
     stats = _SURFACES[fuzzed.__name__]
-    assert stats.examples >= EXAMPLES, f"{fuzzed.__name__}: {stats.examples} examples, fewer than {EXAMPLES}"
+    assert stats.examples >= EXAMPLES, (
+        f"{fuzzed.__name__}: {stats.examples} examples, fewer than {EXAMPLES}"
+    )
     stats.passed = True
 
 
@@ -141,8 +155,8 @@ def failed(value: Any) -> bool:
 
 
 def cli(surface: str, argv: list[str]) -> tuple[int, Any]:
-    """``megatron-ga ARGV`` in-process: its exit status (0, 1 problems, 2 an error: one line, no traceback) and
-    its output, read as JSON where ARGV holds --json (before any launch line)."""
+    """``megatron-ga ARGV`` in-process: its exit status (0, 1 problems, 2 an error: one line, no
+    traceback) and its output, read as JSON where ARGV holds --json (before any launch line)."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
         status = main(argv)
@@ -152,7 +166,8 @@ def cli(surface: str, argv: list[str]) -> tuple[int, Any]:
     return status, json.loads(out.getvalue()) if "--json" in own else out.getvalue()
 
 
-# -- the schedule parser -----------------------------------------------------------------------------
+# -- the schedule parser
+# -----------------------------------------------------------------------------
 
 
 @FUZZ
@@ -166,29 +181,42 @@ def schedule_parser(text, seq_length, options):
             stages = list(schedule.stages)
             assert stages[0][0] == 0 and all(b >= 1 for _, b in stages)
             assert all(a[0] < b[0] for a, b in itertools.pairwise(stages))
-            assert StepSchedule.parse(schedule.to_string(), seq_length).stages == stages  # exact round trips
+            assert (
+                StepSchedule.parse(schedule.to_string(), seq_length).stages == stages
+            )  # exact round trips
             assert StepSchedule.parse(schedule.samples_string()).stages == stages
             assert StepSchedule.parse(str(schedule), seq_length).stages == stages
             if seq_length is not None:  # thresholds in tokens read back as the same samples
-                assert StepSchedule.parse(schedule.to_string(seq_length=seq_length), seq_length).stages == stages
+                assert (
+                    StepSchedule.parse(schedule.to_string(seq_length=seq_length), seq_length).stages
+                    == stages
+                )
         if isinstance(text, str):
             cli("schedule_parser", ["schedule", *options, "--", text])
 
 
 def test_schedule_parser():
-    run_surface(schedule_parser, "StepSchedule.parse(text, seq_length); megatron-ga schedule [options] -- TEXT")
+    run_surface(
+        schedule_parser,
+        "StepSchedule.parse(text, seq_length); megatron-ga schedule [options] -- TEXT",
+    )
 
 
-# -- the number spelling -----------------------------------------------------------------------------
+# -- the number spelling
+# -----------------------------------------------------------------------------
 
 
 @FUZZ
 @given(numbers(), st.booleans(), st.integers(0, 10**MAX_EXPONENT))
 def number_spelling(text, signed, value):
     with example("number_spelling"):
-        spelled = format_count(value)  # what every message and converted schedule writes: read back exactly
+        spelled = format_count(
+            value
+        )  # what every message and converted schedule writes: read back exactly
         assert parse_count(spelled) == value, spelled
-        assert upstream_count(spelled) == value or value > 2**53, spelled  # upstream's float(), where it can
+        assert upstream_count(spelled) == value or value > 2**53, (
+            spelled
+        )  # upstream's float(), where it can
         count = answer("number_spelling", parse_count, text, "value", signed=signed)
         if not failed(count):
             assert abs(count) <= 10**MAX_EXPONENT and (signed or count >= 0)
@@ -201,7 +229,8 @@ def test_number_spelling():
     run_surface(number_spelling, "parse_count, read_int, format_count")
 
 
-# -- the ledger's arguments --------------------------------------------------------------------------
+# -- the ledger's arguments
+# --------------------------------------------------------------------------
 
 
 @FUZZ
@@ -226,7 +255,8 @@ def test_ledger_arguments():
     run_surface(ledger_arguments, "BatchLayout(**sizes); megatron-ga ledger --flag=value ...")
 
 
-# -- megatron-ga check on launch lines ----------------------------------------------------------------
+# -- megatron-ga check on launch lines
+# ----------------------------------------------------------------
 
 
 @FUZZ
@@ -238,7 +268,9 @@ def check_launch_lines(argv):
             assert report["error"] and report["ledger"] is None
         else:
             problems = report["problems"]
-            assert all(isinstance(p["message"], str) and p["message"] and p["rule"] for p in problems)
+            assert all(
+                isinstance(p["message"], str) and p["message"] and p["rule"] for p in problems
+            )
             assert (status == 1) == bool(problems)
 
 
@@ -246,11 +278,15 @@ def test_check_launch_lines():
     run_surface(check_launch_lines, "megatron-ga check --json [--world-size N] -- <launch line>")
 
 
-# -- the rampup converter ----------------------------------------------------------------------------
+# -- the rampup converter
+# ----------------------------------------------------------------------------
 
 
-def upstream_rampup_batch_size(start: int, increment: int, ramp_samples: int, gbs: int, consumed: int) -> int:
-    """megatron-core 0.16.1's RampupBatchsizeNumMicroBatchesCalculator.update, in its float arithmetic."""
+def upstream_rampup_batch_size(
+    start: int, increment: int, ramp_samples: int, gbs: int, consumed: int
+) -> int:
+    """megatron-core 0.16.1's RampupBatchsizeNumMicroBatchesCalculator.update, in its float
+    arithmetic."""
     increments = (gbs - start) // increment
     if consumed > ramp_samples or increments == 0 or ramp_samples == 0:
         return gbs
@@ -262,7 +298,9 @@ def upstream_rampup_batch_size(start: int, increment: int, ramp_samples: int, gb
 @given(
     ramp_values(),
     st.lists(consumed_counts(), max_size=6),
-    st.tuples(python_sizes(), python_sizes(), st.sampled_from((1, 2, 4)), st.sampled_from((None, 1, 2, 3))),
+    st.tuples(
+        python_sizes(), python_sizes(), st.sampled_from((1, 2, 4)), st.sampled_from((None, 1, 2, 3))
+    ),
     st.lists(sizes(), min_size=3, max_size=3),
 )
 def rampup_converter(ramp, consumed, layout, triple):
@@ -283,17 +321,20 @@ def test_rampup_converter():
     run_surface(rampup_converter, "StepSchedule.from_rampup, rampup_triple, problems(layout)")
 
 
-# -- the calculator's update over consumed-sample sequences -------------------------------------------
+# -- the calculator's update over consumed-sample sequences
+# -------------------------------------------
 
-#: An update: ("step",) is what Megatron's loop does (consumed += the running GBS, an unchecked then a checked
-#: update); ("jump", consumed, consistency_check) anything else.
+#: An update: ("step",) is what Megatron's loop does (consumed += the running GBS, an unchecked then
+#: a checked update); ("jump", consumed, consistency_check) anything else.
 UPDATES = st.lists(
-    st.one_of(st.just(("step",)), st.tuples(st.just("jump"), consumed_counts(), st.booleans())), max_size=12
+    st.one_of(st.just(("step",)), st.tuples(st.just("jump"), consumed_counts(), st.booleans())),
+    max_size=12,
 )
 
 
 def calculators() -> st.SearchStrategy[dict]:
-    """The arguments of init_num_microbatches_calculator (any release), and a layout for the interleave rule."""
+    """The arguments of init_num_microbatches_calculator (any release), and a layout for the
+    interleave rule."""
     return st.fixed_dictionaries(
         {
             "rank": st.sampled_from((0, 1)),
@@ -302,7 +343,9 @@ def calculators() -> st.SearchStrategy[dict]:
         },
         optional={
             "step_batch_size_schedule": valid_schedule_texts() | schedule_texts(),
-            "rampup_batch_size": st.lists(st.integers(1, 64) | python_sizes(), min_size=3, max_size=3)
+            "rampup_batch_size": st.lists(
+                st.integers(1, 64) | python_sizes(), min_size=3, max_size=3
+            )
             | st.lists(sizes(), max_size=4),
             "global_batch_size": st.sampled_from((8, 16, 64, 128)) | python_sizes(),
             "decrease_batch_size_if_needed": st.booleans(),
@@ -334,7 +377,9 @@ def calculator_update(arguments, updates):
                 done = answer("calculator_update", guarded.update, count, check)
                 if failed(done):
                     # Megatron's own step never trips the guard while the calculator is healthy.
-                    assert not (update[0] == "step" and healthy and isinstance(done, GuardError)), done
+                    assert not (update[0] == "step" and healthy and isinstance(done, GuardError)), (
+                        done
+                    )
                     healthy = False
                     break
                 consumed, healthy = count, True
@@ -342,16 +387,22 @@ def calculator_update(arguments, updates):
                 assert batch == calculator.step_schedule.global_batch_size_at(count)
                 assert calculator.get() == batch // unit == guarded.get()
                 if check:
-                    assert calculator.get() >= 1 and batch % unit == 0  # the stage in force always runs
+                    assert (
+                        calculator.get() >= 1 and batch % unit == 0
+                    )  # the stage in force always runs
             if not healthy and update[0] == "step":
                 break
 
 
 def test_calculator_update():
-    run_surface(calculator_update, "StepScheduleCalculator.build(...), then update(consumed, check) under the guard")
+    run_surface(
+        calculator_update,
+        "StepScheduleCalculator.build(...), then update(consumed, check) under the guard",
+    )
 
 
-# -- the counts, for docs/reliability.md -------------------------------------------------------------
+# -- the counts, for docs/reliability.md
+# -------------------------------------------------------------
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,6 +1,6 @@
-"""make gpu-check (tools/gpu_check.py) on the CPU, as far as it goes without a GPU: its plan and their timeouts, its
-wheel list, its exit without CUDA, its step runner (timeouts, failures, skips), and tests/gpu skipping without CUDA.
-The steps themselves need a GPU."""
+"""make gpu-check (tools/gpu_check.py) on the CPU, as far as it goes without a GPU: its plan and
+their timeouts, its wheel list, its exit without CUDA, its step runner (timeouts, failures, skips),
+and tests/gpu skipping without CUDA. The steps themselves need a GPU."""
 
 from __future__ import annotations
 
@@ -28,9 +28,16 @@ STEPS = ["cuda", "setup", "gpu-tests", "cuda-graphs", "verify", "overhead"]
 NO_CUDA = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 
 
-def tool(*argv: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+def tool(
+    *argv: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(TOOL), *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, str(TOOL), *argv],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -41,7 +48,8 @@ def fake_python(path: Path, body: str) -> str:
     return str(path)
 
 
-# -- the plan ---------------------------------------------------------------------------------------------------------
+# -- the plan
+# ---------------------------------------------------------------------------------------------------------
 
 
 def test_the_plan_runs_every_part_of_the_check_within_8_minutes(tmp_path):
@@ -51,7 +59,9 @@ def test_the_plan_runs_every_part_of_the_check_within_8_minutes(tmp_path):
     assert sum(step.timeout_s for step in plan.values()) < gpu_check.BUDGET_S == 480
     gpu_tests, graphs = plan["gpu-tests"].command, plan["cuda-graphs"].command
     assert "tests/gpu" in gpu_tests and "--ignore=tests/gpu/test_cuda_graphs.py" in gpu_tests
-    assert gpu_tests[gpu_tests.index("pytest") + 1 :].count("-m") == 1  # one marker expression: every marker
+    assert (
+        gpu_tests[gpu_tests.index("pytest") + 1 :].count("-m") == 1
+    )  # one marker expression: every marker
     assert "tests/gpu/test_cuda_graphs.py" in graphs and graphs[-4:-2] == ["-m", "gpu"]
     verify = plan["verify"].command
     assert verify[1:4] == ["verify", "--device", "cuda"] and "--json" in verify
@@ -66,7 +76,8 @@ def test_every_result_lands_in_the_one_folder(tmp_path):
     plan = {step.name: step for step in gpu_check.steps(tmp_path)}
     assert f"--junitxml={tmp_path / 'gpu-tests.xml'}" in plan["gpu-tests"].command
     assert f"--junitxml={tmp_path / 'cuda-graphs.xml'}" in plan["cuda-graphs"].command
-    # gpu_overhead.sh takes OUT as the JSON file it writes: the folder's overhead.json, not the folder itself
+    # gpu_overhead.sh takes OUT as the JSON file it writes: the folder's overhead.json, not the
+    # folder itself
     assert plan["overhead"].env["OUT"] == str(tmp_path / "overhead.json")
     files = [f for step in plan.values() for f in step.files]
     assert files == ["gpu-tests.xml", "cuda-graphs.xml", "verify.json", "overhead.json"]
@@ -89,18 +100,31 @@ def test_the_plan_prints_each_step_its_timeout_and_the_wheels_and_runs_nothing(t
     total = sum(step.timeout_s for step in gpu_check.steps(tmp_path))
     assert f"6 steps, {total} s of timeouts in all (budget 480 s)" in done.stdout
     for step in gpu_check.steps(tmp_path):
-        assert re.search(rf"^  {re.escape(step.name)} +{step.timeout_s} s ", done.stdout, re.M), step.name
+        assert re.search(rf"^  {re.escape(step.name)} +{step.timeout_s} s ", done.stdout, re.M), (
+            step.name
+        )
     for wheel in gpu_check.read_wheel_list():
-        assert re.search(rf"^  {re.escape(wheel.requirement)} .*: missing$", done.stdout, re.M), wheel
+        assert re.search(rf"^  {re.escape(wheel.requirement)} .*: missing$", done.stdout, re.M), (
+            wheel
+        )
     assert not any((tmp_path / name).exists() for name in ("out", "wheels", "venv"))
     as_json = json.loads(tool("plan", "--json", "--out", str(tmp_path), env=NO_CUDA).stdout)
-    assert [s["name"] for s in as_json["steps"]] == STEPS and as_json["total_s"] == total < as_json["budget_s"]
+    assert [s["name"] for s in as_json["steps"]] == STEPS and as_json["total_s"] == total < as_json[
+        "budget_s"
+    ]
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 def test_the_makefile_targets_call_the_tool(tmp_path):
     plan = subprocess.run(
-        ["make", "-s", "--no-print-directory", "gpu-check", "PLAN=1", f"GPU_PYTHON={sys.executable}"],
+        [
+            "make",
+            "-s",
+            "--no-print-directory",
+            "gpu-check",
+            "PLAN=1",
+            f"GPU_PYTHON={sys.executable}",
+        ],
         cwd=ROOT,
         env={**NO_CUDA, "OUT": str(tmp_path)},
         capture_output=True,
@@ -118,29 +142,46 @@ def test_the_makefile_targets_call_the_tool(tmp_path):
     assert dry.stdout.splitlines() == ["py tools/gpu_check.py wheels", "py tools/gpu_check.py run"]
 
 
-# -- the wheel list ---------------------------------------------------------------------------------------------------
+# -- the wheel list
+# ---------------------------------------------------------------------------------------------------
 
 
 def test_the_wheel_list_carries_the_primary_pin_this_project_and_nothing_the_image_has():
     wheels = gpu_check.read_wheel_list()
     assert gpu_check.wheel_list_problems(wheels) == []
     by_name = {gpu_check.canonical(w.name): w for w in wheels if w.kind != "source"}
-    pinned = re.search(r"^megatron-core==(\S+)", (ROOT / "constraints" / "py3.12.txt").read_text(), re.M).group(1)
+    pinned = re.search(
+        r"^megatron-core==(\S+)", (ROOT / "constraints" / "py3.12.txt").read_text(), re.M
+    ).group(1)
     assert by_name["megatron-core"].version == pinned
     assert by_name["megatron-ga-ext"].kind == "build"
     assert not {"torch", "apex", "transformer-engine", "triton"} & set(by_name)
-    assert not [n for n in by_name if n.startswith(("torch", "nvidia-", "transformer-engine", "transformer_engine"))]
-    assert all(re.fullmatch(r"[0-9][0-9a-z.+]*", w.version) for w in wheels if w.kind == "download")  # exact pins
+    assert not [
+        n
+        for n in by_name
+        if n.startswith(("torch", "nvidia-", "transformer-engine", "transformer_engine"))
+    ]
+    assert all(
+        re.fullmatch(r"[0-9][0-9a-z.+]*", w.version) for w in wheels if w.kind == "download"
+    )  # exact pins
     # the snapshot is the tested source of that release (its pretrain_gpt.py)
     release = next(u for u in UPSTREAM if u.name == pinned)
-    assert gpu_check.snapshot(wheels) == f"megatron-lm-{release.ref}.tar.gz" and release.python == "3.12"
+    assert (
+        gpu_check.snapshot(wheels) == f"megatron-lm-{release.ref}.tar.gz"
+        and release.python == "3.12"
+    )
 
 
 def test_a_wrong_wheel_list_is_refused(tmp_path):
     listed = tmp_path / "wheels.txt"
-    listed.write_text("torch==2.11.0\nmegatron-core==0.16.1\npydantic==2.1\npydantic==2.2\napex==0.9\n")
+    listed.write_text(
+        "torch==2.11.0\nmegatron-core==0.16.1\npydantic==2.1\npydantic==2.2\napex==0.9\n"
+    )
     problems = "\n".join(gpu_check.wheel_list_problems(gpu_check.read_wheel_list(listed)))
-    assert f"primary leg's {gpu_check.primary_pin()}" in problems and "'megatron-ga-ext @ .'" in problems
+    assert (
+        f"primary leg's {gpu_check.primary_pin()}" in problems
+        and "'megatron-ga-ext @ .'" in problems
+    )
     assert "torch: the GPU image has it" in problems and "apex: " in problems
     assert "pydantic is listed twice" in problems and "one Megatron-LM snapshot" in problems
     listed.write_text("megatron-core>=0.19\n")
@@ -159,14 +200,20 @@ def test_the_folder_check_finds_each_listed_file(tmp_path):
     assert "pydantic_core-2.50.5-*.whl" in missing and gpu_check.snapshot(wheels) not in missing
 
 
-# -- without CUDA -----------------------------------------------------------------------------------------------------
+# -- without CUDA
+# -----------------------------------------------------------------------------------------------------
 
 
 def test_with_cuda_hidden_the_check_exits_2_at_once_and_runs_nothing(tmp_path):
     start = time.monotonic()
-    done = tool("run", "--out", str(tmp_path / "out"), "--venv", str(tmp_path / "venv"), env=NO_CUDA)
+    done = tool(
+        "run", "--out", str(tmp_path / "out"), "--venv", str(tmp_path / "venv"), env=NO_CUDA
+    )
     assert done.returncode == 2 and time.monotonic() - start < 10
-    assert "gpu-check: no CUDA device is visible: CUDA_VISIBLE_DEVICES='' hides every one" in done.stderr
+    assert (
+        "gpu-check: no CUDA device is visible: CUDA_VISIBLE_DEVICES='' hides every one"
+        in done.stderr
+    )
     assert not (tmp_path / "venv").exists()
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["exit"] == 2 and not summary["ok"] and "no CUDA device" in summary["reason"]
@@ -175,25 +222,43 @@ def test_with_cuda_hidden_the_check_exits_2_at_once_and_runs_nothing(tmp_path):
 
 
 def test_a_torch_without_cuda_exits_2_naming_it(tmp_path):
-    """The probe itself, on this interpreter's torch (a GPU machine has one: then the empty wheel folder stops it)."""
+    """The probe itself, on this interpreter's torch (a GPU machine has one: then the empty wheel
+    folder stops it)."""
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     done = tool("run", "--out", str(tmp_path), "--wheels", str(tmp_path / "none"), env=env)
     assert done.returncode == 2, done.stderr
     assert any(
         reason in done.stderr
-        for reason in ("torch.cuda.is_available() is False", "has no torch", "lacks", "did not answer within")
+        for reason in (
+            "torch.cuda.is_available() is False",
+            "has no torch",
+            "lacks",
+            "did not answer within",
+        )
     ), done.stderr  # a loaded CPU
 
 
 def test_a_python_without_torch_exits_2_naming_it(tmp_path):
-    python = fake_python(tmp_path / "python", f'exec {sys.executable} -S "$@"')  # -S: no site-packages, no torch
-    done = tool("run", "--out", str(tmp_path), "--python", python, env={**NO_CUDA, "CUDA_VISIBLE_DEVICES": "0"})
+    python = fake_python(
+        tmp_path / "python", f'exec {sys.executable} -S "$@"'
+    )  # -S: no site-packages, no torch
+    done = tool(
+        "run",
+        "--out",
+        str(tmp_path),
+        "--python",
+        python,
+        env={**NO_CUDA, "CUDA_VISIBLE_DEVICES": "0"},
+    )
     assert done.returncode == 2
     assert f"{python} has no torch" in done.stderr and "GPU_PYTHON=" in done.stderr
 
 
 def test_with_a_device_but_no_wheels_the_check_says_to_build_them(tmp_path):
-    device = '{"python": "3.12.3", "torch": "2.11.0", "cuda": "13.0", "devices": 1, "name": "NVIDIA H200"}'
+    device = (
+        '{"python": "3.12.3", "torch": "2.11.0", "cuda": "13.0", "devices": 1, "name": "NVIDIA '
+        'H200"}'
+    )
     python = fake_python(tmp_path / "python", f"echo '{device}'")
     done = tool(
         "run",
@@ -205,12 +270,16 @@ def test_with_a_device_but_no_wheels_the_check_says_to_build_them(tmp_path):
         str(tmp_path / "wheels"),
         env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"},
     )
-    assert done.returncode == 2 and "run `make gpu-wheels` on a machine with registry access first" in done.stderr
+    assert (
+        done.returncode == 2
+        and "run `make gpu-wheels` on a machine with registry access first" in done.stderr
+    )
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["device"]["name"] == "NVIDIA H200" and summary["steps"][0]["status"] == "passed"
 
 
-# -- the step runner --------------------------------------------------------------------------------------------------
+# -- the step runner
+# --------------------------------------------------------------------------------------------------
 
 
 def _alive(pid: int) -> bool:
@@ -223,12 +292,14 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_a_step_past_its_timeout_is_killed_with_every_process_below_it(tmp_path):
-    """A launch in a session of its own (as pretrain_runs._run_alone starts a CUDA rank) is killed too."""
+    """A launch in a session of its own (as pretrain_runs._run_alone starts a CUDA rank) is killed
+    too."""
     pid_file = tmp_path / "child.pid"
     code = (
-        "import subprocess, sys, time; "
-        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True); "
-        f"open({str(pid_file)!r}, 'w').write(str(p.pid)); print('started', flush=True); time.sleep(60)"
+        "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+        "time.sleep(60)'], start_new_session=True); "
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid)); print('started', flush=True); "
+        "time.sleep(60)"
     )
     step = gpu_check.Step("sleeper", 2, "sleeps past its timeout", [sys.executable, "-c", code])
     with open(tmp_path / "log", "wb") as handle:
@@ -247,7 +318,9 @@ def test_the_check_goes_on_past_a_failed_step_and_exits_1(tmp_path, monkeypatch)
     python = sys.executable
     steps = [
         gpu_check.Step("cuda", 5, "probe", ["true"]),
-        gpu_check.Step("fails", 10, "exits 3", [python, "-c", "import sys; print('boom'); sys.exit(3)"]),
+        gpu_check.Step(
+            "fails", 10, "exits 3", [python, "-c", "import sys; print('boom'); sys.exit(3)"]
+        ),
         gpu_check.Step(
             "skips",
             10,
@@ -261,13 +334,19 @@ def test_the_check_goes_on_past_a_failed_step_and_exits_1(tmp_path, monkeypatch)
             junit="skipped.xml",
         ),
         gpu_check.Step(
-            "prints", 10, "writes its stdout to a file", [python, "-c", "print('{}')"], stdout="prints.json"
+            "prints",
+            10,
+            "writes its stdout to a file",
+            [python, "-c", "print('{}')"],
+            stdout="prints.json",
         ),
         gpu_check.Step("hangs", 1, "sleeps", [python, "-c", "import time; time.sleep(30)"]),
     ]
     monkeypatch.setattr(gpu_check, "steps", lambda *args: steps)
     monkeypatch.setattr(
-        gpu_check, "no_cuda", lambda step: (None, {"name": "fake", "devices": 1, "torch": "t", "python": "3.12"})
+        gpu_check,
+        "no_cuda",
+        lambda step: (None, {"name": "fake", "devices": 1, "torch": "t", "python": "3.12"}),
     )
     monkeypatch.setattr(gpu_check, "missing_wheels", lambda *args: [])
     code = gpu_check.main(["run", "--out", str(tmp_path / "out"), "--wheels", str(tmp_path)])
@@ -283,13 +362,16 @@ def test_the_check_goes_on_past_a_failed_step_and_exits_1(tmp_path, monkeypatch)
     ]
     assert rows["skips"]["tests"] == {"tests": 2, "passed": 0, "failed": 0, "skipped": 2}
     assert "no test passed" in rows["skips"]["note"] and "boom" in rows["fails"]["tail"]
-    assert (tmp_path / "out" / "prints.json").read_text() == "{}\n" and rows["prints"]["files"] == ["prints.json"]
+    assert (tmp_path / "out" / "prints.json").read_text() == "{}\n" and rows["prints"]["files"] == [
+        "prints.json"
+    ]
     assert summary["reason"] == "failed: fails, skips, hangs"
     log = (tmp_path / "out" / gpu_check.LOG).read_text()
     assert all(f"== {name} (timeout" in log for name in ("fails", "skips", "prints", "hangs"))
 
 
-# -- tests/gpu without CUDA -------------------------------------------------------------------------------------------
+# -- tests/gpu without CUDA
+# -------------------------------------------------------------------------------------------
 
 
 def test_tests_gpu_are_marked_and_skip_cleanly_without_cuda(tmp_path):
@@ -299,7 +381,9 @@ def test_tests_gpu_are_marked_and_skip_cleanly_without_cuda(tmp_path):
         for node in ast.parse(graphs.read_text()).body
         if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")
     ]
-    source = tmp_path / "megatron-lm-core_v0.19.0"  # a checkout's name: the newest release the tier knows
+    source = (
+        tmp_path / "megatron-lm-core_v0.19.0"
+    )  # a checkout's name: the newest release the tier knows
     (source / "megatron" / "core").mkdir(parents=True)
     env = {**NO_CUDA, "MEGATRON_LM": str(source)}
     pytest_ = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
@@ -323,7 +407,9 @@ def test_tests_gpu_are_marked_and_skip_cleanly_without_cuda(tmp_path):
     )
     assert ran.returncode == 0, ran.stdout + ran.stderr
     cases = list(ElementTree.parse(junit).getroot().iter("testcase"))
-    assert cases and all(case.find("skipped") is not None for case in cases)  # none failed, none ran
+    assert cases and all(
+        case.find("skipped") is not None for case in cases
+    )  # none failed, none ran
     graph_rows = {
         case.get("name").split("[")[0]: case.find("skipped").get("message")
         for case in cases
@@ -333,7 +419,8 @@ def test_tests_gpu_are_marked_and_skip_cleanly_without_cuda(tmp_path):
     assert all("no CUDA device" in message for message in graph_rows.values()), graph_rows
 
 
-# -- make gpu-wheels (registry access) and the setup step -------------------------------------------------------------
+# -- make gpu-wheels (registry access) and the setup step
+# -------------------------------------------------------------
 
 
 def _snapshots() -> Path:
@@ -362,9 +449,12 @@ def test_make_gpu_wheels_fills_a_small_folder_with_the_list(wheel_folder):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(sys.version_info[:2] != gpu_check.TARGET_PYTHON, reason="the wheels are for CPython 3.12")
+@pytest.mark.skipif(
+    sys.version_info[:2] != gpu_check.TARGET_PYTHON, reason="the wheels are for CPython 3.12"
+)
 def test_setup_installs_the_folder_offline_over_this_pythons_torch(wheel_folder, tmp_path):
-    """The primary leg's venv is a venv, as the GPU image's python is: the new one still sees its torch."""
+    """The primary leg's venv is a venv, as the GPU image's python is: the new one still sees its
+    torch."""
     pytest.importorskip("torch")
     core = next(wheel_folder.glob("megatron_core-*.whl"))
     tree = tmp_path / "megatron-lm-core_v0.19.0"
@@ -383,8 +473,12 @@ def test_setup_installs_the_folder_offline_over_this_pythons_torch(wheel_folder,
         env={**os.environ, "MEGATRON_LM": str(tree)},
         timeout=300,
     )
-    if "the wheel is not this checkout" in done.stderr:  # a file of the package changed since the fixture's build
-        rebuilt = tool("wheels", "--wheels", str(wheel_folder), "--snapshots", str(_snapshots()), timeout=600)
+    if (
+        "the wheel is not this checkout" in done.stderr
+    ):  # a file of the package changed since the fixture's build
+        rebuilt = tool(
+            "wheels", "--wheels", str(wheel_folder), "--snapshots", str(_snapshots()), timeout=600
+        )
         assert rebuilt.returncode == 0, rebuilt.stderr
         done = tool(
             "setup",
@@ -398,18 +492,24 @@ def test_setup_installs_the_folder_offline_over_this_pythons_torch(wheel_folder,
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"megatron.core {gpu_check.primary_pin()}: {venv}" in done.stdout
     assert f"megatron_ga_ext {VERSION}: {venv}" in done.stdout and "torch " in done.stdout
-    # the wheel's compiled dataset helpers, named as the Makefile pretrain_gpt.py runs names them: nothing to compile
+    # the wheel's compiled dataset helpers, named as the Makefile pretrain_gpt.py runs names them:
+    # nothing to compile
     suffix = subprocess.run(
-        [str(venv / "bin" / "python3-config"), "--extension-suffix"], capture_output=True, text=True, check=True
+        [str(venv / "bin" / "python3-config"), "--extension-suffix"],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.strip()
     assert (tree / "megatron" / "core" / "datasets" / f"helpers_cpp{suffix}").is_file()
 
 
-# -- the benchmark step's launches ------------------------------------------------------------------------------------
+# -- the benchmark step's launches
+# ------------------------------------------------------------------------------------
 
 
 def test_gpu_overhead_launches_upstream_and_the_extension_through_the_drop_in_entry(tmp_path):
-    """benchmarks/gpu_overhead.sh under a python that records each launch (it needs CUDA to run them)."""
+    """benchmarks/gpu_overhead.sh under a python that records each launch (it needs CUDA to run
+    them)."""
     record, final = tmp_path / "launches", tmp_path / "final"
     python = fake_python(
         tmp_path / "python",
@@ -429,7 +529,14 @@ exit 3""",
         capture_output=True,
         text=True,
         timeout=60,
-        env={**os.environ, "PYTHON": python, "OUT": str(out), "ITERS": "3", "WARMUP": "1", "GA_VALUES": "8 32"},
+        env={
+            **os.environ,
+            "PYTHON": python,
+            "OUT": str(out),
+            "ITERS": "3",
+            "WARMUP": "1",
+            "GA_VALUES": "8 32",
+        },
     )
     assert done.returncode == 0, done.stderr
     launches = [line.split("|") for line in record.read_text().splitlines()]
@@ -439,7 +546,12 @@ exit 3""",
     programs = [argv.split(" --num-layers")[0] for _, _, argv in launches]
     assert (
         programs
-        == [f"{runner} {script}", f"{runner} -m megatron_ga_ext {script}", f"{runner} -m megatron_ga_ext {script}"] * 2
+        == [
+            f"{runner} {script}",
+            f"{runner} -m megatron_ga_ext {script}",
+            f"{runner} -m megatron_ga_ext {script}",
+        ]
+        * 2
     )
     assert [argv.split("--global-batch-size ")[1] for _, _, argv in launches] == [
         "8",
@@ -449,6 +561,11 @@ exit 3""",
         "32",
         "32 --ga-checks async",
     ]
-    assert all("--train-iters 3 " in argv and "--transformer-impl local " in argv for _, _, argv in launches)
+    assert all(
+        "--train-iters 3 " in argv and "--transformer-impl local " in argv
+        for _, _, argv in launches
+    )
     logs = final.read_text().split()[1]
-    assert final.read_text().split()[2:] == [str(out), "1", "local", "8", "32"] and logs.startswith("/")
+    assert final.read_text().split()[2:] == [str(out), "1", "local", "8", "32"] and logs.startswith(
+        "/"
+    )

@@ -22,7 +22,9 @@ def counts(*per_chunk: int) -> dict:
 
 
 def test_right_counts_pass():
-    check_microbatch_counts(counts(8, 8), num_microbatches=8, expected=8, pipeline_model_parallel_size=4)
+    check_microbatch_counts(
+        counts(8, 8), num_microbatches=8, expected=8, pipeline_model_parallel_size=4
+    )
     check_microbatch_counts(counts(3), num_microbatches=3, expected=None)
 
 
@@ -33,12 +35,18 @@ def test_pp_multiplied_num_microbatches_is_named():
         r"\(MBS x DP\) is 8\. 32 = 8 x PP 4: pipeline parallelism never multiplies the global "
         r"batch size",
     ):
-        check_microbatch_counts(counts(32), num_microbatches=32, expected=8, pipeline_model_parallel_size=4)
+        check_microbatch_counts(
+            counts(32), num_microbatches=32, expected=8, pipeline_model_parallel_size=4
+        )
 
 
 def test_a_chunk_that_ran_too_many_steps_is_named():
-    with pytest.raises(GuardError, match=r"\(chunk 0: 4, chunk 1: 8\) instead of num_microbatches=4.*8 = 4 x PP 2"):
-        check_microbatch_counts(counts(4, 8), num_microbatches=4, expected=4, pipeline_model_parallel_size=2)
+    with pytest.raises(
+        GuardError, match=r"\(chunk 0: 4, chunk 1: 8\) instead of num_microbatches=4.*8 = 4 x PP 2"
+    ):
+        check_microbatch_counts(
+            counts(4, 8), num_microbatches=4, expected=4, pipeline_model_parallel_size=2
+        )
     with pytest.raises(GuardError, match=r"\(none\) instead of num_microbatches=4"):
         check_microbatch_counts({}, num_microbatches=4, expected=4)
 
@@ -93,7 +101,11 @@ def test_guarded_calculator_around_upstream_constant_calculator():
     calculators = pytest.importorskip("megatron.core.num_microbatches_calculator")
     inner = calculators.ConstantNumMicroBatchesCalculator(64, 4, 4, False, 0)
     guarded = GuardedCalculator(inner, pipeline_model_parallel_size=2)
-    assert (guarded.get(), guarded.get_current_global_batch_size(), guarded.get_micro_batch_size()) == (4, 64, 4)
+    assert (
+        guarded.get(),
+        guarded.get_current_global_batch_size(),
+        guarded.get_micro_batch_size(),
+    ) == (4, 64, 4)
     guarded.update(0, True)  # checkpoint load / start
     for step in range(1, 4):  # the training loop: unchecked then checked, +GBS per step
         guarded.update(64 * step, False)

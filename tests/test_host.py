@@ -1,4 +1,5 @@
-"""The host port (integration/host.py): which loop is current, and what each adapter answers from its own state."""
+"""The host port (integration/host.py): which loop is current, and what each adapter answers from
+its own state."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from megatron_ga_ext.integration.bridge_loop import Bridge
 from megatron_ga_ext.integration.core_loop import CoreLoop
 from megatron_ga_ext.integration.host import Host, current_host, hosting, use_core_loop
 from megatron_ga_ext.integration.megatron_lm import MEGATRON_LM
-from megatron_ga_ext.integration.noise_scale_report import Reporter
+from megatron_ga_ext.science.integration.noise_scale_report import Reporter
 
 
 class Writer:
@@ -31,7 +32,9 @@ class Writer:
 def megatron_lm_args(monkeypatch):
     """Megatron-LM's global_vars with parsed args (and writers), as pretrain() leaves them."""
     module = types.ModuleType("megatron.training.global_vars")
-    module._GLOBAL_ARGS = argparse.Namespace(curr_iteration=4, consumed_train_samples=96, train_iters=10)
+    module._GLOBAL_ARGS = argparse.Namespace(
+        curr_iteration=4, consumed_train_samples=96, train_iters=10
+    )
     writer = Writer()
     module.get_tensorboard_writer, module.get_wandb_writer = lambda: writer, lambda: None
     monkeypatch.setitem(sys.modules, "megatron.training.global_vars", module)
@@ -98,7 +101,9 @@ def test_bridge_is_current_for_the_call_it_announced_even_over_parsed_args(megat
         assert host.settings().train_samples == 384
         host.set_train_iters(30)
         host.record_metrics({"b_simple": 2.0}, 7)
-    assert state.cfg.train.train_iters == 30 and state.tensorboard_logger.scalars == [("b_simple", 2.0, 7)]
+    assert state.cfg.train.train_iters == 30 and state.tensorboard_logger.scalars == [
+        ("b_simple", 2.0, 7)
+    ]
     assert current_host() is MEGATRON_LM
 
 

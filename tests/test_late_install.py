@@ -1,6 +1,7 @@
-"""install() after Megatron built its num-microbatches calculator: the schedule, the backport and a converted rampup
-replace the live calculator (with its MBS and DP) instead of being dropped, in a megatron-core loop and in
-Megatron-LM's flow (install() after initialize_megatron, reading its parsed args)."""
+"""install() after Megatron built its num-microbatches calculator: the schedule, the backport and a
+converted rampup replace the live calculator (with its MBS and DP) instead of being dropped, in a
+megatron-core loop and in Megatron-LM's flow (install() after initialize_megatron, reading its
+parsed args)."""
 
 import argparse
 import inspect
@@ -17,7 +18,8 @@ from megatron_ga_ext.integration.calculator import StepScheduleCalculator
 from megatron_ga_ext.integration.lifecycle import install
 
 STEP_SCHEDULES = (
-    "step_batch_size_schedule" in inspect.signature(calculators.init_num_microbatches_calculator).parameters
+    "step_batch_size_schedule"
+    in inspect.signature(calculators.init_num_microbatches_calculator).parameters
 )
 
 
@@ -34,19 +36,27 @@ def megatron_args(monkeypatch):
 
     def parsed(*flags: str) -> argparse.Namespace:
         parser = argparse.ArgumentParser()
-        for flag in ("--global-batch-size", "--micro-batch-size", "--seq-length", "--consumed-train-samples"):
+        for flag in (
+            "--global-batch-size",
+            "--micro-batch-size",
+            "--seq-length",
+            "--consumed-train-samples",
+        ):
             parser.add_argument(flag, type=int)
         parser.add_argument("--rampup-batch-size", nargs=3)
         parser.add_argument("--calculate-per-token-loss", action="store_true")
-        global_vars._GLOBAL_ARGS = add_args(parser).parse_args(["--calculate-per-token-loss", *flags])
+        global_vars._GLOBAL_ARGS = add_args(parser).parse_args(
+            ["--calculate-per-token-loss", *flags]
+        )
         return global_vars._GLOBAL_ARGS
 
     return parsed
 
 
 def global_batch_sizes(*consumed: int) -> list[int]:
-    """The global batch size the live calculator gives at each consumed-sample count (a checked update, as at a
-    checkpoint load: the consumed-samples guard checks one step's advance only on the loop's unchecked calls)."""
+    """The global batch size the live calculator gives at each consumed-sample count (a checked
+    update, as at a checkpoint load: the consumed-samples guard checks one step's advance only on
+    the loop's unchecked calls)."""
     sizes = []
     for samples in consumed:
         calculators.update_num_microbatches(samples, consistency_check=True)
@@ -60,13 +70,17 @@ def live_inner():
 
 
 def test_a_schedule_installed_after_the_calculator_replaces_it_in_a_megatron_core_loop():
-    """The issue's launch: constant GBS 4 built first, then install(GAConfig(step_batch_size_schedule="0:4 64:8")).
-    Before: the global batch was still 4 at 64 samples, without a word."""
+    """The issue's launch: constant GBS 4 built first, then
+    install(GAConfig(step_batch_size_schedule="0:4 64:8")). Before: the global batch was still 4 at
+    64 samples, without a word."""
     calculators.init_num_microbatches_calculator(0, None, 4, 1, 2)
     install(GAConfig(step_batch_size_schedule="0:4 64:8"))
     inner = live_inner()
     assert isinstance(inner, StepScheduleCalculator)
-    assert (inner.micro_batch_size, inner.data_parallel_size) == (1, 2)  # the live calculator's MBS and DP
+    assert (inner.micro_batch_size, inner.data_parallel_size) == (
+        1,
+        2,
+    )  # the live calculator's MBS and DP
     assert global_batch_sizes(0, 60, 64, 72) == [4, 4, 8, 8]
     assert calculators.get_num_microbatches() == 4  # 8 / (MBS 1 x DP 2)
 
@@ -79,12 +93,21 @@ def test_install_without_a_schedule_leaves_the_live_calculator():
 
 
 def test_a_late_install_in_megatron_lms_flow_reads_the_schedule_from_its_args(megatron_args):
-    """install() after initialize_megatron: the args hold --step-batch-size-schedule (thresholds in tokens with
-    --seq-length), Megatron built its calculator from them (0.18+: its own; 0.16/0.17: constant, no schedule)."""
-    args = megatron_args("--micro-batch-size", "2", "--seq-length", "4", "--step-batch-size-schedule", "0:16 256:32")
+    """install() after initialize_megatron: the args hold --step-batch-size-schedule (thresholds in
+    tokens with --seq-length), Megatron built its calculator from them (0.18+: its own; 0.16/0.17:
+    constant, no schedule)."""
+    args = megatron_args(
+        "--micro-batch-size", "2", "--seq-length", "4", "--step-batch-size-schedule", "0:16 256:32"
+    )
     if STEP_SCHEDULES:
         calculators.init_num_microbatches_calculator(
-            0, None, None, 2, 4, step_batch_size_schedule=args.step_batch_size_schedule, seq_length=4
+            0,
+            None,
+            None,
+            2,
+            4,
+            step_batch_size_schedule=args.step_batch_size_schedule,
+            seq_length=4,
         )
     else:
         calculators.init_num_microbatches_calculator(0, None, 16, 2, 4)
@@ -94,8 +117,9 @@ def test_a_late_install_in_megatron_lms_flow_reads_the_schedule_from_its_args(me
 
 
 def test_a_late_install_converts_the_rampup_and_resumes_at_the_consumed_samples(megatron_args):
-    """--rampup-batch-size with --ga-convert-rampup after initialize_megatron (0.18+ built a constant calculator,
-    dropping the rampup; 0.16/0.17 their own rampup calculator), resumed at 32 consumed samples."""
+    """--rampup-batch-size with --ga-convert-rampup after initialize_megatron (0.18+ built a
+    constant calculator, dropping the rampup; 0.16/0.17 their own rampup calculator), resumed at 32
+    consumed samples."""
     megatron_args(
         "--micro-batch-size",
         "2",
@@ -112,7 +136,9 @@ def test_a_late_install_converts_the_rampup_and_resumes_at_the_consumed_samples(
     calculators.init_num_microbatches_calculator(0, [8, 8, 64], 24, 2, 2)
     install()
     assert isinstance(live_inner(), StepScheduleCalculator)
-    assert calculators.get_current_global_batch_size() == 16  # at 32 consumed: 4 x 8, then the 16 stage
+    assert (
+        calculators.get_current_global_batch_size() == 16
+    )  # at 32 consumed: 4 x 8, then the 16 stage
     assert global_batch_sizes(32, 64, 88) == [16, 24, 24]
 
 

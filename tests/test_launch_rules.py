@@ -1,5 +1,5 @@
-"""The one rule pass (config/launch_rules.py): GAConfig, install()'s check_args and ``megatron-ga check`` refuse a
-setting with the same typed error, because they run the same pass."""
+"""The one rule pass (config/launch_rules.py): GAConfig, install()'s check_args and ``megatron-ga
+check`` refuse a setting with the same typed error, because they run the same pass."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ from megatron_ga_ext.launch.check import launch_problems
 from megatron_ga_ext.launch.line import parse_launch
 
 LINE = (
-    "torchrun --nproc_per_node 8 --nnodes 2 pretrain_gpt.py --calculate-per-token-loss --micro-batch-size 1 "
-    "--seq-length 2048 --train-samples 100000"
+    "torchrun --nproc_per_node 8 --nnodes 2 -m megatron_ga_ext pretrain_gpt.py "
+    "--calculate-per-token-loss --micro-batch-size 1 --seq-length 2048 --train-samples "
+    "100000"
 )
 #: Megatron's args of LINE, as its parser and validate_args leave them.
 ARGS = {
@@ -75,15 +76,16 @@ BETWEEN_CASES = [
     (
         {"batch_size_warmup": "auto", "noise_scale": 10, "batch_size_warmup_max": 64},
         {"train_iters": 100},
-        "--global-batch-size 16 --ga-batch-size-warmup auto --ga-noise-scale 10 --ga-batch-size-warmup-max 64 "
-        "--train-iters 100",
+        "--global-batch-size 16 --ga-batch-size-warmup auto --ga-noise-scale 10 "
+        "--ga-batch-size-warmup-max 64 --train-iters 100",
         ScheduleError,
         "--ga-batch-size-warmup auto with --train-iters 100",
     ),
     (
         {"batch_size_warmup": "auto", "noise_scale": 10, "batch_size_warmup_max": 8},
         {},
-        "--global-batch-size 16 --ga-batch-size-warmup auto --ga-noise-scale 10 --ga-batch-size-warmup-max 8",
+        "--global-batch-size 16 --ga-batch-size-warmup auto --ga-noise-scale 10 "
+        "--ga-batch-size-warmup-max 8",
         OptionError,
         "--ga-batch-size-warmup auto starts at --global-batch-size (16)",
     ),
@@ -104,22 +106,38 @@ BETWEEN_CASES = [
 ]
 
 
-@pytest.mark.parametrize("fields, changes, extra, error, start", BETWEEN_CASES, ids=[c[4][:40] for c in BETWEEN_CASES])
-def test_a_rule_between_flags_is_refused_the_same_by_install_and_check(fields, changes, extra, error, start):
+@pytest.mark.parametrize(
+    "fields, changes, extra, error, start", BETWEEN_CASES, ids=[c[4][:40] for c in BETWEEN_CASES]
+)
+def test_a_rule_between_flags_is_refused_the_same_by_install_and_check(
+    fields, changes, extra, error, start
+):
     config = GAConfig(**fields)  # the flags alone pass
     with pytest.raises(error) as raised:
         check_args(config, namespace(**changes))
     message = str(raised.value)
     assert message.startswith(start)
     assert message in problems(extra)
-    assert launch_errors(config.flag_values(), MegatronArgs.of(namespace(**changes)))[0].args == raised.value.args
+    assert (
+        launch_errors(config.flag_values(), MegatronArgs.of(namespace(**changes)))[0].args
+        == raised.value.args
+    )
 
 
-#: (GAConfig fields, the same on a launch line, the start of the message): rules without Megatron's args.
+#: (GAConfig fields, the same on a launch line, the start of the message): rules without Megatron's
+#: args.
 FLAG_CASES = [
     ({"noise_scale": -1}, "--ga-noise-scale -1", "--ga-noise-scale -1 is not a whole number >= 0"),
-    ({"noise_scale_decay": 2.0}, "--ga-noise-scale-decay 2", "--ga-noise-scale-decay 2.0 is not in [0, 1)"),
-    ({"noise_scale_decay": "x"}, "--ga-noise-scale-decay x", "--ga-noise-scale-decay 'x' is not in [0, 1)"),
+    (
+        {"noise_scale_decay": 2.0},
+        "--ga-noise-scale-decay 2",
+        "--ga-noise-scale-decay 2.0 is not in [0, 1)",
+    ),
+    (
+        {"noise_scale_decay": "x"},
+        "--ga-noise-scale-decay x",
+        "--ga-noise-scale-decay 'x' is not in [0, 1)",
+    ),
     (
         {"batch_size_warmup_trust": 0.0},
         "--ga-batch-size-warmup-trust 0",
@@ -140,13 +158,18 @@ FLAG_CASES = [
         "--ga-batch-size-warmup auto --ga-batch-size-warmup-max 32",
         "--ga-batch-size-warmup auto decides from the measured noise scale",
     ),
-    ({"lr_scaling": "cubic"}, "--ga-lr-scaling cubic", "--ga-lr-scaling 'cubic' is not one of none, sqrt, linear"),
+    (
+        {"lr_scaling": "cubic"},
+        "--ga-lr-scaling cubic",
+        "--ga-lr-scaling 'cubic' is not one of none, sqrt, linear",
+    ),
 ]
 
 
 @pytest.mark.parametrize("fields, extra, start", FLAG_CASES, ids=[c[1] for c in FLAG_CASES])
 def test_a_planted_bad_value_is_refused_identically_everywhere(fields, extra, start):
-    """GAConfig(...), GAConfig.from_args (install()), check_args and megatron-ga check: one message."""
+    """GAConfig(...), GAConfig.from_args (install()), check_args and megatron-ga check: one
+    message."""
     with pytest.raises(OptionError) as direct:
         GAConfig(**fields)
     message = str(direct.value)
@@ -161,11 +184,15 @@ def test_a_planted_bad_value_is_refused_identically_everywhere(fields, extra, st
 
 def test_a_rule_that_reads_a_broken_flag_is_skipped_not_run_on_it():
     errors = launch_errors({"checks": "later", "zero_token_policy": "skip"})
-    assert [str(e) for e in errors] == ["--ga-checks 'later' is not one of sync, async; pick one of them."]
+    assert [str(e) for e in errors] == [
+        "--ga-checks 'later' is not one of sync, async; pick one of them."
+    ]
 
 
 def test_without_megatrons_args_only_the_rules_of_the_flags_run():
-    assert launch_errors({"lr_scaling": "sqrt"}) == []  # it needs to know whether a schedule is given
+    assert (
+        launch_errors({"lr_scaling": "sqrt"}) == []
+    )  # it needs to know whether a schedule is given
     assert [type(e) for e in launch_errors({"lr_scaling": "sqrt"}, MegatronArgs())] == [OptionError]
     assert all(isinstance(e, GAError) for e in launch_errors({"noise_scale": -1, "checks": 1}))
 
@@ -173,4 +200,6 @@ def test_without_megatrons_args_only_the_rules_of_the_flags_run():
 def test_the_rule_pass_is_the_only_one():
     """Every rule between flags is one entry of launch_rules.BETWEEN."""
     assert all(rule.reads and callable(rule.check) for rule in BETWEEN)
-    assert not hasattr(launch_rules, "check_noise_scale") and not hasattr(launch_rules, "check_batch_size_warmup")
+    assert not hasattr(launch_rules, "check_noise_scale") and not hasattr(
+        launch_rules, "check_batch_size_warmup"
+    )

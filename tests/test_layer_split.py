@@ -1,15 +1,20 @@
-"""The layer split and virtual pipeline size, as Megatron's arguments.py and TransformerConfig derive them."""
+"""The layer split and virtual pipeline size, as Megatron's arguments.py and TransformerConfig
+derive them."""
 
 import pytest
 
 from megatron_ga_ext.errors import LayerSplitError
-from megatron_ga_ext.launch.layer_split import LayerSplit, layout_stage_count, virtual_pipeline
+from megatron_ga_ext.launch.layer_split import LayerSplit, virtual_pipeline
+from megatron_ga_ext.launch.pipeline_layout import layout_stage_count
 
 
 @pytest.mark.parametrize(
     "layout, stages",
     [
-        ("Ettt|(tt|)*29,m|L", 32),  # Megatron's own docstring example: [E t t t] + [t t] x 29 + [m] + [L]
+        (
+            "Ettt|(tt|)*29,m|L",
+            32,
+        ),  # Megatron's own docstring example: [E t t t] + [t t] x 29 + [m] + [L]
         ("xy(ab|cd|ef)*2,pq", 5),  # its unrolling examples
         ("(|ab)*2,cd", 3),
         ("E|t*3|t*3|L", 4),
@@ -31,9 +36,14 @@ def test_a_layout_that_unrolls_too_far_is_refused_before_it_is_built():
     "split, size, given",
     [
         (
-            LayerSplit(pipeline_model_parallel_size=4, num_layers=32, num_layers_per_virtual_pipeline_stage=2),
+            LayerSplit(
+                pipeline_model_parallel_size=4,
+                num_layers=32,
+                num_layers_per_virtual_pipeline_stage=2,
+            ),
             4,
-            "--num-layers 32 / --pipeline-model-parallel-size 4 / --num-layers-per-virtual-pipeline-stage 2",
+            "--num-layers 32 / --pipeline-model-parallel-size 4 / "
+            "--num-layers-per-virtual-pipeline-stage 2",
         ),
         (
             LayerSplit(
@@ -47,17 +57,33 @@ def test_a_layout_that_unrolls_too_far_is_refused_before_it_is_built():
             None,
         ),
         (
-            LayerSplit(pipeline_model_parallel_size=4, num_virtual_stages_per_pipeline_rank=3, num_layers=24),
+            LayerSplit(
+                pipeline_model_parallel_size=4,
+                num_virtual_stages_per_pipeline_rank=3,
+                num_layers=24,
+            ),
             3,
             "--num-virtual-stages-per-pipeline-rank 3",
         ),
-        (LayerSplit(pipeline_model_parallel_size=4, num_virtual_stages_per_pipeline_rank=1, num_layers=24), None, None),
+        (
+            LayerSplit(
+                pipeline_model_parallel_size=4,
+                num_virtual_stages_per_pipeline_rank=1,
+                num_layers=24,
+            ),
+            None,
+            None,
+        ),
         (
             LayerSplit(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="E|t|t|tL"),
             2,
             "--pipeline-model-parallel-layout: 4 stages / --pipeline-model-parallel-size 2",
         ),
-        (LayerSplit(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|tL"), None, None),
+        (
+            LayerSplit(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|tL"),
+            None,
+            None,
+        ),
         (
             LayerSplit(pipeline_model_parallel_size=2, hybrid_layer_pattern="M*|M*|M*|M*/MM"),
             2,
@@ -78,11 +104,19 @@ def test_virtual_pipeline_size(split, size, given):
     "split, message",
     [
         (
-            LayerSplit(pipeline_model_parallel_size=4, num_layers=30, num_virtual_stages_per_pipeline_rank=2),
+            LayerSplit(
+                pipeline_model_parallel_size=4,
+                num_layers=30,
+                num_virtual_stages_per_pipeline_rank=2,
+            ),
             r"--num-layers 30 is not a multiple of --pipeline-model-parallel-size 4",
         ),
         (
-            LayerSplit(pipeline_model_parallel_size=4, num_layers=24, num_virtual_stages_per_pipeline_rank=4),
+            LayerSplit(
+                pipeline_model_parallel_size=4,
+                num_layers=24,
+                num_virtual_stages_per_pipeline_rank=4,
+            ),
             r"the 6 layers of each pipeline rank .* do not divide by the virtual pipeline size 4",
         ),
         (
@@ -90,9 +124,13 @@ def test_virtual_pipeline_size(split, size, given):
             r"--num-layers-per-virtual-pipeline-stage 2 needs --num-layers",
         ),
         (
-            LayerSplit(pipeline_model_parallel_size=3, num_layers=12, num_layers_per_virtual_pipeline_stage=3),
-            r"--num-layers-per-virtual-pipeline-stage 3 does not divide the 4 layers of each pipeline stage .*valid "
-            r"values: 1, 2, 4",
+            LayerSplit(
+                pipeline_model_parallel_size=3,
+                num_layers=12,
+                num_layers_per_virtual_pipeline_stage=3,
+            ),
+            r"--num-layers-per-virtual-pipeline-stage 3 does not divide the 4 layers of each "
+            r"pipeline stage .*valid values: 1, 2, 4",
         ),
         (
             LayerSplit(
@@ -101,7 +139,8 @@ def test_virtual_pipeline_size(split, size, given):
                 num_virtual_stages_per_pipeline_rank=2,
                 pipeline_model_parallel_layout="Et|tL",
             ),
-            r"--num-virtual-stages-per-pipeline-rank and --pipeline-model-parallel-layout are both given",
+            r"--num-virtual-stages-per-pipeline-rank and --pipeline-model-parallel-layout are "
+            r"both given",
         ),
         (
             LayerSplit(
@@ -110,7 +149,8 @@ def test_virtual_pipeline_size(split, size, given):
                 num_virtual_stages_per_pipeline_rank=2,
                 decoder_first_pipeline_num_layers=5,
             ),
-            r"--decoder-first-pipeline-num-layers 5 must be at least 1 and a multiple of the virtual pipeline size 2",
+            r"--decoder-first-pipeline-num-layers 5 must be at least 1 and a multiple of the "
+            r"virtual pipeline size 2",
         ),
         (
             LayerSplit(
@@ -128,16 +168,19 @@ def test_virtual_pipeline_size(split, size, given):
                 pipeline_model_parallel_layout="Et|tL",
                 account_for_embedding_in_pipeline_split=True,
             ),
-            r"--account-for-embedding-in-pipeline-split is given with --pipeline-model-parallel-layout; "
-            r"Megatron refuses",
+            r"--account-for-embedding-in-pipeline-split is given with "
+            r"--pipeline-model-parallel-layout; Megatron refuses",
         ),
         (
             LayerSplit(pipeline_model_parallel_size=2, hybrid_layer_pattern="M*|M*|M*"),
-            r"has 3 pipeline segments \('\|' separated\), not a multiple of --pipeline-model-parallel-size 2",
+            r"has 3 pipeline segments \('\|' separated\), not a multiple of "
+            r"--pipeline-model-parallel-size 2",
         ),
         (
             LayerSplit(
-                pipeline_model_parallel_size=2, hybrid_layer_pattern="M*|M*", decoder_first_pipeline_num_layers=1
+                pipeline_model_parallel_size=2,
+                hybrid_layer_pattern="M*|M*",
+                decoder_first_pipeline_num_layers=1,
             ),
             r"--decoder-first-pipeline-num-layers is given with --hybrid-layer-pattern",
         ),

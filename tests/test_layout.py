@@ -14,7 +14,9 @@ def test_seed_gbs_128_two_ways_same_samples_different_syncs_and_work():
     assert (b.data_parallel_size, b.num_microbatches) == (16, 1)
     assert a.samples_per_step == b.samples_per_step == 128
     assert a.samples_per_rank_per_step == 16 and b.samples_per_rank_per_step == 8
-    every = BatchLayout(world_size=8, micro_batch_size=4, global_batch_size=128, grad_sync="microbatch")
+    every = BatchLayout(
+        world_size=8, micro_batch_size=4, global_batch_size=128, grad_sync="microbatch"
+    )
     assert (a.dp_syncs_per_step, every.dp_syncs_per_step, b.dp_syncs_per_step) == (1, 4, 1)
 
 
@@ -33,12 +35,18 @@ def test_sc21_gpt3_tokens_per_step():
 
 
 def test_dp_one_has_no_dp_sync():
-    layout = BatchLayout(world_size=4, tensor_model_parallel_size=4, micro_batch_size=2, global_batch_size=16)
+    layout = BatchLayout(
+        world_size=4, tensor_model_parallel_size=4, micro_batch_size=2, global_batch_size=16
+    )
     assert layout.data_parallel_size == 1 and layout.num_microbatches == 8
     assert layout.dp_syncs_per_step == 0
     assert (
         BatchLayout(
-            world_size=4, tensor_model_parallel_size=4, micro_batch_size=2, global_batch_size=16, grad_sync="microbatch"
+            world_size=4,
+            tensor_model_parallel_size=4,
+            micro_batch_size=2,
+            global_batch_size=16,
+            grad_sync="microbatch",
         ).dp_syncs_per_step
         == 0
     )
@@ -46,10 +54,17 @@ def test_dp_one_has_no_dp_sync():
 
 def test_raising_pp_keeps_gbs_and_only_moves_dp_and_ga():
     layouts = [
-        BatchLayout(world_size=64, pipeline_model_parallel_size=pp, micro_batch_size=2, global_batch_size=512)
+        BatchLayout(
+            world_size=64,
+            pipeline_model_parallel_size=pp,
+            micro_batch_size=2,
+            global_batch_size=512,
+        )
         for pp in (1, 2, 4, 8)
     ]
-    assert [x.micro_batch_size * x.data_parallel_size * x.num_microbatches for x in layouts] == [512] * 4
+    assert [x.micro_batch_size * x.data_parallel_size * x.num_microbatches for x in layouts] == [
+        512
+    ] * 4
     assert [x.data_parallel_size for x in layouts] == [64, 32, 16, 8]
     assert [x.num_microbatches for x in layouts] == [4, 8, 16, 32]
     assert layouts[0].pipeline_bubble_fraction == 0.0
@@ -94,14 +109,26 @@ def test_gbs_is_mbs_dp_ga_whatever_tp_pp_cp(mbs, dp, ga, tp, pp, cp):
 @pytest.mark.parametrize(
     "kwargs, error, pattern",
     [
-        (dict(world_size=0, micro_batch_size=1), SizeError, r"--world-size 0 must be at least 1; give an integer >= 1"),
-        (dict(world_size=8, micro_batch_size=-2), SizeError, r"--micro-batch-size -2 must be at least 1"),
+        (
+            dict(world_size=0, micro_batch_size=1),
+            SizeError,
+            r"--world-size 0 must be at least 1; give an integer >= 1",
+        ),
+        (
+            dict(world_size=8, micro_batch_size=-2),
+            SizeError,
+            r"--micro-batch-size -2 must be at least 1",
+        ),
         (
             dict(world_size=8, micro_batch_size=2.5),
             SizeError,
             r"--micro-batch-size 2\.5 is not a whole number.*e\.g\. 2 or 3",
         ),
-        (dict(world_size=8, micro_batch_size="4"), SizeError, r"--micro-batch-size '4' is not a whole number"),
+        (
+            dict(world_size=8, micro_batch_size="4"),
+            SizeError,
+            r"--micro-batch-size '4' is not a whole number",
+        ),
         (
             dict(world_size=8, micro_batch_size=1, global_batch_size=0),
             SizeError,
@@ -115,19 +142,22 @@ def test_gbs_is_mbs_dp_ga_whatever_tp_pp_cp(mbs, dp, ga, tp, pp, cp):
         (
             dict(world_size=12, micro_batch_size=1, tensor_model_parallel_size=8),
             LayoutError,
-            r"--world-size 12 is not divisible by --tensor-model-parallel-size 8 x --pipeline-model-parallel-size 1 x "
-            r"--context-parallel-size 1 = 8.*Nearest valid world sizes: 8, 16",
+            r"--world-size 12 is not divisible by --tensor-model-parallel-size 8 x "
+            r"--pipeline-model-parallel-size 1 x --context-parallel-size 1 = 8.*Nearest "
+            r"valid world sizes: 8, 16",
         ),
         (
             dict(world_size=16, micro_batch_size=4, global_batch_size=96),
             BatchSizeError,
-            r"--global-batch-size 96 is not a multiple of --micro-batch-size 4 x data-parallel size 16 = 64.*"
-            r"Nearest valid --global-batch-size: 64, 128; or --micro-batch-size in \{1, 2, 3, 6\}",
+            r"--global-batch-size 96 is not a multiple of --micro-batch-size 4 x data-parallel "
+            r"size 16 = 64.*Nearest valid --global-batch-size: 64, 128; or "
+            r"--micro-batch-size in \{1, 2, 3, 6\}",
         ),
         (
             dict(world_size=8, micro_batch_size=4, global_batch_size=16),
             BatchSizeError,
-            r"--global-batch-size 16 is not a multiple of.*= 32.*Nearest valid --global-batch-size: 32, 64",
+            r"--global-batch-size 16 is not a multiple of.*= 32.*Nearest valid "
+            r"--global-batch-size: 32, 64",
         ),
         (
             dict(
@@ -138,7 +168,8 @@ def test_gbs_is_mbs_dp_ga_whatever_tp_pp_cp(mbs, dp, ga, tp, pp, cp):
                 virtual_pipeline_model_parallel_size=2,
             ),
             InterleaveError,
-            r"num_microbatches = 24 / \(MBS 1 x DP 4\) = 6 .*% N == 0.*Nearest valid --global-batch-size: 16, 32",
+            r"num_microbatches = 24 / \(MBS 1 x DP 4\) = 6 .*% N == 0.*Nearest valid "
+            r"--global-batch-size: 16, 32",
         ),
         (
             dict(
@@ -149,8 +180,8 @@ def test_gbs_is_mbs_dp_ga_whatever_tp_pp_cp(mbs, dp, ga, tp, pp, cp):
                 virtual_pipeline_model_parallel_size=2,
             ),
             InterleaveError,
-            r"= 1 with --virtual-pipeline-model-parallel-size 2.*needs num_microbatches >= N = 4.*"
-            r"Nearest valid --global-batch-size: 8, 16",
+            r"= 1 with --virtual-pipeline-model-parallel-size 2.*needs num_microbatches >= N = "
+            r"4.*Nearest valid --global-batch-size: 8, 16",
         ),
         (
             dict(world_size=8, micro_batch_size=1, virtual_pipeline_model_parallel_size=2),
@@ -160,13 +191,15 @@ def test_gbs_is_mbs_dp_ga_whatever_tp_pp_cp(mbs, dp, ga, tp, pp, cp):
         (
             dict(world_size=8, micro_batch_size=1, expert_model_parallel_size=3),
             LayoutError,
-            r"--world-size 8 is not divisible by --expert-tensor-parallel-size 1 x --expert-model-parallel-size 3",
+            r"--world-size 8 is not divisible by --expert-tensor-parallel-size 1 x "
+            r"--expert-model-parallel-size 3",
         ),
         (
             dict(world_size=8, micro_batch_size=1, expert_model_parallel_size=4, num_experts=6),
             LayoutError,
             r"--num-experts 6 is not divisible by --expert-model-parallel-size 4.*"
-            r"Valid --expert-model-parallel-size: 1, 2, 3, 6",
+            # EP divides the experts and world / (ETP x PP)
+            r"Valid --expert-model-parallel-size: 1, 2\.",
         ),
     ],
 )
@@ -177,7 +210,9 @@ def test_bad_input_is_a_typed_error_naming_flag_value_and_fix(kwargs, error, pat
 
 
 def test_upstream_assertion_catchers_still_catch_gbs_error():
-    with pytest.raises(BatchSizeError, match="--global-batch-size 8 is not a multiple of --micro-batch-size 3") as info:
+    with pytest.raises(
+        BatchSizeError, match="--global-batch-size 8 is not a multiple of --micro-batch-size 3"
+    ) as info:
         BatchLayout(world_size=8, micro_batch_size=3, global_batch_size=8)
     assert isinstance(info.value, AssertionError)  # what upstream's callers catch
 
@@ -210,3 +245,18 @@ def test_interleave_with_explicit_group_size():
             micro_batch_size=1,
             global_batch_size=8,
         )
+
+
+def test_valid_world_sizes_are_only_those_where_the_global_batch_divides():
+    """TP 3 on 8 ranks, GBS 8: 9 ranks would give DP 3, and 8 is no multiple of 3 (the issue's "6,
+    9")."""
+    _, errors = BatchLayout.problems(
+        world_size=8, micro_batch_size=1, global_batch_size=8, tensor_model_parallel_size=3
+    )
+    assert "Nearest valid world sizes: 6, 12." in str(errors[0])
+    _, errors = BatchLayout.problems(
+        world_size=8, micro_batch_size=1, expert_model_parallel_size=3, num_experts=6
+    )
+    assert "Nearest valid world sizes: 6, 9; Valid --expert-model-parallel-size: 1, 2." in str(
+        errors[0]
+    )

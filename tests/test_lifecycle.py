@@ -17,7 +17,6 @@ from megatron.core import num_microbatches_calculator as calculators  # noqa: E4
 import megatron_ga_ext  # noqa: E402
 from megatron_ga_ext import CompatError, GAConfig, GuardError, ScheduleError, add_args  # noqa: E402
 from megatron_ga_ext.errors import OptionError  # noqa: E402
-from megatron_ga_ext.integration.aux_report import AuxLosses  # noqa: E402
 from megatron_ga_ext.integration.compat import (  # noqa: E402
     FINALIZE,
     TARGETS,
@@ -25,21 +24,26 @@ from megatron_ga_ext.integration.compat import (  # noqa: E402
     matching_sources,
     megatron_core_version,
 )
+from megatron_ga_ext.integration.features.aux_losses import AuxLosses  # noqa: E402
+from megatron_ga_ext.integration.features.guards import Guards  # noqa: E402
 from megatron_ga_ext.integration.guards import GuardedCalculator  # noqa: E402
 from megatron_ga_ext.integration.lifecycle import install, installed, uninstall  # noqa: E402
-from megatron_ga_ext.integration.step_guards import Guards  # noqa: E402
 
 finalize_module = importlib.import_module(FINALIZE)
-CORE_TARGETS = [t for t in live_targets(TARGETS) if not t.optional]  # megatron.training is not in every wheel
+CORE_TARGETS = [
+    t for t in live_targets(TARGETS) if not t.optional
+]  # megatron.training is not in every wheel
 ORIGINALS = {t.qualified: t.resolve() for t in CORE_TARGETS}
 STEP_SCHEDULES = (
-    "step_batch_size_schedule" in inspect.signature(calculators.init_num_microbatches_calculator).parameters
+    "step_batch_size_schedule"
+    in inspect.signature(calculators.init_num_microbatches_calculator).parameters
 )
 
 
 @pytest.fixture(autouse=True)
 def clean(monkeypatch):
-    """Uninstall before monkeypatch undoes its own changes (it is set up first, so torn down last)."""
+    """Uninstall before monkeypatch undoes its own changes (it is set up first, so torn down
+    last)."""
     uninstall()
     calculators.unset_num_microbatches_calculator()
     yield
@@ -49,11 +53,13 @@ def clean(monkeypatch):
 
 
 def standin_training() -> types.ModuleType:
-    """A stand-in for megatron.training.training: binds names with `from ... import` before install()."""
+    """A stand-in for megatron.training.training: binds names with `from ... import` before
+    install()."""
     module = types.ModuleType("standin_training")
     exec(
-        "from megatron.core.distributed import finalize_model_grads\n"
-        "from megatron.core.num_microbatches_calculator import get_num_microbatches, update_num_microbatches\n",
+        "from megatron.core.distributed import finalize_model_grads\nfrom "
+        "megatron.core.num_microbatches_calculator import get_num_microbatches, "
+        "update_num_microbatches\n",
         module.__dict__,
     )
     sys.modules[module.__name__] = module
@@ -66,10 +72,16 @@ def patched_now() -> dict:
 
 def test_install_patches_and_reaches_names_bound_before_it():
     training = standin_training()
-    assert training.finalize_model_grads is ORIGINALS[f"{finalize_module.__name__}.finalize_model_grads"]
+    assert (
+        training.finalize_model_grads
+        is ORIGINALS[f"{finalize_module.__name__}.finalize_model_grads"]
+    )
     state = install()
     assert installed() is state and state.version == megatron_core_version()
-    assert schedules.forward_step_calc_loss is not ORIGINALS[f"{schedules.__name__}.forward_step_calc_loss"]
+    assert (
+        schedules.forward_step_calc_loss
+        is not ORIGINALS[f"{schedules.__name__}.forward_step_calc_loss"]
+    )
     wrapper = finalize_module.finalize_model_grads
     assert wrapper is state.finalize
     import megatron.core.distributed as distributed
@@ -82,21 +94,30 @@ def test_install_patches_and_reaches_names_bound_before_it():
     assert late.finalize_model_grads is wrapper
     uninstall()
     assert patched_now() == ORIGINALS
-    assert training.finalize_model_grads is ORIGINALS[f"{finalize_module.__name__}.finalize_model_grads"]
+    assert (
+        training.finalize_model_grads
+        is ORIGINALS[f"{finalize_module.__name__}.finalize_model_grads"]
+    )
 
 
 def test_install_twice_uninstall_twice_and_in_both_orders():
     uninstall()  # nothing installed: harmless
     first = install()
     assert install() is first  # same config: the same installation, no second layer
-    assert schedules.forward_step_calc_loss.__wrapped__ is ORIGINALS[f"{schedules.__name__}.forward_step_calc_loss"]
+    assert (
+        schedules.forward_step_calc_loss.__wrapped__
+        is ORIGINALS[f"{schedules.__name__}.forward_step_calc_loss"]
+    )
     uninstall()
     uninstall()
     assert patched_now() == ORIGINALS
     install(GAConfig(loss_reduction="microbatch"))
     second = install(GAConfig(loss_reduction="token"))  # a new config replaces the old installation
     assert second.config.loss_reduction == "token" and installed() is second
-    assert schedules.forward_step_calc_loss.__wrapped__ is ORIGINALS[f"{schedules.__name__}.forward_step_calc_loss"]
+    assert (
+        schedules.forward_step_calc_loss.__wrapped__
+        is ORIGINALS[f"{schedules.__name__}.forward_step_calc_loss"]
+    )
     uninstall()
     assert patched_now() == ORIGINALS
 
@@ -117,20 +138,25 @@ def _changed_forward_step_calc_loss(
 
 
 def test_unknown_fingerprint_refused_in_strict_mode_and_warned_otherwise(monkeypatch, caplog):
-    this_source = "|".join(re.escape(name) for name in matching_sources())  # what this tree's functions match
+    this_source = "|".join(
+        re.escape(name) for name in matching_sources()
+    )  # what this tree's functions match
     assert this_source, "every hooked function of the megatron-core under test is a tested one"
     monkeypatch.setattr(schedules, "forward_step_calc_loss", _changed_forward_step_calc_loss)
     version = megatron_core_version()
     with pytest.raises(
         CompatError,
         match=rf"unknown upstream source in megatron-core {version}: "
-        r"\S+forward_step_calc_loss has fingerprint [0-9a-f]{16}, which no tested source has\. "
-        r"The nearest tested source is "
-        rf"({this_source}) \(\d+ of \d+ hooked functions identical\).*tested on 0\.16\.1, 0\.17\.1, "
-        r"0\.18\.2, 0\.19\.2, main@9f3fe8c925fb.*--no-ga-strict",
+        r"\S+forward_step_calc_loss has fingerprint [0-9a-f]{16}, which no tested source has, "
+        r"and its behaviour changed: .*\(tested sources: \(6, 3\), undivided\).*\. The "
+        r"nearest tested source is "
+        rf"({this_source}) \(\d+ of \d+ hooked functions identical\).*tested on 0\.16\.1, "
+        r"0\.17\.1, 0\.18\.2, 0\.19\.2, main@9f3fe8c925fb.*--no-ga-strict",
     ):
         install(GAConfig())
-    assert installed() is None and schedules.forward_step_calc_loss is _changed_forward_step_calc_loss
+    assert (
+        installed() is None and schedules.forward_step_calc_loss is _changed_forward_step_calc_loss
+    )
     with caplog.at_level(logging.WARNING, logger="megatron_ga_ext.integration.compat"):
         install(GAConfig(strict=False))
     assert "forward_step_calc_loss" in caplog.text and version in caplog.text
@@ -153,7 +179,12 @@ def test_add_args_flags_and_config_from_args():
         ]
     )
     config = GAConfig.from_args(args)
-    assert (config.loss_reduction, config.zero_token_policy, config.strict, config.convert_rampup) == (
+    assert (
+        config.loss_reduction,
+        config.zero_token_policy,
+        config.strict,
+        config.convert_rampup,
+    ) == (
         "microbatch",
         "skip",
         False,
@@ -180,7 +211,12 @@ def test_add_args_flags_and_config_from_args():
 
 
 def init_calculator(
-    global_batch_size, micro_batch_size, data_parallel_size, rampup=None, schedule=None, seq_length=None
+    global_batch_size,
+    micro_batch_size,
+    data_parallel_size,
+    rampup=None,
+    schedule=None,
+    seq_length=None,
 ):
     """Call megatron-core's own init as its training code does for this release."""
     if STEP_SCHEDULES:
@@ -194,7 +230,9 @@ def init_calculator(
             seq_length=seq_length,
         )
     else:
-        calculators.init_num_microbatches_calculator(0, rampup, global_batch_size, micro_batch_size, data_parallel_size)
+        calculators.init_num_microbatches_calculator(
+            0, rampup, global_batch_size, micro_batch_size, data_parallel_size
+        )
 
 
 def test_calculator_backport_and_consumed_samples_guard():
@@ -208,13 +246,17 @@ def test_calculator_backport_and_consumed_samples_guard():
     while consumed < 300:
         calculators.update_num_microbatches(consumed, consistency_check=False)
         calculators.update_num_microbatches(consumed, consistency_check=True)
-        seen.append((calculators.get_current_global_batch_size(), calculators.get_num_microbatches()))
+        seen.append(
+            (calculators.get_current_global_batch_size(), calculators.get_num_microbatches())
+        )
         consumed += 2 * 4 * calculators.get_num_microbatches()
     assert seen == [(16, 2)] * 4 + [(32, 4)] * 3 + [(64, 8)] * 3
     with pytest.raises(GuardError, match=r"128 = 64 x PP 2: pipeline parallelism never multiplies"):
         calculators.update_num_microbatches(consumed - 64 + 128, consistency_check=False)
     uninstall()
-    assert type(calculators._GLOBAL_NUM_MICROBATCHES_CALCULATOR).__name__ == "StepScheduleCalculator"
+    assert (
+        type(calculators._GLOBAL_NUM_MICROBATCHES_CALCULATOR).__name__ == "StepScheduleCalculator"
+    )
 
 
 def test_rampup_converted_or_left_to_upstream(caplog):
@@ -243,7 +285,8 @@ def test_public_api_exports_install():
 
 @pytest.fixture
 def megatron_training(monkeypatch):
-    """Stand-ins for Megatron-LM's megatron.training (not in the megatron-core wheel): args not parsed yet."""
+    """Stand-ins for Megatron-LM's megatron.training (not in the megatron-core wheel): args not
+    parsed yet."""
     training = types.ModuleType("megatron.training")
     global_vars = types.ModuleType("megatron.training.global_vars")
     global_vars._GLOBAL_ARGS = None
@@ -262,7 +305,10 @@ def test_install_at_import_time_reads_megatron_args_once_parsed(megatron_trainin
     assert not state.waiting_for_args
     assert state.config.loss_reduction == "microbatch" and state.contract is None
     assert state.finalize.config.loss_reduction == "microbatch"
-    assert type(calculators._GLOBAL_NUM_MICROBATCHES_CALCULATOR.inner).__name__ == "StepScheduleCalculator"
+    assert (
+        type(calculators._GLOBAL_NUM_MICROBATCHES_CALCULATOR.inner).__name__
+        == "StepScheduleCalculator"
+    )
 
 
 def test_strictness_waits_for_megatron_args_too(megatron_training, monkeypatch):
@@ -271,13 +317,16 @@ def test_strictness_waits_for_megatron_args_too(megatron_training, monkeypatch):
     assert state.waiting_for_args
     megatron_training._GLOBAL_ARGS = add_args(argparse.ArgumentParser()).parse_args([])
     with pytest.raises(
-        CompatError, match=r"forward_step_calc_loss has fingerprint [0-9a-f]{16}, which no tested source has"
+        CompatError,
+        match=r"forward_step_calc_loss has fingerprint [0-9a-f]{16}, which no tested source has",
     ):
         init_calculator(16, 2, 4)
     uninstall()
     megatron_training._GLOBAL_ARGS = None
     state = install()
-    megatron_training._GLOBAL_ARGS = add_args(argparse.ArgumentParser()).parse_args(["--no-ga-strict"])
+    megatron_training._GLOBAL_ARGS = add_args(argparse.ArgumentParser()).parse_args(
+        ["--no-ga-strict"]
+    )
     init_calculator(16, 2, 4)
     assert not state.waiting_for_args and state.config.strict is False
     uninstall()
@@ -288,9 +337,13 @@ def test_strictness_waits_for_megatron_args_too(megatron_training, monkeypatch):
 
 
 def test_config_refuses_unknown_choices():
-    with pytest.raises(megatron_ga_ext.GAError, match=r"--ga-loss-reduction 'mean' is not one of token, microbatch"):
+    with pytest.raises(
+        megatron_ga_ext.GAError, match=r"--ga-loss-reduction 'mean' is not one of token, microbatch"
+    ):
         GAConfig(loss_reduction="mean")
-    with pytest.raises(ValueError, match=r"--ga-zero-token-policy 'ignore' is not one of error, skip"):
+    with pytest.raises(
+        ValueError, match=r"--ga-zero-token-policy 'ignore' is not one of error, skip"
+    ):
         GAConfig(zero_token_policy="ignore")
 
 
@@ -298,8 +351,8 @@ def test_uninstall_reaches_modules_imported_after_install_and_leaves_wrappers_in
     state = install()
     late = types.ModuleType("late_binder")
     exec(
-        "from megatron.core.distributed.finalize_model_grads import finalize_model_grads\n"
-        "from megatron.core.pipeline_parallel.schedules import forward_step_calc_loss",
+        "from megatron.core.distributed.finalize_model_grads import finalize_model_grads\nfrom "
+        "megatron.core.pipeline_parallel.schedules import forward_step_calc_loss",
         late.__dict__,
     )
     sys.modules[late.__name__] = late
@@ -308,7 +361,9 @@ def test_uninstall_reaches_modules_imported_after_install_and_leaves_wrappers_in
         wrapper = late.forward_step_calc_loss
         uninstall()
         assert late.finalize_model_grads is ORIGINALS[f"{FINALIZE}.finalize_model_grads"]
-        assert late.forward_step_calc_loss is ORIGINALS[f"{schedules.__name__}.forward_step_calc_loss"]
+        assert (
+            late.forward_step_calc_loss is ORIGINALS[f"{schedules.__name__}.forward_step_calc_loss"]
+        )
         # A wrapper someone kept a reference to calls straight through once uninstalled.
         assert not state.active and state.finalize.active is False
         assert wrapper is not late.forward_step_calc_loss
@@ -328,14 +383,25 @@ def parsed(*flags: str) -> argparse.Namespace:
 @pytest.mark.parametrize(
     "flags, error, message",
     [
-        ([], OptionError, r"--ga-loss-reduction token \(the default\) needs --calculate-per-token-loss"),
+        (
+            [],
+            OptionError,
+            r"--ga-loss-reduction token \(the default\) needs --calculate-per-token-loss",
+        ),
         (
             ["--ga-loss-reduction", "microbatch", "--calculate-per-token-loss"],
             OptionError,
-            r"--ga-loss-reduction microbatch is upstream's mean of means, but --calculate-per-token-loss",
+            r"--ga-loss-reduction microbatch is upstream's mean of means, but "
+            r"--calculate-per-token-loss",
         ),
         (
-            ["--calculate-per-token-loss", "--step-batch-size-schedule", "0:16 64:32", "--train-iters", "100"],
+            [
+                "--calculate-per-token-loss",
+                "--step-batch-size-schedule",
+                "0:16 64:32",
+                "--train-iters",
+                "100",
+            ],
             ScheduleError,
             r"--step-batch-size-schedule with --train-iters 100: .* Give --train-samples",
         ),
@@ -344,7 +410,9 @@ def parsed(*flags: str) -> argparse.Namespace:
 def test_args_are_checked_when_megatron_has_parsed_them(megatron_training, flags, error, message):
     install()  # at the top of pretrain_gpt.py: nothing to check yet
     megatron_training._GLOBAL_ARGS = parsed(*flags)
-    with pytest.raises(error, match=message):  # Megatron's first call after parsing: before any model exists
+    with pytest.raises(
+        error, match=message
+    ):  # Megatron's first call after parsing: before any model exists
         init_calculator(16, 2, 4)
     uninstall()
     megatron_training._GLOBAL_ARGS = None
@@ -353,10 +421,15 @@ def test_args_are_checked_when_megatron_has_parsed_them(megatron_training, flags
 
 
 def test_step_schedule_sizes_the_run_of_megatrons_training_loop(monkeypatch):
-    """--train-samples under a converted rampup: the planned steps, not train_samples // GBS (fails before the fix)."""
-    if importlib.util.find_spec("megatron.training") is None:  # in the 0.19.2 wheel; not in 0.16.1's
+    """--train-samples under a converted rampup: the planned steps, not train_samples // GBS (fails
+    before the fix)."""
+    if (
+        importlib.util.find_spec("megatron.training") is None
+    ):  # in the 0.19.2 wheel; not in 0.16.1's
         pytest.skip("this megatron-core has no megatron.training")
-    training = importlib.import_module("megatron.training.training")  # a missing dependency fails, never skips
+    training = importlib.import_module(
+        "megatron.training.training"
+    )  # a missing dependency fails, never skips
     global_vars = sys.modules["megatron.training.global_vars"]
     args = argparse.Namespace(
         train_iters=None,
@@ -374,14 +447,18 @@ def test_step_schedule_sizes_the_run_of_megatrons_training_loop(monkeypatch):
     )
     monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
     init_calculator(24, 2, 2, rampup=[8, 8, 64])
-    training.update_train_iters(args)  # upstream's own count: 150 // 24 = 6 where it ignores the rampup (0.19+)
+    training.update_train_iters(
+        args
+    )  # upstream's own count: 150 // 24 = 6 where it ignores the rampup (0.19+)
     upstream_train_iters, args.train_iters, args.train_samples = args.train_iters, None, 160
     calculators.unset_num_microbatches_calculator()
     install(GAConfig(convert_rampup=True, rampup_batch_size=(8, 8, 64)))
     init_calculator(24, 2, 2, rampup=[8, 8, 64])
     training.update_train_iters(args)
     assert args.train_iters == 10  # 4 x 8, 2 x 16, 4 x 24 = 160 samples; upstream: 160 // 24 = 6
-    args.train_samples = 150  # the last step passes --train-samples: the dataset must hold its samples
+    args.train_samples = (
+        150  # the last step passes --train-samples: the dataset must hold its samples
+    )
     args.train_iters = None
     training.update_train_iters(args)
     assert args.train_iters == 10 and training.get_train_valid_test_num_samples()[0] == 160
@@ -395,8 +472,9 @@ def test_step_schedule_sizes_the_run_of_megatrons_training_loop(monkeypatch):
 
 @pytest.mark.parametrize("mode", ["token", "microbatch"])
 def test_installed_loss_step_by_position_and_by_keyword(mode):
-    """Megatron calls forward_step_calc_loss by position; a caller may name the arguments. Both calls count the
-    forward step for its chunk and check (token) or report the mean of (microbatch) the loss function's outputs."""
+    """Megatron calls forward_step_calc_loss by position; a caller may name the arguments. Both
+    calls count the forward step for its chunk and check (token) or report the mean of (microbatch)
+    the loss function's outputs."""
     import torch
     from megatron.core.transformer import TransformerConfig
 
@@ -420,23 +498,33 @@ def test_installed_loss_step_by_position_and_by_keyword(mode):
         "cp_group_size": 1,
         "is_last_stage": True,
     }
-    names = list(inspect.signature(ORIGINALS[f"{schedules.__name__}.forward_step_calc_loss"]).parameters)
+    names = list(
+        inspect.signature(ORIGINALS[f"{schedules.__name__}.forward_step_calc_loss"]).parameters
+    )
     schedules.forward_step_calc_loss(*[values[name] for name in names])
     schedules.forward_step_calc_loss(**values)
     assert state.feature(Guards).counter.counts == {chunk: 2}
     if mode == "token":
         assert state.contract.microbatches == 2
-        assert state.contract.collect(torch.device("cpu"), is_last_stage=True).tolist() == [4, 0, 0, 0]
-    assert [report["lm loss"].tolist() for report in store] == [[3.0, 2.0] if mode == "token" else [1.5, 1.0]] * 2
+        assert state.contract.collect(torch.device("cpu"), is_last_stage=True).tolist() == [
+            4,
+            0,
+            0,
+            0,
+        ]
+    assert [report["lm loss"].tolist() for report in store] == [
+        [3.0, 2.0] if mode == "token" else [1.5, 1.0]
+    ] * 2
 
 
 def test_padding_mask_forward_masks_moe_models_and_stays_a_class_attribute():
-    """GPTModel.forward's wrapper gives a MoE model that has a loss mask and no padding mask padding_mask =
-    (loss_mask == 0), leaves a dense model's call as it is, keeps a subclass's own forward (which calls it through
-    super()), and leaves nothing on the instances: a class-level patch applied later reaches every model."""
+    """GPTModel.forward's wrapper gives a MoE model that has a loss mask and no padding mask
+    padding_mask = (loss_mask == 0), leaves a dense model's call as it is, keeps a subclass's own
+    forward (which calls it through super()), and leaves nothing on the instances: a class-level
+    patch applied later reaches every model."""
     import torch
 
-    from megatron_ga_ext.integration.aux_losses import padding_mask_forward
+    from megatron_ga_ext.integration.features.aux_losses import padding_mask_forward
 
     state = install()
     seen = []
@@ -448,7 +536,9 @@ def test_padding_mask_forward_masks_moe_models_and_stays_a_class_attribute():
     class Model:
         def __init__(self, experts, balancing="aux_loss"):
             self.config = types.SimpleNamespace(
-                num_moe_experts=experts, sequence_parallel=False, moe_router_load_balancing_type=balancing
+                num_moe_experts=experts,
+                sequence_parallel=False,
+                moe_router_load_balancing_type=balancing,
             )
 
     class Subclass(Model):
@@ -461,7 +551,8 @@ def test_padding_mask_forward_masks_moe_models_and_stays_a_class_attribute():
     for model in (dense, moe, sub, dense, moe, sub):
         model.forward(loss_mask=torch.tensor([1, 0]))
     assert seen == [(dense, None), (moe, [False, True]), "subclass", (sub, None)] * 2
-    seen.clear()  # quantile balancing: no load-balancing loss, and upstream's router refuses a padding mask there
+    # quantile balancing: no load-balancing loss, and upstream's router refuses a padding mask there
+    seen.clear()
     for balancing in ("quantile_balancing", ["aux_loss", "quantile_balancing"]):
         quantile = Model(4, balancing)
         quantile.forward(loss_mask=torch.tensor([1, 0]))
@@ -477,11 +568,12 @@ def test_padding_mask_forward_masks_moe_models_and_stays_a_class_attribute():
 
 
 def test_a_call_without_a_loss_mask_gets_the_one_bridges_get_batch_kept():
-    """Bridge's GPT step calls the model without loss_mask (Bridge #6103): the mask its get_batch kept is given to
-    the next call, once, where it has the labels' shape; a call that passes its own keeps it."""
+    """Bridge's GPT step calls the model without loss_mask (Bridge #6103): the mask its get_batch
+    kept is given to the next call, once, where it has the labels' shape; a call that passes its own
+    keeps it."""
     import torch
 
-    from megatron_ga_ext.integration.aux_losses import padding_mask_forward
+    from megatron_ga_ext.integration.features.aux_losses import padding_mask_forward
 
     state = install()
     seen = []
@@ -494,7 +586,11 @@ def test_a_call_without_a_loss_mask_gets_the_one_bridges_get_batch_kept():
             num_moe_experts=4, sequence_parallel=False, moe_router_load_balancing_type="aux_loss"
         )
     )
-    wrapped, kept, own = padding_mask_forward(forward, state), torch.tensor([[1, 0]]), torch.tensor([[1, 1]])
+    wrapped, kept, own = (
+        padding_mask_forward(forward, state),
+        torch.tensor([[1, 0]]),
+        torch.tensor([[1, 1]]),
+    )
     labels = torch.zeros(1, 2)
     aux = state.feature(AuxLosses)
     aux.host_loss_mask = kept
@@ -504,7 +600,9 @@ def test_a_call_without_a_loss_mask_gets_the_one_bridges_get_batch_kept():
     wrapped(model, labels=labels, loss_mask=own)
     aux.host_loss_mask = kept
     wrapped(model, labels=torch.zeros(1, 3))  # another batch's shape: not this call's
-    assert [(None if m is None else m.tolist(), None if p is None else p.tolist()) for m, p in seen] == [
+    assert [
+        (None if m is None else m.tolist(), None if p is None else p.tolist()) for m, p in seen
+    ] == [
         ([[1, 0]], [[False, True]]),
         (None, None),
         ([[1, 1]], [[False, False]]),
@@ -515,9 +613,10 @@ def test_a_call_without_a_loss_mask_gets_the_one_bridges_get_batch_kept():
 
 
 def test_uninstall_leaves_a_wrapper_other_code_put_on_top_of_ours():
-    """restore() puts an original back only where our replacement is still what is bound. Where other code wrapped
-    ours after install(), its wrapper stays bound; ours beneath it is inert (calls upstream straight through), so the
-    stack behaves as that wrapper over upstream's function."""
+    """restore() puts an original back only where our replacement is still what is bound. Where
+    other code wrapped ours after install(), its wrapper stays bound; ours beneath it is inert
+    (calls upstream straight through), so the stack behaves as that wrapper over upstream's
+    function."""
     import functools
 
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -537,7 +636,10 @@ def test_uninstall_leaves_a_wrapper_other_code_put_on_top_of_ours():
     assert training.finalize_model_grads is state.finalize
     try:
         uninstall()
-        assert schedules.forward_step_calc_loss is theirs and GPTModel.__dict__["forward"] is their_forward
+        assert (
+            schedules.forward_step_calc_loss is theirs
+            and GPTModel.__dict__["forward"] is their_forward
+        )
         assert not state.active  # ours beneath theirs calls the original straight through
         assert training.finalize_model_grads is ORIGINALS[f"{FINALIZE}.finalize_model_grads"]
     finally:
@@ -564,13 +666,19 @@ def test_a_partial_finalize_adopted_into_a_config_is_restored_and_a_reinstall_ad
     first.adopt_finalize(config)
     assert config.finalize_model_grads_func.func is first.finalize
     assert config.finalize_model_grads_func.keywords == {"force_all_reduce": False}
-    config.finalize_model_grads_func = first.finalize  # what Megatron-LM's loop sets (training.py binds the name)
+    config.finalize_model_grads_func = (
+        first.finalize
+    )  # what Megatron-LM's loop sets (training.py binds the name)
     second = install(GAConfig(checks="async"))
     assert second is not first and not first.active
-    second.adopt_finalize(config)  # the old installation's wrapper, inert now: the new one takes its place
+    second.adopt_finalize(
+        config
+    )  # the old installation's wrapper, inert now: the new one takes its place
     assert config.finalize_model_grads_func is second.finalize
     uninstall()
-    assert config.finalize_model_grads_func is first.finalize  # what the config held when it was adopted
+    assert (
+        config.finalize_model_grads_func is first.finalize
+    )  # what the config held when it was adopted
     config.finalize_model_grads_func = held
     third = install()
     third.adopt_finalize(config)

@@ -1,8 +1,8 @@
 """Break each token-mode check on purpose, on real megatron-core (4 gloo ranks, one launch).
 
 Every scenario runs megatron's own schedule and finalize_model_grads through the extension's loss
-contract and finalize wrapper; the launch returns, per scenario, either the error each rank raised or
-what the step produced, and the tests below match them.
+contract and finalize wrapper; the launch returns, per scenario, either the error each rank raised
+or what the step produced, and the tests below match them.
 """
 
 from __future__ import annotations
@@ -67,7 +67,11 @@ SCENARIOS = {
     "nan_loss": (DP4, _nan_loss, {}),
     "flag_off": (DP4, masked_loss, {"flag_at_build": False, "flag_at_step": False}),
     "ddp_before_flag": (DP4, masked_loss, {"flag_at_build": False}),
-    "average_in_collective": (DP4, masked_loss, {"flag_at_build": False, "average_in_collective": True}),
+    "average_in_collective": (
+        DP4,
+        masked_loss,
+        {"flag_at_build": False, "average_in_collective": True},
+    ),
     "zero_tokens_error": (DP4, _no_tokens, {}),
     "zero_tokens_skip": (DP4, _no_tokens, {"zero_tokens": "skip"}),
     "unwrapped": (DP4, masked_loss, {"wrap": False}),
@@ -100,8 +104,9 @@ def _scenario(name, cfg, batch, refs):
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
 
     from megatron_ga_ext.integration.finalize import make_finalize_model_grads
-    from megatron_ga_ext.verify.harness import build_ddp, gradients, relative_error, train_step
+    from megatron_ga_ext.verify.harness import build_ddp, gradients, relative_error
     from megatron_ga_ext.verify.layouts import Layout
+    from megatron_ga_ext.verify.step import train_step
 
     layout_kwargs, loss_func, opts = SCENARIOS[name]
     layout = Layout(**layout_kwargs)
@@ -109,14 +114,18 @@ def _scenario(name, cfg, batch, refs):
         layout,
         cfg,
         calculate_per_token_loss=opts.get("flag_at_build", True),
-        ddp_config=DistributedDataParallelConfig(average_in_collective=opts.get("average_in_collective", False)),
+        ddp_config=DistributedDataParallelConfig(
+            average_in_collective=opts.get("average_in_collective", False)
+        ),
     )
     config.calculate_per_token_loss = opts.get("flag_at_step", True)
     contract = LossContract()
     finalize = make_finalize_model_grads(
         finalize_model_grads,
         contract,
-        config=GAConfig(zero_token_policy=opts.get("zero_tokens", "error"), checks=opts.get("checks", "sync")),
+        config=GAConfig(
+            zero_token_policy=opts.get("zero_tokens", "error"), checks=opts.get("checks", "sync")
+        ),
     )
     with warnings.catch_warnings(record=True) as caught, _CountHostReads() as reads:
         warnings.simplefilter("always")
@@ -129,11 +138,15 @@ def _scenario(name, cfg, batch, refs):
             finalize=finalize,
             loss_func=contract.wrap(loss_func) if opts.get("wrap", True) else loss_func,
         )
-    pending = finalize.pending is not None
-    finalize.poll(wait=True)  # --ga-checks async: where install() reads the verdict (after the step)
+    pending = finalize._pending is not None
+    late = finalize.poll(
+        wait=True
+    )  # --ga-checks async: where install() reads the verdict (after the step)
     grads = gradients(ddp, names)
-    ref = next(grads for (_, kind), grads in refs.items() if kind == "token")  # the dense token target
-    n = finalize.last_num_tokens
+    ref = next(
+        grads for (_, kind), grads in refs.items() if kind == "token"
+    )  # the dense token target
+    n = (late or finalize.reads.verdict).num_tokens
     scaled = {k: v * 72 / n for k, v in ref.items()} if n else ref
     return {
         "num_tokens": n,
@@ -146,23 +159,28 @@ def _scenario(name, cfg, batch, refs):
 
 
 def _fsdp_checks(cfg) -> dict:
-    """check_ddp_chunks on real Megatron-FSDP chunks built with and without the per-token flag (torch FSDP2's units
-    are checked each step instead: tests/test_fsdp.py)."""
+    """check_ddp_chunks on real Megatron-FSDP chunks built with and without the per-token flag
+    (torch FSDP2's units are checked each step instead: tests/test_fsdp.py)."""
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
-    from megatron_ga_ext.integration.finalize import check_ddp_chunks
+    from megatron_ga_ext.integration.chunk_checks import check_ddp_chunks
     from megatron_ga_ext.verify.models import build_gpt, transformer_config
 
     out = {}
     for per_token in (True, False):
         config = transformer_config(
-            cfg.model, pipeline_model_parallel_size=1, context_parallel_size=1, calculate_per_token_loss=per_token
+            cfg.model,
+            pipeline_model_parallel_size=1,
+            context_parallel_size=1,
+            calculate_per_token_loss=per_token,
         )
         model, _ = build_gpt(cfg.model, config, pre_process=True, post_process=True)
         chunk = FullyShardedDataParallel(
             config,
-            DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params"),
+            DistributedDataParallelConfig(
+                use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params"
+            ),
             model,
         )
         try:
@@ -177,10 +195,10 @@ def _run_scenarios():
     from megatron.core import parallel_state
 
     from megatron_ga_ext.testing.shims import cpu_shims
-    from megatron_ga_ext.verify.harness import VerifyConfig
     from megatron_ga_ext.verify.layouts import DEFAULT_LAYOUTS, make_global_batch
     from megatron_ga_ext.verify.models import init_model_parallel
     from megatron_ga_ext.verify.references import reference_grads
+    from megatron_ga_ext.verify.run_config import VerifyConfig
 
     cfg = VerifyConfig(progress=False)
     batch = make_global_batch(cfg.lengths, cfg.model.seq_length, cfg.model.vocab_size)
@@ -188,10 +206,14 @@ def _run_scenarios():
     with cpu_shims():
         refs = reference_grads(cfg.model, DEFAULT_LAYOUTS[:1], batch)
         for name, (layout_kwargs, _, _) in SCENARIOS.items():
-            init_model_parallel(pipeline_model_parallel_size=layout_kwargs.get("pipeline_model_parallel_size", 1))
+            init_model_parallel(
+                pipeline_model_parallel_size=layout_kwargs.get("pipeline_model_parallel_size", 1)
+            )
             try:
                 out[name] = ("ok", _scenario(name, cfg, batch, refs))
-            except GAError as exc:  # LossContractError, or OptionError for the mode-versus-flag rule
+            except (
+                GAError
+            ) as exc:  # LossContractError, or OptionError for the mode-versus-flag rule
                 out[name] = ("error", exc)
             finally:
                 parallel_state.destroy_model_parallel()
@@ -203,8 +225,8 @@ def _run_scenarios():
 
 
 def _count_groups() -> dict | None:
-    """GTP weight remat (0.19+) is a DP-like axis: the finalize sums N over DP x CP x GTP, with a pg_collection
-    or without one, as upstream's finalize does. None on releases without GTP."""
+    """GTP weight remat (0.19+) is a DP-like axis: the finalize sums N over DP x CP x GTP, with a
+    pg_collection or without one, as upstream's finalize does. None on releases without GTP."""
     import inspect
 
     import torch
@@ -212,7 +234,10 @@ def _count_groups() -> dict | None:
 
     from megatron_ga_ext.integration.finalize import _groups
 
-    if "gtp_remat_size" not in inspect.signature(parallel_state.initialize_model_parallel).parameters:
+    if (
+        "gtp_remat_size"
+        not in inspect.signature(parallel_state.initialize_model_parallel).parameters
+    ):
         return None
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -253,8 +278,14 @@ def _raise(outcome):
 @pytest.mark.parametrize(
     "name, match",
     [
-        ("two_tuple", r"returned a 2-tuple at micro-batch 0; token mode needs \(summed loss, num_tokens"),
-        ("float_count", r"num_tokens as a tensor of dtype torch\.float32 .*must be an integer scalar"),
+        (
+            "two_tuple",
+            r"returned a 2-tuple at micro-batch 0; token mode needs \(summed loss, num_tokens",
+        ),
+        (
+            "float_count",
+            r"num_tokens as a tensor of dtype torch\.float32 .*must be an integer scalar",
+        ),
         ("vector_count", r"num_tokens as a tensor of dtype torch\.int64 and shape \(2,\)"),
         ("negative_count", r"micro-batch\(es\) returned a negative num_tokens"),
         ("nan_loss", r"8 micro-batch\(es\) in this global batch returned a non-finite loss"),
@@ -274,16 +305,18 @@ def test_broken_check_raises(outcomes, name, match):
     [
         (
             "async_nan",
-            r"--ga-checks async, verdict of training step 1: 8 micro-batch\(es\) in this global batch returned a "
-            r"non-finite loss",
+            r"--ga-checks async, verdict of training step 1: 8 micro-batch\(es\) in this global "
+            r"batch returned a non-finite loss",
         ),
         (
             "async_negative_count",
-            r"--ga-checks async, verdict of training step 1: \d+ micro-batch\(es\) returned a negative",
+            r"--ga-checks async, verdict of training step 1: \d+ micro-batch\(es\) returned a "
+            r"negative",
         ),
         (
             "async_zero_tokens",
-            r"--ga-checks async, verdict of training step 1: the global batch has 0 non-padding tokens",
+            r"--ga-checks async, verdict of training step 1: the global batch has 0 non-padding "
+            r"tokens",
         ),
     ],
 )
@@ -294,8 +327,8 @@ def test_async_checks_raise_when_the_verdict_is_read(outcomes, name, match):
 
 @pytest.mark.parametrize("sync, checked", [("dp_token", "async_token"), ("pp_token", "async_pp")])
 def test_async_checks_read_nothing_in_the_step_and_scale_as_sync(outcomes, sync, checked):
-    """The same gradients and N as sync mode, with one host read fewer per step (sync's vector.tolist()) and the
-    verdict still pending when the step returns."""
+    """The same gradients and N as sync mode, with one host read fewer per step (sync's
+    vector.tolist()) and the verdict still pending when the step returns."""
     for (_, sync_result), (_, async_result) in zip(outcomes[sync], outcomes[checked]):
         assert async_result["num_tokens"] == sync_result["num_tokens"] == 72
         assert async_result["rel_err"] < 1e-5
@@ -304,7 +337,9 @@ def test_async_checks_read_nothing_in_the_step_and_scale_as_sync(outcomes, sync,
 
 
 def test_per_token_flag_off_at_the_step_is_the_options_rule(outcomes):
-    with pytest.raises(OptionError, match=r"--ga-loss-reduction token needs --calculate-per-token-loss"):
+    with pytest.raises(
+        OptionError, match=r"--ga-loss-reduction token needs --calculate-per-token-loss"
+    ):
         _raise(outcomes["flag_off"])
 
 
@@ -312,7 +347,10 @@ def test_zero_tokens_skip_applies_zero_gradient(outcomes):
     result = _raise(outcomes["zero_tokens_skip"])
     assert result["num_tokens"] == 0
     assert result["max_grad"] == 0.0
-    assert any("0 non-padding tokens" in w and "Skipping this optimizer step" in w for w in result["warnings"])
+    assert any(
+        "0 non-padding tokens" in w and "Skipping this optimizer step" in w
+        for w in result["warnings"]
+    )
 
 
 @pytest.mark.parametrize("name", ["huge_count", "pp_huge_count"])
@@ -333,7 +371,8 @@ def test_pipeline_stages_share_the_last_stage_count(outcomes):
 
 
 def test_megatron_fsdp_chunks_are_checked(outcomes):
-    """Megatron-FSDP keeps its factor in param_and_grad_buffer (nn.Module.buffers is a method there)."""
+    """Megatron-FSDP keeps its factor in param_and_grad_buffer (nn.Module.buffers is a method
+    there)."""
     assert _raise(outcomes["megatron_fsdp_True"]) is None
     with pytest.raises(
         LossContractError,

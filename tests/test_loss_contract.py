@@ -1,4 +1,5 @@
-"""The loss helper, the loss contract and the DDP audit, in-process (no ranks, no megatron launch)."""
+"""The loss helper, the loss contract and the DDP audit, in-process (no ranks, no megatron
+launch)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,14 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_ga_ext.errors import LossContractError, OptionError
-from megatron_ga_ext.integration.finalize import check_ddp_chunks, check_per_token_flag, make_finalize_model_grads
-from megatron_ga_ext.integration.loss_contract import LossContract, masked_loss, mean_of_means_reports, reduce_reports
+from megatron_ga_ext.integration.chunk_checks import check_ddp_chunks, check_per_token_flag
+from megatron_ga_ext.integration.finalize import make_finalize_model_grads
+from megatron_ga_ext.integration.loss_contract import (
+    LossContract,
+    masked_loss,
+    mean_of_means_reports,
+    reduce_reports,
+)
 
 LOSSES = [torch.tensor([[1.0, 2.0, 3.0, 4.0]]), torch.tensor([[10.0, 20.0, 30.0, 40.0]])]
 MASKS = [torch.tensor([[1.0, 1.0, 1.0, 0.0]]), torch.tensor([[1.0, 0.0, 0.0, 0.0]])]
@@ -32,7 +39,9 @@ def test_report_mean_is_the_optimised_loss_in_each_mode():
 
 
 def test_masked_loss_rejects_mismatched_shapes_and_modes():
-    with pytest.raises(LossContractError, match=r"losses has shape \(1, 4\) but loss_mask has shape \(3,\)"):
+    with pytest.raises(
+        LossContractError, match=r"losses has shape \(1, 4\) but loss_mask has shape \(3,\)"
+    ):
         masked_loss(LOSSES[0], torch.ones(3))
     with pytest.raises(LossContractError, match="mode 'tokens' is not known"):
         masked_loss(LOSSES[0], MASKS[0], mode="tokens")
@@ -43,8 +52,14 @@ def test_masked_loss_rejects_mismatched_shapes_and_modes():
     [
         ((torch.tensor(1.0), {}), r"returned a 2-tuple at micro-batch 0; token mode needs"),
         (torch.tensor(1.0), r"returned Tensor at micro-batch 0"),
-        ((torch.tensor(1.0), torch.tensor(3.0), {}), r"num_tokens as a tensor of dtype torch\.float32"),
-        ((torch.tensor(1.0), torch.tensor(True), {}), r"num_tokens as a tensor of dtype torch\.bool"),
+        (
+            (torch.tensor(1.0), torch.tensor(3.0), {}),
+            r"num_tokens as a tensor of dtype torch\.float32",
+        ),
+        (
+            (torch.tensor(1.0), torch.tensor(True), {}),
+            r"num_tokens as a tensor of dtype torch\.bool",
+        ),
         ((torch.tensor(1.0), torch.tensor([1, 2]), {}), r"and shape \(2,\)"),
         ((torch.tensor(1.0), 3.0, {}), r"num_tokens of type float"),
         ((1.0, torch.tensor(3), {}), r"a loss of type float"),
@@ -126,12 +141,18 @@ def test_contract_accumulates_device_flags_without_host_reads():
     assert contract.microbatches == 4
     vector = contract.collect(torch.device("cpu"), is_last_stage=True)
     assert vector.dtype == torch.int64
-    assert vector.tolist() == [3 + 1 + (3 - 10) + 1, 1, 1, 0]  # tokens, negative, nonfinite, unchecked
+    assert vector.tolist() == [
+        3 + 1 + (3 - 10) + 1,
+        1,
+        1,
+        0,
+    ]  # tokens, negative, nonfinite, unchecked
     assert contract.microbatches == 0  # reset for the next step
 
 
 class _DispatchedOps(TorchDispatchMode):
-    """Records every aten op that reaches a kernel (views and metadata-only calls like detach included)."""
+    """Records every aten op that reaches a kernel (views and metadata-only calls like detach
+    included)."""
 
     def __init__(self):
         super().__init__()
@@ -156,8 +177,9 @@ def _step_ops(contract: LossContract, num_microbatches: int) -> tuple[list[str],
 
 
 def test_contract_keeps_references_only_per_microbatch():
-    """Host bookkeeping per micro-batch: no op but the alias of the loss (a metadata-only detach). The step's checks
-    run in collect as the same device ops whatever GA is, none of them a read to the host."""
+    """Host bookkeeping per micro-batch: no op but the alias of the loss (a metadata-only detach).
+    The step's checks run in collect as the same device ops whatever GA is, none of them a read to
+    the host."""
     contract = LossContract()
     step_ops = None
     for num_microbatches in (16, 2):
@@ -169,7 +191,8 @@ def test_contract_keeps_references_only_per_microbatch():
 
 
 def test_collect_reads_nothing_to_the_host():
-    """The step's vector is made with device ops only, for every mix of counts the contract accepts."""
+    """The step's vector is made with device ops only, for every mix of counts the contract
+    accepts."""
     steps = [
         [torch.tensor(3), torch.tensor(4)],
         [torch.tensor(3), torch.tensor([4], dtype=torch.int32)],
@@ -186,7 +209,8 @@ def test_collect_reads_nothing_to_the_host():
 
 
 def test_step_vector_is_the_host_arithmetic():
-    """[tokens, negative, nonfinite, unchecked] as Python computes it, for counts of each native dtype and GA 1-8."""
+    """[tokens, negative, nonfinite, unchecked] as Python computes it, for counts of each native
+    dtype and GA 1-8."""
     torch.manual_seed(0)
     for dtype in (torch.int64, torch.int32, torch.uint8, torch.int8):
         for num_microbatches in (1, 3, 8):
@@ -206,13 +230,28 @@ def test_step_vector_is_the_host_arithmetic():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("shape", [(), (1,)])
 def test_collect_counts_every_kind_of_nonfinite_loss(dtype, shape):
-    """inf, -inf and nan are flagged; the largest finite value, -0.0 and the smallest subnormal are not."""
+    """inf, -inf and nan are flagged; the largest finite value, -0.0 and the smallest subnormal are
+    not."""
     finfo = torch.finfo(dtype)
-    values = [1.0, float("inf"), -float("inf"), float("nan"), finfo.max, -finfo.max, -0.0, finfo.tiny / 2]
+    values = [
+        1.0,
+        float("inf"),
+        -float("inf"),
+        float("nan"),
+        finfo.max,
+        -finfo.max,
+        -0.0,
+        finfo.tiny / 2,
+    ]
     contract = LossContract()
     for value in values:
         contract.check((torch.tensor(value, dtype=dtype).reshape(shape), torch.tensor(2), {}))
-    assert contract.collect(torch.device("cpu"), is_last_stage=True).tolist() == [2 * len(values), 0, 3, 0]
+    assert contract.collect(torch.device("cpu"), is_last_stage=True).tolist() == [
+        2 * len(values),
+        0,
+        3,
+        0,
+    ]
 
 
 def test_contract_flags_an_unchecked_last_stage_only():
@@ -227,7 +266,9 @@ def test_wrap_passes_non_loss_data_through():
 
 def _chunk(factor, average_in_collective=False, expert_factor=None):
     buffers = [SimpleNamespace(gradient_scaling_factor=factor)]
-    experts = [] if expert_factor is None else [SimpleNamespace(gradient_scaling_factor=expert_factor)]
+    experts = (
+        [] if expert_factor is None else [SimpleNamespace(gradient_scaling_factor=expert_factor)]
+    )
     return SimpleNamespace(
         ddp_config=SimpleNamespace(average_in_collective=average_in_collective),
         buffers=buffers,
@@ -237,14 +278,18 @@ def _chunk(factor, average_in_collective=False, expert_factor=None):
 
 def test_ddp_audit_accepts_per_token_chunks_and_plain_modules():
     check_ddp_chunks(
-        [_chunk(1.0, expert_factor=1.0), torch.nn.Linear(2, 2)], SimpleNamespace(calculate_per_token_loss=True)
+        [_chunk(1.0, expert_factor=1.0), torch.nn.Linear(2, 2)],
+        SimpleNamespace(calculate_per_token_loss=True),
     )
 
 
 @pytest.mark.parametrize(
     "chunks, match",
     [
-        ([_chunk(1.0), _chunk(0.125)], r"model chunk 1 .* gradient_scaling_factor 0\.125 \(= 1/8\).*8 times too small"),
+        (
+            [_chunk(1.0), _chunk(0.125)],
+            r"model chunk 1 .* gradient_scaling_factor 0\.125 \(= 1/8\).*8 times too small",
+        ),
         ([_chunk(1.0, expert_factor=0.5)], r"gradient_scaling_factor 0\.5 \(= 1/2\)"),
         ([_chunk(1.0, average_in_collective=True)], r"average_in_collective=True"),
     ],
@@ -265,8 +310,9 @@ def test_per_token_flag_must_match_the_mode():
 
 
 def test_microbatch_mode_reports_each_micro_batch_mean():
-    """Upstream's pretrain_gpt reports [summed loss, n]; Megatron logs sum(report[0]) / sum(report[1]), the token
-    mean. In microbatch mode the report becomes [mean, 1], so the logged loss is the mean of means optimised."""
+    """Upstream's pretrain_gpt reports [summed loss, n]; Megatron logs sum(report[0]) /
+    sum(report[1]), the token mean. In microbatch mode the report becomes [mean, 1], so the logged
+    loss is the mean of means optimised."""
 
     def upstream_loss_func(loss_mask, output_tensor):
         loss = torch.sum(output_tensor * loss_mask)
@@ -276,7 +322,10 @@ def test_microbatch_mode_reports_each_micro_batch_mean():
     func = mean_of_means_reports(upstream_loss_func)
     reports = [func(MASKS[m], LOSSES[m])[2] for m in range(len(LOSSES))]
     logged = reduce_reports(reports)["lm loss"]
-    means = [float((LOSSES[m] * MASKS[m]).sum() / MASKS[m].sum().clamp(min=1)) for m in range(len(LOSSES))]
+    means = [
+        float((LOSSES[m] * MASKS[m]).sum() / MASKS[m].sum().clamp(min=1))
+        for m in range(len(LOSSES))
+    ]
     assert float(logged) == pytest.approx(sum(means) / len(means), rel=1e-6)
     token_sum = sum(float((loss * mask).sum()) for loss, mask in zip(LOSSES, MASKS))
     token_mean = token_sum / float(sum(mask.sum() for mask in MASKS))
@@ -303,7 +352,9 @@ def test_narrow_device_counts_add_up_in_int64():
     assert vector.dtype == torch.int64 and vector.tolist() == [2 * (2**31 - 1) + 5, 0, 0, 0]
 
 
-@pytest.mark.parametrize("dtype", ["uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64"])
+@pytest.mark.parametrize(
+    "dtype", ["uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64"]
+)
 def test_every_integer_count_dtype_is_summed_and_checked(dtype):
     """uint16-64, which few torch ops take, are widened; signed counts below 0 are flagged."""
     contract = LossContract()
@@ -311,18 +362,25 @@ def test_every_integer_count_dtype_is_summed_and_checked(dtype):
     for value in values:
         contract.check((torch.tensor(1.0), torch.tensor(value, dtype=getattr(torch, dtype)), {}))
     negative = int(dtype.startswith("int"))
-    assert contract.collect(torch.device("cpu"), is_last_stage=True).tolist() == [sum(values), negative, 0, 0]
+    assert contract.collect(torch.device("cpu"), is_last_stage=True).tolist() == [
+        sum(values),
+        negative,
+        0,
+        0,
+    ]
 
 
 def test_a_later_count_of_another_shape_is_summed_or_refused_at_once():
-    """A count of the step's dtype but another shape: a one-element count is summed with the others, a longer one is
-    refused at its micro-batch."""
+    """A count of the step's dtype but another shape: a one-element count is summed with the others,
+    a longer one is refused at its micro-batch."""
     contract = LossContract()
     for count in (torch.tensor(3), torch.tensor([4])):
         contract.check((torch.tensor(1.0), count, {}))
     assert contract.collect(torch.device("cpu"), is_last_stage=True).tolist() == [7, 0, 0, 0]
     contract.check((torch.tensor(1.0), torch.tensor(3), {}))
-    with pytest.raises(LossContractError, match=r"num_tokens as a tensor of dtype torch\.int64 and shape \(2,\)"):
+    with pytest.raises(
+        LossContractError, match=r"num_tokens as a tensor of dtype torch\.int64 and shape \(2,\)"
+    ):
         contract.check((torch.tensor(1.0), torch.tensor([4, 5]), {}))
 
 
@@ -342,15 +400,18 @@ def test_counts_of_another_shape_or_dtype_in_a_later_step():
 
 
 def test_the_extensions_finalize_is_named_as_upstreams_in_a_yaml_config():
-    """Megatron-Bridge saves its config (holding partial(finalize_model_grads, pg_collection=...)) as YAML beside each
-    checkpoint, naming a function by its module and __qualname__: the extension's finalize answers upstream's."""
+    """Megatron-Bridge saves its config (holding partial(finalize_model_grads, pg_collection=...))
+    as YAML beside each checkpoint, naming a function by its module and __qualname__: the
+    extension's finalize answers upstream's."""
     import functools
 
     yaml = pytest.importorskip("yaml")
     yaml_utils = pytest.importorskip("megatron.training.config.yaml_utils")
     from megatron.core.distributed import finalize_model_grads
 
-    bound = functools.partial(make_finalize_model_grads(finalize_model_grads, LossContract()), pg_collection=None)
+    bound = functools.partial(
+        make_finalize_model_grads(finalize_model_grads, LossContract()), pg_collection=None
+    )
     with yaml_utils.safe_yaml_representers():
         text = yaml.safe_dump({"finalize_model_grads_func": bound})
     assert "_target_: megatron.core.distributed.finalize_model_grads.finalize_model_grads" in text

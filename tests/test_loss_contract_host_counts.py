@@ -1,10 +1,16 @@
-"""LossContract with counts that live on the host: checked there, added without a host-to-device copy."""
+"""LossContract with counts that live on the host: checked there, added without a host-to-device
+copy."""
 
 import pytest
 import torch
 
 from megatron_ga_ext.errors import LossContractError
-from megatron_ga_ext.integration.loss_contract import SLOT_NEGATIVE, SLOT_NONFINITE, SLOT_TOKENS, LossContract
+from megatron_ga_ext.integration.loss_contract import (
+    SLOT_NEGATIVE,
+    SLOT_NONFINITE,
+    SLOT_TOKENS,
+    LossContract,
+)
 
 
 def test_int_counts_add_up_exactly_past_int32():
@@ -21,7 +27,9 @@ def test_int_counts_add_up_exactly_past_int32():
 def test_negative_int_count_fails_at_once_with_the_micro_batch():
     contract = LossContract()
     contract.check((torch.tensor(1.0), 3, {}))
-    with pytest.raises(LossContractError, match=r"num_tokens = -2 at micro-batch 1; a token count is >= 0"):
+    with pytest.raises(
+        LossContractError, match=r"num_tokens = -2 at micro-batch 1; a token count is >= 0"
+    ):
         contract.check((torch.tensor(1.0), -2, {}))
 
 
@@ -34,10 +42,13 @@ def test_nonfinite_loss_with_an_int_count_is_flagged_on_the_device():
 
 
 def test_one_device_per_step():
-    """A loss on another device than the step's first is named at collect, before the step's collectives."""
+    """A loss on another device than the step's first is named at collect, before the step's
+    collectives."""
     for count in (3, torch.tensor(3)):
         contract = LossContract()
         contract.check((torch.tensor(1.0), count, {}))
         contract.check((torch.tensor(1.0, device="meta"), count, {}))
-        with pytest.raises(LossContractError, match=r"micro-batch 1 returned its loss on meta, earlier ones on cpu"):
+        with pytest.raises(
+            LossContractError, match=r"micro-batch 1 returned its loss on meta, earlier ones on cpu"
+        ):
             contract.collect(torch.device("cpu"), is_last_stage=True)

@@ -1,4 +1,5 @@
-"""core/lr_factor.py: (GBS / base GBS) ** exponent, the one factor of ``--ga-lr-scaling`` and the table's hints."""
+"""core/lr_factor.py: (GBS / base GBS) ** exponent, the one factor of ``--ga-lr-scaling`` and the
+table's hints."""
 
 import math
 
@@ -17,7 +18,9 @@ def test_the_factor(scaling, expected):
 @pytest.mark.parametrize("scaling", sorted(EXPONENTS))
 def test_the_factor_is_the_ratio_to_the_exponent(scaling):
     for batch in (96, 512, 3072, 10**6):
-        assert lr_factor(batch, 96, scaling) == pytest.approx((batch / 96) ** EXPONENTS[scaling], rel=1e-15)
+        assert lr_factor(batch, 96, scaling) == pytest.approx(
+            (batch / 96) ** EXPONENTS[scaling], rel=1e-15
+        )
 
 
 def test_sqrt_is_correctly_rounded():

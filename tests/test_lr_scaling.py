@@ -1,5 +1,5 @@
-"""--ga-lr-scaling on megatron-core's own OptimizerParamScheduler, stepped as Megatron-LM's loop steps it, with the
-calculator install() puts behind get_num_microbatches()."""
+"""--ga-lr-scaling on megatron-core's own OptimizerParamScheduler, stepped as Megatron-LM's loop
+steps it, with the calculator install() puts behind get_num_microbatches()."""
 
 import argparse
 import logging
@@ -25,7 +25,8 @@ FIRST_GBS = 16
 #: Each stage's factor: (GBS / 16) ** 1/2 and ** 1.
 FACTORS = {"sqrt": {16: 1.0, 32: math.sqrt(2), 64: 2.0}, "linear": {16: 1.0, 32: 2.0, 64: 4.0}}
 TRAIN_SAMPLES = 400
-#: Megatron's max_lr / min_lr per param group: the default, and a decoupled-LR group (embeddings, output layer).
+#: Megatron's max_lr / min_lr per param group: the default, and a decoupled-LR group (embeddings,
+#: output layer).
 DECOUPLED = {"max_lr": 5e-3, "min_lr": 5e-4}
 
 
@@ -33,9 +34,12 @@ pytestmark = pytest.mark.usefixtures("clean_install")
 
 
 def scheduler() -> OptimizerParamScheduler:
-    """Megatron-LM's scheduler of a --train-samples run: warmup and cosine decay in samples, two param groups."""
+    """Megatron-LM's scheduler of a --train-samples run: warmup and cosine decay in samples, two
+    param groups."""
     weights, embedding = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
-    optimizer = torch.optim.SGD([{"params": [weights]}, {"params": [embedding], **DECOUPLED}], lr=1e-3)
+    optimizer = torch.optim.SGD(
+        [{"params": [weights]}, {"params": [embedding], **DECOUPLED}], lr=1e-3
+    )
     return OptimizerParamScheduler(
         optimizer,
         init_lr=1e-5,
@@ -52,9 +56,10 @@ def scheduler() -> OptimizerParamScheduler:
 
 
 def run(global_batch_sizes=None) -> list[tuple[int, list[float]]]:
-    """Megatron-LM's order per iteration: update the calculator at the consumed samples, the optimizer step at the
-    param groups' rates (recorded with the step's GBS), then ``scheduler.step(GBS)``. ``global_batch_sizes``: the
-    schedule's GBS per consumed samples where no calculator is live (the unscaled reference)."""
+    """Megatron-LM's order per iteration: update the calculator at the consumed samples, the
+    optimizer step at the param groups' rates (recorded with the step's GBS), then
+    ``scheduler.step(GBS)``. ``global_batch_sizes``: the schedule's GBS per consumed samples where
+    no calculator is live (the unscaled reference)."""
     lr_scheduler, steps, consumed = scheduler(), [], 0
     while consumed < TRAIN_SAMPLES:
         if global_batch_sizes is None:
@@ -90,13 +95,15 @@ def test_each_step_runs_at_the_rate_times_its_stages_factor(lr_scaling, caplog):
         factor = FACTORS[lr_scaling][batch]
         assert rates == [rate * lr_factor(batch, FIRST_GBS, lr_scaling) for rate in megatron_rates]
         assert rates == pytest.approx([rate * factor for rate in megatron_rates], rel=1e-15)
-    # The first step of each stage already runs at its stage's factor; warmup (step 1-3) and decay are scaled too.
+    # The first step of each stage already runs at its stage's factor; warmup (step 1-3) and decay
+    # are scaled too.
     assert scaled[0][1] == expected[0][1] and scaled[0][1][0] == 1e-5
     first_of_stage = {batch: i for i, (batch, _) in reversed(list(enumerate(scaled)))}
     for batch, i in first_of_stage.items():
         assert scaled[i][1][1] == expected[i][1][1] * lr_factor(batch, FIRST_GBS, lr_scaling)
     factors = ", ".join(
-        f"x {FACTORS[lr_scaling][b]:.6g} from sample {t} (GBS {b})" for t, b in ((0, 16), (64, 32), (160, 64))
+        f"x {FACTORS[lr_scaling][b]:.6g} from sample {t} (GBS {b})"
+        for t, b in ((0, 16), (64, 32), (160, 64))
     )
     assert f"--ga-lr-scaling {lr_scaling}: the learning rate {factors}" in caplog.text
 
@@ -105,7 +112,9 @@ def test_none_leaves_megatrons_rates_and_uninstall_restores_get_lr():
     original = OptimizerParamScheduler.__dict__["get_lr"]
     expected = reference()
     install_schedule("none")
-    assert OptimizerParamScheduler.__dict__["get_lr"] is not original  # wired; calls straight through
+    assert (
+        OptimizerParamScheduler.__dict__["get_lr"] is original
+    )  # not wired: no feature scales the rate
     assert run() == expected
     uninstall()
     calculators.unset_num_microbatches_calculator()
@@ -113,7 +122,9 @@ def test_none_leaves_megatrons_rates_and_uninstall_restores_get_lr():
     assert run() != expected
     uninstall()
     assert OptimizerParamScheduler.__dict__["get_lr"] is original
-    assert run() == expected  # the step calculator stays live after uninstall: Megatron's rates again
+    assert (
+        run() == expected
+    )  # the step calculator stays live after uninstall: Megatron's rates again
 
 
 def test_a_scheduler_built_before_install_is_scaled_too():
@@ -121,7 +132,8 @@ def test_a_scheduler_built_before_install_is_scaled_too():
     install_schedule("linear")
     lr_scheduler.step(increment=64)  # the second stage starts at 64 samples
     assert [g["lr"] for g in lr_scheduler.optimizer.param_groups] == [
-        OptimizerParamScheduler.get_lr.__wrapped__(lr_scheduler, g) * 2.0 for g in lr_scheduler.optimizer.param_groups
+        OptimizerParamScheduler.get_lr.__wrapped__(lr_scheduler, g) * 2.0
+        for g in lr_scheduler.optimizer.param_groups
     ]
 
 
@@ -140,8 +152,10 @@ def test_rule_passes(lr_scaling, schedule):
 @pytest.mark.parametrize("lr_scaling, exponent", [("sqrt", "1/2"), ("linear", "1")])
 def test_rule_refuses_scaling_without_a_schedule(lr_scaling, exponent):
     message = (
-        rf"--ga-lr-scaling {lr_scaling} scales the learning rate .* \(GBS / first GBS\) \*\* {exponent}, but "
-        rf"this launch has no schedule .* Give --step-batch-size-schedule \(or --rampup-batch-size with "
+        rf"--ga-lr-scaling {lr_scaling} scales the learning rate .* \(GBS / first GBS\) \*\* "
+        rf"{exponent}, but "
+        r"this launch has no schedule .* Give --step-batch-size-schedule \(or "
+        r"--rampup-batch-size with "
         rf"--ga-convert-rampup\), or drop --ga-lr-scaling"
     )
     with pytest.raises(OptionError, match=message):
@@ -169,13 +183,15 @@ def test_a_loop_without_the_schedule_calculator_is_refused_at_the_first_rate():
         scheduler()
 
 
-def run_skipping(monkeypatch, state, skipped: set[int]) -> list[tuple[int, list[float], list[float]]]:
-    """Megatron-LM's loop with its args: per iteration the calculator updated at ``args.consumed_train_samples``, a
-    training forward/backward call and its finalize, the optimizer step as install() wraps the one Megatron's builder
-    returns (its inner step records the groups' rates with the step's GBS and Megatron's unscaled rates at the
-    scheduler's count),
-    ``scheduler.step(GBS)`` only where the step was not skipped (an fp16 overflow, a zero-token skip), and the
-    consumed samples counted after it either way."""
+def run_skipping(
+    monkeypatch, state, skipped: set[int]
+) -> list[tuple[int, list[float], list[float]]]:
+    """Megatron-LM's loop with its args: per iteration the calculator updated at
+    ``args.consumed_train_samples``, a training forward/backward call and its finalize, the
+    optimizer step as install() wraps the one Megatron's builder returns (its inner step records the
+    groups' rates with the step's GBS and Megatron's unscaled rates at the scheduler's count),
+    ``scheduler.step(GBS)`` only where the step was not skipped (an fp16 overflow, a zero-token
+    skip), and the consumed samples counted after it either way."""
     from megatron_ga_ext.integration import megatron_lm
     from megatron_ga_ext.integration.hooks import optimizer_step
 
@@ -186,16 +202,20 @@ def run_skipping(monkeypatch, state, skipped: set[int]) -> list[tuple[int, list[
     groups = lr_scheduler.optimizer.param_groups
 
     def inner_step() -> tuple[bool, float, int]:
-        steps.append((batch, [g["lr"] for g in groups], [unscaled(lr_scheduler, g) for g in groups]))
+        steps.append(
+            (batch, [g["lr"] for g in groups], [unscaled(lr_scheduler, g) for g in groups])
+        )
         return iteration not in skipped, 1.0, 0
 
     step = optimizer_step(inner_step, state, lr_scheduler.optimizer)
     while args.consumed_train_samples < TRAIN_SAMPLES:
         calculators.update_num_microbatches(args.consumed_train_samples, consistency_check=True)
         batch = calculators.get_current_global_batch_size()
-        state.training_schedules += 1  # the step's forward/backward call (Installation.begin_step counts it)
+        state.counts.training_schedules += (
+            1  # the step's forward/backward call (Installation.begin_step counts it)
+        )
         if state.finalize is not None:
-            state.finalize.calls += 1  # and its finalize (token mode)
+            state.counts.finalizes += 1  # and its finalize (token mode)
         successful, _, _ = step()
         if successful:
             lr_scheduler.step(increment=batch)
@@ -209,15 +229,20 @@ def run_skipping(monkeypatch, state, skipped: set[int]) -> list[tuple[int, list[
     "skipped, batches",
     [
         ({1}, [16, 16, 16, 16, 32, 32]),  # the second step, at 16 samples: within the first stage
-        ({3}, [16, 16, 16, 16, 32, 32]),  # the first stage's last step (at 48 samples): the next is a new stage's first
+        (
+            {3},
+            [16, 16, 16, 16, 32, 32],
+        ),  # the first stage's last step (at 48 samples): the next is a new stage's first
         ({3, 4}, [16, 16, 16, 16, 32, 32]),  # and that one skipped too
     ],
 )
-def test_after_a_skipped_step_each_step_runs_at_its_own_batchs_factor(monkeypatch, lr_scaling, skipped, batches):
-    """A skipped step holds the scheduler's count while the consumed samples (and the batch) advance: the factor
-    follows the batch, so the next stage's first step (at 64 samples, GBS 32) already has its stage's factor, also
-    where the skipped step was the last of its stage and its rates were written for its own batch (written again
-    before the next optimizer step)."""
+def test_after_a_skipped_step_each_step_runs_at_its_own_batchs_factor(
+    monkeypatch, lr_scaling, skipped, batches
+):
+    """A skipped step holds the scheduler's count while the consumed samples (and the batch)
+    advance: the factor follows the batch, so the next stage's first step (at 64 samples, GBS 32)
+    already has its stage's factor, also where the skipped step was the last of its stage and its
+    rates were written for its own batch (written again before the next optimizer step)."""
     install_schedule(lr_scaling)
     state = installed()
     steps = run_skipping(monkeypatch, state, skipped)

@@ -1,12 +1,13 @@
-"""core/lr_windows.py: the LR warmup and WSD final decay where the batch must not change, one computation for
-``schedule --suggest`` (explicit flags) and ``--ga-batch-size-warmup auto`` (Megatron's args)."""
+"""science/core/lr_windows.py: the LR warmup and WSD final decay where the batch must not change,
+one computation for ``schedule --suggest`` (explicit flags) and ``--ga-batch-size-warmup auto``
+(Megatron's args)."""
 
 import argparse
 
 import pytest
 
-from megatron_ga_ext.cli import suggest
-from megatron_ga_ext.core.lr_windows import Frozen, lr_windows, warmup_samples
+from megatron_ga_ext.science.cli import suggest
+from megatron_ga_ext.science.core.lr_windows import Frozen, lr_windows, warmup_samples
 
 
 def windows(frozen):
@@ -66,12 +67,20 @@ def suggest_args(**flags):
 
 
 def test_suggest_and_the_in_run_warmup_find_the_same_windows():
-    """The same lengths through the command's flags and through Megatron's args: the same windows."""
-    batch_warmup = pytest.importorskip("megatron_ga_ext.integration.batch_warmup")  # imports torch
-    command = suggest._frozen(suggest_args(lr_warmup_samples="5K", lr_decay_samples="200K", lr_wsd_decay_samples="60K"))
+    """The same lengths through the command's flags and through Megatron's args: the same
+    windows."""
+    batch_warmup = pytest.importorskip(
+        "megatron_ga_ext.science.integration.batch_warmup"
+    )  # imports torch
+    command = suggest._frozen(
+        suggest_args(lr_warmup_samples="5K", lr_decay_samples="200K", lr_wsd_decay_samples="60K")
+    )
     run = batch_warmup.frozen_ranges(
         argparse.Namespace(
-            lr_warmup_samples=5000, lr_decay_samples=200_000, lr_wsd_decay_samples=60_000, lr_decay_style="WSD"
+            lr_warmup_samples=5000,
+            lr_decay_samples=200_000,
+            lr_wsd_decay_samples=60_000,
+            lr_decay_style="WSD",
         )
     )
     assert windows(command) == windows(run) == [(0, 5000), (140_000, None)]

@@ -1,6 +1,7 @@
-"""A micro-batch without loss tokens, MoE in token mode: install()'s padding mask makes the router's token count 0,
-and upstream divides the load-balancing loss by its square (0 / 0). Found writing verify --fuzz; install() clamps
-the count, so that micro-batch routes none and adds no term, and the step matches the reference."""
+"""A micro-batch without loss tokens, MoE in token mode: install()'s padding mask makes the router's
+token count 0, and upstream divides the load-balancing loss by its square (0 / 0). Found writing
+verify --fuzz; install() clamps the count, so that micro-batch routes none and adds no term, and the
+step matches the reference."""
 
 from __future__ import annotations
 
@@ -17,11 +18,14 @@ LENGTHS = (16, 0, 13, 4, 16, 9, 2, 11)  # sample 1, micro-batch 0 of DP rank 1, 
 def _rows(clamped: bool):
     from dataclasses import replace
 
-    from megatron_ga_ext.integration import aux_losses, hooks
-    from megatron_ga_ext.verify.harness import VerifyConfig, run_rank
+    from megatron_ga_ext.integration.features import aux_losses
+    from megatron_ga_ext.verify.harness import run_rank
     from megatron_ga_ext.verify.layouts import Layout
+    from megatron_ga_ext.verify.run_config import VerifyConfig
 
-    if not clamped:  # the correction with upstream's total: the per-expert counts' sum / topk, 0 here
+    if (
+        not clamped
+    ):  # the correction with upstream's total: the per-expert counts' sum / topk, 0 here
 
         def unclamped(original, state):
             counts = aux_losses.exact_token_counts(original, state)
@@ -32,8 +36,10 @@ def _rows(clamped: bool):
 
             return call
 
-        hooks.HOOKS = tuple(
-            replace(h, wrap=unclamped) if h.name == "get_tokens_per_expert_and_token_count" else h for h in hooks.HOOKS
+        rows = aux_losses.AuxLosses.hooks  # the feature's own rows
+        aux_losses.AuxLosses.hooks = tuple(
+            replace(h, wrap=unclamped) if h.name == "get_tokens_per_expert_and_token_count" else h
+            for h in rows
         )
     cfg = VerifyConfig(
         layouts=(Layout(data_parallel_size=2, num_microbatches=4, model="moe"),),

@@ -1,8 +1,10 @@
-"""``--moe-router-enable-expert-bias`` in token mode: the expert-bias counts exclude exactly the padding positions.
+"""``--moe-router-enable-expert-bias`` in token mode: the expert-bias counts exclude exactly the
+padding positions.
 
-Before main@d98e8a64 upstream's ``TopKRouter._apply_expert_bias`` masks its [tokens, experts] routing map with the
-flat [tokens] padding mask: with install()'s padding mask that is a shape error at the first step, or, where the
-tokens number the experts, experts masked instead of padding. install() gives it the mask per token there.
+Before main@d98e8a64 upstream's ``TopKRouter._apply_expert_bias`` masks its [tokens, experts]
+routing map with the flat [tokens] padding mask: with install()'s padding mask that is a shape error
+at the first step, or, where the tokens number the experts, experts masked instead of padding.
+install() gives it the mask per token there.
 """
 
 from __future__ import annotations
@@ -23,9 +25,15 @@ def _counts_and_step():
     import megatron_ga_ext
     from megatron_ga_ext.config.ga_config import GAConfig
     from megatron_ga_ext.testing.shims import cpu_shims
-    from megatron_ga_ext.verify.harness import VerifyConfig, run_rank
+    from megatron_ga_ext.verify.harness import run_rank
     from megatron_ga_ext.verify.layouts import Layout
-    from megatron_ga_ext.verify.models import ModelConfig, build_gpt, init_model_parallel, transformer_config
+    from megatron_ga_ext.verify.models import (
+        ModelConfig,
+        build_gpt,
+        init_model_parallel,
+        transformer_config,
+    )
+    from megatron_ga_ext.verify.run_config import VerifyConfig
 
     out = {}
     with cpu_shims():
@@ -39,12 +47,20 @@ def _counts_and_step():
                 post_process=True,
             )
             router = model.decoder.layers[0].mlp.router
-            for tokens in (16, 4):  # 4 tokens: as many as the experts, where the flat mask broadcasts silently
-                routing_map = torch.rand(tokens, 4, generator=torch.Generator().manual_seed(tokens)) > 0.4
+            for tokens in (
+                16,
+                4,
+            ):  # 4 tokens: as many as the experts, where the flat mask broadcasts silently
+                routing_map = (
+                    torch.rand(tokens, 4, generator=torch.Generator().manual_seed(tokens)) > 0.4
+                )
                 padding_mask = torch.arange(tokens) >= tokens // 2
                 router.local_tokens_per_expert.zero_()
                 router._apply_expert_bias(routing_map, padding_mask)
-                out[tokens] = (router.local_tokens_per_expert.tolist(), routing_map[~padding_mask].sum(dim=0).tolist())
+                out[tokens] = (
+                    router.local_tokens_per_expert.tolist(),
+                    routing_map[~padding_mask].sum(dim=0).tolist(),
+                )
         finally:
             megatron_ga_ext.uninstall()
             parallel_state.destroy_model_parallel()
@@ -53,7 +69,9 @@ def _counts_and_step():
             lengths=LENGTHS,
             progress=False,
         )
-        out["step"] = [(r.mode, r.rel_err_token, r.rel_err_mean_of_means, r.num_tokens) for r in run_rank(cfg)]
+        out["step"] = [
+            (r.mode, r.rel_err_token, r.rel_err_mean_of_means, r.num_tokens) for r in run_rank(cfg)
+        ]
     return out
 
 

@@ -1,12 +1,14 @@
-"""MTP under context parallelism, token mode, through install(): a CP shard without LM loss tokens that megatron's roll
-gives one MTP target from the next shard (upstream #7498; SFT whose response starts at a CP chunk boundary).
+"""MTP under context parallelism, token mode, through install(): a CP shard without LM loss tokens
+that megatron's roll gives one MTP target from the next shard (upstream #7498; SFT whose response
+starts at a CP chunk boundary).
 
-Two gloo ranks form the CP group. Each calls megatron-core's own ``process_mtp_loss`` (as install() patched it) on
-its zigzag shard of one sequence, cut by megatron's ``get_batch_on_this_cp_rank`` (verify's ``cp_shard``), with
-megatron's real ``roll_tensor``; the reference is the definition on the whole sequence in one process: depth 1's
-target at position s is label s + 1, counted where loss_mask[s + 1] is 1, each at alpha = scaling factor / depth
-(finalize's 1 / N comes after). Sequence 16 in 4 chunks: shard 0 holds positions 0-3 and 12-15, shard 1 positions
-4-11; the response is 4-11, so shard 0 has no LM loss token, and its position 3 predicts label 4.
+Two gloo ranks form the CP group. Each calls megatron-core's own ``process_mtp_loss`` (as install()
+patched it) on its zigzag shard of one sequence, cut by megatron's ``get_batch_on_this_cp_rank``
+(verify's ``cp_shard``), with megatron's real ``roll_tensor``; the reference is the definition on
+the whole sequence in one process: depth 1's target at position s is label s + 1, counted where
+loss_mask[s + 1] is 1, each at alpha = scaling factor / depth (finalize's 1 / N comes after).
+Sequence 16 in 4 chunks: shard 0 holds positions 0-3 and 12-15, shard 1 positions 4-11; the response
+is 4-11, so shard 0 has no LM loss token, and its position 3 predicts label 4.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ RESPONSE = range(4, 12)
 
 
 def _definition(hidden, weight, labels, loss_mask):
-    """alpha x sum_s loss_mask[s + 1] x CE(hidden_s W, label_{s+1}) over the whole sequence: its gradient in W."""
+    """alpha x sum_s loss_mask[s + 1] x CE(hidden_s W, label_{s+1}) over the whole sequence: its
+    gradient in W."""
     import torch
 
     weight = weight.detach().requires_grad_()
@@ -38,8 +41,8 @@ def _rank(extension: bool):
     import megatron_ga_ext
     from megatron_ga_ext.config.ga_config import GAConfig
     from megatron_ga_ext.testing.shims import cpu_shims
-    from megatron_ga_ext.verify.harness import cp_shard
     from megatron_ga_ext.verify.models import ModelConfig, init_model_parallel, transformer_config
+    from megatron_ga_ext.verify.step import cp_shard
 
     with cpu_shims():
         init_model_parallel(context_parallel_size=2)
@@ -55,16 +58,26 @@ def _rank(extension: bool):
             reference = _definition(hidden, weight, labels, loss_mask)
 
             cp_group = parallel_state.get_context_parallel_group()
-            shard = cp_shard({"hidden": hidden.transpose(0, 1).contiguous(), "labels": labels, "loss_mask": loss_mask})
+            shard = cp_shard(
+                {
+                    "hidden": hidden.transpose(0, 1).contiguous(),
+                    "labels": labels,
+                    "loss_mask": loss_mask,
+                }
+            )
             local_hidden = shard["hidden"].transpose(0, 1).contiguous()
             local_weight = weight.clone().requires_grad_()
-            config = transformer_config(ModelConfig(), calculate_per_token_loss=True, context_parallel_size=2)
+            config = transformer_config(
+                ModelConfig(), calculate_per_token_loss=True, context_parallel_size=2
+            )
             config.mtp_num_layers, config.mtp_loss_scaling_factor = 1, ALPHA
 
             def output_layer(states, weight=None, runtime_gather_output=None):
                 return states @ local_weight, None
 
-            def compute_language_model_loss(labels, logits):  # [b, s] per-token losses from [s, b, v] logits
+            def compute_language_model_loss(
+                labels, logits
+            ):  # [b, s] per-token losses from [s, b, v] logits
                 return torch.nn.functional.cross_entropy(
                     logits.transpose(0, 1).transpose(1, 2), labels, reduction="none"
                 )
@@ -88,7 +101,11 @@ def _rank(extension: bool):
             total = local.clone()
             torch.distributed.all_reduce(total, group=cp_group)
             lm_tokens = float(shard["loss_mask"].sum())
-            return lm_tokens, float(local.abs().max()), float((total - reference).abs().max() / reference.abs().max())
+            return (
+                lm_tokens,
+                float(local.abs().max()),
+                float((total - reference).abs().max() / reference.abs().max()),
+            )
         finally:
             megatron_ga_ext.uninstall()
             parallel_state.destroy_model_parallel()
@@ -101,7 +118,10 @@ def results():
     from megatron_ga_ext.testing.distributed import run_on_ranks
 
     if not hasattr(multi_token_prediction, "process_mtp_loss"):
-        pytest.skip("megatron-core 0.16 computes MTP in GPTModel and attaches its sum: install() does not rework it")
+        pytest.skip(
+            "megatron-core 0.16 computes MTP in GPTModel and attaches its sum: install() does "
+            "not rework it"
+        )
 
     return {extension: run_on_ranks(_rank, 2, (extension,)) for extension in (True, False)}
 

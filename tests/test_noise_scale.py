@@ -1,7 +1,9 @@
-"""The noise-scale estimator against the truth: synthetic gradients of known covariance, thousands of trials.
+"""The noise-scale estimator against the truth: synthetic gradients of known covariance, thousands
+of trials.
 
-An unbiased estimator's mean over T trials lies within 4 standard errors of the truth (a false alarm about once in
-16,000 runs, and the seeds are fixed); the equal-count formula on unequal counts misses by many.
+An unbiased estimator's mean over T trials lies within 4 standard errors of the truth (a false alarm
+about once in 16,000 runs, and the seeds are fixed); the equal-count formula on unequal counts
+misses by many.
 """
 
 import json
@@ -10,7 +12,8 @@ from fractions import Fraction
 
 import pytest
 
-from megatron_ga_ext.core.noise_scale import (
+from megatron_ga_ext.errors import NoiseScaleError
+from megatron_ga_ext.science.core.noise_scale import (
     NoiseEstimate,
     NoiseScaleEMA,
     b_simple,
@@ -18,8 +21,7 @@ from megatron_ga_ext.core.noise_scale import (
     replica_estimate,
     two_batch_estimate,
 )
-from megatron_ga_ext.errors import NoiseScaleError
-from megatron_ga_ext.testing.noise_scale import COUNTS, Problem, simulate, summarise, unbiasedness_rows
+from tests.support.noise_scale import COUNTS, Problem, simulate, summarise, unbiasedness_rows
 
 TRIALS = 4000
 
@@ -27,7 +29,8 @@ TRIALS = 4000
 @pytest.fixture(scope="module")
 def rows():
     return {
-        (regime, name.split()[0], quantity): summary for regime, name, quantity, summary in unbiasedness_rows(TRIALS)
+        (regime, name.split()[0], quantity): summary
+        for regime, name, quantity, summary in unbiasedness_rows(TRIALS)
     }
 
 
@@ -57,10 +60,13 @@ def test_the_equal_count_bias_is_the_derived_factor(rows):
 
 
 def test_exact_expectations_give_the_truth():
-    """Fed E|g_r|^2 = |G|^2 + tr/b_r and E|g|^2 = |G|^2 + tr/N, the estimator returns (tr, |G|^2) exactly."""
+    """Fed E|g_r|^2 = |G|^2 + tr/b_r and E|g|^2 = |G|^2 + tr/N, the estimator returns (tr, |G|^2)
+    exactly."""
     trace, grad_sq, counts = 3.0, 0.25, [5, 17, 100, 2]
     total = sum(counts)
-    estimate = replica_estimate([grad_sq + trace / b for b in counts], grad_sq + trace / total, counts)
+    estimate = replica_estimate(
+        [grad_sq + trace / b for b in counts], grad_sq + trace / total, counts
+    )
     assert estimate.trace_sigma == pytest.approx(trace, rel=1e-12)
     assert estimate.grad_sq == pytest.approx(grad_sq, rel=1e-12)
     assert estimate.tokens == total and estimate.b_simple_tokens == pytest.approx(12.0)
@@ -74,14 +80,18 @@ def test_it_is_mccandlish_with_the_harmonic_mean_as_the_small_batch():
     assert (ours.trace_sigma, ours.grad_sq) == pytest.approx(pair, rel=1e-12)
     equal = [24, 24, 24]
     ours, his = replica_estimate(local, reduced, equal), equal_count_estimate(local, reduced, equal)
-    assert (ours.trace_sigma, ours.grad_sq) == pytest.approx((his.trace_sigma, his.grad_sq), rel=1e-12)
+    assert (ours.trace_sigma, ours.grad_sq) == pytest.approx(
+        (his.trace_sigma, his.grad_sq), rel=1e-12
+    )
 
 
 def test_huge_token_counts_keep_their_precision():
     """h - 1/N in exact arithmetic: at N ~ 4e12 tokens the float difference would lose digits."""
     counts = [10**12 + 1, 10**12 + 3, 10**12 + 7, 10**12]
     trace, grad_sq = 5.0, 1e-6
-    estimate = replica_estimate([grad_sq + trace / b for b in counts], grad_sq + trace / sum(counts), counts)
+    estimate = replica_estimate(
+        [grad_sq + trace / b for b in counts], grad_sq + trace / sum(counts), counts
+    )
     assert estimate.trace_sigma == pytest.approx(trace, rel=1e-6)
 
 
@@ -100,7 +110,12 @@ def test_integer_scalars_from_torch_count_as_token_counts():
         ([1.0, 2.0], 0.5, [8, True], r"tokens\[1\] True is not a token count"),
         ([1.0, 2.0], 0.5, [8, 2.5], r"tokens\[1\] 2.5 is not a token count"),
         ([1.0, -2.0], 0.5, [8, 8], r"local_sq_norms\[1\] -2.0 is not a squared norm"),
-        ([1.0, 2.0], math.inf, [8, 8], r"global_sq_norm inf is not a squared norm .* skip the step"),
+        (
+            [1.0, 2.0],
+            math.inf,
+            [8, 8],
+            r"global_sq_norm inf is not a squared norm .* skip the step",
+        ),
         ([math.nan, 2.0], 0.5, [8, 8], r"local_sq_norms\[0\] nan"),
     ],
 )
@@ -117,8 +132,12 @@ def test_two_batch_refuses_batches_that_say_nothing():
 def test_b_simple_in_tokens_and_samples_and_where_undefined():
     assert b_simple(8.0, 0.5) == 16.0
     assert b_simple(8.0, 0.5, tokens_per_sample=4) == 4.0
-    assert b_simple(8.0, -0.1) is None and b_simple(-1.0, 0.5) is None and b_simple(1.0, 0.0) is None
-    with pytest.raises(NoiseScaleError, match=r"tokens_per_sample 0 must be a positive finite number"):
+    assert (
+        b_simple(8.0, -0.1) is None and b_simple(-1.0, 0.5) is None and b_simple(1.0, 0.0) is None
+    )
+    with pytest.raises(
+        NoiseScaleError, match=r"tokens_per_sample 0 must be a positive finite number"
+    ):
         b_simple(8.0, 0.5, tokens_per_sample=0)
 
 
@@ -126,7 +145,10 @@ def test_b_simple_in_tokens_and_samples_and_where_undefined():
 
 
 def _estimates():
-    return [NoiseEstimate(trace_sigma=t, grad_sq=g, tokens=64) for t, g in [(10, 1), (12, -0.5), (8, 2), (11, 0.7)]]
+    return [
+        NoiseEstimate(trace_sigma=t, grad_sq=g, tokens=64)
+        for t, g in [(10, 1), (12, -0.5), (8, 2), (11, 0.7)]
+    ]
 
 
 def test_ema_divides_the_averages_never_averages_the_ratio():
@@ -166,7 +188,9 @@ def test_ema_state_round_trips_and_resumes_exactly():
         whole.update(estimate)
     for estimate in estimates[:2]:
         first.update(estimate)
-    resumed = NoiseScaleEMA.from_state_dict(json.loads(json.dumps(first.state_dict())))  # as a checkpoint keeps it
+    resumed = NoiseScaleEMA.from_state_dict(
+        json.loads(json.dumps(first.state_dict()))
+    )  # as a checkpoint keeps it
     for estimate in estimates[2:]:
         resumed.update(estimate)
     assert resumed == whole
@@ -176,10 +200,28 @@ def test_ema_state_round_trips_and_resumes_exactly():
     "state, match",
     [
         ({"decay": 0.9}, r"has keys \['decay'\], not"),
-        ({"version": 2, "decay": 0.9, "trace_sigma_ema": 0.0, "grad_sq_ema": 0.0, "updates": 0}, r"version 2"),
-        ({"version": 1, "decay": 1.0, "trace_sigma_ema": 0.0, "grad_sq_ema": 0.0, "updates": 0}, r"decay 1.0 must be"),
-        ({"version": 1, "decay": 0.9, "trace_sigma_ema": math.nan, "grad_sq_ema": 0.0, "updates": 0}, r"not a finite"),
-        ({"version": 1, "decay": 0.9, "trace_sigma_ema": 0.0, "grad_sq_ema": 0.0, "updates": -1}, r"updates -1"),
+        (
+            {"version": 2, "decay": 0.9, "trace_sigma_ema": 0.0, "grad_sq_ema": 0.0, "updates": 0},
+            r"version 2",
+        ),
+        (
+            {"version": 1, "decay": 1.0, "trace_sigma_ema": 0.0, "grad_sq_ema": 0.0, "updates": 0},
+            r"decay 1.0 must be",
+        ),
+        (
+            {
+                "version": 1,
+                "decay": 0.9,
+                "trace_sigma_ema": math.nan,
+                "grad_sq_ema": 0.0,
+                "updates": 0,
+            },
+            r"not a finite",
+        ),
+        (
+            {"version": 1, "decay": 0.9, "trace_sigma_ema": 0.0, "grad_sq_ema": 0.0, "updates": -1},
+            r"updates -1",
+        ),
         ([1, 2], r"has keys list"),
     ],
 )
@@ -195,4 +237,8 @@ def test_ema_refuses_a_non_finite_estimate():
 
 def test_summary_of_a_known_sample():
     s = summarise([1.0, 2.0, 3.0, 4.0], truth=2.5)
-    assert s.mean == 2.5 and s.standard_error == pytest.approx(math.sqrt(5 / 3 / 4)) and s.bias_in_errors == 0
+    assert (
+        s.mean == 2.5
+        and s.standard_error == pytest.approx(math.sqrt(5 / 3 / 4))
+        and s.bias_in_errors == 0
+    )

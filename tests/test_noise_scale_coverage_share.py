@@ -1,11 +1,13 @@
-"""The start-up line of ``--ga-noise-scale``: which share of this rank's parameters the measurement covers.
+"""The start-up line of ``--ga-noise-scale``: which share of this rank's parameters the measurement
+covers.
 
-The measured set depends on the layout: the tied embedding counts at PP 1 and not at PP 2 (its stages' parts are
-summed after the reduction), the q/k layernorms count at TP 1 and not at TP 2 with ``qk_layernorm`` (finalize sums
-them over TP), and a TP rank other than 0 leaves its duplicates to TP rank 0. On real megatron-core (the tiny GPT,
-gloo ranks, install(GAConfig(noise_scale=1)), megatron's schedule and DDP), each layout's first measured step logs
-one line, and only one; each rank's numbers are checked against its own parameters. Before the line existed,
-nothing in the run said it (the capture was empty).
+The measured set depends on the layout: the tied embedding counts at PP 1 and not at PP 2 (its
+stages' parts are summed after the reduction), the q/k layernorms count at TP 1 and not at TP 2 with
+``qk_layernorm`` (finalize sums them over TP), and a TP rank other than 0 leaves its duplicates to
+TP rank 0. On real megatron-core (the tiny GPT, gloo ranks, install(GAConfig(noise_scale=1)),
+megatron's schedule and DDP), each layout's first measured step logs one line, and only one; each
+rank's numbers are checked against its own parameters. Before the line existed, nothing in the run
+said it (the capture was empty).
 """
 
 from __future__ import annotations
@@ -22,6 +24,15 @@ pytestmark = pytest.mark.slow
 
 SEQ = 16
 STEPS = 2
+
+
+def meter(state):
+    """The installation's noise-scale meter (its NoiseScale feature's), or None without
+    --ga-noise-scale."""
+    from megatron_ga_ext.science.integration.noise_scale_feature import NoiseScale
+
+    feature = state.feature(NoiseScale)
+    return None if feature is None else feature.meter
 
 
 def _qk_gpt(cfg, config):
@@ -48,14 +59,27 @@ def _layouts():
 
     return [
         ("dp4", Layout(data_parallel_size=4, num_microbatches=2), False),
-        ("pp2", Layout(pipeline_model_parallel_size=2, data_parallel_size=2, num_microbatches=2), False),
-        ("tp2", Layout(tensor_model_parallel_size=2, data_parallel_size=2, num_microbatches=2), False),
-        ("tp2-qk", Layout(tensor_model_parallel_size=2, data_parallel_size=2, num_microbatches=2), True),
+        (
+            "pp2",
+            Layout(pipeline_model_parallel_size=2, data_parallel_size=2, num_microbatches=2),
+            False,
+        ),
+        (
+            "tp2",
+            Layout(tensor_model_parallel_size=2, data_parallel_size=2, num_microbatches=2),
+            False,
+        ),
+        (
+            "tp2-qk",
+            Layout(tensor_model_parallel_size=2, data_parallel_size=2, num_microbatches=2),
+            True,
+        ),
     ]
 
 
 class _Lines:
-    """Records of the meter's logger (as caplog would: the subprocess ranks have no pytest fixture)."""
+    """Records of the meter's logger (as caplog would: the subprocess ranks have no pytest
+    fixture)."""
 
     def __init__(self) -> None:
         import logging
@@ -63,7 +87,7 @@ class _Lines:
         self.lines: list[str] = []
         self.handler = logging.Handler()
         self.handler.emit = lambda record: self.lines.append(record.getMessage())
-        self.logger = logging.getLogger("megatron_ga_ext.integration.noise_scale")
+        self.logger = logging.getLogger("megatron_ga_ext.science.integration.noise_scale")
 
     def __enter__(self) -> list[str]:
         import logging
@@ -79,7 +103,8 @@ class _Lines:
 
 
 def _run(layout, qk: bool):
-    """Two measured steps of the layout: the lines logged, this rank's coverage, and its own parameter counts."""
+    """Two measured steps of the layout: the lines logged, this rank's coverage, and its own
+    parameter counts."""
     from functools import partial
 
     import torch
@@ -89,9 +114,11 @@ def _run(layout, qk: bool):
     import megatron_ga_ext
     from megatron_ga_ext import GAConfig
     from megatron_ga_ext.integration.loss_contract import masked_loss
-    from megatron_ga_ext.verify.harness import VerifyConfig, build_chunks, train_step
+    from megatron_ga_ext.verify.harness import build_chunks
     from megatron_ga_ext.verify.layouts import make_global_batch
     from megatron_ga_ext.verify.models import ModelConfig, init_model_parallel
+    from megatron_ga_ext.verify.run_config import VerifyConfig
+    from megatron_ga_ext.verify.step import train_step
 
     cfg = VerifyConfig(layouts=(layout,), model=ModelConfig(seq_length=SEQ))
     init_model_parallel(
@@ -106,9 +133,14 @@ def _run(layout, qk: bool):
     )
     try:
         chunks, _, config = build_chunks(
-            layout, cfg, calculate_per_token_loss=True, build_module=partial(_qk_gpt, cfg) if qk else None
+            layout,
+            cfg,
+            calculate_per_token_loss=True,
+            build_module=partial(_qk_gpt, cfg) if qk else None,
         )
-        from megatron.core.distributed import finalize_model_grads  # the extension's, after install()
+        from megatron.core.distributed import (
+            finalize_model_grads,
+        )  # the extension's, after install()
 
         lengths = tuple(1 + (5 * i) % SEQ for i in range(layout.global_batch_size))
         batch = make_global_batch(lengths, SEQ, cfg.model.vocab_size, seed=3)
@@ -123,17 +155,21 @@ def _run(layout, qk: bool):
                     finalize=finalize_model_grads,
                     loss_func=partial(masked_loss, mode="token"),
                 )
-                state.noise_scale.read()
+                meter(state).read()
         params = [(name, p) for chunk in chunks for name, p in chunk.named_parameters()]
-        coverage = state.noise_scale.coverage(chunks)
+        coverage = meter(state).coverage(chunks)
         return {
             "lines": [line for line in lines if "covers" in line],
             "left_out": coverage.left_out,
             "elements": coverage.elements,
             "total": sum(p.numel() for _, p in params),
             "tied": sum(p.numel() for _, p in params if getattr(p, "shared_embedding", False)),
-            "qk": sum(p.numel() for name, p in params if "q_layernorm" in name or "k_layernorm" in name),
-            "duplicates": sum(p.numel() for _, p in params if not getattr(p, "tensor_model_parallel", False)),
+            "qk": sum(
+                p.numel() for name, p in params if "q_layernorm" in name or "k_layernorm" in name
+            ),
+            "duplicates": sum(
+                p.numel() for _, p in params if not getattr(p, "tensor_model_parallel", False)
+            ),
             "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
             "first_stage": parallel_state.is_pipeline_first_stage(),
         }
@@ -175,18 +211,29 @@ def test_the_first_measured_step_logs_the_share_once_on_rank_0(ranks, name):
     assert total == rank0["total"] == rank0["elements"]
     assert counted == total - sum(rank0["left_out"].values())
     assert share == pytest.approx(100 * counted / total, abs=0.05)
-    assert all(not run[name]["lines"] for run in ranks[1:])  # the other ranks' records are filtered out
+    assert all(
+        not run[name]["lines"] for run in ranks[1:]
+    )  # the other ranks' records are filtered out
     if name in ("dp4", "tp2"):  # PP 1: the tied embedding counts; TP rank 0 counts the duplicates
         assert left == "none" and share == 100.0
     if name == "pp2":
-        assert left == f"the tied embedding (summed across pipeline stages) ({rank0['tied']:,})" and rank0["tied"]
+        assert (
+            left == f"the tied embedding (summed across pipeline stages) ({rank0['tied']:,})"
+            and rank0["tied"]
+        )
     if name == "tp2-qk":
-        assert left == f"q/k layernorm (summed over TP in finalize) ({rank0['qk']:,})" and rank0["qk"]
+        assert (
+            left == f"q/k layernorm (summed over TP in finalize) ({rank0['qk']:,})" and rank0["qk"]
+        )
 
 
 @pytest.mark.parametrize("name", ["dp4", "pp2", "tp2", "tp2-qk"])
 def test_every_ranks_coverage_is_its_own_layouts(ranks, name):
-    from megatron_ga_ext.integration.noise_scale_coverage import QK_LAYERNORM, TIED_EMBEDDING, TP_DUPLICATE
+    from megatron_ga_ext.science.integration.noise_scale_coverage import (
+        QK_LAYERNORM,
+        TIED_EMBEDDING,
+        TP_DUPLICATE,
+    )
 
     for run in (r[name] for r in ranks):
         expected = {}

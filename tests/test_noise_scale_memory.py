@@ -1,8 +1,10 @@
-"""The meter's squared norms in bounded extra memory: float64 accumulation, converted a chunk at a time.
+"""The meter's squared norms in bounded extra memory: float64 accumulation, converted a chunk at a
+time.
 
-Before the chunking, ``torch.linalg.vector_norm(range, dtype=torch.float64)`` converted each counted range to float64
-whole: 8 extra bytes per element (a 32M-element bucket: 256 MiB; 256M elements: 2 GiB) on every measured step. These
-tests fail on that code: the peak grows by the whole copy, and one conversion holds every element of the range.
+Before the chunking, ``torch.linalg.vector_norm(range, dtype=torch.float64)`` converted each counted
+range to float64 whole: 8 extra bytes per element (a 32M-element bucket: 256 MiB; 256M elements: 2
+GiB) on every measured step. These tests fail on that code: the peak grows by the whole copy, and
+one conversion holds every element of the range.
 """
 
 from __future__ import annotations
@@ -14,13 +16,13 @@ import textwrap
 import pytest
 import torch
 
-from megatron_ga_ext.integration import noise_scale
-from megatron_ga_ext.integration.noise_scale import squared_norm
+from megatron_ga_ext.science.integration import noise_scale
+from megatron_ga_ext.science.integration.noise_scale import squared_norm
 
 _PEAK = textwrap.dedent("""
     import resource
     import torch
-    from megatron_ga_ext.integration import noise_scale
+    from megatron_ga_ext.science.integration import noise_scale
 
     torch.set_num_threads(1)
     noise_scale.NORM_CHUNK = 1 << 20  # 8 MiB of float64 per chunk
@@ -36,11 +38,16 @@ _PEAK = textwrap.dedent("""
 
 
 def test_the_peak_extra_memory_of_a_norm_is_one_chunk_not_the_bucket():
-    """32M float32 elements: a whole float64 copy is 256 MiB more peak; chunks of 1M elements are 8 MiB."""
-    done = subprocess.run([sys.executable, "-c", _PEAK], capture_output=True, text=True, timeout=300, check=True)
+    """32M float32 elements: a whole float64 copy is 256 MiB more peak; chunks of 1M elements are 8
+    MiB."""
+    done = subprocess.run(
+        [sys.executable, "-c", _PEAK], capture_output=True, text=True, timeout=300, check=True
+    )
     growth, total = (float(x) for x in done.stdout.split())
     assert total == 32 << 20
-    assert growth < 64, f"the norm grew the peak RSS by {growth:.0f} MiB (bound 64 MiB; a float64 copy is 256 MiB)"
+    assert growth < 64, (
+        f"the norm grew the peak RSS by {growth:.0f} MiB (bound 64 MiB; a float64 copy is 256 MiB)"
+    )
 
 
 def test_no_conversion_holds_more_than_a_chunk(monkeypatch):
@@ -60,7 +67,9 @@ def test_no_conversion_holds_more_than_a_chunk(monkeypatch):
 @pytest.mark.parametrize("size", [1, 999, 1000, 1001, 12345])
 def test_the_chunked_norm_keeps_float64_accuracy(monkeypatch, size):
     monkeypatch.setattr(noise_scale, "NORM_CHUNK", 1000)
-    values = torch.randn(size, generator=torch.Generator().manual_seed(size), dtype=torch.float32) * 1e3
+    values = (
+        torch.randn(size, generator=torch.Generator().manual_seed(size), dtype=torch.float32) * 1e3
+    )
     total = squared_norm(values)
     assert total.dtype == torch.float64 and total.dim() == 0
     reference = float((values.double() ** 2).sum())

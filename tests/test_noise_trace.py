@@ -1,11 +1,11 @@
-"""core/noise_trace.py: the trace row the run writes is the row ``schedule --suggest`` reads, through each of its
-three forms (the JSON Lines file, the log line, the TensorBoard tags)."""
+"""science/core/noise_trace.py: the trace row the run writes is the row ``schedule --suggest``
+reads, through each of its three forms (the JSON Lines file, the log line, the TensorBoard tags)."""
 
 import json
 
 import pytest
 
-from megatron_ga_ext.core.noise_trace import (
+from megatron_ga_ext.science.core.noise_trace import (
     SCALARS,
     TraceRow,
     json_line,
@@ -66,7 +66,8 @@ def test_the_json_lines_file_reads_back():
 def test_the_log_line_reads_back():
     lines = [log_line(row(10, 160)), "unrelated line", log_line(row(20, 320, None))]
     assert lines[0].startswith(
-        " megatron-ga-ext noise scale | iteration 10 | B_simple (EMA): 8.0000E+02 tokens, 1.2500E+01 samples |"
+        " megatron-ga-ext noise scale | iteration 10 | B_simple (EMA): 8.0000E+02 tokens, "
+        "1.2500E+01 samples |"
     )
     assert lines[0].endswith("| consumed samples: 160 |")
     assert read_log(lines) == [

@@ -1,14 +1,20 @@
-"""core/noise_window.py: B_simple from a centred window of trace rows (ratio of sums) and the median ratio."""
+"""science/core/noise_window.py: B_simple from a centred window of trace rows (ratio of sums) and
+the median ratio."""
 
 import pytest
 
-from megatron_ga_ext.core.noise_window import median_b_simple, step_parts, window_b_simple
+from megatron_ga_ext.science.core.noise_window import median_b_simple, step_parts, window_b_simple
 
 
 def rows(values: list[tuple[float, float]], tokens: float = 64.0) -> list[dict]:
     """Rows every 32 samples with (tr(Sigma) per token, |G|^2)."""
     return [
-        {"consumed_samples": 32 * (i + 1), "trace_sigma": s, "grad_sq": g, "tokens_per_sample": tokens}
+        {
+            "consumed_samples": 32 * (i + 1),
+            "trace_sigma": s,
+            "grad_sq": g,
+            "tokens_per_sample": tokens,
+        }
         for i, (s, g) in enumerate(values)
     ]
 

@@ -2,8 +2,8 @@
 install() does, without install().
 
 The sources are the wheels' own files, unpacked by tools/unpack-wheels.sh into $MEGATRON_GA_SOURCES
-(default .cache/megatron-core-sources). Each release runs where its Python is: 0.16.1 on the 3.11 leg,
-0.17.1, 0.18.2 and 0.19.2 on the 3.12 leg (they need Python 3.12).
+(default .cache/megatron-core-sources). Each release runs where its Python is: 0.16.1 on the 3.11
+leg, 0.17.1, 0.18.2 and 0.19.2 on the 3.12 leg (they need Python 3.12).
 """
 
 import os
@@ -25,7 +25,10 @@ pytestmark = pytest.mark.slow
 
 def patches(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(ROOT / "patches" / "patches.py"), *args], capture_output=True, text=True, timeout=120
+        [sys.executable, str(ROOT / "patches" / "patches.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -44,7 +47,10 @@ def test_every_patch_is_current_and_applies_cleanly(sources):
     result = patches("check", "--sources", str(sources))
     assert result.returncode == 0, result.stdout + result.stderr
     for version in RELEASES:
-        applies = f"megatron-core-{version}/megatron-ga-ext.patch applies cleanly to megatron-core {version}"
+        applies = (
+            f"megatron-core-{version}/megatron-ga-ext.patch applies cleanly to megatron-core "
+            f"{version}"
+        )
         assert applies in result.stdout
 
 
@@ -60,7 +66,9 @@ def test_pretrain_gpt_patch_checks_a_named_checkout_or_says_it_skipped():
     checkout = os.environ.get("MEGATRON_LM_DIR")
     if checkout:
         result = patches("check-megatron-lm")
-        assert result.returncode == 0 and "applies cleanly" in result.stdout, result.stdout + result.stderr
+        assert result.returncode == 0 and "applies cleanly" in result.stdout, (
+            result.stdout + result.stderr
+        )
 
 
 @pytest.mark.parametrize("version", LEG_RELEASES)
@@ -69,12 +77,12 @@ def test_patched_tree_behaves_without_install(sources, tmp_path, version):
     applied = patches("apply", "--sources", str(sources), "--version", version, "--into", str(tree))
     assert applied.returncode == 0, applied.stderr
     code = (
-        "import sys, megatron.core, tests.test_install_pipeline_schedule as t; "
-        "assert megatron.core.__file__.startswith(sys.argv[1]), megatron.core.__file__; "
+        "import sys, megatron.core, tests.test_install_pipeline_schedule as t; assert "
+        "megatron.core.__file__.startswith(sys.argv[1]), megatron.core.__file__; "
         "t.run_and_check('vendored'); print('vendored ok')"
     )
-    # python -c puts its cwd first on sys.path, so ROOT makes `tests` importable; PYTHONPATH puts the patched
-    # megatron before the installed one
+    # python -c puts its cwd first on sys.path, so ROOT makes `tests` importable; PYTHONPATH puts
+    # the patched megatron before the installed one
     result = subprocess.run(
         [sys.executable, "-c", code, str(tree)],
         capture_output=True,

@@ -1,4 +1,5 @@
-"""Long ramps, described not listed: exact lookups, closed-form checks equal to stage-by-stage ones."""
+"""Long ramps, described not listed: exact lookups, closed-form checks equal to stage-by-stage
+ones."""
 
 import time
 
@@ -25,7 +26,10 @@ def test_a_ramp_past_the_listed_limit_is_described():
     schedule = StepSchedule.from_rampup(1, 1, 10**6, 10**12)
     assert isinstance(schedule.entries, RampStages) and len(schedule.stages) == 10**12
     assert str(schedule).startswith("1,000,000,000,000 stages: 0:1 1:2 ... ")
-    with pytest.raises(UsageError, match=r"too many to be written as --step-batch-size-schedule.*--ga-convert-rampup"):
+    with pytest.raises(
+        UsageError,
+        match=r"too many to be written as --step-batch-size-schedule.*--ga-convert-rampup",
+    ):
         schedule.to_string()
     with pytest.raises(UsageError, match=r"more than the 10,000 a table lists"):
         schedule.table(1, 1)
@@ -47,7 +51,9 @@ def test_lookups_follow_upstreams_float_arithmetic(ramp):
     samples = ramp[2]
     schedule = StepSchedule.from_rampup(*ramp)
     assert isinstance(schedule.entries, RampStages)
-    probes = {0, 1, 2, samples - 1, samples, samples + 1, samples + 2} | {samples * k // 97 for k in range(97)}
+    probes = {0, 1, 2, samples - 1, samples, samples + 1, samples + 2} | {
+        samples * k // 97 for k in range(97)
+    }
     for k in (1, 2, 3, len(schedule.stages) // 3, len(schedule.stages) - 1):
         threshold = schedule.stages[k][0]
         probes |= {threshold - 1, threshold, threshold + 1}
@@ -79,7 +85,9 @@ def _brute_force(ramp: RampStages, current: int, layout: CheckLayout):
     """(first index, count, error type) per rule, stage by stage, as for a listed schedule."""
     found = {}
     for index in range(current, len(ramp)):
-        planned = dict.fromkeys(d for d in layout.planned_data_parallel_sizes if d != layout.data_parallel_size)
+        planned = dict.fromkeys(
+            d for d in layout.planned_data_parallel_sizes if d != layout.data_parallel_size
+        )
         sizes = [layout.data_parallel_size] + (list(planned) if index > current else [])
         for dp in sizes:
             error = stage_error(ramp[index], layout, dp)
@@ -104,7 +112,9 @@ def _brute_force(ramp: RampStages, current: int, layout: CheckLayout):
     st.sampled_from([(1, 1, None), (2, 2, None), (4, 2, None), (4, 2, 6), (3, 3, 5)]),
     st.data(),
 )
-def test_closed_form_problems_equal_stage_by_stage(start, increment, steps, mbs, dp, pipeline, data):
+def test_closed_form_problems_equal_stage_by_stage(
+    start, increment, steps, mbs, dp, pipeline, data
+):
     pp, vpp, group = pipeline
     ramp = RampStages(start, increment, 997, start + steps * increment)
     current = data.draw(st.integers(0, steps))
@@ -121,8 +131,8 @@ def test_closed_form_checks_of_a_trillion_stages_are_instant():
     start = time.perf_counter()
     found = schedule.problems(4, 6, pipeline_model_parallel_size=4, virtual_pipeline_size=2)
     assert time.perf_counter() - start < 1.0
-    # b_k = 16 + 8k against MBS x DP = 24: k = 0 is below 24; b_k % 24 == 0 exactly for k = 1 (mod 3), where
-    # M = 1 + t (k = 1 + 3t) runs interleaved only for M % 4 == 0.
+    # b_k = 16 + 8k against MBS x DP = 24: k = 0 is below 24; b_k % 24 == 0 exactly for k = 1 (mod
+    # 3), where M = 1 + t (k = 1 + 3t) runs interleaved only for M % 4 == 0.
     n = (10**12 - 16) // 8
     multiples = (n - 1) // 3 + 1
     assert [(p.index, p.count, type(p.error)) for p in found] == [
@@ -143,13 +153,16 @@ def test_calculator_runs_a_long_ramp_in_constant_time_per_update():
     start = time.perf_counter()
     for consumed in range(0, 10**9, 10**5):
         calc.update(consumed, consistency_check=True)
-        assert calc.get_current_global_batch_size() == upstream_gbs(8, 8, 10**9, 8 * 10**6, consumed)
+        assert calc.get_current_global_batch_size() == upstream_gbs(
+            8, 8, 10**9, 8 * 10**6, consumed
+        )
     assert time.perf_counter() - start < 1.0
     assert LISTED_RAMP < 10**6
 
 
 def test_run_length_of_a_long_ramp_steps_through_the_stages_it_uses():
-    """The calculator's plan (install's --train-samples): equal to stepping with upstream's arithmetic."""
+    """The calculator's plan (install's --train-samples): equal to stepping with upstream's
+    arithmetic."""
     ramp = (8, 8, 10**9, 8 * 10**6)
     calc = StepScheduleCalculator.build(0, list(ramp[:3]), ramp[3], 8, 1)
     consumed, steps = 0, 0

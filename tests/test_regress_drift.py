@@ -1,7 +1,7 @@
-"""``make regress``'s drift listing (tools/regress.py drift): a checkout's parser flags that neither a coverage row
-nor the off-path list names (whether or not a tested source's parser has them), the hooked functions whose source
-no tested source has, against the nearest tested source, and the callers of hooked functions that changed since that
-source."""
+"""``make regress``'s drift listing (tools/regress.py drift): a checkout's parser flags that neither
+a coverage row nor the off-path list names (whether or not a tested source's parser has them), the
+hooked functions whose source no tested source has, against the nearest tested source, and the
+callers of hooked functions that changed since that source."""
 
 import shutil
 from pathlib import Path
@@ -15,7 +15,8 @@ megatron_core = pytest.importorskip("megatron.core")
 
 
 def checkout(tmp_path: Path) -> Path:
-    """A tree holding this megatron-core's hooked modules (megatron-core alone: no megatron/training)."""
+    """A tree holding this megatron-core's hooked modules (megatron-core alone: no
+    megatron/training)."""
     installed = Path(megatron_core.__file__).parents[2]
     for target in TARGETS:
         source = target.path_in(installed)
@@ -39,19 +40,23 @@ def test_an_unchanged_tree_matches_its_tested_source_and_a_changed_function_is_n
     assert regress.changed_functions(root)[1] == [f"{FINALIZE}.finalize_model_grads (gone)"]
 
 
-def test_drift_lists_the_unclassified_flags_and_the_changed_functions(tmp_path, monkeypatch, capsys):
+def test_drift_lists_the_unclassified_flags_and_the_changed_functions(
+    tmp_path, monkeypatch, capsys
+):
     root = checkout(tmp_path / "checkout")
     monkeypatch.setattr(regress, "nearest_tree", lambda name: root)
     monkeypatch.setattr(
         regress,
         "parser_flags",
-        lambda roots: {root: ["--lr", "--cuda-graph-impl", "--zz-new-loss-flag", "--zz-old-but-unlisted"]},
+        lambda roots: {
+            root: ["--lr", "--cuda-graph-impl", "--zz-new-loss-flag", "--zz-old-but-unlisted"]
+        },
     )
     assert regress.drift([root]) == 0
     out = capsys.readouterr().out
     assert (
-        "2 flag(s) of its parser that neither a row of the coverage table (config/coverage/) nor the off-path "
-        "list (config/off_path.py) names" in out
+        "2 flag(s) of its parser that neither a row of the coverage table (config/coverage/) nor "
+        "the off-path list (config/off_path.py) names" in out
     )
     # a row names --cuda-graph-impl, the off-path list --lr; a flag is listed whoever else has it
     assert "  --zz-new-loss-flag\n" in out and "  --zz-old-but-unlisted\n" in out
@@ -78,17 +83,27 @@ def finalize(config):
 """
 
 
-def test_callers_are_the_functions_that_name_a_hooked_function_and_their_changes_are_listed(tmp_path):
+def test_callers_are_the_functions_that_name_a_hooked_function_and_their_changes_are_listed(
+    tmp_path,
+):
     old, new = tmp_path / "old", tmp_path / "new"
     for root in (old, new):
         (root / "megatron" / "training").mkdir(parents=True)
         (root / "megatron" / "training" / "loop.py").write_text(SCHEDULE_CALLER)
-    assert sorted(regress.callers(old)) == ["megatron.training.loop:Loop.step", "megatron.training.loop:finalize"]
+    assert sorted(regress.callers(old)) == [
+        "megatron.training.loop:Loop.step",
+        "megatron.training.loop:finalize",
+    ]
     assert regress.changed_callers(new, old) == []
-    changed = SCHEDULE_CALLER.replace("return forward_backward_func(config)", "return None  # a replayed graph")
-    (new / "megatron" / "training" / "loop.py").write_text(changed.replace("def finalize(", "def finalize_v2("))
+    changed = SCHEDULE_CALLER.replace(
+        "return forward_backward_func(config)", "return None  # a replayed graph"
+    )
+    (new / "megatron" / "training" / "loop.py").write_text(
+        changed.replace("def finalize(", "def finalize_v2(")
+    )
     (new / "pretrain_moe.py").write_text(
-        "def train(model):\n    return model.build_schedule_plan(model.config.finalize_model_grads_func)\n"
+        "def train(model):\n    return "
+        "model.build_schedule_plan(model.config.finalize_model_grads_func)\n"
     )
     assert regress.changed_callers(new, old) == [
         "megatron.training.loop:Loop.step",
@@ -100,16 +115,20 @@ def test_callers_are_the_functions_that_name_a_hooked_function_and_their_changes
 
 def test_drift_report_names_both_kinds():
     report = regress.drift_report(
-        "main@abc", [], "0.19.2", [f"{FINALIZE}.finalize_model_grads"], ["megatron.training.training:train_step"]
+        "main@abc",
+        [],
+        "0.19.2",
+        [f"{FINALIZE}.finalize_model_grads"],
+        ["megatron.training.training:train_step"],
     )
     assert report.splitlines() == [
         "== drift of main@abc against the tested sources ==",
         "every flag of its parser is named by a coverage row or the off-path list",
-        "1 hooked function(s) whose source no tested source has (nearest tested source: 0.19.2); read the change, "
-        "then add the source to compat.UPSTREAM (make fingerprints):",
+        "1 hooked function(s) whose source no tested source has (nearest tested source: 0.19.2); "
+        "read the change, then add the source to compat.UPSTREAM (make fingerprints):",
         f"  {FINALIZE}.finalize_model_grads",
-        "1 caller(s) of hooked functions changed since 0.19.2; read each for a path that reaches the step without "
-        "the hooks (a row of the coverage table, or a hook):",
+        "1 caller(s) of hooked functions changed since 0.19.2; read each for a path that reaches "
+        "the step without the hooks (a row of the coverage table, or a hook):",
         "  megatron.training.training:train_step",
     ]
     unseen = regress.drift_report("main@abc", [], "0.19.2", [], None).splitlines()[-1]

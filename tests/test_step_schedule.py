@@ -1,4 +1,5 @@
-"""StepSchedule: exact parsing, every error by type and message, validation, rampup conversion, tables."""
+"""StepSchedule: exact parsing, every error by type and message, validation, rampup conversion,
+tables."""
 
 import itertools
 import warnings
@@ -27,7 +28,10 @@ from megatron_ga_ext.errors import (
         ("0:8 2.01K:16", [(0, 8), (2010, 16)]),
         ("0:8,100:16 , 1k:32", [(0, 8), (100, 16), (1000, 32)]),
         ("0:8 1e3:16 +2000:32", [(0, 8), (1000, 16), (2000, 32)]),
-        ("0:8 9007199254740993:16", [(0, 8), (9007199254740993, 16)]),  # above 2**53: exact, unlike float
+        (
+            "0:8 9007199254740993:16",
+            [(0, 8), (9007199254740993, 16)],
+        ),  # above 2**53: exact, unlike float
         ("  0:768\t61035156:1536\n", [(0, 768), (61035156, 1536)]),
     ],
 )
@@ -52,7 +56,12 @@ def test_suffix_cases_and_both_sides():
 def test_token_thresholds_floor_to_samples_like_upstream():
     schedule = StepSchedule.parse("0:768 250B:1536 500B:3072 750B:6144", seq_length=4096)
     assert schedule.stages == [(0, 768), (61035156, 1536), (122070312, 3072), (183105468, 6144)]
-    assert [s.threshold_tokens for s in schedule.entries] == [0, 250 * 10**9, 500 * 10**9, 750 * 10**9]
+    assert [s.threshold_tokens for s in schedule.entries] == [
+        0,
+        250 * 10**9,
+        500 * 10**9,
+        750 * 10**9,
+    ]
     assert str(schedule) == "0:768 250B:1536 500B:3072 750B:6144"
     assert schedule.samples_string() == "0:768 61035156:1536 122070312:3072 183105468:6144"
 
@@ -67,67 +76,119 @@ E = "--step-batch-size-schedule entry"
             "0:8 100:16.5",
             None,
             ScheduleParseError,
-            rf"{E} 2 '100:16.5': batch size '16.5' = 16.5 is not a whole number of samples \(upstream would silently "
-            r"truncate it to 16\); write 16 or 17",
+            rf"{E} 2 '100:16.5': batch size '16.5' = 16.5 is not a whole number of samples "
+            r"\(upstream would silently truncate it to 16\); write 16 or 17",
         ),
         (
             "0:8 1.5:16",
             None,
             ScheduleParseError,
-            rf"{E} 2 '1.5:16': threshold '1.5' = 1.5 is not a whole number of samples; write 1 or 2",
+            rf"{E} 2 '1.5:16': threshold '1.5' = 1.5 is not a whole number of samples; write 1 "
+            r"or 2",
         ),
-        ("0:8 1.5:16", 4096, ScheduleParseError, r"threshold '1.5' = 1.5 is not a whole number of tokens"),
-        ("0:nan", None, ScheduleParseError, rf"{E} 1 '0:nan': batch size 'nan' is not a finite number"),
-        ("0:8 NaN:16", None, ScheduleParseError, rf"{E} 2 'NaN:16': threshold 'NaN' is not a finite number"),
-        ("0:8 inf:16", None, ScheduleParseError, rf"{E} 2 'inf:16': threshold 'inf' is not a finite number"),
+        (
+            "0:8 1.5:16",
+            4096,
+            ScheduleParseError,
+            r"threshold '1.5' = 1.5 is not a whole number of tokens",
+        ),
+        (
+            "0:nan",
+            None,
+            ScheduleParseError,
+            rf"{E} 1 '0:nan': batch size 'nan' is not a finite number",
+        ),
+        (
+            "0:8 NaN:16",
+            None,
+            ScheduleParseError,
+            rf"{E} 2 'NaN:16': threshold 'NaN' is not a finite number",
+        ),
+        (
+            "0:8 inf:16",
+            None,
+            ScheduleParseError,
+            rf"{E} 2 'inf:16': threshold 'inf' is not a finite number",
+        ),
         ("0:-Infinity", None, ScheduleParseError, r"batch size '-Infinity' is not a finite number"),
-        ("0:8 1000:nan5", None, ScheduleParseError, rf"{E} 2 '1000:nan5': batch size 'nan5' is not a finite number"),
-        ("0:snan1", None, ScheduleParseError, rf"{E} 1 '0:snan1': batch size 'snan1' is not a finite number"),
-        ("0:8 -nan2:16", None, ScheduleParseError, rf"{E} 2 '-nan2:16': threshold '-nan2' is not a finite number"),
+        (
+            "0:8 1000:nan5",
+            None,
+            ScheduleParseError,
+            rf"{E} 2 '1000:nan5': batch size 'nan5' is not a finite number",
+        ),
+        (
+            "0:snan1",
+            None,
+            ScheduleParseError,
+            rf"{E} 1 '0:snan1': batch size 'snan1' is not a finite number",
+        ),
+        (
+            "0:8 -nan2:16",
+            None,
+            ScheduleParseError,
+            rf"{E} 2 '-nan2:16': threshold '-nan2' is not a finite number",
+        ),
         ("0:8 -sNaN:16", None, ScheduleParseError, r"threshold '-sNaN' is not a finite number"),
         ("0:8 nanK:16", None, ScheduleParseError, r"threshold 'nanK' is not a finite number"),
-        ("0:8 -100:16", None, ScheduleError, rf"{E} 2 '-100:16': threshold '-100' is negative.*use >= 0"),
+        (
+            "0:8 -100:16",
+            None,
+            ScheduleError,
+            rf"{E} 2 '-100:16': threshold '-100' is negative.*use >= 0",
+        ),
         ("0:-8", None, ScheduleError, rf"{E} 1 '0:-8': batch size '-8' is negative"),
         (
             "0:8 1G:16",
             None,
             ScheduleParseError,
-            rf"{E} 2 '1G:16': threshold '1G' has an unknown suffix 'G'; the suffixes are K \(1e3\), M \(1e6\), "
-            r"B \(1e9\) and T \(1e12\)",
+            rf"{E} 2 '1G:16': threshold '1G' has an unknown suffix 'G'; the suffixes are K "
+            r"\(1e3\), M \(1e6\), B \(1e9\) and T \(1e12\)",
         ),
-        ("0:8 100:abc", None, ScheduleParseError, rf"{E} 2 '100:abc': batch size 'abc' is not a number"),
+        (
+            "0:8 100:abc",
+            None,
+            ScheduleParseError,
+            rf"{E} 2 '100:abc': batch size 'abc' is not a number",
+        ),
         ("0:8 1e400:16", None, ScheduleParseError, r"threshold '1e400' is larger than 1e30"),
-        ("", None, ScheduleError, r"--step-batch-size-schedule is empty; give at least one THRESHOLD:BATCH_SIZE entry"),
+        (
+            "",
+            None,
+            ScheduleError,
+            r"--step-batch-size-schedule is empty; give at least one THRESHOLD:BATCH_SIZE entry",
+        ),
         (" , ", None, ScheduleError, r"--step-batch-size-schedule is empty"),
         (
             "100:8 200:16",
             None,
             ScheduleError,
-            rf"{E} 1 '100:8' \(from 100 samples, global batch size 8\) is the first entry but its threshold is not 0.*"
-            r"Begin the schedule with '0:8'",
+            rf"{E} 1 '100:8' \(from 100 samples, global batch size 8\) is the first entry but "
+            r"its threshold is not 0.*Begin the schedule with '0:8'",
         ),
         (
             "100:8",
             4096,
             ScheduleError,
-            r"^--step-batch-size-schedule entry 1 '100:8' \(from 100 tokens = 0 samples, global batch size 8\) is the "
-            r"first entry; its threshold of 100 tokens becomes 0 samples \(100 // --seq-length 4096\), the start of "
-            r"training, "
-            r"but the first threshold must be written as 0\. Write '0:8'\.$",
+            r"^--step-batch-size-schedule entry 1 '100:8' \(from 100 tokens = 0 samples, global "
+            r"batch size 8\) is the first entry; its threshold of 100 tokens becomes 0 "
+            r"samples \(100 // --seq-length 4096\), the start of training, but the first "
+            r"threshold must be written as 0\. Write '0:8'\.$",
         ),
         (
             "8192:8",
             4096,
             ScheduleError,
-            r"entry 1 '8192:8' \(from 8,192 tokens = 2 samples.*threshold is not 0, so no "
-            r"batch size is set for the start of training",
+            r"entry 1 '8192:8' \(from 8,192 tokens = 2 samples.*threshold is not 0, so no batch "
+            r"size is set for the start of training",
         ),
         (
             "0:8 300:32 200:16",
             None,
             ScheduleError,
-            rf"{E} 3 '200:16' \(from 200 samples, global batch size 16\) comes after entry 2 '300:32', whose threshold "
-            r"is larger.*upstream would sort them silently.*'0:8 200:16 300:32'",
+            rf"{E} 3 '200:16' \(from 200 samples, global batch size 16\) comes after entry 2 "
+            r"'300:32', whose threshold is larger.*upstream would sort them silently.*'0:8 "
+            r"200:16 300:32'",
         ),
         (
             "0:8 1K:16 1000:32",
@@ -135,19 +196,35 @@ E = "--step-batch-size-schedule entry"
             ScheduleError,
             rf"{E} 3 '1000:32' .* repeats the threshold of entry 2 '1K:16'.*Drop one of the two",
         ),
-        ("0:8 0:16", None, ScheduleError, rf"{E} 2 '0:16' .* repeats the threshold of entry 1 '0:8'"),
+        (
+            "0:8 0:16",
+            None,
+            ScheduleError,
+            rf"{E} 2 '0:16' .* repeats the threshold of entry 1 '0:8'",
+        ),
         (
             "0:8 5000:16 6000:32",
             4096,
             ScheduleError,
-            rf"{E} 3 '6000:32' \(from 6,000 tokens = 1 samples, global batch size 32\) and entry 2 '5000:16' both "
-            r"become sample threshold 1 with --seq-length 4096 \(tokens // seq_length\).*at least 8192 tokens",
+            rf"{E} 3 '6000:32' \(from 6,000 tokens = 1 samples, global batch size 32\) and entry "
+            r"2 '5000:16' both become sample threshold 1 with --seq-length 4096 \(tokens // "
+            r"seq_length\).*at least 8192 tokens",
         ),
-        ("0:8 100:16", 4096, ScheduleError, rf"{E} 2 '100:16' .* and entry 1 '0:8' both become sample threshold 0"),
+        (
+            "0:8 100:16",
+            4096,
+            ScheduleError,
+            rf"{E} 2 '100:16' .* and entry 1 '0:8' both become sample threshold 0",
+        ),
         ("0:8 100", None, ScheduleParseError, rf"{E} 2 '100' is not THRESHOLD:BATCH_SIZE"),
         ("0:8:16", None, ScheduleParseError, rf"{E} 1 '0:8:16' is not THRESHOLD:BATCH_SIZE"),
         ("0:8 100:", None, ScheduleParseError, rf"{E} 2 '100:' is not THRESHOLD:BATCH_SIZE"),
-        ("0:0", None, ScheduleError, rf"{E} 1 '0:0': batch size is 0; every stage needs a global batch size >= 1"),
+        (
+            "0:0",
+            None,
+            ScheduleError,
+            rf"{E} 1 '0:0': batch size is 0; every stage needs a global batch size >= 1",
+        ),
     ],
 )
 def test_parse_errors_name_entry_position_and_fix(text, seq_length, error, message):
@@ -218,7 +295,14 @@ def test_format_count_uses_suffix_only_when_upstream_reads_it_exactly():
 
 def test_global_batch_size_at():
     schedule = StepSchedule.parse("0:8 100:16 1K:32")
-    assert [schedule.global_batch_size_at(c) for c in (0, 99, 100, 999, 1000, 10**12)] == [8, 8, 16, 16, 32, 32]
+    assert [schedule.global_batch_size_at(c) for c in (0, 99, 100, 999, 1000, 10**12)] == [
+        8,
+        8,
+        16,
+        16,
+        32,
+        32,
+    ]
     with pytest.raises(SizeError, match="consumed_samples -1 must be a whole number >= 0"):
         schedule.global_batch_size_at(-1)
 
@@ -234,7 +318,10 @@ def test_from_stages_and_constant():
 
 def test_stage_positions_are_filled_in_and_checked():
     schedule = StepSchedule(
-        (Stage(threshold_samples=0, global_batch_size=8), Stage(threshold_samples=100, global_batch_size=16))
+        (
+            Stage(threshold_samples=0, global_batch_size=8),
+            Stage(threshold_samples=100, global_batch_size=16),
+        )
     )
     assert [s.position for s in schedule.entries] == [1, 2]
     problems = schedule.problems(4, 4)
@@ -284,28 +371,48 @@ def test_rampup_boundaries(args, stages):
 @pytest.mark.parametrize(
     "args, error, message",
     [
-        ((0, 8, 100, 64), ScheduleError, r"--rampup-batch-size start batch size 0 must be at least 1; give an integer"),
-        ((16, -8, 100, 64), ScheduleError, r"--rampup-batch-size batch size increment -8 must be at least 1"),
+        (
+            (0, 8, 100, 64),
+            ScheduleError,
+            r"--rampup-batch-size start batch size 0 must be at least 1; give an integer",
+        ),
+        (
+            (16, -8, 100, 64),
+            ScheduleError,
+            r"--rampup-batch-size batch size increment -8 must be at least 1",
+        ),
         (
             (16, 8, -1, 64),
             ScheduleError,
-            r"--rampup-batch-size ramp-up samples -1 must be a whole number >= 0; give 0 for no ramp",
+            r"--rampup-batch-size ramp-up samples -1 must be a whole number >= 0; give 0 for no "
+            r"ramp",
         ),
         ((16, 8, 100, 0), ScheduleError, r"--global-batch-size 0 must be at least 1"),
-        ((16, 8, 1.5, 64), SizeError, r"--rampup-batch-size ramp-up samples 1.5 must be a whole number >= 0"),
-        ((128, 8, 100, 64), ScheduleError, r"start batch size 128 exceeds --global-batch-size 64; a ramp only grows"),
+        (
+            (16, 8, 1.5, 64),
+            SizeError,
+            r"--rampup-batch-size ramp-up samples 1.5 must be a whole number >= 0",
+        ),
+        (
+            (128, 8, 100, 64),
+            ScheduleError,
+            r"start batch size 128 exceeds --global-batch-size 64; a ramp only grows",
+        ),
         (
             (16, 10, 100, 64),
             ScheduleError,
-            r"increment 10 does not divide --global-batch-size 64 - start 16 = 48.*"
-            r"Use an increment in \{1, 2, 3, 4, 6, 8",
+            r"increment 10 does not divide --global-batch-size 64 - start 16 = 48.*Use an "
+            r"increment in \{1, 2, 3, 4, 6, 8",
         ),
     ],
 )
 def test_rampup_errors(args, error, message):
-    # upstream 0.16.1 asserts start > 0, increment > 0, ramp >= 0 and GBS > 0: those are caught as upstream's callers
-    # catch them; a fractional count is a SizeError, which upstream never asserted
-    with pytest.raises(AssertionError if error is ScheduleError else error, match=message) as caught:
+    # upstream 0.16.1 asserts start > 0, increment > 0, ramp >= 0 and GBS > 0: those are caught as
+    # upstream's callers catch them; a fractional count is a SizeError, which upstream never
+    # asserted
+    with pytest.raises(
+        AssertionError if error is ScheduleError else error, match=message
+    ) as caught:
         StepSchedule.from_rampup(*args)
     assert type(caught.value) is error
 
@@ -351,7 +458,9 @@ def test_validate_never_decreasing():
         r"must never decrease.*should not decrease",
     ):
         StepSchedule.parse("0:64 100:128 200:64").validate(8, 8)
-    StepSchedule.parse("0:64 100:128 200:64").validate(8, 8, consumed_samples=200)  # the decrease is past
+    StepSchedule.parse("0:64 100:128 200:64").validate(
+        8, 8, consumed_samples=200
+    )  # the decrease is past
 
 
 def test_validate_interleaved_rule():
@@ -365,13 +474,21 @@ def test_validate_interleaved_rule():
         schedule.validate(1, 8, pipeline_model_parallel_size=4, virtual_pipeline_size=2)
     schedule.validate(1, 8, pipeline_model_parallel_size=4)  # not interleaved: any M
     StepSchedule.parse("0:48 100:80").validate(  # M = 6, 10 with N = 6: M % N in {0} or [PP, N)
-        1, 8, pipeline_model_parallel_size=4, virtual_pipeline_size=2, microbatch_group_size_per_vp_stage=6
+        1,
+        8,
+        pipeline_model_parallel_size=4,
+        virtual_pipeline_size=2,
+        microbatch_group_size_per_vp_stage=6,
     )
 
 
 def test_microbatch_group_below_pp_is_one_problem_not_one_per_stage():
     schedule = StepSchedule.parse("0:32 100:64 200:128")
-    layout = dict(pipeline_model_parallel_size=4, virtual_pipeline_size=2, microbatch_group_size_per_vp_stage=2)
+    layout = dict(
+        pipeline_model_parallel_size=4,
+        virtual_pipeline_size=2,
+        microbatch_group_size_per_vp_stage=2,
+    )
     with pytest.raises(
         InterleaveError,
         match=r"^--microbatch-group-size-per-virtual-pipeline-stage 2 is below "
@@ -386,7 +503,10 @@ def test_microbatch_group_below_pp_is_one_problem_not_one_per_stage():
 @pytest.mark.parametrize(
     "layout, message",
     [
-        (dict(virtual_pipeline_size=0), "--virtual-pipeline-model-parallel-size 0 must be at least 1"),
+        (
+            dict(virtual_pipeline_size=0),
+            "--virtual-pipeline-model-parallel-size 0 must be at least 1",
+        ),
         (
             dict(virtual_pipeline_size=2, microbatch_group_size_per_vp_stage=0),
             "--microbatch-group-size-per-virtual-pipeline-stage 0 must be at least 1",
@@ -401,12 +521,16 @@ def test_zero_virtual_pipeline_or_group_size_is_refused(layout, message):
 def test_planned_dp_and_opt_out():
     schedule = StepSchedule.parse("0:256 100:384 200:1024")
     schedule.validate(1, 128)
-    with pytest.raises(ScheduleError, match=r"entry 2 '100:384' .* planned data-parallel size 256 = 256"):
+    with pytest.raises(
+        ScheduleError, match=r"entry 2 '100:384' .* planned data-parallel size 256 = 256"
+    ):
         schedule.validate(1, 128, planned_data_parallel_sizes=[256])
     with pytest.warns(ScheduleWarning, match=r"planned data-parallel size 256.*not yet in force"):
         demoted = schedule.validate(1, 128, planned_data_parallel_sizes=[256], strict_future=False)
     assert [p.stage.position for p in demoted] == [2]
-    with pytest.raises(ScheduleError, match=r"entry 1 '0:256'"):  # the stage in force is never demoted
+    with pytest.raises(
+        ScheduleError, match=r"entry 1 '0:256'"
+    ):  # the stage in force is never demoted
         schedule.validate(1, 512, strict_future=False)
 
 
@@ -438,8 +562,14 @@ def test_table_rows():
     assert second.first_sample == first.steps * 768 >= 61035156
     assert second.first_token == second.first_sample * 4096
     assert second.first_step == first.steps
-    assert sum(r.samples for r in rows) >= 200_000_000 > sum(r.samples for r in rows) - third.global_batch_size
-    assert second.lr_linear == pytest.approx(6e-4) and second.lr_sqrt == pytest.approx(3e-4 * 2**0.5)
+    assert (
+        sum(r.samples for r in rows)
+        >= 200_000_000
+        > sum(r.samples for r in rows) - third.global_batch_size
+    )
+    assert second.lr_linear == pytest.approx(6e-4) and second.lr_sqrt == pytest.approx(
+        3e-4 * 2**0.5
+    )
 
 
 def test_table_skipped_stage_and_open_end():

@@ -1,5 +1,6 @@
-"""StepSchedule's properties: exact numbers, and the accounting of a run stepping through a schedule (the parser's
-round trips and typed errors on any text: tests/test_fuzz.py's schedule_parser surface)."""
+"""StepSchedule's properties: exact numbers, and the accounting of a run stepping through a schedule
+(the parser's round trips and typed errors on any text: tests/test_fuzz.py's schedule_parser
+surface)."""
 
 from decimal import Decimal
 from fractions import Fraction
@@ -29,7 +30,9 @@ def valid_runs(draw):
     return schedule, mbs, dp
 
 
-def _training_loop(schedule: StepSchedule, mbs: int, dp: int, train_samples: int, consumed: int = 0):
+def _training_loop(
+    schedule: StepSchedule, mbs: int, dp: int, train_samples: int, consumed: int = 0
+):
     """What Megatron's loop does: update, run a step of DP x MBS x num_microbatches, repeat."""
     calculator = StepScheduleCalculator(schedule, mbs, dp)
     seen = []
@@ -110,7 +113,13 @@ def test_numbers_are_exact(number, suffix, lower):
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.integers(1, 64), st.integers(1, 16), st.integers(1, 30), st.integers(0, 5000), st.integers(1, 4))
+@given(
+    st.integers(1, 64),
+    st.integers(1, 16),
+    st.integers(1, 30),
+    st.integers(0, 5000),
+    st.integers(1, 4),
+)
 def test_rampup_schedule_is_monotone_and_ends_at_gbs(start, increment, steps, ramp_samples, dp):
     gbs = start + steps * increment
     schedule = StepSchedule.from_rampup(start, increment, ramp_samples, gbs)
@@ -122,7 +131,8 @@ def test_rampup_schedule_is_monotone_and_ends_at_gbs(start, increment, steps, ra
 
 
 @pytest.mark.parametrize(
-    "text, match", [("0:8 1e-1000000000:16", "decimal places"), ("0:8 1e1000000000:16", "larger than 1e30")]
+    "text, match",
+    [("0:8 1e-1000000000:16", "decimal places"), ("0:8 1e1000000000:16", "larger than 1e30")],
 )
 def test_extreme_exponents_are_refused(text, match):
     with pytest.raises(ScheduleParseError, match=match):

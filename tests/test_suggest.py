@@ -1,4 +1,4 @@
-"""The doubling rule (core/schedule/suggest.py): from a measured trace to a step schedule."""
+"""The doubling rule (science/core/suggest.py): from a measured trace to a step schedule."""
 
 import itertools
 import json
@@ -8,27 +8,52 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_ga_ext.core.lr_windows import Frozen
-from megatron_ga_ext.core.noise_trace import TraceRow, parse_trace, read_log, read_trace
-from megatron_ga_ext.core.schedule.suggest import DoublingRule, suggest_schedule
 from megatron_ga_ext.errors import NoiseScaleError, ScheduleError, SizeError, UsageError
+from megatron_ga_ext.science.core.lr_windows import Frozen
+from megatron_ga_ext.science.core.noise_trace import TraceRow, parse_trace, read_log, read_trace
+from megatron_ga_ext.science.core.suggest import DoublingRule, suggest_schedule
 
 
 def trace(*pairs):
-    return [TraceRow(position=i, consumed_samples=c, b_simple_samples=b) for i, (c, b) in enumerate(pairs, 1)]
+    return [
+        TraceRow(position=i, consumed_samples=c, b_simple_samples=b)
+        for i, (c, b) in enumerate(pairs, 1)
+    ]
 
 
-RISING = trace((0, 5), (1000, 70), (2000, 130), (3000, 200), (4000, 300), (5000, 600), (6000, 1200), (7000, 2500))
+RISING = trace(
+    (0, 5),
+    (1000, 70),
+    (2000, 130),
+    (3000, 200),
+    (4000, 300),
+    (5000, 600),
+    (6000, 1200),
+    (7000, 2500),
+)
 
 
 def rule(**kw):
-    return DoublingRule(**{"micro_batch_size": 2, "data_parallel_size": 16, "max_global_batch_size": 4096, **kw})
+    return DoublingRule(
+        **{"micro_batch_size": 2, "data_parallel_size": 16, "max_global_batch_size": 4096, **kw}
+    )
 
 
 def test_doubles_where_the_estimate_passes_twice_the_batch():
     s = suggest_schedule(RISING, rule())
-    assert s.schedule.stages == [(0, 32), (1000, 64), (2000, 128), (4000, 256), (5000, 512), (6000, 1024), (7000, 2048)]
-    assert [(d.row.consumed_samples, d.before, d.after) for d in s.decisions][:2] == [(1000, 32, 64), (2000, 64, 128)]
+    assert s.schedule.stages == [
+        (0, 32),
+        (1000, 64),
+        (2000, 128),
+        (4000, 256),
+        (5000, 512),
+        (6000, 1024),
+        (7000, 2048),
+    ]
+    assert [(d.row.consumed_samples, d.before, d.after) for d in s.decisions][:2] == [
+        (1000, 32, 64),
+        (2000, 64, 128),
+    ]
     # 200 at 3000 is below 2 x 128: no doubling there
     assert all(d.row.consumed_samples != 3000 for d in s.decisions)
 
@@ -52,7 +77,10 @@ def test_the_cap_stops_doubling_and_says_so():
 
 
 def test_no_stage_starts_in_the_warmup_or_the_final_decay():
-    frozen = (Frozen(label="LR warmup", start=0, end=2500), Frozen(label="final decay", start=5500, end=None))
+    frozen = (
+        Frozen(label="LR warmup", start=0, end=2500),
+        Frozen(label="final decay", start=5500, end=None),
+    )
     s = suggest_schedule(RISING, rule(frozen=frozen))
     assert s.schedule.stages == [(0, 32), (3000, 64), (4000, 128), (5000, 256)]
     assert {h.reason for h in s.held} == {"LR warmup", "final decay"}
@@ -80,7 +108,9 @@ def test_unmeasurable_rows_are_skipped():
     warmup=st.integers(0, 50_000),
     decay=st.one_of(st.none(), st.integers(0, 400_000)),
 )
-def test_every_suggestion_keeps_the_rules(estimates, gaps, mbs, dp, start_units, cap_units, trust, warmup, decay):
+def test_every_suggestion_keeps_the_rules(
+    estimates, gaps, mbs, dp, start_units, cap_units, trust, warmup, decay
+):
     unit = mbs * dp
     consumed = [sum(gaps[:i]) for i in range(len(estimates))]
     frozen = (Frozen(label="w", start=0, end=warmup),) + (
@@ -114,11 +144,16 @@ def test_every_suggestion_keeps_the_rules(estimates, gaps, mbs, dp, start_units,
             {"initial_global_batch_size": 48},
             ScheduleError,
             (
-                r"--global-batch-size 48 \(the first stage\) is not a multiple of --micro-batch-size 2 x "
-                r"data-parallel size 16 = 32.*Nearest valid batch sizes: 32, 64"
+                r"--global-batch-size 48 \(the first stage\) is not a multiple of "
+                r"--micro-batch-size 2 x data-parallel size 16 = 32.*Nearest valid batch "
+                r"sizes: 32, 64"
             ),
         ),
-        ({"max_global_batch_size": 16}, ScheduleError, r"--max-global-batch-size 16 is below the first stage's"),
+        (
+            {"max_global_batch_size": 16},
+            ScheduleError,
+            r"--max-global-batch-size 16 is below the first stage's",
+        ),
         ({"trust": 0}, UsageError, r"--trust 0 must be a positive finite number"),
         ({"trust": math.nan}, UsageError, r"--trust nan"),
         ({"micro_batch_size": 0}, SizeError, r"--micro-batch-size 0 must be at least 1"),
@@ -130,7 +165,9 @@ def test_a_bad_rule_is_refused(kw, error, match):
 
 
 def test_rows_out_of_order_are_refused():
-    with pytest.raises(NoiseScaleError, match=r"trace row 2 has consumed_samples 100, not above row 1's 100"):
+    with pytest.raises(
+        NoiseScaleError, match=r"trace row 2 has consumed_samples 100, not above row 1's 100"
+    ):
         suggest_schedule(trace((100, 1), (100, 2)), rule())
 
 
@@ -157,16 +194,36 @@ def test_samples_win_over_tokens_in_a_row_that_has_both():
     "data, error, match",
     [
         ({"rows": []}, NoiseScaleError, r"the trace is a JSON dict; give a list of rows"),
-        ([{"consumed_samples": 0, "a": 1}], NoiseScaleError, r'has neither "b_simple_samples" nor "b_simple_tokens"'),
+        (
+            [{"consumed_samples": 0, "a": 1}],
+            NoiseScaleError,
+            r'has neither "b_simple_samples" nor "b_simple_tokens"',
+        ),
         ("text", NoiseScaleError, r"the trace is a JSON str; give a list of rows"),
         ([], NoiseScaleError, r"the trace has no rows"),
         ([3], NoiseScaleError, r"trace row 1 is a JSON int"),
         ([{"b_simple_samples": 3}], NoiseScaleError, r"trace row 1 has no \"consumed_samples\""),
-        ([{"consumed_samples": -1, "b_simple_samples": 3}], NoiseScaleError, r"consumed_samples -1 is not a whole"),
-        ([{"consumed_samples": 1.5, "b_simple_samples": 3}], NoiseScaleError, r"consumed_samples 1.5 is not a whole"),
-        ([{"consumed_samples": 0, "b_simple_samples": -3}], NoiseScaleError, r"b_simple_samples -3 is not a positive"),
+        (
+            [{"consumed_samples": -1, "b_simple_samples": 3}],
+            NoiseScaleError,
+            r"consumed_samples -1 is not a whole",
+        ),
+        (
+            [{"consumed_samples": 1.5, "b_simple_samples": 3}],
+            NoiseScaleError,
+            r"consumed_samples 1.5 is not a whole",
+        ),
+        (
+            [{"consumed_samples": 0, "b_simple_samples": -3}],
+            NoiseScaleError,
+            r"b_simple_samples -3 is not a positive",
+        ),
         ([{"consumed_samples": 0, "b_simple_samples": math.inf}], NoiseScaleError, r"write null"),
-        ([{"consumed_samples": 0, "b_simple_samples": "12"}], NoiseScaleError, r"b_simple_samples '12'"),
+        (
+            [{"consumed_samples": 0, "b_simple_samples": "12"}],
+            NoiseScaleError,
+            r"b_simple_samples '12'",
+        ),
         (
             [{"consumed_samples": 0, "b_simple_tokens": 12}],
             UsageError,
@@ -188,10 +245,22 @@ def test_text_that_is_not_json_names_its_line():
     "text, match",
     [
         ("[" * 100_000, r"line 1: RecursionError"),
-        ('[{"consumed_samples": ' + "1" * 5000 + ', "b_simple_samples": 1}]', r"line 1: ValueError: Exceeds the limit"),
-        ('[{"consumed_samples": 1, "b_simple_samples": 1' + "0" * 400 + "}]", r"100000000000\.\.\. \(401 digits\)"),
-        ('[{"consumed_samples": 1' + "0" * 31 + ', "b_simple_samples": 1}]', r"not a whole number from 0 to 10\*\*30"),
-        ('[{"consumed_samples": 1, "b_simple_samples": NaN}]', r"b_simple_samples nan is not a positive finite"),
+        (
+            '[{"consumed_samples": ' + "1" * 5000 + ', "b_simple_samples": 1}]',
+            r"line 1: ValueError: Exceeds the limit",
+        ),
+        (
+            '[{"consumed_samples": 1, "b_simple_samples": 1' + "0" * 400 + "}]",
+            r"100000000000\.\.\. \(401 digits\)",
+        ),
+        (
+            '[{"consumed_samples": 1' + "0" * 31 + ', "b_simple_samples": 1}]',
+            r"not a whole number from 0 to 10\*\*30",
+        ),
+        (
+            '[{"consumed_samples": 1, "b_simple_samples": NaN}]',
+            r"b_simple_samples nan is not a positive finite",
+        ),
     ],
 )
 def test_hostile_text_is_refused_in_one_line(text, match):
@@ -201,42 +270,59 @@ def test_hostile_text_is_refused_in_one_line(text, match):
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=20), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=20), inner, max_size=4)
+    ),
     max_leaves=12,
 )
 ROW = st.fixed_dictionaries(
     {"consumed_samples": JSON | st.integers(0, 10**6)},
-    optional={"b_simple_samples": JSON | st.floats(0, 1e6), "b_simple_tokens": JSON, "iteration": JSON},
+    optional={
+        "b_simple_samples": JSON | st.floats(0, 1e6),
+        "b_simple_tokens": JSON,
+        "iteration": JSON,
+    },
 )
 
 
 @settings(max_examples=150, deadline=None)
 @given(st.one_of(JSON, st.lists(ROW, max_size=5), st.text(max_size=40)))
 def test_any_json_is_read_or_refused_with_a_typed_error(data):
-    """Whatever the file holds, the reader returns typed rows or raises a GAError: nothing else escapes."""
+    """Whatever the file holds, the reader returns typed rows or raises a GAError: nothing else
+    escapes."""
     text = data if isinstance(data, str) else json.dumps(data)
     try:
         rows = read_trace(text, tokens_per_sample=128.0)
     except (NoiseScaleError, UsageError):
         return
     assert all(
-        isinstance(r.consumed_samples, int) and (r.b_simple_samples is None or r.b_simple_samples > 0) for r in rows
+        isinstance(r.consumed_samples, int)
+        and (r.b_simple_samples is None or r.b_simple_samples > 0)
+        for r in rows
     )
 
 
 def megatron_line(iteration: int, consumed: int) -> str:
     return (
-        f" [2026-12-02 08:12:50] iteration {iteration:8d}/      10 | consumed samples: {consumed:12d} | "
-        f"elapsed time per iteration (ms): 302.9 | global batch size:    16 | lm loss: 6.31E+00 |"
+        f" [2026-12-02 08:12:50] iteration {iteration:8d}/      10 | consumed samples: "
+        f"{consumed:12d} | elapsed time per iteration (ms): 302.9 | global batch size:   "
+        " 16 | lm loss: 6.31E+00 |"
     )
 
 
 def noise_line(iteration: int, samples: str, consumed: int | str | None = None) -> str:
-    """The extension's line; ``consumed`` None: as an older release printed it, without its consumed samples."""
-    end = "" if consumed is None else f" loss tokens: 898 over 2 replicas | consumed samples: {consumed} |"
+    """The extension's line; ``consumed`` None: as an older release printed it, without its consumed
+    samples."""
+    end = (
+        ""
+        if consumed is None
+        else f" loss tokens: 898 over 2 replicas | consumed samples: {consumed} |"
+    )
     return (
-        f" megatron-ga-ext noise scale | iteration {iteration} | B_simple (EMA): 9.7495E+00 tokens, {samples} "
-        f"samples | |G|^2: 6.5495E+00 (EMA 1.0023E+01) | tr(Sigma): 5.0895E+01 (EMA 9.7714E+01) |{end}"
+        f" megatron-ga-ext noise scale | iteration {iteration} | B_simple (EMA): 9.7495E+00 "
+        f"tokens, {samples} "
+        "samples | |G|^2: 6.5495E+00 (EMA 1.0023E+01) | tr(Sigma): 5.0895E+01 (EMA 9.7714E+01) "
+        f"|{end}"
     )
 
 
@@ -262,14 +348,17 @@ def test_a_run_log_gives_the_rows_the_later_copy_of_a_resumed_iteration_kept():
 
 
 def test_a_log_measured_between_megatrons_lines_is_read_from_the_noise_lines():
-    """--log-interval 10 --ga-noise-scale 5: Megatron logs iterations 10 and 20 only; each noise-scale line gives its
-    own consumed samples (and is read before Megatron's line of the iteration too)."""
+    """--log-interval 10 --ga-noise-scale 5: Megatron logs iterations 10 and 20 only; each
+    noise-scale line gives its own consumed samples (and is read before Megatron's line of the
+    iteration too)."""
     lines = []
     for iteration in range(5, 25, 5):
         if iteration % 10 == 0:
             lines.append(megatron_line(iteration, 16 * iteration))
         lines.append(noise_line(iteration, f"{iteration}.0E+00", 16 * iteration))
-    lines.insert(0, noise_line(1, "n/a", "n/a"))  # consumed samples unknown (no Megatron args): Megatron's line's
+    lines.insert(
+        0, noise_line(1, "n/a", "n/a")
+    )  # consumed samples unknown (no Megatron args): Megatron's line's
     lines.insert(0, megatron_line(1, 16))
     rows = read_log(lines)
     assert [(r.iteration, r.consumed_samples, r.b_simple_samples) for r in rows] == [
@@ -279,12 +368,16 @@ def test_a_log_measured_between_megatrons_lines_is_read_from_the_noise_lines():
         (15, 240, 15.0),
         (20, 320, 20.0),
     ]
-    rows = read_log([noise_line(3, "1.0E+00", 48), megatron_line(3, 48)])  # the line's own, before Megatron's
+    rows = read_log(
+        [noise_line(3, "1.0E+00", 48), megatron_line(3, 48)]
+    )  # the line's own, before Megatron's
     assert [(r.iteration, r.consumed_samples) for r in rows] == [(3, 48)]
 
 
 def test_a_log_without_noise_lines_or_out_of_order_is_refused():
-    with pytest.raises(NoiseScaleError, match='no "megatron-ga-ext noise scale" line: run with --ga-noise-scale K'):
+    with pytest.raises(
+        NoiseScaleError, match='no "megatron-ga-ext noise scale" line: run with --ga-noise-scale K'
+    ):
         read_log([megatron_line(1, 16)])
     # an older release's line, without its consumed samples, measured where Megatron logs no line
     with pytest.raises(

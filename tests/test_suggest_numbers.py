@@ -1,5 +1,5 @@
-"""``schedule --suggest`` checks every number as the table does (cli/schedule_args.py): the same refusal, the same
-message, before the trace is read."""
+"""``schedule --suggest`` checks every number as the table does (cli/schedule_args.py): the same
+refusal, the same message, before the trace is read."""
 
 import json
 import re
@@ -11,7 +11,10 @@ from megatron_ga_ext.cli.main import build_parser
 from megatron_ga_ext.errors import GAError, SizeError, UsageError
 
 LAYOUT = ["--micro-batch-size", "2", "--data-parallel-size", "16"]
-ROWS = [{"consumed_samples": 0, "b_simple_samples": 5}, {"consumed_samples": 3200, "b_simple_samples": 70}]
+ROWS = [
+    {"consumed_samples": 0, "b_simple_samples": 5},
+    {"consumed_samples": 3200, "b_simple_samples": 70},
+]
 
 
 @pytest.fixture
@@ -29,14 +32,34 @@ def refusal(*argv: str) -> GAError:
 
 
 BAD = [
-    (["--lr", "nan", "--lr-base-batch-size", "32"], UsageError, r"--lr nan must be a positive finite number"),
-    (["--lr", "inf", "--lr-base-batch-size", "32"], UsageError, r"--lr inf must be a positive finite number"),
-    (["--lr", "-0.001", "--lr-base-batch-size", "32"], UsageError, r"--lr -0.001 must be a positive finite number"),
-    (["--lr", "0", "--lr-base-batch-size", "32"], UsageError, r"--lr 0.0 must be a positive finite number"),
+    (
+        ["--lr", "nan", "--lr-base-batch-size", "32"],
+        UsageError,
+        r"--lr nan must be a positive finite number",
+    ),
+    (
+        ["--lr", "inf", "--lr-base-batch-size", "32"],
+        UsageError,
+        r"--lr inf must be a positive finite number",
+    ),
+    (
+        ["--lr", "-0.001", "--lr-base-batch-size", "32"],
+        UsageError,
+        r"--lr -0.001 must be a positive finite number",
+    ),
+    (
+        ["--lr", "0", "--lr-base-batch-size", "32"],
+        UsageError,
+        r"--lr 0.0 must be a positive finite number",
+    ),
     (["--lr", "3e-4"], UsageError, r"--lr and --lr-base-batch-size go together"),
     (["--lr-base-batch-size", "32"], UsageError, r"--lr and --lr-base-batch-size go together"),
     (["--lr", "3e-4", "--lr-base-batch-size", "0"], SizeError, r"--lr-base-batch-size"),
-    (["--lr", "3e-4", "--lr-base-batch-size", "2.5"], SizeError, r"--lr-base-batch-size '2.5' is not a whole number"),
+    (
+        ["--lr", "3e-4", "--lr-base-batch-size", "2.5"],
+        SizeError,
+        r"--lr-base-batch-size '2.5' is not a whole number",
+    ),
     (["--train-samples", "0"], SizeError, r"--train-samples"),
     (["--train-tokens", "1M"], UsageError, r"--train-tokens needs --seq-length"),
 ]
@@ -54,9 +77,19 @@ def test_a_bad_number_fails_before_the_trace_is_read(tmp_path):
     """The flags are checked first: a missing trace is not what a bad --lr reports."""
     missing = str(tmp_path / "no-such-trace.json")
     bad_lr = refusal(
-        "--suggest", missing, *LAYOUT, "--max-global-batch-size", "512", "--lr", "nan", "--lr-base-batch-size", "32"
+        "--suggest",
+        missing,
+        *LAYOUT,
+        "--max-global-batch-size",
+        "512",
+        "--lr",
+        "nan",
+        "--lr-base-batch-size",
+        "32",
     )
-    assert isinstance(bad_lr, UsageError) and "--lr nan must be a positive finite number" in str(bad_lr)
+    assert isinstance(bad_lr, UsageError) and "--lr nan must be a positive finite number" in str(
+        bad_lr
+    )
     no_trace = refusal("--suggest", missing, *LAYOUT, "--max-global-batch-size", "512")
     assert isinstance(no_trace, UsageError) and "cannot read the trace" in str(no_trace)
 
@@ -64,11 +97,14 @@ def test_a_bad_number_fails_before_the_trace_is_read(tmp_path):
 @pytest.mark.parametrize("trust", ["nan", "inf", "-0.5", "0"])
 def test_suggest_refuses_a_trust_that_is_not_positive_and_finite(trace, trust):
     error = refusal("--suggest", trace, *LAYOUT, "--max-global-batch-size", "512", "--trust", trust)
-    assert isinstance(error, UsageError) and re.search(r"--trust \S+ must be a positive finite number", str(error))
+    assert isinstance(error, UsageError) and re.search(
+        r"--trust \S+ must be a positive finite number", str(error)
+    )
 
 
 def test_suggest_hints_follow_a_good_lr(cli, trace):
-    """A valid --lr gives the same hint columns as the table: lr x GBS / base and lr x sqrt(GBS / base)."""
+    """A valid --lr gives the same hint columns as the table: lr x GBS / base and lr x sqrt(GBS /
+    base)."""
     out = cli(
         "schedule",
         "--suggest",
@@ -82,6 +118,9 @@ def test_suggest_hints_follow_a_good_lr(cli, trace):
         "32",
         "--json",
     ).json()
-    assert [(s["global_batch_size"], s["lr_linear"]) for s in out["stages"]] == [(32, 1e-3), (64, 2e-3)]
+    assert [(s["global_batch_size"], s["lr_linear"]) for s in out["stages"]] == [
+        (32, 1e-3),
+        (64, 2e-3),
+    ]
     assert out["stages"][1]["lr_sqrt"] == pytest.approx(1e-3 * 2**0.5, rel=1e-15)
     assert out["lr_note"] is not None

@@ -1,9 +1,9 @@
-"""``schedule --suggest RUN_DIR``: the noise-scale scalars of a run's TensorBoard event files, under the tags the run
-writes them with (core/noise_trace.py's ``scalar_tag``)."""
+"""``schedule --suggest RUN_DIR``: the noise-scale scalars of a run's TensorBoard event files, under
+the tags the run writes them with (science/core/noise_trace.py's ``scalar_tag``)."""
 
 import pytest
 
-from megatron_ga_ext.core.noise_trace import scalar_tag
+from megatron_ga_ext.science.core.noise_trace import scalar_tag
 
 
 def test_suggest_reads_the_runs_tensorboard_scalars(cli, tmp_path):

@@ -1,21 +1,22 @@
 """Upstream fixes are detected, never applied twice (integration/upstream_factors.py).
 
-Each auxiliary-loss correction measures at its first call whether upstream still does what it corrects. One 2-rank
-gloo launch trains one step of verify's layouts through install(), in token mode, against today's upstream (the
-correction applies) and against upstreams with a fix written in (the correction steps aside, or, where it replaces
-upstream's value rather than scaling it, applies without correcting twice), and compares the gradients with verify's
-token reference:
+Each auxiliary-loss correction measures at its first call whether upstream still does what it
+corrects. One 2-rank gloo launch trains one step of verify's layouts through install(), in token
+mode, against today's upstream (the correction applies) and against upstreams with a fix written in
+(the correction steps aside, or, where it replaces upstream's value rather than scaling it, applies
+without correcting twice), and compares the gradients with verify's token reference:
 
-* the router's count, DP 2 with global_aux_loss (its reduce group spans DP): today's in-place count (#7452
-  finding 10); Megatron-LM #7481's local count; an upstream count that is the one the router needs already;
-* the z-loss before 0.19, TP 2 with sequence parallelism: today's router (no TP x CP factor); 0.19's factor written
-  into it (#5047);
-* MTP (0.17+), DP 2: today's local n_u / m_u; an upstream that attaches the sum; one whose ratio is reduced over DP
-  (#7498 / #7570 would reduce it so), not the token target on this batch.
+* the router's count, DP 2 with global_aux_loss (its reduce group spans DP): today's in-place count
+  (#7452 finding 10); Megatron-LM #7481's local count; an upstream count that is the one the router
+  needs already;
+* the z-loss before 0.19, TP 2 with sequence parallelism: today's router (no TP x CP factor); 0.19's
+  factor written into it (#5047);
+* MTP (0.17+), DP 2: today's local n_u / m_u; an upstream that attaches the sum; one whose ratio is
+  reduced over DP (#7498 / #7570 would reduce it so), not the token target on this batch.
 
-A fixed upstream is upstream's own source with the fix written in, its ``__wrapped__`` the original, so that
-install()'s fingerprint gate passes it as ``--no-ga-strict`` passes a changed source: the measured check behind that
-gate is what is tested.
+A fixed upstream is upstream's own source with the fix written in, its ``__wrapped__`` the original,
+so that install()'s fingerprint gate passes it as ``--no-ga-strict`` passes a changed source: the
+measured check behind that gate is what is tested.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ FIXES = {
         "local_tokens_per_expert, reduce_group",
         "local_tokens_per_expert.clone(), reduce_group",
     ),
-    # with TP x CP = 1, global_aux_loss's unit takes T(m) / DP: the router's count, given by upstream itself
+    # with TP x CP = 1, global_aux_loss's unit takes T(m) / DP: the router's count, given by
+    # upstream itself
     "the router's count": (
         MOE_UTILS,
         COUNTS,
@@ -73,17 +75,22 @@ def _layouts():
     return {
         "global": Layout(data_parallel_size=2, num_microbatches=4, model="moe_global"),
         "tp": Layout(
-            tensor_model_parallel_size=2, sequence_parallel=True, data_parallel_size=1, num_microbatches=8, model="moe"
+            tensor_model_parallel_size=2,
+            sequence_parallel=True,
+            data_parallel_size=1,
+            num_microbatches=8,
+            model="moe",
         ),
         "mtp": Layout(data_parallel_size=2, num_microbatches=4, model="mtp"),
     }
 
 
 def _scenarios() -> list[tuple[str, str, str | None]]:
-    """(name, layout, fix) this megatron-core runs: the z-loss correction exists before 0.19, MTP's from 0.17."""
+    """(name, layout, fix) this megatron-core runs: the z-loss correction exists before 0.19, MTP's
+    from 0.17."""
     from megatron.core.transformer import multi_token_prediction
 
-    from megatron_ga_ext.integration.aux_losses import router_scales_by_tp_cp
+    from megatron_ga_ext.integration.features.aux_losses import router_scales_by_tp_cp
 
     rows = [
         ("count today", "global", None),
@@ -93,22 +100,30 @@ def _scenarios() -> list[tuple[str, str, str | None]]:
     if not router_scales_by_tp_cp():
         rows += [("z today", "tp", None), ("z fixed", "tp", "z-loss factor (#5047)")]
     if hasattr(multi_token_prediction, "process_mtp_loss"):
-        rows += [("mtp today", "mtp", None), ("mtp sum", "mtp", "MTP sum"), ("mtp dp", "mtp", "MTP ratio over DP")]
+        rows += [
+            ("mtp today", "mtp", None),
+            ("mtp sum", "mtp", "MTP sum"),
+            ("mtp dp", "mtp", "MTP ratio over DP"),
+        ]
     return rows
 
 
 def _dp_sum(count):
-    """The fixed MTP ratio's count reduced over DP x CP (Megatron-LM #7498 / #7570 would reduce it so)."""
+    """The fixed MTP ratio's count reduced over DP x CP (Megatron-LM #7498 / #7570 would reduce it
+    so)."""
     import torch
     from megatron.core import parallel_state
 
     count = count.clone().float()
-    torch.distributed.all_reduce(count, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    torch.distributed.all_reduce(
+        count, group=parallel_state.get_data_parallel_group(with_context_parallel=True)
+    )
     return count
 
 
 def _fixed(fix: str):
-    """The upstream function with ``fix`` written into its source, compiled in its module's namespace."""
+    """The upstream function with ``fix`` written into its source, compiled in its module's
+    namespace."""
     module_name, name, old, new = FIXES[fix]
     module = importlib.import_module(module_name)
     owner, _, attribute = name.rpartition(".")
@@ -116,15 +131,22 @@ def _fixed(fix: str):
     source = textwrap.dedent(inspect.getsource(original))
     assert source.count(old) == 1, (name, old)
     namespace: dict = {}
-    exec(compile(source.replace(old, new), f"<{name} with {fix}>", "exec"), module.__dict__, namespace)
+    exec(
+        compile(source.replace(old, new), f"<{name} with {fix}>", "exec"),
+        module.__dict__,
+        namespace,
+    )
     fixed = namespace[attribute]
-    fixed.__wrapped__ = original  # install()'s fingerprint gate reads upstream's source, as --no-ga-strict lets it
+    fixed.__wrapped__ = (
+        original  # install()'s fingerprint gate reads upstream's source, as --no-ga-strict lets it
+    )
     return module, owner, attribute, original, fixed
 
 
 @contextlib.contextmanager
 def _upstream(fix: str | None):
-    """Upstream as it is, or with ``fix``: bound everywhere the original is (``from x import y`` included)."""
+    """Upstream as it is, or with ``fix``: bound everywhere the original is (``from x import y``
+    included)."""
     if fix is None:
         yield
         return
@@ -133,7 +155,9 @@ def _upstream(fix: str | None):
         holders = [vars(getattr(module, owner))]
         setattr(getattr(module, owner), attribute, fixed)
     else:
-        holders = [vars(m) for m in list(sys.modules.values()) if vars(m).get(attribute) is original]
+        holders = [
+            vars(m) for m in list(sys.modules.values()) if vars(m).get(attribute) is original
+        ]
         for namespace in holders:
             namespace[attribute] = fixed
     module.__dict__["_dp_sum"] = _dp_sum
@@ -157,11 +181,13 @@ class _Said(logging.Handler):
 
 
 def _run() -> dict[str, tuple[float, list[str]]]:
-    """Each scenario on this rank: (its gradients' error against the token reference, what rank 0 was told)."""
+    """Each scenario on this rank: (its gradients' error against the token reference, what rank 0
+    was told)."""
     from megatron_ga_ext.testing.shims import cpu_shims
-    from megatron_ga_ext.verify.harness import VerifyConfig, relative_error, run_layout
+    from megatron_ga_ext.verify.harness import relative_error, run_layout
     from megatron_ga_ext.verify.layouts import make_global_batch
     from megatron_ga_ext.verify.references import reference_grads
+    from megatron_ga_ext.verify.run_config import VerifyConfig
 
     cfg = VerifyConfig(progress=False)
     batch = make_global_batch(cfg.lengths, cfg.model.seq_length, cfg.model.vocab_size)
@@ -178,7 +204,10 @@ def _run() -> dict[str, tuple[float, list[str]]]:
         for name, layout, fix in scenarios:
             with _upstream(fix):
                 grads, _ = run_layout(layouts[layout], "token", cfg, batch)
-            out[name] = (relative_error(grads, refs[(layouts[layout].name, "token")]), said.messages)
+            out[name] = (
+                relative_error(grads, refs[(layouts[layout].name, "token")]),
+                said.messages,
+            )
             said.messages = []
     return out
 
@@ -207,8 +236,15 @@ def test_today_each_correction_applies_and_meets_the_target(runs):
         error, messages = runs[0][name]
         assert error < 1e-5, (name, error)
         assert not any(m.startswith("WARNING") for m in messages), (name, messages)
-        measured = ("the router's count is corrected", "the z-loss gradient is scaled", "alpha / N instead")
-        assert any(m.startswith("DEBUG") and any(w in m for w in measured) for m in messages), (name, messages)
+        measured = (
+            "the router's count is corrected",
+            "the z-loss gradient is scaled",
+            "alpha / N instead",
+        )
+        assert any(m.startswith("DEBUG") and any(w in m for w in measured) for m in messages), (
+            name,
+            messages,
+        )
 
 
 def test_router_count_fixed_upstream_steps_aside_and_meets_the_target(runs):
@@ -219,7 +255,8 @@ def test_router_count_fixed_upstream_steps_aside_and_meets_the_target(runs):
 
 
 def test_router_count_with_7481_still_applies_never_twice(runs):
-    """#7481 makes upstream's count local; the correction replaces the count, so it applies and meets the target."""
+    """#7481 makes upstream's count local; the correction replaces the count, so it applies and
+    meets the target."""
     error, _ = runs[0]["count #7481"]
     said = _said(runs, "count #7481")
     assert error < 1e-5, error
@@ -228,7 +265,9 @@ def test_router_count_with_7481_still_applies_never_twice(runs):
 
 def test_z_loss_factor_fixed_upstream_steps_aside_and_meets_the_target(runs):
     if "z fixed" not in runs[0]:
-        pytest.skip("0.19 and later: the router applies the TP x CP factor, and install() adds none")
+        pytest.skip(
+            "0.19 and later: the router applies the TP x CP factor, and install() adds none"
+        )
     error, _ = runs[0]["z fixed"]
     said = _said(runs, "z fixed")
     assert error < 1e-5, error
@@ -237,20 +276,27 @@ def test_z_loss_factor_fixed_upstream_steps_aside_and_meets_the_target(runs):
 
 def test_mtp_sum_upstream_steps_aside_and_meets_the_target(runs):
     if "mtp sum" not in runs[0]:
-        pytest.skip("megatron-core 0.16 has no process_mtp_loss: its MTP block attaches the sum itself")
+        pytest.skip(
+            "megatron-core 0.16 has no process_mtp_loss: its MTP block attaches the sum itself"
+        )
     error, _ = runs[0]["mtp sum"]
     said = _said(runs, "mtp sum")
     assert error < 1e-5, error
-    assert "upstream attaches the sum already" in said and "MTP correction steps aside" in said, said
+    assert "upstream attaches the sum already" in said and "MTP correction steps aside" in said, (
+        said
+    )
 
 
 def test_mtp_ratio_over_dp_still_applies_never_twice(runs):
-    """Upstream's ratio of counts reduced over DP is not the target on this batch (its micro-batches' ratios differ):
-    the correction, which attaches the sum in place of upstream's product, applies, meets the target, and says so."""
+    """Upstream's ratio of counts reduced over DP is not the target on this batch (its
+    micro-batches' ratios differ): the correction, which attaches the sum in place of upstream's
+    product, applies, meets the target, and says so."""
     if "mtp dp" not in runs[0]:
         pytest.skip("megatron-core 0.16 has no process_mtp_loss")
     error, _ = runs[0]["mtp dp"]
     said = _said(runs, "mtp dp")
     assert error < 1e-5, error
-    assert "no longer weighs by this rank's own counts" in said and "never on top of it" in said, said
+    assert "no longer weighs by this rank's own counts" in said and "never on top of it" in said, (
+        said
+    )
     assert "WARNING" not in said, said

@@ -14,6 +14,17 @@ trap 'rm -rf "$work"' EXIT
 "$work/build-env/bin/python" -m build --outdir "$work/dist" "$root" >/dev/null
 ls "$work/dist"
 wheel=$(ls "$work/dist"/*.whl)
+# Test-only support (fault injection, the e2e fork server, its recorder) is tests/support/, never in the wheel.
+"$python" - "$wheel" <<'PY'
+import sys
+import zipfile
+
+names = zipfile.ZipFile(sys.argv[1]).namelist()
+test_only = [n for n in names if n.startswith("tests/") or n.endswith(("/faults.py", "/pretrain_server.py", "/recorder.py"))]
+if test_only:
+    sys.exit(f"the wheel carries test-only support: {test_only}")
+print(f"wheel: {len(names)} files, no test-only support")
+PY
 "$python" -m venv "$work/env"
 "$work/env/bin/pip" install --quiet -c "$root/$constraints" "$wheel[megatron]"
 cd "$work"  # not the checkout: the wheel's package, not the source tree's

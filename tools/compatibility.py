@@ -4,15 +4,20 @@
     hooked_functions(root)   # whether every upstream function install() hooks has a known fingerprint
     core_version(root)       # megatron-core's version, from package_info.py
 
-The behaviour suite (``make matrix`` / ``make regress``, tools/regress.py) and the end-to-end tier (``make e2e``,
-tests/e2e/conftest.py) record the row (tools/results.py); ``make docs`` renders it.
+The behaviour suite (``make matrix`` / ``make regress``, tools/regress.py) and the end-to-end tier
+(``make e2e``, tests/e2e/conftest.py) record the row (tools/results.py); ``make docs`` renders it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_ga_ext.integration.compat import UPSTREAM, fingerprint_file, known_fingerprints, tree_targets
+from megatron_ga_ext.integration.compat import (
+    UPSTREAM,
+    fingerprint_file,
+    known_fingerprints,
+    tree_targets,
+)
 
 
 def source_name(root: Path) -> str:
@@ -50,4 +55,6 @@ def core_version(root: Path) -> str:
         if "=" in line and line.split("=")[0].strip() in ("MAJOR", "MINOR", "PATCH", "PRE_RELEASE"):
             key, value = (p.strip() for p in line.split("=", 1))
             parts[key] = value.strip("'\"")
-    return ".".join(parts.get(k, "?") for k in ("MAJOR", "MINOR", "PATCH")) + parts.get("PRE_RELEASE", "")
+    return ".".join(parts.get(k, "?") for k in ("MAJOR", "MINOR", "PATCH")) + parts.get(
+        "PRE_RELEASE", ""
+    )

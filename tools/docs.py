@@ -1,20 +1,22 @@
-"""The generated parts of docs/: `make docs` writes them, `make docs-check` fails where one is not current.
+"""The generated parts of docs/: `make docs` writes them, `make docs-check` fails where one is not
+current.
 
     python -m tools.docs [--results DIR]   # write every generated part (make docs)
     python -m tools.docs --check           # exit 1 naming each stale part rendered from code alone (make docs-check)
 
-A generated part sits between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->``; the prose around it is kept.
+A generated part sits between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->``; the prose around
+it is kept.
 
-* Rendered from code declarations alone, so the same on every run (docs-check compares them): the flags table
-  of docs/guide.md (``megatron_ga_ext.config.flags.flags_table()``), the hook table and the step's features of
-  docs/design.md (``hooks.hook_table()``, ``installation.step_table()``), the whole of docs/coverage.md
-  (``megatron_ga_ext.config.coverage.coverage_doc()``), the text of docs/compatibility.md above its table
-  (:data:`COMPATIBILITY_HEADER`) and the critical-batch tables of docs/noise-scale.md (from the committed
-  benchmarks/results JSON: benchmarks/critical_batch_report.py).
-* Measured: the tables of tools/results.py, rendered from the rows the runs recorded under the results directory
-  (default .cache/results). A recorded row replaces the page's row of the same key, cell by cell; rows no run
-  recorded (another leg's sources) are kept. Timings and dates move from run to run, so docs-check leaves them
-  alone: run `make docs` after `make fuzz` or `make e2e`.
+* Rendered from code declarations alone, so the same on every run (docs-check compares them): the
+  flags table of docs/guide.md (``doc_tables.flags_table()``), the hook table and the step's
+  features of docs/design.md (``doc_design.hook_table()``, ``doc_design.step_table()``), the whole of
+  docs/coverage.md (``doc_tables.coverage_doc()``), the text of docs/compatibility.md above its
+  table (:data:`COMPATIBILITY_HEADER`) and the critical-batch tables of docs/noise-scale.md (from
+  the committed benchmarks/results JSON: benchmarks/critical_batch_report.py).
+* Measured: the tables of tools/results.py, rendered from the rows the runs recorded under the
+  results directory (default .cache/results). A recorded row replaces the page's row of the same
+  key, cell by cell; rows no run recorded (another leg's sources) are kept. Timings and dates move
+  from run to run, so docs-check leaves them alone: run `make docs` after `make fuzz` or `make e2e`.
 """
 
 from __future__ import annotations
@@ -24,10 +26,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from megatron_ga_ext.config.coverage import coverage_doc
-from megatron_ga_ext.config.flags import flags_table
 from megatron_ga_ext.integration.compat import UPSTREAM
 
+from .doc_tables import coverage_doc, flags_table
 from .results import TABLES, Table, cell, recorded, results_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +37,10 @@ COMPATIBILITY_HEADER = """# Compatibility
 Rendered by `make docs` from the rows `make matrix`, `make e2e` and `make regress MEGATRON_LM=...` record: one row
 per Megatron-LM release or main-branch commit. "Hooked functions" compares the source of every upstream function the
 extension hooks, and of those whose arithmetic its auxiliary-loss corrections assume, with the fingerprints of the
-tested sources (strict mode accepts a source whose hooked functions are all known, whatever its version string).
+tested sources, normalised (the AST without docstrings, comments or formatting): strict mode accepts a source whose
+hooked functions are all known, whatever its version string. A source that is none of them (a fork) is judged by
+behaviour, start-up probes and the corrections' first-call checks ([adopting.md](adopting.md)); `megatron-ga
+compat` gives the verdict in an image build.
 "Behaviour suite" is the megatron-core tier (install, guards, reduction, the PP 2 x DP 2 schedule through install(),
 and upstream's `train_step` with the sequence-packing scheduler where the source runs it) on that source;
 "End-to-end" is Megatron-LM's own `pretrain_gpt.py` through the drop-in entry (`python -m megatron_ga_ext`) on the
@@ -52,7 +56,8 @@ def replace_block(text: str, name: str, body: str, doc: str) -> str:
     begin, end = f"<!-- table:{name} -->\n", f"\n<!-- /table:{name} -->"
     if begin not in text or end not in text:
         raise ValueError(
-            f"{doc} has no {begin.strip()} ... {end.strip()} block; add the two markers where the table belongs"
+            f"{doc} has no {begin.strip()} ... {end.strip()} block; add the two markers where "
+            "the table belongs"
         )
     head, rest = text.split(begin, 1)
     _, tail = rest.split(end, 1)
@@ -73,13 +78,13 @@ def _flags(text: str) -> str:
 
 
 def _hooks(text: str) -> str:
-    from megatron_ga_ext.integration.hooks import hook_table  # torch: the wrappers the rows name
+    from tools.doc_design import hook_table  # torch: the wrappers the rows name
 
     return replace_block(text, "hooks", hook_table(), "docs/design.md")
 
 
 def _step(text: str) -> str:
-    from megatron_ga_ext.integration.installation import step_table  # torch: the features' modules
+    from tools.doc_design import step_table  # torch: the features' modules
 
     return replace_block(text, "step", step_table(), "docs/design.md")
 
@@ -92,6 +97,15 @@ def _critical_batch(text: str) -> str:
     return text
 
 
+def _check_rules(text: str) -> str:
+    from tools.doc_rules import not_applied_table, rules_table
+
+    text = replace_block(text, "check-rules", rules_table(), "docs/check-rules.md")
+    return replace_block(
+        text, "check-rules-not-applied", not_applied_table(), "docs/check-rules.md"
+    )
+
+
 def _compatibility_header(text: str) -> str:
     marker = "<!-- table:compatibility -->"
     if marker not in text:
@@ -102,6 +116,7 @@ def _compatibility_header(text: str) -> str:
 #: page -> the renderings of its parts that follow from code alone.
 FIXED: dict[str, tuple[Callable[[str], str], ...]] = {
     "docs/guide.md": (_flags,),
+    "docs/check-rules.md": (_check_rules,),
     "docs/coverage.md": (lambda text: coverage_doc(),),
     "docs/design.md": (_hooks, _step),
     "docs/compatibility.md": (_compatibility_header,),
@@ -123,10 +138,16 @@ def merged_table(name: str, body: str, rows: list[dict[str, str]]) -> str:
     if name == "compatibility":  # releases, then main commits, as compat.UPSTREAM orders them
         order = [upstream.name for upstream in UPSTREAM]
         ordered.sort(
-            key=lambda row: (order.index(row["Source"]) if row["Source"] in order else len(order), row["Source"])
+            key=lambda row: (
+                order.index(row["Source"]) if row["Source"] in order else len(order),
+                row["Source"],
+            )
         )
     lines = ["| " + " | ".join(table.columns) + " |", "|" + "---|" * len(table.columns)]
-    lines += ["| " + " | ".join(cell(row.get(column, "")) for column in table.columns) + " |" for row in ordered]
+    lines += [
+        "| " + " | ".join(cell(row.get(column, "")) for column in table.columns) + " |"
+        for row in ordered
+    ]
     return "\n".join(lines)
 
 
@@ -147,7 +168,8 @@ def _key(table: Table, row: dict[str, str]) -> tuple[str, ...]:
 
 
 def fixed(root: Path) -> dict[str, str]:
-    """Each page with a part rendered from code alone, as it should read (its measured tables as they are)."""
+    """Each page with a part rendered from code alone, as it should read (its measured tables as
+    they are)."""
     pages = {}
     for doc, renderings in FIXED.items():
         text = (root / doc).read_text()
@@ -168,7 +190,9 @@ def write(root: Path = ROOT, results: Path | None = None) -> list[str]:
     for name, table in TABLES.items():
         text = pages.get(table.doc) or (root / table.doc).read_text()
         rows = recorded(name, results) if results else []
-        pages[table.doc] = replace_block(text, name, merged_table(name, block(text, name), rows), table.doc)
+        pages[table.doc] = replace_block(
+            text, name, merged_table(name, block(text, name), rows), table.doc
+        )
     changed = [doc for doc, text in pages.items() if (root / doc).read_text() != text]
     for doc in changed:
         (root / doc).write_text(pages[doc])
@@ -176,7 +200,9 @@ def write(root: Path = ROOT, results: Path | None = None) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.docs", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.docs", description=__doc__.splitlines()[0]
+    )
     parser.add_argument(
         "--check",
         action="store_true",
@@ -186,13 +212,17 @@ def main(argv: list[str] | None = None) -> int:
         "--results",
         type=Path,
         default=results_dir() or ROOT / ".cache" / "results",
-        help="the directory the runs recorded their rows in (default: $MEGATRON_GA_RESULTS, else .cache/results)",
+        help="the directory the runs recorded their rows in (default: $MEGATRON_GA_RESULTS, else "
+        ".cache/results)",
     )
     args = parser.parse_args(argv)
     if args.check:
         pages = stale()
         for doc in pages:
-            print(f"{doc}: a generated part is not current; run make docs and commit the page", file=sys.stderr)
+            print(
+                f"{doc}: a generated part is not current; run make docs and commit the page",
+                file=sys.stderr,
+            )
         return 1 if pages else 0
     for doc in write(results=args.results):
         print(f"wrote {doc}")

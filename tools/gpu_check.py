@@ -1,20 +1,24 @@
-"""One prepared check for the day a GPU is lent: tests/gpu, the CUDA-graph rows, ``megatron-ga verify --device cuda``
-and benchmarks/gpu_overhead.sh on one CUDA device, offline, in under 8 minutes.
+"""One prepared check for the day a GPU is lent: tests/gpu, the CUDA-graph rows, ``megatron-ga
+verify --device cuda`` and benchmarks/gpu_overhead.sh on one CUDA device, offline, in under 8
+minutes.
 
     python tools/gpu_check.py wheels              # here, with registry access: .cache/gpu-wheels (make gpu-wheels)
     python tools/gpu_check.py plan [--json]       # the steps, their timeouts, the wheels; runs nothing
     python tools/gpu_check.py run [--out DIR]     # on the GPU machine (make gpu-check; PLAN=1: plan)
 
-Two halves, because the GPU machine's image has Python and torch (CUDA) but no network. ``wheels`` fills
-.cache/gpu-wheels/ with what tools/gpu-wheels.txt lists: this project's wheel, megatron-core at the primary leg's pin,
-the few packages the image lacks, and a Megatron-LM snapshot (pretrain_gpt.py); the folder travels with the checkout.
-``run``, under the python that holds the image's torch:
+Two halves, because the GPU machine's image has Python and torch (CUDA) but no network. ``wheels``
+fills .cache/gpu-wheels/ with what tools/gpu-wheels.txt lists: this project's wheel, megatron-core
+at the primary leg's pin, the few packages the image lacks, and a Megatron-LM snapshot
+(pretrain_gpt.py); the folder travels with the checkout. ``run``, under the python that holds the
+image's torch:
 
-1. exits 2 at once where that torch sees no CUDA device (or is missing), or where the wheel folder is incomplete;
-2. runs each step of :func:`steps` under its own timeout (together under :data:`BUDGET_S`), killing a step's
-   processes past it, recording its exit status and going on past a failure;
-3. writes into one folder (``--out``, else ``$OUT``, else .cache/gpu-check): gpu-check.log (every step's output),
-   the pytest steps' junit xml, verify.json, overhead.json and summary.json; exits 1 where a step failed.
+1. exits 2 at once where that torch sees no CUDA device (or is missing), or where the wheel folder
+   is incomplete;
+2. runs each step of :func:`steps` under its own timeout (together under :data:`BUDGET_S`), killing
+   a step's processes past it, recording its exit status and going on past a failure;
+3. writes into one folder (``--out``, else ``$OUT``, else .cache/gpu-check): gpu-check.log (every
+   step's output), the pytest steps' junit xml, verify.json, overhead.json and summary.json; exits 1
+   where a step failed.
 
 Stdlib only, so that the plan, the wheel list and the exit without CUDA are tested on the CPU
 (tests/test_gpu_check.py).
@@ -49,7 +53,8 @@ WHEEL_LIST = ROOT / "tools" / "gpu-wheels.txt"
 WHEELS = CACHE / "gpu-wheels"
 VENV = CACHE / "gpu-check-venv"
 RESULTS = CACHE / "gpu-check"
-#: The primary leg, whose megatron-core pin the wheels carry; the image's python3 is CPython 3.12 too.
+#: The primary leg, whose megatron-core pin the wheels carry; the image's python3 is CPython 3.12
+#: too.
 PRIMARY_CONSTRAINTS = ROOT / "constraints" / "py3.12.txt"
 TARGET_PYTHON = (3, 12)
 PLATFORMS = (
@@ -59,7 +64,8 @@ PLATFORMS = (
     "manylinux_2_17_x86_64",
     "manylinux2014_x86_64",
 )
-#: Every timeout together: the device tool's command limit is 10 minutes, its session's device time 15.
+#: Every timeout together: the device tool's command limit is 10 minutes, its session's device time
+#: 15.
 BUDGET_S = 480
 #: The wheel folder travels with the working tree, which the device tool caps at 64 MiB in all.
 WHEELS_CAP_BYTES = 32 * 2**20
@@ -69,19 +75,21 @@ LOG, SUMMARY = "gpu-check.log", "summary.json"
 TAIL_LINES = 30
 
 PROBE = (
-    "import json, platform, torch; ok = torch.cuda.is_available(); "
-    "print(json.dumps({'python': platform.python_version(), 'torch': torch.__version__, "
-    "'cuda': torch.version.cuda, 'devices': torch.cuda.device_count() if ok else 0, "
-    "'name': torch.cuda.get_device_name(0) if ok else None}))"
+    "import json, platform, torch; ok = torch.cuda.is_available(); print(json.dumps({'python': "
+    "platform.python_version(), 'torch': torch.__version__, 'cuda': torch.version.cuda, "
+    "'devices': torch.cuda.device_count() if ok else 0, 'name': "
+    "torch.cuda.get_device_name(0) if ok else None}))"
 )
 
 
-# -- the wheel list ---------------------------------------------------------------------------------------------------
+# -- the wheel list
+# ---------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Wheel:
-    """One line of tools/gpu-wheels.txt: ``build`` (``NAME @ .``), ``download`` (``NAME==VERSION``) or ``source``."""
+    """One line of tools/gpu-wheels.txt: ``build`` (``NAME @ .``), ``download`` (``NAME==VERSION``)
+    or ``source``."""
 
     kind: str
     name: str
@@ -118,7 +126,9 @@ def read_wheel_list(path: Path = WHEEL_LIST) -> list[Wheel]:
             name, version = line.split("==")
             wheels.append(Wheel("download", name, version))
         else:
-            raise ValueError(f"{path}:{number}: {raw!r} is not 'NAME @ .', 'NAME==VERSION' or 'source FILE'")
+            raise ValueError(
+                f"{path}:{number}: {raw!r} is not 'NAME @ .', 'NAME==VERSION' or 'source FILE'"
+            )
     return wheels
 
 
@@ -132,8 +142,8 @@ def primary_pin(constraints: Path = PRIMARY_CONSTRAINTS) -> str:
 
 
 def wheel_list_problems(wheels: list[Wheel]) -> list[str]:
-    """What is wrong with the list: megatron-core off the primary pin, this project missing, a package the image
-    has or must not get, a name twice, not exactly one Megatron-LM snapshot."""
+    """What is wrong with the list: megatron-core off the primary pin, this project missing, a
+    package the image has or must not get, a name twice, not exactly one Megatron-LM snapshot."""
     problems = []
     names = [canonical(w.name) for w in wheels if w.kind != "source"]
     core = [w for w in wheels if canonical(w.name) == "megatron-core"]
@@ -143,7 +153,9 @@ def wheel_list_problems(wheels: list[Wheel]) -> list[str]:
             f"({PRIMARY_CONSTRAINTS.relative_to(ROOT)}), not {[w.version for w in core]}"
         )
     if [canonical(w.name) for w in wheels if w.kind == "build"] != ["megatron-ga-ext"]:
-        problems.append("this project must be the one wheel built from the checkout: 'megatron-ga-ext @ .'")
+        problems.append(
+            "this project must be the one wheel built from the checkout: 'megatron-ga-ext @ .'"
+        )
     problems += [
         f"{name}: the GPU image has it, or it must never be installed"
         for name in names
@@ -155,7 +167,10 @@ def wheel_list_problems(wheels: list[Wheel]) -> list[str]:
         if names.count(name) > 1
     ]
     if len([w for w in wheels if w.kind == "source"]) != 1:
-        problems.append("one Megatron-LM snapshot ('source megatron-lm-<ref>.tar.gz') is needed for pretrain_gpt.py")
+        problems.append(
+            "one Megatron-LM snapshot ('source megatron-lm-<ref>.tar.gz') is needed for "
+            "pretrain_gpt.py"
+        )
     return problems
 
 
@@ -169,16 +184,21 @@ def snapshot(wheels: list[Wheel]) -> str:
 
 
 def megatron_lm(folder: Path, wheels: list[Wheel]) -> Path:
-    """The Megatron-LM tree the steps run: ``MEGATRON_LM`` where given, else the folder's snapshot, unpacked where
-    tools/regress.py's tree() unpacks a tarball (.cache/megatron-lm/<name>)."""
-    given = Path(os.environ["MEGATRON_LM"]).expanduser().resolve() if os.environ.get("MEGATRON_LM") else None
+    """The Megatron-LM tree the steps run: ``MEGATRON_LM`` where given, else the folder's snapshot,
+    unpacked where tools/regress.py's tree() unpacks a tarball (.cache/megatron-lm/<name>)."""
+    given = (
+        Path(os.environ["MEGATRON_LM"]).expanduser().resolve()
+        if os.environ.get("MEGATRON_LM")
+        else None
+    )
     if given is not None and given.is_dir():
         return given
     tarball = given or folder / snapshot(wheels)
     return CACHE / "megatron-lm" / tarball.name.removesuffix(".tar.gz").removesuffix(".tgz")
 
 
-# -- the steps --------------------------------------------------------------------------------------------------------
+# -- the steps
+# --------------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -191,24 +211,38 @@ class Step:
     stdout: str | None = None
     """A file in the results folder that takes the command's stdout (its stderr goes to the log)."""
     junit: str | None = None
-    """The junit xml a pytest step writes into the results folder; at least one of its tests must pass."""
+    """The junit xml a pytest step writes into the results folder; at least one of its tests must
+    pass."""
 
     @property
     def files(self) -> list[str]:
-        return [f for f in (self.stdout, self.junit, self.env.get("OUT") and Path(self.env["OUT"]).name) if f]
+        return [
+            f
+            for f in (self.stdout, self.junit, self.env.get("OUT") and Path(self.env["OUT"]).name)
+            if f
+        ]
 
 
-def steps(out: Path, python: str = sys.executable, folder: Path = WHEELS, venv: Path = VENV) -> list[Step]:
-    """The check, in order. The first (``cuda``) is a probe: without a CUDA device the check stops there, exit 2."""
+def steps(
+    out: Path, python: str = sys.executable, folder: Path = WHEELS, venv: Path = VENV
+) -> list[Step]:
+    """The check, in order. The first (``cuda``) is a probe: without a CUDA device the check stops
+    there, exit 2."""
     vpy = str(venv / "bin" / "python")
     pytest = [vpy, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     verify_s = 50
     return [
-        Step("cuda", 45, "torch sees a CUDA device (else: exit 2 at once, nothing run)", [python, "-c", PROBE]),
+        Step(
+            "cuda",
+            45,
+            "torch sees a CUDA device (else: exit 2 at once, nothing run)",
+            [python, "-c", PROBE],
+        ),
         Step(
             "setup",
             45,
-            "venv over the image's torch; pip install --no-index the wheel folder; unpack Megatron-LM",
+            "venv over the image's torch; pip install --no-index the wheel folder; unpack "
+            "Megatron-LM",
             [python, str(THIS), "setup", "--wheels", str(folder), "--venv", str(venv)],
         ),
         Step(
@@ -229,7 +263,13 @@ def steps(out: Path, python: str = sys.executable, folder: Path = WHEELS, venv: 
             "cuda-graphs",
             165,
             "the CUDA-graph rows in pretrain_gpt.py (marker gpu; the optimizer graph needs TE)",
-            [*pytest, "-m", "gpu", "tests/gpu/test_cuda_graphs.py", f"--junitxml={out / 'cuda-graphs.xml'}"],
+            [
+                *pytest,
+                "-m",
+                "gpu",
+                "tests/gpu/test_cuda_graphs.py",
+                f"--junitxml={out / 'cuda-graphs.xml'}",
+            ],
             junit="cuda-graphs.xml",
         ),
         Step(
@@ -303,7 +343,9 @@ def plan_text(out: Path, python: str, folder: Path, venv: Path) -> str:
     lines += ["", f"wheels: {_shown(folder)} (make gpu-wheels; the list: {_shown(WHEEL_LIST)})"]
     for w in wheels:
         found = sorted(folder.glob(w.file_pattern()))
-        have = ", ".join(f"{f.name} ({f.stat().st_size / 2**20:.1f} MiB)" for f in found) or "missing"
+        have = (
+            ", ".join(f"{f.name} ({f.stat().st_size / 2**20:.1f} MiB)" for f in found) or "missing"
+        )
         what = {
             "build": "built from this checkout",
             "download": "downloaded, --no-deps",
@@ -311,7 +353,9 @@ def plan_text(out: Path, python: str, folder: Path, venv: Path) -> str:
         }[w.kind]
         lines.append(f"  {w.requirement if w.kind != 'source' else w.name:<40} {what}: {have}")
     if folder.is_dir():
-        lines.append(f"  {_size(folder) / 2**20:.1f} MiB in all (cap {WHEELS_CAP_BYTES // 2**20} MiB)")
+        lines.append(
+            f"  {_size(folder) / 2**20:.1f} MiB in all (cap {WHEELS_CAP_BYTES // 2**20} MiB)"
+        )
     return "\n".join(lines)
 
 
@@ -319,7 +363,8 @@ def _size(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
-# -- running a step ---------------------------------------------------------------------------------------------------
+# -- running a step
+# ---------------------------------------------------------------------------------------------------
 
 
 class _Log:
@@ -347,7 +392,8 @@ class _Log:
 
 
 def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid``, from /proc: a launch in a session of its own (pretrain_runs._run_alone) too."""
+    """Every process below ``pid``, from /proc: a launch in a session of its own
+    (pretrain_runs._run_alone) too."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").glob("[0-9]*"):
         try:
@@ -364,7 +410,8 @@ def _descendants(pid: int) -> list[int]:
 
 
 def kill_tree(process: subprocess.Popen) -> None:
-    """SIGTERM, then after 5 s SIGKILL, to the step's process, its session and everything below it."""
+    """SIGTERM, then after 5 s SIGKILL, to the step's process, its session and everything below
+    it."""
     pids = [process.pid, *_descendants(process.pid)]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
@@ -385,7 +432,10 @@ def kill_tree(process: subprocess.Popen) -> None:
 def run_step(step: Step, out: Path, log: _Log, env: dict[str, str]) -> dict:
     """Run one step under its timeout; its row of the summary. 124: killed past the timeout."""
     env_shown = "".join(f"{k}={shlex.quote(v)} " for k, v in step.env.items())
-    log.write(f"\n== {step.name} (timeout {step.timeout_s} s): {step.what}\n$ {env_shown}{shlex.join(step.command)}\n")
+    log.write(
+        f"\n== {step.name} (timeout {step.timeout_s} s): {step.what}\n$ "
+        f"{env_shown}{shlex.join(step.command)}\n"
+    )
     offset = log.handle.tell()
     start = time.monotonic()
     stdout = open(out / step.stdout, "wb") if step.stdout else None  # noqa: SIM115 - closed in the finally below
@@ -403,7 +453,9 @@ def run_step(step: Step, out: Path, log: _Log, env: dict[str, str]) -> dict:
         log.write(f"could not start: {exc}\n")
         rc, status = 127, "failed"
     else:
-        pump = threading.Thread(target=log.pump, args=(process.stderr if stdout else process.stdout,), daemon=True)
+        pump = threading.Thread(
+            target=log.pump, args=(process.stderr if stdout else process.stdout,), daemon=True
+        )
         pump.start()
         try:
             rc = process.wait(timeout=step.timeout_s)
@@ -411,7 +463,9 @@ def run_step(step: Step, out: Path, log: _Log, env: dict[str, str]) -> dict:
         except subprocess.TimeoutExpired:
             kill_tree(process)
             rc, status = 124, "timed out"
-        except BaseException:  # Ctrl-C or SIGTERM: the step's processes are in sessions of their own
+        except (
+            BaseException
+        ):  # Ctrl-C or SIGTERM: the step's processes are in sessions of their own
             kill_tree(process)
             raise
         finally:
@@ -442,13 +496,17 @@ def run_step(step: Step, out: Path, log: _Log, env: dict[str, str]) -> dict:
 
 
 def junit_counts(path: Path) -> dict[str, int] | None:
-    """tests, passed, failed (failures and errors) and skipped in a junit xml; None where there is none."""
+    """tests, passed, failed (failures and errors) and skipped in a junit xml; None where there is
+    none."""
     try:
         root = ElementTree.parse(path).getroot()
     except (OSError, ElementTree.ParseError):
         return None
     suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
-    total = {key: sum(int(s.get(key, 0)) for s in suites) for key in ("tests", "failures", "errors", "skipped")}
+    total = {
+        key: sum(int(s.get(key, 0)) for s in suites)
+        for key in ("tests", "failures", "errors", "skipped")
+    }
     failed = total["failures"] + total["errors"]
     return {
         "tests": total["tests"],
@@ -458,7 +516,8 @@ def junit_counts(path: Path) -> dict[str, int] | None:
     }
 
 
-# -- the commands -----------------------------------------------------------------------------------------------------
+# -- the commands
+# -----------------------------------------------------------------------------------------------------
 
 
 def no_cuda(step: Step) -> tuple[str | None, dict]:
@@ -468,11 +527,16 @@ def no_cuda(step: Step) -> tuple[str | None, dict]:
         return f"no CUDA device is visible: CUDA_VISIBLE_DEVICES={hidden!r} hides every one", {}
     try:
         done = subprocess.run(
-            step.command, capture_output=True, text=True, timeout=step.timeout_s, stdin=subprocess.DEVNULL
+            step.command,
+            capture_output=True,
+            text=True,
+            timeout=step.timeout_s,
+            stdin=subprocess.DEVNULL,
         )
     except subprocess.TimeoutExpired:
         return (
-            f"no CUDA device: torch in {step.command[0]} did not answer within {step.timeout_s} s (a hung "
+            f"no CUDA device: torch in {step.command[0]} did not answer within {step.timeout_s} "
+            "s (a hung "
             f"driver, or a cold import slower than that)"
         ), {}
     except OSError as exc:
@@ -481,7 +545,8 @@ def no_cuda(step: Step) -> tuple[str | None, dict]:
         last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
         if "No module named 'torch'" in done.stderr:
             return (
-                f"{step.command[0]} has no torch ({last}); run with the python that holds the image's CUDA "
+                f"{step.command[0]} has no torch ({last}); run with the python that holds the "
+                "image's CUDA "
                 f"torch (make gpu-check GPU_PYTHON=...)"
             ), {}
         return f"no CUDA device: the probe failed in {step.command[0]}: {last}", {}
@@ -492,13 +557,18 @@ def no_cuda(step: Step) -> tuple[str | None, dict]:
     if not found.get("devices"):
         build = f"CUDA {found['cuda']}" if found.get("cuda") else "a CPU build"
         return (
-            f"no CUDA device is visible to torch {found.get('torch')} ({build}): torch.cuda.is_available() is False"
+            f"no CUDA device is visible to torch {found.get('torch')} ({build}): "
+            "torch.cuda.is_available() is False"
         ), found
     return None, found
 
 
 def command_run(args: argparse.Namespace) -> int:
-    out, folder, venv = results_dir(args.out), Path(args.wheels).resolve(), Path(args.venv).resolve()
+    out, folder, venv = (
+        results_dir(args.out),
+        Path(args.wheels).resolve(),
+        Path(args.venv).resolve(),
+    )
     out.mkdir(parents=True, exist_ok=True)
     plan = steps(out, args.python, folder, venv)
     for name in {LOG, SUMMARY, *(f for s in plan for f in s.files)}:
@@ -514,7 +584,9 @@ def command_run(args: argparse.Namespace) -> int:
     start = time.monotonic()
 
     def finish(code: int, reason: str = "") -> int:
-        summary.update(exit=code, ok=code == 0, seconds=round(time.monotonic() - start, 1), reason=reason)
+        summary.update(
+            exit=code, ok=code == 0, seconds=round(time.monotonic() - start, 1), reason=reason
+        )
         (out / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
         if reason:
             print(f"gpu-check: {reason}", file=sys.stderr)
@@ -533,8 +605,8 @@ def command_run(args: argparse.Namespace) -> int:
     if missing:
         return finish(
             2,
-            f"{_shown(folder)} lacks {', '.join(missing)}: run `make gpu-wheels` on a machine with "
-            f"registry access first, and bring the folder along",
+            f"{_shown(folder)} lacks {', '.join(missing)}: run `make gpu-wheels` on a machine "
+            "with registry access first, and bring the folder along",
         )
     device = summary["device"]
     print(
@@ -542,7 +614,9 @@ def command_run(args: argparse.Namespace) -> int:
         f"Python {device['python']}; results in {out}",
         flush=True,
     )
-    previous = signal.signal(signal.SIGTERM, _interrupted)  # a killed check kills its step's processes too
+    previous = signal.signal(
+        signal.SIGTERM, _interrupted
+    )  # a killed check kills its step's processes too
     try:
         with open(out / LOG, "wb") as handle:
             log = _Log(handle)
@@ -574,8 +648,8 @@ def summary_table(rows: list[dict]) -> str:
 
 
 def command_setup(args: argparse.Namespace) -> int:
-    """The setup step, in the image's python: a venv that sees its torch, the wheels installed offline, the
-    Megatron-LM tree unpacked, then the venv checked (``check-venv``)."""
+    """The setup step, in the image's python: a venv that sees its torch, the wheels installed
+    offline, the Megatron-LM tree unpacked, then the venv checked (``check-venv``)."""
     folder, venv = Path(args.wheels).resolve(), Path(args.venv).resolve()
     if sys.version_info[:2] != TARGET_PYTHON:
         print(
@@ -585,23 +659,43 @@ def command_setup(args: argparse.Namespace) -> int:
         )
         return 1
     wheels = read_wheel_list()
-    # No pip of its own: the image's (through its site-packages) installs into it, and ensurepip is not needed.
-    _echo([sys.executable, "-m", "venv", "--clear", "--system-site-packages", "--without-pip", str(venv)])
+    # No pip of its own: the image's (through its site-packages) installs into it, and ensurepip is
+    # not needed.
+    _echo(
+        [
+            sys.executable,
+            "-m",
+            "venv",
+            "--clear",
+            "--system-site-packages",
+            "--without-pip",
+            str(venv),
+        ]
+    )
     if sys.prefix != sys.base_prefix:
-        # This python is itself a venv (the image's is /opt/torch/.venv): --system-site-packages reaches the
-        # interpreter below it, not this venv's site-packages, where torch is. A .pth file adds them (and runs their
-        # own .pth files) after the new venv's own, so that a wheel installed there wins.
-        site_packages = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+        # This python is itself a venv (the image's is /opt/torch/.venv): --system-site-packages
+        # reaches the interpreter below it, not this venv's site-packages, where torch is. A .pth
+        # file adds them (and runs their own .pth files) after the new venv's own, so that a wheel
+        # installed there wins.
+        site_packages = (
+            venv
+            / "lib"
+            / f"python{sys.version_info.major}.{sys.version_info.minor}"
+            / "site-packages"
+        )
         (site_packages / "_gpu_check_base.pth").write_text(
             "".join(f"import site; site.addsitedir({p!r})\n" for p in site.getsitepackages())
         )
         print(f"setup: {sys.prefix} is a venv: its site-packages added to the new one", flush=True)
     vpy = str(venv / "bin" / "python")
     _python3_config(venv)
-    if subprocess.run([vpy, "-m", "pip", "--version"], cwd=venv, capture_output=True).returncode != 0:
+    if (
+        subprocess.run([vpy, "-m", "pip", "--version"], cwd=venv, capture_output=True).returncode
+        != 0
+    ):
         _echo([vpy, "-m", "ensurepip", "--default-pip"], cwd=venv)
-    # Every wheel into the venv, whatever the image has. Not from the checkout: pip would take its egg-info for an
-    # installed megatron-ga-ext.
+    # Every wheel into the venv, whatever the image has. Not from the checkout: pip would take its
+    # egg-info for an installed megatron-ga-ext.
     _echo(
         [
             vpy,
@@ -621,7 +715,10 @@ def command_setup(args: argparse.Namespace) -> int:
     )
     tree = megatron_lm(folder, wheels)
     given = os.environ.get("MEGATRON_LM") or str(folder / snapshot(wheels))
-    unpack = "import sys; from pathlib import Path; from tools.regress import tree; print(tree(Path(sys.argv[1])))"
+    unpack = (
+        "import sys; from pathlib import Path; from tools.regress import tree; "
+        "print(tree(Path(sys.argv[1])))"
+    )
     unpacked = _echo([vpy, "-c", unpack, str(Path(given).expanduser().resolve())], cwd=ROOT).strip()
     if Path(unpacked) != tree:
         print(f"setup: tree() unpacked {unpacked}, the steps expect {tree}", file=sys.stderr)
@@ -635,9 +732,10 @@ def command_setup(args: argparse.Namespace) -> int:
 
 
 def _python3_config(venv: Path) -> None:
-    """pretrain_gpt.py runs `make` in megatron/core/datasets on rank 0, whose Makefile names its target by
-    `python3-config --extension-suffix`; a venv has no python3-config, and another Python's would name another file.
-    This one names the file check-venv puts there, so that make finds it built and compiles nothing."""
+    """pretrain_gpt.py runs `make` in megatron/core/datasets on rank 0, whose Makefile names its
+    target by `python3-config --extension-suffix`; a venv has no python3-config, and another
+    Python's would name another file. This one names the file check-venv puts there, so that make
+    finds it built and compiles nothing."""
     config = venv / "bin" / "python3-config"
     config.write_text(f"""#!/bin/sh
 # gpu_check.py: the extension suffix of this venv's python, for megatron/core/datasets/Makefile.
@@ -658,9 +756,9 @@ def _echo(command: list[str], cwd: Path = ROOT, env: dict[str, str] | None = Non
 
 
 def command_check_venv(args: argparse.Namespace) -> int:
-    """In the new venv: what the steps import imports, from where; megatron-core is the primary pin; the dataset
-    helpers the wheel compiled are given to the Megatron-LM tree where its helpers.cpp is the same (so that
-    pretrain_gpt.py need not compile them there)."""
+    """In the new venv: what the steps import imports, from where; megatron-core is the primary pin;
+    the dataset helpers the wheel compiled are given to the Megatron-LM tree where its helpers.cpp
+    is the same (so that pretrain_gpt.py need not compile them there)."""
     import importlib
     import importlib.metadata
     import importlib.util
@@ -672,17 +770,23 @@ def command_check_venv(args: argparse.Namespace) -> int:
     stale = _differences(installed, ROOT / "megatron_ga_ext")
     if stale:  # the tests run the checkout, verify the wheel: they must be the same code
         print(
-            f"check-venv: the wheel is not this checkout (rebuild it: make gpu-wheels): {', '.join(stale)}",
+            "check-venv: the wheel is not this checkout (rebuild it: make gpu-wheels): "
+            f"{', '.join(stale)}",
             file=sys.stderr,
         )
         return 1
     for name in ("torch", "megatron.core", "megatron_ga_ext", "pytest", "hypothesis", "einops"):
         module = importlib.import_module(name)
-        distribution = {"megatron.core": "megatron-core", "megatron_ga_ext": "megatron-ga-ext"}.get(name, name)
-        print(f"  {name} {importlib.metadata.version(distribution)}: {Path(module.__file__).parent}")
+        distribution = {"megatron.core": "megatron-core", "megatron_ga_ext": "megatron-ga-ext"}.get(
+            name, name
+        )
+        print(
+            f"  {name} {importlib.metadata.version(distribution)}: {Path(module.__file__).parent}"
+        )
     if importlib.metadata.version("megatron-core") != primary_pin():
         print(
-            f"check-venv: megatron-core is {importlib.metadata.version('megatron-core')}, not {primary_pin()}",
+            f"check-venv: megatron-core is {importlib.metadata.version('megatron-core')}, not "
+            f"{primary_pin()}",
             file=sys.stderr,
         )
         return 1
@@ -690,7 +794,9 @@ def command_check_venv(args: argparse.Namespace) -> int:
     target = Path(args.megatron_lm) / "megatron" / "core" / "datasets"
     for built in datasets.glob("helpers_cpp*.so"):
         source = target / "helpers.cpp"
-        same_source = source.is_file() and source.read_bytes() == (datasets / "helpers.cpp").read_bytes()
+        same_source = (
+            source.is_file() and source.read_bytes() == (datasets / "helpers.cpp").read_bytes()
+        )
         if same_source and not (target / built.name).exists():
             shutil.copy(built, target / built.name)  # newer than helpers.cpp: make leaves it
             print(f"  {built.name}: the wheel's, into {target}")
@@ -698,7 +804,8 @@ def command_check_venv(args: argparse.Namespace) -> int:
 
 
 def _differences(installed: Path, checkout: Path) -> list[str]:
-    """The package's files (sources and data) that differ between the installed wheel and the checkout."""
+    """The package's files (sources and data) that differ between the installed wheel and the
+    checkout."""
 
     def files(root: Path) -> dict[str, bytes]:
         return {
@@ -708,11 +815,14 @@ def _differences(installed: Path, checkout: Path) -> list[str]:
         }
 
     mine, theirs = files(installed), files(checkout)
-    return sorted(name for name in mine.keys() | theirs.keys() if mine.get(name) != theirs.get(name))
+    return sorted(
+        name for name in mine.keys() | theirs.keys() if mine.get(name) != theirs.get(name)
+    )
 
 
 def command_wheels(args: argparse.Namespace) -> int:
-    """Build this project's wheel, download the pinned ones, copy the snapshot; into ``--wheels``, replaced whole."""
+    """Build this project's wheel, download the pinned ones, copy the snapshot; into ``--wheels``,
+    replaced whole."""
     folder, snapshots = Path(args.wheels).resolve(), Path(args.snapshots).resolve()
     wheels = read_wheel_list()
     problems = wheel_list_problems(wheels)
@@ -720,13 +830,18 @@ def command_wheels(args: argparse.Namespace) -> int:
         print("\n".join(f"{_shown(WHEEL_LIST)}: {p}" for p in problems), file=sys.stderr)
         return 2
     if not (snapshots / snapshot(wheels)).is_file():
-        print(f"gpu-wheels: no {snapshot(wheels)} in {snapshots} (MEGATRON_LM_SNAPSHOTS)", file=sys.stderr)
+        print(
+            f"gpu-wheels: no {snapshot(wheels)} in {snapshots} (MEGATRON_LM_SNAPSHOTS)",
+            file=sys.stderr,
+        )
         return 2
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
-    with tempfile.TemporaryDirectory() as tmp:  # a copy, so that the build writes nothing into the checkout
+    with (
+        tempfile.TemporaryDirectory() as tmp
+    ):  # a copy, so that the build writes nothing into the checkout
         for name in ("pyproject.toml", "README.md"):
             shutil.copy2(ROOT / name, tmp)
         shutil.copytree(
@@ -765,7 +880,8 @@ def command_wheels(args: argparse.Namespace) -> int:
     size = _size(partial)
     if missing or size > WHEELS_CAP_BYTES:
         print(
-            f"gpu-wheels: {partial}: missing {missing}, {size / 2**20:.1f} MiB (cap {WHEELS_CAP_BYTES // 2**20} MiB)",
+            f"gpu-wheels: {partial}: missing {missing}, {size / 2**20:.1f} MiB (cap "
+            f"{WHEELS_CAP_BYTES // 2**20} MiB)",
             file=sys.stderr,
         )
         return 1
@@ -778,7 +894,11 @@ def command_wheels(args: argparse.Namespace) -> int:
 
 
 def command_plan(args: argparse.Namespace) -> int:
-    out, folder, venv = results_dir(args.out), Path(args.wheels).resolve(), Path(args.venv).resolve()
+    out, folder, venv = (
+        results_dir(args.out),
+        Path(args.wheels).resolve(),
+        Path(args.venv).resolve(),
+    )
     if args.json:
         plan = steps(out, args.python, folder, venv)
         print(
@@ -799,7 +919,9 @@ def command_plan(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tools/gpu_check.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="tools/gpu_check.py", description=__doc__.split("\n\n")[0]
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     for name, helps in (
         ("wheels", "fill the wheel folder (here, with registry access)"),
@@ -809,22 +931,33 @@ def main(argv: list[str] | None = None) -> int:
         ("check-venv", "the setup step's check, in the new venv"),
     ):
         command = commands.add_parser(name, help=helps)
-        command.add_argument("--wheels", default=str(WHEELS), help=f"the wheel folder (default {_shown(WHEELS)})")
-        command.add_argument("--venv", default=str(VENV), help=f"the check's venv (default {_shown(VENV)})")
-        command.add_argument("--out", help=f"the results folder (default $OUT, else {_shown(RESULTS)})")
         command.add_argument(
-            "--python", default=sys.executable, help="the python whose CUDA torch the venv reuses (default: this one)"
+            "--wheels", default=str(WHEELS), help=f"the wheel folder (default {_shown(WHEELS)})"
+        )
+        command.add_argument(
+            "--venv", default=str(VENV), help=f"the check's venv (default {_shown(VENV)})"
+        )
+        command.add_argument(
+            "--out", help=f"the results folder (default $OUT, else {_shown(RESULTS)})"
+        )
+        command.add_argument(
+            "--python",
+            default=sys.executable,
+            help="the python whose CUDA torch the venv reuses (default: this one)",
         )
         if name == "wheels":
             command.add_argument(
                 "--snapshots",
-                default=os.environ.get("MEGATRON_LM_SNAPSHOTS") or str(ROOT.parent / "shared" / "upstream"),
+                default=os.environ.get("MEGATRON_LM_SNAPSHOTS")
+                or str(ROOT.parent / "shared" / "upstream"),
                 help="where the Megatron-LM snapshot is (MEGATRON_LM_SNAPSHOTS)",
             )
         if name == "plan":
             command.add_argument("--json", action="store_true", help="the plan as JSON")
         if name == "check-venv":
-            command.add_argument("--megatron-lm", required=True, help="the unpacked Megatron-LM tree")
+            command.add_argument(
+                "--megatron-lm", required=True, help="the unpacked Megatron-LM tree"
+            )
     args = parser.parse_args(argv)
     handler = {
         "wheels": command_wheels,
@@ -836,7 +969,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handler(args)
     except subprocess.CalledProcessError as exc:
-        print(f"{args.command}: {shlex.join(map(str, exc.cmd))} exited {exc.returncode}", file=sys.stderr)
+        print(
+            f"{args.command}: {shlex.join(map(str, exc.cmd))} exited {exc.returncode}",
+            file=sys.stderr,
+        )
         return 1
 
 

@@ -4,12 +4,13 @@
     python tools/regress.py behaviour [PATH ...]  # the behaviour suite on each; its cell of the compatibility row
     python tools/regress.py drift PATH ...        # what upstream changed there that the project has not classified
 
-Sources: the PATHs given (a Megatron-LM checkout or a .tar.gz of one; ``MEGATRON_LM`` in the Makefile),
-else every snapshot ``megatron-lm-<ref>.tar.gz`` in ``MEGATRON_LM_SNAPSHOTS`` (default ../shared/upstream)
-of a tested source (compat.UPSTREAM) that runs on this Python, else this Python's released megatron-core
-wheels (their megatron/core only: enough for the behaviour suite, not for the end-to-end tier).
-Tarballs and wheels are unpacked once under .cache/. The behaviour suite's outcome is recorded (tools/results.py)
-where ``MEGATRON_GA_RESULTS`` is set, for ``make docs`` to render into docs/compatibility.md.
+Sources: the PATHs given (a Megatron-LM checkout or a .tar.gz of one; ``MEGATRON_LM`` in the
+Makefile), else every snapshot ``megatron-lm-<ref>.tar.gz`` in ``MEGATRON_LM_SNAPSHOTS`` (default
+../shared/upstream) of a tested source (compat.UPSTREAM) that runs on this Python, else this
+Python's released megatron-core wheels (their megatron/core only: enough for the behaviour suite,
+not for the end-to-end tier). Tarballs and wheels are unpacked once under .cache/. The behaviour
+suite's outcome is recorded (tools/results.py) where ``MEGATRON_GA_RESULTS`` is set, for ``make
+docs`` to render into docs/compatibility.md.
 """
 
 from __future__ import annotations
@@ -26,7 +27,13 @@ from pathlib import Path
 
 from megatron_ga_ext.config.coverage import unclassified
 from megatron_ga_ext.errors import CompatError
-from megatron_ga_ext.integration.compat import TARGETS, UPSTREAM, fingerprint_file, known_fingerprints, tree_targets
+from megatron_ga_ext.integration.compat import (
+    TARGETS,
+    UPSTREAM,
+    fingerprint_file,
+    known_fingerprints,
+    tree_targets,
+)
 
 if __package__:  # tools.regress: the tests, python -m tools.regress
     from .compatibility import source_name
@@ -46,8 +53,8 @@ BEHAVIOUR_TESTS = (
     "tests/test_packing_scheduler.py",
 )
 NO_SOURCE = (
-    "no Megatron-LM source: pass MEGATRON_LM=<checkout or .tar.gz>, or MEGATRON_LM_SNAPSHOTS=<dir of "
-    "megatron-lm-<ref>.tar.gz> (default ../shared/upstream)"
+    "no Megatron-LM source: pass MEGATRON_LM=<checkout or .tar.gz>, or "
+    "MEGATRON_LM_SNAPSHOTS=<dir of megatron-lm-<ref>.tar.gz> (default ../shared/upstream)"
 )
 
 
@@ -56,7 +63,8 @@ def snapshot_dir() -> Path:
 
 
 def tree(path: Path) -> Path:
-    """A checkout as it is, or a tarball unpacked once under .cache/megatron-lm: the dir holding megatron/."""
+    """A checkout as it is, or a tarball unpacked once under .cache/megatron-lm: the dir holding
+    megatron/."""
     if path.is_dir():
         root = path
     else:
@@ -72,7 +80,9 @@ def tree(path: Path) -> Path:
             (inside[0] if len(inside) == 1 and inside[0].is_dir() else partial).rename(root)
             shutil.rmtree(partial, ignore_errors=True)
     if not (root / "megatron" / "core").is_dir():
-        raise SystemExit(f"{path}: no megatron/core in it; give a Megatron-LM checkout or a .tar.gz of one")
+        raise SystemExit(
+            f"{path}: no megatron/core in it; give a Megatron-LM checkout or a .tar.gz of one"
+        )
     return root
 
 
@@ -98,7 +108,8 @@ def wheel_trees() -> list[Path]:
 
 
 def behaviour(trees: list[Path]) -> int:
-    """The behaviour suite with each tree's megatron first on the path; one recorded cell each. Exit status."""
+    """The behaviour suite with each tree's megatron first on the path; one recorded cell each. Exit
+    status."""
     failed = 0
     for root in trees:
         name = source_name(root) if root.parent.name != "megatron-core-sources" else root.name
@@ -111,15 +122,20 @@ def behaviour(trees: list[Path]) -> int:
             text=True,
         )
         print(done.stdout[-3000:], done.stderr[-3000:], sep="", flush=True)
-        summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else f"exit {done.returncode}"
+        summary = (
+            done.stdout.strip().splitlines()[-1]
+            if done.stdout.strip()
+            else f"exit {done.returncode}"
+        )
         record("compatibility", [{"Source": name, "Behaviour suite": summary.strip("= ")}])
         failed += done.returncode != 0
     return 1 if failed else 0
 
 
 def changed_functions(root: Path) -> tuple[str, list[str]]:
-    """(the nearest tested source, the hooked functions whose source in ``root`` no tested source has): a hooked
-    function that is gone is listed as such. The nearest source shares the most hooked functions with ``root``."""
+    """(the nearest tested source, the hooked functions whose source in ``root`` no tested source
+    has): a hooked function that is gone is listed as such. The nearest source shares the most
+    hooked functions with ``root``."""
     known = known_fingerprints()
     counts = {u.name: 0 for u in UPSTREAM}
     changed = []
@@ -136,20 +152,27 @@ def changed_functions(root: Path) -> tuple[str, list[str]]:
         if tested is None:
             changed.append(target.qualified)
         for source in tested or ():
-            counts[source] += 1
-    nearest = max(counts, key=lambda source: counts[source])  # ties: the oldest, as UPSTREAM is ordered
+            if source in counts:  # a patched tree (patches/upstream) is no nearest source
+                counts[source] += 1
+    nearest = max(
+        counts, key=lambda source: counts[source]
+    )  # ties: the oldest, as UPSTREAM is ordered
     return nearest, changed
 
 
-#: Names through which Megatron reaches the hooked functions without naming them: the schedule is called as
-#: get_forward_backward_func()(...) and finalize as config.finalize_model_grads_func(...).
-REACHED_THROUGH = ("get_forward_backward_func", "forward_backward_func", "finalize_model_grads_func")
+#: Names through which Megatron reaches the hooked functions without naming them: the schedule is
+#: called as get_forward_backward_func()(...) and finalize as config.finalize_model_grads_func(...).
+REACHED_THROUGH = (
+    "get_forward_backward_func",
+    "forward_backward_func",
+    "finalize_model_grads_func",
+)
 
 
 def callers(root: Path) -> dict[str, str]:
-    """{'module:Class.function': sha256 of its source} of every function under megatron/ (and the pretrain_*.py
-    scripts) that names a hooked function or a name in :data:`REACHED_THROUGH`. GPTModel.forward is left out:
-    it is reached as model(...), which names nothing."""
+    """{'module:Class.function': sha256 of its source} of every function under megatron/ (and the
+    pretrain_*.py scripts) that names a hooked function or a name in :data:`REACHED_THROUGH`.
+    GPTModel.forward is left out: it is reached as model(...), which names nothing."""
     names = {t.name.rsplit(".", 1)[-1] for t in TARGETS if "." not in t.name} | set(REACHED_THROUGH)
     found = {}
     for path in sorted([*(root / "megatron").rglob("*.py"), *root.glob("pretrain_*.py")]):
@@ -171,24 +194,31 @@ def callers(root: Path) -> dict[str, str]:
                     named = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | {
                         n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
                     }
-                    if names & named and f"{module}.{prefix}{node.name}" not in {t.qualified for t in TARGETS}:
+                    if names & named and f"{module}.{prefix}{node.name}" not in {
+                        t.qualified for t in TARGETS
+                    }:
                         source = "".join(lines[node.lineno - 1 : node.end_lineno])
-                        found[f"{module}:{prefix}{node.name}"] = hashlib.sha256(source.encode()).hexdigest()[:16]
+                        found[f"{module}:{prefix}{node.name}"] = hashlib.sha256(
+                            source.encode()
+                        ).hexdigest()[:16]
 
         visit(tree.body, "", module, lines)
     return found
 
 
 def changed_callers(root: Path, nearest: Path) -> list[str]:
-    """The callers of hooked functions in ``root`` whose source differs from ``nearest``'s, or that it lacks
-    ('(new)'), and the ones only ``nearest`` has ('(gone)')."""
+    """The callers of hooked functions in ``root`` whose source differs from ``nearest``'s, or that
+    it lacks ('(new)'), and the ones only ``nearest`` has ('(gone)')."""
     here, there = callers(root), callers(nearest)
-    changed = [name + ("" if name in there else " (new)") for name in here if here[name] != there.get(name)]
+    changed = [
+        name + ("" if name in there else " (new)") for name in here if here[name] != there.get(name)
+    ]
     return changed + [f"{name} (gone)" for name in there if name not in here]
 
 
 def nearest_tree(name: str) -> Path | None:
-    """The unpacked snapshot of the tested source ``name`` (any Python's), or None where it is not at hand."""
+    """The unpacked snapshot of the tested source ``name`` (any Python's), or None where it is not
+    at hand."""
     upstream = next(u for u in UPSTREAM if u.name == name)
     tarball = snapshot_dir() / f"megatron-lm-{upstream.ref}.tar.gz"
     return tree(tarball) if tarball.exists() else None
@@ -209,14 +239,18 @@ def parser_flags(roots: list[Path]) -> dict[Path, list[str]]:
     return {Path(root): flags for root, flags in json.loads(done.stdout.splitlines()[-1]).items()}
 
 
-def drift_report(name: str, flags: list[str], nearest: str, changed: list[str], moved: list[str] | None) -> str:
-    """What ``make regress`` prints for a checkout: its unclassified flags, its changed hooked functions and the
-    changed callers of hooked functions (``moved``; None where the nearest source's snapshot is not at hand)."""
+def drift_report(
+    name: str, flags: list[str], nearest: str, changed: list[str], moved: list[str] | None
+) -> str:
+    """What ``make regress`` prints for a checkout: its unclassified flags, its changed hooked
+    functions and the changed callers of hooked functions (``moved``; None where the nearest
+    source's snapshot is not at hand)."""
     lines = [f"== drift of {name} against the tested sources =="]
     lines += _listed(
         flags,
         f"{len(flags)} flag(s) of its parser that neither a row of the coverage table "
-        f"(config/coverage/) nor the off-path list (config/off_path.py) names; read each and give it a "
+        "(config/coverage/) nor the off-path list (config/off_path.py) names; read each and give "
+        "it a "
         f"row or an off-path reason:",
         "every flag of its parser is named by a coverage row or the off-path list",
     )
@@ -224,7 +258,7 @@ def drift_report(name: str, flags: list[str], nearest: str, changed: list[str], 
         changed,
         f"{len(changed)} hooked function(s) whose source no tested source has (nearest tested "
         f"source: {nearest}); read the change, then add the source to compat.UPSTREAM "
-        f"(make fingerprints):",
+        "(make fingerprints):",
         f"every hooked function's source is a tested one (nearest tested source: {nearest})",
     )
     if moved is None:
@@ -233,7 +267,8 @@ def drift_report(name: str, flags: list[str], nearest: str, changed: list[str], 
         lines += _listed(
             moved,
             f"{len(moved)} caller(s) of hooked functions changed since {nearest}; read each for a "
-            f"path that reaches the step without the hooks (a row of the coverage table, or a hook):",
+            "path that reaches the step without the hooks (a row of the coverage table, or a "
+            "hook):",
             f"every caller of a hooked function is as in {nearest}",
         )
     return "\n".join(lines)
@@ -246,14 +281,18 @@ def _listed(items: list[str], header: str, none: str) -> list[str]:
 
 def drift(trees: list[Path]) -> int:
     """:func:`drift_report` for each tree: its parser's flags that neither list names (a tested source's parser has
-    none: tests/test_coverage_complete.py), whether or not a tested source has them. Exit status 0: a listing, for a
-    person to read (the behaviour suite and the end-to-end tier are the pass/fail)."""
+    none: tests/test_coverage_complete.py), whether or not a tested source has them. Exit status 0:
+    a listing, for a person to read (the behaviour suite and the end-to-end tier are the
+    pass/fail)."""
     flags = parser_flags(trees)
     for root in trees:
         nearest, changed = changed_functions(root)
         nearest_root = nearest_tree(nearest)
         moved = changed_callers(root, nearest_root) if nearest_root else None
-        print(drift_report(source_name(root), unclassified(flags[root]), nearest, changed, moved), flush=True)
+        print(
+            drift_report(source_name(root), unclassified(flags[root]), nearest, changed, moved),
+            flush=True,
+        )
     return 0
 
 
@@ -270,7 +309,10 @@ def main(argv: list[str]) -> int:
         return behaviour(trees or wheel_trees())
     if command == "drift":
         if not paths:
-            print("drift: give the checkout (a Megatron-LM checkout or a .tar.gz of one)", file=sys.stderr)
+            print(
+                "drift: give the checkout (a Megatron-LM checkout or a .tar.gz of one)",
+                file=sys.stderr,
+            )
             return 2
         return drift(trees)
     print(f"unknown command {command!r}: sources, behaviour or drift", file=sys.stderr)

@@ -3,10 +3,11 @@
     record("fuzz", [{"Surface": ..., "Examples": ...}])   # a run: one JSON file per row
     recorded("fuzz", directory)                           # tools/docs.py: every row recorded for a table
 
-A run records only where ``MEGATRON_GA_RESULTS`` names a directory: the Makefile's fuzz, e2e, matrix and regress
-targets set it to .cache/results, which git ignores. A plain pytest run records nothing, and no run writes a
-tracked file. Rows whose key columns are equal are one row: a later record's cells replace the earlier ones, and
-a partial row (the behaviour suite's one cell of a compatibility row) keeps the cells it does not name.
+A run records only where ``MEGATRON_GA_RESULTS`` names a directory: the Makefile's fuzz, e2e, matrix
+and regress targets set it to .cache/results, which git ignores. A plain pytest run records nothing,
+and no run writes a tracked file. Rows whose key columns are equal are one row: a later record's
+cells replace the earlier ones, and a partial row (the behaviour suite's one cell of a compatibility
+row) keeps the cells it does not name.
 """
 
 from __future__ import annotations
@@ -132,7 +133,8 @@ def results_dir() -> Path | None:
 
 
 def record(name: str, rows: list[dict[str, object]], directory: Path | None = None) -> None:
-    """Merge each of ``rows`` (column -> value) into its file under ``directory`` (default: :func:`results_dir`)."""
+    """Merge each of ``rows`` (column -> value) into its file under ``directory`` (default:
+    :func:`results_dir`)."""
     directory = directory or results_dir()
     if directory is None or not rows:
         return
@@ -143,7 +145,8 @@ def record(name: str, rows: list[dict[str, object]], directory: Path | None = No
         unknown = set(row) - set(table.columns)
         if unknown:
             raise ValueError(
-                f"table {name!r} has no column {', '.join(sorted(unknown))}; its columns: {', '.join(table.columns)}"
+                f"table {name!r} has no column {', '.join(sorted(unknown))}; its columns: "
+                f"{', '.join(table.columns)}"
             )
         cells = {column: cell(value) for column, value in row.items()}
         cells.setdefault("Run on", datetime.date.today().isoformat())
@@ -157,7 +160,9 @@ def record(name: str, rows: list[dict[str, object]], directory: Path | None = No
 
 def recorded(name: str, directory: Path) -> list[dict[str, str]]:
     """Every row recorded for table ``name`` under ``directory``, oldest first."""
-    files = sorted((directory / name).glob("*.json"), key=lambda path: (path.stat().st_mtime, path.name))
+    files = sorted(
+        (directory / name).glob("*.json"), key=lambda path: (path.stat().st_mtime, path.name)
+    )
     return [json.loads(path.read_text()) for path in files]
 
 

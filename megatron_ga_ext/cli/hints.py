@@ -1,5 +1,6 @@
-"""How to install what a command needs: one place for the words, so that no message names a registry package this
-project does not own (``megatron-ga-ext`` on the registry is unclaimed: anyone could publish it). Pure Python."""
+"""How to install what a command needs: one place for the words, so that no message names a registry
+package this project does not own (``megatron-ga-ext`` on the registry is unclaimed: anyone could
+publish it). Pure Python."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ def install_hint(extra: str) -> str:
     """``pip install matplotlib``, or the extra from a checkout or a wheel built from it."""
     return (
         f"pip install {_EXTRAS[extra]}, or from a checkout of megatron-ga-ext pip install "
-        f"'./megatron-ga-ext[{extra}]' (or the wheel built from it: pip install 'megatron_ga_ext-<version>-"
+        f"'./megatron-ga-ext[{extra}]' (or the wheel built from it: pip install "
+        "'megatron_ga_ext-<version>-"
         f"py3-none-any.whl[{extra}]')"
     )

@@ -1,5 +1,6 @@
-"""``schedule --plot``: the stage table drawn (GBS and num_microbatches against tokens or samples), or with
-``--suggest`` the measured B_simple against the suggested schedule. matplotlib is imported only here, on demand.
+"""``schedule --plot``: the stage table drawn (GBS and num_microbatches against tokens or samples);
+with ``--suggest`` the measured B_simple against the suggested schedule is science/cli/plots.py.
+matplotlib is imported only in :func:`pyplot`, on demand.
 """
 
 from __future__ import annotations
@@ -8,15 +9,13 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from megatron_ga_ext.cli.hints import install_hint
-from megatron_ga_ext.core.noise_trace import TraceRow
 from megatron_ga_ext.core.schedule.step_schedule import StageRow
-from megatron_ga_ext.core.schedule.suggest import DoublingRule, Suggestion
 from megatron_ga_ext.errors import UsageError
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["count_label", "plot_schedule", "plot_suggestion"]
+__all__ = ["count_label", "plot_schedule", "pyplot", "save_figure"]
 
 
 def plot_schedule(
@@ -28,20 +27,28 @@ def plot_schedule(
     micro_batch_size: int | None = None,
     data_parallel_size: int | None = None,
 ) -> None:
-    """Draw GBS and num_microbatches (steps) against tokens, or samples without a seq_length, to ``path``: the
-    consumed axis in K, M, B, T, each stage labelled with its GBS and first step, whole micro-batch ticks, and MBS,
-    DP and the sequence length in the title."""
+    """Draw GBS and num_microbatches (steps) against tokens, or samples without a seq_length, to
+    ``path``: the consumed axis in K, M, B, T, each stage labelled with its GBS and first step,
+    whole micro-batch ticks, and MBS, DP and the sequence length in the title."""
     plt = pyplot()
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     scale = seq_length or 1
     used = [r for r in rows if r.first_sample is not None] or rows[:1]
-    xs = [(r.first_sample if r.first_sample is not None else r.threshold_samples) * scale for r in used]
+    xs = [
+        (r.first_sample if r.first_sample is not None else r.threshold_samples) * scale
+        for r in used
+    ]
     last = used[-1]
     end = train_samples or (last.first_sample or last.threshold_samples) * 1.25 or 1
     end_x = max(end * scale, xs[-1] + 1)
     figure, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(8, 5), dpi=100)
-    top.step(xs + [end_x], [r.global_batch_size for r in used] + [last.global_batch_size], where="post", color="C0")
+    top.step(
+        xs + [end_x],
+        [r.global_batch_size for r in used] + [last.global_batch_size],
+        where="post",
+        color="C0",
+    )
     top.set_ylabel("global batch size")
     top.margins(y=0.3)  # room for the stage labels under the title
     for x, row in zip(xs, used):
@@ -53,7 +60,12 @@ def plot_schedule(
             fontsize=7,
             va="bottom",
         )
-    bottom.step(xs + [end_x], [r.num_microbatches for r in used] + [last.num_microbatches], where="post", color="C1")
+    bottom.step(
+        xs + [end_x],
+        [r.num_microbatches for r in used] + [last.num_microbatches],
+        where="post",
+        color="C1",
+    )
     bottom.set_ylabel("num_microbatches")
     bottom.yaxis.set_major_locator(MaxNLocator(integer=True))
     bottom.xaxis.set_major_formatter(FuncFormatter(lambda value, _: count_label(value)))
@@ -82,75 +94,9 @@ def count_label(value: float) -> str:
     return f"{value:g}"
 
 
-def plot_suggestion(
-    trace: list[TraceRow],
-    suggestion: Suggestion,
-    rule: DoublingRule,
-    path: str,
-    seq_length: int | None = None,
-    train_samples: int | None = None,
-) -> None:
-    """Draw the measured B_simple (and x trust), the suggested GBS, the 2 x GBS trigger and the frozen ranges,
-    against samples (or tokens with a seq_length), on a log scale, to ``path``; to ``train_samples`` if given."""
-    plt = pyplot()
-    scale = seq_length or 1
-    measured = [(r.consumed_samples * scale, r.b_simple_samples) for r in trace if r.b_simple_samples is not None]
-    last = max([r.consumed_samples for r in trace] + [t for t, _ in suggestion.schedule.stages])
-    end = max(train_samples or 0, last + last // 20, 1) * scale  # the last stage gets some width
-    xs = [t * scale for t, _ in suggestion.schedule.stages] + [end]
-    batches = [b for _, b in suggestion.schedule.stages]
-    figure, axis = plt.subplots(figsize=(8, 4.5), dpi=100)
-    if measured:
-        axis.plot(
-            [x for x, _ in measured],
-            [b for _, b in measured],
-            "o-",
-            color="C0",
-            ms=3,
-            lw=0.6,
-            label="B_simple measured",
-        )
-        if rule.trust != 1:
-            axis.plot(
-                [x for x, _ in measured],
-                [rule.trust * b for _, b in measured],
-                "-",
-                color="C0",
-                lw=0.8,
-                alpha=0.6,
-                label=f"B_simple x trust {rule.trust:g}",
-            )
-    axis.step(xs, batches + batches[-1:], where="post", color="C1", lw=2, label="suggested GBS")
-    axis.step(
-        xs,
-        [2 * b for b in batches + batches[-1:]],
-        where="post",
-        color="C1",
-        ls="--",
-        lw=0.8,
-        label="2 x GBS (doubles when crossed)",
-    )
-    axis.axhline(rule.max_global_batch_size, color="grey", ls=":", lw=1, label="cap")
-    for frozen in rule.frozen:
-        axis.axvspan(
-            frozen.start * scale,
-            (frozen.end if frozen.end is not None else end / scale) * scale,
-            color="grey",
-            alpha=0.15,
-            lw=0,
-        )
-    axis.set_yscale("log")
-    axis.set_xlabel("tokens consumed" if seq_length else "samples consumed")
-    axis.set_ylabel("samples")
-    axis.set_title("measured critical batch (B_simple) and the suggested schedule; grey: no change")
-    axis.grid(True, alpha=0.3)
-    axis.legend(fontsize=8, loc="lower right")
-    figure.tight_layout()
-    save_figure(plt, figure, path)
-
-
 def pyplot() -> ModuleType:
-    """matplotlib.pyplot on the Agg backend (files only, no display); a UsageError naming the extra without it."""
+    """matplotlib.pyplot on the Agg backend (files only, no display); a UsageError naming the extra
+    without it."""
     try:
         import matplotlib
 
@@ -166,6 +112,8 @@ def save_figure(plt: ModuleType, figure: Figure, path: str) -> None:
     try:
         figure.savefig(path)
     except OSError as error:
-        raise UsageError(f"--plot {path}: cannot write the figure ({error.strerror or error}).") from None
+        raise UsageError(
+            f"--plot {path}: cannot write the figure ({error.strerror or error})."
+        ) from None
     finally:
         plt.close(figure)

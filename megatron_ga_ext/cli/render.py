@@ -26,7 +26,9 @@ def print_table(
             table.add_row(*row)
         Console(file=out).print(table)
         return
-    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(header)]
+    widths = [
+        max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(header)
+    ]
     print(title, file=out)
     print("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip(), file=out)
     print("  ".join("-" * w for w in widths), file=out)

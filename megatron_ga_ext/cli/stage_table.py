@@ -1,7 +1,8 @@
-"""The ``schedule`` command's stage table, as text or JSON: one row per stage, for a given schedule, a converted
-rampup and a ``--suggest``-ed one alike (``core/schedule/tables.py`` computes the rows).
+"""The ``schedule`` command's stage table, as text or JSON: one row per stage, for a given schedule,
+a converted rampup and a ``--suggest``-ed one alike (``core/schedule/tables.py`` computes the rows).
 
-With ``--lr`` the rows add the hints lr x (GBS / --lr-base-batch-size) ** 1 (linear) and ** 1/2 (sqrt).
+With ``--lr`` the rows add the hints lr x (GBS / --lr-base-batch-size) ** 1 (linear) and ** 1/2
+(sqrt).
 """
 
 from __future__ import annotations
@@ -12,14 +13,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
 from megatron_ga_ext.cli.render import print_table
-from megatron_ga_ext.core.schedule.step_schedule import StageRow, StepSchedule, total_samples, total_steps
+from megatron_ga_ext.core.schedule.step_schedule import (
+    StageRow,
+    StepSchedule,
+    total_samples,
+    total_steps,
+)
 
 __all__ = ["LR_NOTE", "print_stages", "stages_json"]
 
 LR_NOTE = (
-    "learning rates are hints only: the linear rule (Goyal et al.) holds only under its conditions (same other "
-    "hyper-parameters, gradual warmup, not too early in training, below ~8k batch in their sweep); the square-root "
-    "rule is another heuristic. Neither is a prescription; tune and watch the loss at each switch."
+    "learning rates are hints only: the linear rule (Goyal et al.) holds only under its "
+    "conditions (same other hyper-parameters, gradual warmup, not too early in training, "
+    "below ~8k batch in their sweep); the square-root rule is another heuristic. Neither "
+    "is a prescription; tune and watch the loss at each switch."
 )
 
 #: The table's columns: (heading, StageRow field).
@@ -50,10 +57,10 @@ def print_stages(
     bubble: Callable[[StageRow], float] | None = None,
     run_length: str | None = None,
 ) -> None:
-    """``header``'s lines, the table of ``rows``, the run's length, notes on stages passed or skipped, and the
-    schedule's warnings (on stderr). ``bubble`` adds each stage's pipeline bubble (PP > 1); ``run_length`` names the
-    flag the run's length comes from (default ``--train-samples N``). ``schedule`` and ``check`` print their stage
-    tables here."""
+    """``header``'s lines, the table of ``rows``, the run's length, notes on stages passed or
+    skipped, and the schedule's warnings (on stderr). ``bubble`` adds each stage's pipeline bubble
+    (PP > 1); ``run_length`` names the flag the run's length comes from (default ``--train-samples
+    N``). ``schedule`` and ``check`` print their stage tables here."""
     for line in header:
         print(line)
     columns = [c for c in _COLUMNS if seq is not None or c[1] not in ("first_token", "tokens")]
@@ -77,14 +84,23 @@ def print_stages(
         print(f"{steps:,} steps{start} {length}; the last step ends at {end:,} samples{tokens}.")
     passed = [r.position for r in rows if r.first_sample is None and r.threshold_samples < consumed]
     if passed and any(r.first_sample is not None for r in rows):
-        print(f"note: stage(s) {', '.join(map(str, passed))} already passed at --consumed-samples {consumed:,}.")
+        print(
+            f"note: stage(s) {', '.join(map(str, passed))} already passed at --consumed-samples "
+            f"{consumed:,}."
+        )
     skipped = [
         r.position
         for r in rows
-        if r.steps == 0 and r.first_sample is None and r.threshold_samples > consumed and _before_end(r, rows)
+        if r.steps == 0
+        and r.first_sample is None
+        and r.threshold_samples > consumed
+        and _before_end(r, rows)
     ]
     if skipped:
-        print(f"note: stage(s) {', '.join(map(str, skipped))} are never used: a step overshoots past them.")
+        print(
+            f"note: stage(s) {', '.join(map(str, skipped))} are never used: a step overshoots "
+            "past them."
+        )
     if lr:
         print(f"note: {LR_NOTE}")
     for text in demoted:
@@ -92,7 +108,8 @@ def print_stages(
 
 
 def _before_end(row: StageRow, rows: Sequence[StageRow]) -> bool:
-    """True if a later stage runs, so this stage was jumped over rather than left after the run's end."""
+    """True if a later stage runs, so this stage was jumped over rather than left after the run's
+    end."""
     return any(r.steps and r.position > row.position for r in rows)
 
 
@@ -107,7 +124,8 @@ def stages_json(
     consumed: int,
     demoted: list[str],
 ) -> dict:
-    """The schedule (its strings in samples and tokens), the layout, the run's length and the rows, as JSON."""
+    """The schedule (its strings in samples and tokens), the layout, the run's length and the rows,
+    as JSON."""
     return {
         "schedule": str(schedule),
         "schedule_samples": schedule.samples_string(),

@@ -1,13 +1,15 @@
-"""``megatron-ga verify``: every layout in both modes, through install(), against unpartitioned references.
+"""``megatron-ga verify``: every layout in both modes, through install(), against unpartitioned
+references.
 
 One launch per world size (1, 2, 4 ranks on the default layouts); each rank runs all layouts of its
-world size in sequence, re-initialising megatron's parallel state in between. Each launch also measures
-the auxiliary losses' gradient (the MoE router at DP 2, with global_aux_loss, under TP 2 and CP 2; MTP) against
-the token-mode target, before (upstream alone) and after install() (verify/aux.py). Exit status: 0 when every
-``token`` row is within ``--tolerance`` of the token reference, with every rank dividing by N = the non-padding
-tokens of the global batch, every ``microbatch`` row within it of its own mean-of-means reference, and every
-auxiliary gradient with the extension within it of the target; 1 otherwise; 2 when a launch fails (a VerifyError,
-printed by the CLI's one error path). Layouts a release cannot run are listed as skipped, with the reason.
+world size in sequence, re-initialising megatron's parallel state in between. Each launch also
+measures the auxiliary losses' gradient (the MoE router at DP 2, with global_aux_loss, under TP 2
+and CP 2; MTP) against the token-mode target, before (upstream alone) and after install()
+(verify/aux.py). Exit status: 0 when every ``token`` row is within ``--tolerance`` of the token
+reference, with every rank dividing by N = the non-padding tokens of the global batch, every
+``microbatch`` row within it of its own mean-of-means reference, and every auxiliary gradient with
+the extension within it of the target; 1 otherwise; 2 when a launch fails (a VerifyError, printed by
+the CLI's one error path). Layouts a release cannot run are listed as skipped, with the reason.
 """
 
 from __future__ import annotations
@@ -25,12 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_ga_ext.cli.hints import install_hint
 from megatron_ga_ext.cli.render import print_table
+from megatron_ga_ext.cli.verify_layouts import runnable, runnable_draws, supported
 from megatron_ga_ext.errors import VerifyError
 
 if TYPE_CHECKING:
     from megatron_ga_ext.verify.fuzz import Draw, DrawResult
     from megatron_ga_ext.verify.harness import LayoutResult
-    from megatron_ga_ext.verify.layouts import Layout
 
 __all__ = ["configure_parser", "run", "rows_from_results"]
 
@@ -57,60 +59,103 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         default=TOLERANCE,
         help=f"largest relative gradient error that passes (default {TOLERANCE:g}, fp32)",
     )
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds allowed for each launch (default 300)")
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds allowed for each launch (default 300)"
+    )
     parser.add_argument(
         "--fuzz",
         type=int,
         metavar="N",
         help="instead of the default layouts, N layouts drawn at random (TP, PP, VPP, CP, EP, DP, "
-        "MBS, GA, MoE balancing types, MTP, overlap, distributed optimizer, torch FSDP2, Megatron-FSDP; "
+        "MBS, GA, MoE balancing types, MTP, overlap, distributed optimizer, torch FSDP2, "
+        "Megatron-FSDP; "
         "uneven loss tokens), each against the unpartitioned reference (verify/fuzz.py)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="--fuzz: the seed of the draws (default 0)")
-    parser.add_argument("--draw", type=int, metavar="K", help="--fuzz: run draw K of the seed alone")
+    parser.add_argument(
+        "--upstream",
+        action="store_true",
+        help="megatron-core alone, install() not called, on whatever megatron-core is importable "
+        "(a tree patched "
+        "with patches/upstream first on PYTHONPATH): its token rows pass where upstream is fixed "
+        "(docs/upstream.md)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="--fuzz: the seed of the draws (default 0)"
+    )
+    parser.add_argument(
+        "--draw", type=int, metavar="K", help="--fuzz: run draw K of the seed alone"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run verify as configured by :func:`configure_parser`; return the exit status (0 pass, 1 a row fails).
+    """Run verify as configured by :func:`configure_parser`; return the exit status (0 pass, 1 a row
+    fails).
 
-    Raises VerifyError when it cannot run (no CUDA device, a launch failed): ``megatron-ga`` prints it.
+    Raises VerifyError when it cannot run (no CUDA device, a launch failed): ``megatron-ga`` prints
+    it.
     """
     start = time.perf_counter()
     _quiet_upstream()
     versions = _import_upstream()
     if args.fuzz is not None:
+        if args.upstream:
+            raise VerifyError(
+                "--upstream runs verify's default layouts; --fuzz's draws run through install()"
+            )
         return _fuzz(args, versions, start)
     from megatron_ga_ext.verify.launches import launch_all  # imports torch and megatron-core
     from megatron_ga_ext.verify.layouts import DEFAULT_LAYOUTS, DEFAULT_LENGTHS
 
-    layouts, skipped = _supported(_runnable(DEFAULT_LAYOUTS, args.device))
+    layouts, skipped = supported(runnable(DEFAULT_LAYOUTS, args.device))
     print(f"megatron-ga verify: {versions}, device {args.device}", file=sys.stderr)
     if not layouts:
-        raise VerifyError("--device cuda: no CUDA device is visible; run on a GPU machine or use --device cpu.")
-    from megatron_ga_ext.verify.aux import AFTER, AUX_LAYOUTS, DATA_PARALLEL_LAYOUTS
+        raise VerifyError(
+            "--device cuda: no CUDA device is visible; run on a GPU machine or use --device cpu."
+        )
+    from megatron_ga_ext.verify.aux import AFTER, AUX_LAYOUTS, DATA_PARALLEL_LAYOUTS, UPSTREAM
+
+    if args.upstream:
+        import megatron.core
+
+        print(
+            f"  --upstream: install() not called; megatron-core from {megatron.core.__file__}",
+            file=sys.stderr,
+        )
 
     # token mode only: 0.16's MTP runs there
-    aux_layouts = _runnable((*AUX_LAYOUTS, *_supported(list(DATA_PARALLEL_LAYOUTS))[0]), args.device)
+    aux_layouts = runnable((*AUX_LAYOUTS, *supported(list(DATA_PARALLEL_LAYOUTS))[0]), args.device)
     try:
-        results, coefficients = launch_all(layouts, device=args.device, timeout_s=args.timeout, aux_layouts=aux_layouts)
+        results, coefficients = launch_all(
+            layouts,
+            device=args.device,
+            timeout_s=args.timeout,
+            aux_layouts=aux_layouts,
+            upstream=args.upstream,
+        )
     except Exception as exc:
         raise VerifyError(f"verify launch failed: {type(exc).__name__}: {exc}") from exc
     expected_num_tokens = {lay.name: sum(lay.lengths or DEFAULT_LENGTHS) for lay in layouts}
-    rows = rows_from_results(results, args.tolerance, expected_num_tokens)
+    # upstream's finalize does not report its N: its rows are judged by the gradients alone
+    rows = rows_from_results(
+        results, args.tolerance, None if args.upstream else expected_num_tokens
+    )
     aux_rows = [
-        {"layout": c.layout, "variant": c.variant, "coefficient": c.coefficient, "error": c.error} for c in coefficients
+        {"layout": c.layout, "variant": c.variant, "coefficient": c.coefficient, "error": c.error}
+        for c in coefficients
     ]
-    aux_ok = all(r["error"] <= args.tolerance for r in aux_rows if r["variant"] == AFTER)
+    judged = UPSTREAM if args.upstream else AFTER
+    aux_ok = all(r["error"] <= args.tolerance for r in aux_rows if r["variant"] == judged)
     _report(rows, aux_rows, skipped, args, expected_num_tokens, time.perf_counter() - start)
     return 0 if all(row["ok"] for row in rows) and aux_ok else 1
 
 
 def _fuzz(args: argparse.Namespace, versions: str, start: float) -> int:
-    """``--fuzz N``: the draws of ``--seed`` (or draw ``--draw`` alone), one launch per world size; 0 when every draw
-    that ran passes, 1 otherwise."""
+    """``--fuzz N``: the draws of ``--seed`` (or draw ``--draw`` alone), one launch per world size;
+    0 when every draw that ran passes, 1 otherwise."""
     if args.fuzz < 1 or (args.draw is not None and not 0 <= args.draw < args.fuzz):
         raise VerifyError(
-            f"--fuzz {args.fuzz} --draw {args.draw}: --fuzz takes N >= 1 draws, and --draw K one of them (0 <= K < N)."
+            f"--fuzz {args.fuzz} --draw {args.draw}: --fuzz takes N >= 1 draws, and --draw K one "
+            "of them (0 <= K < N)."
         )
     from megatron_ga_ext.verify.fuzz import draw_layouts
     from megatron_ga_ext.verify.launches import launch_draws
@@ -118,22 +163,18 @@ def _fuzz(args: argparse.Namespace, versions: str, start: float) -> int:
     draws = draw_layouts(args.fuzz, args.seed)
     draws = [draws[args.draw]] if args.draw is not None else draws
     print(
-        f"megatron-ga verify --fuzz {args.fuzz} --seed {args.seed}: {versions}, device {args.device}", file=sys.stderr
+        f"megatron-ga verify --fuzz {args.fuzz} --seed {args.seed}: {versions}, device "
+        f"{args.device}",
+        file=sys.stderr,
     )
     rows = [
         _draw_row(draw, verdicts, failure, args)
         for draw, verdicts, failure in launch_draws(
-            _runnable_draws(draws, args.device), device=args.device, timeout_s=args.timeout
+            runnable_draws(draws, args.device), device=args.device, timeout_s=args.timeout
         )
     ]
     _report_fuzz(rows, args, time.perf_counter() - start)
     return 0 if all(row["verdict"] in ("ok", "limited") for row in rows) else 1
-
-
-def _runnable_draws(draws: list[Draw], device: str) -> list[Draw]:
-    """The draws whose layout ``device`` can run (``_runnable``)."""
-    kept = _runnable(tuple(draw.layout for draw in draws), device)
-    return [draw for draw in draws if draw.layout in kept]
 
 
 def _draw_row(
@@ -162,7 +203,9 @@ def _draw_row(
     if errors:
         return row | {"reason": sorted(errors)[0]}
     results = {0: [list(v.results) for v in verdicts]}
-    mode_rows = {r["mode"]: r for r in rows_from_results(results, args.tolerance, sum(draw.lengths))}
+    mode_rows = {
+        r["mode"]: r for r in rows_from_results(results, args.tolerance, sum(draw.lengths))
+    }
     return row | {
         "rel_err_token": mode_rows["token"]["rel_err_token"],
         "rel_err_mean_of_means": mode_rows["microbatch"]["rel_err_mean_of_means"],
@@ -195,45 +238,16 @@ def _report_fuzz(rows: list[dict[str, Any]], args: argparse.Namespace, seconds: 
     for r in rows:
         if r["verdict"] != "ok":
             print(
-                f"draw {r['draw']} {r['verdict']}: {r['reason'] or 'a mode misses its reference'}\n"
-                f"  row: {r['row']}\n  rerun: {r['rerun']}"
+                f"draw {r['draw']} {r['verdict']}: "
+                f"{r['reason'] or 'a mode misses its reference'}\n  row: {r['row']}\n  "
+                f"rerun: {r['rerun']}"
             )
     passed = sum(r["verdict"] == "ok" for r in rows)
     limited = sum(r["verdict"] == "limited" for r in rows)
-    print(f"{passed} of {len(rows)} draws pass, {limited} limited (tolerance {args.tolerance:g}); {seconds:.1f} s")
-
-
-def _supported(layouts: list) -> tuple[list, list[dict[str, str]]]:
-    """The layouts this megatron-core can run, and the others with the reason."""
-    from megatron.core.transformer import multi_token_prediction
-
-    from megatron_ga_ext.verify.data_parallel import TORCH_FSDP2_BEFORE_0_19, megatron_fsdp_limited, torch_fsdp2_runs
-    from megatron_ga_ext.verify.fuzz import SEQ_AUX_BEFORE_0_19, seq_aux_limited
-
-    mtp_clamped = hasattr(multi_token_prediction, "process_mtp_loss")
-    fsdp2_runs = torch_fsdp2_runs()
-    kept, skipped = [], []
-    for layout in layouts:
-        if seq_aux_limited(layout):
-            skipped.append({"layout": layout.name, "reason": SEQ_AUX_BEFORE_0_19})
-        elif layout.data_parallel == "torch_fsdp2" and not fsdp2_runs:
-            skipped.append({"layout": layout.name, "reason": TORCH_FSDP2_BEFORE_0_19})
-        elif megatron_fsdp_limited(layout):
-            skipped.append({"layout": layout.name, "reason": megatron_fsdp_limited(layout)})
-        elif "mtp" in layout.model and not mtp_clamped:
-            skipped.append(
-                {
-                    "layout": layout.name,
-                    "reason": (
-                        "megatron-core 0.16 divides each micro-batch's MTP loss by its rolled token count without a "
-                        "clamp, so a micro-batch with at most one loss token per sequence (this batch has one) gives "
-                        "NaN; the MTP rows need 0.17 or later"
-                    ),
-                }
-            )
-        else:
-            kept.append(layout)
-    return kept, skipped
+    print(
+        f"{passed} of {len(rows)} draws pass, {limited} limited (tolerance {args.tolerance:g}); "
+        f"{seconds:.1f} s"
+    )
 
 
 def _quiet_upstream() -> None:
@@ -252,25 +266,12 @@ def _import_upstream() -> str:
         import torch
     except ImportError as exc:
         raise VerifyError(
-            f"megatron-ga verify trains real megatron-core models and needs torch and megatron-core ({exc}); "
-            f"install them with {install_hint('megatron')}. ledger, check and schedule need neither."
+            "megatron-ga verify trains real megatron-core models and needs torch and "
+            f"megatron-core ({exc}); install them with {install_hint('megatron')}. ledger, check "
+            "and schedule need neither."
         ) from exc
 
     return f"megatron-core {megatron.core.__version__}, torch {torch.__version__}"
-
-
-def _runnable(layouts: tuple[Layout, ...], device: str) -> list[Layout]:
-    """All layouts on the CPU; on CUDA those with no more ranks than GPUs (nccl needs one each)."""
-    if device == "cpu":
-        return list(layouts)
-    import torch
-
-    gpus = torch.cuda.device_count()
-    kept = [lay for lay in layouts if lay.world_size <= gpus]
-    for lay in layouts:
-        if lay.world_size > gpus:
-            print(f"  skipped {lay.name}: needs {lay.world_size} GPUs, {gpus} visible", file=sys.stderr)
-    return kept
 
 
 def rows_from_results(
@@ -281,10 +282,10 @@ def rows_from_results(
     """One row per (layout, mode): the largest error over ranks, the token count, and the verdict.
 
     ``token`` passes when within ``tolerance`` of the token reference and, given
-    ``expected_num_tokens`` (one count, or one per layout name), every rank's finalize divided by N = that count
-    (the non-padding tokens of the global batch); ``microbatch`` passes when within ``tolerance`` of its own
-    (mean-of-means)
-    reference. ``num_tokens`` is N when every rank reports the same, else None.
+    ``expected_num_tokens`` (one count, or one per layout name), every rank's finalize divided by N
+    = that count (the non-padding tokens of the global batch); ``microbatch`` passes when within
+    ``tolerance`` of its own (mean-of-means) reference. ``num_tokens`` is N when every rank reports
+    the same, else None.
     """
     per_row: dict[tuple[str, str], list[LayoutResult]] = defaultdict(list)
     for per_rank in results.values():
@@ -298,7 +299,11 @@ def rows_from_results(
         own = err_token if mode == "token" else err_mom
         counts = {res.num_tokens for res in ranks}
         num_tokens = counts.pop() if len(counts) == 1 else None
-        expected = expected_num_tokens.get(layout) if isinstance(expected_num_tokens, dict) else expected_num_tokens
+        expected = (
+            expected_num_tokens.get(layout)
+            if isinstance(expected_num_tokens, dict)
+            else expected_num_tokens
+        )
         count_ok = mode != "token" or expected is None or num_tokens == expected
         rows.append(
             {
@@ -348,10 +353,14 @@ def _report(
     )
     if aux:
         print_table(
-            "Gradient against the token-mode target, upstream beside the extension (MoE: the router weights and the "
-            "auxiliary losses alone; MTP: all, the auxiliary losses alone; torch FSDP2: all, the whole loss)",
+            "Gradient against the token-mode target, upstream beside the extension (MoE: the "
+            "router weights and the auxiliary losses alone; MTP: all, the auxiliary "
+            "losses alone; torch FSDP2: all, the whole loss)",
             ["layout", "step", "coefficient", "max relative error"],
-            [[r["layout"], r["variant"], f"{r['coefficient']:.4f}", f"{r['error']:.2e}"] for r in aux],
+            [
+                [r["layout"], r["variant"], f"{r['coefficient']:.4f}", f"{r['error']:.2e}"]
+                for r in aux
+            ],
         )
     for skip in skipped:
         print(f"skipped {skip['layout']}: {skip['reason']}")
@@ -359,7 +368,8 @@ def _report(
     summary = "all rows pass" if not failed else f"{failed} row(s) FAIL"
     counts = " or ".join(str(n) for n in sorted(set(expected_num_tokens.values()), reverse=True))
     print(
-        f"{summary} (tolerance {args.tolerance:g}; token rows must divide by N, their batch's loss tokens: "
+        f"{summary} (tolerance {args.tolerance:g}; token rows must divide by N, their batch's "
+        "loss tokens: "
         f"{counts}); {seconds:.1f} s"
     )
 

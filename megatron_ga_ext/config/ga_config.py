@@ -19,10 +19,11 @@ __all__ = ["GAConfig"]
 class GAConfig(GAFlags):
     """What install() turns on; ``from_args`` reads it from Megatron's parsed args.
 
-    The ``--ga-*`` flags are the fields of :class:`GAFlags` (config/flags.py: type, default, choices, rule, help
-    there); the fields below are Megatron's own settings the calculator needs where its call does not pass them.
-    Construction runs the rule pass of config/launch_rules.py over the flags (the rules that need Megatron's other
-    settings run in install() and ``check``, through the same pass).
+    The ``--ga-*`` flags are the fields of :class:`GAFlags` (config/flags.py: type, default,
+    choices, rule, help there); the fields below are Megatron's own settings the calculator needs
+    where its call does not pass them. Construction runs the rule pass of config/launch_rules.py
+    over the flags (the rules that need Megatron's other settings run in install() and ``check``,
+    through the same pass).
     """
 
     step_batch_size_schedule: str | None = None
@@ -36,7 +37,8 @@ class GAConfig(GAFlags):
     virtual_pipeline_model_parallel_size: int | None = None
     """VPP as Megatron derives it (``args.virtual_pipeline_model_parallel_size``)."""
     microbatch_group_size_per_vp_stage: int | None = None
-    """N of the interleaved schedule (``--microbatch-group-size-per-virtual-pipeline-stage``); None means PP."""
+    """N of the interleaved schedule (``--microbatch-group-size-per-virtual-pipeline-stage``); None
+    means PP."""
 
     def __post_init__(self) -> None:
         check_launch(self.flag_values())
@@ -49,7 +51,8 @@ class GAConfig(GAFlags):
 
     @classmethod
     def from_args(cls, args: argparse.Namespace | Mapping[str, Any] | MegatronArgs) -> GAConfig:
-        """From Megatron's parsed args holding Megatron's flags and the ``--ga-*`` flags (absent ones: defaults)."""
+        """From Megatron's parsed args holding Megatron's flags and the ``--ga-*`` flags (absent
+        ones: defaults)."""
         settings = MegatronArgs.of(args)
         rampup = settings.rampup_batch_size
         return cls(

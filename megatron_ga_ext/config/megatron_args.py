@@ -1,9 +1,10 @@
 """Megatron's parsed args, read through one typed view. Pure Python.
 
-Megatron hands its settings around as an ``argparse.Namespace`` whose attributes depend on the release and on
-how far ``validate_args`` got. :class:`MegatronArgs` wraps one (or a dict by argparse destination, as
-``megatron-ga check`` reads a launch line) and answers each flag ``core/megatron_flags.py`` declares with its
-type; a flag the args lack reads as Megatron's default there. Nothing else in the package reads ``args`` by name.
+Megatron hands its settings around as an ``argparse.Namespace`` whose attributes depend on the
+release and on how far ``validate_args`` got. :class:`MegatronArgs` wraps one (or a dict by argparse
+destination, as ``megatron-ga check`` reads a launch line) and answers each flag
+``core/megatron_flags.py`` declares with its type; a flag the args lack reads as Megatron's default
+there. Nothing else in the package reads ``args`` by name.
 """
 
 from __future__ import annotations
@@ -23,26 +24,31 @@ _DECLARED = object()
 
 @dataclass(frozen=True)
 class MegatronArgs:
-    """A read-only view of Megatron's args by argparse destination (``args.micro_batch_size`` ...)."""
+    """A read-only view of Megatron's args by argparse destination (``args.micro_batch_size``
+    ...)."""
 
     values: Mapping[str, Any] = field(default_factory=dict)
     """Every value the args hold, by destination; absent ones read as their declared default."""
 
     @classmethod
     def of(cls, args: argparse.Namespace | Mapping[str, Any] | MegatronArgs | None) -> MegatronArgs:
-        """From a Namespace, a dict by destination, another view, or None (a loop without Megatron's args)."""
+        """From a Namespace, a dict by destination, another view, or None (a loop without Megatron's
+        args)."""
         if isinstance(args, MegatronArgs):
             return args
         if args is None:
             return cls({})
-        return cls(args if isinstance(args, Mapping) else vars(args))  # a view: a Namespace's values as they change
+        return cls(
+            args if isinstance(args, Mapping) else vars(args)
+        )  # a view: a Namespace's values as they change
 
     def has(self, dest: str) -> bool:
         """The args hold ``dest`` (a release or parser without the flag does not)."""
         return dest in self.values
 
     def get(self, dest: str, default: Any = _DECLARED) -> Any:
-        """The value of ``dest``; where absent, ``default`` if given, else its flag's declared default (or None)."""
+        """The value of ``dest``; where absent, ``default`` if given, else its flag's declared
+        default (or None)."""
         if dest in self.values:
             return self.values[dest]
         if default is not _DECLARED:
@@ -68,7 +74,8 @@ class MegatronArgs:
 
     @property
     def rampup_batch_size(self) -> list[Any] | None:
-        """``--rampup-batch-size START INCREMENT SAMPLES`` as given (read exactly by core/schedule/rampup.py)."""
+        """``--rampup-batch-size START INCREMENT SAMPLES`` as given (read exactly by
+        core/schedule/rampup.py)."""
         value = self.get("rampup_batch_size")
         return list(value) if value else None
 
@@ -126,8 +133,8 @@ class MegatronArgs:
 
     @property
     def data_parallel_size(self) -> int | None:
-        """DP = world / (TP x PP x CP), as Megatron derives it (``validate_args`` sets it; before that, from the
-        world size and the other sizes); None where neither is known."""
+        """DP = world / (TP x PP x CP), as Megatron derives it (``validate_args`` sets it; before
+        that, from the world size and the other sizes); None where neither is known."""
         given = self._int("data_parallel_size")
         if given:
             return given
@@ -135,15 +142,22 @@ class MegatronArgs:
         if world is None:
             return None
         return world // (
-            self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+            self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.context_parallel_size
         )
 
     # -- the loss and the schedules that run another number of forward passes -------------------
 
     @property
     def calculate_per_token_loss(self) -> bool | None:
-        """``--calculate-per-token-loss``; None where the args do not hold it (a loop without Megatron's parser)."""
-        return bool(self.values["calculate_per_token_loss"]) if self.has("calculate_per_token_loss") else None
+        """``--calculate-per-token-loss``; None where the args do not hold it (a loop without
+        Megatron's parser)."""
+        return (
+            bool(self.values["calculate_per_token_loss"])
+            if self.has("calculate_per_token_loss")
+            else None
+        )
 
     @property
     def hybrid_context_parallel(self) -> bool:
@@ -151,7 +165,8 @@ class MegatronArgs:
 
     @property
     def rl_sequence_packing(self) -> bool:
-        """``--perform-rl-step`` with ``--rl-use-sequence-packing``: packed RL batches count bins, not samples."""
+        """``--perform-rl-step`` with ``--rl-use-sequence-packing``: packed RL batches count bins,
+        not samples."""
         return self._on("perform_rl_step") and self._on("rl_use_sequence_packing")
 
     @property
@@ -175,13 +190,15 @@ class MegatronArgs:
         return self._int("curr_iteration")
 
     def directory(self, dest: str) -> str | None:
-        """A checkpoint directory flag's value (``save``, ``load``, ``pretrained_checkpoint``); None where unset."""
+        """A checkpoint directory flag's value (``save``, ``load``, ``pretrained_checkpoint``); None
+        where unset."""
         value = self.get(dest, None)
         return str(value) if value else None
 
     @property
     def rerun_mode(self) -> str:
-        """``disabled`` where the args do not hold it (a loop without Megatron-LM's rerun machine)."""
+        """``disabled`` where the args do not hold it (a loop without Megatron-LM's rerun
+        machine)."""
         return str(self.get("rerun_mode", "disabled"))
 
     @property

@@ -1,52 +1,51 @@
-"""Megatron's flags off the loss, gradient, step and batch path, each with the reason it is off. Pure Python.
+"""Megatron's flags off the loss, gradient, step and batch path, each with the reason it is off.
+Pure Python.
 
-The path is what the extension guarantees and checks: which tokens count (the loss mask and N), how each
-micro-batch's summed loss and each auxiliary loss term is weighted, how the gradients are accumulated over
-micro-batches, reduced over DP x CP (and TP, PP, EP where finalize does) and divided by N, in what precision that
-accumulation and reduction runs, how many micro-batches and samples a step has, when the optimizer steps or skips,
-whether the extension's hooks run (schedule, loss, finalize, optimizer step), and what a resume restores. The coverage
-table (config/coverage/) has a row for every flag on it. Every other flag of every tested Megatron parser is listed
-here, one by one, under a theme whose reason holds for each flag of it (read from the flag's help and its use in
-megatron/training and megatron/core at the tested sources): what only changes the values the model computes for a
-token (architecture, initialization, kernels and their numeric formats), what the optimizer does with the reduced,
-1/N-scaled gradient, and what lies outside training steps (data, tokenizer, logging, profiling, inference, rollout
-generation, checkpoint storage, fault tolerance).
+The path is what the extension guarantees and checks: which tokens count (the loss mask and N), how
+each micro-batch's summed loss and each auxiliary loss term is weighted, how the gradients are
+accumulated over micro-batches, reduced over DP x CP (and TP, PP, EP where finalize does) and
+divided by N, in what precision that accumulation and reduction runs, how many micro-batches and
+samples a step has, when the optimizer steps or skips, whether the extension's hooks run (schedule,
+loss, finalize, optimizer step), and what a resume restores. The coverage table (config/coverage/)
+has a row for every flag on it. Every other flag of every tested Megatron parser is listed here, one
+by one, under a theme whose reason holds for each flag of it (read from the flag's help and its use
+in megatron/training and megatron/core at the tested sources): what only changes the values the
+model computes for a token (architecture, initialization, kernels and their numeric formats), what
+the optimizer does with the reduced, 1/N-scaled gradient, and what lies outside training steps
+(data, tokenizer, logging, profiling, inference, rollout generation, checkpoint storage, fault
+tolerance).
 
-tests/test_coverage_complete.py holds every tested parser to the two lists: a flag in neither (one a new source adds)
-fails it until someone reads it and gives it a row or a reason here. ``make docs`` renders the themes into
-docs/coverage.md.
+tests/test_coverage_complete.py holds every tested parser to the two lists: a flag in neither (one a
+new source adds) fails it until someone reads it and gives it a row or a reason here. ``make docs``
+renders the themes into docs/coverage.md. The themes outside training steps are in
+config/off_path_outside.py; the Theme type is config/off_path_theme.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from megatron_ga_ext.config.off_path_outside import OUTSIDE_STEPS
+from megatron_ga_ext.config.off_path_theme import Theme
 
 __all__ = ["OFF_PATH", "PENDING", "THEMES", "Theme"]
 
 
-@dataclass(frozen=True, kw_only=True)
-class Theme:
-    """Flags off the path for one reason."""
-
-    name: str
-    reason: str
-    """Why each flag of the theme is off the path: one sentence."""
-    flags: tuple[str, ...]
-    """Each flag as Megatron's parser spells it, every spelling listed (``--no-<name>`` too)."""
-
-
 # fmt: off
 THEMES: tuple[Theme, ...] = (
-    Theme(name="argparse", reason="argparse's help: it prints the flags and exits before anything runs.",
+    Theme(name="argparse", reason="argparse's help: it prints the flags and exits before "
+        "anything runs.",
           flags=("-h", "--help")),
-    Theme(name="retired", reason="retired: Megatron's validate_args stops at start-up when it is given, naming the "
+    Theme(name="retired", reason="retired: Megatron's validate_args stops at start-up when it is "
+        "given, naming the "
           "flag to use instead.",
           flags=("--batch-size", "--warmup", "--model-parallel-size")),
-    Theme(name="no-op", reason="a deprecated no-op (its help says so): the parser takes it and nothing acts on it.",
+    Theme(name="no-op", reason="a deprecated no-op (its help says so): the parser takes it and "
+        "nothing acts on it.",
           flags=("--disable-async-tensor-model-parallel-allreduce", "--no-async-tensor-model-parallel-allreduce",
                  "--moe-extended-tp", "--fp8-interval", "--use-mcore-models", "--disable-msc")),
-    Theme(name="attention and positions", reason="model architecture (attention, heads, positions, rotary and YaRN "
-          "settings, MLA, DSA's indexer, linear attention): what the model computes for each token, not which tokens "
+    Theme(name="attention and positions", reason="model architecture (attention, heads, "
+        "positions, rotary and YaRN "
+          "settings, MLA, DSA's indexer, linear attention): what the model computes for each "
+              "token, not which tokens "
           "count, how their losses are weighted or how the gradient is reduced.",
           flags=("--add-qkv-bias", "--attention-dropout", "--attention-output-gate", "--group-query-attention",
                  "--kv-channels", "--num-attention-heads", "--num-query-groups", "--qk-l2-norm", "--softmax-type",
@@ -65,9 +64,12 @@ THEMES: tuple[Theme, ...] = (
                  "--disable-dsa-indexer-scoring-relu", "--no-dsa-indexer-scoring-relu", "--linear-attention-freq",
                  "--linear-conv-kernel-dim", "--linear-key-head-dim", "--linear-num-key-heads",
                  "--linear-num-value-heads", "--linear-value-head-dim")),
-    Theme(name="layers and sizes", reason="model architecture (sizes, activations, biases, dropout, normalization, "
-          "residual streams, Mamba and gated-delta layers, the layer spec and mix, vocabulary padding): what the model "
-          "computes for each token, not which tokens count, how their losses are weighted or how the gradient is "
+    Theme(name="layers and sizes", reason="model architecture (sizes, activations, biases, "
+        "dropout, normalization, "
+          "residual streams, Mamba and gated-delta layers, the layer spec and mix, vocabulary "
+              "padding): what the model "
+          "computes for each token, not which tokens count, how their losses are weighted or how "
+              "the gradient is "
           "reduced.",
           flags=("--hidden-size", "--ffn-hidden-size", "--activation-func-clamp-value", "--glu-linear-offset",
                  "--swiglu", "--squared-relu", "--quick-geglu", "--openai-gelu", "--disable-bias-linear",
@@ -78,9 +80,12 @@ THEMES: tuple[Theme, ...] = (
                  "--heterogeneous-layers-config-path", "--heterogeneous-layers-config-encoded-json", "--spec",
                  "--hybrid-attention-ratio", "--hybrid-mlp-ratio", "--encoder-num-layers",
                  "--make-vocab-size-divisible-by", "--bert-no-binary-head")),
-    Theme(name="MoE architecture and routing", reason="MoE architecture and routing (expert sizes and layers, shared "
-          "experts, the router's top-k, scores, groups, dtype, jitter, forced or replayed routes): which experts a "
-          "token goes to and how their outputs mix, not the token count; the weighting of the load-balancing terms is "
+    Theme(name="MoE architecture and routing", reason="MoE architecture and routing (expert "
+        "sizes and layers, shared "
+          "experts, the router's top-k, scores, groups, dtype, jitter, forced or replayed "
+              "routes): which experts a "
+          "token goes to and how their outputs mix, not the token count; the weighting of the "
+              "load-balancing terms is "
           "the router rows'.",
           flags=("--moe-ffn-hidden-size", "--moe-layer-freq", "--moe-latent-size",
                  "--moe-shared-expert-intermediate-size", "--moe-shared-expert-gate", "--moe-apply-probs-on-input",
@@ -88,40 +93,56 @@ THEMES: tuple[Theme, ...] = (
                  "--moe-router-num-groups", "--moe-router-group-topk", "--moe-router-topk-scaling-factor",
                  "--moe-router-dtype", "--moe-input-jitter-eps", "--moe-router-force-biased",
                  "--moe-router-force-load-balancing", "--moe-enable-routing-replay")),
-    Theme(name="expert capacity", reason="expert capacity and token dropping: which routed tokens an expert computes "
+    Theme(name="expert capacity", reason="expert capacity and token dropping: which routed "
+        "tokens an expert computes "
           "(a dropped token keeps its residual path), not which tokens the loss counts.",
           flags=("--moe-expert-capacity-factor", "--moe-token-drop-policy", "--moe-pad-expert-input-to-capacity")),
-    Theme(name="dispatch padding", reason="the token dispatcher pads each expert's tokens to a multiple of 16 or 32 "
-          "for quantized GEMMs, after routing: the router's statistics and the loss tokens are unchanged.",
+    Theme(name="dispatch padding", reason="the token dispatcher pads each expert's tokens to a "
+        "multiple of 16 or 32 "
+          "for quantized GEMMs, after routing: the router's statistics and the loss tokens are "
+              "unchanged.",
           flags=("--moe-router-padding-for-quantization", "--moe-router-padding-for-fp8")),
-    Theme(name="ncclep static shape", reason="an option of the flex dispatcher's ncclep backend (the experts get its "
-          "fixed-size receive buffer, not the received count), classified with the flex dispatcher (the "
-          "dispatcher-flex row) but not named there: only core_v0.19.0 and main@9f3fe8c925fb define it.",
+    Theme(name="ncclep static shape", reason="an option of the flex dispatcher's ncclep backend "
+        "(the experts get its "
+          "fixed-size receive buffer, not the received count), classified with the flex "
+              "dispatcher (the "
+          "dispatcher-flex row) but not named there: only core_v0.19.0 and main@9f3fe8c925fb "
+              "define it.",
           flags=("--moe-ncclep-static-shape",)),
-    Theme(name="MTP architecture", reason="multi-token prediction's layers, inputs and pipeline placement: which "
+    Theme(name="MTP architecture", reason="multi-token prediction's layers, inputs and pipeline "
+        "placement: which "
           "parameters the MTP loss reaches, not how it is weighted (the mtp row).",
           flags=("--mtp-detach-heads", "--mtp-hsm", "--mtp-hybrid-override-pattern", "--mtp-standalone",
                  "--mtp-use-repeated-layer")),
-    Theme(name="MuP", reason="MuP's width multipliers (initialization, attention scale, embedding and output "
-          "activations, learning rates per parameter group): model and optimizer settings, not the loss weighting or "
+    Theme(name="MuP", reason="MuP's width multipliers (initialization, attention scale, "
+        "embedding and output "
+          "activations, learning rates per parameter group): model and optimizer settings, not "
+              "the loss weighting or "
           "the gradient reduction.",
           flags=("--use-mup", "--mup-attn-scale-power", "--mup-base-head-dim", "--mup-base-hidden-size",
                  "--mup-embedding-mult", "--mup-output-mult", "--mup-width-mult")),
-    Theme(name="initialization", reason="initialization: the weights a run starts from (with --no-initialization, "
+    Theme(name="initialization", reason="initialization: the weights a run starts from (with "
+        "--no-initialization, "
           "left to a checkpoint load; with upcycling, a dense checkpoint converted to MoE).",
           flags=("--init-method-std", "--embedding-init-method-std", "--init-method-xavier-uniform",
                  "--no-initialization", "--use-cpu-initialization", "--moe-use-upcycling",
                  "--moe-upcycling-granularity")),
-    Theme(name="per-replica initialization", reason="each data-parallel replica starts from its own random weights "
-          "(Megatron then skips the broadcast from DP rank 0): initialization, not how the replicas' gradients are "
+    Theme(name="per-replica initialization", reason="each data-parallel replica starts from its "
+        "own random weights "
+          "(Megatron then skips the broadcast from DP rank 0): initialization, not how the "
+              "replicas' gradients are "
           "weighted or summed.",
           flags=("--data-parallel-random-init",)),
-    Theme(name="random numbers", reason="random-number generators: which random draws (initialization, dropout, "
+    Theme(name="random numbers", reason="random-number generators: which random draws "
+        "(initialization, dropout, "
           "sampling) a run makes.",
           flags=("--seed", "--te-rng-tracker", "--inference-rng-tracker")),
-    Theme(name="kernels and implementations", reason="the implementation or kernel of a computation in the forward "
-          "and backward passes (Transformer Engine, Megatron-Core's local modules or the legacy models, attention "
-          "backends, fusions, grouped GEMMs, deterministic or batch-invariant kernels, chunked MLPs): the same "
+    Theme(name="kernels and implementations", reason="the implementation or kernel of a "
+        "computation in the forward "
+          "and backward passes (Transformer Engine, Megatron-Core's local modules or the legacy "
+              "models, attention "
+          "backends, fusions, grouped GEMMs, deterministic or batch-invariant kernels, chunked "
+              "MLPs): the same "
           "arithmetic by other code.",
           flags=("--transformer-impl", "--use-legacy-models", "--attention-backend", "--flash-attention-version",
                  "--use-flash-attn", "--use-kitchen-attention", "--kitchen-attention-backend",
@@ -136,9 +157,12 @@ THEMES: tuple[Theme, ...] = (
                  "--batch-invariant-mode", "--batch-invariant-backend", "--deterministic-mode",
                  "--mla-down-proj-fusion", "--gdp-cutedsl-kernel", "--dsa-kernel-backend",
                  "--disable-mamba-mem-eff-path", "--mlp-chunks-for-training", "--onnx-safe")),
-    Theme(name="numeric formats", reason="the numeric format of the forward and backward computation (FP8 or FP4 "
-          "GEMMs and their recipes, layers kept in bf16, fp32 softmax or residuals, the dtype of the logits and of the "
-          "per-token cross entropy): the values each token's loss and gradient take, not which tokens count, their "
+    Theme(name="numeric formats", reason="the numeric format of the forward and backward "
+        "computation (FP8 or FP4 "
+          "GEMMs and their recipes, layers kept in bf16, fp32 softmax or residuals, the dtype of "
+              "the logits and of the "
+          "per-token cross entropy): the values each token's loss and gradient take, not which "
+              "tokens count, their "
           "weights or the precision of the gradient's accumulation and reduction.",
           flags=("--fp8-format", "--fp8-recipe", "--fp8-margin", "--fp8-amax-history-len", "--fp8-amax-compute-algo",
                  "--fp8-quantizer-factory", "--fp8-output-proj", "--fp4-format", "--fp4-recipe",
@@ -147,12 +171,16 @@ THEMES: tuple[Theme, ...] = (
                  "--disable-bf16-reduced-precision-matmul", "--attention-softmax-in-fp32",
                  "--apply-query-key-layer-scaling", "--fp32-residual-connection", "--fp16-lm-cross-entropy",
                  "--output-logit-dtype", "--mamba-training-ssm-states-dtype")),
-    Theme(name="quantized parameter gather", reason="parameters kept in FP8 or FP4 and all-gathered in that format "
-          "after the optimizer step (MXFP8 may stage the gather in the gradient buffer, which upstream clears after "
+    Theme(name="quantized parameter gather", reason="parameters kept in FP8 or FP4 and "
+        "all-gathered in that format "
+          "after the optimizer step (MXFP8 may stage the gather in the gradient buffer, which "
+              "upstream clears after "
           "it): after the step has consumed the reduced gradient.",
           flags=("--fp8-param-gather", "--fp4-param-gather", "--reuse-grad-buf-for-mxfp8-param-ag")),
-    Theme(name="activation memory", reason="activation memory and garbage collection (recomputation, CPU offloading, "
-          "buffer release, emptying the cache): what is kept, recomputed or moved between the forward and the "
+    Theme(name="activation memory", reason="activation memory and garbage collection "
+        "(recomputation, CPU offloading, "
+          "buffer release, emptying the cache): what is kept, recomputed or moved between the "
+              "forward and the "
           "backward, not what is computed.",
           flags=("--recompute-granularity", "--recompute-method", "--recompute-modules", "--recompute-num-layers",
                  "--recompute-activations", "--checkpoint-activations", "--moe-layer-recompute",
@@ -164,8 +192,10 @@ THEMES: tuple[Theme, ...] = (
                  "--gdp-num-chunk-states-to-recompute", "--disable-clone-scatter-output-in-embedding",
                  "--no-clone-scatter-output-in-embedding", "--empty-unused-memory-level", "--manual-gc",
                  "--manual-gc-interval", "--disable-manual-gc-eval", "--no-manual-gc-eval")),
-    Theme(name="tensor-parallel communication overlap", reason="how the tensor-parallel collectives of activations "
-          "and their gradients overlap GEMMs inside the forward and backward (userbuffers, bulk and split overlaps, "
+    Theme(name="tensor-parallel communication overlap", reason="how the tensor-parallel "
+        "collectives of activations "
+          "and their gradients overlap GEMMs inside the forward and backward (userbuffers, bulk "
+              "and split overlaps, "
           "their bootstrap and config file): when they run, not what they compute.",
           flags=("--tp-comm-overlap", "--tp-comm-overlap-rs-dgrad", "--tp-comm-overlap-cfg",
                  "--tp-comm-bootstrap-backend", "--disable-tp-comm-bulk-dgrad", "--no-tp-comm-bulk-dgrad",
@@ -173,18 +203,25 @@ THEMES: tuple[Theme, ...] = (
                  "--no-tp-comm-overlap-ag", "--disable-tp-comm-overlap-rs", "--no-tp-comm-overlap-rs",
                  "--disable-tp-comm-split-ag", "--no-tp-comm-split-ag", "--disable-tp-comm-split-rs",
                  "--no-tp-comm-split-rs")),
-    Theme(name="context-parallel communication", reason="how attention exchanges keys and values between "
-          "context-parallel ranks (p2p, a2a, all-gather, their hierarchy): each CP shard's tokens, their count and the "
+    Theme(name="context-parallel communication", reason="how attention exchanges keys and values "
+        "between "
+          "context-parallel ranks (p2p, a2a, all-gather, their hierarchy): each CP shard's "
+              "tokens, their count and the "
           "gradient reduction over DP x CP are the same.",
           flags=("--cp-comm-type", "--hierarchical-context-parallel-sizes")),
-    Theme(name="pipeline communication", reason="how activations and their gradients pass between pipeline stages "
-          "(overlap, ring exchange, scatter/gather, the backend): each stage runs the same micro-batches.",
+    Theme(name="pipeline communication", reason="how activations and their gradients pass "
+        "between pipeline stages "
+          "(overlap, ring exchange, scatter/gather, the backend): each stage runs the same "
+              "micro-batches.",
           flags=("--no-overlap-p2p-communication", "--overlap-p2p-communication-warmup-flush",
                  "--use-ring-exchange-p2p", "--pipeline-model-parallel-comm-backend",
                  "--no-scatter-gather-tensors-in-pipeline")),
-    Theme(name="collective transport", reason="the transport of collectives (NCCL user buffers and symmetric "
-          "registration, symmetric all-reduce, SHARP, communicator configs, stream priorities, an extra all-gather "
-          "group, the backend, its timeouts, Gloo groups, the flight recorder): where and how a collective runs, not "
+    Theme(name="collective transport", reason="the transport of collectives (NCCL user buffers "
+        "and symmetric "
+          "registration, symmetric all-reduce, SHARP, communicator configs, stream priorities, "
+              "an extra all-gather "
+          "group, the backend, its timeouts, Gloo groups, the flight recorder): where and how a "
+              "collective runs, not "
           "what it sums.",
           flags=("--use-nccl-ub", "--disable-symmetric-registration", "--symmetric-ar-type", "--use-sharp",
                  "--sharp-enabled-group", "--nccl-communicator-config-path", "--high-priority-stream-groups",
@@ -195,17 +232,25 @@ THEMES: tuple[Theme, ...] = (
                  "--no-flight-recorder-dump-on-timeout", "--disable-flight-recorder-extra-dump-on-exec",
                  "--no-flight-recorder-extra-dump-on-exec", "--disable-flight-recorder-include-only-active",
                  "--no-flight-recorder-include-only-active")),
-    Theme(name="rank order", reason="the order in which ranks are assigned to groups (tp-cp-ep-pp-dp instead of "
-          "tp-cp-ep-dp-pp): which ranks form each group, not the groups' sizes, so DP and the batch arithmetic are "
+    Theme(name="rank order", reason="the order in which ranks are assigned to groups "
+        "(tp-cp-ep-pp-dp instead of "
+          "tp-cp-ep-dp-pp): which ranks form each group, not the groups' sizes, so DP and the "
+              "batch arithmetic are "
           "the same.",
           flags=("--use-tp-pp-dp-mapping",)),
-    Theme(name="launcher hand-over", reason="how the launcher hands over the local rank, and when the model-parallel "
-          "groups are built (--lazy-mpu-init, for an external DDP manager): the same groups once built.",
+    Theme(name="launcher hand-over", reason="how the launcher hands over the local rank, and "
+        "when the model-parallel "
+          "groups are built (--lazy-mpu-init, for an external DDP manager): the same groups once "
+              "built.",
           flags=("--local-rank", "--lazy-mpu-init")),
-    Theme(name="optimizer", reason="the optimizer's update rule and settings (its kind, betas, epsilon, momentum, "
-          "Muon's Newton-Schulz settings, weight decay and its schedule, gradient clipping, q/k clipping, CPU offload, "
-          "state dtypes and layout, parameter groups): what the step does with the reduced, 1/N-scaled gradient; "
-          "Megatron builds every choice through get_megatron_optimizer (or, on 0.16, get_megatron_muon_optimizer), "
+    Theme(name="optimizer", reason="the optimizer's update rule and settings (its kind, betas, "
+        "epsilon, momentum, "
+          "Muon's Newton-Schulz settings, weight decay and its schedule, gradient clipping, q/k "
+              "clipping, CPU offload, "
+          "state dtypes and layout, parameter groups): what the step does with the reduced, "
+              "1/N-scaled gradient; "
+          "Megatron builds every choice through get_megatron_optimizer (or, on 0.16, "
+              "get_megatron_muon_optimizer), "
           "whose optimizer's step the extension wraps.",
           flags=("--optimizer", "--adam-beta1", "--adam-beta2", "--adam-eps", "--sgd-momentum", "--lion-beta1",
                  "--lion-beta2", "--muon-coefficient-type", "--muon-extra-scale-factor", "--muon-fp32-matmul-prec",
@@ -218,205 +263,19 @@ THEMES: tuple[Theme, ...] = (
                  "--use-torch-optimizer-for-cpu-offload", "--no-pin-cpu-grads", "--no-pin-cpu-params",
                  "--exp-avg-dtype", "--exp-avg-sq-dtype", "--main-params-dtype", "--no-use-layer-wise-param-layout",
                  "--dump-param-to-param-group-map")),
-    Theme(name="learning-rate values", reason="the learning rate's values and their source (peak, minimum, warm-up "
-          "start, the decoupled input/output rate, the WSD anneal's shape, the command line's or the checkpoint's): "
-          "what the scheduler gives the optimizer, which --ga-lr-scaling multiplies by its stage factor; the "
+    Theme(name="learning-rate values", reason="the learning rate's values and their source "
+        "(peak, minimum, warm-up "
+          "start, the decoupled input/output rate, the WSD anneal's shape, the command line's or "
+              "the checkpoint's): "
+          "what the scheduler gives the optimizer, which --ga-lr-scaling multiplies by its stage "
+              "factor; the "
           "schedule's lengths are the lr-schedule row's.",
           flags=("--lr", "--min-lr", "--lr-warmup-init", "--decoupled-lr", "--decoupled-min-lr", "--lr-wsd-decay-style",
                  "--override-opt-param-scheduler", "--override-opt_param-scheduler",
                  "--use-checkpoint-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler")),
-    Theme(name="evaluation", reason="evaluation: forward-only schedule calls between training steps (no gradient, no "
-          "optimizer step, no training samples consumed), where the guards check that each model chunk runs the "
-          "call's own micro-batch count.",
-          flags=("--eval-global-batch-size", "--eval-micro-batch-size", "--eval-interval", "--eval-iters",
-                 "--full-validation", "--multiple-validation-sets", "--start-eval-at-iter", "--validation-set-names")),
-    Theme(name="no training", reason="no training loop: Megatron evaluates and exits, so no training step runs.",
-          flags=("--skip-train",)),
-    Theme(name="upstream test switch", reason="upstream's test switch (its help: run all real-time tests alongside "
-          "the experiment; attention skips one code path under it), not a setting of the loss, the gradient or the "
-          "step.",
-          flags=("--test-mode",)),
-    Theme(name="data", reason="data sources, splits, caching and loading (paths, blends, mock data, storage clients, "
-          "workers, index caches, the loader's kind, FIM, masking and attention-mask transforms of samples, SFT "
-          "formats): which samples a micro-batch holds; each still reaches the loss with its loss mask, which N "
-          "counts.",
-          flags=("--data-path", "--data-args-path", "--per-split-data-args-path", "--train-data-path",
-                 "--valid-data-path", "--test-data-path", "--split", "--data-cache-path",
-                 "--per-dataset-sequences-path", "--mid-level-dataset-surplus", "--mock-data",
-                 "--object-storage-cache-path", "--enable-msc", "--dataloader-type",
-                 "--dataloader-defer-npy-index-mmap", "--dataloader-fast-cache-load", "--no-mmap-bin-files",
-                 "--num-dataset-builder-threads", "--num-workers", "--no-create-attention-mask-in-dataloader",
-                 "--reset-attention-mask", "--reset-position-ids", "--sample-rate", "--short-seq-prob", "--mask-prob",
-                 "--fim-data", "--fim-rate", "--fim-spm-rate", "--fim-split-sample", "--fim-fragment-rate",
-                 "--fim-no-prefix", "--fim-prefix-token", "--fim-middle-token", "--fim-suffix-token", "--fim-pad-token",
-                 "--fim-eod-token", "--sft-tokenizer-prompt-format", "--sft-mock-dataset-config-json",
-                 "--varlen-mock-dataset-config-json")),
-    Theme(name="tokenizer", reason="the tokenizer: how text becomes token ids, the vocabulary and its padding, and "
-          "whether a checkpoint carries the tokenizer's files; the loss mask over the ids is what N counts.",
-          flags=("--tokenizer-type", "--tokenizer-model", "--tokenizer-metadata", "--tokenizer-special-tokens",
-                 "--tokenizer-sentencepiece-legacy", "--disable-tokenizer-sentencepiece-ignore-extra-whitespaces",
-                 "--no-tokenizer-sentencepiece-ignore-extra-whitespaces", "--tokenizer-hf-use-fast",
-                 "--tokenizer-hf-no-use-fast", "--tokenizer-hf-include-special-tokens",
-                 "--tokenizer-hf-no-include-special-tokens", "--tiktoken-pattern", "--tiktoken-num-special-tokens",
-                 "--tiktoken-special-tokens", "--legacy-tokenizer", "--use-gigatoken", "--trust-remote-code",
-                 "--chat-template", "--vocab-file", "--merge-file", "--vocab-size", "--vocab-extra-ids",
-                 "--padded-vocab-size", "--disable-pad-vocab-size", "--no-pad-vocab-size", "--null-tokenizer-eod-id",
-                 "--null-tokenizer-pad-id", "--disable-save-tokenizer-assets", "--no-save-tokenizer-assets",
-                 "--disable-use-tokenizer-model-from-checkpoint-args",
-                 "--no-use-tokenizer-model-from-checkpoint-args")),
-    Theme(name="logging", reason="logging and metrics (intervals, levels, TensorBoard, W&B, timers, memory, "
-          "throughput, energy, progress, norms and zero counts of gradients or parameters, attention logits, router "
-          "traces, config dumps, rejected-result records): reads values, changes none.",
-          flags=("--log-interval", "--logging-level", "--tensorboard-dir", "--tensorboard-log-interval",
-                 "--tensorboard-queue-size", "--log-timers-to-tensorboard", "--timing-log-level", "--timing-log-option",
-                 "--no-barrier-with-level-1-timing", "--log-memory-to-tensorboard", "--log-memory-interval",
-                 "--log-device-memory-used", "--log-throughput", "--log-energy", "--log-progress",
-                 "--log-num-zeros-in-grad", "--log-params-norm", "--log-max-attention-logit",
-                 "--log-validation-ppl-to-tensorboard", "--log-world-size-to-tensorboard",
-                 "--disable-log-loss-scale-to-tensorboard", "--no-log-loss-scale-to-tensorboard", "--wandb-project",
-                 "--wandb-entity", "--wandb-exp-name", "--wandb-save-dir", "--moe-per-layer-logging",
-                 "--moe-routing-trace-path", "--moe-routing-trace-capture-hidden-states",
-                 "--moe-routing-trace-capture-logits", "--moe-routing-trace-dump-weights",
-                 "--moe-routing-trace-max-training-iters", "--config-logger-dir",
-                 "--result-rejected-tracker-filename")),
-    Theme(name="monitoring", reason="monitoring of the job (straggler detection, GPU sniff tests, weight-hash checks "
-          "across data-parallel replicas, one-logger, OpenTelemetry, the workload inspector): measures or compares, "
-          "changes no value.",
-          flags=("--log-straggler", "--disable-straggler-on-startup", "--straggler-ctrlr-port",
-                 "--straggler-minmax-count", "--gpu-sniff-test-interval",
-                 "--check-weight-hash-across-dp-replicas-interval", "--no-one-logger", "--one-logger-async",
-                 "--one-logger-project", "--one-logger-run-name", "--app-tag-run-name", "--app-tag-run-version",
-                 "--otel-enabled", "--otel-service-name", "--otel-span-groups", "--run-workload-inspector-server")),
-    Theme(name="profiling", reason="profiling (nsys ranges and steps, the PyTorch profiler, memory history and "
-          "snapshots): records what runs, changes no value.",
-          flags=("--profile", "--profile-ranks", "--profile-step-start", "--profile-step-end", "--nvtx-ranges",
-                 "--record-shapes", "--use-pytorch-profiler", "--pytorch-profiler-collect-callstack",
-                 "--pytorch-profiler-collect-chakra", "--pytorch-profiler-collect-shapes", "--record-memory-history",
-                 "--memory-snapshot-path")),
-    Theme(name="debug dumps", reason="debug dumps of gradients, parameters, activations or routing counts every N "
-          "iterations: reads the tensors, changes none.",
-          flags=("--save-dgrads-interval", "--save-wgrads-interval", "--save-params-interval",
-                 "--save-activations-interval", "--save-tokens-per-expert-interval")),
-    Theme(name="checkpoint storage", reason="checkpoint storage (format, async and parallel save and load, strictness, "
-          "sharding checks, replication, conversion, retention, integrity): how Megatron writes and reads its state; "
-          "the iteration and consumed samples it restores, and the sidecar next to each persistent checkpoint, are the "
-          "same.",
-          flags=("--ckpt-format", "--auto-detect-ckpt-format", "--use-dist-ckpt", "--dist-ckpt-format", "--async-save",
-                 "--async-strategy", "--async-ckpt-cpu-priority", "--async-ckpt-io-priority",
-                 "--async-ckpt-use-cpu-shm", "--use-persistent-ckpt-worker", "--dist-ckpt-workers",
-                 "--ckpt-assume-constant-structure", "--ckpt-fully-parallel-load",
-                 "--ckpt-fully-parallel-load-exchange-algo", "--ckpt-fully-parallel-load-per-rank-objects",
-                 "--ckpt-fully-parallel-load-process-group", "--ckpt-fully-parallel-save",
-                 "--no-ckpt-fully-parallel-save", "--disable-ckpt-fully-parallel-save",
-                 "--ckpt-fully-parallel-save-process-group", "--ckpt-pg-tensors-cache-create",
-                 "--ckpt-pg-tensors-cache-path", "--ckpt-drop-redundant-extra-state",
-                 "--disable-ckpt-load-validate-sharding-integrity", "--no-ckpt-load-validate-sharding-integrity",
-                 "--disable-stream-ckpt-dequant", "--no-stream-ckpt-dequant", "--disable-strict-fsdp-dtensor-load",
-                 "--no-strict-fsdp-dtensor-load", "--dist-ckpt-strictness", "--dist-ckpt-optim-fully-reshardable",
-                 "--distrib-optim-fully-reshardable-mem-efficient", "--dist-ckpt-save-pre-mcore-014",
-                 "--ckpt-convert-format", "--ckpt-convert-save", "--ckpt-convert-update-legacy-dist-opt-format",
-                 "--replication", "--replication-factor", "--replication-jump", "--save-retain-interval",
-                 "--verify-integrity", "--exit-on-missing-checkpoint")),
-    Theme(name="checkpoint contents", reason="which optimizer, RNG or main-parameter state a checkpoint saves or "
-          "restores: the iteration and consumed samples are restored either way.",
-          flags=("--no-load-optim", "--no-load-rng", "--no-save-optim", "--no-save-rng",
-                 "--load-main-params-from-ckpt")),
-    Theme(name="run control", reason="when the run stops (after a duration, an iteration, a signal, an autoresume "
-          "request), at a step boundary and through save_checkpoint where --save is set, or how far the host may run "
-          "ahead of the device: no step changes.",
-          flags=("--exit-duration-in-mins", "--exit-interval", "--exit-signal", "--exit-signal-handler",
-                 "--exit-signal-handler-for-dataloader", "--exit-signal-handler-for-training", "--adlr-autoresume",
-                 "--adlr-autoresume-interval", "--train-sync-interval")),
-    Theme(name="fault tolerance", reason="fault tolerance (in-process restart's timeouts, reserves and monitoring, "
-          "the FT package's timeouts, the fault injector's hangs and crashes): detects, injects or waits out a "
-          "failure; a step that completes is unchanged (in-process restart itself is a row).",
-          flags=("--inprocess-active-world-size", "--inprocess-barrier-timeout", "--inprocess-completion-timeout",
-                 "--inprocess-empty-cuda-cache", "--inprocess-granularity", "--inprocess-hard-timeout",
-                 "--inprocess-heartbeat-interval", "--inprocess-heartbeat-timeout", "--inprocess-last-call-wait",
-                 "--inprocess-max-iterations", "--inprocess-monitor-process-interval",
-                 "--inprocess-monitor-thread-interval", "--inprocess-progress-watchdog-interval",
-                 "--inprocess-soft-timeout", "--inprocess-termination-grace-time", "--enable-ft-package",
-                 "--calc-ft-timeouts", "--ft-num-warmup-iters", "--fault-injector-delay-start-iteration",
-                 "--fault-injector-fault-delay", "--fault-injector-fault-probabilities", "--fault-injector-fault-types",
-                 "--fault-injector-mtti-seconds", "--fault-injector-num-ranks", "--fault-injector-offset-seconds",
-                 "--fault-injector-ranks", "--fault-injector-seed")),
-    Theme(name="inference", reason="inference (the text-generation server, dynamic batching, the KV cache, decode and "
-          "prefill CUDA graphs, sampling, inference-only kernels and dispatchers, BERT embeddings): generation outside "
-          "training steps.",
-          flags=("--inference-batch-times-seqlen-threshold", "--inference-coordinator-port",
-                 "--inference-cuda-graph-all-prefills", "--inference-cuda-graph-max-tokens",
-                 "--inference-cuda-graph-scope", "--inference-disable-ep-consensus",
-                 "--no-inference-disable-ep-consensus", "--inference-disable-triton-nvls-kernels",
-                 "--inference-dynamic-batching", "--inference-dynamic-batching-async-sched-mode",
-                 "--inference-dynamic-batching-block-size", "--inference-dynamic-batching-buffer-size-gb",
-                 "--inference-dynamic-batching-cuda-graph-max-tokens",
-                 "--inference-dynamic-batching-cuda-graph-mixed-prefill-count",
-                 "--inference-dynamic-batching-cuda-graph-sizing-distribution",
-                 "--inference-dynamic-batching-logprobs-mode", "--inference-dynamic-batching-mamba-memory-ratio",
-                 "--inference-dynamic-batching-max-requests", "--inference-dynamic-batching-max-tokens",
-                 "--inference-dynamic-batching-num-cuda-graphs", "--inference-dynamic-batching-paused-buffer-size-gb",
-                 "--inference-dynamic-batching-prefix-caching", "--no-inference-dynamic-batching-prefix-caching",
-                 "--inference-dynamic-batching-prefix-caching-coordinator-policy",
-                 "--inference-dynamic-batching-prefix-caching-eviction-policy",
-                 "--inference-dynamic-batching-prefix-caching-mamba-gb",
-                 "--inference-dynamic-batching-prefix-caching-routing-alpha",
-                 "--inference-dynamic-batching-sampling-backend",
-                 "--inference-dynamic-batching-track-generated-token-events",
-                 "--inference-dynamic-batching-track-paused-request-events",
-                 "--inference-dynamic-batching-unified-memory-level", "--inference-fuse-tp-communication",
-                 "--inference-grouped-gemm-backend", "--inference-logging-step-interval", "--inference-max-batch-size",
-                 "--inference-max-requests", "--inference-max-seq-length",
-                 "--inference-moe-disable-fused-quant-kernels", "--inference-moe-token-dispatcher-type",
-                 "--inference-shards", "--inference-text-gen-server-logging", "--no-inference-text-gen-server-logging",
-                 "--inference-use-synchronous-zmq-collectives", "--no-inference-use-synchronous-zmq-collectives",
-                 "--inference-wandb-logging", "--no-inference-wandb-logging", "--decode-only-cuda-graphs",
-                 "--enable-chunked-prefill", "--disable-chunked-prefill", "--flash-decode", "--cache-mla-latents",
-                 "--mlp-chunks-for-prefill", "--nccl-all-reduce-for-prefill",
-                 "--moe-pad-experts-for-cuda-graph-inference", "--mamba-inference-conv-states-dtype",
-                 "--mamba-inference-ssm-states-dtype", "--max-tokens-to-oom", "--num-speculative-tokens",
-                 "--use-legacy-static-engine", "--use-same-sampling-seed-across-dp-ranks", "--bert-embedder-type",
-                 "--output-bert-embeddings")),
-    Theme(name="RL rollout generation", reason="RL rollout generation (the inference model's parallel sizes and "
-          "memory, its KV cache and CUDA graphs, sampling, weight refit, environments and parsers, generation in "
-          "flight, the rollout bank, profiling): produces the samples; the training steps on them are the rl-step "
-          "row's.",
-          flags=("--rl-inference-tensor-model-parallel-size", "--rl-inference-pipeline-model-parallel-size",
-                 "--rl-inference-expert-model-parallel-size", "--rl-inference-expert-tensor-model-parallel-size",
-                 "--rl-inference-model-unified-memory-level", "--rl-inference-parsers",
-                 "--rl-offload-inference-model-weights-when-idle", "--no-rl-offload-inference-model-weights-when-idle",
-                 "--rl-offload-kv-cache-during-training", "--no-rl-offload-kv-cache-during-training",
-                 "--rl-remove-kv-cache-during-training", "--no-rl-remove-kv-cache-during-training",
-                 "--rl-kv-cache-management-mode", "--rl-offload-optimizer-during-inference", "--rl-persist-cuda-graphs",
-                 "--no-rl-persist-cuda-graphs", "--rl-reset-cuda-graphs", "--no-rl-reset-cuda-graphs",
-                 "--rl-training-cuda-graphs", "--no-rl-training-cuda-graphs", "--rl-verify-model-weights-swap",
-                 "--no-rl-verify-model-weights-swap", "--refit-method", "--rl-default-temperature",
-                 "--rl-default-top-k", "--rl-default-top-p", "--langrl-env-config", "--langrl-external-server",
-                 "--no-langrl-external-server", "--langrl-inference-server-conversation-template",
-                 "--langrl-inference-server-type", "--rl-generation-batch-size", "--rl-num-parallel-generation-batches",
-                 "--rl-num-parallel-generations", "--rl-parallel-generation-tasks", "--rl-durable-rollout-bank",
-                 "--rl-rollout-bank-dir", "--rl-rollout-bank-max-bytes", "--rl-prompts-per-eval", "--rl-profile",
-                 "--rl-profile-dir")),
-    Theme(name="cached-logits I/O", reason="reading the cached teacher log-probabilities (decode threads, prefetch): "
-          "the I/O of the logits-distillation row's loss, not its arithmetic.",
-          flags=("--logits-load-decode-threads", "--logits-load-prefetch-factor", "--logits-load-msc-prefetch-depth")),
-    Theme(name="logits dump", reason="writes this run's top-k or top-p log-probabilities to disk for a later "
-          "distillation: reads the logits, changes no value.",
-          flags=("--logits-save-dir", "--logits-save-dtype", "--logits-save-top-k", "--logits-save-top-p",
-                 "--logits-save-top-p-min-k")),
-    Theme(name="vision and retrieval", reason="the vision and retrieval models (DINO, Swin, ViT classification, "
-          "ICT/REALM biencoders) and their data: model and data settings of those scripts, not the loss weighting or "
-          "the gradient reduction.",
-          flags=("--vision-pretraining", "--vision-pretraining-type", "--vision-backbone-type", "--swin-backbone-type",
-                 "--img-h", "--img-w", "--num-channels", "--patch-dim", "--num-classes", "--classes-fraction",
-                 "--data-per-class-fraction", "--no-data-sharding", "--head-lr-mult", "--iter-per-epoch", "--mask-type",
-                 "--mask-factor", "--dino-local-img-size", "--dino-local-crops-number", "--dino-head-hidden-size",
-                 "--dino-bottleneck-size", "--dino-freeze-last-layer", "--dino-norm-last-layer",
-                 "--dino-warmup-teacher-temp", "--dino-teacher-temp", "--dino-warmup-teacher-temp-epochs",
-                 "--ict-head-size", "--biencoder-projection-dim", "--biencoder-shared-query-context-model",
-                 "--ict-load", "--bert-load", "--titles-data-path", "--query-in-block-prob", "--use-one-sent-docs",
-                 "--evidence-data-path", "--retriever-report-topk-accuracies", "--retriever-score-scaling",
-                 "--block-data-path", "--embedding-path", "--indexer-batch-size", "--indexer-log-interval")),
-    Theme(name="experimental switch", reason="lets megatron-core's APIs marked experimental be called "
+    *OUTSIDE_STEPS,
+    Theme(name="experimental switch", reason="lets megatron-core's APIs marked experimental be "
+        "called "
           "(ENABLE_EXPERIMENTAL): what runs is decided by the flags of those features.",
           flags=("--enable-experimental",)),
 )
@@ -425,6 +284,7 @@ THEMES: tuple[Theme, ...] = (
 #: Each flag off the path -> the reason of its theme.
 OFF_PATH: dict[str, str] = {flag: theme.reason for theme in THEMES for flag in theme.flags}
 
-#: Flags of a tested parser that another change classifies (flag -> which change); tests/test_coverage_complete.py
-#: lets them be in neither list while they are here, and fails once one of them is classified.
+#: Flags of a tested parser that another change classifies (flag -> which change);
+#: tests/test_coverage_complete.py lets them be in neither list while they are here, and fails once
+#: one of them is classified.
 PENDING: dict[str, str] = {}

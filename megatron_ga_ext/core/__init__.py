@@ -1,1 +1,2 @@
-"""The pure-Python core, stdlib only: numbers, Megatron's flags, the batch layout and its rules, step schedules."""
+"""The pure-Python core, stdlib only: numbers, Megatron's flags, the batch layout and its rules,
+step schedules."""

@@ -6,23 +6,24 @@
     bubble = (PP - 1) / (VPP x GA + PP - 1)
 
 Every rule Megatron enforces (at start-up or, worse, mid-run) is checked here up front; a violation
-raises a typed error that names the flag, the value, the rule and the nearest valid choices. The rules a
-step schedule shares with a constant batch are ``rules.py``'s (re-exported here).
+raises a typed error that names the flag, the value, the rule and the nearest valid choices. The
+rules a step schedule shares with a constant batch are ``rules.py``'s (re-exported here).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from megatron_ga_ext.core.megatron_flags import BY_DEST, LAUNCHER_OPTIONS, VIRTUAL_PIPELINE
 from megatron_ga_ext.core.rules import (
     divisor_list,
+    divisors,
     interleave_error,
     join,
     microbatch_group_error,
     multiple_error,
-    nearest_multiples,
     require_positive_int,
 )
 from megatron_ga_ext.errors import GAError, LayoutError, SizeError
@@ -79,14 +80,17 @@ class BatchLayout:
     """"step": one DP gradient sync per step (no_sync / deferred reduction, Megatron's way);
     "microbatch": a sync after every micro-batch."""
     given: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
-    """How a launch line gave a size, where not by its FLAGS spelling: ``{"world_size": "--nproc_per_node 8 x
-    --nnodes 2"}``; messages name that, so they name the flags the user wrote."""
+    """How a launch line gave a size, where not by its FLAGS spelling: ``{"world_size":
+    "--nproc_per_node 8 x --nnodes 2"}``; messages name that, so they name the flags the user
+    wrote."""
 
     def __post_init__(self) -> None:
         for error in self._violations():
             raise error
         if self.global_batch_size is None:
-            object.__setattr__(self, "global_batch_size", self.micro_batch_size * self.data_parallel_size)
+            object.__setattr__(
+                self, "global_batch_size", self.micro_batch_size * self.data_parallel_size
+            )
 
     @classmethod
     def problems(cls, **kwargs: object) -> tuple[BatchLayout | None, list[GAError]]:
@@ -105,7 +109,11 @@ class BatchLayout:
     @property
     def model_parallel_size(self) -> int:
         """TP x PP x CP: ranks that hold one replica of the model."""
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+        return (
+            self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.context_parallel_size
+        )
 
     @property
     def data_parallel_size(self) -> int:
@@ -142,7 +150,8 @@ class BatchLayout:
 
     @property
     def dp_syncs_per_step(self) -> int:
-        """Data-parallel gradient syncs per step: 0 when DP = 1, else 1 (deferred) or GA (every micro-batch)."""
+        """Data-parallel gradient syncs per step: 0 when DP = 1, else 1 (deferred) or GA (every
+        micro-batch)."""
         if self.data_parallel_size == 1:
             return 0
         return 1 if self.grad_sync == "step" else self.num_microbatches
@@ -183,16 +192,25 @@ class BatchLayout:
     # -- rules ---------------------------------------------------------------------------------
 
     def _label(self, name: str) -> str:
-        """How the launch gave a size: ``--world-size``, ``--micro_batch_size`` (as spelled), or ``world size
-        (--nnodes 2 x --nproc_per_node 8)``."""
+        """How the launch gave a size: ``--world-size``, ``--micro_batch_size`` (as spelled), or
+        ``world size (--nnodes 2 x --nproc_per_node 8)``."""
         given = self.given.get(name)
         if given is None:
             return FLAGS[name]
-        return given if " " not in given else f"{name.replace('_model_parallel', '').replace('_', ' ')} ({given})"
+        return (
+            given
+            if " " not in given
+            else f"{name.replace('_model_parallel', '').replace('_', ' ')} ({given})"
+        )
 
     def named(self, name: str) -> str:
-        """The size with its value: ``--world-size 16``, or ``world size 16 (--nnodes 2 x --nproc_per_node 8)``."""
-        value = getattr(self, name) if name != "virtual_pipeline_model_parallel_size" else self.virtual_pipeline_size
+        """The size with its value: ``--world-size 16``, or ``world size 16 (--nnodes 2 x
+        --nproc_per_node 8)``."""
+        value = (
+            getattr(self, name)
+            if name != "virtual_pipeline_model_parallel_size"
+            else self.virtual_pipeline_size
+        )
         given = self.given.get(name)
         if given is not None and " " in given:
             return f"{name.replace('_model_parallel', '').replace('_', ' ')} {value} ({given})"
@@ -225,49 +243,113 @@ class BatchLayout:
             except SizeError as error:
                 yield error
         if self.grad_sync not in GRAD_SYNC_MODES:
-            yield SizeError(f"grad_sync {self.grad_sync!r} is not one of {', '.join(GRAD_SYNC_MODES)}.")
+            yield SizeError(
+                f"grad_sync {self.grad_sync!r} is not one of {', '.join(GRAD_SYNC_MODES)}."
+            )
 
     def _parallel_violations(self) -> Iterator[GAError]:
-        tp, pp, cp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size
+        tp, pp, cp = (
+            self.tensor_model_parallel_size,
+            self.pipeline_model_parallel_size,
+            self.context_parallel_size,
+        )
         world = self.named("world_size")
         if self.world_size % self.model_parallel_size:
             keep = ""
-            if self.world_size % (tp * cp) == 0:
+            pps = [
+                p
+                for p in divisors(self.world_size // (tp * cp))[0]
+                if self._fits_batch(tp * p * cp)
+            ]
+            if self.world_size % (tp * cp) == 0 and pps:
                 keep = (
-                    f"; or keep the world and use --pipeline-model-parallel-size in "
-                    f"{{{divisor_list(self.world_size // (tp * cp))}}}"
+                    f"or keep the world and use --pipeline-model-parallel-size in {{{join(pps)}}}"
                 )
             yield LayoutError(
-                f"{world} is not divisible by --tensor-model-parallel-size {tp} x --pipeline-model-parallel-size "
-                f"{pp} x --context-parallel-size {cp} = {self.model_parallel_size}, so data-parallel size world / "
-                f"(TP x PP x CP) is not whole. Nearest valid world sizes: "
-                f"{join(nearest_multiples(self.world_size, self.model_parallel_size))}{keep}."
+                f"{world} is not divisible by --tensor-model-parallel-size {tp} x "
+                "--pipeline-model-parallel-size "
+                f"{pp} x --context-parallel-size {cp} = {self.model_parallel_size}, so "
+                "data-parallel size world / "
+                f"(TP x PP x CP) is not whole.{_sentence(self._worlds(), keep)}"
             )
-        expert_default = self.expert_model_parallel_size == 1 and self.expert_tensor_parallel_size in (None, tp)
+        expert_default = (
+            self.expert_model_parallel_size == 1 and self.expert_tensor_parallel_size in (None, tp)
+        )
         if not expert_default and self.world_size % self._expert_model_size:
             etp = self.expert_tensor_parallel_size or tp
             yield LayoutError(
-                f"{world} is not divisible by --expert-tensor-parallel-size {etp} x --expert-model-parallel-size "
-                f"{self.expert_model_parallel_size} x --pipeline-model-parallel-size {pp} = {self._expert_model_size}, "
-                f"as Megatron's expert groups require. Nearest valid world sizes: "
-                f"{join(nearest_multiples(self.world_size, self._expert_model_size))}."
+                f"{world} is not divisible by --expert-tensor-parallel-size {etp} x "
+                "--expert-model-parallel-size "
+                f"{self.expert_model_parallel_size} x --pipeline-model-parallel-size {pp} = "
+                f"{self._expert_model_size}, "
+                "as Megatron's expert groups "
+                f"require.{_sentence(self._worlds(), self._expert_sizes())}"
             )
         if self.num_experts is not None and self.num_experts % self.expert_model_parallel_size:
             yield LayoutError(
-                f"--num-experts {self.num_experts} is not divisible by --expert-model-parallel-size "
-                f"{self.expert_model_parallel_size}; each expert rank must hold the same number of experts. "
-                f"Valid --expert-model-parallel-size: {divisor_list(self.num_experts)}."
+                f"--num-experts {self.num_experts} is not divisible by "
+                "--expert-model-parallel-size "
+                f"{self.expert_model_parallel_size}; each expert rank must hold the same number "
+                "of experts."
+                f"{_sentence(self._expert_sizes())}"
             )
         if self.virtual_pipeline_size > 1 and pp == 1:
             yield LayoutError(
-                f"{self.named('virtual_pipeline_model_parallel_size')} needs --pipeline-model-parallel-size > 1 "
-                f"(given 1): interleaving splits pipeline stages. Drop the virtual pipeline or raise PP."
+                f"{self.named('virtual_pipeline_model_parallel_size')} needs "
+                "--pipeline-model-parallel-size > 1 (given 1): interleaving splits pipeline "
+                "stages. Drop the virtual pipeline or raise PP."
             )
+
+    def _fits_batch(self, model_parallel_size: int, world_size: int | None = None) -> bool:
+        """At TP x PP x CP = ``model_parallel_size`` on ``world_size`` ranks, DP is whole and a
+        given GBS is a multiple of MBS x DP."""
+        world = self.world_size if world_size is None else world_size
+        if world % model_parallel_size:
+            return False
+        dp = world // model_parallel_size
+        return (
+            self.global_batch_size is None
+            or self.global_batch_size % (self.micro_batch_size * dp) == 0
+        )
+
+    def _worlds(self) -> str:
+        """`` Nearest valid world sizes: a, b``: the two nearest the given that TP x PP x CP and the
+        expert groups divide and at which a given GBS is a multiple of MBS x DP ("" where none is).
+        Bounded whatever the sizes: with a GBS, DP runs over the divisors of GBS / MBS; without, the
+        multiples either side of the world."""
+        unit = math.lcm(self.model_parallel_size, self._expert_model_size)
+        gbs, mbs = self.global_batch_size, self.micro_batch_size
+        if gbs is None:
+            below = self.world_size // unit * unit
+            found = [w for w in (below, below + unit) if w > 0]
+        elif gbs % mbs:
+            found = []
+        else:
+            dps = divisors(gbs // mbs)[0]
+            found = [
+                self.model_parallel_size * d
+                for d in dps
+                if self.model_parallel_size * d % unit == 0
+            ]
+        found.sort(key=lambda w: (abs(w - self.world_size), w))
+        return f"Nearest valid world sizes: {join(sorted(found[:2]))}" if found else ""
+
+    def _expert_sizes(self) -> str:
+        """``Valid --expert-model-parallel-size: 1, 2``: those that divide --num-experts and world /
+        (ETP x PP)."""
+        etp = self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+        group = etp * self.pipeline_model_parallel_size
+        if self.num_experts is None or self.world_size % group:
+            return ""
+        valid = [ep for ep in divisors(self.num_experts)[0] if (self.world_size // group) % ep == 0]
+        return f"Valid --expert-model-parallel-size: {join(valid)}" if valid else ""
 
     def _batch_violations(self) -> Iterator[GAError]:
         mbs, dp, gbs = self.micro_batch_size, self.data_parallel_size, self.samples_per_step
         if gbs % (mbs * dp):
-            fix = f"; or --micro-batch-size in {{{divisor_list(gbs // dp)}}}" if gbs % dp == 0 else ""
+            fix = (
+                f"; or --micro-batch-size in {{{divisor_list(gbs // dp)}}}" if gbs % dp == 0 else ""
+            )
             yield multiple_error(
                 f"--global-batch-size {gbs}",
                 gbs,
@@ -301,3 +383,9 @@ class BatchLayout:
         )
         if error is not None:
             yield error
+
+
+def _sentence(*parts: str) -> str:
+    """`` a; b.``: the non-empty parts as one sentence ("" where none is)."""
+    given = [p for p in parts if p]
+    return f" {'; '.join(given)}." if given else ""

@@ -1,9 +1,10 @@
-"""The learning-rate factor of a batch size: what ``--ga-lr-scaling`` multiplies Megatron's rate by, and what the
-``schedule`` table's hints show. Pure Python.
+"""The learning-rate factor of a batch size: what ``--ga-lr-scaling`` multiplies Megatron's rate by,
+and what the ``schedule`` table's hints show. Pure Python.
 
     factor = (GBS / base GBS) ** exponent        none: 0 (always 1.0), sqrt: 1/2 (Adam's rule), linear: 1
 
-The base is the first stage's GBS for ``--ga-lr-scaling``, ``--lr-base-batch-size`` for the table's hints.
+The base is the first stage's GBS for ``--ga-lr-scaling``, ``--lr-base-batch-size`` for the table's
+hints.
 """
 
 from __future__ import annotations
@@ -21,4 +22,6 @@ def lr_factor(global_batch_size: int, base_global_batch_size: int, lr_scaling: s
     if lr_scaling == "none":
         return 1.0
     ratio = global_batch_size / base_global_batch_size
-    return math.sqrt(ratio) if lr_scaling == "sqrt" else ratio  # math.sqrt is correctly rounded, ** 0.5 need not be
+    return (
+        math.sqrt(ratio) if lr_scaling == "sqrt" else ratio
+    )  # math.sqrt is correctly rounded, ** 0.5 need not be

@@ -1,9 +1,9 @@
-"""Megatron's and the launcher's flags that megatron-ga-ext reads, each declared once, as the parsers spell
-them. Pure Python. The ``--ga-*`` flags (ours) are declared in ``config/flags.py``.
+"""Megatron's and the launcher's flags that megatron-ga-ext reads, each declared once, as the
+parsers spell them. Pure Python. The ``--ga-*`` flags (ours) are declared in ``config/flags.py``.
 
-Which flags exist is Megatron-LM's own parser at each tested release and commit (core_v0.16.1 ... main):
-tests/test_megatron_flags_upstream.py builds each snapshot's parser and checks every declaration (``since``
-included) and :data:`NOT_MEGATRON` against it.
+Which flags exist is Megatron-LM's own parser at each tested release and commit (core_v0.16.1 ...
+main): tests/test_megatron_flags_upstream.py builds each snapshot's parser and checks every
+declaration (``since`` included) and :data:`NOT_MEGATRON` against it.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ __all__ = [
     "LAUNCHER_OPTIONS",
     "MEGATRON_OPTIONS",
     "NOT_MEGATRON",
+    "RULE_OPTIONS",
     "STEP_SCHEDULE",
     "VIRTUAL_PIPELINE",
     "Option",
@@ -35,15 +36,17 @@ class Option:
     type: type = int
     """``int``, ``str`` or ``bool`` (a switch)."""
     nargs: int | str = 1
-    """Values after the flag: 0 for a switch, 3 for ``--rampup-batch-size``, ``"+"`` for one or more."""
+    """Values after the flag: 0 for a switch, 3 for ``--rampup-batch-size``, ``"+"`` for one or
+    more."""
     default: Any = None
     choices: tuple[str, ...] = ()
     negatable: bool = False
     """A switch that also has ``--no-<name>`` (argparse's BooleanOptionalAction)."""
     help: str = ""
     since: str | None = None
-    """The first tested Megatron source whose parser defines the flag, by its ref in compat.UPSTREAM: a release tag
-    (``core_v0.18.2``) or a main-branch commit (``e8fef4ebb23e``, after every release) (None: all of them)."""
+    """The first tested Megatron source whose parser defines the flag, by its ref in
+    compat.UPSTREAM: a release tag (``core_v0.18.2``) or a main-branch commit (``e8fef4ebb23e``,
+    after every release) (None: all of them)."""
 
     @property
     def spellings(self) -> tuple[str, ...]:
@@ -53,7 +56,15 @@ class Option:
 
 def switch(flag: str, dest: str, help: str = "", **kwargs: Any) -> Option:
     """A flag without a value (``store_true``, or BooleanOptionalAction when ``negatable``)."""
-    return Option(flag=flag, dest=dest, type=bool, nargs=0, default=kwargs.pop("default", False), help=help, **kwargs)
+    return Option(
+        flag=flag,
+        dest=dest,
+        type=bool,
+        nargs=0,
+        default=kwargs.pop("default", False),
+        help=help,
+        **kwargs,
+    )
 
 
 STEP_SCHEDULE = Option(
@@ -61,7 +72,8 @@ STEP_SCHEDULE = Option(
     dest="step_batch_size_schedule",
     type=str,
     since="core_v0.18.2",
-    help="'THRESHOLD:GBS ...' (thresholds in tokens when --seq-length is set), validated up front by megatron_ga_ext; "
+    help="'THRESHOLD:GBS ...' (thresholds in tokens when --seq-length is set), validated up "
+    "front by megatron_ga_ext; "
     "add_args adds it on releases that lack it (0.16, 0.17: the backport).",
 )
 
@@ -104,29 +116,58 @@ MEGATRON_OPTIONS = (
 )
 # fmt: on
 
-# -- Megatron's flags on the loss, gradient, step or schedule path, beyond the ones above --------------
-# Each is classified by the coverage table (config/coverage/). Defaults are Megatron's, so a launch line that
-# leaves a flag out reads as Megatron runs it.
+# -- Megatron's flags that only check's rules of validate_args read (launch/rules_*.py)
+# ------------------ Not the ledger's (they decide no size of the batch): megatron-ga ledger does
+# not take them.
+
+# fmt: off
+RULE_OPTIONS = (
+    Option(flag="--transformer-impl", dest="transformer_impl", type=str, default="transformer_engine"),
+    Option(flag="--eval-micro-batch-size", dest="eval_micro_batch_size", since="core_v0.18.2"),
+    Option(flag="--eval-global-batch-size", dest="eval_global_batch_size", since="core_v0.18.2"),
+    Option(flag="--batch-size", dest="batch_size", help="removed: validate_args refuses it"),
+    Option(flag="--hierarchical-context-parallel-sizes", dest="hierarchical_context_parallel_sizes", nargs="+"),
+    Option(flag="--cp-comm-type", dest="cp_comm_type", type=str, nargs="+", default=("p2p",)),
+    Option(flag="--max-position-embeddings", dest="max_position_embeddings"),
+    Option(flag="--num-attention-heads", dest="num_attention_heads"),
+    Option(flag="--num-query-groups", dest="num_query_groups"),
+    switch("--group-query-attention", "group_query_attention"),
+    Option(flag="--no-overlap-p2p-communication", dest="overlap_p2p_comm", type=bool, nargs=0, default=True),
+    Option(flag="--ckpt-format", dest="ckpt_format", type=str, default="torch_dist"),
+    Option(flag="--optimizer", dest="optimizer", type=str, default="adam"),
+    Option(flag="--dataloader-type", dest="dataloader_type", type=str),
+    switch("--tp-comm-overlap", "tp_comm_overlap"),
+    Option(flag="--disable-bias-linear", dest="add_bias_linear", type=bool, nargs=0, default=True),
+    Option(flag="--position-embedding-type", dest="position_embedding_type", type=str, default="learned_absolute"),
+)
+# fmt: on
+
+# -- Megatron's flags on the loss, gradient, step or schedule path, beyond the ones above
+# -------------- Each is classified by the coverage table (config/coverage/). Defaults are
+# Megatron's, so a launch line that leaves a flag out reads as Megatron runs it.
 
 # fmt: off
 COVERED_OPTIONS = (
     Option(flag="--cuda-graph-impl", dest="cuda_graph_impl", type=str, default="none",
            choices=("none", "local", "transformer_engine", "full_iteration"),
-           help="full_iteration is a choice from core_v0.18.2 on; before, --cuda-graph-impl local with "
+           help="full_iteration is a choice from core_v0.18.2 on; before, --cuda-graph-impl "
+               "local with "
            "--cuda-graph-scope full_iteration"),
     Option(flag="--cuda-graph-scope", dest="cuda_graph_scope", type=str, nargs="+",
-           help="argparse dest cuda_graph_scope up to 0.17, cuda_graph_scope_deprecated from 0.18 (moved into "
+           help="argparse dest cuda_graph_scope up to 0.17, cuda_graph_scope_deprecated from "
+               "0.18 (moved into "
            "cuda_graph_modules, its full_iteration into --cuda-graph-impl full_iteration)"),
     Option(flag="--cuda-graph-modules", dest="cuda_graph_modules", type=str, nargs="+", since="core_v0.18.2"),
     switch("--enable-cuda-graph", "enable_cuda_graph", help="deprecated: --cuda-graph-impl local"),
-    switch("--external-cuda-graph", "external_cuda_graph", help="deprecated: --cuda-graph-impl transformer_engine"),
+    switch("--external-cuda-graph", "external_cuda_graph", help="deprecated: --cuda-graph-impl "
+        "transformer_engine"),
     switch("--optimizer-cuda-graph", "optimizer_cuda_graph", since="core_v0.17.1"),
     switch("--overlap-moe-expert-parallel-comm", "overlap_moe_expert_parallel_comm"),
     switch("--delay-wgrad-compute", "delay_wgrad_compute"),
     Option(flag="--rerun-mode", dest="rerun_mode", type=str, default="validate_results",
            choices=("disabled", "validate_results", "report_stats")),
-    # Megatron's parser has only the negative spelling (store_false, dest default True): Launch.on() of this
-    # flag reads as the value of check_for_nan_in_loss_and_grad (True unless given).
+    # Megatron's parser has only the negative spelling (store_false, dest default True): Launch.on()
+    # of this flag reads as the value of check_for_nan_in_loss_and_grad (True unless given).
     Option(flag="--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", type=bool, nargs=0,
            default=True),
     Option(flag="--moe-router-load-balancing-type", dest="moe_router_load_balancing_type", type=str, nargs="+",
@@ -139,7 +180,8 @@ COVERED_OPTIONS = (
     Option(flag="--moe-expert-rank-capacity-factor", dest="moe_expert_rank_capacity_factor", type=str,
            since="core_v0.18.2"),
     Option(flag="--experimental-attention-variant", dest="experimental_attention_variant", type=str,
-           choices=("gated_delta_net", "dsa", "gdn", "gdn2"), help="gdn and gdn2 only on some main-branch commits"),
+           choices=("gated_delta_net", "dsa", "gdn", "gdn2"), help="gdn and gdn2 only on some "
+               "main-branch commits"),
     Option(flag="--mtp-num-layers", dest="mtp_num_layers"),
     switch("--is-hybrid-model", "is_hybrid_model"),
     switch("--use-megatron-fsdp", "use_megatron_fsdp"),
@@ -156,7 +198,8 @@ COVERED_OPTIONS = (
     Option(flag="--sequence-packing-scheduler", dest="sequence_packing_scheduler", type=str, choices=("dp_balanced",),
            since="e8fef4ebb23e"),
     switch("--use-varlen-dataset", "use_varlen_dataset", since="e8fef4ebb23e",
-           help="selects --sequence-packing-scheduler dp_balanced, unless --varlen-sbhd-validation"),
+           help="selects --sequence-packing-scheduler dp_balanced, unless "
+               "--varlen-sbhd-validation"),
     switch("--varlen-sbhd-validation", "varlen_sbhd_validation", since="e8fef4ebb23e"),
     switch("--fp16", "fp16"),
     switch("--bf16", "bf16"),
@@ -188,7 +231,8 @@ COVERED_OPTIONS = (
     Option(flag="--ddp-num-buckets", dest="ddp_num_buckets"),
     switch("--ddp-pad-buckets-for-high-nccl-busbw", "ddp_pad_buckets_for_high_nccl_busbw"),
     Option(flag="--no-align-grad-reduce", dest="align_grad_reduce", type=bool, nargs=0, default=True),
-    # store_false spelled without --no-: a launch line's reading takes it as given, not as off (the args have it off)
+    # store_false spelled without --no-: a launch line's reading takes it as given, not as off (the
+    # args have it off)
     Option(flag="--disable-align-grad-reduce",
            dest="align_grad_reduce", type=bool, nargs=0, default=True, since="core_v0.17.1"),
     Option(flag="--num-distributed-optimizer-instances", dest="num_distributed_optimizer_instances", default=1),
@@ -333,20 +377,33 @@ COVERED_OPTIONS = (
 )
 # fmt: on
 
-#: The launcher's flags (torchrun; ``--world-size`` is megatron-ga's way to give the world outright).
+#: The launcher's flags (torchrun; ``--world-size`` is megatron-ga's way to give the world
+#: outright).
 LAUNCHER_OPTIONS = (
-    Option(flag="--nnodes", dest="nnodes", type=str, help="torchrun nodes: N, or an elastic range MIN:MAX"),
-    Option(flag="--nproc-per-node", dest="nproc_per_node", type=str, help="torchrun ranks per node"),
-    Option(flag="--world-size", dest="world_size", help="the number of ranks, in place of --nnodes x --nproc-per-node"),
+    Option(
+        flag="--nnodes",
+        dest="nnodes",
+        type=str,
+        help="torchrun nodes: N, or an elastic range MIN:MAX",
+    ),
+    Option(
+        flag="--nproc-per-node", dest="nproc_per_node", type=str, help="torchrun ranks per node"
+    ),
+    Option(
+        flag="--world-size",
+        dest="world_size",
+        help="the number of ranks, in place of --nnodes x --nproc-per-node",
+    ),
 )
 
 #: Flags people write that no tested Megatron parser defines (Megatron stops with "unrecognized
-#: arguments"), with what to give instead. Our own ledger and schedule commands accept the first one.
+#: arguments"), with what to give instead. Our own ledger and schedule commands accept the first
+#: one.
 NOT_MEGATRON = {
     "--virtual-pipeline-model-parallel-size": (
-        "Megatron sets the virtual pipeline size from --num-virtual-stages-per-pipeline-rank N, from "
-        "--num-layers-per-virtual-pipeline-stage N (with --num-layers), or from the stages of "
-        "--pipeline-model-parallel-layout"
+        "Megatron sets the virtual pipeline size from --num-virtual-stages-per-pipeline-rank N, "
+        "from --num-layers-per-virtual-pipeline-stage N (with --num-layers), or from the "
+        "stages of --pipeline-model-parallel-layout"
     ),
 }
 VIRTUAL_PIPELINE = Option(
@@ -357,5 +414,6 @@ VIRTUAL_PIPELINE = Option(
 
 #: Megatron's and the launcher's flags by argparse destination.
 BY_DEST: dict[str, Option] = {
-    option.dest: option for option in (*MEGATRON_OPTIONS, *COVERED_OPTIONS, *LAUNCHER_OPTIONS)
+    option.dest: option
+    for option in (*MEGATRON_OPTIONS, *RULE_OPTIONS, *COVERED_OPTIONS, *LAUNCHER_OPTIONS)
 }

@@ -1,17 +1,19 @@
 """The batch configuration every rank and a resumed checkpoint agree on, checked once at start-up.
 
-At the first forward/backward call (every rank makes it, and torch.distributed is initialized by then), never per
-micro-batch: the coverage table's refusals and limits (config/coverage/), then two checks, once per installation:
+At the first forward/backward call (every rank makes it, and torch.distributed is initialized by
+then), never per micro-batch: the coverage table's refusals and limits (config/coverage/), then two
+checks, once per installation:
 
-* the ranks agree: each rank's batch settings (the flags that decide GBS and num_microbatches at every step,
-  the loss mode, and what its calculator computes now) are all-gathered once; ranks launched with another
-  ``--global-batch-size`` or schedule fail with a GuardError naming the ranks and the settings that differ.
-  Without the check such ranks would train: data-parallel ranks average gradients of batches of different sizes
-  and stop at different steps.
-* a resumed run says what changed: Megatron-LM's ``check_checkpoint_args`` is given the checkpoint's args; where
-  their batch settings differ from this run's, rank 0 warns with both and says from which iteration and
-  consumed-sample count the new configuration applies (and the global batch size there under each). Resuming
-  with another schedule is legitimate (a run that grows its batch), so it is a warning, not an error.
+* the ranks agree: each rank's batch settings (the flags that decide GBS and num_microbatches at
+  every step, the loss mode, and what its calculator computes now) are all-gathered once; ranks
+  launched with another ``--global-batch-size`` or schedule fail with a GuardError naming the ranks
+  and the settings that differ. Without the check such ranks would train: data-parallel ranks
+  average gradients of batches of different sizes and stop at different steps.
+* a resumed run says what changed: Megatron-LM's ``check_checkpoint_args`` is given the checkpoint's
+  args; where their batch settings differ from this run's, rank 0 warns with both and says from
+  which iteration and consumed-sample count the new configuration applies (and the global batch size
+  there under each). Resuming with another schedule is legitimate (a run that grows its batch), so
+  it is a warning, not an error.
 """
 
 from __future__ import annotations
@@ -31,7 +33,13 @@ from megatron_ga_ext.errors import GAError, GuardError
 from megatron_ga_ext.integration.compat import Calculator, live_calculator
 from megatron_ga_ext.logs import get_logger
 
-__all__ = ["BATCH_FLAGS", "StartupChecks", "batch_settings", "check_ranks_agree", "describe_differences"]
+__all__ = [
+    "BATCH_FLAGS",
+    "StartupChecks",
+    "batch_settings",
+    "check_ranks_agree",
+    "describe_differences",
+]
 
 logger = get_logger(__name__)
 
@@ -51,10 +59,13 @@ DATA_PARALLEL = "data-parallel size"
 
 
 def batch_settings(
-    args: argparse.Namespace | None = None, config: GAConfig | None = None, calculator: Calculator | None = None
+    args: argparse.Namespace | None = None,
+    config: GAConfig | None = None,
+    calculator: Calculator | None = None,
 ) -> dict[str, str]:
-    """The batch settings of one rank, as text by the flag that sets them: from Megatron's ``args`` where there
-    are any, else from the extension's ``config``; and what the live ``calculator`` computes now."""
+    """The batch settings of one rank, as text by the flag that sets them: from Megatron's ``args``
+    where there are any, else from the extension's ``config``; and what the live ``calculator``
+    computes now."""
     settings = {}
     if args is not None:
         view = MegatronArgs.of(args)
@@ -71,10 +82,14 @@ def batch_settings(
     if calculator is not None:
         inner = getattr(calculator, "inner", calculator)
         schedule = getattr(inner, "step_schedule", None)
-        settings["the calculator's schedule"] = str(schedule) if schedule is not None else type(inner).__name__
+        settings["the calculator's schedule"] = (
+            str(schedule) if schedule is not None else type(inner).__name__
+        )
         settings["global batch size now"] = _shown(calculator.get_current_global_batch_size())
         settings["num_microbatches now"] = _shown(calculator.get())
-        settings["MBS x DP of the calculator"] = _shown(getattr(inner, "micro_batch_times_data_parallel_size", None))
+        settings["MBS x DP of the calculator"] = _shown(
+            getattr(inner, "micro_batch_times_data_parallel_size", None)
+        )
     return settings
 
 
@@ -89,14 +104,17 @@ def _shown(value: Any) -> str:
 
 
 def describe_differences(per_rank: Sequence[Mapping[str, str]]) -> list[str]:
-    """``--global-batch-size is 16 on ranks 0, 2 and 32 on ranks 1, 3``: one line per setting that differs."""
+    """``--global-batch-size is 16 on ranks 0, 2 and 32 on ranks 1, 3``: one line per setting that
+    differs."""
     lines = []
     for key in dict.fromkeys(k for settings in per_rank for k in settings):
         by_value: dict[str, list[int]] = {}
         for rank, settings in enumerate(per_rank):
             by_value.setdefault(settings.get(key, "not set"), []).append(rank)
         if len(by_value) > 1:
-            values = " and ".join(f"{value!r} on {_ranks(ranks)}" for value, ranks in by_value.items())
+            values = " and ".join(
+                f"{value!r} on {_ranks(ranks)}" for value, ranks in by_value.items()
+            )
             lines.append(f"{key} is {values}")
     return lines
 
@@ -114,7 +132,8 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def check_ranks_agree(settings: Mapping[str, str]) -> None:
-    """All-gather every rank's ``settings`` once (the default group) and raise GuardError where they differ."""
+    """All-gather every rank's ``settings`` once (the default group) and raise GuardError where they
+    differ."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -124,15 +143,18 @@ def check_ranks_agree(settings: Mapping[str, str]) -> None:
     differences = describe_differences(gathered)
     if differences:
         raise GuardError(
-            f"the ranks were launched with different batch configurations (compared once, at the first "
-            f"forward/backward call): {'; '.join(differences)}. Data-parallel ranks that run different batches "
-            f"average gradients of batches of different sizes and stop at different steps. Launch every rank with "
+            "the ranks were launched with different batch configurations (compared once, at the "
+            "first "
+            f"forward/backward call): {'; '.join(differences)}. Data-parallel ranks that run "
+            "different batches average gradients of batches of different sizes and stop at "
+            "different steps. Launch every rank with "
             f"the same batch flags."
         )
 
 
 class StartupChecks:
-    """The checks of the module docstring, made once per installation; the checkpoint's args on the way."""
+    """The checks of the module docstring, made once per installation; the checkpoint's args on the
+    way."""
 
     def __init__(self) -> None:
         self.done = False
@@ -140,8 +162,8 @@ class StartupChecks:
         self.checkpoint_batch_size: Callable[[int], int | None] | None = None
 
     def run_once(self, config: GAConfig, args: argparse.Namespace | None) -> Verdict | None:
-        """At the first forward/backward call: the coverage table's refusals, the ranks agree, and a resumed run
-        says what changed. Returns the coverage verdict the first time, else None."""
+        """At the first forward/backward call: the coverage table's refusals, the ranks agree, and a
+        resumed run says what changed. Returns the coverage verdict the first time, else None."""
         if self.done:
             return None
         verdict = enforce_coverage(args, config)
@@ -152,7 +174,8 @@ class StartupChecks:
         return verdict
 
     def recording(self, original: Callable) -> Callable:
-        """Megatron-LM's ``check_checkpoint_args`` on load: the checkpoint's args recorded on the way."""
+        """Megatron-LM's ``check_checkpoint_args`` on load: the checkpoint's args recorded on the
+        way."""
 
         @functools.wraps(original)
         def check_checkpoint_args(checkpoint_args: Any, *args: Any, **kwargs: Any) -> Any:
@@ -163,7 +186,8 @@ class StartupChecks:
         return check_checkpoint_args
 
     def _warn_if_changed(self, args: argparse.Namespace, saved: Mapping[str, str]) -> None:
-        """A warning where the run resumes with batch settings other than ``saved`` (the checkpoint's)."""
+        """A warning where the run resumes with batch settings other than ``saved`` (the
+        checkpoint's)."""
         now = batch_settings(args)
         changed = [
             f"{key} {was!r} when it was saved, {now[key]!r} now"
@@ -179,16 +203,18 @@ class StartupChecks:
             ""
             if calculator is None
             else (
-                f": global batch size {calculator.get_current_global_batch_size()} ({calculator.get()} micro-batches)"
+                f": global batch size {calculator.get_current_global_batch_size()} "
+                f"({calculator.get()} micro-batches)"
             )
         )
         before = self.checkpoint_batch_size(consumed) if self.checkpoint_batch_size else None
         if batch and before is not None:
             batch += f", where the checkpoint's configuration has {before}"
         logger.warning(
-            "resuming from the checkpoint of iteration %d (consumed samples %d) with another batch configuration "
-            "than it was saved with: %s. The new configuration applies from iteration %d (consumed samples %d) "
-            "on%s. If that is not intended, resume with the flags the checkpoint was saved with.",
+            "resuming from the checkpoint of iteration %d (consumed samples %d) with another "
+            "batch configuration than it was saved with: %s. The new configuration "
+            "applies from iteration %d (consumed samples %d) on%s. If that is not "
+            "intended, resume with the flags the checkpoint was saved with.",
             iteration,
             consumed,
             "; ".join(changed),
@@ -199,8 +225,8 @@ class StartupChecks:
 
 
 def _batch_size_at(args: argparse.Namespace, consumed: int) -> int | None:
-    """The global batch size ``args`` (a checkpoint's) give at ``consumed`` samples; None where unknown (an
-    unconverted rampup, a configuration that no longer reads)."""
+    """The global batch size ``args`` (a checkpoint's) give at ``consumed`` samples; None where
+    unknown (an unconverted rampup, a configuration that no longer reads)."""
     view = MegatronArgs.of(args)
     convert = bool(view.get(CONVERT_RAMPUP.dest, False))
     if view.rampup_batch_size and not convert:

@@ -3,15 +3,15 @@
     global_batch_size = the schedule's GBS at consumed_samples        (O(log stages) per update)
     num_microbatches  = global_batch_size // (micro_batch_size x data_parallel_size)
 
-It is the global calculator on megatron-core 0.16.1 and 0.17 (which have no step schedules), and a drop-in
-for upstream's ``StepBatchsizeNumMicroBatchesCalculator`` on 0.18+: same (GBS, num_microbatches) for every
-input upstream handles correctly. The difference is when it fails: at the first ``update`` with
-``consistency_check=True`` (start-up, after a checkpoint is loaded) it validates every remaining stage, so
-a stage that cannot run fails the launch, not the run days later. Errors where upstream asserted derive
-from AssertionError as well as ValueError.
+It is the global calculator on megatron-core 0.16.1 and 0.17 (which have no step schedules), and a
+drop-in for upstream's ``StepBatchsizeNumMicroBatchesCalculator`` on 0.18+: same (GBS,
+num_microbatches) for every input upstream handles correctly. The difference is when it fails: at
+the first ``update`` with ``consistency_check=True`` (start-up, after a checkpoint is loaded) it
+validates every remaining stage, so a stage that cannot run fails the launch, not the run days
+later. Errors where upstream asserted derive from AssertionError as well as ValueError.
 
-Pure Python: it does not import megatron, so it can be built and tested without it; ``lifecycle.py`` puts
-an instance behind megatron's ``_GLOBAL_NUM_MICROBATCHES_CALCULATOR``.
+Pure Python: it does not import megatron, so it can be built and tested without it; ``lifecycle.py``
+puts an instance behind megatron's ``_GLOBAL_NUM_MICROBATCHES_CALCULATOR``.
 """
 
 from __future__ import annotations
@@ -47,18 +47,21 @@ class StepScheduleCalculator:
         planned_data_parallel_sizes: Sequence[int] = (),
         strict_future: bool = True,
     ) -> None:
-        """Args:
-        schedule: the step schedule (see :meth:`StepSchedule.parse`, :meth:`StepSchedule.from_rampup`).
-        micro_batch_size, data_parallel_size: MBS and DP; one step consumes MBS x DP x num_microbatches. Each
+        """Args: schedule: the step schedule (see :meth:`StepSchedule.parse`,
+        :meth:`StepSchedule.from_rampup`). micro_batch_size, data_parallel_size: MBS and DP; one
+        step consumes MBS x DP x num_microbatches. Each
             is checked here: a size Megatron's call leaves out (None) is refused with a SizeError.
-        rank: only rank 0 logs.
-        pipeline_model_parallel_size, virtual_pipeline_size, microbatch_group_size_per_vp_stage: checked
+        rank: only rank 0 logs. pipeline_model_parallel_size, virtual_pipeline_size,
+        microbatch_group_size_per_vp_stage: checked
             against the interleaved schedule's rule for every stage at the first checked update.
         planned_data_parallel_sizes, strict_future: see :meth:`StepSchedule.validate`.
         """
         self.step_schedule = schedule
-        # Upstream asserts micro_batch_times_data_parallel_size > 0: ScheduleError is an AssertionError too.
-        self.micro_batch_size = require_positive_int("--micro-batch-size", micro_batch_size, below_one=ScheduleError)
+        # Upstream asserts micro_batch_times_data_parallel_size > 0: ScheduleError is an
+        # AssertionError too.
+        self.micro_batch_size = require_positive_int(
+            "--micro-batch-size", micro_batch_size, below_one=ScheduleError
+        )
         self.data_parallel_size = require_positive_int(
             "--data-parallel-size", data_parallel_size, below_one=ScheduleError
         )
@@ -69,20 +72,26 @@ class StepScheduleCalculator:
         self.planned_data_parallel_sizes = tuple(planned_data_parallel_sizes)
         self.strict_future = strict_future
         self.micro_batch_times_data_parallel_size = self.micro_batch_size * self.data_parallel_size
-        self.decrease_batch_size_if_needed = False  # a step schedule fixes each batch size (upstream refuses it too)
+        self.decrease_batch_size_if_needed = (
+            False  # a step schedule fixes each batch size (upstream refuses it too)
+        )
         # Upstream's public attributes, with the same meaning.
-        self.schedule: Sequence[tuple[int, int]] = schedule.stages  # computed when read (a long ramp)
+        self.schedule: Sequence[tuple[int, int]] = (
+            schedule.stages
+        )  # computed when read (a long ramp)
         self.seq_length: int | None = schedule.seq_length
         self.global_batch_size: int = schedule.final_global_batch_size
         self.num_micro_batches: int | None = None
         self.current_global_batch_size: int | None = None
         self.current_running_global_batch_size: int | None = None
         self.validated_from: int | None = None
-        """Consumed samples at which every remaining stage was validated (the first checked update)."""
+        """Consumed samples at which every remaining stage was validated (the first checked
+        update)."""
         self._checked_from: int | None = None
         self._last_checked: int | None = None
         self._demoted = False
-        """Some later stage was only warned about (strict_future=False): each new stage in force is checked."""
+        """Some later stage was only warned about (strict_future=False): each new stage in force is
+        checked."""
         if rank == 0:
             logger.info("step batch-size schedule %s (%d stages)", schedule, schedule.num_stages)
         self.update(0, consistency_check=False, verbose=True)
@@ -99,10 +108,13 @@ class StepScheduleCalculator:
         schedule: str,
         seq_length: int | None = None,
     ) -> StepScheduleCalculator:
-        """The constructor signature of upstream's ``StepBatchsizeNumMicroBatchesCalculator`` (0.18+)."""
+        """The constructor signature of upstream's ``StepBatchsizeNumMicroBatchesCalculator``
+        (0.18+)."""
         if decrease_batch_size_if_needed:
             raise decrease_if_needed_error()
-        return cls(StepSchedule.parse(schedule, seq_length), micro_batch_size, data_parallel_size, rank)
+        return cls(
+            StepSchedule.parse(schedule, seq_length), micro_batch_size, data_parallel_size, rank
+        )
 
     @classmethod
     def build(
@@ -119,12 +131,14 @@ class StepScheduleCalculator:
     ) -> StepScheduleCalculator:
         """The arguments of ``init_num_microbatches_calculator`` (any megatron-core release).
 
-        The schedule is :func:`~megatron_ga_ext.config.resolve.resolve_schedule`'s, with a given rampup converted
-        (upstream 0.18+ drops it silently); without either, the constant ``global_batch_size``. ``layout``
-        passes pipeline/interleave/rescale keywords to the constructor.
+        The schedule is :func:`~megatron_ga_ext.config.resolve.resolve_schedule`'s, with a given
+        rampup converted (upstream 0.18+ drops it silently); without either, the constant
+        ``global_batch_size``. ``layout`` passes pipeline/interleave/rescale keywords to the
+        constructor.
         """
         if decrease_batch_size_if_needed:
-            raise decrease_if_needed_error()  # this calculator runs a step schedule, even a constant one
+            # this calculator runs a step schedule, even a constant one
+            raise decrease_if_needed_error()
         schedule = resolve_schedule(
             ScheduleInputs(
                 step_batch_size_schedule=step_batch_size_schedule,
@@ -139,9 +153,12 @@ class StepScheduleCalculator:
         return cls(schedule, micro_batch_size, data_parallel_size, rank, **layout)  # type: ignore[arg-type]
 
     @classmethod
-    def for_launch(cls, schedule: StepSchedule, inputs: ScheduleInputs, rank: int = 0) -> StepScheduleCalculator:
-        """The calculator of a resolved schedule, checked against the same layout as ``megatron-ga check``
-        (MBS, DP, PP, VPP and N of ``inputs``, as ``inputs.layout()`` gives them to ``check``)."""
+    def for_launch(
+        cls, schedule: StepSchedule, inputs: ScheduleInputs, rank: int = 0
+    ) -> StepScheduleCalculator:
+        """The calculator of a resolved schedule, checked against the same layout as ``megatron-ga
+        check`` (MBS, DP, PP, VPP and N of ``inputs``, as ``inputs.layout()`` gives them to
+        ``check``)."""
         return cls(
             schedule,
             inputs.micro_batch_size,
@@ -173,10 +190,10 @@ class StepScheduleCalculator:
     def update(self, consumed_samples: int, consistency_check: bool, verbose: bool = False) -> None:
         """Move to the stage in force at ``consumed_samples``; O(log stages).
 
-        With ``consistency_check``: the first such call validates every stage from the current one on
-        (:meth:`StepSchedule.validate`), so later ones return at once, unless stages were only warned about
-        (``strict_future=False``): then each new stage in force is checked alone, and raises if it breaks a
-        rule. Without it, num_microbatches is floored as upstream does.
+        With ``consistency_check``: the first such call validates every stage from the current one
+        on (:meth:`StepSchedule.validate`), so later ones return at once, unless stages were only
+        warned about (``strict_future=False``): then each new stage in force is checked alone, and
+        raises if it breaks a rule. Without it, num_microbatches is floored as upstream does.
         """
         index = self.step_schedule.stage_index_at(consumed_samples)
         batch = self.step_schedule.entries[index].global_batch_size
@@ -195,9 +212,9 @@ class StepScheduleCalculator:
         self.num_micro_batches = batch // self.micro_batch_times_data_parallel_size
 
     def extend(self, threshold_samples: int, global_batch_size: int) -> None:
-        """A stage added during the run (``--ga-batch-size-warmup auto``): ``global_batch_size`` from
-        ``threshold_samples`` on, after every stage (StepSchedule checks the order); every stage from the one in
-        force on is validated again at the next checked update."""
+        """A stage added during the run (``--ga-batch-size-warmup auto``): ``global_batch_size``
+        from ``threshold_samples`` on, after every stage (StepSchedule checks the order); every
+        stage from the one in force on is validated again at the next checked update."""
         self.step_schedule = StepSchedule.from_stages(
             [*self.step_schedule.stages, (threshold_samples, global_batch_size)]
         )
@@ -206,15 +223,18 @@ class StepScheduleCalculator:
         self._checked_from = None
 
     def plan(self, train_samples: int) -> tuple[int, int]:
-        """(iterations, samples) a run of ``--train-samples`` takes from 0: one more step while consumed <
-        train_samples, each step consuming MBS x DP x num_microbatches (StepSchedule.run_totals: the stages
-        the run uses, each in closed form, so a long ramp works too)."""
-        return self.step_schedule.run_totals(self.micro_batch_size, self.data_parallel_size, train_samples)
+        """(iterations, samples) a run of ``--train-samples`` takes from 0: one more step while
+        consumed < train_samples, each step consuming MBS x DP x num_microbatches
+        (StepSchedule.run_totals: the stages the run uses, each in closed form, so a long ramp works
+        too)."""
+        return self.step_schedule.run_totals(
+            self.micro_batch_size, self.data_parallel_size, train_samples
+        )
 
     def _check(self, consumed_samples: int, index: int) -> None:
-        """Validate every remaining stage once; afterwards O(1): when some stage was only warned about, each
-        new stage in force is checked alone against today's layout; a stage before the validated one is
-        validated again from there."""
+        """Validate every remaining stage once; afterwards O(1): when some stage was only warned
+        about, each new stage in force is checked alone against today's layout; a stage before the
+        validated one is validated again from there."""
         if self._checked_from is not None and index >= self._checked_from:
             if self._demoted and index != self._last_checked:
                 error = self.step_schedule.stage_error(
@@ -246,7 +266,8 @@ class StepScheduleCalculator:
 
 
 def live_step_calculator() -> StepScheduleCalculator | None:
-    """The live calculator if it is the extension's step-schedule calculator (under the guard), else None."""
+    """The live calculator if it is the extension's step-schedule calculator (under the guard), else
+    None."""
     live = live_calculator()
     live = getattr(live, "inner", live)
     return live if isinstance(live, StepScheduleCalculator) else None
@@ -260,5 +281,8 @@ def _present(value: int | None, name: str) -> int:
 
 def _need_gbs(global_batch_size: int | None) -> int:
     if global_batch_size is None:
-        raise SizeError("--global-batch-size is required without --step-batch-size-schedule; give the target GBS.")
+        raise SizeError(
+            "--global-batch-size is required without --step-batch-size-schedule; give the target "
+            "GBS."
+        )
     return global_batch_size

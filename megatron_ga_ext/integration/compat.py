@@ -1,17 +1,24 @@
-"""The upstream sources we test, and fingerprints of every upstream function the extension hooks (and of those whose
-arithmetic an auxiliary-loss correction assumes without wrapping them: ``Target.assumed_by``).
+"""The upstream sources we test, and fingerprints of every upstream function the extension hooks
+(and of those whose arithmetic an auxiliary-loss correction assumes without wrapping them:
+``Target.assumed_by``).
 
-A fingerprint is the first 16 hex digits of sha256 over a function's source text (decorators included),
-so it does not depend on the Python version. ``install()`` compares the live functions with the table
+A fingerprint is the first 16 hex digits of sha256 over a function's *normalised* source: its AST
+(decorators included) without docstrings, positions, comments or formatting, and without the fields
+one Python version has and another not (:func:`normalised`), so a reformatted or commented fork has
+the tested fingerprint, on any Python. ``install()`` compares the live functions with the table
 before it patches anything, **by source, not by version string**: a main-branch checkout reports an
-unreleased version, and what matters is whether each hooked function is one we have tested. Every
-hooked function known: accepted, whatever the version says. One unknown: refused in strict mode, warned
-about otherwise, naming the function, its fingerprint and the nearest tested source.
+unreleased version, and what matters is whether each hooked function is one we have tested. Where a
+source is none of them, its behaviour decides (acceptance.py): a start-up probe measures upstream's
+arithmetic where a correction rests on it (probes.py), the router's, z-loss's and MTP's corrections
+measure theirs at their first call (upstream_factors.py), and a function nothing measures is refused
+in strict mode unless ``MEGATRON_GA_ACCEPT_SOURCE`` names it.
 
 :data:`UPSTREAM` is the one list of tested sources: adding a release or a main-branch commit is one line
-there, then ``make fingerprints`` (``python -m megatron_ga_ext.integration.compat --write``) regenerates
-``fingerprints.json`` from the sources. Everything else (the Makefile, the end-to-end tier, the patches,
-the tests) reads the list from here.
+there, then ``make fingerprints`` (``python -m megatron_ga_ext.integration.compat --write``)
+regenerates ``fingerprints.json`` from the sources. Its format: ``{qualified function name:
+{fingerprint: [tested sources whose function has it]}}``, one key per :data:`TARGETS` entry (an
+empty object where no tested source defines it). Everything else (the Makefile, the end-to-end tier,
+the patches, the tests) reads the list from here.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import importlib
 import inspect
 import json
 import sys
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +46,6 @@ __all__ = [
     "Calculator",
     "Target",
     "Upstream",
-    "check_targets",
     "defines_function",
     "fingerprint",
     "known_fingerprints",
@@ -57,6 +64,8 @@ GPT_MODEL = "megatron.core.models.gpt.gpt_model"
 MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
 MTP = "megatron.core.transformer.multi_token_prediction"
 ROUTER = "megatron.core.transformer.moe.router"
+MOE_LAYER = "megatron.core.transformer.moe.moe_layer"
+SCHEDULE_PLAN = "megatron.core.models.common.model_chunk_schedule_plan"
 MAPPINGS = "megatron.core.tensor_parallel.mappings"
 FINGERPRINTS = Path(__file__).with_name("fingerprints.json")
 
@@ -68,7 +77,8 @@ class Upstream:
     name: str
     """How we call it: the megatron-core release ("0.19.2"), or "main@<commit>"."""
     ref: str
-    """Its Megatron-LM snapshot: a tag (core_v0.19.0, whose core files equal the 0.19.2 wheel) or a commit."""
+    """Its Megatron-LM snapshot: a tag (core_v0.19.0, whose core files equal the 0.19.2 wheel) or a
+    commit."""
     python: str
     """The test leg that runs it: 0.16.1 on Python 3.11, everything from 0.17 on 3.12."""
 
@@ -93,15 +103,17 @@ RELEASES = tuple(u.name for u in UPSTREAM if u.is_release)
 
 @dataclass(frozen=True)
 class Target:
-    """An upstream function (or ``Class.method``) the extension replaces or wraps, or whose arithmetic a correction
-    assumes."""
+    """An upstream function (or ``Class.method``) the extension replaces or wraps, or whose
+    arithmetic a correction assumes."""
 
     module: str
     name: str
     since: str | None = None
-    """The first tested release that defines it (None: every one); hooked and fingerprinted where it is defined."""
+    """The first tested release that defines it (None: every one); hooked and fingerprinted where it
+    is defined."""
     assumed_by: str | None = None
-    """Not wrapped: the correction (aux_losses.py) that assumes its arithmetic, as upstream_factors.py measures it."""
+    """Not wrapped: the correction (aux_losses.py) that assumes its arithmetic, as
+    upstream_factors.py measures it."""
 
     @property
     def qualified(self) -> str:
@@ -109,7 +121,8 @@ class Target:
 
     @property
     def optional(self) -> bool:
-        """Megatron-LM's training package: not in every megatron-core wheel, checked where it is loaded."""
+        """Megatron-LM's training package: not in every megatron-core wheel, checked where it is
+        loaded."""
         return self.module.startswith("megatron.training")
 
     def resolve(self) -> Callable:
@@ -133,12 +146,17 @@ TARGETS = (
     Target(CALCULATOR, "get_num_microbatches"),
     Target(CALCULATOR, "update_num_microbatches"),
     Target(GPT_MODEL, "GPTModel.forward"),
+    # combined 1F1B's path to the router (--overlap-moe-expert-parallel-comm)
+    Target(GPT_MODEL, "GPTModel.build_schedule_plan"),
+    Target(SCHEDULE_PLAN, "TransformerModelChunkSchedulePlan.run"),
+    Target(MOE_LAYER, "MoELayer.route"),
     Target(MOE_UTILS, "get_tokens_per_expert_and_token_count"),  # #7452 finding 10
     Target(MOE_UTILS, "z_loss_func"),
     Target(MTP, "process_mtp_loss", since="0.17.1"),  # #7452 finding 3
     Target(ROUTER, "TopKRouter._apply_expert_bias"),
-    # not wrapped: the router's and MTP's arithmetic that the auxiliary-loss corrections assume (Megatron-LM #7481,
-    # #7498, #7570, #7213 would change it); upstream_factors.py measures the factors at the first step as well
+    # not wrapped: the router's and MTP's arithmetic that the auxiliary-loss corrections assume
+    # (Megatron-LM #7481, #7498, #7570, #7213 would change it); upstream_factors.py measures the
+    # factors at the first step as well
     *(
         Target(ROUTER, f"TopKRouter.{name}", assumed_by="exact_token_counts")
         for name in (
@@ -149,7 +167,9 @@ TARGETS = (
         )
     ),
     Target(MOE_UTILS, "switch_load_balancing_loss_func", assumed_by="exact_token_counts"),
-    Target(MAPPINGS, "_reduce", assumed_by="exact_token_counts"),  # all-reduces the per-expert counts in place
+    Target(
+        MAPPINGS, "_reduce", assumed_by="exact_token_counts"
+    ),  # all-reduces the per-expert counts in place
     Target(ROUTER, "TopKRouter.apply_z_loss", assumed_by="tp_cp_scaled_z_loss"),
     Target(MTP, "roll_tensor", assumed_by="global_count_mtp_loss"),
     Target(TRAINING, "update_train_iters"),
@@ -158,14 +178,16 @@ TARGETS = (
 
 
 def known_fingerprints() -> dict[str, dict[str, list[str]]]:
-    """{qualified function name: {fingerprint: [tested sources that have it]}} from fingerprints.json."""
+    """{qualified function name: {fingerprint: [tested sources that have it]}} from
+    fingerprints.json."""
     known: dict[str, dict[str, list[str]]] = json.loads(FINGERPRINTS.read_text())
     return known
 
 
 class Calculator(Protocol):
-    """Megatron's num-microbatches calculator interface, as its training loop calls it: upstream's calculators, the
-    step-schedule calculator (calculator.py) and the consumed-samples guard around either (guards.py)."""
+    """Megatron's num-microbatches calculator interface, as its training loop calls it: upstream's
+    calculators, the step-schedule calculator (calculator.py) and the consumed-samples guard around
+    either (guards.py)."""
 
     def get(self) -> int: ...
 
@@ -175,12 +197,14 @@ class Calculator(Protocol):
 
     def get_current_running_global_batch_size(self) -> int: ...
 
-    def update(self, consumed_samples: int, consistency_check: bool, verbose: bool = False) -> None: ...
+    def update(
+        self, consumed_samples: int, consistency_check: bool, verbose: bool = False
+    ) -> None: ...
 
 
 def live_calculator() -> Calculator | None:
-    """Megatron's global num-microbatches calculator (``_GLOBAL_NUM_MICROBATCHES_CALCULATOR``); None before it is
-    built."""
+    """Megatron's global num-microbatches calculator (``_GLOBAL_NUM_MICROBATCHES_CALCULATOR``); None
+    before it is built."""
     return getattr(sys.modules.get(CALCULATOR), "_GLOBAL_NUM_MICROBATCHES_CALCULATOR", None)
 
 
@@ -190,12 +214,14 @@ def set_live_calculator(calculator: Calculator) -> None:
 
 
 def megatron_core_version() -> str:
-    """The version of the megatron-core code that is imported (``megatron.core.package_info``, which a
-    tree on PYTHONPATH carries too), else the installed distribution's."""
+    """The version of the megatron-core code that is imported (``megatron.core.package_info``, which
+    a tree on PYTHONPATH carries too), else the installed distribution's."""
     try:
         from megatron.core import package_info
 
-        return str(package_info.__version__).split("+")[0]  # a source tree in a git checkout adds "+<hash>"
+        return str(package_info.__version__).split("+")[
+            0
+        ]  # a source tree in a git checkout adds "+<hash>"
     except ImportError:
         import importlib.metadata  # only where megatron.core lacks package_info
 
@@ -206,46 +232,84 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+#: AST fields that say nothing about behaviour, or that one Python version has and another not
+#: (3.12's ``type_params``): left out of the normalised form.
+_IGNORED_FIELDS = frozenset({"type_comment", "kind", "type_params"})
+
+
+def _without_docstrings(node: ast.AST) -> ast.AST:
+    """``node`` with the docstring of every function and class in it dropped (in place)."""
+    for inner in ast.walk(node):
+        body = getattr(inner, "body", None)
+        if not isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or not body:
+            continue
+        first = body[0]
+        if isinstance(first, ast.Expr) and isinstance(getattr(first.value, "value", None), str):
+            inner.body = body[1:]
+    return node
+
+
+def normalised(node: Any) -> str:
+    """The behaviour-bearing form of an AST: node types, fields and constants, without positions,
+    comments, formatting, docstrings, empty fields, or fields that differ between Python
+    versions."""
+    if isinstance(node, ast.AST):
+        fields = [
+            f"{name}={normalised(value)}"
+            for name, value in ast.iter_fields(node)
+            if name not in _IGNORED_FIELDS and value is not None and value != []
+        ]
+        return f"{type(node).__name__}({','.join(fields)})"
+    if isinstance(node, list):
+        return "[" + ",".join(normalised(item) for item in node) + "]"
+    return repr(node)
+
+
+def _node_digest(node: ast.AST) -> str:
+    return _digest(normalised(_without_docstrings(node)))
+
+
 #: id(code object) -> (that code object, its fingerprint): a loaded function's source is read once.
 _FINGERPRINTS: dict[int, tuple[Any, str]] = {}
 
 
 def fingerprint(function: Callable) -> str:
-    """Fingerprint of a live function: sha256 of its source, decorators included (read once per code object:
-    the code that is loaded, not the file as it may have changed on disk since)."""
+    """Fingerprint of a live function: sha256 of its normalised AST, decorators included (read once
+    per code object: the code that is loaded, not the file as it may have changed on disk since)."""
     unwrapped = inspect.unwrap(function)
     code = getattr(unwrapped, "__code__", unwrapped)
     cached = _FINGERPRINTS.get(id(code))
     if cached is None or cached[0] is not code:
-        cached = _FINGERPRINTS[id(code)] = (code, _digest(inspect.getsource(unwrapped)))
+        node = ast.parse(textwrap.dedent(inspect.getsource(unwrapped))).body[0]
+        cached = _FINGERPRINTS[id(code)] = (code, _node_digest(node))
     return cached[1]
 
 
 def fingerprint_file(path: Path, name: str) -> str:
-    """Fingerprint of the top-level function (or ``Class.method``) ``name`` in a source file, without
-    importing it. A method's source is dedented as ``inspect.getsource`` of the live method is not, so
-    the indentation is kept: the same text either way."""
-    text = path.read_text()
-    body = ast.parse(text).body
+    """Fingerprint of the top-level function (or ``Class.method``) ``name`` in a source file,
+    without importing it: the same normalised AST as :func:`fingerprint` of the loaded function."""
+    body = ast.parse(path.read_text()).body
     *classes, function = name.split(".")
     for class_name in classes:
-        body = next((n.body for n in body if isinstance(n, ast.ClassDef) and n.name == class_name), [])
+        body = next(
+            (n.body for n in body if isinstance(n, ast.ClassDef) and n.name == class_name), []
+        )
     for node in body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == function:
-            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
-            lines = text.splitlines(keepends=True)[first - 1 : node.end_lineno]
-            return _digest("".join(lines))
+            return _node_digest(node)
     raise CompatError(f"{name} is not defined in {path}.")
 
 
 def defines_function(path: Path, name: str) -> bool:
     """The source file defines the top-level function ``name``."""
-    return any(isinstance(n, ast.FunctionDef) and n.name == name for n in ast.parse(path.read_text()).body)
+    return any(
+        isinstance(n, ast.FunctionDef) and n.name == name for n in ast.parse(path.read_text()).body
+    )
 
 
 def tree_targets(root: Path, targets: tuple[Target, ...] = TARGETS) -> list[Target]:
-    """The targets a source tree has: optional ones where their file is there, those of a later release where the
-    file defines them (the others, gone, are kept: the caller names them)."""
+    """The targets a source tree has: optional ones where their file is there, those of a later
+    release where the file defines them (the others, gone, are kept: the caller names them)."""
 
     def has(target: Target) -> bool:
         path = target.path_in(root)
@@ -257,8 +321,8 @@ def tree_targets(root: Path, targets: tuple[Target, ...] = TARGETS) -> list[Targ
 
 
 def live_targets(targets: tuple[Target, ...]) -> list[Target]:
-    """The targets that exist here: optional ones only where their module is loaded, and those of a later release
-    only where this one defines them."""
+    """The targets that exist here: optional ones only where their module is loaded, and those of a
+    later release only where this one defines them."""
     live = [t for t in targets if not t.optional or t.module in sys.modules]
     return [t for t in live if t.since is None or _defined(t)]
 
@@ -271,65 +335,59 @@ def _defined(target: Target) -> bool:
     return True
 
 
-def check_targets(version: str, strict: bool, targets: tuple[Target, ...] = TARGETS) -> list[str]:
-    """Compare each live target's source with the tested fingerprints; raise (strict) or warn on a mismatch.
-
-    Returns the mismatch messages (empty when every hooked function is one we have tested)."""
-    known = known_fingerprints()
-    seen = {t.qualified: fingerprint(t.resolve()) for t in live_targets(targets)}
-    unknown = [name for name, fp in seen.items() if fp not in known.get(name, {})]
-    if not unknown:
-        return []
-    nearest, matched = _nearest_source(seen, known)
-    problems = "; ".join(f"{name} has fingerprint {seen[name]}, which no tested source has" for name in unknown)
-    message = (
-        f"unknown upstream source in megatron-core {version}: {problems}. The nearest tested source is {nearest} "
-        f"({matched} of {len(seen)} hooked functions identical). The extension is tested on "
-        f"{', '.join(u.name for u in UPSTREAM)}: use one of them, or pass strict=False (--no-ga-strict) to "
-        f"patch anyway with a warning."
-    )
-    if strict:
-        raise CompatError(message)
-    logger.warning(message)
-    return [message]
-
-
-def _nearest_source(seen: dict[str, str], known: dict[str, dict[str, list[str]]]) -> tuple[str, int]:
-    """The tested source that shares the most hooked functions with the live ones, and how many."""
-    counts = {u.name: 0 for u in UPSTREAM}
-    for name, fp in seen.items():
-        for source in known.get(name, {}).get(fp, []):
-            counts[source] = counts.get(source, 0) + 1
-    best = max(counts, key=lambda source: counts[source])  # ties: the oldest, as UPSTREAM is ordered
-    return best, counts[best]
-
-
 def matching_sources(targets: tuple[Target, ...] = TARGETS) -> list[str]:
     """The tested sources whose hooked functions all equal the live ones (for the start-up log)."""
     known = known_fingerprints()
-    found = [set(known.get(t.qualified, {}).get(fingerprint(t.resolve()), [])) for t in live_targets(targets)]
+    found = [
+        set(known.get(t.qualified, {}).get(fingerprint(t.resolve()), []))
+        for t in live_targets(targets)
+    ]
     common = set.intersection(*found) if found else set()
     return [u.name for u in UPSTREAM if u.name in common]
 
 
 def table_from_trees(trees: dict[str, Path]) -> dict[str, dict[str, list[str]]]:
-    """Fingerprints of :data:`TARGETS` in source trees ``{source name: root holding megatron/...}``."""
+    """Fingerprints of :data:`TARGETS` in source trees ``{source name: root holding
+    megatron/...}``."""
     table: dict[str, dict[str, list[str]]] = {t.qualified: {} for t in TARGETS}
     for source, root in trees.items():
         for target in tree_targets(root):
-            table[target.qualified].setdefault(fingerprint_file(target.path_in(root), target.name), []).append(source)
+            table[target.qualified].setdefault(
+                fingerprint_file(target.path_in(root), target.name), []
+            ).append(source)
     return table
 
 
+#: The patch set's sources (patches/upstream/<source>/) and the tested source each patches: a tree
+#: with the set applied is a tested source too (verify --upstream and verify through install() run on
+#: it), named "<source> + patches/upstream".
+FIXED_SOURCES = {"megatron-core-0.19.2": "0.19.2", "megatron-lm-d98e8a64": "main@d98e8a64ddf3"}
+
+
+def fixed_trees(root: Path) -> dict[str, Path]:
+    """``{"0.19.2 + patches/upstream": root/megatron-core-0.19.2/patched, ...}`` where the tree was
+    made (``patches/upstream.py tree``)."""
+    trees = {
+        f"{name} + patches/upstream": root / source / "patched"
+        for source, name in FIXED_SOURCES.items()
+    }
+    return {name: tree for name, tree in trees.items() if (tree / "megatron").is_dir()}
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description="regenerate fingerprints.json from the tested sources")
+    parser = argparse.ArgumentParser(
+        description="regenerate fingerprints.json from the tested sources"
+    )
     parser.add_argument(
         "--snapshots",
         type=Path,
         default=Path(".cache/megatron-lm"),
-        help="holds megatron-lm-<ref>/ for every ref in UPSTREAM (tools/megatron-lm.sh unpacks them)",
+        help="holds megatron-lm-<ref>/ for every ref in UPSTREAM (tools/megatron-lm.sh unpacks "
+        "them)",
     )
-    parser.add_argument("--write", action="store_true", help=f"write {FINGERPRINTS.name} (else print it)")
+    parser.add_argument(
+        "--write", action="store_true", help=f"write {FINGERPRINTS.name} (else print it)"
+    )
     parser.add_argument(
         "--list",
         metavar="PYTHON",
@@ -337,11 +395,18 @@ def main() -> None:
         const="",
         help="print the tested source names (those of one Python leg, if given) and exit",
     )
+    parser.add_argument(
+        "--fixed",
+        type=Path,
+        default=Path(".cache/upstream-trees"),
+        help="holds <source>/patched/ for the patch set's sources (patches/upstream.py tree)",
+    )
     args = parser.parse_args()
     if args.list is not None:
         print(" ".join(u.name for u in UPSTREAM if args.list in ("", u.python)))
         return
-    table = table_from_trees({u.name: args.snapshots / f"megatron-lm-{u.ref}" for u in UPSTREAM})
+    trees = {u.name: args.snapshots / f"megatron-lm-{u.ref}" for u in UPSTREAM}
+    table = table_from_trees({**trees, **fixed_trees(args.fixed)})
     text = json.dumps(table, indent=1, sort_keys=True) + "\n"
     if args.write:
         FINGERPRINTS.write_text(text)

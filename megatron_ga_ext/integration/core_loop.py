@@ -1,13 +1,15 @@
-"""A user's own training loop over megatron-core as a host (host.py): the pattern RL frameworks use (a trainer that
-calls megatron-core's schedules and optimizer itself, with no Megatron-LM args and no Bridge state).
+"""A user's own training loop over megatron-core as a host (host.py): the pattern RL frameworks use
+(a trainer that calls megatron-core's schedules and optimizer itself, with no Megatron-LM args and
+no Bridge state).
 
 Such a loop keeps its iteration, samples and writers where it likes, so it says where::
 
     megatron_ga_ext.install(config, host=CoreLoop(iteration=lambda: trainer.step + 1,
                                                   consumed_samples=lambda: trainer.samples_seen))
 
-What it does not give is not known, as for :class:`~megatron_ga_ext.integration.host.Host`: the noise scale then
-numbers its measurements by the optimizer steps it saw, the warmup cannot replan a run length, and so on.
+What it does not give is not known, as for :class:`~megatron_ga_ext.integration.host.Host`: the
+noise scale then numbers its measurements by the optimizer steps it saw, the warmup cannot replan a
+run length, and so on.
 """
 
 from __future__ import annotations

@@ -1,13 +1,15 @@
 """The host port: what the extension asks of the training loop that runs it, and nothing else.
 
-A host loop keeps the run's state its own way: Megatron-LM's ``pretrain()`` in its parsed args and global writers
-(megatron_lm.py), Megatron-Bridge's in a ``GlobalState`` handed to each step (bridge_loop.py), a user's own loop over
-megatron-core (the pattern RL frameworks use) wherever it likes (core_loop.py). The features ask a :class:`Host`; only
-those three adapters read a host's state (tests/test_architecture.py holds every other module to that).
+A host loop keeps the run's state its own way: Megatron-LM's ``pretrain()`` in its parsed args and
+global writers (megatron_lm.py), Megatron-Bridge's in a ``GlobalState`` handed to each step
+(bridge_loop.py), a user's own loop over megatron-core (the pattern RL frameworks use) wherever it
+likes (core_loop.py). The features ask a :class:`Host`; only those three adapters read a host's
+state (tests/test_architecture.py holds every other module to that).
 
     current_host()   the host of the call in progress: one that announced itself for it (:func:`hosting`: Bridge's
-                     step and checkpoint load), else one whose state exists (:func:`register`: Megatron-LM's parsed
-                     args), else the megatron-core loop (:func:`use_core_loop`; by default one that knows nothing)
+                     step and checkpoint load), else one whose state exists (:func:`register`:
+                     Megatron-LM's parsed args), else the megatron-core loop (:func:`use_core_loop`;
+                     by default one that knows nothing)
 """
 
 from __future__ import annotations
@@ -21,14 +23,16 @@ from megatron_ga_ext.config.megatron_args import MegatronArgs
 
 __all__ = ["NON_PERSISTENT_SUBDIR", "Host", "current_host", "hosting", "register", "use_core_loop"]
 
-#: The subdirectory of the save (and load) directory both loops keep global non-persistent checkpoints in
-#: (``_NON_PERSISTENT_CKPT_SUBDIR`` in Megatron-LM's and in Megatron-Bridge's checkpointing.py).
+#: The subdirectory of the save (and load) directory both loops keep global non-persistent
+#: checkpoints in (``_NON_PERSISTENT_CKPT_SUBDIR`` in Megatron-LM's and in Megatron-Bridge's
+#: checkpointing.py).
 NON_PERSISTENT_SUBDIR = "non_persistent"
 
 
 class Host:
-    """A training loop as the features see it. This base knows nothing of the loop: every answer is "not known" (None,
-    empty), every request does nothing, and a line is printed. An adapter overrides what its loop keeps."""
+    """A training loop as the features see it. This base knows nothing of the loop: every answer is
+    "not known" (None, empty), every request does nothing, and a line is printed. An adapter
+    overrides what its loop keeps."""
 
     name = "megatron-core loop"
 
@@ -37,7 +41,8 @@ class Host:
         return None
 
     def settings(self) -> MegatronArgs:
-        """The run's settings under Megatron-LM's argument names (what a loop does not keep is absent)."""
+        """The run's settings under Megatron-LM's argument names (what a loop does not keep is
+        absent)."""
         return MegatronArgs({})
 
     def iteration(self) -> int | None:
@@ -45,7 +50,8 @@ class Host:
         return None
 
     def consumed_samples(self) -> int | None:
-        """The samples consumed before the step in progress (the loop adds the step's batch after it)."""
+        """The samples consumed before the step in progress (the loop adds the step's batch after
+        it)."""
         return None
 
     def set_train_iters(self, iterations: int) -> None:
@@ -56,8 +62,8 @@ class Host:
         return None, None
 
     def prints_after_log(self) -> bool:
-        """Whether the loop's ``training_log`` is wired to print a held line after its own and runs after this
-        step (so a line the step reports waits for it)."""
+        """Whether the loop's ``training_log`` is wired to print a held line after its own and runs
+        after this step (so a line the step reports waits for it)."""
         return False
 
     def record_metrics(self, scalars: dict[str, float], iteration: int) -> None:
@@ -74,8 +80,8 @@ class Host:
         print(line, flush=True)
 
 
-#: Hosts that announced themselves for a call in progress (innermost last), the finders of hosts whose state exists,
-#: and the megatron-core loop.
+#: Hosts that announced themselves for a call in progress (innermost last), the finders of hosts
+#: whose state exists, and the megatron-core loop.
 _announced: list[Host] = []
 _finders: list[Callable[[], Host | None]] = []
 _core_loop: list[Host] = [Host()]
@@ -83,7 +89,8 @@ _core_loop: list[Host] = [Host()]
 
 @contextmanager
 def hosting(host: Host) -> Iterator[None]:
-    """``host`` is the current host while the block runs (a loop that hands its state to each call)."""
+    """``host`` is the current host while the block runs (a loop that hands its state to each
+    call)."""
     _announced.append(host)
     try:
         yield
@@ -92,8 +99,8 @@ def hosting(host: Host) -> Iterator[None]:
 
 
 def register(finder: Callable[[], Host | None]) -> None:
-    """A host loop whose state outlives its calls (Megatron-LM's parsed args): ``finder`` answers it where that
-    state exists, else None."""
+    """A host loop whose state outlives its calls (Megatron-LM's parsed args): ``finder`` answers it
+    where that state exists, else None."""
     if finder not in _finders:
         _finders.append(finder)
 

@@ -1,30 +1,34 @@
-"""Megatron-LM's training loop (``megatron.training``) as a host loop: its functions the hook table wraps, each onto
-an Installation phase (hooks.py's rows with ``host="megatron-lm"``; another host loop gets a module like this one).
+"""Megatron-LM's training loop (``megatron.training``) as a host loop: its functions the hook table
+wraps, each onto an Installation phase (hooks.py's rows with ``host="megatron-lm"``; another host
+loop gets a module like this one).
 
 * ``parse_args``: the ``--ga-*`` flags, and token mode's ``--calculate-per-token-loss`` (below);
-* ``update_train_iters`` / ``get_train_valid_test_num_samples``: the run length under a step schedule;
+* ``update_train_iters`` / ``get_train_valid_test_num_samples``: the run length under a step
+  schedule;
 * ``training_log``: the noise-scale line printed after Megatron's;
-* ``save_checkpoint`` / ``load_checkpoint``: the ``--ga-noise-scale`` EMAs kept next to the checkpoint (the sidecar),
-  and warmup stages restored before the loop reads them.
+* ``save_checkpoint`` / ``load_checkpoint``: the ``--ga-noise-scale`` EMAs kept next to the
+  checkpoint (the sidecar), and warmup stages restored before the loop reads them.
 
-Its run state (the parsed args, the global writers) is read here only: :class:`MegatronLM` is its host
-(host.py), current wherever the args are parsed.
+Its run state (the parsed args, the global writers) is read here only: :class:`MegatronLM` is its
+host (host.py), current wherever the args are parsed.
 
 Each is only wrapped around the call (the bodies of the last three are not fingerprinted targets).
 
-The parser makes the whole drop-in ``megatron_ga_ext.install()`` at the top of an unmodified training script.
+The parser makes the whole drop-in ``megatron_ga_ext.install()`` at the top of an unmodified
+training script.
 
 Megatron parses its command line in ``megatron.training.arguments.parse_args(extra_args_provider,
-ignore_unknown_args)`` on every tested source: ``parse_and_validate_args`` (0.18 and later) looks it up as a module
-global and ``initialize_megatron`` (0.16, 0.17) binds it by name, so replacing it wherever it is bound reaches both.
-The replacement runs the script's own ``extra_args_provider`` first, then adds the flags the parser lacks
-(``config/args.py``); a script that passes ``megatron_ga_ext.args_provider(...)`` itself keeps working.
+ignore_unknown_args)`` on every tested source: ``parse_and_validate_args`` (0.18 and later) looks it
+up as a module global and ``initialize_megatron`` (0.16, 0.17) binds it by name, so replacing it
+wherever it is bound reaches both. The replacement runs the script's own ``extra_args_provider``
+first, then adds the flags the parser lacks (``config/args.py``); a script that passes
+``megatron_ga_ext.args_provider(...)`` itself keeps working.
 
 Token mode is what installing the extension asks for, and it needs Megatron's per-token loss
-(``docs/reduction.md``): without ``--calculate-per-token-loss`` Megatron divides each micro-batch by its own token
-count and DDP pre-divides by DP x CP. So a token-mode launch without the flag gets it set on the parsed args,
-before Megatron validates them or builds anything from them, and the start-up log says so once.
-``--ga-loss-reduction microbatch`` keeps upstream's mean of means.
+(``docs/reduction.md``): without ``--calculate-per-token-loss`` Megatron divides each micro-batch by
+its own token count and DDP pre-divides by DP x CP. So a token-mode launch without the flag gets it
+set on the parsed args, before Megatron validates them or builds anything from them, and the
+start-up log says so once. ``--ga-loss-reduction microbatch`` keeps upstream's mean of means.
 """
 
 from __future__ import annotations
@@ -81,8 +85,8 @@ class MegatronLM(Host):
 
     def __init__(self) -> None:
         self._view: tuple[argparse.Namespace | None, MegatronArgs] = (None, MegatronArgs({}))
-        """The last args :meth:`settings` was asked for and their view (the step's hooks read it often; the view
-        reads the Namespace's values as they change)."""
+        """The last args :meth:`settings` was asked for and their view (the step's hooks read it
+        often; the view reads the Namespace's values as they change)."""
 
     def parsed_args(self) -> argparse.Namespace | None:
         """The parsed args, or None before parsing (megatron.training is not imported for this)."""
@@ -120,21 +124,23 @@ register(lambda: MEGATRON_LM if MEGATRON_LM.parsed_args() is not None else None)
 
 
 def _prints_after(training_log: Callable | None) -> bool:
-    """``training_log`` is wired to print a held line after its own (functools.wraps carries the mark through
-    wrappers on top)."""
+    """``training_log`` is wired to print a held line after its own (functools.wraps carries the
+    mark through wrappers on top)."""
     return bool(getattr(training_log, "megatron_ga_ext_prints_after", False))
 
 
 def parser_module(state: Installation) -> ModuleType | bool:
-    """Megatron-LM's ``megatron.training.arguments``, whose ``parse_args`` the hook table replaces where it is bound;
-    False (nothing to do) with megatron-core alone.
+    """Megatron-LM's ``megatron.training.arguments``, whose ``parse_args`` the hook table replaces
+    where it is bound; False (nothing to do) with megatron-core alone.
 
-    Importing ``megatron.training`` configures the root logger and loads Megatron-LM's whole training loop, so it
-    is imported here only for an install() that waits for Megatron's args (the training script imports it next
-    anyway); an install() given its config patches the parser only where the script has loaded it already."""
+    Importing ``megatron.training`` configures the root logger and loads Megatron-LM's whole
+    training loop, so it is imported here only for an install() that waits for Megatron's args (the
+    training script imports it next anyway); an install() given its config patches the parser only
+    where the script has loaded it already."""
     if ARGUMENTS not in sys.modules:
         if not state.waiting_for_args:
-            return False  # a config given outright (a megatron-core loop, verify): no Megatron-LM parse to join
+            # a config given outright (a megatron-core loop, verify): no Megatron-LM parse to join
+            return False
         try:
             return importlib.import_module(ARGUMENTS)
         except ModuleNotFoundError as error:
@@ -145,7 +151,8 @@ def parser_module(state: Installation) -> ModuleType | bool:
 
 
 def with_ga_flags(original: ParseArgs, state: Installation) -> ParseArgs:
-    """``parse_args`` with the ``--ga-*`` flags, and ``--calculate-per-token-loss`` on in token mode."""
+    """``parse_args`` with the ``--ga-*`` flags, and ``--calculate-per-token-loss`` on in token
+    mode."""
     announced = False
 
     @functools.wraps(original)
@@ -156,14 +163,19 @@ def with_ga_flags(original: ParseArgs, state: Installation) -> ParseArgs:
         if not state.active:
             return original(extra_args_provider, ignore_unknown_args)
         args = original(args_provider(extra_args_provider), ignore_unknown_args)
-        mode = MegatronArgs.of(args).get(LOSS_REDUCTION.dest) if state.waiting_for_args else state.config.loss_reduction
+        mode = (
+            MegatronArgs.of(args).get(LOSS_REDUCTION.dest)
+            if state.waiting_for_args
+            else state.config.loss_reduction
+        )
         if mode == "token" and not args.calculate_per_token_loss:
             args.calculate_per_token_loss = True
             if not announced:
                 announced = True
                 logger.info(
-                    "megatron-ga-ext: %s token turns on --calculate-per-token-loss: every non-padding token of the "
-                    "global batch weighs the same (%s microbatch keeps upstream's mean of means)",
+                    "megatron-ga-ext: %s token turns on --calculate-per-token-loss: every "
+                    "non-padding token of the global batch weighs the same (%s "
+                    "microbatch keeps upstream's mean of means)",
                     LOSS_REDUCTION.flag,
                     LOSS_REDUCTION.flag,
                 )
@@ -173,10 +185,10 @@ def with_ga_flags(original: ParseArgs, state: Installation) -> ParseArgs:
 
 
 def planned_train_iters(original: Callable, state: Installation) -> Callable:
-    """``--train-samples`` under a step schedule: train_iters = the steps the schedule plans,
-    while consumed < train_samples (upstream divides by a constant GBS on 0.16/0.17 and with a rampup). A calculator
-    built where no hook saw it is adopted first (calculator_adoption.py): the run length is planned from the
-    calculator that runs it."""
+    """``--train-samples`` under a step schedule: train_iters = the steps the schedule plans, while
+    consumed < train_samples (upstream divides by a constant GBS on 0.16/0.17 and with a rampup). A
+    calculator built where no hook saw it is adopted first (calculator_adoption.py): the run length
+    is planned from the calculator that runs it."""
 
     @functools.wraps(original)
     def update_train_iters(args: argparse.Namespace) -> None:
@@ -215,8 +227,9 @@ def planned_num_samples(original: Callable, state: Installation) -> Callable:
 
 
 def printing_after_training_log(original: Callable, state: Installation) -> Callable:
-    """``training_log``: the noise-scale line of the iteration printed after it, so it follows Megatron's iteration
-    line (the measurement is read in the optimizer step, before). Wiring it makes the meter hold its lines."""
+    """``training_log``: the noise-scale line of the iteration printed after it, so it follows
+    Megatron's iteration line (the measurement is read in the optimizer step, before). Wiring it
+    makes the meter hold its lines."""
 
     @functools.wraps(original)
     def training_log(*args: Any, **kwargs: Any) -> Any:
@@ -231,14 +244,18 @@ def printing_after_training_log(original: Callable, state: Installation) -> Call
 
 
 def saving_sidecar(original: Callable, state: Installation) -> Callable:
-    """``save_checkpoint(iteration, ...)``: the sidecar after it, where Megatron put the checkpoint."""
+    """``save_checkpoint(iteration, ...)``: the sidecar after it, where Megatron put the
+    checkpoint."""
 
     @functools.wraps(original)
     def save_checkpoint(iteration: int, *args: Any, **kwargs: Any) -> Any:
         result = original(iteration, *args, **kwargs)
         if state.active:
             state.after_save(
-                saved_directory(MEGATRON_LM.settings(), bool(kwargs.get("non_persistent_ckpt", False))), iteration
+                saved_directory(
+                    MEGATRON_LM.settings(), bool(kwargs.get("non_persistent_ckpt", False))
+                ),
+                iteration,
             )
         return result
 
@@ -246,8 +263,9 @@ def saving_sidecar(original: Callable, state: Installation) -> Callable:
 
 
 def loading_sidecar(original: Callable, state: Installation) -> Callable:
-    """``load_checkpoint(model, optimizer, opt_param_scheduler, load_arg='load', ...)``, which returns (iteration,
-    flops): the sidecar of that iteration read after it, from where Megatron loaded it."""
+    """``load_checkpoint(model, optimizer, opt_param_scheduler, load_arg='load', ...)``, which
+    returns (iteration, flops): the sidecar of that iteration read after it, from where Megatron
+    loaded it."""
 
     @functools.wraps(original)
     def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
@@ -269,9 +287,10 @@ def loading_sidecar(original: Callable, state: Installation) -> Callable:
 
 def saved_directory(args: MegatronArgs, non_persistent: bool) -> str | None:
     """Where ``save_checkpoint`` put its checkpoint: ``--save``, or for a non-persistent global one
-    ``--non-persistent-global-ckpt-dir`` (default ``<--save>/non_persistent``). None where there is no such
-    directory: no ``--save``, or a local non-persistent checkpoint (per-rank files in Megatron's local checkpoint
-    manager, no ``iter_NNNNNNN`` directory; --ga-batch-size-warmup auto refuses it at start-up)."""
+    ``--non-persistent-global-ckpt-dir`` (default ``<--save>/non_persistent``). None where there is
+    no such directory: no ``--save``, or a local non-persistent checkpoint (per-rank files in
+    Megatron's local checkpoint manager, no ``iter_NNNNNNN`` directory; --ga-batch-size-warmup auto
+    refuses it at start-up)."""
     save = args.directory("save")
     if not non_persistent:
         return save
@@ -284,20 +303,23 @@ def saved_directory(args: MegatronArgs, non_persistent: bool) -> str | None:
 
 def loaded_directory(args: MegatronArgs, load_arg: str, iteration: int) -> str | None:
     """Where ``load_checkpoint`` read ``iteration`` from: its non-persistent global directory
-    (``--non-persistent-global-ckpt-dir``, or ``<args.load_arg>/non_persistent``) where that directory's tracker
-    names ``iteration`` (upstream's ``_load_base_checkpoint`` prefers it when it is not older than the persistent
-    one), else ``args.<load_arg>``."""
+    (``--non-persistent-global-ckpt-dir``, or ``<args.load_arg>/non_persistent``) where that
+    directory's tracker names ``iteration`` (upstream's ``_load_base_checkpoint`` prefers it when it
+    is not older than the persistent one), else ``args.<load_arg>``."""
     load = args.directory(load_arg)
     if args.get("non_persistent_ckpt_type") == "global":
         explicit = args.get("non_persistent_global_ckpt_dir")
-        candidate = explicit if explicit or load is None else os.path.join(load, NON_PERSISTENT_SUBDIR)
+        candidate = (
+            explicit if explicit or load is None else os.path.join(load, NON_PERSISTENT_SUBDIR)
+        )
         if candidate and _tracked_iteration(Path(candidate) / TRACKER) == iteration:
             return candidate
     return load
 
 
 def _tracked_iteration(tracker: Path) -> int | None:
-    """The iteration a Megatron tracker file names; None where there is none (or it says ``release``)."""
+    """The iteration a Megatron tracker file names; None where there is none (or it says
+    ``release``)."""
     try:
         return int(tracker.read_text().strip())
     except (OSError, ValueError):

@@ -1,8 +1,9 @@
-"""Replacing Megatron's functions and putting them back: a module global in every module that bound it, a class
-attribute on its class.
+"""Replacing Megatron's functions and putting them back: a module global in every module that bound
+it, a class attribute on its class.
 
 A module global is rebound in the module that defines it and in every loaded module that bound it by
-``from x import y``; a class attribute is replaced on the class, so objects built before install() see it too.
+``from x import y``; a class attribute is replaced on the class, so objects built before install()
+see it too.
 :meth:`Patches.restore` puts an original back only where the replacement is still bound: a wrapper other code put
 on top of ours stays where it is.
 """
@@ -39,7 +40,8 @@ class _AttributePatch:
 
 @dataclass
 class Patches:
-    """What install() replaced, in the order it replaced it, so that :meth:`restore` can put it back."""
+    """What install() replaced, in the order it replaced it, so that :meth:`restore` can put it
+    back."""
 
     globals: list[_GlobalPatch] = field(default_factory=list)
     attributes: list[_AttributePatch] = field(default_factory=list)
@@ -61,9 +63,17 @@ class Patches:
         self.attributes.append(_AttributePatch(owner, name, original, replacement))
         setattr(owner, name, replacement)
 
+    def wrapped(self) -> list[str]:
+        """The upstream functions replaced, once each, in the order they were: ``module.name`` or
+        ``module.Class.name``."""
+        names = [f"{p.original.__module__}.{p.name}" for p in self.globals]
+        names += [f"{a.owner.__module__}.{a.owner.__qualname__}.{a.name}" for a in self.attributes]
+        return list(dict.fromkeys(names))
+
     def restore(self) -> None:
-        """Every original back where its replacement is still what is bound: on classes, in the modules patched, and
-        in modules imported since that bound it (``from x import y`` after install())."""
+        """Every original back where its replacement is still what is bound: on classes, in the
+        modules patched, and in modules imported since that bound it (``from x import y`` after
+        install())."""
         for a in reversed(self.attributes):
             if a.owner.__dict__.get(a.name) is a.replacement:
                 setattr(a.owner, a.name, a.original)
@@ -76,7 +86,8 @@ class Patches:
 
 
 def _namespaces_holding(original: Callable, name: str) -> list[dict[str, Any]]:
-    """Globals of every loaded module that hold ``original`` under ``name`` (``from x import name``)."""
+    """Globals of every loaded module that hold ``original`` under ``name`` (``from x import
+    name``)."""
     found = []
     for module in list(sys.modules.values()):
         namespace = getattr(module, "__dict__", None)

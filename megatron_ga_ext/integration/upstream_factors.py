@@ -1,28 +1,33 @@
-"""Whether upstream still does what each auxiliary-loss correction corrects: a factor measured once, at the first step.
+"""Whether upstream still does what each auxiliary-loss correction corrects: a factor measured once,
+at the first step.
 
-install() corrects three upstream defects in token mode (aux_losses.py): the router's token count (#7452 finding 10),
-the per-token z-loss factor before 0.19, and MTP's local count ratio (#7452 finding 3). Open upstream pull requests
-would fix them (Megatron-LM #7481 the router's count; #7498, #7570 MTP's counts; #7213 / #7214 global_aux_loss's),
-and a correction laid over a fixed upstream corrects twice. The fingerprints (compat.TARGETS, with the router and MTP
-functions whose arithmetic the corrections assume) refuse a changed source in strict mode; these checks hold with
-``--no-ga-strict`` too. Each measures, at its correction's first call, the factor upstream applies and compares it
-with the defect's, as the finalize reads the factor DDP baked into its buffers:
+install() corrects three upstream defects in token mode (aux_losses.py): the router's token count
+(#7452 finding 10), the per-token z-loss factor before 0.19, and MTP's local count ratio (#7452
+finding 3). Open upstream pull requests would fix them (Megatron-LM #7481 the router's count; #7498,
+#7570 MTP's counts; #7213 / #7214 global_aux_loss's), and a correction laid over a fixed upstream
+corrects twice. The fingerprints (compat.TARGETS, with the router and MTP functions whose arithmetic
+the corrections assume) refuse a changed source in strict mode; these checks hold with
+``--no-ga-strict`` too. Each measures, at its correction's first call, the factor upstream applies
+and compares it with the defect's, as the finalize reads the factor DDP baked into its buffers:
 
 * the router's count (:class:`RouterCountCheck`): upstream's count function on a probe routing map;
-* the z-loss before 0.19 (:class:`ZLossFactorCheck`): the attachment the router makes right after ``z_loss_func``;
-* MTP (:class:`MTPRatioCheck`): upstream's ``process_mtp_loss`` on a probe batch.
+* the z-loss before 0.19 (:class:`ZLossFactorCheck`): the attachment the router makes right after
+  ``z_loss_func``;
+* MTP (:class:`~megatron_ga_ext.integration.mtp_ratio_check.MTPRatioCheck`, its own module):
+  upstream's ``process_mtp_loss`` on a probe batch.
 
-A correction applies where the measurement shows the defect it corrects, where nothing it could show would change what
-the correction returns, and where upstream changed to something else but the correction replaces upstream's value
-instead of scaling it (the router's count, MTP's attachment), so that it cannot correct twice (said once, in an info
-line). Where upstream already gives what the correction would, or does arithmetic none of them expects, the correction
-steps aside (upstream's own result stands) and says so once, on rank 0, in a warning. A check costs one host read (and
-at most two small collectives the ranks of its group make together) at its first call, nothing per micro-batch after.
+A correction applies where the measurement shows the defect it corrects, where nothing it could show
+would change what the correction returns, and where upstream changed to something else but the
+correction replaces upstream's value instead of scaling it (the router's count, MTP's attachment),
+so that it cannot correct twice (said once, in an info line). Where upstream already gives what the
+correction would, or does arithmetic none of them expects, the correction steps aside (upstream's
+own result stands) and says so once, on rank 0, in a warning. A check costs one host read (and at
+most two small collectives the ranks of its group make together) at its first call, nothing per
+micro-batch after.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 import sys
 from collections.abc import Callable
@@ -31,20 +36,27 @@ from typing import Any
 import torch
 
 from megatron_ga_ext.integration.compat import ROUTER
-from megatron_ga_ext.integration.mtp_interception import MTPInterception
 from megatron_ga_ext.logs import get_logger
 
-__all__ = ["APPLIES", "MTPRatioCheck", "RouterCountCheck", "ZLossFactorCheck", "nonzero_total"]
+__all__ = [
+    "APPLIES",
+    "RouterCountCheck",
+    "ZLossFactorCheck",
+    "host_values",
+    "nonzero_total",
+]
 
 logger = get_logger(__name__)
 
 DEFECT = "defect"
 """Upstream still does what the correction corrects."""
 NO_EVIDENCE = "no evidence"
-"""The defect cannot show here (nothing is reduced); the correction then returns upstream's value anyway."""
+"""The defect cannot show here (nothing is reduced); the correction then returns upstream's value
+anyway."""
 CHANGED = "changed"
-"""Upstream changed (the router's count is this rank's own, #7481; MTP's ratio is not), not to what the correction
-gives; the correction replaces upstream's value (never scales it), so it applies without correcting twice."""
+"""Upstream changed (the router's count is this rank's own, #7481; MTP's ratio is not), not to what
+the correction gives; the correction replaces upstream's value (never scales it), so it applies
+without correcting twice."""
 FIXED = "fixed"
 """Upstream already gives what the correction would."""
 UNKNOWN = "unknown"
@@ -54,7 +66,7 @@ UNKNOWN = "unknown"
 APPLIES = (DEFECT, NO_EVIDENCE, CHANGED)
 
 
-def _host_values(*values: Any) -> list[float]:
+def host_values(*values: Any) -> list[float]:
     """The values as floats, in one device-to-host read."""
     tensors = [torch.as_tensor(v, dtype=torch.float64) for v in values]
     device = next((t.device for t in tensors if t.device.type != "cpu"), torch.device("cpu"))
@@ -67,16 +79,18 @@ def _close(a: float, b: float) -> bool:
 
 
 class RouterCountCheck:
-    """Whether ``moe_utils.get_tokens_per_expert_and_token_count`` still reads its local count back after the
-    in-place all-reduce of the per-expert counts (#7452 finding 10), measured once per reduce group: at the first call
-    with a padding mask, every rank of the group runs a probe routing map through upstream's function (its count l,
-    its total) and through the correction (its count c), one all-reduce each and one host read. Group rank 0 routes
-    1 token, every other rank 2, so this rank's own count t is 1 or 2 and the group's T = 2g - 1 for a group of g:
+    """Whether ``moe_utils.get_tokens_per_expert_and_token_count`` still reads its local count back
+    after the in-place all-reduce of the per-expert counts (#7452 finding 10), measured once per
+    reduce group: at the first call with a padding mask, every rank of the group runs a probe
+    routing map through upstream's function (its count l, its total) and through the correction (its
+    count c), one all-reduce each and one host read. Group rank 0 routes 1 token, every other rank
+    2, so this rank's own count t is 1 or 2 and the group's T = 2g - 1 for a group of g:
 
         l = T                the defect: the correction applies
         l = c                upstream gives the router the count the correction would: it steps aside
         l = t                a local count (#7481's fix): the router's TP x CP times it is exact only where the shards
-                             hold equal counts; the correction, which replaces the count and never scales it, applies
+                             hold equal counts; the correction, which replaces the count and never
+                             scales it, applies
         g = 1                no evidence: the correction applies (it returns upstream's count there)
         else, or total != T  unknown: it steps aside
     """
@@ -93,13 +107,18 @@ class RouterCountCheck:
         reduce_group: Any,
         topk: int | None,
     ) -> bool:
-        """True where upstream's own counts stand for ``reduce_group``. ``corrected_counts`` is the correction (run
-        again on the probe, where this returns False), ``original`` upstream's function."""
+        """True where upstream's own counts stand for ``reduce_group``. ``corrected_counts`` is the
+        correction (run again on the probe, where this returns False), ``original`` upstream's
+        function."""
         if self.probing:
             return False
-        key = id(reduce_group)  # a reduce group lives as long as the model-parallel state, beyond one installation
+        key = id(
+            reduce_group
+        )  # a reduce group lives as long as the model-parallel state, beyond one installation
         if key not in self.verdicts:
-            self.verdicts[key] = self._measure(corrected_counts, original, routing_map, reduce_group, topk)
+            self.verdicts[key] = self._measure(
+                corrected_counts, original, routing_map, reduce_group, topk
+            )
         return self.verdicts[key] not in APPLIES
 
     def _measure(
@@ -114,7 +133,9 @@ class RouterCountCheck:
         if size == 1:
             return NO_EVIDENCE
         own = 1 if torch.distributed.get_rank(reduce_group) == 0 else 2
-        probe = torch.zeros(own, routing_map.shape[1], dtype=routing_map.dtype, device=routing_map.device)
+        probe = torch.zeros(
+            own, routing_map.shape[1], dtype=routing_map.dtype, device=routing_map.device
+        )
         probe[:, :topk] = 1
         _, upstream, total = original(probe, reduce_group, topk, True)
         self.probing = True
@@ -122,14 +143,16 @@ class RouterCountCheck:
             _, corrected, _ = corrected_counts(probe, reduce_group, topk, True)
         finally:
             self.probing = False
-        upstream, total, corrected = _host_values(upstream, total, corrected)
+        upstream, total, corrected = host_values(upstream, total, corrected)
         group_total = 2 * size - 1
         verdict = _count_verdict(upstream, total, corrected, own, group_total)
         _say_count(verdict, upstream, corrected, own, group_total, size)
         return verdict
 
 
-def _count_verdict(upstream: float, total: float, corrected: float, own: int, group_total: int) -> str:
+def _count_verdict(
+    upstream: float, total: float, corrected: float, own: int, group_total: int
+) -> str:
     if not _close(total, group_total):
         return UNKNOWN
     if _close(upstream, group_total):
@@ -140,39 +163,47 @@ def _count_verdict(upstream: float, total: float, corrected: float, own: int, gr
 
 
 def nonzero_total(counts: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
-    """Upstream's (tokens per expert, local count, total) where the router-count correction steps aside, its total of 0
-    made 1 (a separate defect: upstream divides the load-balancing loss by its square, NaN without loss tokens)."""
+    """Upstream's (tokens per expert, local count, total) where the router-count correction steps
+    aside, its total of 0 made 1 (a separate defect: upstream divides the load-balancing loss by its
+    square, NaN without loss tokens)."""
     tokens_per_expert, local, total = counts
     return tokens_per_expert, local, total.masked_fill(total == 0, 1)
 
 
-def _say_count(verdict: str, upstream: float, corrected: float, own: int, group_total: int, size: int) -> None:
+def _say_count(
+    verdict: str, upstream: float, corrected: float, own: int, group_total: int, size: int
+) -> None:
     probe = (
-        f"on a probe where this rank routes {own} token(s) and its reduce group of {size} ranks {group_total}, "
-        f"upstream's get_tokens_per_expert_and_token_count returns the local count {upstream:g}"
+        f"on a probe where this rank routes {own} token(s) and its reduce group of {size} ranks "
+        f"{group_total}, upstream's get_tokens_per_expert_and_token_count returns the "
+        f"local count {upstream:g}"
     )
     if verdict == DEFECT:
-        logger.debug("megatron-ga-ext: %s, the group's (#7452 finding 10): the router's count is corrected", probe)
+        logger.debug(
+            "megatron-ga-ext: %s, the group's (#7452 finding 10): the router's count is corrected",
+            probe,
+        )
     elif verdict == CHANGED:
         logger.info(
-            "megatron-ga-ext: %s, this rank's own (Megatron-LM #7481): the router scales it by TP x CP, exact "
-            "only where the TP and CP shards hold equal numbers of loss tokens, so install() still gives the "
-            "router the unit's count (%g here), in place of upstream's, never on top of it",
+            "megatron-ga-ext: %s, this rank's own (Megatron-LM #7481): the router scales it by "
+            "TP x CP, exact only where the TP and CP shards hold equal numbers of loss "
+            "tokens, so install() still gives the router the unit's count (%g here), in "
+            "place of upstream's, never on top of it",
             probe,
             corrected,
         )
     elif verdict == FIXED:
         logger.warning(
-            "megatron-ga-ext: %s, the count install() would give the router: upstream is fixed here, and "
-            "the router-count correction steps aside (upstream's counts stand)",
+            "megatron-ga-ext: %s, the count install() would give the router: upstream is fixed "
+            "here, and the router-count correction steps aside (upstream's counts stand)",
             probe,
         )
     else:
         logger.warning(
-            "megatron-ga-ext: %s, neither the group's (the defect install() corrects, %d), this rank's "
-            "(%d) nor the corrected count (%g): the router-count correction steps aside so as not to "
-            "correct twice; upstream's counts stand. Check the MoE auxiliary gradients (megatron-ga "
-            "verify)",
+            "megatron-ga-ext: %s, neither the group's (the defect install() corrects, %d), this "
+            "rank's (%d) nor the corrected count (%g): the router-count correction steps "
+            "aside so as not to correct twice; upstream's counts stand. Check the MoE "
+            "auxiliary gradients (megatron-ga verify)",
             probe,
             group_total,
             own,
@@ -181,33 +212,45 @@ def _say_count(verdict: str, upstream: float, corrected: float, own: int, group_
 
 
 class ZLossFactorCheck:
-    """Whether the router still attaches the per-token z-loss without the |TP x CP| factor (releases before 0.19;
-    #5047 added it), measured at the first call of the z-loss correction from the attachment the router makes right
-    after ``z_loss_func`` returns (the router module's ``MoEAuxLossAutoScaler.apply``, stood in for once):
+    """Whether the router still attaches the per-token z-loss without the |TP x CP| factor (releases
+    before 0.19; #5047 added it), measured at the first call of the z-loss correction from the
+    attachment the router makes right after ``z_loss_func`` returns (the router module's
+    ``MoEAuxLossAutoScaler.apply``, stood in for once):
 
         phi = attached / (z x valid tokens)     1: the defect, the correction applies
                                                 |TP x CP|: the router scales it already; the correction steps aside,
                                                 from this attachment on
                                                 else: unknown, it steps aside
 
-    One host read. Without a valid token (z = 0) phi tells nothing: it is measured again at the next call."""
+    One host read. Without a valid token (z = 0) phi tells nothing: it is measured again at the next
+    call."""
 
     def __init__(self) -> None:
         self.verdict: str | None = None
         self.pending: _ZAttachment | None = None
 
     def z_loss(
-        self, z_loss: torch.Tensor, corrected: torch.Tensor, factor: int, args: tuple, kwargs: dict[str, Any]
+        self,
+        z_loss: torch.Tensor,
+        corrected: torch.Tensor,
+        factor: int,
+        args: tuple,
+        kwargs: dict[str, Any],
     ) -> torch.Tensor:
-        """What the correction returns to the router: ``corrected`` (|TP x CP| times the gradient of ``z_loss``, the
-        same value) while the defect is measured or being measured, upstream's ``z_loss`` once it is gone."""
+        """What the correction returns to the router: ``corrected`` (|TP x CP| times the gradient of
+        ``z_loss``, the same value) while the defect is measured or being measured, upstream's
+        ``z_loss`` once it is gone."""
         if self.verdict is not None:
             return corrected if self.verdict in APPLIES else z_loss
-        if self.pending is not None:  # the last call's attachment never reached MoEAuxLossAutoScaler.apply
+        if (
+            self.pending is not None
+        ):  # the last call's attachment never reached MoEAuxLossAutoScaler.apply
             self.pending.restore()
             self.decide(float("nan"), factor, measured=False)
             return z_loss
-        self.pending = _ZAttachment(self, sys.modules[ROUTER], z_loss, corrected, _valid_tokens(args, kwargs), factor)
+        self.pending = _ZAttachment(
+            self, sys.modules[ROUTER], z_loss, corrected, _valid_tokens(args, kwargs), factor
+        )
         return corrected
 
     def decide(self, phi: float, factor: int, *, measured: bool = True) -> str | None:
@@ -221,39 +264,47 @@ class ZLossFactorCheck:
 
 
 def _valid_tokens(args: tuple, kwargs: dict[str, Any]) -> Any:
-    """The tokens ``z_loss_func(logits, coeff, padding_mask=None)`` averages over (the router multiplies by them):
-    the positions its padding mask (True: padding) leaves, or every row of the logits."""
+    """The tokens ``z_loss_func(logits, coeff, padding_mask=None)`` averages over (the router
+    multiplies by them): the positions its padding mask (True: padding) leaves, or every row of the
+    logits."""
     logits = args[0] if args else kwargs["logits"]
-    padding_mask = kwargs["padding_mask"] if "padding_mask" in kwargs else args[2] if len(args) > 2 else None
+    padding_mask = (
+        kwargs["padding_mask"] if "padding_mask" in kwargs else args[2] if len(args) > 2 else None
+    )
     return logits.shape[0] if padding_mask is None else (~padding_mask).sum()
 
 
 def _say_z(verdict: str, phi: float, factor: int, measured: bool) -> None:
     found = (
-        f"the router attached its z-loss at {phi:.4g} x z x its valid tokens, where TP x CP = {factor}"
+        f"the router attached its z-loss at {phi:.4g} x z x its valid tokens, where TP x CP = "
+        f"{factor}"
         if measured
         else "the router attached its z-loss without MoEAuxLossAutoScaler.apply"
     )
     if verdict == DEFECT:
-        logger.debug("megatron-ga-ext: %s (before 0.19, no TP x CP factor): the z-loss gradient is scaled", found)
+        logger.debug(
+            "megatron-ga-ext: %s (before 0.19, no TP x CP factor): the z-loss gradient is scaled",
+            found,
+        )
     elif verdict == FIXED:
         logger.warning(
-            "megatron-ga-ext: %s: the router applies the TP x CP factor itself (as 0.19 does), and the "
-            "z-loss correction steps aside (upstream's z-loss stands)",
+            "megatron-ga-ext: %s: the router applies the TP x CP factor itself (as 0.19 does), "
+            "and the z-loss correction steps aside (upstream's z-loss stands)",
             found,
         )
     else:
         logger.warning(
-            "megatron-ga-ext: %s, neither 1 (the defect install() corrects) nor TP x CP: the z-loss "
-            "correction steps aside so as not to correct twice; upstream's z-loss stands. Check the MoE "
-            "auxiliary gradients (megatron-ga verify)",
+            "megatron-ga-ext: %s, neither 1 (the defect install() corrects) nor TP x CP: the "
+            "z-loss correction steps aside so as not to correct twice; upstream's z-loss "
+            "stands. Check the MoE auxiliary gradients (megatron-ga verify)",
             found,
         )
 
 
 class _ZAttachment:
-    """Stands once in the router module for ``MoEAuxLossAutoScaler``: the z-loss attachment that follows the first
-    ``z_loss_func`` call is measured, then passed on (uncorrected where the correction steps aside)."""
+    """Stands once in the router module for ``MoEAuxLossAutoScaler``: the z-loss attachment that
+    follows the first ``z_loss_func`` call is measured, then passed on (uncorrected where the
+    correction steps aside)."""
 
     def __init__(
         self,
@@ -265,7 +316,13 @@ class _ZAttachment:
         factor: int,
     ) -> None:
         self.module, self.autoscaler = module, module.MoEAuxLossAutoScaler
-        self.check, self.z_loss, self.corrected, self.tokens, self.factor = check, z_loss, corrected, tokens, factor
+        self.check, self.z_loss, self.corrected, self.tokens, self.factor = (
+            check,
+            z_loss,
+            corrected,
+            tokens,
+            factor,
+        )
         module.MoEAuxLossAutoScaler = self
 
     def __getattr__(self, name: str) -> Any:
@@ -277,167 +334,8 @@ class _ZAttachment:
 
     def apply(self, activation: torch.Tensor, attached: torch.Tensor) -> Any:
         self.restore()
-        (phi,) = _host_values((attached / (self.corrected * self.tokens)).detach())
+        (phi,) = host_values((attached / (self.corrected * self.tokens)).detach())
         if self.check.decide(phi, self.factor) in (None, *APPLIES):
             return self.autoscaler.apply(activation, attached)
         # attached = corrected x c, c = tokens x phi: the same c on upstream's z-loss
         return self.autoscaler.apply(activation, self.z_loss * (attached / self.corrected).detach())
-
-
-class MTPRatioCheck:
-    """Whether ``process_mtp_loss`` (0.17+) still weighs depth k's MTP loss by this rank's own n_u / m_u (#7452
-    finding 3), measured once: at the first call, upstream's function runs on a probe batch (one sequence of
-    2 (D + 4) positions, D the MTP depth, whose loss mask holds its first n = D + 2 positions on rank 0 of the DP x CP
-    group and D + 3 on every other rank; a per-token loss of 1; the call's CP group; ``is_training`` False, so
-    nothing is logged), and each depth's attachment is compared with the count its ``roll_tensor`` returned, m_k:
-
-        attached_k = alpha x m_k x n / m_k      the defect: the correction applies
-        attached_k = alpha x m_k                the sum, every MTP token at alpha / N already: it steps aside
-        another ratio                           of counts reduced over more ranks (#7498, #7570 would), or other:
-                                                the correction applies, since it attaches the sum it builds from the
-                                                per-token losses in place of upstream's product, never on top of it
-        not one attachment per depth            unknown arithmetic: it steps aside
-
-    alpha = mtp_loss_scaling_factor / D. The ranks agree: one all-reduce (a sum over DP x CP) of the ranks whose probe
-    attached otherwise than once per depth, whose attachments are not the sum, not the defect, and where some m_k != n
-    (the sum and the defect differ only there); one host read. Upstream sums only where every rank sees the sum and one
-    at least could tell it from the defect."""
-
-    def __init__(self) -> None:
-        self.verdict: str | None = None
-
-    def steps_aside(self, original: Callable, given: dict[str, Any]) -> bool:
-        """True where upstream's MTP weighting stands (``given``: the call's bound arguments)."""
-        if self.verdict is None:
-            self.verdict = self._measure(original, given)
-        return self.verdict not in APPLIES
-
-    def _measure(self, original: Callable, given: dict[str, Any]) -> str:
-        config = given["config"]
-        depth = config.mtp_num_layers
-        alpha = config.mtp_loss_scaling_factor / depth
-        if alpha == 0:
-            return NO_EVIDENCE
-        group = _data_context_parallel_group()
-        first = group is None or torch.distributed.get_rank(group) == 0
-        tokens = depth + (2 if first else 3)
-        attached = _probe_mtp(original, given, tokens, 2 * (depth + 4))
-        flags, ratio, local = _mtp_flags(attached, alpha, tokens, depth, given["labels"].device)
-        if group is not None and group.size() > 1:
-            torch.distributed.all_reduce(flags, group=group)
-        unattached, not_sum, not_defect, telling, ratio, local = _host_values(*flags, ratio, local)
-        verdict = UNKNOWN if unattached else FIXED if not not_sum and telling else DEFECT if not not_defect else CHANGED
-        _say_mtp(verdict, ratio, local)
-        return verdict
-
-
-def _data_context_parallel_group() -> Any:
-    """megatron's DP x CP group, or None where it is not initialized (a single process)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return None
-    from megatron.core import parallel_state
-
-    try:
-        return parallel_state.get_data_parallel_group(with_context_parallel=True)
-    except (AssertionError, RuntimeError):
-        return None
-
-
-def _probe_mtp(original: Callable, given: dict[str, Any], tokens: int, positions: int) -> list[tuple[Any, Any]]:
-    """Upstream's ``process_mtp_loss`` on the probe batch: (attached loss summed, the rolled count) per depth."""
-    config = given["config"]
-    depth = config.mtp_num_layers
-    device = given["labels"].device
-    loss_mask = torch.zeros(1, positions, device=device)
-    loss_mask[:, :tokens] = 1
-    arguments = {
-        "hidden_states": torch.zeros(1 + depth, 1, 1, device=device),
-        "labels": torch.zeros(1, positions, dtype=torch.long, device=device),
-        "loss_mask": loss_mask,
-        "output_layer": _probe_output_layer,
-        "output_weight": torch.zeros(1, device=device),
-        "runtime_gather_output": None,
-        "is_training": False,
-        "compute_language_model_loss": _unit_token_loss,
-        "config": config,
-        "cp_group": given.get("cp_group"),
-        "tp_group": given.get("tp_group"),
-    }
-    parameters = inspect.signature(original).parameters
-    capture = _MTPCapture(sys.modules[original.__module__])
-    with capture.in_module():
-        original(**{name: value for name, value in arguments.items() if name in parameters})
-    return capture.attached
-
-
-def _mtp_flags(
-    attached: list[tuple[Any, Any]], alpha: float, tokens: int, depth: int, device: torch.device
-) -> tuple[torch.Tensor, Any, Any]:
-    """This rank's [attached otherwise than once per depth, not the sum at every depth, not the defect at every
-    depth, some m_k != n] (int64, on the device), its first depth's ratio attached / (alpha m_1) and its own
-    n / m_1."""
-    if len(attached) != depth:  # upstream attached its MTP loss some other way
-        return torch.tensor([1, 1, 1, 0], device=device), float("nan"), float("nan")
-    totals = torch.stack([torch.as_tensor(total, dtype=torch.float64) for total, _ in attached])
-    rolled = torch.stack([torch.as_tensor(count, dtype=torch.float64) for _, count in attached]).to(totals.device)
-    as_sum = alpha * rolled
-    as_defect = (rolled > 0).to(totals.dtype) * (alpha * tokens)  # alpha m_k n / max(m_k, 1)
-    flags = torch.stack(
-        [
-            torch.zeros((), dtype=torch.bool, device=totals.device),
-            ~torch.isclose(totals, as_sum, rtol=1e-5, atol=1e-9).all(),
-            ~torch.isclose(totals, as_defect, rtol=1e-5, atol=1e-9).all(),
-            (rolled != tokens).any(),
-        ]
-    )
-    return flags.to(torch.int64), totals[0] / as_sum[0], tokens / rolled[0].clamp(min=1)
-
-
-def _say_mtp(verdict: str, ratio: float, local: float) -> None:
-    found = (
-        f"on a probe, upstream's process_mtp_loss attached {ratio:.4g} x the summed MTP loss where this rank's "
-        f"own ratio n_u / m_u is {local:.4g}"
-    )
-    if verdict == DEFECT:
-        logger.debug("megatron-ga-ext: %s (#7452 finding 3): every MTP token is weighed alpha / N instead", found)
-    elif verdict == CHANGED:
-        logger.info(
-            "megatron-ga-ext: %s: upstream no longer weighs by this rank's own counts (a ratio of counts over "
-            "more ranks, as Megatron-LM #7498 / #7570 would, or other), and install() still attaches alpha x "
-            "the summed MTP loss in place of upstream's product (every MTP token alpha / N), never on top of "
-            "it",
-            found,
-        )
-    elif verdict == FIXED:
-        logger.warning(
-            "megatron-ga-ext: %s: upstream attaches the sum already (every MTP token alpha / N), and the "
-            "MTP correction steps aside (upstream's MTP loss stands)",
-            found,
-        )
-    else:
-        logger.warning(
-            "megatron-ga-ext: on a probe, upstream's process_mtp_loss did not attach one MTP loss per "
-            "depth through MTPLossAutoScaler: the MTP correction steps aside so as not to correct twice; "
-            "upstream's MTP weighting stands. Check the MTP gradients (megatron-ga verify)"
-        )
-
-
-def _probe_output_layer(hidden_states: torch.Tensor, **_: Any) -> tuple[torch.Tensor, None]:
-    return hidden_states, None
-
-
-def _unit_token_loss(labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    return torch.ones(labels.shape, device=labels.device)
-
-
-class _MTPCapture(MTPInterception):
-    """Stands, during the probe, for the MTP module's ``roll_tensor`` (the count each roll returns) and
-    ``MTPLossAutoScaler`` (each attachment, with the count of the roll before it: the loss mask's)."""
-
-    def __init__(self, module: Any) -> None:
-        super().__init__(module)
-        self.attached: list[tuple[Any, Any]] = []
-
-    def apply(self, hidden_states: torch.Tensor, mtp_loss: torch.Tensor) -> torch.Tensor:
-        self.attached.append((mtp_loss.detach().sum(), self.rolled_num_tokens))
-        return hidden_states

@@ -1,2 +1,2 @@
-"""Reading a real launch line (torchrun and Megatron flags), its layer splits, and the problems `check` reports.
-Pure Python."""
+"""Reading a real launch line (torchrun and Megatron flags), its layer splits, and the problems
+`check` reports. Pure Python."""

@@ -1,9 +1,11 @@
-"""The ledger ``check`` prints beside its problems: every number it knows, and where each came from. Pure Python.
+"""The ledger ``check`` prints beside its problems: every number it knows, and where each came from.
+Pure Python.
 
-A launch whose layout holds gives :meth:`BatchLayout.ledger`; where a rule breaks, the numbers the line still fixes
-are kept (the sizes as given, DP where it divides, the global batch as given) and the ones that rule decides are
-None, never a made-up value. :func:`ledger_sources` names, for each quantity, the flags it came from (as the line
-spelled them), Megatron's default, or the formula it is derived by.
+A launch whose layout holds gives :meth:`BatchLayout.ledger`; where a rule breaks, the numbers the
+line still fixes are kept (the sizes as given, DP where it divides, the global batch as given) and
+the ones that rule decides are None, never a made-up value. :func:`ledger_sources` names, for each
+quantity, the flags it came from (as the line spelled them), Megatron's default, or the formula it
+is derived by.
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ LEDGER_RULES = {
     "samples_per_rank_per_step": ("samples per DP rank per step", "MBS x GA"),
     "seq_length": ("seq length", ""),
     "tokens_per_step": ("tokens per step", "GBS x seq_length (padding included)"),
-    "dp_syncs_per_step": ("DP gradient syncs per step", "0 if DP = 1; 1 deferred; GA if every micro-batch syncs"),
+    "dp_syncs_per_step": (
+        "DP gradient syncs per step",
+        "0 if DP = 1; 1 deferred; GA if every micro-batch syncs",
+    ),
     "pipeline_bubble_fraction": ("pipeline bubble", "(PP - 1) / (VPP x GA + PP - 1)"),
 }
 LEDGER_KEYS = tuple(LEDGER_RULES)
@@ -51,15 +56,17 @@ _SIZES = (
 def known_ledger(
     kwargs: Mapping[str, Any], batch_known: bool = True
 ) -> tuple[dict[str, int | float | None], BatchLayout | None]:
-    """(the ledger, the layout where every rule holds, else None) of BatchLayout ``kwargs``: the numbers a broken
-    rule does not decide are kept. ``batch_known=False``: no global batch is known (a schedule that does not
-    resolve), so none is shown, not Megatron's default MBS x DP."""
+    """(the ledger, the layout where every rule holds, else None) of BatchLayout ``kwargs``: the
+    numbers a broken rule does not decide are kept. ``batch_known=False``: no global batch is known
+    (a schedule that does not resolve), so none is shown, not Megatron's default MBS x DP."""
     layout, _ = BatchLayout.problems(**kwargs)
     if layout is not None and batch_known:
         return layout.ledger(), layout
     if layout is not None:
         ledger = layout.ledger()
-        ledger.update(dict.fromkeys((*_BY_BATCH, "global_batch_size", "samples_per_step", "tokens_per_step")))
+        ledger.update(
+            dict.fromkeys((*_BY_BATCH, "global_batch_size", "samples_per_step", "tokens_per_step"))
+        )
         return ledger, None
     without_batch, _ = BatchLayout.problems(**{**kwargs, "global_batch_size": None})
     if without_batch is not None:
@@ -68,18 +75,23 @@ def known_ledger(
         ledger.update(dict.fromkeys(_BY_BATCH))
         ledger["global_batch_size"] = ledger["samples_per_step"] = batch
         seq = ledger["seq_length"]
-        ledger["tokens_per_step"] = batch * seq if isinstance(batch, int) and isinstance(seq, int) else None
+        ledger["tokens_per_step"] = (
+            batch * seq if isinstance(batch, int) and isinstance(seq, int) else None
+        )
         return ledger, None
     return _raw(kwargs), None
 
 
 def _raw(kwargs: Mapping[str, Any]) -> dict[str, int | float | None]:
-    """The sizes as given, DP where world / (TP x PP x CP) is whole, nothing derived from a broken rule."""
+    """The sizes as given, DP where world / (TP x PP x CP) is whole, nothing derived from a broken
+    rule."""
     ledger: dict[str, int | float | None] = dict.fromkeys(LEDGER_KEYS)
     for key in ("world_size", *_SIZES, "micro_batch_size", "global_batch_size", "seq_length"):
         value = kwargs.get(key)
         ledger[key] = value if isinstance(value, int) and not isinstance(value, bool) else None
-    ledger["virtual_pipeline_model_parallel_size"] = kwargs.get("virtual_pipeline_model_parallel_size") or 1
+    ledger["virtual_pipeline_model_parallel_size"] = (
+        kwargs.get("virtual_pipeline_model_parallel_size") or 1
+    )
     ledger["samples_per_step"] = ledger["global_batch_size"]
     world = ledger["world_size"]
     sizes = [size for k in _SIZES[:3] if isinstance(size := ledger[k], int) and size >= 1]
@@ -89,10 +101,13 @@ def _raw(kwargs: Mapping[str, Any]) -> dict[str, int | float | None]:
     return ledger
 
 
-def ledger_sources(kwargs: Mapping[str, Any], spelled: Mapping[str, str], batch_source: str | None) -> dict[str, str]:
-    """Where each quantity came from: the flag as the line spelled it (``given`` of ``kwargs`` for a size from
-    several flags), Megatron's default where the line leaves it, else its formula. ``spelled`` maps a declared flag
-    to its spelling on the line; ``batch_source`` says where the global batch came from (None: the flag)."""
+def ledger_sources(
+    kwargs: Mapping[str, Any], spelled: Mapping[str, str], batch_source: str | None
+) -> dict[str, str]:
+    """Where each quantity came from: the flag as the line spelled it (``given`` of ``kwargs`` for a
+    size from several flags), Megatron's default where the line leaves it, else its formula.
+    ``spelled`` maps a declared flag to its spelling on the line; ``batch_source`` says where the
+    global batch came from (None: the flag)."""
     given: Mapping[str, str] = kwargs.get("given") or {}
     sources = {key: rule for key, (_, rule) in LEDGER_RULES.items()}
     for key in (

@@ -1,57 +1,53 @@
-"""Every problem of a launch line, each from the rule it breaks (``megatron-ga check``). Pure Python.
+"""Every problem of a launch line, each from the rule it breaks (``megatron-ga check``). Pure
+Python.
 
-The rules are the ones a run is held to: Megatron's parser (flags it does not define, stray words, repeats) and its
-train-length assertions, the one schedule of the launch (every entry of a schedule that does not parse, every stage
-against the layout), the layer split and the batch arithmetic (``core/layout.py``), install()'s own rule pass
-(config/launch_rules.py), the coverage table's refusals with the extension on the line and, without it, the
-upstream defects its rows record (``config/coverage/``). launch/check.py gathers them into one report and checks
-each fix that is an edit of the line against all of them.
+The rules are the ones a run is held to: Megatron's parser (flags it does not define, stray words,
+repeats), the registry's rules of validate_args (launch/registry.py), the one schedule of the launch
+(launch/schedule_problems.py: every entry that does not parse, every stage against the layout), the
+layer split and the batch arithmetic (``core/layout.py``), install()'s own rule pass
+(config/launch_rules.py), the coverage table's refusals with the extension on the line and, without
+it, the upstream defects its rows record (``config/coverage/``). launch/check.py gathers them into
+one report and checks each fix that is an edit of the line against all of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import replace
-
 from megatron_ga_ext.config.coverage import Setting, verdict
 from megatron_ga_ext.config.coverage.upstream import upstream_traps
-from megatron_ga_ext.config.flags import CONVERT_RAMPUP, GA_FLAGS, LOSS_REDUCTION, closest_choice
-from megatron_ga_ext.config.launch_rules import named_launch_errors, rampup_ignored_message
+from megatron_ga_ext.config.flags import GA_FLAGS, LOSS_REDUCTION, closest_choice
+from megatron_ga_ext.config.launch_rules import named_launch_errors
 from megatron_ga_ext.config.megatron_args import MegatronArgs
-from megatron_ga_ext.config.resolve import ScheduleInputs, resolve_schedule
 from megatron_ga_ext.core.layout import BatchLayout
 from megatron_ga_ext.core.megatron_flags import COVERED_OPTIONS, MEGATRON_OPTIONS, NOT_MEGATRON
 from megatron_ga_ext.core.schedule.stages import FLAG as SCHEDULE_FLAG
-from megatron_ga_ext.core.schedule.stages import schedule_text_errors
-from megatron_ga_ext.core.schedule.step_schedule import StepSchedule
 from megatron_ga_ext.errors import GAError
 from megatron_ga_ext.launch.line import Launch, ga_values
-from megatron_ga_ext.launch.line_layout import LaunchLayout, read_ints
+from megatron_ga_ext.launch.line_layout import read_ints
 from megatron_ga_ext.launch.report import Edit, Note, Problem, problem_of
 
 __all__ = [
     "coverage_problems",
     "launch_args",
     "launch_notes",
-    "launch_schedule",
     "launch_setting",
     "line_problems",
     "loss_reduction_note",
     "rule_problems",
-    "stage_problems",
-    "train_length_problems",
     "upstream_findings",
 ]
 
 
-# -- Megatron's parser ----------------------------------------------------------------------------------
+# -- Megatron's parser
+# ----------------------------------------------------------------------------------
 
 
 def line_problems(launch: Launch) -> list[Problem]:
-    """What Megatron's parser itself refuses: flags it does not define, words it cannot place; and repeats."""
+    """What Megatron's parser itself refuses: flags it does not define, words it cannot place; and
+    repeats."""
     problems = [
         Problem(
-            message=f"{launch.name(flag)} is given {len(vals)} times ({', '.join(' '.join(v) for v in vals)}); "
+            message=f"{launch.name(flag)} is given {len(vals)} times "
+            f"({', '.join(' '.join(v) for v in vals)}); "
             f"Megatron keeps the last ({' '.join(vals[-1])}). Give it once.",
             rule="repeated-flag",
             flag=launch.name(flag),
@@ -63,7 +59,8 @@ def line_problems(launch: Launch) -> list[Problem]:
     for flag, values in launch.not_megatron.items():
         problems.append(
             Problem(
-                message=f"{flag} {' '.join(values)} is not a flag of Megatron's parser (no tested release, "
+                message=f"{flag} {' '.join(values)} is not a flag of Megatron's parser (no "
+                "tested release, "
                 f'core_v0.16.1 to main, defines it): Megatron stops with "unrecognized arguments". '
                 f"{NOT_MEGATRON[flag]}.",
                 rule="unknown-flag",
@@ -84,8 +81,10 @@ def _stray_problem(launch: Launch, flag: str, words: list[str]) -> Problem:
         whole = " ".join([*launch.values[flag], *words])
         fix = f'Quote the whole schedule: {flag} "{whole}"'
         return Problem(
-            message=f"{given} is followed by {' '.join(words)}: the schedule was split into words (an unquoted shell "
-            f'variable or array?), so Megatron reads only {launch.values[flag][0]!r} and stops with "unrecognized '
+            message=f"{given} is followed by {' '.join(words)}: the schedule was split into "
+            "words (an unquoted shell "
+            f"variable or array?), so Megatron reads only {launch.values[flag][0]!r} and stops "
+            'with "unrecognized '
             f'arguments: {" ".join(words)}". {fix} (its stages are checked as if quoted).',
             rule="split-schedule",
             flag=launch.name(flag),
@@ -93,8 +92,10 @@ def _stray_problem(launch: Launch, flag: str, words: list[str]) -> Problem:
             fix=fix + ".",
         )
     return Problem(
-        message=f"{given} is followed by {' '.join(words)}, which no flag takes: Megatron's parser has no positional "
-        f'arguments and stops with "unrecognized arguments: {" ".join(words)}". Drop them, or quote the value.',
+        message=f"{given} is followed by {' '.join(words)}, which no flag takes: Megatron's "
+        "parser has no positional "
+        f'arguments and stops with "unrecognized arguments: {" ".join(words)}". Drop them, or '
+        "quote the value.",
         rule="stray-words",
         flag=launch.name(flag),
         value=" ".join(launch.values[flag]),
@@ -102,54 +103,26 @@ def _stray_problem(launch: Launch, flag: str, words: list[str]) -> Problem:
     )
 
 
-def train_length_problems(launch: Launch) -> list[Problem]:
-    """Megatron's validate_args: a run is counted in iterations or in samples, never both, and the learning-rate
-    warmup and decay in the same unit (the same assertions on every tested source)."""
-    iters, samples = launch.get("--train-iters"), launch.get("--train-samples")
-    problems = []
-    if iters is not None and samples is not None:
-        problems.append(
-            Problem(
-                message=f"--train-iters {iters} and --train-samples {samples} are both given; Megatron asserts "
-                f'"expected iteration-based training" (a run is counted in one unit). Keep one.',
-                rule="train-length-units",
-                flag="--train-iters",
-                value=iters,
-                fix="Keep one of them.",
-            )
-        )
-        return problems
-    unit, other = ("samples", "iters") if samples is not None else ("iters", "samples")
-    if iters is None and samples is None:
-        return problems
-    for name in ("--lr-decay", "--lr-warmup", "--lr-wsd-decay"):
-        flag = f"{name}-{other}"
-        value = launch.get(flag)
-        if value is None or (other == "iters" and name == "--lr-warmup" and value == "0"):
-            continue
-        problems.append(
-            Problem(
-                message=f"{flag} {value} is counted in {other}, but the run is counted in {unit} "
-                f'(--train-{unit}); Megatron asserts "expected {"sample" if unit == "samples" else "iteration"}-based '
-                f'learning rate {"decay" if "decay" in name else "warmup"}". Give {name}-{unit} instead.',
-                rule="train-length-units",
-                flag=flag,
-                value=value,
-                fix=f"Give {name}-{unit} instead.",
-            )
-        )
-    return problems
+# -- the extension's rule pass
+# ---------------------------------------------------------------------------
 
 
-# -- the extension's rule pass ---------------------------------------------------------------------------
+#: install()'s rules that hold of a plain Megatron line too: --train-iters with a step schedule
+#: (ours: Megatron sizes the LR schedule and the dataset with MBS x DP while each step advances by
+#: the stage's GBS).
+_PLAIN_RULES = frozenset({"train-length"})
 
 
 def rule_problems(launch: Launch, layout: BatchLayout | None) -> list[Problem]:
-    """The rule pass install() runs (config/launch_rules.py), over the line's --ga-* flags and Megatron's: each
-    problem named by its rule, with the edit that fixes it where there is one."""
+    """The rule pass install() runs (config/launch_rules.py), over the line's --ga-* flags and
+    Megatron's: each problem named by its rule, with the edit that fixes it where there is one.
+    Without the extension on the line only :data:`_PLAIN_RULES` hold: the rest are its own, and
+    their fixes name its flags (Megatron's parser rejects --ga-*)."""
     values = ga_values(launch)
     problems = []
     for rule, error in named_launch_errors(values, launch_args(launch, layout)):
+        if not launch.extension and rule not in _PLAIN_RULES:
+            continue
         problems.append(problem_of(error, rule, edit=_rule_edit(launch, rule, values)))
     return problems
 
@@ -172,9 +145,10 @@ def _rule_edit(launch: Launch, rule: str, values: dict) -> Edit | None:
 
 
 def launch_args(launch: Launch, layout: BatchLayout | None) -> MegatronArgs:
-    """Megatron's args as the launch line gives them: its flags by destination (the integers as numbers), DP
-    from the layout (None where it is broken), and --calculate-per-token-loss as install() leaves it (on in token
-    mode, with the extension on the line; without it the loss mode is not ours to check)."""
+    """Megatron's args as the launch line gives them: its flags by destination (the integers as
+    numbers), DP from the layout (None where it is broken), and --calculate-per-token-loss as
+    install() leaves it (on in token mode, with the extension on the line; without it the loss mode
+    is not ours to check)."""
     values = dict(launch_setting(launch).values)
     values.update(_ints(launch))
     values.pop("world_size", None)
@@ -192,8 +166,8 @@ def _ints(launch: Launch) -> dict[str, int]:
 
 
 def launch_setting(launch: Launch) -> Setting:
-    """The coverage table's view of a launch line: Megatron's flags it gives, by argparse destination (the rest
-    read as Megatron's defaults), and the ``--ga-*`` settings."""
+    """The coverage table's view of a launch line: Megatron's flags it gives, by argparse
+    destination (the rest read as Megatron's defaults), and the ``--ga-*`` settings."""
     values: dict[str, object] = {}
     for option in (*MEGATRON_OPTIONS, *COVERED_OPTIONS):
         if option.nargs == 0 and option.flag in launch.switches:
@@ -205,16 +179,20 @@ def launch_setting(launch: Launch) -> Setting:
     return Setting(
         values,
         **{
-            name: ga[name] for name in ("loss_reduction", "zero_token_policy", "checks", "convert_rampup") if name in ga
+            name: ga[name]
+            for name in ("loss_reduction", "zero_token_policy", "checks", "convert_rampup")
+            if name in ga
         },
     )
 
 
-# -- the coverage table -------------------------------------------------------------------------------------
+# -- the coverage table
+# -------------------------------------------------------------------------------------
 
 
 def coverage_problems(launch: Launch) -> list[Problem]:
-    """With the extension on the line, each row that refuses the launch (its message names why and what instead)."""
+    """With the extension on the line, each row that refuses the launch (its message names why and
+    what instead)."""
     if not launch.extension:
         return []
     return [
@@ -224,8 +202,8 @@ def coverage_problems(launch: Launch) -> list[Problem]:
 
 
 def upstream_findings(launch: Launch) -> tuple[list[Problem], list[Note]]:
-    """Without the extension on the line, each upstream defect a coverage row records that the launch meets: a
-    problem where it changes the gradients, a note where it may."""
+    """Without the extension on the line, each upstream defect a coverage row records that the
+    launch meets: a problem where it changes the gradients, a note where it may."""
     if launch.extension:
         return [], []
     problems, notes = [], []
@@ -235,7 +213,8 @@ def upstream_findings(launch: Launch) -> tuple[list[Problem], list[Note]]:
             edit = Edit(drop=trap.drop, entry=trap.entry) if trap.drop or trap.entry else None
             problems.append(
                 Problem(
-                    message=f"without megatron-ga-ext, {trap.given}: {trap.effect}. {trap.fix} ({link})",
+                    message=f"without megatron-ga-ext, {trap.given}: {trap.effect}. {trap.fix} "
+                    f"({link})",
                     rule=f"upstream:{row.id}",
                     flag=row.flags[0],
                     fix=trap.fix,
@@ -244,24 +223,31 @@ def upstream_findings(launch: Launch) -> tuple[list[Problem], list[Note]]:
             )
         else:
             notes.append(
-                Note(severity="careful", text=trap.brief or f"{trap.given}: {trap.effect}. {trap.fix}", link=link)
+                Note(
+                    severity="careful",
+                    text=trap.brief or f"{trap.given}: {trap.effect}. {trap.fix}",
+                    link=link,
+                )
             )
     return problems, notes
 
 
 def launch_notes(launch: Launch) -> list[Note]:
-    """What ``check`` says of a launch line beside its problems: its loss reduction, and the limits of the coverage
-    table that apply to it (only where the extension is on the line)."""
+    """What ``check`` says of a launch line beside its problems: its loss reduction, and the limits
+    of the coverage table that apply to it (only where the extension is on the line)."""
     notes = [loss_reduction_note(launch)]
     if launch.extension:
         for row in verdict(launch_setting(launch)).limited:
-            notes.append(Note(severity=row.severity, text=row.brief, link=f"docs/coverage.md#{row.id}"))
+            notes.append(
+                Note(severity=row.severity, text=row.brief, link=f"docs/coverage.md#{row.id}")
+            )
     return notes
 
 
 def loss_reduction_note(launch: Launch) -> Note:
-    """The launch's loss reduction: what Megatron runs without the extension, or what the extension holds it to;
-    nothing about a mode the line does not set to one of its choices (that is a problem of its own)."""
+    """The launch's loss reduction: what Megatron runs without the extension, or what the extension
+    holds it to; nothing about a mode the line does not set to one of its choices (that is a problem
+    of its own)."""
     per_token = launch.on("--calculate-per-token-loss")
     mode = launch.get(LOSS_REDUCTION.flag) or LOSS_REDUCTION.default
     if not launch.extension:
@@ -279,135 +265,15 @@ def loss_reduction_note(launch: Launch) -> Note:
     if mode not in LOSS_REDUCTION.choices:
         return Note(
             severity="info",
-            text=f"loss reduction unknown: {LOSS_REDUCTION.flag} {mode!r} is not a choice (see the problems).",
+            text=f"loss reduction unknown: {LOSS_REDUCTION.flag} {mode!r} is not a choice (see "
+            "the problems).",
         )
     if mode == "token":
         turned = "" if per_token else "; install() turns on --calculate-per-token-loss"
         return Note(
-            severity="info", text=f"token-level loss ({LOSS_REDUCTION.flag} token), checked every step{turned}."
+            severity="info",
+            text=f"token-level loss ({LOSS_REDUCTION.flag} token), checked every step{turned}.",
         )
-    return Note(severity="info", text=f"upstream's mean of means ({LOSS_REDUCTION.flag} microbatch).")
-
-
-# -- the schedule --------------------------------------------------------------------------------------------
-
-
-def launch_schedule(launch: Launch, read: LaunchLayout) -> tuple[StepSchedule | None, bool, list[Problem]]:
-    """(the step schedule of the launch, whether the run runs it, the problems of its flags): a given schedule, a
-    converted rampup; a rampup not converted gives the schedule --ga-convert-rampup would run (not run: megatron-core
-    >= 0.18 drops it)."""
-    inputs = _schedule_inputs(launch, read)
-    problems = _schedule_flag_problems(launch, inputs)
-    try:
-        schedule = resolve_schedule(inputs)
-    except GAError as error:
-        return None, False, problems + _schedule_errors(inputs, error)
-    if inputs.rampup_batch_size is None or inputs.convert_rampup or inputs.step_batch_size_schedule is not None:
-        return schedule, schedule is not None, problems
-    shown, ignored = _ignored_rampup(launch, inputs, inputs.rampup_batch_size)
-    return shown, False, problems + ignored
-
-
-def _schedule_errors(inputs: ScheduleInputs, error: GAError) -> list[Problem]:
-    """Every entry a given schedule breaks (the parse stops at the first), else ``error``."""
-    text = inputs.step_batch_size_schedule
-    if text is not None and inputs.rampup_batch_size is None and not inputs.decrease_batch_size_if_needed:
-        errors = schedule_text_errors(text, inputs.seq_length)
-        if errors:
-            return [problem_of(e, "schedule-entry", flag=SCHEDULE_FLAG, value=_entry_of(e)) for e in errors]
-    return [problem_of(error, "schedule")]
-
-
-def _entry_of(error: GAError) -> str | None:
-    text = str(error)
-    start = text.find("entry ")
-    if start < 0:
-        return None
-    quoted = text[start:].split("'")
-    return quoted[1] if len(quoted) > 2 else None
-
-
-def _schedule_inputs(launch: Launch, read: LaunchLayout) -> ScheduleInputs:
-    text = launch.get(SCHEDULE_FLAG)
-    if text is not None and SCHEDULE_FLAG in launch.stray:
-        text = " ".join([text, *launch.stray[SCHEDULE_FLAG]])  # checked as if quoted (reported above)
-    kwargs = read.kwargs
-    return ScheduleInputs(
-        step_batch_size_schedule=text,
-        rampup_batch_size=launch.values.get("--rampup-batch-size"),
-        global_batch_size=kwargs["global_batch_size"],
-        seq_length=kwargs["seq_length"],
-        convert_rampup=launch.on(CONVERT_RAMPUP.flag),
-        pipeline_model_parallel_size=kwargs["pipeline_model_parallel_size"],
-        virtual_pipeline_model_parallel_size=kwargs["virtual_pipeline_model_parallel_size"],
-        microbatch_group_size_per_vp_stage=kwargs["microbatch_group_size_per_vp_stage"],
-        decrease_batch_size_if_needed=launch.on("--decrease-batch-size-if-needed"),
+    return Note(
+        severity="info", text=f"upstream's mean of means ({LOSS_REDUCTION.flag} microbatch)."
     )
-
-
-def _ignored_rampup(
-    launch: Launch, inputs: ScheduleInputs, rampup: Sequence[int | str]
-) -> tuple[StepSchedule | None, list[Problem]]:
-    """A rampup (``rampup``, the --rampup-batch-size of ``inputs``) without --ga-convert-rampup: megatron-core >= 0.18
-    logs a deprecation warning and trains at constant GBS; 0.16 and 0.17 refuse it with --train-iters. The equivalent
-    schedule, what the run gets with --ga-convert-rampup, is shown (and its stages checked)."""
-    ignored = rampup_ignored_message(rampup, inputs.global_batch_size)
-    iters = launch.get("--train-iters")
-    if iters is not None:
-        ignored += (
-            f' (megatron-core 0.16 and 0.17 stop instead: with --train-iters {iters} they assert "expected no '
-            f'batch-size rampup for iteration-based training".)'
-        )
-    edit = Edit(give=((CONVERT_RAMPUP.flag, ()),))
-    try:
-        schedule = resolve_schedule(replace(inputs, convert_rampup=True))
-    except GAError as error:
-        return None, [
-            problem_of(
-                f"{ignored} It has no equivalent step schedule either: {error}",
-                "rampup-ignored",
-                flag="--rampup-batch-size",
-                value=" ".join(map(str, rampup)),
-            )
-        ]
-    fix = f"Pass {CONVERT_RAMPUP.flag} to run the equivalent step schedule."
-    problem = problem_of(
-        ignored,
-        "rampup-ignored",
-        flag="--rampup-batch-size",
-        value=" ".join(map(str, rampup)),
-        fix=fix,
-        edit=edit,
-    )
-    return schedule, [problem]
-
-
-def _schedule_flag_problems(launch: Launch, inputs: ScheduleInputs) -> list[Problem]:
-    if inputs.step_batch_size_schedule is not None and launch.get("--global-batch-size") is not None:
-        return [
-            Problem(
-                message=f"--global-batch-size is given together with {SCHEDULE_FLAG}; Megatron refuses the pair (the "
-                f"schedule sets the batch size). Drop --global-batch-size.",
-                rule="schedule-and-global-batch-size",
-                flag="--global-batch-size",
-                value=launch.get("--global-batch-size"),
-                fix="Drop --global-batch-size.",
-                edit=Edit(drop=("--global-batch-size",)),
-            )
-        ]
-    return []
-
-
-def stage_problems(schedule: StepSchedule, layout: BatchLayout) -> list[Problem]:
-    """Every rule each stage of ``schedule`` breaks against ``layout`` (a long ramp: one per rule, in closed form)."""
-    return [
-        problem_of(p.error, "schedule-stage", flag=SCHEDULE_FLAG, value=p.stage.spelling)
-        for p in schedule.problems(
-            layout.micro_batch_size,
-            layout.data_parallel_size,
-            layout.pipeline_model_parallel_size,
-            layout.virtual_pipeline_size,
-            microbatch_group_size_per_vp_stage=layout.microbatch_group_size_per_vp_stage,
-            virtual_pipeline_given=layout.named("virtual_pipeline_model_parallel_size"),
-        )
-    ]

@@ -1,10 +1,12 @@
-"""What ``megatron-ga check`` answers, as values: problems, notes, fixes and the whole report. Pure Python.
+"""What ``megatron-ga check`` answers, as values: problems, notes, fixes and the whole report. Pure
+Python.
 
-A :class:`Problem` is one thing the run would refuse or get wrong: the flag and value it is about (as the line
-spells them), a stable rule id (docs/check.schema.json lists them), the message, the nearest valid values where a
-rule has them, and the fix. A fix that is an edit of the line (:class:`Edit`) is checked against every rule
-before it is printed (launch/problems.py): an edit the next run would refuse is never advised. A :class:`Note` is
-one line a person reads in one breath, its severity first.
+A :class:`Problem` is one thing the run would refuse or get wrong: the flag and value it is about
+(as the line spells them), a stable rule id (docs/check.schema.json lists them), the message, the
+nearest valid values where a rule has them, and the fix. A fix that is an edit of the line
+(:class:`Edit`) is checked against every rule before it is printed (launch/problems.py): an edit the
+next run would refuse is never advised. A :class:`Note` is one line a person reads in one breath,
+its severity first.
 """
 
 from __future__ import annotations
@@ -17,17 +19,27 @@ from megatron_ga_ext.core.layout import BatchLayout
 from megatron_ga_ext.core.schedule.tables import StageRow
 from megatron_ga_ext.errors import GAError
 
-__all__ = ["SEVERITIES", "Edit", "Note", "Problem", "Report", "Severity", "StageTable", "problem_of"]
+__all__ = [
+    "SEVERITIES",
+    "Edit",
+    "Note",
+    "Problem",
+    "Report",
+    "Severity",
+    "StageTable",
+    "problem_of",
+]
 
 Severity = Literal["wrong", "careful", "info"]
-#: A note's severities, worst first: ``wrong`` changes what the run trains, ``careful`` may, ``info`` does not.
+#: A note's severities, worst first: ``wrong`` changes what the run trains, ``careful`` may,
+#: ``info`` does not.
 SEVERITIES: tuple[Severity, ...] = ("wrong", "careful", "info")
 
 
 @dataclass(frozen=True, kw_only=True)
 class Edit:
-    """A change to a launch line: flags given (with their values; a switch with none), flags dropped, and the
-    drop-in entry added (``-m megatron_ga_ext``)."""
+    """A change to a launch line: flags given (with their values; a switch with none), flags
+    dropped, and the drop-in entry added (``-m megatron_ga_ext``)."""
 
     give: tuple[tuple[str, tuple[str, ...]], ...] = ()
     drop: tuple[str, ...] = ()
@@ -37,7 +49,11 @@ class Edit:
         given = dict(self.give)
         given.update(other.give)
         dropped = tuple(f for f in (*self.drop, *other.drop) if f not in given)
-        return Edit(give=tuple(given.items()), drop=tuple(dict.fromkeys(dropped)), entry=self.entry or other.entry)
+        return Edit(
+            give=tuple(given.items()),
+            drop=tuple(dict.fromkeys(dropped)),
+            entry=self.entry or other.entry,
+        )
 
     def words(self) -> str:
         """The edit in words: ``add --ga-convert-rampup; drop --train-iters``."""
@@ -57,7 +73,8 @@ class Problem:
 
     message: str
     rule: str
-    """A stable id of the rule broken (``schedule-stage``, ``coverage:<row>``, ``upstream:<row>`` ...)."""
+    """A stable id of the rule broken (``schedule-stage``, ``coverage:<row>``, ``upstream:<row>``
+    ...)."""
     flag: str | None = None
     value: str | None = None
     nearest: tuple[int, ...] = ()
@@ -105,7 +122,8 @@ class Found:
                 self.problems.append(problem)
 
 
-#: The flag and the value a message in the house style starts with: ``--global-batch-size 96 is ...``.
+#: The flag and the value a message in the house style starts with: ``--global-batch-size 96 is
+#: ...``.
 _LEADING = re.compile(r"^(?P<flag>--[a-z0-9][a-z0-9_-]*)(?: (?P<value>'[^']*'|[^\s:;,]+))?")
 _NEAREST = re.compile(r"Nearest valid [^:]*: (?P<values>\d+(?:, \d+)*)")
 #: The verbs a fix sentence of the house style starts with.
@@ -144,13 +162,17 @@ def problem_of(
     fix: str | None = None,
     edit: Edit | None = None,
 ) -> Problem:
-    """A :class:`Problem` from an error (or a message) in the house style: the flag and value it starts with, its
-    nearest valid values and its fix sentences, where not given."""
+    """A :class:`Problem` from an error (or a message) in the house style: the flag and value it
+    starts with, its nearest valid values and its fix sentences, where not given."""
     message = str(source)
     leading = _LEADING.match(message)
     if leading is not None and flag is None:
         flag, value = leading.group("flag"), leading.group("value")
-        value = value.strip("'") if value is not None and value not in ("is", "and", "with", "needs") else None
+        value = (
+            value.strip("'")
+            if value is not None and value not in ("is", "and", "with", "needs")
+            else None
+        )
     nearest = _NEAREST.search(message)
     return Problem(
         message=message,
@@ -164,8 +186,8 @@ def problem_of(
 
 
 def fix_sentences(message: str) -> str | None:
-    """The fix a house-style message ends with: from its first sentence that starts with a fix verb (or ``Nearest
-    valid``) to the end; None where it has none."""
+    """The fix a house-style message ends with: from its first sentence that starts with a fix verb
+    (or ``Nearest valid``) to the end; None where it has none."""
     sentences = re.split(r"(?<=[.!?]) (?=[A-Z])", message)
     for i, sentence in enumerate(sentences[1:], 1):
         if sentence.startswith(_FIX_VERBS) or sentence.startswith("Nearest valid"):
@@ -175,15 +197,17 @@ def fix_sentences(message: str) -> str | None:
 
 @dataclass(frozen=True, kw_only=True)
 class StageTable:
-    """The stages of a launch's batch schedule as its run steps through them (``schedule``'s table)."""
+    """The stages of a launch's batch schedule as its run steps through them (``schedule``'s
+    table)."""
 
     source: str
     """What the stages come from, in words."""
     runs: bool
-    """The run trains these stages (False: a rampup megatron-core >= 0.18 ignores; the stages are what
-    --ga-convert-rampup would run)."""
+    """The run trains these stages (False: a rampup megatron-core >= 0.18 ignores; the stages are
+    what --ga-convert-rampup would run)."""
     rows: tuple[StageRow, ...] | None
-    """One per stage; None where there are too many to list (a long ramp) or a stage breaks a rule."""
+    """One per stage; None where there are too many to list (a long ramp) or a stage breaks a
+    rule."""
     summary: str
     micro_batch_size: int
     data_parallel_size: int
@@ -191,19 +215,23 @@ class StageTable:
     pipeline_model_parallel_size: int
     virtual_pipeline_size: int
     train_samples: int | None
-    """The run's length in samples (from --train-samples, or what --train-iters steps consume); None: open."""
+    """The run's length in samples (from --train-samples, or what --train-iters steps consume);
+    None: open."""
     run_length: str | None
     """The flag that gives it, as a person reads it."""
     equivalent: str | None = None
-    """A rampup's stages as the --step-batch-size-schedule that runs them (thresholds in tokens with a seq length);
-    None for a given schedule, or a ramp too long to write."""
+    """A rampup's stages as the --step-batch-size-schedule that runs them (thresholds in tokens with
+    a seq length); None for a given schedule, or a ramp too long to write."""
     warmup: tuple[int, ...] | None = None
-    """--ga-batch-size-warmup auto: the global batch sizes it may double through, up to its cap (when is decided
-    in the run); None otherwise."""
+    """--ga-batch-size-warmup auto: the global batch sizes it may double through, up to its cap
+    (when is decided in the run); None otherwise."""
 
     def warmup_bubble(self, batch: int) -> float:
         """The pipeline bubble at global batch ``batch``."""
-        pp, micro = self.pipeline_model_parallel_size, batch // (self.micro_batch_size * self.data_parallel_size)
+        pp, micro = (
+            self.pipeline_model_parallel_size,
+            batch // (self.micro_batch_size * self.data_parallel_size),
+        )
         return (pp - 1) / (self.virtual_pipeline_size * micro + pp - 1)
 
     def bubble(self, row: StageRow) -> float:
@@ -245,7 +273,8 @@ class Report:
     ledger: dict[str, int | float | None]
     """Every quantity of the ledger; None where a broken rule decides it."""
     sources: dict[str, str]
-    """Where each quantity came from: the flags as the line spelled them, Megatron's default, or its formula."""
+    """Where each quantity came from: the flags as the line spelled them, Megatron's default, or its
+    formula."""
     ledger_stage: str | None
     """Which stage of a batch schedule the ledger's numbers are (None: the batch is constant)."""
     layout: BatchLayout | None
@@ -254,7 +283,8 @@ class Report:
     problems: tuple[Problem, ...]
     notes: tuple[Note, ...]
     kind: str = "a launch line"
-    """What the words were read as: a launch line, a pasted script, a Megatron-Bridge launch, a --yaml-cfg file."""
+    """What the words were read as: a launch line, a pasted script, a Megatron-Bridge launch, a
+    --yaml-cfg file."""
 
     def json(self) -> dict[str, Any]:
         return {

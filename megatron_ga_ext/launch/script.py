@@ -7,15 +7,17 @@ Megatron-LM's own example scripts build the line from bash arrays and variables:
     torchrun ${DISTRIBUTED_ARGS[@]} pretrain_gpt.py ${GPT_MODEL_ARGS[@]} ...
 
 :func:`read_script` runs the parts of bash such a script uses: comments, line continuations, quotes, ``NAME=value``
-and ``export NAME=value``, arrays (``NAME=( ... )``, ``NAME+=( ... )``), ``$NAME``, ``${NAME}``, ``${NAME:-default}``,
-``${NAME[@]}``, ``${NAME[*]}`` and ``$(( arithmetic ))``. An unquoted expansion is split into words on whitespace as
-bash splits it (a quoted schedule inside an array expanded without quotes becomes several words, as it does for
-Megatron); a quoted ``"${NAME[@]}"`` keeps each element one word. A variable the script does not set is read from the
-environment (``SLURM_NNODES`` inside an allocation), else left as written, so a number flag names it. ``#SBATCH``
-lines are kept as the allocation's options. The launch is the last command that runs a Python script, torchrun or
-srun; a command that starts with a flag is a continuation the shell never joins (a missing ``\\``), reported.
-Everything else bash does (``$(...)``, loops, conditions, functions) is not run: where the launch cannot be found,
-the refusal shows the pattern that works (check inside the script, on the expanded array).
+and ``export NAME=value``, arrays (``NAME=( ... )``, ``NAME+=( ... )``), ``$NAME``, ``${NAME}``,
+``${NAME:-default}``, ``${NAME[@]}``, ``${NAME[*]}`` and ``$(( arithmetic ))``. An unquoted
+expansion is split into words on whitespace as bash splits it (a quoted schedule inside an array
+expanded without quotes becomes several words, as it does for Megatron); a quoted ``"${NAME[@]}"``
+keeps each element one word. A variable the script does not set is read from the environment
+(``SLURM_NNODES`` inside an allocation), else left as written, so a number flag names it.
+``#SBATCH`` lines are kept as the allocation's options. The launch is the last command that runs a
+Python script, torchrun or srun; a command that starts with a flag is a continuation the shell never
+joins (a missing ``\\``), reported. Everything else bash does (``$(...)``, loops, conditions,
+functions) is not run: where the launch cannot be found, the refusal shows the pattern that works
+(check inside the script, on the expanded array).
 """
 
 from __future__ import annotations
@@ -43,20 +45,26 @@ PATTERN = (
 
 @dataclass
 class Script:
-    """What a pasted script gives check: the launch's words, the allocation's ``#SBATCH`` options, the variables
-    read from the environment, and lines the shell runs apart from the launch."""
+    """What a pasted script gives check: the launch's words, the allocation's ``#SBATCH`` options,
+    the variables read from the environment, and lines the shell runs apart from the launch."""
 
     words: list[str]
     sbatch: list[str] = field(default_factory=list)
     from_environment: dict[str, str] = field(default_factory=dict)
     orphans: list[str] = field(default_factory=list)
-    """Commands that start with a flag: continuation lines of the launch the shell runs on their own."""
+    """Commands that start with a flag: continuation lines of the launch the shell runs on their
+    own."""
 
 
 def is_script(text: str) -> bool:
-    """Text to read as bash reads it: several lines not all joined by ``\\``, an array, or a ``$`` expansion."""
+    """Text to read as bash reads it: several lines not all joined by ``\\``, an array, or a ``$``
+    expansion."""
     joined = text.replace("\\\n", " ")
-    return "\n" in joined.strip() or "$" in joined or bool(re.search(r"\b[A-Za-z_][A-Za-z0-9_]*\+?=\(", joined))
+    return (
+        "\n" in joined.strip()
+        or "$" in joined
+        or bool(re.search(r"\b[A-Za-z_][A-Za-z0-9_]*\+?=\(", joined))
+    )
 
 
 def read_script(text: str, environment: Mapping[str, str] | None = None) -> Script:
@@ -64,7 +72,9 @@ def read_script(text: str, environment: Mapping[str, str] | None = None) -> Scri
     env = os.environ if environment is None else environment
     reader = _Reader(env)
     sbatch = [
-        line.strip()[len("#SBATCH") :].strip() for line in text.splitlines() if line.strip().startswith("#SBATCH")
+        line.strip()[len("#SBATCH") :].strip()
+        for line in text.splitlines()
+        if line.strip().startswith("#SBATCH")
     ]
     launch: list[str] | None = None
     orphans: list[str] = []
@@ -78,10 +88,13 @@ def read_script(text: str, environment: Mapping[str, str] | None = None) -> Scri
             launch, orphans = words, []
     if launch is None:
         raise UsageError(
-            f"the pasted script has no launch command check can find (torchrun, python ... .py, srun); {PATTERN}."
+            "the pasted script has no launch command check can find (torchrun, python ... .py, "
+            f"srun); {PATTERN}."
         )
     sbatch_words = [w for line in sbatch for w in _split_plain(line)]
-    return Script(words=launch, sbatch=sbatch_words, from_environment=reader.from_environment, orphans=orphans)
+    return Script(
+        words=launch, sbatch=sbatch_words, from_environment=reader.from_environment, orphans=orphans
+    )
 
 
 def _is_launch(words: list[str]) -> bool:
@@ -92,9 +105,11 @@ def _split_plain(line: str) -> list[str]:
     return line.split("#", 1)[0].split()
 
 
-# -- the tokens of the shell: words made of literal and expanded parts ----------------------------------------
+# -- the tokens of the shell: words made of literal and expanded parts
+# ----------------------------------------
 
-#: A part of a word: (text, quoted, expand). ``expand`` is True for a ``$...`` expansion still to do.
+#: A part of a word: (text, quoted, expand). ``expand`` is True for a ``$...`` expansion still to
+#: do.
 Part = tuple[str, bool, bool]
 Word = list[Part]
 #: A token: a word, or an operator: "\n" (end of a command, also ";", "&&", "||", "|"), "(" or ")".
@@ -102,7 +117,8 @@ Token = Word | str
 
 
 def _tokens(text: str) -> list[Token]:
-    """The shell's tokens of ``text``: quotes and escapes resolved, comments dropped, ``\\``-newlines joined."""
+    """The shell's tokens of ``text``: quotes and escapes resolved, comments dropped,
+    ``\\``-newlines joined."""
     tokens: list[Token] = []
     word: Word = []
     i, n = 0, len(text)
@@ -122,7 +138,9 @@ def _tokens(text: str) -> list[Token]:
         elif c == "'":
             j = text.find("'", i + 1)
             if j < 0:
-                raise UsageError(f"the pasted script has an unmatched ' (from {text[i : i + 40]!r}); {PATTERN}.")
+                raise UsageError(
+                    f"the pasted script has an unmatched ' (from {text[i : i + 40]!r}); {PATTERN}."
+                )
             word.append((text[i + 1 : j], True, False))
             word.append(("", True, False))  # '' is an empty word, not none
             i = j + 1
@@ -204,7 +222,8 @@ def _closing(text: str, i: int, opening: str, closing: str) -> int:
 
 
 def _commands(tokens: list[Token]) -> list[list[Token]]:
-    """``tokens`` cut at the end of each command; an array's parentheses keep its newlines inside."""
+    """``tokens`` cut at the end of each command; an array's parentheses keep its newlines
+    inside."""
     commands: list[list[Token]] = []
     current: list[Token] = []
     depth = 0
@@ -224,7 +243,8 @@ def _commands(tokens: list[Token]) -> list[list[Token]]:
     return commands
 
 
-# -- running the commands: assignments, arrays, expansions ---------------------------------------------------
+# -- running the commands: assignments, arrays, expansions
+# ---------------------------------------------------
 
 
 class _Reader:
@@ -234,9 +254,14 @@ class _Reader:
         self.from_environment: dict[str, str] = {}
 
     def run(self, command: list[Token]) -> list[str]:
-        """Run the assignments of ``command``; the words of what it runs (none for an assignment alone)."""
+        """Run the assignments of ``command``; the words of what it runs (none for an assignment
+        alone)."""
         tokens = list(command)
-        if tokens and tokens[0] != "(" and self._literal(tokens[0]) in ("export", "local", "declare", "readonly"):
+        if (
+            tokens
+            and tokens[0] != "("
+            and self._literal(tokens[0]) in ("export", "local", "declare", "readonly")
+        ):
             tokens = tokens[1:]
         while tokens and not isinstance(first := tokens[0], str):
             assignment = _ASSIGN.match(self._literal(first))
@@ -245,7 +270,9 @@ class _Reader:
             name, append, _ = assignment.groups()
             if len(tokens) > 1 and tokens[1] == "(":
                 end = tokens.index(")", 1) if ")" in tokens[1:] else len(tokens)
-                elements = [w for t in tokens[2:end] if not isinstance(t, str) for w in self.expand(t)]
+                elements = [
+                    w for t in tokens[2:end] if not isinstance(t, str) for w in self.expand(t)
+                ]
                 self.variables[name] = (self.variables.get(name, []) if append else []) + elements
                 tokens = tokens[end + 1 :]
             else:
@@ -256,10 +283,15 @@ class _Reader:
         return [w for t in tokens if not isinstance(t, str) for w in self.expand(t)]
 
     def _literal(self, token: Token) -> str:
-        return token if isinstance(token, str) else "".join(text for text, _, expand in token if not expand)
+        return (
+            token
+            if isinstance(token, str)
+            else "".join(text for text, _, expand in token if not expand)
+        )
 
     def _assigned(self, word: Word, skip: int) -> str:
-        """The value of ``NAME=value``: expanded without word splitting (bash does not split an assignment)."""
+        """The value of ``NAME=value``: expanded without word splitting (bash does not split an
+        assignment)."""
         out, dropped = [], 0
         for text, _, expand in word:
             if dropped < skip and not expand:
@@ -269,8 +301,8 @@ class _Reader:
         return "".join(out)
 
     def expand(self, word: Word) -> list[str]:
-        """The words ``word`` becomes: expansions in quotes joined into the word, unquoted ones split on whitespace,
-        a quoted ``${A[@]}`` one word per element."""
+        """The words ``word`` becomes: expansions in quotes joined into the word, unquoted ones
+        split on whitespace, a quoted ``${A[@]}`` one word per element."""
         words: list[str] = []
         current, has = "", False
         for text, quoted, expand in word:
@@ -325,9 +357,12 @@ class _Reader:
         return None
 
     def _arithmetic(self, expression: str) -> str:
-        """``$((...))`` over whole numbers with + - * / %: the variables substituted first; as written otherwise."""
+        """``$((...))`` over whole numbers with + - * / %: the variables substituted first; as
+        written otherwise."""
         text = re.sub(
-            r"\$?\{?([A-Za-z_][A-Za-z0-9_]*)\}?", lambda m: (self._variable(m.group(1)) or [m.group(0)])[0], expression
+            r"\$?\{?([A-Za-z_][A-Za-z0-9_]*)\}?",
+            lambda m: (self._variable(m.group(1)) or [m.group(0)])[0],
+            expression,
         )
         if not _ARITH.match(text) or len(text) > 200:
             return f"$(({expression}))"
@@ -338,7 +373,8 @@ class _Reader:
 
 
 def _evaluate(text: str) -> int:
-    """Whole-number arithmetic as bash does it (``/`` truncates), by recursive descent: + - * / % ( )."""
+    """Whole-number arithmetic as bash does it (``/`` truncates), by recursive descent: + - * / % (
+    )."""
     tokens: list[str] = re.findall(r"\d+|[-+*/%()]", text)
     position = 0
 
@@ -368,7 +404,9 @@ def _evaluate(text: str) -> int:
         while peek() in ("*", "/", "%"):
             op, right = take(), atom()
             quotient = int(value / right) if op != "*" else 0  # bash truncates toward zero
-            value = value * right if op == "*" else quotient if op == "/" else value - right * quotient
+            value = (
+                value * right if op == "*" else quotient if op == "/" else value - right * quotient
+            )
         return value
 
     def total() -> int:

@@ -1,11 +1,13 @@
-"""Megatron-LM's ``--yaml-cfg FILE`` read like the flags it stands for. Pure Python (PyYAML, a dependency).
+"""Megatron-LM's ``--yaml-cfg FILE`` read like the flags it stands for. Pure Python (PyYAML, a
+dependency).
 
-Megatron's parse_args replaces the whole parsed command line by the YAML file (``load_yaml``: "argparse arguments
-will be ignored"): its top-level keys and the keys of its sections (``model_parallel:``, ``language_model:``) are
-Megatron's args by name (``micro_batch_size``, ``tensor_model_parallel_size``, ``rampup_batch_size: [32, 32, N]``).
+Megatron's parse_args replaces the whole parsed command line by the YAML file (``load_yaml``:
+"argparse arguments will be ignored"): its top-level keys and the keys of its sections
+(``model_parallel:``, ``language_model:``) are Megatron's args by name (``micro_batch_size``,
+``tensor_model_parallel_size``, ``rampup_batch_size: [32, 32, N]``).
 :func:`with_yaml` gives the launch those values in place of the line's Megatron flags; the launcher's stay (the world
-size is the launcher's, which Megatron reads from WORLD_SIZE). A Megatron flag on the line beside ``--yaml-cfg`` is
-ignored by Megatron, which is a problem of its own.
+size is the launcher's, which Megatron reads from WORLD_SIZE). A Megatron flag on the line beside
+``--yaml-cfg`` is ignored by Megatron, which is a problem of its own.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ _ALIASES = {"virtual_pipeline_model_parallel_size": "num_virtual_stages_per_pipe
 
 
 def with_yaml(launch: Launch) -> tuple[Launch, list[Problem], list[Note]]:
-    """``launch`` with its ``--yaml-cfg`` file's settings in place of its Megatron flags (the launcher's and the
-    ``--ga-*`` ones kept), the problems of the pair, and a note saying what was read. Unchanged without the flag."""
+    """``launch`` with its ``--yaml-cfg`` file's settings in place of its Megatron flags (the
+    launcher's and the ``--ga-*`` ones kept), the problems of the pair, and a note saying what was
+    read. Unchanged without the flag."""
     path = launch.get(FLAG)
     if path is None:
         return launch, [], []
@@ -56,7 +59,9 @@ def with_yaml(launch: Launch) -> tuple[Launch, list[Problem], list[Note]]:
         if f not in _LAUNCHER and f != FLAG and not f.startswith("--ga-")
     ]
     for held in (line.values, line.switches, line.repeated, line.stray):
-        for flag in [f for f in held if f not in _LAUNCHER and f != FLAG and not f.startswith("--ga-")]:
+        for flag in [
+            f for f in held if f not in _LAUNCHER and f != FLAG and not f.startswith("--ga-")
+        ]:
             del held[flag]
     for key, (where, value) in settings.items():
         option = BY_DEST.get(_ALIASES.get(key, key))
@@ -73,8 +78,10 @@ def with_yaml(launch: Launch) -> tuple[Launch, list[Problem], list[Note]]:
     if ignored:
         problems.append(
             Problem(
-                message=f"{FLAG} {path} replaces Megatron's whole command line (load_yaml: \"argparse arguments will "
-                f"be ignored\"), so {', '.join(ignored)} on the line do(es) nothing; the YAML's values are used. Set "
+                message=f"{FLAG} {path} replaces Megatron's whole command line (load_yaml: "
+                '"argparse arguments will '
+                f"be ignored\"), so {', '.join(ignored)} on the line do(es) nothing; the YAML's "
+                "values are used. Set "
                 f"them in the YAML, or drop them from the line.",
                 rule="yaml-cfg-ignores-line",
                 flag=ignored[0],
@@ -91,13 +98,15 @@ def with_yaml(launch: Launch) -> tuple[Launch, list[Problem], list[Note]]:
 
 
 def read_yaml_mapping(flag: str, path: str, holds: str) -> dict:
-    """The mapping the YAML file at ``path`` (given by ``flag``) holds; a UsageError naming the flag where it cannot be
-    read, is not YAML, or holds something else than ``holds``. PyYAML is imported here only: a line without a YAML
-    file is checked without it."""
+    """The mapping the YAML file at ``path`` (given by ``flag``) holds; a UsageError naming the flag
+    where it cannot be read, is not YAML, or holds something else than ``holds``. PyYAML is imported
+    here only: a line without a YAML file is checked without it."""
     try:
         import yaml
     except ImportError:
-        raise UsageError(f"{flag} {path}: reading a YAML file needs PyYAML (pip install pyyaml).") from None
+        raise UsageError(
+            f"{flag} {path}: reading a YAML file needs PyYAML (pip install pyyaml)."
+        ) from None
     try:
         with open(path, encoding="utf-8") as handle:
             data = yaml.safe_load(handle)
@@ -111,7 +120,8 @@ def read_yaml_mapping(flag: str, path: str, holds: str) -> dict:
 
 
 def _settings(path: str) -> dict[str, tuple[str, Any]]:
-    """Each arg the file sets: its name -> (where in the file, the value); a section's keys under the section."""
+    """Each arg the file sets: its name -> (where in the file, the value); a section's keys under
+    the section."""
     data = read_yaml_mapping(FLAG, path, "Megatron's settings by name")
     settings: dict[str, tuple[str, Any]] = {}
     for key, value in data.items():

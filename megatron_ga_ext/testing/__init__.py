@@ -1,2 +1,4 @@
-"""Test support, reached only from tests and ``verify``: the CPU shims megatron-core needs, the gloo launcher,
-and the server that forks Megatron-LM's own training loop for the end-to-end tier. Never imported by install()."""
+"""What ``megatron-ga verify`` (a user's own proof) needs to run megatron-core on the CPU: the CPU
+shims (shims.py) and the gloo launcher (distributed.py). Reached only from verify and the tests;
+never imported by install(). The test-only support (fault injection, the end-to-end fork server, its
+recorder) is tests/support/."""

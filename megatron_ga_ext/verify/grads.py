@@ -2,12 +2,13 @@
 
 Each data-parallel wrapper keeps its reduced gradient in its own place:
 
-* Megatron's DDP: ``main_grad`` of each parameter; with the distributed optimizer each rank holds its shard of each
-  bucket only, so the shards are all-gathered first (:func:`_gather_shards`).
-* torch FSDP2 (``TorchFullyShardedDataParallel``): ``param.grad``, a DTensor sharded over DP x CP (``full_tensor``).
+* Megatron's DDP: ``main_grad`` of each parameter; with the distributed optimizer each rank holds
+  its shard of each bucket only, so the shards are all-gathered first (:func:`_gather_shards`).
+* torch FSDP2 (``TorchFullyShardedDataParallel``): ``param.grad``, a DTensor sharded over DP x CP
+  (``full_tensor``).
 * Megatron-FSDP: its main-gradient buffer, as ``update_main_grads`` reads it for the optimizer after
-  ``finish_grad_sync``: a rank's slice of each parameter in a sharded strategy (it may be empty: ``param.grad`` is
-  then None), the whole parameter under ``no_shard``.
+  ``finish_grad_sync``: a rank's slice of each parameter in a sharded strategy (it may be empty:
+  ``param.grad`` is then None), the whole parameter under ``no_shard``.
 
 A tensor-parallel parameter's gradient is then gathered over its TP group (:func:`_whole`).
 """
@@ -22,12 +23,15 @@ __all__ = ["gradients"]
 
 
 def gradients(model: Any, names: dict[str, str]) -> dict[str, torch.Tensor]:
-    """This rank's reduced gradient of every parameter of its chunk(s), by global name, whole, on the CPU."""
+    """This rank's reduced gradient of every parameter of its chunk(s), by global name, whole, on
+    the CPU."""
     chunks = model if isinstance(model, list) else [model]
     out = {}
     for chunk in chunks:
         kind = type(chunk).__name__
-        module = chunk.module.module if kind == "FullyShardedDataParallel" else chunk.module  # the model itself
+        module = (
+            chunk.module.module if kind == "FullyShardedDataParallel" else chunk.module
+        )  # the model itself
         if kind == "TorchFullyShardedDataParallel":
             local = {n: p.grad.full_tensor() for n, p in module.named_parameters()}
         elif kind == "FullyShardedDataParallel":
@@ -48,9 +52,10 @@ def gradients(model: Any, names: dict[str, str]) -> dict[str, torch.Tensor]:
 
 
 def _megatron_fsdp_grads(chunk: Any) -> dict[str, torch.Tensor]:
-    """Megatron-FSDP's reduced gradients, whole on every rank: what ``update_main_grads`` hands the optimizer (the
-    rank's slice of each parameter, in a sharded strategy; the whole of it under ``no_shard``), each slice put in
-    place in a zero tensor and summed over the buffer's DP group (the slices are disjoint and cover the parameter)."""
+    """Megatron-FSDP's reduced gradients, whole on every rank: what ``update_main_grads`` hands the
+    optimizer (the rank's slice of each parameter, in a sharded strategy; the whole of it under
+    ``no_shard``), each slice put in place in a zero tensor and summed over the buffer's DP group
+    (the slices are disjoint and cover the parameter)."""
     buffer = chunk.param_and_grad_buffer
     sharded = chunk.ddp_config.data_parallel_sharding_strategy != "no_shard"
     out = {}
@@ -70,14 +75,19 @@ def _megatron_fsdp_grads(chunk: Any) -> dict[str, torch.Tensor]:
 
 
 def _unused_output_weight(module: torch.nn.Module, name: str) -> bool:
-    """A last stage that holds the embedding too (MTP's) keeps an output layer weight it never reads: the output
-    layer is given the tied embedding weight (``shared_embedding_or_output_weight``)."""
-    return name == "output_layer.weight" and hasattr(module, "embedding") and module.share_embeddings_and_output_weights
+    """A last stage that holds the embedding too (MTP's) keeps an output layer weight it never
+    reads: the output layer is given the tied embedding weight
+    (``shared_embedding_or_output_weight``)."""
+    return (
+        name == "output_layer.weight"
+        and hasattr(module, "embedding")
+        and module.share_embeddings_and_output_weights
+    )
 
 
 def _whole(param: torch.nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
-    """The gradient of the whole parameter: a TP shard's gathered along its ``partition_dim`` over the TP group
-    (the expert TP group for an expert's), in rank order, as init_by_name split it."""
+    """The gradient of the whole parameter: a TP shard's gathered along its ``partition_dim`` over
+    the TP group (the expert TP group for an expert's), in rank order, as init_by_name split it."""
     from megatron.core import parallel_state
 
     if not getattr(param, "tensor_model_parallel", False):
@@ -97,8 +107,9 @@ def _whole(param: torch.nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
 
 
 def _gather_shards(chunk: Any) -> None:
-    """The distributed optimizer reduce-scatters each bucket: rank r holds chunk r of ``bucket.grad_data``
-    (equal chunks, the buffer padded to DP). All-gather the chunks so every ``main_grad`` view is whole."""
+    """The distributed optimizer reduce-scatters each bucket: rank r holds chunk r of
+    ``bucket.grad_data`` (equal chunks, the buffer padded to DP). All-gather the chunks so every
+    ``main_grad`` view is whole."""
     for buffer in [*chunk.buffers, *getattr(chunk, "expert_parallel_buffers", [])]:
         group = buffer.data_parallel_group
         size, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)

@@ -1,45 +1,39 @@
 """What each rank of a verify launch does: references, then every layout in both modes.
 
 For each layout of the launch (all of one world size) and each mode, a rank initialises megatron's
-parallel state and num-microbatches calculator, calls ``megatron_ga_ext.install()`` with that mode (the path
-a user takes), builds the tiny model (dense, MoE, MTP; one chunk per virtual pipeline stage), wraps it in
-the layout's data-parallel wrapper (Megatron's DDP with overlapped grad reduce and the distributed optimizer where the
-layout says so, torch FSDP2 or Megatron-FSDP: data_parallel.py, which wires ``no_sync`` as Megatron-LM does), runs
-megatron's own schedule (``get_forward_backward_func``) over its micro-batches with megatron's
-``finalize_model_grads`` (install()'s) as the finalize hook, and compares its reduced gradients (grads.py) with the
+parallel state and num-microbatches calculator, calls ``megatron_ga_ext.install()`` with that mode
+(the path a user takes), builds the tiny model (dense, MoE, MTP; one chunk per virtual pipeline
+stage), wraps it in the layout's data-parallel wrapper (Megatron's DDP with overlapped grad reduce
+and the distributed optimizer where the layout says so, torch FSDP2 or Megatron-FSDP:
+data_parallel.py, which wires ``no_sync`` as Megatron-LM does), runs megatron's own schedule
+(``get_forward_backward_func``) over its micro-batches with megatron's ``finalize_model_grads``
+(install()'s) as the finalize hook, and compares its reduced gradients (grads.py) with the
 unpartitioned references (references.py):
 
     rel_err(g, ref) = max over the parameters p this rank holds of  max |g_p - ref_p| / max |ref_p|
 
-The loss function is the extension's :func:`masked_loss` helper; install() checks it in mode ``token`` and
-leaves upstream's arithmetic in mode ``microbatch``.
+The loss function is the extension's :func:`masked_loss` helper; install() checks it in mode
+``token`` and leaves upstream's arithmetic in mode ``microbatch``.
 """
 
 from __future__ import annotations
 
-import inspect
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
 
-from megatron_ga_ext.config.flags import MODES
 from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.integration.finalize import make_finalize_model_grads
 from megatron_ga_ext.integration.loss_contract import LossContract, masked_loss
-from megatron_ga_ext.verify.data_parallel import ddp_config_of, wire_sync, wrap_chunk
+from megatron_ga_ext.verify import upstream
+from megatron_ga_ext.verify.data_parallel import ddp_config_of, wrap_chunk
 from megatron_ga_ext.verify.grads import gradients
-from megatron_ga_ext.verify.layouts import (
-    DEFAULT_LAYOUTS,
-    DEFAULT_LENGTHS,
-    GlobalBatch,
-    Layout,
-    make_global_batch,
-)
+from megatron_ga_ext.verify.layouts import GlobalBatch, Layout, make_global_batch
 from megatron_ga_ext.verify.models import (
     POSITIONWISE_GPT,
     UNTIED_GPT,
@@ -50,36 +44,21 @@ from megatron_ga_ext.verify.models import (
     transformer_config,
 )
 from megatron_ga_ext.verify.references import reference_grads
+from megatron_ga_ext.verify.run_config import VerifyConfig
+from megatron_ga_ext.verify.step import forward_step, train_step
+from megatron_ga_ext.verify.upstream import check_unhooked
 
 __all__ = [
     "LayoutResult",
-    "VerifyConfig",
     "build_chunks",
     "build_ddp",
-    "cp_shard",
     "gradients",
     "layout_config",
-    "microbatches",
     "reduction_hooks",
     "relative_error",
     "run_layout",
     "run_rank",
-    "train_step",
 ]
-
-
-@dataclass(kw_only=True, frozen=True)
-class VerifyConfig:
-    """One launch: the layouts (all of one world size), the modes, the model and the data."""
-
-    layouts: tuple[Layout, ...] = DEFAULT_LAYOUTS
-    modes: tuple[str, ...] = MODES
-    model: ModelConfig = field(default_factory=ModelConfig)
-    lengths: tuple[int, ...] = DEFAULT_LENGTHS
-    device: str = "cpu"
-    """``cpu`` (gloo, with the CPU shims) or ``cuda`` (nccl, no shims)."""
-    progress: bool = True
-    """Rank 0 prints one line per layout and mode to stderr."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +74,8 @@ class LayoutResult:
 
 
 def run_rank(cfg: VerifyConfig) -> list[LayoutResult]:
-    """Run every layout and mode of ``cfg`` on this rank (the launcher has set up the process group)."""
+    """Run every layout and mode of ``cfg`` on this rank (the launcher has set up the process
+    group)."""
     if cfg.device == "cpu":
         from megatron_ga_ext.testing.shims import cpu_shims
 
@@ -106,8 +86,8 @@ def run_rank(cfg: VerifyConfig) -> list[LayoutResult]:
 
 
 def _run_all(cfg: VerifyConfig) -> list[LayoutResult]:
-    """Every layout in every mode, in order; each global batch (the launch's, a layout's own) and its references
-    made once."""
+    """Every layout in every mode, in order; each global batch (the launch's, a layout's own) and
+    its references made once."""
     batches, refs = {}, {}
     for lengths in dict.fromkeys(layout.lengths or cfg.lengths for layout in cfg.layouts):
         batches[lengths] = make_global_batch(lengths, cfg.model.seq_length, cfg.model.vocab_size)
@@ -124,7 +104,9 @@ def _run_all(cfg: VerifyConfig) -> list[LayoutResult]:
         batch = batches[layout.lengths or cfg.lengths]
         for mode in cfg.modes:
             start = time.perf_counter()
-            grads, num_tokens = run_layout(layout, mode, cfg, batch)
+            if cfg.upstream:
+                check_unhooked()
+            grads, num_tokens = run_layout(layout, mode, cfg, batch, extension=not cfg.upstream)
             result = LayoutResult(
                 layout.name,
                 mode,
@@ -140,7 +122,11 @@ def _run_all(cfg: VerifyConfig) -> list[LayoutResult]:
 
 def _progress(cfg: VerifyConfig, result: LayoutResult) -> None:
     if cfg.progress and torch.distributed.get_rank() == 0:
-        print(f"  {result.layout:<32} {result.mode:<10} done in {result.seconds:5.2f} s", file=sys.stderr, flush=True)
+        print(
+            f"  {result.layout:<32} {result.mode:<10} done in {result.seconds:5.2f} s",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def relative_error(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
@@ -149,8 +135,8 @@ def relative_error(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor])
         max over parameters p of  max |g_p - ref_p| / max |ref_p|   (max |g_p - ref_p| where ref_p == 0)
 
     Each parameter is judged against its own scale, so an error in a parameter with small gradients
-    (a norm weight) is not hidden by the largest gradient of the model. Reduced in torch: ``torch.max``
-    propagates NaN, Python's ``max`` drops a NaN that is not first.
+    (a norm weight) is not hidden by the largest gradient of the model. Reduced in torch:
+    ``torch.max`` propagates NaN, Python's ``max`` drops a NaN that is not first.
     """
     errors = []
     for name, grad in grads.items():
@@ -169,13 +155,13 @@ def run_layout(
     loss_func: Callable = masked_loss,
     extension: bool = True,
 ) -> tuple[dict[str, torch.Tensor], int | None]:
-    """One step of ``layout`` in ``mode`` through ``install()``, as a user runs it; this rank's gradients by
-    global name, and the N its finalize divided by (token mode).
+    """One step of ``layout`` in ``mode`` through ``install()``, as a user runs it; this rank's
+    gradients by global name, and the N its finalize divided by (token mode).
 
-    The parallel state, megatron's own num-microbatches calculator (GBS = MBS x DP x GA) and the extension
-    (:class:`GAConfig` with the mode and the pipeline sizes) are set up for the step and torn down after it.
-    ``extension=False`` runs upstream alone (its own ``--calculate-per-token-loss`` in mode token), for a
-    before/after comparison; N is then None.
+    The parallel state, megatron's own num-microbatches calculator (GBS = MBS x DP x GA) and the
+    extension (:class:`GAConfig` with the mode and the pipeline sizes) are set up for the step and
+    torn down after it. ``extension=False`` runs upstream alone (its own
+    ``--calculate-per-token-loss`` in mode token), for a before/after comparison; N is then None.
     """
     from megatron.core import num_microbatches_calculator as calculators
     from megatron.core import parallel_state
@@ -206,13 +192,30 @@ def run_layout(
         0, None, layout.global_batch_size, layout.micro_batch_size, layout.data_parallel_size
     )
     try:
-        chunks, names, config = build_chunks(layout, cfg, calculate_per_token_loss=(mode == "token"))
-        from megatron.core.distributed import finalize_model_grads  # the extension's, after install()
-
-        train_step(
-            chunks, config, layout, cfg, batch, finalize=finalize_model_grads, loss_func=partial(loss_func, mode=mode)
+        chunks, names, config = build_chunks(
+            layout, cfg, calculate_per_token_loss=(mode == "token")
         )
-        tokens = state.finalize.last_num_tokens if state is not None and state.finalize is not None else None
+        from megatron.core.distributed import (
+            finalize_model_grads,
+        )  # the extension's, after install()
+
+        step = None
+        if cfg.upstream and not extension:  # as a user of patches/upstream runs megatron-core alone
+            upstream.configure(config, mode)
+            step = partial(forward_step, with_loss_mask=layout.model != "positionwise", mode=mode)
+        train_step(
+            chunks,
+            config,
+            layout,
+            cfg,
+            batch,
+            finalize=finalize_model_grads,
+            loss_func=partial(loss_func, mode=mode),
+            forward_step_func=step,
+        )
+        tokens = (
+            state.verdict.num_tokens if state is not None and state.verdict is not None else None
+        )
         return gradients(chunks, names), tokens
     finally:
         megatron_ga_ext.uninstall()
@@ -221,12 +224,15 @@ def run_layout(
 
 
 def reduction_hooks(mode: str, loss_func: Callable) -> tuple[Any, Callable]:
-    """The extension's finalize and loss function wired by hand, without install(): for the unit tests that
-    break one check of the finalize on purpose. ``verify`` itself goes through install()."""
+    """The extension's finalize and loss function wired by hand, without install(): for the unit
+    tests that break one check of the finalize on purpose. ``verify`` itself goes through
+    install()."""
     from megatron.core.distributed import finalize_model_grads
 
     contract = LossContract()
-    finalize = make_finalize_model_grads(finalize_model_grads, contract, config=GAConfig(loss_reduction=mode))
+    finalize = make_finalize_model_grads(
+        finalize_model_grads, contract, config=GAConfig(loss_reduction=mode)
+    )
     return finalize, contract.wrap(loss_func) if mode == "token" else loss_func
 
 
@@ -238,13 +244,18 @@ def build_ddp(
     ddp_config: Any = None,
     build_module: Callable | None = None,
 ) -> tuple[Any, dict[str, str], Any]:
-    """This rank's (single) chunk of the layout's model, wrapped in megatron's DDP: (ddp, names, config).
+    """This rank's (single) chunk of the layout's model, wrapped in megatron's DDP: (ddp, names,
+    config).
 
     ``names`` maps each local parameter name to its global one. ``build_module(config)`` returning
     ``(module, names)`` replaces the layout's model (it may set fields of the config first).
     """
     chunks, names, config = build_chunks(
-        layout, cfg, calculate_per_token_loss=calculate_per_token_loss, ddp_config=ddp_config, build_module=build_module
+        layout,
+        cfg,
+        calculate_per_token_loss=calculate_per_token_loss,
+        ddp_config=ddp_config,
+        build_module=build_module,
     )
     return chunks[0], names, config
 
@@ -257,25 +268,37 @@ def build_chunks(
     ddp_config: Any = None,
     build_module: Callable | None = None,
 ) -> tuple[list[Any], dict[str, str], Any]:
-    """This rank's model chunks (one per virtual pipeline stage), each wrapped in the layout's data-parallel wrapper
-    as its training does (bucketing only on the first chunk; data_parallel.py): (chunks, names of all chunks,
-    config)."""
+    """This rank's model chunks (one per virtual pipeline stage), each wrapped in the layout's
+    data-parallel wrapper as its training does (bucketing only on the first chunk;
+    data_parallel.py): (chunks, names of all chunks, config)."""
     vpp = layout.virtual_pipeline_model_parallel_size
     config = layout_config(layout, cfg.model, calculate_per_token_loss=calculate_per_token_loss)
     ddp_config = ddp_config or ddp_config_of(layout)
     chunks, names = [], {}
     for vp_stage in range(vpp):
         stage = vp_stage if vpp > 1 else None
-        module, chunk_names = (build_module or partial(_build_module, layout, cfg, vp_stage=stage))(config)
+        module, chunk_names = (build_module or partial(_build_module, layout, cfg, vp_stage=stage))(
+            config
+        )
         module.to(cfg.device)
-        chunks.append(wrap_chunk(layout, config, module, ddp_config, disable_bucketing=vp_stage > 0, device=cfg.device))
+        chunks.append(
+            wrap_chunk(
+                layout,
+                config,
+                module,
+                ddp_config,
+                disable_bucketing=vp_stage > 0,
+                device=cfg.device,
+            )
+        )
         names.update(chunk_names)
     return chunks, names, config
 
 
 def layout_config(layout: Layout, model: ModelConfig, *, calculate_per_token_loss: bool) -> Any:
-    """The megatron TransformerConfig of ``layout``'s model (its ``__post_init__`` validates the layout); on an FSDP
-    path with the local transformer implementation, as its launch needs (torch FSDP2 wraps TE's output layer)."""
+    """The megatron TransformerConfig of ``layout``'s model (its ``__post_init__`` validates the
+    layout); on an FSDP path with the local transformer implementation, as its launch needs (torch
+    FSDP2 wraps TE's output layer)."""
     config = transformer_config(
         model,
         kind=layout.model,
@@ -286,6 +309,8 @@ def layout_config(layout: Layout, model: ModelConfig, *, calculate_per_token_los
         expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
         tensor_model_parallel_size=layout.tensor_model_parallel_size,
         sequence_parallel=layout.sequence_parallel,
+        overlap_moe_expert_parallel_comm=layout.overlap_moe_expert_parallel_comm,
+        delay_wgrad_compute=layout.delay_wgrad_compute,
         calculate_per_token_loss=calculate_per_token_loss,
     )
     if layout.data_parallel != "ddp":
@@ -293,7 +318,9 @@ def layout_config(layout: Layout, model: ModelConfig, *, calculate_per_token_los
     return config
 
 
-def _build_module(layout: Layout, cfg: VerifyConfig, config: Any, *, vp_stage: int | None = None) -> Any:
+def _build_module(
+    layout: Layout, cfg: VerifyConfig, config: Any, *, vp_stage: int | None = None
+) -> Any:
     from megatron.core import parallel_state
 
     if layout.model == "positionwise":
@@ -304,104 +331,10 @@ def _build_module(layout: Layout, cfg: VerifyConfig, config: Any, *, vp_stage: i
         vp_stage=vp_stage,
         positionwise=layout.model in POSITIONWISE_GPT,
         untied=layout.model in UNTIED_GPT,
-        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
-        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+        pre_process=parallel_state.is_pipeline_first_stage(
+            ignore_virtual=vp_stage is None, vp_stage=vp_stage
+        ),
+        post_process=parallel_state.is_pipeline_last_stage(
+            ignore_virtual=vp_stage is None, vp_stage=vp_stage
+        ),
     )
-
-
-def train_step(
-    model: Any,
-    config: Any,
-    layout: Layout,
-    cfg: VerifyConfig,
-    batch: GlobalBatch,
-    *,
-    finalize: Any,
-    loss_func: Any,
-    forward_step_func: Callable | None = None,
-    sample_ids: bool = False,
-) -> None:
-    """One forward/backward over this rank's micro-batches with megatron's own schedule.
-
-    ``model`` is a DDP chunk or the list of a rank's chunks (interleaved PP: each chunk reads the same
-    micro-batches from an iterator of its own). ``loss_func(output_tensor, loss_mask)`` is what the loss
-    function of each micro-batch returns; ``finalize`` becomes ``config.finalize_model_grads_func``.
-    ``forward_step_func(data_iterator, model, *, loss_func)`` replaces the default forward step; ``sample_ids``
-    adds each micro-batch's sample indices (see :func:`microbatches`).
-    """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    chunks = model if isinstance(model, list) else [model]
-    config.finalize_model_grads_func = finalize
-    wire_sync(config, chunks)
-    for chunk in chunks:
-        chunk.zero_grad_buffer()
-    data = microbatches(layout, batch, cfg.device, sample_ids=sample_ids)
-    step = forward_step_func or partial(_forward_step, with_loss_mask=layout.model != "positionwise")
-    get_forward_backward_func()(
-        forward_step_func=partial(step, loss_func=loss_func),
-        data_iterator=[iter(data) for _ in chunks] if len(chunks) > 1 else iter(data),
-        model=chunks,
-        num_microbatches=layout.num_microbatches,
-        seq_length=cfg.model.seq_length // layout.context_parallel_size,
-        micro_batch_size=layout.micro_batch_size,
-        forward_only=False,
-    )
-
-
-def microbatches(
-    layout: Layout, batch: GlobalBatch, device: str, *, sample_ids: bool = False
-) -> list[dict[str, torch.Tensor]]:
-    """This rank's micro-batches, in order, already cut to its CP shard.
-
-    With ``sample_ids``, each also holds ``sample_ids`` [MBS]: the samples' indices in the global batch.
-    """
-    from megatron.core import parallel_state
-
-    dp_rank = parallel_state.get_data_parallel_rank()
-    out = []
-    for m in range(layout.num_microbatches):
-        rows = [layout.sample(m, dp_rank, j) for j in range(layout.micro_batch_size)]
-        micro = {
-            "tokens": batch.tokens[rows],
-            "labels": batch.labels[rows],
-            "loss_mask": batch.loss_mask[rows],
-            "position_ids": batch.position_ids[rows],
-        }
-        micro = cp_shard(micro) if layout.context_parallel_size > 1 else micro
-        if sample_ids:  # after the CP cut: it shards the sequence dimension, which sample_ids lacks
-            micro["sample_ids"] = torch.tensor(rows)
-        out.append({k: v.to(device) for k, v in micro.items()})
-    return out
-
-
-def cp_shard(micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """megatron-core's own ``get_batch_on_this_cp_rank``.
-
-    Its signature differs by release, and from 0.19 on a missing ``cp_group`` means the *world* group
-    (``get_world_size(None)``), so the group is always passed explicitly.
-    """
-    from megatron.core import parallel_state
-    from megatron.core.utils import get_batch_on_this_cp_rank
-
-    cp_group = parallel_state.get_context_parallel_group()
-    if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
-        shard: dict[str, Any] = get_batch_on_this_cp_rank(dict(micro), is_hybrid_cp=False, cp_group=cp_group)
-    else:
-        shard = get_batch_on_this_cp_rank(dict(micro), cp_group=cp_group)
-    return shard
-
-
-def _forward_step(
-    data_iterator: Any, model: torch.nn.Module, *, loss_func: Any, with_loss_mask: bool = True
-) -> tuple[Any, Any]:
-    """As pretrain_gpt's: the GPT gets the loss mask too (its MTP block uses it; install() derives MoE's
-    padding mask from it in token mode)."""
-    micro = next(data_iterator)
-    kwargs = {"loss_mask": micro["loss_mask"]} if with_loss_mask else {}
-    losses = model(micro["tokens"], micro["position_ids"], None, labels=micro["labels"], **kwargs)
-    return losses, partial(_call_loss, loss_func, micro["loss_mask"])
-
-
-def _call_loss(loss_func: Any, loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> Any:
-    return loss_func(output_tensor, loss_mask)

@@ -1,6 +1,6 @@
-"""What ``megatron-ga verify`` launches: one launch of gloo (or NCCL) ranks per world size, every layout of that
-size on each rank, then the auxiliary losses' coefficients (aux.py) of that size; with ``--fuzz``, the draws
-(fuzz.py), a few per launch."""
+"""What ``megatron-ga verify`` launches: one launch of gloo (or NCCL) ranks per world size, every
+layout of that size on each rank, then the auxiliary losses' coefficients (aux.py) of that size;
+with ``--fuzz``, the draws (fuzz.py), a few per launch."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from megatron_ga_ext.testing.distributed import LaunchConfig, run_on_ranks
 from megatron_ga_ext.testing.shims import cpu_shims
 from megatron_ga_ext.verify.aux import AUX_LAYOUTS, AuxCoefficient, measure_aux_coefficients
 from megatron_ga_ext.verify.fuzz import Draw, DrawResult, run_draws
-from megatron_ga_ext.verify.harness import LayoutResult, VerifyConfig, run_rank
+from megatron_ga_ext.verify.harness import LayoutResult, run_rank
 from megatron_ga_ext.verify.layouts import DEFAULT_LENGTHS, Layout
+from megatron_ga_ext.verify.run_config import VerifyConfig
 
 
 def launch_all(
@@ -22,24 +23,35 @@ def launch_all(
     device: str,
     timeout_s: float,
     aux_layouts: Sequence[Layout] = AUX_LAYOUTS,
+    upstream: bool = False,
 ) -> tuple[dict[int, list[list[LayoutResult]]], list[AuxCoefficient]]:
-    """({world size: per-rank lists of LayoutResult}, rank 0's auxiliary coefficients), one launch per world
-    size; each of ``aux_layouts`` rides on the launch of its world size (one is made for it if no layout has it)."""
+    """({world size: per-rank lists of LayoutResult}, rank 0's auxiliary coefficients), one launch
+    per world size; each of ``aux_layouts`` rides on the launch of its world size (one is made for
+    it if no layout has it). ``upstream``: megatron-core alone (VerifyConfig.upstream)."""
     by_world, aux_by_world = _by_world(layouts), _by_world(aux_layouts)
     launch = LaunchConfig(backend="gloo" if device == "cpu" else "nccl", timeout_s=timeout_s)
     results, coefficients = {}, []
     for world_size in sorted(by_world.keys() | aux_by_world.keys()):
         names = ", ".join(lay.name for lay in by_world[world_size])
         print(f"launching {world_size} rank(s): {names}", file=sys.stderr, flush=True)
-        cfg = VerifyConfig(layouts=tuple(by_world[world_size]), lengths=DEFAULT_LENGTHS, device=device)
-        per_rank = run_on_ranks(_rank_work, world_size, (cfg, tuple(aux_by_world[world_size])), launch)
+        cfg = VerifyConfig(
+            layouts=tuple(by_world[world_size]),
+            lengths=DEFAULT_LENGTHS,
+            device=device,
+            upstream=upstream,
+        )
+        per_rank = run_on_ranks(
+            _rank_work, world_size, (cfg, tuple(aux_by_world[world_size])), launch
+        )
         if by_world[world_size]:
             results[world_size] = [layouts_done for layouts_done, _ in per_rank]
         coefficients += per_rank[0][1]
     return results, coefficients
 
 
-def _by_world(items: Sequence, layout_of: Callable = lambda layout: layout) -> defaultdict[int, list]:
+def _by_world(
+    items: Sequence, layout_of: Callable = lambda layout: layout
+) -> defaultdict[int, list]:
     """``items`` (layouts, or draws with ``layout_of``) by their layout's world size, in order."""
     grouped: defaultdict[int, list] = defaultdict(list)
     for item in items:
@@ -47,7 +59,9 @@ def _by_world(items: Sequence, layout_of: Callable = lambda layout: layout) -> d
     return grouped
 
 
-def _rank_work(cfg: VerifyConfig, aux_layouts: tuple[Layout, ...]) -> tuple[list[LayoutResult], list[AuxCoefficient]]:
+def _rank_work(
+    cfg: VerifyConfig, aux_layouts: tuple[Layout, ...]
+) -> tuple[list[LayoutResult], list[AuxCoefficient]]:
     """One rank: every layout of ``cfg``, then the coefficients of ``aux_layouts``."""
     results = run_rank(cfg) if cfg.layouts else []
     if not aux_layouts:
@@ -58,8 +72,8 @@ def _rank_work(cfg: VerifyConfig, aux_layouts: tuple[Layout, ...]) -> tuple[list
         return results, measure_aux_coefficients(cfg, aux_layouts)
 
 
-#: Each draw builds megatron's process groups anew, and gloo keeps the threads of every group it made: a few draws
-#: per launch keep a rank's threads in the tens.
+#: Each draw builds megatron's process groups anew, and gloo keeps the threads of every group it
+#: made: a few draws per launch keep a rank's threads in the tens.
 DRAWS_PER_LAUNCH = 4
 
 
@@ -69,8 +83,8 @@ def launch_draws(
     device: str,
     timeout_s: float,
 ) -> list[tuple[Draw, tuple[DrawResult, ...] | None, str | None]]:
-    """(draw, every rank's verdict, None) for each draw, or (draw, None, why) where its launch failed; the draws of
-    one world size at most :data:`DRAWS_PER_LAUNCH` to a launch."""
+    """(draw, every rank's verdict, None) for each draw, or (draw, None, why) where its launch
+    failed; the draws of one world size at most :data:`DRAWS_PER_LAUNCH` to a launch."""
     launch = LaunchConfig(backend="gloo" if device == "cpu" else "nccl", timeout_s=timeout_s)
     out: list[tuple[Draw, tuple[DrawResult, ...] | None, str | None]] = []
     for world_size, of_world in sorted(_by_world(draws, lambda draw: draw.layout).items()):
@@ -84,7 +98,9 @@ def launch_draws(
             try:
                 per_rank = run_on_ranks(run_draws, world_size, (batch, device), launch)
             except Exception as exc:
-                out += [(draw, None, f"launch failed: {type(exc).__name__}: {exc}") for draw in batch]
+                out += [
+                    (draw, None, f"launch failed: {type(exc).__name__}: {exc}") for draw in batch
+                ]
                 continue
             out += [(verdicts[0].draw, verdicts, None) for verdicts in zip(*per_rank)]
     return out

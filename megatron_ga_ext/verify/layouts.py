@@ -1,18 +1,51 @@
 """The layouts verify runs, the synthetic global batch, and how the batch splits into loss units.
 
-A *unit* is what one loss-function call sees: micro-batch m of DP rank r, CP shard c. Megatron's data
-order puts sample ``b = (m * DP + r) * MBS + j`` on DP rank r in micro-batch m; CP shard c holds the
-sequence chunks c and 2*CP - 1 - c of 2*CP equal chunks (``get_batch_on_this_cp_rank``).
+A *unit* is what one loss-function call sees: micro-batch m of DP rank r, CP shard c. Megatron's
+data order puts sample ``b = (m * DP + r) * MBS + j`` on DP rank r in micro-batch m; CP shard c
+holds the sequence chunks c and 2*CP - 1 - c of 2*CP equal chunks (``get_batch_on_this_cp_rank``).
 """
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
-__all__ = ["DEFAULT_LAYOUTS", "GlobalBatch", "Layout", "make_global_batch"]
+__all__ = [
+    "AUXILIARY_KINDS",
+    "DEFAULT_LAYOUTS",
+    "MODEL_KINDS",
+    "GlobalBatch",
+    "Layout",
+    "ModelKind",
+    "make_global_batch",
+]
+
+#: The models verify builds (models.py; models.KINDS adds MoE and/or MTP to the GPT), written once:
+#: Layout.model's type, the fuzzer's draws (fuzz.py) and the auxiliary-loss kinds below are read
+#: from it.
+ModelKind = Literal[
+    "gpt",
+    "positionwise",
+    "moe",
+    "mtp",
+    "mtp2",
+    "moe_mtp",
+    "moe_global",
+    "moe_global_z",
+    "moe_seq",
+    "moe_bias",
+    "moe_positionwise",
+    "gpt_untied",
+]
+MODEL_KINDS: tuple[ModelKind, ...] = typing.get_args(ModelKind)
+#: The kinds with auxiliary losses (MoE load balancing and z-loss, MTP): every kind but the plain
+#: GPTs.
+AUXILIARY_KINDS: tuple[ModelKind, ...] = tuple(
+    k for k in MODEL_KINDS if k not in ("gpt", "positionwise", "gpt_untied")
+)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -29,41 +62,37 @@ class Layout:
     virtual_pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
-    """Experts split over this many of the DP ranks (the alltoall dispatcher); it does not multiply the world."""
+    """Experts split over this many of the DP ranks (the alltoall dispatcher); it does not multiply
+    the world."""
     expert_tensor_parallel_size: int | None = None
     """Each expert split over this many ranks; None: TP's, megatron's default."""
     micro_batch_size: int = 1
-    model: Literal[
-        "gpt",
-        "positionwise",
-        "moe",
-        "mtp",
-        "mtp2",
-        "moe_mtp",
-        "moe_global",
-        "moe_global_z",
-        "moe_seq",
-        "moe_bias",
-        "moe_positionwise",
-        "gpt_untied",
-    ] = "gpt"
+    model: ModelKind = "gpt"
     """``positionwise`` for CP: no attention, so a shard's gradient is exact without ring attention;
-    ``moe``, ``mtp``, ``moe_mtp``: the GPT with MoE layers and/or an MTP layer (``mtp2``: two); ``moe_global``,
-    ``moe_seq``: MoE
-    with global_aux_loss (without the z-loss), seq_aux_loss; ``moe_global_z``: global_aux_loss and the z-loss;
-    ``moe_bias``: MoE with the expert bias (sigmoid scores); ``gpt_untied``: the GPT with an output layer of its own
-    (torch FSDP2);
+    ``moe``, ``mtp``, ``moe_mtp``: the GPT with MoE layers and/or an MTP layer (``mtp2``: two);
+    ``moe_global``, ``moe_seq``: MoE with global_aux_loss (without the z-loss), seq_aux_loss;
+    ``moe_global_z``: global_aux_loss and the z-loss; ``moe_bias``: MoE with the expert bias
+    (sigmoid scores); ``gpt_untied``: the GPT with an output layer of its own (torch FSDP2);
     ``moe_positionwise``: MoE layers without attention, for CP (models.KINDS)."""
+    overlap_moe_expert_parallel_comm: bool = False
+    """Combined 1F1B (``--overlap-moe-expert-parallel-comm``, EP > 1): the schedule runs the model
+    through ``build_schedule_plan``; the config says bf16, as upstream requires, over fp32 weights."""
+    delay_wgrad_compute: bool = False
+    """``--delay-wgrad-compute`` (with combined 1F1B): weight gradients computed after the data
+    gradients, inside the schedule."""
     overlap_grad_reduce: bool = False
     distributed_optimizer: bool = False
     data_parallel: Literal["ddp", "torch_fsdp2", "megatron_fsdp"] = "ddp"
-    """The data-parallel wrapper: Megatron's DDP, torch FSDP2 (``--use-torch-fsdp2``; ``gpt_untied``, PP 1, EP 1) or
-    Megatron-FSDP (``--use-megatron-fsdp``, with the distributed optimizer it implies); data_parallel.py."""
-    sharding_strategy: Literal["no_shard", "optim", "optim_grads", "optim_grads_params"] = "no_shard"
+    """The data-parallel wrapper: Megatron's DDP, torch FSDP2 (``--use-torch-fsdp2``;
+    ``gpt_untied``, PP 1, EP 1) or Megatron-FSDP (``--use-megatron-fsdp``, with the distributed
+    optimizer it implies); data_parallel.py."""
+    sharding_strategy: Literal["no_shard", "optim", "optim_grads", "optim_grads_params"] = (
+        "no_shard"
+    )
     """Megatron-FSDP's ``--data-parallel-sharding-strategy``."""
     lengths: tuple[int, ...] | None = None
-    """Loss tokens of each sample of the global batch, where the layout needs its own (a sample without any); None:
-    the launch's."""
+    """Loss tokens of each sample of the global batch, where the layout needs its own (a sample
+    without any); None: the launch's."""
 
     @property
     def world_size(self) -> int:
@@ -78,17 +107,7 @@ class Layout:
     @property
     def auxiliary(self) -> bool:
         """The model has auxiliary losses (MoE load balancing and z-loss, MTP)."""
-        return self.model in (
-            "moe",
-            "mtp",
-            "mtp2",
-            "moe_mtp",
-            "moe_global",
-            "moe_global_z",
-            "moe_seq",
-            "moe_bias",
-            "moe_positionwise",
-        )
+        return self.model in AUXILIARY_KINDS
 
     @property
     def global_batch_size(self) -> int:
@@ -112,6 +131,8 @@ class Layout:
         if self.data_parallel != "ddp":
             notes.append(DATA_PARALLEL_NOTES[self.data_parallel].format(self.sharding_strategy))
         notes += ["sequence parallel"] * self.sequence_parallel
+        notes += ["combined 1F1B"] * self.overlap_moe_expert_parallel_comm
+        notes += ["delayed wgrad"] * self.delay_wgrad_compute
         notes += ["overlapped grad reduce"] * self.overlap_grad_reduce
         notes += ["distributed optimizer"] * self.distributed_optimizer
         notes += [f"loss tokens {', '.join(map(str, self.lengths))}"] if self.lengths else []
@@ -132,8 +153,8 @@ class Layout:
         return torch.cat([first, second])
 
     def unit_samples(self) -> list[list[int]]:
-        """The samples of each unit (m, r), in unit order. The auxiliary losses' units span CP (and TP): the
-        router reduces its counts over TP x CP, and MTP rolls across CP shards."""
+        """The samples of each unit (m, r), in unit order. The auxiliary losses' units span CP (and
+        TP): the router reduces its counts over TP x CP, and MTP rolls across CP shards."""
         return [
             [self.sample(m, r, j) for j in range(self.micro_batch_size)]
             for m in range(self.num_microbatches)
@@ -169,24 +190,59 @@ MODEL_NOTES = {
 }
 DATA_PARALLEL_NOTES = {"torch_fsdp2": "torch FSDP2", "megatron_fsdp": "Megatron-FSDP {}"}
 
-#: The layouts verify runs, by world size (one launch each); GBS = 8, MBS = 1, unless a layout gives its own lengths.
+COMBINED_1F1B: dict[str, Any] = {
+    "expert_model_parallel_size": 2,
+    "overlap_moe_expert_parallel_comm": True,
+}
+
+#: The layouts verify runs, by world size (one launch each); GBS = 8, MBS = 1, unless a layout gives
+#: its own lengths.
 DEFAULT_LAYOUTS = (
     Layout(data_parallel_size=1, num_microbatches=8),
-    # seq_aux_loss counts per sequence: a micro-batch of a truncated sample (no loss tokens) and one of a single token.
-    Layout(data_parallel_size=1, num_microbatches=2, micro_batch_size=2, model="moe_seq", lengths=(1, 0, 16, 5)),
+    # seq_aux_loss counts per sequence: a micro-batch of a truncated sample (no loss tokens) and one
+    # of a single token.
+    Layout(
+        data_parallel_size=1,
+        num_microbatches=2,
+        micro_batch_size=2,
+        model="moe_seq",
+        lengths=(1, 0, 16, 5),
+    ),
     Layout(data_parallel_size=2, num_microbatches=4),
-    Layout(data_parallel_size=2, num_microbatches=4, overlap_grad_reduce=True, distributed_optimizer=True),
+    Layout(
+        data_parallel_size=2,
+        num_microbatches=4,
+        overlap_grad_reduce=True,
+        distributed_optimizer=True,
+    ),
     Layout(data_parallel_size=2, num_microbatches=4, model="moe"),
     Layout(data_parallel_size=2, num_microbatches=4, model="moe", expert_model_parallel_size=2),
     Layout(data_parallel_size=2, num_microbatches=4, model="mtp"),
     Layout(data_parallel_size=2, num_microbatches=4, model="moe_mtp"),
-    Layout(data_parallel_size=2, num_microbatches=4, model="moe_global"),  # #7452 finding 10 under global_aux_loss
-    Layout(data_parallel_size=2, num_microbatches=4, model="moe_global_z"),  # its z-loss per unit, the rest per m
-    # Megatron's FSDP paths (data_parallel.py): torch FSDP2 (upstream's factor beside ours: aux.py), Megatron-FSDP's
-    # four sharding strategies, with and without the overlapped reduce; the DP 4 ones close the table.
-    Layout(data_parallel_size=2, num_microbatches=4, model="gpt_untied", data_parallel="torch_fsdp2"),
-    Layout(data_parallel_size=2, num_microbatches=4, data_parallel="megatron_fsdp", sharding_strategy="no_shard"),
-    Layout(data_parallel_size=2, num_microbatches=4, data_parallel="megatron_fsdp", sharding_strategy="optim"),
+    Layout(
+        data_parallel_size=2, num_microbatches=4, model="moe_global"
+    ),  # #7452 finding 10 under global_aux_loss
+    Layout(
+        data_parallel_size=2, num_microbatches=4, model="moe_global_z"
+    ),  # its z-loss per unit, the rest per m
+    # Megatron's FSDP paths (data_parallel.py): torch FSDP2 (upstream's factor beside ours: aux.py),
+    # Megatron-FSDP's four sharding strategies, with and without the overlapped reduce; the DP 4
+    # ones close the table.
+    Layout(
+        data_parallel_size=2, num_microbatches=4, model="gpt_untied", data_parallel="torch_fsdp2"
+    ),
+    Layout(
+        data_parallel_size=2,
+        num_microbatches=4,
+        data_parallel="megatron_fsdp",
+        sharding_strategy="no_shard",
+    ),
+    Layout(
+        data_parallel_size=2,
+        num_microbatches=4,
+        data_parallel="megatron_fsdp",
+        sharding_strategy="optim",
+    ),
     Layout(
         data_parallel_size=2,
         num_microbatches=4,
@@ -194,16 +250,58 @@ DEFAULT_LAYOUTS = (
         sharding_strategy="optim_grads",
         overlap_grad_reduce=True,
     ),
+    # combined 1F1B (--overlap-moe-expert-parallel-comm): the model runs as a schedule plan
+    Layout(data_parallel_size=2, num_microbatches=4, model="moe", **COMBINED_1F1B),
+    Layout(
+        data_parallel_size=2,
+        num_microbatches=4,
+        model="moe",
+        delay_wgrad_compute=True,
+        **COMBINED_1F1B,
+    ),
+    Layout(data_parallel_size=2, num_microbatches=4, model="moe_mtp", **COMBINED_1F1B),
     Layout(data_parallel_size=4, num_microbatches=2),
     Layout(pipeline_model_parallel_size=2, data_parallel_size=2, num_microbatches=4),
     Layout(
-        pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, data_parallel_size=2, num_microbatches=4
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=2,
+        data_parallel_size=2,
+        num_microbatches=4,
     ),
     Layout(context_parallel_size=2, data_parallel_size=2, num_microbatches=4, model="positionwise"),
     # The MoE router's counts under TP and CP (Megatron-LM #7452, finding 10).
-    Layout(tensor_model_parallel_size=2, sequence_parallel=True, data_parallel_size=2, num_microbatches=4, model="moe"),
-    Layout(context_parallel_size=2, data_parallel_size=2, num_microbatches=4, model="moe_positionwise"),
-    Layout(data_parallel_size=4, num_microbatches=2, model="gpt_untied", data_parallel="torch_fsdp2"),
+    Layout(
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+        data_parallel_size=2,
+        num_microbatches=4,
+        model="moe",
+    ),
+    Layout(
+        context_parallel_size=2, data_parallel_size=2, num_microbatches=4, model="moe_positionwise"
+    ),
+    # combined 1F1B's padding mask cut for sequence parallelism (ETP 1: the alltoall dispatcher's
+    # uneven gather over ETP is NCCL's, gloo refuses it), and its interleaved schedule
+    Layout(
+        tensor_model_parallel_size=2,
+        expert_tensor_parallel_size=1,
+        sequence_parallel=True,
+        data_parallel_size=2,
+        num_microbatches=4,
+        model="moe",
+        **COMBINED_1F1B,
+    ),
+    Layout(
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=2,
+        data_parallel_size=2,
+        num_microbatches=4,
+        model="moe",
+        **COMBINED_1F1B,
+    ),
+    Layout(
+        data_parallel_size=4, num_microbatches=2, model="gpt_untied", data_parallel="torch_fsdp2"
+    ),
     Layout(
         context_parallel_size=2,
         data_parallel_size=2,
@@ -234,7 +332,9 @@ class GlobalBatch:
     position_ids: torch.Tensor
 
 
-def make_global_batch(lengths: tuple[int, ...], seq_length: int, vocab_size: int, seed: int = 1234) -> GlobalBatch:
+def make_global_batch(
+    lengths: tuple[int, ...], seq_length: int, vocab_size: int, seed: int = 1234
+) -> GlobalBatch:
     """Random tokens and labels; loss_mask[b, s] = 1 for s < lengths[b], 0 on the padding after."""
     gen = torch.Generator().manual_seed(seed)
     shape = (len(lengths), seq_length)

@@ -1,33 +1,37 @@
-"""Unpartitioned single-process references: the whole global batch, no DDP, no schedule, no extension.
+"""Unpartitioned single-process references: the whole global batch, no DDP, no schedule, no
+extension.
 
-The LM part of both definitions is a weighted sum of the per-token losses l[b, s] over the global batch:
+The LM part of both definitions is a weighted sum of the per-token losses l[b, s] over the global
+batch:
 
     token:          w[b, s] = mask[b, s] / N,                      N = sum of the mask
     mean of means:  w[b, s] = mask[b, s] / (U * max(n_u, 1)),      u = unit of (b, s), U units,
-                    n_u = non-padding tokens of unit u (one micro-batch of one DP rank, one CP shard)
+                    n_u = non-padding tokens of unit u (one micro-batch of one DP rank, one CP
+                    shard)
 
-and models with auxiliary losses add, per unit u = (micro-batch m, DP rank r) (its TP and CP shards together, as
-the router reduces its counts over TP x CP),
+and models with auxiliary losses add, per unit u = (micro-batch m, DP rank r) (its TP and CP shards
+together, as the router reduces its counts over TP x CP),
 
     MoE load balancing and z-loss:
       token:          (n_u / N) * alpha * aux_u,   aux_u over u's loss tokens (the router given padding_mask =
                       (loss_mask == 0)): the target docs/reduction.md defines;
       mean of means:  (1 / U) * alpha * aux_u,     aux_u over all of u's positions: upstream's default path;
-      global_aux_loss: aux(m), micro-batch m's loss over every DP rank's rows (its statistics, tokens per expert
-                      averaged over the step's micro-batches so far and the token count T(m), are m's), at
-                      T(m) / (DP * N) (token: every token of m weighs the same) or 1 / U (mean of means,
-                      upstream's); its z-loss per unit, as above;
+      global_aux_loss: aux(m), micro-batch m's loss over every DP rank's rows (its statistics,
+                      tokens per expert averaged over the step's micro-batches so far and the token
+                      count T(m), are m's), at T(m) / (DP * N) (token: every token of m weighs the
+                      same) or 1 / U (mean of means, upstream's); its z-loss per unit, as above;
     MTP (depth D, alpha = scaling factor / D):
       token:          alpha * sum over depths and MTP tokens t of mtp_t / N over the whole batch: every MTP token
-                      weighs alpha / N, computed from the definition (depth k's target at position s is label s + k,
-                      counted where loss_mask[s + k] is 1), on the model's own per-token losses;
+                      weighs alpha / N, computed from the definition (depth k's target at position s
+                      is label s + k, counted where loss_mask[s + k] is 1), on the model's own
+                      per-token losses;
       mean of means:  (1 / U) * alpha * sum over depths of the mean of u's MTP tokens: upstream's default path.
 
-The auxiliary terms are megatron's own (router, MTP block), attached with megatron's autoscalers at exactly
-these weights (``set_loss_scale``), computed on a model built without the per-token flag, so that no
-per-token pre-multiplication nor finalize division takes part; global_aux_loss runs one forward per micro-batch m
-over every DP rank's rows (the z-loss off), then one per unit for the z-loss (load balancing off). The reference
-gradient is the gradient of the sum of both parts.
+The auxiliary terms are megatron's own (router, MTP block), attached with megatron's autoscalers at
+exactly these weights (``set_loss_scale``), computed on a model built without the per-token flag, so
+that no per-token pre-multiplication nor finalize division takes part; global_aux_loss runs one
+forward per micro-batch m over every DP rank's rows (the z-loss off), then one per unit for the
+z-loss (load balancing off). The reference gradient is the gradient of the sum of both parts.
 """
 
 from __future__ import annotations
@@ -72,8 +76,9 @@ def reference_grads(
 ) -> dict[tuple[str, str], Grads]:
     """{(layout name, "token" or "mean_of_means"): {global name: gradient}} for every layout.
 
-    Needs megatron's parallel state for building the model; it initialises TP = PP = CP = 1 and tears
-    it down again, so call it between layouts. The model is used unwrapped, on this rank alone.
+    Needs megatron's parallel state for building the model; it initialises TP = PP = CP = 1 and
+    tears it down again, so call it between layouts. The model is used unwrapped, on this rank
+    alone.
     """
     from megatron.core import parallel_state
 
@@ -86,12 +91,17 @@ def reference_grads(
             token = _lm_grads(module, names, batch, token_weights(batch.loss_mask))
             for layout in (lay for lay in layouts if lay.model == kind):
                 mean_of_means = _lm_grads(
-                    module, names, batch, mean_of_means_weights(batch.loss_mask, layout.unit_ids(model.seq_length))
+                    module,
+                    names,
+                    batch,
+                    mean_of_means_weights(batch.loss_mask, layout.unit_ids(model.seq_length)),
                 )
                 refs[(layout.name, "token")] = token
                 refs[(layout.name, "mean_of_means")] = mean_of_means
                 if layout.auxiliary:
-                    refs[(layout.name, "token")] = _plus(token, _aux_grads(module, names, batch, layout, "token"))
+                    refs[(layout.name, "token")] = _plus(
+                        token, _aux_grads(module, names, batch, layout, "token")
+                    )
                     refs[(layout.name, "mean_of_means")] = _plus(
                         mean_of_means, _aux_grads(module, names, batch, layout, "microbatch")
                     )
@@ -104,7 +114,8 @@ def reference_grads(
 def aux_reference_grads(
     model: ModelConfig, layout: Layout, batch: GlobalBatch, mode: str, device: str = "cpu"
 ) -> Grads:
-    """The auxiliary-loss part alone of ``layout``'s reference in ``mode`` (the LM loss at weight 0)."""
+    """The auxiliary-loss part alone of ``layout``'s reference in ``mode`` (the LM loss at weight
+    0)."""
     from megatron.core import parallel_state
 
     init_model_parallel()
@@ -118,7 +129,9 @@ def aux_reference_grads(
 
 def _build(model: ModelConfig, kind: str, device: str) -> tuple[torch.nn.Module, dict[str, str]]:
     """The unpartitioned model of ``kind`` on ``device``, and its parameters' global names."""
-    config = transformer_config(model, kind=kind if kind != "positionwise" else "gpt", calculate_per_token_loss=False)
+    config = transformer_config(
+        model, kind=kind if kind != "positionwise" else "gpt", calculate_per_token_loss=False
+    )
     if kind == "positionwise":
         module, names = build_positionwise(model, config)
     else:
@@ -130,16 +143,18 @@ def _build(model: ModelConfig, kind: str, device: str) -> tuple[torch.nn.Module,
             positionwise=kind in POSITIONWISE_GPT,
             untied=kind in UNTIED_GPT,
         )
-    for router in module.modules():  # the expert bias starts at 0 and moves in finalize: one step never reads it
+    for router in (
+        module.modules()
+    ):  # the expert bias starts at 0 and moves in finalize: one step never reads it
         if getattr(router, "enable_expert_bias", False):
             router.enable_expert_bias = False
     return module.to(device), names
 
 
 def _set_aux_scale(scale: float | None, mtp: float | None = None) -> None:
-    """The weight megatron's autoscalers give the auxiliary losses attached in the next forward (``mtp``: MTP's,
-    if it differs from MoE's); None leaves them unset, as a new process has them (the schedule sets its own, of
-    shape [1])."""
+    """The weight megatron's autoscalers give the auxiliary losses attached in the next forward
+    (``mtp``: MTP's, if it differs from MoE's); None leaves them unset, as a new process has them
+    (the schedule sets its own, of shape [1])."""
     from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
 
     scalers = [(MoEAuxLossAutoScaler, scale)]
@@ -159,7 +174,8 @@ def _set_aux_scale(scale: float | None, mtp: float | None = None) -> None:
 def _forward(
     module: torch.nn.Module, batch: GlobalBatch, rows: list[int] | slice, device: str, padding: bool
 ) -> torch.Tensor:
-    """Per-token losses of ``rows``; GPT kinds also get the loss mask (MTP), and padding_mask if asked."""
+    """Per-token losses of ``rows``; GPT kinds also get the loss mask (MTP), and padding_mask if
+    asked."""
     mask = batch.loss_mask[rows].to(device)
     kwargs = {} if not hasattr(module, "decoder") else {"loss_mask": mask}
     if padding:
@@ -173,22 +189,30 @@ def _forward(
     )
 
 
-def _lm_grads(module: torch.nn.Module, names: dict[str, str], batch: GlobalBatch, weights: torch.Tensor) -> Grads:
-    """grad of sum(w * l) with every auxiliary loss at weight 0; a fresh forward each time (megatron's cross
-    entropy frees its saved state)."""
+def _lm_grads(
+    module: torch.nn.Module, names: dict[str, str], batch: GlobalBatch, weights: torch.Tensor
+) -> Grads:
+    """grad of sum(w * l) with every auxiliary loss at weight 0; a fresh forward each time
+    (megatron's cross entropy frees its saved state)."""
     device = next(module.parameters()).device
     _set_aux_scale(0.0)
     losses = _forward(module, batch, slice(None), device, padding=False)
     return _grad(module, names, (losses * weights.to(device)).sum())
 
 
-def _aux_grads(module: torch.nn.Module, names: dict[str, str], batch: GlobalBatch, layout: Layout, mode: str) -> Grads:
-    """grad of the auxiliary part of the reference (module docstring), the LM loss at weight 0: MoE's terms
-    (MTP's at weight 0), then MTP's (MoE's at weight 0)."""
+def _aux_grads(
+    module: torch.nn.Module, names: dict[str, str], batch: GlobalBatch, layout: Layout, mode: str
+) -> Grads:
+    """grad of the auxiliary part of the reference (module docstring), the LM loss at weight 0:
+    MoE's terms (MTP's at weight 0), then MTP's (MoE's at weight 0)."""
     extra = KINDS[layout.model]
     out: Grads = {}
     if extra.get("num_moe_experts"):
-        moe = _global_aux_grads if extra["moe_router_load_balancing_type"] == "global_aux_loss" else _moe_grads
+        moe = (
+            _global_aux_grads
+            if extra["moe_router_load_balancing_type"] == "global_aux_loss"
+            else _moe_grads
+        )
         out = moe(module, names, batch, layout, mode)
     if extra.get("mtp_num_layers"):
         out = _plus(out, _mtp_grads(module, names, batch, layout, mode))
@@ -197,17 +221,25 @@ def _aux_grads(module: torch.nn.Module, names: dict[str, str], batch: GlobalBatc
 
 def _unit_weight(batch: GlobalBatch, rows: list[int], num_units: int, mode: str) -> float:
     """n_u / N (token) or 1 / U (mean of means)."""
-    return float(batch.loss_mask[rows].sum() / batch.loss_mask.sum()) if mode == "token" else 1.0 / num_units
+    return (
+        float(batch.loss_mask[rows].sum() / batch.loss_mask.sum())
+        if mode == "token"
+        else 1.0 / num_units
+    )
 
 
-def _moe_grads(module: torch.nn.Module, names: dict[str, str], batch: GlobalBatch, layout: Layout, mode: str) -> Grads:
+def _moe_grads(
+    module: torch.nn.Module, names: dict[str, str], batch: GlobalBatch, layout: Layout, mode: str
+) -> Grads:
     """One forward per unit, its MoE terms at the unit's weight."""
     device = next(module.parameters()).device
     units = layout.unit_samples()
     out: Grads = {}
     for rows in units:
         weight = _unit_weight(batch, rows, len(units), mode)
-        if weight == 0:  # a unit without loss tokens has no term (upstream's router would divide 0 by 0)
+        if (
+            weight == 0
+        ):  # a unit without loss tokens has no term (upstream's router would divide 0 by 0)
             continue
         _set_aux_scale(weight, mtp=0.0)
         losses = _forward(module, batch, rows, device, padding=(mode == "token"))
@@ -218,9 +250,9 @@ def _moe_grads(module: torch.nn.Module, names: dict[str, str], batch: GlobalBatc
 def _global_aux_grads(
     module: torch.nn.Module, names: dict[str, str], batch: GlobalBatch, layout: Layout, mode: str
 ) -> Grads:
-    """global_aux_loss from its definition: aux(m), micro-batch m's loss over all its rows (every DP rank's), one
-    unpartitioned forward each, in order from a fresh tracker (the router averages tokens per expert over the
-    micro-batches so far), at the weight
+    """global_aux_loss from its definition: aux(m), micro-batch m's loss over all its rows (every DP
+    rank's), one unpartitioned forward each, in order from a fresh tracker (the router averages
+    tokens per expert over the micro-batches so far), at the weight
 
         token:          c_m = T(m) / (DP x N),   T(m) = loss tokens of m: every token of m weighs the same;
         mean of means:  1 / U = 1 / (M x DP):    upstream's default path (each DP rank's piece at 1 / U, the
@@ -236,9 +268,15 @@ def _global_aux_grads(
     out: Grads = {}
     with _local_counts(routers), _config_set(routers, moe_z_loss_coeff=None):
         for m in range(layout.num_microbatches):
-            rows = [row for unit in units[m * per_microbatch : (m + 1) * per_microbatch] for row in unit]
+            rows = [
+                row for unit in units[m * per_microbatch : (m + 1) * per_microbatch] for row in unit
+            ]
             weight = _microbatch_weight(batch, rows, layout, mode)
-            if weight == 0:  # no loss tokens: install() routes none (its count clamped to 1), the tracker advances
+            if (
+                weight == 0
+                # no loss tokens: install() routes none (its count clamped to 1), the tracker
+                # advances
+            ):
                 for router in routers:
                     router.ga_steps += 1
                 continue
@@ -252,7 +290,8 @@ def _global_aux_grads(
 
 
 def _microbatch_weight(batch: GlobalBatch, rows: list[int], layout: Layout, mode: str) -> float:
-    """T(m) / (DP x N) (token) or 1 / (M x DP) (mean of means): global_aux_loss's weight of micro-batch m."""
+    """T(m) / (DP x N) (token) or 1 / (M x DP) (mean of means): global_aux_loss's weight of
+    micro-batch m."""
     units = layout.num_microbatches * layout.data_parallel_size
     if mode != "token":
         return 1.0 / units
@@ -261,8 +300,8 @@ def _microbatch_weight(batch: GlobalBatch, rows: list[int], layout: Layout, mode
 
 @contextlib.contextmanager
 def _local_counts(routers: list[torch.nn.Module]) -> Iterator[None]:
-    """The routers count over this process alone: their TP x DP x CP group is their TP x CP one, of size 1 here (the
-    reference runs on every rank of a launch, whose DP group spans them)."""
+    """The routers count over this process alone: their TP x DP x CP group is their TP x CP one, of
+    size 1 here (the reference runs on every rank of a launch, whose DP group spans them)."""
     groups = [router.tp_dp_cp_group for router in routers]
     for router in routers:
         router.tp_dp_cp_group = router.tp_cp_group
@@ -275,7 +314,8 @@ def _local_counts(routers: list[torch.nn.Module]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _config_set(routers: list[torch.nn.Module], **fields: Any) -> Iterator[None]:
-    """The routers' TransformerConfig with ``fields`` set (an auxiliary term off), restored after."""
+    """The routers' TransformerConfig with ``fields`` set (an auxiliary term off), restored
+    after."""
     configs = list({id(router.config): router.config for router in routers}.values())
     saved = [{name: getattr(config, name) for name in fields} for config in configs]
     for config in configs:
@@ -289,9 +329,12 @@ def _config_set(routers: list[torch.nn.Module], **fields: Any) -> Iterator[None]
                 setattr(config, name, value)
 
 
-def _mtp_grads(module: torch.nn.Module, names: dict[str, str], batch: GlobalBatch, layout: Layout, mode: str) -> Grads:
-    """Token: the definition over the whole batch (:func:`_mtp_token_objective`); mean of means: one forward per unit,
-    upstream's attachment (each depth's mean over the unit's rolled tokens) at 1 / U."""
+def _mtp_grads(
+    module: torch.nn.Module, names: dict[str, str], batch: GlobalBatch, layout: Layout, mode: str
+) -> Grads:
+    """Token: the definition over the whole batch (:func:`_mtp_token_objective`); mean of means: one
+    forward per unit, upstream's attachment (each depth's mean over the unit's rolled tokens) at 1 /
+    U."""
     device = next(module.parameters()).device
     if mode == "token":
         return _grad(module, names, _mtp_token_objective(module, batch, device))
@@ -305,10 +348,10 @@ def _mtp_grads(module: torch.nn.Module, names: dict[str, str], batch: GlobalBatc
 
 
 def _mtp_token_objective(module: torch.nn.Module, batch: GlobalBatch, device: str) -> torch.Tensor:
-    """alpha / D x sum over depths k = 1..D and positions s of mask[s + k] x l_k[s], over N: depth k predicts label
-    s + k at position s (0 past the sequence's end). l_k is the model's own per-token loss of depth k, recorded from
-    its ``compute_language_model_loss`` calls (the call whose labels are the labels shifted by k); the autoscalers
-    attach nothing (weight 0)."""
+    """alpha / D x sum over depths k = 1..D and positions s of mask[s + k] x l_k[s], over N: depth k
+    predicts label s + k at position s (0 past the sequence's end). l_k is the model's own per-token
+    loss of depth k, recorded from its ``compute_language_model_loss`` calls (the call whose labels
+    are the labels shifted by k); the autoscalers attach nothing (weight 0)."""
     calls: list[tuple[torch.Tensor, torch.Tensor]] = []
     compute = module.compute_language_model_loss
 

@@ -1,12 +1,15 @@
-"""The end-to-end tier: which Megatron-LM sources it runs on, one launch cache, and the results table.
+"""The end-to-end tier: which Megatron-LM sources it runs on, one launch cache, and the results
+table.
 
-Sources (tools/regress.py): ``MEGATRON_LM`` (a checkout, or a .tar.gz of one), else every snapshot in
-``MEGATRON_LM_SNAPSHOTS`` (default ``../shared/upstream``) of a tested source whose Python is this one.
-With neither, every test here is skipped with one line saying what to pass (``make e2e`` says it first).
+Sources (tools/regress.py): ``MEGATRON_LM`` (a checkout, or a .tar.gz of one), else every snapshot
+in ``MEGATRON_LM_SNAPSHOTS`` (default ``../shared/upstream``) of a tested source whose Python is
+this one. With neither, every test here is skipped with one line saying what to pass (``make e2e``
+says it first).
 
-Each (source, layout) runs a handful of launches, shared by the tests that check them. At the end the
-results table is printed, and each source's compatibility row is recorded (tools/results.py, where
-``MEGATRON_GA_RESULTS`` is set: make e2e) for ``make docs`` to render into docs/compatibility.md.
+Each (source, layout) runs a handful of launches, shared by the tests that check them. At the end
+the results table is printed, and each source's compatibility row is recorded (tools/results.py,
+where ``MEGATRON_GA_RESULTS`` is set: make e2e) for ``make docs`` to render into
+docs/compatibility.md.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ SOURCES = sources([os.environ["MEGATRON_LM"]] if os.environ.get("MEGATRON_LM") e
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """``source``: every source; ``newest_source``: the newest release and main commit among them (faults);
-    ``newest_release``: the first of those (the timing comparison)."""
+    """``source``: every source; ``newest_source``: the newest release and main commit among them
+    (faults); ``newest_release``: the first of those (the timing comparison)."""
     for fixture, trees in (
         ("source", SOURCES),
         ("newest_source", _newest(SOURCES)),
@@ -44,7 +47,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def _newest(trees: list[Path]) -> list[Path]:
-    """The newest release and the newest main commit (compat.UPSTREAM is ordered); a given checkout as it is."""
+    """The newest release and the newest main commit (compat.UPSTREAM is ordered); a given checkout
+    as it is."""
     named = {source_name(t): t for t in trees}
     known = [u for u in UPSTREAM if u.name in named]
     if not known:
@@ -139,7 +143,9 @@ def pytest_terminal_summary(terminalreporter) -> None:
     widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in _ROWS)) for c in columns}
     terminalreporter.write_line("  ".join(c.ljust(widths[c]) for c in columns))
     for row in _ROWS:
-        terminalreporter.write_line("  ".join(str(row.get(c, "")).ljust(widths[c]) for c in columns))
+        terminalreporter.write_line(
+            "  ".join(str(row.get(c, "")).ljust(widths[c]) for c in columns)
+        )
     _record_compatibility()
 
 
@@ -167,7 +173,8 @@ def _record_compatibility() -> None:
             {
                 "Source": name,
                 "megatron-core": core_version(source),
-                "Python, torch": f"Python {platform.python_version()}, torch {sys.modules['torch'].__version__}",
+                "Python, torch": f"Python {platform.python_version()}, torch "
+                f"{sys.modules['torch'].__version__}",
                 "Hooked functions": hooked_functions(source),
                 "End-to-end": summary,
             }

@@ -1,26 +1,31 @@
 """Faults injected into Megatron-LM's own training loop (pretrain_gpt.py through the drop-in entry,
-``python -m megatron_ga_ext``), DP 2 on the CPU over gloo, on the newest release and the newest main commit of the
-leg. Each fault has one documented outcome (docs/reliability.md):
+``python -m megatron_ga_ext``), DP 2 on the CPU over gloo, on the newest release and the newest main
+commit of the leg. Each fault has one documented outcome (docs/reliability.md):
 
-* a NaN loss on rank 1 at iteration 3: LossContractError naming the non-finite loss, at iteration 3; the
-  checkpoints of iterations 1 and 2 are there, none of iteration 3; the same with --ga-checks async, raised after
-  the optimizer step of iteration 3 and naming it;
-* resuming that checkpoint with another schedule: rank 0 warns with both schedules, from which iteration and
-  consumed-sample count the new one applies and the global batch size there under each; the run goes on under
-  the new schedule, step for step as `megatron-ga schedule --consumed-samples` plans it;
-* in that resumed run, a micro-batch without a single loss token on rank 1 (iteration 4): training goes on, and
-  the global token count N is the other micro-batches' tokens;
+* a NaN loss on rank 1 at iteration 3: LossContractError naming the non-finite loss, at iteration 3;
+  the checkpoints of iterations 1 and 2 are there, none of iteration 3; the same with --ga-checks
+  async, raised after the optimizer step of iteration 3 and naming it;
+* resuming that checkpoint with another schedule: rank 0 warns with both schedules, from which
+  iteration and consumed-sample count the new one applies and the global batch size there under
+  each; the run goes on under the new schedule, step for step as `megatron-ga schedule
+  --consumed-samples` plans it;
+* in that resumed run, a micro-batch without a single loss token on rank 1 (iteration 4): training
+  goes on, and the global token count N is the other micro-batches' tokens;
 * a loss function returning a 2-tuple: LossContractError at the first micro-batch, nothing saved;
-* the loop's forward/backward function bypassing the extension's schedule hook: GuardError at the optimizer step of
-  iteration 1 (before it; with --ga-checks async after it) naming the bypass, nothing saved;
-* a model wrapped in DDP before --calculate-per-token-loss: LossContractError naming the factor 1/2, nothing saved;
-* rank 1 launched with another --global-batch-size, or another schedule: GuardError at the first forward/backward
-  call naming both ranks and their values (the batch configuration is all-gathered once), nothing saved.
+* the loop's forward/backward function bypassing the extension's schedule hook: GuardError at the
+  optimizer step of iteration 1 (before it; with --ga-checks async after it) naming the bypass,
+  nothing saved; under --ga-on-violation log, the liveness rule logged once and every iteration
+  trained and saved;
+* a model wrapped in DDP before --calculate-per-token-loss: LossContractError naming the factor 1/2,
+  nothing saved;
+* rank 1 launched with another --global-batch-size, or another schedule: GuardError at the first
+  forward/backward call naming both ranks and their values (the batch configuration is all-gathered
+  once), nothing saved.
 
-Every launch saves after every step (--save-interval 1, --ckpt-format torch), bounds each collective with
---distributed-timeout-minutes 1, and runs under the launch's own timeout. The zero-token faults (a whole
-global batch without loss tokens, under each policy) are test_pretrain_gpt.py's; their rows are added here
-when they ran in the same session.
+Every launch saves after every step (--save-interval 1, --ckpt-format torch), bounds each collective
+with --distributed-timeout-minutes 1, and runs under the launch's own timeout. The zero-token faults
+(a whole global batch without loss tokens, under each policy) are test_pretrain_gpt.py's; their rows
+are added here when they ran in the same session.
 """
 
 from __future__ import annotations
@@ -29,7 +34,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.plans import BOUNDED, planned_steps, ran_steps, save_every_step, saved, seq_length_schedule
+from tests.support.plans import (
+    BOUNDED,
+    planned_steps,
+    ran_steps,
+    save_every_step,
+    saved,
+    seq_length_schedule,
+)
 from tools.compatibility import source_name
 from tools.results import record
 
@@ -50,7 +62,9 @@ _ROWS: dict[str, list[dict]] = {}
 def faulty(launches, source: Path, name: str, flags: list[str], **env: str):
     """A DP 2 launch that saves after every step; returns (run, its checkpoint directory)."""
     checkpoints = launches.workdir / source.name / "dp2" / f"{name}-checkpoints"
-    run = launches.get(source, "dp2", name, [*TOKEN, *flags, *BOUNDED, *save_every_step(checkpoints)], env=env)
+    run = launches.get(
+        source, "dp2", name, [*TOKEN, *flags, *BOUNDED, *save_every_step(checkpoints)], env=env
+    )
     return run, checkpoints
 
 
@@ -78,25 +92,47 @@ def row(source: Path, fault: str, injected: str, outcome: str, checkpoints: str)
 def nan_run(launches, source: Path):
     """Megatron's own NaN check off: the extension's is the one that stops the step."""
     return faulty(
-        launches, source, "nan-loss", [*SCHEDULE, *NO_MEGATRON_NAN_CHECK], MEGATRON_GA_FAULT=f"nan-loss-at:{NAN_AT}@1"
+        launches,
+        source,
+        "nan-loss",
+        [*SCHEDULE, *NO_MEGATRON_NAN_CHECK],
+        MEGATRON_GA_FAULT=f"nan-loss-at:{NAN_AT}@1",
     )
 
 
 def test_a_nan_loss_is_left_to_megatrons_rerun_state_machine_which_decides(launches, newest_source):
-    """Megatron's defaults (--rerun-mode validate_results, its NaN check on): the extension defers to Megatron, which
-    re-runs iteration 3 in place; the injected NaN (first micro-batch of the first run only) does not come back, so
-    Megatron judges a transient fault and exits with its code (0.16: after saving a checkpoint of the last iteration
-    it completed) before the optimizer step. The
-    extension says it deferred and reports that decision; the checkpoints of iterations 1-2 are there."""
+    """Megatron's defaults (--rerun-mode validate_results, its NaN check on): the extension defers
+    to Megatron, which re-runs iteration 3 in place; the injected NaN (first micro-batch of the
+    first run only) does not come back, so Megatron judges a transient fault and exits with its code
+    (0.16: after saving a checkpoint of the last iteration it completed) before the optimizer step.
+    The extension says it deferred and reports that decision; the checkpoints of iterations 1-2 are
+    there."""
     run, checkpoints = faulty(
-        launches, newest_source, "nan-loss-rerun", SCHEDULE, MEGATRON_GA_FAULT=f"nan-loss-at:{NAN_AT}@1"
+        launches,
+        newest_source,
+        "nan-loss-rerun",
+        SCHEDULE,
+        MEGATRON_GA_FAULT=f"nan-loss-at:{NAN_AT}@1",
     )
-    assert run.rc != 0 and run.error is not None and run.error.startswith("SystemExit: "), run.describe()
+    assert run.rc != 0 and run.error is not None and run.error.startswith("SystemExit: "), (
+        run.describe()
+    )
     code = int(run.error.split(": ")[1])
-    deferred = f"micro-batch(es) of iteration {NAN_AT} returned a non-finite loss; Megatron's rerun state machine"
-    decided = f"Megatron's rerun state machine decided on the non-finite loss of iteration {NAN_AT}: "
-    decision = run.output[run.output.index(decided) + len(decided) :].splitlines()[0] if decided in run.output else ""
-    assert decision.endswith(f"exit with code {code}"), run.output[-3000:]  # 0.16 saves a checkpoint first
+    deferred = (
+        f"micro-batch(es) of iteration {NAN_AT} returned a non-finite loss; Megatron's "
+        "rerun state machine"
+    )
+    decided = (
+        f"Megatron's rerun state machine decided on the non-finite loss of iteration {NAN_AT}: "
+    )
+    decision = (
+        run.output[run.output.index(decided) + len(decided) :].splitlines()[0]
+        if decided in run.output
+        else ""
+    )
+    assert decision.endswith(f"exit with code {code}"), run.output[
+        -3000:
+    ]  # 0.16 saves a checkpoint first
     assert deferred in run.output and decided in run.output, run.output[-3000:]
     assert "Possible transient error" in run.output
     assert [r["iteration"] for r in run.iterations] == list(range(1, NAN_AT))
@@ -105,16 +141,22 @@ def test_a_nan_loss_is_left_to_megatrons_rerun_state_machine_which_decides(launc
         newest_source,
         "NaN loss on rank 1, Megatron's NaN check on (its defaults)",
         f"`nan-loss-at:{NAN_AT}@1`",
-        f"deferred to Megatron's rerun state machine: it re-ran iteration {NAN_AT} (finite: a transient fault) and "
+        f"deferred to Megatron's rerun state machine: it re-ran iteration {NAN_AT} (finite: a "
+        "transient fault) and "
         f"decided: {decision}, reported",
         f"iterations 1-{NAN_AT - 1}, none of {NAN_AT}",
     )
 
 
 def test_a_nan_loss_on_one_rank_stops_that_step(launches, newest_source):
-    """--no-check-for-nan-in-loss-and-grad: Megatron does not judge the loss, the extension stops the step."""
+    """--no-check-for-nan-in-loss-and-grad: Megatron does not judge the loss, the extension stops
+    the step."""
     run, checkpoints = nan_run(launches, newest_source)
-    failed_with(run, "LossContractError", "1 micro-batch(es) in this global batch returned a non-finite loss")
+    failed_with(
+        run,
+        "LossContractError",
+        "1 micro-batch(es) in this global batch returned a non-finite loss",
+    )
     assert [r["iteration"] for r in run.iterations] == list(range(1, NAN_AT))
     assert saved(checkpoints) == (NAN_AT - 1, list(range(1, NAN_AT)))
     row(
@@ -126,9 +168,12 @@ def test_a_nan_loss_on_one_rank_stops_that_step(launches, newest_source):
     )
 
 
-def test_async_checks_stop_a_nan_step_after_its_optimizer_step_before_its_checkpoint(launches, newest_source):
-    """--ga-checks async: finalize reads nothing; the verdict of iteration 3 is read after its optimizer step (whose
-    own grad-norm read has synchronized by then) and stops the run there, naming it, before Megatron saves it."""
+def test_async_checks_stop_a_nan_step_after_its_optimizer_step_before_its_checkpoint(
+    launches, newest_source
+):
+    """--ga-checks async: finalize reads nothing; the verdict of iteration 3 is read after its
+    optimizer step (whose own grad-norm read has synchronized by then) and stops the run there,
+    naming it, before Megatron saves it."""
     run, checkpoints = faulty(
         launches,
         newest_source,
@@ -153,7 +198,9 @@ def test_async_checks_stop_a_nan_step_after_its_optimizer_step_before_its_checkp
     )
 
 
-def test_a_resume_with_another_schedule_says_what_changed_and_an_empty_microbatch_is_left_out(launches, newest_source):
+def test_a_resume_with_another_schedule_says_what_changed_and_an_empty_microbatch_is_left_out(
+    launches, newest_source
+):
     _, checkpoints = nan_run(launches, newest_source)
     resumed = launches.get(
         newest_source,
@@ -165,16 +212,21 @@ def test_a_resume_with_another_schedule_says_what_changed_and_an_empty_microbatc
     assert resumed.rc == 0 and resumed.error is None, resumed.describe()
     start, consumed = NAN_AT - 1, 32
     warning = (
-        f"resuming from the checkpoint of iteration {start} (consumed samples {consumed}) with another batch "
-        f"configuration than it was saved with: --step-batch-size-schedule '{SCHEDULE_TEXT}' when it was "
-        f"saved, '{CHANGED_TEXT}' now. The new configuration applies from iteration {start + 1} (consumed "
-        f"samples {consumed}) on: global batch size 32 (8 micro-batches), where the checkpoint's configuration "
+        f"resuming from the checkpoint of iteration {start} (consumed samples {consumed}) with "
+        "another batch "
+        f"configuration than it was saved with: --step-batch-size-schedule '{SCHEDULE_TEXT}' "
+        "when it was "
+        f"saved, '{CHANGED_TEXT}' now. The new configuration applies from iteration {start + 1} "
+        "(consumed "
+        f"samples {consumed}) on: global batch size 32 (8 micro-batches), where the checkpoint's "
+        "configuration "
         f"has 16."
     )
     assert resumed.output.count(warning) == 1, resumed.output[-3000:]  # on rank 0 only
     plan = planned_steps(seq_length_schedule(CHANGED_TEXT), TRAIN_SAMPLES, consumed, start)
     assert ran_steps(resumed) == plan
-    # The empty micro-batch: rank 1's first of iteration 4 lost its tokens; N is every other token, and goes on.
+    # The empty micro-batch: rank 1's first of iteration 4 lost its tokens; N is every other token,
+    # and goes on.
     rank1 = {r["iteration"]: r for r in resumed.records[1] if r.get("event") == "iteration"}
     assert [i for i, r in rank1.items() if r["zeroed_tokens"]] == [EMPTY_AT], rank1
     num_tokens = [r["num_tokens"] for r in resumed.iterations]
@@ -183,7 +235,8 @@ def test_a_resume_with_another_schedule_says_what_changed_and_an_empty_microbatc
         newest_source,
         "resumed with another schedule",
         f'`--load` the NaN run\'s iteration {start}, `--step-batch-size-schedule "{CHANGED_TEXT}"`',
-        f"rank 0 warns with both schedules, from iteration {start + 1} (consumed {consumed}): GBS 32, was 16; "
+        f"rank 0 warns with both schedules, from iteration {start + 1} (consumed {consumed}): "
+        "GBS 32, was 16; "
         f"iterations {start + 1}-{plan[-1][0]} = plan",
         "-",
     )
@@ -191,14 +244,17 @@ def test_a_resume_with_another_schedule_says_what_changed_and_an_empty_microbatc
         newest_source,
         "micro-batch without loss tokens on rank 1",
         f"`empty-microbatch-at:{EMPTY_AT}@1` (resumed run)",
-        f"training goes on; N at iteration {EMPTY_AT} = {num_tokens[EMPTY_AT - start - 1]}, the other "
+        f"training goes on; N at iteration {EMPTY_AT} = {num_tokens[EMPTY_AT - start - 1]}, the "
+        "other "
         f"micro-batches' tokens ({rank1[EMPTY_AT]['zeroed_tokens']} left out)",
         "-",
     )
 
 
 def test_a_two_tuple_loss_function_stops_at_the_first_microbatch(launches, newest_source):
-    run, checkpoints = faulty(launches, newest_source, "two-tuple", CONSTANT, MEGATRON_GA_FAULT="two-tuple-loss")
+    run, checkpoints = faulty(
+        launches, newest_source, "two-tuple", CONSTANT, MEGATRON_GA_FAULT="two-tuple-loss"
+    )
     failed_with(run, "LossContractError", "the loss function returned a 2-tuple at micro-batch 0")
     assert run.iterations == []
     nothing_saved(checkpoints)
@@ -211,16 +267,22 @@ def test_a_two_tuple_loss_function_stops_at_the_first_microbatch(launches, newes
     )
 
 
-def test_a_model_wrapped_before_the_per_token_flag_is_named_with_its_factor(launches, newest_source):
+def test_a_model_wrapped_before_the_per_token_flag_is_named_with_its_factor(
+    launches, newest_source
+):
     run, checkpoints = faulty(
-        launches, newest_source, "ddp-before-flag", CONSTANT, MEGATRON_GA_FAULT="ddp-before-per-token-flag"
+        launches,
+        newest_source,
+        "ddp-before-flag",
+        CONSTANT,
+        MEGATRON_GA_FAULT="ddp-before-per-token-flag",
     )
     failed_with(
         run,
         "LossContractError",
-        "model chunk 0 was wrapped in DistributedDataParallel with "
-        "gradient_scaling_factor 0.5 (= 1/2), i.e. before calculate_per_token_loss was set; its gradients "
-        "would end up 2 times too small",
+        "model chunk 0 was wrapped in DistributedDataParallel with gradient_scaling_factor 0.5 "
+        "(= 1/2), i.e. before calculate_per_token_loss was set; its gradients would end "
+        "up 2 times too small",
     )
     assert run.iterations == []
     nothing_saved(checkpoints)
@@ -246,7 +308,8 @@ def test_a_model_wrapped_before_the_per_token_flag_is_named_with_its_factor(laun
             "schedule",
             SCHEDULE,
             f"--step-batch-size-schedule '{CHANGED_TEXT}'",
-            f"--step-batch-size-schedule is '{SCHEDULE_TEXT}' on rank 0 and '{CHANGED_TEXT}' on rank 1",
+            f"--step-batch-size-schedule is '{SCHEDULE_TEXT}' on rank 0 and '{CHANGED_TEXT}' on "
+            "rank 1",
         ),
     ],
 )
@@ -254,13 +317,17 @@ def test_ranks_launched_with_another_batch_configuration_fail_at_start(
     launches, newest_source, case, flags, extra, difference
 ):
     run, checkpoints = faulty(
-        launches, newest_source, f"ranks-{case.replace(' ', '-')}", flags, MEGATRON_GA_EXTRA_ARGS_RANK1=extra
+        launches,
+        newest_source,
+        f"ranks-{case.replace(' ', '-')}",
+        flags,
+        MEGATRON_GA_EXTRA_ARGS_RANK1=extra,
     )
     failed_with(
         run,
         "GuardError",
-        "the ranks were launched with different batch configurations (compared once, at "
-        "the first forward/backward call)",
+        "the ranks were launched with different batch configurations (compared once, at the "
+        "first forward/backward call)",
         difference,
     )
     assert run.iterations == []
@@ -276,9 +343,10 @@ def test_ranks_launched_with_another_batch_configuration_fail_at_start(
 
 @pytest.mark.parametrize("checks", ["sync", "async"])
 def test_an_iteration_that_bypassed_the_hooks_is_caught_and_named(launches, newest_source, checks):
-    """The training loop gets upstream's schedule instead of the one install() wrapped: finalize (bound by name in
-    training.py) still runs, the guarded schedule does not. The optimizer step's liveness check names the bypass,
-    before that step (sync) or after it (async); either way before Megatron logs or saves iteration 1."""
+    """The training loop gets upstream's schedule instead of the one install() wrapped: finalize
+    (bound by name in training.py) still runs, the guarded schedule does not. The optimizer step's
+    liveness check names the bypass, before that step (sync) or after it (async); either way before
+    Megatron logs or saves iteration 1."""
     run, checkpoints = faulty(
         launches,
         newest_source,
@@ -300,9 +368,40 @@ def test_an_iteration_that_bypassed_the_hooks_is_caught_and_named(launches, newe
         newest_source,
         f"forward/backward bypassing the schedule hook, --ga-checks {checks}",
         "`bypass-hooks`",
-        f"GuardError at the optimizer step of iteration 1 ({'after' if checks == 'async' else 'before'} it), naming "
+        "GuardError at the optimizer step of iteration 1 "
+        f"({'after' if checks == 'async' else 'before'} it), naming "
         "a forward_backward_func not taken from get_forward_backward_func",
         "none",
+    )
+
+
+def test_under_ga_on_violation_log_a_bypass_is_logged_once_counted_and_training_goes_on(
+    launches, newest_source
+):
+    """The bypass of the test above, under ``--ga-on-violation log`` (the observe mode): the
+    liveness rule is logged once, with its iteration, and every iteration of the run is trained and
+    saved."""
+    run, checkpoints = faulty(
+        launches,
+        newest_source,
+        "bypass-hooks-observed",
+        [*CONSTANT, "--ga-on-violation", "log"],
+        MEGATRON_GA_FAULT="bypass-hooks",
+    )
+    assert run.rc == 0 and run.error is None, run.describe()
+    assert [row["iteration"] for row in run.iterations] == list(range(1, 9))  # 128 samples / GBS 16
+    said = [line for line in run.output.splitlines() if "--ga-on-violation log: iteration" in line]
+    assert len({line.split("megatron-ga-ext", 1)[1] for line in said}) == 1, (
+        said
+    )  # once per rule (each rank)
+    assert "iteration 1 broke the rule 'liveness' (GuardError: " in said[0], said
+    assert saved(checkpoints)[0] == 8, saved(checkpoints)
+    row(
+        newest_source,
+        "forward/backward bypassing the schedule hook, --ga-on-violation log",
+        "`bypass-hooks`",
+        "the liveness rule logged once (iteration 1), counted; all 8 iterations trained",
+        "every iteration",
     )
 
 
@@ -313,7 +412,10 @@ def _zero_token_rows(launches, source: Path) -> None:
         if run is None:
             continue
         if run.error:
-            outcome = f"{run.error.split(':')[0]} at iteration {len(run.iterations) + 1}: 0 non-padding tokens"
+            outcome = (
+                f"{run.error.split(':')[0]} at iteration {len(run.iterations) + 1}: 0 "
+                "non-padding tokens"
+            )
         else:
             skipped = ", ".join(str(r["iteration"]) for r in run.iterations if r["skipped"])
             outcome = f"iteration {skipped} skipped (N = 0, LR held); the run goes on to its end"

@@ -1,15 +1,15 @@
-"""Megatron-Bridge 0.6.2's own ``pretrain(cfg, forward_step)`` on the CPU over gloo, DP 2, on a tiny GPT over mock
-data, with Bridge's GPT step (tests/bridge; make test-bridge).
+"""Megatron-Bridge 0.6.2's own ``pretrain(cfg, forward_step)`` on the CPU over gloo, DP 2, on a tiny
+GPT over mock data, with Bridge's GPT step (tests/bridge; make test-bridge).
 
     python tests/support/bridge_runs.py OUT CASE [CASE ...]
 
-imports Bridge once (under the TE import stand-in, shim 13 of testing/bridge_shims.py), then per case forks
-two ranks. Each rank applies ``bridge_shims()``, builds :func:`tiny_config`, runs the case's :data:`CASES` set-up
-and ``pretrain()``, and writes ``OUT/CASE.rankR.jsonl``: one row per iteration at full precision from Bridge's own
-``training_log`` (iteration, ``lm loss``, grad norm, learning rate, consumed samples, train_iters), and a last row
-``{"error": ..., "type": ...}`` where ``pretrain()`` raised (Bridge's ``sys.exit(0)`` at ``train.exit_interval``
-is a normal end), and ``OUT/CASE.rankR.log``: what it printed and logged. The parent exits 0 once every rank has
-finished.
+imports Bridge once (under the TE import stand-in, shim 13 of tests/support/bridge_shims.py), then
+per case forks two ranks. Each rank applies ``bridge_shims()``, builds :func:`tiny_config`, runs the
+case's :data:`CASES` set-up and ``pretrain()``, and writes ``OUT/CASE.rankR.jsonl``: one row per
+iteration at full precision from Bridge's own ``training_log`` (iteration, ``lm loss``, grad norm,
+learning rate, consumed samples, train_iters), and a last row ``{"error": ..., "type": ...}`` where
+``pretrain()`` raised (Bridge's ``sys.exit(0)`` at ``train.exit_interval`` is a normal end), and
+``OUT/CASE.rankR.log``: what it printed and logged. The parent exits 0 once every rank has finished.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ WORLD_SIZE = 2
 OUT = Path(".")
 
 
-#: MoE as the Megatron-LM tier runs it (tests/e2e/test_moe_mtp.py): 4 experts top-2, aux loss and z-loss.
+#: MoE as the Megatron-LM tier runs it (tests/e2e/test_moe_mtp.py): 4 experts top-2, aux loss and
+#: z-loss.
 MOE = {
     "num_moe_experts": 4,
     "moe_router_topk": 2,
@@ -44,9 +45,9 @@ MOE = {
 
 
 def tiny_config(*, per_token: bool = True, train_iters: int = 6, **model_fields: Any) -> Any:
-    """A 2-layer GPT (hidden 64, 4 heads, seq 64) on mock data: GBS 8, MBS 2 (2 micro-batches per rank at DP 2),
-    fp32, Adam, clip_grad 1, linear LR decay, ``model.calculate_per_token_loss`` as ``per_token``; ``model_fields``
-    on top (:data:`MOE`)."""
+    """A 2-layer GPT (hidden 64, 4 heads, seq 64) on mock data: GBS 8, MBS 2 (2 micro-batches per
+    rank at DP 2), fp32, Adam, clip_grad 1, linear LR decay, ``model.calculate_per_token_loss`` as
+    ``per_token``; ``model_fields`` on top (:data:`MOE`)."""
     import torch
     from megatron.bridge.models.gpt_provider import GPTModelProvider, local_layer_spec
     from megatron.bridge.training import config as c
@@ -127,14 +128,15 @@ def _bridge(cfg: Any) -> Any:
 
 
 def _microbatch(cfg: Any) -> Any:
-    """Bridge's mean of per-micro-batch means (per-token loss off): the reference must differ from it."""
+    """Bridge's mean of per-micro-batch means (per-token loss off): the reference must differ from
+    it."""
     cfg.model.calculate_per_token_loss = False
     return cfg
 
 
 def _extension(cfg: Any, **settings: Any) -> Any:
-    """A user's launch: per-token loss off in the recipe, the extension configured from its ga section
-    (``settings``; ``ga_bridge.install`` turns per-token loss on)."""
+    """A user's launch: per-token loss off in the recipe, the extension configured from its ga
+    section (``settings``; ``ga_bridge.install`` turns per-token loss on)."""
     from megatron_ga_ext.integration import bridge as ga_bridge
 
     cfg.model.calculate_per_token_loss = False
@@ -144,8 +146,9 @@ def _extension(cfg: Any, **settings: Any) -> Any:
 
 
 def _schedule(cfg: Any) -> Any:
-    """train_samples 56 under train.step_batch_size_schedule "0:8 1536:16" (thresholds in tokens, as upstream's:
-    24 samples of 64; GBS 8 for 3 steps, then 16 for 2), sample-based LR decay to min_lr at 56."""
+    """train_samples 56 under train.step_batch_size_schedule "0:8 1536:16" (thresholds in tokens, as
+    upstream's: 24 samples of 64; GBS 8 for 3 steps, then 16 for 2), sample-based LR decay to min_lr
+    at 56."""
     cfg.train.train_iters, cfg.train.train_samples = None, 56
     cfg.train.step_batch_size_schedule = "0:8 1536:16"
     return cfg
@@ -156,8 +159,9 @@ def _schedule_extension(cfg: Any, **settings: Any) -> Any:
 
 
 def _schedule_wsd(cfg: Any) -> Any:
-    """The schedule's run with an LR warmup over 16 samples and WSD, its final linear decay over the last 24
-    (Bridge #3438: with a batch that changes, WSD's decay must still end on the last step)."""
+    """The schedule's run with an LR warmup over 16 samples and WSD, its final linear decay over the
+    last 24 (Bridge #3438: with a batch that changes, WSD's decay must still end on the last
+    step)."""
     cfg.scheduler.lr_decay_style, cfg.scheduler.lr_warmup_iters = "WSD", 0
     cfg.scheduler.lr_warmup_samples, cfg.scheduler.lr_warmup_init = 16, 0.0
     cfg.scheduler.lr_wsd_decay_samples, cfg.scheduler.lr_wsd_decay_style = 24, "linear"
@@ -165,7 +169,8 @@ def _schedule_wsd(cfg: Any) -> Any:
 
 
 def _saving(cfg: Any) -> Any:
-    """The schedule's run through the extension, saved at iteration 3 (where its batch is to double) and stopped."""
+    """The schedule's run through the extension, saved at iteration 3 (where its batch is to double)
+    and stopped."""
     cfg.checkpoint.save = str(OUT / "checkpoints")
     cfg.train.exit_interval = 3
     return _schedule_extension(cfg)
@@ -178,8 +183,8 @@ def _resuming(cfg: Any) -> Any:
 
 
 def _rampup(cfg: Any) -> Any:
-    """The schedule's run given as Bridge's deprecated rampup: GBS 16 reached from 8 in one increment after 24
-    samples (train.rampup_batch_size [8, 8, 24]), under ga.convert_rampup."""
+    """The schedule's run given as Bridge's deprecated rampup: GBS 16 reached from 8 in one
+    increment after 24 samples (train.rampup_batch_size [8, 8, 24]), under ga.convert_rampup."""
     cfg.train.train_iters, cfg.train.train_samples = None, 56
     cfg.train.global_batch_size, cfg.train.rampup_batch_size = 16, [8, 8, 24]
     return _extension(cfg, convert_rampup=True)
@@ -188,23 +193,28 @@ def _rampup(cfg: Any) -> Any:
 def _measuring(
     run: str, exit_interval: int | None = None, resume: bool = False, warmup: bool = False
 ) -> Callable[[Any], Any]:
-    """The extension's run with ga.noise_scale 1, its trace and TensorBoard under OUT/<run>, saved every 3
-    iterations (every 2 with ``warmup``) to OUT/<run>/checkpoints; stopped at ``exit_interval``, or resumed from
-    there. ``warmup``: ga.batch_size_warmup auto from GBS 8 (trust 2000, so that it doubles at every measurement, up
-    to 32) over train.train_samples 88."""
+    """The extension's run with ga.noise_scale 1, its trace and TensorBoard under OUT/<run>, saved
+    every 3 iterations (every 2 with ``warmup``) to OUT/<run>/checkpoints; stopped at
+    ``exit_interval``, or resumed from there. ``warmup``: ga.batch_size_warmup auto from GBS 8
+    (trust 2000, so that it doubles at every measurement, up to 32) over train.train_samples 88."""
 
     def measuring(cfg: Any) -> Any:
         directory = OUT / run
         directory.mkdir(parents=True, exist_ok=True)
         cfg.logger.tensorboard_dir = str(directory / "tb")
-        cfg.checkpoint.save, cfg.checkpoint.save_interval = str(directory / "checkpoints"), 2 if warmup else 3
+        cfg.checkpoint.save, cfg.checkpoint.save_interval = (
+            str(directory / "checkpoints"),
+            2 if warmup else 3,
+        )
         cfg.checkpoint.load = cfg.checkpoint.save if resume else None
         cfg.train.exit_interval = exit_interval
         trace = directory / f"trace-{'load' if resume else 'save'}.jsonl"
         settings: dict[str, Any] = {"noise_scale": 1, "noise_scale_trace": str(trace)}
         if warmup:
             cfg.train.train_iters, cfg.train.train_samples = None, 88
-            settings.update(batch_size_warmup="auto", batch_size_warmup_trust=2000.0, batch_size_warmup_max=32)
+            settings.update(
+                batch_size_warmup="auto", batch_size_warmup_trust=2000.0, batch_size_warmup_max=32
+            )
         return _extension(cfg, **settings)
 
     return measuring
@@ -219,9 +229,11 @@ def _moe(setup: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return moe
 
 
-def masked_forward_step(state: Any, data_iterator: Any, model: Any, return_schedule_plan: bool = False) -> Any:
-    """Bridge #6103's fix as a user writes it: Bridge's GPT step (DP only, no packing) with ``loss_mask`` passed to
-    the model."""
+def masked_forward_step(
+    state: Any, data_iterator: Any, model: Any, return_schedule_plan: bool = False
+) -> Any:
+    """Bridge #6103's fix as a user writes it: Bridge's GPT step (DP only, no packing) with
+    ``loss_mask`` passed to the model."""
     from functools import partial
 
     from megatron.bridge.training.gpt_step import get_batch
@@ -232,13 +244,20 @@ def masked_forward_step(state: Any, data_iterator: Any, model: Any, return_sched
         data_iterator, state.cfg, pg_collection=get_pg_collection(model)
     )
     output = model(
-        input_ids=tokens, position_ids=position_ids, attention_mask=attention_mask, labels=labels, loss_mask=loss_mask
+        input_ids=tokens,
+        position_ids=position_ids,
+        attention_mask=attention_mask,
+        labels=labels,
+        loss_mask=loss_mask,
     )
-    return output, partial(masked_next_token_loss, loss_mask, check_for_nan_in_loss=True, check_for_spiky_loss=False)
+    return output, partial(
+        masked_next_token_loss, loss_mask, check_for_nan_in_loss=True, check_for_spiky_loss=False
+    )
 
 
 def _drop_finalize() -> None:
-    """Bridge #4974's shape: the model config the loop trains with holds no finalize_model_grads_func."""
+    """Bridge #4974's shape: the model config the loop trains with holds no
+    finalize_model_grads_func."""
     import megatron.bridge.training.pretrain as pretrain_module
     from megatron.core.utils import get_model_config
 
@@ -260,8 +279,8 @@ def _dropped(setup: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 
 def _bypassed(cfg: Any) -> Any:
-    """A forward/backward function bound before install(): Bridge's loop is given megatron-core's schedule as it was
-    before the extension wrapped it."""
+    """A forward/backward function bound before install(): Bridge's loop is given megatron-core's
+    schedule as it was before the extension wrapped it."""
     import megatron.bridge.training.train as train_module
     from megatron.core.pipeline_parallel import schedules
 
@@ -299,7 +318,8 @@ CASES: dict[str, Callable[[Any], Any]] = {
 
 
 def _record(path: Path) -> Any:
-    """Wrap Bridge's training_log (bound by name in train.py) to write one row per iteration to ``path``."""
+    """Wrap Bridge's training_log (bound by name in train.py) to write one row per iteration to
+    ``path``."""
     import megatron.bridge.training.train as train
 
     original = train.training_log
@@ -355,7 +375,7 @@ def _rank(case: str, rank: int, port: int, out: Path) -> int:
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.pretrain import pretrain
 
-    from megatron_ga_ext.testing.bridge_shims import bridge_shims
+    from tests.support.bridge_shims import bridge_shims
 
     os.environ.update(
         {
@@ -370,7 +390,10 @@ def _rank(case: str, rank: int, port: int, out: Path) -> int:
     rows = _record(out / f"{case}.rank{rank}.jsonl")
     with bridge_shims():
         try:
-            pretrain(CASES[case](tiny_config()), masked_forward_step if case.endswith("masked-step") else forward_step)
+            pretrain(
+                CASES[case](tiny_config()),
+                masked_forward_step if case.endswith("masked-step") else forward_step,
+            )
         except SystemExit as error:  # train.exit_interval: Bridge saves, then sys.exit(0)
             if error.code not in (0, None):
                 raise
@@ -392,8 +415,8 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"unknown case {unknown[0]!r}; the cases: {', '.join(CASES)}")
     out.mkdir(parents=True, exist_ok=True)
     warnings.filterwarnings("ignore")
-    from megatron_ga_ext.testing.bridge_shims import bridge_import_shim
     from megatron_ga_ext.testing.distributed import free_port
+    from tests.support.bridge_shims import bridge_import_shim
 
     with bridge_import_shim():
         import megatron.bridge.training.gpt_step
@@ -405,12 +428,15 @@ def main(argv: list[str]) -> int:
             if pid == 0:
                 code = 1
                 log = os.open(out / f"{case}.rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-                os.dup2(log, 1)  # what the rank prints and logs (Bridge's iteration lines), for the test to read
+                os.dup2(
+                    log, 1
+                )  # what the rank prints and logs (Bridge's iteration lines), for the test to read
                 os.dup2(log, 2)
                 try:
                     code = _rank(case, rank, port, out)
                 finally:
-                    # the checkpoint writer's spawned workers hold the parent's pipes and outlive os._exit
+                    # the checkpoint writer's spawned workers hold the parent's pipes and outlive
+                    # os._exit
                     for child in multiprocessing.active_children():
                         child.terminate()
                         child.join()

@@ -1,10 +1,11 @@
-"""Read launches with Megatron-LM's own parser at each source snapshot, and print what the coverage table makes of
-them, as JSON: {snapshot: {"flags": [option strings], "refused": {case: [row ids] or null}}} (null: that parser
-refuses the line, e.g. a flag it does not define yet).
+"""Read launches with Megatron-LM's own parser at each source snapshot, and print what the coverage
+table makes of them, as JSON: {snapshot: {"flags": [option strings], "refused": {case: [row ids] or
+null}}} (null: that parser refuses the line, e.g. a flag it does not define yet).
 
-Run by tests/test_coverage_upstream.py in a subprocess (``python -m tests.support.coverage_upstream_args``), the
-cases as JSON on stdin ([[case, flags, GAConfig kwargs], ...]), the snapshot roots as arguments. Each snapshot's
-parser is built by tests/support/snapshot_parser.py.
+Run by tests/test_coverage_upstream.py in a subprocess (``python -m
+tests.support.coverage_upstream_args``), the cases as JSON on stdin ([[case, flags, GAConfig
+kwargs], ...]), the snapshot roots as arguments. Each snapshot's parser is built by
+tests/support/snapshot_parser.py.
 """
 
 import argparse

@@ -1,6 +1,6 @@
-"""A small JSON Schema validator: the keywords docs/check.schema.json uses (type, enum, properties, required,
-additionalProperties, items, anyOf, $ref to #/$defs, minimum, minLength, maxItems). Test support only: the package
-does not depend on jsonschema."""
+"""A small JSON Schema validator: the keywords docs/check.schema.json uses (type, enum, properties,
+required, additionalProperties, items, anyOf, $ref to #/$defs, minimum, minLength, maxItems). Test
+support only: the package does not depend on jsonschema."""
 
 from __future__ import annotations
 
@@ -42,7 +42,11 @@ def errors(instance: Any, schema: dict, root: dict | None = None, path: str = "$
         for i, item in enumerate(instance):
             found += errors(item, schema.get("items", {}), root, f"{path}[{i}]")
     if isinstance(instance, dict):
-        found += [f"{path}: {key!r} is required" for key in schema.get("required", ()) if key not in instance]
+        found += [
+            f"{path}: {key!r} is required"
+            for key in schema.get("required", ())
+            if key not in instance
+        ]
         properties = schema.get("properties", {})
         extra = schema.get("additionalProperties", True)
         for key, value in instance.items():
@@ -59,7 +63,11 @@ def _typed(instance: Any, kinds: str | list[str]) -> bool:
     for kind in [kinds] if isinstance(kinds, str) else kinds:
         if kind == "integer" and isinstance(instance, int) and not isinstance(instance, bool):
             return True
-        if kind == "number" and isinstance(instance, (int, float)) and not isinstance(instance, bool):
+        if (
+            kind == "number"
+            and isinstance(instance, (int, float))
+            and not isinstance(instance, bool)
+        ):
             return True
         if kind in _TYPES and isinstance(instance, _TYPES[kind]):
             return True

@@ -1,24 +1,27 @@
-"""Launch Megatron-LM's own pretrain_gpt.py (with the extension through one of its drop-in routes, or bare for
-upstream's reference) on the CPU over gloo, or on one CUDA device over NCCL, and read back what every rank recorded.
+"""Launch Megatron-LM's own pretrain_gpt.py (with the extension through one of its drop-in routes,
+or bare for upstream's reference) on the CPU over gloo, or on one CUDA device over NCCL, and read
+back what every rank recorded.
 
-The drop-in routes, as a user takes them: ``entry``, the unmodified script run as ``python -m megatron_ga_ext
-pretrain_gpt.py ...``; ``one-line``, a copy of the script whose only change is the line ``ONE_LINE`` at its top.
+The drop-in routes, as a user takes them: ``entry``, the unmodified script run as ``python -m
+megatron_ga_ext pretrain_gpt.py ...``; ``one-line``, a copy of the script whose only change is the
+line ``ONE_LINE`` at its top.
 
-The ranks are forked by ``megatron_ga_ext.testing.pretrain_server --nproc-per-node N`` after one import of Megatron
-(torchrun would start N interpreters that import it N times: 7-12 s each on 2 cores); each rank gets
-torchrun's environment and runs the script unchanged. That launcher runs in ``megatron_ga_ext.testing.pretrain_server
---serve``, one per Megatron-LM root, forked from its one import of Megatron, so the import is paid once per
-source instead of once per launch.
+The ranks are forked by ``tests/support/pretrain_server.py --nproc-per-node N`` after one import of
+Megatron (torchrun would start N interpreters that import it N times: 7-12 s each on 2 cores); each
+rank gets torchrun's environment and runs the script unchanged. That launcher runs in
+``tests/support/pretrain_server.py --serve``, one per Megatron-LM root, forked from its one import
+of Megatron, so the import is paid once per source instead of once per launch.
 
     run = launch(source, "dp2", ["--global-batch-size", "16", ...], extension=True, name="token")
     run.rc, run.iterations (last-stage rows, one per iteration), run.error, run.num_tokens_match
 
-The tiny GPT and the CPU flags (UPSTREAM.md section 5) are the same for every run; a run adds its batch,
-loss-mode and checkpoint flags. ``megatron_ga_ext.testing.pretrain_server`` applies the CPU shims and records.
+The tiny GPT and the CPU flags are the same for every run; a run adds its batch, loss-mode and
+checkpoint flags. ``tests/support/pretrain_server.py`` applies the CPU shims and records.
 
-``device="cuda"`` (tests/gpu): one rank (layout ``dp1``) over NCCL, in a fresh interpreter per launch with torchrun's
-environment, not forked from a server: CUDA that the parent touched while importing cannot be used in a forked child.
-``MEGATRON_GA_DEVICE=cuda`` tells pretrain_server to leave torch.cuda alone (it keeps only the dataset helpers' shim).
+``device="cuda"`` (tests/gpu): one rank (layout ``dp1``) over NCCL, in a fresh interpreter per
+launch with torchrun's environment, not forked from a server: CUDA that the parent touched while
+importing cannot be used in a forked child. ``MEGATRON_GA_DEVICE=cuda`` tells pretrain_server to
+leave torch.cuda alone (it keeps only the dataset helpers' shim).
 """
 
 from __future__ import annotations
@@ -37,7 +40,12 @@ from pathlib import Path
 from megatron_ga_ext.testing.distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-ONE_LINE = "import megatron_ga_ext; megatron_ga_ext.install()  # megatron-ga-ext: the whole drop-in\n"
+#: The launcher, run by its path (with ROOT on PYTHONPATH): ``python -m tests...`` from a
+#: Megatron-LM checkout would import that checkout's own ``tests`` package.
+SERVER = str(Path(__file__).resolve().with_name("pretrain_server.py"))
+ONE_LINE = (
+    "import megatron_ga_ext; megatron_ga_ext.install()  # megatron-ga-ext: the whole drop-in\n"
+)
 DROP_INS = ("entry", "one-line")
 
 #: name -> (processes, Megatron flags): DP = world / PP.
@@ -118,7 +126,11 @@ class Run:
 
     @property
     def last_stage_ranks(self) -> list[int]:
-        return sorted(r for r, rows in self.records.items() if any(x.get("last_stage") for x in _iterations(rows)))
+        return sorted(
+            r
+            for r, rows in self.records.items()
+            if any(x.get("last_stage") for x in _iterations(rows))
+        )
 
     @property
     def iterations(self) -> list[dict]:
@@ -137,12 +149,16 @@ class Run:
         return errors[0] if errors else None
 
     def mask_tokens(self) -> list[int]:
-        """Per iteration: the loss-mask sum over every last-stage rank (the global batch's loss tokens)."""
+        """Per iteration: the loss-mask sum over every last-stage rank (the global batch's loss
+        tokens)."""
         per_rank = [_iterations(self.records[r]) for r in self.last_stage_ranks]
         return [sum(rows[i]["mask_tokens"] for rows in per_rank) for i in range(len(per_rank[0]))]
 
     def describe(self) -> str:
-        return f"{self.name}: rc {self.rc} in {self.seconds:.1f} s\n$ {' '.join(self.command)}\n{self.output_tail}"
+        return (
+            f"{self.name}: rc {self.rc} in {self.seconds:.1f} s\n$ "
+            f"{' '.join(self.command)}\n{self.output_tail}"
+        )
 
 
 def _iterations(rows: list[dict]) -> list[dict]:
@@ -163,8 +179,8 @@ def launch(
     device: str = "cpu",
     timeout: float = TIMEOUT_S,
 ) -> Run:
-    """Run pretrain_gpt.py from the Megatron-LM checkout ``root`` as a user would, and collect the records
-    (``timeout``: seconds the training may take, on the CPU)."""
+    """Run pretrain_gpt.py from the Megatron-LM checkout ``root`` as a user would, and collect the
+    records (``timeout``: seconds the training may take, on the CPU)."""
     command, environment = launch_command(
         root,
         layout,
@@ -187,7 +203,7 @@ def launch(
         output = _read(log) if rc != 124 else f"timed out after {timeout} s\n{_read(log)}"
     else:
         try:
-            rc = _server(root, python, environment).run(command[3:], environment, log, timeout)
+            rc = _server(root, python, environment).run(command[2:], environment, log, timeout)
         except _ServerGone as gone:  # the import failed, or the server died: that launch's failure
             rc, output = 1, f"{gone}\n{_read(gone.log)}"
         else:
@@ -213,21 +229,24 @@ def launch_command(
     env: dict[str, str] | None = None,
     device: str = "cpu",
 ) -> tuple[list[str], dict[str, str]]:
-    """The launcher's command line and environment for :func:`launch` (run from ``root``); creates ``workdir``."""
+    """The launcher's command line and environment for :func:`launch` (run from ``root``); creates
+    ``workdir``."""
     if device not in BACKENDS:
         raise ValueError(f"device {device!r} is not one of {tuple(BACKENDS)}")
     processes, layout_flags = LAYOUTS[layout]
     workdir.mkdir(parents=True, exist_ok=True)
     tiny_gpt = list(TINY_GPT)
     tiny_gpt[tiny_gpt.index("--distributed-backend") + 1] = BACKENDS[device]
-    if {"--data-path", "--train-data-path"} & set(flags):  # a real dataset (benchmarks/corpus.py): its tokenizer
+    if {"--data-path", "--train-data-path"} & set(
+        flags
+    ):  # a real dataset (benchmarks/corpus.py): its tokenizer
         tiny_gpt.remove("--mock-data")
-    # On the CPU the launcher forks the ranks; on a CUDA device this process is the one rank (see the docstring).
+    # On the CPU the launcher forks the ranks; on a CUDA device this process is the one rank (see
+    # the docstring).
     ranks = ["--nproc-per-node", str(processes)] if device == "cpu" else []
     command = [
         python,
-        "-m",
-        "megatron_ga_ext.testing.pretrain_server",
+        SERVER,
         *ranks,
         *_program(root, workdir, extension, drop_in),
         *tiny_gpt,
@@ -247,7 +266,9 @@ def launch_command(
     }
     if device == "cuda":
         if processes != 1:
-            raise ValueError(f"layout {layout!r} has {processes} ranks; a CUDA launch runs one (layout 'dp1')")
+            raise ValueError(
+                f"layout {layout!r} has {processes} ranks; a CUDA launch runs one (layout 'dp1')"
+            )
         environment.update(
             RANK="0",
             LOCAL_RANK="0",
@@ -260,8 +281,11 @@ def launch_command(
     return command, environment
 
 
-def _run_alone(command: list[str], root: Path, environment: dict[str, str], log: Path, timeout: float) -> int:
-    """One launch in an interpreter of its own; its exit status, 124 (its session killed) past ``timeout`` s."""
+def _run_alone(
+    command: list[str], root: Path, environment: dict[str, str], log: Path, timeout: float
+) -> int:
+    """One launch in an interpreter of its own; its exit status, 124 (its session killed) past
+    ``timeout`` s."""
     with open(log, "w") as output:
         process = subprocess.Popen(
             command,
@@ -281,7 +305,8 @@ def _run_alone(command: list[str], root: Path, environment: dict[str, str], log:
 
 
 def _program(root: Path, workdir: Path, extension: bool, drop_in: str) -> list[str]:
-    """What the launcher runs: upstream's pretrain_gpt.py, or the extension by the drop-in route ``drop_in``."""
+    """What the launcher runs: upstream's pretrain_gpt.py, or the extension by the drop-in route
+    ``drop_in``."""
     script = root / "pretrain_gpt.py"
     if not extension:
         return [str(script)]
@@ -301,15 +326,19 @@ class _ServerGone(RuntimeError):
 
 
 class _Server:
-    """``python -m megatron_ga_ext.testing.pretrain_server --serve`` from a Megatron-LM root: each launch forked from
-    its one import of Megatron, answered as a JSON line (the fork's pid, then its exit status)."""
+    """``python tests/support/pretrain_server.py --serve`` from a Megatron-LM root: each launch
+    forked from its one import of Megatron, answered as a JSON line (the fork's pid, then its exit
+    status)."""
 
     def __init__(self, root: Path, python: str, environment: dict[str, str]) -> None:
         self.key = (root, python)
-        self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"megatron-ga-serve-{os.getpid()}-{root.name}.log"
+        self.log = (
+            Path(os.environ.get("TMPDIR", "/tmp"))
+            / f"megatron-ga-serve-{os.getpid()}-{root.name}.log"
+        )
         with open(self.log, "w") as log:
             self.process = subprocess.Popen(
-                [python, "-m", "megatron_ga_ext.testing.pretrain_server", "--serve"],
+                [python, SERVER, "--serve"],
                 cwd=root,
                 env=environment,
                 stdin=subprocess.PIPE,
@@ -320,7 +349,8 @@ class _Server:
         self._buffer = b""
 
     def run(self, argv: list[str], environment: dict[str, str], log: Path, timeout: float) -> int:
-        """The launch's exit status; 124 (its session killed) past ``timeout`` seconds from its fork."""
+        """The launch's exit status; 124 (its session killed) past ``timeout`` seconds from its
+        fork."""
         request = json.dumps({"argv": argv, "env": environment, "log": str(log)}) + "\n"
         try:
             self.process.stdin.write(request.encode())
@@ -342,7 +372,9 @@ class _Server:
         fd = self.process.stdout.fileno()
         while b"\n" not in self._buffer:
             remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and (remaining <= 0 or not select.select([fd], [], [], remaining)[0]):
+            if remaining is not None and (
+                remaining <= 0 or not select.select([fd], [], [], remaining)[0]
+            ):
                 raise TimeoutError
             chunk = os.read(fd, 4096)
             if not chunk:
@@ -356,7 +388,9 @@ class _Server:
             _SERVERS.pop()
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
-        return _ServerGone(f"the launch server ended (status {self.process.wait()}); its output:", self.log)
+        return _ServerGone(
+            f"the launch server ended (status {self.process.wait()}); its output:", self.log
+        )
 
     def close(self) -> None:
         try:
@@ -365,7 +399,9 @@ class _Server:
         except (BrokenPipeError, subprocess.TimeoutExpired):
             self._gone()
         else:
-            self.log.unlink(missing_ok=True)  # kept where the server failed (a launch's output names it)
+            self.log.unlink(
+                missing_ok=True
+            )  # kept where the server failed (a launch's output names it)
 
 
 _SERVERS: list[_Server] = []  # the one live server: tests run source by source
@@ -392,5 +428,9 @@ def _read(path: Path) -> str:
 
 
 def _tail(output: str, lines: int = 40) -> str:
-    interesting = [line for line in output.splitlines() if "Warning" not in line and "warnings.warn" not in line]
+    interesting = [
+        line
+        for line in output.splitlines()
+        if "Warning" not in line and "warnings.warn" not in line
+    ]
     return "\n".join(interesting[-lines:])

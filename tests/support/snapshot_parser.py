@@ -1,8 +1,9 @@
-"""Megatron-LM's own argument parser at a source snapshot, for the tests that hold our flag declarations and the
-coverage table to it (tests/support/megatron_parser_flags.py, tests/support/coverage_upstream_args.py, run in
-subprocesses).
+"""Megatron-LM's own argument parser at a source snapshot, for the tests that hold our flag
+declarations and the coverage table to it (tests/support/megatron_parser_flags.py,
+tests/support/coverage_upstream_args.py, run in subprocesses).
 
-Optional packages the training code imports but the parser never uses are stubbed when they are not installed.
+Optional packages the training code imports but the parser never uses are stubbed when they are not
+installed.
 """
 
 import argparse
@@ -13,66 +14,19 @@ import importlib.machinery
 import importlib.util
 import re
 import sys
-import types
 from pathlib import Path
-from typing import ClassVar
 
 from megatron_ga_ext.integration.compat import UPSTREAM
+from megatron_ga_ext.oracle.stubs import install_stubs
 
-
-class _Stub(types.ModuleType):
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        if name[:1].isupper():
-            return type(
-                name,
-                (),
-                {"__init_subclass__": classmethod(lambda cls, **kw: None), "__init__": lambda self, *a, **k: None},
-            )
-        return _Stub(f"{self.__name__}.{name}")
-
-    def __call__(self, *args, **kwargs):
-        return self
-
-
-class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Optional packages Megatron-LM's training code imports but the parser does not need. Without triton
-    (the e2e extra), the one Megatron module that imports it is stubbed instead: a stub triton would make
-    torch believe triton is installed."""
-
-    names: ClassVar[set[str]] = {"modelopt", "six", "yaml", "regex", "pydantic"}
-    needs_triton = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
-
-    def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in self.names or name in self.names:
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-
-    def create_module(self, spec):
-        module = _Stub(spec.name)
-        module.__path__ = []
-        return module
-
-    def exec_module(self, module):
-        pass
-
-
-def install_stubs() -> None:
-    for name in list(_StubFinder.names):
-        try:
-            importlib.import_module(name)
-            _StubFinder.names.discard(name)
-        except ImportError:
-            pass
-    if importlib.util.find_spec("triton") is None:
-        _StubFinder.names.add(_StubFinder.needs_triton)
-    sys.meta_path.insert(0, _StubFinder())
+__all__ = ["install_stubs", "option_strings", "parser_of"]
 
 
 @contextlib.contextmanager
 def first_on_path(root: str):
-    # A snapshot is another project's source tree, not an installed package, and its code imports itself as
-    # top-level `megatron`: only its root first on sys.path makes that import resolve to this snapshot.
+    # A snapshot is another project's source tree, not an installed package, and its code imports
+    # itself as top-level `megatron`: only its root first on sys.path makes that import resolve to
+    # this snapshot.
     sys.path.insert(0, root)
     try:
         yield
@@ -81,7 +35,8 @@ def first_on_path(root: str):
 
 
 def parser_of(root: str) -> argparse.ArgumentParser:
-    """The parser that ``root``'s megatron/training/arguments.py builds (``add_megatron_arguments``)."""
+    """The parser that ``root``'s megatron/training/arguments.py builds
+    (``add_megatron_arguments``)."""
     for key in [k for k in sys.modules if k == "megatron" or k.startswith("megatron.")]:
         del sys.modules[key]
     with first_on_path(root):
@@ -95,10 +50,14 @@ def option_strings(parser: argparse.ArgumentParser) -> list[str]:
 
 
 def release(name: str) -> tuple[int, ...]:
-    """core_v0.18.2 -> (0, 18, 2); a main-branch commit sorts after every release, the tested ones in the order of
-    compat.UPSTREAM (a ref, or a snapshot directory named after it), any other after them."""
+    """core_v0.18.2 -> (0, 18, 2); a main-branch commit sorts after every release, the tested ones
+    in the order of compat.UPSTREAM (a ref, or a snapshot directory named after it), any other after
+    them."""
     match = re.search(r"core_v(\d+)\.(\d+)\.(\d+)$", Path(name).name)
     if match:
         return tuple(int(g) for g in match.groups())
     mains = [u.ref for u in UPSTREAM if not u.is_release]
-    return (99, next((i for i, ref in enumerate(mains) if Path(name).name.endswith(ref)), len(mains)))
+    return (
+        99,
+        next((i for i, ref in enumerate(mains) if Path(name).name.endswith(ref)), len(mains)),
+    )

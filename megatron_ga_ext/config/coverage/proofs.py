@@ -8,7 +8,6 @@ __all__ = [
     "E2E",
     "FAULTS",
     "GPU_GRAPHS",
-    "INSTEAD_OF_1F1B",
     "MOE_LOOP",
     "MOE_MTP",
     "NOT_YET",
@@ -42,7 +41,8 @@ MOE_LOOP = (
 
 
 def verify_layouts(*layouts: str) -> tuple[Proof, ...]:
-    """Rows of ``megatron-ga verify``: each layout in both modes against an unpartitioned reference."""
+    """Rows of ``megatron-ga verify``: each layout in both modes against an unpartitioned
+    reference."""
     return tuple(Proof(test=VERIFY, case=layout) for layout in layouts)
 
 
@@ -50,11 +50,9 @@ NO_GPU = "no test here runs it (it needs a GPU)"
 ON_GPU = "proven by a GPU-marked test that CPU CI does not run"
 NOT_YET = "no test runs it yet"
 RESUME = (
-    Proof(test="tests/e2e/test_resume.py::test_a_resume_at_every_step_boundary_runs_the_uninterrupted_steps"),
+    Proof(
+        test="tests/e2e/test_resume.py::test_a_resume_at_every_step_boundary_runs_the_uninterrupted_steps"
+    ),
     Proof(test="tests/e2e/test_noise_scale.py::test_a_resume_continues_the_emas"),
     Proof(test="tests/e2e/test_batch_warmup.py::test_a_resume_replays_the_decisions"),
-)
-INSTEAD_OF_1F1B = (
-    "Drop --overlap-moe-expert-parallel-comm (and --delay-wgrad-compute), or train with --ga-loss-reduction microbatch "
-    "(without --calculate-per-token-loss)."
 )

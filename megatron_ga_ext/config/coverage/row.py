@@ -1,5 +1,6 @@
-"""A coverage row and the launch it is applied to: :class:`Setting` (Megatron's values and the extension's
-settings), :class:`Row` (a flag, where it matters, and one behaviour: supported, limited or refused) and
+"""A coverage row and the launch it is applied to: :class:`Setting` (Megatron's values and the
+extension's settings), :class:`Row` (a flag, where it matters, and one behaviour: supported, limited
+or refused) and
 :class:`Proof` (the test that runs it). Pure Python.
 """
 
@@ -9,7 +10,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from megatron_ga_ext.config.flags import BY_DEST, CHECKS, CONVERT_RAMPUP, LOSS_REDUCTION, ZERO_TOKEN_POLICY
+from megatron_ga_ext.config.flags import (
+    BY_DEST,
+    CHECKS,
+    CONVERT_RAMPUP,
+    LOSS_REDUCTION,
+    ZERO_TOKEN_POLICY,
+)
 from megatron_ga_ext.config.ga_config import GAConfig
 from megatron_ga_ext.config.megatron_args import MegatronArgs
 from megatron_ga_ext.core.megatron_flags import COVERED_OPTIONS, MEGATRON_OPTIONS
@@ -17,11 +24,12 @@ from megatron_ga_ext.core.megatron_flags import COVERED_OPTIONS, MEGATRON_OPTION
 __all__ = ["READ", "SCOPE_DEPRECATED", "Proof", "Row", "Setting", "Support", "Upstream"]
 
 Support = Literal["supported", "limited", "refused"]
-#: How a note of ``megatron-ga check`` starts: ``wrong`` changes what the run trains, ``careful`` may, ``info`` not.
+#: How a note of ``megatron-ga check`` starts: ``wrong`` changes what the run trains, ``careful``
+#: may, ``info`` not.
 Severity = Literal["wrong", "careful", "info"]
 
-#: Where 0.18 and later parse --cuda-graph-scope (validate_args moves it into cuda_graph_modules, and a
-#: full_iteration scope into --cuda-graph-impl full_iteration).
+#: Where 0.18 and later parse --cuda-graph-scope (validate_args moves it into cuda_graph_modules,
+#: and a full_iteration scope into --cuda-graph-impl full_iteration).
 SCOPE_DEPRECATED = "cuda_graph_scope_deprecated"
 #: Megatron's args the rows read: argparse destinations.
 READ = (*dict.fromkeys(o.dest for o in (*MEGATRON_OPTIONS, *COVERED_OPTIONS)), SCOPE_DEPRECATED)
@@ -29,8 +37,8 @@ READ = (*dict.fromkeys(o.dest for o in (*MEGATRON_OPTIONS, *COVERED_OPTIONS)), S
 
 @dataclass(frozen=True)
 class Setting:
-    """One launch as the rows see it: Megatron's values by argparse destination (absent: Megatron's default) and
-    the extension's settings."""
+    """One launch as the rows see it: Megatron's values by argparse destination (absent: Megatron's
+    default) and the extension's settings."""
 
     values: Mapping[str, Any] = field(default_factory=dict)
     loss_reduction: str = LOSS_REDUCTION.default
@@ -40,10 +48,17 @@ class Setting:
 
     @classmethod
     def of(cls, args: Any, config: GAConfig) -> Setting:
-        """From Megatron's parsed ``args`` (None: a megatron-core loop without them) and the installed ``config``."""
+        """From Megatron's parsed ``args`` (None: a megatron-core loop without them) and the
+        installed ``config``."""
         view = MegatronArgs.of(args)
         values = {dest: view.get(dest) for dest in READ if view.has(dest)}
-        return cls(values, config.loss_reduction, config.zero_token_policy, config.checks, config.convert_rampup)
+        return cls(
+            values,
+            config.loss_reduction,
+            config.zero_token_policy,
+            config.checks,
+            config.convert_rampup,
+        )
 
     def value(self, dest: str) -> Any:
         if dest in self.values:
@@ -51,7 +66,8 @@ class Setting:
         return BY_DEST[dest].default if dest in BY_DEST else None
 
     def names(self, dest: str) -> list[str]:
-        """A value as a list of names: an enum by its name (0.16's CudaGraphScope), one string as a list of one."""
+        """A value as a list of names: an enum by its name (0.16's CudaGraphScope), one string as a
+        list of one."""
         value = self.value(dest)
         if value is None:
             return []
@@ -75,7 +91,8 @@ class Setting:
 
 @dataclass(frozen=True, kw_only=True)
 class Proof:
-    """A test that runs the row: a pytest node id, and the row of that test's table where it checks many."""
+    """A test that runs the row: a pytest node id, and the row of that test's table where it checks
+    many."""
 
     test: str
     case: str = ""
@@ -86,9 +103,10 @@ class Proof:
 
 @dataclass(frozen=True, kw_only=True)
 class Upstream:
-    """A defect of upstream Megatron itself that a row records: what a launch *without* the extension gets.
-    ``megatron-ga check`` reports it (a problem where it changes the gradients, ``wrong``; a note where it may,
-    ``careful``) and docs/coverage.md lists it, both from this declaration."""
+    """A defect of upstream Megatron itself that a row records: what a launch *without* the
+    extension gets. ``megatron-ga check`` reports it (a problem where it changes the gradients,
+    ``wrong``; a note where it may, ``careful``) and docs/coverage.md lists it, both from this
+    declaration."""
 
     given: str
     """The launch that meets it, e.g. ``--use-torch-fsdp2 with --calculate-per-token-loss``."""
@@ -126,14 +144,15 @@ class Row:
     """refused: what to do instead."""
     proofs: tuple[Proof, ...] = ()
     replays: bool = False
-    """The launch's iterations replay a captured graph without the extension's Python hooks, by design: the
-    per-iteration liveness check (integration/liveness.py) does not count them."""
+    """The launch's iterations replay a captured graph without the extension's Python hooks, by
+    design: the per-iteration liveness check (integration/liveness.py) does not count them."""
     applies: Callable[[Setting], bool]
     brief: str = ""
-    """limited and refused rows: the row in one plain line (about 25 words), ``megatron-ga check``'s note."""
+    """limited and refused rows: the row in one plain line (about 25 words), ``megatron-ga check``'s
+    note."""
     severity: Severity = "careful"
-    """limited rows: how the note starts (``careful`` where the gradients may differ from the target, ``info``
-    where only the proof is missing)."""
+    """limited rows: how the note starts (``careful`` where the gradients may differ from the
+    target, ``info`` where only the proof is missing)."""
     upstream: tuple[Upstream, ...] = ()
     """The defects of upstream itself the row records, for a launch without the extension."""
 

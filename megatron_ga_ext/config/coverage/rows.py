@@ -1,4 +1,5 @@
-"""The coverage table: every row, by theme, in the order docs/coverage.md lists them. Pure Python."""
+"""The coverage table: every row, by theme, in the order docs/coverage.md lists them. Pure
+Python."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Applying the coverage table to a launch: the rows that refuse it and those whose limits apply
-(:func:`verdict`), raised and logged at start-up (:func:`enforce`), and the flags no row or off-path reason names
-(:func:`unclassified`). Pure Python.
+(:func:`verdict`), raised and logged at start-up (:func:`enforce`), and the flags no row or off-path
+reason names (:func:`unclassified`). Pure Python.
 """
 
 from __future__ import annotations
@@ -46,13 +46,14 @@ def verdict(setting: Setting) -> Verdict:
     """The rows of :data:`ROWS` that refuse ``setting``, and the limited ones that apply to it."""
     applied = [row for row in ROWS if row.applies(setting)]
     return Verdict(
-        tuple(r for r in applied if r.support == "refused"), tuple(r for r in applied if r.support == "limited")
+        tuple(r for r in applied if r.support == "refused"),
+        tuple(r for r in applied if r.support == "limited"),
     )
 
 
 def enforce(args: Any, config: GAConfig) -> Verdict:
-    """At start-up: raise the CoverageError of every refused row that applies to Megatron's ``args`` and the
-    installed ``config``; log the limits that apply, once. Returns the verdict."""
+    """At start-up: raise the CoverageError of every refused row that applies to Megatron's ``args``
+    and the installed ``config``; log the limits that apply, once. Returns the verdict."""
     result = verdict(Setting.of(args, config))
     error = result.error()
     if error is not None:
@@ -68,7 +69,7 @@ def named_by_rows() -> set[str]:
 
 
 def unclassified(flags: Iterable[str]) -> list[str]:
-    """The flags of a Megatron parser (``flags``: its option strings) that neither a row nor the off-path list
-    (config/off_path.py) names, whether or not a tested source's parser has them: each is to be read and given a
-    row or a reason before the table speaks for that parser. Sorted."""
+    """The flags of a Megatron parser (``flags``: its option strings) that neither a row nor the
+    off-path list (config/off_path.py) names, whether or not a tested source's parser has them: each
+    is to be read and given a row or a reason before the table speaks for that parser. Sorted."""
     return sorted(set(flags) - named_by_rows() - set(OFF_PATH))

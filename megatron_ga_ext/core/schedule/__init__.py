@@ -1,1 +1,2 @@
-"""Step batch-size schedules: parsing, stages, rampup conversion, checks against a layout, tables."""
+"""Step batch-size schedules: parsing, stages, rampup conversion, checks against a layout,
+tables."""

@@ -1,18 +1,18 @@
 """The deprecated ``--rampup-batch-size START INCREMENT SAMPLES`` as the equal step schedule.
 
-megatron-core 0.16.1's ``RampupBatchsizeNumMicroBatchesCalculator``, with n = (GBS - start) / increment
-and per = ramp_samples / n (a float)::
+megatron-core 0.16.1's ``RampupBatchsizeNumMicroBatchesCalculator``, with n = (GBS - start) /
+increment and per = ramp_samples / n (a float)::
 
     GBS(c) = GBS                                      if c > ramp_samples
            = start + g(c) x increment,  g(c) = int(c / per)   otherwise
 
-Stage k (batch start + k x increment, k = 0..n) begins at c_k, the least integer c with g(c) >= k; the
-float arithmetic is followed exactly, so the boundaries match upstream's to the sample.
+Stage k (batch start + k x increment, k = 0..n) begins at c_k, the least integer c with g(c) >= k;
+the float arithmetic is followed exactly, so the boundaries match upstream's to the sample.
 
-A ramp of up to :data:`LISTED_RAMP` increments is listed, stage by stage; stages that collide (per < 1)
-keep the larger batch, as upstream reaches it at that count. A longer ramp (a rampup to a GBS of 10**12
-has billions of increments) is described, not listed: :class:`RampStages` computes stage k when it is
-read, and the stage in force at c is stage g(c), in O(1).
+A ramp of up to :data:`LISTED_RAMP` increments is listed, stage by stage; stages that collide (per <
+1) keep the larger batch, as upstream reaches it at that count. A longer ramp (a rampup to a GBS of
+10**12 has billions of increments) is described, not listed: :class:`RampStages` computes stage k
+when it is read, and the stage in force at c is stage g(c), in O(1).
 """
 
 from __future__ import annotations
@@ -31,36 +31,46 @@ __all__ = ["LISTED_RAMP", "RampStages", "check_rampup", "listed_rampup_stages", 
 
 FLAG = "--rampup-batch-size"
 
-#: Ramps with at most this many increments are listed stage by stage; longer ones are :class:`RampStages`.
+#: Ramps with at most this many increments are listed stage by stage; longer ones are
+#: :class:`RampStages`.
 LISTED_RAMP = 10_000
 
 
 def check_rampup(start: int, increment: int, ramp_samples: int, global_batch_size: int) -> None:
-    """Upstream 0.16.1's assertions (start > 0, increment > 0, ramp >= 0, GBS > 0: ScheduleError is an
-    AssertionError too) and that the ramp lands on GBS; sizes above 10**30 are refused."""
+    """Upstream 0.16.1's assertions (start > 0, increment > 0, ramp >= 0, GBS > 0: ScheduleError is
+    an AssertionError too) and that the ramp lands on GBS; sizes above 10**30 are refused."""
     require_positive_int(f"{FLAG} start batch size", start, below_one=ScheduleError)
     require_positive_int(f"{FLAG} batch size increment", increment, below_one=ScheduleError)
     require_positive_int("--global-batch-size", global_batch_size, below_one=ScheduleError)
     whole = isinstance(ramp_samples, int) and not isinstance(ramp_samples, bool)
     if not whole or ramp_samples < 0:
         raise (ScheduleError if whole else SizeError)(
-            f"{FLAG} ramp-up samples {ramp_samples!r} must be a whole number >= 0; give 0 for no ramp, or the "
+            f"{FLAG} ramp-up samples {ramp_samples!r} must be a whole number >= 0; give 0 for no "
+            "ramp, or the "
             f"samples to ramp over."
         )
-    named = (("ramp-up samples", ramp_samples), ("start batch size", start), ("--global-batch-size", global_batch_size))
+    named = (
+        ("ramp-up samples", ramp_samples),
+        ("start batch size", start),
+        ("--global-batch-size", global_batch_size),
+    )
     for name, value in named:
         if value > 10**MAX_EXPONENT:
-            raise SizeError(f"{FLAG} {name} {value} is larger than 1e{MAX_EXPONENT}; no run consumes that much.")
+            raise SizeError(
+                f"{FLAG} {name} {value} is larger than 1e{MAX_EXPONENT}; no run consumes that much."
+            )
     diff = global_batch_size - start
     if diff < 0:
         raise ScheduleError(
-            f"{FLAG} start batch size {start} exceeds --global-batch-size {global_batch_size}; a ramp only "
+            f"{FLAG} start batch size {start} exceeds --global-batch-size {global_batch_size}; a "
+            "ramp only "
             f"grows. Use a start <= {global_batch_size}."
         )
     if diff % increment:
         raise ScheduleError(
-            f"{FLAG} increment {increment} does not divide --global-batch-size {global_batch_size} - start "
-            f"{start} = {diff}, so the ramp never lands on the global batch size. Use an increment in "
+            f"{FLAG} increment {increment} does not divide --global-batch-size "
+            f"{global_batch_size} - start {start} = {diff}, so the ramp never lands on "
+            "the global batch size. Use an increment in "
             f"{{{divisor_list(diff, limit=8)}}}."
         )
 
@@ -80,7 +90,8 @@ class _Ramp:
         return (self.global_batch_size - self.start) // self.increment
 
     def increments_at(self, consumed: int) -> int:
-        """g(c): increments in force at ``consumed`` samples, upstream's float arithmetic to the sample."""
+        """g(c): increments in force at ``consumed`` samples, upstream's float arithmetic to the
+        sample."""
         if consumed > self.ramp_samples:
             return self.increments
         per_increment = self.ramp_samples / self.increments  # float, as upstream computes it
@@ -89,8 +100,9 @@ class _Ramp:
     def threshold(self, k: int) -> int:
         """c_k: the least consumed count with g(c) >= k (c_0 = 0).
 
-        Closed form in upstream's float arithmetic (:func:`_float_threshold`), checked against g at c_k and
-        c_k - 1; should the check ever fail, a search from that estimate finds it (O(log ramp_samples)).
+        Closed form in upstream's float arithmetic (:func:`_float_threshold`), checked against g at
+        c_k and c_k - 1; should the check ever fail, a search from that estimate finds it (O(log
+        ramp_samples)).
         """
         if k == 0:
             return 0
@@ -105,7 +117,8 @@ class _Ramp:
 def listed_rampup_stages(
     start: int, increment: int, ramp_samples: int, global_batch_size: int
 ) -> list[tuple[int, int]]:
-    """Every distinct stage of a ramp of at most :data:`LISTED_RAMP` increments, as (threshold, GBS)."""
+    """Every distinct stage of a ramp of at most :data:`LISTED_RAMP` increments, as (threshold,
+    GBS)."""
     ramp = _Ramp(start, increment, ramp_samples, global_batch_size)
     stages: list[tuple[int, int]] = [(0, start)]
     for k in range(1, ramp.increments + 1):
@@ -121,15 +134,18 @@ def listed_rampup_stages(
 class RampStages(Sequence[Stage]):
     """The n + 1 stages of a long ramp, stage k = (c_k, start + k x increment), computed when read.
 
-    Where the ramp has more increments than samples (per < 1), several stages begin at the same sample:
-    the last of them is the one in force (as upstream), the others never are. ``index_at`` is exact in
-    every case: the stage in force at c is g(c).
+    Where the ramp has more increments than samples (per < 1), several stages begin at the same
+    sample: the last of them is the one in force (as upstream), the others never are. ``index_at``
+    is exact in every case: the stage in force at c is g(c).
     """
 
-    def __init__(self, start: int, increment: int, ramp_samples: int, global_batch_size: int) -> None:
+    def __init__(
+        self, start: int, increment: int, ramp_samples: int, global_batch_size: int
+    ) -> None:
         self.ramp = _Ramp(start, increment, ramp_samples, global_batch_size)
         self.num_stages = self.ramp.increments + 1
-        """n + 1, which may pass what ``len()`` returns (``schedule_stages.stage_count`` reads either)."""
+        """n + 1, which may pass what ``len()`` returns (``schedule_stages.stage_count`` reads
+        either)."""
 
     def __len__(self) -> int:
         return self.num_stages
@@ -144,7 +160,11 @@ class RampStages(Sequence[Stage]):
         if isinstance(index, slice):
             return [self[k] for k in range(self.num_stages)[index]]
         k = range(self.num_stages)[index]  # IndexError past the end, negative indices from the end
-        return Stage(threshold_samples=self.ramp.threshold(k), global_batch_size=self.batch(k), position=k + 1)
+        return Stage(
+            threshold_samples=self.ramp.threshold(k),
+            global_batch_size=self.batch(k),
+            position=k + 1,
+        )
 
     def __iter__(self) -> Iterator[Stage]:
         return (self[k] for k in range(self.num_stages))
@@ -165,14 +185,17 @@ class RampStages(Sequence[Stage]):
 
     def describe(self) -> str:
         """``N stages: first second ... last`` (thresholds in samples)."""
-        return f"{self.num_stages:,} stages: {self[0].spelling} {self[1].spelling} ... {self[-1].spelling}"
+        return (
+            f"{self.num_stages:,} stages: {self[0].spelling} {self[1].spelling} ... "
+            f"{self[-1].spelling}"
+        )
 
 
 def _float_threshold(k: int, per_increment: float) -> int:
-    """The least integer c with int(c / per_increment) >= k as Python computes it: c rounded to a float, divided
-    in floats. First the least float x with int(x / per_increment) >= k (a step or two from k x per_increment),
-    then the least integer that rounds to x or above (every integer up to 2^53 is a float; above, each float
-    stands for the integers that round to it)."""
+    """The least integer c with int(c / per_increment) >= k as Python computes it: c rounded to a
+    float, divided in floats. First the least float x with int(x / per_increment) >= k (a step or
+    two from k x per_increment), then the least integer that rounds to x or above (every integer up
+    to 2^53 is a float; above, each float stands for the integers that round to it)."""
     x = k * per_increment
     while x > 0 and int(math.nextafter(x, 0.0) / per_increment) >= k:
         x = math.nextafter(x, 0.0)
@@ -212,15 +235,17 @@ def _least(reached: Callable[[int], bool], low: int, high: int, guess: int) -> i
 
 
 def rampup_triple(values: Sequence[int | str]) -> tuple[int, int, int]:
-    """``--rampup-batch-size START INCREMENT SAMPLES`` as three ints (argparse and launch lines give strings).
+    """``--rampup-batch-size START INCREMENT SAMPLES`` as three ints (argparse and launch lines give
+    strings).
 
-    Raises SizeError for another number of values or a value that is not a whole number; the ramp's own
-    rules (start >= 1, ...) are :meth:`StepSchedule.from_rampup`'s.
+    Raises SizeError for another number of values or a value that is not a whole number; the ramp's
+    own rules (start >= 1, ...) are :meth:`StepSchedule.from_rampup`'s.
     """
     if isinstance(values, (str, bytes)) or len(values) != 3:
         shown = [values] if isinstance(values, (str, bytes)) else list(values)
         raise SizeError(
-            f"--rampup-batch-size takes three values, START INCREMENT SAMPLES (e.g. 16 8 300000); got "
+            "--rampup-batch-size takes three values, START INCREMENT SAMPLES (e.g. 16 8 300000); "
+            "got "
             f"{len(shown)}: {' '.join(map(str, shown))}."
         )
     triple = []

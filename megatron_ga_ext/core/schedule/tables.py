@@ -3,8 +3,8 @@
     per step in a stage of batch B:  S = MBS x DP x (B // (MBS x DP))   (consumed += S)
     steps in it, entered at c:        ceil((end - c) / S),  end = min(next threshold, train_samples)
 
-The last step of a stage may overshoot the next threshold, so a stage starts at its first step's count,
-which can be past its threshold, and a stage can be skipped entirely (steps 0).
+The last step of a stage may overshoot the next threshold, so a stage starts at its first step's
+count, which can be past its threshold, and a stage can be skipped entirely (steps 0).
 """
 
 from __future__ import annotations
@@ -31,12 +31,14 @@ __all__ = [
     "total_steps",
 ]
 
-#: A table lists at most this many stages (a long ramp is summarised instead: see StepSchedule.summary).
+#: A table lists at most this many stages (a long ramp is summarised instead: see
+#: StepSchedule.summary).
 TABLE_LIMIT = 10_000
 
 
 class Stages(Protocol):
-    """What the tables read of a schedule (a :class:`~megatron_ga_ext.core.schedule.step_schedule.StepSchedule`)."""
+    """What the tables read of a schedule (a
+    :class:`~megatron_ga_ext.core.schedule.step_schedule.StepSchedule`)."""
 
     @property
     def seq_length(self) -> int | None: ...
@@ -66,11 +68,13 @@ class StageRow:
     num_microbatches: int
     """GBS // (MBS x DP)."""
     first_sample: int | None
-    """Consumed samples at the first step that uses this stage (>= threshold); None if never used."""
+    """Consumed samples at the first step that uses this stage (>= threshold); None if never
+    used."""
     first_token: int | None
     """first_sample x seq_length: the exact token count where the switch happens."""
     first_step: int | None
-    """0-based iteration of that first step, counted from where stepping began (``consumed_samples``)."""
+    """0-based iteration of that first step, counted from where stepping began
+    (``consumed_samples``)."""
     steps: int | None
     """Steps run in this stage; None when open-ended (no train length given)."""
     samples: int | None
@@ -83,7 +87,8 @@ class StageRow:
 
 @dataclass(kw_only=True, frozen=True)
 class StepInfo:
-    """One optimizer step: iteration (0-based, from where stepping began), consumed samples before it, GBS, M."""
+    """One optimizer step: iteration (0-based, from where stepping began), consumed samples before
+    it, GBS, M."""
 
     iteration: int
     consumed_samples: int
@@ -108,15 +113,19 @@ def table(
     In a stage of batch B (per step S = MBS x DP x (B // (MBS x DP))) entered at consumed c, the run
     takes ceil((end - c) / S) steps, end = min(next threshold, train_samples); the last one may
     overshoot the next threshold, so a stage starts at its first step's count, which can be past its
-    threshold, and a stage can be skipped entirely (steps 0). A resumed run starts at the stage in force
-    at ``consumed_samples``: stages already passed get steps 0 and are not held to today's MBS x DP.
-    ``seq_length`` defaults to the schedule's own. ``lr`` and ``lr_base_batch_size`` add the linear and
-    square-root hints. A schedule of more than :data:`TABLE_LIMIT` stages (a long ramp) has no table
-    (UsageError). ``StepSchedule.table`` is this function.
+    threshold, and a stage can be skipped entirely (steps 0). A resumed run starts at the stage in
+    force at ``consumed_samples``: stages already passed get steps 0 and are not held to today's MBS
+    x DP. ``seq_length`` defaults to the schedule's own. ``lr`` and ``lr_base_batch_size`` add the
+    linear and square-root hints. A schedule of more than :data:`TABLE_LIMIT` stages (a long ramp)
+    has no table (UsageError). ``StepSchedule.table`` is this function.
     """
     mbs = require_positive_int("--micro-batch-size", micro_batch_size)
     dp = require_positive_int("--data-parallel-size", data_parallel_size)
-    seq = schedule.seq_length if seq_length is None else require_positive_int("--seq-length", seq_length)
+    seq = (
+        schedule.seq_length
+        if seq_length is None
+        else require_positive_int("--seq-length", seq_length)
+    )
     if train_samples is not None:
         require_positive_int("--train-samples", train_samples)
     if lr_base_batch_size is not None:
@@ -125,7 +134,8 @@ def table(
     entries = schedule.entries
     if schedule.num_stages > TABLE_LIMIT:
         raise UsageError(
-            f"the schedule has {schedule.num_stages:,} stages, more than the {TABLE_LIMIT:,} a table lists "
+            f"the schedule has {schedule.num_stages:,} stages, more than the {TABLE_LIMIT:,} a "
+            "table lists "
             f"({schedule.summary()}); its stages are described, not listed."
         )
     rows, consumed, iteration = [], consumed_samples, 0
@@ -140,7 +150,9 @@ def table(
         steps = (None if end is None else -(-(end - consumed) // per_step)) if used else 0
         first = consumed if used else None
         first_step = iteration if used else None
-        rows.append(_row(stage, mbs * dp, seq, first, first_step, steps, per_step, lr, lr_base_batch_size))
+        rows.append(
+            _row(stage, mbs * dp, seq, first, first_step, steps, per_step, lr, lr_base_batch_size)
+        )
         if steps:
             consumed, iteration = consumed + steps * per_step, iteration + steps
     return rows
@@ -186,9 +198,10 @@ def run_totals(
     train_samples: int,
     consumed_samples: int = 0,
 ) -> tuple[int, int]:
-    """(steps, samples) of a run from ``consumed_samples`` to ``--train-samples``: one more step while
-    consumed < train_samples, as the table counts them, but visiting only the stages the run uses (each in
-    closed form), so a long ramp costs its used stages, never more than upstream's own per-step loop.
+    """(steps, samples) of a run from ``consumed_samples`` to ``--train-samples``: one more step
+    while consumed < train_samples, as the table counts them, but visiting only the stages the run
+    uses (each in closed form), so a long ramp costs its used stages, never more than upstream's own
+    per-step loop.
     """
     unit = require_positive_int("--micro-batch-size", micro_batch_size) * require_positive_int(
         "--data-parallel-size", data_parallel_size
@@ -207,9 +220,11 @@ def run_totals(
     return steps, consumed - consumed_samples
 
 
-def samples_after_steps(schedule: Stages, micro_batch_size: int, data_parallel_size: int, steps: int) -> int:
-    """Consumed samples after ``steps`` steps from 0 (``--train-iters``): each stage it passes in closed form, so a
-    long ramp costs its used stages only."""
+def samples_after_steps(
+    schedule: Stages, micro_batch_size: int, data_parallel_size: int, steps: int
+) -> int:
+    """Consumed samples after ``steps`` steps from 0 (``--train-iters``): each stage it passes in
+    closed form, so a long ramp costs its used stages only."""
     unit = require_positive_int("--micro-batch-size", micro_batch_size) * require_positive_int(
         "--data-parallel-size", data_parallel_size
     )

@@ -1,0 +1,2 @@
+"""The batch-size science's commands: ``schedule --suggest`` and ``critical-batch`` (loaded on
+demand by cli/)."""

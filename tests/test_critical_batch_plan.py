@@ -1,0 +1,62 @@
+"""benchmarks/critical_batch_plan.py: issue 51's runs still to make (items 1, 3, 4), planned from
+the committed sweep and costed; nothing trains."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from benchmarks import critical_batch, critical_batch_plan
+
+RESULT = (
+    Path(__file__).resolve().parents[1]
+    / "benchmarks"
+    / "results"
+    / "critical-batch-2026-12-03.json"
+)
+
+
+def test_the_plan_has_the_three_arms_and_their_cost():
+    result = json.loads(RESULT.read_text())
+    runs = critical_batch_plan.plan(result)
+    by_arm = {arm: [r for r in runs if r["arm"] == arm] for arm in ("large", "branch", "arms")}
+    assert {arm: len(v) for arm, v in by_arm.items()} == {"large": 12, "branch": 26, "arms": 30}
+    old_lowest = {
+        64: 0.003249,
+        128: 0.004141,
+    }  # k = 0, the lowest LR the sweep ran at GBS 64 and 128
+    for gbs, lowest in old_lowest.items():
+        below = [
+            r["lr"] for r in by_arm["large"] if r["gbs"] == gbs and r["lr"] and r["lr"] < lowest
+        ]
+        assert len(below) == 2
+    assert all(r["samples"] == 24576 for r in by_arm["large"])
+    gbs32 = next(r for r in by_arm["branch"] if r["name"] == "branch2048-gbs32-seed1")
+    assert math.isclose(gbs32["lr"], 0.003138 * 2, rel_tol=1e-3)  # sqrt(32 / 8) x GBS 8's LR
+    assert sorted({r["seed"] for r in by_arm["arms"]}) == list(range(1, 11))
+    assert critical_batch_plan.doubling_points(result) == [(2304, 16), (4320, 32)]
+    cost = critical_batch_plan.cpu_minutes(runs, critical_batch_plan.seconds_per_sample(result))
+    assert 100 < cost["all"] < 200 and math.isclose(
+        cost["all"], sum(v for k, v in cost.items() if k != "all")
+    )
+
+
+def test_the_edge_rule_extends_past_an_edge_within_one_seed_sd():
+    flat = {-2: [5.00, 5.10], -1: [5.02, 5.12], 0: [5.30, 5.40]}  # best -2, at the edge
+    assert critical_batch_plan.extends(flat) == -3
+    near = {
+        -1: [5.05, 5.15],
+        0: [5.00, 5.10],
+        1: [5.40, 5.50],
+    }  # best 0, edge -1 within one sd (0.07)
+    assert critical_batch_plan.extends(near) == -2
+    clear = {-1: [5.50, 5.52], 0: [5.00, 5.02], 1: [5.60, 5.62]}
+    assert critical_batch_plan.extends(clear) is None
+
+
+def test_plan_prints_without_training(capsys, monkeypatch):
+    monkeypatch.setattr(critical_batch, "launch", None)  # a training launch would fail
+    assert critical_batch.main(["--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "68 runs, about" in out and "CPU-minutes" in out and "0:8 2304:16 4320:32" in out
