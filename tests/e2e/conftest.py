@@ -6,6 +6,11 @@ in ``MEGATRON_LM_SNAPSHOTS`` (default ``../shared/upstream``) of a tested source
 this one. With neither, every test here is skipped with one line saying what to pass (``make e2e``
 says it first).
 
+Megatron-LM's training loop through the drop-in (test_pretrain_gpt.py, test_packing.py,
+test_resume.py) runs on every source; the features' own launches (noise scale, batch warmup, LR
+scaling, faults, FSDP, MoE and MTP) on the newest release and main commit (``newest_source``), since
+each source's hooks are held by its fingerprints and the behaviour suite (make matrix) on each.
+
 Each (source, layout) runs a handful of launches, shared by the tests that check them. At the end
 the results table is printed, and each source's compatibility row is recorded (tools/results.py,
 where ``MEGATRON_GA_RESULTS`` is set: make e2e) for ``make docs`` to render into

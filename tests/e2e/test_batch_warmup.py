@@ -1,5 +1,6 @@
 """``--ga-batch-size-warmup auto`` in Megatron-LM's own training loop (pretrain_gpt.py through the
-drop-in entry), DP 2 on the CPU over gloo, on every tested source of this Python.
+drop-in entry), DP 2 on the CPU over gloo, on the newest release and main commit of
+this Python (conftest.py's newest_source).
 
 The tiny GPT's B_simple is about 0.2 samples (docs/noise-scale.md), so a trust of 2000 makes the
 rule fire at every measured step: from GBS 16 the batch doubles after iterations 1, 2 and 3 up to
@@ -73,8 +74,8 @@ def warmup_run(launches, source):
     ), checkpoints
 
 
-def test_the_batch_doubles_as_measured_and_the_run_ends_at_its_samples(launches, source):
-    run, _ = warmup_run(launches, source)
+def test_the_batch_doubles_as_measured_and_the_run_ends_at_its_samples(launches, newest_source):
+    run, _ = warmup_run(launches, newest_source)
     assert run.rc == 0 and run.error is None, run.describe()
     rows = run.iterations
     assert [r["global_batch_size"] for r in rows] == GBS, rows
@@ -95,19 +96,19 @@ def test_the_batch_doubles_as_measured_and_the_run_ends_at_its_samples(launches,
     ), run.describe()  # iteration 4: 2 x 128 passes the cap
 
 
-def test_a_resume_replays_the_decisions(launches, source):
-    run, checkpoints = warmup_run(launches, source)
+def test_a_resume_replays_the_decisions(launches, newest_source):
+    run, checkpoints = warmup_run(launches, newest_source)
     assert run.rc == 0, run.describe()
     # Resumed with --save to the loaded directory (a copy: the uninterrupted run's is shared): the
     # loaded checkpoint is not saved again (the restored stages are live before Megatron reads the
     # micro-batch count after the load).
-    directory = launches.workdir / source.name / "dp2" / "batch-warmup-resumed-checkpoints"
+    directory = launches.workdir / newest_source.name / "dp2" / "batch-warmup-resumed-checkpoints"
     shutil.rmtree(directory, ignore_errors=True)
     shutil.copytree(checkpoints, directory)
     loaded = directory / f"iter_{SAVE_AT:07d}"
     before = _mtimes(loaded)
     resumed = launches.get(
-        source,
+        newest_source,
         "dp2",
         "batch-warmup-resumed",
         [
@@ -177,7 +178,7 @@ def _mtimes(directory: Path) -> dict[str, int]:
         ),
     ],
 )
-def test_launch_mistakes_are_refused_at_start_up(launches, source, extra, message):
-    run = launches.get(source, "dp2", f"batch-warmup-refused-{extra[0]}", [*FLAGS, *extra])
+def test_launch_mistakes_are_refused_at_start_up(launches, newest_source, extra, message):
+    run = launches.get(newest_source, "dp2", f"batch-warmup-refused-{extra[0]}", [*FLAGS, *extra])
     assert run.rc != 0 and run.iterations == [], run.describe()
     assert message in run.output, run.describe()

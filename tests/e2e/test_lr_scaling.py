@@ -44,10 +44,13 @@ from tools.compatibility import source_name
 pytestmark = pytest.mark.e2e
 
 
-def test_sqrt_scaling_follows_the_plan(launches, source, record_property):
-    unscaled, _ = schedule_run(launches, source, "dp2")
+def test_sqrt_scaling_follows_the_plan(launches, newest_source, record_property):
+    unscaled, _ = schedule_run(launches, newest_source, "dp2")
     run = launches.get(
-        source, "dp2", "schedule-lr-sqrt", [*MICROBATCH, *SCHEDULE, "--ga-lr-scaling", "sqrt"]
+        newest_source,
+        "dp2",
+        "schedule-lr-sqrt",
+        [*MICROBATCH, *SCHEDULE, "--ga-lr-scaling", "sqrt"],
     )
     assert run.rc == 0 and run.error is None, run.describe()
     assert unscaled.rc == 0 and unscaled.error is None, unscaled.describe()
@@ -74,7 +77,7 @@ def test_sqrt_scaling_follows_the_plan(launches, source, record_property):
     ]  # every stage's factor was checked
     record(
         record_property,
-        source_name(source),
+        source_name(newest_source),
         "dp2",
         [
             {
@@ -88,22 +91,22 @@ def test_sqrt_scaling_follows_the_plan(launches, source, record_property):
     )
 
 
-def test_sqrt_scaling_across_a_batch_warmup_resume(launches, source):
+def test_sqrt_scaling_across_a_batch_warmup_resume(launches, newest_source):
     """--ga-batch-size-warmup auto with --ga-lr-scaling sqrt, saved at iteration 2 and resumed: the
     first resumed step trains at the restored stage's rate (Megatron's scheduler writes the rates
     while loading, before the stages are restored), so iterations 3-5 equal the uninterrupted run's
     in GBS, LR, loss and grad norm."""
-    checkpoints = launches.workdir / source.name / "dp2" / "warmup-lr-sqrt-checkpoints"
+    checkpoints = launches.workdir / newest_source.name / "dp2" / "warmup-lr-sqrt-checkpoints"
     flags = [*WARMUP_FLAGS, "--ga-lr-scaling", "sqrt", "--ckpt-format", "torch"]
     run = launches.get(
-        source,
+        newest_source,
         "dp2",
         "warmup-lr-sqrt",
         [*flags, "--save", str(checkpoints), "--save-interval", str(WARMUP_SAVE_AT)],
     )
     assert run.rc == 0 and run.error is None, run.describe()
     resumed = launches.get(
-        source,
+        newest_source,
         "dp2",
         "warmup-lr-sqrt-resumed",
         [*flags, "--load", str(checkpoints), "--ckpt-step", str(WARMUP_SAVE_AT)],

@@ -1,5 +1,6 @@
 """``--ga-noise-scale 1`` in Megatron-LM's own training loop (pretrain_gpt.py through the drop-in
-entry), DP 2 on the CPU over gloo, token mode, on every tested source of this Python.
+entry), DP 2 on the CPU over gloo, token mode, on the newest release and main
+commit of this Python (conftest.py's newest_source).
 
 One run measures every iteration (8 of GBS 16), logs to TensorBoard, writes the trace and saves at
 iteration 3; one launch resumes it from that checkpoint; one runs the same without
@@ -127,10 +128,12 @@ def line_order(output: str) -> list[tuple[str, int]]:
     return found
 
 
-def test_the_run_logs_the_noise_scale_and_trains_as_without_it(launches, source, record_property):
-    run, trace, tensorboard, _ = measured(launches, source)
+def test_the_run_logs_the_noise_scale_and_trains_as_without_it(
+    launches, newest_source, record_property
+):
+    run, trace, tensorboard, _ = measured(launches, newest_source)
     assert run.rc == 0 and run.error is None, run.describe()
-    reference = launches.get(source, "dp2", "noise-scale-off", FLAGS)
+    reference = launches.get(newest_source, "dp2", "noise-scale-off", FLAGS)
     assert reference.rc == 0, reference.describe()
     iterations = [r["iteration"] for r in run.iterations]
     assert iterations == list(range(1, ITERATIONS + 1)), iterations
@@ -183,7 +186,7 @@ def test_the_run_logs_the_noise_scale_and_trains_as_without_it(launches, source,
         "rows",
         [
             {
-                "source": source_name(source),
+                "newest_source": source_name(newest_source),
                 "layout": "dp2",
                 "mode": "token",
                 "case": "--ga-noise-scale 1",
@@ -196,12 +199,12 @@ def test_the_run_logs_the_noise_scale_and_trains_as_without_it(launches, source,
     )
 
 
-def test_pipeline_parallel_measures_each_replica_once(launches, source):
+def test_pipeline_parallel_measures_each_replica_once(launches, newest_source):
     """PP 2 x DP 2: each replica's two stages add their layers' parts (the tied embedding left out),
     counted once."""
-    run, trace, _, _ = measured(launches, source, "pp2dp2")
+    run, trace, _, _ = measured(launches, newest_source, "pp2dp2")
     assert run.rc == 0 and run.error is None, run.describe()
-    reference = launches.get(source, "pp2dp2", "noise-scale-off", FLAGS)
+    reference = launches.get(newest_source, "pp2dp2", "noise-scale-off", FLAGS)
     assert reference.rc == 0, reference.describe()
     for ours, theirs in zip(run.iterations, reference.iterations, strict=True):
         assert (ours["loss"], ours["grad_norm"]) == (theirs["loss"], theirs["grad_norm"]), (
@@ -216,8 +219,8 @@ def test_pipeline_parallel_measures_each_replica_once(launches, source):
     ), rows
 
 
-def test_a_resume_continues_the_emas(launches, source, record_property):
-    run, trace, _, checkpoints = measured(launches, source)
+def test_a_resume_continues_the_emas(launches, newest_source, record_property):
+    run, trace, _, checkpoints = measured(launches, newest_source)
     assert run.rc == 0 and run.error is None, run.describe()
     sidecar = json.loads(sidecar_path(checkpoints, SAVE_AT).read_text())
     kept = sidecar["features"]["noise_scale"]["state"]
@@ -227,10 +230,10 @@ def test_a_resume_continues_the_emas(launches, source, record_property):
         p.name for p in checkpoints.glob("iter_*")
     ), list(checkpoints.iterdir())
 
-    workdir = launches.workdir / source.name / "dp2"
+    workdir = launches.workdir / newest_source.name / "dp2"
     resumed_trace = workdir / "noise-scale-resumed-trace.jsonl"
     resumed = launches.get(
-        source,
+        newest_source,
         "dp2",
         "noise-scale-resumed",
         [
@@ -263,7 +266,7 @@ def test_a_resume_continues_the_emas(launches, source, record_property):
         "rows",
         [
             {
-                "source": source_name(source),
+                "newest_source": source_name(newest_source),
                 "layout": "dp2",
                 "mode": "token",
                 "case": f"--ga-noise-scale resume at {SAVE_AT}",
@@ -276,7 +279,7 @@ def test_a_resume_continues_the_emas(launches, source, record_property):
         "noise-scale",
         [
             {
-                "Source": source_name(source),
+                "Source": source_name(newest_source),
                 "Layout": "dp2",
                 "Resume": (
                     f"saved at {SAVE_AT}, resumed to {ITERATIONS}: grad_sq_ema and "
@@ -290,12 +293,12 @@ def test_a_resume_continues_the_emas(launches, source, record_property):
 NON_PERSISTENT_AT = 3
 
 
-def test_a_resume_from_a_non_persistent_checkpoint_continues_the_emas(launches, source):
+def test_a_resume_from_a_non_persistent_checkpoint_continues_the_emas(launches, newest_source):
     """--non-persistent-ckpt-type global: the sidecar beside each non-persistent checkpoint
     (iterations 3 and 6 in --non-persistent-global-ckpt-dir; Megatron keeps the latest), and a
     resume that loads the latest (its --load holds no persistent one) continues the EMAs there:
     iterations 7-8 equal the run's own."""
-    workdir = launches.workdir / source.name / "dp2"
+    workdir = launches.workdir / newest_source.name / "dp2"
     trace, non_persistent = (
         workdir / "noise-scale-np-trace.jsonl",
         workdir / "noise-scale-np-checkpoints",
@@ -319,7 +322,7 @@ def test_a_resume_from_a_non_persistent_checkpoint_continues_the_emas(launches, 
         str(non_persistent),
     ]
     run = launches.get(
-        source,
+        newest_source,
         "dp2",
         "noise-scale-np",
         [
@@ -346,7 +349,7 @@ def test_a_resume_from_a_non_persistent_checkpoint_continues_the_emas(launches, 
 
     resumed_trace = workdir / "noise-scale-np-resumed-trace.jsonl"
     resumed = launches.get(
-        source,
+        newest_source,
         "dp2",
         "noise-scale-np-resumed",
         [
@@ -382,8 +385,8 @@ def test_a_resume_from_a_non_persistent_checkpoint_continues_the_emas(launches, 
             assert ours[name] == pytest.approx(theirs[name], rel=1e-9), (name, ours, theirs)
 
 
-def test_suggest_reads_the_runs_trace(launches, source):
-    run, trace, tensorboard, _ = measured(launches, source)
+def test_suggest_reads_the_runs_trace(launches, newest_source):
+    run, trace, tensorboard, _ = measured(launches, newest_source)
     assert run.rc == 0 and run.error is None, run.describe()
     exe = Path(sys.executable).with_name("megatron-ga")
     done = subprocess.run(
@@ -432,7 +435,7 @@ def test_suggest_reads_the_runs_trace(launches, source):
         "noise-scale",
         [
             {
-                "Source": source_name(source),
+                "Source": source_name(newest_source),
                 "Layout": "dp2",
                 "Measured": f"{len(rows)} iterations of GBS 16, {rows[-1]['tokens']} loss tokens "
                 "at the last",
