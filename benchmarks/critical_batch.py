@@ -31,6 +31,7 @@ finished. ``--collect`` writes every cached run into the result JSON
     nice -n 19 python benchmarks/critical_batch.py [--phase grid|seeds|warmup|all] [--warmup-trust
     T] [--quick] python benchmarks/critical_batch.py --collect [--quick]
     python benchmarks/critical_batch.py --plan      # issue 51's runs still to make, costed; trains nothing
+    nice -n 19 python benchmarks/critical_batch.py --phase large   # the first of them (Sweep.large)
 
 ``--quick`` (about a minute: three batch sizes, one LR, few samples) keeps the pipeline working; it
 measures nothing.
@@ -43,6 +44,7 @@ import datetime
 import json
 import math
 import re
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -52,7 +54,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import corpus  # noqa: E402
-from benchmarks.critical_batch_analysis import analyse, measured_trust  # noqa: E402
+from benchmarks.critical_batch_analysis import (  # noqa: E402
+    analyse,
+    distinct,
+    measured_trust,
+    reached,
+)
+from benchmarks.critical_batch_plan import LARGE_GRID, LARGE_SIZES, extends  # noqa: E402
 from benchmarks.critical_batch_plan import render as render_plan  # noqa: E402
 from tests.support.pretrain_runs import launch  # noqa: E402
 from tools.regress import sources  # noqa: E402
@@ -348,6 +356,46 @@ class Sweep:
             for name, gbs, run_lr, extra in configs:
                 self.train(f"{name}-seed{seed}", gbs, run_lr, seed, "warmup", extra)
 
+    def large(self) -> dict[int, int]:
+        """Issue 51, item 1 (benchmarks/critical_batch_plan.py's ``large``): GBS 64 and 128 on the
+        long horizon at each k of LARGE_GRID, seed 1, past an edge while the edge rule extends, LRs
+        judged in log steps to the lowest of the committed sweep's targets that its long runs at
+        that size all reach; then each size's best k at the
+        further seeds. The committed sweep's long runs count as run. The best k per size."""
+        committed = json.loads(PLAN_FROM.read_text())
+        done = {r["name"]: r for r in committed["runs"]}
+        for name, record in done.items():  # collect() writes them beside the new runs
+            if self.cached(name) is None:
+                (self.out / f"{name}.json").write_text(json.dumps(record) + "\n")
+        targets = [t["target"] for t in analyse(committed)["targets"]]
+        best = {}
+        for gbs in LARGE_SIZES:
+
+            def run(k: int, seed: int, gbs: int = gbs) -> dict:
+                name = f"gbs{gbs}-k{k:+d}-seed{seed}-long"
+                return done.get(name) or self.train(
+                    name, gbs, self.plan.lr(gbs, k), seed, "long", long=True
+                )
+
+            old = next(
+                int(m[1])
+                for n in done
+                if (m := re.fullmatch(rf"gbs{gbs}-k([+-]\d+)-seed2-long", n))
+            )  # the committed sweep's best k, run long at every seed
+            seeds = [run(old, s) for s in self.plan.seeds]
+            # the lowest target they all reach (GBS 128's: the sweep's second)
+            target = min(t for t in targets if all(map(math.isfinite, _log_steps(seeds, t))))
+            log_steps = {k: _log_steps([run(k, 1)], target) for k in LARGE_GRID}
+            log_steps[old] = _log_steps(seeds, target)
+            for _ in range(self.plan.extend):
+                if (k := extends(log_steps)) is None:
+                    break
+                log_steps[k] = _log_steps([run(k, 1)], target)
+            best[gbs] = min(log_steps, key=lambda k: statistics.fmean(log_steps[k]))
+            for seed in self.plan.seeds[1:]:
+                run(best[gbs], seed)
+        return best
+
     def measured_trust(self) -> float | None:
         """benchmarks/critical_batch_analysis.py's trust from the cached grid and seed runs."""
         runs = [
@@ -399,6 +447,12 @@ def hand_schedule(start: int, end: int, samples: int, seq_length: int = SEQ_LENG
     return " ".join(f"{i * share * seq_length}:{gbs}" for i, gbs in enumerate(sizes))
 
 
+def _log_steps(records: list[dict], target: float) -> list[float]:
+    """log of the steps each run takes to ``target`` (inf where it never reaches it)."""
+    hits = [reached(distinct(r["curve"]), target) for r in records]
+    return [math.log(hit[0]) if hit is not None else math.inf for hit in hits]
+
+
 def score(record: dict, plan: Plan) -> float:
     """The LR grid's criterion: the mean validation loss over the evaluations after the LR warmup
     (inf where a loss is not finite)."""
@@ -411,7 +465,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quick", action="store_true", help="about a minute: the pipeline, not the science"
     )
-    parser.add_argument("--phase", choices=("grid", "seeds", "warmup", "all"), default="all")
+    parser.add_argument(
+        "--phase", choices=("grid", "seeds", "warmup", "all", "large"), default="all"
+    )
     parser.add_argument(
         "--warmup-trust",
         type=float,
@@ -434,6 +490,10 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     if args.collect:
         print(sweep.collect())
+        return 0
+    if args.phase == "large":
+        print(json.dumps({"best_k": sweep.large()}), flush=True)
+        print(f"done in {time.monotonic() - start:.0f} s; collect: {sweep.collect()}", flush=True)
         return 0
     best = sweep.grid()
     print(json.dumps({"best_k": best}), flush=True)

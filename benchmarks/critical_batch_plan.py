@@ -1,6 +1,7 @@
 """The runs issue 51 still needs (items 1, 3 and 4), planned from the committed sweep and costed,
-without training: ``python benchmarks/critical_batch.py --plan`` prints them. Pure Python. Nothing
-here runs them yet; the arms are described on docs/critical-batch.md (*The runs still to make*).
+without training: ``python benchmarks/critical_batch.py --plan`` prints them. Pure Python. The
+benchmark's ``--phase large`` runs the first set; the arms are described on docs/critical-batch.md
+(*The runs still to make*).
 
 * ``large``: GBS 64 and 128 on the long horizon (LONG_SAMPLES, the horizon of the runs that enter
   the fit) at k = LARGE_GRID, so two LRs below the old grid's lowest (k = 0); seed 1, the k already

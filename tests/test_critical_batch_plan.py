@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
-from benchmarks import critical_batch, critical_batch_plan
+from benchmarks import critical_batch, critical_batch_analysis, critical_batch_plan
 
 RESULT = (
     Path(__file__).resolve().parents[1]
@@ -60,3 +61,36 @@ def test_plan_prints_without_training(capsys, monkeypatch):
     assert critical_batch.main(["--plan"]) == 0
     out = capsys.readouterr().out
     assert "68 runs, about" in out and "CPU-minutes" in out and "0:8 2304:16 4320:32" in out
+
+
+def test_the_large_phase_judges_lrs_by_steps_to_the_target_and_runs_the_plan(tmp_path, monkeypatch):
+    """--phase large trains the plan's seed-1 grid at GBS 64 and 128 (the committed k = +2 long
+    runs count as run), picks the k with the fewest steps to a target its long runs reach,
+    runs it at seeds 2 and 3, and leaves the committed runs in the cache for --collect."""
+    committed = json.loads(RESULT.read_text())
+    target = min(t["target"] for t in critical_batch_analysis.analyse(committed)["targets"])
+    sweep = object.__new__(critical_batch.Sweep)
+    sweep.plan, sweep.out = critical_batch.FULL, tmp_path
+    trained = []
+
+    def train(name, gbs, lr, seed, phase, extra=(), long=False):
+        assert phase == "long" and long and lr == critical_batch.FULL.lr(gbs, k_of(name))
+        trained.append(name)
+        steps = 100 * (1 + abs(k_of(name) + 1))  # k = -1 takes the fewest steps
+        curve = [[0, 0, target + 1.0], [steps, steps * gbs, target - 0.01]]
+        return {"name": name, "gbs": gbs, "seed": seed, "curve": curve}
+
+    def k_of(name):
+        return int(re.search(r"-k([+-]\d+)-", name)[1])
+
+    monkeypatch.setattr(sweep, "train", train)
+    assert sweep.large() == {64: -1, 128: -1}
+    planned = [
+        r["name"]
+        for r in critical_batch_plan.plan(committed)
+        if r["arm"] == "large" and r["seed"] == 1
+    ]
+    assert trained[:4] + trained[6:10] == planned
+    assert trained[4:6] == ["gbs64-k-1-seed2-long", "gbs64-k-1-seed3-long"]
+    assert trained[10:] == ["gbs128-k-1-seed2-long", "gbs128-k-1-seed3-long"]
+    assert len(list(tmp_path.glob("*.json"))) == len(committed["runs"])
