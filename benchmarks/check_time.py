@@ -77,6 +77,17 @@ COMMANDS = {
         "--global-batch-size",
         "256",
     ],
+    "check, GPT-3 175B with its model flags (memory, other layouts)": [
+        "check",
+        "--gpu-memory",
+        "H100",
+        "--",
+        "torchrun --nnodes 128 --nproc-per-node 8 pretrain_gpt.py --tensor-model-parallel-size 8"
+        " --pipeline-model-parallel-size 16 --num-layers 96 --hidden-size 12288"
+        " --num-attention-heads 96 --seq-length 2048 --max-position-embeddings 2048"
+        " --micro-batch-size 1 --global-batch-size 1536 --bf16 --use-distributed-optimizer"
+        " --sequence-parallel --recompute-activations",
+    ],
     "check, FSDP2 trap (--json)": [
         "check",
         "--json",
