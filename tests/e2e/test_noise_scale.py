@@ -186,7 +186,7 @@ def test_the_run_logs_the_noise_scale_and_trains_as_without_it(
         "rows",
         [
             {
-                "newest_source": source_name(newest_source),
+                "source": source_name(newest_source),
                 "layout": "dp2",
                 "mode": "token",
                 "case": "--ga-noise-scale 1",
@@ -266,7 +266,7 @@ def test_a_resume_continues_the_emas(launches, newest_source, record_property):
         "rows",
         [
             {
-                "newest_source": source_name(newest_source),
+                "source": source_name(newest_source),
                 "layout": "dp2",
                 "mode": "token",
                 "case": f"--ga-noise-scale resume at {SAVE_AT}",
