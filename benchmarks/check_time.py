@@ -77,7 +77,7 @@ COMMANDS = {
         "--global-batch-size",
         "256",
     ],
-    "check, GPT-3 175B with its model flags (memory, other layouts)": [
+    "check, GPT-3 175B, model flags (memory)": [
         "check",
         "--gpu-memory",
         "H100",
