@@ -360,11 +360,12 @@ class Sweep:
         """Issue 51, item 1 (benchmarks/critical_batch_plan.py's ``large``): GBS 64 and 128 on the
         long horizon at each k of LARGE_GRID, seed 1, past an edge while the edge rule extends, LRs
         judged in log steps to the lowest of the committed sweep's targets that its long runs at
-        that size all reach; then each size's best k at the
-        further seeds. The committed sweep's long runs count as run. The best k per size."""
+        that size all reach; then each size's best k at the further seeds. The committed sweep's
+        long runs count as run (and are copied into the cache for a later ``--collect``). The best
+        k per size."""
         committed = json.loads(PLAN_FROM.read_text())
         done = {r["name"]: r for r in committed["runs"]}
-        for name, record in done.items():  # collect() writes them beside the new runs
+        for name, record in done.items():
             if self.cached(name) is None:
                 (self.out / f"{name}.json").write_text(json.dumps(record) + "\n")
         targets = [t["target"] for t in analyse(committed)["targets"]]
