@@ -60,7 +60,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help=f"largest relative gradient error that passes (default {TOLERANCE:g}, fp32)",
     )
     parser.add_argument(
-        "--timeout", type=float, default=600.0, help="seconds allowed for each launch (default 600)"
+        "--timeout", type=float, default=900.0, help="seconds allowed for each launch (default 900)"
     )
     parser.add_argument(
         "--fuzz",
