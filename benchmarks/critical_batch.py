@@ -54,6 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import corpus  # noqa: E402
+from benchmarks import critical_batch_phases as phases  # noqa: E402
 from benchmarks.critical_batch_analysis import (  # noqa: E402
     analyse,
     distinct,
@@ -252,16 +253,21 @@ class Sweep:
         phase: str,
         extra: tuple[str, ...] = (),
         long: bool = False,
+        samples: int | None = None,
+        interval: int | None = None,
     ) -> dict:
-        """One run (``long``: of ``plan.long_samples``): from the cache where it finished, else
-        trained and cached."""
+        """One run (``long``: of ``plan.long_samples``; ``samples`` and ``interval``, the
+        evaluation's in steps, where given): from the cache where it finished, else trained and
+        cached."""
         if (record := self.cached(name)) is not None:
             return record
         trace = self.out / f"{name}.trace.jsonl"
         trace.unlink(missing_ok=True)
         every = self.plan.long_eval_every if long else self.plan.eval_every
-        interval = self.plan.warmup_eval_steps if phase == "warmup" else max(1, every // gbs)
-        samples = self.plan.long_samples if long else self.plan.samples
+        if interval is None:
+            interval = self.plan.warmup_eval_steps if phase == "warmup" else max(1, every // gbs)
+        if samples is None:
+            samples = self.plan.long_samples if long else self.plan.samples
         given = flags(self.plan, gbs, lr, seed, trace, interval, samples)
         if (
             "--step-batch-size-schedule" in extra
@@ -397,22 +403,46 @@ class Sweep:
                 run(best[gbs], seed)
         return best
 
-    def measured_trust(self) -> float | None:
-        """benchmarks/critical_batch_analysis.py's trust from the cached grid and seed runs."""
-        runs = [
+    def edges(self) -> dict[int, int]:
+        """The edge rule over every size, by the analysis's criterion (the fitted quantity, on the
+        cached runs): where it adds a k, that k at seed 1 on the size's horizon, up to
+        ``plan.extend`` times; then each size's chosen k at the seeds it lacks. The chosen k per
+        size."""
+        for _ in range(self.plan.extend):
+            added = {g: v["extends"] for g, v in self.analysis()["lr"].items() if v["extends"]}
+            for gbs, k in added.items():
+                self.grid_or_long(gbs, k, 1)
+            if not added:
+                break
+        best = {gbs: v["best"] for gbs, v in self.analysis()["lr"].items()}
+        for gbs, k in best.items():
+            for seed in self.plan.seeds:
+                self.grid_or_long(gbs, k, seed)
+        return best
+
+    def grid_or_long(self, gbs: int, k: int, seed: int) -> dict:
+        if gbs not in self.plan.long_sizes:
+            return self.grid_run(gbs, k, seed, "grid" if seed == 1 else "seeds")
+        name = f"gbs{gbs}-k{k:+d}-seed{seed}-long"
+        return self.train(name, gbs, self.plan.lr(gbs, k), seed, "long", long=True)
+
+    def runs(self) -> list[dict]:
+        return [
             json.loads(p.read_text())
             for p in sorted(self.out.glob("*.json"))
             if "critical-batch-" not in p.name
         ]
-        return measured_trust(analyse({"plan": asdict(self.plan), "runs": runs}))
+
+    def analysis(self) -> dict:
+        return analyse({"plan": asdict(self.plan), "runs": self.runs()})
+
+    def measured_trust(self) -> float | None:
+        """benchmarks/critical_batch_analysis.py's trust from the cached grid and seed runs."""
+        return measured_trust(self.analysis())
 
     def collect(self) -> Path:
         """The result JSON: the plan and every cached run."""
-        runs = [
-            json.loads(p.read_text())
-            for p in sorted(self.out.glob("*.json"))
-            if "critical-batch-" not in p.name
-        ]
+        runs = self.runs()
         result = {
             "date": datetime.date.today().isoformat(),
             "source": self.tree.name,
@@ -467,7 +497,9 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="about a minute: the pipeline, not the science"
     )
     parser.add_argument(
-        "--phase", choices=("grid", "seeds", "warmup", "all", "large"), default="all"
+        "--phase",
+        choices=("grid", "seeds", "warmup", "all", "large", "edges", "branch", "arms"),
+        default="all",
     )
     parser.add_argument(
         "--warmup-trust",
@@ -492,10 +524,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.collect:
         print(sweep.collect())
         return 0
+    if args.phase == "edges":
+        print(json.dumps({"best_k": sweep.edges()}), flush=True)
+        print(f"done in {time.monotonic() - start:.0f} s; the runs are in {sweep.out}", flush=True)
+        return 0
     if args.phase == "large":
         # Not collected: the analysis's fit_runs takes every long run of a size, and would mix
         # these k with the best one until it chooses among them.
         print(json.dumps({"best_k": sweep.large()}), flush=True)
+        print(f"done in {time.monotonic() - start:.0f} s; the runs are in {sweep.out}", flush=True)
+        return 0
+    if args.phase in ("branch", "arms"):
+        base = next(  # the start size's best LR in the committed sweep
+            r["lr"] for r in json.loads(PLAN_FROM.read_text())["runs"]
+            if r["name"] == f"constant-gbs{phases.START}-seed1"
+        )  # fmt: skip
+        if args.phase == "branch":
+            phases.branches(sweep, base, SEQ_LENGTH)
+        else:
+            phases.arms(sweep, base, sweep.plan.samples, SEQ_LENGTH, sweep.plan.warmup_eval_steps)
         print(f"done in {time.monotonic() - start:.0f} s; the runs are in {sweep.out}", flush=True)
         return 0
     best = sweep.grid()

@@ -2,15 +2,19 @@
 --collect). Pure Python (megatron_ga_ext.core only): ``make docs`` renders its tables from the
 committed JSON (critical_batch_report.py).
 
-* **The LR per batch size**: the k of the grid with the lowest mean validation loss after the LR
-  warmup (seed 1); interior where a lower and a higher k ran. Per target the k with the fewest steps
-  is shown beside it.
-* **Targets**: TARGETS losses evenly spaced from just below the highest loss any fit run has at the
-  end of its LR warmup (so every run crosses every target after its warmup) down to the lowest loss
-  that runs at MIN_SIZES batch sizes all reach (every seed).
-* **The fit** per target: the best k's runs at every batch size and seed (at the sizes that ran
-  long, their long runs), ``fit_target`` (dominated batch sizes left out, the profile interval); per
-  seed the same on that seed's runs (the seed spread).
+* **A size's horizon**: its long runs (phase ``long``) where it ran long, else its grid and seed
+  runs; its **seeded** runs: those at a k that ran at every seed of the plan.
+* **Targets**: TARGETS losses evenly spaced from just below the highest loss any seeded run has at
+  the end of its LR warmup (so every run crosses every target after its warmup) down to the lowest
+  loss that runs at MIN_SIZES batch sizes all reach (every seed).
+* **The LR per batch size, by the fitted quantity**: the k whose runs on the horizon have the
+  lowest log steps, averaged over the targets any of the size's seed-1 runs reaches (a target a
+  run misses counts infinite) and over the seeds that ran at that k; the edge rule
+  (critical_batch_plan.extends) says where the grid would extend. Beside it the old criterion, the mean validation loss after the LR
+  warmup, and per target the k with the fewest steps.
+* **The fit** per target: the chosen k's runs on the horizon at every batch size and seed,
+  ``fit_target`` (dominated batch sizes left out, the profile interval); per seed the same on that
+  seed's runs (the seed spread).
 * **Interpolation error** at a crossing: the step from linear interpolation between the two
   evaluations around it against a quadratic through three (log S); **seed noise**: the sd of log S
   over the seeds of one batch size.
@@ -30,6 +34,7 @@ import re
 import statistics
 from collections.abc import Sequence
 
+from benchmarks.critical_batch_plan import extends
 from megatron_ga_ext.science.core.critical_batch import RunPoint
 from megatron_ga_ext.science.core.critical_batch_targets import fit_target
 from megatron_ga_ext.science.core.noise_window import window_b_simple
@@ -37,7 +42,7 @@ from megatron_ga_ext.science.core.noise_window import window_b_simple
 TARGETS = 4
 MIN_SIZES = 4
 WINDOW_SAMPLES = 256
-_GRID = re.compile(r"gbs(\d+)-k([+-]\d+)-seed(\d+)")
+_GRID = re.compile(r"gbs(\d+)-k([+-]\d+)-seed(\d+)(-long)?")
 
 
 def lr_of(plan: dict, gbs: int, k: int) -> float:
@@ -46,6 +51,7 @@ def lr_of(plan: dict, gbs: int, k: int) -> float:
 
 
 def grid_runs(result: dict) -> list[dict]:
+    """The grid's, seeds' and long runs (named by GBS, k and seed)."""
     return [r for r in result["runs"] if _GRID.fullmatch(r["name"])]
 
 
@@ -55,40 +61,66 @@ def k_of(run: dict) -> int:
 
 
 def score(run: dict, warmup_samples: int) -> float:
-    """The mean validation loss over the evaluations after the LR warmup (inf where one is not
-    finite)."""
+    """The mean validation loss after the LR warmup (inf where one is not finite): the old LR
+    criterion, shown beside the fitted quantity."""
     losses = [loss for _, samples, loss in run["curve"] if samples >= warmup_samples]
     return sum(losses) / len(losses) if losses and all(map(math.isfinite, losses)) else math.inf
 
 
-def best_k(result: dict) -> dict[int, dict]:
-    """Per batch size: the grid's scores by k (seed 1), the best k, and whether it is interior."""
-    warmup = result["plan"]["warmup_samples"]
-    out = {}
+def horizon(result: dict, gbs: int) -> list[dict]:
+    """The size's runs on its fit horizon (module docstring)."""
+    runs = [r for r in grid_runs(result) if r["gbs"] == gbs]
+    long = [r for r in runs if r.get("phase") == "long"]
+    return long or runs
+
+
+def seeded(result: dict) -> list[dict]:
+    """Every size's horizon runs at a k that ran at every seed of the plan."""
+    seeds, out = set(result["plan"]["seeds"]), []
     for gbs in result["plan"]["sizes"]:
-        scores = {
-            k_of(r): score(r, warmup)
-            for r in grid_runs(result)
-            if r["gbs"] == gbs and r["seed"] == 1
-        }
-        if not scores:
-            continue
-        k = min(scores, key=scores.__getitem__)
-        out[gbs] = {"scores": scores, "best": k, "interior": min(scores) < k < max(scores)}
+        runs = horizon(result, gbs)
+        done = {k_of(r) for r in runs if {q["seed"] for q in runs if k_of(q) == k_of(r)} >= seeds}
+        out += [r for r in runs if k_of(r) in done]
     return out
 
 
+def best_k(result: dict, targets: Sequence[float]) -> dict[int, dict]:
+    """Per batch size (module docstring): by k, the mean log steps over the reached targets and the
+    seeds, and the old criterion (seed 1); the best k, whether it is interior, and the k the edge
+    rule adds (None where it adds none)."""
+    warmup = result["plan"]["warmup_samples"]
+    out = {}
+    for gbs in result["plan"]["sizes"]:
+        runs = horizon(result, gbs)
+        ones = {k_of(r): r for r in runs if r["seed"] == 1}
+        hits = {k: [reached(r["curve"], t) for t in targets] for k, r in ones.items()}
+        reach = [i for i in range(len(targets)) if any(h[i] for h in hits.values())]
+        if not reach:
+            continue
+        aimed = [targets[i] for i in reach]
+        by_seed: dict[int, list[float]] = {}
+        for r in runs:
+            by_seed.setdefault(k_of(r), []).append(_mean_log_steps(r, aimed))
+        steps = {k: statistics.fmean(v) for k, v in by_seed.items()}
+        k = min(steps, key=steps.__getitem__)
+        out[gbs] = {
+            "log_steps": steps,
+            "loss": {k: score(r, warmup) for k, r in ones.items()},
+            "best": k,
+            "interior": min(steps) < k < max(steps),
+            "extends": extends(by_seed) if all(map(math.isfinite, steps.values())) else None,
+        }
+    return out
+
+
+def _mean_log_steps(run: dict, targets: Sequence[float]) -> float:
+    hits = [reached(run["curve"], t) for t in targets]
+    return statistics.fmean(math.log(h[0]) if h else math.inf for h in hits)
+
+
 def fit_runs(result: dict, best: dict[int, dict]) -> list[dict]:
-    """Per batch size, its best k's runs: the long ones (phase ``long``) where it has them, else the
-    grid's and seeds'."""
-    long = [r for r in result["runs"] if r.get("phase") == "long"]
-    sizes = {r["gbs"] for r in long}
-    short = [
-        r
-        for r in grid_runs(result)
-        if r["gbs"] not in sizes and k_of(r) == best.get(r["gbs"], {}).get("best")
-    ]
-    return short + long
+    """Per batch size, its chosen k's runs on its horizon, at every seed that ran."""
+    return [r for gbs, v in best.items() for r in horizon(result, gbs) if k_of(r) == v["best"]]
 
 
 def reached(curve: Sequence[Sequence[float]], target: float) -> tuple[float, float, int] | None:
@@ -255,9 +287,9 @@ def analyse(result: dict) -> dict:
     """Every table of the module docstring, as numbers."""
     result = {**result, "runs": [{**r, "curve": distinct(r["curve"])} for r in result["runs"]]}
     plan = result["plan"]
-    best = best_k(result)
+    targets = choose_targets(seeded(result), plan["warmup_samples"])
+    best = best_k(result, targets)
     runs = fit_runs(result, best)
-    targets = choose_targets(runs, plan["warmup_samples"])
     seeds = sorted({r["seed"] for r in runs})
     table = []
     for target in targets:
@@ -271,7 +303,7 @@ def analyse(result: dict) -> dict:
         table.append(entry)
     return {
         "lr": {
-            gbs: {**v, "lr": {k: lr_of(plan, gbs, k) for k in v["scores"]}}
+            gbs: {**v, "lr": {k: lr_of(plan, gbs, k) for k in v["log_steps"]}}
             for gbs, v in best.items()
         },
         "targets": table,
@@ -282,14 +314,11 @@ def analyse(result: dict) -> dict:
 def _fewest_steps_k(result: dict, target: float) -> dict[int, int | None]:
     out: dict[int, int | None] = {}
     for gbs in result["plan"]["sizes"]:
-        steps = {}
-        for r in grid_runs(result):
-            if (
-                r["gbs"] == gbs
-                and r["seed"] == 1
-                and (hit := reached(r["curve"], target)) is not None
-            ):
-                steps[k_of(r)] = hit[0]
+        steps = {
+            k_of(r): hit[0]
+            for r in horizon(result, gbs)
+            if r["seed"] == 1 and (hit := reached(r["curve"], target)) is not None
+        }
         out[gbs] = min(steps, key=steps.__getitem__) if steps else None
     return out
 

@@ -119,19 +119,21 @@ def b_simple_table(analysis: dict) -> str:
 
 def lr_table(analysis: dict) -> str:
     lines = [
-        "| GBS | LR: mean validation loss after the LR warmup (seed 1) | best LR | interior | "
+        "| GBS | LR: steps to the targets, geometric mean (seed 1) | chosen LR | interior | "
+        "edge rule | mean validation loss after the LR warmup (the old criterion) | "
         "fewest-steps LR per target |",
-        "|" + "---|" * 5,
+        "|" + "---|" * 7,
     ]
     for gbs, v in analysis["lr"].items():
-        scores = ", ".join(
-            f"{_g(v['lr'][k])}: {_g(v['scores'][k], 4)}" for k in sorted(v["scores"], key=int)
-        )
+        ks = sorted(v["log_steps"], key=int)
+        steps = ", ".join(f"{_g(v['lr'][k])}: {_g(math.exp(v['log_steps'][k]))}" for k in ks)
+        loss = ", ".join(f"{_g(v['lr'][k])}: {_g(v['loss'][k], 4)}" for k in ks)
         fewest = [t["fewest_steps_k"].get(gbs) for t in analysis["targets"]]
         fewest_lr = ", ".join("-" if k is None else _g(v["lr"][k]) for k in fewest)
+        edge = "holds" if v["extends"] is None else f"add k = {v['extends']:+d}"
         lines.append(
-            f"| {gbs} | {scores} | {_g(v['lr'][v['best']])} | {'yes' if v['interior'] else 'no'} "
-            f"| {fewest_lr} |"
+            f"| {gbs} | {steps} | {_g(v['lr'][v['best']])} | {'yes' if v['interior'] else 'no'} "
+            f"| {edge} | {loss} | {fewest_lr} |"
         )
     return "\n".join(lines)
 

@@ -16,7 +16,13 @@ from benchmarks import critical_batch_report as report
 
 B_CRIT = 20.0
 SIZES = (4, 8, 16, 32, 64, 128)
-PLAN = {"sizes": list(SIZES), "warmup_samples": 512, "lr16": 2e-3, "lr_power": 0.35}
+PLAN = {
+    "sizes": list(SIZES),
+    "seeds": [1, 2, 3],
+    "warmup_samples": 512,
+    "lr16": 2e-3,
+    "lr_power": 0.35,
+}
 
 
 def loss_at(step: float, gbs: int, k: int, noise: float) -> float:
@@ -109,7 +115,8 @@ def test_a_size_that_ran_long_enters_the_fit_by_its_long_runs_only():
         {**run(128, 0, seed, 0.0), "name": f"gbs128-k+0-seed{seed}-long", "phase": "long"}
         for seed in (1, 2)
     ]
-    chosen = analysis.fit_runs(data, analysis.best_k(data))
+    targets = analysis.choose_targets(analysis.seeded(data), PLAN["warmup_samples"])
+    chosen = analysis.fit_runs(data, analysis.best_k(data, targets))
     assert sorted(r["name"] for r in chosen if r["gbs"] == 128) == [
         "gbs128-k+0-seed1-long",
         "gbs128-k+0-seed2-long",
@@ -184,3 +191,62 @@ def test_the_grid_extends_past_an_edge_best_until_it_is_interior():
     sweep.grid_run = grid_run
     assert sweep.grid() == {4: 2, 8: 0}
     assert ran == [(4, -1), (4, 0), (4, 1), (4, 2), (4, 3), (8, -1), (8, 0), (8, 1)]
+
+
+def test_the_lr_is_chosen_by_steps_to_the_targets_and_the_edge_rule_flags_a_near_edge():
+    """GBS 16's k = +1 follows k = 0 1 % later in steps until the lowest target, then falls to 1.9
+    (the old criterion, mean loss after the LR warmup, prefers it); the fitted quantity chooses
+    k = 0, and k = +1 lies within one seed-sd of it, so the edge rule adds k = +2."""
+    data = result()
+    for r in data["runs"]:
+        if r["gbs"] == 16 and k_of_name(r["name"]) == 1:
+            r["curve"] = [[s, e, late(s, 512)] for s, e, _ in r["curve"]]
+    out = analysis.analyse(data)
+    gbs16 = out["lr"][16]
+    assert min(gbs16["loss"], key=gbs16["loss"].__getitem__) == 1
+    assert gbs16["best"] == 0 and gbs16["extends"] == 2
+    assert all(v["extends"] is None for g, v in out["lr"].items() if g != 16)
+
+
+def late(step: float, steps: int) -> float:
+    """GBS 16 at k = 0 (no noise) 1 % later, then linear from 2.001 down to 1.9 at ``steps``."""
+    loss = loss_at(step / 1.01, 16, 0, 0.0)
+    turn = 1.01 * 45 * math.log(3 / 0.001)  # where it reaches 2.001
+    return loss if step <= turn else 2.001 - 0.101 * (step - turn) / (steps - turn)
+
+
+def k_of_name(name: str) -> int:
+    return analysis.k_of({"name": name})
+
+
+def test_the_edges_phase_adds_the_k_the_rule_names_then_seeds_the_chosen_k(monkeypatch):
+    pytest.importorskip("megatron.core")
+    from benchmarks import critical_batch
+
+    sweep = object.__new__(critical_batch.Sweep)
+    sweep.plan = critical_batch.Plan(
+        **{**critical_batch.FULL.__dict__, "sizes": SIZES, "seeds": (1, 2, 3), "long_sizes": ()}
+    )
+    runs = result()["runs"]
+    for r in runs:  # GBS 16: k = +1 within a seed-sd of k = 0, so the rule adds +2, which wins
+        if r["gbs"] == 16 and k_of_name(r["name"]) == 1:
+            r["curve"] = [[s, e, late(s, 512)] for s, e, _ in r["curve"]]
+    trained = []
+
+    def grid_run(gbs: int, k: int, seed: int, phase: str) -> dict:
+        name = f"gbs{gbs}-k{k:+d}-seed{seed}"
+        if (found := next((r for r in runs if r["name"] == name), None)) is not None:
+            return found
+        trained.append((name, phase))
+        made = run(gbs, 0, seed, -0.05, name, phase)  # the added k: faster than k = 0
+        runs.append(made)
+        return made
+
+    monkeypatch.setattr(sweep, "grid_run", grid_run)
+    monkeypatch.setattr(sweep, "runs", lambda: runs)
+    best = sweep.edges()
+    assert trained[0] == ("gbs16-k+2-seed1", "grid")
+    assert best[16] == 2 and trained[-2:] == [
+        ("gbs16-k+2-seed2", "seeds"),
+        ("gbs16-k+2-seed3", "seeds"),
+    ]
