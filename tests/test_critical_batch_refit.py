@@ -12,10 +12,12 @@ The second fitter, from the definitions in docs/critical-batch.md and
 benchmarks/critical_batch_analysis.py's docstring (the selection of runs and targets), by other
 means:
 
-* runs: per batch size the LR of the lowest mean validation loss after the LR warmup (seed 1's
-  grid), its runs at every seed; at the sizes that ran long (GBS 64, 128), their long runs. 18 runs.
-* targets: 4, evenly from 0.995 x the lowest loss any run has at its first evaluation after the LR
-  warmup down to the 4th lowest of the batch sizes' "loss every seed reaches".
+* horizon: per batch size its long runs where it ran long (GBS 64, 128), else its grid and seed
+  runs; the seeded runs: those at a k that ran at every seed of the plan.
+* targets: 4, evenly from 0.995 x the lowest loss any seeded run has at its first evaluation after
+  the LR warmup down to the 4th lowest of the batch sizes' "loss every seed reaches".
+* runs: per batch size the k with the fewest log steps, averaged over the targets any of its seed-1
+  runs reaches (a miss is infinite) and over the k's seeds; its runs at every seed.
 * S, E at a target: linear in the loss between the last evaluation above it and the first at or
   below it.
 * dominated: a batch size whose geometric-mean S and E are both >= another's (one strictly) is left
@@ -60,16 +62,53 @@ def curve_of(run: dict) -> np.ndarray:
     return rows[keep]
 
 
+def named(data: dict) -> list[dict]:
+    """The grid's, seeds' and long runs, each with its k."""
+    return [
+        {**r, "k": int(m.group(2))}
+        for r in data["runs"]
+        if (m := GRID_NAME.fullmatch(r["name"].removesuffix("-long")))
+    ]
+
+
+def horizons(data: dict) -> dict[int, list[dict]]:
+    """Per batch size its long runs where it has any, else its grid and seed runs."""
+    out: dict[int, list[dict]] = {}
+    for r in named(data):
+        out.setdefault(r["gbs"], []).append(r)
+    return {gbs: [r for r in runs if r["phase"] == "long"] or runs for gbs, runs in out.items()}
+
+
+def seeded_runs(data: dict) -> list[dict]:
+    """Every size's horizon runs at the k's that ran at every seed of the plan."""
+    seeds, out = set(data["plan"]["seeds"]), []
+    for runs in horizons(data).values():
+        full = {
+            k for k in {r["k"] for r in runs} if {r["seed"] for r in runs if r["k"] == k} >= seeds
+        }
+        out += [r for r in runs if r["k"] in full]
+    return out
+
+
 def fit_runs(data: dict) -> list[dict]:
-    warmup = data["plan"]["warmup_samples"]
-    grid = [r for r in data["runs"] if GRID_NAME.fullmatch(r["name"])]
-    long_sizes = {r["gbs"] for r in data["runs"] if r["phase"] == "long"}
-    chosen = [r for r in data["runs"] if r["phase"] == "long"]
-    for gbs in sorted({r["gbs"] for r in grid} - long_sizes):
-        ones = [r for r in grid if r["gbs"] == gbs and r["seed"] == 1]
-        scores = {r["lr"]: curve_of(r)[curve_of(r)[:, 1] >= warmup, 2].mean() for r in ones}
-        best = min(scores, key=scores.__getitem__)
-        chosen += [r for r in grid if r["gbs"] == gbs and r["lr"] == best]
+    """Per size the k with the fewest log steps, averaged over the targets any seed-1 run of the
+    size reaches (a miss is infinite) and the k's seeds; its runs."""
+    aims = targets_of(seeded_runs(data), data["plan"]["warmup_samples"])
+    chosen = []
+    for runs in horizons(data).values():
+        reachable = [t for t in aims if any(crossing(r, t) for r in runs if r["seed"] == 1)]
+        if not reachable:
+            continue
+        cost = {}
+        for k in {r["k"] for r in runs}:
+            logs = [
+                np.mean([math.log(h[0]) if (h := crossing(r, t)) else np.inf for t in reachable])
+                for r in runs
+                if r["k"] == k
+            ]
+            cost[k] = float(np.mean(logs))
+        best = min(cost, key=cost.__getitem__)
+        chosen += [r for r in runs if r["k"] == best]
     return chosen
 
 
@@ -167,7 +206,7 @@ def window_b_simple(run: dict, samples: float) -> float:
 def independent(data: dict, keep_dominated: bool = False) -> list[dict]:
     runs = fit_runs(data)
     out = []
-    for target in targets_of(runs, data["plan"]["warmup_samples"]):
+    for target in targets_of(seeded_runs(data), data["plan"]["warmup_samples"]):
         hits = {r["name"]: (r, crossing(r, target)) for r in runs}
         points = [(name, r["gbs"], h[0], h[1]) for name, (r, h) in hits.items() if h is not None]
         found = {"target": float(target), **refit(points, keep_dominated)}
