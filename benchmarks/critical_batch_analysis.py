@@ -10,8 +10,8 @@ committed JSON (critical_batch_report.py).
 * **The LR per batch size, by the fitted quantity**: the k whose runs on the horizon have the
   lowest log steps, averaged over the targets any of the size's seed-1 runs reaches (a target a
   run misses counts infinite) and over the seeds that ran at that k; the edge rule
-  (critical_batch_plan.extends) says where the grid would extend. Beside it the old criterion, the mean validation loss after the LR
-  warmup, and per target the k with the fewest steps.
+  (critical_batch_plan.extends) says where the grid would extend. Beside it the old criterion,
+  the mean validation loss after the LR warmup, and per target the k with the fewest steps.
 * **The fit** per target: the chosen k's runs on the horizon at every batch size and seed,
   ``fit_target`` (dominated batch sizes left out, the profile interval); per seed the same on that
   seed's runs (the seed spread).

@@ -15,7 +15,11 @@ so ``make docs-check`` holds them):
 * ``lr-grid``: per batch size, the mean validation loss after the LR warmup at each LR, the best,
   and per target the LR with the fewest steps;
 * ``warmup-test``: the adaptive warmup and its baselines: steps and samples to each target, the
-  final loss.
+  final loss;
+* ``local-critical-batch``: per branch point, the local B_crit per target from the branched runs
+  (critical_batch_local.py) against the trunk's B_simple there;
+* ``warmup-arms``: the three arms with a decay (critical_batch_arms.py): steps and samples to each
+  target, the final loss, and the paired differences with their 95 % t intervals.
 """
 
 from __future__ import annotations
@@ -25,13 +29,22 @@ import math
 import re
 from pathlib import Path
 
+from benchmarks import critical_batch_local as local
 from benchmarks.critical_batch_analysis import analyse, geometric, mean_sd
 from benchmarks.critical_batch_analysis import ratio as ratio_of
+from benchmarks.critical_batch_arms import ARMS, analyse_arms
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 _NAME = re.compile(r"critical-batch-(\d{4}-\d{2}-\d{2})\.json")
-BLOCKS = ("critical-batch", "b-simple", "lr-grid", "warmup-test")
+BLOCKS = (
+    "critical-batch",
+    "b-simple",
+    "lr-grid",
+    "warmup-test",
+    "local-critical-batch",
+    "warmup-arms",
+)
 
 
 def newest(directory: Path = RESULTS) -> dict | None:
@@ -167,6 +180,75 @@ def warmup_table(analysis: dict) -> str:
     return "\n".join(lines)
 
 
+def local_table(result: dict) -> str:
+    points = local.local(result)
+    if not points:
+        return "No branched runs in this result (`python benchmarks/critical_batch.py --phase branch`)."
+    lines = [
+        "| branch point (samples) | trunk's validation loss | seeds | GBS | target: local B_crit "
+        "[95% profile] | local B_crit (geometric mean) | trunk's B_simple (window) | B_simple / "
+        "local B_crit |",
+        "|" + "---|" * 8,
+    ]
+    for point in points:
+        fits = "; ".join(
+            f"{f['target']:.4g}: "
+            + (
+                f"{_g(f['b_crit'])} {_span(f.get('low'), f.get('high'))}"
+                if f.get("b_crit")
+                else f"not fittable ({f['reason']})"
+            )
+            for f in point["fits"]
+        )
+        sizes = ", ".join(map(str, point["sizes"]))
+        lines.append(
+            f"| {point['at']:,} | {point['loss']:.4g} | {len(point['seeds'])} | {sizes} | {fits} | "
+            f"{_g(local.summary(point))} | {_g(point['b_simple'])} | {_g(local.ratio(point))} |"
+        )
+    return "\n".join(lines)
+
+
+def _paired(found: dict | None, digits: int = 3) -> str:
+    if found is None:
+        return "-"
+    return f"{_g(found['mean'], digits)} [{_g(found['low'], digits)}, {_g(found['high'], digits)}]"
+
+
+def arms_table(result: dict) -> str:
+    out = analyse_arms(result)
+    if not out["arms"]:
+        return "No warmup arms in this result (`python benchmarks/critical_batch.py --phase arms`)."
+    aims = out["targets"]
+    head = " | ".join(f"steps to {t:.4g}" for t in aims)
+    lines = [
+        f"| arm | seeds | {head} | samples to {aims[-1]:.4g} | final validation loss | steps run |",
+        "|" + "---|" * (len(aims) + 5),
+    ]
+    for arm in ARMS:
+        rows = list(out["arms"].get(arm, {}).values())
+        if not rows:
+            continue
+        steps = [_stat([r["steps"][i] for r in rows]) for i in range(len(aims))]
+        lines.append(
+            f"| {arm} | {len(rows)} | "
+            + " | ".join(steps)
+            + f" | {_stat([r['samples'][-1] for r in rows])} | {_stat([r['final'] for r in rows], 4)}"
+            + f" | {_stat([r['steps_run'] for r in rows])} |"
+        )
+    lines += [
+        "",
+        f"| paired difference (mean [95% t]) | {head} | samples to {aims[-1]:.4g} | final "
+        "validation loss |",
+        "|" + "---|" * (len(aims) + 3),
+    ]
+    for pair, found in out["pairs"].items():
+        steps = " | ".join(_paired(p) for p in found["steps"])
+        lines.append(
+            f"| {pair} | {steps} | {_paired(found['samples'][-1])} | {_paired(found['final'], 2)} |"
+        )
+    return "\n".join(lines)
+
+
 def tables(directory: Path = RESULTS) -> dict[str, str]:
     """The tables by block name; a one-line placeholder each where no result is committed."""
     result = newest(directory)
@@ -184,4 +266,6 @@ def tables(directory: Path = RESULTS) -> dict[str, str]:
         "b-simple": b_simple_table(analysis),
         "lr-grid": lr_table(analysis),
         "warmup-test": warmup_table(analysis),
+        "local-critical-batch": local_table(result),
+        "warmup-arms": arms_table(result),
     }
