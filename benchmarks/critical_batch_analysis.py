@@ -19,10 +19,9 @@ committed JSON (critical_batch_report.py).
   evaluations around it against a quadratic through three (log S); **seed noise**: the sd of log S
   over the seeds of one batch size.
 * **B_simple at matched progress**: per fit run and target, science/core/noise_window.py's centred
-  window of
-WINDOW_SAMPLES on each side of the crossing (ratio of sums), and the EMA at the first row at or
-  after it; the EMA's **lag**: how many samples before the crossing the window's value last equalled
-  the EMA's reading at it.
+  window of WINDOW_SAMPLES on each side of the crossing (ratio of sums), and the EMA at the first row
+  at or after it; the EMA's **lag**: how many samples before the crossing the window's value last
+  equalled the EMA's reading at it; the ratio of sums' own **bias** (``window_bias``).
 * **The warmup against its baselines**: steps and samples to each target and the final validation
   loss, mean and sd over seeds.
 """
@@ -37,7 +36,7 @@ from collections.abc import Sequence
 from benchmarks.critical_batch_plan import extends
 from megatron_ga_ext.science.core.critical_batch import RunPoint
 from megatron_ga_ext.science.core.critical_batch_targets import fit_target
-from megatron_ga_ext.science.core.noise_window import window_b_simple
+from megatron_ga_ext.science.core.noise_window import step_parts, window_b_simple
 
 TARGETS = 4
 MIN_SIZES = 4
@@ -230,7 +229,34 @@ def b_simple(run: dict, target: float, gbs: int) -> dict | None:
             if value is not None and value <= ema:
                 lag = hit[1] - r["consumed_samples"]
                 break
-    return {"window": window, "rows": count, "ema": ema, "lag_samples": lag}
+    return {
+        "window": window,
+        "rows": count,
+        "ema": ema,
+        "lag_samples": lag,
+        "bias": window_bias(rows, hit[1], half),
+    }
+
+
+def window_bias(rows: Sequence[dict], at_samples: float, half: int) -> float | None:
+    """The ratio of sums' own bias at a window, E[X / Y] / (E X / E Y) to second order (the delta
+    method) from the window's rows: 1 + var(mean Y) / (mean Y)^2 - cov(mean X, mean Y) / (mean X
+    mean Y), X the per-sample tr(Sigma) and Y the |G|^2 of a row; None below 3 rows or where a mean
+    is not positive."""
+    marks = [i for i, r in enumerate(rows) if r["consumed_samples"] >= at_samples]
+    if not marks:
+        return None
+    centre = marks[0]
+    width = min(half, centre, len(rows) - 1 - centre)
+    parts = [step_parts(r) for r in rows[centre - width : centre + width + 1]]
+    if len(parts) < 3 or any(p is None for p in parts):
+        return None
+    xs, ys = zip(*parts)
+    mx, my, n = statistics.fmean(xs), statistics.fmean(ys), len(parts)
+    if mx <= 0 or my <= 0:
+        return None
+    cov = sum((x - mx) * (y - my) for x, y in parts) / (n - 1)
+    return 1 + statistics.variance(ys) / n / my**2 - cov / n / (mx * my)
 
 
 def distinct(curve: Sequence[Sequence[float]]) -> list[Sequence[float]]:

@@ -103,8 +103,9 @@ def b_simple_table(analysis: dict) -> str:
     lines = [
         "| target | B_simple, centred window: geometric mean [min, max] | B_simple, EMA: "
         "geometric mean | EMA / window (median over runs) | EMA lag (median, samples) | "
+        "window's ratio-of-sums bias (delta method, median) | "
         "B_simple (window, the fit's runs) / B_crit [~95%] |",
-        "|" + "---|" * 6,
+        "|" + "---|" * 7,
     ]
     for t in analysis["targets"]:
         rows = [v for v in t["b_simple"].values() if v is not None]
@@ -122,10 +123,12 @@ def b_simple_table(analysis: dict) -> str:
             if found is None
             else f"{_g(found['ratio'])} {_span(found['low'], found['high'])} ({found['runs']} runs)"
         )
+        biases = sorted(v["bias"] for v in rows if v.get("bias") is not None)
         lines.append(
             f"| {t['target']:.4g} | {_g(mean)} {spread} | {_g(geometric(ema))} | "
             f"{_g(ratios[len(ratios) // 2] if ratios else None)} | "
-            f"{_g(lags[len(lags) // 2] if lags else None)} | {ratio} |"
+            f"{_g(lags[len(lags) // 2] if lags else None)} | "
+            f"{_g(biases[len(biases) // 2] if biases else None)} | {ratio} |"
         )
     return "\n".join(lines)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import statistics
 
 import pytest
 
@@ -250,3 +251,25 @@ def test_the_edges_phase_adds_the_k_the_rule_names_then_seeds_the_chosen_k(monke
         ("gbs16-k+2-seed2", "seeds"),
         ("gbs16-k+2-seed3", "seeds"),
     ]
+
+
+def test_the_window_bias_is_the_ratio_of_sums_own_bias():
+    """Windows of 17 rows with |G|^2 ~ N(1, 0.4) and tr(Sigma) per sample ~ N(10, 2): the
+    delta method's factor (median over windows) matches the simulated E[sum X / sum Y] / 10 to
+    1 %, and it is above 1 (the ratio of sums reads high)."""
+    rng = random.Random(7)
+    factors, ratios = [], []
+    for _ in range(4000):
+        rows = [
+            {
+                "consumed_samples": 32 * i,
+                "grad_sq": rng.gauss(1, 0.4),
+                "trace_sigma": rng.gauss(10, 2) * 64,
+                "tokens_per_sample": 64.0,
+            }
+            for i in range(17)
+        ]
+        factors.append(analysis.window_bias(rows, 256, 8))
+        ratios.append(sum(r["trace_sigma"] / 64 for r in rows) / sum(r["grad_sq"] for r in rows))
+    simulated = statistics.fmean(ratios) / 10
+    assert simulated > 1.005 and statistics.median(factors) == pytest.approx(simulated, abs=0.01)

@@ -235,9 +235,10 @@ def megatron_log(run: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def package(tmp: Path, data: dict, targets: list[float], *extra: str) -> list[dict]:
+def package(tmp: Path, runs: list[dict], targets: list[float], *extra: str) -> list[dict]:
+    """``megatron-ga critical-batch`` on Megatron-LM logs of ``runs``, its --json targets."""
     paths = []
-    for r in fit_runs(data):
+    for r in runs:
         paths.append(tmp / f"{r['name']}.log")
         paths[-1].write_text(megatron_log(r))
     buffer = io.StringIO()
@@ -256,8 +257,8 @@ def both(tmp_path_factory) -> dict:
     ours_kept = independent(data, keep_dominated=True)
     targets = [t["target"] for t in ours]
     tmp = tmp_path_factory.mktemp("refit")
-    theirs = package(tmp, data, targets, "--interpolate", "--json")
-    kept = package(tmp, data, targets, "--interpolate", "--json", "--keep-dominated")
+    theirs = package(tmp, fit_runs(data), targets, "--interpolate", "--json")
+    kept = package(tmp, fit_runs(data), targets, "--interpolate", "--json", "--keep-dominated")
     return {"ours": ours, "theirs": theirs, "ours_kept": ours_kept, "kept": kept}
 
 

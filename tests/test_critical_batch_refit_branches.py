@@ -1,0 +1,123 @@
+"""The branched runs of the newest real-text sweep (issue 51, item 3) refitted by the second fitter
+of tests/test_critical_batch_refit.py (numpy/scipy; the branches read here from the JSON by other
+code than benchmarks/critical_batch_local.py), against ``megatron-ga critical-batch`` on Megatron-LM
+logs of the branches counted from their branch point, and against the docs' table
+(critical_batch_local): the local B_crit, its interval and the trunk's B_simple agree to 3 digits.
+
+The definitions (benchmarks/critical_batch_local.py's docstring): a branch from point ``a`` starts at
+the trunk's evaluation there; its steps and samples count from ``a``; the trunk after ``a`` is the
+GBS 8 branch; 3 targets evenly below the lowest starting loss of the seeds, the last the lowest loss
+every branch reaches; one fit per target on both seeds' branches.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from tests.test_critical_batch_refit import (
+    ROOT,
+    crossing,
+    curve_of,
+    package,
+    refit,
+    three_digits,
+    window_b_simple,
+)
+
+RESULTS = ROOT / "benchmarks" / "results"
+BRANCH = re.compile(r"branch(\d+)-gbs(\d+)-seed(\d+)")
+
+
+def newest() -> dict | None:
+    import json
+
+    found = sorted(RESULTS.glob("critical-batch-*.json"))
+    data = json.loads(found[-1].read_text()) if found else None
+    return data if data and any(BRANCH.fullmatch(r["name"]) for r in data["runs"]) else None
+
+
+def relative_runs(data: dict) -> dict[int, list[dict]]:
+    """Per branch point, every branch (the trunk's stretch for GBS 8) as a run whose curve counts
+    from the point and starts with the trunk's evaluation there."""
+    trunks = {
+        int(r["name"].rsplit("seed", 1)[1]): r
+        for r in data["runs"]
+        if r["name"].startswith("trunk-")
+    }
+    out: dict[int, list[dict]] = {}
+    for r in data["runs"]:
+        m = BRANCH.fullmatch(r["name"])
+        if m is None:
+            continue
+        at, gbs, seed = map(int, m.groups())
+        trunk = curve_of(trunks[seed])
+        origin = trunk[trunk[:, 1] == at][0]
+        own = curve_of(r)
+        for size, rows in (
+            (gbs, own),
+            (8, trunk[(trunk[:, 1] > at) & (trunk[:, 1] <= own[-1, 1])]),
+        ):
+            name = f"{at}-gbs{size}-seed{seed}"
+            if any(x["name"] == name for x in out.get(at, [])):
+                continue
+            curve = np.vstack([origin, rows]) - [origin[0], origin[1], 0.0]
+            out.setdefault(at, []).append(
+                {"name": name, "gbs": size, "seed": seed, "curve": curve.tolist(),
+                 "steps": int(curve[-1, 0]), "lr": r["lr"], "start": origin[2]}
+            )  # fmt: skip
+    return out
+
+
+def aims(runs: list[dict]) -> np.ndarray:
+    high = min(r["start"] for r in runs)
+    low = max(min(p[2] for p in r["curve"]) for r in runs)
+    return np.linspace(high, low, 4)[1:]
+
+
+@pytest.fixture(scope="module")
+def data() -> dict:
+    found = newest()
+    if found is None:
+        pytest.skip("no committed result with branched runs")
+    return found
+
+
+def test_the_local_fits_agree_with_the_package_and_the_docs_table(data, tmp_path):
+    from benchmarks.critical_batch_local import local
+
+    table = {p["at"]: p for p in local(data)}
+    points = relative_runs(data)
+    assert sorted(points) == sorted(table)
+    trunks = [r for r in data["runs"] if r["name"].startswith("trunk-")]
+    for at, runs in points.items():
+        simple = np.exp(np.mean([np.log(window_b_simple(t, at)) for t in trunks]))
+        assert three_digits(simple, table[at]["b_simple"])
+        targets = aims(runs)
+        theirs = package(tmp_path, runs, list(targets), "--interpolate", "--json")
+        for target, ours, cli, doc in zip(
+            targets, _fits(runs, targets), theirs, table[at]["fits"], strict=True
+        ):
+            assert three_digits(target, doc["target"])
+            assert (
+                cli["fittable"] is (ours["b_crit"] is not None) is (doc.get("b_crit") is not None)
+            )
+            if ours["b_crit"] is None:
+                continue
+            interval = cli["b_crit_interval"]
+            for a, b, c in [
+                (ours["b_crit"], cli["b_crit"], doc["b_crit"]),
+                (ours["interval"][0], interval["low"], doc["low"]),
+                (ours["interval"][1], interval["high"], doc["high"]),
+            ]:
+                assert three_digits(a, b) and three_digits(a, c), (at, target, a, b, c)
+
+
+def _fits(runs: list[dict], targets: np.ndarray) -> list[dict]:
+    out = []
+    for target in targets:
+        hits = [(r["name"], r["gbs"], crossing(r, target)) for r in runs]
+        out.append(refit([(n, g, *h) for n, g, h in hits if h is not None]))
+    return out
