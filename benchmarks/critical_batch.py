@@ -28,10 +28,19 @@ trace rows) once it finished: the sweep can be stopped and run again, and a run 
 finished. ``--collect`` writes every cached run into the result JSON
 (benchmarks/results/critical-batch-DATE.json) and benchmarks/critical_batch_analysis.py fits it.
 
+Issue 51 added four phases to the 2026-12-03 sweep, run in this order:
+
+4. ``large``: GBS 64 and 128 on the long horizon at LRs down to two below the old grid, judged by
+   log steps to a target, then seeds at the best (``Sweep.large``);
+5. ``edges``: the edge rule over every size by the analysis's criterion (the fitted quantity), and
+   seeds at each size's chosen k (``Sweep.edges``);
+6. ``branch`` and 7. ``arms``: critical_batch_phases.py's branched runs and warmup arms.
+
     nice -n 19 python benchmarks/critical_batch.py [--phase grid|seeds|warmup|all] [--warmup-trust
-    T] [--quick] python benchmarks/critical_batch.py --collect [--quick]
-    python benchmarks/critical_batch.py --plan      # issue 51's runs still to make, costed; trains nothing
-    nice -n 19 python benchmarks/critical_batch.py --phase large   # the first of them (Sweep.large)
+    T] [--quick]
+    nice -n 19 python benchmarks/critical_batch.py --phase large|edges|branch|arms
+    python benchmarks/critical_batch.py --collect [--quick]
+    python benchmarks/critical_batch.py --plan      # issue 51's runs, costed; trains nothing
 
 ``--quick`` (about a minute: three batch sizes, one LR, few samples) keeps the pipeline working; it
 measures nothing.
@@ -513,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--plan",
         action="store_true",
-        help="print issue 51's runs still to make and their cost; train nothing",
+        help="print the runs issue 51 added and their cost; train nothing",
     )
     args = parser.parse_args(argv)
     if args.plan:

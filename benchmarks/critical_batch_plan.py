@@ -1,16 +1,16 @@
-"""The runs issue 51 still needs (items 1, 3 and 4), planned from the committed sweep and costed,
-without training: ``python benchmarks/critical_batch.py --plan`` prints them. Pure Python. The
-benchmark's ``--phase large`` runs the first set; the arms are described on docs/critical-batch.md
-(*The runs still to make*).
+"""The runs issue 51 added (items 1, 3 and 4), planned from the 2026-12-03 sweep and costed, without
+training: ``python benchmarks/critical_batch.py --plan`` prints them. Pure Python. The benchmark's
+``--phase large``, ``edges``, ``branch`` and ``arms`` train them (critical_batch_phases.py).
 
 * ``large``: GBS 64 and 128 on the long horizon (LONG_SAMPLES, the horizon of the runs that enter
   the fit) at k = LARGE_GRID, so two LRs below the old grid's lowest (k = 0); seed 1, the k already
   run long skipped; then the best k at the further seeds (costed at one k per size). The edge rule,
   ``extends``: a best k within one seed-sd of the grid's edge, in the fitted quantity (log steps to
   a target), adds the k past that edge.
-* ``branch``: a constant GBS 8 trunk to the last branch point, branched at BRANCH_AT samples to each
-  of BRANCH_SIZES (LR scaled by sqrt(GBS / 8), the warmup's ``--ga-lr-scaling sqrt``) for
-  BRANCH_SAMPLES more, at BRANCH_SEEDS.
+* ``branch``: a constant GBS 8 trunk to BRANCH_SAMPLES past the last branch point, branched at
+  BRANCH_AT samples to each larger size of BRANCH_SIZES (LR scaled by sqrt(GBS / 8), the warmup's
+  ``--ga-lr-scaling sqrt``) for BRANCH_SAMPLES more, at BRANCH_SEEDS; the trunk after a point is its
+  GBS 8 branch.
 * ``arms``: constant GBS 8, ``--ga-batch-size-warmup auto`` (trust 1), and a fixed step schedule at
   the adaptive runs' median doubling points (read from their traces), at ARM_SEEDS seeds, each with
   a decay over the last DECAY_SHARE of the samples.
@@ -89,11 +89,10 @@ def plan(result: dict) -> list[dict]:
         r["lr"] for r in result["runs"] if r["name"] == f"constant-gbs{start}-seed1"
     )  # its best LR
     for seed in BRANCH_SEEDS:
-        runs.append(
-            _run(f"trunk-gbs{start}-seed{seed}", "branch", start, base, seed, max(BRANCH_AT))
-        )
+        end = max(BRANCH_AT) + BRANCH_SAMPLES
+        runs.append(_run(f"trunk-gbs{start}-seed{seed}", "branch", start, base, seed, end))
         for at in BRANCH_AT:
-            for gbs in BRANCH_SIZES:
+            for gbs in BRANCH_SIZES[1:]:  # the trunk after a point is its start-size branch
                 scaled = float(f"{base * math.sqrt(gbs / start):.4g}")
                 runs.append(
                     _run(
