@@ -107,7 +107,7 @@ def best_k(result: dict, targets: Sequence[float]) -> dict[int, dict]:
             "loss": {k: score(r, warmup) for k, r in ones.items()},
             "best": k,
             "interior": min(steps) < k < max(steps),
-            "extends": extends(by_seed) if all(map(math.isfinite, steps.values())) else None,
+            "extends": extends(by_seed) if math.isfinite(steps[k]) else None,
         }
     return out
 

@@ -128,11 +128,13 @@ def cpu_minutes(runs: Sequence[dict], rates: dict[int, float]) -> dict[str, floa
 
 
 def extends(log_steps: dict[int, list[float]]) -> int | None:
-    """The edge rule: per k, the log steps to a target over seeds; the k past an edge to add where
-    the mean at the grid's lowest (or highest) k is within one seed-sd (the median over k) of the
-    best (lowest) mean, else None."""
+    """The edge rule: per k, the log steps to a target over seeds (inf where a run misses it); the k
+    past an edge to add where the mean at the grid's lowest (or highest) k is within one seed-sd
+    (the median over the k's whose seeds all reach it) of the best (lowest) mean, else None."""
     means = {k: statistics.fmean(v) for k, v in log_steps.items()}
-    sds = [statistics.stdev(v) for v in log_steps.values() if len(v) > 1]
+    sds = [
+        statistics.stdev(v) for v in log_steps.values() if len(v) > 1 and all(map(math.isfinite, v))
+    ]
     sd = statistics.median(sds) if sds else 0.0
     best, low, high = min(means, key=means.__getitem__), min(means), max(means)
     if means[low] - means[best] <= sd:

@@ -54,6 +54,8 @@ def test_the_edge_rule_extends_past_an_edge_within_one_seed_sd():
     assert critical_batch_plan.extends(near) == -2
     clear = {-1: [5.50, 5.52], 0: [5.00, 5.02], 1: [5.60, 5.62]}
     assert critical_batch_plan.extends(clear) is None
+    missed = {-1: [5.00, 5.02], 0: [math.inf, 5.3], 1: [math.inf]}  # a miss is worse, not noise
+    assert critical_batch_plan.extends(missed) == -2
 
 
 def test_plan_prints_without_training(capsys, monkeypatch):
