@@ -86,7 +86,8 @@ def branches(sweep, lr: float, seq_length: int) -> None:
                     "branch",
                     ("--step-batch-size-schedule", stages, "--ga-lr-scaling", "sqrt",
                      "--micro-batch-size", str(MICRO_BATCH), "--ckpt-format", "torch",
-                     "--load", str(checkpoints), "--ckpt-step", str(at // START)),
+                     "--load", str(checkpoints), "--ckpt-step", str(at // START),
+                     "--lr-decay-samples", str(end)),  # the trunk's: Megatron checks it on load
                     samples=at + BRANCH_SAMPLES,
                     interval=EVAL_SAMPLES // gbs,
                 )  # fmt: skip
