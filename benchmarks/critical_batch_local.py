@@ -6,7 +6,8 @@ hyperbola. Pure Python.
   (loss L0, the same weights); its S and E are its steps and samples since ``a``. The trunk itself
   after ``a`` is the start size's branch.
 * **Targets** per point: LOCAL_TARGETS losses evenly spaced below the lowest L0 of the seeds, the
-  last the lowest loss every branch of the point (every seed) reaches.
+  last the lowest loss that the branches of MIN_SIZES sizes all reach (every seed), as the sweep's
+  targets: a size whose branches never fall below L0 (an LR past stable) does not hold them up.
 * **The fit** per point and target: ``fit_target`` on every seed's branches together (dominated
   sizes left out, the profile interval).
 * **B_simple** at the point: the trunk's centred window (WINDOW_SAMPLES each side, ratio of sums)
@@ -15,9 +16,16 @@ hyperbola. Pure Python.
 
 from __future__ import annotations
 
+import math
 import re
 
-from benchmarks.critical_batch_analysis import WINDOW_SAMPLES, distinct, geometric, reached
+from benchmarks.critical_batch_analysis import (
+    MIN_SIZES,
+    WINDOW_SAMPLES,
+    distinct,
+    geometric,
+    reached,
+)
 from megatron_ga_ext.science.core.critical_batch import RunPoint
 from megatron_ga_ext.science.core.critical_batch_targets import fit_target
 from megatron_ga_ext.science.core.noise_window import window_b_simple
@@ -59,8 +67,13 @@ def local(result: dict) -> list[dict]:
     out = []
     for at, seeds in sorted(branches(result).items()):
         high = min(curves[min(curves)][0][2] for curves in seeds.values())
-        low = max(min(p[2] for p in c) for curves in seeds.values() for c in curves.values())
+        reach: dict[int, float] = {}  # per size, the lowest loss every seed's branch reaches
+        for curves in seeds.values():
+            for gbs, curve in curves.items():
+                reach[gbs] = max(reach.get(gbs, -math.inf), min(p[2] for p in curve))
+        low = sorted(reach.values())[min(MIN_SIZES, len(reach)) - 1]
         targets = [high - (high - low) * j / LOCAL_TARGETS for j in range(1, LOCAL_TARGETS + 1)]
+        targets = [t for t in targets if t < high]
         fits = []
         for target in targets:
             points = [

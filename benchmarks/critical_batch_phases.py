@@ -5,7 +5,8 @@ trained by benchmarks/critical_batch.py's ``Sweep`` into its cache: ``--phase br
 * ``branch`` (Merrill et al.'s local critical batch): per seed of BRANCH_SEEDS a constant GBS 8
   trunk to max(BRANCH_AT) + BRANCH_SAMPLES samples, saved every BRANCH_SAVE_EVERY samples; from
   each BRANCH_AT point a branch to each larger size of BRANCH_SIZES for BRANCH_SAMPLES more, loaded
-  from the trunk's checkpoint there (``--ckpt-step``) with the warmup's own mechanism: a
+  from the trunk's checkpoint there (``--ckpt-step``, the trunk's optimizer and LR schedule) with the
+  warmup's own mechanism: a
   ``--step-batch-size-schedule`` that switches 8 -> GBS at the branch point and ``--ga-lr-scaling
   sqrt``. The trunk after a branch point is that point's GBS 8 branch. Every run evaluates every
   EVAL_SAMPLES samples.
@@ -87,9 +88,10 @@ def branches(sweep, lr: float, seq_length: int) -> None:
                     ("--step-batch-size-schedule", stages, "--ga-lr-scaling", "sqrt",
                      "--micro-batch-size", str(MICRO_BATCH), "--ckpt-format", "torch",
                      "--load", str(checkpoints), "--ckpt-step", str(at // START),
-                     "--lr-decay-samples", str(end)),  # the trunk's: Megatron checks it on load
+                     # the trunk's LR schedule (Megatron checks its sample counts on load)
+                     "--use-checkpoint-opt_param-scheduler"),
                     samples=at + BRANCH_SAMPLES,
-                    interval=EVAL_SAMPLES // gbs,
+                    interval=max(1, EVAL_SAMPLES // gbs),
                 )  # fmt: skip
 
 

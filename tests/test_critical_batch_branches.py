@@ -122,7 +122,7 @@ def test_the_branches_load_the_trunk_at_the_point_and_switch_by_schedule(tmp_pat
     assert flag(branch, "--ckpt-step") == "256" and flag(branch, "--load") == flag(trunk, "--save")
     assert flag(branch, "--ga-lr-scaling") == "sqrt" and branch.lr == 0.003138  # x sqrt(32 / 8)
     assert branch.samples == 2048 + BRANCH_SAMPLES and branch.interval == 4
-    assert flag(branch, "--lr-decay-samples") == str(trunk.samples)  # as the checkpoint has it
+    assert "--use-checkpoint-opt_param-scheduler" in branch.extra  # the trunk's LR schedule
     assert len(sweep.calls) == 2 * (1 + len(BRANCH_AT) * (len(BRANCH_SIZES) - 1))
 
 

@@ -22,7 +22,7 @@ def test_the_plan_has_the_three_arms_and_their_cost():
     result = json.loads(RESULT.read_text())
     runs = critical_batch_plan.plan(result)
     by_arm = {arm: [r for r in runs if r["arm"] == arm] for arm in ("large", "branch", "arms")}
-    assert {arm: len(v) for arm, v in by_arm.items()} == {"large": 12, "branch": 20, "arms": 30}
+    assert {arm: len(v) for arm, v in by_arm.items()} == {"large": 12, "branch": 32, "arms": 30}
     old_lowest = {
         64: 0.003249,
         128: 0.004141,
@@ -62,7 +62,7 @@ def test_plan_prints_without_training(capsys, monkeypatch):
     monkeypatch.setattr(critical_batch, "launch", None)  # a training launch would fail
     assert critical_batch.main(["--plan"]) == 0
     out = capsys.readouterr().out
-    assert "62 runs, about" in out and "CPU-minutes" in out and "0:8 2304:16 4320:32" in out
+    assert "74 runs, about" in out and "CPU-minutes" in out and "0:8 2304:16 4320:32" in out
 
 
 def test_the_large_phase_judges_lrs_by_steps_to_the_target_and_runs_the_plan(tmp_path, monkeypatch):

@@ -142,12 +142,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "--trust",
         metavar="F",
         help="multiply the measured B_simple by F before comparing (default 1: the estimate as "
-        "it is; on the "
-        "real-text sweep of docs/noise-scale.md B_simple ran 1.5-2.9x above the measured "
-        "critical batch, "
-        "B_crit / B_simple 0.50: the 12 runs of the fit, GBS 4-32; a 129k-parameter byte-level "
-        "GPT at up to 4 "
-        "tokens per parameter, targets 2.79-2.52 nats/byte around a byte-bigram model's 2.64)",
+        "it is; on the real-text sweep of docs/noise-scale.md B_simple ran 1.8-2.5x above the "
+        "measured critical batch, B_crit / B_simple 0.48: the 18 runs of the fit, GBS 4-128; a "
+        "129k-parameter byte-level GPT at 4-12 tokens per parameter, targets 2.93-2.52 "
+        "nats/byte around a byte-bigram model's 2.64)",
     )
     suggest.add_argument(
         "--lr-warmup-samples", metavar="N", help="no change before N consumed samples"
