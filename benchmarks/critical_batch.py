@@ -33,7 +33,8 @@ Issue 51 added four phases to the 2026-12-03 sweep, run in this order:
 4. ``large``: GBS 64 and 128 on the long horizon at LRs down to two below the old grid, judged by
    log steps to a target, then seeds at the best (``Sweep.large``);
 5. ``edges``: the edge rule over every size by the analysis's criterion (the fitted quantity), and
-   seeds at each size's chosen k (``Sweep.edges``);
+   seeds at each size's chosen k (``Sweep.edges``; ``seeds`` and ``all`` end with it, so a new
+   sweep's LRs are chosen by the fitted quantity, the grid's mean loss only seeding them);
 6. ``branch`` and 7. ``arms``: critical_batch_phases.py's branched runs and warmup arms.
 
     nice -n 19 python benchmarks/critical_batch.py [--phase grid|seeds|warmup|all] [--warmup-trust
@@ -484,7 +485,7 @@ def hand_schedule(start: int, end: int, samples: int, seq_length: int = SEQ_LENG
     samples x ``--seq-length``)."""
     sizes = [start * 2**i for i in range(int(math.log2(end // start)) + 1)]
     share = samples // 2 // len(sizes)
-    return " ".join(f"{i * share * seq_length}:{gbs}" for i, gbs in enumerate(sizes))
+    return phases.schedule([(i * share, gbs) for i, gbs in enumerate(sizes)], seq_length)
 
 
 def _log_steps(records: list[dict], target: float) -> list[float]:
@@ -558,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"best_k": best}), flush=True)
     if args.phase in ("seeds", "all"):
         sweep.seeds(best)
+        print(json.dumps({"best_k": sweep.edges()}), flush=True)  # by the fitted quantity
     if args.phase in ("warmup", "all"):
         trust = args.warmup_trust or sweep.measured_trust()
         print(json.dumps({"warmup_trust": trust}), flush=True)
