@@ -13,8 +13,10 @@
 #   make test-O                     the fast suite (nothing that imports megatron-core) under python -O
 #   make lint                       ruff over the tree, mypy over every layer but testing/ (pyproject.toml; CI)
 #   make corpus                     the real-text corpus (benchmarks/corpus.py): .cache/corpus, built once
-#   make critical-batch             the critical-batch benchmark (benchmarks/critical_batch.py, 1.5-2 h, resumable):
-#                                   the JSON in benchmarks/results; then make docs
+#   make critical-batch             the critical-batch benchmark (benchmarks/critical_batch.py, 1.5-2 h, resumable);
+#                                   issue 51's runs: CRITICAL_BATCH_ARGS="--phase large" (then edges, branch, arms;
+#                                   45 min); then CRITICAL_BATCH_ARGS=--collect for the JSON in benchmarks/results,
+#                                   and make docs
 #   make critical-batch-quick       its pipeline in about a minute, measuring nothing (CI runs it)
 #   make test-bridge                Megatron-Bridge 0.6.2's own pretrain() end to end (tests/bridge; CI runs it):
 #                                   .venv-bridge holds Bridge's pins over the primary leg's venv (docs/bridge.md)
