@@ -1,6 +1,6 @@
-"""What ``megatron-ga verify`` launches: one launch of gloo (or NCCL) ranks per world size, every
-layout of that size on each rank, then the auxiliary losses' coefficients (aux.py) of that size;
-with ``--fuzz``, the draws (fuzz.py), a few per launch."""
+"""What ``megatron-ga verify`` launches: per world size one launch of gloo (or NCCL) ranks, every
+layout of that size on each rank, then one for the auxiliary losses' coefficients (aux.py) of that
+size; with ``--fuzz``, the draws (fuzz.py), a few per launch."""
 
 from __future__ import annotations
 
@@ -25,27 +25,29 @@ def launch_all(
     aux_layouts: Sequence[Layout] = AUX_LAYOUTS,
     upstream: bool = False,
 ) -> tuple[dict[int, list[list[LayoutResult]]], list[AuxCoefficient]]:
-    """({world size: per-rank lists of LayoutResult}, rank 0's auxiliary coefficients), one launch
-    per world size; each of ``aux_layouts`` rides on the launch of its world size (one is made for
-    it if no layout has it). ``upstream``: megatron-core alone (VerifyConfig.upstream)."""
+    """({world size: per-rank lists of LayoutResult}, rank 0's auxiliary coefficients): per world
+    size one launch of its layouts, then one of its ``aux_layouts``. Each layout builds megatron's
+    process groups anew and gloo keeps every group's threads (some 60 a layout): riding on the
+    layouts' launch, the coefficients ran at some 1,500 threads a rank, 4 ranks on 2 cores spent
+    most of their time in the kernel, and the launch took 150 s to over 900 s. ``upstream``:
+    megatron-core alone (VerifyConfig.upstream)."""
     by_world, aux_by_world = _by_world(layouts), _by_world(aux_layouts)
     launch = LaunchConfig(backend="gloo" if device == "cpu" else "nccl", timeout_s=timeout_s)
     results, coefficients = {}, []
     for world_size in sorted(by_world.keys() | aux_by_world.keys()):
-        names = ", ".join(lay.name for lay in by_world[world_size])
-        print(f"launching {world_size} rank(s): {names}", file=sys.stderr, flush=True)
-        cfg = VerifyConfig(
-            layouts=tuple(by_world[world_size]),
-            lengths=DEFAULT_LENGTHS,
-            device=device,
-            upstream=upstream,
-        )
-        per_rank = run_on_ranks(
-            _rank_work, world_size, (cfg, tuple(aux_by_world[world_size])), launch
-        )
-        if by_world[world_size]:
-            results[world_size] = [layouts_done for layouts_done, _ in per_rank]
-        coefficients += per_rank[0][1]
+        for of_world, aux in ((by_world[world_size], ()), ((), aux_by_world[world_size])):
+            if not of_world and not aux:
+                continue
+            names = ", ".join(lay.name for lay in of_world or aux)
+            what = names if of_world else f"the auxiliary coefficients of {names}"
+            print(f"launching {world_size} rank(s): {what}", file=sys.stderr, flush=True)
+            cfg = VerifyConfig(
+                layouts=tuple(of_world), lengths=DEFAULT_LENGTHS, device=device, upstream=upstream
+            )
+            per_rank = run_on_ranks(_rank_work, world_size, (cfg, tuple(aux)), launch)
+            if of_world:
+                results[world_size] = [layouts_done for layouts_done, _ in per_rank]
+            coefficients += per_rank[0][1]
     return results, coefficients
 
 
