@@ -344,8 +344,7 @@ class Sweep:
                 self.grid_run(gbs, best[gbs], seed, "seeds")
         for gbs in self.plan.long_sizes:
             for seed in self.plan.seeds:
-                name = f"gbs{gbs}-k{best[gbs]:+d}-seed{seed}-long"
-                self.train(name, gbs, self.plan.lr(gbs, best[gbs]), seed, "long", long=True)
+                self.long_run(gbs, best[gbs], seed)
 
     def warmup(self, best: dict[int, int], trust: float) -> None:
         """Phase 3: the adaptive warmup at trust 1 and ``trust`` against constant batches at its
@@ -389,10 +388,7 @@ class Sweep:
         for gbs in LARGE_SIZES:
 
             def run(k: int, seed: int, gbs: int = gbs) -> dict:
-                name = f"gbs{gbs}-k{k:+d}-seed{seed}-long"
-                return done.get(name) or self.train(
-                    name, gbs, self.plan.lr(gbs, k), seed, "long", long=True
-                )
+                return done.get(long_name(gbs, k, seed)) or self.long_run(gbs, k, seed)
 
             old = next(
                 int(m[1])
@@ -418,13 +414,15 @@ class Sweep:
         cached runs): where it adds a k, that k at seed 1 on the size's horizon, up to
         ``plan.extend`` times; then each size's chosen k at the seeds it lacks. The chosen k per
         size."""
+        analysis = self.analysis()
         for _ in range(self.plan.extend):
-            added = {g: v["extends"] for g, v in self.analysis()["lr"].items() if v["extends"]}
-            for gbs, k in added.items():
-                self.grid_or_long(gbs, k, 1)
+            added = {g: v["extends"] for g, v in analysis["lr"].items() if v["extends"]}
             if not added:
                 break
-        best = {gbs: v["best"] for gbs, v in self.analysis()["lr"].items()}
+            for gbs, k in added.items():
+                self.grid_or_long(gbs, k, 1)
+            analysis = self.analysis()
+        best = {gbs: v["best"] for gbs, v in analysis["lr"].items()}
         for gbs, k in best.items():
             for seed in self.plan.seeds:
                 self.grid_or_long(gbs, k, seed)
@@ -433,8 +431,13 @@ class Sweep:
     def grid_or_long(self, gbs: int, k: int, seed: int) -> dict:
         if gbs not in self.plan.long_sizes:
             return self.grid_run(gbs, k, seed, "grid" if seed == 1 else "seeds")
-        name = f"gbs{gbs}-k{k:+d}-seed{seed}-long"
-        return self.train(name, gbs, self.plan.lr(gbs, k), seed, "long", long=True)
+        return self.long_run(gbs, k, seed)
+
+    def long_run(self, gbs: int, k: int, seed: int) -> dict:
+        """A run of ``plan.long_samples`` at LR k."""
+        return self.train(
+            long_name(gbs, k, seed), gbs, self.plan.lr(gbs, k), seed, "long", long=True
+        )
 
     def runs(self) -> list[dict]:
         return [
@@ -464,6 +467,10 @@ class Sweep:
         path = directory / f"critical-batch-{result['date']}.json"
         path.write_text(json.dumps(result, separators=(",", ":")) + "\n")
         return path
+
+
+def long_name(gbs: int, k: int, seed: int) -> str:
+    return f"gbs{gbs}-k{k:+d}-seed{seed}-long"
 
 
 def auto_flags(end: int, trust: float) -> tuple[str, ...]:
@@ -534,17 +541,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.collect:
         print(sweep.collect())
         return 0
-    if args.phase == "edges":
-        print(json.dumps({"best_k": sweep.edges()}), flush=True)
-        print(f"done in {time.monotonic() - start:.0f} s; the runs are in {sweep.out}", flush=True)
-        return 0
-    if args.phase == "large":
-        # Not collected: the analysis's fit_runs takes every long run of a size, and would mix
-        # these k with the best one until it chooses among them.
-        print(json.dumps({"best_k": sweep.large()}), flush=True)
-        print(f"done in {time.monotonic() - start:.0f} s; the runs are in {sweep.out}", flush=True)
-        return 0
-    if args.phase in ("branch", "arms"):
+    if args.phase in ("large", "edges"):  # then --collect
+        best = sweep.large() if args.phase == "large" else sweep.edges()
+        print(json.dumps({"best_k": best}), flush=True)
+    elif args.phase in ("branch", "arms"):
         base = next(  # the start size's best LR in the committed sweep
             r["lr"] for r in json.loads(PLAN_FROM.read_text())["runs"]
             if r["name"] == f"constant-gbs{phases.START}-seed1"
@@ -553,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
             phases.branches(sweep, base, SEQ_LENGTH)
         else:
             phases.arms(sweep, base, sweep.plan.samples, SEQ_LENGTH, sweep.plan.warmup_eval_steps)
+    if args.phase in ("large", "edges", "branch", "arms"):
         print(f"done in {time.monotonic() - start:.0f} s; the runs are in {sweep.out}", flush=True)
         return 0
     best = sweep.grid()
