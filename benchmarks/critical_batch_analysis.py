@@ -36,7 +36,11 @@ from collections.abc import Sequence
 from benchmarks.critical_batch_plan import extends
 from megatron_ga_ext.science.core.critical_batch import RunPoint
 from megatron_ga_ext.science.core.critical_batch_targets import fit_target
-from megatron_ga_ext.science.core.noise_window import step_parts, window_b_simple
+from megatron_ga_ext.science.core.noise_window import (
+    centred_window,
+    step_parts,
+    window_b_simple,
+)
 
 TARGETS = 4
 MIN_SIZES = 4
@@ -215,10 +219,7 @@ def b_simple(run: dict, target: float, gbs: int) -> dict | None:
     rows = run["trace"]
     if hit is None or not rows:
         return None
-    every = max(
-        1, (rows[1]["consumed_samples"] - rows[0]["consumed_samples"]) if len(rows) > 1 else gbs
-    )
-    half = max(1, WINDOW_SAMPLES // every)
+    half = window_half(rows, gbs)
     window, count = window_b_simple(rows, hit[1], half)
     after = [r for r in rows if r["consumed_samples"] >= hit[1]]
     ema = after[0]["b_simple_samples"] if after else None
@@ -238,17 +239,19 @@ def b_simple(run: dict, target: float, gbs: int) -> dict | None:
     }
 
 
+def window_half(rows: Sequence[dict], gbs: int) -> int:
+    """The rows on each side of a window of WINDOW_SAMPLES samples, at the trace's interval (``gbs``
+    where it has one row)."""
+    every = rows[1]["consumed_samples"] - rows[0]["consumed_samples"] if len(rows) > 1 else gbs
+    return max(1, WINDOW_SAMPLES // max(1, every))
+
+
 def window_bias(rows: Sequence[dict], at_samples: float, half: int) -> float | None:
     """The ratio of sums' own bias at a window, E[X / Y] / (E X / E Y) to second order (the delta
     method) from the window's rows: 1 + var(mean Y) / (mean Y)^2 - cov(mean X, mean Y) / (mean X
     mean Y), X the per-sample tr(Sigma) and Y the |G|^2 of a row; None below 3 rows or where a mean
     is not positive."""
-    marks = [i for i, r in enumerate(rows) if r["consumed_samples"] >= at_samples]
-    if not marks:
-        return None
-    centre = marks[0]
-    width = min(half, centre, len(rows) - 1 - centre)
-    parts = [step_parts(r) for r in rows[centre - width : centre + width + 1]]
+    parts = [step_parts(r) for r in centred_window(rows, at_samples, half)]
     if len(parts) < 3 or any(p is None for p in parts):
         return None
     xs, ys = zip(*parts)

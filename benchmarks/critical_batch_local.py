@@ -21,10 +21,10 @@ import re
 
 from benchmarks.critical_batch_analysis import (
     MIN_SIZES,
-    WINDOW_SAMPLES,
     distinct,
     geometric,
     reached,
+    window_half,
 )
 from megatron_ga_ext.science.core.critical_batch import RunPoint
 from megatron_ga_ext.science.core.critical_batch_targets import fit_target
@@ -37,9 +37,7 @@ _BRANCH = re.compile(r"branch(\d+)-gbs(\d+)-seed(\d+)")
 
 def branches(result: dict) -> dict[int, dict[int, dict[int, list]]]:
     """{point: {seed: {GBS: curve since the point, (steps, samples, loss), from (0, 0, L0)}}}."""
-    trunks = {
-        int(m[2]): (int(m[1]), r) for r in result["runs"] if (m := _TRUNK.fullmatch(r["name"]))
-    }
+    trunks = _trunks(result)
     out: dict[int, dict[int, dict[int, list]]] = {}
     for r in result["runs"]:
         if (m := _BRANCH.fullmatch(r["name"])) is None or int(m[3]) not in trunks:
@@ -63,7 +61,7 @@ def _since(origin, curve) -> list[list[float]]:
 
 def local(result: dict) -> list[dict]:
     """Per branch point: its targets' fits and the trunk's B_simple there (module docstring)."""
-    trunks = {int(m[2]): r for r in result["runs"] if (m := _TRUNK.fullmatch(r["name"]))}
+    trunks = _trunks(result)
     out = []
     for at, seeds in sorted(branches(result).items()):
         high = min(curves[min(curves)][0][2] for curves in seeds.values())
@@ -92,8 +90,9 @@ def local(result: dict) -> list[dict]:
             fits.append(entry)
         simple = {}
         for seed in seeds:
-            rows, half = trunks[seed]["trace"], _half(trunks[seed]["trace"])
-            simple[seed] = window_b_simple(rows, at, half)[0]
+            start, trunk = trunks[seed]
+            half = window_half(trunk["trace"], start)
+            simple[seed] = window_b_simple(trunk["trace"], at, half)[0]
         out.append(
             {
                 "at": at,
@@ -108,9 +107,10 @@ def local(result: dict) -> list[dict]:
     return out
 
 
-def _half(rows: list[dict]) -> int:
-    every = rows[1]["consumed_samples"] - rows[0]["consumed_samples"] if len(rows) > 1 else 1
-    return max(1, WINDOW_SAMPLES // max(1, every))
+def _trunks(result: dict) -> dict[int, tuple[int, dict]]:
+    """{seed: (its start GBS, the trunk's run)}."""
+    runs = result["runs"]
+    return {int(m[2]): (int(m[1]), r) for r in runs if (m := _TRUNK.fullmatch(r["name"]))}
 
 
 def summary(point: dict) -> float | None:

@@ -31,7 +31,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["median_b_simple", "step_parts", "window_b_simple"]
+__all__ = ["centred_window", "median_b_simple", "step_parts", "window_b_simple"]
 
 
 def step_parts(row: Mapping[str, Any]) -> tuple[float, float] | None:
@@ -46,22 +46,31 @@ def step_parts(row: Mapping[str, Any]) -> tuple[float, float] | None:
     return sigma / tokens, grad_sq
 
 
-def window_b_simple(
+def centred_window(
     rows: Sequence[Mapping[str, Any]], at_samples: float, half: int
-) -> tuple[float | None, int]:
-    """(B_simple in samples from the centred window's sums, rows in the window) around the first row
-    whose ``consumed_samples`` is at or after ``at_samples`` (module docstring); (None, 0) where no
-    row is."""
+) -> Sequence[Mapping[str, Any]]:
+    """The rows centred on the first row whose ``consumed_samples`` is at or after ``at_samples``,
+    ``half`` on each side (fewer, equal on both sides, at the trace's ends); none where no row is."""
     marks = [
         i
         for i, r in enumerate(rows)
         if r.get("consumed_samples") is not None and r["consumed_samples"] >= at_samples
     ]
     if not marks:
-        return None, 0
+        return []
     centre = marks[0]
     width = min(half, centre, len(rows) - 1 - centre)
-    parts = [step_parts(r) for r in rows[centre - width : centre + width + 1]]
+    return rows[centre - width : centre + width + 1]
+
+
+def window_b_simple(
+    rows: Sequence[Mapping[str, Any]], at_samples: float, half: int
+) -> tuple[float | None, int]:
+    """(B_simple in samples from the sums of :func:`centred_window`, rows in the window) (module
+    docstring); (None, 0) where no row is."""
+    parts = [step_parts(r) for r in centred_window(rows, at_samples, half)]
+    if not parts:
+        return None, 0
     if any(p is None for p in parts):
         return None, len(parts)
     sigma = sum(p[0] for p in parts if p is not None)
