@@ -88,8 +88,8 @@ def plan(result: dict) -> list[dict]:
     base = next(
         r["lr"] for r in result["runs"] if r["name"] == f"constant-gbs{start}-seed1"
     )  # its best LR
+    end = max(BRANCH_AT) + BRANCH_SAMPLES
     for seed in BRANCH_SEEDS:
-        end = max(BRANCH_AT) + BRANCH_SAMPLES
         runs.append(_run(f"trunk-gbs{start}-seed{seed}", "branch", start, base, seed, end))
         for at in BRANCH_AT:
             for gbs in BRANCH_SIZES[1:]:  # the trunk after a point is its start-size branch
