@@ -117,3 +117,27 @@ def _fits(runs: list[dict], targets: np.ndarray) -> list[dict]:
         hits = [(r["name"], r["gbs"], crossing(r, target)) for r in runs]
         out.append(refit([(n, g, *h) for n, g, h in hits if h is not None]))
     return out
+
+
+def test_the_numbers_docs_critical_batch_quotes(data):
+    """docs/critical-batch.md's branch table (second fitter): 21.5 and 75.4 at 1,024 samples, 17.7
+    and 56.0 at 2,048, 57.3 at 4,096, the other targets not fittable; GBS 256 at the sqrt rule's LR
+    ends above the branch point's loss in 5 of 6 branches and reaches no target, GBS 128 at most the
+    second."""
+    fitted, above, deepest = {}, 0, {}
+    for at, runs in sorted(relative_runs(data).items()):
+        targets = aims(runs)
+        fitted[at] = [f"{f['b_crit']:.3g}" if f["b_crit"] else None for f in _fits(runs, targets)]
+        for r in runs:
+            hits = [t for t in targets if crossing(r, t) is not None]
+            if r["gbs"] == 256:
+                above += r["curve"][-1][2] > r["start"]
+                assert not hits, (at, r["name"])
+            if r["gbs"] == 128:
+                deepest[at] = max(deepest.get(at, 0), len(hits))
+    assert fitted == {
+        1024: ["21.5", "75.4", None],
+        2048: ["17.7", "56", None],
+        4096: ["57.3", None, None],
+    }
+    assert above == 5 and max(deepest.values()) == 2
